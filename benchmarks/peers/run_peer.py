@@ -1,0 +1,335 @@
+"""Run a peer library's merge (mergekit or fusion-bench) on local checkpoints.
+
+Each peer runs in its own venv (see ``setup_envs.py``) as a child process,
+offline (``HF_HUB_OFFLINE=1``); its wall time and peak RSS are measured with
+``os.wait4`` on that child.  Inputs are folders written by
+``save_pretrained`` (e.g. ``transformers.CLIPVisionModel``); the output folder
+gets ``model.safetensors`` + ``config.json``.
+
+Conventions (verified, see ``benchmarks/peers/README.md``):
+
+* mergekit ``ties``: per-tensor exact top-k with k = max(1, floor(density*n)),
+  sign elected on *weighted* trimmed deltas (zero -> +1), disjoint weighted
+  mean (``normalize: true``), then ``base + lambda * merged``.
+* fusion-bench ``TiesMergingAlgorithm``: one global trim per model over all
+  state-dict tensors (sorted keys), threshold rule, sign of the plain sum,
+  disjoint mean (``merge_func="mean"``), ``base + scaling_factor * merged``;
+  no per-model weights.
+
+Usage::
+
+    python benchmarks/peers/run_peer.py mergekit --base B --models M1 M2 M3 \\
+        --out OUT --k 0.2 --lam 1.0 [--weights 1 0.5 2] [--method ties]
+
+    from benchmarks.peers.run_peer import run_peer_ties
+    run = run_peer_ties("fusion_bench", base, [m1, m2, m3], out, k=0.2)
+    run.model_path, run.wall_s, run.max_rss_mb
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+import yaml
+
+try:  # imported as benchmarks.peers.run_peer
+    from .setup_envs import ensure_env, normalize_peer, venv_bin
+except ImportError:  # run as a script from benchmarks/peers/
+    from setup_envs import ensure_env, normalize_peer, venv_bin  # type: ignore[no-redef]
+
+__all__ = [
+    "MERGEKIT_METHODS",
+    "FUSION_BENCH_METHODS",
+    "PeerError",
+    "PeerRun",
+    "PeerUnavailable",
+    "fusion_bench_threshold",
+    "mergekit_config",
+    "run_peer_merge",
+    "run_peer_ties",
+]
+
+MERGEKIT_METHODS = ("ties", "dare_ties", "dare_linear", "task_arithmetic")
+FUSION_BENCH_METHODS = ("ties", "task_arithmetic")
+CHILD_SCRIPT = Path(__file__).resolve().with_name("_fusion_bench_child.py")
+DEFAULT_TIMEOUT = 1800.0
+
+
+class PeerError(RuntimeError):
+    """The peer ran but failed (non-zero exit, timeout or missing output)."""
+
+
+class PeerUnavailable(PeerError):
+    """The peer's venv could not be installed (e.g. no network)."""
+
+
+@dataclass(frozen=True)
+class PeerRun:
+    """Result of one peer merge; ``os.fspath(run)`` is the output folder."""
+
+    peer: str
+    method: str
+    out_dir: Path
+    wall_s: float
+    max_rss_mb: float
+    log_path: Path
+
+    @property
+    def model_path(self) -> Path:
+        """The merged ``model.safetensors``."""
+        return self.out_dir / "model.safetensors"
+
+    def __fspath__(self) -> str:
+        return str(self.out_dir)
+
+    def to_dict(self) -> dict:
+        """JSON-friendly view."""
+        d = asdict(self)
+        return {k: str(v) if isinstance(v, Path) else v for k, v in d.items()}
+
+
+def fusion_bench_threshold(k: float) -> float:
+    """fusion-bench ``threshold`` for keep fraction ``k`` in (0, 1).
+
+    fusion-bench divides the threshold by 100 only when it is > 1, so
+    ``k * 100`` (their percentage form, e.g. 20) is used when it exceeds 1 and
+    the plain fraction otherwise (``k * 100 <= 1`` would be misread).
+    k = 1 is rejected: fusion-bench then calls ``kthvalue(0)`` and crashes.
+    """
+    if not 0.0 <= k < 1.0:
+        raise ValueError(f"fusion-bench TIES needs 0 <= k < 1, got {k}")
+    pct = k * 100.0
+    return pct if pct > 1.0 else k
+
+
+def mergekit_config(
+    method: str,
+    base_dir: Path,
+    model_dirs: Sequence[Path],
+    *,
+    k: float | None,
+    lam: float = 1.0,
+    weights: Sequence[float] | None = None,
+    normalize: bool | None = None,
+) -> dict:
+    """The mergekit YAML config (as a dict) for a task-vector method.
+
+    ``normalize`` None keeps mergekit's per-method default, except for ``ties``
+    where ``normalize: true`` (the TIES disjoint mean) is written explicitly.
+    """
+    if method not in MERGEKIT_METHODS:
+        raise ValueError(f"mergekit method must be one of {MERGEKIT_METHODS}, got {method!r}")
+    weights = list(weights) if weights is not None else [1.0] * len(model_dirs)
+    models = []
+    for path, w in zip(model_dirs, weights, strict=True):
+        params: dict = {"weight": float(w)}
+        if method != "task_arithmetic":
+            if k is None:
+                raise ValueError(f"mergekit {method} needs a density k")
+            params["density"] = float(k)
+        models.append({"model": str(Path(path).resolve()), "parameters": params})
+    shared: dict = {"lambda": float(lam)}
+    if normalize is None and method == "ties":
+        normalize = True
+    if normalize is not None:
+        shared["normalize"] = bool(normalize)
+    return {
+        "merge_method": method,
+        "base_model": str(Path(base_dir).resolve()),
+        "models": models,
+        "parameters": shared,
+        "dtype": "float32",
+    }
+
+
+def _child_env(python: Path) -> dict[str, str]:
+    """Environment for a peer child: its venv first on PATH, offline, no PYTHONPATH leak."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env["VIRTUAL_ENV"] = str(python.parent.parent)
+    env["PATH"] = f"{python.parent}{os.pathsep}{env.get('PATH', '')}"
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def _run_child(
+    cmd: list[str], env: dict[str, str], log_path: Path, timeout: float
+) -> tuple[int, float, float]:
+    """Run ``cmd``; return (exit code, wall seconds, peak RSS in MB of the child tree).
+
+    ``os.wait4`` gives the rusage of exactly this child (including its reaped
+    descendants), unlike ``getrusage(RUSAGE_CHILDREN)`` which is a running
+    maximum over every child this process ever had.
+    """
+    with open(log_path, "w") as log:
+        log.write(f"$ {' '.join(cmd)}\n")
+        log.flush()
+        start = time.perf_counter()
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        deadline = start + timeout
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.perf_counter() > deadline:
+                os.killpg(proc.pid, signal.SIGKILL)
+                pid, status, usage = os.wait4(proc.pid, 0)
+                proc.returncode = -signal.SIGKILL
+                raise PeerError(f"timed out after {timeout:.0f} s: {' '.join(cmd)} (log {log_path})")
+            time.sleep(0.02)
+        wall = time.perf_counter() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    # ru_maxrss is in KiB on Linux and bytes on macOS.
+    rss_mb = usage.ru_maxrss / (1024 * 1024 if sys.platform == "darwin" else 1024)
+    return proc.returncode, wall, rss_mb
+
+
+def _log_tail(path: Path, n: int = 4000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+def run_peer_merge(
+    peer: str,
+    method: str,
+    base_dir: str | Path,
+    model_dirs: Sequence[str | Path],
+    out_dir: str | Path,
+    *,
+    k: float | None = None,
+    lam: float = 1.0,
+    weights: Sequence[float] | None = None,
+    normalize: bool | None = None,
+    merge_func: str = "mean",
+    seed: int = 0,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> PeerRun:
+    """Merge ``model_dirs`` onto ``base_dir`` with a peer library; write ``out_dir``.
+
+    ``peer``: "mergekit" or "fusion_bench".  ``method``: one of
+    MERGEKIT_METHODS / FUSION_BENCH_METHODS.  ``k`` is the keep fraction
+    (mergekit ``density``; fusion-bench ``threshold``), ``lam`` the final
+    scale (mergekit ``lambda``; fusion-bench ``scaling_factor``).  ``weights``
+    are mergekit per-model weights (fusion-bench has none: only all-ones is
+    accepted).  ``normalize`` is mergekit-only, ``merge_func`` fusion-bench-only.
+    Raises PeerUnavailable if the venv cannot be installed, PeerError on failure.
+    """
+    key = normalize_peer(peer)
+    base_dir = Path(base_dir).resolve()
+    model_dirs = [Path(p).resolve() for p in model_dirs]
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not model_dirs:
+        raise ValueError("need at least one model to merge")
+
+    python = ensure_env(key)
+    if python is None:
+        raise PeerUnavailable(f"{key} venv is not available (see the message above)")
+    env = _child_env(python)
+    log_path = out_dir / "peer_run.log"
+
+    if key == "mergekit":
+        cfg = mergekit_config(
+            method, base_dir, model_dirs, k=k, lam=lam, weights=weights, normalize=normalize
+        )
+        cfg_path = out_dir / "peer_config.yml"
+        cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        cmd = [
+            str(venv_bin(key, "mergekit-yaml")),
+            str(cfg_path),
+            str(out_dir),
+            "--no-copy-tokenizer",
+            "--random-seed",
+            str(seed),
+        ]
+    else:
+        if method not in FUSION_BENCH_METHODS:
+            raise ValueError(f"fusion-bench method must be one of {FUSION_BENCH_METHODS}")
+        if weights is not None and any(float(w) != 1.0 for w in weights):
+            raise ValueError("fusion-bench TIES/task arithmetic take no per-model weights")
+        spec = {
+            "method": method,
+            "base_dir": str(base_dir),
+            "model_dirs": [str(p) for p in model_dirs],
+            "out_dir": str(out_dir),
+            "scaling_factor": float(lam),
+            "merge_func": merge_func,
+            "seed": seed,
+        }
+        if method == "ties":
+            if k is None:
+                raise ValueError("fusion-bench TIES needs a keep fraction k")
+            spec["threshold"] = fusion_bench_threshold(k)
+        spec_path = out_dir / "peer_spec.json"
+        spec_path.write_text(json.dumps(spec, indent=2) + "\n")
+        cmd = [str(python), str(CHILD_SCRIPT), str(spec_path)]
+
+    rc, wall, rss = _run_child(cmd, env, log_path, timeout)
+    if rc != 0:
+        raise PeerError(f"{key} {method} exited with {rc}; log tail:\n{_log_tail(log_path)}")
+    run = PeerRun(key, method, out_dir, round(wall, 3), round(rss, 1), log_path)
+    if not run.model_path.is_file():
+        raise PeerError(f"{key} wrote no {run.model_path}; log tail:\n{_log_tail(log_path)}")
+    return run
+
+
+def run_peer_ties(
+    peer: str,
+    base_dir: str | Path,
+    model_dirs: Sequence[str | Path],
+    out_dir: str | Path,
+    *,
+    k: float,
+    lam: float = 1.0,
+    weights: Sequence[float] | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> PeerRun:
+    """TIES with the peer's own conventions (mergekit: dis-mean, normalize on;
+    fusion-bench: ``merge_func="mean"``); see ``run_peer_merge``."""
+    return run_peer_merge(
+        peer, "ties", base_dir, model_dirs, out_dir, k=k, lam=lam, weights=weights, timeout=timeout
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; prints the PeerRun as JSON."""
+    p = argparse.ArgumentParser(description="Run a peer library's merge in its own venv.")
+    p.add_argument("peer", choices=["mergekit", "fusion_bench", "fusion-bench"])
+    p.add_argument("--method", default="ties")
+    p.add_argument("--base", required=True, type=Path, help="base (pretrained) model folder")
+    p.add_argument("--models", required=True, nargs="+", type=Path, help="fine-tuned folders")
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--k", type=float, default=None, help="keep fraction / density")
+    p.add_argument("--lam", type=float, default=1.0, help="lambda / scaling_factor")
+    p.add_argument("--weights", type=float, nargs="+", default=None)
+    p.add_argument("--merge-func", default="mean", help="fusion-bench TIES merge_func")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT)
+    a = p.parse_args(argv)
+    try:
+        run = run_peer_merge(
+            a.peer, a.method, a.base, a.models, a.out, k=a.k, lam=a.lam, weights=a.weights,
+            merge_func=a.merge_func, seed=a.seed, timeout=a.timeout,
+        )
+    except PeerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(run.to_dict(), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,45 @@
+"""Registry of model adapters. Adding a family is one file plus one ``register_adapter`` line below."""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+from ..errors import UnsupportedModelError
+from .base import EMBEDDING_STAGE, ModelAdapter
+from .clip_vision import CLIPVisionAdapter
+
+ADAPTERS: dict[str, type[ModelAdapter]] = {}
+
+
+def register_adapter(adapter_cls: type[ModelAdapter]) -> type[ModelAdapter]:
+    """Register an adapter class under its ``name`` (lowercase, unique). Usable as a decorator."""
+    name = getattr(adapter_cls, "name", "")
+    if not name or name != name.lower():
+        raise ValueError(f"Adapter name must be a non-empty lowercase string, got {name!r}.")
+    if name in ADAPTERS and ADAPTERS[name] is not adapter_cls:
+        raise KeyError(f"An adapter named {name!r} is already registered; please choose a unique name.")
+    ADAPTERS[name] = adapter_cls
+    return adapter_cls
+
+
+def list_adapters() -> list[str]:
+    return sorted(ADAPTERS)
+
+
+def adapter_for(config: PretrainedConfig) -> ModelAdapter:
+    """The adapter instance for a model config, chosen by ``config.model_type``."""
+    for adapter_cls in ADAPTERS.values():
+        if adapter_cls.matches(config):
+            return adapter_cls(config)
+    model_type = getattr(config, "model_type", None)
+    supported = sorted(t for cls in ADAPTERS.values() for t in cls.model_types)
+    raise UnsupportedModelError(
+        f"No hf_mloss adapter for model_type={model_type!r}; available adapters: {list_adapters()} "
+        f"(model types {supported}). Register one with hf_mloss.adapters.register_adapter(...)."
+    )
+
+
+register_adapter(CLIPVisionAdapter)
+
+__all__ = ["ADAPTERS", "EMBEDDING_STAGE", "CLIPVisionAdapter", "ModelAdapter", "adapter_for", "list_adapters",
+           "register_adapter"]

@@ -1,0 +1,126 @@
+"""The adapter protocol: everything hf_mloss needs to know about one model family.
+
+An adapter maps checkpoint key spellings to canonical tensor names, orders tensors into *stages* (the embeddings,
+then one stage per transformer block, then the final norm), names the linears that feed an element-wise activation
+(the "nodes" that get an M-Loss), and runs one block in two halves so the scorer can capture the input of that linear
+without running the block twice.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+EMBEDDING_STAGE = -1
+
+
+class ModelAdapter(ABC):
+    """Knowledge about one model family, bound to one (vision) config.
+
+    Subclasses set the class attributes and implement the abstract methods; ``register_adapter`` makes them
+    available to :func:`hf_mloss.merge` and :func:`hf_mloss.score`.
+    """
+
+    name: ClassVar[str]
+    """Registry key, lowercase (``"clip_vision"``)."""
+    model_types: ClassVar[tuple[str, ...]]
+    """``config.model_type`` values this adapter accepts (the whole-model type included, e.g. ``"clip"``)."""
+    model_class: ClassVar[type[PreTrainedModel]]
+    """The transformers class the merged model is loaded and saved as."""
+    layer_pattern: ClassVar[re.Pattern[str]]
+    """Regex whose group 1 is the block index in a canonical tensor name."""
+    target_suffix: ClassVar[str]
+    """Module name, relative to a block, of the linear that feeds the activation (``"mlp.fc1"``)."""
+    pipeline_tag: ClassVar[str] = "image-feature-extraction"
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        self.config = self.model_config(config)
+
+    # ----------------------------------------------------------------- config and names
+    @classmethod
+    def model_config(cls, config: PretrainedConfig) -> PretrainedConfig:
+        """The config of the merged model (e.g. the vision sub-config of a full CLIP config)."""
+        return config
+
+    @classmethod
+    def matches(cls, config: PretrainedConfig) -> bool:
+        return getattr(config, "model_type", None) in cls.model_types
+
+    @abstractmethod
+    def canonical_key(self, key: str) -> str | None:
+        """Canonical name of a checkpoint key, or ``None`` if the tensor is not part of the merged model."""
+
+    @property
+    @abstractmethod
+    def num_layers(self) -> int:
+        """Number of transformer blocks."""
+
+    def stage_of(self, name: str) -> int:
+        """Stage of a canonical tensor: ``-1`` embeddings, ``0..L-1`` blocks, ``L`` everything after."""
+        match = self.layer_pattern.match(name)
+        if match:
+            return int(match.group(1))
+        return EMBEDDING_STAGE if self.is_embedding(name) else self.num_layers
+
+    @abstractmethod
+    def is_embedding(self, name: str) -> bool:
+        """Whether a canonical tensor (outside the blocks) runs before the first block."""
+
+    @abstractmethod
+    def layer_prefix(self, layer: int) -> str:
+        """Canonical name prefix of block ``layer`` (``"encoder.layers.3."``)."""
+
+    def target_name(self, layer: int) -> str:
+        """Canonical module name of the scored linear of block ``layer``."""
+        return f"{self.layer_prefix(layer)}{self.target_suffix}"
+
+    def target_names(self) -> list[str]:
+        return [self.target_name(layer) for layer in range(self.num_layers)]
+
+    # ----------------------------------------------------------------- loading
+    def load_model(self, path: str, *, dtype: torch.dtype | None = None, **kwargs: Any) -> PreTrainedModel:
+        """Load the merged model's class from a resolved local folder."""
+        model = self.model_class.from_pretrained(path, dtype=dtype or "auto", **kwargs)
+        return model.eval()
+
+    def load_processor(self, path: str) -> Any:
+        """The image processor saved beside merged weights (PIL backend: same on every machine)."""
+        from transformers import AutoImageProcessor
+
+        return AutoImageProcessor.from_pretrained(path, backend="pil")
+
+    def build_layer(self, state_dict: dict[str, torch.Tensor]) -> nn.Module:
+        """A standalone block holding ``state_dict`` (block-relative names), for a model's own forward."""
+        raise NotImplementedError(f"adapter {self.name!r} cannot build a standalone block")
+
+    # ----------------------------------------------------------------- layer-wise forward
+    @abstractmethod
+    def layers(self, model: PreTrainedModel) -> list[nn.Module]:
+        """The block modules of ``model`` in order."""
+
+    def activation(self, model: PreTrainedModel | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The element-wise activation that follows the scored linear, read from the model itself."""
+        from transformers.activations import ACT2FN
+
+        return ACT2FN[self.config.hidden_act]
+
+    @abstractmethod
+    def embed(self, model: PreTrainedModel, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Hidden states entering block 0."""
+
+    @abstractmethod
+    def forward_to_target(self, layer: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run a block up to its scored linear: returns (residual state, input of the scored linear)."""
+
+    @abstractmethod
+    def forward_from_target(self, layer: nn.Module, residual: torch.Tensor, target_input: torch.Tensor) -> torch.Tensor:
+        """Finish a block from the scored linear's input: returns the block's output hidden states."""
+
+    def card_metadata(self) -> dict[str, Any]:
+        return {"library_name": "transformers", "pipeline_tag": self.pipeline_tag}

@@ -1,0 +1,67 @@
+"""Adapter for CLIP vision towers (``CLIPVisionModel``), also read out of full ``CLIPModel`` repos."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+from transformers import CLIPVisionConfig, CLIPVisionModel, PretrainedConfig, PreTrainedModel
+from transformers.models.clip.modeling_clip import CLIPEncoderLayer
+
+from .base import ModelAdapter
+
+_VISION_PREFIX = "vision_model."
+_TOWER_ROOTS = ("embeddings.", "pre_layrnorm.", "encoder.", "post_layernorm.")
+
+
+class CLIPVisionAdapter(ModelAdapter):
+    """CLIP ViT vision tower: node M-Loss on every ``encoder.layers.N.mlp.fc1`` (input of ``quick_gelu``).
+
+    Accepts ``vision_model.``-prefixed keys (transformers v4 files, full CLIPModel repos) and unprefixed ones (v5);
+    text-tower keys and the projections of a full CLIPModel are not part of the merged model.
+    """
+
+    name = "clip_vision"
+    model_types = ("clip_vision_model", "clip")
+    model_class = CLIPVisionModel
+    layer_pattern = re.compile(r"encoder\.layers\.(\d+)\.")
+    target_suffix = "mlp.fc1"
+
+    @classmethod
+    def model_config(cls, config: PretrainedConfig) -> CLIPVisionConfig:
+        return config.vision_config if config.model_type == "clip" else config
+
+    def canonical_key(self, key: str) -> str | None:
+        if key.startswith(_VISION_PREFIX):
+            key = key[len(_VISION_PREFIX) :]
+        return key if key.startswith(_TOWER_ROOTS) else None
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def is_embedding(self, name: str) -> bool:
+        return name.startswith(("embeddings.", "pre_layrnorm."))
+
+    def layer_prefix(self, layer: int) -> str:
+        return f"encoder.layers.{layer}."
+
+    def layers(self, model: PreTrainedModel) -> list[nn.Module]:
+        return list(model.encoder.layers)
+
+    def build_layer(self, state_dict: dict[str, torch.Tensor]) -> nn.Module:
+        layer = CLIPEncoderLayer(self.config)
+        layer.load_state_dict(state_dict, strict=True)
+        return layer.eval()
+
+    def embed(self, model: PreTrainedModel, pixel_values: torch.Tensor) -> torch.Tensor:
+        return model.pre_layrnorm(model.embeddings(pixel_values))
+
+    def forward_to_target(self, layer: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        attn, _ = layer.self_attn(hidden_states=layer.layer_norm1(hidden), attention_mask=None)
+        residual = hidden + attn
+        return residual, layer.layer_norm2(residual)
+
+    def forward_from_target(self, layer: nn.Module, residual: torch.Tensor, target_input: torch.Tensor) -> torch.Tensor:
+        return residual + layer.mlp(target_input)

@@ -1,0 +1,58 @@
+"""Exceptions raised by hf_mloss.
+
+Every class also subclasses a builtin (``ValueError``, ``FileNotFoundError``, ...) so callers can catch either the
+specific hf_mloss error or the builtin they already handle.
+"""
+
+from __future__ import annotations
+
+
+class HfMLossError(Exception):
+    """Base class of every error hf_mloss raises on purpose (user errors, not bugs)."""
+
+
+class InvalidParameterError(HfMLossError, ValueError):
+    """A merge or scoring parameter is out of range or of the wrong kind."""
+
+
+class UnknownMethodError(HfMLossError, KeyError):
+    """The requested merge method is not registered."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class UnsupportedModelError(HfMLossError, ValueError):
+    """No adapter knows this model architecture."""
+
+
+class IncompatibleCheckpointsError(HfMLossError, ValueError):
+    """The checkpoints to merge do not share one architecture (names, shapes or dtypes differ)."""
+
+
+class CheckpointNotFoundError(HfMLossError, FileNotFoundError):
+    """A local path does not exist, or a Hub id cannot be resolved (not cached while offline, unknown repo...)."""
+
+
+class UnsafeCheckpointError(HfMLossError, ValueError):
+    """A checkpoint holds only pickle (``.bin``) weights and the caller did not opt in to load them."""
+
+
+class CorruptCheckpointError(HfMLossError, ValueError):
+    """A weights file exists but cannot be read (bad safetensors header, truncated file, non-finite values...)."""
+
+
+class DataError(HfMLossError, ValueError):
+    """The unlabeled scoring data is missing, empty, too small or unreadable."""
+
+
+class OutputExistsError(HfMLossError, FileExistsError):
+    """The output folder exists and is not empty; pass ``overwrite=True`` to replace it."""
+
+
+class ConfigError(HfMLossError, ValueError):
+    """A merge configuration (YAML/dict) is invalid; the message names the field, the value and the valid choices."""
+
+
+class PushError(HfMLossError, RuntimeError):
+    """Uploading to the Hub failed; the local folder is intact and the message says how to retry."""

@@ -1,0 +1,57 @@
+"""Data-free linear merges: simple weight averaging and task arithmetic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import register_merge_method
+from .base import MergeContext, MergeMethod, MethodParams, check_finite
+
+
+@dataclass(frozen=True)
+class AverageParams(MethodParams):
+    pass
+
+
+class Average(MergeMethod):
+    """θ = Σ_p α_p θ_p with α normalised to sum to 1 (uniform by default)."""
+
+    name = "average"
+    pretty_name = "Simple averaging"
+    reference = "Wortsman et al., Model soups, ICML 2022"
+    reference_url = "https://arxiv.org/abs/2203.05482"
+    params_class = AverageParams
+
+    def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
+        alpha = ctx.weights / ctx.weights.sum()
+        return sum(a * t for a, t in zip(alpha.tolist(), sources))
+
+
+@dataclass(frozen=True)
+class TaskArithmeticParams(MethodParams):
+    lam: float = 0.3
+    """λ, the scale of the summed task vectors (the reference code's s·mean equals λ = s/q here)."""
+
+    def __post_init__(self) -> None:
+        check_finite("lam", self.lam)
+
+
+class TaskArithmetic(MergeMethod):
+    """θ = θ₀ + λ·Σ_p α_p τ_p with α_p = 1 by default."""
+
+    name = "task_arithmetic"
+    pretty_name = "Task arithmetic"
+    reference = "Ilharco et al., Editing models with task arithmetic, ICLR 2023"
+    reference_url = "https://arxiv.org/abs/2212.04089"
+    params_class = TaskArithmeticParams
+    default_weight = "one"
+
+    def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
+        delta = sum(a * (t - base) for a, t in zip(ctx.weights.tolist(), sources))
+        return base + ctx.params.lam * delta
+
+
+register_merge_method(Average())
+register_merge_method(TaskArithmetic())

@@ -1,0 +1,121 @@
+"""TIES-Merging: trim each task vector, elect a sign per entry, average the agreeing entries.
+
+Peers differ in small conventions; ``convention=`` reproduces each of them exactly (see :data:`CONVENTIONS`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import register_merge_method
+from .base import MergeContext, MergeMethod, MethodParams, check_choice, check_finite, check_fraction
+from .ops import ExactKthLargest, elect_and_merge, keep_count, trim_by_threshold, trim_tensor
+
+
+@dataclass(frozen=True)
+class TiesConvention:
+    """How one implementation trims, elects and divides."""
+
+    scope: str
+    min_keep: int = 0
+    extra_keep: int = 0
+    elect: str = "weighted"
+    divide_by: str = "weights"
+    description: str = ""
+
+
+CONVENTIONS: dict[str, TiesConvention] = {
+    "hf_mloss": TiesConvention(
+        "global", description="SPEC semantics: keep floor(n·k), elect on Σα·τ (zero → +1), divide by Σ agreeing α"
+    ),
+    "mergekit": TiesConvention(
+        "tensor", min_keep=1, description="mergekit `ties`: per tensor, at least 1 kept, elect on weighted deltas, "
+        "weighted disjoint mean (normalize: true)"
+    ),
+    "fusion_bench": TiesConvention(
+        "global", extra_keep=1, description="fusion-bench / original TIES code: global threshold at the "
+        "(d − floor(d·k))-th smallest |τ| (one entry more than floor(d·k)), dis-mean"
+    ),
+    "peft": TiesConvention(
+        "tensor", elect="unweighted", divide_by="count", description="PEFT `ties`: per tensor, elect on unweighted "
+        "deltas, divide the weighted sum by the number of agreeing tasks"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class TiesParams(MethodParams):
+    k: float = 0.2
+    """Keep fraction of each trim (0 < k ≤ 1)."""
+    scope: str | None = None
+    """``"global"`` (one threshold per task vector over the whole model) or ``"tensor"``; default: the convention's."""
+    lam: float = 1.0
+    """λ: θ = θ₀ + λ·τ_merged."""
+    convention: str = "hf_mloss"
+    """Which implementation's details to reproduce: ``hf_mloss``, ``mergekit``, ``fusion_bench`` or ``peft``."""
+
+    def __post_init__(self) -> None:
+        check_fraction("k", self.k, hint=" k is the fraction of each task vector that is KEPT.")
+        check_finite("lam", self.lam)
+        check_choice("convention", self.convention, list(CONVENTIONS))
+        if self.scope is not None:
+            check_choice("scope", self.scope, ["tensor", "global"])
+
+    @property
+    def rules(self) -> TiesConvention:
+        return CONVENTIONS[self.convention]
+
+    @property
+    def resolved_scope(self) -> str:
+        return self.scope or self.rules.scope
+
+
+class Ties(MergeMethod):
+    name = "ties"
+    pretty_name = "TIES-Merging"
+    reference = "Yadav et al., TIES-Merging: Resolving Interference When Merging Models, NeurIPS 2023"
+    reference_url = "https://arxiv.org/abs/2306.01708"
+    params_class = TiesParams
+
+    def prepare(self, ctx: MergeContext, visit) -> None:
+        params: TiesParams = ctx.params
+        if params.resolved_scope != "global":
+            return
+        ctx.state["thresholds"] = global_thresholds(ctx, visit, params.k, extra=params.rules.extra_keep)
+
+    def trim(self, name: str, tau: torch.Tensor, index: int, ctx: MergeContext) -> torch.Tensor:
+        params: TiesParams = ctx.params
+        if params.resolved_scope == "global":
+            return trim_by_threshold(tau, ctx.state["thresholds"][index])
+        return trim_tensor(tau, params.k, min_keep=params.rules.min_keep, extra=params.rules.extra_keep)
+
+    def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
+        params: TiesParams = ctx.params
+        taus = [self.trim(name, t - base, i, ctx) for i, t in enumerate(sources)]
+        merged = elect_and_merge(taus, ctx.weights, elect=params.rules.elect, divide_by=params.rules.divide_by)
+        return base + params.lam * merged
+
+
+def global_thresholds(ctx: MergeContext, visit, keep: float, *, extra: int = 0) -> list[float]:
+    """Per task vector, the exact magnitude threshold of a global top-``keep`` trim (two streaming passes)."""
+    total = ctx.state["total_numel"]  # float elements of one task vector, known from the headers
+    selectors = [ExactKthLargest(keep_count(total, keep, extra=extra)) for _ in range(len(ctx.weights))]
+
+    def pass1(name, base, sources):
+        for selector, t in zip(selectors, sources):
+            selector.add_pass1((t - base).abs())
+
+    def pass2(name, base, sources):
+        for selector, t in zip(selectors, sources):
+            selector.add_pass2((t - base).abs())
+
+    visit(pass1)
+    for selector in selectors:
+        selector.finish_pass1()
+    visit(pass2)
+    return [selector.value() for selector in selectors]
+
+
+register_merge_method(Ties())

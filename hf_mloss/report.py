@@ -1,0 +1,129 @@
+"""``MLossReport``: node- and layer-level M-Loss of a set of models, as computed by :mod:`hf_mloss.scoring`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MLOSS_SUMMARY_NAME = "mloss.json"
+MLOSS_SCORES_NAME = "mloss_scores.safetensors"
+
+
+@dataclass
+class MLossReport:
+    """M-Loss of every scored linear (one entry per block), with per-row (node) vectors.
+
+    ``node[name]`` holds the mean over positions of |g_i| (``reduction="abs"``) or g_i² (``"sq"``) for each row i,
+    ``node_normalized[name]`` the mean of |g_i| / (|σ(Σα h_i)| + ε); ``layer[name]`` the mean over positions of
+    ‖g‖₂ and ``layer_normalized[name]`` of ‖g‖₂ / (‖σ(Σα h)‖₂ + ε). ``keep_ratios`` (M-TIES only) holds the row keep
+    ratios the merge used.
+    """
+
+    node: dict[str, torch.Tensor]
+    node_normalized: dict[str, torch.Tensor]
+    layer: dict[str, float]
+    layer_normalized: dict[str, float]
+    prefix: str
+    reduction: str
+    activation: str
+    eps: float
+    num_samples: int
+    num_positions: int
+    models: list[str] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
+    keep_ratios: dict[str, torch.Tensor] = field(default_factory=dict)
+    compute_dtype: str = "float32"
+
+    @property
+    def layers(self) -> list[str]:
+        return list(self.layer)
+
+    def summary_rows(self) -> list[dict[str, Any]]:
+        """One dict per scored layer: M-Loss, normalized M-Loss, node statistics and keep ratios (if any)."""
+        rows = []
+        for name in self.layer:
+            node = self.node[name]
+            row = {
+                "layer": name,
+                "mloss": self.layer[name],
+                "mloss_normalized": self.layer_normalized[name],
+                "node_mean": float(node.mean()),
+                "node_max": float(node.max()),
+            }
+            keep = self.keep_ratios.get(name)
+            if keep is not None:
+                row.update(keep_mean=float(keep.mean()), keep_min=float(keep.min()), keep_max=float(keep.max()))
+            rows.append(row)
+        return rows
+
+    def summary(self) -> str:
+        """A plain-text table of per-layer M-Loss."""
+        rows = self.summary_rows()
+        has_keep = any("keep_mean" in r for r in rows)
+        header = f"{'layer':<34} {'M-Loss':>11} {'normalized':>11} {'node max':>11}"
+        header += f" {'keep mean':>9} {'min':>6} {'max':>6}" if has_keep else ""
+        lines = [f"M-Loss (prefix={self.prefix}, reduction={self.reduction}, activation={self.activation}, "
+                 f"{self.num_samples} samples / {self.num_positions} positions)", header, "-" * len(header)]
+        for r in rows:
+            line = f"{r['layer']:<34} {r['mloss']:>11.4e} {r['mloss_normalized']:>11.4e} {r['node_max']:>11.4e}"
+            if has_keep and "keep_mean" in r:
+                line += f" {r['keep_mean']:>9.4f} {r['keep_min']:>6.3f} {r['keep_max']:>6.3f}"
+            lines.append(line)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def to_dict(self, *, per_row: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "prefix": self.prefix, "reduction": self.reduction, "activation": self.activation, "eps": self.eps,
+            "num_samples": self.num_samples, "num_positions": self.num_positions, "models": self.models,
+            "weights": self.weights, "compute_dtype": self.compute_dtype, "layers": self.summary_rows(),
+        }  # fmt: skip
+        if per_row:
+            out["node"] = {k: v.tolist() for k, v in self.node.items()}
+            out["node_normalized"] = {k: v.tolist() for k, v in self.node_normalized.items()}
+            out["keep_ratios"] = {k: v.tolist() for k, v in self.keep_ratios.items()}
+        return out
+
+    def to_json(self, path: str | Path | None = None, *, per_row: bool = False) -> str:
+        text = json.dumps(self.to_dict(per_row=per_row), indent=2)
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+    def save(self, folder: str | Path) -> None:
+        """Write the summary JSON and the per-row vectors (safetensors) into ``folder``."""
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        self.to_json(folder / MLOSS_SUMMARY_NAME)
+        tensors = {f"node/{k}": v.float().contiguous() for k, v in self.node.items()}
+        tensors.update({f"node_normalized/{k}": v.float().contiguous() for k, v in self.node_normalized.items()})
+        tensors.update({f"keep_ratios/{k}": v.float().contiguous() for k, v in self.keep_ratios.items()})
+        save_file(tensors, str(folder / MLOSS_SCORES_NAME), metadata={"format": "pt", "prefix": self.prefix,
+                                                                      "reduction": self.reduction})
+
+    @classmethod
+    def load(cls, folder: str | Path) -> MLossReport:
+        """Read a report written by :meth:`save`."""
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        meta = json.loads((folder / MLOSS_SUMMARY_NAME).read_text())
+        tensors = load_file(str(folder / MLOSS_SCORES_NAME))
+        def group(prefix: str) -> dict[str, torch.Tensor]:
+            return {k[len(prefix) + 1 :]: v for k, v in tensors.items() if k.startswith(prefix + "/")}
+        rows = meta["layers"]
+        return cls(
+            node=group("node"), node_normalized=group("node_normalized"),
+            layer={r["layer"]: r["mloss"] for r in rows},
+            layer_normalized={r["layer"]: r["mloss_normalized"] for r in rows},
+            prefix=meta["prefix"], reduction=meta["reduction"], activation=meta["activation"], eps=meta["eps"],
+            num_samples=meta["num_samples"], num_positions=meta["num_positions"], models=meta["models"],
+            weights=meta["weights"], keep_ratios=group("keep_ratios"), compute_dtype=meta.get("compute_dtype", "float32"),
+        )  # fmt: skip
