@@ -35,8 +35,9 @@ class ModelRef:
         return {"repo_id": self.repo_id, "revision": self.revision, "name": self.name}
 
 
-def looks_like_local_path(ref: str) -> bool:
-    return ref.startswith((".", "/", "~")) or os.sep in ref.strip("/").replace("/", "", 1) or Path(ref).exists()
+def is_hub_id(ref: str) -> bool:
+    """Whether ``ref`` reads as a Hub repo id (``org/name``) and is not an existing local path."""
+    return bool(ref) and bool(_REPO_ID.match(ref)) and not Path(ref).expanduser().exists()
 
 
 def resolve_model(

@@ -24,7 +24,7 @@ from .errors import (
     IncompatibleCheckpointsError,
     InvalidParameterError,
 )
-from .hub import ModelRef, resolve_model
+from .hub import ModelRef, is_hub_id, resolve_model
 from .methods import MergeContext, MergeMethod, get_method
 from .methods.mties import keep_ratios_from_scores, random_scores
 from .result import MergeResult
@@ -95,7 +95,7 @@ def prepare_inputs(base: ModelInput, models: Sequence[ModelInput], *, revision: 
 def _resolve(model: ModelInput, **kwargs) -> tuple[ModelRef, PreTrainedModel | None, PretrainedConfig]:
     if isinstance(model, PreTrainedModel):
         name = getattr(model.config, "_name_or_path", "") or type(model).__name__
-        repo_id = name if name and not name.startswith(("/", ".")) and name.count("/") == 1 else None
+        repo_id = name if is_hub_id(name) else None
         return ModelRef(path=name, repo_id=repo_id), model, model.config
     if isinstance(model, torch.nn.Module):
         raise InvalidParameterError(
@@ -222,8 +222,8 @@ class _MTiesHooks(LayerHooks):
         node = accumulator.means()[0]
         scores = random_scores(node.numel(), self.seed, target) if self.params.rank == "random" else node
         keep = keep_ratios_from_scores(scores, self.params.row_k, self.params.e)
-        self.keep[target] = keep
-        if self.params.e > 0:  # e = 0 is the control that must equal per-tensor TIES at k exactly
+        self.keep[target] = keep.float()
+        if self.params.e > 0 or not self.merger.method.uniform_keep_is_tensor_trim:
             self.merger.ctx.state.setdefault("row_keep", {})[name] = keep.to(self.merger.device)
         self.merger.merge([name])
 

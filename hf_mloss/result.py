@@ -131,11 +131,14 @@ class MergeResult:
         """Write the folder to a temporary directory and upload it to ``repo_id`` in ONE commit."""
         from .hub_push import push_folder
 
-        with tempfile.TemporaryDirectory() as tmp:
-            folder = Path(tmp) / "merged"
-            self._write_to(folder, max_shard_size)
-            return push_folder(folder, repo_id, private=private, token=token, revision=revision,
-                               create_pr=create_pr, commit_message=commit_message)
+        tmp = Path(tempfile.mkdtemp(prefix="hf_mloss-push-"))
+        folder = tmp / "merged"
+        self._write_to(folder, max_shard_size)
+        # On failure the written folder is kept (the error names it and how to retry); on success it is removed.
+        info = push_folder(folder, repo_id, private=private, token=token, revision=revision, create_pr=create_pr,
+                           commit_message=commit_message)
+        shutil.rmtree(tmp, ignore_errors=True)
+        return info
 
     def _write_to(self, folder: Path, max_shard_size) -> None:
         folder.mkdir(parents=True)

@@ -38,7 +38,10 @@ def main(spec_path: str) -> None:
     from fusion_bench.method import TaskArithmeticAlgorithm, TiesMergingAlgorithm
 
     t1 = time.perf_counter()
-    load = lambda path: model_cls.from_pretrained(path, dtype=torch.float32).eval()  # noqa: E731
+
+    def load(path: str):
+        return model_cls.from_pretrained(path, dtype=torch.float32).eval()
+
     pool = {"_pretrained_": load(spec["base_dir"])}
     for i, path in enumerate(spec["model_dirs"]):
         pool[f"ft{i}"] = load(path)
@@ -73,9 +76,7 @@ def main(spec_path: str) -> None:
         "merge_s": round(t3 - t2, 3),
         "save_s": round(t4 - t3, 3),
         "merged_keys": keys,
-        "buffers_not_in_state_dict": sorted(
-            name for name, _ in merged.named_buffers() if name not in state
-        ),
+        "buffers_not_in_state_dict": sorted(name for name, _ in merged.named_buffers() if name not in state),
     }
     (out_dir / "fusion_bench_run.json").write_text(json.dumps(info, indent=2) + "\n")
 

@@ -35,9 +35,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
 
 import yaml
 
@@ -47,8 +47,8 @@ except ImportError:  # run as a script from benchmarks/peers/
     from setup_envs import ensure_env, normalize_peer, venv_bin  # type: ignore[no-redef]
 
 __all__ = [
-    "MERGEKIT_METHODS",
     "FUSION_BENCH_METHODS",
+    "MERGEKIT_METHODS",
     "PeerError",
     "PeerRun",
     "PeerUnavailable",
@@ -129,6 +129,8 @@ def mergekit_config(
     if method not in MERGEKIT_METHODS:
         raise ValueError(f"mergekit method must be one of {MERGEKIT_METHODS}, got {method!r}")
     weights = list(weights) if weights is not None else [1.0] * len(model_dirs)
+    if len(weights) != len(model_dirs):
+        raise ValueError(f"got {len(weights)} weights for {len(model_dirs)} models")
     models = []
     for path, w in zip(model_dirs, weights, strict=True):
         params: dict = {"weight": float(w)}
@@ -161,9 +163,7 @@ def _child_env(python: Path) -> dict[str, str]:
     return env
 
 
-def _run_child(
-    cmd: list[str], env: dict[str, str], log_path: Path, timeout: float
-) -> tuple[int, float, float]:
+def _run_child(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float) -> tuple[int, float, float]:
     """Run ``cmd``; return (exit code, wall seconds, peak RSS in MB of the child tree).
 
     ``os.wait4`` gives the rusage of exactly this child (including its reaped
@@ -174,9 +174,7 @@ def _run_child(
         log.write(f"$ {' '.join(cmd)}\n")
         log.flush()
         start = time.perf_counter()
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = start + timeout
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
@@ -234,17 +232,10 @@ def run_peer_merge(
     out_dir.mkdir(parents=True, exist_ok=True)
     if not model_dirs:
         raise ValueError("need at least one model to merge")
-
-    python = ensure_env(key)
-    if python is None:
-        raise PeerUnavailable(f"{key} venv is not available (see the message above)")
-    env = _child_env(python)
     log_path = out_dir / "peer_run.log"
 
     if key == "mergekit":
-        cfg = mergekit_config(
-            method, base_dir, model_dirs, k=k, lam=lam, weights=weights, normalize=normalize
-        )
+        cfg = mergekit_config(method, base_dir, model_dirs, k=k, lam=lam, weights=weights, normalize=normalize)
         cfg_path = out_dir / "peer_config.yml"
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         cmd = [
@@ -275,8 +266,14 @@ def run_peer_merge(
             spec["threshold"] = fusion_bench_threshold(k)
         spec_path = out_dir / "peer_spec.json"
         spec_path.write_text(json.dumps(spec, indent=2) + "\n")
-        cmd = [str(python), str(CHILD_SCRIPT), str(spec_path)]
+        cmd = [str(venv_bin(key)), str(CHILD_SCRIPT), str(spec_path)]
 
+    # Inputs are validated above, before any (slow) install.
+    python = ensure_env(key)
+    if python is None:
+        raise PeerUnavailable(f"{key} venv is not available (see the message above)")
+    env = _child_env(python)
+    (out_dir / "model.safetensors").unlink(missing_ok=True)  # never report a stale output
     rc, wall, rss = _run_child(cmd, env, log_path, timeout)
     if rc != 0:
         raise PeerError(f"{key} {method} exited with {rc}; log tail:\n{_log_tail(log_path)}")
@@ -299,9 +296,7 @@ def run_peer_ties(
 ) -> PeerRun:
     """TIES with the peer's own conventions (mergekit: dis-mean, normalize on;
     fusion-bench: ``merge_func="mean"``); see ``run_peer_merge``."""
-    return run_peer_merge(
-        peer, "ties", base_dir, model_dirs, out_dir, k=k, lam=lam, weights=weights, timeout=timeout
-    )
+    return run_peer_merge(peer, "ties", base_dir, model_dirs, out_dir, k=k, lam=lam, weights=weights, timeout=timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -321,10 +316,19 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         run = run_peer_merge(
-            a.peer, a.method, a.base, a.models, a.out, k=a.k, lam=a.lam, weights=a.weights,
-            merge_func=a.merge_func, seed=a.seed, timeout=a.timeout,
+            a.peer,
+            a.method,
+            a.base,
+            a.models,
+            a.out,
+            k=a.k,
+            lam=a.lam,
+            weights=a.weights,
+            merge_func=a.merge_func,
+            seed=a.seed,
+            timeout=a.timeout,
         )
-    except PeerError as exc:
+    except (PeerError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(run.to_dict(), indent=2))

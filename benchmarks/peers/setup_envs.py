@@ -39,10 +39,10 @@ from pathlib import Path
 __all__ = [
     "PEERS",
     "PeerSpec",
-    "env_dir",
-    "envs_root",
     "ensure_env",
+    "env_dir",
     "env_info",
+    "envs_root",
     "normalize_peer",
     "venv_bin",
 ]
@@ -119,7 +119,7 @@ def _run(cmd: list[str], timeout: float, log) -> tuple[bool, float, str]:
     start = time.perf_counter()
     try:
         proc = subprocess.run(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+            cmd, check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
         )
     except subprocess.TimeoutExpired:
         return False, time.perf_counter() - start, f"timed out after {timeout:.0f} s"
@@ -140,9 +140,7 @@ def _versions(python: Path, dists: tuple[str, ...]) -> dict[str, str]:
         "    except PackageNotFoundError: out[d] = None\n"
         "print(json.dumps(out))\n"
     )
-    proc = subprocess.run(
-        [str(python), "-c", code, *dists], capture_output=True, text=True, timeout=120
-    )
+    proc = subprocess.run([str(python), "-c", code, *dists], check=False, capture_output=True, text=True, timeout=120)
     return json.loads(proc.stdout) if proc.returncode == 0 else {}
 
 
@@ -185,10 +183,7 @@ def ensure_env(
             ok, secs, tail = _run(cmd, step_timeout, log)
             timings[label] = round(secs, 1)
             if not ok:
-                say(
-                    f"[peer-envs] {key}: step {label!r} failed after {secs:.0f} s; "
-                    f"the peer is unavailable.\n{tail}"
-                )
+                say(f"[peer-envs] {key}: step {label!r} failed after {secs:.0f} s; the peer is unavailable.\n{tail}")
                 return None
             say(f"[peer-envs] {key}: {label} done in {secs:.1f} s")
 

@@ -29,7 +29,7 @@ def keep_ratios_from_scores(scores: torch.Tensor, k: float, e: float) -> torch.T
     ranks = torch.empty(n, dtype=torch.float64)
     ranks[order] = torch.arange(n, dtype=torch.float64)
     rho = ranks / (n - 1) if n > 1 else torch.zeros(n, dtype=torch.float64)
-    return (k - e * rho).float()
+    return k - e * rho  # float64: floor(n_in * keep) must not lose an entry to float32 rounding of k
 
 
 def random_scores(n: int, seed: int, name: str) -> torch.Tensor:
@@ -108,6 +108,8 @@ class MTies(MergeMethod):
     reference_url = ""
     params_class = MTiesParams
     needs_data = True
+    uniform_keep_is_tensor_trim = True
+    """With e = 0 the scored linears are trimmed per tensor, so the control equals per-tensor TIES at k exactly."""
 
     def trim_other(self, name: str, tau: torch.Tensor, index: int, ctx: MergeContext) -> torch.Tensor:
         return trim_tensor(tau, ctx.params.k)
@@ -127,6 +129,7 @@ class MDare(MTies):
     name = "m_dare"
     pretty_name = "M-DARE"
     params_class = MDareParams
+    uniform_keep_is_tensor_trim = False
 
     def trim_other(self, name, tau, index, ctx: MergeContext) -> torch.Tensor:
         return dare_drop(tau, ctx.params.p, ctx.generator(name, index, tau.device))

@@ -1,0 +1,193 @@
+"""The M-Loss scorer against brute force: full forwards of each model with hooks on fc1."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import CLIPVisionModel
+
+import hf_mloss
+from hf_mloss.data import load_pixel_values
+from hf_mloss.methods.ops import elect_and_merge, trim_rows, trim_tensor
+from hf_mloss.scoring import MLossAccumulator, node_gap
+from hf_mloss.testing import tiny_processor
+
+NUM = 8
+
+
+@pytest.fixture(scope="module")
+def pixels(image_folder):
+    values, _ = load_pixel_values(str(image_folder), tiny_processor(), num_samples=NUM)
+    return values
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_paths):
+    base, models = tiny_paths
+    return CLIPVisionModel.from_pretrained(base).eval(), [CLIPVisionModel.from_pretrained(m).eval() for m in models]
+
+
+def fc1_io(model, pixels, layer):
+    """(input, output) of block ``layer``'s fc1 in a full forward of ``model``."""
+    captured = {}
+    hook = model.encoder.layers[layer].mlp.fc1.register_forward_hook(
+        lambda m, i, o: captured.update(u=i[0].detach(), h=o.detach()))
+    with torch.no_grad():
+        model(pixel_values=pixels)
+    hook.remove()
+    return captured["u"], captured["h"]
+
+
+def brute_force(h_list, act, reduction="abs", eps=1e-4):
+    """Reference M-Loss from q pre-activation tensors ``[B, T, n]`` (plain loops over models, float64)."""
+    q = len(h_list)
+    h = [x.double().reshape(-1, x.shape[-1]) for x in h_list]
+    mixed = act(sum(x / q for x in h))
+    g = mixed - sum(act(x) / q for x in h)
+    node = (g.abs() if reduction == "abs" else g**2).mean(0)
+    node_norm = (g.abs() / (mixed.abs() + eps)).mean(0)
+    layer = g.norm(dim=1).mean()
+    layer_norm = (g.norm(dim=1) / (mixed.norm(dim=1) + eps)).mean()
+    return node, node_norm, layer, layer_norm
+
+
+@pytest.mark.parametrize("prefix", ["own", "base"])
+@pytest.mark.parametrize("reduction", ["abs", "sq"])
+def test_scorer_matches_brute_force(tiny_paths, loaded, pixels, prefix, reduction):
+    base_dir, model_dirs = tiny_paths
+    base, models = loaded
+    report = hf_mloss.score(base_dir, model_dirs, pixels, prefix=prefix, reduction=reduction, batch_size=3,
+                            progress=False)
+    act = models[0].encoder.layers[0].mlp.activation_fn
+    assert report.activation == "quick_gelu" and report.num_positions == NUM * 17
+    for layer in range(2):
+        if prefix == "own":
+            hs = [fc1_io(m, pixels, layer)[1] for m in models]
+        else:
+            u, _ = fc1_io(base, pixels, layer)
+            hs = [m.encoder.layers[layer].mlp.fc1(u).detach() for m in models]
+        node, node_norm, layer_loss, layer_norm = brute_force(hs, act, reduction)
+        name = f"encoder.layers.{layer}.mlp.fc1"
+        torch.testing.assert_close(report.node[name].double(), node, rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(report.node_normalized[name].double(), node_norm, rtol=1e-4, atol=1e-7)
+        assert report.layer[name] == pytest.approx(float(layer_loss), rel=1e-4)
+        assert report.layer_normalized[name] == pytest.approx(float(layer_norm), rel=1e-4)
+
+
+def test_merged_prefix_matches_manual_layerwise_merge(tiny_paths, loaded, pixels):
+    """prefix="merged": block l is scored on the output of the already merged blocks < l (paper Algorithm 1)."""
+    base_dir, model_dirs = tiny_paths
+    base, models = loaded
+    k, e = 0.3, 0.2
+    result = hf_mloss.merge(base_dir, model_dirs, "m_ties", data=pixels, k=k, e=e, batch_size=4, progress=False)
+    report = result.report
+    # manual: merge everything but fc1 weights per tensor, then fc1 of each block from scores taken on that prefix
+    manual = copy.deepcopy(base)
+    state = {n: t for n, t in manual.state_dict().items()}
+    sources = [m.state_dict() for m in models]
+    alpha = torch.full((3,), 1 / 3)
+    with torch.no_grad():
+        for name, tensor in state.items():
+            if not tensor.is_floating_point() or name.endswith("mlp.fc1.weight"):
+                continue
+            taus = [trim_tensor(s[name] - tensor, k) for s in sources]
+            tensor.copy_(tensor + elect_and_merge(taus, alpha))
+        act = models[0].encoder.layers[0].mlp.activation_fn
+        for layer in range(2):
+            u, _ = fc1_io(manual, pixels, layer)
+            fc1 = f"encoder.layers.{layer}.mlp.fc1"
+            hs = [torch.nn.functional.linear(u, s[fc1 + ".weight"], s[fc1 + ".bias"]) for s in sources]
+            node = brute_force(hs, act)[0]
+            torch.testing.assert_close(report.node[fc1].double(), node, rtol=1e-4, atol=1e-7)
+            ranks = torch.empty(node.numel()); ranks[node.argsort(stable=True)] = torch.arange(node.numel()).float()
+            keep = k - e * ranks / (node.numel() - 1)
+            torch.testing.assert_close(report.keep_ratios[fc1], keep, rtol=0, atol=1e-6)
+            base_w = state[fc1 + ".weight"]
+            taus = [trim_rows(s[fc1 + ".weight"] - base_w, report.keep_ratios[fc1]) for s in sources]
+            base_w.copy_(base_w + elect_and_merge(taus, alpha))
+    for name, tensor in result.model.state_dict().items():
+        torch.testing.assert_close(tensor, state[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_identical_sources_have_zero_mloss_and_unchanged_merge(tiny_paths, pixels):
+    base_dir, model_dirs = tiny_paths
+    same = [model_dirs[0]] * 3
+    report = hf_mloss.score(base_dir, same, pixels, prefix="base", progress=False)
+    assert all(v < 1e-6 for v in report.layer.values())
+    assert all(float(t.abs().max()) < 1e-6 for t in report.node.values())
+    result = hf_mloss.merge(base_dir, same, "m_ties", data=pixels, k=1.0, e=0.5, progress=False)
+    reference = CLIPVisionModel.from_pretrained(model_dirs[0]).state_dict()
+    for name, tensor in result.model.state_dict().items():
+        if name.endswith("fc1.weight"):  # row trim keeps k - e·rank rows; with k=1 the lowest-loss rows keep all
+            continue
+        torch.testing.assert_close(tensor, reference[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_scoring_is_deterministic_and_batch_size_independent(tiny_paths, pixels):
+    base_dir, model_dirs = tiny_paths
+    a = hf_mloss.score(base_dir, model_dirs, pixels, prefix="base", batch_size=2, progress=False)
+    b = hf_mloss.score(base_dir, model_dirs, pixels, prefix="base", batch_size=8, progress=False)
+    for name in a.layers:
+        torch.testing.assert_close(a.node[name], b.node[name], rtol=1e-5, atol=1e-8)
+
+
+def test_imagefolder_and_in_memory_dataset_give_the_same_report(tiny_paths, image_folder):
+    import datasets
+
+    base_dir, model_dirs = tiny_paths
+    files = sorted(image_folder.rglob("*.png"))
+    in_memory = datasets.Dataset.from_dict({"image": [str(f) for f in files]}).cast_column("image", datasets.Image())
+    folder = datasets.load_dataset("imagefolder", data_dir=str(image_folder), split="train")
+    # same images in the same order: read both sources without shuffling differences by taking all of them
+    a = hf_mloss.score(base_dir, model_dirs, folder, num_samples=len(files), prefix="base", progress=False)
+    b = hf_mloss.score(base_dir, model_dirs, in_memory, num_samples=len(files), prefix="base", progress=False)
+    c = hf_mloss.score(base_dir, model_dirs, str(image_folder), num_samples=len(files), prefix="base", progress=False)
+    for name in a.layers:  # the mean over all images does not depend on their order
+        torch.testing.assert_close(a.node[name], b.node[name], rtol=1e-5, atol=1e-8)
+        torch.testing.assert_close(a.node[name], c.node[name], rtol=1e-5, atol=1e-8)
+
+
+def test_bf16_compute_is_close_to_fp32(tiny_paths, pixels):
+    base_dir, model_dirs = tiny_paths
+    fp32 = hf_mloss.score(base_dir, model_dirs, pixels, prefix="base", progress=False)
+    bf16 = hf_mloss.score(base_dir, model_dirs, pixels, prefix="base", compute_dtype="bfloat16", progress=False)
+    assert bf16.compute_dtype == "bfloat16"
+    for name in fp32.layers:
+        assert bf16.layer[name] == pytest.approx(fp32.layer[name], rel=0.2)
+
+
+def test_activation_override_and_few_layers(tiny_paths, pixels):
+    base_dir, model_dirs = tiny_paths
+    report = hf_mloss.score(base_dir, model_dirs, pixels, prefix="base", activation="gelu_pytorch_tanh",
+                            layers=[1], progress=False)
+    assert report.activation == "gelu_pytorch_tanh" and report.layers == ["encoder.layers.1.mlp.fc1"]
+
+
+def test_accumulator_sums_match_single_pass():
+    torch.manual_seed(0)
+    h = torch.randn(50, 3, 7)
+    alpha = torch.tensor([0.2, 0.3, 0.5])
+    act = torch.nn.functional.gelu
+    whole = MLossAccumulator(7)
+    whole.add(h, alpha, act)
+    parts = MLossAccumulator(7)
+    for chunk in h.split(13):
+        parts.add(chunk, alpha, act)
+    for x, y in zip(whole.means()[:2], parts.means()[:2]):
+        torch.testing.assert_close(x, y)
+    g, merged = node_gap(h, alpha, act)
+    torch.testing.assert_close(g, act((h * alpha[:, None]).sum(1)) - (act(h) * alpha[:, None]).sum(1))
+
+
+def test_report_round_trip(tmp_path, tiny_paths, pixels):
+    base_dir, model_dirs = tiny_paths
+    report = hf_mloss.score(base_dir, model_dirs, pixels, prefix="base", progress=False)
+    report.save(tmp_path)
+    back = hf_mloss.MLossReport.load(tmp_path)
+    assert back.layer == report.layer and back.prefix == "base"
+    for name in report.layers:
+        assert torch.equal(back.node[name], report.node[name])
+    assert "encoder.layers.1.mlp.fc1" in report.summary()
+    assert report.to_dict(per_row=True)["node"]["encoder.layers.0.mlp.fc1"]
