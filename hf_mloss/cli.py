@@ -1,0 +1,306 @@
+"""``hf-mloss``: the command line, a thin layer over the Python API.
+
+```
+hf-mloss merge CONFIG.yaml OUT_DIR [--push-to-hub REPO] [--private] [--overwrite] [--device DEVICE] [--quiet]
+hf-mloss score CONFIG.yaml [--json OUT] [--per-row] [--device DEVICE] [--quiet]
+hf-mloss push OUT_DIR REPO [--private] [--revision REV] [--create-pr] [--commit-message MSG] [--quiet]
+hf-mloss methods [--json]
+```
+
+A user error (any :class:`hf_mloss.HfMLossError`: invalid config, missing model, existing output folder...) prints one
+paragraph ``hf-mloss: error: ...`` on stderr and exits with status 2 (1 when a Hub upload fails); anything else is a
+bug and keeps its traceback. Tokens are never read from configs or flags: ``hf auth login`` or ``HF_TOKEN``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .errors import HfMLossError, InvalidParameterError, OutputExistsError, PushError
+
+EXIT_USER_ERROR = 2
+EXIT_PUSH_ERROR = 1
+
+
+# ------------------------------------------------------------------------------------------------------- merge
+def merge_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
+    description = ("Merge the models of a YAML config and write a Hub-ready folder (safetensors, config, image "
+                   "processor, model card, hf_mloss_config.yaml and the M-Loss report).")
+    parser = _subparser(subparsers, "merge", description, parents=[_quiet_parent()])
+    parser.add_argument("config", metavar="CONFIG.yaml", help="The merge config (see hf_mloss.config).")
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="Folder to write the merged model to.")
+    parser.add_argument("--push-to-hub", metavar="REPO", default=None,
+                        help="Also upload the folder to this Hub repo, in one commit (uses `hf auth login`/HF_TOKEN).")
+    parser.add_argument("--private", action="store_true", help="Create the Hub repo as private (with --push-to-hub).")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="Replace OUT_DIR if it exists and is not empty (only once the new folder is complete).")
+    parser.add_argument("--device", default=None, help="Where to compute: cpu (default), cuda, cuda:1, mps...")
+    if subparsers is not None:
+        parser.set_defaults(func=merge_command)
+    return parser
+
+
+def merge_command(args: argparse.Namespace) -> int:
+    from .config import MergeConfig
+    from .methods import get_method
+
+    config = MergeConfig.from_yaml(args.config)
+    device = _check_device(args.device)
+    if args.push_to_hub:
+        _check_repo_id(args.push_to_hub)
+    out_dir = Path(args.out_dir)
+    _check_output_dir(out_dir, args.overwrite)
+    with _progress_bars(not args.quiet, datasets_too=config.data is not None):
+        result = config.run_merge(device=device, progress=not args.quiet)
+        push_kwargs = {"private": True} if args.push_to_hub and args.private else {}
+        saved = result.save_pretrained(out_dir, overwrite=args.overwrite, push_to_hub=bool(args.push_to_hub),
+                                       repo_id=args.push_to_hub, **push_kwargs)
+    method = get_method(result.method)
+    lines = [f"Merged {len(result.models)} models with {method.pretty_name} ({result.method})",
+             f"  base:       {result.base.name}",
+             "  models:     " + ", ".join(f"{r.name} (weight {w:.4g})"
+                                          for r, w in zip(result.models, result.weights, strict=True)),
+             "  parameters: " + (", ".join(f"{k}={v!r}" for k, v in result.params.items()) or "none")]
+    if result.data:
+        lines.append(f"  data:       {result.data.get('source')} {result.data.get('id')!r} "
+                     f"(split {result.data.get('split')!r}, {result.data.get('num_samples')} images)")
+    if result.report is not None:
+        lines += ["", result.report.summary(), ""]
+    lines.append(f"Saved to {saved}")
+    if args.push_to_hub:
+        lines.append(f"Pushed to the Hub repo {args.push_to_hub}")
+    print("\n".join(lines))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------- score
+def score_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
+    description = ("Measure the M-Loss (mergeability) of the config's models on its unlabeled data, without merging, "
+                   "and print the per-layer table. Options come from the config's optional `score:` section.")
+    parser = _subparser(subparsers, "score", description, parents=[_quiet_parent()])
+    parser.add_argument("config", metavar="CONFIG.yaml", help="A config with base, models and data.")
+    parser.add_argument("--json", metavar="OUT", default=None, help="Also write the report as JSON to this file.")
+    parser.add_argument("--per-row", action="store_true", help="Include the per-row (node) vectors in the JSON.")
+    parser.add_argument("--device", default=None, help="Where to compute: cpu (default), cuda, cuda:1, mps...")
+    if subparsers is not None:
+        parser.set_defaults(func=score_command)
+    return parser
+
+
+def score_command(args: argparse.Namespace) -> int:
+    from .config import MergeConfig
+
+    config = MergeConfig.from_yaml(args.config)
+    device = _check_device(args.device)
+    config.score_kwargs()  # fails now (not after downloading the models) when the config has no data
+    with _progress_bars(not args.quiet, datasets_too=True):
+        report = config.run_score(device=device, progress=not args.quiet)
+    print(report.summary())
+    if args.json:
+        path = Path(args.json)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            report.to_json(path, per_row=args.per_row)
+        except OSError as err:
+            raise InvalidParameterError(f"Cannot write the --json file {str(path)!r}: {err}") from None
+        print(f"Wrote {path}")
+    return 0
+
+
+# -------------------------------------------------------------------------------------------------------- push
+def push_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
+    description = ("Upload a saved merge folder to the Hub in one commit (the token comes from `hf auth login` or "
+                   "HF_TOKEN).")
+    parser = _subparser(subparsers, "push", description, parents=[_quiet_parent()])
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="A folder written by `hf-mloss merge`.")
+    parser.add_argument("repo", metavar="REPO", help="The Hub repo id (org/name); created if needed.")
+    parser.add_argument("--private", action="store_true", help="Create the repo as private.")
+    parser.add_argument("--revision", default=None, help="Branch to commit to (default: main).")
+    parser.add_argument("--create-pr", action="store_true", help="Open a pull request instead of committing.")
+    parser.add_argument("--commit-message", default=None, help="Commit message.")
+    if subparsers is not None:
+        parser.set_defaults(func=push_command)
+    return parser
+
+
+def push_command(args: argparse.Namespace) -> int:
+    from . import hub_push
+
+    _check_repo_id(args.repo)
+    with _progress_bars(not args.quiet):
+        info = hub_push.push_folder(args.out_dir, args.repo, private=True if args.private else None,
+                                    revision=args.revision, create_pr=args.create_pr,
+                                    commit_message=args.commit_message)
+    url = getattr(info, "pr_url", None) or getattr(info, "commit_url", None)
+    print(f"Pushed {args.out_dir} to {args.repo}" + (f": {url}" if url else ""))
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------- methods
+def methods_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
+    description = "List the registered merge methods with their reference, parameters and defaults."
+    parser = _subparser(subparsers, "methods", description)
+    parser.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
+    if subparsers is not None:
+        parser.set_defaults(func=methods_command)
+    return parser
+
+
+def methods_command(args: argparse.Namespace) -> int:
+    from .config import parameter_defaults
+    from .methods import MERGE_METHODS, list_methods
+
+    entries = []
+    for name in list_methods():
+        method = MERGE_METHODS[name]
+        defaults = {k: list(v) if isinstance(v, tuple) else v
+                    for k, v in parameter_defaults(method.params_class).items()}
+        entries.append({
+            "name": name, "pretty_name": method.pretty_name, "reference": method.reference,
+            "reference_url": method.reference_url, "needs_data": method.needs_data,
+            "default_weight": method.default_weight, "parameters": defaults,
+        })  # fmt: skip
+    if args.json:
+        print(json.dumps(entries, indent=2))
+        return 0
+    width = max(len(e["name"]) for e in entries) + 2
+    pad = " " * width
+    blocks = []
+    for e in entries:
+        lines = [f"{e['name']:<{width}}{e['pretty_name']}" + ("  [needs data]" if e["needs_data"] else "")]
+        reference = e["reference"] + (f" ({e['reference_url']})" if e["reference_url"] else "")
+        if reference:
+            lines.append(f"{pad}{reference}")
+        params = ", ".join(f"{k}={v!r}" for k, v in e["parameters"].items()) or "none"
+        lines.append(f"{pad}parameters: {params}")
+        blocks.append("\n".join(lines))
+    print("\n\n".join(blocks))
+    return 0
+
+
+# -------------------------------------------------------------------------------------------------------- main
+COMMANDS = (merge_command_parser, score_command_parser, push_command_parser, methods_command_parser)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        "hf-mloss", description="Hugging Face-native model merging guided by M-Loss.",
+        epilog="Run `hf-mloss COMMAND --help` for a command's options.",
+    )  # fmt: skip
+    parser.add_argument("--version", action="version", version=f"hf_mloss {__version__}")
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
+    for command_parser in COMMANDS:
+        command_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``hf-mloss`` with ``argv`` (default: ``sys.argv[1:]``) and return the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help, --version, usage errors (argparse exits with 2)
+        return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else EXIT_USER_ERROR)
+    if not hasattr(args, "func"):
+        parser.print_help(sys.stderr)
+        return EXIT_USER_ERROR
+    try:
+        return args.func(args)
+    except HfMLossError as err:
+        message = " ".join(str(err).split())  # one paragraph, no traceback: this is the user's to fix
+        print(f"hf-mloss: error: {message}", file=sys.stderr)
+        return EXIT_PUSH_ERROR if isinstance(err, PushError) else EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("hf-mloss: interrupted", file=sys.stderr)
+        return 130
+
+
+# ----------------------------------------------------------------------------------------------------- helpers
+def _subparser(subparsers: Any, name: str, description: str, parents: Sequence[argparse.ArgumentParser] = ()):
+    if subparsers is not None:
+        return subparsers.add_parser(name, help=description.split(". ")[0].rstrip("."), description=description,
+                                     parents=list(parents))
+    return argparse.ArgumentParser(f"hf-mloss {name}", description=description, parents=list(parents))
+
+
+def _quiet_parent() -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("-q", "--quiet", action="store_true", help="Disable progress bars.")
+    return parent
+
+
+@contextmanager
+def _progress_bars(enabled: bool, *, datasets_too: bool = False) -> Iterator[None]:
+    """Unless ``enabled``, switch off the progress bars of transformers, huggingface_hub (and datasets) in the block."""
+    if enabled:
+        yield
+        return
+    from huggingface_hub import utils as hub_utils
+    from transformers.utils import logging as transformers_logging
+
+    restore = []
+    if transformers_logging.is_progress_bar_enabled():
+        transformers_logging.disable_progress_bar()
+        restore.append(transformers_logging.enable_progress_bar)
+    if not hub_utils.are_progress_bars_disabled():
+        hub_utils.disable_progress_bars()
+        restore.append(hub_utils.enable_progress_bars)
+    if datasets_too:
+        import datasets
+
+        if datasets.is_progress_bar_enabled():
+            datasets.disable_progress_bars()
+            restore.append(datasets.enable_progress_bars)
+    try:
+        yield
+    finally:
+        for enable in restore:
+            enable()
+
+
+def _check_device(device: str | None) -> str | None:
+    if device is None:
+        return None
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError, TypeError) as err:
+        raise InvalidParameterError(f"--device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1, mps): "
+                                    f"{err}") from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (parsed.index is not None and parsed.index >= count):
+            raise InvalidParameterError(f"--device {device!r}: this machine has {count} CUDA device(s); use "
+                                        "--device cpu" + (f" or cuda:0..cuda:{count - 1}." if count else "."))
+    if parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise InvalidParameterError(f"--device {device!r}: MPS is not available on this machine; use --device cpu.")
+    return device
+
+
+def _check_repo_id(repo_id: str) -> None:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise InvalidParameterError(f"{repo_id!r} is not a valid Hub repo id (expected org/name or name): "
+                                    f"{err}") from None
+
+
+def _check_output_dir(out_dir: Path, overwrite: bool) -> None:
+    """Refuse an existing non-empty OUT_DIR before computing anything (save_pretrained checks again at the end)."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
+        raise OutputExistsError(f"Output folder {str(out_dir)!r} already exists and is not empty; pass --overwrite "
+                                "to replace it, or choose another folder.")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,429 @@
+"""MergeConfig: the YAML schema a saved merge reproduces from, and one ConfigError per kind of invalid config."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+
+import hf_mloss
+from hf_mloss import ConfigError
+from hf_mloss.cli import main
+from hf_mloss.config import TOP_LEVEL_KEYS, DataSpec, MergeConfig, ModelSpec, ScoreSpec
+from hf_mloss.methods import list_methods
+from hf_mloss.result import MERGE_CONFIG_NAME
+
+
+@pytest.fixture
+def project(tmp_path, tiny_models, image_folder) -> Path:
+    """A user's project folder: the tiny base, its fine-tunes and an image folder side by side (symlinks)."""
+    base, models = tiny_models
+    for src in [base, *models, image_folder]:
+        (tmp_path / src.name).symlink_to(src, target_is_directory=True)
+    return tmp_path
+
+
+@pytest.fixture
+def no_merge(monkeypatch):
+    """Fail the test if a merge or scoring run (hence any download or computation) starts."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("hf_mloss.merge/score was called for an invalid config")
+
+    monkeypatch.setattr(hf_mloss, "merge", refuse)
+    monkeypatch.setattr(hf_mloss, "score", refuse)
+
+
+def weights_of(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "model.safetensors"))
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = weights_of(a), weights_of(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert wa[name].dtype == wb[name].dtype, name
+        assert torch.equal(wa[name], wb[name]), name
+
+
+# --------------------------------------------------------------------------------------- saved merges round trip
+@pytest.mark.parametrize(
+    "method, kwargs",
+    [
+        ("m_ties", {"k": 0.3, "e": 0.1, "num_samples": 8}),
+        ("dare_ties", {"p": 0.6, "weights": [0.2, 0.5, 0.3], "seed": 3, "dtype": "bfloat16"}),
+    ],
+    ids=["m_ties", "dare_ties"],
+)
+def test_saved_merge_config_reproduces_the_merge(project, image_folder, method, kwargs):
+    models = [str(project / f"ft{i}") for i in range(3)]
+    data = {"data": str(project / image_folder.name)} if method == "m_ties" else {}
+    result = hf_mloss.merge(str(project / "base"), models, method, progress=False, **data, **kwargs)
+    first = result.save_pretrained(project / "first")
+
+    # The saved config names the models relative to the project: next to them, it loads back as it is.
+    shutil.copy(first / MERGE_CONFIG_NAME, project / "merge.yaml")
+    config = MergeConfig.from_yaml(project / "merge.yaml")
+    assert config.method == method
+    assert Path(config.base.model) == (project / "base").resolve()
+    assert [Path(m.model) for m in config.models] == [(project / f"ft{i}").resolve() for i in range(3)]
+    assert config.seed == kwargs.get("seed", 0)
+    if method == "m_ties":
+        assert config.parameters["k"] == 0.3
+        assert config.data.path == str((project / image_folder.name).resolve()) and config.data.num_samples == 8
+    else:
+        # merge() records α as float32 values (0.2 -> 0.20000000298...): the same float32 weights on re-run.
+        assert [m.weight for m in config.models] == pytest.approx([0.2, 0.5, 0.3]) and config.dtype == "bfloat16"
+
+    again = config.run_merge(progress=False).save_pretrained(project / "again")
+    assert_same_weights(first, again)
+    assert yaml.safe_load((again / MERGE_CONFIG_NAME).read_text()) == yaml.safe_load(
+        (first / MERGE_CONFIG_NAME).read_text())
+
+
+def test_to_dict_from_dict_and_yaml_round_trip(project, tmp_path):
+    config = MergeConfig.from_dict({
+        "base": "base",
+        "models": ["ft0", {"model": "./ft1"}],
+        "method": "m_dare",
+        "parameters": {"p": 0.5, "k": 0.6, "layers": (1, 0)},
+        "data": {"path": "images0", "num_samples": 4},
+        "score": {"prefix": "base", "reduction": "sq", "layers": [0]},
+    }, base_dir=project)  # fmt: skip
+    assert config.parameters["layers"] == [1, 0]  # tuples become lists (YAML-safe)
+    assert MergeConfig.from_dict(config.to_dict()) == config
+    config.to_yaml(tmp_path / "out.yaml")
+    assert MergeConfig.from_yaml(tmp_path / "out.yaml") == config  # absolute paths: same from any folder
+
+
+def test_relative_paths_resolve_against_the_config_folder(project, tmp_path, monkeypatch):
+    """Relative paths follow the config file, whatever the working directory."""
+    (project / "configs").mkdir()
+    path = project / "configs" / "merge.yaml"
+    path.write_text(yaml.safe_dump({
+        "base": "../base", "models": [{"model": "../ft0", "weight": 2}, {"model": "../ft1", "weight": 1}],
+        "method": "ties",
+        "data": {"path": "../images0"},
+    }))  # fmt: skip
+    elsewhere = tmp_path / "elsewhere"  # (tmp_path is also the project folder)
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    config = MergeConfig.from_yaml(Path("..") / "configs" / "merge.yaml")
+    assert Path(config.base.model) == (project / "base").resolve()
+    assert Path(config.models[1].model) == (project / "ft1").resolve() and config.models[1].weight == 1
+    assert config.data.path == str((project / "images0").resolve()) and config.data.id is None
+
+
+def test_plain_strings_hub_ids_and_data_forms(project):
+    config = MergeConfig.from_dict({"base": "org/base", "models": ["org/a", "ft0"], "data": "tanganke/dtd"},
+                                   base_dir=project)
+    assert config.base == ModelSpec("org/base")  # not a folder here: a Hub id, kept as written
+    assert config.models[1].model == str((project / "ft0").resolve())  # an existing folder next to the config
+    assert config.data == DataSpec(id="tanganke/dtd")
+    assert config.method == "ties" and config.parameters == {} and config.batch_size == 16
+    local = MergeConfig.from_dict({"base": "org/base", "models": ["org/a"], "data": "./images0"}, base_dir=project)
+    assert local.data.path == str((project / "images0").resolve())
+
+
+def test_recorded_data_section_of_a_saved_merge_loads(project):
+    saved = {"source": "imagefolder", "id": "images0", "split": "train", "num_samples": 8, "seed": 0,
+             "image_column": "image", "skipped": 0}  # fmt: skip
+    config = MergeConfig.from_dict({"base": "base", "models": ["ft0"], "method": "m_ties", "data": saved},
+                                   base_dir=project)
+    assert config.data == DataSpec(path=str((project / "images0").resolve()), num_samples=8, seed=0,
+                                   image_column="image")
+    hub = dict(saved, source="hub", id="tanganke/dtd")
+    assert MergeConfig.from_dict({"base": "b/b", "models": ["a/a"], "data": hub}).data.id == "tanganke/dtd"
+
+
+def test_yaml_reads_exponent_floats(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("base: org/base\nmodels: [org/a]\nmethod: m_ties\nparameters: {eps: 1e-4, k: 2.5e-1}\n"
+                    "data: org/images\n")
+    config = MergeConfig.from_yaml(path)
+    assert config.parameters == {"eps": 1e-4, "k": 0.25}
+
+
+def test_merge_and_score_kwargs():
+    config = MergeConfig.from_dict({
+        "base": {"model": "org/base", "revision": "v1"},
+        "models": [{"model": "org/a", "weight": 0.25, "revision": "v1"}, {"model": "org/b", "weight": 0.75,
+                                                                          "revision": "v1"}],
+        "method": "m_ties", "parameters": {"k": 0.5, "reduction": "sq"},
+        "data": {"id": "org/images", "split": "validation", "num_samples": 32, "image_column": "img"},
+        "seed": 7, "dtype": "bfloat16", "batch_size": 8,
+        "score": {"prefix": "merged", "eps": 0.01},
+    })  # fmt: skip
+    assert config.merge_kwargs() == {
+        "base": "org/base", "models": ["org/a", "org/b"], "method": "m_ties", "weights": [0.25, 0.75], "seed": 7,
+        "dtype": "bfloat16", "batch_size": 8, "compute_dtype": "float32", "revision": "v1", "data": "org/images",
+        "num_samples": 32, "split": "validation", "image_column": "img", "k": 0.5, "reduction": "sq",
+    }  # fmt: skip
+    score = config.score_kwargs()
+    assert score["prefix"] == "merged" and score["eps"] == 0.01
+    assert score["k"] == 0.5 and score["reduction"] == "sq"  # prefix=merged scores the configured M-TIES merge
+    assert "method" not in score and score["weights"] == [0.25, 0.75]
+
+
+def test_differing_hub_revisions_fail_before_any_download(no_merge):
+    config = MergeConfig.from_dict({"base": {"model": "org/base", "revision": "abc"}, "models": ["org/a"]})
+    with pytest.raises(ConfigError, match=r"different revisions.*base='abc'.*models\[0\]=None"):
+        config.run_merge()
+
+
+# ----------------------------------------------------------------------------------------------- invalid configs
+def _valid(project: Path) -> dict:
+    return {
+        "base": str(project / "base"),
+        "models": [str(project / "ft0"), str(project / "ft1")],
+        "method": "m_ties",
+        "parameters": {"k": 0.3},
+        "data": {"path": str(project / "images0"), "num_samples": 8},
+        "batch_size": 4,
+    }
+
+
+def _set(key, value):
+    return lambda d: d.update({key: value})
+
+
+def _drop(key):
+    return lambda d: d.pop(key)
+
+
+def _data(**changes):
+    return lambda d: d["data"].update(changes)
+
+
+def _model(index, entry):
+    def mutate(d):
+        d["models"][index] = entry(d["models"][index]) if callable(entry) else entry
+
+    return mutate
+
+
+def _weights(*weights):
+    def mutate(d):
+        d["models"] = [{"model": m, "weight": w} if w is not None else m for m, w in zip(d["models"], weights)]
+
+    return mutate
+
+
+SECRET = "hf_notARealTokenButNeverEchoIt"
+
+INVALID = [
+    ("unknown_top_level_key", _set("metod", "ties"), ["Unknown top-level key 'metod'", "did you mean 'method'", "valid keys"]),
+    ("unknown_method", _set("method", "tiez"), ["Unknown method 'tiez'", "'m_ties'", "'ties'", "available methods"]),
+    ("method_not_a_string", _set("method", ["ties"]), ["Unknown method ['ties']", "available methods"]),
+    ("unknown_parameter", _set("parameters", {"keep": 0.3}), ["Unknown parameter 'keep'", "m_ties", "valid parameters", "k (default 0.2)", "e (default 0.1)"]),
+    ("parameter_out_of_range", _set("parameters", {"k": 1.5}), ["k must be a number in (0, 1", "got 1.5"]),
+    ("parameter_wrong_type", _set("parameters", {"k": "most"}), ["k must be a number", "'most'"]),
+    ("e_not_below_k", _set("parameters", {"k": 0.1, "e": 0.2}), ["e must satisfy 0 <= e < k", "e=0.2"]),
+    ("bad_parameter_choice", _set("parameters", {"prefix": "sideways"}), ["prefix must be one of", "'own'", "'sideways'"]),
+    ("unknown_activation", _set("parameters", {"activation": "swoosh"}), ["parameters.activation", "'swoosh'", "'gelu'"]),
+    ("parameters_not_a_mapping", _set("parameters", [0.3]), ["parameters must be a mapping", "[0.3]"]),
+    ("weight_wrong_type", _weights("heavy", 0.5), ["models[0].weight must be a finite number >= 0", "'heavy'"]),
+    ("weight_bool", _weights(0.5, True), ["models[1].weight", "True"]),
+    ("weight_negative", _weights(0.5, -1), ["models[1].weight", "-1"]),
+    ("weights_all_zero", _weights(0, 0.0), ["weights must not all be 0"]),
+    ("weights_partial", _weights(0.5, None), ["weight to every model or to none", "models[1] has no weight"]),
+    ("missing_base", _drop("base"), ["Missing required key 'base'"]),
+    ("missing_models", _drop("models"), ["Missing required key 'models'"]),
+    ("models_not_a_list", _set("models", "ft0"), ["models must be a list", "'ft0'"]),
+    ("models_a_mapping", _set("models", {"a": 1}), ["models must be a list", "dict"]),
+    ("models_empty", _set("models", []), ["models must be a non-empty list"]),
+    ("model_entry_wrong_type", _model(0, 3), ["models[0] must be a Hub id or local folder", "got 3"]),
+    ("model_entry_without_model", _model(0, {"weight": 1}), ["models[0] has no `model` key"]),
+    ("model_entry_unknown_key", _model(0, lambda m: {"model": m, "wieght": 1}), ["Unknown key in models[0] 'wieght'", "did you mean 'weight'", "'revision'"]),
+    ("model_missing_folder", _model(1, "./no-such-model"), ["models[1].model", "no-such-model", "does not exist"]),
+    ("model_empty_name", _model(1, {"model": ""}), ["models[1].model must be a Hub id or a local folder", "''"]),
+    ("revision_not_a_string", _set("base", {"model": "org/base", "revision": 1234}), ["base.revision must be", "quote it", "1234"]),
+    ("revision_on_local_folder", _model(0, lambda m: {"model": m, "revision": "main"}), ["models[0].revision='main' only applies to Hub ids"]),
+    ("base_with_weight", _set("base", {"model": "org/base", "weight": 1}), ["base.weight", "the base has no weight"]),
+    ("data_missing_m_ties", _drop("data"), ["'m_ties' is data-guided", "no `data`"]),
+    ("data_missing_m_dare", lambda d: (d.pop("data"), d.update(method="m_dare", parameters={})), ["'m_dare' is data-guided", "no `data`"]),
+    ("data_unknown_key", _data(n=8), ["Unknown key in data 'n'", "'num_samples'"]),
+    ("data_wrong_type", _set("data", 128), ["data must be a Hub dataset id, a local folder or a mapping", "128"]),
+    ("data_neither_id_nor_path", _set("data", {"split": "train"}), ["exactly one of `id`", "`path`"]),
+    ("data_both_id_and_path", _data(id="org/images"), ["exactly one of `id`", "'org/images'"]),
+    ("data_path_missing", _data(path="./no-such-images"), ["data.path", "no-such-images", "not an existing folder"]),
+    ("data_num_samples_zero", _data(num_samples=0), ["data.num_samples must be a positive integer", "got 0"]),
+    ("data_seed_mismatch", lambda d: (d.update(seed=0), d["data"].update(seed=5)), ["data.seed (5) differs from seed (0)"]),
+    ("data_in_memory_source", _set("data", {"source": "images", "num_samples": 8}), ["data.source='images'", "`id`", "`path`"]),
+    ("dtype_invalid", _set("dtype", "float64"), ["dtype must be one of", "'bfloat16'", "'float64'"]),
+    ("compute_dtype_invalid", _set("compute_dtype", "int8"), ["compute_dtype must be one of", "'int8'"]),
+    ("batch_size_zero", _set("batch_size", 0), ["batch_size must be a positive integer", "got 0"]),
+    ("seed_not_int", _set("seed", "abc"), ["seed must be an integer >= 0", "'abc'"]),
+    ("score_bad_prefix", _set("score", {"prefix": "sideways"}), ["score", "prefix must be one of", "'sideways'"]),
+    ("score_unknown_key", _set("score", {"prefx": "own"}), ["Unknown key in score 'prefx'", "did you mean 'prefix'"]),
+    ("token_top_level", _set("token", SECRET), ["token", "never reads access tokens", "hf auth login", "HF_TOKEN"]),
+    ("token_in_model_entry", _model(0, lambda m: {"model": m, "token": SECRET}), ["models[0].token", "hf auth login"]),
+    ("token_in_parameters", _set("parameters", {"hf_token": SECRET}), ["parameters.hf_token", "HF_TOKEN"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("mutate, keywords", [c[1:] for c in INVALID], ids=[c[0] for c in INVALID])
+def test_invalid_config_fails_early_naming_the_field(project, tmp_path, capsys, no_merge, mutate, keywords):
+    config = _valid(project)
+    mutate(config)
+    path = tmp_path / "merge.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(ConfigError) as info:
+        MergeConfig.from_yaml(path)
+    message = str(info.value)
+    for word in keywords:
+        assert word in message, f"{word!r} not in {message!r}"
+    assert SECRET not in message
+    out_dir = tmp_path / "out"
+    assert main(["merge", str(path), str(out_dir), "--quiet"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("hf-mloss: error: Invalid config") and "Traceback" not in captured.err
+    assert keywords[0] in captured.err and SECRET not in captured.err + captured.out
+    assert not out_dir.exists()
+
+
+@pytest.mark.parametrize(
+    "text, keywords",
+    [
+        ("- base\n- models\n", ["must be a mapping", "list"]),
+        ("", ["is empty"]),
+        ("base: [unclosed\n", ["is not valid YAML", "line"]),
+        ("base: org/b\nmodels: [org/a]\nmethod: ties\nmethod: dare\n", ["duplicate key 'method'"]),
+    ],
+    ids=["not_a_mapping", "empty", "syntax_error", "duplicate_key"],
+)
+def test_invalid_yaml_file(tmp_path, capsys, no_merge, text, keywords):
+    path = tmp_path / "merge.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        MergeConfig.from_yaml(path)
+    assert all(word in str(info.value) for word in keywords), str(info.value)
+    assert main(["merge", str(path), str(tmp_path / "out")]) == 2
+    assert "hf-mloss: error:" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_config_file(tmp_path, no_merge):
+    with pytest.raises(ConfigError, match="does not exist"):
+        MergeConfig.from_yaml(tmp_path / "nope.yaml")
+    assert main(["merge", str(tmp_path / "nope.yaml"), str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out").exists()
+
+
+def test_config_error_is_a_value_error():
+    with pytest.raises(ValueError):
+        MergeConfig.from_dict({"base": "org/b"})
+
+
+# ---------------------------------------------------------------------------------------------- property-based
+HUB_ID = st.from_regex(r"[a-z][a-z0-9-]{0,6}/[a-z][a-z0-9_-]{0,6}", fullmatch=True)
+PARAMETER_VALUES = {
+    "k": st.sampled_from([0.2, 0.5, 0.8, 1.0]),
+    "e": st.sampled_from([0.0, 0.05, 0.1]),
+    "p": st.sampled_from([0.3, 0.7, 1.0]),
+    "lam": st.floats(-3, 3, allow_nan=False),
+    "scope": st.sampled_from([None, "tensor", "global"]),
+    "convention": st.sampled_from(["hf_mloss", "mergekit", "fusion_bench", "peft"]),
+    "rescale": st.sampled_from(["inverse", "l1"]),
+    "layers": st.none() | st.lists(st.integers(0, 11), min_size=1, max_size=3, unique=True),
+    "prefix": st.sampled_from(["own", "base", "merged"]),
+    "rank": st.sampled_from(["mloss", "random"]),
+    "reduction": st.sampled_from(["abs", "sq"]),
+    "activation": st.sampled_from([None, "gelu", "quick_gelu"]),
+    "eps": st.sampled_from([1e-6, 1e-4, 0.5]),
+}
+
+
+@st.composite
+def valid_configs(draw) -> dict:
+    from hf_mloss.config import parameter_defaults
+    from hf_mloss.methods import get_method
+
+    method = draw(st.sampled_from(list_methods()))
+    names = list(parameter_defaults(get_method(method).params_class))
+    parameters = draw(st.fixed_dictionaries({}, optional={n: PARAMETER_VALUES[n] for n in names}))
+    weighted = draw(st.booleans())
+    models = []
+    for model_id in draw(st.lists(HUB_ID, min_size=1, max_size=4)):
+        weight = draw(st.floats(0.01, 2)) if weighted else None
+        revision = draw(st.none() | st.sampled_from(["main", "v1.0"]))
+        if weight is None and revision is None and draw(st.booleans()):
+            models.append(model_id)
+        else:
+            models.append({k: v for k, v in {"model": model_id, "weight": weight, "revision": revision}.items()
+                           if v is not None})
+    config = {"base": draw(HUB_ID), "models": models, "method": method, "parameters": parameters}
+    seed = draw(st.integers(0, 2**31))
+    optional = {
+        "seed": st.just(seed),
+        "dtype": st.sampled_from(["float32", "bf16", "float16"]),
+        "batch_size": st.integers(1, 64),
+        "compute_dtype": st.sampled_from(["float32", "bfloat16"]),
+        "hf_mloss_version": st.just("0.1.0"),
+        "score": st.fixed_dictionaries({}, optional={"prefix": PARAMETER_VALUES["prefix"],
+                                                     "reduction": PARAMETER_VALUES["reduction"],
+                                                     "layers": PARAMETER_VALUES["layers"]}),
+    }
+    config.update(draw(st.fixed_dictionaries({}, optional=optional)))
+    if get_method(method).needs_data or draw(st.booleans()):
+        config["data"] = draw(st.one_of(HUB_ID, st.fixed_dictionaries(
+            {"id": HUB_ID},
+            optional={"split": st.sampled_from(["train", "test"]), "num_samples": st.integers(1, 512),
+                      "seed": st.just(seed) if "seed" in config else st.just(0), "image_column": st.just("img")},
+        )))  # fmt: skip
+    return config
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(valid_configs())
+def test_valid_configs_round_trip(config):
+    loaded = MergeConfig.from_dict(config)
+    again = MergeConfig.from_dict(loaded.to_dict())
+    assert again == loaded
+    assert again.to_dict() == loaded.to_dict()
+    assert MergeConfig.from_dict(yaml.safe_load(loaded.to_yaml())) == loaded
+    assert loaded.method == config["method"] and len(loaded.models) == len(config["models"])
+
+
+JUNK = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12)
+    | st.sampled_from(["", ".", "~nobody-xyz/a", "/", "org/name", "m_ties", "ties", "images", "\x00"]),
+    lambda children: st.lists(children, max_size=3)
+    | st.dictionaries(st.sampled_from(["model", "weight", "revision", "id", "path", "split", "num_samples", "seed",
+                                       "prefix", "k", "e", "p", "layers", "token"]) | st.text(max_size=4),
+                      children, max_size=4),
+    max_leaves=12,
+)  # fmt: skip
+
+
+@st.composite
+def junk_configs(draw):
+    if draw(st.booleans()):  # a valid config with one value replaced by junk
+        config = draw(valid_configs())
+        config[draw(st.sampled_from(TOP_LEVEL_KEYS + ("token",)))] = draw(JUNK)
+        return config
+    return draw(JUNK | st.dictionaries(st.sampled_from(TOP_LEVEL_KEYS) | st.text(max_size=6), JUNK, max_size=6))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(junk_configs())
+def test_junk_loads_or_raises_config_error(config):
+    try:
+        loaded = MergeConfig.from_dict(config)
+    except ConfigError as err:
+        assert str(err)
+    else:
+        assert MergeConfig.from_dict(loaded.to_dict()) == loaded
+
+
+def test_specs_are_plain_dataclasses():
+    spec = ScoreSpec(prefix="own")
+    assert spec.to_dict() == {"prefix": "own"}
+    assert ModelSpec("org/a", weight=0.5, revision="main").to_dict() == {"model": "org/a", "revision": "main",
+                                                                          "weight": 0.5}
