@@ -29,7 +29,7 @@ class ModelRef:
     @property
     def name(self) -> str:
         """Hub id when known, else the folder name (used in reports; local absolute paths stay out of cards)."""
-        return self.repo_id or Path(self.path).name
+        return self.repo_id or (Path(self.path).name if self.path else "(in-memory model)")
 
     def to_dict(self) -> dict[str, str | None]:
         return {"repo_id": self.repo_id, "revision": self.revision, "name": self.name}

@@ -94,8 +94,8 @@ def prepare_inputs(base: ModelInput, models: Sequence[ModelInput], *, revision: 
 
 def _resolve(model: ModelInput, **kwargs) -> tuple[ModelRef, PreTrainedModel | None, PretrainedConfig]:
     if isinstance(model, PreTrainedModel):
-        name = getattr(model.config, "_name_or_path", "") or type(model).__name__
-        repo_id = name if is_hub_id(name) else None
+        name = getattr(model.config, "_name_or_path", "") or ""
+        repo_id = name if is_hub_id(name) else None  # only a model loaded from the Hub keeps its id
         return ModelRef(path=name, repo_id=repo_id), model, model.config
     if isinstance(model, torch.nn.Module):
         raise InvalidParameterError(

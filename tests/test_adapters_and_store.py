@@ -1,0 +1,166 @@
+"""Adapter + lazy store: key spellings, full CLIPModel repos, shards, pickles, compatibility checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import CLIPVisionModel
+
+import hf_mloss
+from hf_mloss.adapters import CLIPVisionAdapter, adapter_for, register_adapter
+from hf_mloss.hub import resolve_model
+from hf_mloss.store import CheckpointStore
+from hf_mloss.testing import make_base, make_finetune, save_clip_model, save_model
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory):
+    """The same base and fine-tunes written in every supported layout."""
+    root = tmp_path_factory.mktemp("variants")
+    base = make_base(0)
+    fts = [make_finetune(base, i) for i in range(2)]
+    return {
+        "base": base, "fts": fts,
+        "plain": [save_model(m, root / f"plain{i}") for i, m in enumerate([base, *fts])],
+        "prefixed": [save_model(m, root / f"pre{i}", prefixed=True) for i, m in enumerate([base, *fts])],
+        "sharded": [save_model(m, root / f"shard{i}", max_shard_size="20KB") for i, m in enumerate([base, *fts])],
+        "clip": [save_clip_model(m, root / f"clip{i}", seed=i) for i, m in enumerate([base, *fts])],
+    }  # fmt: skip
+
+
+def test_canonical_keys():
+    adapter = CLIPVisionAdapter(make_base(0).config)
+    assert adapter.canonical_key("vision_model.encoder.layers.0.mlp.fc1.weight") == "encoder.layers.0.mlp.fc1.weight"
+    assert adapter.canonical_key("encoder.layers.0.mlp.fc1.weight") == "encoder.layers.0.mlp.fc1.weight"
+    assert adapter.canonical_key("text_model.encoder.layers.0.mlp.fc1.weight") is None
+    assert adapter.canonical_key("visual_projection.weight") is None
+    assert adapter.canonical_key("logit_scale") is None
+    assert adapter.stage_of("embeddings.patch_embedding.weight") == -1
+    assert adapter.stage_of("pre_layrnorm.bias") == -1
+    assert adapter.stage_of("encoder.layers.1.self_attn.q_proj.weight") == 1
+    assert adapter.stage_of("post_layernorm.weight") == 2
+    assert adapter.target_names() == ["encoder.layers.0.mlp.fc1", "encoder.layers.1.mlp.fc1"]
+
+
+def test_split_block_forward_equals_the_block(variants):
+    base = variants["base"]
+    adapter = CLIPVisionAdapter(base.config)
+    hidden = torch.randn(2, 17, 32)
+    block = base.encoder.layers[0]
+    with torch.no_grad():
+        residual, u = adapter.forward_to_target(block, hidden)
+        torch.testing.assert_close(adapter.forward_from_target(block, residual, u), block(hidden, None))
+        outputs = base(pixel_values=torch.randn(2, 3, 32, 32), output_hidden_states=True)
+    assert adapter.activation() is not None and base.config.hidden_act == "quick_gelu"
+
+
+@pytest.mark.parametrize("layout", ["prefixed", "sharded", "clip"])
+def test_every_layout_reads_the_same_tensors(variants, layout):
+    plain = CheckpointStore(resolve_model(variants["plain"][1]), adapter_for(variants["base"].config))
+    other_ref = resolve_model(variants[layout][1])
+    from transformers import AutoConfig
+
+    other = CheckpointStore(other_ref, adapter_for(AutoConfig.from_pretrained(other_ref.path)))
+    assert sorted(plain.keys()) == sorted(other.keys())
+    for name in plain.keys():
+        assert torch.equal(plain.get(name), other.get(name)), name
+
+
+@pytest.mark.parametrize("layout", ["prefixed", "sharded", "clip"])
+def test_merge_is_layout_independent(variants, layout):
+    plain = [str(p) for p in variants["plain"]]
+    other = [str(p) for p in variants[layout]]
+    a = hf_mloss.merge(plain[0], plain[1:], "ties", k=0.3, progress=False)
+    b = hf_mloss.merge(other[0], other[1:], "ties", k=0.3, progress=False)
+    assert isinstance(b.model, CLIPVisionModel)
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+
+
+def test_mixed_layouts_and_loaded_models_merge(variants):
+    base = variants["base"]
+    models = [str(variants["clip"][1]), variants["fts"][1]]  # a CLIPModel folder and an in-memory model
+    result = hf_mloss.merge(base, models, "average", progress=False)
+    expected = {k: (variants["fts"][0].state_dict()[k] + variants["fts"][1].state_dict()[k]) / 2
+                for k in base.state_dict()}
+    for name, tensor in result.model.state_dict().items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6)
+    assert result.base.repo_id is None  # built in memory: nothing to claim as a Hub id
+
+
+def test_pickle_checkpoints_are_refused_unless_allowed(tmp_path, variants):
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    variants["fts"][0].config.save_pretrained(folder)
+    torch.save(variants["fts"][0].state_dict(), folder / "pytorch_model.bin")
+    plain = [str(p) for p in variants["plain"]]
+    with pytest.raises(hf_mloss.UnsafeCheckpointError, match="pickle.*allow_pickle=True"):
+        hf_mloss.merge(plain[0], [str(folder)], "average", progress=False)
+    result = hf_mloss.merge(plain[0], [str(folder), plain[2]], "average", allow_pickle=True, progress=False)
+    assert isinstance(result.model, CLIPVisionModel)
+
+
+def test_incompatible_shapes_name_the_tensor(tmp_path, variants):
+    other = save_model(make_base(1, intermediate_size=48), tmp_path / "narrow")
+    with pytest.raises(hf_mloss.IncompatibleCheckpointsError, match=r"fc1\.bias. has shape \(64,\) in .plain0. but \(48,\) in .narrow"):
+        hf_mloss.merge(str(variants["plain"][0]), [str(other)], "ties", progress=False)
+
+
+def test_missing_tensors_are_reported(tmp_path, variants):
+    from safetensors.torch import load_file, save_file
+
+    folder = save_model(variants["fts"][0], tmp_path / "missing")
+    state = load_file(str(folder / "model.safetensors"))
+    state.pop("post_layernorm.weight")
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(hf_mloss.IncompatibleCheckpointsError, match="missing.*post_layernorm.weight"):
+        hf_mloss.merge(str(variants["plain"][0]), [str(folder)], "ties", progress=False)
+
+
+def test_corrupted_header_is_a_clear_error(tmp_path, variants):
+    folder = save_model(variants["fts"][0], tmp_path / "corrupt")
+    (folder / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(hf_mloss.CorruptCheckpointError, match="corrupted"):
+        hf_mloss.merge(str(variants["plain"][0]), [str(folder)], "ties", progress=False)
+
+
+def test_non_finite_weights_are_refused(tmp_path, variants):
+    broken = make_finetune(variants["base"], 7)
+    with torch.no_grad():
+        broken.encoder.layers[1].mlp.fc2.weight[0, 0] = float("nan")
+    folder = save_model(broken, tmp_path / "nan")
+    with pytest.raises(hf_mloss.CorruptCheckpointError, match=r"encoder\.layers\.1\.mlp\.fc2\.weight.*NaN"):
+        hf_mloss.merge(str(variants["plain"][0]), [str(folder)], "ties", progress=False)
+
+
+def test_unsupported_architecture_lists_adapters(tmp_path):
+    folder = tmp_path / "bert"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
+    with pytest.raises(hf_mloss.UnsupportedModelError, match="bert.*clip_vision"):
+        hf_mloss.merge(str(folder), [str(folder)], "ties", progress=False)
+
+
+def test_missing_local_path_vs_hub_id(tmp_path):
+    with pytest.raises(hf_mloss.CheckpointNotFoundError, match="Local path .* does not exist"):
+        resolve_model(str(tmp_path / "nope"))
+    with pytest.raises(hf_mloss.CheckpointNotFoundError, match="not in the local Hub cache"):
+        resolve_model("hf-mloss-tests/not-cached")
+
+
+def test_register_adapter_validates_names():
+    class Bad(CLIPVisionAdapter):
+        name = "Bad"
+
+    with pytest.raises(ValueError, match="lowercase"):
+        register_adapter(Bad)
+
+    class Clash(CLIPVisionAdapter):
+        name = "clip_vision"
+
+    with pytest.raises(KeyError, match="already registered"):
+        register_adapter(Clash)
+    assert "clip_vision" in hf_mloss.list_adapters()

@@ -1,0 +1,116 @@
+"""Hub-ready output: the saved folder, its model card, atomic writes and the golden demo card."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from huggingface_hub import ModelCard
+from transformers import AutoImageProcessor, CLIPVisionModel
+
+import hf_mloss
+from hf_mloss.result import MERGE_CONFIG_NAME
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def mties_result(tiny_paths, image_folder):
+    base, models = tiny_paths
+    return hf_mloss.merge(base, models, "m_ties", data=str(image_folder), num_samples=8, batch_size=4, k=0.3, e=0.1,
+                          progress=False)
+
+
+def test_saved_folder_loads_untouched(tmp_path, mties_result, caplog):
+    out = mties_result.save_pretrained(tmp_path / "merged", max_shard_size="20KB")
+    names = sorted(p.name for p in out.iterdir())
+    assert "model.safetensors.index.json" in names and sum(n.endswith(".safetensors") for n in names) > 2
+    for required in ["config.json", "preprocessor_config.json", "README.md", MERGE_CONFIG_NAME, "mloss.json",
+                     "mloss_scores.safetensors", "mloss_heatmap.png"]:
+        assert required in names
+    with caplog.at_level(logging.WARNING):
+        model, info = CLIPVisionModel.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert "missing" not in caplog.text.lower()
+    for name, tensor in mties_result.model.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor)
+    assert type(AutoImageProcessor.from_pretrained(out, backend="pil")).__name__.startswith("CLIPImageProcessor")
+    report = hf_mloss.MLossReport.load(out)
+    assert report.layers == mties_result.report.layers and report.keep_ratios
+
+
+def test_card_metadata_and_mloss_table(tmp_path, mties_result):
+    out = mties_result.save_pretrained(tmp_path / "card")
+    card = ModelCard.load(out / "README.md")
+    data = card.data.to_dict()
+    assert data["library_name"] == "transformers"
+    assert data["pipeline_tag"] == "image-feature-extraction"
+    assert data["base_model_relation"] == "merge"
+    assert {"merge", "hf_mloss", "m_ties"} <= set(data["tags"])
+    assert "base_model" not in data  # local folders only: no local path may leak into the metadata
+    rows = re.findall(r"^\| `encoder\.layers\.(\d+)\.mlp\.fc1` \|", card.text, flags=re.M)
+    assert rows == ["0", "1"]
+    assert "M-Loss: Quantifying Model Merging Compatibility" in card.text
+    assert str(tmp_path) not in (out / "README.md").read_text()
+    config = yaml.safe_load((out / MERGE_CONFIG_NAME).read_text())
+    assert config["method"] == "m_ties" and config["parameters"]["k"] == 0.3 and config["data"]["num_samples"] == 8
+
+
+def test_card_with_eval_results_and_hub_dataset(tmp_path, mties_result):
+    mties_result.eval_results = {"digits": 0.91, "shapes": 0.5}
+    try:
+        out = mties_result.save_pretrained(tmp_path / "evals")
+    finally:
+        mties_result.eval_results = {}
+    card = ModelCard.load(out / "README.md")
+    values = {r.dataset_name: r.metric_value for r in card.data.eval_results}
+    assert values == {"digits": 0.91, "shapes": 0.5}
+    assert "| digits | 91.00 % |" in card.text
+
+
+def test_existing_folder_is_refused_then_replaced_atomically(tmp_path, tiny_paths):
+    base, models = tiny_paths
+    result = hf_mloss.merge(base, models, "average", progress=False)
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "keep.txt").write_text("user file")
+    with pytest.raises(hf_mloss.OutputExistsError, match="overwrite=True"):
+        result.save_pretrained(target)
+    assert (target / "keep.txt").read_text() == "user file"
+    result.save_pretrained(target, overwrite=True)
+    assert not (target / "keep.txt").exists() and (target / "model.safetensors").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary or backup folder left behind
+
+
+def test_failed_write_leaves_no_folder(tmp_path, tiny_paths, monkeypatch):
+    base, models = tiny_paths
+    result = hf_mloss.merge(base, models, "average", progress=False)
+
+    def boom(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(hf_mloss.report.MLossReport, "save", boom)
+    monkeypatch.setattr(result.model, "save_pretrained", boom)
+    with pytest.raises(OSError, match="disk full"):
+        result.save_pretrained(tmp_path / "never")
+    assert list(tmp_path.iterdir()) == []
+
+
+def _numbers(text: str) -> list[float]:
+    return [float(x) for x in re.findall(r"\d+\.\d+e[+-]\d+", text)]
+
+
+def test_golden_demo_card(tmp_path):
+    """model_cards/demo_m_ties.md is the card of the offline demo's M-TIES merge; regenerate and compare."""
+    from hf_mloss import demo
+
+    demo.main(["--out", str(tmp_path / "demo")])
+    fresh = (tmp_path / "demo" / "README.md").read_text()
+    golden = (REPO / "model_cards" / "demo_m_ties.md").read_text()
+    strip = lambda s: re.sub(r"\d+\.\d+e[+-]\d+", "<num>", s)  # noqa: E731
+    assert strip(fresh) == strip(golden)
+    assert _numbers(fresh) == pytest.approx(_numbers(golden), rel=1e-3)
