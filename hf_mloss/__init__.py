@@ -26,6 +26,7 @@ from .errors import (
     UnsafeCheckpointError,
     UnsupportedModelError,
 )
+from .config import MergeConfig
 from .merger import merge, score
 from .methods import list_methods, register_merge_method
 from .report import MLossReport
@@ -40,6 +41,7 @@ __all__ = [
     "IncompatibleCheckpointsError",
     "InvalidParameterError",
     "MLossReport",
+    "MergeConfig",
     "MergeResult",
     "OutputExistsError",
     "PushError",

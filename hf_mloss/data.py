@@ -100,6 +100,8 @@ def _iter_images(data, *, num_samples, seed, split, image_column, buffer_size) -
         if path.is_dir():
             try:
                 ds = datasets.load_dataset("imagefolder", data_dir=str(path), split=split, streaming=True)
+            except FileNotFoundError as err:  # datasets' EmptyDatasetError
+                raise DataError(f"No image files found in {ref!r}: {err}.") from err
             except ValueError:  # a flat folder without a split layout: take every image file
                 files = sorted(p for p in path.rglob("*") if p.suffix.lower() in _IMAGE_SUFFIXES)
                 return _iter_images(files, num_samples=num_samples, seed=seed, split=split,

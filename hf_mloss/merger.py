@@ -141,7 +141,7 @@ def check_compatible(base: TensorStore, other: TensorStore) -> None:
 def resolve_weights(weights: Sequence[float] | None, q: int, method: MergeMethod) -> torch.Tensor:
     """Validate the per-source weights α (one per fine-tuned model, finite, ≥ 0, not all 0)."""
     if weights is None:
-        return torch.full((q,), 1.0 if method.default_weight == "one" else 1.0 / q)
+        return torch.full((q,), 1.0 if method.default_weight == "one" else 1.0 / q, dtype=torch.float64)
     values = list(weights) if not isinstance(weights, (str, bytes)) else None
     if values is None or len(values) != q:
         raise InvalidParameterError(f"Got {len(values) if values is not None else weights!r} weights for {q} "
@@ -151,7 +151,7 @@ def resolve_weights(weights: Sequence[float] | None, q: int, method: MergeMethod
             raise InvalidParameterError(f"weights[{i}] must be a finite number >= 0, got {w!r}.")
     if sum(values) <= 0:
         raise InvalidParameterError("weights must not all be 0.")
-    return torch.tensor(values, dtype=torch.float32)
+    return torch.tensor([float(v) for v in values], dtype=torch.float64)  # float64: saved configs stay exact
 
 
 class TensorMerger:
@@ -300,7 +300,7 @@ def merge(
         pixels, data_info = load_pixel_values(data, processor, num_samples=num_samples, seed=seed, split=split,
                                               image_column=image_column)
     worker = inputs.load_worker(device)
-    ctx = MergeContext(params=params, weights=alpha.to(device), seed=seed)
+    ctx = MergeContext(params=params, weights=alpha.to(device=device, dtype=torch.float32), seed=seed)
     merger = TensorMerger(inputs, merge_method, ctx, worker, device)
     report = None
     if merge_method.needs_data:
@@ -315,6 +315,8 @@ def merge(
     result = MergeResult(
         model=worker, method=method, params=params.to_dict(), base=inputs.base.ref, models=inputs.refs,
         weights=alpha.tolist(), seed=seed, report=report, data=data_info.to_dict() if data_info else None,
+        options={"batch_size": batch_size, "compute_dtype": str(compute_dtype).replace("torch.", "")}
+        if merge_method.needs_data else {},
         adapter=inputs.adapter, dtype=str(out_dtype).replace("torch.", ""),
         method_description=merge_method.describe(params),
     )
@@ -327,7 +329,7 @@ def _layerwise_merge(inputs, merger, worker, pixels, batch_size, alpha, params, 
     adapter = inputs.adapter
     activation, activation_name = resolve_activation(adapter, params.activation)
     scored = list(params.layers) if params.layers is not None else list(range(adapter.num_layers))
-    setup = ScoringSetup(adapter=adapter, model=worker, sources=inputs.sources, alpha=alpha.to(device),
+    setup = ScoringSetup(adapter=adapter, model=worker, sources=inputs.sources, alpha=alpha.float().to(device),
                          batches=shard_batches(pixels, batch_size), activation=activation,
                          activation_name=activation_name, reduction=params.reduction, eps=params.eps, layers=scored,
                          device=device, compute_dtype=compute_dtype, progress=progress)
@@ -471,7 +473,7 @@ def score(
     adapter = inputs.adapter
     act, act_name = resolve_activation(adapter, activation)
     setup = ScoringSetup(adapter=adapter, model=inputs.load_worker(device), sources=inputs.sources,
-                         alpha=alpha.to(device), batches=shard_batches(pixels, batch_size), activation=act,
+                         alpha=alpha.float().to(device), batches=shard_batches(pixels, batch_size), activation=act,
                          activation_name=act_name, reduction=reduction, eps=eps, layers=params.layers,
                          device=device, compute_dtype=compute_dtype, progress=progress)
     results = score_shared_prefix(setup) if prefix == "base" else score_own_prefix(setup)

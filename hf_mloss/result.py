@@ -44,6 +44,8 @@ class MergeResult:
     adapter: ModelAdapter
     dtype: str
     method_description: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Run options that affect a data-guided result (batch size, scoring compute dtype)."""
     eval_results: dict[str, float] = field(default_factory=dict)
 
     def merge_config(self) -> dict[str, Any]:
@@ -68,6 +70,7 @@ class MergeResult:
             "seed": self.seed,
             "dtype": self.dtype,
         }
+        config.update(self.options)
         if self.data:
             config["data"] = dict(self.data)
         return config

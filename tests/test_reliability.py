@@ -1,0 +1,121 @@
+"""Bad inputs and faults: clear errors before any work, no half-written folders, mixed dtypes handled."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from PIL import Image
+
+import hf_mloss
+from hf_mloss.data import load_pixel_values
+from hf_mloss.testing import make_base, make_finetune, save_model, tiny_processor
+
+
+def test_empty_and_too_small_data(tmp_path, tiny_paths):
+    base, models = tiny_paths
+    empty = tmp_path / "empty" / "train" / "x"
+    empty.mkdir(parents=True)
+    with pytest.raises(hf_mloss.DataError):
+        hf_mloss.merge(base, models, "m_ties", data=str(tmp_path / "empty"), progress=False)
+    with pytest.raises(hf_mloss.DataError, match="does not exist"):
+        hf_mloss.merge(base, models, "m_ties", data=str(tmp_path / "nowhere") + "/", progress=False)
+    with pytest.raises(hf_mloss.DataError, match="empty"):
+        hf_mloss.merge(base, models, "m_ties", data=[], progress=False)
+    with pytest.raises(hf_mloss.DataError, match="num_samples"):
+        hf_mloss.merge(base, models, "m_ties", data=[Image.new("RGB", (8, 8))], num_samples=0, progress=False)
+    with pytest.raises(hf_mloss.DataError, match="data-guided"):
+        hf_mloss.merge(base, models, "m_ties", progress=False)
+
+
+def test_undecodable_images_are_skipped_and_counted(tmp_path):
+    good = [Image.new("RGB", (40, 40), (i * 20, 0, 0)) for i in range(3)]
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"not an image at all")
+    pixels, info = load_pixel_values([good[0], str(bad), good[1], good[2]], tiny_processor(), num_samples=10)
+    assert pixels.shape == (3, 3, 32, 32) and info.skipped == 1
+    with pytest.raises(hf_mloss.DataError, match="1 undecodable skipped"):
+        load_pixel_values([str(bad), good[0]], tiny_processor(), num_samples=10, min_samples=2)
+
+
+@pytest.mark.parametrize("mode,size", [("L", (40, 40)), ("RGBA", (40, 40)), ("P", (40, 40)), ("I;16", (40, 40)),
+                                       ("RGB", (1, 1)), ("RGB", (3000, 17)), ("CMYK", (33, 50))])
+def test_any_image_mode_or_size_becomes_rgb_pixels(mode, size):
+    image = Image.new(mode, size)
+    pixels, info = load_pixel_values([image], tiny_processor(), num_samples=1)
+    assert pixels.shape == (1, 3, 32, 32) and torch.isfinite(pixels).all() and info.skipped == 0
+
+
+def test_image_column_is_found_or_named(tmp_path):
+    import datasets
+
+    images = [Image.new("RGB", (20, 20), (0, i * 40, 0)) for i in range(4)]
+    ds = datasets.Dataset.from_dict({"picture_data": images, "label": [0, 1, 0, 1]}).cast_column(
+        "picture_data", datasets.Image())
+    pixels, info = load_pixel_values(ds, tiny_processor(), num_samples=4)
+    assert info.image_column == "picture_data" and len(pixels) == 4
+    plain = datasets.Dataset.from_dict({"text": ["a", "b"]})
+    with pytest.raises(hf_mloss.DataError, match="image_column"):
+        load_pixel_values(plain, tiny_processor(), num_samples=2)
+
+
+def test_mixed_dtypes_compute_in_fp32_and_save_in_base_dtype(tmp_path):
+    base = make_base(0)
+    base_dir = save_model(base.to(torch.float16), tmp_path / "base16")
+    ft_bf16 = save_model(make_finetune(make_base(0), 1).to(torch.bfloat16), tmp_path / "ft_bf16")
+    ft_fp32 = save_model(make_finetune(make_base(0), 2), tmp_path / "ft_fp32")
+    result = hf_mloss.merge(str(base_dir), [str(ft_bf16), str(ft_fp32)], "task_arithmetic", lam=0.5, progress=False)
+    assert result.model.dtype == torch.float16 and result.dtype == "float16"
+    explicit = hf_mloss.merge(str(base_dir), [str(ft_bf16), str(ft_fp32)], "task_arithmetic", lam=0.5,
+                              dtype="float32", progress=False)
+    assert explicit.model.dtype == torch.float32
+    torch.testing.assert_close(explicit.model.state_dict()["post_layernorm.weight"].half(),
+                               result.model.state_dict()["post_layernorm.weight"])
+
+
+def test_bad_dtype_and_batch_size(tiny_paths, image_folder):
+    base, models = tiny_paths
+    with pytest.raises(hf_mloss.InvalidParameterError, match="dtype must be one of"):
+        hf_mloss.merge(base, models, "ties", dtype="float8", progress=False)
+    with pytest.raises(hf_mloss.InvalidParameterError, match="batch_size"):
+        hf_mloss.merge(base, models, "m_ties", data=str(image_folder), batch_size=0, progress=False)
+    with pytest.raises(hf_mloss.InvalidParameterError, match="layers=.*valid: 0..1"):
+        hf_mloss.merge(base, models, "m_ties", data=str(image_folder), layers=[5], progress=False)
+
+
+KILL_WRITER = textwrap.dedent(
+    """
+    import sys, hf_mloss
+    base, ft, target = sys.argv[1:4]
+    result = hf_mloss.merge(base, [ft], "average", progress=False)
+    print("ready", flush=True)
+    while True:  # keep rewriting: the parent kills us at a random moment
+        result.save_pretrained(target, max_shard_size="4KB", overwrite=True)
+    """
+)
+
+
+def test_kill_9_mid_write_leaves_no_or_a_complete_folder(tmp_path, tiny_paths):
+    from transformers import CLIPVisionModel
+
+    base, models = tiny_paths
+    target = tmp_path / "target"
+    for delay in (0.05, 0.3, 0.9):
+        proc = subprocess.Popen([sys.executable, "-c", KILL_WRITER, base, models[0], str(target)],
+                                stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(delay)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        if target.exists():  # complete, loadable, with its card and merge config
+            assert (target / "README.md").exists() and (target / "hf_mloss_config.yaml").exists()
+            CLIPVisionModel.from_pretrained(target)
+        leftovers = [p for p in tmp_path.iterdir() if p.name != "target"]
+        for p in leftovers:  # interrupted temporaries are hidden siblings, never the target itself
+            assert p.name.startswith(".target.")
