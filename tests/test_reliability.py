@@ -119,3 +119,24 @@ def test_kill_9_mid_write_leaves_no_or_a_complete_folder(tmp_path, tiny_paths):
         leftovers = [p for p in tmp_path.iterdir() if p.name != "target"]
         for p in leftovers:  # interrupted temporaries are hidden siblings, never the target itself
             assert p.name.startswith(".target.")
+
+
+def test_ctrl_c_during_scoring_exits_cleanly(tmp_path, tiny_paths, image_folder, monkeypatch, capsys):
+    import yaml
+
+    from hf_mloss import cli, scoring
+
+    base, models = tiny_paths
+    config = tmp_path / "merge.yaml"
+    config.write_text(yaml.safe_dump({"base": base, "models": models, "method": "m_ties",
+                                      "data": {"path": str(image_folder), "num_samples": 8}}))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(scoring.MLossAccumulator, "add", interrupted)
+    assert cli.main(["merge", str(config), str(tmp_path / "out"), "--quiet"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["merge.yaml"]
