@@ -442,20 +442,13 @@ class MergeConfig:
     def _weights(self) -> list[float] | None:
         return [m.weight for m in self.models] if self.models[0].weight is not None else None
 
-    def _revision(self) -> str | None:
-        """The one Hub revision ``merge()``/``score()`` accept, or a ConfigError when the Hub models differ."""
-        hub = [(name, spec) for name, spec in [("base", self.base), *((f"models[{i}]", m) for i, m in
-                                                                       enumerate(self.models))]
-               if not _is_local(spec.model)]
-        revisions = {spec.revision for _, spec in hub}
+    def _revision(self) -> str | list[str | None] | None:
+        """Hub revisions for ``merge()``/``score()``: one string when all agree, else one per model (base first)."""
+        specs = [self.base, *self.models]
+        revisions = {spec.revision for spec in specs if not _is_local(spec.model)}
         if len(revisions) <= 1:
             return next(iter(revisions), None)
-        pinned = ", ".join(f"{name}={spec.revision!r}" for name, spec in hub)
-        raise ConfigError(
-            f"The Hub models name different revisions ({pinned}) but hf_mloss.merge() and hf_mloss.score() take one "
-            "revision for all models; use one revision (or none) for every Hub model, or download each model at its "
-            "revision (e.g. `hf download ID --revision REV --local-dir DIR`) and name the local folders."
-        )
+        return [None if _is_local(spec.model) else spec.revision for spec in specs]
 
 
 # ------------------------------------------------------------------------------------------------- parsing

@@ -63,15 +63,25 @@ class MergeInputs:
             store.close()
 
 
-def prepare_inputs(base: ModelInput, models: Sequence[ModelInput], *, revision: str | None = None,
+def prepare_inputs(base: ModelInput, models: Sequence[ModelInput], *, revision: str | Sequence[str | None] | None = None,
                    token: str | bool | None = None, allow_pickle: bool = False) -> MergeInputs:
     """Resolve every model, pick the adapter, index the checkpoints lazily and check they are mergeable."""
     if isinstance(models, (str, PreTrainedModel)) or not isinstance(models, Sequence) or len(models) < 1:
         raise InvalidParameterError(
             f"models must be a non-empty list of Hub ids, local folders or loaded models, got {models!r}."
         )
-    refs_and_configs = [_resolve(m, revision=revision, token=token, allow_pickle=allow_pickle)
-                        for m in [base, *models]]
+    everything = [base, *models]
+    if revision is None or isinstance(revision, str):
+        revisions = [revision] * len(everything)
+    else:
+        revisions = list(revision)
+        if len(revisions) != len(everything):
+            raise InvalidParameterError(
+                f"Got {len(revisions)} revisions for {len(everything)} models: pass one revision for all, or one per "
+                "model with the base first (None for local folders)."
+            )
+    refs_and_configs = [_resolve(m, revision=r, token=token, allow_pickle=allow_pickle)
+                        for m, r in zip(everything, revisions)]
     adapter = adapter_for(refs_and_configs[0][2])
     for ref, _, config in refs_and_configs[1:]:
         other = adapter_for(config)
@@ -248,7 +258,7 @@ def merge(
     split: str = "train",
     image_column: str | None = None,
     compute_dtype: torch.dtype | str = torch.float32,
-    revision: str | None = None,
+    revision: str | Sequence[str | None] | None = None,
     token: str | bool | None = None,
     allow_pickle: bool = False,
     progress: bool = True,
@@ -269,6 +279,7 @@ def merge(
             folder, ``datasets`` object, list of images, or a preprocessed ``[N, 3, H, W]`` tensor.
         num_samples, batch_size, split, image_column: how the scoring data is read and batched.
         compute_dtype: dtype of the scoring forward passes (``float32`` or ``bfloat16``).
+        revision: Hub branch, tag or commit for every Hub model, or one per model (base first; None for folders).
         token: passed to the Hub for private models; never stored or printed.
         allow_pickle: allow ``pytorch_model.bin`` checkpoints (they can run code when loaded).
         **method_params: the method's parameters (``k``, ``e``, ``lam``, ``p``, ``scope``, ``layers``...).
@@ -430,7 +441,7 @@ def score(
     image_column: str | None = None,
     device: str | torch.device | None = None,
     compute_dtype: torch.dtype | str = torch.float32,
-    revision: str | None = None,
+    revision: str | Sequence[str | None] | None = None,
     token: str | bool | None = None,
     allow_pickle: bool = False,
     progress: bool = True,

@@ -171,10 +171,30 @@ def test_merge_and_score_kwargs():
     assert "method" not in score and score["weights"] == [0.25, 0.75]
 
 
-def test_differing_hub_revisions_fail_before_any_download(no_merge):
+def test_differing_hub_revisions_are_passed_per_model(no_merge):
     config = MergeConfig.from_dict({"base": {"model": "org/base", "revision": "abc"}, "models": ["org/a"]})
-    with pytest.raises(ConfigError, match=r"different revisions.*base='abc'.*models\[0\]=None"):
-        config.run_merge()
+    assert config.merge_kwargs()["revision"] == ["abc", None]
+    same = MergeConfig.from_dict({"base": {"model": "org/base", "revision": "abc"},
+                                  "models": [{"model": "org/a", "revision": "abc"}]})
+    assert same.merge_kwargs()["revision"] == "abc"
+
+
+def test_per_model_revisions_reach_the_hub(tiny_paths, monkeypatch):
+    import hf_mloss.hub as hub
+
+    seen = []
+
+    def fake_resolve(ref, *, revision=None, **kwargs):
+        seen.append((ref, revision))
+        raise hf_mloss.CheckpointNotFoundError("stop here")
+
+    monkeypatch.setattr("hf_mloss.merger.resolve_model", fake_resolve)
+    with pytest.raises(hf_mloss.CheckpointNotFoundError):
+        hf_mloss.merge("org/base", ["org/a"], "average", revision=["abc", "def"], progress=False)
+    assert seen == [("org/base", "abc")]
+    with pytest.raises(hf_mloss.InvalidParameterError, match="3 revisions for 2 models"):
+        hf_mloss.merge("org/base", ["org/a"], "average", revision=["a", "b", "c"], progress=False)
+    assert hub.resolve_model is not fake_resolve
 
 
 # ----------------------------------------------------------------------------------------------- invalid configs
