@@ -6,6 +6,7 @@ Memory: the merged model (loaded from the base, in float32) plus, at any time, t
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Sequence
@@ -50,12 +51,13 @@ class MergeInputs:
     def refs(self) -> list[ModelRef]:
         return [s.ref for s in self.sources]
 
-    def load_worker(self, device) -> PreTrainedModel:
+    def load_worker(self, device, *, progress: bool = True) -> PreTrainedModel:
         """A float32 copy of the base model on ``device``: the container the merge is written into."""
         if self.base_model is not None:
             model = copy.deepcopy(self.base_model).to(dtype=torch.float32)
         else:
-            model = self.adapter.load_model(self.base.ref.path, dtype=torch.float32)
+            with _transformers_progress(progress):
+                model = self.adapter.load_model(self.base.ref.path, dtype=torch.float32)
         return model.to(device).eval()
 
     def close(self) -> None:
@@ -310,7 +312,7 @@ def merge(
         processor = inputs.adapter.load_processor(inputs.base.ref.path) if inputs.base_model is None else None
         pixels, data_info = load_pixel_values(data, processor, num_samples=num_samples, seed=seed, split=split,
                                               image_column=image_column)
-    worker = inputs.load_worker(device)
+    worker = inputs.load_worker(device, progress=progress)
     ctx = MergeContext(params=params, weights=alpha.to(device=device, dtype=torch.float32), seed=seed)
     merger = TensorMerger(inputs, merge_method, ctx, worker, device)
     report = None
@@ -411,6 +413,21 @@ def _as_dtype(value, field: str) -> torch.dtype:
     return valid[value]
 
 
+@contextlib.contextmanager
+def _transformers_progress(enabled: bool):
+    """Silence transformers' own progress bars while loading when the caller asked for quiet (library) use."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if not enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled and not enabled:
+            hf_logging.enable_progress_bar()
+
+
 def _default_device() -> str:
     from accelerate import PartialState
 
@@ -483,7 +500,7 @@ def score(
                                   image_column=image_column)
     adapter = inputs.adapter
     act, act_name = resolve_activation(adapter, activation)
-    setup = ScoringSetup(adapter=adapter, model=inputs.load_worker(device), sources=inputs.sources,
+    setup = ScoringSetup(adapter=adapter, model=inputs.load_worker(device, progress=progress), sources=inputs.sources,
                          alpha=alpha.float().to(device), batches=shard_batches(pixels, batch_size), activation=act,
                          activation_name=act_name, reduction=reduction, eps=eps, layers=params.layers,
                          device=device, compute_dtype=compute_dtype, progress=progress)

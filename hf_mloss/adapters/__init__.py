@@ -7,6 +7,8 @@ from transformers import PretrainedConfig
 from ..errors import UnsupportedModelError
 from .base import EMBEDDING_STAGE, ModelAdapter
 from .clip_vision import CLIPVisionAdapter
+from .dinov2 import Dinov2Adapter
+from .vit import ViTAdapter
 
 ADAPTERS: dict[str, type[ModelAdapter]] = {}
 
@@ -40,6 +42,8 @@ def adapter_for(config: PretrainedConfig) -> ModelAdapter:
 
 
 register_adapter(CLIPVisionAdapter)
+register_adapter(ViTAdapter)
+register_adapter(Dinov2Adapter)
 
-__all__ = ["ADAPTERS", "EMBEDDING_STAGE", "CLIPVisionAdapter", "ModelAdapter", "adapter_for", "list_adapters",
-           "register_adapter"]
+__all__ = ["ADAPTERS", "EMBEDDING_STAGE", "CLIPVisionAdapter", "Dinov2Adapter", "ModelAdapter", "ViTAdapter",
+           "adapter_for", "list_adapters", "register_adapter"]
