@@ -174,8 +174,14 @@ def score_shared_prefix(setup: ScoringSetup, hooks: LayerHooks | None = None) ->
 
 
 def _load_block(module: nn.Module, store: TensorStore, prefix: str, device) -> None:
+    """Fill a copy of one block with a source's weights; every parameter must come from the source."""
+    expected = {key: value for key, value in module.state_dict().items()}
+    missing = [prefix + key for key, value in expected.items() if prefix + key not in store and
+               key in dict(module.named_parameters())]
+    if missing:
+        raise KeyError(f"{store.ref.name!r} has no tensor {missing[0]!r}: the adapter's names do not match the block.")
     state = {key: store.get(prefix + key).to(device=device, dtype=value.dtype)
-             for key, value in module.state_dict().items() if prefix + key in store}
+             for key, value in expected.items() if prefix + key in store}
     module.load_state_dict(state, strict=False)
 
 
@@ -193,7 +199,8 @@ def score_own_prefix(setup: ScoringSetup) -> dict[str, MLossAccumulator]:
     worker_state = {adapter.canonical_key(k): v for k, v in worker.state_dict().items()}
     for store in setup.sources:
         for name in embed_names:
-            worker_state[name].copy_(store.get(name))
+            if name in worker_state:
+                worker_state[name].copy_(store.get(name))
         with setup.autocast():
             hidden.append([adapter.embed(worker, b.to(setup.device)) for b in setup.batches])
     blocks = adapter.layers(worker)
