@@ -84,6 +84,7 @@ MEASURE_RUNS = ("forward", "score", "score_bf16")
 ALL_RUNS = (*MEASURE_RUNS, *HF_RUNS)
 PEERS = ("mergekit", "fusion_bench")
 
+CPU_NOTE = "CPU-time basis, informational (less sensitive to other jobs on the cores)"
 TARGETS = {
     "ties_tensor_vs_mergekit_wall": 0.2,
     "ties_tensor_vs_mergekit_rss": 0.5,
@@ -676,6 +677,8 @@ def summarize(results: dict, *, q: int, model_mb: float, work: Path, outs: Path,
         s["forward_s"] = F
         s["floor_forwards"] = 1 + q / 3
         s["score_floor_s"] = (1 + q / 3) * F
+        s["forward_cpu_s"] = fwd["child"]["inner_cpu_s"]
+        s["score_floor_cpu_s"] = (1 + q / 3) * fwd["child"]["inner_cpu_s"]
     ratios = {}
 
     def ratio(key, num, den, target=None, note=""):
@@ -693,19 +696,25 @@ def summarize(results: dict, *, q: int, model_mb: float, work: Path, outs: Path,
               "process wall incl. imports, load and save, both sides")
         ratio("ties_tensor_vs_mergekit_rss", tt["max_rss_mb"], mk["max_rss_mb"], TARGETS["ties_tensor_vs_mergekit_rss"],
               "peak RSS (os.wait4 ru_maxrss)")
+        ratio("ties_tensor_vs_mergekit_cpu", tt["cpu_s"], mk["cpu_s"], None, f"process CPU (user+sys); {CPU_NOTE}")
     if _ok(mt) and _ok(mk) and mk.get("tasks") == q:
         ratio("m_ties_vs_mergekit_wall", mt["wall_s"], mk["wall_s"], TARGETS["m_ties_vs_mergekit_wall"],
               "process wall incl. imports, load and save, both sides")
+        ratio("m_ties_vs_mergekit_cpu", mt["cpu_s"], mk["cpu_s"], None, f"process CPU (user+sys); {CPU_NOTE}")
     if _ok(mt) and _ok(tt) and "forward_s" in s:
         ratio("m_ties_vs_floor", mt["child"]["inner_s"], s["score_floor_s"] + tt["child"]["inner_s"],
               TARGETS["m_ties_vs_floor"], "inner merge() times: M-TIES / ((1 + q/3)·F + per-tensor TIES merge())")
         ratio("m_ties_vs_floor_wall", mt["wall_s"], s["score_floor_s"] + tt["wall_s"], None,
               "process walls: M-TIES / ((1 + q/3)·F + per-tensor TIES process)")
+        ratio("m_ties_vs_floor_cpu", mt["child"]["inner_cpu_s"],
+              s["score_floor_cpu_s"] + tt["child"]["inner_cpu_s"], None, f"inner CPU times; {CPU_NOTE}")
     for name in ("score", "score_bf16"):
         if _ok(r.get(name)) and "forward_s" in s:
             ratio(f"{name}_vs_floor", r[name]["child"]["inner_s"], s["score_floor_s"],
                   TARGETS["score_vs_floor"] if name == "score" else None,
                   "inner score() time (incl. loading the base) / (1 + q/3)·F")
+            ratio(f"{name}_vs_floor_cpu", r[name]["child"]["inner_cpu_s"], s["score_floor_cpu_s"], None,
+                  f"inner CPU times; {CPU_NOTE}")
     if _ok(r.get("score")) and _ok(r.get("score_bf16")):
         ratio("score_bf16_vs_fp32", r["score_bf16"]["child"]["inner_s"], r["score"]["child"]["inner_s"], None,
               "bf16 autocast scoring time / fp32")

@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import CLIPVisionModel
+from transformers import AutoConfig
 
 import hf_mloss
 
+from ..adapters import adapter_for
 from ..evaluation import EvalResult, evaluate, evaluate_ensemble
 
 LAMBDAS = [0.3, 0.5, 0.7, 1.0, 1.5]
@@ -85,9 +86,10 @@ def compare_methods(suite, *, specs: Sequence[MethodSpec] | None = None, seeds: 
     """Run every method on ``suite`` (a :class:`~hf_mloss.suites.tiny.TinySuite`-like object) and tabulate."""
     base_dir = str(suite.base_dir)
     model_dirs = [str(suite.finetuned[t]) for t in suite.finetuned]
-    base = CLIPVisionModel.from_pretrained(base_dir).eval()
-    finetuned = {t: CLIPVisionModel.from_pretrained(str(d)).eval() for t, d in suite.finetuned.items()}
-    specs = list(specs or default_specs(base.config.num_hidden_layers))
+    adapter = adapter_for(AutoConfig.from_pretrained(base_dir))
+    base = adapter.load_model(base_dir)
+    finetuned = {t: adapter.load_model(str(d)) for t, d in suite.finetuned.items()}
+    specs = list(specs or default_specs(adapter.num_layers))
 
     own = {t: evaluate(finetuned[t], {t: suite.test[t]}, suite.heads).accuracy[t] for t in suite.test}
     regime = {
