@@ -559,3 +559,13 @@ def test_property_exact_kth_largest(sizes, seed, data) -> None:
     else:
         flat = torch.cat(tensors)
         assert value == flat.kthvalue(total - m + 1).values.item()
+
+
+def test_trim_exact_keeps_exactly_m_even_with_ties():
+    from hf_mloss.methods.ops import trim_exact, trim_tensor
+
+    tau = torch.tensor([[0.5, -0.5, 0.5], [0.1, -0.5, 0.2]])
+    exact = trim_exact(tau, 2)
+    assert int((exact != 0).sum()) == 2 and set(exact[exact != 0].abs().tolist()) == {0.5}
+    assert int((trim_tensor(tau, 2 / 6) != 0).sum()) == 4  # the threshold rule keeps every tie at 0.5
+    assert torch.equal(trim_exact(tau, 0), torch.zeros_like(tau)) and torch.equal(trim_exact(tau, 6), tau)

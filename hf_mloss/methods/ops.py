@@ -41,6 +41,18 @@ def trim_tensor(tau: torch.Tensor, keep: float, *, min_keep: int = 0, extra: int
     return torch.where(magnitude >= magnitude_threshold(magnitude, m), tau, torch.zeros_like(tau))
 
 
+def trim_exact(tau: torch.Tensor, m: int) -> torch.Tensor:
+    """Keep exactly ``m`` entries, ties at the threshold broken by descending ``argsort`` order (mergekit's rule).
+
+    A full sort is ~4x slower than :func:`trim_tensor`'s selection; use it only to reproduce mergekit bit for bit
+    (fp32 task vectors of millions of entries do contain equal magnitudes at the threshold).
+    """
+    flat = tau.abs().reshape(-1)
+    keep = torch.zeros(flat.numel(), dtype=torch.bool, device=tau.device)
+    keep[torch.argsort(flat, descending=True)[: max(m, 0)]] = True
+    return tau * keep.view_as(tau)
+
+
 def trim_by_threshold(tau: torch.Tensor, threshold: float) -> torch.Tensor:
     """Keep the entries with ``|tau| >= threshold`` (global trim: the threshold comes from the whole model)."""
     return torch.where(tau.abs() >= threshold, tau, torch.zeros_like(tau))

@@ -11,7 +11,7 @@ import torch
 
 from . import register_merge_method
 from .base import MergeContext, MergeMethod, MethodParams, check_choice, check_finite, check_fraction
-from .ops import ExactKthLargest, elect_and_merge, keep_count, trim_by_threshold, trim_tensor
+from .ops import ExactKthLargest, elect_and_merge, keep_count, trim_by_threshold, trim_exact, trim_tensor
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,8 @@ class TiesConvention:
     extra_keep: int = 0
     elect: str = "weighted"
     divide_by: str = "weights"
+    exact_k: bool = False
+    """Keep exactly the count (argsort order at ties) instead of every entry >= the threshold."""
     description: str = ""
 
 
@@ -31,7 +33,8 @@ CONVENTIONS: dict[str, TiesConvention] = {
         "global", description="SPEC semantics: keep floor(n·k), elect on Σα·τ (zero → +1), divide by Σ agreeing α"
     ),
     "mergekit": TiesConvention(
-        "tensor", min_keep=1, description="mergekit `ties`: per tensor, at least 1 kept, elect on weighted deltas, "
+        "tensor", min_keep=1, exact_k=True, description="mergekit `ties`: per tensor, exactly max(1, floor(n·k)) kept "
+        "(argsort order at ties), elect on weighted deltas, "
         "weighted disjoint mean (normalize: true)"
     ),
     "fusion_bench": TiesConvention(
@@ -89,7 +92,10 @@ class Ties(MergeMethod):
         params: TiesParams = ctx.params
         if params.resolved_scope == "global":
             return trim_by_threshold(tau, ctx.state["thresholds"][index])
-        return trim_tensor(tau, params.k, min_keep=params.rules.min_keep, extra=params.rules.extra_keep)
+        rules = params.rules
+        if rules.exact_k:
+            return trim_exact(tau, keep_count(tau.numel(), params.k, min_keep=rules.min_keep, extra=rules.extra_keep))
+        return trim_tensor(tau, params.k, min_keep=rules.min_keep, extra=rules.extra_keep)
 
     def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
         params: TiesParams = ctx.params
