@@ -103,15 +103,23 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _maxrss_mb() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 * 1024 if sys.platform == "darwin" else 1024)
+def _proc_status_mb(field: str) -> float | None:
+    """``VmRSS`` / ``VmHWM`` of this process from /proc (Linux). Unlike ``ru_maxrss``, ``VmHWM`` covers only this
+    process's own address space: ``ru_maxrss`` of a fork/vfork+exec child starts at the PARENT's peak RSS."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def child_main(spec_path: str) -> int:
     """Run one timed job described by SPEC.json; write its inner timings to spec["result"]."""
     spec = json.loads(Path(spec_path).read_text())
+    if spec["kind"] == "setup":
+        return setup_main(spec)
     t0, c0 = time.perf_counter(), time.process_time()
     import torch
 
@@ -119,7 +127,7 @@ def child_main(spec_path: str) -> int:
     from transformers import CLIPVisionModel
 
     device = spec["device"]
-    info: dict = {"import_s": time.perf_counter() - t0, "rss_after_import_mb": _maxrss_mb(),
+    info: dict = {"import_s": time.perf_counter() - t0, "vmrss_after_import_mb": _proc_status_mb("VmRSS"),
                   "torch_threads": torch.get_num_threads(), "loadavg_start": os.getloadavg()}
     pixels = torch.load(spec["data"], weights_only=True)[: spec["num_samples"]] if spec.get("data") else None
     kind = spec["kind"]
@@ -157,7 +165,7 @@ def child_main(spec_path: str) -> int:
                                 **extra, **spec["params"])
         _sync(device)
         info["inner_s"], info["inner_cpu_s"] = time.perf_counter() - t1, time.process_time() - c1
-        info["rss_after_merge_mb"] = _maxrss_mb()
+        info["vmhwm_after_merge_mb"] = _proc_status_mb("VmHWM")
         t2 = time.perf_counter()
         result.save_pretrained(spec["out"], overwrite=True)
         info["save_s"] = time.perf_counter() - t2
@@ -165,6 +173,7 @@ def child_main(spec_path: str) -> int:
         raise SystemExit(f"unknown child kind {kind!r}")
     if device.startswith("cuda"):
         info["cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    info["vmhwm_mb"] = _proc_status_mb("VmHWM")
     info["total_in_child_s"] = time.perf_counter() - t0
     info["total_cpu_in_child_s"] = time.process_time() - c0
     info["loadavg_end"] = os.getloadavg()
@@ -212,7 +221,8 @@ class RssGuard:
                         os.killpg(top.pid, signal.SIGKILL)
                     except (ps.NoSuchProcess, ProcessLookupError, PermissionError):
                         continue
-                    self.killed.append(f"{cmd} (descendants' RSS {total / 2**30:.1f} GB > {self.limit_mb / 1024:.1f} GB)")
+                    self.killed.append(f"{cmd} (descendants' RSS {total / 2**30:.1f} GB > "
+                                       f"{self.limit_mb / 1024:.1f} GB)")
                     print(f"[merge_speed] RSS guard killed {cmd}: {total / 2**30:.1f} GB", flush=True)
             except Exception:  # never let the guard take the benchmark down
                 pass
@@ -358,6 +368,21 @@ def ensure_images(cache: Path, n: int, image_size: int, seed: int = 0) -> Path:
         std = torch.tensor(CLIP_STD).view(1, 3, 1, 1)
         torch.save(((raw.float() / 255.0) - mean) / std, path)
     return path
+
+
+def setup_main(spec: dict) -> int:
+    """Child job: create / reuse the models and images (kept out of the parent so that its RSS stays small)."""
+    if spec["device"].startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda but torch.cuda.is_available() is False")
+    cache = Path(spec["cache"])
+    base_dir, model_dirs, info = ensure_models(cache, spec["shape"], spec["layers"], spec["q"])
+    images = ensure_images(cache, spec["num_samples"], SHAPES[spec["shape"]]["image_size"])
+    info.update(base=str(base_dir), model_dirs=[str(p) for p in model_dirs], images=str(images))
+    Path(spec["result"]).write_text(json.dumps(info, indent=2))
+    return 0
 
 
 # -------------------------------------------------------------------------------------------- analysis
@@ -513,15 +538,14 @@ def estimate_fusion_bench_gb(model_gb: float, tasks: int) -> float:
 
 
 def main_run(args) -> int:
-    import torch
-
+    # The parent must stay small until every timed child has run: os.wait4's ru_maxrss of a child (here and in
+    # benchmarks/peers/run_peer.py) is at least the parent's peak RSS at spawn time (Linux copies the old address
+    # space's high-water mark at exec). So torch / transformers are imported only after the runs.
     runs_wanted = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else list(ALL_RUNS)
     unknown = sorted(set(runs_wanted) - set(ALL_RUNS) - {"ties_global_fb"})
     if unknown:
         raise SystemExit(f"unknown --methods {unknown}; choose from {list(ALL_RUNS)}")
     peers = [] if args.skip_peers else [p.strip().replace("-", "_") for p in args.peers.split(",") if p.strip()]
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("--device cuda but torch.cuda.is_available() is False")
     cache = Path(args.cache).resolve()
     tag = args.tag or ((f"{args.shape}" if args.shape != "b32" else "")
                        + (f"-{args.layers}L" if args.layers is not None else ""))
@@ -532,12 +556,18 @@ def main_run(args) -> int:
     results_dir = Path(args.results_dir).resolve()
     results_dir.mkdir(parents=True, exist_ok=True)
     q = args.q
-    machine = machine_info(args)
+    started = {"date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+               "command": shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv]), "loadavg_start": os.getloadavg()}
     _log(f"shape={args.shape} layers={args.layers} q={q} device={args.device} runs={runs_wanted} peers={peers}")
 
-    base_dir, model_dirs, models_info = ensure_models(cache, args.shape, args.layers, q)
-    config = shape_config(args.shape, args.layers)
-    images = ensure_images(cache, args.num_samples, config.image_size)
+    setup_spec = dict(name="setup", kind="setup", device=args.device, cache=str(cache), shape=args.shape,
+                      layers=args.layers, q=q, num_samples=args.num_samples)
+    setup = run_child(setup_spec, work, args.timeout)
+    if "error" in setup:
+        raise SystemExit(f"creating the inputs failed: {setup['error']}")
+    models_info = setup["child"]
+    base_dir, model_dirs = Path(models_info.pop("base")), [Path(p) for p in models_info.pop("model_dirs")]
+    images = Path(models_info.pop("images"))
     model_mb = models_info["model_bytes"] / 1e6
     _log(f"models under {models_info['root']} ({model_mb:.1f} MB each; created {models_info['created'] or 'none'} "
          f"in {models_info['create_s']} s); images {images.name}")
@@ -601,8 +631,9 @@ def main_run(args) -> int:
                     results["fusion_bench_ties"] = {"name": "fusion_bench", "skipped": reason, "tasks": fb_tasks}
                     continue
                 if fb_tasks < q:
+                    full = estimate_fusion_bench_gb(model_mb / 1000, q)
                     _log(f"fusion-bench TIES runs on {fb_tasks} of {q} tasks: {q} tasks would need "
-                         f"~{estimate_fusion_bench_gb(model_mb / 1000, q):.0f} GB RSS (limit {args.rss_limit_gb:.0f} GB)")
+                         f"~{full:.0f} GB RSS (limit {args.rss_limit_gb:.0f} GB)")
                 _log(f"running fusion-bench TIES on {fb_tasks} tasks (estimated peak {est:.1f} GB) ...")
                 res = run_peer("fusion_bench", base_dir, model_dirs[:fb_tasks], outs / "fusion_bench_ties",
                                args.timeout)
@@ -621,6 +652,8 @@ def main_run(args) -> int:
             else:
                 skipped[peer] = f"unknown peer {peer!r}"
         killed = list(guard.killed)
+    parent_rss = _parent_hwm_mb()
+    machine = machine_info(args) | started
 
     for res in results.values():
         res.setdefault("tasks", q)
@@ -641,6 +674,7 @@ def main_run(args) -> int:
         "runs": results,
         "skipped": skipped,
         "rss_guard": {"limit_gb": args.rss_limit_gb, "killed": killed},
+        "parent_peak_rss_mb_during_runs": parent_rss,
         "summary": summary,
     }
     json_path = results_dir / f"merge_speed_{tag}.json"
@@ -653,6 +687,10 @@ def main_run(args) -> int:
         shutil.rmtree(outs, ignore_errors=True)
     failed = [n for n, r in results.items() if "error" in r]
     return 1 if failed else 0
+
+
+def _parent_hwm_mb() -> float | None:
+    return _proc_status_mb("VmHWM")
 
 
 def _available_gb() -> float | None:
@@ -694,8 +732,8 @@ def summarize(results: dict, *, q: int, model_mb: float, work: Path, outs: Path,
     if _ok(tt) and _ok(mk) and mk.get("tasks") == q:
         ratio("ties_tensor_vs_mergekit_wall", tt["wall_s"], mk["wall_s"], TARGETS["ties_tensor_vs_mergekit_wall"],
               "process wall incl. imports, load and save, both sides")
-        ratio("ties_tensor_vs_mergekit_rss", tt["max_rss_mb"], mk["max_rss_mb"], TARGETS["ties_tensor_vs_mergekit_rss"],
-              "peak RSS (os.wait4 ru_maxrss)")
+        ratio("ties_tensor_vs_mergekit_rss", tt["max_rss_mb"], mk["max_rss_mb"],
+              TARGETS["ties_tensor_vs_mergekit_rss"], "peak RSS (os.wait4 ru_maxrss)")
         ratio("ties_tensor_vs_mergekit_cpu", tt["cpu_s"], mk["cpu_s"], None, f"process CPU (user+sys); {CPU_NOTE}")
     if _ok(mt) and _ok(mk) and mk.get("tasks") == q:
         ratio("m_ties_vs_mergekit_wall", mt["wall_s"], mk["wall_s"], TARGETS["m_ties_vs_mergekit_wall"],
@@ -731,16 +769,18 @@ def summarize(results: dict, *, q: int, model_mb: float, work: Path, outs: Path,
     s["ratios"] = ratios
     rss = {}
     for name, res in r.items():
-        if _ok(res) and res.get("child", {}).get("rss_after_import_mb") is not None and name in {*HF_RUNS, "ties_global_fb"}:
+        if name in {*HF_RUNS, "ties_global_fb"} and _ok(res):
+            after = res.get("child", {}).get("vmrss_after_import_mb")
             rss[name] = {"peak_mb": res["max_rss_mb"], "over_two_models": res["max_rss_mb"] / (2 * model_mb),
-                         "after_imports_mb": res["child"]["rss_after_import_mb"],
-                         "above_imports_mb": res["max_rss_mb"] - res["child"]["rss_after_import_mb"]}
+                         "child_vmhwm_mb": res.get("child", {}).get("vmhwm_mb"), "after_imports_mb": after,
+                         "above_imports_mb": res["max_rss_mb"] - after if after is not None else None}
     s["rss_vs_models"] = rss
     if _ok(r.get("score")) and _ok(r.get("score_bf16")):
         s["bf16"] = mloss_agreement(str(work / "score.mloss.pt"), str(work / "score_bf16.mloss.pt"))
     parity = {}
     if _ok(tt) and _ok(mk) and mk.get("tasks") == q:
-        parity["ties_tensor (mergekit convention) vs mergekit"] = max_abs_diff(outs / "ties_tensor", outs / "mergekit_ties")
+        parity["ties_tensor (mergekit convention) vs mergekit"] = max_abs_diff(outs / "ties_tensor",
+                                                                               outs / "mergekit_ties")
     if _ok(tg) and _ok(fb):
         parity["ties_global_fb (fusion_bench convention) vs fusion-bench"] = max_abs_diff(outs / "ties_global_fb",
                                                                                          outs / "fusion_bench_ties")
@@ -779,7 +819,8 @@ def render_markdown(p: dict) -> str:
         f"- Load average (1/5/15 min) at start {tuple(round(x, 2) for x in m['loadavg_start'])}, at end "
         f"{tuple(round(x, 2) for x in m['loadavg_end'])}. Other jobs shared the cores, so timings are noisy.",
         f"- Inputs: random-init CLIP vision tower ({p['models']['num_params'] / 1e6:.2f} M params, "
-        f"{model_mb:.1f} MB fp32 safetensors each), {q} fine-tunes = base + task vector (std {p['task_vectors']['std']}, "
+        f"{model_mb:.1f} MB fp32 safetensors each), {q} fine-tunes = base + task vector "
+        f"(std {p['task_vectors']['std']}, "
         f"per-tensor scale {p['task_vectors']['per_tensor_scale']}); {p['num_samples']} random images "
         f"(preprocessed tensor), batch {p['batch_size']}. Checkpoints are in the page cache (warm reads).",
         f"- TIES everywhere: keep k = {p['k']} (mergekit density {p['k']}, fusion-bench threshold {p['k'] * 100:g}), "
@@ -841,16 +882,23 @@ def render_markdown(p: dict) -> str:
     if s.get("rss_vs_models"):
         lines += ["## Peak RSS of each hf_mloss merge vs base + merged model", "",
                   f"Reference figure: 2 × {model_mb:.1f} MB = {2 * model_mb:.1f} MB.", "",
-                  "| run | peak RSS MB | / (2 × model) | RSS after imports MB | peak − imports MB |",
-                  "|---|---|---|---|---|"]
+                  "| run | peak RSS MB | / (2 × model) | child's own VmHWM MB | RSS after imports MB "
+                  "| peak − imports MB |", "|---|---|---|---|---|---|"]
         for name, v in s["rss_vs_models"].items():
-            lines.append(f"| {name} | {v['peak_mb']:.0f} | {v['over_two_models']:.2f} | {v['after_imports_mb']:.0f} | "
-                         f"{v['above_imports_mb']:.0f} |")
+            lines.append(f"| {name} | {v['peak_mb']:.0f} | {v['over_two_models']:.2f} | "
+                         f"{_fmt(v.get('child_vmhwm_mb'), 0)} | {_fmt(v.get('after_imports_mb'), 0)} | "
+                         f"{_fmt(v.get('above_imports_mb'), 0)} |")
+        parent = p.get("parent_peak_rss_mb_during_runs")
+        lines += ["", "Peak RSS is `ru_maxrss` from `os.wait4`, which on Linux is at least the parent's peak RSS at "
+                  "spawn time; the parent stayed at "
+                  + (f"{parent:.0f} MB" if parent is not None else "an unrecorded size")
+                  + " until the timed runs were over. *child's own VmHWM* is the child's /proc high-water mark."]
         lines.append("")
     if s.get("bf16"):
         b = s["bf16"]
         lines += ["## bf16 scoring vs fp32 (prefix base)", "",
-                  f"- Layer M-Loss relative error: max {b['layer_rel_err_max']:.2e}, mean {b['layer_rel_err_mean']:.2e}",
+                  f"- Layer M-Loss relative error: max {b['layer_rel_err_max']:.2e}, "
+                  f"mean {b['layer_rel_err_mean']:.2e}",
                   f"- Spearman ρ of node M-Loss per layer: min {b['node_spearman_min']:.4f}, "
                   f"mean {b['node_spearman_mean']:.4f}", ""]
     if s.get("parity"):
@@ -861,11 +909,15 @@ def render_markdown(p: dict) -> str:
             else:
                 lines.append(f"- {key}: max |Δ| = {v['max_abs_diff']:.2e} over {v['tensors_compared']} tensors"
                              + (f" (worst: {v['worst_tensor']})" if v["worst_tensor"] else "")
-                             + f"; {v['entries_differing_gt_1e-6']} of {v['entries_compared']:,} entries differ by > 1e-6"
+                             + f"; {v['entries_differing_gt_1e-6']} of {v['entries_compared']:,} entries "
+                               "differ by > 1e-6"
                              + (f"; keys not shared: {v['keys_not_shared']}" if v["keys_not_shared"] else ""))
-        lines += ["", "A few differing entries are expected for per-tensor TIES vs mergekit: hf_mloss keeps every "
-                  "entry whose |τ| equals the k-th largest (ties at the threshold, which fp32 task vectors do have), "
-                  "mergekit keeps exactly k by argsort order.", ""]
+        lines += ["", "Known causes of the few differing entries (checked on the b32 inputs): "
+                  "(1) vs mergekit, ties at the per-tensor threshold: hf_mloss keeps every entry whose |τ| equals "
+                  "the k-th largest (fp32 task vectors have such ties), mergekit keeps exactly k in argsort order; "
+                  "(2) vs fusion-bench, entries whose trimmed deltas sum to exactly 0 (e.g. +x and −x): "
+                  "fusion-bench elects the global majority sign there, hf_mloss's fusion_bench convention elects +1.",
+                  ""]
     if s.get("full_depth_estimate"):
         est = dict(s["full_depth_estimate"])
         lines += ["## Full-depth estimate", "", est.pop("note"), ""]
@@ -873,6 +925,8 @@ def render_markdown(p: dict) -> str:
         lines.append("")
     if p["skipped"]:
         lines += ["## Skipped", ""] + [f"- {k}: {v}" for k, v in p["skipped"].items()] + [""]
+    if p.get("notes"):
+        lines += ["## Notes", ""] + [f"- {n}" for n in p["notes"]] + [""]
     if p["rss_guard"]["killed"]:
         lines += ["## Killed by the RSS guard", ""] + [f"- {k}" for k in p["rss_guard"]["killed"]] + [""]
     return "\n".join(lines)
@@ -903,6 +957,7 @@ def parse_args(argv=None):
     ap.add_argument("--results-dir", default=str(DEFAULT_RESULTS))
     ap.add_argument("--tag", default=None, help="results file suffix (default: <shape>_<device>; b32: <device>)")
     ap.add_argument("--keep-outputs", action="store_true", help="keep the merged models under the cache")
+    ap.add_argument("--render", metavar="JSON", help="only re-write the Markdown of an existing results JSON")
     return ap.parse_args(argv)
 
 
@@ -910,6 +965,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child:
         return child_main(args.child)
+    if args.render:
+        src = Path(args.render)
+        src.with_suffix(".md").write_text(render_markdown(json.loads(src.read_text())))
+        return 0
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
     return main_run(args)
