@@ -569,3 +569,26 @@ def test_trim_exact_keeps_exactly_m_even_with_ties():
     assert int((exact != 0).sum()) == 2 and set(exact[exact != 0].abs().tolist()) == {0.5}
     assert int((trim_tensor(tau, 2 / 6) != 0).sum()) == 4  # the threshold rule keeps every tie at 0.5
     assert torch.equal(trim_exact(tau, 0), torch.zeros_like(tau)) and torch.equal(trim_exact(tau, 6), tau)
+
+
+def test_zero_sum_sign_rule():
+    from hf_mloss.methods.ops import elect_and_merge
+
+    taus = [torch.tensor([0.3, 1.0]), torch.tensor([-0.3, 1.0])]  # entry 0 sums to exactly 0
+    w = torch.tensor([0.5, 0.5])
+    assert torch.equal(elect_and_merge(taus, w), torch.tensor([0.3, 1.0]))
+    assert torch.equal(elect_and_merge(taus, w, zero_positive=False), torch.tensor([-0.3, 1.0]))
+
+
+def test_fusion_bench_convention_uses_the_model_wide_majority_on_exact_zero_sums():
+    from hf_mloss.methods.base import MergeContext
+    from hf_mloss.methods.ties import Ties, TiesParams
+
+    base = torch.zeros(6)
+    sources = [torch.tensor([0.5, -0.9, -0.8, -0.7, -0.6, 0.0]), torch.tensor([-0.5, -0.9, -0.8, -0.7, -0.6, 0.0])]
+    ctx = MergeContext(params=TiesParams(k=1.0, convention="fusion_bench"), weights=torch.tensor([0.5, 0.5]))
+    ctx.state["total_numel"] = 6
+    Ties().prepare(ctx, lambda fn: fn("w", base, sources))
+    assert ctx.state["zero_positive"] is False  # most elected signs are negative
+    merged = Ties().merge_tensor("w", base, sources, ctx)
+    assert merged[0].item() == -0.5  # the exact-zero entry follows the majority (-), not +1

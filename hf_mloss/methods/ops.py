@@ -79,6 +79,7 @@ def elect_and_merge(
     *,
     elect: str = "weighted",
     divide_by: str = "weights",
+    zero_positive: bool = True,
 ) -> torch.Tensor:
     """TIES sign election + disjoint merge of (trimmed) task vectors.
 
@@ -90,12 +91,15 @@ def elect_and_merge(
         divide_by: ``"weights"``: Σ_agree α_p τ_p / Σ_agree α_p (disjoint mean; mergekit ``normalize: true``);
             ``"count"``: divide by the number of agreeing tasks (PEFT); ``"none"``: disjoint sum.
             Entries with no agreeing task get 0. Zeros never agree.
+        zero_positive: the sign elected where the sum is exactly 0 (+1 by default; the original TIES code uses the
+            majority of the elected signs over the whole model instead).
     """
     stacked = taus if isinstance(taus, torch.Tensor) else torch.stack(list(taus))
     alpha = weights.to(stacked).reshape(-1, *([1] * (stacked.dim() - 1)))
     weighted = stacked * alpha
     total = (weighted if elect == "weighted" else stacked).sum(0)
-    agree = torch.where(total >= 0, stacked > 0, stacked < 0)
+    positive = total >= 0 if zero_positive else total > 0
+    agree = torch.where(positive, stacked > 0, stacked < 0)
     numerator = torch.where(agree, weighted, torch.zeros_like(weighted)).sum(0)
     if divide_by == "none":
         return numerator

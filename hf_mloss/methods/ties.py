@@ -23,6 +23,8 @@ class TiesConvention:
     extra_keep: int = 0
     elect: str = "weighted"
     divide_by: str = "weights"
+    majority_zero_sign: bool = False
+    """Where the summed trimmed deltas are exactly 0, elect the sign held by most entries of the whole model."""
     exact_k: bool = False
     """Keep exactly the count (argsort order at ties) instead of every entry >= the threshold."""
     description: str = ""
@@ -38,8 +40,8 @@ CONVENTIONS: dict[str, TiesConvention] = {
         "weighted disjoint mean (normalize: true)"
     ),
     "fusion_bench": TiesConvention(
-        "global", extra_keep=1, description="fusion-bench / original TIES code: global threshold at the "
-        "(d − floor(d·k))-th smallest |τ| (one entry more than floor(d·k)), dis-mean"
+        "global", extra_keep=1, majority_zero_sign=True, description="fusion-bench / original TIES code: global threshold at the "
+        "(d − floor(d·k))-th smallest |τ| (one entry more than floor(d·k)), exact-zero sums take the model-wide majority sign, dis-mean"
     ),
     "peft": TiesConvention(
         "tensor", elect="unweighted", divide_by="count", description="PEFT `ties`: per tensor, elect on unweighted "
@@ -87,6 +89,15 @@ class Ties(MergeMethod):
         if params.resolved_scope != "global":
             return
         ctx.state["thresholds"] = global_thresholds(ctx, visit, params.k, extra=params.rules.extra_keep)
+        if params.rules.majority_zero_sign:
+            balance = torch.zeros((), dtype=torch.float64)
+
+            def count_signs(name, base, sources):
+                trimmed = sum(self.trim(name, t - base, i, ctx) for i, t in enumerate(sources))
+                balance.add_(torch.sign(trimmed).sum(dtype=torch.float64))
+
+            visit(count_signs)  # a third streaming pass, only for this convention
+            ctx.state["zero_positive"] = bool(balance > 0)
 
     def trim(self, name: str, tau: torch.Tensor, index: int, ctx: MergeContext) -> torch.Tensor:
         params: TiesParams = ctx.params
@@ -100,7 +111,8 @@ class Ties(MergeMethod):
     def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
         params: TiesParams = ctx.params
         taus = [self.trim(name, t - base, i, ctx) for i, t in enumerate(sources)]
-        merged = elect_and_merge(taus, ctx.weights, elect=params.rules.elect, divide_by=params.rules.divide_by)
+        merged = elect_and_merge(taus, ctx.weights, elect=params.rules.elect, divide_by=params.rules.divide_by,
+                                 zero_positive=ctx.state.get("zero_positive", True))
         return base + params.lam * merged
 
 
