@@ -27,6 +27,7 @@ from .report import MLossReport
 from .store import TensorStore
 
 PREFIXES = ("own", "base", "merged")
+_CHUNK_ELEMENTS = 1 << 23
 REDUCTIONS = ("abs", "sq")
 
 
@@ -158,11 +159,15 @@ def score_shared_prefix(setup: ScoringSetup, hooks: LayerHooks | None = None) ->
         if layer in scored:
             weight, bias = _stacked_target(setup, layer)
             acc = MLossAccumulator(weight.shape[0] // q, reduction=setup.reduction, eps=setup.eps, device=setup.device)
+            # Positions in chunks of ~8 M pre-activations: the q-stacked h and σ(h) of a whole ViT-L/14 batch would be
+            # 2 x 539 MB; chunks bound that memory whatever the batch size, with the same sums.
+            rows = max(1, _CHUNK_ELEMENTS // weight.shape[0])
             for _, u in halves:
-                flat = u.reshape(-1, u.shape[-1])
-                with setup.autocast():
-                    h = nn.functional.linear(flat, weight.to(flat.dtype), None if bias is None else bias.to(flat.dtype))
-                acc.add(h.reshape(flat.shape[0], q, -1), setup.alpha, setup.activation)
+                for flat in u.reshape(-1, u.shape[-1]).split(rows):
+                    with setup.autocast():
+                        h = nn.functional.linear(flat, weight.to(flat.dtype),
+                                                 None if bias is None else bias.to(flat.dtype))
+                    acc.add(h.reshape(flat.shape[0], q, -1), setup.alpha, setup.activation)
             acc.reduce_across_processes()
             results[adapter.target_name(layer)] = acc
             hooks.after_scores(layer, acc)
