@@ -57,9 +57,9 @@ class ModelAdapter(ABC):
         """Canonical name of a checkpoint key, or ``None`` if the tensor is not part of the merged model."""
 
     @property
-    @abstractmethod
     def num_layers(self) -> int:
         """Number of transformer blocks."""
+        return self.config.num_hidden_layers
 
     def stage_of(self, name: str) -> int:
         """Stage of a canonical tensor: ``-1`` embeddings, ``0..L-1`` blocks, ``L`` everything after."""

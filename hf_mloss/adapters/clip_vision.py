@@ -37,10 +37,6 @@ class CLIPVisionAdapter(ModelAdapter):
             key = key[len(_VISION_PREFIX) :]
         return key if key.startswith(_TOWER_ROOTS) else None
 
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_hidden_layers
-
     def is_embedding(self, name: str) -> bool:
         return name.startswith(("embeddings.", "pre_layrnorm."))
 

@@ -65,10 +65,6 @@ class Dinov2Adapter(ModelAdapter):
                     return key.replace(old, new, 1)
         return key
 
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_hidden_layers
-
     def is_embedding(self, name: str) -> bool:
         return name.startswith("embeddings.")
 

@@ -67,10 +67,6 @@ class ViTAdapter(ModelAdapter):
             return None
         return key if key.startswith(_ROOTS) else None
 
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_hidden_layers
-
     def is_embedding(self, name: str) -> bool:
         return name.startswith("embeddings.")
 
