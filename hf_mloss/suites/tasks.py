@@ -644,23 +644,28 @@ def make_pretrain_mix(n_per_source: int, seed: int = 0) -> dict[str, tuple[np.nd
             for name, spec in PRETRAIN_SOURCES.items()}
 
 
-def to_pixel_values(images: np.ndarray) -> "torch.Tensor":  # noqa: F821
-    """uint8 ``[n, 32, 32, 3]`` → float ``[n, 3, 32, 32]`` normalised exactly as CLIP's image processor does
-    (rescale by 1/255, then (x - mean) / std)."""
+def to_pixel_values(images: np.ndarray, size: int | None = None, mean: Sequence[float] = CLIP_MEAN,
+                    std: Sequence[float] = CLIP_STD) -> "torch.Tensor":  # noqa: F821
+    """uint8 ``[n, H, W, 3]`` → float ``[n, 3, H, W]`` normalised as an image processor does (rescale by 1/255,
+    then (x - mean) / std; CLIP's mean/std by default); ``size`` first resizes to ``size``×``size`` (bicubic,
+    antialiased)."""
     import torch
 
     x = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).float() * (1 / 255)
-    mean = torch.tensor(CLIP_MEAN).view(1, 3, 1, 1)
-    std = torch.tensor(CLIP_STD).view(1, 3, 1, 1)
-    return ((x - mean) / std).contiguous()
+    if size is not None and tuple(x.shape[-2:]) != (size, size):
+        x = torch.nn.functional.interpolate(x, size=(size, size), mode="bicubic", antialias=True,
+                                            align_corners=False).clamp_(0, 1)
+    mean_t = torch.tensor(mean).view(1, 3, 1, 1)
+    std_t = torch.tensor(std).view(1, 3, 1, 1)
+    return ((x - mean_t) / std_t).contiguous()
 
 
 def contact_sheet(images: np.ndarray, columns: int = 16, scale: int = 2) -> Image.Image:
-    """A grid of images (for looking at a task)."""
-    n = len(images)
+    """A grid of same-sized images (for looking at a task)."""
+    n, h, w = images.shape[:3]
     rows = -(-n // columns)
-    sheet = np.zeros((rows * SIZE, columns * SIZE, 3), np.uint8)
+    sheet = np.zeros((rows * h, columns * w, 3), np.uint8)
     for i, img in enumerate(images):
         r, c = divmod(i, columns)
-        sheet[r * SIZE:(r + 1) * SIZE, c * SIZE:(c + 1) * SIZE] = img
-    return Image.fromarray(sheet).resize((columns * SIZE * scale, rows * SIZE * scale), Image.NEAREST)
+        sheet[r * h:(r + 1) * h, c * w:(c + 1) * w] = img
+    return Image.fromarray(sheet).resize((columns * w * scale, rows * h * scale), Image.NEAREST)

@@ -36,11 +36,8 @@ import hashlib
 import json
 import os
 import platform
-import shutil
-import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,51 +47,28 @@ import torch.nn.functional as F
 from transformers import CLIPVisionConfig, CLIPVisionModel
 
 from . import tasks as T
+from .training import (
+    Log,
+    Suite,
+    TaskHead,
+    atomic_dir,
+    default_threads,
+    finetune,
+    fit_head,
+    head_accuracy,
+    load_heads,
+    lr_lambda,
+    save_heads,
+    stage,
+    torch_threads,
+)
 
 VERSION = "v4"
 """Bumped whenever a change alters the data, the models or the heads."""
 
 
-@dataclass
-class TaskHead:
-    """Frozen per-task classifier on the encoder's pooled feature (``model(pixel_values).pooler_output``)."""
-
-    weight: torch.Tensor  # [C, D]
-    bias: torch.Tensor | None = None  # [C]
-    center: torch.Tensor | None = None  # [D], subtracted before normalisation
-    normalize: bool = True  # L2-normalise features before the linear map
-    scale: float = 1.0  # logit scale
-
-    def logits(self, features: torch.Tensor) -> torch.Tensor:
-        weight = self.weight.to(features.device, features.dtype)
-        if self.center is not None:
-            features = features - self.center.to(features.device, features.dtype)
-        if self.normalize:
-            features = F.normalize(features, dim=-1)
-        out = self.scale * features @ weight.T
-        if self.bias is not None:
-            out = out + self.bias.to(features.device, features.dtype)
-        return out
-
-
-@dataclass
-class TinySuite:
-    base_dir: Path
-    """``save_pretrained`` folder of the pretrained ``CLIPVisionModel`` (+ its image processor)."""
-    finetuned: dict[str, Path]
-    """task → ``save_pretrained`` folder of the encoder fine-tuned on it."""
-    heads: dict[str, TaskHead]
-    val: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    """task → (pixel_values [N, 3, 32, 32] normalised as the processor would, labels [N])."""
-    test: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    unlabeled: torch.Tensor
-    """[M, 3, 32, 32] normalised images mixed from all tasks' train splits (no labels), for M-Loss scoring."""
-    info: dict
-    """Timings, configuration, versions, training losses, per-task fine-tuned and pretrained-head accuracies."""
-
-    @property
-    def tasks(self) -> list[str]:
-        return list(self.finetuned)
+TinySuite = Suite
+"""The tiny suite's built artifacts (see :class:`hf_mloss.suites.training.Suite`)."""
 
 
 @dataclass
@@ -165,74 +139,6 @@ def _digest(obj) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-class _Log:
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self.start = time.perf_counter()
-
-    def __call__(self, message: str) -> None:
-        if self.enabled:
-            print(f"[tiny suite {time.perf_counter() - self.start:6.1f}s] {message}", file=sys.stderr, flush=True)
-
-
-def default_threads() -> int:
-    """Torch intra-op threads: the idle cores, at most 4, at least 1.
-
-    On a shared machine OpenMP workers spin-wait for each other: measured on 2 cores with ~4 other busy processes, a
-    training step took 0.84-1.7 s with 2 threads and 0.23-0.25 s with 1."""
-    cores = os.cpu_count() or 1
-    try:
-        busy = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        busy = 0.0
-    return max(1, min(4, cores - int(round(busy))))
-
-
-@contextmanager
-def _threads(n: int) -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
-@contextmanager
-def _stage(info: dict, name: str) -> Iterator[None]:
-    wall, cpu = time.perf_counter(), time.process_time()
-    yield
-    info.setdefault("timings", {})[name] = {"wall_s": round(time.perf_counter() - wall, 2),
-                                            "cpu_s": round(time.process_time() - cpu, 2)}
-
-
-@contextmanager
-def _atomic_dir(target: Path) -> Iterator[Path]:
-    """Write into a temporary sibling, then rename: a cache entry is either complete or absent."""
-    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        yield tmp
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _lr_lambda(steps: int, warmup: float):
-    warm = max(1, int(round(warmup * steps)))
-
-    def factor(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        progress = (step - warm) / max(1, steps - warm)
-        return 0.5 * (1 + np.cos(np.pi * min(progress, 1.0)))
-
-    return factor
-
-
 def _vision_config(cfg: TinyConfig) -> CLIPVisionConfig:
     return CLIPVisionConfig(hidden_size=cfg.hidden_size, intermediate_size=4 * cfg.hidden_size,
                             num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
@@ -254,18 +160,12 @@ def _save(model: CLIPVisionModel, path: Path) -> None:
             hf_logging.enable_progress_bar()
 
 
-@torch.inference_mode()
-def _features(model: CLIPVisionModel, pixels: torch.Tensor, batch: int = 256) -> torch.Tensor:
-    model.eval()
-    return torch.cat([model(pixel_values=b).pooler_output for b in pixels.split(batch)])
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Stages
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _build_data(folder: Path, cfg: TinyConfig, task_names: Sequence[str], seed: int, log: _Log) -> None:
+def _build_data(folder: Path, cfg: TinyConfig, task_names: Sequence[str], seed: int, log: Log) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     sizes = {"train": cfg.n_train, "val": cfg.n_val, "test": cfg.n_test}
     for name in task_names:
@@ -290,7 +190,7 @@ def _load_task(folder: Path, name: str) -> dict[str, tuple[np.ndarray, np.ndarra
         return {s: (z[f"{s}_x"], z[f"{s}_y"]) for s in ("train", "val", "test", "prompt")}
 
 
-def _pretrain(cfg: TinyConfig, data_dir: Path, seed: int, log: _Log) -> tuple[CLIPVisionModel, dict]:
+def _pretrain(cfg: TinyConfig, data_dir: Path, seed: int, log: Log) -> tuple[CLIPVisionModel, dict]:
     with np.load(data_dir / "pretrain.npz") as z:
         sources = {s: (T.to_pixel_values(z[f"{s}_x"]), torch.from_numpy(z[f"{s}_y"])) for s in T.PRETRAIN_SOURCES}
     torch.manual_seed(seed)
@@ -299,7 +199,7 @@ def _pretrain(cfg: TinyConfig, data_dir: Path, seed: int, log: _Log) -> tuple[CL
                                  for s, spec in T.PRETRAIN_SOURCES.items()})
     params = list(model.parameters()) + list(heads.parameters())
     opt = torch.optim.AdamW(params, lr=cfg.pre_lr, weight_decay=cfg.pre_weight_decay, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg.pre_steps, 0.05))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.pre_steps, 0.05))
     gen = torch.Generator().manual_seed(seed + 1)
     per_source = max(1, cfg.pre_batch // len(sources))
     history: dict[str, list[float]] = {s: [] for s in sources}
@@ -331,82 +231,6 @@ def _pretrain(cfg: TinyConfig, data_dir: Path, seed: int, log: _Log) -> tuple[CL
                 + ", ".join(f"{s} {history[s][-1]:.3f}" for s in sources))
     model.eval()
     return model, {"pretrain_loss": history}
-
-
-def _fit_head(model: CLIPVisionModel, x: torch.Tensor, y: torch.Tensor, num_classes: int, scale: float,
-              prompts: tuple[torch.Tensor, torch.Tensor] | None = None) -> TaskHead:
-    """A cosine classifier × ``scale`` on centred, L2-normalised pretrained pooled features.
-
-    The centre is the mean feature of the task's images ``x``; the class vectors are the normalised class means of
-    the centred, normalised features of ``prompts`` (canonical renderings, centred on their own mean) — or of ``x``
-    itself (labels ``y``) when no prompts are given."""
-    feats = _features(model, x)
-    center = feats.mean(0)
-    if prompts is not None:
-        pf = _features(model, prompts[0])
-        z, y = F.normalize(pf - pf.mean(0), dim=-1), prompts[1]
-    else:
-        z = F.normalize(feats - center, dim=-1)
-    means = torch.stack([z[y == c].mean(0) if (y == c).any() else torch.zeros_like(center)
-                         for c in range(num_classes)])
-    return TaskHead(weight=F.normalize(means, dim=-1).contiguous(), bias=None, center=center.contiguous(),
-                    normalize=True, scale=float(scale))
-
-
-def _finetune(base: CLIPVisionModel, head: TaskHead, x: torch.Tensor, y: torch.Tensor, cfg: TinyConfig,
-              seed: int) -> tuple[CLIPVisionModel, list[float]]:
-    torch.manual_seed(seed)
-    model = CLIPVisionModel(base.config)
-    model.load_state_dict(base.state_dict())
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.ft_lr, weight_decay=cfg.ft_weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg.ft_steps, cfg.warmup))
-    gen = torch.Generator().manual_seed(seed)
-    losses, running = [], 0.0
-    every = max(1, cfg.ft_steps // 5)
-    for step in range(cfg.ft_steps):
-        idx = torch.randint(len(x), (cfg.ft_batch,), generator=gen)
-        loss = F.cross_entropy(head.logits(model(pixel_values=x[idx]).pooler_output), y[idx])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        running += loss.item()
-        if (step + 1) % every == 0 or step + 1 == cfg.ft_steps:
-            losses.append(round(running / ((step % every) + 1), 4))
-            running = 0.0
-    model.eval()
-    return model, losses
-
-
-def _accuracy(model: CLIPVisionModel, head: TaskHead, x: torch.Tensor, y: torch.Tensor) -> float:
-    return round((head.logits(_features(model, x)).argmax(-1) == y).float().mean().item(), 4)
-
-
-def _save_heads(heads: dict[str, TaskHead], folder: Path) -> None:
-    from safetensors.torch import save_file
-
-    tensors, meta = {}, {}
-    for name, head in heads.items():
-        tensors[f"{name}.weight"] = head.weight.contiguous()
-        if head.bias is not None:
-            tensors[f"{name}.bias"] = head.bias.contiguous()
-        if head.center is not None:
-            tensors[f"{name}.center"] = head.center.contiguous()
-        meta[name] = {"normalize": head.normalize, "scale": head.scale}
-    save_file(tensors, str(folder / "heads.safetensors"))
-    (folder / "heads.json").write_text(json.dumps(meta, indent=2) + "\n")
-
-
-def _load_heads(folder: Path) -> dict[str, TaskHead]:
-    from safetensors.torch import load_file
-
-    tensors = load_file(str(folder / "heads.safetensors"))
-    meta = json.loads((folder / "heads.json").read_text())
-    return {name: TaskHead(weight=tensors[f"{name}.weight"], bias=tensors.get(f"{name}.bias"),
-                           center=tensors.get(f"{name}.center"), normalize=m["normalize"], scale=m["scale"])
-            for name, m in meta.items()}
 
 
 def _versions() -> dict:
@@ -443,13 +267,13 @@ def build_tiny_suite(cache: str | Path | None = None, *, tasks: list[str] | None
     if unknown:
         raise ValueError(f"unknown tasks {unknown}; available: {list(T.TASKS)}")
     cfg = config or (TinyConfig.fast() if fast else TinyConfig())
-    log = _Log(progress)
+    log = Log(progress, "tiny suite")
     root = Path(cache) if cache is not None else default_cache()
     data_dir = root / VERSION / f"{'fast' if fast else 'full'}-seed{seed}" / f"data-{_digest(cfg.part(*DATA_KEYS))}"
     pre_dir = data_dir / f"pre-{_digest(cfg.part(*PRE_KEYS))}"
     run_dir = pre_dir / f"ft-{_digest([cfg.part(*FT_KEYS), task_names])}"
     threads = num_threads or default_threads()
-    with _threads(threads):
+    with torch_threads(threads):
         if not (run_dir / "info.json").exists():
             _build(cfg, task_names, seed, data_dir, pre_dir, run_dir, log, threads, fast)
         else:
@@ -458,15 +282,15 @@ def build_tiny_suite(cache: str | Path | None = None, *, tasks: list[str] | None
 
 
 def _build(cfg: TinyConfig, task_names: list[str], seed: int, data_dir: Path, pre_dir: Path, run_dir: Path,
-           log: _Log, threads: int, fast: bool) -> None:
+           log: Log, threads: int, fast: bool) -> None:
     info: dict = {"version": VERSION, "seed": seed, "fast": fast, "tasks": task_names,
                   "config": dataclasses.asdict(cfg), "versions": _versions(), "num_threads": threads}
     start = time.perf_counter()
-    with _stage(info, "data"):
+    with stage(info, "data"):
         _build_data(data_dir, cfg, task_names, seed, log)
 
     base_dir = pre_dir / "base"
-    with _stage(info, "pretraining"):
+    with stage(info, "pretraining"):
         if (base_dir / "config.json").exists():
             base = CLIPVisionModel.from_pretrained(base_dir).eval()
             pre_info = json.loads((pre_dir / "pretrain.json").read_text())
@@ -475,7 +299,7 @@ def _build(cfg: TinyConfig, task_names: list[str], seed: int, data_dir: Path, pr
             pre_start = time.perf_counter()
             base, pre_info = _pretrain(cfg, data_dir, seed, log)
             pre_info["wall_s"] = round(time.perf_counter() - pre_start, 2)
-            with _atomic_dir(base_dir) as tmp:
+            with atomic_dir(base_dir) as tmp:
                 _save(base, tmp)
             (pre_dir / "pretrain.json").write_text(json.dumps(pre_info, indent=2) + "\n")
     info["pretraining"] = pre_info
@@ -484,7 +308,7 @@ def _build(cfg: TinyConfig, task_names: list[str], seed: int, data_dir: Path, pr
     run_dir.mkdir(parents=True, exist_ok=True)
     data = {name: _load_task(data_dir, name) for name in task_names}
     heads: dict[str, TaskHead] = {}
-    with _stage(info, "heads"):
+    with stage(info, "heads"):
         for name in task_names:
             x, y = data[name]["train"]
             x, y = x[: cfg.head_samples], y[: cfg.head_samples]
@@ -493,24 +317,25 @@ def _build(cfg: TinyConfig, task_names: list[str], seed: int, data_dir: Path, pr
                 prompts = (T.to_pixel_values(data[name]["prompt"][0]), torch.from_numpy(data[name]["prompt"][1]))
             elif cfg.head_source != "train":
                 raise ValueError(f"head_source must be 'prompt' or 'train', not {cfg.head_source!r}")
-            heads[name] = _fit_head(base, T.to_pixel_values(x), torch.from_numpy(y), len(T.TASKS[name].classes),
+            heads[name] = fit_head(base, T.to_pixel_values(x), torch.from_numpy(y), len(T.TASKS[name].classes),
                                     cfg.head_scale, prompts)
-        _save_heads(heads, run_dir)
+        save_heads(heads, run_dir)
 
     info["finetune_loss"], info["accuracy"] = {}, {"pretrained": {}, "finetuned": {}}
     info["accuracy_val"] = {"pretrained": {}, "finetuned": {}}
     for i, name in enumerate(task_names):
         target = run_dir / "finetuned" / name
         x, y = T.to_pixel_values(data[name]["train"][0]), torch.from_numpy(data[name]["train"][1])
-        with _stage(info, f"finetune/{name}"):
-            model, losses = _finetune(base, heads[name], x, y, cfg, seed * 1000 + i + 1)
-            with _atomic_dir(target) as tmp:
+        with stage(info, f"finetune/{name}"):
+            model, losses = finetune(base, heads[name], x, y, steps=cfg.ft_steps, batch=cfg.ft_batch, lr=cfg.ft_lr,
+                                     weight_decay=cfg.ft_weight_decay, warmup=cfg.warmup, seed=seed * 1000 + i + 1)
+            with atomic_dir(target) as tmp:
                 _save(model, tmp)
         info["finetune_loss"][name] = losses
         for split, key in (("test", "accuracy"), ("val", "accuracy_val")):
             xs, ys = T.to_pixel_values(data[name][split][0]), torch.from_numpy(data[name][split][1])
-            info[key]["pretrained"][name] = _accuracy(base, heads[name], xs, ys)
-            info[key]["finetuned"][name] = _accuracy(model, heads[name], xs, ys)
+            info[key]["pretrained"][name] = head_accuracy(base, heads[name], xs, ys)
+            info[key]["finetuned"][name] = head_accuracy(model, heads[name], xs, ys)
         log(f"fine-tuned {name}: loss {losses[0]:.3f} → {losses[-1]:.3f}, test acc "
             f"{info['accuracy']['pretrained'][name]:.3f} (pretrained head) → "
             f"{info['accuracy']['finetuned'][name]:.3f}")
@@ -523,7 +348,7 @@ def _build(cfg: TinyConfig, task_names: list[str], seed: int, data_dir: Path, pr
 
 
 def _load(run_dir: Path, data_dir: Path, pre_dir: Path, task_names: list[str], cfg: TinyConfig,
-          log: _Log) -> TinySuite:
+          log: Log) -> TinySuite:
     info = json.loads((run_dir / "info.json").read_text())
     info["cache_dir"] = str(run_dir)
     val, test, pool = {}, {}, []
@@ -536,4 +361,4 @@ def _load(run_dir: Path, data_dir: Path, pre_dir: Path, task_names: list[str], c
     mixed = np.concatenate(pool)
     mixed = mixed[rng.permutation(len(mixed))[: cfg.n_unlabeled]]
     return TinySuite(base_dir=pre_dir / "base", finetuned={t: run_dir / "finetuned" / t for t in task_names},
-                     heads=_load_heads(run_dir), val=val, test=test, unlabeled=T.to_pixel_values(mixed), info=info)
+                     heads=load_heads(run_dir), val=val, test=test, unlabeled=T.to_pixel_values(mixed), info=info)
