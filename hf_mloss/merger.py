@@ -183,7 +183,9 @@ class TensorMerger:
         sources = []
         for store in self.inputs.sources:
             tensor = store.get_float(name, self.device)
-            if not torch.isfinite(tensor).all():
+            # One reduction instead of a full isfinite mask: any NaN/Inf (or an overflowing sum) makes the sum
+            # non-finite, and only then are the entries counted.
+            if not torch.isfinite(tensor.sum()) and not torch.isfinite(tensor).all():
                 bad = int((~torch.isfinite(tensor)).sum())
                 raise CorruptCheckpointError(
                     f"{name!r} of {store.ref.name!r} holds {bad} non-finite value(s) (NaN/Inf); a merge would spread "

@@ -78,6 +78,24 @@ def test_keep_count(numel, keep, kwargs, expected) -> None:
     assert keep_count(numel, keep, **kwargs) == expected
 
 
+@pytest.mark.parametrize("kind", ["normal", "heavy_ties", "constant", "two_values", "spike"])
+@pytest.mark.parametrize("keep", [1e-6, 0.02, 0.2, 0.5, 0.97, 0.999999])
+def test_magnitude_threshold_large_tensors_equal_kthvalue(kind: str, keep: float) -> None:
+    """Above 2^18 entries the threshold comes from a sample bracket; it must still be the exact m-th largest,
+    including for distributions where the bracket fails (constant, two values, a spike) and the full selection runs."""
+    n = 512 * 600  # > 2^18
+    g = torch.Generator().manual_seed(7)
+    mag = {
+        "normal": lambda: torch.randn(n, generator=g).abs(),
+        "heavy_ties": lambda: torch.randint(0, 50, (n,), generator=g).float(),
+        "constant": lambda: torch.full((n,), 0.25),
+        "two_values": lambda: (torch.rand(n, generator=g) < 0.2).float(),
+        "spike": lambda: torch.cat([torch.zeros(n - 7), torch.arange(1.0, 8.0)]),
+    }[kind]()
+    m = max(1, int(n * keep))
+    assert magnitude_threshold(mag.view(512, 600), m) == mag.kthvalue(n - m + 1).values.item()
+
+
 def test_magnitude_threshold_hand_values() -> None:
     mag = torch.tensor([0.5, 3.0, 1.0, 2.0])
     assert magnitude_threshold(mag, 1) == 3.0

