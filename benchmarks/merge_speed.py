@@ -81,6 +81,7 @@ HF_RUNS: dict[str, tuple[str, dict]] = {
     "dare": ("dare", dict(p=0.7, lam=1.0)),  # DARE-TIES, 1/p rescale
     "task_arithmetic": ("task_arithmetic", dict(lam=0.3)),
     "m_ties": ("m_ties", dict(k=K, e=0.1, lam=1.0)),  # prefix="merged", 128 images
+    "m_ties_bf16": ("m_ties", dict(k=K, e=0.1, lam=1.0, compute_dtype="bfloat16")),  # the same, bf16 scoring
 }
 MEASURE_RUNS = ("forward", "score", "score_bf16")
 ALL_RUNS = (*MEASURE_RUNS, *HF_RUNS)
@@ -741,6 +742,9 @@ def summarize(results: dict, *, q: int, model_mb: float, work: Path, outs: Path,
         ratio("m_ties_vs_mergekit_wall", mt["wall_s"], mk["wall_s"], TARGETS["m_ties_vs_mergekit_wall"],
               "process wall incl. imports, load and save, both sides")
         ratio("m_ties_vs_mergekit_cpu", mt["cpu_s"], mk["cpu_s"], None, f"process CPU (user+sys); {CPU_NOTE}")
+    if _ok(r.get("m_ties_bf16")) and _ok(mk) and mk.get("tasks") == q:
+        ratio("m_ties_bf16_vs_mergekit_wall", r["m_ties_bf16"]["wall_s"], mk["wall_s"], None,
+              "process wall; M-TIES with compute_dtype=bfloat16 scoring (merge arithmetic stays fp32)")
     if _ok(mt) and _ok(tt) and "forward_s" in s:
         ratio("m_ties_vs_floor", mt["child"]["inner_s"], s["score_floor_s"] + tt["child"]["inner_s"],
               TARGETS["m_ties_vs_floor"], "inner merge() times: M-TIES / ((1 + q/3)·F + per-tensor TIES merge())")
@@ -846,6 +850,7 @@ def render_markdown(p: dict) -> str:
         "dare": "hf_mloss dare (DARE-TIES, p=0.7)",
         "task_arithmetic": "hf_mloss task_arithmetic (λ=0.3)",
         "m_ties": "hf_mloss m_ties (k=0.2, e=0.1, prefix merged)",
+        "m_ties_bf16": "hf_mloss m_ties, same, compute_dtype=bfloat16 (scoring in bf16)",
         "ties_global_fb": "hf_mloss ties, global, convention fusion_bench",
         "mergekit_ties": "mergekit-yaml ties (density 0.2, normalize)",
         "fusion_bench_ties": "fusion-bench TiesMergingAlgorithm (dis-mean)",

@@ -27,7 +27,7 @@ from .report import MLossReport
 from .store import TensorStore
 
 PREFIXES = ("own", "base", "merged")
-_CHUNK_ELEMENTS = 1 << 23
+_CHUNK_ELEMENTS = 1 << 22
 REDUCTIONS = ("abs", "sq")
 
 
@@ -159,8 +159,10 @@ def score_shared_prefix(setup: ScoringSetup, hooks: LayerHooks | None = None) ->
         if layer in scored:
             weight, bias = _stacked_target(setup, layer)
             acc = MLossAccumulator(weight.shape[0] // q, reduction=setup.reduction, eps=setup.eps, device=setup.device)
-            # Positions in chunks of ~8 M pre-activations: the q-stacked h and σ(h) of a whole ViT-L/14 batch would be
-            # 2 x 539 MB; chunks bound that memory whatever the batch size, with the same sums.
+            # Positions in chunks of ~4 M pre-activations: the q-stacked h and σ(h) of a whole ViT-L/14 batch would be
+            # 2 x 539 MB; chunks bound that memory whatever the batch size, with the same sums. 16 MB buffers stay under
+            # glibc's mmap threshold (32 MB), so they are reused instead of page-faulted in afresh: on a ViT-B/32 fc1
+            # x 8 this took the system time of a layer from 0.4 s to ~0.01 s at equal user time.
             rows = max(1, _CHUNK_ELEMENTS // weight.shape[0])
             for _, u in halves:
                 for flat in u.reshape(-1, u.shape[-1]).split(rows):

@@ -368,7 +368,7 @@ def write_table(table: dict, path: Path, command: str) -> None:
         + ", ".join(f"{k} {v['wall_s']:.0f} s" for k, v in table["suite"]["timings"].items()) + ".", "",
         f"Model: `Dinov2Model` ViT-S/14 (22.1 M parameters) at {SIZE}×{SIZE} px; heads: normalised class means of "
         f"the pretrained CLS features of {c['head_samples']} training images per task (frozen); fine-tuning: "
-        f"{c['ft_steps']} AdamW steps × {c['ft_batch']} images, lr {c['ft_lr']:g}, whole encoder.", "",
+        f"{c['ft_steps']} AdamW steps × {c['ft_batch']} images, lr {c['ft_lr']:g}, whole encoder.", "", "",
     ]
     from hf_mloss.suites.compare import markdown_table
 
