@@ -24,11 +24,12 @@ Setup, once (root for apt)::
 
 Run (data, fine-tunes and results are cached under ``~/.cache/hf_mloss/real_suite``)::
 
-    python benchmarks/real/suite.py [--out benchmarks/results/real_suite] [--seeds 3]
+    python benchmarks/real/suite.py --threads 2 [--seeds 3] [--table benchmarks/results/real_suite] [--out DIR]
 
 It prints the comparison table (every method's hyperparameters chosen on val, test accuracy mean ± std over the
-seeds of the scoring sample / DARE masks / random ranks) and writes ``results.md`` / ``results.json`` + the M-TIES
-merge as a Hub-ready folder under ``--out``.
+seeds of the scoring sample / DARE masks / random ranks), writes the committed record (command, machine, per-stage
+timings, table) to ``--table``.md / .json, and the raw ``results.md`` / ``results.json`` + the M-TIES merge as a
+Hub-ready folder under ``--out``.
 """
 
 from __future__ import annotations
