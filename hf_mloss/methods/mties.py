@@ -17,7 +17,7 @@ from ..errors import InvalidParameterError
 from ..scoring import PREFIXES, REDUCTIONS
 from . import register_merge_method
 from .base import MergeContext, MergeMethod, MethodParams, check_choice, check_finite, check_fraction
-from .ops import dare_drop, elect_and_merge, tensor_seed, trim_rows, trim_tensor
+from .ops import dare_drop, elect_and_merge, tensor_seed, trim_rows_, trim_tensor_
 
 RANKS = ("mloss", "random")
 
@@ -111,15 +111,18 @@ class MTies(MergeMethod):
     uniform_keep_is_tensor_trim = True
     """With e = 0 the scored linears are trimmed per tensor, so the control equals per-tensor TIES at k exactly."""
 
-    def trim_other(self, name: str, tau: torch.Tensor, index: int, ctx: MergeContext) -> torch.Tensor:
-        return trim_tensor(tau, ctx.params.k)
+    def trim_other_(self, name: str, tau: torch.Tensor, index: int, ctx: MergeContext) -> torch.Tensor:
+        """Trim, in place, a task vector tensor that has no M-Loss row keep ratios."""
+        return trim_tensor_(tau, ctx.params.k)
 
     def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
         row_keep = ctx.state.get("row_keep", {}).get(name)
-        taus = []
-        for i, t in enumerate(sources):
-            tau = t - base
-            taus.append(trim_rows(tau, row_keep) if row_keep is not None else self.trim_other(name, tau, i, ctx))
+        taus = torch.stack(sources).sub_(base)  # one [q, ...] buffer trimmed in place, as in TIES
+        for i, tau in enumerate(taus):
+            if row_keep is not None:
+                trim_rows_(tau, row_keep)
+            else:
+                self.trim_other_(name, tau, i, ctx)
         return base + ctx.params.lam * elect_and_merge(taus, ctx.weights)
 
 
@@ -131,8 +134,8 @@ class MDare(MTies):
     params_class = MDareParams
     uniform_keep_is_tensor_trim = False
 
-    def trim_other(self, name, tau, index, ctx: MergeContext) -> torch.Tensor:
-        return dare_drop(tau, ctx.params.p, ctx.generator(name, index, tau.device))
+    def trim_other_(self, name, tau, index, ctx: MergeContext) -> torch.Tensor:
+        return tau.copy_(dare_drop(tau, ctx.params.p, ctx.generator(name, index, tau.device)))
 
 
 register_merge_method(MTies())

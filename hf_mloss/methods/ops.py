@@ -106,6 +106,11 @@ def trim_by_threshold_(tau: torch.Tensor, threshold: float) -> torch.Tensor:
 
 def trim_rows(tau: torch.Tensor, row_keep: torch.Tensor) -> torch.Tensor:
     """Row-wise trim: row i keeps its ``floor(n_in * row_keep[i])`` largest-magnitude entries (0 → empty row)."""
+    return trim_rows_(tau.clone(), row_keep)
+
+
+def trim_rows_(tau: torch.Tensor, row_keep: torch.Tensor) -> torch.Tensor:
+    """In-place :func:`trim_rows` (returns ``tau``)."""
     if tau.dim() != 2 or row_keep.shape != (tau.shape[0],):
         raise ValueError(f"trim_rows needs a 2-D tensor and one keep ratio per row, got {tuple(tau.shape)} and "
                          f"{tuple(row_keep.shape)}")
@@ -118,7 +123,7 @@ def trim_rows(tau: torch.Tensor, row_keep: torch.Tensor) -> torch.Tensor:
     idx = (counts - 1).clamp(min=0).unsqueeze(1)
     thresholds = ordered.gather(1, idx)
     thresholds = torch.where(counts.unsqueeze(1) > 0, thresholds, torch.full_like(thresholds, float("inf")))
-    return torch.where(magnitude >= thresholds, tau, torch.zeros_like(tau))
+    return tau.mul_(magnitude >= thresholds)
 
 
 def elect_and_merge(
