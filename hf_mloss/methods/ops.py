@@ -182,8 +182,12 @@ def dare_drop(tau: torch.Tensor, p: float, generator: torch.Generator, *, rescal
     if rescale == "inverse":
         return dropped / p
     if rescale == "l1":
-        kept_norm = dropped.abs().sum()
-        return dropped * (tau.abs().sum() / kept_norm) if kept_norm > 0 else dropped
+        kept_norm = dropped.abs().sum(dtype=torch.float64)
+        if kept_norm == 0:
+            return dropped
+        # In float64: the ratio of the norms can exceed float32's range (a few tiny survivors) while every rescaled
+        # entry stays below the tensor's own L1 norm.
+        return (dropped.double() * (tau.abs().sum(dtype=torch.float64) / kept_norm)).to(tau.dtype)
     return dropped
 
 
