@@ -6,53 +6,79 @@ import hf_mloss
 report = hf_mloss.score(base, [ft_a, ft_b], data="path/to/images")      # mergeability, no merge
 result = hf_mloss.merge(base, [ft_a, ft_b], "m_ties", data="path/to/images", k=0.2, e=0.1)
 result.save_pretrained("merged")                                          # Hub-ready folder
+hf_mloss.MergeConfig.from_pretrained("merged").run()                      # re-run a published recipe
 ```
+
+Public names are imported on first use, so ``import hf_mloss`` (and ``hf-mloss --help``) stays fast: torch,
+transformers and datasets load only when a merge, a score or a model is actually needed.
 """
 
-__version__ = "0.1.0"
+from __future__ import annotations
 
-from .adapters import list_adapters, register_adapter
-from .errors import (
-    CheckpointNotFoundError,
-    ConfigError,
-    CorruptCheckpointError,
-    DataError,
-    HfMLossError,
-    IncompatibleCheckpointsError,
-    InvalidParameterError,
-    OutputExistsError,
-    PushError,
-    UnknownMethodError,
-    UnsafeCheckpointError,
-    UnsupportedModelError,
-)
-from .config import MergeConfig
-from .merger import merge, score
-from .methods import list_methods, register_merge_method
-from .report import MLossReport
-from .result import MergeResult
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "CheckpointNotFoundError",
-    "ConfigError",
-    "CorruptCheckpointError",
-    "DataError",
-    "HfMLossError",
-    "IncompatibleCheckpointsError",
-    "InvalidParameterError",
-    "MLossReport",
-    "MergeConfig",
-    "MergeResult",
-    "OutputExistsError",
-    "PushError",
-    "UnknownMethodError",
-    "UnsafeCheckpointError",
-    "UnsupportedModelError",
-    "__version__",
-    "list_adapters",
-    "list_methods",
-    "merge",
-    "register_adapter",
-    "register_merge_method",
-    "score",
-]
+from ._version import __version__
+
+_EXPORTS = {
+    "CheckpointNotFoundError": "errors",
+    "ConfigError": "errors",
+    "CorruptCheckpointError": "errors",
+    "DataError": "errors",
+    "HfMLossError": "errors",
+    "IncompatibleCheckpointsError": "errors",
+    "InvalidParameterError": "errors",
+    "OutputExistsError": "errors",
+    "PushError": "errors",
+    "UnknownMethodError": "errors",
+    "UnsafeCheckpointError": "errors",
+    "UnsupportedModelError": "errors",
+    "MergeConfig": "config",
+    "MergeResult": "result",
+    "MLossReport": "report",
+    "list_adapters": "adapters",
+    "register_adapter": "adapters",
+    "list_methods": "methods",
+    "register_merge_method": "methods",
+    "merge": "merger",
+    "score": "scoring",
+}
+
+__all__ = sorted([*_EXPORTS, "__version__"])
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hf_mloss' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+if TYPE_CHECKING:
+    from .adapters import list_adapters, register_adapter
+    from .config import MergeConfig
+    from .errors import (
+        CheckpointNotFoundError,
+        ConfigError,
+        CorruptCheckpointError,
+        DataError,
+        HfMLossError,
+        IncompatibleCheckpointsError,
+        InvalidParameterError,
+        OutputExistsError,
+        PushError,
+        UnknownMethodError,
+        UnsafeCheckpointError,
+        UnsupportedModelError,
+    )
+    from .merger import merge
+    from .methods import list_methods, register_merge_method
+    from .report import MLossReport
+    from .result import MergeResult
+    from .scoring import score

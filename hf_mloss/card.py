@@ -1,25 +1,44 @@
-"""The model card of a merged model, rendered with ``huggingface_hub.ModelCard`` from a packaged Jinja template."""
+"""The model card of a merged model, rendered with ``huggingface_hub.ModelCard`` from a packaged Jinja template.
+
+The builder reads what it needs from a merge result (any object with the attributes of :class:`CardSource`), so it
+does not depend on :mod:`hf_mloss.result`.
+"""
 
 from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 if TYPE_CHECKING:
-    from .result import MergeResult
+    from .config import MergeConfig
 
-HEATMAP_NAME = "mloss_heatmap.png"
 TEMPLATE = "modelcard_template.md"
 
 
-def card_data(result: MergeResult) -> ModelCardData:
-    """YAML metadata: Hub ids only in ``base_model`` (local paths never leak), merge relation, tags, eval results."""
+class CardSource(Protocol):
+    """What the card needs from a merge (``MergeResult`` has all of it)."""
+
+    model: Any
+    config: MergeConfig
+    report: Any
+    base: Any
+    models: list[Any]
+    adapter: Any
+    data_info: Any
+    method_description: str
+    eval_results: dict[str, float]
+    weights: list[float]
+
+
+def card_data(result: CardSource) -> ModelCardData:
+    """YAML metadata: Hub ids only in ``base_model`` (local paths never leak), merge relation, tags, license."""
     hub_ids = [ref.repo_id for ref in [result.base, *result.models] if ref.repo_id]
-    meta = result.adapter.card_metadata()
-    datasets = [result.data["id"]] if result.data and result.data.get("source") == "hub" else None
+    meta = result.adapter.card_metadata(result.model)
+    info = result.data_info.to_dict() if result.data_info is not None else {}
+    datasets = [info["id"]] if info.get("source") == "hub" and info.get("id") else None
     eval_results = [
         EvalResult(task_type="image-classification", dataset_type=task, dataset_name=task, metric_type="accuracy",
                    metric_value=float(value))
@@ -30,41 +49,66 @@ def card_data(result: MergeResult) -> ModelCardData:
         base_model_relation="merge",
         library_name=meta["library_name"],
         pipeline_tag=meta["pipeline_tag"],
-        tags=["merge", "model-merging", "hf_mloss", result.method],
+        license=base_license(result.base.path),
+        tags=["merge", "model-merging", "hf_mloss", result.config.method],
         datasets=datasets,
         eval_results=eval_results,
-        model_name=f"{result.method} merge" if eval_results else None,
+        model_name=f"{result.config.method} merge" if eval_results else None,
     )
 
 
-def build_model_card(result: MergeResult, folder: str | Path | None = None) -> ModelCard:
-    """Render the card; with ``folder`` (and matplotlib installed) also draw the M-Loss heatmap into it."""
-    heatmap = None
-    if folder is not None and result.report is not None:
-        heatmap = draw_heatmap(result.report, Path(folder) / HEATMAP_NAME)
+def base_license(folder: str | None) -> str | None:
+    """The ``license`` of the base model's card, when its folder (or Hub snapshot) holds one."""
+    readme = Path(folder) / "README.md" if folder else None
+    if readme is None or not readme.is_file():
+        return None
+    try:
+        return ModelCard.load(readme, ignore_metadata_errors=True).data.get("license")
+    except Exception:  # noqa: BLE001 - an unreadable base card only means: no license to carry over
+        return None
+
+
+def method_papers(method_name: str) -> list[dict[str, str]]:
+    """The papers a method builds on (its own first): TIES for M-TIES, DARE for M-DARE, ..."""
+    from .methods import get_method
+
+    names = {"m_ties": ["m_ties", "ties"], "m_dare": ["m_ties", "dare_ties"]}.get(method_name, [method_name])
+    papers = []
+    for name in names:
+        method = get_method(name)
+        papers.append({"name": method.pretty_name, "reference": method.reference, "url": method.reference_url})
+    return papers
+
+
+def build_model_card(result: CardSource, *, heatmap: str | None = None) -> ModelCard:
+    """Render the card of a merge (``heatmap``: file name of the M-Loss picture saved beside it, if any)."""
     report = result.report
     rows = report.summary_rows() if report is not None else []
+    params = result.config.method_params()
+    shown = {k: v for k, v in params.to_dict().items() if v is not None}
+    if hasattr(params, "resolved_scope"):
+        shown["scope"] = params.resolved_scope
     template = resources.files("hf_mloss").joinpath("templates", TEMPLATE).read_text(encoding="utf-8")
-    title = f"{result.base.name} — {result.method} merge of {len(result.models)} models"
+    model_class = type(result.model).__name__
     return ModelCard.from_template(
         card_data(result),
         template_str=template,
-        title=title,
+        title=f"{result.base.name} — {result.config.method} merge of {len(result.models)} models",
         num_models=len(result.models),
-        architecture=result.model.__class__.__name__,
-        model_class=result.model.__class__.__name__,
-        method=result.method,
-        method_pretty=_method_attr(result.method, "pretty_name", result.method),
-        method_reference=_method_attr(result.method, "reference", ""),
-        method_url=_method_attr(result.method, "reference_url", ""),
+        model_class=model_class,
+        zero_shot=model_class == "CLIPModel",
+        method=result.config.method,
+        papers=method_papers(result.config.method),
         method_description=result.method_description,
         base_name=result.base.name,
         base_revision=result.base.revision,
-        models=[{"name": r.name, "revision": r.revision, "weight": w} for r, w in zip(result.models, result.weights)],
-        parameters={k: v for k, v in result.params.items() if v is not None},
-        seed=result.seed,
-        dtype=result.dtype,
-        data=result.data,
+        base_file=getattr(result.base, "weights_file", None),
+        models=[{"name": r.name, "revision": r.revision, "weight": w, "file": getattr(r, "weights_file", None)}
+                for r, w in zip(result.models, result.weights)],
+        parameters=shown,
+        seed=result.config.seed,
+        dtype=str(next(result.model.parameters()).dtype).replace("torch.", ""),
+        data=result.data_info.to_dict() if result.data_info is not None else None,
         eval_rows=[{"task": t, "value": v} for t, v in result.eval_results.items()],
         report=report,
         mloss_rows=rows,
@@ -72,47 +116,3 @@ def build_model_card(result: MergeResult, folder: str | Path | None = None) -> M
         heatmap=heatmap,
         repo_hint="path/or/repo-id",
     )
-
-
-def _method_attr(name: str, attr: str, default: Any) -> Any:
-    from .methods import MERGE_METHODS
-
-    method = MERGE_METHODS.get(name)
-    return getattr(method, attr, default) if method is not None else default
-
-
-def node_group_matrix(report, groups: int = 32):
-    """Mean node M-Loss in ``groups`` equal groups of rows (sorted by value), one row per layer (as the paper's
-    heatmap)."""
-    import torch
-
-    rows = []
-    for name in report.layers:
-        node = report.node[name].float().sort().values
-        chunks = torch.tensor_split(node, min(groups, node.numel()))
-        rows.append(torch.stack([c.mean() for c in chunks]))
-    return torch.stack(rows) if rows else torch.empty(0, 0)
-
-
-def draw_heatmap(report, path: Path) -> str | None:
-    """Save the node-group M-Loss heatmap as PNG; ``None`` (no picture) when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    matrix = node_group_matrix(report).numpy()
-    if matrix.size == 0:
-        return None
-    fig, ax = plt.subplots(figsize=(8, 0.35 * len(matrix) + 1.5))
-    image = ax.imshow(matrix, aspect="auto", cmap="viridis")
-    ax.set_yticks(range(len(matrix)), [n.replace(".mlp.fc1", "") for n in report.layers], fontsize=7)
-    ax.set_xlabel("node group (rows sorted by M-Loss)")
-    ax.set_title(f"Node M-Loss per layer (prefix={report.prefix}, reduction={report.reduction})")
-    fig.colorbar(image, ax=ax)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100, metadata={"Software": None})
-    plt.close(fig)
-    return path.name

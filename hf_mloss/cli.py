@@ -22,8 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from . import __version__
-from .errors import HfMLossError, InvalidParameterError, OutputExistsError, PushError
+from ._version import __version__
+from .errors import HfMLossError, InvalidParameterError, PushError
 
 EXIT_USER_ERROR = 2
 EXIT_PUSH_ERROR = 1
@@ -49,28 +49,30 @@ def merge_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
 
 def merge_command(args: argparse.Namespace) -> int:
     from .config import MergeConfig
-    from .methods import get_method
+    from .hub_push import check_repo_id
+    from .inputs import resolve_device
+    from .saving import check_output_dir
 
     config = MergeConfig.from_yaml(args.config)
-    device = _check_device(args.device)
+    device = resolve_device(args.device)
     if args.push_to_hub:
-        _check_repo_id(args.push_to_hub)
-    out_dir = Path(args.out_dir)
-    _check_output_dir(out_dir, args.overwrite)
+        check_repo_id(args.push_to_hub)
+    protected = [args.config, *_local_inputs(config)]
+    out_dir = check_output_dir(args.out_dir, overwrite=args.overwrite, protected=protected)
     with _progress_bars(not args.quiet, datasets_too=config.data is not None):
-        result = config.run_merge(device=device, progress=not args.quiet)
+        result = config.run(device=device, progress=not args.quiet)
         push_kwargs = {"private": True} if args.push_to_hub and args.private else {}
         saved = result.save_pretrained(out_dir, overwrite=args.overwrite, push_to_hub=bool(args.push_to_hub),
                                        repo_id=args.push_to_hub, **push_kwargs)
-    method = get_method(result.method)
+    method = config.merge_method()
     lines = [f"Merged {len(result.models)} models with {method.pretty_name} ({result.method})",
              f"  base:       {result.base.name}",
              "  models:     " + ", ".join(f"{r.name} (weight {w:.4g})"
                                           for r, w in zip(result.models, result.weights, strict=True)),
              "  parameters: " + (", ".join(f"{k}={v!r}" for k, v in result.params.items()) or "none")]
-    if result.data:
-        lines.append(f"  data:       {result.data.get('source')} {result.data.get('id')!r} "
-                     f"(split {result.data.get('split')!r}, {result.data.get('num_samples')} images)")
+    if result.data_info is not None:
+        info = result.data_info
+        lines.append(f"  data:       {info.source} {info.id!r} (split {info.split!r}, {info.num_samples} images)")
     if result.report is not None:
         lines += ["", result.report.summary(), ""]
     lines.append(f"Saved to {saved}")
@@ -78,6 +80,14 @@ def merge_command(args: argparse.Namespace) -> int:
         lines.append(f"Pushed to the Hub repo {args.push_to_hub}")
     print("\n".join(lines))
     return 0
+
+
+def _local_inputs(config) -> list[str]:
+    """The local folders a config reads (an output folder must not overlap them)."""
+    paths = [spec.model for spec in [config.base, *config.models] if spec.is_local]
+    if config.data is not None and config.data.path is not None:
+        paths.append(config.data.path)
+    return paths
 
 
 # ------------------------------------------------------------------------------------------------------- score
@@ -96,21 +106,26 @@ def score_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
 
 def score_command(args: argparse.Namespace) -> int:
     from .config import MergeConfig
+    from .inputs import resolve_device
 
     config = MergeConfig.from_yaml(args.config)
-    device = _check_device(args.device)
-    config.score_kwargs()  # fails now (not after downloading the models) when the config has no data
+    device = resolve_device(args.device)
+    if config.data is None:  # fail now, not after downloading the models
+        raise InvalidParameterError("Scoring needs unlabeled images and the config has no `data`: add e.g. `data: "
+                                    "{id: tanganke/dtd, split: train, num_samples: 128}` or `data: {path: ./images}`.")
+    json_path = Path(args.json) if args.json else None
+    if json_path is not None and (json_path.is_dir() or json_path.is_symlink()):
+        raise InvalidParameterError(f"--json {args.json!r} is a folder or a link; give a file path.")
     with _progress_bars(not args.quiet, datasets_too=True):
         report = config.run_score(device=device, progress=not args.quiet)
     print(report.summary())
-    if args.json:
-        path = Path(args.json)
+    if json_path is not None:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            report.to_json(path, per_row=args.per_row)
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+            report.to_json(json_path, per_row=args.per_row)
         except OSError as err:
-            raise InvalidParameterError(f"Cannot write the --json file {str(path)!r}: {err}") from None
-        print(f"Wrote {path}")
+            raise InvalidParameterError(f"Cannot write the --json file {str(json_path)!r}: {err}") from None
+        print(f"Wrote {json_path}")
     return 0
 
 
@@ -133,7 +148,7 @@ def push_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
 def push_command(args: argparse.Namespace) -> int:
     from . import hub_push
 
-    _check_repo_id(args.repo)
+    hub_push.check_repo_id(args.repo)
     with _progress_bars(not args.quiet):
         info = hub_push.push_folder(args.out_dir, args.repo, private=True if args.private else None,
                                     revision=args.revision, create_pr=args.create_pr,
@@ -154,18 +169,19 @@ def methods_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
 
 
 def methods_command(args: argparse.Namespace) -> int:
-    from .config import parameter_defaults
+    from ._validation import field_help
     from .methods import MERGE_METHODS, list_methods
 
     entries = []
     for name in list_methods():
         method = MERGE_METHODS[name]
-        defaults = {k: list(v) if isinstance(v, tuple) else v
-                    for k, v in parameter_defaults(method.params_class).items()}
+        fields = field_help(method.params_class)
         entries.append({
             "name": name, "pretty_name": method.pretty_name, "reference": method.reference,
             "reference_url": method.reference_url, "needs_data": method.needs_data,
-            "default_weight": method.default_weight, "parameters": defaults,
+            "default_weight": method.default_weight,
+            "parameters": {k: list(v) if isinstance(v, tuple) else v for k, (v, _) in fields.items()},
+            "help": {k: text for k, (_, text) in fields.items()},
         })  # fmt: skip
     if args.json:
         print(json.dumps(entries, indent=2))
@@ -263,43 +279,6 @@ def _progress_bars(enabled: bool, *, datasets_too: bool = False) -> Iterator[Non
     finally:
         for enable in restore:
             enable()
-
-
-def _check_device(device: str | None) -> str | None:
-    if device is None:
-        return None
-    import torch
-
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, ValueError, TypeError) as err:
-        raise InvalidParameterError(f"--device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1, mps): "
-                                    f"{err}") from None
-    if parsed.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0 or (parsed.index is not None and parsed.index >= count):
-            raise InvalidParameterError(f"--device {device!r}: this machine has {count} CUDA device(s); use "
-                                        "--device cpu" + (f" or cuda:0..cuda:{count - 1}." if count else "."))
-    if parsed.type == "mps" and not torch.backends.mps.is_available():
-        raise InvalidParameterError(f"--device {device!r}: MPS is not available on this machine; use --device cpu.")
-    return device
-
-
-def _check_repo_id(repo_id: str) -> None:
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as err:
-        raise InvalidParameterError(f"{repo_id!r} is not a valid Hub repo id (expected org/name or name): "
-                                    f"{err}") from None
-
-
-def _check_output_dir(out_dir: Path, overwrite: bool) -> None:
-    """Refuse an existing non-empty OUT_DIR before computing anything (save_pretrained checks again at the end)."""
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
-        raise OutputExistsError(f"Output folder {str(out_dir)!r} already exists and is not empty; pass --overwrite "
-                                "to replace it, or choose another folder.")
 
 
 if __name__ == "__main__":

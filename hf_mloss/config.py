@@ -1,7 +1,9 @@
-"""``MergeConfig``: a merge described in YAML (or a dict), as read by ``hf-mloss merge CONFIG.yaml OUT_DIR``.
+"""``MergeConfig``: the one description of a merge (or scoring) run, validated once, saved with every merge.
 
-The schema is the one :meth:`hf_mloss.MergeResult.merge_config` writes to ``hf_mloss_config.yaml`` next to every
-saved merge, so a saved merge can be re-run as it is:
+:func:`hf_mloss.merge` builds one from its arguments; ``hf-mloss merge CONFIG.yaml OUT_DIR`` reads one from YAML;
+:meth:`MergeConfig.from_pretrained` reads the ``hf_mloss_config.yaml`` of a merged model's folder or Hub repo, so a
+published merge re-runs in one line. The config a merge returns (``MergeResult.config``) is the *record* of the run:
+Hub models pinned to the commit they resolved to, local folders with a content fingerprint that a re-run verifies.
 
 ```yaml
 base: openai/clip-vit-base-patch32          # Hub id or local folder, or {model: ..., revision: ...}
@@ -10,619 +12,579 @@ models:                                      # the fine-tunes: plain strings or 
   - {model: ./finetunes/cars, weight: 0.5}
 method: m_ties                               # `hf-mloss methods` lists them
 parameters: {k: 0.2, e: 0.1}                 # the method's parameters; the others keep their defaults
-data: {id: tanganke/dtd, split: train, num_samples: 128}   # or {path: ./images}; needed by m_ties and m_dare
+data: {id: tanganke/dtd, split: train, num_samples: 128}   # or {path: ./images}; needed by data-guided methods
 seed: 0
 dtype: float32                               # dtype of the saved model (default: the base's)
-batch_size: 16
 score: {prefix: own, reduction: abs}         # optional, used by `hf-mloss score`
 ```
 
-Relative local paths resolve against the folder of the config file. Every check runs when the config is loaded,
-before anything is downloaded or computed, and raises :class:`~hf_mloss.ConfigError` naming the field, the value
-and the valid choices. Access tokens are never read from a config: use ``hf auth login`` or ``HF_TOKEN``.
+Relative local paths resolve against the folder of the config file. Access tokens are never read from a config: use
+``hf auth login`` or ``HF_TOKEN``. mergekit YAML files (``merge_method``, ``base_model``, ``models[].parameters``) are
+accepted for the methods both libraries share (see :mod:`hf_mloss.mergekit_compat`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import math
 import os
-import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
-from .data import DEFAULT_NUM_SAMPLES
-from .errors import ConfigError, HfMLossError
+from ._validation import check_keys, param, short, validate_fields
+from ._version import __version__
+from .errors import ConfigError, HfMLossError, InvalidParameterError
+from .options import ScoringOptions
 
 if TYPE_CHECKING:
-    from .methods import MergeMethod
+    from .methods import MergeMethod, MethodParams
     from .report import MLossReport
     from .result import MergeResult
 
-TOP_LEVEL_KEYS = ("hf_mloss_version", "base", "models", "method", "parameters", "data", "seed", "dtype",
-                  "batch_size", "compute_dtype", "score")  # fmt: skip
-MODEL_KEYS = ("model", "weight", "revision")
-BASE_KEYS = ("model", "revision")
-DATA_KEYS = ("id", "path", "split", "num_samples", "seed", "image_column")
-DATA_RECORD_KEYS = ("source", "skipped")
-"""Keys ``merge_config()`` records about the data that was read; accepted and dropped on load."""
-DATA_SOURCES = ("hub", "imagefolder")
-"""Recorded data sources a config can re-read (in-memory images, tensors and dataset objects cannot)."""
-SCORE_KEYS = ("prefix", "reduction", "activation", "eps", "layers")
-DTYPES = ("bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
-DEFAULT_METHOD = "ties"
-DEFAULT_BATCH_SIZE = 16
+MERGE_CONFIG_NAME = "hf_mloss_config.yaml"
+DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+OUTPUTS = ("auto", "tower")
+DEFAULT_NUM_SAMPLES = 128
+MAX_CONFIG_BYTES = 1 << 20
 TOKEN_HINT = ("hf-mloss never reads access tokens from a config file (it would end up in version control and in "
               "saved merges); log in with `hf auth login` or set the HF_TOKEN environment variable instead.")
+IN_MEMORY = "in_memory"
+"""Key that marks, in a written config, a model or data that was passed as a Python object (it cannot re-run)."""
 
 
 @dataclass
 class ModelSpec:
-    """One model of a merge: a Hub id or a local folder, with an optional weight and Hub revision."""
+    """One model of a merge: a Hub id, a local folder or a loaded ``PreTrainedModel``."""
 
-    model: str = field(metadata={"help": "Hub id (org/name) or local folder written by save_pretrained."})
-    weight: float | None = field(default=None, metadata={"help": "α of this fine-tune (give all or none)."})
-    revision: str | None = field(default=None, metadata={"help": "Hub branch, tag or commit (Hub ids only)."})
+    model: Any = param(help="Hub id (org/name), local folder written by save_pretrained, or a loaded model.")
+    weight: float | None = param(None, "α of this fine-tune (give all or none).", low=0.0)
+    revision: str | None = param(None, "Hub branch, tag or commit (Hub ids only).",
+                                 hint="(quote it in YAML if it looks like a number)")
+    fingerprint: str | None = param(None, "Content fingerprint of a local folder's weights (recorded; a re-run "
+                                    "verifies it).")
 
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"model": self.model}
-        if self.revision is not None:
-            out["revision"] = self.revision
-        if self.weight is not None:
-            out["weight"] = self.weight
+    def __post_init__(self) -> None:
+        validate_fields(self)
+        if isinstance(self.model, os.PathLike):
+            self.model = os.fspath(self.model)
+        if isinstance(self.model, str):
+            if not self.model.strip():
+                raise InvalidParameterError("model must be a Hub id or a local folder, got an empty string.")
+        elif not _is_loaded_model(self.model):
+            raise InvalidParameterError(f"model must be a Hub id, a local folder or a loaded transformers "
+                                        f"PreTrainedModel, got {type(self.model).__name__}: {short(self.model)}.")
+        if self.revision is not None and self.is_local:
+            raise InvalidParameterError(f"revision={self.revision!r} only applies to Hub ids; {self.model!r} is a "
+                                        "local folder.")
+
+    @property
+    def is_loaded(self) -> bool:
+        return not isinstance(self.model, str)
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self.model, str) and looks_local(self.model)
+
+    def to_dict(self, root: Path | None = None) -> dict[str, Any]:
+        if self.is_loaded:
+            name = getattr(getattr(self.model, "config", None), "_name_or_path", "") or type(self.model).__name__
+            out: dict[str, Any] = {IN_MEMORY: str(name)}
+        else:
+            out = {"model": _relative(self.model, root) if self.is_local else self.model}
+        for key in ("revision", "weight", "fingerprint"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
         return out
 
 
 @dataclass
 class DataSpec:
-    """The unlabeled scoring images: a Hub dataset (``id``) or a local image folder (``path``)."""
+    """The unlabeled scoring images: a Hub dataset (``id``), a local image folder (``path``), or Python objects."""
 
-    id: str | None = field(default=None, metadata={"help": "Hub dataset id, streamed (e.g. tanganke/dtd)."})
-    path: str | None = field(default=None, metadata={"help": "Local image folder (imagefolder layout or flat)."})
-    split: str = field(default="train", metadata={"help": "Dataset split."})
-    num_samples: int = field(default=DEFAULT_NUM_SAMPLES, metadata={"help": "Images to use (the paper: 128)."})
-    seed: int | None = field(default=None, metadata={"help": "Shuffle seed; must equal the top-level seed."})
-    image_column: str | None = field(default=None, metadata={"help": "Column with the images (auto-detected)."})
+    id: str | None = param(None, "Hub dataset id, streamed (e.g. tanganke/dtd).")
+    path: str | None = param(None, "Local image folder (imagefolder layout or flat).")
+    split: str = param("train", "Dataset split.")
+    num_samples: int = param(DEFAULT_NUM_SAMPLES, "Images to use (the paper: 128).", low=1, high=1_000_000)
+    image_column: str | None = param(None, "Column with the images (auto-detected).")
+    revision: str | None = param(None, "Hub dataset revision.")
+    objects: Any = field(default=None, repr=False, compare=False,
+                         metadata={"help": "Images passed from Python: a [N, 3, H, W] tensor, a list of PIL images "
+                                           "or paths, or a datasets object (not written to configs)."})
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+        given = [x is not None for x in (self.id, self.path, self.objects)]
+        if sum(given) != 1:
+            raise InvalidParameterError("data needs exactly one of `id` (a Hub dataset id such as tanganke/dtd), "
+                                        f"`path` (a local image folder) or images, got id={short(self.id)}, "
+                                        f"path={short(self.path)}.")
+        if self.path is not None and not expand(self.path).is_dir():
+            kind = "is a file, not a folder" if expand(self.path).exists() else "does not exist"
+            raise InvalidParameterError(f"data.path {self.path!r} {kind}: pass a folder of images (imagefolder "
+                                        "layout `train/<label>/*.png` or a flat folder).")
+
+    @classmethod
+    def parse(cls, data: Any, **options: Any) -> DataSpec:
+        """From what ``merge(data=...)`` accepts: a Hub id, a local folder, or images as Python objects."""
+        if isinstance(data, DataSpec):
+            return data
+        if isinstance(data, Mapping):
+            return cls(**{**options, **data})
+        if isinstance(data, os.PathLike) or (isinstance(data, str) and looks_local(data)):
+            return cls(path=os.fspath(data), **options)
+        if isinstance(data, str):
+            return cls(id=data, **options)
+        return cls(objects=data, **options)
 
     @property
-    def source(self) -> str | None:
-        """What ``hf_mloss.merge(data=...)`` receives: the local folder or the Hub id."""
-        return self.path if self.path is not None else self.id
+    def source(self) -> Any:
+        """What the data loader receives: the folder, the Hub id, or the objects."""
+        return self.path if self.path is not None else self.id if self.id is not None else self.objects
 
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": self.id} if self.path is None else {"path": self.path}
+    def to_dict(self, root: Path | None = None) -> dict[str, Any]:
+        if self.objects is not None:
+            out: dict[str, Any] = {IN_MEMORY: type(self.objects).__name__}
+        elif self.path is not None:
+            out = {"path": _relative(self.path, root)}
+        else:
+            out = {"id": self.id}
         out.update(split=self.split, num_samples=self.num_samples)
-        if self.seed is not None:
-            out["seed"] = self.seed
-        if self.image_column is not None:
-            out["image_column"] = self.image_column
+        for key in ("image_column", "revision"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
         return out
 
 
 @dataclass
-class ScoreSpec:
-    """Options of ``hf-mloss score`` (see :func:`hf_mloss.score`); unset fields keep the API defaults."""
-
-    prefix: str | None = field(default=None, metadata={"help": "own (default), base or merged."})
-    reduction: str | None = field(default=None, metadata={"help": "abs (default) or sq."})
-    activation: str | None = field(default=None, metadata={"help": "Override the model's activation."})
-    eps: float | None = field(default=None, metadata={"help": "ε of the normalized M-Loss (default 1e-4)."})
-    layers: list[int] | None = field(default=None, metadata={"help": "Blocks to score (default: all)."})
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
-
-
-@dataclass
 class MergeConfig:
-    """A merge (or a scoring run) as written in a YAML file: what ``hf-mloss merge`` and ``hf-mloss score`` read.
-
-    Load one with :meth:`from_yaml` or :meth:`from_dict` (both validate), run it with :meth:`run_merge` or
-    :meth:`run_score`, and write it back with :meth:`to_dict` / :meth:`to_yaml`.
+    """One merge (or scoring) run: inputs, method, parameters, data and options. Validated on construction.
 
     Example:
         ```python
-        >>> from hf_mloss.config import MergeConfig
+        >>> from hf_mloss import MergeConfig
         >>> config = MergeConfig.from_yaml("examples/merge_clip_vit_b32_8tasks.yaml")
-        >>> result = config.run_merge(device="cuda")
-        >>> result.save_pretrained("merged")
+        >>> result = config.run(device="cuda")
+        >>> result.save_pretrained("merged")                   # writes merged/hf_mloss_config.yaml too
+        >>> MergeConfig.from_pretrained("merged").run()        # the same merge, bit for bit
         ```
     """
 
-    base: ModelSpec = field(metadata={"help": "The pretrained model the others were fine-tuned from."})
-    models: list[ModelSpec] = field(metadata={"help": "The fine-tuned models to merge."})
-    method: str = field(default=DEFAULT_METHOD, metadata={"help": "Registered merge method (hf-mloss methods)."})
-    parameters: dict[str, Any] = field(default_factory=dict, metadata={"help": "The method's parameters."})
-    data: DataSpec | None = field(default=None, metadata={"help": "Unlabeled images (m_ties, m_dare, score)."})
-    seed: int = field(default=0, metadata={"help": "Seeds DARE masks, random ranks and data shuffling."})
-    dtype: str | None = field(default=None, metadata={"help": f"dtype of the saved model, one of {DTYPES}."})
-    batch_size: int = field(default=DEFAULT_BATCH_SIZE, metadata={"help": "Images per scoring forward pass."})
-    compute_dtype: str = field(default="float32", metadata={"help": "dtype of the scoring forward passes."})
-    score: ScoreSpec | None = field(default=None, metadata={"help": "Options of hf-mloss score."})
-    hf_mloss_version: str | None = field(default=None, metadata={"help": "Version that wrote the config."})
+    base: ModelSpec = param(help="The pretrained model the others were fine-tuned from.")
+    models: list[ModelSpec] = param(help="The fine-tuned models to merge.")
+    method: str = param("ties", "Registered merge method (hf-mloss methods).")
+    parameters: dict[str, Any] = param(help="The method's parameters.", default_factory=dict)
+    data: DataSpec | None = param(None, "Unlabeled images (data-guided methods and scoring).")
+    seed: int = param(0, "Seeds DARE masks, random ranks and data shuffling.", low=0, high=2**63 - 1)
+    dtype: str | None = param(None, "dtype of the saved model (default: the base's).", choices=DTYPES)
+    batch_size: int = param(16, "Images per scoring forward pass.", low=1, high=65536)
+    compute_dtype: str = param("float32", "dtype of the scoring forward passes (bfloat16 where the CPU/GPU has it).",
+                               choices=DTYPES)
+    processor: Any = param(None, "Image processor (Hub id or folder); default: the base's.")
+    output: str = param("auto", "auto: the base's class (a full CLIPModel stays one); tower: the merged tower only.",
+                        choices=OUTPUTS)
+    score: ScoringOptions | None = param(None, "Options of `hf-mloss score` (prefix, reduction, ...).")
+    hf_mloss_version: str | None = param(None, "Version that wrote the config.")
 
-    # ------------------------------------------------------------------------------------------- loading
+    def __post_init__(self) -> None:
+        self.base = _as_model_spec(self.base, "base")
+        if isinstance(self.models, (str, os.PathLike, ModelSpec)) or _is_loaded_model(self.models) or not isinstance(
+                self.models, Sequence):
+            raise InvalidParameterError(f"models must be a non-empty list of Hub ids, local folders or loaded models, "
+                                        f"got {short(self.models)}.")
+        self.models = [_as_model_spec(m, f"models[{i}]") for i, m in enumerate(self.models)]
+        if isinstance(self.data, (Mapping, str, os.PathLike)):
+            self.data = DataSpec.parse(self.data)
+        if isinstance(self.score, Mapping):
+            self.score = _build(ScoringOptions, self.score, "score")
+        self.validate()
+
+    # ----------------------------------------------------------------------------------------------- checks
+    def validate(self) -> None:
+        """Check every field (no network; local paths must exist). Raises :class:`InvalidParameterError`."""
+        validate_fields(self)
+        if not self.models:
+            raise InvalidParameterError("models must be a non-empty list of fine-tuned models.")
+        if self.base.weight is not None:
+            raise InvalidParameterError("base.weight: the base has no weight; weights belong to the fine-tuned models.")
+        for i, spec in enumerate([self.base, *self.models]):
+            where = "base" if i == 0 else f"models[{i - 1}]"
+            if spec.is_local and not expand(spec.model).is_dir():
+                kind = "is a file, not a model folder" if expand(spec.model).exists() else "does not exist"
+                raise InvalidParameterError(f"{where}: local path {spec.model!r} {kind} (relative paths in a config "
+                                            "resolve against the config file's folder).")
+        self._validate_weights()
+        if isinstance(self.processor, os.PathLike):
+            self.processor = os.fspath(self.processor)
+        if self.processor is not None and not (isinstance(self.processor, str) and self.processor.strip()) \
+                and not callable(self.processor):
+            raise InvalidParameterError(f"processor must be a Hub id, a folder with a preprocessor_config.json, or an "
+                                        f"image processor object, got {short(self.processor)}.")
+        method = self.merge_method()
+        self.method = method.name
+        self.parameters = _plain(self.parameters)
+        try:
+            self.method_params()
+        except InvalidParameterError as err:
+            raise InvalidParameterError(f"Invalid parameters for method {self.method!r}: {err}") from None
+        if method.needs_data and self.data is None:
+            raise InvalidParameterError(
+                f"Method {self.method!r} is data-guided and no data was given: pass data=... (a Hub dataset id such "
+                "as tanganke/dtd, a local image folder, a datasets object or a list of images; ~128 unlabeled images "
+                "suffice).")
+
+    def _validate_weights(self) -> None:
+        given = [m.weight is not None for m in self.models]
+        if any(given) and not all(given):
+            missing = [f"models[{i}]" for i, g in enumerate(given) if not g]
+            raise InvalidParameterError(f"Give a weight to every model or to none (the default is uniform); "
+                                        f"{', '.join(missing)} {'has' if len(missing) == 1 else 'have'} no weight.")
+        if all(given) and sum(m.weight for m in self.models) <= 0:
+            raise InvalidParameterError("The models' weights must not all be 0.")
+
+    def merge_method(self) -> MergeMethod:
+        from .methods import get_method
+
+        return get_method(self.method)
+
+    def method_params(self) -> MethodParams:
+        """The method's validated parameters (defaults filled in)."""
+        return self.merge_method().make_params(**self.parameters)
+
+    def scoring_options(self) -> ScoringOptions:
+        return self.score or ScoringOptions()
+
+    @property
+    def weights(self) -> list[float] | None:
+        return [m.weight for m in self.models] if self.models[0].weight is not None else None
+
+    # ----------------------------------------------------------------------------------------------- loading
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike[str]) -> MergeConfig:
-        """Read and validate a YAML config; relative local paths in it resolve against the file's folder.
+    def from_kwargs(cls, base: Any, models: Any, method: str = "ties", *, weights: Sequence[float] | None = None,
+                    revision: str | Sequence[str | None] | None = None, data: Any = None,
+                    num_samples: int = DEFAULT_NUM_SAMPLES, split: str = "train", image_column: str | None = None,
+                    score: ScoringOptions | Mapping[str, Any] | None = None, **options: Any) -> MergeConfig:
+        """The config of a :func:`hf_mloss.merge` call: ``options`` are config fields or method parameters."""
+        if isinstance(models, (str, os.PathLike)) or _is_loaded_model(models) or not isinstance(models, Sequence):
+            raise InvalidParameterError(f"models must be a non-empty list of Hub ids, local folders or loaded models, "
+                                        f"got {short(models)}.")
+        specs = [_as_model_spec(m, "base" if i == 0 else f"models[{i - 1}]")
+                 for i, m in enumerate([base, *models])]
+        _spread(specs, "revision", revision, per_model_hint="base first; None for folders and loaded models")
+        _spread(specs[1:], "weight", weights, per_model_hint="the base has none")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        config_options = {k: v for k, v in options.items() if k in fields}
+        parameters = {k: v for k, v in options.items() if k not in fields}
+        data_spec = None if data is None else DataSpec.parse(data, num_samples=num_samples, split=split,
+                                                             image_column=image_column)
+        return cls(base=specs[0], models=specs[1:], method=method, parameters=parameters, data=data_spec, score=score,
+                   **config_options)
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any], base_dir: str | os.PathLike[str] | None = None) -> MergeConfig:
+        """Build and validate a config from a dict with the YAML schema (or mergekit's).
+
+        Args:
+            config: the parsed YAML (``base``, ``models``, ``method``, ``parameters``, ``data``, ``seed``...).
+            base_dir: folder that relative local paths resolve against (``from_yaml`` passes the file's folder).
 
         Raises:
-            ConfigError: the file is missing, is not YAML, or describes an invalid merge.
+            ConfigError: naming the field, the value and the valid choices.
         """
+        try:
+            return cls._from_dict(config, Path(base_dir) if base_dir is not None else None)
+        except ConfigError:
+            raise
+        except HfMLossError as err:
+            raise ConfigError(str(err)) from None
+
+    @classmethod
+    def _from_dict(cls, config: Any, root: Path | None) -> MergeConfig:
+        if not isinstance(config, Mapping):
+            raise ConfigError(f"A merge config must be a mapping with keys such as 'base' and 'models', got a "
+                              f"{type(config).__name__}: {short(config)}.")
+        _refuse_tokens(config, "")
+        if "merge_method" in config:
+            from .mergekit_compat import from_mergekit
+
+            config = from_mergekit(config)
+        config = _migrate(config)
+        check_keys(config, [f.name for f in dataclasses.fields(cls)], "top-level key", error=ConfigError)
+        for key in ("base", "models"):
+            if key not in config:
+                raise ConfigError(f"Missing required key {key!r}: name the base model (`base: org/name`) and the "
+                                  "fine-tuned models (`models: [org/ft-a, org/ft-b]`).")
+        if not isinstance(config["models"], list):
+            raise ConfigError(f"models must be a list of Hub ids or local folders (or {{model: ..., weight: ...}} "
+                              f"entries), got {short(config['models'])}.")
+        values = dict(config)
+        values["base"] = _parse_model(config["base"], "base", root)
+        values["models"] = [_parse_model(m, f"models[{i}]", root) for i, m in enumerate(config["models"])]
+        if config.get("data") is not None:
+            values["data"] = _parse_data(config["data"], root)
+        if config.get("score") is not None:
+            values["score"] = _build(ScoringOptions, _mapping(config["score"], "score"), "score.")
+        if values.get("parameters") is None:
+            values["parameters"] = {}
+        values["parameters"] = _mapping(values["parameters"], "parameters")
+        if isinstance(values.get("processor"), str) and looks_local(values["processor"]):
+            values["processor"] = _absolute(values["processor"], root)
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> MergeConfig:
+        """Read and validate a YAML config (ours or mergekit's); relative paths resolve against its folder.
+
+        Raises:
+            ConfigError: the file is missing, too large, not YAML, or describes an invalid merge.
+        """
+        from ._yaml import load_yaml
+
         path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ConfigError(f"Config file {str(path)!r} does not exist.") from None
-        except (OSError, UnicodeDecodeError) as err:
-            raise ConfigError(f"Cannot read config file {str(path)!r}: {err}") from None
-        try:
-            content = yaml.load(text, Loader=_ConfigLoader)  # a SafeLoader subclass
-        except yaml.YAMLError as err:
-            raise ConfigError(f"Config file {str(path)!r} is not valid YAML: {' '.join(str(err).split())}") from None
-        if content is None:
-            raise ConfigError(f"Config file {str(path)!r} is empty; it needs at least `base` and `models`.")
+        content = load_yaml(path, max_bytes=MAX_CONFIG_BYTES)
         try:
             return cls.from_dict(content, base_dir=path.resolve().parent)
         except ConfigError as err:
             raise ConfigError(f"Invalid config {str(path)!r}: {err}") from None
 
     @classmethod
-    def from_dict(cls, config: Mapping[str, Any], base_dir: str | os.PathLike[str] | None = None) -> MergeConfig:
-        """Build and validate a config from a dict with the YAML schema.
+    def from_pretrained(cls, folder_or_repo_id: str | os.PathLike[str], *, revision: str | None = None,
+                        token: str | bool | None = None) -> MergeConfig:
+        """The config saved with a merged model: a local folder, or a Hub repo (its ``hf_mloss_config.yaml``).
 
-        Args:
-            config: the parsed YAML (``base``, ``models``, ``method``, ``parameters``, ``data``, ``seed``...).
-            base_dir: folder that relative local paths resolve against (``from_yaml`` passes the file's folder);
-                ``None`` leaves them relative to the working directory.
+        Example:
+            ```python
+            >>> MergeConfig.from_pretrained("me/clip-vit-b32-8tasks-mties").run()   # re-run a published merge
+            ```
         """
-        if not isinstance(config, Mapping):
-            raise ConfigError(f"A merge config must be a mapping with keys such as 'base' and 'models', got a "
-                              f"{type(config).__name__}: {_short(config)}.")
-        _check_keys(config, TOP_LEVEL_KEYS, "config")
-        for key in ("base", "models"):
-            if key not in config:
-                raise ConfigError(f"Missing required key {key!r}: name the base model (`base: org/name`) and the "
-                                  "fine-tuned models (`models: [org/ft-a, org/ft-b]`).")
-        root = Path(base_dir) if base_dir is not None else None
-        base = _parse_model(config["base"], "base", root, keys=BASE_KEYS)
-        models = config["models"]
-        if not isinstance(models, list):
-            raise ConfigError(f"models must be a list of Hub ids or local folders (or {{model: ..., weight: ...}} "
-                              f"entries), got a {type(models).__name__}: {_short(models)}.")
-        parsed_models = [_parse_model(m, f"models[{i}]", root, keys=MODEL_KEYS) for i, m in enumerate(models)]
-        parameters = config.get("parameters")
-        if parameters is None:
-            parameters = {}
-        elif not isinstance(parameters, Mapping):
-            raise ConfigError(f"parameters must be a mapping of the method's parameters (e.g. {{k: 0.2}}), got "
-                              f"{_short(parameters)}.")
-        data = _parse_data(config.get("data"), root)
-        seed = config.get("seed", data.seed if data is not None and data.seed is not None else 0)
-        score = _parse_score(config.get("score"))
-        out = cls(
-            base=base,
-            models=parsed_models,
-            method=config.get("method", DEFAULT_METHOD),
-            parameters=_plain(dict(parameters)),
-            data=data,
-            seed=seed,
-            dtype=config.get("dtype"),
-            batch_size=config.get("batch_size", DEFAULT_BATCH_SIZE),
-            compute_dtype=config.get("compute_dtype", "float32"),
-            score=score,
-            hf_mloss_version=config.get("hf_mloss_version"),
-        )
-        out.validate()
-        return out
+        local = Path(os.fspath(folder_or_repo_id)).expanduser()
+        if local.is_dir():
+            path = local / MERGE_CONFIG_NAME
+            if not path.is_file():
+                raise ConfigError(f"{str(local)!r} has no {MERGE_CONFIG_NAME}: it was not written by hf_mloss.")
+            return cls.from_yaml(path)
+        from .hub import download_file
 
-    # ---------------------------------------------------------------------------------------- validation
-    def validate(self) -> None:
-        """Check every field without touching the network or the disk (except local paths' existence).
+        return cls.from_yaml(download_file(os.fspath(folder_or_repo_id), MERGE_CONFIG_NAME, revision=revision,
+                                           token=token))
 
-        Raises:
-            ConfigError: naming the field, the bad value and the valid choices.
-        """
-        _validate_model(self.base, "base", weight_allowed=False)
-        if not isinstance(self.models, list) or not self.models:
-            raise ConfigError(f"models must be a non-empty list of fine-tuned models, got {_short(self.models)}.")
-        for i, spec in enumerate(self.models):
-            _validate_model(spec, f"models[{i}]")
-        self._validate_weights()
-        _check_int("seed", self.seed, minimum=0)
-        method = self._validate_method()
-        if method.needs_data and self.data is None:
-            raise ConfigError(
-                f"Method {self.method!r} is data-guided and the config has no `data`: add e.g. "
-                "`data: {id: tanganke/dtd, split: train, num_samples: 128}` (any Hub image dataset) or "
-                "`data: {path: ./images}` (a local image folder); about 128 unlabeled images suffice."
-            )
+    # ----------------------------------------------------------------------------------------------- output
+    def to_dict(self, root: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+        """The config in the YAML schema; local paths relative to ``root`` when given (where the file will live)."""
+        base = Path(os.path.abspath(root)) if root is not None else None
+        out: dict[str, Any] = {"hf_mloss_version": self.hf_mloss_version} if self.hf_mloss_version else {}
+        out.update(base=self.base.to_dict(base), models=[m.to_dict(base) for m in self.models], method=self.method,
+                   parameters=_plain(self.parameters), seed=self.seed)
         if self.data is not None:
-            self._validate_data()
-        _check_int("batch_size", self.batch_size, minimum=1)
-        if self.dtype is not None:
-            _check_choice("dtype", self.dtype, DTYPES)
-        _check_choice("compute_dtype", self.compute_dtype, DTYPES)
-        if self.score is not None:
-            self._validate_score()
-        if self.hf_mloss_version is not None and not isinstance(self.hf_mloss_version, str):
-            raise ConfigError(f"hf_mloss_version must be a string, got {_short(self.hf_mloss_version)}.")
-
-    def _validate_weights(self) -> None:
-        given = [m.weight is not None for m in self.models]
-        if any(given) and not all(given):
-            missing = [f"models[{i}]" for i, g in enumerate(given) if not g]
-            raise ConfigError(f"Give a weight to every model or to none (the default is uniform); "
-                              f"{', '.join(missing)} {'has' if len(missing) == 1 else 'have'} no weight.")
-        if not any(given):
-            return
-        for i, spec in enumerate(self.models):
-            if not _is_real(spec.weight) or spec.weight < 0:
-                raise ConfigError(f"models[{i}].weight must be a finite number >= 0, got {_short(spec.weight)}.")
-        if sum(m.weight for m in self.models) <= 0:
-            raise ConfigError("The models' weights must not all be 0.")
-
-    def _validate_method(self) -> MergeMethod:
-        from .methods import MERGE_METHODS, list_methods
-
-        if not isinstance(self.method, str) or self.method not in MERGE_METHODS:
-            raise ConfigError(f"Unknown method {_short(self.method)}{_did_you_mean(self.method, list_methods())}; "
-                              f"available methods: {list_methods()} (see `hf-mloss methods`).")
-        method = MERGE_METHODS[self.method]
-        if not isinstance(self.parameters, dict):
-            raise ConfigError(f"parameters must be a mapping, got {_short(self.parameters)}.")
-        defaults = parameter_defaults(method.params_class)
-        for key in self.parameters:
-            if key == "token" or (isinstance(key, str) and "token" in key.lower()):
-                raise ConfigError(f"parameters.{key}: {TOKEN_HINT}")
-            if key not in defaults:
-                valid = ", ".join(f"{k} (default {v!r})" for k, v in defaults.items()) or "none"
-                raise ConfigError(f"Unknown parameter {_short(key)}{_did_you_mean(key, defaults)} for method "
-                                  f"{self.method!r}; valid parameters: {valid}.")
-        _check_activation("parameters.activation", self.parameters.get("activation"))
-        try:
-            method.make_params(**self.parameters)
-        except HfMLossError as err:
-            raise ConfigError(f"Invalid parameters for method {self.method!r}: {err}") from None
-        except Exception as err:  # noqa: BLE001 - any failure to build the params means a bad value
-            raise ConfigError(f"Invalid parameters for method {self.method!r} ({self.parameters}): "
-                              f"{type(err).__name__}: {err}") from None
-        return method
-
-    def _validate_data(self) -> None:
-        data = self.data
-        if not isinstance(data, DataSpec):
-            raise ConfigError(f"data must be a DataSpec, got {_short(data)}.")
-        if (data.id is None) == (data.path is None):
-            raise ConfigError("data needs exactly one of `id` (a Hub dataset id such as tanganke/dtd) or `path` "
-                              f"(a local image folder), got id={_short(data.id)} and path={_short(data.path)}.")
-        if data.id is not None and (not isinstance(data.id, str) or not data.id.strip()):
-            raise ConfigError(f"data.id must be a Hub dataset id (a string), got {_short(data.id)}.")
-        if data.path is not None:
-            if not isinstance(data.path, str) or not data.path.strip():
-                raise ConfigError(f"data.path must be a local folder (a string), got {_short(data.path)}.")
-            if not _expand(data.path).is_dir():
-                raise ConfigError(f"data.path {data.path!r} is not an existing folder (relative paths resolve "
-                                  "against the config file's folder).")
-        if not isinstance(data.split, str) or not data.split:
-            raise ConfigError(f"data.split must be a split name such as 'train', got {_short(data.split)}.")
-        _check_int("data.num_samples", data.num_samples, minimum=1)
-        if data.seed is not None:
-            _check_int("data.seed", data.seed, minimum=0)
-            if data.seed != self.seed:
-                raise ConfigError(f"data.seed ({data.seed}) differs from seed ({self.seed}); hf_mloss uses one seed "
-                                  "for data shuffling and the merge: set only the top-level `seed`.")
-        if data.image_column is not None and not isinstance(data.image_column, str):
-            raise ConfigError(f"data.image_column must be a column name, got {_short(data.image_column)}.")
-
-    def _validate_score(self) -> None:
-        from .methods.mties import MTiesParams
-
-        score = self.score
-        if not isinstance(score, ScoreSpec):
-            raise ConfigError(f"score must be a ScoreSpec, got {_short(score)}.")
-        _check_activation("score.activation", score.activation)
-        kwargs = {k: v for k, v in score.to_dict().items() if k != "activation"}
-        try:
-            MTiesParams(**kwargs)
-        except HfMLossError as err:
-            raise ConfigError(f"Invalid score section: {err}") from None
-        except Exception as err:  # noqa: BLE001
-            raise ConfigError(f"Invalid score section ({kwargs}): {type(err).__name__}: {err}") from None
-
-    # --------------------------------------------------------------------------------------------- output
-    def to_dict(self) -> dict[str, Any]:
-        """The config in the YAML schema (plain Python types); ``from_dict(to_dict())`` gives an equal config."""
-        out: dict[str, Any] = {}
-        if self.hf_mloss_version is not None:
-            out["hf_mloss_version"] = self.hf_mloss_version
-        out["base"] = self.base.to_dict()
-        out["models"] = [m.to_dict() for m in self.models]
-        out["method"] = self.method
-        out["parameters"] = _plain(dict(self.parameters))
-        out["seed"] = self.seed
-        if self.dtype is not None:
-            out["dtype"] = self.dtype
-        if self.data is not None:
-            out["data"] = self.data.to_dict()
-        out["batch_size"] = self.batch_size
-        out["compute_dtype"] = self.compute_dtype
+            out["data"] = self.data.to_dict(base)
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for key in ("dtype", "batch_size", "compute_dtype", "output"):
+            if getattr(self, key) != defaults[key]:
+                out[key] = getattr(self, key)
+        if isinstance(self.processor, str):
+            out["processor"] = _relative(self.processor, base) if looks_local(self.processor) else self.processor
         if self.score is not None:
             out["score"] = self.score.to_dict()
         return out
 
-    def to_yaml(self, path: str | os.PathLike[str] | None = None) -> str:
-        """The config as YAML text; also written to ``path`` when given."""
-        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+    def to_yaml(self, path: str | os.PathLike[str] | None = None, *, root: str | os.PathLike[str] | None = None
+                ) -> str:
+        """The config as YAML text; also written to ``path`` when given.
+
+        Local paths are written relative to ``root`` (default: the folder of ``path``), so the file re-runs from
+        where it lives; without either they are absolute.
+        """
+        import yaml
+
+        if root is None and path is not None:
+            root = Path(path).resolve().parent
+        text = yaml.safe_dump(self.to_dict(root), sort_keys=False, allow_unicode=True)
         if path is not None:
             Path(path).write_text(text, encoding="utf-8")
         return text
 
-    # -------------------------------------------------------------------------------------------- running
-    def merge_kwargs(self) -> dict[str, Any]:
-        """The arguments of :func:`hf_mloss.merge` this config stands for."""
-        kwargs: dict[str, Any] = {
-            "base": self.base.model,
-            "models": [m.model for m in self.models],
-            "method": self.method,
-            "weights": self._weights(),
-            "seed": self.seed,
-            "dtype": self.dtype,
-            "batch_size": self.batch_size,
-            "compute_dtype": self.compute_dtype,
-            "revision": self._revision(),
-        }
-        kwargs.update(self._data_kwargs())
-        kwargs.update(_plain(dict(self.parameters)))
-        return kwargs
+    def save_pretrained(self, save_directory: str | os.PathLike[str], *,
+                        location: str | os.PathLike[str] | None = None) -> Path:
+        """Write ``hf_mloss_config.yaml`` into ``save_directory`` (created if needed).
 
-    def score_kwargs(self) -> dict[str, Any]:
-        """The arguments of :func:`hf_mloss.score` this config stands for (its ``score`` section or defaults)."""
-        if self.data is None:
-            raise ConfigError("Scoring needs unlabeled images and the config has no `data`: add e.g. `data: {id: "
-                              "tanganke/dtd, split: train, num_samples: 128}` or `data: {path: ./images}`.")
-        kwargs: dict[str, Any] = {
-            "base": self.base.model,
-            "models": [m.model for m in self.models],
-            "weights": self._weights(),
-            "seed": self.seed,
-            "batch_size": self.batch_size,
-            "compute_dtype": self.compute_dtype,
-            "revision": self._revision(),
-        }
-        kwargs.update(self._data_kwargs())
-        options = self.score.to_dict() if self.score is not None else {}
-        if options.get("prefix") == "merged" and self.method == "m_ties":
-            # Score the merge this config describes: its M-TIES parameters, the score section winning on overlap.
-            for key, value in self.parameters.items():
-                options.setdefault(key, value)
-        kwargs.update(_plain(options))
-        return kwargs
-
-    def run_merge(self, **overrides: Any) -> MergeResult:
-        """Validate, then run :func:`hf_mloss.merge`; ``overrides`` (``device``, ``progress``...) win over the config.
-
-        Raises:
-            ConfigError: the config is invalid, or its Hub models name different revisions.
+        ``location``: where the folder will finally live, when it is written elsewhere first (local paths are
+        written relative to it).
         """
-        import hf_mloss
+        folder = Path(save_directory)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / MERGE_CONFIG_NAME
+        self.to_yaml(path, root=Path(os.path.abspath(location or folder)))
+        return path
+
+    # ----------------------------------------------------------------------------------------------- running
+    def run(self, *, device: Any = None, token: str | bool | None = None, progress: bool = True) -> MergeResult:
+        """Run the merge. ``device``, ``token`` and ``progress`` are properties of the run, not of the recipe."""
+        from .merger import run_merge
 
         self.validate()
-        kwargs = self.merge_kwargs()
-        kwargs.update(overrides)
-        return hf_mloss.merge(**kwargs)
+        return run_merge(self, device=device, token=token, progress=progress)
 
-    def run_score(self, **overrides: Any) -> MLossReport:
-        """Validate, then run :func:`hf_mloss.score`; ``overrides`` (``device``, ``progress``...) win over the config.
-
-        Raises:
-            ConfigError: the config is invalid or has no ``data``.
-        """
-        import hf_mloss
+    def run_score(self, *, device: Any = None, token: str | bool | None = None, progress: bool = True
+                  ) -> MLossReport:
+        """Measure M-Loss with the ``score`` options (no merge unless ``prefix="merged"``)."""
+        from .scoring import run_score
 
         self.validate()
-        kwargs = self.score_kwargs()
-        kwargs.update(overrides)
-        return hf_mloss.score(**kwargs)
-
-    def _data_kwargs(self) -> dict[str, Any]:
         if self.data is None:
-            return {}
-        out: dict[str, Any] = {"data": self.data.source, "num_samples": self.data.num_samples,
-                               "split": self.data.split}
-        if self.data.image_column is not None:
-            out["image_column"] = self.data.image_column
-        return out
+            raise InvalidParameterError("Scoring needs unlabeled images and the config has no `data`: add e.g. "
+                                        "`data: {id: tanganke/dtd, split: train, num_samples: 128}` or "
+                                        "`data: {path: ./images}`.")
+        return run_score(self, device=device, token=token, progress=progress)
 
-    def _weights(self) -> list[float] | None:
-        return [m.weight for m in self.models] if self.models[0].weight is not None else None
-
-    def _revision(self) -> str | list[str | None] | None:
-        """Hub revisions for ``merge()``/``score()``: one string when all agree, else one per model (base first)."""
-        specs = [self.base, *self.models]
-        revisions = {spec.revision for spec in specs if not _is_local(spec.model)}
-        if len(revisions) <= 1:
-            return next(iter(revisions), None)
-        return [None if _is_local(spec.model) else spec.revision for spec in specs]
+    def replace(self, **changes: Any) -> MergeConfig:
+        """A copy with some fields changed (validated)."""
+        return dataclasses.replace(self, **changes)
 
 
 # ------------------------------------------------------------------------------------------------- parsing
-class _ConfigLoader(yaml.SafeLoader):
-    """SafeLoader that reads ``1e-4`` as a float (YAML 1.1 reads it as a string) and refuses duplicate keys."""
-
-    def construct_mapping(self, node, deep=False):
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key = self.construct_object(key_node, deep=True)
-            try:
-                duplicate = key in seen
-                seen.add(key)
-            except TypeError:  # unhashable: the parent class reports it
-                continue
-            if duplicate:
-                raise yaml.constructor.ConstructorError(
-                    "while constructing a mapping", node.start_mark, f"found duplicate key {key!r}",
-                    key_node.start_mark,
-                )
-        return super().construct_mapping(node, deep=deep)
+def _as_model_spec(value: Any, where: str) -> ModelSpec:
+    if isinstance(value, ModelSpec):
+        return value
+    if value is None:
+        raise InvalidParameterError(f"{where} is required: a Hub id (org/name), a local folder or a loaded model.")
+    try:
+        return ModelSpec(model=value)
+    except InvalidParameterError as err:
+        raise InvalidParameterError(f"{where}: {err}") from None
 
 
-_ConfigLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-                   |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-                   |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-                   |[-+]?\.(?:inf|Inf|INF)
-                   |\.(?:nan|NaN|NAN))$""", re.VERBOSE),
-    list("-+0123456789."),
-)
-
-
-def _parse_model(entry: Any, where: str, root: Path | None, *, keys: tuple[str, ...]) -> ModelSpec:
+def _parse_model(entry: Any, where: str, root: Path | None) -> ModelSpec:
     if isinstance(entry, str):
-        return ModelSpec(model=_resolve_model_path(entry, root))
+        entry = {"model": entry}
     if not isinstance(entry, Mapping):
         raise ConfigError(f"{where} must be a Hub id or local folder (a string) or a mapping such as "
-                          f"{{model: org/name{', weight: 0.5' if 'weight' in keys else ''}}}, got {_short(entry)}.")
-    if "weight" in entry and "weight" not in keys:
-        raise ConfigError(f"{where}.weight: the base has no weight; weights belong to the fine-tuned models.")
-    _check_keys(entry, keys, where)
+                          f"{{model: org/name, weight: 0.5}}, got {short(entry)}.")
+    if IN_MEMORY in entry:
+        raise ConfigError(f"{where} was a model passed from Python ({short(entry[IN_MEMORY])}) when this config was "
+                          "written; replace it with its Hub id or folder (`model: ...`) to re-run.")
+    check_keys(entry, [f.name for f in dataclasses.fields(ModelSpec)], f"key in {where}", error=ConfigError)
     if "model" not in entry:
-        raise ConfigError(f"{where} has no `model` key: write {{model: org/name}}, got {_short(dict(entry))}.")
-    model = entry["model"]
-    if isinstance(model, str):
-        model = _resolve_model_path(model, root)
-    return ModelSpec(model=model, weight=entry.get("weight"), revision=entry.get("revision"))
+        raise ConfigError(f"{where} has no `model` key: write {{model: org/name}}, got {short(dict(entry))}.")
+    values = dict(entry)
+    if isinstance(values["model"], str):
+        if not values["model"].strip():
+            raise ConfigError(f"{where}.model must be a Hub id or a local folder, got ''.")
+        values["model"] = _resolve_model_path(values["model"], root)
+    return _build(ModelSpec, values, f"{where}.")
 
 
-def _parse_data(entry: Any, root: Path | None) -> DataSpec | None:
-    if entry is None:
-        return None
+def _parse_data(entry: Any, root: Path | None) -> DataSpec:
     if isinstance(entry, str):
-        if _looks_local(entry) or (root is not None and entry and (root / entry).is_dir()):
-            return DataSpec(path=_resolve_path(entry, root))
-        return DataSpec(id=entry)
+        local = looks_local(entry) or (root is not None and (root / entry).is_dir())
+        entry = {"path": entry} if local else {"id": entry}
     if not isinstance(entry, Mapping):
-        raise ConfigError(f"data must be a Hub dataset id, a local folder or a mapping such as "
-                          f"{{id: tanganke/dtd, split: train, num_samples: 128}}, got {_short(entry)}.")
-    _check_keys(entry, DATA_KEYS + DATA_RECORD_KEYS, "data", shown=DATA_KEYS)
-    source = entry.get("source")
-    if source is not None and source not in DATA_SOURCES:
-        raise ConfigError(
-            f"data.source={_short(source)}: that merge was scored on data a config cannot re-read (in-memory images, "
-            f"a tensor or a datasets object); replace the data section with `id` (a Hub dataset id) or `path` "
-            f"(a local image folder). Recorded sources a config can re-read: {list(DATA_SOURCES)}."
-        )
-    data_id, path = entry.get("id"), entry.get("path")
-    if isinstance(data_id, str) and data_id and path is None and (
-        source == "imagefolder" or _looks_local(data_id)
-        or (source is None and root is not None and (root / data_id).is_dir())
-    ):
-        data_id, path = None, data_id  # a local folder recorded (or written) as an id
-    if isinstance(path, str) and path:
-        path = _resolve_path(path, root)
-    return DataSpec(
-        id=data_id, path=path, split=entry.get("split", "train"),
-        num_samples=entry.get("num_samples", DEFAULT_NUM_SAMPLES), seed=entry.get("seed"),
-        image_column=entry.get("image_column"),
-    )  # fmt: skip
+        raise ConfigError(f"data must be a Hub dataset id, a local folder or a mapping such as {{id: tanganke/dtd, "
+                          f"split: train, num_samples: 128}}, got {short(entry)}.")
+    if "seed" in entry:
+        raise ConfigError("data.seed: hf_mloss uses one seed for data shuffling and the merge: set only the "
+                          "top-level `seed`.")
+    entry = dict(entry)
+    if IN_MEMORY in entry:
+        raise ConfigError(f"data was passed from Python ({short(entry[IN_MEMORY])}) when this config was written; "
+                          "replace the data section with `id` (a Hub dataset id) or `path` (a local image folder).")
+    names = [f.name for f in dataclasses.fields(DataSpec) if f.name != "objects"]
+    check_keys(entry, names, "key in data", error=ConfigError)
+    values = dict(entry)
+    if isinstance(values.get("path"), str):
+        values["path"] = _absolute(values["path"], root)
+    return _build(DataSpec, values, "data.")
 
 
-def _parse_score(entry: Any) -> ScoreSpec | None:
-    if entry is None:
-        return None
-    if not isinstance(entry, Mapping):
-        raise ConfigError(f"score must be a mapping such as {{prefix: own, reduction: abs}}, got {_short(entry)}.")
-    _check_keys(entry, SCORE_KEYS, "score")
-    layers = entry.get("layers")
-    return ScoreSpec(prefix=entry.get("prefix"), reduction=entry.get("reduction"),
-                     activation=entry.get("activation"), eps=entry.get("eps"),
-                     layers=list(layers) if isinstance(layers, (list, tuple)) else layers)
+def _migrate(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Read configs saved by hf_mloss 0.1, which recorded what it had read about the data inside ``data``."""
+    version = str(config.get("hf_mloss_version") or "")
+    data = config.get("data")
+    if not version.startswith("0.1.") or not isinstance(data, Mapping):
+        return config
+    data = {k: v for k, v in data.items() if k not in ("skipped", "seed")}
+    if data.pop("source", None) == "imagefolder" and "id" in data:
+        data["path"] = data.pop("id")
+    return {**config, "data": data}
 
 
-def _check_keys(entry: Mapping[Any, Any], valid: tuple[str, ...], where: str, *,
-                shown: tuple[str, ...] | None = None) -> None:
-    for key in entry:
-        if isinstance(key, str) and "token" in key.lower():
-            raise ConfigError(f"{'' if where == 'config' else where + '.'}{key}: {TOKEN_HINT}")
-    unknown = [k for k in entry if k not in valid]
-    if unknown:
-        key = unknown[0]
-        label = "top-level key" if where == "config" else f"key in {where}"
-        raise ConfigError(f"Unknown {label} {_short(key)}{_did_you_mean(key, valid)}; valid keys: "
-                          f"{list(shown or valid)}.")
+def _build(cls: type, values: Mapping[str, Any], where: str) -> Any:
+    names = [f.name for f in dataclasses.fields(cls)]
+    check_keys(values, names, f"key in {where.rstrip('.')}", error=ConfigError)
+    try:
+        return cls(**values)
+    except InvalidParameterError as err:
+        message = str(err)
+        raise ConfigError(f"{where}{message}" if message.split(" ")[0].split("=")[0] in names else message) from None
 
 
-def _validate_model(spec: Any, where: str, *, weight_allowed: bool = True) -> None:
-    if not isinstance(spec, ModelSpec):
-        raise ConfigError(f"{where} must be a ModelSpec, got {_short(spec)}.")
-    if not isinstance(spec.model, str) or not spec.model.strip():
-        raise ConfigError(f"{where}.model must be a Hub id or a local folder (a non-empty string), got "
-                          f"{_short(spec.model)}.")
-    if spec.weight is not None and not weight_allowed:
-        raise ConfigError(f"{where}.weight: the base has no weight; weights belong to the fine-tuned models.")
-    if _is_local(spec.model):
-        if not _expand(spec.model).is_dir():
-            raise ConfigError(f"{where}.model: local folder {spec.model!r} does not exist (relative paths resolve "
-                              "against the config file's folder).")
-        if spec.revision is not None:
-            raise ConfigError(f"{where}.revision={_short(spec.revision)} only applies to Hub ids; {spec.model!r} is "
-                              "a local folder.")
-    if spec.revision is not None and (not isinstance(spec.revision, str) or not spec.revision):
-        raise ConfigError(f"{where}.revision must be a branch, tag or commit hash as a string (quote it in YAML), "
-                          f"got {_short(spec.revision)}.")
+def _mapping(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where} must be a mapping (e.g. {{k: 0.2}}), got {short(value)}.")
+    return dict(value)
 
 
-def _check_int(name: str, value: Any, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        bound = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ConfigError(f"{name} must be {bound}, got {_short(value)}.")
+def _refuse_tokens(value: Any, where: str) -> None:
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if isinstance(key, str) and "token" in key.lower():
+                raise ConfigError(f"{where}{key}: {TOKEN_HINT}")
+            _refuse_tokens(item, f"{where}{key}.")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _refuse_tokens(item, f"{where.rstrip('.')}[{i}].")
 
 
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if not isinstance(value, str) or value not in choices:
-        raise ConfigError(f"{name} must be one of {list(choices)}, got {_short(value)}.")
-
-
-def _check_activation(name: str, value: Any) -> None:
-    if value is None:
+def _spread(specs: list[ModelSpec], key: str, values: Any, *, per_model_hint: str) -> None:
+    """Set ``key`` on every spec from one value or one value per spec."""
+    if values is None:
         return
-    from transformers.activations import ACT2FN
-
-    if not isinstance(value, str) or value not in ACT2FN:
-        raise ConfigError(f"{name} must be null (the model's own) or one of {sorted(ACT2FN)}, got {_short(value)}.")
-
-
-# --------------------------------------------------------------------------------------------------- helpers
-def parameter_defaults(params_class: type) -> dict[str, Any]:
-    """``{name: default}`` of a method's parameter dataclass (``None`` where a field has no default)."""
-    out = {}
-    for f in dataclasses.fields(params_class):
-        if f.default is not dataclasses.MISSING:
-            out[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            out[f.name] = f.default_factory()
-        else:
-            out[f.name] = None
-    return out
-
-
-def _looks_local(value: str) -> bool:
-    return value.startswith((".", "/", "~")) or os.path.isabs(value)
+    if key == "revision" and isinstance(values, str):
+        for spec in specs:
+            if not spec.is_local and not spec.is_loaded:
+                spec.revision = values
+        return
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Sequence) and not _is_array(values):
+        raise InvalidParameterError(f"{key}s must be a list with one entry per model ({per_model_hint}), got "
+                                    f"{short(values)}.")
+    values = list(values)
+    if len(values) != len(specs):
+        raise InvalidParameterError(f"Got {len(values)} {key}s for {len(specs)} models: pass one per model "
+                                    f"({per_model_hint}).")
+    for i, (spec, value) in enumerate(zip(specs, values)):
+        try:
+            setattr(spec, key, value)
+            spec.__post_init__()
+        except InvalidParameterError as err:
+            raise InvalidParameterError(f"{key}s[{i}]: {err}") from None
 
 
-def _is_local(value: Any) -> bool:
-    return isinstance(value, str) and (_looks_local(value) or _expand(value).exists())
+def _is_array(value: Any) -> bool:
+    return hasattr(value, "tolist") and hasattr(value, "shape")
 
 
-def _expand(value: str) -> Path:
+def _is_loaded_model(value: Any) -> bool:
+    return hasattr(value, "config") and hasattr(value, "state_dict") and callable(value.state_dict)
+
+
+def looks_local(value: str) -> bool:
+    """Whether ``value`` names a local path rather than a Hub id (explicit path syntax, or it exists)."""
+    if value.startswith((".", "/", "~")) or os.path.isabs(value) or "/" in value.replace("/", "", 1):
+        return True
+    return expand(value).exists() or not is_repo_id(value)
+
+
+def is_repo_id(value: str) -> bool:
+    """Whether ``value`` is spelled like a Hub repo id (``name`` or ``org/name``)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        return False
+    return True
+
+
+def expand(value: str) -> Path:
     """``Path(value).expanduser()``, or the path as written when ``~user`` names no known home."""
     try:
         return Path(value).expanduser()
@@ -630,50 +592,36 @@ def _expand(value: str) -> Path:
         return Path(value)
 
 
-def _resolve_path(value: str, root: Path | None) -> str:
-    path = _expand(value)
-    if path.is_absolute() or root is None:
-        return str(path) if value.startswith("~") else value
-    return str((root / path).resolve())
+def _absolute(value: str, root: Path | None) -> str:
+    """``value`` as an absolute path (relative ones against ``root``); symbolic links are kept as written."""
+    path = expand(value)
+    if not path.is_absolute():
+        path = (root or Path.cwd()) / path
+    return os.path.normpath(path)
 
 
 def _resolve_model_path(value: str, root: Path | None) -> str:
     """Explicit local paths resolve against ``root``, and so does a bare name of a folder there; else: a Hub id."""
-    if _looks_local(value):
-        return _resolve_path(value, root)
-    if root is not None and value and (root / value).is_dir():
-        return str((root / value).resolve())
+    if looks_local(value) or (root is not None and value and (root / value).is_dir()):
+        return _absolute(value, root)
     return value
 
 
-def _is_real(value: Any) -> bool:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
+def _relative(value: str, root: Path | None) -> str:
+    """``value`` relative to ``root`` (where the config file lives), else absolute."""
+    path = _absolute(value, None)
+    return path if root is None else os.path.relpath(path, root)
 
 
 def _plain(value: Any) -> Any:
-    """Tuples to lists, recursively (YAML-safe, and equal after a round trip)."""
-    if isinstance(value, dict):
+    """Tuples to lists and numpy scalars to Python numbers, recursively (YAML-safe and equal after a round trip)."""
+    if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
+    if hasattr(value, "item") and hasattr(value, "dtype"):
+        return value.item()
     return value
 
 
-def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _did_you_mean(value: Any, choices) -> str:
-    if not isinstance(value, str):
-        return ""
-    match = difflib.get_close_matches(value, [str(c) for c in choices], n=1)
-    return f" (did you mean {match[0]!r}?)" if match else ""
-
-
-__all__ = ["DataSpec", "MergeConfig", "ModelSpec", "ScoreSpec"]
+__all__ = ["MERGE_CONFIG_NAME", "DataSpec", "MergeConfig", "ModelSpec"]

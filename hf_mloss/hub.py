@@ -102,3 +102,25 @@ def _download(repo_id: str, *, revision, token, cache_dir, allow_pickle) -> Mode
     except RevisionNotFoundError as err:
         raise CheckpointNotFoundError(f"Revision {revision!r} of Hub model {repo_id!r} does not exist.") from err
     return ModelRef(path=folder, repo_id=repo_id, revision=Path(folder).name)
+
+
+def download_file(repo_id: str, filename: str, *, revision: str | None = None, token: str | bool | None = None) -> str:
+    """Local path of one file of a Hub model repo (cached; works offline once cached).
+
+    Raises:
+        CheckpointNotFoundError: the repo, revision or file does not exist, or it is not cached while offline.
+    """
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return hf_hub_download(repo_id, filename, revision=revision, token=token)
+    except LocalEntryNotFoundError:
+        raise CheckpointNotFoundError(f"{filename} of Hub repo {repo_id!r} is not in the local cache and the Hub "
+                                      "cannot be reached.") from None
+    except EntryNotFoundError:
+        raise CheckpointNotFoundError(f"Hub repo {repo_id!r} has no {filename}: it was not written by hf_mloss.") from None
+    except (HfHubHTTPError, ValueError) as err:
+        status = getattr(getattr(err, "response", None), "status_code", None)
+        raise CheckpointNotFoundError(f"Cannot download {filename} of Hub repo {repo_id!r}"
+                                      + (f" (HTTP {status})" if status else "") + ".") from None

@@ -19,8 +19,10 @@ class MLossReport:
 
     ``node[name]`` holds the mean over positions of |g_i| (``reduction="abs"``) or g_i² (``"sq"``) for each row i,
     ``node_normalized[name]`` the mean of |g_i| / (|σ(Σα h_i)| + ε); ``layer[name]`` the mean over positions of
-    ‖g‖₂ and ``layer_normalized[name]`` of ‖g‖₂ / (‖σ(Σα h)‖₂ + ε). ``keep_ratios`` (M-TIES only) holds the row keep
-    ratios the merge used.
+    ‖g‖₂ and ``layer_normalized[name]`` of ‖g‖₂ / (‖σ(Σα h)‖₂ + ε). The per-position ratios are heavy-tailed where
+    σ(Σα h) ≈ 0, so ``layer_ratio`` / ``node_ratio`` also give the ratio of sums Σ‖g‖₂ / Σ‖σ(Σα h)‖₂ (and
+    Σ|g_i| / Σ|σ(Σα h_i)|). ``keep_ratios`` (M-TIES only) holds the row keep ratios the merge used; ``data`` where
+    the scoring images came from. The weights α are normalised (α / Σα).
     """
 
     node: dict[str, torch.Tensor]
@@ -37,6 +39,9 @@ class MLossReport:
     weights: list[float] = field(default_factory=list)
     keep_ratios: dict[str, torch.Tensor] = field(default_factory=dict)
     compute_dtype: str = "float32"
+    layer_ratio: dict[str, float] = field(default_factory=dict)
+    node_ratio: dict[str, torch.Tensor] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
 
     @property
     def layers(self) -> list[str]:
@@ -51,6 +56,7 @@ class MLossReport:
                 "layer": name,
                 "mloss": self.layer[name],
                 "mloss_normalized": self.layer_normalized[name],
+                "mloss_ratio": self.layer_ratio.get(name),
                 "node_mean": float(node.mean()),
                 "node_max": float(node.max()),
             }
@@ -78,15 +84,22 @@ class MLossReport:
     def __str__(self) -> str:
         return self.summary()
 
+    def __repr__(self) -> str:
+        total = sum(self.layer.values()) / max(len(self.layer), 1)
+        return (f"MLossReport(layers={len(self.layer)}, mean_layer_mloss={total:.4g}, prefix={self.prefix!r}, "
+                f"reduction={self.reduction!r}, models={len(self.models)}, samples={self.num_samples})")
+
     def to_dict(self, *, per_row: bool = False) -> dict[str, Any]:
         out: dict[str, Any] = {
             "prefix": self.prefix, "reduction": self.reduction, "activation": self.activation, "eps": self.eps,
             "num_samples": self.num_samples, "num_positions": self.num_positions, "models": self.models,
-            "weights": self.weights, "compute_dtype": self.compute_dtype, "layers": self.summary_rows(),
+            "weights": self.weights, "compute_dtype": self.compute_dtype, "data": self.data,
+            "layers": self.summary_rows(),
         }  # fmt: skip
         if per_row:
             out["node"] = {k: v.tolist() for k, v in self.node.items()}
             out["node_normalized"] = {k: v.tolist() for k, v in self.node_normalized.items()}
+            out["node_ratio"] = {k: v.tolist() for k, v in self.node_ratio.items()}
             out["keep_ratios"] = {k: v.tolist() for k, v in self.keep_ratios.items()}
         return out
 
@@ -104,6 +117,7 @@ class MLossReport:
         self.to_json(folder / MLOSS_SUMMARY_NAME)
         tensors = {f"node/{k}": v.float().contiguous() for k, v in self.node.items()}
         tensors.update({f"node_normalized/{k}": v.float().contiguous() for k, v in self.node_normalized.items()})
+        tensors.update({f"node_ratio/{k}": v.float().contiguous() for k, v in self.node_ratio.items()})
         tensors.update({f"keep_ratios/{k}": v.float().contiguous() for k, v in self.keep_ratios.items()})
         save_file(tensors, str(folder / MLOSS_SCORES_NAME), metadata={"format": "pt", "prefix": self.prefix,
                                                                       "reduction": self.reduction})
@@ -126,4 +140,6 @@ class MLossReport:
             prefix=meta["prefix"], reduction=meta["reduction"], activation=meta["activation"], eps=meta["eps"],
             num_samples=meta["num_samples"], num_positions=meta["num_positions"], models=meta["models"],
             weights=meta["weights"], keep_ratios=group("keep_ratios"), compute_dtype=meta.get("compute_dtype", "float32"),
+            layer_ratio={r["layer"]: r["mloss_ratio"] for r in rows if r.get("mloss_ratio") is not None},
+            node_ratio=group("node_ratio"), data=meta.get("data", {}),
         )  # fmt: skip

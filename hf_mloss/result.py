@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -9,17 +10,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
-from transformers import PreTrainedModel
-
-from .errors import OutputExistsError
-from .hub import ModelRef
-from .report import MLossReport
+from .config import MERGE_CONFIG_NAME, MergeConfig
+from .saving import atomic_folder, check_output_dir
 
 if TYPE_CHECKING:
-    from .adapters import ModelAdapter
+    from transformers import PreTrainedModel
 
-MERGE_CONFIG_NAME = "hf_mloss_config.yaml"
+    from .adapters import ModelAdapter
+    from .data import DataInfo
+    from .hub import ModelRef
+    from .report import MLossReport
 
 
 @dataclass
@@ -27,149 +27,129 @@ class MergeResult:
     """Result of :func:`hf_mloss.merge`.
 
     Attributes:
-        model: the merged model, same class and config as the base, in ``eval()`` mode.
+        model: the merged model (the base's class, or the tower with ``output="tower"``), in ``eval()`` mode.
+        config: the recorded recipe (:class:`MergeConfig`): Hub models pinned to their commit, local folders with
+            a content fingerprint; ``result.config.run()`` reproduces the merge.
         report: the M-Loss the merge used (data-guided methods), else ``None``.
         eval_results: optional evaluation results (``{task: accuracy}``) recorded in the model card.
     """
 
     model: PreTrainedModel
-    method: str
-    params: dict[str, Any]
+    config: MergeConfig
+    report: MLossReport | None
     base: ModelRef
     models: list[ModelRef]
-    weights: list[float]
-    seed: int
-    report: MLossReport | None
-    data: dict[str, Any] | None
     adapter: ModelAdapter
-    dtype: str
+    data_info: DataInfo | None = None
     method_description: str = ""
-    options: dict[str, Any] = field(default_factory=dict)
-    """Run options that affect a data-guided result (batch size, scoring compute dtype)."""
     eval_results: dict[str, float] = field(default_factory=dict)
 
-    def merge_config(self) -> dict[str, Any]:
-        """The configuration that reproduces this merge (the same schema ``hf-mloss merge CONFIG`` reads)."""
-        from . import __version__
+    @property
+    def method(self) -> str:
+        return self.config.method
 
-        def model_entry(ref: ModelRef, weight: float | None = None) -> dict[str, Any]:
-            entry: dict[str, Any] = {"model": ref.repo_id or ref.name}
-            if ref.revision:
-                entry["revision"] = ref.revision
-            if weight is not None:
-                entry["weight"] = weight
-            return entry
+    @property
+    def params(self) -> dict[str, Any]:
+        """The method's parameters, defaults filled in."""
+        return self.config.method_params().to_dict()
 
-        params = {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.params.items()}
-        config: dict[str, Any] = {
-            "hf_mloss_version": __version__,
-            "base": model_entry(self.base),
-            "models": [model_entry(r, w) for r, w in zip(self.models, self.weights)],
-            "method": self.method,
-            "parameters": params,
-            "seed": self.seed,
-            "dtype": self.dtype,
-        }
-        config.update(self.options)
-        if self.data:
-            config["data"] = dict(self.data)
-        return config
+    @property
+    def weights(self) -> list[float]:
+        alpha = self.config.weights
+        if alpha is not None:
+            return alpha
+        q = len(self.models)
+        return [1.0 if self.config.merge_method().default_weight == "one" else 1.0 / q] * q
 
-    def save_pretrained(
-        self,
-        save_directory: str | os.PathLike[str],
-        *,
-        max_shard_size: int | str = "5GB",
-        overwrite: bool = False,
-        push_to_hub: bool = False,
-        repo_id: str | None = None,
-        **push_kwargs: Any,
-    ) -> Path:
-        """Write a Hub-ready folder: safetensors (+ index), config, image processor config, model card, merge config
-        and M-Loss report.
+    def save_pretrained(self, save_directory: str | os.PathLike[str], *, max_shard_size: int | str = "5GB",
+                        overwrite: bool = False, push_to_hub: bool = False, repo_id: str | None = None,
+                        **push_kwargs: Any) -> Path:
+        """Write a Hub-ready folder: safetensors (+ index), config, image processor config, model card, merge config,
+        M-Loss report, and the list of the files written.
 
         The folder is written next to its final place and renamed into it, so it appears complete or not at all.
-        An existing non-empty folder is refused unless ``overwrite=True``, and then replaced only once the new one
-        is complete. With ``push_to_hub=True`` the folder is then uploaded to ``repo_id`` (default: the folder name)
-        in one commit.
+        An existing non-empty folder is refused unless ``overwrite=True``, and then replaced only at the final
+        rename. An output folder that overlaps an input is refused. With ``push_to_hub=True`` the folder is then
+        uploaded to ``repo_id`` (default: the folder name) in one commit.
         """
-        target = Path(save_directory)
-        if target.exists() and (not target.is_dir() or any(target.iterdir())) and not overwrite:
-            raise OutputExistsError(
-                f"Output folder {str(target)!r} already exists and is not empty; pass overwrite=True "
-                "(CLI: --overwrite) to replace it, or choose another folder."
-            )
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        try:
-            self._write(tmp, max_shard_size=max_shard_size)
-            _replace_dir(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        if push_to_hub:
+            from .hub_push import check_repo_id
+
+            check_repo_id(repo_id or Path(save_directory).name)
+        target = check_output_dir(save_directory, overwrite=overwrite, protected=self.input_paths(),
+                                  needed_bytes=self.output_bytes())
+        with atomic_folder(target, overwrite=overwrite) as tmp:
+            self._write(tmp, max_shard_size=max_shard_size, final=target)
         if push_to_hub:
             from .hub_push import push_folder
 
             push_folder(target, repo_id or target.name, **push_kwargs)
         return target
 
-    def _write(self, folder: Path, *, max_shard_size: int | str) -> None:
-        from .card import build_model_card
-
-        self.model.save_pretrained(folder, max_shard_size=max_shard_size)
-        if self.base.path and Path(self.base.path).is_dir():
-            try:
-                self.adapter.load_processor(self.base.path).save_pretrained(folder)
-            except OSError:  # the base has no preprocessor config: the card says so
-                pass
-        config = self.merge_config()
-        (folder / MERGE_CONFIG_NAME).write_text(yaml.safe_dump(config, sort_keys=False))
-        if self.report is not None:
-            self.report.save(folder)
-        build_model_card(self, folder).save(folder / "README.md")
-
     def push_to_hub(self, repo_id: str, *, private: bool | None = None, token: str | bool | None = None,
                     revision: str | None = None, create_pr: bool = False, commit_message: str | None = None,
                     max_shard_size: int | str = "5GB") -> Any:
-        """Write the folder to a temporary directory and upload it to ``repo_id`` in ONE commit."""
-        from .hub_push import push_folder
+        """Write the folder to a temporary directory and upload it to ``repo_id`` in ONE commit.
 
+        The temporary copy is removed whatever happens; to keep a local copy, use ``save_pretrained(folder,
+        push_to_hub=True)`` (a failed push then leaves the folder and says how to retry).
+        """
+        from .hub_push import check_repo_id, push_folder
+
+        check_repo_id(repo_id)
         tmp = Path(tempfile.mkdtemp(prefix="hf_mloss-push-"))
-        folder = tmp / "merged"
-        self._write_to(folder, max_shard_size)
-        # On failure the written folder is kept (the error names it and how to retry); on success it is removed.
-        info = push_folder(folder, repo_id, private=private, token=token, revision=revision, create_pr=create_pr,
-                           commit_message=commit_message)
-        shutil.rmtree(tmp, ignore_errors=True)
-        return info
+        try:
+            folder = tmp / "merged"
+            with atomic_folder(folder) as out:
+                self._write(out, max_shard_size=max_shard_size, final=folder)
+            return push_folder(folder, repo_id, private=private, token=token, revision=revision, create_pr=create_pr,
+                               commit_message=commit_message, keep_hint=False)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
-    def _write_to(self, folder: Path, max_shard_size) -> None:
-        folder.mkdir(parents=True)
-        self._write(folder, max_shard_size=max_shard_size)
+    def _write(self, folder: Path, *, max_shard_size: int | str, final: Path) -> None:
+        from .card import build_model_card
+        from .checkpoint import save_weights
+
+        save_weights(self.model, self.adapter, folder, max_shard_size=max_shard_size)
+        self._save_processor(folder)
+        # local paths in the saved config are relative to where the folder ends up, not to the temporary one
+        self.config.save_pretrained(folder, location=final)
+        heatmap = None
+        if self.report is not None:
+            self.report.save(folder)
+            from .plots import draw_heatmap
+
+            heatmap = draw_heatmap(self.report, folder)
+        build_model_card(self, heatmap=heatmap).save(folder / "README.md")
+
+    def _save_processor(self, folder: Path) -> None:
+        """Copy the base's image processor (or the one the merge was scored with) beside the weights."""
+        source = self.config.processor
+        if source is not None and not isinstance(source, (str, os.PathLike)):
+            source.save_pretrained(folder)
+            return
+        where = os.fspath(source) if source is not None else self.base.path
+        if where and Path(where).is_dir():
+            try:
+                self.adapter.load_processor(where).save_pretrained(folder)
+            except (OSError, ValueError):  # the base has no preprocessor config: the card says so
+                pass
+
+    def input_paths(self) -> list[str]:
+        """Local folders this merge read (the output must not overlap them)."""
+        paths = [r.path for r in [self.base, *self.models] if r.path and r.repo_id is None and Path(r.path).exists()]
+        if self.config.data is not None and self.config.data.path is not None:
+            paths.append(self.config.data.path)
+        return paths
+
+    def output_bytes(self) -> int:
+        """Approximate size of the saved weights."""
+        return sum(math.prod(t.shape) * t.element_size() for t in self.model.state_dict().values())
 
     def __repr__(self) -> str:
         return (f"MergeResult(method={self.method!r}, base={self.base.name!r}, models={[m.name for m in self.models]}, "
-                f"params={self.params})")
+                f"params={self.config.parameters})")
 
 
-def _replace_dir(new: Path, target: Path) -> None:
-    """Move the complete folder ``new`` to ``target``, replacing an existing one only after ``new`` is complete."""
-    if not target.exists():
-        os.replace(new, target)
-        return
-    backup = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-    backup.rmdir()
-    os.replace(target, backup)
-    try:
-        os.replace(new, target)
-    except BaseException:
-        os.replace(backup, target)
-        raise
-    shutil.rmtree(backup, ignore_errors=True)
-
-
-def read_merge_config(folder: str | os.PathLike[str]) -> dict[str, Any]:
-    return yaml.safe_load((Path(folder) / MERGE_CONFIG_NAME).read_text())
-
-
-__all__ = ["MERGE_CONFIG_NAME", "MergeResult", "read_merge_config"]
+__all__ = ["MERGE_CONFIG_NAME", "MergeResult"]

@@ -7,7 +7,9 @@ g = σ(Σ_p α_p h_p) − Σ_p α_p σ(h_p) at every position (sample × token).
   that M-TIES builds), and the q pre-activations come from ONE stacked GEMM with the q sources' weights of that linear.
 * ``"own"``: every source runs its own forward; only one block per source is in memory at a time.
 
-Sums (not means) are accumulated per process and reduced with accelerate, so a data-parallel run is exact.
+Sums (not means) are accumulated per process and reduced with accelerate, so a data-parallel run is exact. The
+weights α are normalised (α/Σα) before scoring: M-Loss compares the ensemble with a convex combination, so scaling
+all weights together must not change it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import contextlib
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -23,12 +26,19 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from .adapters import EMBEDDING_STAGE, ModelAdapter
+from .config import DEFAULT_NUM_SAMPLES, MergeConfig
+from .errors import InvalidParameterError
+from .methods.base import LayerHooks
+from .options import PREFIXES, REDUCTIONS, ScoringOptions
 from .report import MLossReport
 from .store import TensorStore
 
-PREFIXES = ("own", "base", "merged")
+if TYPE_CHECKING:
+    from .data import DataInfo
+    from .inputs import RunInputs
+
+__all__ = ["PREFIXES", "REDUCTIONS", "LayerScores", "MLossAccumulator", "score"]
 _CHUNK_ELEMENTS = 1 << 22
-REDUCTIONS = ("abs", "sq")
 
 
 def node_gap(h: torch.Tensor, alpha: torch.Tensor, activation: Callable) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,27 +55,55 @@ def node_gap(h: torch.Tensor, alpha: torch.Tensor, activation: Callable) -> tupl
     return merged - ensemble, merged
 
 
+@dataclass
+class LayerScores:
+    """M-Loss of one scored linear: per node (row) and for the whole layer, plain and normalised."""
+
+    node: torch.Tensor
+    """Mean over positions of |g_i| (``reduction="abs"``) or g_i² (``"sq"``), one value per row."""
+    node_normalized: torch.Tensor
+    """Mean over positions of |g_i| / (|σ(Σα h_i)| + ε) (heavy-tailed where σ(Σα h_i) ≈ 0)."""
+    node_ratio: torch.Tensor
+    """Σ_positions |g_i| / Σ_positions |σ(Σα h_i)|: the stable normalised summary."""
+    layer: float
+    """Mean over positions of ‖g‖₂."""
+    layer_normalized: float
+    """Mean over positions of ‖g‖₂ / (‖σ(Σα h)‖₂ + ε)."""
+    layer_ratio: float
+    """Σ_positions ‖g‖₂ / Σ_positions ‖σ(Σα h)‖₂."""
+
+
 class MLossAccumulator:
     """Running sums of node / layer M-Loss for one scored linear."""
 
     def __init__(self, num_nodes: int, *, reduction: str = "abs", eps: float = 1e-4, device="cpu") -> None:
         self.reduction = reduction
         self.eps = eps
-        self.node = torch.zeros(num_nodes, dtype=torch.float64, device=device)
-        self.node_normalized = torch.zeros_like(self.node)
-        self.layer = torch.zeros((), dtype=torch.float64, device=device)
-        self.layer_normalized = torch.zeros_like(self.layer)
-        self.count = torch.zeros((), dtype=torch.float64, device=device)
+        # per node: the reduced gap, the per-position normalised gap, |σ(αh)|, and |g| (kept apart only for "sq");
+        # per layer: ‖g‖, the normalised ‖g‖, ‖σ(αh)‖, and the number of positions
+        self.node = torch.zeros(4, num_nodes, dtype=torch.float64, device=device)
+        self.layer = torch.zeros(4, dtype=torch.float64, device=device)
 
     def add(self, h: torch.Tensor, alpha: torch.Tensor, activation: Callable) -> None:
         g, merged = node_gap(h.float(), alpha, activation)
-        magnitude = g.abs()
-        self.node += (magnitude if self.reduction == "abs" else g.square()).sum(0, dtype=torch.float64)
-        self.node_normalized += (magnitude / (merged.abs() + self.eps)).sum(0, dtype=torch.float64)
+        magnitude, merged_magnitude = g.abs(), merged.abs()
+        if self.reduction == "abs":
+            self.node[0] += magnitude.sum(0, dtype=torch.float64)
+        else:
+            self.node[0] += g.square().sum(0, dtype=torch.float64)
+            self.node[3] += magnitude.sum(0, dtype=torch.float64)
+        self.node[1] += (magnitude / (merged_magnitude + self.eps)).sum(0, dtype=torch.float64)
+        self.node[2] += merged_magnitude.sum(0, dtype=torch.float64)
         norm = torch.linalg.vector_norm(g, dim=1)
-        self.layer += norm.sum(dtype=torch.float64)
-        self.layer_normalized += (norm / (torch.linalg.vector_norm(merged, dim=1) + self.eps)).sum(dtype=torch.float64)
-        self.count += g.shape[0]
+        merged_norm = torch.linalg.vector_norm(merged, dim=1)
+        self.layer[0] += norm.sum(dtype=torch.float64)
+        self.layer[1] += (norm / (merged_norm + self.eps)).sum(dtype=torch.float64)
+        self.layer[2] += merged_norm.sum(dtype=torch.float64)
+        self.layer[3] += g.shape[0]
+
+    @property
+    def count(self) -> torch.Tensor:
+        return self.layer[3]
 
     def reduce_across_processes(self) -> None:
         """Sum the running sums of every process (a no-op in a single process)."""
@@ -73,18 +111,19 @@ class MLossAccumulator:
         from accelerate.utils import reduce
 
         if PartialState().num_processes > 1:
-            packed = torch.cat([self.node, self.node_normalized, torch.stack([self.layer, self.layer_normalized,
-                                                                               self.count])])
-            packed = reduce(packed, reduction="sum")
-            n = self.node.numel()
-            self.node, self.node_normalized = packed[:n], packed[n : 2 * n]
-            self.layer, self.layer_normalized, self.count = packed[2 * n], packed[2 * n + 1], packed[2 * n + 2]
+            packed = reduce(torch.cat([self.node.flatten(), self.layer]), reduction="sum")
+            self.node, self.layer = packed[: self.node.numel()].view_as(self.node), packed[self.node.numel():]
 
-    def means(self) -> tuple[torch.Tensor, torch.Tensor, float, float]:
-        count = self.count.clamp_min(1)
-        return ((self.node / count).float().cpu(), (self.node_normalized / count).float().cpu(),
-                float(self.layer / count), float(self.layer_normalized / count))
-
+    def scores(self) -> LayerScores:
+        """The means (and ratios of sums) accumulated so far."""
+        count = self.layer[3].clamp_min(1)
+        gap_sum = self.node[0] if self.reduction == "abs" else self.node[3]
+        tiny = torch.finfo(torch.float64).tiny
+        return LayerScores(
+            node=(self.node[0] / count).float().cpu(), node_normalized=(self.node[1] / count).float().cpu(),
+            node_ratio=(gap_sum / self.node[2].clamp_min(tiny)).float().cpu(), layer=float(self.layer[0] / count),
+            layer_normalized=float(self.layer[1] / count), layer_ratio=float(self.layer[0] / self.layer[2].clamp_min(tiny)),
+        )
 
 @dataclass
 class ScoringSetup:
@@ -105,6 +144,8 @@ class ScoringSetup:
     device: torch.device | str = "cpu"
     compute_dtype: torch.dtype = torch.float32
     progress: bool = True
+    prefix: str = "own"
+    num_samples: int = 0
 
     def autocast(self):
         if self.compute_dtype == torch.float32:
@@ -113,19 +154,6 @@ class ScoringSetup:
 
     def scored_layers(self) -> list[int]:
         return sorted(set(range(self.adapter.num_layers) if self.layers is None else self.layers))
-
-
-class LayerHooks:
-    """Callbacks of a shared-prefix pass; M-TIES overrides them to merge while the prefix advances."""
-
-    def before_stage(self, stage: int) -> None:
-        """Called before the stage's forward (merge everything of the stage except the scored weight)."""
-
-    def after_scores(self, layer: int, accumulator: MLossAccumulator) -> None:
-        """Called once the scored linear of ``layer`` has its (process-reduced) M-Loss."""
-
-    def after_all(self) -> None:
-        """Called after the last block (merge the tail tensors)."""
 
 
 def _stacked_target(setup: ScoringSetup, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -174,7 +202,7 @@ def score_shared_prefix(setup: ScoringSetup, hooks: LayerHooks | None = None) ->
                     acc.add(h.reshape(flat.shape[0], q, -1), setup.alpha, setup.activation)
             acc.reduce_across_processes()
             results[adapter.target_name(layer)] = acc
-            hooks.after_scores(layer, acc)
+            hooks.after_scores(layer, acc.scores())
         if layer < last_needed:
             with setup.autocast():
                 hidden = [adapter.forward_from_target(block, r, u) for r, u in halves]
@@ -245,16 +273,140 @@ def score_own_prefix(setup: ScoringSetup) -> dict[str, MLossAccumulator]:
     return results
 
 
-def build_report(setup: ScoringSetup, results: dict[str, MLossAccumulator], *, prefix: str, models: list[str],
-                 num_samples: int, keep_ratios: dict[str, torch.Tensor] | None = None) -> MLossReport:
-    node, node_norm, layer, layer_norm = {}, {}, {}, {}
-    positions = 0
-    for name, acc in results.items():
-        node[name], node_norm[name], layer[name], layer_norm[name] = acc.means()
-        positions = int(acc.count)
+def build_report(setup: ScoringSetup, results: dict[str, MLossAccumulator], *, models: list[str],
+                 data_info: DataInfo | None = None, records: dict[str, dict[str, torch.Tensor]] | None = None
+                 ) -> MLossReport:
+    """The :class:`MLossReport` of a scoring pass (``records``: per-row values a merge kept, e.g. keep ratios)."""
+    scores = {name: acc.scores() for name, acc in results.items()}
+    positions = int(next(iter(results.values())).count) if results else 0
     return MLossReport(
-        node=node, node_normalized=node_norm, layer=layer, layer_normalized=layer_norm, prefix=prefix,
-        reduction=setup.reduction, activation=setup.activation_name, eps=setup.eps, num_samples=num_samples,
-        num_positions=positions, models=models, weights=setup.alpha.tolist(), keep_ratios=keep_ratios or {},
+        node={k: v.node for k, v in scores.items()}, node_normalized={k: v.node_normalized for k, v in scores.items()},
+        layer={k: v.layer for k, v in scores.items()},
+        layer_normalized={k: v.layer_normalized for k, v in scores.items()},
+        layer_ratio={k: v.layer_ratio for k, v in scores.items()},
+        node_ratio={k: v.node_ratio for k, v in scores.items()}, prefix=setup.prefix, reduction=setup.reduction,
+        activation=setup.activation_name, eps=setup.eps, num_samples=setup.num_samples, num_positions=positions,
+        models=models, weights=setup.alpha.tolist(), keep_ratios=(records or {}).get("keep_ratios", {}),
         compute_dtype=str(setup.compute_dtype).replace("torch.", ""),
+        data=data_info.to_dict() if data_info is not None else {},
     )
+
+
+def make_setup(inputs: RunInputs, model: PreTrainedModel, options: ScoringOptions, config: MergeConfig, *,
+               progress: bool = True) -> ScoringSetup:
+    """A scoring pass over ``inputs``' images with ``model`` as the shared-prefix (or scratch) model."""
+    from .inputs import as_dtype
+
+    activation, activation_name = resolve_activation(inputs.adapter, options.activation)
+    alpha = inputs.alpha / inputs.alpha.sum()  # M-Loss compares with a convex combination (SPEC §1)
+    return ScoringSetup(
+        adapter=inputs.adapter, model=model, sources=inputs.sources, alpha=alpha.float().to(inputs.device),
+        batches=shard_batches(inputs.pixels, config.batch_size), activation=activation,
+        activation_name=activation_name, reduction=options.reduction, eps=options.eps, layers=options.layers,
+        device=inputs.device, compute_dtype=as_dtype(config.compute_dtype), progress=progress,
+        prefix=options.prefix, num_samples=len(inputs.pixels),
+    )
+
+
+def resolve_activation(adapter: ModelAdapter, activation: str | None) -> tuple[Callable, str]:
+    """The activation the M-Loss uses: the model's own, or a named override from transformers' ``ACT2FN``."""
+    from transformers.activations import ACT2FN
+
+    if activation is None:
+        return adapter.activation(), adapter.config.hidden_act
+    return ACT2FN[activation], activation
+
+
+def shard_batches(pixels: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
+    """This process's share of the samples (every ``world``-th one), in batches of ``batch_size``."""
+    from accelerate import PartialState
+
+    state = PartialState()
+    share = pixels[state.process_index :: state.num_processes]
+    return list(share.split(batch_size))
+
+
+def score(
+    base: Any,
+    models: Sequence[Any],
+    data: Any,
+    *,
+    num_samples: int = DEFAULT_NUM_SAMPLES,
+    batch_size: int = 16,
+    weights: Sequence[float] | None = None,
+    prefix: str = "own",
+    reduction: str = "abs",
+    activation: str | None = None,
+    eps: float = 1e-4,
+    layers: Sequence[int] | None = None,
+    seed: int = 0,
+    split: str = "train",
+    image_column: str | None = None,
+    compute_dtype: str = "float32",
+    revision: str | Sequence[str | None] | None = None,
+    processor: Any = None,
+    method: str = "m_ties",
+    device: str | torch.device | None = None,
+    token: str | bool | None = None,
+    progress: bool = True,
+    **method_params: Any,
+) -> MLossReport:
+    """Measure mergeability without merging: node and layer M-Loss of ``models`` over unlabeled ``data``.
+
+    Args:
+        base, models, data, weights, seed, revision, processor, token: as in :func:`hf_mloss.merge`.
+        prefix: where each scored linear's input comes from: ``"own"`` (each model's own forward, the paper's
+            definition; q forwards), ``"base"`` (the base model's forward, shared), or ``"merged"`` (the
+            merged-so-far model of a ``method`` merge, M-TIES by default, with ``method_params`` such as ``k``/``e``).
+        reduction: ``"abs"`` (mean |g|, the paper) or ``"sq"`` (mean g², the authors' code).
+        activation: override the model's own activation (e.g. ``"gelu_pytorch_tanh"`` as in the reference code).
+        eps: ε of the per-position normalised M-Loss.
+        layers: blocks to score (default: all).
+
+    Returns:
+        An :class:`~hf_mloss.report.MLossReport` (``.summary()`` prints the per-layer table).
+
+    Example:
+        ```python
+        >>> report = hf_mloss.score("openai/clip-vit-base-patch32", ["org/ft-a", "org/ft-b"], data="tanganke/dtd")
+        >>> print(report.summary())
+        ```
+    """
+    options = ScoringOptions(prefix=prefix, reduction=reduction, activation=activation, eps=eps,
+                             layers=tuple(layers) if layers is not None else None)
+    if prefix != "merged" and method_params:
+        raise InvalidParameterError(f"Unknown argument(s) {sorted(method_params)} for score() with prefix={prefix!r} "
+                                    "(method parameters apply only with prefix='merged').")
+    config = MergeConfig.from_kwargs(base, models, method, weights=weights, revision=revision, data=data,
+                                     num_samples=num_samples, split=split, image_column=image_column, seed=seed,
+                                     batch_size=batch_size, compute_dtype=compute_dtype, processor=processor,
+                                     score=options, **method_params)
+    return run_score(config, device=device, token=token, progress=progress)
+
+
+def run_score(config: MergeConfig, *, device: Any = None, token: str | bool | None = None,
+              progress: bool = True) -> MLossReport:
+    """Score a validated config (see :meth:`MergeConfig.run_score`)."""
+    from .inputs import open_inputs
+
+    options = config.scoring_options()
+    if options.prefix == "merged":
+        return _score_merged(config, options, device=device, token=token, progress=progress)
+    with open_inputs(config, device=device, token=token, needs_data=True, progress=progress) as inputs:
+        model = inputs.adapter.tower(inputs.load_output_model("tower", progress=progress))
+        setup = make_setup(inputs, model, options, config, progress=progress)
+        results = score_shared_prefix(setup) if options.prefix == "base" else score_own_prefix(setup)
+        return build_report(setup, results, models=[r.name for r in inputs.refs], data_info=inputs.data_info)
+
+
+def _score_merged(config: MergeConfig, options: ScoringOptions, **run: Any) -> MLossReport:
+    """The M-Loss a data-guided merge measures on its merged prefix (the merge is run and dropped)."""
+    from .merger import run_merge
+
+    method = config.merge_method()
+    if not method.needs_data:
+        raise InvalidParameterError(f"prefix='merged' scores the prefix of a data-guided merge; method "
+                                    f"{config.method!r} uses no data (use m_ties or m_dare).")
+    scoring = {k: v for k, v in options.to_dict().items() if k != "prefix" and v is not None}
+    parameters = {**config.parameters, **scoring}  # the score options win, as documented for `score:`
+    return run_merge(config.replace(parameters=parameters, output="tower"), **run).report

@@ -73,7 +73,7 @@ def test_merge_is_layout_independent(variants, layout):
     plain = [str(p) for p in variants["plain"]]
     other = [str(p) for p in variants[layout]]
     a = hf_mloss.merge(plain[0], plain[1:], "ties", k=0.3, progress=False)
-    b = hf_mloss.merge(other[0], other[1:], "ties", k=0.3, progress=False)
+    b = hf_mloss.merge(other[0], other[1:], "ties", k=0.3, progress=False, output="tower")
     assert isinstance(b.model, CLIPVisionModel)
     sa, sb = a.model.state_dict(), b.model.state_dict()
     for name in sa:

@@ -38,8 +38,14 @@ class ModelAdapter(ABC):
     target_suffix: ClassVar[str]
     """Module name, relative to a block, of the linear that feeds the activation (``"mlp.fc1"``)."""
     pipeline_tag: ClassVar[str] = "image-feature-extraction"
+    containers: ClassVar[dict[str, tuple[type[PreTrainedModel], str, str]]] = {}
+    """Whole-model types that hold the merged tower: ``model_type -> (class, tower attribute, pipeline tag)``
+    (CLIP: ``"clip" -> (CLIPModel, "vision_model", "zero-shot-image-classification")``)."""
+    checkpoint_prefix: ClassVar[str] = ""
+    """Prefix of the tower's keys in the saved file, chosen so every transformers version loads it."""
 
     def __init__(self, config: PretrainedConfig) -> None:
+        self.full_config = config
         self.config = self.model_config(config)
 
     # ----------------------------------------------------------------- config and names
@@ -83,17 +89,51 @@ class ModelAdapter(ABC):
     def target_names(self) -> list[str]:
         return [self.target_name(layer) for layer in range(self.num_layers)]
 
-    # ----------------------------------------------------------------- loading
+    # ----------------------------------------------------------------- loading and saving
     def load_model(self, path: str, *, dtype: torch.dtype | None = None, **kwargs: Any) -> PreTrainedModel:
-        """Load the merged model's class from a resolved local folder."""
-        model = self.model_class.from_pretrained(path, dtype=dtype or "auto", **kwargs)
+        """Load the tower class from a resolved local folder (never running code from the folder)."""
+        model = self.model_class.from_pretrained(path, dtype=dtype or "auto", trust_remote_code=False, **kwargs)
         return model.eval()
 
-    def load_processor(self, path: str) -> Any:
+    def output_class(self, output: str) -> type[PreTrainedModel]:
+        """The class a merge writes: the base's whole-model class (``output="auto"``) or the tower's."""
+        container = self.containers.get(getattr(self.full_config, "model_type", None))
+        return container[0] if output == "auto" and container else self.model_class
+
+    def load_output_model(self, path: str, output: str, *, dtype: torch.dtype | None = None,
+                          **kwargs: Any) -> PreTrainedModel:
+        """The model the merge is written into, loaded from the base's folder (see :meth:`output_class`)."""
+        cls = self.output_class(output)
+        model = cls.from_pretrained(path, dtype=dtype or "auto", trust_remote_code=False, **kwargs)
+        return model.eval()
+
+    def tower(self, model: PreTrainedModel) -> PreTrainedModel:
+        """The part of an output model that is merged (the model itself, or e.g. ``CLIPModel.vision_model``)."""
+        if isinstance(model, self.model_class):
+            return model
+        for cls, attribute, _ in self.containers.values():
+            if isinstance(model, cls):
+                return getattr(model, attribute)
+        raise TypeError(f"{type(model).__name__} holds no {self.model_class.__name__}")
+
+    def output_pipeline_tag(self, model: PreTrainedModel) -> str:
+        for cls, _, tag in self.containers.values():
+            if isinstance(model, cls):
+                return tag
+        return self.pipeline_tag
+
+    def checkpoint_state_dict(self, model: PreTrainedModel) -> dict[str, torch.Tensor]:
+        """The tensors to save, named as in the checkpoint layout that every supported transformers loads."""
+        state = model.state_dict()
+        if isinstance(model, self.model_class) and self.checkpoint_prefix:
+            return {f"{self.checkpoint_prefix}{k}": v for k, v in state.items()}
+        return state
+
+    def load_processor(self, path: str, *, token: str | bool | None = None) -> Any:
         """The image processor saved beside merged weights (PIL backend: same on every machine)."""
         from transformers import AutoImageProcessor
 
-        return AutoImageProcessor.from_pretrained(path, backend="pil")
+        return AutoImageProcessor.from_pretrained(path, backend="pil", trust_remote_code=False, token=token)
 
     def build_layer(self, state_dict: dict[str, torch.Tensor]) -> nn.Module:
         """A standalone block holding ``state_dict`` (block-relative names), for a model's own forward."""
@@ -122,5 +162,6 @@ class ModelAdapter(ABC):
     def forward_from_target(self, layer: nn.Module, residual: torch.Tensor, target_input: torch.Tensor) -> torch.Tensor:
         """Finish a block from the scored linear's input: returns the block's output hidden states."""
 
-    def card_metadata(self) -> dict[str, Any]:
-        return {"library_name": "transformers", "pipeline_tag": self.pipeline_tag}
+    def card_metadata(self, model: PreTrainedModel | None = None) -> dict[str, Any]:
+        tag = self.output_pipeline_tag(model) if model is not None else self.pipeline_tag
+        return {"library_name": "transformers", "pipeline_tag": tag}

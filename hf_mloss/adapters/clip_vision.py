@@ -6,7 +6,7 @@ import re
 
 import torch
 from torch import nn
-from transformers import CLIPVisionConfig, CLIPVisionModel, PretrainedConfig, PreTrainedModel
+from transformers import CLIPModel, CLIPVisionConfig, CLIPVisionModel, PretrainedConfig, PreTrainedModel
 from transformers.models.clip.modeling_clip import CLIPEncoderLayer
 
 from .base import ModelAdapter
@@ -18,8 +18,10 @@ _TOWER_ROOTS = ("embeddings.", "pre_layrnorm.", "encoder.", "post_layernorm.")
 class CLIPVisionAdapter(ModelAdapter):
     """CLIP ViT vision tower: node M-Loss on every ``encoder.layers.N.mlp.fc1`` (input of ``quick_gelu``).
 
-    Accepts ``vision_model.``-prefixed keys (transformers v4 files, full CLIPModel repos) and unprefixed ones (v5);
-    text-tower keys and the projections of a full CLIPModel are not part of the merged model.
+    Accepts ``vision_model.``-prefixed keys (transformers v4 files, full CLIPModel repos) and unprefixed ones (v5).
+    A full CLIPModel base gives a full CLIPModel merge: merged vision tower; text tower, projections and logit scale
+    from the base. A tower is saved with ``vision_model.``-prefixed keys, the layout every transformers version loads
+    (unprefixed files, as transformers >= 5.6 writes them, load as random weights in 4.x and 5.0-5.5).
     """
 
     name = "clip_vision"
@@ -27,6 +29,8 @@ class CLIPVisionAdapter(ModelAdapter):
     model_class = CLIPVisionModel
     layer_pattern = re.compile(r"encoder\.layers\.(\d+)\.")
     target_suffix = "mlp.fc1"
+    containers = {"clip": (CLIPModel, "vision_model", "zero-shot-image-classification")}
+    checkpoint_prefix = _VISION_PREFIX
 
     @classmethod
     def model_config(cls, config: PretrainedConfig) -> CLIPVisionConfig:

@@ -1,62 +1,63 @@
 """The merge-method protocol.
 
-A method declares its parameters as a frozen dataclass (defaults + range checks in ``__post_init__``) and merges one
-tensor at a time: it sees the base tensor and the q fine-tuned tensors (float32) and returns the merged tensor.
-Methods that need a pass over the whole model first (global TIES thresholds) implement :meth:`MergeMethod.prepare`;
-data-guided methods (M-TIES) set ``needs_data`` and are driven layer by layer by :mod:`hf_mloss.merger`.
+A method declares its parameters as a frozen dataclass (fields made with :func:`~hf_mloss._validation.param`: help,
+type, range and choices in one place) and merges one tensor at a time: it sees the base tensor and the q fine-tuned
+tensors (float32) and returns the merged tensor. A method that needs a pass over the whole model first (global TIES
+thresholds) implements :meth:`MergeMethod.prepare`. A data-guided method (M-TIES) sets ``needs_data`` and returns
+:class:`LayerHooks` from :meth:`MergeMethod.layer_hooks`: the driver runs the M-Loss scorer block by block and calls
+the hooks, which decide what to merge when; the driver itself names no method.
+
+Method modules import torch only inside functions, so listing methods (``hf-mloss methods``) stays fast.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
-
+from .._validation import did_you_mean, field_help, validate_fields
 from ..errors import InvalidParameterError
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..adapters import ModelAdapter
+    from ..options import ScoringOptions
+
+PARAMETER_ALIASES = {"density": "k", "threshold": "k", "lambda": "lam", "scaling_factor": "lam", "lambda_": "lam",
+                     "epsilon": "e", "drop_rate": "p", "keep": "k", "weight": "weights"}
+"""Names users bring from other libraries (mergekit, fusion_bench), for "did you mean" hints."""
 
 
 @dataclass(frozen=True)
 class MethodParams:
-    """Base of every method's parameter dataclass."""
+    """Base of every method's parameter dataclass: fields are checked from their declarations on construction."""
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+        self.check()
+
+    def check(self) -> None:
+        """Cross-field rules (e.g. ``0 <= e < k``); single-field rules live in the field declarations."""
 
     @classmethod
-    def from_kwargs(cls, method: str, kwargs: dict[str, Any]) -> MethodParams:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - names)
-        if unknown:
-            raise InvalidParameterError(
-                f"Unknown parameter(s) {unknown} for method {method!r}; valid parameters: {sorted(names)}."
-            )
-        try:
-            return cls(**kwargs)
-        except TypeError as err:  # e.g. a list where a float is expected
-            raise InvalidParameterError(f"Invalid parameters for method {method!r}: {err}") from err
+    def from_kwargs(cls, method: str, kwargs: Mapping[str, Any]) -> MethodParams:
+        """Build the parameters of ``method`` from keyword arguments, refusing unknown names with a suggestion."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in kwargs:
+            if key not in names:
+                hint = did_you_mean(key, names, {a: t for a, t in PARAMETER_ALIASES.items() if t in names})
+                valid = ", ".join(f"{n} (default {d!r})" for n, (d, _) in field_help(cls).items()) or "none"
+                raise InvalidParameterError(f"Unknown parameter {key!r}{hint} for method {method!r}; valid "
+                                            f"parameters: {valid}.")
+        return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def check_fraction(name: str, value: Any, *, low_open: bool = True, high: float = 1.0, hint: str = "") -> None:
-    """Raise unless ``value`` is a real number in (0, high] (or [0, high] when ``low_open`` is False)."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (0 < value if low_open else 0 <= value) and value <= high
-    if not ok:
-        interval = f"{'(' if low_open else '['}0, {high}]"
-        raise InvalidParameterError(f"{name} must be a number in {interval}, got {value!r}.{hint}")
-
-
-def check_finite(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidParameterError(f"{name} must be a finite number, got {value!r}.")
-
-
-def check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
-    if value not in choices:
-        raise InvalidParameterError(f"{name} must be one of {list(choices)}, got {value!r}.")
+        """Plain values (tuples as lists), as written to configs."""
+        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
+                for f in dataclasses.fields(self)}
 
 
 @dataclass
@@ -70,9 +71,54 @@ class MergeContext:
 
     def generator(self, name: str, source_index: int, device: torch.device | str = "cpu") -> torch.Generator:
         """A private generator for (tensor, source): reproducible and independent of visiting order."""
+        import torch
+
         from .ops import tensor_seed
 
         return torch.Generator(device=device).manual_seed(tensor_seed(self.seed, name, source_index))
+
+
+class LayerwiseRun:
+    """What the merge driver offers a data-guided method's hooks (implemented in :mod:`hf_mloss.merger`)."""
+
+    ctx: MergeContext
+    adapter: ModelAdapter
+    device: torch.device
+
+    def stage_names(self, stage: int) -> list[str]:
+        """Canonical names of the float tensors of a stage (-1 embeddings, 0..L-1 blocks, L the tail)."""
+        raise NotImplementedError
+
+    def merge(self, names: list[str]) -> None:
+        """Merge these tensors into the model now (tensors already merged are skipped)."""
+        raise NotImplementedError
+
+    def merge_remaining(self) -> None:
+        """Merge every tensor not merged yet."""
+        raise NotImplementedError
+
+    def record(self, kind: str, target: str, values: torch.Tensor) -> None:
+        """Keep per-row values of a scored linear for the report (e.g. ``kind="keep_ratios"``)."""
+        raise NotImplementedError
+
+
+class LayerHooks:
+    """Callbacks of a layer-by-layer scoring pass; a data-guided method subclasses it.
+
+    With ``prefix="merged"`` the scorer calls ``before_stage`` before each stage's forward, ``after_scores`` once a
+    block's scored linear has its (process-reduced) M-Loss, and ``after_all`` at the end, so the model that computes
+    the next block's input already holds the merged blocks before it. With ``"own"``/``"base"`` every block is scored
+    first, then ``after_scores`` runs for each block and ``after_all`` at the end.
+    """
+
+    def before_stage(self, stage: int) -> None:
+        """Before the stage's forward: merge what the stage needs (not what waits for its scores)."""
+
+    def after_scores(self, layer: int, scores: Any) -> None:
+        """``scores`` (:class:`hf_mloss.scoring.LayerScores`) of ``layer``'s scored linear are known."""
+
+    def after_all(self) -> None:
+        """After the last block: merge what is left."""
 
 
 class MergeMethod:
@@ -81,7 +127,7 @@ class MergeMethod:
     name: ClassVar[str]
     pretty_name: ClassVar[str]
     reference: ClassVar[str]
-    """Paper (authors, title, venue) the method comes from."""
+    """Paper (authors, title, venue) the method comes from; cited in model cards."""
     reference_url: ClassVar[str]
     params_class: ClassVar[type[MethodParams]]
     needs_data: ClassVar[bool] = False
@@ -91,11 +137,21 @@ class MergeMethod:
     def make_params(self, **kwargs: Any) -> MethodParams:
         return self.params_class.from_kwargs(self.name, kwargs)
 
-    def prepare(self, ctx: MergeContext, visit: Callable[[Callable[[str, torch.Tensor, list[torch.Tensor]], None]], None]) -> None:
+    def prepare(self, ctx: MergeContext,
+                visit: Callable[[Callable[[str, torch.Tensor, list[torch.Tensor]], None]], None]) -> None:
         """Optional whole-model pre-pass; ``visit(fn)`` calls ``fn(name, base, sources)`` for every float tensor."""
 
-    def merge_tensor(self, name: str, base: torch.Tensor, sources: list[torch.Tensor], ctx: MergeContext) -> torch.Tensor:
+    def merge_tensor(self, name: str, base: torch.Tensor, sources: list[torch.Tensor], ctx: MergeContext
+                     ) -> torch.Tensor:
         raise NotImplementedError
+
+    def scoring_options(self, params: MethodParams) -> ScoringOptions:
+        """How a data-guided method's M-Loss is measured (its parameters usually extend ``ScoringOptions``)."""
+        return params.scoring_options()  # type: ignore[attr-defined]
+
+    def layer_hooks(self, run: LayerwiseRun) -> LayerHooks:
+        """The hooks that merge while the scorer walks the blocks (data-guided methods only)."""
+        raise NotImplementedError(f"method {self.name!r} is data-free: it has no layer hooks")
 
     def describe(self, params: MethodParams) -> str:
         return f"{self.pretty_name} ({self.reference})"

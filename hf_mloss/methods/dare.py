@@ -3,33 +3,30 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
+from .._validation import param
 from . import register_merge_method
-from .base import MergeContext, MergeMethod, MethodParams, check_choice, check_finite, check_fraction
-from .ops import dare_drop, elect_and_merge
+from .base import MergeContext, MergeMethod, MethodParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
 class DareParams(MethodParams):
-    p: float = 0.7
-    """Keep probability of each entry (0 < p ≤ 1)."""
-    lam: float = 1.0
-    rescale: str = "inverse"
-    """``"inverse"``: survivors × 1/p (DARE paper, fusion-bench, PEFT); ``"l1"``: match each tensor's L1 norm (mergekit)."""
-
-    def __post_init__(self) -> None:
-        check_fraction("p", self.p, hint=" p is the probability of KEEPING an entry.")
-        check_finite("lam", self.lam)
-        check_choice("rescale", self.rescale, ["inverse", "l1"])
+    p: float = param(0.7, "Keep probability of each entry.", low=0.0, high=1.0, low_open=True,
+                     hint="p is the probability of KEEPING an entry.")
+    lam: float = param(1.0, "λ: θ = θ₀ + λ·τ_merged.")
+    rescale: str = param("inverse", "Survivors × 1/p (inverse: DARE paper, fusion-bench, PEFT) or L1-matched per "
+                         "tensor (l1: mergekit).", choices=("inverse", "l1"))
 
 
 class Dare(MergeMethod):
     """DARE then sign election + disjoint mean (``dare_ties``, the reference) or a weighted sum (``dare_linear``)."""
 
-    pretty_name = "DARE"
-    reference = "Yu et al., Language Models are Super Mario: Absorbing Abilities from Homologous Models as a Free Lunch, ICML 2024"
+    reference = ("Yu et al., Language Models are Super Mario: Absorbing Abilities from Homologous Models as a Free "
+                 "Lunch, ICML 2024")
     reference_url = "https://arxiv.org/abs/2311.03099"
     params_class = DareParams
 
@@ -40,11 +37,11 @@ class Dare(MergeMethod):
         self.default_weight = "uniform" if combine == "ties" else "one"
 
     def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
+        from .ops import dare_drop, elect_and_merge
+
         params: DareParams = ctx.params
-        taus = [
-            dare_drop(t - base, params.p, ctx.generator(name, i, base.device), rescale=params.rescale)
-            for i, t in enumerate(sources)
-        ]
+        taus = [dare_drop(t - base, params.p, ctx.generator(name, i, base.device), rescale=params.rescale)
+                for i, t in enumerate(sources)]
         if self.combine == "ties":
             merged = elect_and_merge(taus, ctx.weights)
         else:
@@ -52,6 +49,5 @@ class Dare(MergeMethod):
         return base + params.lam * merged
 
 
-register_merge_method(Dare("dare", "ties"))
-register_merge_method(Dare("dare_ties", "ties"))
+register_merge_method(Dare("dare_ties", "ties"), aliases=("dare",))
 register_merge_method(Dare("dare_linear", "linear"))

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
+from .._validation import param
 from . import register_merge_method
-from .base import MergeContext, MergeMethod, MethodParams, check_finite
+from .base import MergeContext, MergeMethod, MethodParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -31,11 +34,7 @@ class Average(MergeMethod):
 
 @dataclass(frozen=True)
 class TaskArithmeticParams(MethodParams):
-    lam: float = 0.3
-    """λ, the scale of the summed task vectors (the reference code's s·mean equals λ = s/q here)."""
-
-    def __post_init__(self) -> None:
-        check_finite("lam", self.lam)
+    lam: float = param(0.3, "λ, the scale of the summed task vectors (the reference code's s·mean is λ = s/q).")
 
 
 class TaskArithmetic(MergeMethod):

@@ -2,28 +2,33 @@
 
 Rows (nodes) are ranked by node M-Loss: rank r_i ∈ {0..n−1} in ascending order (stable on ties), ρ_i = r_i/(n−1),
 and row i keeps the fraction ``k − e·ρ_i`` of each task vector's entries — the lowest-loss node keeps k, the
-highest k − e. Every other tensor is trimmed per tensor at k (M-TIES) or DARE-dropped (M-DARE). The merge runs layer
-by layer (see :func:`hf_mloss.merger.merge`): with ``prefix="merged"`` each block is scored on the inputs produced by
-the already-merged blocks before it.
+highest k − e. Every other tensor is trimmed per tensor at k (M-TIES) or DARE-dropped (M-DARE). The merge runs block
+by block through :class:`MTiesHooks`: with ``prefix="merged"`` each block is scored on the inputs produced by the
+already-merged blocks before it (the paper's Algorithm 1).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
+from .._validation import param
 from ..errors import InvalidParameterError
-from ..scoring import PREFIXES, REDUCTIONS
+from ..options import PREFIXES, ScoringOptions
 from . import register_merge_method
-from .base import MergeContext, MergeMethod, MethodParams, check_choice, check_finite, check_fraction
-from .ops import dare_drop, elect_and_merge, tensor_seed, trim_rows_, trim_tensor_
+from .base import LayerHooks, LayerwiseRun, MergeContext, MergeMethod, MethodParams
+
+if TYPE_CHECKING:
+    import torch
 
 RANKS = ("mloss", "random")
+KEEP_HINT = "k is the fraction of each task vector that is KEPT (mergekit: density)."
 
 
 def keep_ratios_from_scores(scores: torch.Tensor, k: float, e: float) -> torch.Tensor:
     """RankNorm: ``k − e·rank/(n−1)`` with ranks of ``scores`` in ascending, stable order."""
+    import torch
+
     n = scores.numel()
     order = torch.sort(scores.double(), stable=True).indices
     ranks = torch.empty(n, dtype=torch.float64)
@@ -34,47 +39,40 @@ def keep_ratios_from_scores(scores: torch.Tensor, k: float, e: float) -> torch.T
 
 def random_scores(n: int, seed: int, name: str) -> torch.Tensor:
     """Seeded random scores: the ``rank="random"`` ablation (same keep-ratio spread, no M-Loss signal)."""
+    import torch
+
+    from .ops import tensor_seed
+
     generator = torch.Generator().manual_seed(tensor_seed(seed, "random-rank", name))
     return torch.rand(n, generator=generator, dtype=torch.float64)
 
 
 @dataclass(frozen=True)
-class _LayerwiseParams(MethodParams):
-    e: float = 0.1
-    """Keep-ratio spread: rows keep between k − e (highest M-Loss) and k (lowest)."""
-    lam: float = 1.0
-    layers: tuple[int, ...] | None = None
-    """Blocks whose scored linear gets M-Loss keep ratios (few-layer M-TIES); ``None``: all."""
-    prefix: str = "merged"
-    rank: str = "mloss"
-    reduction: str = "abs"
-    activation: str | None = None
-    """Activation used in the M-Loss (default: the model's own, e.g. quick_gelu for CLIP)."""
-    eps: float = 1e-4
+class LayerwiseParams(ScoringOptions, MethodParams):
+    """Parameters shared by the M-Loss-guided methods: the scoring options plus the keep-ratio spread."""
 
-    def _check_common(self, k: float) -> None:
-        if not (isinstance(self.e, (int, float)) and 0 <= self.e < k):
-            raise InvalidParameterError(f"e must satisfy 0 <= e < k (k={k}), got e={self.e!r}.")
-        check_finite("lam", self.lam)
-        check_choice("prefix", self.prefix, PREFIXES)
-        check_choice("rank", self.rank, RANKS)
-        check_choice("reduction", self.reduction, REDUCTIONS)
-        check_fraction("eps", self.eps, high=1.0)
-        if self.layers is not None:
-            layers = tuple(self.layers)
-            if not layers or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
-                raise InvalidParameterError(f"layers must be a non-empty list of block indices (ints >= 0), got {self.layers!r}.")
-            object.__setattr__(self, "layers", tuple(sorted(set(layers))))
+    prefix: str = param("merged", "Input of each scored linear: merged (the merged-so-far model, Algorithm 1), base "
+                        "or own.", choices=PREFIXES)
+    layers: tuple[int, ...] | None = param(None, "Blocks whose scored linear gets M-Loss keep ratios (few-layer "
+                                           "M-TIES); default: all.", low=0)
+    e: float = param(0.1, "Keep-ratio spread: rows keep between k − e (highest M-Loss) and k (lowest).", low=0.0)
+    lam: float = param(1.0, "λ: θ = θ₀ + λ·τ_merged.")
+    rank: str = param("mloss", "Row ranks from node M-Loss, or random (the ablation control).", choices=RANKS)
+
+    @property
+    def row_k(self) -> float:
+        raise NotImplementedError
+
+    def check(self) -> None:
+        super().check()
+        if self.e >= self.row_k:
+            raise InvalidParameterError(f"e must satisfy 0 <= e < k (k={self.row_k}), got e={self.e}.")
 
 
 @dataclass(frozen=True)
-class MTiesParams(_LayerwiseParams):
-    k: float = 0.2
-    """Keep fraction (of the lowest-M-Loss rows and of every other tensor)."""
-
-    def __post_init__(self) -> None:
-        check_fraction("k", self.k, hint=" k is the fraction of each task vector that is KEPT.")
-        self._check_common(self.k)
+class MTiesParams(LayerwiseParams):
+    k: float = param(0.2, "Keep fraction of the lowest-M-Loss rows and of every other tensor.", low=0.0, high=1.0,
+                     low_open=True, hint=KEEP_HINT)
 
     @property
     def row_k(self) -> float:
@@ -82,21 +80,49 @@ class MTiesParams(_LayerwiseParams):
 
 
 @dataclass(frozen=True)
-class MDareParams(_LayerwiseParams):
-    p: float = 0.7
-    """DARE keep probability of the non-scored tensors."""
-    k: float | None = None
-    """Keep fraction of the lowest-M-Loss rows (default: p)."""
-
-    def __post_init__(self) -> None:
-        check_fraction("p", self.p, hint=" p is the probability of KEEPING an entry.")
-        if self.k is not None:
-            check_fraction("k", self.k)
-        self._check_common(self.row_k)
+class MDareParams(LayerwiseParams):
+    p: float = param(0.7, "DARE keep probability of the non-scored tensors.", low=0.0, high=1.0, low_open=True,
+                     hint="p is the probability of KEEPING an entry.")
+    k: float | None = param(None, "Keep fraction of the lowest-M-Loss rows (default: p).", low=0.0, high=1.0,
+                            low_open=True, hint=KEEP_HINT)
 
     @property
     def row_k(self) -> float:
         return self.p if self.k is None else self.k
+
+
+class MTiesHooks(LayerHooks):
+    """Merge stage by stage; each scored linear waits for its block's node M-Loss, which sets its row keep ratios."""
+
+    def __init__(self, run: LayerwiseRun, uniform_keep_is_tensor_trim: bool) -> None:
+        self.run = run
+        self.params: LayerwiseParams = run.ctx.params
+        self.scored = set(self.params.layers if self.params.layers is not None else range(run.adapter.num_layers))
+        self.uniform_keep_is_tensor_trim = uniform_keep_is_tensor_trim
+
+    def _row_weight(self, layer: int) -> str:
+        return f"{self.run.adapter.target_name(layer)}.weight"
+
+    def before_stage(self, stage: int) -> None:
+        deferred = self._row_weight(stage) if stage in self.scored else None
+        self.run.merge([n for n in self.run.stage_names(stage) if n != deferred])
+
+    def after_scores(self, layer: int, scores) -> None:
+        if layer not in self.scored:
+            return
+        name, target = self._row_weight(layer), self.run.adapter.target_name(layer)
+        ctx = self.run.ctx
+        node = scores.node
+        ranks = random_scores(node.numel(), ctx.seed, target) if self.params.rank == "random" else node
+        keep = keep_ratios_from_scores(ranks, self.params.row_k, self.params.e)
+        self.run.record("keep_ratios", target, keep.float())
+        # With e = 0 every row keeps k: the per-tensor trim then makes the control equal per-tensor TIES exactly.
+        if self.params.e > 0 or not self.uniform_keep_is_tensor_trim:
+            ctx.state.setdefault("row_keep", {})[name] = keep.to(self.run.device)
+        self.run.merge([name])
+
+    def after_all(self) -> None:
+        self.run.merge_remaining()
 
 
 class MTies(MergeMethod):
@@ -104,18 +130,26 @@ class MTies(MergeMethod):
 
     name = "m_ties"
     pretty_name = "M-TIES"
-    reference = ("M-Loss: Quantifying Model Merging Compatibility with Limited Unlabeled Data, AAAI 2026")
+    reference = "M-Loss: Quantifying Model Merging Compatibility with Limited Unlabeled Data, AAAI 2026"
     reference_url = ""
     params_class = MTiesParams
     needs_data = True
     uniform_keep_is_tensor_trim = True
-    """With e = 0 the scored linears are trimmed per tensor, so the control equals per-tensor TIES at k exactly."""
+
+    def layer_hooks(self, run: LayerwiseRun) -> LayerHooks:
+        return MTiesHooks(run, self.uniform_keep_is_tensor_trim)
 
     def trim_other_(self, name: str, tau: torch.Tensor, index: int, ctx: MergeContext) -> torch.Tensor:
         """Trim, in place, a task vector tensor that has no M-Loss row keep ratios."""
+        from .ops import trim_tensor_
+
         return trim_tensor_(tau, ctx.params.k)
 
     def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
+        import torch
+
+        from .ops import elect_and_merge, trim_rows_
+
         row_keep = ctx.state.get("row_keep", {}).get(name)
         taus = torch.stack(sources).sub_(base)  # one [q, ...] buffer trimmed in place, as in TIES
         for i, tau in enumerate(taus):
@@ -135,6 +169,8 @@ class MDare(MTies):
     uniform_keep_is_tensor_trim = False
 
     def trim_other_(self, name, tau, index, ctx: MergeContext) -> torch.Tensor:
+        from .ops import dare_drop
+
         return tau.copy_(dare_drop(tau, ctx.params.p, ctx.generator(name, index, tau.device)))
 
 

@@ -6,12 +6,14 @@ Peers differ in small conventions; ``convention=`` reproduces each of them exact
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
+from .._validation import param
 from . import register_merge_method
-from .base import MergeContext, MergeMethod, MethodParams, check_choice, check_finite, check_fraction
-from .ops import ExactKthLargest, elect_and_merge, keep_count, trim_by_threshold_, trim_exact, trim_tensor_
+from .base import MergeContext, MergeMethod, MethodParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -50,23 +52,17 @@ CONVENTIONS: dict[str, TiesConvention] = {
 }
 
 
+KEEP_HINT = "k is the fraction of each task vector that is KEPT (mergekit: density)."
+
+
 @dataclass(frozen=True)
 class TiesParams(MethodParams):
-    k: float = 0.2
-    """Keep fraction of each trim (0 < k ≤ 1)."""
-    scope: str | None = None
-    """``"global"`` (one threshold per task vector over the whole model) or ``"tensor"``; default: the convention's."""
-    lam: float = 1.0
-    """λ: θ = θ₀ + λ·τ_merged."""
-    convention: str = "hf_mloss"
-    """Which implementation's details to reproduce: ``hf_mloss``, ``mergekit``, ``fusion_bench`` or ``peft``."""
-
-    def __post_init__(self) -> None:
-        check_fraction("k", self.k, hint=" k is the fraction of each task vector that is KEPT.")
-        check_finite("lam", self.lam)
-        check_choice("convention", self.convention, list(CONVENTIONS))
-        if self.scope is not None:
-            check_choice("scope", self.scope, ["tensor", "global"])
+    k: float = param(0.2, "Keep fraction of each trim.", low=0.0, high=1.0, low_open=True, hint=KEEP_HINT)
+    scope: str | None = param(None, "global (one threshold per task vector over the whole model) or tensor; default: "
+                              "the convention's.", choices=("tensor", "global"))
+    lam: float = param(1.0, "λ: θ = θ₀ + λ·τ_merged.")
+    convention: str = param("hf_mloss", "Whose details to reproduce: hf_mloss, mergekit, fusion_bench or peft.",
+                            choices=tuple(CONVENTIONS))
 
     @property
     def rules(self) -> TiesConvention:
@@ -85,6 +81,8 @@ class Ties(MergeMethod):
     params_class = TiesParams
 
     def prepare(self, ctx: MergeContext, visit) -> None:
+        import torch
+
         params: TiesParams = ctx.params
         if params.resolved_scope != "global":
             return
@@ -101,6 +99,8 @@ class Ties(MergeMethod):
 
     def trim_(self, name: str, tau: torch.Tensor, index: int, ctx: MergeContext) -> torch.Tensor:
         """Trim source ``index``'s task vector ``tau`` in place (returns it)."""
+        from .ops import keep_count, trim_by_threshold_, trim_exact, trim_tensor_
+
         params: TiesParams = ctx.params
         if params.resolved_scope == "global":
             return trim_by_threshold_(tau, ctx.state["thresholds"][index])
@@ -111,6 +111,10 @@ class Ties(MergeMethod):
         return trim_tensor_(tau, params.k, min_keep=rules.min_keep, extra=rules.extra_keep)
 
     def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
+        import torch
+
+        from .ops import elect_and_merge
+
         params: TiesParams = ctx.params
         # All q task vectors in one [q, ...] buffer, trimmed in place: no per-source copies (ViT-B/32 x 8, per-tensor
         # TIES: merge() 17.9 s -> 9.7 s together with the bracketed threshold and the reused buffer of elect_and_merge).
@@ -124,6 +128,8 @@ class Ties(MergeMethod):
 
 def global_thresholds(ctx: MergeContext, visit, keep: float, *, extra: int = 0) -> list[float]:
     """Per task vector, the exact magnitude threshold of a global top-``keep`` trim (two streaming passes)."""
+    from .ops import ExactKthLargest, keep_count
+
     total = ctx.state["total_numel"]  # float elements of one task vector, known from the headers
     selectors = [ExactKthLargest(keep_count(total, keep, extra=extra)) for _ in range(len(ctx.weights))]
 

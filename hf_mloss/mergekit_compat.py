@@ -1,0 +1,130 @@
+"""Reading mergekit YAML configs: the methods both libraries share, mapped to hf_mloss's with the same results.
+
+| mergekit | hf_mloss |
+|---|---|
+| ``linear`` (``normalize: true``) | ``average`` with the models' ``weight`` |
+| ``task_arithmetic`` | ``task_arithmetic``, ``lam`` = ``lambda`` (mergekit's default 1), weights as given (÷ Σw with ``normalize``) |
+| ``ties`` (``normalize: true``) | ``ties``, ``convention: mergekit``, ``k`` = ``density`` (one value for all models), ``lam`` = ``lambda`` |
+| ``dare_ties`` (``normalize: true``) / ``dare_linear`` | ``dare_ties`` / ``dare_linear``, ``p`` = ``density``, ``rescale: l1`` (mergekit's masks are drawn from another random stream) |
+
+``base_model`` becomes ``base`` (``org/name@revision`` is split), ``out_dtype`` (else ``dtype``) becomes ``dtype``; the
+arithmetic runs in float32 either way. Anything else (slices, gradients, LoRA ``+`` syntax, tokenizer options,
+other methods) is refused with a message that says what to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ._validation import short
+from .errors import ConfigError
+
+METHODS = {"linear": "average", "task_arithmetic": "task_arithmetic", "ties": "ties", "dare_ties": "dare_ties",
+           "dare_linear": "dare_linear"}
+TOP_LEVEL = ("merge_method", "base_model", "models", "parameters", "dtype", "out_dtype", "tokenizer_source",
+             "tokenizer", "chat_template", "name")
+IGNORED = ("tokenizer_source", "tokenizer", "chat_template", "name")
+"""Keys about text models' tokenizers (and labels) that have no meaning for a vision merge."""
+
+
+def from_mergekit(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The hf_mloss config dict equivalent to a mergekit config dict.
+
+    Raises:
+        ConfigError: an option with no hf_mloss equivalent (the message names it).
+    """
+    unknown = [k for k in config if k not in TOP_LEVEL]
+    if unknown:
+        raise ConfigError(f"mergekit config key(s) {unknown} have no hf_mloss equivalent (hf_mloss reads "
+                          f"{[k for k in TOP_LEVEL if k not in IGNORED]}).")
+    method = config["merge_method"]
+    if method not in METHODS:
+        raise ConfigError(f"mergekit merge_method {short(method)} is not one hf_mloss shares; shared: {list(METHODS)} "
+                          "(or write an hf_mloss config: `hf-mloss methods`).")
+    if not config.get("base_model"):
+        raise ConfigError("The mergekit config has no base_model; hf_mloss merges fine-tunes of one base: add "
+                          "`base_model: org/name`.")
+    global_params = dict(config.get("parameters") or {})
+    models, weights, densities = _models(config.get("models"))
+    out: dict[str, Any] = {"base": _model_entry(config["base_model"], "base_model"), "models": models,
+                           "method": METHODS[method]}
+    normalize = global_params.pop("normalize", method in ("linear", "ties"))
+    lam = global_params.pop("lambda", 1.0)
+    if global_params:
+        raise ConfigError(f"mergekit parameters {sorted(global_params)} have no hf_mloss equivalent.")
+    parameters: dict[str, Any] = {}
+    if method in ("ties", "dare_ties", "linear") and not normalize:
+        raise ConfigError(f"mergekit `{method}` with normalize: false (a plain sum) has no hf_mloss equivalent; "
+                          "use normalize: true, or task_arithmetic for a weighted sum.")
+    if method == "task_arithmetic" and normalize:
+        total = sum(weights)
+        weights = [w / total for w in weights]
+    if method != "linear":
+        parameters["lam"] = lam
+    if method == "ties":
+        parameters.update(k=_one_density(densities), convention="mergekit")
+    elif method.startswith("dare"):
+        parameters.update(p=_one_density(densities), rescale="l1")
+    elif densities:
+        raise ConfigError(f"mergekit `{method}` takes no density.")
+    for entry, weight in zip(models, weights):
+        entry["weight"] = weight
+    out["parameters"] = parameters
+    dtype = config.get("out_dtype") or config.get("dtype")
+    if dtype is not None:
+        out["dtype"] = dtype
+    return out
+
+
+def _models(entries: Any) -> tuple[list[dict[str, Any]], list[float], list[float]]:
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError("The mergekit config needs a non-empty `models` list (slices are not supported).")
+    models, weights, densities = [], [], []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, Mapping) or "model" not in entry:
+            raise ConfigError(f"models[{i}] must be a mapping with `model` (and optional `parameters`), got "
+                              f"{short(entry)}.")
+        params = dict(entry.get("parameters") or {})
+        weight = params.pop("weight", 1.0)
+        density = params.pop("density", None)
+        if params or set(entry) - {"model", "parameters"}:
+            raise ConfigError(f"models[{i}]: only `parameters.weight` and `parameters.density` have hf_mloss "
+                              f"equivalents, got {sorted(params) or sorted(set(entry) - {'model', 'parameters'})}.")
+        for name, value in (("weight", weight), ("density", density)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ConfigError(f"models[{i}].parameters.{name} must be one number (gradients and per-tensor "
+                                  f"filters are not supported), got {short(value)}.")
+        models.append(_model_entry(entry["model"], f"models[{i}].model"))
+        weights.append(float(weight))
+        if density is not None:
+            densities.append(float(density))
+    return models, weights, densities
+
+
+def _model_entry(value: Any, where: str) -> dict[str, Any]:
+    if isinstance(value, Mapping):  # mergekit's long form {model: {path: ...}} or {path: ..., revision: ...}
+        value = value.get("model", value)
+        if isinstance(value, Mapping):
+            if "lora" in value:
+                raise ConfigError(f"{where}: LoRA adapters (model+lora) are not supported; merge the LoRA first.")
+            entry = {"model": value.get("path")}
+            if value.get("revision"):
+                entry["revision"] = value["revision"]
+            return entry
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{where} must be a Hub id or a local folder, got {short(value)}.")
+    if "+" in value:
+        raise ConfigError(f"{where}: LoRA adapters (model+lora) are not supported; merge the LoRA first.")
+    if "@" in value:
+        model, revision = value.rsplit("@", 1)
+        return {"model": model, "revision": revision}
+    return {"model": value}
+
+
+def _one_density(densities: list[float]) -> float:
+    if not densities:
+        raise ConfigError("mergekit ties/dare need `parameters.density` on the models.")
+    if len(set(densities)) > 1:
+        raise ConfigError(f"Per-model densities {densities} differ; hf_mloss uses one keep fraction for all models.")
+    return densities[0]

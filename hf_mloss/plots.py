@@ -1,0 +1,53 @@
+"""Pictures for model cards (needs matplotlib: ``pip install "hf_mloss[plots]"``); card text never depends on them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from .report import MLossReport
+
+HEATMAP_NAME = "mloss_heatmap.png"
+
+
+def node_position_matrix(report: MLossReport, groups: int = 64) -> torch.Tensor:
+    """Node M-Loss per layer (rows) in ``groups`` consecutive bins of node index (columns), in index order.
+
+    Rows keep their position (they are not sorted), so the picture shows where in each layer the loss sits.
+    """
+    import torch
+
+    rows = []
+    for name in report.layers:
+        node = report.node[name].float()
+        chunks = torch.tensor_split(node, min(groups, node.numel()))
+        rows.append(torch.stack([c.mean() for c in chunks]))
+    width = min((len(r) for r in rows), default=0)
+    return torch.stack([r[:width] for r in rows]) if rows else torch.empty(0, 0)
+
+
+def draw_heatmap(report: MLossReport, folder: str | Path) -> str | None:
+    """Save the layer × node-position M-Loss heatmap into ``folder``; its file name, or ``None`` without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    matrix = node_position_matrix(report).numpy()
+    if matrix.size == 0:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 0.35 * len(matrix) + 1.5))
+    image = ax.imshow(matrix, aspect="auto", cmap="viridis", interpolation="nearest")
+    ax.set_yticks(range(len(matrix)), [n.replace(".mlp.fc1", "") for n in report.layers], fontsize=7)
+    ax.set_xlabel(f"node position (mean over {matrix.shape[1]} consecutive groups of rows)")
+    ax.set_title(f"Node M-Loss by layer and node position (prefix={report.prefix}, reduction={report.reduction})")
+    fig.colorbar(image, ax=ax, label="node M-Loss (lower: merges more like the ensemble)")
+    fig.tight_layout()
+    fig.savefig(Path(folder) / HEATMAP_NAME, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+    return HEATMAP_NAME

@@ -1,0 +1,203 @@
+"""Writing output folders safely: checked before the work, written beside the target, renamed into place.
+
+* :func:`check_output_dir` refuses, before anything is computed, an output folder that overlaps an input (the
+  models, the data, the config file), a symbolic link, a path under a file, an unwritable or too-full filesystem,
+  and an existing non-empty folder unless ``overwrite``.
+* :func:`atomic_folder` writes into a hidden temporary sibling (``.hf_mloss-tmp-<pid>-…``) and renames it into place
+  at the end: the folder appears complete or not at all. An existing folder is replaced only at that final rename,
+  and only with ``overwrite``. The temporary folder is removed on every exit path (exceptions, Ctrl-C, SIGTERM);
+  ones left by a killed process (``kill -9``) are removed by the next save into the same parent folder.
+* Every file written is listed in ``hf_mloss_files.json`` (name and size), which ``push`` uses as its allow-list.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import tempfile
+import threading
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from .errors import InvalidParameterError, OutputExistsError
+
+TMP_PREFIX = ".hf_mloss-tmp-"
+MANIFEST_NAME = "hf_mloss_files.json"
+_SPACE_MARGIN = 1.05
+
+
+def check_output_dir(target: str | os.PathLike[str], *, overwrite: bool = False,
+                     protected: Iterable[str | os.PathLike[str]] = (), needed_bytes: int = 0) -> Path:
+    """Refuse an output folder that cannot or must not be written (see the module docstring); returns it.
+
+    Args:
+        target: the output folder.
+        overwrite: allow replacing an existing non-empty folder (at the final rename only).
+        protected: paths the output must not overlap (input model folders, data folders, the config file).
+        needed_bytes: estimated size of the output, checked against the free space.
+
+    Raises:
+        OutputExistsError: the folder exists and is not empty (without ``overwrite``), or is a file.
+        InvalidParameterError: overlap with an input, a symlink, a path under a file, no write permission, a name
+            too long, or not enough free space.
+    """
+    target = Path(os.fspath(target)).expanduser()
+    if target.is_symlink():
+        raise InvalidParameterError(f"Output folder {str(target)!r} is a symbolic link (to {os.readlink(target)!r}); "
+                                    "pass the real folder path instead.")
+    absolute = Path(os.path.abspath(target))
+    _check_overlap(absolute, protected)
+    if target.exists():
+        if not target.is_dir():
+            raise OutputExistsError(f"Output path {str(target)!r} is a file; choose a folder path.")
+        if any(target.iterdir()) and not overwrite:
+            raise OutputExistsError(f"Output folder {str(target)!r} already exists and is not empty; pass "
+                                    "overwrite=True (CLI: --overwrite) to replace it, or choose another folder.")
+    parent = _existing_ancestor(absolute.parent)
+    if not parent.is_dir():
+        raise InvalidParameterError(f"Output folder {str(target)!r} cannot be created: {str(parent)!r} is a file.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InvalidParameterError(f"Output folder {str(target)!r} cannot be created: no write permission in "
+                                    f"{str(parent)!r} (or the filesystem is read-only).")
+    limit = _name_max(parent)
+    for part in absolute.parts[len(parent.parts):] or (absolute.name,):
+        if len(part.encode()) > limit:
+            raise InvalidParameterError(f"Output folder name {part[:40]!r}... is {len(part.encode())} bytes; this "
+                                        f"filesystem allows {limit}. Choose a shorter name.")
+    if needed_bytes:
+        free = shutil.disk_usage(parent).free
+        if free < needed_bytes * _SPACE_MARGIN:
+            raise InvalidParameterError(f"Not enough free space for {str(target)!r}: the merge needs about "
+                                        f"{needed_bytes / 1e6:.1f} MB and {str(parent)!r} has {free / 1e6:.1f} MB free.")
+    return target
+
+
+def _check_overlap(target: Path, protected: Iterable[str | os.PathLike[str]]) -> None:
+    resolved_target = Path(os.path.realpath(target))
+    for item in protected:
+        if item is None:
+            continue
+        path = Path(os.path.realpath(os.fspath(item)))
+        for candidate in {target, resolved_target}:
+            if candidate == path or path.is_relative_to(candidate) or candidate.is_relative_to(path):
+                raise InvalidParameterError(
+                    f"Output folder {str(target)!r} overlaps an input ({str(path)!r}): writing or replacing it could "
+                    "delete or corrupt that input. Choose an output folder outside the inputs.")
+
+
+def _existing_ancestor(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _name_max(folder: Path) -> int:
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):
+        return 255
+
+
+@contextlib.contextmanager
+def atomic_folder(target: str | os.PathLike[str], *, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary folder to write into; on success it becomes ``target`` (see the module docstring)."""
+    target = Path(os.fspath(target)).expanduser()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(target.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-", dir=target.parent))
+    try:
+        with _sigterm_raises():
+            yield tmp
+            write_manifest(tmp)
+            _rename_into_place(tmp, target, overwrite=overwrite)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _rename_into_place(tmp: Path, target: Path, *, overwrite: bool) -> None:
+    if not target.exists() and not target.is_symlink():
+        try:
+            os.rename(tmp, target)  # fails if another process created a non-empty folder there meanwhile
+            return
+        except OSError as err:
+            if not target.exists():
+                raise
+            if not overwrite:
+                raise OutputExistsError(f"Output folder {str(target)!r} was created by something else while this "
+                                        "merge ran; nothing was replaced. Choose another folder.") from err
+    if target.is_symlink() or not target.is_dir():
+        raise OutputExistsError(f"Output path {str(target)!r} is not a folder; nothing was replaced.")
+    if any(target.iterdir()) and not overwrite:
+        raise OutputExistsError(f"Output folder {str(target)!r} already exists and is not empty; pass overwrite=True "
+                                "(CLI: --overwrite) to replace it.")
+    backup = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-old-", dir=target.parent))
+    backup.rmdir()
+    os.rename(target, backup)
+    try:
+        os.rename(tmp, target)
+    except BaseException:
+        os.rename(backup, target)
+        raise
+    shutil.rmtree(backup, ignore_errors=True)
+
+
+def remove_stale_temporaries(parent: Path) -> None:
+    """Remove temporary folders left in ``parent`` by hf_mloss processes that no longer run (``kill -9``)."""
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        if not entry.name.startswith(TMP_PREFIX) or not entry.is_dir() or entry.is_symlink():
+            continue
+        pid = entry.name[len(TMP_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """Turn SIGTERM into an exception in the block, so ``finally`` clauses run (the default handler kills)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def write_manifest(folder: Path) -> None:
+    """List every regular file of ``folder`` (relative path and size) in :data:`MANIFEST_NAME`."""
+    files = {}
+    for path in sorted(folder.rglob("*")):
+        if path.is_file() and not path.is_symlink() and path.name != MANIFEST_NAME:
+            files[path.relative_to(folder).as_posix()] = path.stat().st_size
+    (folder / MANIFEST_NAME).write_text(json.dumps({"files": files}, indent=1) + "\n")
+
+
+def read_manifest(folder: Path) -> dict[str, int]:
+    """The files a save wrote (``{relative path: size}``); raises ``ValueError`` when missing or malformed."""
+    data = json.loads((folder / MANIFEST_NAME).read_text())
+    files = data["files"]
+    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, int) for k, v in files.items()):
+        raise ValueError("malformed file list")
+    return files
