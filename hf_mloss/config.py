@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._validation import check_keys, param, short, validate_fields
 from ._version import __version__
-from .errors import ConfigError, HfMLossError, InvalidParameterError
+from .errors import CheckpointNotFoundError, ConfigError, DataError, HfMLossError, InvalidParameterError
 from .options import ScoringOptions
 
 if TYPE_CHECKING:
@@ -113,15 +113,18 @@ class DataSpec:
                                            "or paths, or a datasets object (not written to configs)."})
 
     def __post_init__(self) -> None:
-        validate_fields(self)
+        try:
+            validate_fields(self)
+        except InvalidParameterError as err:
+            raise DataError(str(err)) from None
         given = [x is not None for x in (self.id, self.path, self.objects)]
         if sum(given) != 1:
-            raise InvalidParameterError("data needs exactly one of `id` (a Hub dataset id such as tanganke/dtd), "
+            raise DataError("data needs exactly one of `id` (a Hub dataset id such as tanganke/dtd), "
                                         f"`path` (a local image folder) or images, got id={short(self.id)}, "
                                         f"path={short(self.path)}.")
         if self.path is not None and not expand(self.path).is_dir():
             kind = "is a file, not a folder" if expand(self.path).exists() else "does not exist"
-            raise InvalidParameterError(f"data.path {self.path!r} {kind}: pass a folder of images (imagefolder "
+            raise DataError(f"data.path {self.path!r} {kind}: pass a folder of images (imagefolder "
                                         "layout `train/<label>/*.png` or a flat folder).")
 
     @classmethod
@@ -211,7 +214,7 @@ class MergeConfig:
             where = "base" if i == 0 else f"models[{i - 1}]"
             if spec.is_local and not expand(spec.model).is_dir():
                 kind = "is a file, not a model folder" if expand(spec.model).exists() else "does not exist"
-                raise InvalidParameterError(f"{where}: local path {spec.model!r} {kind} (relative paths in a config "
+                raise CheckpointNotFoundError(f"{where}: local path {spec.model!r} {kind} (relative paths in a config "
                                             "resolve against the config file's folder).")
         self._validate_weights()
         if isinstance(self.processor, os.PathLike):
@@ -228,7 +231,7 @@ class MergeConfig:
         except InvalidParameterError as err:
             raise InvalidParameterError(f"Invalid parameters for method {self.method!r}: {err}") from None
         if method.needs_data and self.data is None:
-            raise InvalidParameterError(
+            raise DataError(
                 f"Method {self.method!r} is data-guided and no data was given: pass data=... (a Hub dataset id such "
                 "as tanganke/dtd, a local image folder, a datasets object or a list of images; ~128 unlabeled images "
                 "suffice).")
@@ -512,7 +515,7 @@ def _build(cls: type, values: Mapping[str, Any], where: str) -> Any:
     check_keys(values, names, f"key in {where.rstrip('.')}", error=ConfigError)
     try:
         return cls(**values)
-    except InvalidParameterError as err:
+    except HfMLossError as err:
         message = str(err)
         raise ConfigError(f"{where}{message}" if message.split(" ")[0].split("=")[0] in names else message) from None
 

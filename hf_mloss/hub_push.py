@@ -44,7 +44,7 @@ def files_to_push(folder: Path) -> list[Path]:
                 any(part.startswith(".") for part in Path(name).parts):
             raise PushError(f"{name!r} in {str(folder)!r} is not a regular file inside the folder (a symbolic link, a "
                             "hidden or missing file); refusing to upload. Save the merge again.")
-        if path.stat().st_size != size:
+        if path.suffix == ".safetensors" and path.stat().st_size != size:  # the card may be edited, weights not
             raise PushError(f"{name!r} in {str(folder)!r} changed after the merge was saved ({path.stat().st_size} "
                             f"bytes, {size} when saved); save the merge again.")
         files.append(path)
@@ -104,14 +104,13 @@ def _describe(err: Exception, token: str | bool | None) -> str:
     """A short, secret-free description of a Hub failure (status code and server message, no request headers)."""
     response = getattr(err, "response", None)
     status = getattr(response, "status_code", None)
-    text = " ".join(str(err).split())
-    first = text.split(" for url ")[0] if status else text
+    if status is None:
+        return _redact(f"{type(err).__name__}: {' '.join(str(err).split())}", token)[:400]
     kind = {401: "not authenticated (log in with `hf auth login` or set HF_TOKEN)",
             403: "permission denied for this repo or token",
-            404: "not found"}.get(status)
-    message = f"HTTP {status}" + (f", {kind}" if kind else "") + f": {first}" if status else \
-        f"{type(err).__name__}: {first}"
-    return _redact(message, token)[:400]
+            404: "not found"}.get(status, "server error" if status >= 500 else "request refused")
+    server = getattr(err, "server_message", None) or " ".join(str(err).split()).split(" for url ")[0]
+    return _redact(f"HTTP {status} ({kind}): {' '.join(str(server).split())}", token)[:400]
 
 
 def _redact(text: str, token: str | bool | None) -> str:

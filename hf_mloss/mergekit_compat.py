@@ -2,7 +2,7 @@
 
 | mergekit | hf_mloss |
 |---|---|
-| ``linear`` (``normalize: true``) | ``average`` with the models' ``weight`` |
+| ``linear`` (``normalize: true``, no ``base_model``) | ``average`` of the models with their ``weight`` |
 | ``task_arithmetic`` | ``task_arithmetic``, ``lam`` = ``lambda`` (mergekit's default 1), weights as given (÷ Σw with ``normalize``) |
 | ``ties`` (``normalize: true``) | ``ties``, ``convention: mergekit``, ``k`` = ``density`` (one value for all models), ``lam`` = ``lambda`` |
 | ``dare_ties`` (``normalize: true``) / ``dare_linear`` | ``dare_ties`` / ``dare_linear``, ``p`` = ``density``, ``rescale: l1`` (mergekit's masks are drawn from another random stream) |
@@ -42,13 +42,19 @@ def from_mergekit(config: Mapping[str, Any]) -> dict[str, Any]:
     if method not in METHODS:
         raise ConfigError(f"mergekit merge_method {short(method)} is not one hf_mloss shares; shared: {list(METHODS)} "
                           "(or write an hf_mloss config: `hf-mloss methods`).")
-    if not config.get("base_model"):
-        raise ConfigError("The mergekit config has no base_model; hf_mloss merges fine-tunes of one base: add "
-                          "`base_model: org/name`.")
     global_params = dict(config.get("parameters") or {})
     models, weights, densities = _models(config.get("models"))
-    out: dict[str, Any] = {"base": _model_entry(config["base_model"], "base_model"), "models": models,
-                           "method": METHODS[method]}
+    if config.get("base_model"):
+        base = _model_entry(config["base_model"], "base_model")
+        if method == "linear":
+            raise ConfigError("mergekit `linear` with a base_model averages the base in too; list it under `models` "
+                              "with its weight instead (hf_mloss then averages exactly those models).")
+    elif method == "linear":
+        base = dict(models[0])  # an average needs no base: the first model only provides the architecture
+    else:
+        raise ConfigError(f"The mergekit config has no base_model; `{method}` merges fine-tunes of one base: add "
+                          "`base_model: org/name`.")
+    out: dict[str, Any] = {"base": base, "models": models, "method": METHODS[method]}
     normalize = global_params.pop("normalize", method in ("linear", "ties"))
     lam = global_params.pop("lambda", 1.0)
     if global_params:

@@ -101,20 +101,23 @@ class MergeResult:
         try:
             folder = tmp / "merged"
             with atomic_folder(folder) as out:
-                self._write(out, max_shard_size=max_shard_size, final=folder)
+                self._write(out, max_shard_size=max_shard_size, final=None)
             return push_folder(folder, repo_id, private=private, token=token, revision=revision, create_pr=create_pr,
                                commit_message=commit_message, keep_hint=False)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def _write(self, folder: Path, *, max_shard_size: int | str, final: Path) -> None:
+    def _write(self, folder: Path, *, max_shard_size: int | str, final: Path | None) -> None:
         from .card import build_model_card
         from .checkpoint import save_weights
 
         save_weights(self.model, self.adapter, folder, max_shard_size=max_shard_size)
         self._save_processor(folder)
-        # local paths in the saved config are relative to where the folder ends up, not to the temporary one
-        self.config.save_pretrained(folder, location=final)
+        # local paths in the saved config are relative to where the folder ends up (absolute without one)
+        if final is None:
+            (folder / MERGE_CONFIG_NAME).write_text(self.config.to_yaml(), encoding="utf-8")
+        else:
+            self.config.save_pretrained(folder, location=final)
         heatmap = None
         if self.report is not None:
             self.report.save(folder)
@@ -124,13 +127,19 @@ class MergeResult:
         build_model_card(self, heatmap=heatmap).save(folder / "README.md")
 
     def _save_processor(self, folder: Path) -> None:
-        """Copy the base's image processor (or the one the merge was scored with) beside the weights."""
+        """Copy the base's processor beside the weights: with its tokenizer when the output is a whole model (a
+        CLIPModel needs both for zero-shot classification), else the image processor (or the one given)."""
         source = self.config.processor
         if source is not None and not isinstance(source, (str, os.PathLike)):
             source.save_pretrained(folder)
             return
         where = os.fspath(source) if source is not None else self.base.path
-        if where and Path(where).is_dir():
+        if not where or not Path(where).is_dir():
+            return
+        whole = not isinstance(self.model, self.adapter.model_class)
+        try:
+            self.adapter.load_processor(where, full=whole).save_pretrained(folder)
+        except (OSError, ValueError, TypeError):
             try:
                 self.adapter.load_processor(where).save_pretrained(folder)
             except (OSError, ValueError):  # the base has no preprocessor config: the card says so

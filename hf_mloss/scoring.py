@@ -206,6 +206,7 @@ def score_shared_prefix(setup: ScoringSetup, hooks: LayerHooks | None = None) ->
         if layer < last_needed:
             with setup.autocast():
                 hidden = [adapter.forward_from_target(block, r, u) for r, u in halves]
+    hooks.before_stage(adapter.num_layers)  # the tail (final norm)
     hooks.after_all()
     return results
 

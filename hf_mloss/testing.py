@@ -59,19 +59,46 @@ def save_model(model: CLIPVisionModel, path: str | Path, *, image_size: int | No
     return path
 
 
+def tiny_tokenizer():
+    """A CLIP BPE tokenizer whose vocabulary is the 256 byte symbols (+ end-of-word forms): 514 ids, no merges."""
+    from transformers import CLIPTokenizer
+
+    symbols = list(_bytes_to_unicode().values())
+    vocab = {symbol: i for i, symbol in enumerate(symbols + [s + "</w>" for s in symbols])}
+    vocab.update({"<|startoftext|>": len(vocab), "<|endoftext|>": len(vocab) + 1})
+    return CLIPTokenizer(vocab=vocab, merges=[])
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The byte-to-symbol table of GPT-2/CLIP byte-level BPE."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    codes, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            codes.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, codes)))
+
+
 def save_clip_model(vision: CLIPVisionModel, path: str | Path, seed: int = 0) -> Path:
-    """Save a full ``CLIPModel`` (text tower + projections) whose vision tower is ``vision``."""
+    """Save a full ``CLIPModel`` (text tower + projections) whose vision tower is ``vision``, with a ``CLIPProcessor``
+    (image processor + tokenizer), so zero-shot classification runs on it."""
+    from transformers import CLIPProcessor
+
     torch.manual_seed(seed)
     config = CLIPConfig(
         vision_config=vision.config.to_dict(),
         text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                         vocab_size=100, max_position_embeddings=16),
+                         vocab_size=520, max_position_embeddings=32, bos_token_id=512, eos_token_id=513,
+                         pad_token_id=513),
         projection_dim=16,
     )
     clip = CLIPModel(config).eval()
     clip.vision_model.load_state_dict(vision.state_dict())
     clip.save_pretrained(path)
-    tiny_processor(vision.config.image_size).save_pretrained(path)
+    CLIPProcessor(image_processor=tiny_processor(vision.config.image_size),
+                  tokenizer=tiny_tokenizer()).save_pretrained(path)
     return Path(path)
 
 

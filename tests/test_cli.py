@@ -19,7 +19,7 @@ import hf_mloss
 from hf_mloss import hub_push
 from hf_mloss.cli import build_parser, main
 from hf_mloss.methods import MERGE_METHODS, list_methods
-from hf_mloss.result import MERGE_CONFIG_NAME
+from hf_mloss.config import MERGE_CONFIG_NAME
 
 
 def write_config(path: Path, **config) -> Path:
@@ -150,12 +150,13 @@ def test_merge_push_to_hub(ties_config, tmp_path, fake_push, capsys):
     "flags, message",
     [
         (["--push-to-hub", "not a repo!"], "is not a valid Hub repo id"),
-        (["--device", "toaster"], "--device 'toaster' is not a torch device"),
+        (["--device", "toaster"], "device 'toaster' is not a torch device"),
+        (["--device", "meta"], "device 'meta' cannot run a merge"),
     ]
     + ([(["--device", "cuda"], "CUDA device(s)")] if not torch.cuda.is_available() else []),
 )
 def test_bad_flags_fail_before_merging(ties_config, tmp_path, monkeypatch, capsys, flags, message):
-    monkeypatch.setattr(hf_mloss, "merge", lambda *a, **k: pytest.fail("merged despite a bad flag"))
+    monkeypatch.setattr("hf_mloss.merger.run_merge", lambda *a, **k: pytest.fail("merged despite a bad flag"))
     assert main(["merge", str(ties_config), str(tmp_path / "out"), *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hf-mloss: error:") and message in err and "Traceback" not in err
@@ -182,7 +183,7 @@ def test_unexpected_errors_keep_their_traceback(ties_config, tmp_path, monkeypat
     def broken(*args, **kwargs):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(hf_mloss, "merge", broken)
+    monkeypatch.setattr("hf_mloss.merger.run_merge", broken)
     with pytest.raises(RuntimeError, match="a bug"):
         main(["merge", str(ties_config), str(tmp_path / "out")])
 

@@ -165,7 +165,7 @@ def test_plain_strings_hub_ids_and_data_forms(project):
 def test_a_missing_local_data_path_is_named_without_asking_the_hub(tiny_paths):
     base, models = tiny_paths
     for path in ("path/to/images", "./images", "~/no-such-folder-xyz"):
-        with pytest.raises(hf_mloss.InvalidParameterError, match="does not exist"):
+        with pytest.raises(hf_mloss.DataError, match="does not exist"):
             hf_mloss.merge(base, models, "m_ties", data=path, progress=False)
 
 

@@ -27,7 +27,8 @@ import hf_mloss  # noqa: E402
 from hf_mloss import CheckpointNotFoundError, PushError  # noqa: E402
 from hf_mloss.hub import resolve_model  # noqa: E402
 from hf_mloss.hub_push import push_folder  # noqa: E402
-from hf_mloss.result import MERGE_CONFIG_NAME  # noqa: E402
+from hf_mloss.config import MERGE_CONFIG_NAME  # noqa: E402
+from hf_mloss.saving import MANIFEST_NAME  # noqa: E402
 
 TOKEN = "hf_sentinel_TOKEN_123"
 SHAS = {
@@ -282,7 +283,10 @@ def test_push_to_hub_one_commit_with_the_saved_files(local_result, reference_fol
     assert commit.repo_id == "tester/merged" and commit.repo_type == "model"
     assert commit.revision == "main" and commit.create_pr is False and commit.message == "merge it"
     assert commit.lfs_files == [] and commit.deleted == []
-    assert commit.files == reference_folder  # exactly the folder's files, byte for byte
+    # exactly the saved folder's files; the config's local paths are absolute here (no folder to be relative to)
+    assert set(commit.files) == set(reference_folder)
+    for name in set(reference_folder) - {MERGE_CONFIG_NAME, MANIFEST_NAME}:
+        assert commit.files[name] == reference_folder[name], name
     assert {"config.json", "model.safetensors", "README.md", MERGE_CONFIG_NAME} <= set(commit.files)
     assert info.oid == commit.oid and info.commit_url.startswith(fake_hub.url)
     # README validated first, with the committed content; then preupload, then the single commit
@@ -423,7 +427,7 @@ def test_push_folder_refuses_incomplete_folder(saved_local, fake_hub, tmp_path, 
     else:
         (folder / "config.json").unlink()
     before = folder_files(folder)
-    with pytest.raises(PushError, match="no safetensors weights or no config.json"):
+    with pytest.raises(PushError, match="not a regular file inside the folder"):
         push_folder(folder, "tester/partial", token=TOKEN)
     assert fake_hub.requests == []
     assert folder_files(folder) == before

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import hf_mloss
+from hf_mloss import MergeConfig
 
 pytestmark = pytest.mark.peers
 
@@ -64,3 +65,16 @@ def test_task_arithmetic_matches_both_peers(tiny_paths, tmp_path):
     for peer, kwargs in [("mergekit", {"weights": [1.0, 1.0, 1.0]}), ("fusion_bench", {})]:
         run = _run(peer, "task_arithmetic", tiny_paths, tmp_path, lam=0.3, **kwargs)
         assert _max_diff(ours, _peer_state(run)) < 1e-6, peer
+
+
+@pytest.mark.parametrize("method, kwargs", [
+    ("ties", {"k": 0.3, "lam": 0.7, "weights": [1.0, 0.5, 2.0]}),
+    ("task_arithmetic", {"lam": 0.4, "weights": [1.0, 0.5, 2.0]}),
+    ("linear", {"weights": [1.0, 0.5, 2.0]}),
+], ids=["ties", "task_arithmetic", "linear"])
+def test_mergekit_yaml_runs_unchanged(tiny_paths, tmp_path, method, kwargs):
+    """A mergekit user's YAML, the very file mergekit-yaml ran, gives the same merge through hf_mloss."""
+    run = _run("mergekit", method, tiny_paths, tmp_path, **kwargs)
+    config = MergeConfig.from_yaml(run.out_dir / "peer_config.yml")
+    assert config.method == {"linear": "average"}.get(method, method)
+    assert _max_diff(config.run(progress=False), _peer_state(run)) < 1e-6

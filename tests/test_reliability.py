@@ -71,7 +71,7 @@ def test_mixed_dtypes_compute_in_fp32_and_save_in_base_dtype(tmp_path):
     ft_bf16 = save_model(make_finetune(make_base(0), 1).to(torch.bfloat16), tmp_path / "ft_bf16")
     ft_fp32 = save_model(make_finetune(make_base(0), 2), tmp_path / "ft_fp32")
     result = hf_mloss.merge(str(base_dir), [str(ft_bf16), str(ft_fp32)], "task_arithmetic", lam=0.5, progress=False)
-    assert result.model.dtype == torch.float16 and result.dtype == "float16"
+    assert result.model.dtype == torch.float16 and result.config.dtype is None  # default: the base's dtype
     explicit = hf_mloss.merge(str(base_dir), [str(ft_bf16), str(ft_fp32)], "task_arithmetic", lam=0.5,
                               dtype="float32", progress=False)
     assert explicit.model.dtype == torch.float32
@@ -85,7 +85,7 @@ def test_bad_dtype_and_batch_size(tiny_paths, image_folder):
         hf_mloss.merge(base, models, "ties", dtype="float8", progress=False)
     with pytest.raises(hf_mloss.InvalidParameterError, match="batch_size"):
         hf_mloss.merge(base, models, "m_ties", data=str(image_folder), batch_size=0, progress=False)
-    with pytest.raises(hf_mloss.InvalidParameterError, match="layers=.*valid: 0..1"):
+    with pytest.raises(hf_mloss.InvalidParameterError, match="layers names block 5.*valid: 0..1"):
         hf_mloss.merge(base, models, "m_ties", data=str(image_folder), layers=[5], progress=False)
 
 
@@ -118,7 +118,10 @@ def test_kill_9_mid_write_leaves_no_or_a_complete_folder(tmp_path, tiny_paths):
             CLIPVisionModel.from_pretrained(target)
         leftovers = [p for p in tmp_path.iterdir() if p.name != "target"]
         for p in leftovers:  # interrupted temporaries are hidden siblings, never the target itself
-            assert p.name.startswith(".target.")
+            assert p.name.startswith(".hf_mloss-tmp-")
+    # the next save into the same folder removes what a killed process left behind
+    hf_mloss.merge(base, [models[0]], "average", progress=False).save_pretrained(tmp_path / "again")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["again"] + (["target"] if target.exists() else []))
 
 
 def test_ctrl_c_during_scoring_exits_cleanly(tmp_path, tiny_paths, image_folder, monkeypatch, capsys):

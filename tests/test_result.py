@@ -13,7 +13,7 @@ from huggingface_hub import ModelCard
 from transformers import AutoImageProcessor, CLIPVisionModel
 
 import hf_mloss
-from hf_mloss.result import MERGE_CONFIG_NAME
+from hf_mloss.config import MERGE_CONFIG_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -93,8 +93,7 @@ def test_failed_write_leaves_no_folder(tmp_path, tiny_paths, monkeypatch):
     def boom(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(hf_mloss.report.MLossReport, "save", boom)
-    monkeypatch.setattr(result.model, "save_pretrained", boom)
+    monkeypatch.setattr("hf_mloss.checkpoint.save_torch_state_dict", boom)
     with pytest.raises(OSError, match="disk full"):
         result.save_pretrained(tmp_path / "never")
     assert list(tmp_path.iterdir()) == []

@@ -58,7 +58,7 @@ __all__ = [
     "run_peer_ties",
 ]
 
-MERGEKIT_METHODS = ("ties", "dare_ties", "dare_linear", "task_arithmetic")
+MERGEKIT_METHODS = ("ties", "dare_ties", "dare_linear", "task_arithmetic", "linear")
 FUSION_BENCH_METHODS = ("ties", "task_arithmetic")
 CHILD_SCRIPT = Path(__file__).resolve().with_name("_fusion_bench_child.py")
 DEFAULT_TIMEOUT = 1800.0
@@ -134,23 +134,26 @@ def mergekit_config(
     models = []
     for path, w in zip(model_dirs, weights, strict=True):
         params: dict = {"weight": float(w)}
-        if method != "task_arithmetic":
+        if method not in ("task_arithmetic", "linear"):
             if k is None:
                 raise ValueError(f"mergekit {method} needs a density k")
             params["density"] = float(k)
         models.append({"model": str(Path(path).resolve()), "parameters": params})
-    shared: dict = {"lambda": float(lam)}
+    shared: dict = {} if method == "linear" else {"lambda": float(lam)}
     if normalize is None and method == "ties":
         normalize = True
     if normalize is not None:
         shared["normalize"] = bool(normalize)
-    return {
+    config = {
         "merge_method": method,
         "base_model": str(Path(base_dir).resolve()),
         "models": models,
         "parameters": shared,
         "dtype": "float32",
     }
+    if method == "linear":  # a plain average of the models; a base_model would be averaged in too
+        del config["base_model"]
+    return config
 
 
 def _child_env(python: Path) -> dict[str, str]:

@@ -129,10 +129,13 @@ class ModelAdapter(ABC):
             return {f"{self.checkpoint_prefix}{k}": v for k, v in state.items()}
         return state
 
-    def load_processor(self, path: str, *, token: str | bool | None = None) -> Any:
-        """The image processor saved beside merged weights (PIL backend: same on every machine)."""
-        from transformers import AutoImageProcessor
+    def load_processor(self, path: str, *, token: str | bool | None = None, full: bool = False) -> Any:
+        """The image processor of a model (PIL backend: same on every machine); ``full``: the whole processor
+        (image processor + tokenizer, e.g. ``CLIPProcessor``) for whole-model outputs."""
+        from transformers import AutoImageProcessor, AutoProcessor
 
+        if full:
+            return AutoProcessor.from_pretrained(path, trust_remote_code=False, token=token)
         return AutoImageProcessor.from_pretrained(path, backend="pil", trust_remote_code=False, token=token)
 
     def build_layer(self, state_dict: dict[str, torch.Tensor]) -> nn.Module:
