@@ -157,20 +157,46 @@ def _download(repo_id: str, *, revision, token, cache_dir, allow_pickle: bool) -
                             "from %s", repo_id, revision or "main", pr_ref)
                 return _hub_ref(pr_folder, repo_id, weights, weights_ref=pr_ref)
     if allow_pickle:
-        folder = _snapshot(repo_id, revision, PICKLE_PATTERNS, token=token, cache_dir=cache_dir)
-        if weights := find_weights(folder):
-            return _hub_ref(folder, repo_id, weights)
+        try:
+            folder = _snapshot(repo_id, revision, PICKLE_PATTERNS, token=token, cache_dir=cache_dir)
+        except CheckpointNotFoundError:
+            if not constants.HF_HUB_OFFLINE:
+                raise
+        else:
+            if weights := find_weights(folder):
+                return _hub_ref(folder, repo_id, weights)
+    raise _no_weights_error(repo_id, revision, allow_pickle=allow_pickle, cache_dir=cache_dir)
+
+
+def _no_weights_error(repo_id: str, revision: str | None, *, allow_pickle: bool, cache_dir) -> CorruptCheckpointError:
+    from huggingface_hub import constants
+
     searched = f"{SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX}" + (
         f", or {PICKLE_SINGLE} / {PICKLE_INDEX}" if allow_pickle else
         f" (allow_pickle=False: {PICKLE_SINGLE} files were not considered; allow_pickle=True reads them with the "
         "restricted unpickler, which cannot run code)")
-    offline = " The Hub is offline, so the safetensors-conversion pull request was not looked up." \
-        if constants.HF_HUB_OFFLINE else ""
-    raise CorruptCheckpointError(
+    hint = " Pass a revision or a local folder that has PyTorch weights."
+    if constants.HF_HUB_OFFLINE:
+        cached = _cached_pull_requests(repo_id, cache_dir)
+        hint = (" The Hub is offline, so the safetensors-conversion pull request cannot be looked up (nor checked to "
+                "hold the same weights). Run once online, or pass the revision (commit sha) recorded in the "
+                "hf_mloss_config.yaml of an earlier merge" +
+                (f"; cached pull requests: {', '.join(f'{ref} = {sha}' for ref, sha in cached.items())}." if cached
+                 else "."))
+    return CorruptCheckpointError(
         f"No weights found for Hub model {repo_id!r} (revision {revision or 'main'}): expected {searched}. "
-        f"TensorFlow (.h5) and Flax (.msgpack) weights are not read.{offline} Pass a revision or a local folder "
-        "that has PyTorch weights."
+        f"TensorFlow (.h5) and Flax (.msgpack) weights are not read.{hint}"
     )
+
+
+def _cached_pull_requests(repo_id: str, cache_dir) -> dict[str, str]:
+    """``refs/pr/<n>`` -> commit sha of the pull requests of ``repo_id`` that the Hub cache holds a snapshot of."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    refs = Path(cache_dir or constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model") / "refs"
+    return {f"refs/pr/{ref.name}": ref.read_text().strip()
+            for ref in sorted((refs / "refs" / "pr").glob("*")) if ref.is_file()}
 
 
 def _hub_ref(folder: str, repo_id: str, weights: WeightFiles, weights_ref: str | None = None) -> ModelRef:

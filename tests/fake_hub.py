@@ -658,6 +658,7 @@ def point_hf_at(monkeypatch: pytest.MonkeyPatch, endpoint: str) -> None:
     monkeypatch.setenv("HF_ENDPOINT", endpoint)       # for subprocesses / late importers
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     # HfApi's default instance was built at import with the old endpoint; module-level helpers
     # (huggingface_hub.create_repo, upload_folder, ...) are bound to it.

@@ -23,7 +23,9 @@ What each replica reproduces (``HF_NOTES.md`` §7), at CI size (hidden 32, 2 blo
   ``dataset_info`` and ``configs``.
 
 ``build_replicas()`` makes everything in memory (about a second); ``serve_replicas(hub, replicas)`` loads it into a
-:class:`fake_hub.FakeHub`.
+:class:`fake_hub.FakeHub`. Fixtures (import them into a test module): ``replicas`` (session), ``replica_server``
+(session: a fake Hub serving them) and ``replica_hub`` (per test: that server, with huggingface_hub, transformers and
+datasets pointed at it, a fresh Hub cache, and its request log cleared).
 """
 
 from __future__ import annotations
@@ -32,16 +34,18 @@ import io
 import json
 import string
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 from safetensors.torch import save as safetensors_bytes
 from transformers import CLIPConfig, CLIPModel
 
-from fake_hub import FakeHub
+from fake_hub import FakeHub, point_hf_at
 
 BASE_ID = "openai/clip-vit-base-patch32"
 TASKS = ("sun397", "stanford-cars", "resisc45", "eurosat", "svhn", "gtsrb", "mnist", "dtd")
@@ -116,6 +120,38 @@ def serve_replicas(hub: FakeHub, replicas: Replicas) -> None:
     for repo_id, files in replicas.finetunes.items():
         hub.add_repo(repo_id, files, message="Upload CLIPVisionModel", author="tanganke")
     hub.add_repo(DTD_ID, replicas.dtd, repo_type="dataset", message="Upload dataset", author="tanganke")
+
+
+def use_hub(monkeypatch: pytest.MonkeyPatch, hub: FakeHub, cache: Path) -> FakeHub:
+    """Point huggingface_hub / transformers / datasets at ``hub`` with an empty Hub cache at ``cache``."""
+    from huggingface_hub import constants
+
+    point_hf_at(monkeypatch, hub.url)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "AGENT_HARNESSES_PATH", str(cache / ".agent_harnesses.json"), raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    # transformers' background safetensors conversion (after a .bin load) would call a Space on the real Hub
+    monkeypatch.setenv("DISABLE_SAFETENSORS_CONVERSION", "1")
+    hub.reset()
+    return hub
+
+
+@pytest.fixture(scope="session")
+def replicas() -> Replicas:
+    return build_replicas()
+
+
+@pytest.fixture(scope="session")
+def replica_server(replicas: Replicas) -> Iterator[FakeHub]:
+    with FakeHub() as hub:
+        serve_replicas(hub, replicas)
+        yield hub
+
+
+@pytest.fixture
+def replica_hub(replica_server: FakeHub, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> FakeHub:
+    """The replica server for this test: HF libraries pointed at it, a fresh Hub cache, an empty request log."""
+    return use_hub(monkeypatch, replica_server, tmp_path / "hub_cache")
 
 
 # ------------------------------------------------------------------------------------------------ openai base
