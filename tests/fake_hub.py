@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import hashlib
 import json
 import re
@@ -596,6 +597,7 @@ def _as_bytes(files: Mapping[str, bytes | str | Path]) -> dict[str, bytes]:
     return out
 
 
+@functools.lru_cache(maxsize=4096)  # bytes cache their hash: a repeated lookup costs no re-hashing of the content
 def _file_entry(path: str, data: bytes) -> dict[str, Any]:
     """A tree / paths-info entry as the Hub sends it (LFS files carry the sha256 of their content)."""
     if path.endswith(_LFS_SUFFIXES):

@@ -272,7 +272,15 @@ def hf_mloss_config(path):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def test_dtd_sample_covers_the_whole_split(replica_hub, replicas) -> None:
+@pytest.fixture
+def no_shutdown_sleep(monkeypatch) -> None:
+    """datasets sleeps 5 s after reading shards on threads (a pyarrow shutdown workaround); not needed here."""
+    import datasets.config
+
+    monkeypatch.setattr(datasets.config, "SLEEP_TIME_ON_THREADS_SHUTDOWN", 0)
+
+
+def test_dtd_sample_covers_the_whole_split(replica_hub, replicas, no_shutdown_sleep) -> None:
     import datasets
 
     from hf_mloss.data import load_pixel_values
@@ -292,7 +300,7 @@ def test_dtd_sample_covers_the_whole_split(replica_hub, replicas) -> None:
     assert len(buffered) <= 20 < info.labels_covered
 
 
-def test_large_split_is_shuffled_across_row_groups(replica_hub) -> None:
+def test_large_split_is_shuffled_across_row_groups(replica_hub, no_shutdown_sleep) -> None:
     from hf_mloss.data import load_pixel_values
 
     pixels, info = load_pixel_values(DTD_ID, tiny_processor(), num_samples=64, seed=0, whole_split_max_bytes=1000)
