@@ -2,7 +2,13 @@
 
 Whatever the source, :func:`load_pixel_values` returns ``num_samples`` images run through the base model's own image
 processor (resize, crop, normalisation), as one ``[N, 3, H, W]`` float tensor, plus a JSON-able description of where
-they came from (recorded in the merge config and the model card). Labels are ignored.
+they came from (recorded in the merge config and the model card).
+
+The sample is spread over the whole split, since many datasets store their rows sorted by label (a shuffle buffer over
+the first rows would see a few classes only): small splits (local folders, Hub splits whose size the dataset card
+gives, up to ``whole_split_max_bytes``) are read once, whole, keeping a uniform random sample (reservoir sampling);
+larger or unsized ones are split into parquet row groups and shuffled across many of them at once. Labels are never
+used for scoring; when the data has a label column the description counts how many distinct labels the sample covered.
 """
 
 from __future__ import annotations
@@ -19,7 +25,12 @@ from PIL import Image, UnidentifiedImageError
 from .errors import DataError
 
 IMAGE_COLUMNS = ("image", "img", "images", "picture", "photo")
+LABEL_COLUMNS = ("label", "labels", "class", "fine_label")
 DEFAULT_NUM_SAMPLES = 128
+WHOLE_SPLIT_MAX_BYTES = 1 << 30
+"""Hub splits up to this size (from the dataset card) are read whole for a uniform sample."""
+MAX_BUFFER_SHARDS = 64
+"""Row-group shards mixed at once in the shuffle buffer of a larger split."""
 _IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 
 
@@ -36,6 +47,14 @@ class DataInfo:
     image_column: str | None = None
     skipped: int = 0
     """Images that could not be decoded and were skipped."""
+    sampling: str | None = None
+    """How the sample was drawn: ``"whole split"`` (uniform over every row), ``"shuffled shards"`` (row groups mixed in
+    a shuffle buffer), ``"shuffled"`` (an in-memory dataset) or ``"as given"`` (a list of images)."""
+    label_column: str | None = None
+    labels_covered: int | None = None
+    """Distinct labels among the images used (None when the data has no label column)."""
+    num_labels: int | None = None
+    """Number of classes the label column declares (None when it does not say)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -55,6 +74,7 @@ def load_pixel_values(
     buffer_size: int = 1000,
     min_samples: int = 1,
     batch_size: int = 32,
+    whole_split_max_bytes: int = WHOLE_SPLIT_MAX_BYTES,
 ) -> tuple[torch.Tensor, DataInfo]:
     """Read up to ``num_samples`` images from ``data`` and preprocess them with ``processor``.
 
@@ -64,10 +84,13 @@ def load_pixel_values(
             image paths, or an already preprocessed ``[N, 3, H, W]`` tensor.
         processor: the base model's image processor.
         num_samples: images to use (the M-Loss paper uses 128).
-        seed: shuffle seed (Hub / folder / dataset sources are shuffled with a buffer of ``buffer_size``).
+        seed: sampling seed (the same seed draws the same images).
         split: dataset split for Hub ids and folders.
         image_column: column holding the images; found automatically when omitted.
+        buffer_size: smallest shuffle buffer for splits too large to read whole (at least 8 x ``num_samples``).
         min_samples: fail if fewer decodable images than this remain.
+        whole_split_max_bytes: Hub splits up to this size are read whole for a uniform sample; larger ones, and
+            those whose size the dataset card does not give, are shuffled across row groups.
     """
     if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 1:
         raise DataError(f"num_samples must be a positive integer, got {num_samples!r}.")
@@ -77,9 +100,9 @@ def load_pixel_values(
         pixels = data[:num_samples].float()
         info = DataInfo(source="tensor", num_samples=len(pixels), seed=seed)
     else:
-        images, info = _iter_images(data, num_samples=num_samples, seed=seed, split=split,
-                                    image_column=image_column, buffer_size=buffer_size)
-        pixels = _preprocess(images, processor, info, limit=num_samples, batch_size=batch_size)
+        sampler = _Sampler(num_samples, seed, max(buffer_size, 8 * num_samples), whole_split_max_bytes)
+        rows, info = _iter_images(data, sampler=sampler, split=split, image_column=image_column)
+        pixels = _preprocess(rows, processor, info, limit=num_samples, batch_size=batch_size)
         info.num_samples = len(pixels)
     if len(pixels) < min_samples:
         raise DataError(
@@ -91,9 +114,25 @@ def load_pixel_values(
 
 
 # --------------------------------------------------------------------------------------------- sources
-def _iter_images(data, *, num_samples, seed, split, image_column, buffer_size) -> tuple[Iterator[Any], DataInfo]:
+@dataclass(frozen=True)
+class _Sampler:
+    """How many rows to draw (twice the images needed, for undecodable ones), with which seed and buffer."""
+
+    num_samples: int
+    seed: int
+    buffer_size: int
+    whole_split_max_bytes: int
+
+    @property
+    def rows(self) -> int:
+        return 2 * self.num_samples
+
+
+def _iter_images(data, *, sampler: _Sampler, split: str, image_column) -> tuple[Iterator[tuple[Any, Any]], DataInfo]:
+    """``(image, label)`` pairs in sampled order (label None without a label column), and their description."""
     import datasets
 
+    seed = sampler.seed
     if isinstance(data, (str, os.PathLike)):
         ref = os.fspath(data)
         path = Path(ref).expanduser()
@@ -104,50 +143,107 @@ def _iter_images(data, *, num_samples, seed, split, image_column, buffer_size) -
                 raise DataError(f"No image files found in {ref!r}: {err}.") from err
             except ValueError:  # a flat folder without a split layout: take every image file
                 files = sorted(p for p in path.rglob("*") if p.suffix.lower() in _IMAGE_SUFFIXES)
-                return _iter_images(files, num_samples=num_samples, seed=seed, split=split,
-                                    image_column=image_column, buffer_size=buffer_size)
+                rows, info = _iter_images(_shuffled(files, seed), sampler=sampler, split=split,
+                                          image_column=image_column)
+                info.sampling = "whole split"
+                return rows, info
             info = DataInfo(source="imagefolder", id=path.name, split=split, seed=seed)
-        elif ref.startswith((".", "/", "~")) or path.suffix:
+            return _from_dataset(ds, info, sampler, image_column, whole=True)
+        if ref.startswith((".", "/", "~")) or path.suffix:
             raise DataError(f"Data folder {ref!r} does not exist.")
-        else:
-            try:
-                ds = datasets.load_dataset(ref, split=split, streaming=True)
-            except (FileNotFoundError, ConnectionError) as err:
-                raise DataError(
-                    f"Cannot stream Hub dataset {ref!r} (split {split!r}): {err}. Check the id and split, or that the "
-                    "Hub is reachable; a local image folder works offline."
-                ) from err
-            except ValueError as err:
-                raise DataError(f"Cannot load split {split!r} of dataset {ref!r}: {err}") from err
-            info = DataInfo(source="hub", id=ref, split=split, seed=seed)
-        return _from_dataset(ds, info, num_samples, seed, image_column, buffer_size)
+        try:
+            ds = datasets.load_dataset(ref, split=split, streaming=True)
+        except (FileNotFoundError, ConnectionError) as err:
+            raise DataError(
+                f"Cannot stream Hub dataset {ref!r} (split {split!r}): {err}. Check the id and split, or that the "
+                "Hub is reachable; a local image folder works offline."
+            ) from err
+        except ValueError as err:
+            raise DataError(f"Cannot load split {split!r} of dataset {ref!r}: {err}") from err
+        info = DataInfo(source="hub", id=ref, split=split, seed=seed)
+        return _from_dataset(ds, info, sampler, image_column, whole=_is_small(ds, split, sampler))
     if isinstance(data, (datasets.Dataset, datasets.IterableDataset)):
         info = DataInfo(source="dataset", id=getattr(data.info, "dataset_name", None), seed=seed,
                         split=str(data.split) if data.split is not None else None)
-        return _from_dataset(data, info, num_samples, seed, image_column, buffer_size)
+        whole = isinstance(data, datasets.IterableDataset) and _is_small(data, info.split, sampler)
+        return _from_dataset(data, info, sampler, image_column, whole=whole)
     if isinstance(data, (list, tuple)):
         if not data:
             raise DataError("The list of scoring images is empty.")
-        return iter(data), DataInfo(source="images", seed=seed)
+        return ((item, None) for item in data), DataInfo(source="images", seed=seed, sampling="as given")
     raise DataError(
         f"Unsupported scoring data of type {type(data).__name__}: pass a Hub dataset id, a local image folder, a "
         "datasets.Dataset / IterableDataset, a list of PIL images or paths, or a [N, 3, H, W] tensor."
     )
 
 
-def _from_dataset(ds, info: DataInfo, num_samples, seed, image_column, buffer_size):
+def _is_small(ds, split: str | None, sampler: _Sampler) -> bool:
+    """Whether the dataset card gives the split's size and it is small enough to read whole."""
+    splits = getattr(ds.info, "splits", None) or {}
+    size = splits[split].num_bytes if split in splits else None
+    return bool(size) and size <= sampler.whole_split_max_bytes
+
+
+def _from_dataset(ds, info: DataInfo, sampler: _Sampler, image_column, *, whole: bool):
     import datasets
 
     column = image_column or _find_image_column(ds)
     if column not in (ds.column_names or [column]):
         raise DataError(f"Image column {column!r} not found; available columns: {ds.column_names}.")
     info.image_column = column
+    label = _find_label_column(ds, column)
+    if label is not None:
+        info.label_column = label
+        feature = (ds.features or {}).get(label)
+        info.num_labels = feature.num_classes if isinstance(feature, datasets.ClassLabel) else None
+    if ds.column_names:
+        ds = ds.select_columns([c for c in (column, label) if c is not None])  # read nothing else
     ds = ds.cast_column(column, datasets.Image(decode=False))  # decode ourselves: a bad file is skipped, not fatal
     if isinstance(ds, datasets.Dataset):
-        ds = ds.shuffle(seed=seed).select(range(min(num_samples * 2, len(ds))))
+        info.sampling = "shuffled"
+        ds = ds.shuffle(seed=sampler.seed).select(range(min(sampler.rows, len(ds))))
+        rows: Iterable[dict[str, Any]] = ds
+    elif whole:
+        info.sampling = "whole split"
+        rows = _reservoir(ds, sampler.rows, sampler.seed)
     else:
-        ds = ds.shuffle(seed=seed, buffer_size=buffer_size).take(num_samples * 2)
-    return (row[column] for row in ds), info
+        info.sampling = "shuffled shards"
+        ds = ds.reshard()  # parquet: one shard per row group instead of per file
+        ds = ds.shuffle(seed=sampler.seed, buffer_size=sampler.buffer_size,
+                        max_buffer_input_shards=max(1, min(ds.n_shards, MAX_BUFFER_SHARDS))).take(sampler.rows)
+        rows = ds
+    return ((row[column], row.get(label) if label else None) for row in rows), info
+
+
+def _reservoir(rows: Iterable[Any], k: int, seed: int) -> list[Any]:
+    """A uniform random sample of ``k`` items of a stream of unknown length, in random order (one pass, k in memory)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    kept: list[Any] = []
+    for index, row in enumerate(rows):
+        if index < k:
+            kept.append(row)
+        elif (slot := int(rng.integers(0, index + 1))) < k:
+            kept[slot] = row
+    return [kept[i] for i in rng.permutation(len(kept))]
+
+
+def _shuffled(items: list[Any], seed: int) -> list[Any]:
+    import numpy as np
+
+    return [items[i] for i in np.random.default_rng(seed).permutation(len(items))]
+
+
+def _find_label_column(ds, image_column: str) -> str | None:
+    """The ``ClassLabel`` column, else a column with a usual label name (None when there is none)."""
+    import datasets
+
+    features = ds.features or {}
+    for name, feature in features.items():
+        if name != image_column and isinstance(feature, datasets.ClassLabel):
+            return name
+    return next((name for name in LABEL_COLUMNS if name in features and name != image_column), None)
 
 
 def _find_image_column(ds) -> str:
@@ -183,12 +279,15 @@ def _decode(item: Any) -> Image.Image:
     return image
 
 
-def _preprocess(items: Iterable[Any], processor: Any, info: DataInfo, *, limit: int, batch_size: int) -> torch.Tensor:
-    """Decode and preprocess up to ``limit`` images, skipping (and counting) the undecodable ones."""
+def _preprocess(rows: Iterable[tuple[Any, Any]], processor: Any, info: DataInfo, *, limit: int,
+                batch_size: int) -> torch.Tensor:
+    """Decode and preprocess up to ``limit`` images, skipping (and counting) the undecodable ones; count the distinct
+    labels of the images used."""
     chunks: list[torch.Tensor] = []
     pending: list[Image.Image] = []
+    labels: set[Any] = set()
     count = 0
-    for item in items:
+    for item, label in rows:
         if count >= limit:
             break
         try:
@@ -198,11 +297,15 @@ def _preprocess(items: Iterable[Any], processor: Any, info: DataInfo, *, limit: 
             continue
         pending.append(image)
         count += 1
+        if label is not None:
+            labels.add(label)
         if len(pending) == batch_size:
             chunks.append(processor(images=pending, return_tensors="pt")["pixel_values"])
             pending = []
     if pending:
         chunks.append(processor(images=pending, return_tensors="pt")["pixel_values"])
+    if info.label_column is not None:
+        info.labels_covered = len(labels)
     if not chunks:
         return torch.empty(0, 3, 1, 1)
     return torch.cat(chunks).float()

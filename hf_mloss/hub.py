@@ -1,30 +1,59 @@
 """Resolve a model reference (local folder or Hub id) to a local folder, without touching the network needlessly.
 
 A local path never triggers a network call. A Hub id goes through ``snapshot_download`` restricted to the files a
-merge needs, so a cached snapshot works offline (``HF_HUB_OFFLINE=1``). Tokens are passed through, never stored.
+merge needs, so a cached snapshot works offline (``HF_HUB_OFFLINE=1``). Weights are looked for in the formats the Hub
+holds, in transformers' order of preference:
+
+1. safetensors at the requested revision;
+2. safetensors on the safetensors-conversion bot's open pull request (``refs/pr/<n>``), which transformers itself finds
+   through the repo's discussions (``transformers.safetensors_conversion``), used only when its ``.bin`` and JSON
+   files are byte-identical to the requested revision's (so its safetensors is a conversion of the same weights);
+3. ``pytorch_model.bin``, read with the restricted unpickler (``torch.load(weights_only=True)``: it cannot run code).
+
+The :class:`ModelRef` records which file and which commit the weights came from. Tokens are passed through, never
+stored.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import json
+import logging
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CheckpointNotFoundError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError
+
+logger = logging.getLogger(__name__)
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+PICKLE_INDEX = "pytorch_model.bin.index.json"
+PICKLE_SINGLE = "pytorch_model.bin"
 WEIGHT_PATTERNS = ["*.json", "*.safetensors"]
-PICKLE_PATTERNS = ["*.bin", "*.bin.index.json"]
+PICKLE_PATTERNS = ["*.json", "pytorch_model*.bin"]
+CONVERSION_BOT = "SFconvertbot"
+CONVERSION_PR_TITLE = "Adding `safetensors` variant of this model"
+"""Author and title of the pull requests the Hub's safetensors-conversion bot opens (as transformers checks them)."""
 
 
 @dataclass(frozen=True)
 class ModelRef:
-    """Where a model came from: its local folder and, for Hub models, the repo id and resolved commit."""
+    """Where a model came from: its local folder and, for Hub models, the repo id and resolved commit.
+
+    ``weights_file`` is the weights file read (``model.safetensors``, ``model.safetensors.index.json``,
+    ``pytorch_model.bin``...), ``revision`` the commit it was read at, and ``weights_ref`` the pull-request ref
+    (``refs/pr/<n>``) when the weights came from the safetensors-conversion bot's PR instead of the requested revision.
+    """
 
     path: str
     repo_id: str | None = None
     revision: str | None = None
+    weights_file: str | None = None
+    weights_ref: str | None = None
 
     @property
     def name(self) -> str:
@@ -32,7 +61,43 @@ class ModelRef:
         return self.repo_id or (Path(self.path).name if self.path else "(in-memory model)")
 
     def to_dict(self) -> dict[str, str | None]:
-        return {"repo_id": self.repo_id, "revision": self.revision, "name": self.name}
+        return {"repo_id": self.repo_id, "revision": self.revision, "name": self.name,
+                "weights_file": self.weights_file, "weights_ref": self.weights_ref}
+
+
+@dataclass(frozen=True)
+class WeightFiles:
+    """The weight files of a model folder: ``entry`` is the single file or the index, ``files`` what it lists."""
+
+    entry: Path
+    files: list[Path]
+
+    @property
+    def is_pickle(self) -> bool:
+        return self.entry.name.startswith("pytorch_model")
+
+
+def find_weights(folder: str | os.PathLike[str], *, allow_pickle: bool = True) -> WeightFiles | None:
+    """The weights of a model folder, safetensors first (sharded or not), then ``pytorch_model.bin`` files."""
+    folder = Path(folder)
+    candidates = [(SAFETENSORS_INDEX, SAFETENSORS_SINGLE)]
+    if allow_pickle:
+        candidates.append((PICKLE_INDEX, PICKLE_SINGLE))
+    for index_name, single_name in candidates:
+        index = folder / index_name
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                shards = sorted(set(weight_map.values()))
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+                raise CorruptCheckpointError(
+                    f"Cannot parse {index}: {err}. The index must hold a 'weight_map' of tensor name -> shard file; "
+                    "download it again or re-save the model."
+                ) from err
+            return WeightFiles(index, [folder / name for name in shards])
+        if (folder / single_name).exists():
+            return WeightFiles(folder / single_name, [folder / single_name])
+    return None
 
 
 def is_hub_id(ref: str) -> bool:
@@ -46,13 +111,18 @@ def resolve_model(
     revision: str | None = None,
     token: str | bool | None = None,
     cache_dir: str | None = None,
-    allow_pickle: bool = False,
+    allow_pickle: bool = True,
 ) -> ModelRef:
     """Return a :class:`ModelRef` with a local folder holding ``config.json`` and the weights of ``ref``.
+
+    Args:
+        allow_pickle: also accept ``pytorch_model.bin`` weights (read with the restricted unpickler, which cannot run
+            code); ``False`` accepts safetensors only.
 
     Raises:
         CheckpointNotFoundError: the local path does not exist, or the Hub id is not cached while offline,
             is unknown, or names an unknown revision. The messages differ so the user knows which.
+        CorruptCheckpointError: the repo holds no weights in a format hf_mloss reads.
     """
     ref = os.fspath(ref)
     path = Path(ref).expanduser()
@@ -62,7 +132,8 @@ def resolve_model(
                 f"{ref!r} is a file; hf_mloss expects a model folder holding config.json and the weights "
                 "(as written by save_pretrained)."
             )
-        return ModelRef(path=str(path.resolve()))
+        weights = find_weights(path, allow_pickle=allow_pickle)
+        return ModelRef(path=str(path.resolve()), weights_file=weights.entry.name if weights else None)
     if ref.startswith((".", "/", "~")) or not _REPO_ID.match(ref):
         raise CheckpointNotFoundError(
             f"Local path {ref!r} does not exist (and it is not a valid Hub repo id such as 'org/name'). "
@@ -71,7 +142,70 @@ def resolve_model(
     return _download(ref, revision=revision, token=token, cache_dir=cache_dir, allow_pickle=allow_pickle)
 
 
-def _download(repo_id: str, *, revision, token, cache_dir, allow_pickle) -> ModelRef:
+def _download(repo_id: str, *, revision, token, cache_dir, allow_pickle: bool) -> ModelRef:
+    from huggingface_hub import constants
+
+    folder = _snapshot(repo_id, revision, WEIGHT_PATTERNS, token=token, cache_dir=cache_dir)
+    if weights := find_weights(folder, allow_pickle=False):
+        return _hub_ref(folder, repo_id, weights)
+    if not constants.HF_HUB_OFFLINE:
+        pr_ref = conversion_pr(repo_id, revision, token=token)
+        if pr_ref is not None:
+            pr_folder = _snapshot(repo_id, pr_ref, WEIGHT_PATTERNS, token=token, cache_dir=cache_dir)
+            if weights := find_weights(pr_folder, allow_pickle=False):
+                logger.info("%s has no safetensors at %s; using the safetensors conversion of the same weights "
+                            "from %s", repo_id, revision or "main", pr_ref)
+                return _hub_ref(pr_folder, repo_id, weights, weights_ref=pr_ref)
+    if allow_pickle:
+        try:
+            folder = _snapshot(repo_id, revision, PICKLE_PATTERNS, token=token, cache_dir=cache_dir)
+        except CheckpointNotFoundError:
+            if not constants.HF_HUB_OFFLINE:
+                raise
+        else:
+            if weights := find_weights(folder):
+                return _hub_ref(folder, repo_id, weights)
+    raise _no_weights_error(repo_id, revision, allow_pickle=allow_pickle, cache_dir=cache_dir)
+
+
+def _no_weights_error(repo_id: str, revision: str | None, *, allow_pickle: bool, cache_dir) -> CorruptCheckpointError:
+    from huggingface_hub import constants
+
+    searched = f"{SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX}" + (
+        f", or {PICKLE_SINGLE} / {PICKLE_INDEX}" if allow_pickle else
+        f" (allow_pickle=False: {PICKLE_SINGLE} files were not considered; allow_pickle=True reads them with the "
+        "restricted unpickler, which cannot run code)")
+    hint = " Pass a revision or a local folder that has PyTorch weights."
+    if constants.HF_HUB_OFFLINE:
+        cached = _cached_pull_requests(repo_id, cache_dir)
+        hint = (" The Hub is offline, so the safetensors-conversion pull request cannot be looked up (nor checked to "
+                "hold the same weights). Run once online, or pass the revision (commit sha) recorded in the "
+                "hf_mloss_config.yaml of an earlier merge" +
+                (f"; cached pull requests: {', '.join(f'{ref} = {sha}' for ref, sha in cached.items())}." if cached
+                 else "."))
+    return CorruptCheckpointError(
+        f"No weights found for Hub model {repo_id!r} (revision {revision or 'main'}): expected {searched}. "
+        f"TensorFlow (.h5) and Flax (.msgpack) weights are not read.{hint}"
+    )
+
+
+def _cached_pull_requests(repo_id: str, cache_dir) -> dict[str, str]:
+    """``refs/pr/<n>`` -> commit sha of the pull requests of ``repo_id`` that the Hub cache holds a snapshot of."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    refs = Path(cache_dir or constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model") / "refs"
+    return {f"refs/pr/{ref.name}": ref.read_text().strip()
+            for ref in sorted((refs / "refs" / "pr").glob("*")) if ref.is_file()}
+
+
+def _hub_ref(folder: str, repo_id: str, weights: WeightFiles, weights_ref: str | None = None) -> ModelRef:
+    return ModelRef(path=folder, repo_id=repo_id, revision=Path(folder).name, weights_file=weights.entry.name,
+                    weights_ref=weights_ref)
+
+
+def _snapshot(repo_id: str, revision: str | None, patterns: list[str], *, token, cache_dir) -> str:
+    """``snapshot_download`` restricted to ``patterns``, with the Hub's errors turned into clear messages."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -80,11 +214,9 @@ def _download(repo_id: str, *, revision, token, cache_dir, allow_pickle) -> Mode
         RevisionNotFoundError,
     )
 
-    patterns = WEIGHT_PATTERNS + (PICKLE_PATTERNS if allow_pickle else [])
     try:
-        folder = snapshot_download(
-            repo_id, revision=revision, token=token, cache_dir=cache_dir, allow_patterns=patterns
-        )
+        return snapshot_download(repo_id, revision=revision, token=token, cache_dir=cache_dir,
+                                 allow_patterns=patterns)
     except LocalEntryNotFoundError as err:
         raise CheckpointNotFoundError(
             f"Hub model {repo_id!r} (revision {revision or 'main'}) is not in the local Hub cache and the Hub "
@@ -101,7 +233,55 @@ def _download(repo_id: str, *, revision, token, cache_dir, allow_pickle) -> Mode
         ) from err
     except RevisionNotFoundError as err:
         raise CheckpointNotFoundError(f"Revision {revision!r} of Hub model {repo_id!r} does not exist.") from err
-    return ModelRef(path=folder, repo_id=repo_id, revision=Path(folder).name)
+
+
+def conversion_pr(repo_id: str, revision: str | None = None, *, token: str | bool | None = None) -> str | None:
+    """The ref (``refs/pr/<n>``) of the safetensors-conversion bot's open pull request that converts the ``.bin``
+    weights of ``revision``, or None.
+
+    transformers (``safetensors_conversion.previous_pr``) lists the repo's discussions, keeps the open pull request
+    titled :data:`CONVERSION_PR_TITLE` by :data:`CONVERSION_BOT`, and accepts it when its parent commit is the head
+    of ``main``. This accepts it when every ``.bin`` and JSON file of ``revision`` is byte-identical on the PR (same
+    git blob), which also holds after unrelated commits on ``main`` (a README edit). Network errors mean "no PR".
+    """
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    try:
+        wanted = _blobs(api, repo_id, revision)
+        if not any(fnmatch.fnmatch(path, "pytorch_model*.bin") for path in wanted):
+            return None
+        for discussion in api.get_repo_discussions(repo_id, author=CONVERSION_BOT, discussion_type="pull_request",
+                                                   discussion_status="open", token=token):
+            if discussion.title != CONVERSION_PR_TITLE or discussion.author != CONVERSION_BOT:
+                continue
+            offered = _blobs(api, repo_id, discussion.git_reference)
+            if all(offered.get(path) == blob for path, blob in wanted.items()):
+                return discussion.git_reference
+            logger.info("%s: %s by %s does not convert the weights of %s (files differ); not used", repo_id,
+                        discussion.git_reference, CONVERSION_BOT, revision or "main")
+    except _network_errors() as err:
+        logger.info("%s: cannot look up a safetensors conversion PR (%s); falling back to .bin", repo_id,
+                    type(err).__name__)
+    return None
+
+
+def _blobs(api, repo_id: str, revision: str | None) -> dict[str, str]:
+    """Git blob id of every ``.bin`` and JSON file at ``revision``."""
+    info = api.model_info(repo_id, revision=revision, files_metadata=True)
+    return {s.rfilename: s.blob_id for s in info.siblings or []
+            if any(fnmatch.fnmatch(s.rfilename, p) for p in PICKLE_PATTERNS)}
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """HTTP and connection errors of the client huggingface_hub uses (httpx, or httpx2 from huggingface_hub 2.x)."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        from huggingface_hub.utils import httpx
+    except ImportError:
+        return (HfHubHTTPError, OSError)
+    return (HfHubHTTPError, OSError, httpx.HTTPError)
 
 
 def download_file(repo_id: str, filename: str, *, revision: str | None = None, token: str | bool | None = None) -> str:

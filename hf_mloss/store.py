@@ -1,16 +1,21 @@
 """Lazy, per-tensor access to a checkpoint: one tensor in memory at a time, never the whole model.
 
-A :class:`CheckpointStore` indexes the safetensors file(s) of a model folder (single file or sharded with an index),
-maps every key to its canonical name through the adapter, and reads tensors one at a time with ``safe_open``
-(``pread`` backend: bytes land in a fresh buffer instead of staying mapped, so resident memory stays honest).
-Pickle (``.bin``) checkpoints are refused unless ``allow_pickle=True``. :class:`ModuleStore` offers the same
-interface over a model already in memory.
+A :class:`CheckpointStore` indexes the weight file(s) of a model folder (safetensors, single or sharded, else
+``pytorch_model.bin`` files), maps every key to its canonical name through the adapter, and reads tensors one at a
+time: safetensors with ``safe_open`` (``pread`` backend: bytes land in a fresh buffer instead of staying mapped, so
+resident memory stays honest), ``.bin`` files with the restricted unpickler (``torch.load(weights_only=True,
+mmap=True)``: it cannot run code, and zip-format files are mapped, not read whole). A ``.bin`` file that only the
+full unpickler could read is refused. Buffers the model class does not save (``position_ids``, which 2021-era
+checkpoints still hold) are left out, so checkpoints compare on what the class persists. :class:`ModuleStore` offers
+the same interface over a model already in memory.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Iterator
+import pickle
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -19,12 +24,7 @@ from transformers import PreTrainedModel
 
 from .adapters import ModelAdapter
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
-from .hub import ModelRef
-
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-SAFETENSORS_SINGLE = "model.safetensors"
-PICKLE_INDEX = "pytorch_model.bin.index.json"
-PICKLE_SINGLE = "pytorch_model.bin"
+from .hub import PICKLE_INDEX, PICKLE_SINGLE, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, ModelRef, find_weights
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -58,9 +58,9 @@ class TensorStore:
 
 
 class CheckpointStore(TensorStore):
-    """Per-tensor reader over the safetensors (or, if allowed, pickle) files of a resolved model folder."""
+    """Per-tensor reader over the safetensors (else ``pytorch_model.bin``) files of a resolved model folder."""
 
-    def __init__(self, ref: ModelRef, adapter: ModelAdapter, *, allow_pickle: bool = False) -> None:
+    def __init__(self, ref: ModelRef, adapter: ModelAdapter, *, allow_pickle: bool = True) -> None:
         self.ref = ref
         self.adapter = adapter
         folder = Path(ref.path)
@@ -68,29 +68,29 @@ class CheckpointStore(TensorStore):
         self.shapes = {}
         self.dtypes = {}
         self._handles: dict[Path, object] = {}
-        self._pickle_cache: dict[Path, dict[str, torch.Tensor]] = {}
-        files = _weight_files(folder, SAFETENSORS_INDEX, SAFETENSORS_SINGLE)
-        self.is_pickle = False
-        if not files:
-            pickles = _weight_files(folder, PICKLE_INDEX, PICKLE_SINGLE)
-            if not pickles:
-                raise CorruptCheckpointError(
-                    f"No weights found in {ref.name!r} ({folder}): expected model.safetensors or "
-                    f"{SAFETENSORS_INDEX} (or pytorch_model.bin with allow_pickle=True)."
-                )
-            if not allow_pickle:
+        self._pickle_states: dict[Path, Mapping[str, torch.Tensor]] = {}
+        self._unsaved = unsaved_buffers(adapter)
+        weights = find_weights(folder, allow_pickle=allow_pickle)
+        if weights is None:
+            pickles = find_weights(folder) if not allow_pickle else None
+            if pickles is not None:
                 raise UnsafeCheckpointError(
-                    f"{ref.name!r} only has pickle weights ({', '.join(p.name for p in pickles)}). Loading pickles can "
-                    "run arbitrary code, so hf_mloss refuses them by default. Convert the checkpoint to safetensors, "
-                    "or pass allow_pickle=True if you trust its source."
+                    f"{ref.name!r} only has pickle weights ({', '.join(p.name for p in pickles.files)}) and "
+                    "allow_pickle=False asks for safetensors only. Pass allow_pickle=True to read them with the "
+                    "restricted unpickler (torch.load(weights_only=True), which cannot run code), or convert the "
+                    "checkpoint to safetensors."
                 )
-            self.is_pickle = True
-            files = pickles
-        for file in files:
+            raise CorruptCheckpointError(
+                f"No weights found in {ref.name!r} ({folder}): expected {SAFETENSORS_SINGLE} or "
+                f"{SAFETENSORS_INDEX}, or {PICKLE_SINGLE} / {PICKLE_INDEX}."
+            )
+        self.is_pickle = weights.is_pickle
+        for file in weights.files:
             self._index_file(file)
         if not self.shapes:
             raise CorruptCheckpointError(
-                f"{ref.name!r} holds no tensors of a {adapter.name} model (checked {len(files)} weight file(s))."
+                f"{ref.name!r} holds no tensors of a {adapter.name} model (checked {len(weights.files)} weight "
+                "file(s))."
             )
 
     # ------------------------------------------------------------------ indexing
@@ -98,44 +98,37 @@ class CheckpointStore(TensorStore):
         if not file.exists():
             raise CorruptCheckpointError(f"Shard {file.name} listed in the index of {self.ref.name!r} is missing.")
         if self.is_pickle:
-            self._index_pickle(file)
-            return
+            state = load_pickle_state(file, self.ref.name)
+            self._pickle_states[file] = state
+            entries = {key: (tuple(t.shape), t.dtype) for key, t in state.items()}
+        else:
+            entries = self._index_safetensors(file)
+        for key, (shape, dtype) in entries.items():
+            name = self.adapter.canonical_key(key)
+            if name is None or name in self._unsaved:
+                continue
+            self._locations[name] = (file, key)
+            self.shapes[name] = shape
+            self.dtypes[name] = dtype
+
+    def _index_safetensors(self, file: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
         try:
             handle = safe_open(str(file), framework="pt", device="cpu", backend="pread")
-            raw_keys = list(handle.keys())
-            infos = {key: handle.get_slice(key) for key in raw_keys}
-            shapes = {key: tuple(info.get_shape()) for key, info in infos.items()}
-            dtypes = {key: _DTYPES.get(info.get_dtype()) for key, info in infos.items()}
+            infos = {key: handle.get_slice(key) for key in handle.keys()}
+            entries = {key: (tuple(info.get_shape()), _DTYPES.get(info.get_dtype())) for key, info in infos.items()}
         except (SafetensorError, OSError, ValueError) as err:
             raise CorruptCheckpointError(
                 f"Cannot read {file.name} of {self.ref.name!r}: {err}. The file is corrupted or not a safetensors "
                 "file; download it again (for Hub models: huggingface-cli download --force-download ...)."
             ) from err
         self._handles[file] = handle
-        for key in raw_keys:
-            name = self.adapter.canonical_key(key)
-            if name is None:
-                continue
-            self._locations[name] = (file, key)
-            self.shapes[name] = shapes[key]
-            self.dtypes[name] = dtypes[key]
-
-    def _index_pickle(self, file: Path) -> None:
-        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        self._pickle_cache[file] = state
-        for key, tensor in state.items():
-            name = self.adapter.canonical_key(key)
-            if name is None:
-                continue
-            self._locations[name] = (file, key)
-            self.shapes[name] = tuple(tensor.shape)
-            self.dtypes[name] = tensor.dtype
+        return entries
 
     # ------------------------------------------------------------------ reading
     def get(self, name: str) -> torch.Tensor:
         file, key = self._locations[name]
         if self.is_pickle:
-            return self._pickle_cache[file][key]
+            return self._pickle_states[file][key].clone()  # a fresh buffer, never the shared mapped one
         try:
             return self._handles[file].get_tensor(key)
         except (SafetensorError, OSError) as err:
@@ -143,7 +136,7 @@ class CheckpointStore(TensorStore):
 
     def close(self) -> None:
         self._handles.clear()
-        self._pickle_cache.clear()
+        self._pickle_states.clear()
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.ref.name!r}, tensors={len(self.shapes)})"
@@ -169,18 +162,6 @@ class ModuleStore(TensorStore):
         return f"ModuleStore({self.ref.name!r}, tensors={len(self.shapes)})"
 
 
-def _weight_files(folder: Path, index_name: str, single_name: str) -> list[Path]:
-    index = folder / index_name
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise CorruptCheckpointError(f"Cannot parse {index}: {err}.") from err
-        return [folder / name for name in sorted(set(weight_map.values()))]
-    single = folder / single_name
-    return [single] if single.exists() else []
-
-
 def iter_stage_names(names: list[str], adapter: ModelAdapter) -> Iterator[tuple[int, list[str]]]:
     """Group canonical names by stage (embeddings, blocks in order, tail), keeping checkpoint order inside a stage."""
     stages: dict[int, list[str]] = {}
@@ -188,3 +169,74 @@ def iter_stage_names(names: list[str], adapter: ModelAdapter) -> Iterator[tuple[
         stages.setdefault(adapter.stage_of(name), []).append(name)
     for stage in sorted(stages):
         yield stage, stages[stage]
+
+
+def load_pickle_state(file: Path, model_name: str) -> Mapping[str, torch.Tensor]:
+    """A ``pytorch_model.bin`` state dict read with the restricted unpickler (``weights_only=True``), mapped lazily
+    when the file is in the zip format (every ``torch.save`` since PyTorch 1.6), read whole otherwise.
+
+    Raises:
+        UnsafeCheckpointError: the file needs the full unpickler (it references code, not just tensors).
+        CorruptCheckpointError: the file cannot be read, or is not a flat mapping of names to tensors.
+    """
+    try:
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as err:
+            if "mmap can only be used" not in str(err):
+                raise
+            state = torch.load(file, map_location="cpu", weights_only=True)  # pre-1.6 format: no lazy mapping
+    except pickle.UnpicklingError as err:
+        raise UnsafeCheckpointError(
+            f"{file.name} of {model_name!r} cannot be read with the restricted unpickler "
+            f"(torch.load(weights_only=True)): {_unpickler_reason(err)}. Reading it would need the full unpickler, "
+            "which can run arbitrary code, so hf_mloss refuses it. Convert it to safetensors where you trust its "
+            "source (safetensors.torch.save_file of its state dict) and merge the converted folder."
+        ) from err
+    except (RuntimeError, OSError, EOFError, KeyError, ValueError) as err:
+        raise CorruptCheckpointError(
+            f"Cannot read {file.name} of {model_name!r}: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+            ". The file is truncated or not a PyTorch checkpoint; download it again."
+        ) from err
+    if not isinstance(state, Mapping) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        raise CorruptCheckpointError(
+            f"{file.name} of {model_name!r} holds a {type(state).__name__}, not a state dict of tensors (a nested "
+            "training checkpoint?). Save the model's state_dict() (or save_pretrained) and merge that."
+        )
+    return state
+
+
+def _unpickler_reason(err: pickle.UnpicklingError) -> str:
+    """The one line of torch's message that says what the restricted unpickler refused."""
+    for line in str(err).splitlines():
+        if "WeightsUnpickler error:" in line:
+            return line.split("WeightsUnpickler error:", 1)[1].strip().split(". ")[0]
+    return str(err).splitlines()[0] if str(err) else "refused"
+
+
+def unsaved_buffers(adapter: ModelAdapter) -> frozenset[str]:
+    """Canonical names of the buffers the adapter's model class computes instead of saving (``position_ids``).
+
+    Old checkpoints still hold some of them (transformers made CLIP's ``position_ids`` non-persistent in 2023); they
+    are not weights and are never compared or merged.
+    """
+    raw = _unsaved_buffers(adapter.model_class, adapter.config.to_json_string(use_diff=False))
+    return frozenset(name for name in map(adapter.canonical_key, raw) if name is not None)
+
+
+@functools.lru_cache(maxsize=16)
+def _unsaved_buffers(model_class: type[PreTrainedModel], config_json: str) -> frozenset[str]:
+    config = model_class.config_class.from_dict(json.loads(config_json))
+    with torch.device("meta"):  # shapes only: no memory, no initialisation cost
+        model = model_class(config)
+    saved = set(model.state_dict())
+    return frozenset(name for name, _ in model.named_buffers() if name not in saved)
+
+
+def must_match(store: TensorStore) -> set[str]:
+    """Names every model of a merge must hold, with the base's shape: the floating-point tensors of ``store``.
+
+    Integer / bool tensors (buffers such as counters or ids) are not merged: present in the base only, they are taken
+    from the base; a name held by two models must still have the same shape and kind in both.
+    """
+    return {name for name, dtype in store.dtypes.items() if dtype is not None and dtype.is_floating_point}

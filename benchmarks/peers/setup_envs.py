@@ -1,6 +1,6 @@
-"""Create isolated virtual environments for the peer merging libraries.
+"""Create isolated virtual environments for the peer merging libraries and older transformers releases.
 
-Each peer (mergekit, fusion-bench) gets its own venv so that its pinned
+Each peer (mergekit, fusion-bench, transformers 4.57 / 5.5) gets its own venv so that its pinned
 dependencies never touch the interpreter that runs hf_mloss.  Environments are
 created on demand under a cache folder:
 
@@ -72,6 +72,18 @@ PEERS: dict[str, PeerSpec] = {
         "fusion_bench",
         ("fusion-bench==0.2.33",),
         ("fusion-bench", "torch", "transformers", "safetensors"),
+    ),
+    # Plain transformers releases, to check that saved merges load in the versions users have: the last 4.x (still
+    # the most installed) and the last release before CLIPVisionModel lost its inner ``vision_model`` (5.6).
+    "transformers_4": PeerSpec(
+        "transformers_4",
+        ("transformers==4.57.6",),
+        ("transformers", "torch", "safetensors", "huggingface-hub"),
+    ),
+    "transformers_5_5": PeerSpec(
+        "transformers_5_5",
+        ("transformers==5.5.4",),
+        ("transformers", "torch", "safetensors", "huggingface-hub"),
     ),
 }
 
