@@ -80,6 +80,13 @@ def method_papers(method_name: str) -> list[dict[str, str]]:
     return papers
 
 
+def _weights_source(ref: Any) -> str | None:
+    """``model.safetensors``, or ``model.safetensors (refs/pr/1)`` when it came from a pull request."""
+    name = getattr(ref, "weights_file", None)
+    pr = getattr(ref, "weights_ref", None)
+    return f"{name} ({pr})" if name and pr else name
+
+
 def build_model_card(result: CardSource, *, heatmap: str | None = None) -> ModelCard:
     """Render the card of a merge (``heatmap``: file name of the M-Loss picture saved beside it, if any)."""
     report = result.report
@@ -102,8 +109,8 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
         method_description=result.method_description,
         base_name=result.base.name,
         base_revision=result.base.revision,
-        base_file=getattr(result.base, "weights_file", None),
-        models=[{"name": r.name, "revision": r.revision, "weight": w, "file": getattr(r, "weights_file", None)}
+        base_file=_weights_source(result.base),
+        models=[{"name": r.name, "revision": r.revision, "weight": w, "file": _weights_source(r)}
                 for r, w in zip(result.models, result.weights)],
         parameters=shown,
         seed=result.config.seed,

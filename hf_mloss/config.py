@@ -63,6 +63,9 @@ class ModelSpec:
                                  hint="(quote it in YAML if it looks like a number)")
     fingerprint: str | None = param(None, "Content fingerprint of a local folder's weights (recorded; a re-run "
                                     "verifies it).")
+    weights_file: str | None = param(None, "The weights file that was read (recorded), e.g. model.safetensors.")
+    weights_ref: str | None = param(None, "The pull-request ref the weights came from (recorded), e.g. refs/pr/1 "
+                                    "for the Hub's safetensors-conversion bot.")
 
     def __post_init__(self) -> None:
         validate_fields(self)
@@ -92,7 +95,7 @@ class ModelSpec:
             out: dict[str, Any] = {IN_MEMORY: str(name)}
         else:
             out = {"model": _relative(self.model, root) if self.is_local else self.model}
-        for key in ("revision", "weight", "fingerprint"):
+        for key in ("revision", "weight", "fingerprint", "weights_file", "weights_ref"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out

@@ -17,9 +17,9 @@ import torch
 from PIL import Image, ImageDraw
 
 import hf_mloss
-import hf_mloss.adapters
-import hf_mloss.data
-import hf_mloss.methods
+from hf_mloss.adapters import CLIPVisionAdapter
+from hf_mloss.data import load_pixel_values
+from hf_mloss.methods import get_method
 from hf_mloss.testing import make_base, make_finetune, save_model
 
 DEMO_CONFIG = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, image_size=32,
@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dirs = [str(save_model(m, work / f"finetune-{i}")) for i, m in enumerate(finetunes)]
     images = procedural_images(work / "images", 2 * args.num_samples, args.seed)
 
-    processor = hf_mloss.adapters.CLIPVisionAdapter(base.config).load_processor(str(base_dir))
-    held_out = hf_mloss.data.load_pixel_values(str(images), processor, num_samples=2 * args.num_samples,
+    processor = CLIPVisionAdapter(base.config).load_processor(str(base_dir))
+    held_out = load_pixel_values(str(images), processor, num_samples=2 * args.num_samples,
                                                seed=args.seed + 1)[0][args.num_samples :]
     ensemble = torch.stack([features(m, held_out) for m in finetunes]).mean(0)
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, best = [], None
     for method, params in METHODS:
         start = time.perf_counter()
-        needs_data = hf_mloss.methods.get_method(method).needs_data
+        needs_data = get_method(method).needs_data
         result = hf_mloss.merge(str(base_dir), model_dirs, method, data=str(images) if needs_data else None,
                                 num_samples=args.num_samples, seed=args.seed, progress=False, **params)
         seconds = time.perf_counter() - start
@@ -98,10 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((label, cosine, rel, seconds))
         if method == "m_ties" and params.get("e") and "rank" not in params:
             best = result
-    print("\nDistance of each merge's features to the ensemble's, on held-out images (lower is closer):")
-    print(f"{'method':<44} {'cosine':>8} {'rel. L2':>8} {'seconds':>8}")
+    print("\nHow close each merge's features are to the ensemble's, on held-out images "
+          "(cosine: higher is closer; relative L2 distance: lower is closer):")
+    print(f"{'method':<44} {'cosine ↑':>8} {'rel. L2 ↓':>9} {'seconds':>8}")
     for label, cosine, rel, seconds in rows:
-        print(f"{label:<44} {cosine:>8.4f} {rel:>8.4f} {seconds:>8.2f}")
+        print(f"{label:<44} {cosine:>8.4f} {rel:>9.4f} {seconds:>8.2f}")
     out = best.save_pretrained(args.out, overwrite=True)
     print(f"\nWrote the M-TIES merge as a Hub-ready folder: {out}")
     for path in sorted(out.iterdir()):

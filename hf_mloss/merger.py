@@ -250,6 +250,8 @@ def recorded_config(config: MergeConfig, inputs: RunInputs) -> MergeConfig:
     for i, (spec, store) in enumerate(zip([record.base, *record.models], [inputs.base, *inputs.sources])):
         if store.ref.repo_id and not spec.is_loaded and store.ref.revision:
             spec.revision = store.ref.revision
+        spec.weights_file = getattr(store.ref, "weights_file", None)
+        spec.weights_ref = getattr(store.ref, "weights_ref", None)
         if i in inputs.fingerprints:
             spec.fingerprint = inputs.fingerprints[i]
     record.hf_mloss_version = __version__

@@ -13,6 +13,20 @@ MLOSS_SUMMARY_NAME = "mloss.json"
 MLOSS_SCORES_NAME = "mloss_scores.safetensors"
 
 
+def describe_data(data: dict[str, Any]) -> str:
+    """One line about the scoring images: source, split, count, how they were drawn, labels covered."""
+    text = f"{data.get('id') or data.get('source')}"
+    if data.get("split"):
+        text += f" (split {data['split']})"
+    text += f", {data.get('num_samples')} images"
+    if data.get("sampling"):
+        text += f", sampled: {data['sampling']}"
+    if data.get("labels_covered") is not None:
+        of = f" of {data['num_labels']}" if data.get("num_labels") else ""
+        text += f", {data['labels_covered']}{of} labels covered"
+    return text
+
+
 @dataclass
 class MLossReport:
     """M-Loss of every scored linear (one entry per block), with per-row (node) vectors.
@@ -73,7 +87,10 @@ class MLossReport:
         header = f"{'layer':<34} {'M-Loss':>11} {'normalized':>11} {'node max':>11}"
         header += f" {'keep mean':>9} {'min':>6} {'max':>6}" if has_keep else ""
         lines = [f"M-Loss (prefix={self.prefix}, reduction={self.reduction}, activation={self.activation}, "
-                 f"{self.num_samples} samples / {self.num_positions} positions)", header, "-" * len(header)]
+                 f"{self.num_samples} samples / {self.num_positions} positions)"]
+        if self.data:
+            lines.append(f"data: {describe_data(self.data)}")
+        lines += [header, "-" * len(header)]
         for r in rows:
             line = f"{r['layer']:<34} {r['mloss']:>11.4e} {r['mloss_normalized']:>11.4e} {r['node_max']:>11.4e}"
             if has_keep and "keep_mean" in r:

@@ -91,16 +91,19 @@ def test_mixed_layouts_and_loaded_models_merge(variants):
     assert result.base.repo_id is None  # built in memory: nothing to claim as a Hub id
 
 
-def test_pickle_checkpoints_are_refused_unless_allowed(tmp_path, variants):
+def test_pickle_checkpoints_read_through_the_restricted_unpickler(tmp_path, variants):
+    """A ``pytorch_model.bin`` of plain tensors is read (``weights_only``: it cannot run code) and merges as the same
+    weights in safetensors do."""
     folder = tmp_path / "pickled"
     folder.mkdir()
     variants["fts"][0].config.save_pretrained(folder)
     torch.save(variants["fts"][0].state_dict(), folder / "pytorch_model.bin")
     plain = [str(p) for p in variants["plain"]]
-    with pytest.raises(hf_mloss.UnsafeCheckpointError, match="pickle.*allow_pickle=True"):
-        hf_mloss.merge(plain[0], [str(folder)], "average", progress=False)
-    result = hf_mloss.merge(plain[0], [str(folder), plain[2]], "average", allow_pickle=True, progress=False)
-    assert isinstance(result.model, CLIPVisionModel)
+    from_bin = hf_mloss.merge(plain[0], [str(folder), plain[2]], "average", progress=False)
+    from_safetensors = hf_mloss.merge(plain[0], [plain[1], plain[2]], "average", progress=False)
+    assert isinstance(from_bin.model, CLIPVisionModel)
+    for key, value in from_safetensors.model.state_dict().items():
+        assert torch.equal(value, from_bin.model.state_dict()[key]), key
 
 
 def test_incompatible_shapes_name_the_tensor(tmp_path, variants):

@@ -164,8 +164,6 @@ def test_unprefixed_layout_loads_random_weights_before_5_6(side_results) -> None
     assert detail.get("n_missing", 0) > 0 and (diff is None or diff > 1e-2)
 
 
-@pytest.mark.xfail(reason="merges are saved with the unprefixed layout, which transformers < 5.6 loads as random "
-                          "weights; save the vision_model.-prefixed (or full CLIPModel) layout", strict=False)
 def test_hf_mloss_saved_merge_loads_in_every_version(side_results) -> None:
     env, version, results = side_results
     assert _loads_correctly(results["hf_mloss"]), (env, version, results["hf_mloss"])
