@@ -41,12 +41,13 @@ def draw_heatmap(report: MLossReport, folder: str | Path) -> str | None:
     matrix = node_position_matrix(report).numpy()
     if matrix.size == 0:
         return None
-    fig, ax = plt.subplots(figsize=(8, 0.35 * len(matrix) + 1.5))
+    fig, ax = plt.subplots(figsize=(8, 0.35 * len(matrix) + 1.8))
     image = ax.imshow(matrix, aspect="auto", cmap="viridis", interpolation="nearest")
     ax.set_yticks(range(len(matrix)), [n.replace(".mlp.fc1", "") for n in report.layers], fontsize=7)
     ax.set_xlabel(f"node position (mean over {matrix.shape[1]} consecutive groups of rows)")
-    ax.set_title(f"Node M-Loss by layer and node position (prefix={report.prefix}, reduction={report.reduction})")
-    fig.colorbar(image, ax=ax, label="node M-Loss (lower: merges more like the ensemble)")
+    ax.set_title(f"Node M-Loss by layer and node position (prefix={report.prefix}, reduction={report.reduction})\n"
+                 "lower: the merge behaves more like the ensemble there", fontsize=10)
+    fig.colorbar(image, ax=ax, label="node M-Loss")
     fig.tight_layout()
     fig.savefig(Path(folder) / HEATMAP_NAME, dpi=100, metadata={"Software": None})
     plt.close(fig)
