@@ -58,9 +58,17 @@ class DataInfo:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items() if k != "extra" and v is not None}
+        """Where the images came from and how to read them again (recorded in the merge config)."""
+        out = {k: v for k, v in self.__dict__.items() if k not in _SAMPLE_FIELDS and k != "extra" and v is not None}
         out.update(self.extra)
         return out
+
+    def sample_stats(self) -> dict[str, Any]:
+        """How the sample was drawn and, when the data has labels, how many distinct labels it covered."""
+        return {k: getattr(self, k) for k in _SAMPLE_FIELDS if getattr(self, k) is not None}
+
+
+_SAMPLE_FIELDS = ("sampling", "label_column", "labels_covered", "num_labels")
 
 
 def load_pixel_values(

@@ -2,12 +2,13 @@
 
 A local path never triggers a network call. A Hub id goes through ``snapshot_download`` restricted to the files a
 merge needs, so a cached snapshot works offline (``HF_HUB_OFFLINE=1``). Weights are looked for in the formats the Hub
-holds, in transformers' order of preference:
+holds, safetensors first:
 
 1. safetensors at the requested revision;
-2. safetensors on the safetensors-conversion bot's open pull request (``refs/pr/<n>``), which transformers itself finds
-   through the repo's discussions (``transformers.safetensors_conversion``), used only when its ``.bin`` and JSON
-   files are byte-identical to the requested revision's (so its safetensors is a conversion of the same weights);
+2. safetensors on the safetensors-conversion bot's open pull request (``refs/pr/<n>``), found through the repo's
+   discussions as transformers finds it (``safetensors_conversion.auto_conversion``, used by ``from_pretrained(...,
+   use_safetensors=True)``), and used only when its ``.bin`` and JSON files are byte-identical to the requested
+   revision's, so that its safetensors is a conversion of the same weights;
 3. ``pytorch_model.bin``, read with the restricted unpickler (``torch.load(weights_only=True)``: it cannot run code).
 
 The :class:`ModelRef` records which file and which commit the weights came from. Tokens are passed through, never

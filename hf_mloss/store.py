@@ -217,7 +217,8 @@ def _unpickler_reason(err: pickle.UnpicklingError) -> str:
 def unsaved_buffers(adapter: ModelAdapter) -> frozenset[str]:
     """Canonical names of the buffers the adapter's model class computes instead of saving (``position_ids``).
 
-    Old checkpoints still hold some of them (transformers made CLIP's ``position_ids`` non-persistent in 2023); they
+    Old checkpoints still hold some of them (CLIP checkpoints saved before transformers made ``position_ids``
+    non-persistent); they
     are not weights and are never compared or merged.
     """
     raw = _unsaved_buffers(adapter.model_class, adapter.config.to_json_string(use_diff=False))

@@ -452,3 +452,70 @@ def test_push_folder_refuses_broken_card_yaml(saved_local, fake_hub, tmp_path, r
     assert TOKEN not in str(info.value)
     assert fake_hub.requests == []
     assert (folder / "README.md").read_text() == readme
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 4. Resolution records the weights file; the fake Hub's read routes answer as huggingface_hub expects
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_resolved_refs_name_their_weights_file(offline_cache, tiny_paths) -> None:
+    ref = resolve_model("org/ft1")
+    assert (ref.weights_file, ref.weights_ref) == ("model.safetensors", None)
+    assert ref.to_dict() == {"repo_id": "org/ft1", "revision": SHAS["org/ft1"], "name": "org/ft1",
+                             "weights_file": "model.safetensors", "weights_ref": None}
+    assert resolve_model(tiny_paths[0]).weights_file == "model.safetensors"
+
+
+def test_fake_hub_read_routes(fake_hub, tmp_path, monkeypatch) -> None:
+    from huggingface_hub import HfApi, HfFileSystem, constants, hf_hub_download, snapshot_download
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    first = fake_hub.add_repo("org/m", {"config.json": b"{}", "weights/a.bin": b"x" * 10, "README.md": "# m"})
+    num = fake_hub.open_pr("org/m", {"model.safetensors": b"sf"}, title="convert", author="bot")
+    second = fake_hub.add_commit("org/m", {"README.md": "# m2"}, message="readme")
+    api = HfApi(token=TOKEN)
+    info = api.model_info("org/m", files_metadata=True)
+    assert info.sha == second and {s.rfilename for s in info.siblings} == {"config.json", "weights/a.bin", "README.md"}
+    lfs = next(s for s in info.siblings if s.rfilename == "weights/a.bin").lfs
+    assert lfs.sha256 == hashlib.sha256(b"x" * 10).hexdigest() and lfs.size == 10
+    assert [c.commit_id for c in api.list_repo_commits("org/m")] == [second, first]
+    assert api.list_repo_commits("org/m", revision=f"refs/pr/{num}")[1].commit_id == first
+    refs = api.list_repo_refs("org/m", include_pull_requests=True)
+    assert [(b.name, b.target_commit) for b in refs.branches] == [("main", second)]
+    assert [r.ref for r in refs.pull_requests] == ["refs/pr/1"]
+    assert [(d.num, d.author, d.git_reference) for d in api.get_repo_discussions("org/m", author="bot")] == [
+        (1, "bot", "refs/pr/1")]
+    assert api.get_discussion_details("org/m", 1).target_branch == "refs/heads/main"
+    assert [f.path for f in api.list_repo_tree("org/m")] == ["README.md", "config.json", "weights"]
+    assert [p.path for p in api.get_paths_info("org/m", ["config.json", "weights", "nope"])] == ["config.json",
+                                                                                                 "weights"]
+    assert api.file_exists("org/m", "model.safetensors", revision="refs/pr/1")
+    assert not api.file_exists("org/m", "model.safetensors")
+    assert Path(hf_hub_download("org/m", "model.safetensors", revision="refs/pr/1")).read_bytes() == b"sf"
+    folder = Path(snapshot_download("org/m", allow_patterns=["*.md"]))
+    assert folder.name == second and (folder / "README.md").read_text() == "# m2"
+    fs = HfFileSystem(token=TOKEN)
+    with fs.open("org/m/weights/a.bin", "rb") as handle:  # ranged reads, as datasets streams parquet
+        handle.seek(4)
+        assert handle.read(3) == b"xxx"
+    from huggingface_hub.errors import RevisionNotFoundError
+
+    with pytest.raises(RevisionNotFoundError):
+        api.model_info("org/m", revision="nope")
+    assert not [r for r in fake_hub.requests if r.route == "unknown" and "agent" not in r.path]
+
+
+def test_pushed_commits_are_served_back(local_result, fake_hub, tmp_path, monkeypatch) -> None:
+    from huggingface_hub import HfApi, constants, snapshot_download
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    info = local_result.push_to_hub("tester/served", token=TOKEN)
+    folder = Path(snapshot_download("tester/served", token=TOKEN))
+    assert folder.name == info.oid
+    assert folder_files(folder) == fake_hub.commits[0].files
+    pr = HfApi(token=TOKEN).upload_file(path_or_fileobj=b"note", path_in_repo="NOTE.md", repo_id="tester/served",
+                                        create_pr=True)
+    assert pr.pr_revision == "refs/pr/1"
+    pr_files = {s.rfilename for s in HfApi().model_info("tester/served", revision="refs/pr/1").siblings}
+    assert pr_files == set(fake_hub.commits[0].files) | {"NOTE.md"}

@@ -289,7 +289,8 @@ def test_dtd_sample_covers_the_whole_split(replica_hub, replicas, no_shutdown_sl
     assert pixels.shape == (128, 3, 32, 32)
     assert (info.sampling, info.label_column, info.num_labels) == ("whole split", "label", 47)
     assert info.labels_covered >= 40  # uniform: 47 * (1 - (1 - 1/47) ** 128) ~ 44 expected
-    assert info.to_dict()["labels_covered"] == info.labels_covered
+    assert info.sample_stats() == {"sampling": "whole split", "label_column": "label",
+                                   "labels_covered": info.labels_covered, "num_labels": 47}
     again, _ = load_pixel_values(DTD_ID, tiny_processor(), num_samples=128, seed=0)
     assert torch.equal(pixels, again)
     other, _ = load_pixel_values(DTD_ID, tiny_processor(), num_samples=128, seed=1)
@@ -315,7 +316,7 @@ def test_local_folder_sample_records_labels(image_folder) -> None:
     assert pixels.shape[0] == 6 and info.sampling == "whole split"
     assert (info.label_column, info.num_labels, info.labels_covered) == ("label", 2, 2)
     listed, listed_info = load_pixel_values(sorted(image_folder.rglob("*.png")), tiny_processor(), num_samples=3)
-    assert listed_info.labels_covered is None and "labels_covered" not in listed_info.to_dict()
+    assert listed_info.labels_covered is None and listed_info.sample_stats() == {"sampling": "as given"}
 
 
 # --------------------------------------------------------------------------------------------------------------------
