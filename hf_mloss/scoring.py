@@ -289,7 +289,7 @@ def build_report(setup: ScoringSetup, results: dict[str, MLossAccumulator], *, m
         activation=setup.activation_name, eps=setup.eps, num_samples=setup.num_samples, num_positions=positions,
         models=models, weights=setup.alpha.tolist(), keep_ratios=(records or {}).get("keep_ratios", {}),
         compute_dtype=str(setup.compute_dtype).replace("torch.", ""),
-        data=data_info.to_dict() if data_info is not None else {},
+        data={**data_info.to_dict(), **data_info.sample_stats()} if data_info is not None else {},
     )
 
 

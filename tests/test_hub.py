@@ -176,7 +176,7 @@ def test_saved_hub_merge_card_and_config_record_hub_ids_and_revisions(hub_result
     assert meta["base_model"] == ["org/base", "org/ft0", "org/ft1"]
     assert meta.get("base_model_relation") == "merge"
     config = yaml.safe_load((folder / MERGE_CONFIG_NAME).read_text())
-    assert config["base"] == {"model": "org/base", "revision": SHAS["org/base"]}
+    assert config["base"] == {"model": "org/base", "revision": SHAS["org/base"], "weights_file": "model.safetensors"}
     assert [(m["model"], m["revision"]) for m in config["models"]] == [("org/ft0", SHAS["org/ft0"]),
                                                                       ("org/ft1", SHAS["org/ft1"])]
     # no local path (cache, snapshot folder) and no token anywhere in the folder
