@@ -66,7 +66,7 @@ DTD_SPLITS = {"train": 80, "test": 40}
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
               patch_size=8)  # fmt: skip
 TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=100,
-            max_position_embeddings=77)  # fmt: skip
+            max_position_embeddings=16)  # fmt: skip
 PROJECTION_DIM = 16
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
@@ -306,9 +306,9 @@ def _tanganke_files(repo_id: str, state: dict[str, torch.Tensor]) -> dict[str, b
         "num_hidden_layers": VISION["num_hidden_layers"], "patch_size": VISION["patch_size"],
         "projection_dim": PROJECTION_DIM, "torch_dtype": "float32", "transformers_version": "4.37.2",
     }
-    card = (f"---\nbase_model:\n- {BASE_ID}\ndatasets:\n- tanganke/{task}\nmetrics:\n- accuracy\n---\n\n# Model Card\n\n"
-            "## Training Details\n\n  Adam Optimizer with a constant learning rate 1e-5 for 4000 steps training "
-            "(batch_size=32).\n  Only the vision encoder is fine-tuned.\n")
+    card = (f"---\nbase_model:\n- {BASE_ID}\ndatasets:\n- tanganke/{task}\nmetrics:\n- accuracy\n---\n\n"
+            "# Model Card\n\n## Training Details\n\n  Adam Optimizer with a constant learning rate 1e-5 for 4000 "
+            "steps training (batch_size=32).\n  Only the vision encoder is fine-tuned.\n")
     return {
         ".gitattributes": GITATTRIBUTES.encode(),
         "README.md": card.encode(),
