@@ -306,9 +306,9 @@ def _tanganke_files(repo_id: str, state: dict[str, torch.Tensor]) -> dict[str, b
         "num_hidden_layers": VISION["num_hidden_layers"], "patch_size": VISION["patch_size"],
         "projection_dim": PROJECTION_DIM, "torch_dtype": "float32", "transformers_version": "4.37.2",
     }
-    card = (f"---\nbase_model:\n- {BASE_ID}\ndatasets:\n- tanganke/{task}\nmetrics:\n- accuracy\n---\n\n# Model Card\n\n"
-            "## Training Details\n\n  Adam Optimizer with a constant learning rate 1e-5 for 4000 steps training "
-            "(batch_size=32).\n  Only the vision encoder is fine-tuned.\n")
+    card = (f"---\nbase_model:\n- {BASE_ID}\ndatasets:\n- tanganke/{task}\nmetrics:\n- accuracy\n---\n\n"
+            "# Model Card\n\n## Training Details\n\n  Adam Optimizer with a constant learning rate 1e-5 for 4000 "
+            "steps training (batch_size=32).\n  Only the vision encoder is fine-tuned.\n")
     return {
         ".gitattributes": GITATTRIBUTES.encode(),
         "README.md": card.encode(),
