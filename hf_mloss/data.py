@@ -224,7 +224,7 @@ def _from_dataset(ds, info: DataInfo, sampler: _Sampler, image_column, *, whole:
 
 
 def _reservoir(rows: Iterable[Any], k: int, seed: int) -> list[Any]:
-    """A uniform random sample of ``k`` items of a stream of unknown length, in random order (one pass, k in memory)."""
+    """A uniform random sample of ``k`` items of a stream of unknown length, in random order (one pass, k kept)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -283,7 +283,8 @@ def _decode(item: Any) -> Image.Image:
         raise TypeError(f"not an image: {type(item).__name__}")
     image.load()
     if image.mode != "RGB":  # grayscale, palette, RGBA, CMYK, 16-bit...: the processor expects RGB
-        image = image.convert("RGBA").convert("RGB") if "A" in image.getbands() or image.mode == "P" else image.convert("RGB")
+        with_alpha = "A" in image.getbands() or image.mode == "P"
+        image = image.convert("RGBA").convert("RGB") if with_alpha else image.convert("RGB")
     return image
 
 

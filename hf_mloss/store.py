@@ -194,9 +194,10 @@ def load_pickle_state(file: Path, model_name: str) -> Mapping[str, torch.Tensor]
             "source (safetensors.torch.save_file of its state dict) and merge the converted folder."
         ) from err
     except (RuntimeError, OSError, EOFError, KeyError, ValueError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise CorruptCheckpointError(
-            f"Cannot read {file.name} of {model_name!r}: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
-            ". The file is truncated or not a PyTorch checkpoint; download it again."
+            f"Cannot read {file.name} of {model_name!r}: {reason}. The file is truncated or not a PyTorch checkpoint; "
+            "download it again."
         ) from err
     if not isinstance(state, Mapping) or not all(isinstance(t, torch.Tensor) for t in state.values()):
         raise CorruptCheckpointError(

@@ -19,23 +19,32 @@ Every repo is a small git-like store: commits (full file trees, a parent each), 
 refs (``refs/pr/N``) and discussions. Revisions resolve from a branch, a ``refs/pr/N`` ref or a 40-hex commit oid.
 Pushed commits are applied to the store, so what was pushed can be downloaded again.
 
-Routes (``{type}`` is ``models``, ``datasets`` or ``spaces``; ``{rev}`` is URL-quoted, ``refs%2Fpr%2F1``):
+Routes (``{type}`` is ``models``, ``datasets`` or ``spaces``; ``{rev}`` is URL-quoted, ``refs%2Fpr%2F1``), with
+the clients that use them:
 
-| route | used by | reply |
-|---|---|---|
-| ``GET /api/{type}s/{repo}[/revision/{rev}]`` (``blobs=1``) | ``repo_info`` / ``model_info`` / ``dataset_info``, ``snapshot_download``, datasets | ``id``, ``sha``, ``private``, ``siblings`` (+ ``size``, ``blobId``, ``lfs`` with ``blobs``) |
-| ``GET /api/{type}s/{repo}/tree/{rev}[/{path}]`` (``recursive``, ``expand``) | ``list_repo_tree``, ``snapshot_download``, ``HfFileSystem`` | ``[{type, path, oid, size, lfs?}]`` |
-| ``POST /api/{type}s/{repo}/paths-info/{rev}`` | ``get_paths_info``, ``HfFileSystem.info`` | same entries, for the requested paths |
-| ``GET /api/{type}s/{repo}/refs`` (``include_prs``) | ``list_repo_refs`` | ``branches``, ``tags``, ``converts``, ``pullRequests`` |
-| ``GET /api/{type}s/{repo}/commits/{rev}`` | ``list_repo_commits`` (transformers' conversion-PR check) | ``[{id, title, message, authors, date}]``, newest first |
-| ``GET /api/{type}s/{repo}/discussions`` (``type``, ``status``, ``author``, ``p``) | ``get_repo_discussions`` (transformers' conversion-PR lookup) | ``{discussions, count, start}`` |
-| ``GET /api/{type}s/{repo}/discussions/{num}`` | ``get_discussion_details`` | the discussion, ``changes.base``, ``events`` |
-| ``POST /api/{type}s/{repo}/discussions`` | ``create_pull_request`` (``upload_folder(create_pr=True)``) | a new PR on ``refs/pr/N`` |
-| ``HEAD/GET /[{type}s/]{repo}/resolve/{rev}/{path}`` (``Range``) | ``hf_hub_download``, ``file_exists``, ``HfFileSystem`` reads | the bytes; ``X-Repo-Commit``, ``ETag``, ``Content-Length``; 206 for ranges |
-| ``POST /api/repos/create`` | ``create_repo`` | ``{"url": ..., "name": repo_id}`` |
-| ``POST /api/validate-yaml`` | ``ModelCard.validate``, ``create_commit`` of a README | ``{"errors": [], "warnings": []}``, or 400 after ``hub.reject_yaml([...])`` |
-| ``POST /api/{type}s/{repo}/preupload/{rev}`` | ``create_commit`` | every file ``uploadMode: "regular"`` (inline; no LFS/Xet routes) |
-| ``POST /api/{type}s/{repo}/commit/{rev}`` | ``create_commit`` | ``{"commitUrl", "commitOid", "pullRequestUrl"}``, or 500 after ``hub.fail_commits()`` |
+* ``GET /api/{type}s/{repo}[/revision/{rev}]`` (``blobs=1``): ``repo_info`` / ``model_info`` / ``dataset_info``,
+  ``snapshot_download``, datasets. Reply: ``id``, ``sha``, ``private``, ``siblings`` (+ ``size``, ``blobId``,
+  ``lfs`` with ``blobs``).
+* ``GET /api/{type}s/{repo}/tree/{rev}[/{path}]`` (``recursive``, ``expand``): ``list_repo_tree``,
+  ``snapshot_download``, ``HfFileSystem``. Reply: ``[{type, path, oid, size, lfs?}]``, one page.
+* ``POST /api/{type}s/{repo}/paths-info/{rev}``: ``get_paths_info``, ``HfFileSystem.info``. Same entries.
+* ``GET /api/{type}s/{repo}/refs`` (``include_prs``): ``list_repo_refs``. ``branches``, ``tags``, ``converts``,
+  ``pullRequests``.
+* ``GET /api/{type}s/{repo}/commits/{rev}``: ``list_repo_commits`` (transformers' conversion-PR check). Newest first.
+* ``GET /api/{type}s/{repo}/discussions`` (``type``, ``status``, ``author``, ``p``): ``get_repo_discussions``
+  (transformers' conversion-PR lookup). ``{discussions, count, start}``.
+* ``GET /api/{type}s/{repo}/discussions/{num}``: ``get_discussion_details``.
+* ``POST /api/{type}s/{repo}/discussions``: ``create_pull_request`` (``upload_folder(create_pr=True)``): a new PR on
+  ``refs/pr/N``.
+* ``HEAD/GET /[{type}s/]{repo}/resolve/{rev}/{path}`` (``Range``): ``hf_hub_download``, ``file_exists``,
+  ``HfFileSystem`` reads. The bytes, ``X-Repo-Commit``, ``ETag``, ``Content-Length``; 206 for a range.
+* ``POST /api/repos/create``: ``create_repo``. ``{"url": ..., "name": repo_id}``.
+* ``POST /api/validate-yaml``: ``ModelCard.validate``, ``create_commit`` of a README. ``{"errors": [], ...}``, or
+  400 after ``hub.reject_yaml([...])``.
+* ``POST /api/{type}s/{repo}/preupload/{rev}``: ``create_commit``. Every file ``uploadMode: "regular"`` (inline; no
+  LFS/Xet routes).
+* ``POST /api/{type}s/{repo}/commit/{rev}``: ``create_commit``. ``{"commitUrl", "commitOid", "pullRequestUrl"}``, or
+  500 after ``hub.fail_commits()``.
 
 Errors use the Hub's ``X-Error-Code`` header (``RepoNotFound``, ``RevisionNotFound``, ``EntryNotFound``), which
 huggingface_hub turns into its typed errors. Anything else answers 404 and is recorded with route ``unknown``.
@@ -450,7 +459,8 @@ class FakeHub:
     def _tree(self, repo: Repo, commit: RepoCommit, path: str, recursive: bool) -> _Reply:
         prefix = f"{path.strip('/')}/" if path.strip("/") else ""
         if prefix and not any(name.startswith(prefix) for name in commit.files):
-            raise _HubError("tree", _Reply(404, {"error": f"{path} does not exist"}, {"X-Error-Code": "EntryNotFound"}))
+            raise _HubError("tree", _Reply(404, {"error": f"{path} does not exist"},
+                                           {"X-Error-Code": "EntryNotFound"}))
         entries, folders = [], set()
         for name, data in sorted(commit.files.items()):
             if not name.startswith(prefix):
@@ -660,7 +670,8 @@ def point_hf_at(monkeypatch: pytest.MonkeyPatch, endpoint: str) -> None:
     monkeypatch.setenv("HF_ENDPOINT", endpoint)       # for subprocesses / late importers
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.setattr(constants, "ENDPOINT", endpoint)
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                        endpoint + "/{repo_id}/resolve/{revision}/{filename}")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     # HfApi's default instance was built at import with the old endpoint; module-level helpers
     # (huggingface_hub.create_repo, upload_folder, ...) are bound to it.
@@ -671,7 +682,8 @@ def point_hf_at(monkeypatch: pytest.MonkeyPatch, endpoint: str) -> None:
     import datasets.config
 
     monkeypatch.setattr(datasets.config, "HF_ENDPOINT", endpoint)
-    monkeypatch.setattr(datasets.config, "HUB_DATASETS_URL", endpoint + "/datasets/{repo_id}/resolve/{revision}/{path}")
+    monkeypatch.setattr(datasets.config, "HUB_DATASETS_URL",
+                        endpoint + "/datasets/{repo_id}/resolve/{revision}/{path}")
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", False)
     # HfFileSystem instances are cached per (endpoint, token...); a fresh server is a fresh filesystem
