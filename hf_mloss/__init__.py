@@ -44,10 +44,16 @@ _EXPORTS = {
     "score": "scoring",
 }
 
+_SUBMODULES = {"adapters", "card", "checkpoint", "cli", "config", "data", "demo", "errors", "evaluation", "hub",
+               "hub_push", "inputs", "merger", "mergekit_compat", "methods", "options", "plots", "report", "result",
+               "saving", "scoring", "store", "suites", "testing", "theory"}
+
 __all__ = sorted([*_EXPORTS, "__version__"])
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:  # `hf_mloss.methods.get_method(...)` works without importing the submodule first
+        return importlib.import_module(f".{name}", __name__)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'hf_mloss' has no attribute {name!r}")
