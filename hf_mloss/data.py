@@ -136,6 +136,16 @@ class _Sampler:
         return 2 * self.num_samples
 
 
+def _folder_splits(path: Path) -> list[str]:
+    """The splits ``datasets`` finds in a local image folder (``[]`` when it finds none)."""
+    import datasets
+
+    try:
+        return list(datasets.load_dataset("imagefolder", data_dir=str(path), streaming=True))
+    except (ValueError, FileNotFoundError):
+        return []
+
+
 def _iter_images(data, *, sampler: _Sampler, split: str, image_column) -> tuple[Iterator[tuple[Any, Any]], DataInfo]:
     """``(image, label)`` pairs in sampled order (label None without a label column), and their description."""
     import datasets
@@ -149,7 +159,12 @@ def _iter_images(data, *, sampler: _Sampler, split: str, image_column) -> tuple[
                 ds = datasets.load_dataset("imagefolder", data_dir=str(path), split=split, streaming=True)
             except FileNotFoundError as err:  # datasets' EmptyDatasetError
                 raise DataError(f"No image files found in {ref!r}: {err}.") from err
-            except ValueError:  # a flat folder without a split layout: take every image file
+            except ValueError as err:
+                splits = _folder_splits(path)
+                if splits:  # a typo in the split name must not silently score every split
+                    raise DataError(f"Split {split!r} is not in the image folder {ref!r}; its splits are {splits}. "
+                                    "Pass split=... (YAML: data.split).") from None
+                # a folder datasets cannot lay out as splits: take every image file
                 files = sorted(p for p in path.rglob("*") if p.suffix.lower() in _IMAGE_SUFFIXES)
                 rows, info = _iter_images(_shuffled(files, seed), sampler=sampler, split=split,
                                           image_column=image_column)

@@ -87,18 +87,37 @@ def find_weights(folder: str | os.PathLike[str], *, allow_pickle: bool = True) -
     for index_name, single_name in candidates:
         index = folder / index_name
         if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-                shards = sorted(set(weight_map.values()))
-            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
-                raise CorruptCheckpointError(
-                    f"Cannot parse {index}: {err}. The index must hold a 'weight_map' of tensor name -> shard file; "
-                    "download it again or re-save the model."
-                ) from err
-            return WeightFiles(index, [folder / name for name in shards])
+            return WeightFiles(index, [folder / name for name in _index_shards(index)])
         if (folder / single_name).exists():
             return WeightFiles(folder / single_name, [folder / single_name])
     return None
+
+
+def _index_shards(index: Path) -> list[str]:
+    """The shard files a ``*.index.json`` names, each a plain file name inside the checkpoint folder.
+
+    Raises:
+        CorruptCheckpointError: the index is not JSON, has no ``weight_map`` of name -> file, or names a file outside
+            the folder (``../``, an absolute path): shards are never read from anywhere else.
+    """
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise TypeError("weight_map is not a non-empty mapping")
+        shards = sorted(set(weight_map.values()))
+        if not all(isinstance(name, str) and name for name in shards):
+            raise TypeError("a shard file name is not a string")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+        raise CorruptCheckpointError(
+            f"Cannot parse {index.name} in {str(index.parent)!r}: {str(err)[:200]}. The index must hold a "
+            "'weight_map' of tensor name -> shard file; download it again or re-save the model.") from None
+    for name in shards:
+        parts = Path(name).parts
+        if Path(name).is_absolute() or ".." in parts or "\\" in name or name.startswith("~"):
+            raise CorruptCheckpointError(
+                f"{index.name} in {str(index.parent)!r} names the shard {name[:100]!r}, outside the checkpoint "
+                "folder; hf_mloss reads shards only from the folder itself. Fix the index or re-save the model.")
+    return shards
 
 
 def is_hub_id(ref: str) -> bool:

@@ -94,7 +94,7 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
     try:
         for ref, loaded, _ in resolved:
             stores.append(ModuleStore(loaded, adapter, ref) if loaded is not None else CheckpointStore(ref, adapter))
-        _check_config_matches_tensors(adapter, stores[0])
+        check_config_matches_tensors(adapter, stores[0])
         for store in stores[1:]:
             check_compatible(stores[0], store)
         fingerprints = _verify_fingerprints(specs, resolved)
@@ -124,11 +124,41 @@ def _resolve(spec: ModelSpec, token):
         repo_id = name if name and not looks_local(name) and is_repo_id(name) else None
         return ModelRef(path=name, repo_id=repo_id), model, model.config
     ref = resolve_model(spec.model, revision=spec.revision, token=token)
+    check_model_type(ref)
     try:
         model_config = AutoConfig.from_pretrained(ref.path, trust_remote_code=False)
-    except (OSError, ValueError, KeyError) as err:
-        raise CorruptCheckpointError(f"Cannot read the config.json of {ref.name!r}: {err}") from None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        message = " ".join(str(err).split())[:300]
+        raise CorruptCheckpointError(f"Cannot read the config.json of {ref.name!r}: {message}") from None
     return ref, None, model_config
+
+
+def check_model_type(ref: ModelRef) -> None:
+    """Refuse, before transformers sees it, a config whose ``model_type`` only custom code shipped with the model
+    could build: hf_mloss never runs code from a model repo (``trust_remote_code`` is always False)."""
+    import json
+
+    from transformers import CONFIG_MAPPING
+
+    from .errors import CorruptCheckpointError, UnsupportedModelError
+
+    path = Path(ref.path) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{ref.name!r} has no config.json: it is not a transformers model folder.") \
+            from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CorruptCheckpointError(f"Cannot read the config.json of {ref.name!r}: {str(err)[:200]}") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        custom = " and ships custom code (auto_map), which hf_mloss never runs" if isinstance(config, dict) and \
+            config.get("auto_map") else ""
+        from .adapters import list_adapters
+
+        raise UnsupportedModelError(
+            f"{ref.name!r} has model_type={str(model_type)[:60]!r}, which is not a transformers architecture{custom}. "
+            f"hf_mloss merges transformers models with an adapter: {list_adapters()}.")
 
 
 def float_names(store: TensorStore) -> list[str]:
@@ -160,23 +190,32 @@ def check_compatible(base: TensorStore, other: TensorStore) -> None:
                 f"{other.ref.name!r}. All models merged together must share one architecture.")
 
 
-def _check_config_matches_tensors(adapter: ModelAdapter, base: TensorStore) -> None:
-    """The config must describe the tensors: a config with more blocks than the checkpoint would give a model whose
-    missing blocks are randomly initialised."""
-    layers = {adapter.stage_of(n) for n in base.keys()} - {-1, adapter.num_layers}
-    expected = set(range(adapter.num_layers))
-    if layers != expected:
-        raise IncompatibleCheckpointsError(
-            f"The config of {base.ref.name!r} describes {adapter.num_layers} blocks but its weights hold blocks "
-            f"{sorted(layers)[:5]}{'...' if len(layers) > 5 else ''} ({len(layers)} in all); config.json and the "
-            "weights do not belong together.")
-    target = f"{adapter.target_name(0)}.weight"
-    if target in base.shapes:
-        shape, width = base.shapes[target], getattr(adapter.config, "hidden_size", None)
-        if width is not None and shape[-1] != width:
-            raise IncompatibleCheckpointsError(
-                f"The config of {base.ref.name!r} says hidden_size={width} but {target!r} has shape {shape}; "
-                "config.json and the weights do not belong together.")
+def check_config_matches_tensors(adapter: ModelAdapter, base: TensorStore) -> None:
+    """The base's config must describe its weights: a config with more blocks (or other sizes) than the tensors would
+    give a model whose missing parts are randomly initialised, one with fewer would silently drop blocks.
+
+    Raises:
+        IncompatibleCheckpointsError: naming the first tensors that are missing, extra or of another shape.
+    """
+    expected = adapter.expected_shapes()
+    held = {n: base.shapes[n] for n in float_names(base)}
+    missing = [n for n in expected if n not in held and n not in base.shapes]
+    extra = [n for n in held if n not in expected]
+    wrong = [n for n in expected if n in held and held[n] != expected[n]]
+    if not (missing or extra or wrong):
+        return
+    parts = []
+    if missing:
+        parts.append(f"the weights lack {len(missing)} tensor(s) the config implies (e.g. {missing[:2]}), which would "
+                     "be randomly initialised")
+    if extra:
+        parts.append(f"the weights hold {len(extra)} tensor(s) the config does not describe (e.g. {extra[:2]})")
+    if wrong:
+        name = wrong[0]
+        parts.append(f"{name!r} has shape {held[name]} but the config implies {expected[name]}")
+    raise IncompatibleCheckpointsError(
+        f"config.json of {base.ref.name!r} does not match its weights: {'; '.join(parts)}. The config and the "
+        "weights do not belong together.")
 
 
 def resolve_weights(config: MergeConfig, default: str) -> torch.Tensor:

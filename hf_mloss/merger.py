@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .config import DEFAULT_NUM_SAMPLES, MergeConfig
-from .errors import CorruptCheckpointError, IncompatibleCheckpointsError, InvalidParameterError
+from .errors import CorruptCheckpointError, InvalidParameterError
 from .inputs import RunInputs, as_dtype, open_inputs
 from .methods import LayerwiseRun, MergeContext, MergeMethod
 from .result import MergeResult
@@ -119,12 +119,6 @@ class TensorMerger:
         self.inputs, self.method, self.ctx, self.device = inputs, method, ctx, inputs.device
         adapter = inputs.adapter
         self.targets = {adapter.canonical_key(k): v for k, v in tower.state_dict().items()}
-        missing = [n for n, t in self.targets.items() if t.is_floating_point() and n not in inputs.base]
-        if missing:
-            raise IncompatibleCheckpointsError(
-                f"The weights of the base {inputs.base.ref.name!r} lack {len(missing)} tensor(s) its model class "
-                f"has (e.g. {missing[:3]}); they would be randomly initialised. config.json and the weights do not "
-                "belong together.")
         self.names = [n for n in inputs.names if n in self.targets]
         self.done: set[str] = set()
         ctx.state["total_numel"] = sum(math.prod(inputs.base.shapes[n]) for n in self.names)

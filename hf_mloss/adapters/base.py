@@ -95,6 +95,14 @@ class ModelAdapter(ABC):
         model = self.model_class.from_pretrained(path, dtype=dtype or "auto", trust_remote_code=False, **kwargs)
         return model.eval()
 
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Canonical name -> shape of every tensor the tower class saves for this config (built on the meta device:
+        no memory, no initialisation)."""
+        with torch.device("meta"):
+            model = self.model_class(self.config)
+        return {name: tuple(t.shape) for key, t in model.state_dict().items()
+                if (name := self.canonical_key(key)) is not None}
+
     def output_class(self, output: str) -> type[PreTrainedModel]:
         """The class a merge writes: the base's whole-model class (``output="auto"``) or the tower's."""
         container = self.containers.get(getattr(self.full_config, "model_type", None))
@@ -103,8 +111,17 @@ class ModelAdapter(ABC):
     def load_output_model(self, path: str, output: str, *, dtype: torch.dtype | None = None,
                           **kwargs: Any) -> PreTrainedModel:
         """The model the merge is written into, loaded from the base's folder (see :meth:`output_class`)."""
+        from ..errors import IncompatibleCheckpointsError
+
         cls = self.output_class(output)
-        model = cls.from_pretrained(path, dtype=dtype or "auto", trust_remote_code=False, **kwargs)
+        model, info = cls.from_pretrained(path, dtype=dtype or "auto", trust_remote_code=False,
+                                          output_loading_info=True, **kwargs)
+        broken = [*info.get("missing_keys", ()), *[k for k, *_ in info.get("mismatched_keys", ())]]
+        if broken:
+            raise IncompatibleCheckpointsError(
+                f"{cls.__name__} from {path!r} would be incomplete: {len(broken)} tensor(s) are missing from the "
+                f"weights or do not fit the config (e.g. {sorted(broken)[:3]}); transformers would initialise them "
+                "randomly. config.json and the weights do not belong together.")
         return model.eval()
 
     def tower(self, model: PreTrainedModel) -> PreTrainedModel:
