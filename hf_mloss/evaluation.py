@@ -2,8 +2,10 @@
 
 A *task* is ``(pixel_values, labels)``; a *head* is any object with ``logits(features)`` applied to the encoder's
 pooled feature (``model(pixel_values).pooler_output``), frozen while the encoder was fine-tuned, as in task-vector
-work. Ensembling averages the q fine-tuned encoders' pooled features, then applies each task's head: it costs q
-forward passes, which is what merging tries to avoid.
+work. The ensembling baseline costs q forward passes, which is what merging tries to avoid; two ways to combine:
+
+* ``"probabilities"`` (the M-Loss paper's ensemble): the mean over the q models of the softmax of each task's head;
+* ``"features"``: the mean of the q pooled features, then each task's head.
 """
 
 from __future__ import annotations
@@ -65,13 +67,26 @@ def evaluate(model: PreTrainedModel, tasks: Mapping[str, Task], heads: Mapping[s
     return _with_normalized(accuracy, reference)
 
 
+ENSEMBLE_COMBINES = ("probabilities", "features")
+
+
+def ensemble_scores(features: Sequence[torch.Tensor], head: Head, combine: str = "probabilities") -> torch.Tensor:
+    """Class scores of an ensemble from each member's pooled features ``[N, D]`` (argmax = its prediction)."""
+    if combine == "probabilities":
+        return torch.stack([head.logits(f).softmax(-1) for f in features]).mean(0)
+    if combine == "features":
+        return head.logits(torch.stack(list(features)).mean(0))
+    raise ValueError(f"combine={combine!r}: expected one of {ENSEMBLE_COMBINES}")
+
+
 def evaluate_ensemble(models: Sequence[PreTrainedModel], tasks: Mapping[str, Task], heads: Mapping[str, Head], *,
-                      reference: Mapping[str, float] | None = None, batch_size: int = 256) -> EvalResult:
-    """The ensembling baseline: mean of the q encoders' pooled features, then each task's head."""
+                      combine: str = "probabilities", reference: Mapping[str, float] | None = None,
+                      batch_size: int = 256) -> EvalResult:
+    """The ensembling baseline: the q encoders' predictions combined by ``combine`` (see the module docstring)."""
     accuracy = {}
     for name, (x, y) in tasks.items():
-        features = torch.stack([encode(m, x, batch_size=batch_size) for m in models]).mean(0)
-        accuracy[name] = _accuracy(heads[name], features, y)
+        scores = ensemble_scores([encode(m, x, batch_size=batch_size) for m in models], heads[name], combine)
+        accuracy[name] = (scores.argmax(-1) == y).float().mean().item()
     return _with_normalized(accuracy, reference)
 
 

@@ -66,7 +66,7 @@ DTD_SPLITS = {"train": 80, "test": 40}
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
               patch_size=8)  # fmt: skip
 TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=100,
-            max_position_embeddings=16)  # fmt: skip
+            max_position_embeddings=77)  # fmt: skip
 PROJECTION_DIM = 16
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]

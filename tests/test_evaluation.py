@@ -48,10 +48,14 @@ def test_accuracy_and_ensemble(tiny_paths):
     # the ensemble of q copies of one model is that model
     same = evaluate_ensemble([models[0]] * 3, {"t": (pixels, flipped)}, {"t": head})
     assert same.accuracy["t"] == 0.75
-    # and the ensemble really averages features: labels taken from the mean feature are 100% correct
+    # combine="features" averages features: labels taken from the mean feature are 100% correct
     mean_features = torch.stack([encode(m, pixels) for m in models]).mean(0)
     ensemble_labels = head.logits(mean_features).argmax(-1)
-    assert evaluate_ensemble(models, {"t": (pixels, ensemble_labels)}, {"t": head}).accuracy["t"] == 1.0
+    assert evaluate_ensemble(models, {"t": (pixels, ensemble_labels)}, {"t": head},
+                             combine="features").accuracy["t"] == 1.0
+    # the default (the paper's ensemble) averages each model's probabilities
+    mean_probabilities = torch.stack([head.logits(encode(m, pixels)).softmax(-1) for m in models]).mean(0)
+    assert evaluate_ensemble(models, {"t": (pixels, mean_probabilities.argmax(-1))}, {"t": head}).accuracy["t"] == 1.0
 
 
 def test_compare_methods_protocol(tmp_path, tiny_paths):

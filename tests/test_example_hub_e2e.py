@@ -122,8 +122,6 @@ def test_pushed_merge_is_a_full_clip_model(pushed, replica_hub, replicas) -> Non
                                    merged_vision(pixel_values=pixels).pooler_output, rtol=0, atol=1e-5)
 
 
-@pytest.mark.xfail(reason="the replica's text tower takes 16 positions and the prompt needs 19 (raise "
-                          "max_position_embeddings to CLIP's 77 in hub_replicas.TEXT)", strict=False)
 def test_pushed_merge_classifies_with_zero_shot_prompts(pushed, replica_hub) -> None:
     from PIL import Image
     from transformers import pipeline

@@ -80,7 +80,7 @@ def test_openai_replica_is_a_2021_bin_checkpoint_with_a_bot_pr(replica_hub, repl
     assert commits[1].commit_id != api.list_repo_commits(BASE_ID)[0].commit_id
     state = torch.load(io.BytesIO(replicas.base_main["pytorch_model.bin"]), weights_only=True)
     assert state["vision_model.embeddings.position_ids"].dtype == torch.int64
-    assert state["text_model.embeddings.position_ids"].shape == (1, 16)
+    assert state["text_model.embeddings.position_ids"].shape == (1, 77)
     assert next(iter(state)) == "logit_scale" and {"visual_projection.weight", "text_projection.weight"} <= set(state)
     assert replicas.base_main["config.json"].count(b'"text_config_dict": null') == 1
 

