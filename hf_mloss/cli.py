@@ -58,7 +58,8 @@ def merge_command(args: argparse.Namespace) -> int:
     if args.push_to_hub:
         check_repo_id(args.push_to_hub)
     protected = [args.config, *_local_inputs(config)]
-    out_dir = check_output_dir(args.out_dir, overwrite=args.overwrite, protected=protected)
+    out_dir = check_output_dir(args.out_dir, overwrite=args.overwrite, protected=protected,
+                               needed_bytes=_estimated_size(config))
     with _progress_bars(not args.quiet, datasets_too=config.data is not None):
         result = config.run(device=device, progress=not args.quiet)
         push_kwargs = {"private": True} if args.push_to_hub and args.private else {}
@@ -80,6 +81,14 @@ def merge_command(args: argparse.Namespace) -> int:
         lines.append(f"Pushed to the Hub repo {args.push_to_hub}")
     print("\n".join(lines))
     return 0
+
+
+def _estimated_size(config) -> int:
+    """Bytes of the base's weight files when it is a local folder (the merge is about that size), else 0."""
+    if not config.base.is_local:
+        return 0
+    folder = Path(config.base.model).expanduser()
+    return sum(p.stat().st_size for p in folder.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
 
 
 def _local_inputs(config) -> list[str]:

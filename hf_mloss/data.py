@@ -79,6 +79,7 @@ def load_pixel_values(
     seed: int = 0,
     split: str = "train",
     image_column: str | None = None,
+    revision: str | None = None,
     buffer_size: int = 1000,
     min_samples: int = 1,
     batch_size: int = 32,
@@ -95,6 +96,7 @@ def load_pixel_values(
         seed: sampling seed (the same seed draws the same images).
         split: dataset split for Hub ids and folders.
         image_column: column holding the images; found automatically when omitted.
+        revision: branch, tag or commit of a Hub dataset.
         buffer_size: smallest shuffle buffer for splits too large to read whole (at least 8 x ``num_samples``).
         min_samples: fail if fewer decodable images than this remain.
         whole_split_max_bytes: Hub splits up to this size are read whole for a uniform sample; larger ones, and
@@ -109,7 +111,7 @@ def load_pixel_values(
         info = DataInfo(source="tensor", num_samples=len(pixels), seed=seed)
     else:
         sampler = _Sampler(num_samples, seed, max(buffer_size, 8 * num_samples), whole_split_max_bytes)
-        rows, info = _iter_images(data, sampler=sampler, split=split, image_column=image_column)
+        rows, info = _iter_images(data, sampler=sampler, split=split, image_column=image_column, revision=revision)
         pixels = _preprocess(rows, processor, info, limit=num_samples, batch_size=batch_size)
         info.num_samples = len(pixels)
     if len(pixels) < min_samples:
@@ -146,7 +148,8 @@ def _folder_splits(path: Path) -> list[str]:
         return []
 
 
-def _iter_images(data, *, sampler: _Sampler, split: str, image_column) -> tuple[Iterator[tuple[Any, Any]], DataInfo]:
+def _iter_images(data, *, sampler: _Sampler, split: str, image_column, revision: str | None = None
+                 ) -> tuple[Iterator[tuple[Any, Any]], DataInfo]:
     """``(image, label)`` pairs in sampled order (label None without a label column), and their description."""
     import datasets
 
@@ -174,15 +177,17 @@ def _iter_images(data, *, sampler: _Sampler, split: str, image_column) -> tuple[
             return _from_dataset(ds, info, sampler, image_column, whole=True)
         if ref.startswith((".", "/", "~")) or path.suffix:
             raise DataError(f"Data folder {ref!r} does not exist.")
+        from .hub import hub_failure, redact
+
         try:
-            ds = datasets.load_dataset(ref, split=split, streaming=True)
-        except (FileNotFoundError, ConnectionError) as err:
+            ds = datasets.load_dataset(ref, split=split, streaming=True, revision=revision)
+        except (FileNotFoundError, ConnectionError, OSError) as err:
             raise DataError(
-                f"Cannot stream Hub dataset {ref!r} (split {split!r}): {err}. Check the id and split, or that the "
-                "Hub is reachable; a local image folder works offline."
-            ) from err
+                f"Cannot stream Hub dataset {ref!r} (split {split!r}): {hub_failure(err)}. Check the id and split; a "
+                "local image folder works offline.") from None
         except ValueError as err:
-            raise DataError(f"Cannot load split {split!r} of dataset {ref!r}: {err}") from err
+            raise DataError(f"Cannot load split {split!r} of dataset {ref!r}: "
+                            f"{redact(' '.join(str(err).split()))[:300]}") from None
         info = DataInfo(source="hub", id=ref, split=split, seed=seed)
         return _from_dataset(ds, info, sampler, image_column, whole=_is_small(ds, split, sampler))
     if isinstance(data, (datasets.Dataset, datasets.IterableDataset)):

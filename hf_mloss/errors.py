@@ -54,5 +54,9 @@ class ConfigError(HfMLossError, ValueError):
     """A merge configuration (YAML/dict) is invalid; the message names the field, the value and the valid choices."""
 
 
+class SaveError(HfMLossError, OSError):
+    """Writing the output folder failed (disk full, permissions...); nothing was left half-written."""
+
+
 class PushError(HfMLossError, RuntimeError):
     """Uploading to the Hub failed; the local folder is intact and the message says how to retry."""

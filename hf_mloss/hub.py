@@ -229,6 +229,7 @@ def _snapshot(repo_id: str, revision: str | None, patterns: list[str], *, token,
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
+        HfHubHTTPError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
@@ -237,22 +238,55 @@ def _snapshot(repo_id: str, revision: str | None, patterns: list[str], *, token,
     try:
         return snapshot_download(repo_id, revision=revision, token=token, cache_dir=cache_dir,
                                  allow_patterns=patterns)
+    except GatedRepoError:
+        raise CheckpointNotFoundError(
+            f"Hub model {repo_id!r} is gated: accept its terms on the Hub and pass a token (or log in).") from None
+    except RepositoryNotFoundError:
+        raise CheckpointNotFoundError(
+            f"Hub model {repo_id!r} was not found on the Hub (or it is private and no valid token was given).") \
+            from None
+    except RevisionNotFoundError:
+        raise CheckpointNotFoundError(f"Revision {revision!r} of Hub model {repo_id!r} does not exist.") from None
     except LocalEntryNotFoundError as err:
         raise CheckpointNotFoundError(
-            f"Hub model {repo_id!r} (revision {revision or 'main'}) is not in the local Hub cache and the Hub "
-            "cannot be reached (offline mode or no network). Download it once with network access, "
-            "or pass a local folder instead."
-        ) from err
-    except GatedRepoError as err:
-        raise CheckpointNotFoundError(
-            f"Hub model {repo_id!r} is gated: accept its terms on the Hub and pass a token (or log in)."
-        ) from err
-    except RepositoryNotFoundError as err:
-        raise CheckpointNotFoundError(
-            f"Hub model {repo_id!r} was not found on the Hub (or it is private and no valid token was given)."
-        ) from err
-    except RevisionNotFoundError as err:
-        raise CheckpointNotFoundError(f"Revision {revision!r} of Hub model {repo_id!r} does not exist.") from err
+            f"Hub model {repo_id!r} (revision {revision or 'main'}) is not in the local Hub cache and "
+            f"{hub_failure(err, token)}. Download it once with network access, or pass a local folder instead.") \
+            from None
+    except HfHubHTTPError as err:
+        raise CheckpointNotFoundError(f"Cannot download Hub model {repo_id!r} (revision {revision or 'main'}): "
+                                      f"{hub_failure(err, token)}.") from None
+
+
+def hub_failure(err: BaseException, token: str | bool | None = None) -> str:
+    """Why a Hub call failed, in a few words, secret-free: the HTTP status and server message when the Hub answered,
+    else that it could not be reached (the exception chain is searched; it is never re-raised)."""
+    seen = err
+    while seen is not None:
+        response = getattr(seen, "response", None)
+        status = getattr(response, "status_code", None)
+        if status is not None:
+            server = getattr(seen, "server_message", None) or str(seen).split("\n")[0]
+            kind = {400: "refused the request", 401: "did not accept the credentials", 403: "denied access",
+                    429: "is rate-limiting requests"}.get(status, "failed" if status >= 500 else "refused the request")
+            return redact(f"the Hub {kind} (HTTP {status}: {' '.join(str(server).split())[:200]})", token)
+        seen = seen.__cause__ or seen.__context__
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "offline mode is on (HF_HUB_OFFLINE=1)"
+    return "the Hub cannot be reached (no network or a proxy/endpoint problem)"
+
+
+def redact(text: str, token: str | bool | None = None) -> str:
+    """``text`` without any token hf_mloss can know of (the argument, HF_TOKEN, the saved login) or bearer value."""
+    import re
+
+    from huggingface_hub import get_token
+
+    secrets = {t for t in (token if isinstance(token, str) else None, get_token(), os.environ.get("HF_TOKEN")) if t}
+    for secret in sorted(secrets, key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return re.sub(r"(?i)(bearer\s+)[^\s'\"]+", r"\1***", re.sub(r"hf_[A-Za-z0-9]{8,}", "hf_***", text))
 
 
 def conversion_pr(repo_id: str, revision: str | None = None, *, token: str | bool | None = None) -> str | None:
@@ -315,9 +349,9 @@ def download_file(repo_id: str, filename: str, *, revision: str | None = None, t
 
     try:
         return hf_hub_download(repo_id, filename, revision=revision, token=token)
-    except LocalEntryNotFoundError:
-        raise CheckpointNotFoundError(f"{filename} of Hub repo {repo_id!r} is not in the local cache and the Hub "
-                                      "cannot be reached.") from None
+    except LocalEntryNotFoundError as err:
+        raise CheckpointNotFoundError(f"{filename} of Hub repo {repo_id!r} is not in the local cache and "
+                                      f"{hub_failure(err, token)}.") from None
     except EntryNotFoundError:
         raise CheckpointNotFoundError(f"Hub repo {repo_id!r} has no {filename}: it was not written by hf_mloss.") from None
     except (HfHubHTTPError, ValueError) as err:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import InvalidParameterError, PushError
+from .hub import redact as _redact
 from .saving import MANIFEST_NAME, read_manifest
 
 
@@ -111,15 +112,3 @@ def _describe(err: Exception, token: str | bool | None) -> str:
             404: "not found"}.get(status, "server error" if status >= 500 else "request refused")
     server = getattr(err, "server_message", None) or " ".join(str(err).split()).split(" for url ")[0]
     return _redact(f"HTTP {status} ({kind}): {' '.join(str(server).split())}", token)[:400]
-
-
-def _redact(text: str, token: str | bool | None) -> str:
-    """Remove every token hf_mloss can know of (the argument, HF_TOKEN, the saved login) and bearer headers."""
-    import re
-
-    from huggingface_hub import get_token
-
-    secrets = {t for t in (token if isinstance(token, str) else None, get_token(), os.environ.get("HF_TOKEN")) if t}
-    for secret in sorted(secrets, key=len, reverse=True):
-        text = text.replace(secret, "***")
-    return re.sub(r"(?i)(bearer\s+)[^\s'\"]+", r"\1***", re.sub(r"hf_[A-Za-z0-9]{8,}", "hf_***", text))

@@ -244,7 +244,7 @@ def _load_data(inputs: RunInputs, config: MergeConfig, base_ref: ModelRef, token
     needs_processor = not isinstance(data.objects, torch.Tensor)
     processor = resolve_processor(config, inputs, base_ref, token) if needs_processor else None
     pixels, info = load_pixel_values(data.source, processor, num_samples=data.num_samples, seed=config.seed,
-                                     split=data.split, image_column=data.image_column)
+                                     split=data.split, image_column=data.image_column, revision=data.revision)
     if not torch.isfinite(pixels).all():
         bad = int((~torch.isfinite(pixels)).flatten(1).any(1).sum())
         raise DataError(f"{bad} of the {len(pixels)} scoring images hold NaN or Inf pixel values; M-Loss on them "

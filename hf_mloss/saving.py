@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -22,7 +23,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from .errors import InvalidParameterError, OutputExistsError
+from .errors import InvalidParameterError, OutputExistsError, SaveError
 
 TMP_PREFIX = ".hf_mloss-tmp-"
 MANIFEST_NAME = "hf_mloss_files.json"
@@ -45,10 +46,16 @@ def check_output_dir(target: str | os.PathLike[str], *, overwrite: bool = False,
             too long, or not enough free space.
     """
     target = Path(os.fspath(target)).expanduser()
+    absolute = Path(os.path.abspath(target))
+    parent = _existing_ancestor(absolute.parent)
+    limit = _name_max(parent)
+    for part in absolute.parts:
+        if len(part.encode()) > limit:
+            raise InvalidParameterError(f"Output folder name {part[:40]!r}... is {len(part.encode())} bytes; this "
+                                        f"filesystem allows {limit}. Choose a shorter name.")
     if target.is_symlink():
         raise InvalidParameterError(f"Output folder {str(target)!r} is a symbolic link (to {os.readlink(target)!r}); "
                                     "pass the real folder path instead.")
-    absolute = Path(os.path.abspath(target))
     _check_overlap(absolute, protected)
     if target.exists():
         if not target.is_dir():
@@ -56,23 +63,26 @@ def check_output_dir(target: str | os.PathLike[str], *, overwrite: bool = False,
         if any(target.iterdir()) and not overwrite:
             raise OutputExistsError(f"Output folder {str(target)!r} already exists and is not empty; pass "
                                     "overwrite=True (CLI: --overwrite) to replace it, or choose another folder.")
-    parent = _existing_ancestor(absolute.parent)
     if not parent.is_dir():
         raise InvalidParameterError(f"Output folder {str(target)!r} cannot be created: {str(parent)!r} is a file.")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise InvalidParameterError(f"Output folder {str(target)!r} cannot be created: no write permission in "
-                                    f"{str(parent)!r} (or the filesystem is read-only).")
-    limit = _name_max(parent)
-    for part in absolute.parts[len(parent.parts):] or (absolute.name,):
-        if len(part.encode()) > limit:
-            raise InvalidParameterError(f"Output folder name {part[:40]!r}... is {len(part.encode())} bytes; this "
-                                        f"filesystem allows {limit}. Choose a shorter name.")
+    _probe_writable(target, parent)
     if needed_bytes:
         free = shutil.disk_usage(parent).free
         if free < needed_bytes * _SPACE_MARGIN:
             raise InvalidParameterError(f"Not enough free space for {str(target)!r}: the merge needs about "
                                         f"{needed_bytes / 1e6:.1f} MB and {str(parent)!r} has {free / 1e6:.1f} MB free.")
     return target
+
+
+def _probe_writable(target: Path, parent: Path) -> None:
+    """Create and remove a temporary folder where the output will be written: permissions, read-only filesystems
+    and quotas show up now, not after the merge."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-probe-", dir=parent))
+    except OSError as err:
+        reason = "the filesystem is read-only" if err.errno == errno.EROFS else (err.strerror or str(err))
+        raise InvalidParameterError(f"Output folder {str(target)!r} cannot be written: {reason} ({str(parent)!r}).") \
+            from None
 
 
 def _check_overlap(target: Path, protected: Iterable[str | os.PathLike[str]]) -> None:
@@ -89,7 +99,12 @@ def _check_overlap(target: Path, protected: Iterable[str | os.PathLike[str]]) ->
 
 
 def _existing_ancestor(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
+    while path != path.parent:
+        try:
+            if path.exists():
+                break
+        except OSError:  # a component too long to even look up
+            pass
         path = path.parent
     return path
 
@@ -110,8 +125,12 @@ def atomic_folder(target: str | os.PathLike[str], *, overwrite: bool = False) ->
     tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-", dir=target.parent))
     try:
         with _sigterm_raises():
-            yield tmp
-            write_manifest(tmp)
+            try:
+                yield tmp
+                write_manifest(tmp)
+            except OSError as err:
+                raise SaveError(f"Writing {str(target)!r} failed: {err.strerror or err}; nothing was written (the "
+                                "partial copy was removed).") from None
             _rename_into_place(tmp, target, overwrite=overwrite)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

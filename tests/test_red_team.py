@@ -1,0 +1,742 @@
+"""Red team: a careless or hostile user through the public API and the CLI.
+
+Every case runs in a project folder holding real copies of the models, the images and a config, with a secret in
+``HF_TOKEN``. For each it checks the exact error class and key words, that no file of the project was written,
+changed or deleted (outputs aside, where a case expects one), and that the secret appears nowhere: not in the
+message, the exception chain, stdout/stderr or logs.
+
+Classes (one mechanism each, named in the README's "Errors and safety"): remote code, inputs overwritten or deleted,
+files outside the checkpoint, silent garbage, unbounded input, arguments not validated at the door, push
+uploading what it should not, secrets in errors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+import hf_mloss
+from hf_mloss import (
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    DataError,
+    IncompatibleCheckpointsError,
+    InvalidParameterError,
+    OutputExistsError,
+    PushError,
+    UnknownMethodError,
+    UnsafeCheckpointError,
+    UnsupportedModelError,
+)
+from hf_mloss.cli import main
+from hf_mloss.testing import make_base, make_finetune, make_image_folder, save_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fake_hub import FakeHub, fake_hub  # noqa: E402,F401  (fixture re-export)
+
+SECRET = "hf_RedTeamSecretTokenNeverShown42"
+MARKER = "REMOTE_CODE_RAN"
+IMAGES = {"num_samples": 8, "batch_size": 4}
+
+
+# ---------------------------------------------------------------------------------------------------- fixtures
+@dataclass
+class Project:
+    root: Path
+    base: Path
+    models: list[Path]
+    images: Path
+    config: Path
+    outputs: set[str] = field(default_factory=set)
+    """Top-level names a case may create (its expected output)."""
+
+    @property
+    def model_args(self) -> tuple[str, list[str]]:
+        return str(self.base), [str(m) for m in self.models]
+
+
+@pytest.fixture(scope="module")
+def originals(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("originals")
+    base = make_base(0)
+    save_model(base, root / "base")
+    for i in range(2):
+        save_model(make_finetune(base, i), root / f"ft{i}")
+    make_image_folder(root / "images", n=12, size=40)
+    return root
+
+
+@pytest.fixture
+def project(originals, tmp_path, monkeypatch) -> Project:
+    root = tmp_path / "project"
+    shutil.copytree(originals, root)
+    config = root / "merge.yaml"
+    config.write_text(yaml.safe_dump({"base": "./base", "models": ["./ft0", "./ft1"], "method": "ties",
+                                      "parameters": {"k": 0.5}}))
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    monkeypatch.chdir(root)
+    return Project(root, root / "base", [root / "ft0", root / "ft1"], root / "images", config)
+
+
+def tree(path: Path) -> dict[str, str]:
+    """Every file under ``path`` (hidden ones too) with a hash of its content, and every folder."""
+    out = {}
+    for p in sorted(path.rglob("*")):
+        rel = p.relative_to(path).as_posix()
+        if p.is_symlink():
+            out[rel] = "link:" + os.readlink(p)
+        elif p.is_dir():
+            out[rel] = "dir"
+        else:
+            out[rel] = hashlib.sha1(p.read_bytes()).hexdigest()
+    return out
+
+
+def chain(err: BaseException) -> str:
+    """The text of an exception and of every exception chained to it (what a traceback would print)."""
+    parts, seen = [], err
+    while seen is not None:
+        parts.append(f"{type(seen).__name__}: {seen}")
+        seen = seen.__cause__ or (None if seen.__suppress_context__ else seen.__context__)
+    return "\n".join(parts)
+
+
+@dataclass
+class Case:
+    id: str
+    action: Callable[[Project], object]
+    error: type[BaseException] | None
+    words: tuple[str, ...] = ()
+    check: Callable[[Project, object], None] | None = None
+    exit_code: int | None = None
+    """For CLI cases: the expected exit status (the error then shows in stderr)."""
+
+
+def run_case(case: Case, project: Project, capsys, caplog) -> None:
+    before = tree(project.root)
+    caplog.set_level(logging.DEBUG)
+    outcome = None
+    if case.exit_code is not None:
+        outcome = case.action(project)
+        captured = capsys.readouterr()
+        assert outcome == case.exit_code, captured.err[-2000:]
+        text = captured.err + captured.out
+        if case.exit_code:
+            assert captured.err.startswith("hf-mloss: error:") and "Traceback" not in captured.err, captured.err
+        for word in case.words:
+            assert word in text, f"{word!r} not in {text[-1500:]!r}"
+    elif case.error is not None:
+        with pytest.raises(case.error) as info:
+            case.action(project)
+        text = chain(info.value)
+        assert len(str(info.value)) < 1500, f"message of {len(str(info.value))} characters"
+        for word in case.words:
+            assert word in str(info.value), f"{word!r} not in {str(info.value)!r}"
+        captured = capsys.readouterr()
+        text += captured.err + captured.out
+    else:
+        outcome = case.action(project)
+        captured = capsys.readouterr()
+        text = captured.err + captured.out
+    assert SECRET not in text + caplog.text
+    after = tree(project.root)
+    changed = {k for k in set(before) | set(after) if before.get(k) != after.get(k)}
+    unexpected = {k for k in changed if k.split("/")[0] not in project.outputs}
+    assert not unexpected, f"files written, changed or deleted: {sorted(unexpected)[:8]}"
+    if case.check is not None:
+        case.check(project, outcome)
+
+
+def merge_args(p: Project, method: str = "ties", **kwargs):
+    base, models = p.model_args
+    return hf_mloss.merge(base, models, method, progress=False, **kwargs)
+
+
+def cli(*args: str) -> Callable[[Project], int]:
+    return lambda p: main([a.format(root=p.root) for a in args] + ["--quiet"])
+
+
+def write_config(name: str, content: dict | str) -> Callable[[Project], str]:
+    def make(p: Project) -> str:
+        path = p.root / name
+        path.write_text(content if isinstance(content, str) else yaml.safe_dump(content))
+        p.outputs.add(name)
+        return str(path)
+
+    return make
+
+
+def cli_config(name: str, content: dict | str, *extra: str) -> Callable[[Project], int]:
+    def act(p: Project) -> int:
+        return main(["merge", write_config(name, content)(p), *[e.format(root=p.root) for e in extra], "--quiet"])
+
+    return act
+
+
+def with_output(name: str, action: Callable[[Project], object]) -> Callable[[Project], object]:
+    def act(p: Project):
+        p.outputs.add(name)
+        return action(p)
+
+    return act
+
+
+# --------------------------------------------------------------------------------------------- remote code
+def _custom_code_folder(p: Project, source: Path, name: str, *, model_type: str | None = None,
+                        processor: bool = False) -> str:
+    """A copy of ``source`` whose config (or processor config) names custom code that would leave a marker."""
+    folder = p.root / name
+    shutil.copytree(source, folder)
+    (folder / "evil.py").write_text(f"open({str(p.root / MARKER)!r}, 'w').write('ran')\nclass Evil: pass\n")
+    target = folder / ("preprocessor_config.json" if processor else "config.json")
+    data = json.loads(target.read_text())
+    data["auto_map"] = {"AutoConfig": "evil.Evil", "AutoModel": "evil.Evil", "AutoImageProcessor": "evil.Evil"}
+    if processor:
+        data["image_processor_type"] = "EvilImageProcessor"
+    if model_type is not None:
+        data["model_type"] = model_type
+    target.write_text(json.dumps(data))
+    p.outputs.add(name)
+    return str(folder)
+
+
+def no_marker(p: Project, _=None) -> None:
+    assert not (p.root / MARKER).exists(), "code from a model folder ran"
+
+
+REMOTE_CODE = [
+    Case("auto_map_in_a_finetune_is_ignored", lambda p: hf_mloss.merge(
+        str(p.base), [_custom_code_folder(p, p.models[0], "evil_ft"), str(p.models[1])], "ties", progress=False),
+        None, check=no_marker),
+    Case("auto_map_in_the_base_is_ignored", lambda p: hf_mloss.merge(
+        _custom_code_folder(p, p.base, "evil_base"), p.model_args[1], "average", progress=False), None,
+        check=no_marker),
+    Case("custom_model_type_is_refused", lambda p: hf_mloss.merge(
+        str(p.base), [_custom_code_folder(p, p.models[0], "evil_type", model_type="evil_net")], progress=False),
+        UnsupportedModelError, ("'evil_net'", "not a transformers architecture", "custom code", "never runs"),
+        check=no_marker),
+    Case("custom_model_type_as_base_is_refused", lambda p: hf_mloss.merge(
+        _custom_code_folder(p, p.base, "evil_base_type", model_type="evil_net"), p.model_args[1], progress=False),
+        UnsupportedModelError, ("'evil_net'", "never runs"), check=no_marker),
+    Case("custom_image_processor_is_refused", lambda p: hf_mloss.merge(
+        _custom_code_folder(p, p.base, "evil_proc", processor=True), p.model_args[1], "m_ties",
+        data=str(p.images), progress=False, **IMAGES),
+        InvalidParameterError, ("image processor", "cannot be loaded", "processor="), check=no_marker),
+    Case("custom_processor_argument_is_refused", lambda p: merge_args(
+        p, "m_ties", data=str(p.images), processor=_custom_code_folder(p, p.base, "evil_proc2", processor=True),
+        **IMAGES), InvalidParameterError, ("cannot be loaded",), check=no_marker),
+    Case("custom_model_type_through_the_cli", lambda p: (
+        _custom_code_folder(p, p.models[0], "evil_cli", model_type="evil"),
+        cli_config("evil.yaml", {"base": "./base", "models": ["./evil_cli"], "method": "average"}, "{root}/out")(p),
+    )[-1], None, ("not a transformers architecture",), exit_code=2),
+    Case("loading_script_in_the_data_folder_is_not_run", lambda p: (
+        (p.images / "images.py").write_text(f"open({str(p.root / MARKER)!r}, 'w')\n"), p.outputs.add("images"),
+        merge_args(p, "m_ties", data=str(p.images), **IMAGES))[-1], None, check=no_marker),
+]
+
+
+# --------------------------------------------------------------------------------- inputs deleted or replaced
+def _save(p: Project, target: str, **kwargs):
+    return merge_args(p, "average").save_pretrained(Path(target.format(root=p.root)), **kwargs)
+
+
+def _symlink(p: Project, name: str, to: Path) -> str:
+    (p.root / name).symlink_to(to, target_is_directory=True)
+    p.outputs.add(name)
+    return str(p.root / name)
+
+
+def _twice(p: Project):
+    p.outputs.add("twice")
+    result = merge_args(p, "average")
+    result.save_pretrained(p.root / "twice")
+    first = tree(p.root / "twice")
+    try:
+        result.save_pretrained(p.root / "twice")
+    finally:
+        assert tree(p.root / "twice") == first
+
+
+def _failed_overwrite(p: Project, monkeypatch_target: str = "hf_mloss.checkpoint.save_torch_state_dict"):
+    p.outputs.add("kept")
+    result = merge_args(p, "average")
+    result.save_pretrained(p.root / "kept")
+    before = tree(p.root / "kept")
+    import hf_mloss.checkpoint as checkpoint
+
+    original = checkpoint.save_torch_state_dict
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    checkpoint.save_torch_state_dict = disk_full
+    try:
+        result.save_pretrained(p.root / "kept", overwrite=True)
+    finally:
+        checkpoint.save_torch_state_dict = original
+        assert tree(p.root / "kept") == before  # the old folder is untouched
+        assert [n for n in os.listdir(p.root) if n.startswith(".hf_mloss-tmp")] == []
+
+
+def _disk_full(p: Project):
+    original = shutil.disk_usage
+    shutil.disk_usage = lambda path: shutil._ntuple_diskusage(10, 9, 1)
+    try:
+        return _save(p, "{root}/full")
+    finally:
+        shutil.disk_usage = original
+
+
+INPUTS = [
+    Case("overwrite_an_input_model_folder_cli", cli("merge", "merge.yaml", "{root}/ft0", "--overwrite"), None,
+         ("overlaps an input",), exit_code=2),
+    Case("overwrite_the_base_folder_api", lambda p: _save(p, "{root}/base", overwrite=True),
+         InvalidParameterError, ("overlaps an input",)),
+    Case("overwrite_the_project_holding_config_and_inputs", cli("merge", "merge.yaml", "{root}", "--overwrite"),
+         None, ("overlaps an input",), exit_code=2),
+    Case("output_inside_an_input_folder", cli("merge", "merge.yaml", "{root}/ft1/merged"), None,
+         ("overlaps an input",), exit_code=2),
+    Case("output_is_the_data_folder", lambda p: merge_args(p, "m_ties", data=str(p.images), **IMAGES)
+         .save_pretrained(p.images, overwrite=True), InvalidParameterError, ("overlaps an input",)),
+    Case("output_is_a_symlink_to_a_folder", lambda p: _save(p, _symlink(p, "link", p.root / "images")),
+         InvalidParameterError, ("symbolic link",)),
+    Case("output_is_a_symlink_to_an_input", lambda p: (
+        _symlink(p, "ft0link", p.models[0]), cli("merge", "merge.yaml", "{root}/ft0link", "--overwrite")(p))[-1],
+         None, ("symbolic link",), exit_code=2),
+    Case("second_save_into_the_same_folder", _twice, OutputExistsError, ("already exists", "overwrite=True")),
+    Case("output_under_a_file", lambda p: (p.outputs.add("afile"), (p.root / "afile").write_text("x"),
+                                           _save(p, "{root}/afile/out"))[-1],
+         InvalidParameterError, ("cannot be created", "is a file")),
+    Case("output_under_a_file_cli_before_merging", lambda p: (p.outputs.add("bfile"), (p.root / "bfile").write_text(
+        "x"), main(["merge", "merge.yaml", str(p.root / "bfile" / "out"), "--quiet"]))[-1], None,
+         ("is a file",), exit_code=2),
+    Case("output_is_a_file", lambda p: (p.outputs.add("cfile"), (p.root / "cfile").write_text("x"),
+                                        _save(p, "{root}/cfile"))[-1], OutputExistsError, ("is a file",)),
+    Case("output_name_too_long", lambda p: _save(p, "{root}/" + "n" * 300), InvalidParameterError,
+         ("bytes; this filesystem allows",)),
+    Case("output_name_near_the_limit_works", with_output("m" * 250, lambda p: _save(p, "{root}/" + "m" * 250)),
+         None, check=lambda p, out: (out / "model.safetensors").is_file()),
+    Case("filesystem_full_before_writing", lambda p: _disk_full(p), InvalidParameterError,
+         ("Not enough free space",)),
+    Case("disk_full_while_writing_keeps_the_old_folder", _failed_overwrite, hf_mloss.SaveError,
+         ("No space left on device", "nothing was written")),
+]
+
+
+# ------------------------------------------------------------------------------------ files outside the folder
+def _sharded_copy(p: Project, name: str, shard_name: str | None = None, index: object = None) -> str:
+    folder = p.root / name
+    shutil.copytree(p.models[0], folder)
+    p.outputs.add(name)
+    if index is None:
+        tensors = load_file(str(folder / "model.safetensors"))
+        (folder / "model.safetensors").rename(folder / "shard.safetensors")
+        index = {"metadata": {}, "weight_map": {k: shard_name or "shard.safetensors" for k in tensors}}
+    (folder / "model.safetensors.index.json").write_text(index if isinstance(index, str) else json.dumps(index))
+    (folder / "model.safetensors").unlink(missing_ok=True)
+    return str(folder)
+
+
+def _outside(p: Project):
+    elsewhere = p.root / "elsewhere"
+    shutil.copytree(p.models[1], elsewhere)
+    p.outputs.add("elsewhere")
+    return hf_mloss.merge(str(p.base), [_sharded_copy(p, "traversal", "../elsewhere/model.safetensors")],
+                          progress=False)
+
+
+OUTSIDE = [
+    Case("shard_index_with_parent_path", _outside, CorruptCheckpointError, ("outside the checkpoint folder",)),
+    Case("shard_index_with_absolute_path", lambda p: hf_mloss.merge(
+        str(p.base), [_sharded_copy(p, "absolute", str(p.models[1] / "model.safetensors"))], progress=False),
+        CorruptCheckpointError, ("outside the checkpoint folder",)),
+    Case("shard_index_not_json", lambda p: hf_mloss.merge(
+        str(p.base), [_sharded_copy(p, "notjson", index="{not json")], progress=False),
+        CorruptCheckpointError, ("Cannot parse model.safetensors.index.json",)),
+    Case("shard_index_weight_map_is_a_list", lambda p: hf_mloss.merge(
+        str(p.base), [_sharded_copy(p, "listmap", index={"weight_map": ["a"]})], progress=False),
+        CorruptCheckpointError, ("weight_map",)),
+    Case("shard_index_names_a_missing_shard", lambda p: hf_mloss.merge(
+        str(p.base), [_sharded_copy(p, "missing", "gone.safetensors")], progress=False),
+        CorruptCheckpointError, ("gone.safetensors",)),
+    Case("shard_index_with_home_path", lambda p: hf_mloss.merge(
+        str(p.base), [_sharded_copy(p, "home", "~/model.safetensors")], progress=False),
+        CorruptCheckpointError, ("outside the checkpoint folder",)),
+]
+
+
+# ----------------------------------------------------------------------------------------------- silent garbage
+def _edited_config(p: Project, name: str, **changes) -> str:
+    folder = p.root / name
+    shutil.copytree(p.base, folder)
+    p.outputs.add(name)
+    data = json.loads((folder / "config.json").read_text())
+    data.update(changes)
+    (folder / "config.json").write_text(json.dumps(data))
+    return str(folder)
+
+
+GARBAGE = [
+    Case("config_with_more_layers_than_tensors", lambda p: hf_mloss.merge(
+        _edited_config(p, "deep", num_hidden_layers=4), p.model_args[1], progress=False),
+        IncompatibleCheckpointsError, ("does not match its weights", "randomly initialised")),
+    Case("config_with_fewer_layers_than_tensors", lambda p: hf_mloss.merge(
+        _edited_config(p, "shallow", num_hidden_layers=1), p.model_args[1], progress=False),
+        IncompatibleCheckpointsError, ("does not describe",)),
+    Case("config_hidden_size_disagrees", lambda p: hf_mloss.merge(
+        _edited_config(p, "wide", hidden_size=48), p.model_args[1], progress=False),
+        IncompatibleCheckpointsError, ("does not match its weights", "shape")),
+    Case("config_intermediate_size_disagrees", lambda p: hf_mloss.merge(
+        _edited_config(p, "mlp", intermediate_size=128), p.model_args[1], progress=False),
+        IncompatibleCheckpointsError, ("mlp.fc1",)),
+    Case("huge_lambda_overflows", cli_config("lam.yaml", {"base": "./base", "models": ["./ft0", "./ft1"],
+                                                          "method": "task_arithmetic",
+                                                          "parameters": {"lam": 1e300}}, "{root}/out"),
+         None, ("non-finite", "Nothing was written"), exit_code=2),
+    Case("float16_cast_overflows", lambda p: merge_args(p, "task_arithmetic", lam=1e6, dtype="float16"),
+         InvalidParameterError, ("would overflow", "float16", "bfloat16")),
+    Case("nan_pixels", lambda p: merge_args(p, "m_ties", data=torch.full((4, 3, 32, 32), float("nan")), **IMAGES),
+         DataError, ("NaN or Inf", "4 of the 4")),
+    Case("inf_pixels", lambda p: merge_args(p, "m_ties", data=torch.cat([torch.zeros(3, 3, 32, 32),
+                                                                         torch.full((1, 3, 32, 32), float("inf"))]),
+                                            **IMAGES), DataError, ("1 of the 4",)),
+    Case("split_typo_in_an_image_folder", lambda p: merge_args(p, "m_ties", data=str(p.images), split="trian",
+                                                               **IMAGES),
+         DataError, ("'trian'", "its splits are", "'train'")),
+    Case("nan_in_a_finetune", lambda p: hf_mloss.merge(str(p.base), [_poisoned(p)], progress=False),
+         CorruptCheckpointError, ("non-finite", "ft_nan")),
+    Case("float_and_int_tensors_mixed", lambda p: hf_mloss.merge(str(p.base), [_int_tensor(p)], progress=False),
+         IncompatibleCheckpointsError, ("missing",)),
+]
+
+
+def _poisoned(p: Project) -> str:
+    folder = p.root / "ft_nan"
+    shutil.copytree(p.models[0], folder)
+    p.outputs.add("ft_nan")
+    tensors = load_file(str(folder / "model.safetensors"))
+    name = next(k for k in tensors if k.endswith("fc1.weight"))
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return str(folder)
+
+
+def _int_tensor(p: Project) -> str:
+    folder = p.root / "ft_int"
+    shutil.copytree(p.models[0], folder)
+    p.outputs.add("ft_int")
+    tensors = load_file(str(folder / "model.safetensors"))
+    name = next(k for k in tensors if k.endswith("fc1.bias"))
+    tensors[name] = tensors[name].to(torch.int64)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return str(folder)
+
+
+# ----------------------------------------------------------------------------------------------- unbounded input
+BOMB = "\n".join(["a: &a [x, x, x, x, x, x, x, x, x, x]"]
+                 + [f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]"
+                    for p, c in zip("abcdefgh", "bcdefghi")]) + "\nbase: *i\n"
+
+
+def _config_cli(name: str, text: str) -> Callable[[Project], int]:
+    return lambda p: main(["merge", write_config(name, text)(p), str(p.root / "out"), "--quiet"])
+
+
+UNBOUNDED = [
+    Case("billion_laughs_yaml", _config_cli("bomb.yaml", BOMB), None, ("expands to more than",), exit_code=2),
+    Case("recursive_alias_yaml", _config_cli("loop.yaml", "a: &a [*a]\nbase: *a\n"), None, ("YAML",),
+         exit_code=2),
+    Case("config_file_too_large", _config_cli("big.yaml", "# " + "x" * (1 << 21) + "\n"), None,
+         ("bytes; merge configs are small",), exit_code=2),
+    Case("huge_method_name_is_cut", _config_cli("longname.yaml", yaml.safe_dump(
+        {"base": "./base", "models": ["./ft0"], "method": "z" * 600_000})), None, ("Unknown merge method",),
+         exit_code=2),
+    Case("huge_key_is_cut", _config_cli("longkey.yaml", yaml.safe_dump(
+        {"base": "./base", "models": ["./ft0"], "k" * 500_000: 1})), None, ("Unknown top-level key",), exit_code=2),
+    Case("deeply_nested_yaml", _config_cli("deep.yaml", "base: " + "[" * 5000 + "]" * 5000 + "\n"), None,
+         ("hf-mloss: error",), exit_code=2),
+    Case("binary_config_file", lambda p: (write_config("bin.yaml", "")(p), (p.root / "bin.yaml").write_bytes(
+        b"\xff\xfe\x00\x01" * 100), main(["merge", str(p.root / "bin.yaml"), str(p.root / "out"), "-q"]))[-1],
+         None, ("Cannot read config file",), exit_code=2),
+    Case("config_is_a_folder", cli("merge", "{root}/images", "{root}/out"), None, ("is not a file",),
+         exit_code=2),
+]
+
+
+# ---------------------------------------------------------------------------------------- arguments at the door
+def door(**kwargs) -> Callable[[Project], object]:
+    def act(p: Project):
+        method = kwargs.pop("method", "ties")
+        return merge_args(p, method, **kwargs)
+
+    return act
+
+
+DOOR = [
+    Case("device_cuda_without_cuda", door(device="cuda"), InvalidParameterError, ("CUDA device(s)",))
+    if not torch.cuda.is_available() else Case("device_cuda_index_too_high", door(device="cuda:99"),
+                                                InvalidParameterError, ("CUDA device(s)",)),
+    Case("device_meta", door(device="meta"), InvalidParameterError, ("'meta' cannot run a merge",)),
+    Case("device_nonsense", door(device="toaster"), InvalidParameterError, ("not a torch device",)),
+    Case("dtype_int8", door(dtype="int8"), InvalidParameterError, ("dtype must be one of", "'int8'")),
+    Case("dtype_float8", door(dtype="float8_e4m3fn"), InvalidParameterError, ("dtype must be one of",)),
+    Case("dtype_torch_object", door(dtype=torch.float64), InvalidParameterError, ("dtype",)),
+    Case("compute_dtype_int", door(compute_dtype="int16"), InvalidParameterError, ("compute_dtype",)),
+    Case("seed_negative", door(seed=-1), InvalidParameterError, ("seed must be an integer in [0,", "-1")),
+    Case("seed_huge", door(seed=2**70), InvalidParameterError, ("seed must be an integer",)),
+    Case("seed_float", door(seed=1.5), InvalidParameterError, ("seed must be an integer",)),
+    Case("seed_bool", door(seed=True), InvalidParameterError, ("seed must be an integer",)),
+    Case("base_none", lambda p: hf_mloss.merge(None, p.model_args[1], progress=False), InvalidParameterError,
+         ("base is required",)),
+    Case("base_int", lambda p: hf_mloss.merge(3, p.model_args[1], progress=False), InvalidParameterError,
+         ("base", "PreTrainedModel")),
+    Case("models_a_string", lambda p: hf_mloss.merge(str(p.base), str(p.models[0]), progress=False),
+         InvalidParameterError, ("models must be a non-empty list",)),
+    Case("models_empty", lambda p: hf_mloss.merge(str(p.base), [], progress=False), InvalidParameterError,
+         ("non-empty list",)),
+    Case("models_plain_module", lambda p: hf_mloss.merge(str(p.base), [torch.nn.Linear(2, 2)], progress=False),
+         InvalidParameterError, ("Hub id, a local folder or a loaded",)),
+    Case("numpy_scalar_weights_work", door(weights=[np.float32(1), np.int64(2)]), None,
+         check=lambda p, r: r.config.weights == [1.0, 2.0]),
+    Case("numpy_array_weights_work", door(weights=np.array([0.25, 0.75])), None,
+         check=lambda p, r: r.config.weights == [0.25, 0.75]),
+    Case("weights_nan", door(weights=[1.0, float("nan")]), InvalidParameterError, ("weights[1]", "finite")),
+    Case("weights_wrong_count", door(weights=[1.0]), InvalidParameterError, ("Got 1 weights for 2 models",)),
+    Case("weights_a_dict", door(weights={"a": 1}), InvalidParameterError, ("one entry per model",)),
+    Case("data_is_a_file", door(method="m_ties", data="merge.yaml", **IMAGES), DataError,
+         ("is a file, not a folder",)),
+    Case("data_missing_folder", door(method="m_ties", data="./no/such/images"), DataError, ("does not exist",)),
+    Case("data_empty_list", door(method="m_ties", data=[], **IMAGES), DataError, ("empty",)),
+    Case("data_wrong_tensor_shape", door(method="m_ties", data=torch.zeros(4, 32, 32)), DataError,
+         ("[N, 3, H, W]",)),
+    Case("batch_size_overflows", door(method="m_ties", data=".", batch_size=10**12), InvalidParameterError,
+         ("batch_size must be an integer in [1, 65536]",)),
+    Case("batch_size_zero", door(method="m_ties", data=".", batch_size=0), InvalidParameterError, ("batch_size",)),
+    Case("num_samples_negative", door(method="m_ties", data=".", num_samples=-3), DataError, ("num_samples",)),
+    Case("revision_not_a_string", door(revision=123), InvalidParameterError, ("revisions must be a list",)),
+    Case("method_none", door(method=None), InvalidParameterError, ("method is required",)),
+    Case("method_typo_suggests", door(method="mties"), UnknownMethodError, ("did you mean 'm_ties'",)),
+    Case("k_numpy_is_accepted", door(k=np.float32(0.5)), None, check=lambda p, r: r.params["k"] == 0.5),
+    Case("lam_infinite", door(lam=float("inf")), InvalidParameterError, ("lam must be a finite number",)),
+    Case("e_bool", door(method="m_ties", data=".", e=True), InvalidParameterError, ("e must be a finite number",)),
+    Case("layers_negative", door(method="m_ties", data=".", layers=[-1]), InvalidParameterError,
+         ("layers must be an integer >= 0",)),
+    Case("layers_a_string", door(method="m_ties", data=".", layers="0"), InvalidParameterError,
+         ("layers must be a list",)),
+    Case("output_unknown", door(output="both"), InvalidParameterError, ("output must be one of",)),
+    Case("unknown_parameter_suggests", door(densty=0.2), InvalidParameterError, ("'densty'", "valid parameters")),
+    Case("processor_not_a_processor", door(method="m_ties", data=".", processor=[1]), InvalidParameterError,
+         ("processor must be",)),
+]
+
+
+# ----------------------------------------------------------------------------------------------------- push
+def _saved(p: Project, name: str = "pushme") -> Path:
+    p.outputs.add(name)
+    return merge_args(p, "average").save_pretrained(p.root / name)
+
+
+def _push(folder: Path, hub: FakeHub | None = None, **kwargs):
+    from hf_mloss.hub_push import push_folder
+
+    return push_folder(folder, kwargs.pop("repo", "tester/red-team"), token=SECRET, **kwargs)
+
+
+def _pushed_files(hub: FakeHub) -> set[str]:
+    return set(hub.commits[-1].files) if hub.commits else set()
+
+
+PUSH_SETUPS: list[tuple[str, Callable[[Project], Path], type[BaseException] | None, tuple[str, ...],
+                        Callable[[set[str]], None] | None]] = [
+    ("hidden_files_stay_home", lambda p: (lambda f: ((f / ".secrets").mkdir(), (f / ".secrets" / "token")
+                                                     .write_text(SECRET), f)[-1])(_saved(p)), None, (),
+     lambda files: (not any(".secrets" in f for f in files)) or pytest.fail(str(files))),
+    ("git_folder_is_never_uploaded", lambda p: (lambda f: ((f / ".git").mkdir(), (f / ".git" / "config")
+                                                           .write_text("x"), f)[-1])(_saved(p)), None, (),
+     lambda files: (not any(".git" in f for f in files)) or pytest.fail(str(files))),
+    ("files_added_after_saving_stay_home", lambda p: (lambda f: ((f / "notes.txt").write_text("private"), f)[-1])(
+        _saved(p)), None, (), lambda files: ("notes.txt" not in files) or pytest.fail(str(files))),
+    ("symlinked_weights_are_refused", lambda p: (lambda f: ((f / "model.safetensors").unlink(),
+                                                            (f / "model.safetensors").symlink_to(p.models[0] /
+                                                                                                 "model.safetensors"),
+                                                            f)[-1])(_saved(p)),
+     PushError, ("not a regular file",), None),
+    ("no_manifest_is_refused", lambda p: (lambda f: ((f / "hf_mloss_files.json").unlink(), f)[-1])(_saved(p)),
+     PushError, ("hf_mloss_files.json", "not written by hf_mloss"), None),
+    ("truncated_weights_are_refused", lambda p: (lambda f: ((f / "model.safetensors").write_bytes(
+        (f / "model.safetensors").read_bytes()[:100]), f)[-1])(_saved(p)), PushError, ("changed after",), None),
+    ("an_edited_card_is_uploaded", lambda p: (lambda f: ((f / "README.md").write_text(
+        (f / "README.md").read_text() + "\nMore words.\n"), f)[-1])(_saved(p)), None, (),
+     lambda files: ("README.md" in files) or pytest.fail(str(files))),
+    ("invalid_repo_id_before_any_request", lambda p: _saved(p), InvalidParameterError, ("not a valid Hub repo id",),
+     None),
+]
+
+
+# ------------------------------------------------------------------------------------------ the table runner
+CASES = REMOTE_CODE + INPUTS + OUTSIDE + GARBAGE + UNBOUNDED + DOOR
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_red_team(case: Case, project, capsys, caplog):
+    run_case(case, project, capsys, caplog)
+
+
+@pytest.mark.parametrize("name, setup, error, words, check", PUSH_SETUPS, ids=[s[0] for s in PUSH_SETUPS])
+def test_red_team_push(name, setup, error, words, check, project, fake_hub, capsys, caplog):
+    folder = setup(project)
+    repo = "not a repo!" if name == "invalid_repo_id_before_any_request" else "tester/red-team"
+    before = tree(project.root)
+    if error is None:
+        _push(folder, repo=repo)
+        check(_pushed_files(fake_hub))
+    else:
+        with pytest.raises(error) as info:
+            _push(folder, repo=repo)
+        assert all(w in str(info.value) for w in words), str(info.value)
+        assert not fake_hub.commits
+        assert SECRET not in chain(info.value)
+    assert tree(project.root) == before
+    assert SECRET not in capsys.readouterr().err + caplog.text
+
+
+def test_refused_repo_id_leaves_no_temporary_copy(project, tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    with pytest.raises(InvalidParameterError, match="not a valid Hub repo id"):
+        merge_args(project, "average").push_to_hub("not a repo!")
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_failed_push_to_hub_leaves_no_temporary_copy(project, fake_hub, tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    fake_hub.fail_commits(403)
+    with pytest.raises(PushError, match="403") as info:
+        merge_args(project, "average").push_to_hub("tester/denied", token=SECRET)
+    assert list((tmp_path / "tmp").iterdir()) == [] and SECRET not in chain(info.value)
+    assert "Nothing was kept locally" in str(info.value)
+
+
+# ------------------------------------------------------------------------------------------- secrets in errors
+def _echo_token(hub: FakeHub, monkeypatch, status: int, match: str) -> None:
+    original = hub._handle
+
+    def echoing(handler, method):
+        if match in handler.path:
+            auth = handler.headers.get("Authorization", "")
+            data = json.dumps({"error": f"upstream said no to {auth}"}).encode()
+            length = int(handler.headers.get("Content-Length") or 0)
+            handler.rfile.read(length)
+            handler.send_response(status)
+            handler.send_header("Content-Type", "application/json")
+            handler.send_header("Content-Length", str(len(data)))
+            handler.end_headers()
+            handler.wfile.write(data)
+            return
+        original(handler, method)
+
+    monkeypatch.setattr(hub, "_handle", echoing)
+
+
+@pytest.mark.parametrize("status", [400, 401, 403, 500])
+def test_download_errors_name_the_status_and_never_the_token(project, fake_hub, monkeypatch, status):
+    fake_hub.add_repo("org/model", {"config.json": (project.base / "config.json").read_bytes()})
+    _echo_token(fake_hub, monkeypatch, status, "/api/models/org/model")
+    with pytest.raises(CheckpointNotFoundError) as info:
+        hf_mloss.merge("org/model", ["org/model"], "average", token=SECRET, progress=False)
+    message = str(info.value)
+    assert SECRET not in chain(info.value) and info.value.__cause__ is None
+    if status in (400, 401, 403, 500):
+        assert f"HTTP {status}" in message and "offline" not in message, message
+
+
+@pytest.mark.parametrize("status", [401, 403, 500])
+def test_push_errors_never_echo_the_token(project, fake_hub, monkeypatch, capsys, status):
+    folder = _saved(project)
+    _echo_token(fake_hub, monkeypatch, status, "/commit/")
+    with pytest.raises(PushError) as info:
+        _push(folder)
+    assert f"HTTP {status}" in str(info.value) and SECRET not in chain(info.value)
+    assert main(["push", str(folder), "tester/red-team", "-q"]) == 1
+    assert SECRET not in capsys.readouterr().err
+
+
+def test_token_never_reaches_saved_files_or_reprs(project, capsys):
+    result = merge_args(project, "average", token=SECRET)
+    folder = result.save_pretrained(project.root / "out")
+    for path in folder.rglob("*"):
+        if path.is_file():
+            assert SECRET.encode() not in path.read_bytes(), path
+    assert SECRET not in repr(result) + repr(result.config) + result.config.to_yaml()
+
+
+# -------------------------------------------------------------------------------------- processes and signals
+SAVE_FOREVER = textwrap.dedent("""
+    import sys, hf_mloss
+    base, ft, target = sys.argv[1:4]
+    result = hf_mloss.merge(base, [ft], "average", progress=False)
+    print("ready", flush=True)
+    while True:
+        result.save_pretrained(target, max_shard_size="4KB", overwrite=True)
+""")
+
+
+def test_sigterm_during_save_leaves_no_temporary_folder(project):
+    target = project.root / "target"
+    for delay in (0.05, 0.4):
+        proc = subprocess.Popen([sys.executable, "-c", SAVE_FOREVER, str(project.base), str(project.models[0]),
+                                 str(target)], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(delay)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) != 0
+        assert [n for n in os.listdir(project.root) if n.startswith(".hf_mloss-tmp")] == []
+        if target.exists():
+            assert (target / "hf_mloss_files.json").is_file()
+
+
+PROMPT_SCRIPT = textwrap.dedent("""
+    import sys
+    from hf_mloss.cli import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def test_answering_yes_to_a_prompt_never_runs_code(project):
+    """Piping `yes` into the CLI: nothing may prompt, so nothing reads it and no code runs."""
+    _custom_code_folder(project, project.models[0], "evil_yes")
+    config = project.root / "yes.yaml"
+    config.write_text(yaml.safe_dump({"base": "./base", "models": ["./evil_yes", "./ft1"], "method": "average"}))
+    proc = subprocess.run([sys.executable, "-c", PROMPT_SCRIPT, "merge", str(config), str(project.root / "out"),
+                           "--quiet"], input="yes\n" * 100, capture_output=True, text=True, cwd=project.root,
+                          timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "trust_remote_code" not in proc.stdout + proc.stderr and "[y/N]" not in proc.stdout + proc.stderr
+    no_marker(project)
+
+
+def test_case_count():
+    assert len(CASES) + len(PUSH_SETUPS) + 10 >= 80
