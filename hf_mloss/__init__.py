@@ -49,7 +49,31 @@ _SUBMODULES = {"adapters", "card", "checkpoint", "cli", "config", "data", "demo"
                "hub_push", "inputs", "merger", "mergekit_compat", "methods", "options", "plots", "report", "result",
                "saving", "scoring", "store", "suites", "testing", "theory"}
 
-__all__ = sorted([*_EXPORTS, "__version__"])
+__all__ = [
+    "CheckpointNotFoundError",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "DataError",
+    "HfMLossError",
+    "IncompatibleCheckpointsError",
+    "InvalidParameterError",
+    "MLossReport",
+    "MergeConfig",
+    "MergeResult",
+    "OutputExistsError",
+    "PushError",
+    "SaveError",
+    "UnknownMethodError",
+    "UnsafeCheckpointError",
+    "UnsupportedModelError",
+    "__version__",
+    "list_adapters",
+    "list_methods",
+    "merge",
+    "register_adapter",
+    "register_merge_method",
+    "score",
+]
 
 
 def __getattr__(name: str) -> Any:

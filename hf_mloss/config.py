@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._validation import check_keys, param, short, validate_fields
-from ._version import __version__
 from .errors import CheckpointNotFoundError, ConfigError, DataError, HfMLossError, InvalidParameterError
 from .options import ScoringOptions
 
@@ -270,7 +269,15 @@ class MergeConfig:
                     revision: str | Sequence[str | None] | None = None, data: Any = None,
                     num_samples: int = DEFAULT_NUM_SAMPLES, split: str = "train", image_column: str | None = None,
                     score: ScoringOptions | Mapping[str, Any] | None = None, **options: Any) -> MergeConfig:
-        """The config of a :func:`hf_mloss.merge` call: ``options`` are config fields or method parameters."""
+        """The config of a :func:`hf_mloss.merge` call (same arguments): ``options`` are config fields (``seed``,
+        ``dtype``, ``batch_size``...) or the method's parameters.
+
+        Example:
+            ```python
+            >>> config = MergeConfig.from_kwargs("org/base", ["org/ft-a", "org/ft-b"], "ties", k=0.3, seed=1)
+            >>> config.to_yaml("merge.yaml")
+            ```
+        """
         if isinstance(models, (str, os.PathLike)) or _is_loaded_model(models) or not isinstance(models, Sequence):
             raise InvalidParameterError(f"models must be a non-empty list of Hub ids, local folders or loaded models, "
                                         f"got {short(models)}.")
@@ -424,7 +431,21 @@ class MergeConfig:
 
     # ----------------------------------------------------------------------------------------------- running
     def run(self, *, device: Any = None, token: str | bool | None = None, progress: bool = True) -> MergeResult:
-        """Run the merge. ``device``, ``token`` and ``progress`` are properties of the run, not of the recipe."""
+        """Run the merge.
+
+        Args:
+            device: where to compute (``"cpu"``, ``"cuda"``...); a property of the run, not of the recipe.
+            token: Hub token for private models (never stored).
+            progress: show progress bars.
+
+        Returns:
+            The :class:`~hf_mloss.MergeResult`, whose ``config`` records what ran.
+
+        Example:
+            ```python
+            >>> MergeConfig.from_yaml("merge.yaml").run(device="cuda").save_pretrained("merged")
+            ```
+        """
         from .merger import run_merge
 
         self.validate()
@@ -432,7 +453,16 @@ class MergeConfig:
 
     def run_score(self, *, device: Any = None, token: str | bool | None = None, progress: bool = True
                   ) -> MLossReport:
-        """Measure M-Loss with the ``score`` options (no merge unless ``prefix="merged"``)."""
+        """Measure M-Loss with the ``score`` options (no merge unless ``prefix="merged"``).
+
+        Args:
+            device, token, progress: as in :meth:`run`.
+
+        Example:
+            ```python
+            >>> print(MergeConfig.from_yaml("merge.yaml").run_score().summary())
+            ```
+        """
         from .scoring import run_score
 
         self.validate()

@@ -162,7 +162,7 @@ def _iter_images(data, *, sampler: _Sampler, split: str, image_column, revision:
                 ds = datasets.load_dataset("imagefolder", data_dir=str(path), split=split, streaming=True)
             except FileNotFoundError as err:  # datasets' EmptyDatasetError
                 raise DataError(f"No image files found in {ref!r}: {err}.") from err
-            except ValueError as err:
+            except ValueError:
                 splits = _folder_splits(path)
                 if splits:  # a typo in the split name must not silently score every split
                     raise DataError(f"Split {split!r} is not in the image folder {ref!r}; its splits are {splits}. "

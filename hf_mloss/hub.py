@@ -120,11 +120,6 @@ def _index_shards(index: Path) -> list[str]:
     return shards
 
 
-def is_hub_id(ref: str) -> bool:
-    """Whether ``ref`` reads as a Hub repo id (``org/name``) and is not an existing local path."""
-    return bool(ref) and bool(_REPO_ID.match(ref)) and not Path(ref).expanduser().exists()
-
-
 def resolve_model(
     ref: str | os.PathLike[str],
     *,

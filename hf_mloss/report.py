@@ -81,7 +81,13 @@ class MLossReport:
         return rows
 
     def summary(self) -> str:
-        """A plain-text table of per-layer M-Loss."""
+        """A plain-text table of per-layer M-Loss (and the data it was measured on).
+
+        Example:
+            ```python
+            >>> print(hf_mloss.score(base, models, data="tanganke/dtd").summary())
+            ```
+        """
         rows = self.summary_rows()
         has_keep = any("keep_mean" in r for r in rows)
         header = f"{'layer':<34} {'M-Loss':>11} {'normalized':>11} {'node max':>11}"
@@ -121,13 +127,25 @@ class MLossReport:
         return out
 
     def to_json(self, path: str | Path | None = None, *, per_row: bool = False) -> str:
+        """The report as JSON text (``per_row``: with every node's values), also written to ``path`` if given."""
         text = json.dumps(self.to_dict(per_row=per_row), indent=2)
         if path is not None:
             Path(path).write_text(text + "\n")
         return text
 
     def save(self, folder: str | Path) -> None:
-        """Write the summary JSON and the per-row vectors (safetensors) into ``folder``."""
+        """Write the summary JSON (``mloss.json``) and the per-row vectors (``mloss_scores.safetensors``).
+
+        Args:
+            folder: an existing folder.
+
+        Example:
+            ```python
+            >>> report.save("merged")
+            >>> MLossReport.load("merged").layers == report.layers
+            True
+            ```
+        """
         from safetensors.torch import save_file
 
         folder = Path(folder)

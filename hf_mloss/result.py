@@ -64,13 +64,28 @@ class MergeResult:
     def save_pretrained(self, save_directory: str | os.PathLike[str], *, max_shard_size: int | str = "5GB",
                         overwrite: bool = False, push_to_hub: bool = False, repo_id: str | None = None,
                         **push_kwargs: Any) -> Path:
-        """Write a Hub-ready folder: safetensors (+ index), config, image processor config, model card, merge config,
-        M-Loss report, and the list of the files written.
+        """Write a Hub-ready folder: safetensors (+ index), config, processor, model card, merge config, M-Loss
+        report, and the list of the files written (``hf_mloss_files.json``, what a push uploads).
 
         The folder is written next to its final place and renamed into it, so it appears complete or not at all.
         An existing non-empty folder is refused unless ``overwrite=True``, and then replaced only at the final
-        rename. An output folder that overlaps an input is refused. With ``push_to_hub=True`` the folder is then
-        uploaded to ``repo_id`` (default: the folder name) in one commit.
+        rename. An output folder that overlaps an input is refused.
+
+        Args:
+            save_directory: the folder to write.
+            max_shard_size: shard the weights above this size (``"5GB"``, or bytes).
+            overwrite: replace an existing non-empty folder.
+            push_to_hub: then upload the folder to ``repo_id`` (default: the folder name) in one commit.
+            **push_kwargs: ``private``, ``token``, ``revision``, ``create_pr``, ``commit_message``.
+
+        Returns:
+            The folder written.
+
+        Example:
+            ```python
+            >>> result = hf_mloss.merge(base, models, "ties")
+            >>> result.save_pretrained("merged", push_to_hub=True, repo_id="me/merged", private=True)
+            ```
         """
         if push_to_hub:
             from .hub_push import check_repo_id
@@ -93,6 +108,21 @@ class MergeResult:
 
         The temporary copy is removed whatever happens; to keep a local copy, use ``save_pretrained(folder,
         push_to_hub=True)`` (a failed push then leaves the folder and says how to retry).
+
+        Args:
+            repo_id: the Hub repo (``org/name``), created if needed.
+            private: create the repo as private.
+            token: passed to the Hub; never stored or printed (default: ``hf auth login`` / ``HF_TOKEN``).
+            revision, create_pr, commit_message: where and how to commit.
+            max_shard_size: shard the weights above this size.
+
+        Returns:
+            The ``CommitInfo`` of the commit.
+
+        Example:
+            ```python
+            >>> hf_mloss.merge(base, models, "m_ties", data="tanganke/dtd").push_to_hub("me/merged-clip")
+            ```
         """
         from .hub_push import check_repo_id, push_folder
 

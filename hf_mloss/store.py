@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import pickle
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -160,15 +160,6 @@ class ModuleStore(TensorStore):
 
     def __repr__(self) -> str:
         return f"ModuleStore({self.ref.name!r}, tensors={len(self.shapes)})"
-
-
-def iter_stage_names(names: list[str], adapter: ModelAdapter) -> Iterator[tuple[int, list[str]]]:
-    """Group canonical names by stage (embeddings, blocks in order, tail), keeping checkpoint order inside a stage."""
-    stages: dict[int, list[str]] = {}
-    for name in names:
-        stages.setdefault(adapter.stage_of(name), []).append(name)
-    for stage in sorted(stages):
-        yield stage, stages[stage]
 
 
 def load_pickle_state(file: Path, model_name: str) -> Mapping[str, torch.Tensor]:

@@ -291,6 +291,6 @@ def test_console_script(tmp_path):
     failed = subprocess.run([script, "merge", str(config), str(tmp_path / "out")], check=False, capture_output=True,
                             text=True, timeout=120)
     assert failed.returncode == 2
-    assert failed.stderr.startswith("hf-mloss: error: Invalid config") and "Unknown method 'tiez'" in failed.stderr
+    assert failed.stderr.startswith("hf-mloss: error: Invalid config") and "Unknown merge method 'tiez'" in failed.stderr
     assert "Traceback" not in failed.stderr and failed.stderr.count("\n") == 1
     assert not (tmp_path / "out").exists()

@@ -162,8 +162,6 @@ def test_split_block_forward_equals_the_block_and_the_model(family):
             hidden = out
         torch.testing.assert_close(model.layernorm(hidden), model(pixel_values=family["pixels"][:3]).last_hidden_state,
                                    rtol=0, atol=0)
-    rebuilt = adapter.build_layer(adapter.layers(model)[0].state_dict())
-    assert type(rebuilt) is type(adapter.layers(model)[0])
 
 
 # ------------------------------------------------------------------------------------------- M-Loss

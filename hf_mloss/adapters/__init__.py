@@ -14,7 +14,19 @@ ADAPTERS: dict[str, type[ModelAdapter]] = {}
 
 
 def register_adapter(adapter_cls: type[ModelAdapter]) -> type[ModelAdapter]:
-    """Register an adapter class under its ``name`` (lowercase, unique). Usable as a decorator."""
+    """Register an adapter class under its ``name`` (lowercase, unique). Usable as a decorator.
+
+    Args:
+        adapter_cls: a :class:`ModelAdapter` subclass (``name``, ``model_types``, ``model_class``...).
+
+    Example:
+        ```python
+        >>> @register_adapter
+        ... class SiglipVisionAdapter(ModelAdapter):
+        ...     name, model_types, model_class = "siglip_vision", ("siglip_vision_model",), SiglipVisionModel
+        ...     ...
+        ```
+    """
     name = getattr(adapter_cls, "name", "")
     if not name or name != name.lower():
         raise ValueError(f"Adapter name must be a non-empty lowercase string, got {name!r}.")
@@ -25,6 +37,7 @@ def register_adapter(adapter_cls: type[ModelAdapter]) -> type[ModelAdapter]:
 
 
 def list_adapters() -> list[str]:
+    """Names of the registered adapters (model families hf_mloss can merge)."""
     return sorted(ADAPTERS)
 
 

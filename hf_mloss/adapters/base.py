@@ -155,12 +155,6 @@ class ModelAdapter(ABC):
             return AutoProcessor.from_pretrained(path, trust_remote_code=False, token=token)
         return AutoImageProcessor.from_pretrained(path, backend="pil", trust_remote_code=False, token=token)
 
-    def build_layer(self, state_dict: dict[str, torch.Tensor]) -> nn.Module:
-        """A standalone block holding ``state_dict`` (block-relative names), for a model's own forward."""
-        raise NotImplementedError(f"adapter {self.name!r} cannot build a standalone block")
-
-    # ----------------------------------------------------------------- layer-wise forward
-    @abstractmethod
     def layers(self, model: PreTrainedModel) -> list[nn.Module]:
         """The block modules of ``model`` in order."""
 

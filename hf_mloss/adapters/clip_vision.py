@@ -7,7 +7,6 @@ import re
 import torch
 from torch import nn
 from transformers import CLIPModel, CLIPVisionConfig, CLIPVisionModel, PretrainedConfig, PreTrainedModel
-from transformers.models.clip.modeling_clip import CLIPEncoderLayer
 
 from .base import ModelAdapter
 
@@ -49,11 +48,6 @@ class CLIPVisionAdapter(ModelAdapter):
 
     def layers(self, model: PreTrainedModel) -> list[nn.Module]:
         return list(model.encoder.layers)
-
-    def build_layer(self, state_dict: dict[str, torch.Tensor]) -> nn.Module:
-        layer = CLIPEncoderLayer(self.config)
-        layer.load_state_dict(state_dict, strict=True)
-        return layer.eval()
 
     def embed(self, model: PreTrainedModel, pixel_values: torch.Tensor) -> torch.Tensor:
         return model.pre_layrnorm(model.embeddings(pixel_values))

@@ -16,7 +16,6 @@ import re
 import torch
 from torch import nn
 from transformers import Dinov2Model, PretrainedConfig, PreTrainedModel
-from transformers.models.dinov2.modeling_dinov2 import Dinov2Layer
 
 from ..errors import UnsupportedModelError
 from .base import ModelAdapter
@@ -73,11 +72,6 @@ class Dinov2Adapter(ModelAdapter):
 
     def layers(self, model: PreTrainedModel) -> list[nn.Module]:
         return list(model.encoder.layer)
-
-    def build_layer(self, state_dict: dict[str, torch.Tensor]) -> nn.Module:
-        layer = Dinov2Layer(self.config)
-        layer.load_state_dict(state_dict, strict=True)
-        return layer.eval()
 
     def embed(self, model: PreTrainedModel, pixel_values: torch.Tensor) -> torch.Tensor:
         # as Dinov2Model.forward: positions are interpolated to the input size inside the embeddings

@@ -14,7 +14,6 @@ import re
 import torch
 from torch import nn
 from transformers import PreTrainedModel, ViTModel
-from transformers.models.vit.modeling_vit import ViTLayer
 
 from .base import ModelAdapter
 
@@ -75,11 +74,6 @@ class ViTAdapter(ModelAdapter):
 
     def layers(self, model: PreTrainedModel) -> list[nn.Module]:
         return list(model.layers)
-
-    def build_layer(self, state_dict: dict[str, torch.Tensor]) -> nn.Module:
-        layer = ViTLayer(self.config)
-        layer.load_state_dict(state_dict, strict=True)
-        return layer.eval()
 
     def embed(self, model: PreTrainedModel, pixel_values: torch.Tensor) -> torch.Tensor:
         # as ViTModel.forward: cast to the weights' dtype, no position interpolation (the size must match the config)
