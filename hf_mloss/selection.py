@@ -212,10 +212,9 @@ def as_head(head: Any, index: int) -> Any:
         if "weight" not in tensors:
             raise InvalidParameterError(f"select.heads[{index}]: {os.fspath(head)!r} holds {sorted(tensors)}; a head "
                                         "file needs `weight` [classes, features] (and optionally `bias`).")
-        head = torch.nn.Linear(0, 0)
-        head.weight = torch.nn.Parameter(tensors["weight"].float(), requires_grad=False)
-        head.bias = torch.nn.Parameter(tensors["bias"].float(), requires_grad=False) if "bias" in tensors else None
-        return head
+        weight, bias = tensors["weight"].float(), tensors.get("bias")
+        return lambda features: torch.nn.functional.linear(features, weight.to(features),
+                                                           None if bias is None else bias.to(features))
     if isinstance(head, torch.Tensor):
         weight = head.float()
         return lambda features: features @ weight.to(features).T
@@ -542,7 +541,7 @@ def select_and_merge(config: MergeConfig, inputs: RunInputs, merger: TensorMerge
         is_ref = reference is not None and all(reference[k] == v for k, v in fixed.items())
         tau = ref_tau if is_ref else builder.task_vector(fixed, 1.0)
         for lam in lams:
-            setting = {**fixed, **({"lam": lam} if "lam" in defaults else {})}
+            setting = {**fixed, **({"lam": lam} if "lam" in options.grid else {})}
             builder.write(tau, lam)
             values = evaluator.evaluate(builder.tower)
             candidates.append({"setting": setting, **values})
