@@ -4,6 +4,7 @@
 import hf_mloss
 
 report = hf_mloss.score(base, [ft_a, ft_b], data="path/to/images")      # mergeability, no merge
+pairs = hf_mloss.compatibility(base, [ft_a, ft_b, ft_c], data="path/to/images")   # pairwise M-Loss matrix
 result = hf_mloss.merge(base, [ft_a, ft_b], "m_ties", data="path/to/images", k=0.2, e=0.1)
 result.save_pretrained("merged")                                          # Hub-ready folder
 hf_mloss.MergeConfig.from_pretrained("merged").run()                      # re-run a published recipe
@@ -37,6 +38,9 @@ _EXPORTS = {
     "MergeConfig": "config",
     "MergeResult": "result",
     "MLossReport": "report",
+    "CompatibilityReport": "compatibility",
+    "compatibility": "compatibility",
+    "SelectionOptions": "selection",
     "list_adapters": "adapters",
     "register_adapter": "adapters",
     "list_methods": "methods",
@@ -47,7 +51,7 @@ _EXPORTS = {
 
 _SUBMODULES = {"adapters", "card", "checkpoint", "cli", "config", "data", "demo", "errors", "evaluation", "hub",
                "hub_push", "inputs", "merger", "mergekit_compat", "methods", "options", "plots", "report", "result",
-               "saving", "scoring", "store", "suites", "testing", "theory"}
+               "saving", "scoring", "selection", "store", "suites", "testing", "theory"}
 
 __all__ = [
     "CheckpointNotFoundError",
@@ -93,6 +97,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from .adapters import list_adapters, register_adapter
+    from .compatibility import CompatibilityReport
     from .config import MergeConfig
     from .errors import (
         CheckpointNotFoundError,
@@ -114,3 +119,4 @@ if TYPE_CHECKING:
     from .report import MLossReport
     from .result import MergeResult
     from .scoring import score
+    from .selection import SelectionOptions

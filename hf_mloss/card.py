@@ -87,14 +87,33 @@ def _weights_source(ref: Any) -> str | None:
     return f"{name} ({pr})" if name and pr else name
 
 
+def selection_rows(config: MergeConfig) -> dict[str, Any] | None:
+    """The label-free selection record of a merge for the card: criterion, grid, and every candidate's values."""
+    select = config.select
+    if select is None or not select.candidates:
+        return None
+    keys = list(select.grid)
+    rows = [{"setting": ", ".join(f"{k}={c['setting'].get(k)}" for k in keys),
+             "values": [c.get(name) for name in select.criteria], "chosen": c["setting"] == select.chosen}
+            for c in select.candidates]
+    return {"criterion": select.criterion, "criteria": select.criteria, "grid": select.grid,
+            "num_samples": select.num_samples, "share": select.share, "reference": select.reference, "rows": rows,
+            "chosen": ", ".join(f"{k}={v}" for k, v in (select.chosen or {}).items())}
+
+
 def build_model_card(result: CardSource, *, heatmap: str | None = None) -> ModelCard:
-    """Render the card of a merge (``heatmap``: file name of the M-Loss picture saved beside it, if any)."""
+    """Render the card of a merge (``heatmap``: file name of the M-Loss picture saved beside it, if any).
+
+    A :class:`~hf_mloss.compatibility.CompatibilityReport` set as ``result.compatibility`` is embedded, and so is the
+    label-free selection record of ``result.config.select``.
+    """
     report = result.report
     rows = report.summary_rows() if report is not None else []
     params = result.config.method_params()
     shown = {k: v for k, v in params.to_dict().items() if v is not None}
     if hasattr(params, "resolved_scope"):
         shown["scope"] = params.resolved_scope
+    compatibility = getattr(result, "compatibility", None)
     template = resources.files("hf_mloss").joinpath("templates", TEMPLATE).read_text(encoding="utf-8")
     model_class = type(result.model).__name__
     return ModelCard.from_template(
@@ -121,5 +140,7 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
         mloss_rows=rows,
         has_keep=any("keep_mean" in r for r in rows),
         heatmap=heatmap,
+        selection=selection_rows(result.config),
+        compatibility=compatibility.card_section() if compatibility is not None else None,
         repo_hint="path/or/repo-id",
     )

@@ -3,6 +3,7 @@
 ```
 hf-mloss merge CONFIG.yaml OUT_DIR [--push-to-hub REPO] [--private] [--overwrite] [--device DEVICE] [--quiet]
 hf-mloss score CONFIG.yaml [--json OUT] [--per-row] [--device DEVICE] [--quiet]
+              [--pairwise [--subsets I,J,...] [--output-gap] [--no-baselines] [--out DIR]]
 hf-mloss push OUT_DIR REPO [--private] [--revision REV] [--create-pr] [--commit-message MSG] [--quiet]
 hf-mloss methods [--json]
 ```
@@ -33,7 +34,7 @@ EXIT_PUSH_ERROR = 1
 def merge_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     description = ("Merge the models of a YAML config and write a Hub-ready folder (safetensors, config, image "
                    "processor, model card, hf_mloss_config.yaml and the M-Loss report).")
-    parser = _subparser(subparsers, "merge", description, parents=[_quiet_parent()])
+    parser = _subparser(subparsers, "merge", description, parents=[_quiet_parent(), _selection_parent()])
     parser.add_argument("config", metavar="CONFIG.yaml", help="The merge config (see hf_mloss.config).")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="Folder to write the merged model to.")
     parser.add_argument("--push-to-hub", metavar="REPO", default=None,
@@ -53,7 +54,7 @@ def merge_command(args: argparse.Namespace) -> int:
     from .inputs import resolve_device
     from .saving import check_output_dir
 
-    config = MergeConfig.from_yaml(args.config)
+    config = _with_selection(MergeConfig.from_yaml(args.config), args)
     device = resolve_device(args.device)
     if args.push_to_hub:
         check_repo_id(args.push_to_hub)
@@ -74,6 +75,8 @@ def merge_command(args: argparse.Namespace) -> int:
     if result.data_info is not None:
         info = result.data_info
         lines.append(f"  data:       {info.source} {info.id!r} (split {info.split!r}, {info.num_samples} images)")
+    if result.config.select is not None:
+        lines += ["", result.config.select.summary()]
     if result.report is not None:
         lines += ["", result.report.summary(), ""]
     lines.append(f"Saved to {saved}")
@@ -103,11 +106,22 @@ def _local_inputs(config) -> list[str]:
 def score_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     description = ("Measure the M-Loss (mergeability) of the config's models on its unlabeled data, without merging, "
                    "and print the per-layer table. Options come from the config's optional `score:` section.")
-    parser = _subparser(subparsers, "score", description, parents=[_quiet_parent()])
+    parser = _subparser(subparsers, "score", description, parents=[_quiet_parent(), _selection_parent()])
     parser.add_argument("config", metavar="CONFIG.yaml", help="A config with base, models and data.")
     parser.add_argument("--json", metavar="OUT", default=None, help="Also write the report as JSON to this file.")
     parser.add_argument("--per-row", action="store_true", help="Include the per-row (node) vectors in the JSON.")
     parser.add_argument("--device", default=None, help="Where to compute: cpu (default), cuda, cuda:1, mps...")
+    pairwise = parser.add_argument_group("compatibility report (--pairwise)")
+    pairwise.add_argument("--pairwise", action="store_true",
+                          help="Score every pair, the set without each model and the whole set from one forward per "
+                               "model, with label-free baselines (see hf_mloss.compatibility).")
+    pairwise.add_argument("--subsets", metavar="I,J,...", action="append", default=None,
+                          help="A further subset to score, as model indices (repeat the option for more).")
+    pairwise.add_argument("--output-gap", action="store_true",
+                          help="Add the output-level merge-vs-ensemble gap (one more forward per scored subset).")
+    pairwise.add_argument("--no-baselines", action="store_true", help="Skip the task-vector baselines.")
+    pairwise.add_argument("--out", metavar="DIR", default=None,
+                          help="Write compatibility.json, compatibility.md and the heatmap PNG into this folder.")
     if subparsers is not None:
         parser.set_defaults(func=score_command)
     return parser
@@ -117,7 +131,7 @@ def score_command(args: argparse.Namespace) -> int:
     from .config import MergeConfig
     from .inputs import resolve_device
 
-    config = MergeConfig.from_yaml(args.config)
+    config = _with_selection(MergeConfig.from_yaml(args.config), args)
     device = resolve_device(args.device)
     if config.data is None:  # fail now, not after downloading the models
         raise InvalidParameterError("Scoring needs unlabeled images and the config has no `data`: add e.g. `data: "
@@ -125,17 +139,51 @@ def score_command(args: argparse.Namespace) -> int:
     json_path = Path(args.json) if args.json else None
     if json_path is not None and (json_path.is_dir() or json_path.is_symlink()):
         raise InvalidParameterError(f"--json {args.json!r} is a folder or a link; give a file path.")
+    if not args.pairwise and (args.subsets or args.output_gap or args.no_baselines or args.out):
+        raise InvalidParameterError("--subsets, --output-gap, --no-baselines and --out belong to the compatibility "
+                                    "report: add --pairwise.")
+    if args.select:  # score the candidates of the grid, print them, write nothing
+        with _progress_bars(not args.quiet, datasets_too=True):
+            result = config.run(device=device, progress=not args.quiet)
+        print(result.config.select.summary())
+        return 0
     with _progress_bars(not args.quiet, datasets_too=True):
-        report = config.run_score(device=device, progress=not args.quiet)
+        if args.pairwise:
+            from .compatibility import run_compatibility
+
+            report = run_compatibility(config, subsets=_parse_subsets(args.subsets), baselines=not args.no_baselines,
+                                       output_gap=args.output_gap, device=device, progress=not args.quiet)
+        else:
+            report = config.run_score(device=device, progress=not args.quiet)
     print(report.summary())
-    if json_path is not None:
-        try:
-            json_path.parent.mkdir(parents=True, exist_ok=True)
-            report.to_json(json_path, per_row=args.per_row)
-        except OSError as err:
-            raise InvalidParameterError(f"Cannot write the --json file {str(json_path)!r}: {err}") from None
-        print(f"Wrote {json_path}")
+    _write_outputs(report, json_path, args)
     return 0
+
+
+def _parse_subsets(values: Sequence[str] | None) -> list[list[int]] | None:
+    if not values:
+        return None
+    try:
+        return [[int(v) for v in value.split(",") if v.strip()] for value in values]
+    except ValueError:
+        raise InvalidParameterError(f"--subsets takes comma-separated model indices such as 0,2,3; got "
+                                    f"{values!r}.") from None
+
+
+def _write_outputs(report: Any, json_path: Path | None, args: argparse.Namespace) -> None:
+    try:
+        if json_path is not None:
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+            if args.pairwise:
+                report.to_json(json_path)
+            else:
+                report.to_json(json_path, per_row=args.per_row)
+            print(f"Wrote {json_path}")
+        if args.pairwise and args.out:
+            written = report.save(args.out)
+            print("Wrote " + ", ".join(str(p) for p in written.values()))
+    except OSError as err:
+        raise InvalidParameterError(f"Cannot write the report: {err}") from None
 
 
 # -------------------------------------------------------------------------------------------------------- push
@@ -253,6 +301,50 @@ def _subparser(subparsers: Any, name: str, description: str, parents: Sequence[a
         return subparsers.add_parser(name, help=description.split(". ")[0].rstrip("."), description=description,
                                      parents=list(parents))
     return argparse.ArgumentParser(f"hf-mloss {name}", description=description, parents=list(parents))
+
+
+def _selection_parent() -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    group = parent.add_argument_group("label-free selection (overrides the config's `select:` section)")
+    group.add_argument("--select", choices=("unlabeled",), default=None,
+                       help="Choose the method's parameters in --grid on the config's unlabeled data (merge: then "
+                            "merge with them; score: print every candidate's criteria and write nothing).")
+    group.add_argument("--grid", metavar="PARAM=V1,V2,...", action="append", default=None,
+                       help="Candidate values of one parameter (repeat: every combination is a candidate).")
+    group.add_argument("--criterion", choices=("mloss", "output", "entropy"), default=None,
+                       help="What ranks the candidates (default mloss; entropy needs heads in the config).")
+    group.add_argument("--select-samples", type=int, metavar="N", default=None,
+                       help="Unlabeled images each candidate is scored on (default 32).")
+    return parent
+
+
+def _with_selection(config: Any, args: argparse.Namespace) -> Any:
+    """The config with the selection flags applied (``--grid``/``--criterion`` need ``--select`` or a `select:`)."""
+    import dataclasses
+
+    import yaml
+
+    flags: dict[str, Any] = {"criterion": args.criterion, "num_samples": args.select_samples}
+    if args.grid:
+        flags["grid"] = {}
+        for item in args.grid:
+            key, _, values = item.partition("=")
+            if not key.strip() or not values.strip():
+                raise InvalidParameterError(f"--grid {item!r}: write PARAM=V1,V2,... (e.g. --grid lam=0.3,0.5,1).")
+            flags["grid"][key.strip()] = [yaml.safe_load(v) for v in values.split(",") if v.strip()]
+    flags = {k: v for k, v in flags.items() if v is not None}
+    if not args.select and config.select is None:
+        if flags:
+            raise InvalidParameterError("--grid, --criterion and --select-samples configure label-free selection: "
+                                        "add --select unlabeled (or a `select:` section to the config).")
+        return config
+    if config.select is None and "grid" not in flags:
+        raise InvalidParameterError("--select unlabeled needs candidates: add --grid PARAM=V1,V2,... (e.g. --grid "
+                                    "k=0.2,0.5,0.8 --grid lam=0.5,1,1.5) or a `select: {grid: ...}` section.")
+    from .selection import SelectionOptions
+
+    select = config.select.recorded() if config.select is not None else SelectionOptions(grid=flags["grid"])
+    return config.replace(select=dataclasses.replace(select, **flags))
 
 
 def _quiet_parent() -> argparse.ArgumentParser:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from ._validation import check_keys, param, short, validate_fields
 from .errors import CheckpointNotFoundError, ConfigError, DataError, HfMLossError, InvalidParameterError
 from .options import ScoringOptions
+from .selection import SelectionOptions
 
 if TYPE_CHECKING:
     from .methods import MergeMethod, MethodParams
@@ -189,6 +190,8 @@ class MergeConfig:
     output: str = param("auto", "auto: the base's class (a full CLIPModel stays one); tower: the merged tower only.",
                         choices=OUTPUTS)
     score: ScoringOptions | None = param(None, "Options of `hf-mloss score` (prefix, reduction, ...).")
+    select: SelectionOptions | None = param(None, "Choose the method's parameters on unlabeled data: criterion, "
+                                            "grid, ... (see hf_mloss.selection).")
     hf_mloss_version: str | None = param(None, "Version that wrote the config.")
 
     def __post_init__(self) -> None:
@@ -202,6 +205,8 @@ class MergeConfig:
             self.data = DataSpec.parse(self.data)
         if isinstance(self.score, Mapping):
             self.score = _build(ScoringOptions, self.score, "score")
+        if isinstance(self.select, Mapping):
+            self.select = _build(SelectionOptions, self.select, "select.")
         self.validate()
 
     # ----------------------------------------------------------------------------------------------- checks
@@ -237,6 +242,18 @@ class MergeConfig:
                 f"Method {self.method!r} is data-guided and no data was given: pass data=... (a Hub dataset id such "
                 "as tanganke/dtd, a local image folder, a datasets object or a list of images; ~128 unlabeled images "
                 "suffice).")
+        if self.select is not None:
+            self._validate_selection(method)
+
+    def _validate_selection(self, method: MergeMethod) -> None:
+        from .selection import check_selection
+
+        if self.data is None:
+            raise DataError("Label-free selection scores every candidate on unlabeled images and no data was given: "
+                            "pass data=... (a Hub dataset id, a local image folder or images; ~32 suffice).")
+        check_selection(self.select, method, self.parameters, len(self.models))
+        for share in self.select.shares or ():
+            DataSpec.parse(share)
 
     def _validate_weights(self) -> None:
         given = [m.weight is not None for m in self.models]
@@ -337,6 +354,8 @@ class MergeConfig:
             values["data"] = _parse_data(config["data"], root)
         if config.get("score") is not None:
             values["score"] = _build(ScoringOptions, _mapping(config["score"], "score"), "score.")
+        if config.get("select") is not None:
+            values["select"] = _parse_select(_mapping(config["select"], "select"), root)
         if values.get("parameters") is None:
             values["parameters"] = {}
         values["parameters"] = _mapping(values["parameters"], "parameters")
@@ -398,6 +417,8 @@ class MergeConfig:
             out["processor"] = _relative(self.processor, base) if looks_local(self.processor) else self.processor
         if self.score is not None:
             out["score"] = self.score.to_dict()
+        if self.select is not None:
+            out["select"] = self.select.to_dict(base)
         return out
 
     def to_yaml(self, path: str | os.PathLike[str] | None = None, *, root: str | os.PathLike[str] | None = None
@@ -529,6 +550,20 @@ def _parse_data(entry: Any, root: Path | None) -> DataSpec:
     if isinstance(values.get("path"), str):
         values["path"] = _absolute(values["path"], root)
     return _build(DataSpec, values, "data.")
+
+
+def _parse_select(entry: dict[str, Any], root: Path | None) -> SelectionOptions:
+    """The ``select:`` section: head files and share folders resolve against the config's folder."""
+    heads = entry.get("heads")
+    if isinstance(heads, list):
+        for i, head in enumerate(heads):
+            if isinstance(head, Mapping) and IN_MEMORY in head:
+                raise ConfigError(f"select.heads[{i}] was passed from Python when this config was written; replace "
+                                  "it with a safetensors file holding `weight` (and `bias`).")
+        entry["heads"] = [_absolute(h, root) if isinstance(h, str) else h for h in heads]
+    if isinstance(entry.get("shares"), list):
+        entry["shares"] = [_parse_data(share, root) for share in entry["shares"]]
+    return _build(SelectionOptions, entry, "select.")
 
 
 def _migrate(config: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,6 +48,10 @@ def merge(
     device: str | torch.device | None = None,
     token: str | bool | None = None,
     progress: bool = True,
+    select: str | Mapping[str, Any] | None = None,
+    grid: Mapping[str, Sequence[Any]] | None = None,
+    criterion: str | None = None,
+    heads: Sequence[Any] | None = None,
     **method_params: Any,
 ) -> MergeResult:
     """Merge fine-tuned models of one base into one model.
@@ -70,6 +74,12 @@ def merge(
             ``"tower"`` only the merged tower (``CLIPVisionModel``).
         device: where to compute (``"cpu"``, ``"cuda"``...).
         token: passed to the Hub for private models; never stored or printed.
+        select: ``"unlabeled"`` chooses the parameters in ``grid`` on ``data`` without labels (or a mapping of
+            :class:`~hf_mloss.selection.SelectionOptions`: ``num_samples``, ``share``, ``shares``, ``compare``).
+        grid: the candidates, e.g. ``{"k": [0.2, 0.5, 0.8], "lam": [0.5, 1.0, 1.5]}`` (every combination).
+        criterion: ``"mloss"`` (merged-prefix M-Loss, default), ``"output"`` (discrepancy with each expert) or
+            ``"entropy"`` (needs ``heads``); see :mod:`hf_mloss.selection`.
+        heads: one classification head per model (for ``"entropy"``, and the logit KL of ``"output"``).
         **method_params: the method's parameters (``k``, ``e``, ``lam``, ``p``, ``scope``, ``layers``...).
 
     Returns:
@@ -80,12 +90,18 @@ def merge(
         >>> import hf_mloss
         >>> result = hf_mloss.merge("openai/clip-vit-base-patch32", ["org/ft-cars", "org/ft-dtd"], "ties", k=0.2)
         >>> result.save_pretrained("merged-clip")
+        >>> chosen = hf_mloss.merge(base, models, "ties", data="path/to/images", select="unlabeled",
+        ...                         grid={"k": [0.2, 0.5, 0.8], "lam": [0.5, 1.0, 1.5]})
+        >>> chosen.config.select.chosen                          # the label-free choice, recorded
         ```
     """
+    from .selection import selection_options
+
+    selection = selection_options(select, grid=grid, criterion=criterion, heads=heads)
     config = MergeConfig.from_kwargs(base, models, method, weights=weights, revision=revision, data=data,
                                      num_samples=num_samples, split=split, image_column=image_column, seed=seed,
                                      dtype=dtype, batch_size=batch_size, compute_dtype=compute_dtype,
-                                     processor=processor, output=output, **method_params)
+                                     processor=processor, output=output, select=selection, **method_params)
     return run_merge(config, device=device, token=token, progress=progress)
 
 
@@ -94,13 +110,20 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
     """Run a validated config (see :meth:`MergeConfig.run`)."""
     method = config.merge_method()
     params = config.method_params()
-    with open_inputs(config, device=device, token=token, needs_data=method.needs_data, progress=progress) as inputs:
+    needs_data = method.needs_data or config.select is not None
+    with open_inputs(config, device=device, token=token, needs_data=needs_data, progress=progress) as inputs:
         model = inputs.load_output_model(config.output, progress=progress)
         tower = inputs.adapter.tower(model)
         ctx = MergeContext(params=params, weights=inputs.alpha.to(inputs.device, torch.float32), seed=config.seed)
         merger = TensorMerger(inputs, method, ctx, tower)
         report = None
-        if method.needs_data:
+        if config.select is not None:
+            from .selection import select_and_merge
+
+            config, report = select_and_merge(config.replace(select=config.select.recorded()), inputs, merger, tower,
+                                              progress=progress, token=token)
+            params = merger.ctx.params
+        elif method.needs_data:
             report = merge_layerwise(config, inputs, merger, tower, method, progress=progress)
         else:
             method.prepare(ctx, merger.visit)

@@ -1,0 +1,706 @@
+"""Mergeability without labels: the pairwise M-Loss matrix of q candidate fine-tunes, leave-one-out and any subset.
+
+Every model runs ONE forward over the unlabeled images, block by block, carrying its own hidden states (the ``own``
+prefix, the paper's definition). At each scored linear the q pre-activations ``h`` of a batch are stacked as
+``[positions, q, n]``, and every scored subset S (all pairs, the sets without one model, the whole set, any subsets
+asked for) is one row of a matrix A with A[S, p] = α_p / Σ_{p'∈S} α_{p'} for p ∈ S (0 elsewhere), so that
+
+    g_S = σ(A_S · h) − A_S · σ(h)
+
+is the gap of subset S with its weights normalised over S (uniform by default; user weights α give α_i/(α_i+α_j)
+for a pair). :func:`hf_mloss.scoring.node_gap` computes it for a block of subsets at once, in chunks of positions and
+subsets of ~4 M values. Subset S's numbers equal a direct :func:`hf_mloss.score` of the models of S (``prefix="own"``).
+
+Cost per model: one forward over the images, as ``score(prefix="own")``; memory: the q models' hidden states, q
+copies of ONE block, and one chunk of gaps, never q² forwards. The pairs add elementwise work ∝ (number of subsets)
+× positions × nodes per scored layer.
+
+Label-free baselines beside it, streamed one tensor at a time over the task vectors τ_p = θ_p − θ₀: cosine and
+distance between task vectors, their norms, and the TIES sign-conflict fraction (entries kept by both trimmed task
+vectors whose signs differ); optionally the output-level gap between each subset's average merge and the ensemble
+of its members' pooled features (one extra forward per scored subset).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import sys
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .config import DEFAULT_NUM_SAMPLES, MergeConfig
+from .errors import InvalidParameterError
+from .options import ScoringOptions
+from .report import describe_data
+
+if TYPE_CHECKING:
+    from .inputs import RunInputs
+    from .scoring import ScoringSetup
+
+__all__ = ["BASELINES", "METRICS", "CompatibilityReport", "compatibility", "run_compatibility"]
+
+METRICS = ("mloss", "mloss_normalized", "mloss_ratio", "node_mloss")
+"""Per-layer M-Loss summaries of a subset (averaged over the scored layers for its overall score)."""
+BASELINES = ("tv_cosine", "tv_distance", "tv_norm", "sign_conflict", "output_gap")
+"""Label-free baselines: mean pairwise cosine / distance of the members' task vectors, the sum of their norms, the
+TIES sign-conflict fraction, and the output-level merge-vs-ensemble gap (only with ``output_gap=True``)."""
+HIGHER_IS_BETTER = {"tv_cosine"}
+"""Metrics where a higher value means more compatible (all others: lower is better)."""
+_CHUNK_ELEMENTS = 1 << 22
+REPORT_JSON, REPORT_MARKDOWN, HEATMAP_NAME = "compatibility.json", "compatibility.md", "compatibility_heatmap.png"
+
+
+# ------------------------------------------------------------------------------------------------- subsets
+def standard_subsets(q: int, extra: Sequence[Sequence[int]] = (), *, leave_one_out: bool = True
+                     ) -> list[tuple[int, ...]]:
+    """All pairs, then the sets without one model (q ≥ 3), the whole set, then ``extra``; duplicates dropped."""
+    subsets = list(itertools.combinations(range(q), 2))
+    if leave_one_out and q >= 3:
+        subsets += [tuple(p for p in range(q) if p != i) for i in range(q)]
+    subsets.append(tuple(range(q)))
+    subsets += [tuple(sorted(s)) for s in extra]
+    return list(dict.fromkeys(subsets))
+
+
+def parse_subsets(subsets: Sequence[Sequence[int | str]] | None, names: Sequence[str],
+                  aliases: dict[str, int] | None = None) -> list[tuple[int, ...]]:
+    """Subsets given as model indices or names (the reported ``names``, or ``aliases`` such as the paths as
+    passed), checked."""
+    lookup = {**(aliases or {}), **{n: i for i, n in enumerate(names) if list(names).count(n) == 1}}
+    out = []
+    for i, subset in enumerate(subsets or ()):
+        if isinstance(subset, (str, bytes)) or not isinstance(subset, Sequence):
+            raise InvalidParameterError(f"subsets[{i}] must be a list of model indices or names, got {subset!r}.")
+        members = []
+        for member in subset:
+            if isinstance(member, str):
+                if member not in lookup:
+                    raise InvalidParameterError(f"subsets[{i}] names {member!r}, which is not one of the models "
+                                                f"{list(names)}; use a name from that list or an index.")
+                member = lookup[member]
+            if isinstance(member, bool) or not isinstance(member, int) or not 0 <= member < len(names):
+                raise InvalidParameterError(f"subsets[{i}] holds {member!r}; model indices run from 0 to "
+                                            f"{len(names) - 1}.")
+            members.append(member)
+        if len(set(members)) < 2:
+            raise InvalidParameterError(f"subsets[{i}] = {list(subset)} has fewer than 2 distinct models; a merge "
+                                        "needs at least 2.")
+        out.append(tuple(sorted(set(members))))
+    return out
+
+
+def subset_matrix(subsets: Sequence[tuple[int, ...]], weights: torch.Tensor) -> torch.Tensor:
+    """``[len(subsets), q]``: row S holds α_p / Σ_{p'∈S} α_{p'} for p ∈ S and 0 elsewhere."""
+    matrix = torch.zeros(len(subsets), len(weights), dtype=torch.float64)
+    for row, subset in enumerate(subsets):
+        index = list(subset)
+        matrix[row, index] = weights[index].double() / weights[index].double().sum()
+    return matrix.float()
+
+
+# ----------------------------------------------------------------------------------------------- M-Loss
+class SubsetAccumulator:
+    """Running sums of the layer M-Loss of many subsets of the q models at one scored linear."""
+
+    def __init__(self, matrix: torch.Tensor, num_nodes: int, *, reduction: str = "abs", eps: float = 1e-4,
+                 device: Any = "cpu") -> None:
+        self.matrix = matrix.to(device)
+        self.reduction, self.eps = reduction, eps
+        m = matrix.shape[0]
+        self.node = torch.zeros(m, num_nodes, dtype=torch.float64, device=device)
+        """Per subset and node: Σ|g| (``abs``) or Σg² (``sq``) over positions."""
+        self.layer = torch.zeros(3, m, dtype=torch.float64, device=device)
+        """Per subset: Σ‖g‖₂, Σ‖g‖₂/(‖σ(Σαh)‖₂+ε), Σ‖σ(Σαh)‖₂ over positions."""
+        self.count = torch.zeros((), dtype=torch.float64, device=device)
+
+    def add(self, h: torch.Tensor, activation: Callable) -> None:
+        """Add the stacked pre-activations ``h`` (``[positions, q, nodes]``) of one batch."""
+        from .scoring import node_gap
+
+        h = h.float()
+        n = h.shape[-1]
+        group = max(1, min(self.matrix.shape[0], _CHUNK_ELEMENTS // (16 * n)))
+        for start in range(0, self.matrix.shape[0], group):
+            rows = slice(start, start + group)
+            alpha = self.matrix[rows]
+            for chunk in h.split(max(1, _CHUNK_ELEMENTS // (alpha.shape[0] * n))):
+                g, merged = node_gap(chunk, alpha, activation)  # [positions, subsets, nodes]
+                self.node[rows] += (g.abs() if self.reduction == "abs" else g.square()).sum(0, dtype=torch.float64)
+                norm = torch.linalg.vector_norm(g, dim=-1)
+                merged_norm = torch.linalg.vector_norm(merged, dim=-1)
+                self.layer[0, rows] += norm.sum(0, dtype=torch.float64)
+                self.layer[1, rows] += (norm / (merged_norm + self.eps)).sum(0, dtype=torch.float64)
+                self.layer[2, rows] += merged_norm.sum(0, dtype=torch.float64)
+        self.count += h.shape[0]
+
+    def reduce_across_processes(self) -> None:
+        """Sum the running sums of every process (a no-op in a single process)."""
+        from accelerate import PartialState
+        from accelerate.utils import reduce
+
+        if PartialState().num_processes > 1:
+            packed = reduce(torch.cat([self.node.flatten(), self.layer.flatten(), self.count[None]]), reduction="sum")
+            sizes = [self.node.numel(), self.layer.numel()]
+            self.node = packed[: sizes[0]].view_as(self.node)
+            self.layer = packed[sizes[0] : sizes[0] + sizes[1]].view_as(self.layer)
+            self.count = packed[-1]
+
+    def scores(self) -> dict[str, torch.Tensor]:
+        """Per subset: layer M-Loss, its normalised mean and ratio of sums, node M-Loss (mean over nodes), per node."""
+        count = self.count.clamp_min(1)
+        node = self.node / count
+        tiny = torch.finfo(torch.float64).tiny
+        return {"mloss": (self.layer[0] / count).cpu(), "mloss_normalized": (self.layer[1] / count).cpu(),
+                "mloss_ratio": (self.layer[0] / self.layer[2].clamp_min(tiny)).cpu(),
+                "node_mloss": node.mean(1).cpu(), "node": node.float().cpu()}
+
+
+def _embed_all(setup: ScoringSetup) -> list[list[torch.Tensor]]:
+    """Each source's hidden states entering block 0 (its own embeddings), per batch."""
+    from .adapters import EMBEDDING_STAGE
+
+    adapter, worker = setup.adapter, setup.model
+    names = [n for n in setup.sources[0].keys() if adapter.stage_of(n) == EMBEDDING_STAGE]
+    state = {adapter.canonical_key(k): v for k, v in worker.state_dict().items()}
+    hidden = []
+    for store in setup.sources:
+        for name in names:
+            if name in state:
+                state[name].copy_(store.get(name))
+        with setup.autocast():
+            hidden.append([adapter.embed(worker, b.to(setup.device)) for b in setup.batches])
+    return hidden
+
+
+@torch.inference_mode()
+def own_prefix_walk(setup: ScoringSetup, visit: Callable[[int, torch.Tensor], None],
+                    done: Callable[[int], None]) -> None:
+    """Walk the blocks once with every source's own forward; ``visit(layer, h)`` gets each batch's stacked
+    pre-activations ``[positions, q, nodes]`` of a scored linear, ``done(layer)`` follows its last batch.
+
+    Memory: the worker model, q copies of ONE block, and q sets of hidden states (as ``score(prefix="own")``).
+    """
+    from .scoring import _load_block
+
+    adapter, scored = setup.adapter, set(setup.scored_layers())
+    hidden = _embed_all(setup)
+    blocks = adapter.layers(setup.model)
+    last = max(scored)
+    for layer in range(last + 1):
+        copies = []
+        for store in setup.sources:
+            block = copy.deepcopy(blocks[layer])
+            _load_block(block, store, adapter.layer_prefix(layer), setup.device)
+            copies.append(block)
+        for b in range(len(setup.batches)):
+            pre = []
+            for p, block in enumerate(copies):
+                with setup.autocast():
+                    residual, u = adapter.forward_to_target(block, hidden[p][b])
+                    if layer in scored:
+                        pre.append(block.get_submodule(adapter.target_suffix)(u).float())
+                    if layer < last:
+                        hidden[p][b] = adapter.forward_from_target(block, residual, u)
+            if pre:
+                h = torch.stack(pre, dim=-2)
+                visit(layer, h.reshape(-1, *h.shape[-2:]))
+        if layer in scored:
+            done(layer)
+        del copies
+
+
+def subset_mloss(setup: ScoringSetup, subsets: Sequence[tuple[int, ...]], weights: torch.Tensor, *,
+                 per_node: bool = False, progress: bool = True) -> dict[str, Any]:
+    """M-Loss of every subset at every scored layer from one own-prefix walk.
+
+    Returns ``{metric: [subsets, layers] tensor}`` for :data:`METRICS` (and ``"node"``: per layer a
+    ``[subsets, nodes]`` tensor when ``per_node``), plus ``"layers"`` (the scored linears) and ``"positions"``.
+    """
+    from tqdm.auto import tqdm
+
+    matrix = subset_matrix(subsets, weights)
+    current: dict[int, SubsetAccumulator] = {}
+    per_layer: dict[int, dict[str, torch.Tensor]] = {}
+    layers = setup.scored_layers()
+    bar = tqdm(total=len(layers), desc=f"M-Loss of {len(subsets)} subsets (own prefix)", unit="layer",
+               disable=not progress)
+
+    def visit(layer: int, h: torch.Tensor) -> None:
+        if layer not in current:
+            current[layer] = SubsetAccumulator(matrix, h.shape[-1], reduction=setup.reduction, eps=setup.eps,
+                                               device=setup.device)
+        current[layer].add(h, setup.activation)
+
+    def done(layer: int) -> None:
+        acc = current.pop(layer)
+        acc.reduce_across_processes()
+        per_layer[layer] = acc.scores()
+        per_layer[layer]["positions"] = acc.count
+        bar.update(1)
+
+    own_prefix_walk(setup, visit, done)
+    bar.close()
+    out: dict[str, Any] = {m: torch.stack([per_layer[layer][m] for layer in layers], dim=1) for m in METRICS}
+    out["layers"] = [setup.adapter.target_name(layer) for layer in layers]
+    out["positions"] = int(per_layer[layers[0]]["positions"])
+    if per_node:
+        out["node"] = {setup.adapter.target_name(layer): per_layer[layer]["node"] for layer in layers}
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ baselines
+@torch.inference_mode()
+def task_vector_statistics(inputs: RunInputs, *, k: float = 0.2) -> dict[str, torch.Tensor]:
+    """Pairwise statistics of the task vectors τ_p = θ_p − θ₀, streamed one tensor at a time (``[q, q]`` each).
+
+    ``gram``: ⟨τ_i, τ_j⟩ over every float tensor; ``conflict``: entries kept by both per-tensor top-``k`` trims
+    (TIES' trim) whose signs differ; ``overlap``: entries kept by both.
+    """
+    from .methods.ops import trim_tensor_
+
+    q = len(inputs.sources)
+    out = {key: torch.zeros(q, q, dtype=torch.float64) for key in ("gram", "conflict", "overlap")}
+    for name in inputs.names:
+        base = inputs.base.get_float(name, inputs.device)
+        taus = torch.stack([s.get_float(name, inputs.device) for s in inputs.sources]).sub_(base).reshape(q, -1)
+        out["gram"] += (taus @ taus.T).double().cpu()
+        for tau in taus:
+            trim_tensor_(tau, k)
+        positive, negative = (taus > 0).float(), (taus < 0).float()
+        kept = positive + negative
+        out["conflict"] += (positive @ negative.T + negative @ positive.T).double().cpu()
+        out["overlap"] += (kept @ kept.T).double().cpu()
+    return out
+
+
+def weight_baselines(stats: dict[str, torch.Tensor], subsets: Sequence[tuple[int, ...]]) -> dict[str, list[float]]:
+    """Per subset: mean pairwise task-vector cosine and distance, Σ‖τ_p‖, and the sign-conflict fraction."""
+    gram = stats["gram"]
+    norms = gram.diagonal().clamp_min(0).sqrt()
+    cosine = gram / (norms[:, None] * norms[None, :]).clamp_min(torch.finfo(torch.float64).tiny)
+    distance = (norms[:, None] ** 2 + norms[None, :] ** 2 - 2 * gram).clamp_min(0).sqrt()
+    out: dict[str, list[float]] = {"tv_cosine": [], "tv_distance": [], "tv_norm": [], "sign_conflict": []}
+    for subset in subsets:
+        pairs = list(itertools.combinations(subset, 2))
+        index = tuple(zip(*pairs))
+        out["tv_cosine"].append(float(cosine[index].mean()))
+        out["tv_distance"].append(float(distance[index].mean()))
+        out["tv_norm"].append(float(norms[list(subset)].sum()))
+        overlap = float(stats["overlap"][index].sum())
+        out["sign_conflict"].append(float(stats["conflict"][index].sum()) / overlap if overlap else 0.0)
+    return out
+
+
+@torch.inference_mode()
+def pooled_features(tower: Any, batches: Sequence[torch.Tensor], device: Any) -> torch.Tensor:
+    """The tower's pooled output (``pooler_output``, else the first token) for every batch, concatenated."""
+    out = []
+    for batch in batches:
+        result = tower(pixel_values=batch.to(device))
+        pooled = getattr(result, "pooler_output", None)
+        out.append((pooled if pooled is not None else result.last_hidden_state[:, 0]).float())
+    return torch.cat(out)
+
+
+def load_weights_into(state: dict[str, torch.Tensor], stores: Sequence[Any], alpha: Sequence[float],
+                      names: Sequence[str]) -> None:
+    """``state[name] = Σ_p α_p θ_p[name]`` for every name (one tensor of each store at a time)."""
+    with torch.no_grad():
+        for name in names:
+            target = state[name]
+            target.copy_(sum(a * s.get_float(name, target.device) for a, s in zip(alpha, stores)))
+
+
+def output_gaps(inputs: RunInputs, subsets: Sequence[tuple[int, ...]], weights: torch.Tensor, batches, *,
+                progress: bool = True) -> list[float]:
+    """Per subset: Σ_x ‖f_S(x) − Σ_p α_p f_p(x)‖ / Σ_x ‖Σ_p α_p f_p(x)‖ over pooled features, f_S the subset's
+    average merge (α normalised over S). Costs one forward per model and one per subset."""
+    from tqdm.auto import tqdm
+
+    tower = inputs.adapter.tower(inputs.load_output_model("tower", progress=False))
+    state = {inputs.adapter.canonical_key(k): v for k, v in tower.state_dict().items()}
+    names = [n for n in inputs.names if n in state]
+    features = []
+    for store in inputs.sources:
+        load_weights_into(state, [store], [1.0], names)
+        features.append(pooled_features(tower, batches, inputs.device))
+    matrix = subset_matrix(subsets, weights).double()
+    gaps = []
+    for row, subset in enumerate(tqdm(subsets, desc="Output gaps", unit="merge", disable=not progress)):
+        alpha = matrix[row, list(subset)].tolist()
+        load_weights_into(state, [inputs.sources[p] for p in subset], alpha, names)
+        ensemble = sum(a * features[p] for a, p in zip(alpha, subset))
+        merged = pooled_features(tower, batches, inputs.device)
+        gaps.append(float((merged - ensemble).norm(dim=-1).sum() / ensemble.norm(dim=-1).sum().clamp_min(1e-12)))
+    return gaps
+
+
+# --------------------------------------------------------------------------------------------------- report
+@dataclass
+class CompatibilityReport:
+    """Pairwise (and subset) M-Loss of q candidate fine-tunes, with label-free baselines.
+
+    ``values[metric]`` is ``[subsets, layers]`` for the M-Loss metrics (:data:`METRICS`); a subset's overall score
+    is the mean over the scored layers. ``baselines[name]`` holds one value per subset (:data:`BASELINES`). Subsets
+    are tuples of model indices; the weights of each subset are normalised over it. Lower M-Loss: the subset's
+    average merge behaves more like the ensemble of its members.
+
+    Example:
+        ```python
+        >>> report = hf_mloss.compatibility(base, models, data="path/to/images")
+        >>> report.matrix()                      # [q, q] pairwise M-Loss (mean over layers)
+        >>> report.leave_one_out()               # which model spoils the merge of all q
+        >>> report.save("compat/")               # compatibility.json, .md and the heatmap
+        ```
+    """
+
+    models: list[str]
+    weights: list[float]
+    layers: list[str]
+    subsets: list[tuple[int, ...]]
+    values: dict[str, torch.Tensor]
+    baselines: dict[str, list[float]] = field(default_factory=dict)
+    node: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per scored layer, ``[subsets, nodes]`` node M-Loss (only when asked for with ``per_node=True``)."""
+    reduction: str = "abs"
+    activation: str = ""
+    eps: float = 1e-4
+    num_samples: int = 0
+    num_positions: int = 0
+    compute_dtype: str = "float32"
+    data: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def q(self) -> int:
+        return len(self.models)
+
+    def index(self, subset: Sequence[int | str]) -> int:
+        """Row of ``subset`` (model indices or names) in :attr:`subsets`."""
+        key = tuple(sorted(self.models.index(m) if isinstance(m, str) else int(m) for m in subset))
+        try:
+            return self.subsets.index(key)
+        except ValueError:
+            raise InvalidParameterError(f"Subset {list(subset)} was not scored; pass it in subsets=... "
+                                        f"(scored: pairs, leave-one-out, the whole set and the requested ones).") from None
+
+    def score(self, subset: Sequence[int | str], metric: str = "mloss", layer: str | None = None) -> float:
+        """The overall (mean over layers) or one layer's value of ``metric`` for ``subset``."""
+        row = self.index(subset)
+        if metric in self.baselines:
+            return self.baselines[metric][row]
+        if metric not in self.values:
+            raise InvalidParameterError(f"Unknown metric {metric!r}; valid: {[*METRICS, *self.baselines]}.")
+        values = self.values[metric][row]
+        return float(values[self.layers.index(layer)] if layer is not None else values.mean())
+
+    def matrix(self, metric: str = "mloss", layer: str | None = None) -> torch.Tensor:
+        """``[q, q]`` pairwise values of ``metric`` (NaN on the diagonal)."""
+        out = torch.full((self.q, self.q), float("nan"), dtype=torch.float64)
+        for i, j in itertools.combinations(range(self.q), 2):
+            out[i, j] = out[j, i] = self.score((i, j), metric, layer)
+        return out
+
+    def leave_one_out(self, metric: str = "mloss") -> list[dict[str, Any]]:
+        """Per model: ``metric`` of the whole set without it, and how much removing it lowers the whole set's."""
+        if self.q < 3:
+            return []
+        whole = self.score(range(self.q), metric)
+        rows = []
+        for i, name in enumerate(self.models):
+            without = self.score([p for p in range(self.q) if p != i], metric)
+            rows.append({"model": name, "without": without, "gain": whole - without})
+        return rows
+
+    def pairs(self, metric: str = "mloss") -> list[dict[str, Any]]:
+        """Every pair with its overall M-Loss metrics and baselines, most compatible first (by ``metric``)."""
+        rows = [{"pair": (self.models[i], self.models[j]), **self._row(self.index((i, j)))}
+                for i, j in itertools.combinations(range(self.q), 2)]
+        return sorted(rows, key=lambda r: -r[metric] if metric in HIGHER_IS_BETTER else r[metric])
+
+    def _row(self, row: int) -> dict[str, float]:
+        out = {m: float(self.values[m][row].mean()) for m in METRICS}
+        out.update({name: values[row] for name, values in self.baselines.items()})
+        return out
+
+    def summary(self) -> str:
+        """Plain text: the pairwise M-Loss matrix and the leave-one-out table."""
+        lines = [f"Pairwise M-Loss (own prefix, reduction={self.reduction}, activation={self.activation}, "
+                 f"{self.num_samples} samples / {self.num_positions} positions, mean over {len(self.layers)} layers)"]
+        if self.data:
+            lines.append(f"data: {describe_data(self.data)}")
+        labels = [f"[{i}]" for i in range(self.q)]
+        matrix = self.matrix()
+        lines.append(" " * 6 + "".join(f"{label:>11}" for label in labels))
+        for i in range(self.q):
+            cells = "".join(f"{'-':>11}" if i == j else f"{float(matrix[i, j]):>11.4e}" for j in range(self.q))
+            lines.append(f"{labels[i]:<6}{cells}  {self.models[i]}")
+        loo = self.leave_one_out()
+        if loo:
+            lines += ["", f"All {self.q}: M-Loss {self.score(range(self.q)):.4e}. Without one model (gain = how much "
+                      "lower the rest's M-Loss is):"]
+            lines += [f"  {r['model']:<40} {r['without']:.4e}  gain {r['gain']:+.3e}"
+                      for r in sorted(loo, key=lambda r: -r["gain"])]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def __repr__(self) -> str:
+        return (f"CompatibilityReport(models={self.q}, subsets={len(self.subsets)}, layers={len(self.layers)}, "
+                f"samples={self.num_samples})")
+
+    # ------------------------------------------------------------------------------------------- output
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: settings, then one entry per subset with per-layer values and baselines."""
+        subsets = []
+        for row, subset in enumerate(self.subsets):
+            entry: dict[str, Any] = {"models": list(subset), **self._row(row)}
+            entry["per_layer"] = {m: self.values[m][row].tolist() for m in METRICS}
+            subsets.append(entry)
+        return {"models": self.models, "weights": self.weights, "layers": self.layers, "prefix": "own",
+                "reduction": self.reduction, "activation": self.activation, "eps": self.eps,
+                "num_samples": self.num_samples, "num_positions": self.num_positions,
+                "compute_dtype": self.compute_dtype, "data": self.data, "timings": self.timings,
+                "subsets": subsets}
+
+    @classmethod
+    def from_dict(cls, content: dict[str, Any]) -> CompatibilityReport:
+        """Read what :meth:`to_dict` wrote (per-node vectors are not stored)."""
+        entries = content["subsets"]
+        names = sorted({k for e in entries for k in e if k in BASELINES})
+        return cls(models=content["models"], weights=content["weights"], layers=content["layers"],
+                   subsets=[tuple(e["models"]) for e in entries],
+                   values={m: torch.tensor([e["per_layer"][m] for e in entries], dtype=torch.float64)
+                           for m in METRICS},
+                   baselines={n: [e[n] for e in entries] for n in names}, reduction=content["reduction"],
+                   activation=content["activation"], eps=content["eps"], num_samples=content["num_samples"],
+                   num_positions=content["num_positions"], compute_dtype=content.get("compute_dtype", "float32"),
+                   data=content.get("data", {}), timings=content.get("timings", {}))
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+    def to_markdown(self, *, heatmap: str | None = None) -> str:
+        """Markdown: the pairwise matrix, the pairs ranked with their baselines, and leave-one-out."""
+        lines = [self.card_section(heatmap=heatmap), "", "### Pairs, most compatible first", "",
+                 "| pair | " + " | ".join([*METRICS, *self.baselines]) + " |",
+                 "|---|" + "---|" * (len(METRICS) + len(self.baselines))]
+        for r in self.pairs():
+            cells = [f"{r[m]:.4g}" for m in [*METRICS, *self.baselines]]
+            lines.append(f"| {r['pair'][0]} + {r['pair'][1]} | " + " | ".join(cells) + " |")
+        return "\n".join(lines) + "\n"
+
+    def card_section(self, *, heatmap: str | None = None) -> str:
+        """The Markdown a model card embeds: what was measured, the pairwise matrix and the leave-one-out table."""
+        data = f" on {describe_data(self.data)}" if self.data else f" on {self.num_samples} unlabeled images"
+        labels = [f"[{i}]" for i in range(self.q)]
+        lines = [f"Pairwise M-Loss of the {self.q} fine-tuned models{data} (each model's own forward, reduction "
+                 f"`{self.reduction}`, activation `{self.activation}`; layer M-Loss averaged over "
+                 f"{len(self.layers)} layers). Lower: the pair's average merge is closer to the ensemble of the "
+                 "two. Computed without labels.", "",
+                 "| | " + " | ".join(labels) + " | model |", "|---|" + "---|" * (self.q + 1)]
+        matrix = self.matrix()
+        for i in range(self.q):
+            cells = ["-" if i == j else f"{float(matrix[i, j]):.3e}" for j in range(self.q)]
+            lines.append(f"| {labels[i]} | " + " | ".join(cells) + f" | {self.models[i]} |")
+        loo = self.leave_one_out()
+        if loo:
+            lines += ["", f"All {self.q} together: M-Loss {self.score(range(self.q)):.4e}. Without one model:", "",
+                      "| model left out | M-Loss of the rest | lower by |", "|---|---|---|"]
+            lines += [f"| {r['model']} | {r['without']:.4e} | {r['gain']:+.3e} |"
+                      for r in sorted(loo, key=lambda r: -r["gain"])]
+        if heatmap:
+            lines += ["", f"![Pairwise M-Loss]({heatmap})"]
+        return "\n".join(lines)
+
+    def draw_heatmap(self, path: str | Path, metric: str = "mloss") -> Path | None:
+        """Save the ``[q, q]`` heatmap of ``metric`` as a PNG; ``None`` without matplotlib."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+            import numpy as np
+        except ImportError:
+            return None
+        matrix = self.matrix(metric).numpy()
+        fig, ax = plt.subplots(figsize=(1.0 + 0.55 * self.q, 0.8 + 0.5 * self.q))
+        image = ax.imshow(matrix, cmap="viridis_r" if metric not in HIGHER_IS_BETTER else "viridis")
+        ticks = [f"[{i}] {name[-24:]}" for i, name in enumerate(self.models)]
+        ax.set_xticks(range(self.q), [f"[{i}]" for i in range(self.q)], fontsize=7)
+        ax.set_yticks(range(self.q), ticks, fontsize=7)
+        if self.q <= 12:
+            middle = (np.nanmin(matrix) + np.nanmax(matrix)) / 2
+            for i, j in itertools.permutations(range(self.q), 2):
+                dark = (matrix[i, j] > middle) != (metric in HIGHER_IS_BETTER)
+                ax.text(j, i, f"{matrix[i, j]:.2g}", ha="center", va="center", fontsize=6, color="w" if dark else "k")
+        better = "higher" if metric in HIGHER_IS_BETTER else "lower"
+        ax.set_title(f"Pairwise {metric}\n({better}: more compatible)", fontsize=9)
+        fig.colorbar(image, ax=ax)
+        fig.tight_layout()
+        path = Path(path)
+        fig.savefig(path, dpi=100, metadata={"Software": None})
+        plt.close(fig)
+        return path
+
+    def save(self, folder: str | Path) -> dict[str, Path]:
+        """Write ``compatibility.json``, ``compatibility.md`` and (with matplotlib) the heatmap into ``folder``."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        written = {"json": folder / REPORT_JSON, "markdown": folder / REPORT_MARKDOWN}
+        self.to_json(written["json"])
+        heatmap = self.draw_heatmap(folder / HEATMAP_NAME)
+        if heatmap is not None:
+            written["heatmap"] = heatmap
+        written["markdown"].write_text(self.to_markdown(heatmap=HEATMAP_NAME if heatmap else None))
+        return written
+
+    @classmethod
+    def load(cls, path: str | Path) -> CompatibilityReport:
+        """Read a ``compatibility.json`` (or the folder holding it)."""
+        path = Path(path)
+        return cls.from_dict(json.loads((path / REPORT_JSON if path.is_dir() else path).read_text()))
+
+
+# ------------------------------------------------------------------------------------------------------ API
+def compatibility(
+    base: Any,
+    models: Sequence[Any],
+    data: Any,
+    *,
+    num_samples: int = DEFAULT_NUM_SAMPLES,
+    batch_size: int = 16,
+    weights: Sequence[float] | None = None,
+    subsets: Sequence[Sequence[int | str]] | None = None,
+    leave_one_out: bool = True,
+    baselines: bool = True,
+    output_gap: bool = False,
+    reduction: str = "abs",
+    activation: str | None = None,
+    eps: float = 1e-4,
+    layers: Sequence[int] | None = None,
+    per_node: bool = False,
+    seed: int = 0,
+    split: str = "train",
+    image_column: str | None = None,
+    compute_dtype: str = "float32",
+    revision: str | Sequence[str | None] | None = None,
+    processor: Any = None,
+    device: str | torch.device | None = None,
+    token: str | bool | None = None,
+    progress: bool = True,
+) -> CompatibilityReport:
+    """Which candidate fine-tunes merge well together, from a few unlabeled images and ONE forward per model.
+
+    Args:
+        base, models, data, weights, num_samples, batch_size, seed, split, image_column, compute_dtype, revision,
+            processor, device, token: as in :func:`hf_mloss.score`.
+        subsets: more subsets to score besides every pair, leave-one-out and the whole set (model indices or names).
+        leave_one_out: also score the set without each model (q ≥ 3).
+        baselines: add the task-vector baselines (cosine, distance, norms, TIES sign conflicts).
+        output_gap: add the output-level gap between each scored subset's average merge and the ensemble of its
+            members' pooled features (one more forward per subset and per model).
+        reduction, activation, eps, layers: as in :func:`hf_mloss.score` (the prefix is always ``"own"``).
+        per_node: keep every subset's per-node M-Loss (``report.node``).
+
+    Returns:
+        A :class:`CompatibilityReport`.
+
+    Example:
+        ```python
+        >>> report = hf_mloss.compatibility("openai/clip-vit-base-patch32", ["org/ft-a", "org/ft-b", "org/ft-c"],
+        ...                                 data="tanganke/dtd", num_samples=64)
+        >>> print(report.summary())
+        ```
+    """
+    options = ScoringOptions(prefix="own", reduction=reduction, activation=activation, eps=eps,
+                             layers=tuple(layers) if layers is not None else None)
+    config = MergeConfig.from_kwargs(base, models, "average", weights=weights, revision=revision, data=data,
+                                     num_samples=num_samples, split=split, image_column=image_column, seed=seed,
+                                     batch_size=batch_size, compute_dtype=compute_dtype, processor=processor,
+                                     score=options)
+    return run_compatibility(config, subsets=subsets, leave_one_out=leave_one_out, baselines=baselines,
+                             output_gap=output_gap, per_node=per_node, device=device, token=token, progress=progress)
+
+
+def run_compatibility(config: MergeConfig, *, subsets: Sequence[Sequence[int | str]] | None = None,
+                      leave_one_out: bool = True, baselines: bool = True, output_gap: bool = False,
+                      per_node: bool = False, device: Any = None, token: str | bool | None = None,
+                      progress: bool = True) -> CompatibilityReport:
+    """The compatibility report of a validated config's models and data (see :func:`compatibility`).
+
+    Example:
+        ```python
+        >>> report = run_compatibility(MergeConfig.from_yaml("merge.yaml"))
+        ```
+    """
+    import time
+
+    from .inputs import open_inputs
+    from .scoring import make_setup
+
+    options = config.scoring_options()
+    _check_config(config, options)
+    with open_inputs(config, device=device, token=token, needs_data=True, progress=progress) as inputs:
+        names = [r.name for r in inputs.refs]
+        aliases = {m.model: i for i, m in enumerate(config.models) if isinstance(m.model, str)}
+        chosen = standard_subsets(len(names), parse_subsets(subsets, names, aliases), leave_one_out=leave_one_out)
+        model = inputs.adapter.tower(inputs.load_output_model("tower", progress=progress))
+        setup = make_setup(inputs, model, options, config, progress=progress)
+        weights = inputs.alpha / inputs.alpha.sum()
+        start = time.perf_counter()
+        scores = subset_mloss(setup, chosen, weights, per_node=per_node, progress=progress)
+        timings = {"mloss_s": time.perf_counter() - start}
+        extra: dict[str, list[float]] = {}
+        if baselines:
+            start = time.perf_counter()
+            extra = weight_baselines(task_vector_statistics(inputs), chosen)
+            timings["baselines_s"] = time.perf_counter() - start
+        if output_gap:
+            start = time.perf_counter()
+            extra["output_gap"] = output_gaps(inputs, chosen, weights, inputs.pixels.split(config.batch_size),
+                                              progress=progress)
+            timings["output_gap_s"] = time.perf_counter() - start
+        data = {**inputs.data_info.to_dict(), **inputs.data_info.sample_stats()} if inputs.data_info else {}
+        return CompatibilityReport(
+            models=names, weights=[float(w) for w in inputs.alpha], layers=scores["layers"], subsets=chosen,
+            values={m: scores[m] for m in METRICS}, baselines=extra, node=scores.get("node", {}),
+            reduction=setup.reduction, activation=setup.activation_name, eps=setup.eps,
+            num_samples=setup.num_samples, num_positions=scores["positions"],
+            compute_dtype=str(setup.compute_dtype).replace("torch.", ""), data=data,
+            timings={k: round(v, 3) for k, v in timings.items()})
+
+
+def _check_config(config: MergeConfig, options: ScoringOptions) -> None:
+    if config.data is None:
+        raise InvalidParameterError("A compatibility report needs unlabeled images and the config has no `data`: add "
+                                    "e.g. `data: {path: ./images, num_samples: 128}`.")
+    if options.prefix != "own":
+        raise InvalidParameterError(f"A pairwise report scores every subset on its members' own forwards "
+                                    f"(prefix='own'); got prefix={options.prefix!r}. Remove `prefix` from the "
+                                    "`score:` section (a shared base/merged prefix would differ per subset).")
+    if len(config.models) < 2:
+        raise InvalidParameterError("A compatibility report needs at least 2 models.")
+
+
+
+class _CallableModule(types.ModuleType):
+    """``hf_mloss.compatibility`` is both this module and the function: importing the module (as the CLI does) binds
+    the package attribute to the module, so the module forwards calls to :func:`compatibility`."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> CompatibilityReport:
+        return compatibility(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

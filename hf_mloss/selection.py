@@ -1,0 +1,567 @@
+"""Label-free hyperparameter selection: choose a merge's λ, k (any grid of its parameters) from unlabeled images.
+
+``merge(..., select="unlabeled", grid={"k": [...], "lam": [...]}, criterion=...)`` merges every setting of the grid
+(the cartesian product, in order), scores each candidate on ``num_samples`` unlabeled images and keeps the one with
+the lowest criterion (the first in grid order on ties). Criteria, all "lower is better":
+
+* ``"mloss"``, the merged-prefix M-Loss: at every scored linear (CLIP: ``mlp.fc1``), with u the candidate's own
+  input of that linear (its merged prefix), g = σ(W_m u + b_m) − Σ_p α_p σ(W_p u + b_p), the gap between the
+  candidate's activation and the ensemble of the q experts' activations on the same input; the criterion is the mean
+  over scored layers of the mean over positions of ‖g‖₂. For plain averaging it is exactly the layer M-Loss with
+  ``prefix="merged"``. Needs no heads.
+* ``"output"``: the discrepancy between the candidate and each expert on that expert's share of the images: with
+  heads, KL(softmax(head_p(f_p(x))) ‖ softmax(head_p(f_m(x)))); without, the relative squared distance
+  ‖f_m(x) − f_p(x)‖² / ‖f_p(x)‖² of the pooled features f. Averaged over images.
+* ``"entropy"`` (AdaMerging's criterion, the known baseline): the entropy of softmax(head_p(f_m(x))) on expert p's
+  share, averaged. Needs heads.
+
+Shares (which images compare the candidate with which expert): ``"given"`` — one unlabeled set per model
+(``shares``; the images are split evenly, ``num_samples`` in all); ``"auto"`` (default, label-free) — image x goes to
+the expert whose pooled feature it moves most from the base's, relative to that expert's mean move:
+argmax_p ‖f_p(x) − f_0(x)‖ / mean_x' ‖f_p(x') − f_0(x')‖; ``"all"`` — every image to every expert.
+
+Reuse. A method's ``lam`` means θ = θ₀ + λ·τ_merged (every built-in method): each setting of the other parameters
+is merged once at λ = 1 and rescaled for every λ of the grid. A data-guided method (M-TIES) is merged once, with
+live M-Loss scoring, at the reference setting (the middle value of every grid axis); every other candidate replays
+the reference's recorded node M-Loss through the method's hooks, so it costs a tensor merge and no forward (its row
+ranks come from the reference's merged prefix). The experts' pooled features are computed once. Blocks where every
+expert equals the base (frozen lower blocks) are run once, not per candidate.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any
+
+from ._validation import param, short, validate_fields
+from .errors import InvalidParameterError
+
+if TYPE_CHECKING:
+    import torch
+
+    from .config import MergeConfig
+    from .inputs import RunInputs
+    from .merger import TensorMerger
+    from .report import MLossReport
+
+CRITERIA = ("mloss", "output", "entropy")
+SHARES = ("auto", "all", "given")
+MODES = ("unlabeled",)
+DEFAULT_SELECT_SAMPLES = 32
+CHUNK_ELEMENTS = 1 << 22
+
+
+@dataclass(frozen=True)
+class SelectionOptions:
+    """How a merge's hyperparameters are chosen without labels (the ``select:`` section of a config)."""
+
+    criterion: str = param("mloss", "What ranks the candidates (lower is better): mloss (merged-prefix M-Loss), "
+                           "output (discrepancy with each expert on its share), entropy (needs heads).",
+                           choices=CRITERIA)
+    grid: dict[str, Any] = param(help="Parameter → list of values; every combination is a candidate.",
+                                 default_factory=dict)
+    num_samples: int = param(DEFAULT_SELECT_SAMPLES, "Unlabeled images each candidate is scored on (the first of "
+                             "the data sample).", low=1, high=1_000_000)
+    share: str = param("auto", "Which images compare a candidate with which expert (output, entropy): auto "
+                       "(label-free routing), all, or given (per-model data in `shares`).", choices=SHARES)
+    shares: list[Any] | None = param(None, "One unlabeled data set per model (Hub id, folder, ...), with share=given.")
+    heads: list[Any] | None = param(None, "One classification head per model: safetensors files holding `weight` "
+                                    "[classes, features] (and `bias`), or, from Python, modules/callables.")
+    compare: tuple[str, ...] = param((), "Further criteria computed and recorded for every candidate.",
+                                     choices=CRITERIA)
+    reference: dict[str, Any] | None = param(None, "Recorded: the setting whose M-Loss ranks the candidates of a "
+                                             "data-guided method reuse.")
+    chosen: dict[str, Any] | None = param(None, "Recorded: the setting the criterion chose.")
+    candidates: list[Any] | None = param(None, "Recorded: every candidate's setting and criteria values.")
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+        grid = {}
+        for key, values in self.grid.items():
+            if not isinstance(key, str) or isinstance(values, (str, bytes, Mapping)) or not isinstance(
+                    values, Sequence) or not values:
+                raise InvalidParameterError(f"grid[{key!r}] must be a non-empty list of values (e.g. grid: {{k: "
+                                            f"[0.2, 0.5, 0.8], lam: [0.5, 1.0, 1.5]}}), got {short(values)}.")
+            grid[key] = list(values)
+        if not grid:
+            raise InvalidParameterError("select needs a grid of at least one parameter, e.g. grid={'lam': [0.3, "
+                                        "0.5, 1.0]} (task arithmetic) or {'k': [...], 'lam': [...]} (TIES, M-TIES).")
+        object.__setattr__(self, "grid", grid)
+        needs_heads = "entropy" in self.criteria
+        if needs_heads and not self.heads:
+            raise InvalidParameterError("criterion 'entropy' needs one classification head per model (heads=...); "
+                                        "use criterion='mloss' or 'output' without heads.")
+        if self.share == "given" and not self.shares:
+            raise InvalidParameterError("share='given' needs `shares`: one unlabeled data set per model.")
+        if self.shares and self.share != "given":
+            raise InvalidParameterError(f"`shares` are only used with share='given' (got share={self.share!r}).")
+
+    @property
+    def criteria(self) -> list[str]:
+        """The selecting criterion, then the compared ones."""
+        return list(dict.fromkeys([self.criterion, *self.compare]))
+
+    def settings(self) -> list[dict[str, Any]]:
+        """The candidates: every combination of the grid, in order."""
+        keys = list(self.grid)
+        return [dict(zip(keys, values)) for values in itertools.product(*self.grid.values())]
+
+    def reference_setting(self) -> dict[str, Any]:
+        """The middle value of every grid axis."""
+        return {key: values[(len(values) - 1) // 2] for key, values in self.grid.items()}
+
+    def to_dict(self, root: Any = None) -> dict[str, Any]:
+        """The YAML form (local head files and data folders relative to ``root``)."""
+        from .config import IN_MEMORY, DataSpec, _relative
+
+        out: dict[str, Any] = {"criterion": self.criterion, "grid": self.grid, "num_samples": self.num_samples,
+                               "share": self.share}
+        if self.compare:
+            out["compare"] = list(self.compare)
+        if self.heads:
+            out["heads"] = [_relative(h, root) if isinstance(h, str) else {IN_MEMORY: type(h).__name__}
+                            for h in self.heads]
+        if self.shares:
+            out["shares"] = [DataSpec.parse(s).to_dict(root) for s in self.shares]
+        for key in ("reference", "chosen", "candidates"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+    def summary(self) -> str:
+        """Plain text: every candidate's criteria values, the chosen one marked."""
+        lines = [f"Label-free selection ({self.criterion}, lower is better; {self.num_samples} images"
+                 + (f", shares {self.share}" if {"output", "entropy"} & set(self.criteria) else "") + ")"]
+        for candidate in self.candidates or []:
+            mark = "*" if candidate["setting"] == self.chosen else " "
+            setting = ", ".join(f"{k}={v}" for k, v in candidate["setting"].items())
+            values = "  ".join(f"{name} {candidate[name]:.4e}" for name in self.criteria)
+            lines.append(f" {mark} {setting:<28} {values}")
+        return "\n".join(lines)
+
+    def recorded(self) -> SelectionOptions:
+        """A copy without the recorded outcome (what a re-run starts from)."""
+        return replace(self, reference=None, chosen=None, candidates=None)
+
+
+def selection_options(select: Any, *, grid: Mapping[str, Sequence[Any]] | None = None, criterion: str | None = None,
+                      heads: Sequence[Any] | None = None) -> SelectionOptions | None:
+    """What :func:`hf_mloss.merge` receives (``select="unlabeled"`` plus ``grid``/``criterion``/``heads``, or a
+    mapping / :class:`SelectionOptions`) as options, or ``None`` without selection.
+
+    Example:
+        ```python
+        >>> selection_options("unlabeled", grid={"lam": [0.3, 0.5]}).settings()
+        [{'lam': 0.3}, {'lam': 0.5}]
+        ```
+    """
+    extra = {k: v for k, v in {"grid": grid, "criterion": criterion, "heads": heads}.items() if v is not None}
+    if select is None:
+        if extra:
+            raise InvalidParameterError(f"{sorted(extra)} configure label-free selection: pass select='unlabeled' "
+                                        "too.")
+        return None
+    if isinstance(select, SelectionOptions):
+        return replace(select, **extra) if extra else select
+    if isinstance(select, Mapping):
+        names = [f.name for f in fields(SelectionOptions)]
+        from ._validation import check_keys
+
+        check_keys(select, names, "key in select")
+        return SelectionOptions(**{**select, **extra})
+    if select not in MODES:
+        raise InvalidParameterError(f"select={select!r}: the only selection mode is 'unlabeled' (choose on val "
+                                    "labels by merging each setting yourself).")
+    return SelectionOptions(**extra)
+
+
+def check_selection(options: SelectionOptions, method: Any, parameters: Mapping[str, Any], num_models: int) -> None:
+    """Every candidate must be a valid setting of ``method``; heads and shares one per model."""
+    for setting in options.settings():
+        try:
+            method.make_params(**{**parameters, **setting})
+        except InvalidParameterError as err:
+            raise InvalidParameterError(f"select.grid: the candidate {setting} is invalid for method "
+                                        f"{method.name!r}: {err}") from None
+    for key in ("heads", "shares"):
+        given = getattr(options, key)
+        if given is not None and len(given) != num_models:
+            raise InvalidParameterError(f"select.{key}: got {len(given)} for {num_models} models; give one per model, "
+                                        "in the order of `models`.")
+
+
+# ---------------------------------------------------------------------------------------------------- heads
+def as_head(head: Any, index: int) -> Any:
+    """A callable ``features → logits``: a safetensors file (``weight`` [C, D], optional ``bias``), a weight tensor,
+    an object with ``.logits`` (as the suites' heads), or any callable (e.g. an ``nn.Linear``)."""
+    import os
+
+    import torch
+
+    if isinstance(head, (str, os.PathLike)):
+        from safetensors.torch import load_file
+
+        try:
+            tensors = load_file(os.fspath(head))
+        except (OSError, ValueError) as err:
+            raise InvalidParameterError(f"select.heads[{index}]: cannot read {os.fspath(head)!r} as safetensors "
+                                        f"({err}).") from None
+        if "weight" not in tensors:
+            raise InvalidParameterError(f"select.heads[{index}]: {os.fspath(head)!r} holds {sorted(tensors)}; a head "
+                                        "file needs `weight` [classes, features] (and optionally `bias`).")
+        weight, bias = tensors["weight"].float(), tensors.get("bias")
+        return lambda features: torch.nn.functional.linear(features, weight.to(features),
+                                                           None if bias is None else bias.to(features))
+    if isinstance(head, torch.Tensor):
+        weight = head.float()
+        return lambda features: features @ weight.to(features).T
+    if hasattr(head, "logits"):
+        return head.logits
+    if callable(head):
+        return head
+    raise InvalidParameterError(f"select.heads[{index}] must be a safetensors file, a weight tensor, an object with "
+                                f".logits(features) or a callable, got {type(head).__name__}.")
+
+
+# ----------------------------------------------------------------------------------------------- criteria
+def unchanged_blocks(inputs: RunInputs) -> int:
+    """How many leading blocks (after identical embeddings) every source holds exactly as the base: every candidate
+    merge shares them too, so their output is computed once. -1 when the embeddings already differ."""
+    import torch
+
+    from .adapters import EMBEDDING_STAGE
+
+    adapter = inputs.adapter
+    by_stage: dict[int, list[str]] = {}
+    for name in inputs.names:
+        by_stage.setdefault(adapter.stage_of(name), []).append(name)
+    for stage in [EMBEDDING_STAGE, *range(adapter.num_layers)]:
+        for name in by_stage.get(stage, []):
+            base = inputs.base.get(name)
+            if any(not torch.equal(s.get(name).to(base.dtype), base) for s in inputs.sources):
+                return stage
+    return adapter.num_layers
+
+
+class CandidateEvaluator:
+    """Scores candidate merges on the selection images (see the module docstring for the criteria)."""
+
+    def __init__(self, config: MergeConfig, inputs: RunInputs, options: SelectionOptions, tower: Any, *,
+                 progress: bool = True, token: Any = None) -> None:
+        from .scoring import resolve_activation
+
+        self.inputs, self.options, self.adapter = inputs, options, inputs.adapter
+        self.device, self.batch_size = inputs.device, config.batch_size
+        self.pixels = inputs.pixels[: options.num_samples]
+        self.alpha = (inputs.alpha / inputs.alpha.sum()).float().to(self.device)
+        self.activation, _ = resolve_activation(self.adapter, config.scoring_options().activation)
+        layers = config.scoring_options().layers
+        self.scored = sorted(set(range(self.adapter.num_layers) if layers is None else layers))
+        self.changed = [layer for layer in self.scored if self._target_changed(layer)]
+        self.heads = [as_head(h, i) for i, h in enumerate(options.heads)] if options.heads else None
+        self.start = unchanged_blocks(inputs)
+        self.prefix = self._shared_prefix(tower) if "mloss" in options.criteria and self.start >= 0 else None
+        if {"output", "entropy"} & set(options.criteria):
+            self.images, self.owner, self.experts = self._shares(config, tower, token)
+
+    @property
+    def batches(self) -> list[Any]:
+        return list(self.pixels.split(self.batch_size))
+
+    def _target_changed(self, layer: int) -> bool:
+        """Whether any source's scored linear differs from the base's (else every candidate's gap there is 0)."""
+        import torch
+
+        name = self.adapter.target_name(layer)
+        keys = [key for key in (f"{name}.weight", f"{name}.bias") if key in self.inputs.base]
+        return any(not torch.equal(s.get_float(key), self.inputs.base.get_float(key))
+                   for s in self.inputs.sources for key in keys)
+
+    def _shared_prefix(self, tower: Any) -> list[Any]:
+        """Hidden states entering block ``start``, from ``tower`` holding the base (every candidate shares them)."""
+        import torch
+
+        with torch.inference_mode():
+            hidden = [self.adapter.embed(tower, b.to(self.device)) for b in self.batches]
+            for block in self.adapter.layers(tower)[: self.start]:
+                hidden = [self.adapter.forward_from_target(block, *self.adapter.forward_to_target(block, h))
+                          for h in hidden]
+        return hidden
+
+    def evaluate(self, tower: Any) -> dict[str, float]:
+        """Every requested criterion of the candidate held by ``tower``."""
+        out = {}
+        if "mloss" in self.options.criteria:
+            out["mloss"] = self.merged_prefix_mloss(tower)
+        if {"output", "entropy"} & set(self.options.criteria):
+            from .compatibility import pooled_features
+
+            merged = pooled_features(tower, self.images.split(self.batch_size), self.device)
+            out.update(self._output_criteria(merged))
+        return {k: out[k] for k in self.options.criteria}
+
+    def merged_prefix_mloss(self, tower: Any) -> float:
+        """Mean over scored layers of mean_positions ‖σ(W_m u + b_m) − Σ_p α_p σ(W_p u + b_p)‖₂, u the candidate's
+        own input of the layer (layers where every expert equals the base contribute exactly 0)."""
+        import torch
+
+        adapter = self.adapter
+        if not self.changed:
+            return 0.0
+        with torch.inference_mode():
+            if self.prefix is not None:
+                hidden, first = list(self.prefix), self.start
+            else:
+                hidden, first = [adapter.embed(tower, b.to(self.device)) for b in self.batches], 0
+            blocks, last, total = adapter.layers(tower), self.changed[-1], 0.0
+            for layer in range(first, last + 1):
+                halves = [adapter.forward_to_target(blocks[layer], h) for h in hidden]
+                if layer in self.changed:
+                    total += self._layer_gap(layer, blocks[layer], [u for _, u in halves])
+                if layer < last:
+                    hidden = [adapter.forward_from_target(blocks[layer], r, u) for r, u in halves]
+        return total / len(self.scored)
+
+    def _layer_gap(self, layer: int, block: Any, inputs: list[Any]) -> float:
+        import torch
+        from torch import nn
+
+        name, sources = self.adapter.target_name(layer), self.inputs.sources
+        weight = torch.cat([s.get_float(f"{name}.weight", self.device) for s in sources])
+        has_bias = f"{name}.bias" in sources[0]
+        bias = torch.cat([s.get_float(f"{name}.bias", self.device) for s in sources]) if has_bias else None
+        linear = block.get_submodule(self.adapter.target_suffix)
+        q = len(sources)
+        total, count = torch.zeros((), dtype=torch.float64), 0
+        for u in inputs:
+            for flat in u.reshape(-1, u.shape[-1]).split(max(1, CHUNK_ELEMENTS // weight.shape[0])):
+                experts = nn.functional.linear(flat, weight, bias).reshape(flat.shape[0], q, -1)
+                gap = self.activation(linear(flat)) - torch.matmul(self.alpha, self.activation(experts))
+                total += torch.linalg.vector_norm(gap, dim=-1).sum(dtype=torch.float64).cpu()
+                count += flat.shape[0]
+        return float(total / max(count, 1))
+
+    def _shares(self, config: MergeConfig, tower: Any, token: Any) -> tuple[Any, Any, Any]:
+        """The images, which expert each one is compared with (None: every expert), and the experts' features."""
+        import torch
+
+        from .compatibility import load_weights_into, pooled_features
+
+        sources = self.inputs.sources
+        images, owner = self.pixels, None
+        if self.options.share == "given":
+            images, owner = self._given_shares(config, token)
+        state = {self.adapter.canonical_key(k): v for k, v in tower.state_dict().items()}
+        names = [n for n in self.inputs.names if n in state]
+        batches = images.split(self.batch_size)
+        experts = []
+        for store in sources:
+            load_weights_into(state, [store], [1.0], names)
+            experts.append(pooled_features(tower, batches, self.device))
+        if self.options.share == "auto":
+            load_weights_into(state, [self.inputs.base], [1.0], names)
+            base = pooled_features(tower, batches, self.device)
+            move = torch.stack([(f - base).norm(dim=-1) for f in experts])  # [q, images]
+            owner = (move / move.mean(1, keepdim=True).clamp_min(1e-12)).argmax(0)
+        load_weights_into(state, [self.inputs.base], [1.0], names)
+        return images, owner, torch.stack(experts)
+
+    def _given_shares(self, config: MergeConfig, token: Any) -> tuple[Any, Any]:
+        import torch
+
+        from .config import DataSpec
+        from .data import load_pixel_values
+        from .inputs import resolve_processor
+
+        per_model = math.ceil(self.options.num_samples / len(self.options.shares))
+        images, owner, processor = [], [], None
+        for p, share in enumerate(self.options.shares):
+            spec = DataSpec.parse(share, num_samples=per_model)
+            if processor is None and not isinstance(spec.objects, torch.Tensor):
+                processor = resolve_processor(config, self.inputs, self.inputs.base.ref, token)
+            pixels, _ = load_pixel_values(spec.source, processor, num_samples=per_model, seed=config.seed,
+                                          split=spec.split, image_column=spec.image_column)
+            images.append(pixels)
+            owner += [p] * len(pixels)
+        return torch.cat(images), torch.tensor(owner)
+
+    def _output_criteria(self, merged: Any) -> dict[str, float]:
+        """``output`` and, with heads, ``entropy`` of a candidate's pooled features (see the module docstring)."""
+        import torch
+
+        per_expert: dict[str, list[Any]] = {"output": [], "entropy": []}
+        for p, expert in enumerate(self.experts):
+            if self.heads is None:
+                per_expert["output"].append((merged - expert).square().sum(-1) / expert.square().sum(-1).clamp_min(
+                    1e-12))
+                continue
+            with torch.no_grad():
+                log_merged = torch.log_softmax(self.heads[p](merged).float(), -1)
+                log_expert = torch.log_softmax(self.heads[p](expert).float(), -1)
+            per_expert["output"].append((log_expert.exp() * (log_expert - log_merged)).sum(-1))
+            per_expert["entropy"].append(-(log_merged.exp() * log_merged).sum(-1))
+        out = {}
+        for key, values in per_expert.items():
+            if values:
+                table = torch.stack(values)  # [q, images]
+                picked = table.mean() if self.owner is None else table.gather(0, self.owner[None].to(
+                    table.device)).mean()
+                out[key] = float(picked)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- candidates
+def replay_layerwise(merger: TensorMerger, method: Any, scores: Mapping[int, Any]) -> None:
+    """Run a data-guided method's hooks with recorded per-layer scores instead of a scoring pass, in the order a
+    merged-prefix pass calls them: the merge it produces is the one those scores give, at a tensor merge's cost."""
+    from .adapters import EMBEDDING_STAGE
+    from .merger import DriverRun
+
+    run = DriverRun(merger)
+    hooks = method.layer_hooks(run)
+    layers = merger.inputs.adapter.num_layers
+    for stage in [EMBEDDING_STAGE, *range(layers)]:
+        hooks.before_stage(stage)
+        if stage in scores:
+            hooks.after_scores(stage, scores[stage])
+    hooks.before_stage(layers)
+    hooks.after_all()
+    merger.merge(merger.names)
+
+
+def recorded_scores(report: MLossReport, adapter: Any) -> dict[int, Any]:
+    """The per-layer :class:`~hf_mloss.scoring.LayerScores` a merge's report recorded, by block index."""
+    from .scoring import LayerScores
+
+    out = {}
+    for layer in range(adapter.num_layers):
+        name = adapter.target_name(layer)
+        if name in report.layer:
+            out[layer] = LayerScores(
+                node=report.node[name], node_normalized=report.node_normalized[name],
+                node_ratio=report.node_ratio.get(name, report.node[name]), layer=report.layer[name],
+                layer_normalized=report.layer_normalized[name], layer_ratio=report.layer_ratio.get(name, 0.0))
+    return out
+
+
+class CandidateBuilder:
+    """Merges the settings of a grid into a scratch tower and returns their task vectors τ = (θ − θ₀) / λ."""
+
+    def __init__(self, config: MergeConfig, inputs: RunInputs, tower: Any, names: Sequence[str]) -> None:
+        self.config, self.inputs, self.tower, self.names = config, inputs, tower, list(names)
+        self.state = {inputs.adapter.canonical_key(k): v for k, v in tower.state_dict().items()}
+        self.base = {name: self.state[name].detach().clone() for name in self.names}
+        self.scores: dict[int, Any] | None = None
+        self.report: MLossReport | None = None
+
+    def write(self, tau: Mapping[str, Any] | None, lam: float, into: Mapping[str, Any] | None = None) -> None:
+        """``into[name] = θ₀ + λ·τ`` (``into``: the scratch tower by default; ``tau=None``: the base)."""
+        import torch
+
+        target = self.state if into is None else into
+        with torch.no_grad():
+            for name in self.names:
+                if tau is None:
+                    target[name].copy_(self.base[name])
+                else:
+                    torch.add(self.base[name], tau[name], alpha=lam, out=target[name])
+
+    def task_vector(self, setting: Mapping[str, Any], lam: float, *, live: bool = False) -> dict[str, Any]:
+        """Merge ``setting`` at λ = ``lam`` and return (θ − θ₀) / λ. A data-guided method scores live when ``live``
+        (the reference; its scores are kept), else replays the reference's scores."""
+        import torch
+
+        from .merger import TensorMerger, merge_layerwise
+        from .methods import MergeContext
+
+        config = self.config.replace(parameters={**self.config.parameters, **setting, **self._lam(lam)}, select=None)
+        method, params = config.merge_method(), config.method_params()
+        self.write(None, 1.0)
+        ctx = MergeContext(params=params, weights=self.inputs.alpha.to(self.inputs.device, torch.float32),
+                           seed=config.seed)
+        merger = TensorMerger(self.inputs, method, ctx, self.tower)
+        if method.needs_data and live:
+            self.report = merge_layerwise(config, self.inputs, merger, self.tower, method, progress=False)
+            self.scores = recorded_scores(self.report, self.inputs.adapter)
+        elif method.needs_data:
+            replay_layerwise(merger, method, self.scores)
+        else:
+            method.prepare(ctx, merger.visit)
+            merger.merge(merger.names)
+        return {name: (self.state[name] - self.base[name]).div_(lam) for name in self.names}
+
+    def _lam(self, lam: float) -> dict[str, float]:
+        return {"lam": lam} if "lam" in self.config.method_params().to_dict() else {}
+
+
+def candidate_groups(options: SelectionOptions, method_params: Mapping[str, Any]) -> list[tuple[dict, list]]:
+    """The grid as (setting without λ, the λ values that rescale its merge); without a ``lam`` parameter every
+    setting is its own group, merged as it is (λ = 1 stands for "no rescaling")."""
+    if "lam" not in method_params:
+        return [(setting, [1.0]) for setting in options.settings()]
+    lams = list(options.grid.get("lam", [method_params["lam"]]))
+    keys = [k for k in options.grid if k != "lam"]
+    return [(dict(zip(keys, values)), lams) for values in itertools.product(*(options.grid[k] for k in keys))]
+
+
+def select_and_merge(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: Any, *,
+                     progress: bool = True, token: Any = None) -> tuple[MergeConfig, MLossReport | None]:
+    """Score every candidate of ``config.select``, write the chosen one into ``merger``'s tower, and return the
+    config as it ran (chosen parameters, the selection record) with the reference merge's M-Loss report, if any.
+
+    Example:
+        ```python
+        >>> record, report = select_and_merge(config, inputs, merger, tower)   # what run_merge does
+        >>> record.select.chosen
+        {'k': 0.5, 'lam': 1.0}
+        ```
+    """
+    import copy
+
+    from tqdm.auto import tqdm
+
+    options, method = config.select, config.merge_method()
+    builder = CandidateBuilder(config, inputs, copy.deepcopy(tower), merger.names)
+    evaluator = CandidateEvaluator(config, inputs, options, builder.tower, progress=progress, token=token)
+    defaults = config.method_params().to_dict()
+    groups = candidate_groups(options, defaults)
+    reference = None
+    if method.needs_data:
+        reference = options.reference_setting()
+        if "lam" in defaults and "lam" not in reference:
+            reference["lam"] = defaults["lam"]
+    bar = tqdm(total=sum(len(lams) for _, lams in groups), desc=f"Selecting ({options.criterion})", unit="candidate",
+               disable=not progress)
+    candidates, best = [], None
+    ref_tau = _reference_tau(builder, reference) if reference is not None else None
+    for fixed, lams in groups:
+        is_ref = reference is not None and all(reference[k] == v for k, v in fixed.items())
+        tau = ref_tau if is_ref else builder.task_vector(fixed, 1.0)
+        for lam in lams:
+            setting = {**fixed, **({"lam": lam} if "lam" in options.grid else {})}
+            builder.write(tau, lam)
+            values = evaluator.evaluate(builder.tower)
+            candidates.append({"setting": setting, **values})
+            if best is None or values[options.criterion] < best[0]:
+                best = (values[options.criterion], setting, tau, lam)
+            bar.update(1)
+    bar.close()
+    _, chosen, tau, lam = best
+    builder.write(tau, lam, into=merger.targets)
+    merger.done.update(merger.names)
+    merger.ctx.params = method.make_params(**{**config.parameters, **chosen})
+    record = replace(options, num_samples=len(evaluator.pixels), reference=reference, chosen=chosen,
+                     candidates=candidates)
+    return config.replace(parameters={**config.parameters, **chosen}, select=record), builder.report
+
+
+def _reference_tau(builder: CandidateBuilder, reference: dict[str, Any]) -> dict[str, Any]:
+    lam = reference.get("lam", 1.0)
+    if lam == 0:
+        raise InvalidParameterError("The reference setting of a data-guided method (the middle of each grid axis) "
+                                    "has lam=0, whose merge is the base: put a non-zero λ in the middle of the grid.")
+    setting = {k: v for k, v in reference.items() if k != "lam"}
+    return builder.task_vector(setting, lam, live=True)

@@ -1,0 +1,237 @@
+"""The compatibility report: every subset it scores equals a direct ``score()`` of that subset; baselines against
+brute force; the report's outputs; the CLI; Hub ids and local folders."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import shutil
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+import hf_mloss
+from hf_mloss.cli import main
+from hf_mloss.compatibility import CompatibilityReport, compatibility, standard_subsets
+from hf_mloss.data import load_pixel_values
+from hf_mloss.methods.ops import trim_tensor
+from hf_mloss.testing import make_tiny_setup, tiny_processor
+
+NUM = 8
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    """A tiny base and 4 fine-tunes (so leave-one-out sets have 3 models)."""
+    base, models = make_tiny_setup(tmp_path_factory.mktemp("four"), q=4, seed=3)
+    return str(base), [str(m) for m in models]
+
+
+@pytest.fixture(scope="module")
+def pixels(image_folder):
+    values, _ = load_pixel_values(str(image_folder), tiny_processor(), num_samples=NUM)
+    return values
+
+
+@pytest.fixture(scope="module")
+def report(four, pixels) -> CompatibilityReport:
+    base, models = four
+    return compatibility(base, models, pixels, batch_size=3, subsets=[[0, 2]], per_node=True, output_gap=True,
+                         progress=False)
+
+
+def assert_matches_score(report: CompatibilityReport, subset, direct) -> None:
+    row = report.index(subset)
+    for i, name in enumerate(report.layers):
+        assert report.values["mloss"][row, i].item() == pytest.approx(direct.layer[name], rel=1e-5, abs=1e-8)
+        assert report.values["mloss_normalized"][row, i].item() == pytest.approx(direct.layer_normalized[name],
+                                                                                   rel=1e-5, abs=1e-8)
+        assert report.values["mloss_ratio"][row, i].item() == pytest.approx(direct.layer_ratio[name], rel=1e-5)
+        assert report.values["node_mloss"][row, i].item() == pytest.approx(float(direct.node[name].double().mean()),
+                                                                             rel=1e-5, abs=1e-8)
+        if report.node:
+            torch.testing.assert_close(report.node[name][row], direct.node[name], rtol=1e-5, atol=1e-7)
+
+
+def test_subsets_scored(report) -> None:
+    q = 4
+    pairs = list(itertools.combinations(range(q), 2))
+    loo = [tuple(p for p in range(q) if p != i) for i in range(q)]
+    assert report.subsets == [*pairs, *loo, (0, 1, 2, 3)]  # the requested [0, 2] is a pair already
+    assert standard_subsets(2) == [(0, 1)]
+    assert report.values["mloss"].shape == (len(report.subsets), 2) and report.num_positions == NUM * 17
+
+
+@pytest.mark.parametrize("subset", [(0, 1), (0, 3), (1, 2), (2, 3)])
+def test_every_pair_equals_a_direct_score_of_the_pair(four, pixels, report, subset) -> None:
+    base, models = four
+    direct = hf_mloss.score(base, [models[i] for i in subset], pixels, batch_size=3, progress=False)
+    assert_matches_score(report, subset, direct)
+
+
+@pytest.mark.parametrize("left_out", [0, 2])
+def test_leave_one_out_equals_scoring_the_rest(four, pixels, report, left_out) -> None:
+    base, models = four
+    rest = [p for p in range(4) if p != left_out]
+    direct = hf_mloss.score(base, [models[p] for p in rest], pixels, batch_size=3, progress=False)
+    assert_matches_score(report, rest, direct)
+    row = next(r for r in report.leave_one_out() if r["model"] == report.models[left_out])
+    assert row["without"] == pytest.approx(report.score(rest))
+    assert row["gain"] == pytest.approx(report.score(range(4)) - report.score(rest))
+
+
+def test_whole_set_equals_score_of_all(four, pixels, report) -> None:
+    base, models = four
+    assert_matches_score(report, range(4), hf_mloss.score(base, models, pixels, batch_size=3, progress=False))
+
+
+def test_weighted_pairs_renormalise_and_sq_reduction(four, pixels) -> None:
+    """User weights α give α_i / (α_i + α_j) within a pair; reduction="sq" and a layer subset pass through."""
+    base, models = four
+    weights = [0.1, 0.2, 0.3, 0.4]
+    rep = compatibility(base, models, pixels, weights=weights, reduction="sq", layers=[1], leave_one_out=False,
+                        subsets=[["ft1", 2, 3]], baselines=False, per_node=True, progress=False)
+    assert rep.layers == ["encoder.layers.1.mlp.fc1"]
+    for subset in [(0, 3), (1, 2), (1, 2, 3)]:
+        direct = hf_mloss.score(base, [models[i] for i in subset], pixels, weights=[weights[i] for i in subset],
+                                reduction="sq", layers=[1], progress=False)
+        assert_matches_score(rep, subset, direct)
+
+
+def task_vectors(base: str, models: list[str]) -> list[dict[str, torch.Tensor]]:
+    theta0 = load_file(f"{base}/model.safetensors")
+    return [{k: load_file(f"{m}/model.safetensors")[k] - v for k, v in theta0.items() if v.is_floating_point()}
+            for m in models]
+
+
+def test_task_vector_baselines_match_brute_force(four, report) -> None:
+    base, models = four
+    taus = task_vectors(base, models)
+    flat = [torch.cat([t.flatten() for t in tau.values()]).double() for tau in taus]
+    for i, j in itertools.combinations(range(4), 2):
+        row = report.index((i, j))
+        cosine = float(flat[i] @ flat[j] / (flat[i].norm() * flat[j].norm()))
+        assert report.baselines["tv_cosine"][row] == pytest.approx(cosine, rel=1e-4, abs=1e-6)
+        assert report.baselines["tv_distance"][row] == pytest.approx(float((flat[i] - flat[j]).norm()), rel=1e-5)
+        assert report.baselines["tv_norm"][row] == pytest.approx(float(flat[i].norm() + flat[j].norm()), rel=1e-5)
+        conflict = overlap = 0
+        for name in taus[i]:
+            a, b = trim_tensor(taus[i][name].float(), 0.2), trim_tensor(taus[j][name].float(), 0.2)
+            both = (a != 0) & (b != 0)
+            overlap += int(both.sum())
+            conflict += int((both & (a.sign() != b.sign())).sum())
+        assert report.baselines["sign_conflict"][row] == pytest.approx(conflict / overlap)
+    three = report.index((0, 1, 2))
+    pair_rows = [report.index(p) for p in [(0, 1), (0, 2), (1, 2)]]
+    expected = sum(report.baselines["tv_cosine"][r] for r in pair_rows) / 3
+    assert report.baselines["tv_cosine"][three] == pytest.approx(expected)
+
+
+def test_output_gap_matches_manual_average_merge(four, pixels, report) -> None:
+    from transformers import CLIPVisionModel
+
+    base, models = four
+    loaded = [CLIPVisionModel.from_pretrained(m).eval() for m in models]
+    merged = CLIPVisionModel.from_pretrained(base).eval()
+    merged.load_state_dict({k: (loaded[1].state_dict()[k] + loaded[3].state_dict()[k]) / 2
+                            for k in merged.state_dict()})
+    with torch.no_grad():
+        feats = [m(pixel_values=pixels).pooler_output for m in (loaded[1], loaded[3], merged)]
+    ensemble = (feats[0] + feats[1]) / 2
+    expected = float((feats[2] - ensemble).norm(dim=-1).sum() / ensemble.norm(dim=-1).sum())
+    assert report.score((1, 3), "output_gap") == pytest.approx(expected, rel=1e-4)
+
+
+def test_report_outputs_round_trip(report, tmp_path) -> None:
+    matrix = report.matrix()
+    assert torch.isnan(matrix.diagonal()).all() and torch.equal(matrix.nan_to_num(), matrix.T.nan_to_num())
+    assert matrix[0, 1] == pytest.approx(report.score((0, 1)))
+    assert report.pairs()[0]["mloss"] == pytest.approx(float(matrix.nan_to_num(float("inf")).min()))
+    assert report.matrix("tv_cosine")[1, 2] == pytest.approx(report.score((1, 2), "tv_cosine"))
+    written = report.save(tmp_path / "compat")
+    loaded = CompatibilityReport.load(tmp_path / "compat")
+    torch.testing.assert_close(loaded.matrix(), matrix, equal_nan=True)
+    assert loaded.baselines == report.baselines and loaded.subsets == report.subsets
+    markdown = written["markdown"].read_text()
+    assert "| model left out |" in markdown and "output_gap" in markdown
+    assert report.models[0] in report.summary() and "Without one model" in report.summary()
+    if "heatmap" in written:
+        assert written["heatmap"].read_bytes().startswith(b"\x89PNG")
+    assert json.loads(written["json"].read_text())["subsets"][0]["models"] == [0, 1]
+
+
+def test_refusals(four, pixels, report) -> None:
+    base, models = four
+    with pytest.raises(hf_mloss.InvalidParameterError, match="fewer than 2 distinct"):
+        compatibility(base, models, pixels, subsets=[[1, 1]], progress=False)
+    with pytest.raises(hf_mloss.InvalidParameterError, match="not one of the models"):
+        compatibility(base, models, pixels, subsets=[["nope", 1]], progress=False)
+    with pytest.raises(hf_mloss.InvalidParameterError, match="indices run from 0 to 3"):
+        compatibility(base, models, pixels, subsets=[[0, 9]], progress=False)
+    with pytest.raises(hf_mloss.InvalidParameterError, match="was not scored"):
+        report.score((0,))
+    config = hf_mloss.MergeConfig.from_kwargs(base, models, data=pixels, score={"prefix": "base"})
+    with pytest.raises(hf_mloss.InvalidParameterError, match="prefix='own'"):
+        hf_mloss.compatibility.run_compatibility(config, progress=False)
+
+
+def test_package_attribute_stays_callable_after_the_module_is_imported(four, pixels) -> None:
+    import hf_mloss.compatibility as module
+
+    base, models = four
+    assert callable(hf_mloss.compatibility) and module.CompatibilityReport is CompatibilityReport
+    out = hf_mloss.compatibility(base, models[:2], pixels[:2], baselines=False, progress=False)
+    assert out.subsets == [(0, 1)] and out.leave_one_out() == []
+
+
+# ------------------------------------------------------------------------------------------------------- CLI
+def test_cli_score_pairwise_writes_the_report(four, image_folder, tmp_path, capsys) -> None:
+    base, models = four
+    config = tmp_path / "pairs.yaml"
+    config.write_text(yaml.safe_dump({"base": base, "models": models, "data": {"path": str(image_folder),
+                                                                              "num_samples": NUM}}))
+    out = tmp_path / "out"
+    assert main(["score", str(config), "--pairwise", "--subsets", "0,1,2", "--out", str(out), "--json",
+                 str(tmp_path / "c.json"), "-q"]) == 0
+    printed = capsys.readouterr().out
+    assert "Pairwise M-Loss" in printed and "Without one model" in printed
+    loaded = CompatibilityReport.load(out)
+    assert (0, 1, 2) in loaded.subsets and "sign_conflict" in loaded.baselines
+    assert json.loads((tmp_path / "c.json").read_text())["models"] == loaded.models
+    assert main(["score", str(config), "--out", str(out)]) == 2
+    assert "add --pairwise" in capsys.readouterr().err
+    assert main(["score", str(config), "--pairwise", "--subsets", "0,x"]) == 2
+
+
+# ---------------------------------------------------------------------------------------------------- Hub ids
+@pytest.fixture
+def hub_ids(four, tmp_path, monkeypatch) -> list[str]:
+    """org/base and org/ft0..3 in a pre-seeded offline Hub cache."""
+    from huggingface_hub import constants
+
+    base, models = four
+    repos = ["org/base", *[f"org/ft{i}" for i in range(4)]]
+    for repo, src in zip(repos, [base, *models]):
+        storage = tmp_path / "cache" / f"models--{repo.replace('/', '--')}"
+        sha = hashlib.sha1(repo.encode()).hexdigest()
+        (storage / "refs").mkdir(parents=True)
+        (storage / "refs" / "main").write_text(sha)
+        shutil.copytree(src, storage / "snapshots" / sha)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return repos
+
+
+def test_hub_ids_give_the_same_report(hub_ids, pixels, report, image_folder, tmp_path, capsys) -> None:
+    rep = compatibility(hub_ids[0], hub_ids[1:], pixels, batch_size=3, subsets=[["org/ft0", "org/ft2"]],
+                        progress=False)
+    assert rep.models == hub_ids[1:]
+    torch.testing.assert_close(rep.values["mloss"], report.values["mloss"])
+    config = tmp_path / "hub.yaml"
+    config.write_text(yaml.safe_dump({"base": hub_ids[0], "models": hub_ids[1:3],
+                                      "data": {"path": str(image_folder), "num_samples": 4}}))
+    assert main(["score", str(config), "--pairwise", "-q"]) == 0
+    assert "org/ft1" in capsys.readouterr().out
