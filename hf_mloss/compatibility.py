@@ -8,12 +8,14 @@ asked for) is one row of a matrix A with A[S, p] = α_p / Σ_{p'∈S} α_{p'} fo
     g_S = σ(A_S · h) − A_S · σ(h)
 
 is the gap of subset S with its weights normalised over S (uniform by default; user weights α give α_i/(α_i+α_j)
-for a pair). :func:`hf_mloss.scoring.node_gap` computes it for a block of subsets at once, in chunks of positions and
-subsets of ~4 M values. Subset S's numbers equal a direct :func:`hf_mloss.score` of the models of S (``prefix="own"``).
+for a pair): :func:`hf_mloss.scoring.node_gap` for every subset at once, as two GEMMs with the q-row matrix H of
+pre-activations, in chunks of ~16 M values. Subset S's numbers equal a direct :func:`hf_mloss.score` of the models
+of S (``prefix="own"``).
 
 Cost per model: one forward over the images, as ``score(prefix="own")``; memory: the q models' hidden states, q
-copies of ONE block, and one chunk of gaps, never q² forwards. The pairs add elementwise work ∝ (number of subsets)
-× positions × nodes per scored layer.
+copies of ONE block, and a few 64 MB chunks of gaps, never q² forwards. The subsets add elementwise work ∝ (number
+of subsets) × positions × nodes per scored layer: measured on DINOv2-S with q = 8 (37 subsets), see
+``benchmarks/results/compatibility_cost_*.md``.
 
 Label-free baselines beside it, streamed one tensor at a time over the task vectors τ_p = θ_p − θ₀: cosine and
 distance between task vectors, their norms, and the TIES sign-conflict fraction (entries kept by both trimmed task
@@ -46,14 +48,17 @@ if TYPE_CHECKING:
 
 __all__ = ["BASELINES", "METRICS", "CompatibilityReport", "compatibility", "run_compatibility"]
 
-METRICS = ("mloss", "mloss_normalized", "mloss_ratio", "node_mloss")
-"""Per-layer M-Loss summaries of a subset (averaged over the scored layers for its overall score)."""
+METRICS = ("mloss", "mloss_normalized", "mloss_ratio")
+"""Per-layer M-Loss summaries of a subset (averaged over the scored layers for its overall score): mean over
+positions of ‖g‖₂, of ‖g‖₂ / (‖σ(Σαh)‖₂ + ε), and the ratio of sums Σ‖g‖₂ / Σ‖σ(Σαh)‖₂. With ``per_node`` also
+``node_mloss`` (node M-Loss averaged over nodes)."""
 BASELINES = ("tv_cosine", "tv_distance", "tv_norm", "sign_conflict", "output_gap")
 """Label-free baselines: mean pairwise cosine / distance of the members' task vectors, the sum of their norms, the
 TIES sign-conflict fraction, and the output-level merge-vs-ensemble gap (only with ``output_gap=True``)."""
 HIGHER_IS_BETTER = {"tv_cosine"}
 """Metrics where a higher value means more compatible (all others: lower is better)."""
-_CHUNK_ELEMENTS = 1 << 22
+_CHUNK_ELEMENTS = 1 << 24
+"""Values per chunk of subset gaps (64 MB in float32): measured 1.5-2x faster than 4 M-value chunks for 137 subsets."""
 REPORT_JSON, REPORT_MARKDOWN, HEATMAP_NAME = "compatibility.json", "compatibility.md", "compatibility_heatmap.png"
 
 
@@ -110,34 +115,42 @@ class SubsetAccumulator:
     """Running sums of the layer M-Loss of many subsets of the q models at one scored linear."""
 
     def __init__(self, matrix: torch.Tensor, num_nodes: int, *, reduction: str = "abs", eps: float = 1e-4,
-                 device: Any = "cpu") -> None:
+                 per_node: bool = False, device: Any = "cpu") -> None:
         self.matrix = matrix.to(device)
         self.reduction, self.eps = reduction, eps
         m = matrix.shape[0]
-        self.node = torch.zeros(m, num_nodes, dtype=torch.float64, device=device)
-        """Per subset and node: Σ|g| (``abs``) or Σg² (``sq``) over positions."""
+        self.node = torch.zeros(m, num_nodes if per_node else 0, dtype=torch.float64, device=device)
+        """Per subset and node: Σ|g| (``abs``) or Σg² (``sq``) over positions (only with ``per_node``: one more
+        pass over the gaps)."""
         self.layer = torch.zeros(3, m, dtype=torch.float64, device=device)
         """Per subset: Σ‖g‖₂, Σ‖g‖₂/(‖σ(Σαh)‖₂+ε), Σ‖σ(Σαh)‖₂ over positions."""
         self.count = torch.zeros((), dtype=torch.float64, device=device)
 
     def add(self, h: torch.Tensor, activation: Callable) -> None:
-        """Add the stacked pre-activations ``h`` (``[positions, q, nodes]``) of one batch."""
-        from .scoring import node_gap
+        """Add the stacked pre-activations ``h`` (``[positions, q, nodes]``) of one batch.
 
+        Per chunk, with H = h as ``[q, positions·nodes]``: merged = σ(A·H), then gap = merged − A·σ(H) in place
+        (one GEMM with β = 1): :func:`hf_mloss.scoring.node_gap` for every subset at once, in ~16 M-value chunks.
+        """
         h = h.float()
-        n = h.shape[-1]
-        group = max(1, min(self.matrix.shape[0], _CHUNK_ELEMENTS // (16 * n)))
+        n, q = h.shape[-1], h.shape[1]
+        group = max(1, min(self.matrix.shape[0], _CHUNK_ELEMENTS // n))
         for start in range(0, self.matrix.shape[0], group):
             rows = slice(start, start + group)
             alpha = self.matrix[rows]
             for chunk in h.split(max(1, _CHUNK_ELEMENTS // (alpha.shape[0] * n))):
-                g, merged = node_gap(chunk, alpha, activation)  # [positions, subsets, nodes]
-                self.node[rows] += (g.abs() if self.reduction == "abs" else g.square()).sum(0, dtype=torch.float64)
-                norm = torch.linalg.vector_norm(g, dim=-1)
-                merged_norm = torch.linalg.vector_norm(merged, dim=-1)
-                self.layer[0, rows] += norm.sum(0, dtype=torch.float64)
-                self.layer[1, rows] += (norm / (merged_norm + self.eps)).sum(0, dtype=torch.float64)
-                self.layer[2, rows] += merged_norm.sum(0, dtype=torch.float64)
+                positions = chunk.shape[0]
+                flat = chunk.transpose(0, 1).reshape(q, positions * n)
+                gap = activation(alpha @ flat)  # σ(Σ_S α h), [subsets, positions·nodes]
+                merged_norm = torch.linalg.vector_norm(gap.view(-1, positions, n), dim=-1)
+                gap.addmm_(alpha, activation(flat), alpha=-1)  # − Σ_S α σ(h)
+                norm = torch.linalg.vector_norm(gap.view(-1, positions, n), dim=-1)  # [subsets, positions]
+                self.layer[0, rows] += norm.sum(1, dtype=torch.float64)
+                self.layer[1, rows] += (norm / (merged_norm + self.eps)).sum(1, dtype=torch.float64)
+                self.layer[2, rows] += merged_norm.sum(1, dtype=torch.float64)
+                if self.node.shape[1]:
+                    gap = gap.abs_() if self.reduction == "abs" else gap.square_()
+                    self.node[rows] += gap.view(-1, positions, n).sum(1, dtype=torch.float64)
         self.count += h.shape[0]
 
     def reduce_across_processes(self) -> None:
@@ -153,13 +166,15 @@ class SubsetAccumulator:
             self.count = packed[-1]
 
     def scores(self) -> dict[str, torch.Tensor]:
-        """Per subset: layer M-Loss, its normalised mean and ratio of sums, node M-Loss (mean over nodes), per node."""
+        """Per subset: the :data:`METRICS`; with ``per_node`` also ``node_mloss`` and ``node`` (``[subsets, nodes]``)."""
         count = self.count.clamp_min(1)
-        node = self.node / count
         tiny = torch.finfo(torch.float64).tiny
-        return {"mloss": (self.layer[0] / count).cpu(), "mloss_normalized": (self.layer[1] / count).cpu(),
-                "mloss_ratio": (self.layer[0] / self.layer[2].clamp_min(tiny)).cpu(),
-                "node_mloss": node.mean(1).cpu(), "node": node.float().cpu()}
+        out = {"mloss": (self.layer[0] / count).cpu(), "mloss_normalized": (self.layer[1] / count).cpu(),
+               "mloss_ratio": (self.layer[0] / self.layer[2].clamp_min(tiny)).cpu()}
+        if self.node.shape[1]:
+            node = self.node / count
+            out.update(node_mloss=node.mean(1).cpu(), node=node.float().cpu())
+        return out
 
 
 def _embed_all(setup: ScoringSetup) -> list[list[torch.Tensor]]:
@@ -235,7 +250,7 @@ def subset_mloss(setup: ScoringSetup, subsets: Sequence[tuple[int, ...]], weight
     def visit(layer: int, h: torch.Tensor) -> None:
         if layer not in current:
             current[layer] = SubsetAccumulator(matrix, h.shape[-1], reduction=setup.reduction, eps=setup.eps,
-                                               device=setup.device)
+                                               per_node=per_node, device=setup.device)
         current[layer].add(h, setup.activation)
 
     def done(layer: int) -> None:
@@ -247,7 +262,9 @@ def subset_mloss(setup: ScoringSetup, subsets: Sequence[tuple[int, ...]], weight
 
     own_prefix_walk(setup, visit, done)
     bar.close()
-    out: dict[str, Any] = {m: torch.stack([per_layer[layer][m] for layer in layers], dim=1) for m in METRICS}
+    metrics = [*METRICS, "node_mloss"] if per_node else list(METRICS)
+    out: dict[str, Any] = {m: torch.stack([per_layer[layer][m] for layer in layers], dim=1) for m in metrics}
+    out["metrics"] = metrics
     out["layers"] = [setup.adapter.target_name(layer) for layer in layers]
     out["positions"] = int(per_layer[layers[0]]["positions"])
     if per_node:
@@ -397,7 +414,7 @@ class CompatibilityReport:
         if metric in self.baselines:
             return self.baselines[metric][row]
         if metric not in self.values:
-            raise InvalidParameterError(f"Unknown metric {metric!r}; valid: {[*METRICS, *self.baselines]}.")
+            raise InvalidParameterError(f"Unknown metric {metric!r}; valid: {[*self.values, *self.baselines]}.")
         values = self.values[metric][row]
         return float(values[self.layers.index(layer)] if layer is not None else values.mean())
 
@@ -426,7 +443,7 @@ class CompatibilityReport:
         return sorted(rows, key=lambda r: -r[metric] if metric in HIGHER_IS_BETTER else r[metric])
 
     def _row(self, row: int) -> dict[str, float]:
-        out = {m: float(self.values[m][row].mean()) for m in METRICS}
+        out = {m: float(self.values[m][row].mean()) for m in self.values}
         out.update({name: values[row] for name, values in self.baselines.items()})
         return out
 
@@ -463,7 +480,7 @@ class CompatibilityReport:
         subsets = []
         for row, subset in enumerate(self.subsets):
             entry: dict[str, Any] = {"models": list(subset), **self._row(row)}
-            entry["per_layer"] = {m: self.values[m][row].tolist() for m in METRICS}
+            entry["per_layer"] = {m: self.values[m][row].tolist() for m in self.values}
             subsets.append(entry)
         return {"models": self.models, "weights": self.weights, "layers": self.layers, "prefix": "own",
                 "reduction": self.reduction, "activation": self.activation, "eps": self.eps,
@@ -479,7 +496,7 @@ class CompatibilityReport:
         return cls(models=content["models"], weights=content["weights"], layers=content["layers"],
                    subsets=[tuple(e["models"]) for e in entries],
                    values={m: torch.tensor([e["per_layer"][m] for e in entries], dtype=torch.float64)
-                           for m in METRICS},
+                           for m in entries[0]["per_layer"]},
                    baselines={n: [e[n] for e in entries] for n in names}, reduction=content["reduction"],
                    activation=content["activation"], eps=content["eps"], num_samples=content["num_samples"],
                    num_positions=content["num_positions"], compute_dtype=content.get("compute_dtype", "float32"),
@@ -494,10 +511,10 @@ class CompatibilityReport:
     def to_markdown(self, *, heatmap: str | None = None) -> str:
         """Markdown: the pairwise matrix, the pairs ranked with their baselines, and leave-one-out."""
         lines = [self.card_section(heatmap=heatmap), "", "### Pairs, most compatible first", "",
-                 "| pair | " + " | ".join([*METRICS, *self.baselines]) + " |",
-                 "|---|" + "---|" * (len(METRICS) + len(self.baselines))]
+                 "| pair | " + " | ".join([*self.values, *self.baselines]) + " |",
+                 "|---|" + "---|" * (len(self.values) + len(self.baselines))]
         for r in self.pairs():
-            cells = [f"{r[m]:.4g}" for m in [*METRICS, *self.baselines]]
+            cells = [f"{r[m]:.4g}" for m in [*self.values, *self.baselines]]
             lines.append(f"| {r['pair'][0]} + {r['pair'][1]} | " + " | ".join(cells) + " |")
         return "\n".join(lines) + "\n"
 
@@ -675,7 +692,7 @@ def run_compatibility(config: MergeConfig, *, subsets: Sequence[Sequence[int | s
         data = {**inputs.data_info.to_dict(), **inputs.data_info.sample_stats()} if inputs.data_info else {}
         return CompatibilityReport(
             models=names, weights=[float(w) for w in inputs.alpha], layers=scores["layers"], subsets=chosen,
-            values={m: scores[m] for m in METRICS}, baselines=extra, node=scores.get("node", {}),
+            values={m: scores[m] for m in scores["metrics"]}, baselines=extra, node=scores.get("node", {}),
             reduction=setup.reduction, activation=setup.activation_name, eps=setup.eps,
             num_samples=setup.num_samples, num_positions=scores["positions"],
             compute_dtype=str(setup.compute_dtype).replace("torch.", ""), data=data,

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
@@ -456,6 +456,7 @@ class CandidateBuilder:
         self.base = {name: self.state[name].detach().clone() for name in self.names}
         self.scores: dict[int, Any] | None = None
         self.report: MLossReport | None = None
+        self.reference: dict[str, Any] | None = None
 
     def write(self, tau: Mapping[str, Any] | None, lam: float, into: Mapping[str, Any] | None = None) -> None:
         """``into[name] = θ₀ + λ·τ`` (``into``: the scratch tower by default; ``tau=None``: the base)."""
@@ -507,6 +508,40 @@ def candidate_groups(options: SelectionOptions, method_params: Mapping[str, Any]
     return [(dict(zip(keys, values)), lams) for values in itertools.product(*(options.grid[k] for k in keys))]
 
 
+def iterate_candidates(builder: CandidateBuilder, options: SelectionOptions) -> Iterator[tuple[dict, dict, float]]:
+    """Yield ``(setting, τ, λ)`` for every candidate of the grid, in order, while ``builder.tower`` holds
+    θ₀ + λ·τ (see the module docstring for what is merged once and what is rescaled or replayed).
+
+    Example:
+        ```python
+        >>> for setting, tau, lam in iterate_candidates(builder, options):
+        ...     values = evaluator.evaluate(builder.tower)
+        ```
+    """
+    config = builder.config
+    defaults = config.method_params().to_dict()
+    reference = builder.reference = reference_setting(config, options)
+    ref_tau = _reference_tau(builder, reference) if reference is not None else None
+    for fixed, lams in candidate_groups(options, defaults):
+        is_ref = reference is not None and all(reference[k] == v for k, v in fixed.items())
+        tau = ref_tau if is_ref else builder.task_vector(fixed, 1.0)
+        for lam in lams:
+            builder.write(tau, lam)
+            yield {**fixed, **({"lam": lam} if "lam" in options.grid else {})}, tau, lam
+
+
+def reference_setting(config: MergeConfig, options: SelectionOptions) -> dict[str, Any] | None:
+    """For a data-guided method, the setting merged with live M-Loss scoring (middle of every grid axis; λ from the
+    parameters when the grid has none); ``None`` for data-free methods."""
+    if not config.merge_method().needs_data:
+        return None
+    reference = options.reference_setting()
+    defaults = config.method_params().to_dict()
+    if "lam" in defaults and "lam" not in reference:
+        reference["lam"] = defaults["lam"]
+    return reference
+
+
 def select_and_merge(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: Any, *,
                      progress: bool = True, token: Any = None) -> tuple[MergeConfig, MLossReport | None]:
     """Score every candidate of ``config.select``, write the chosen one into ``merger``'s tower, and return the
@@ -526,34 +561,21 @@ def select_and_merge(config: MergeConfig, inputs: RunInputs, merger: TensorMerge
     options, method = config.select, config.merge_method()
     builder = CandidateBuilder(config, inputs, copy.deepcopy(tower), merger.names)
     evaluator = CandidateEvaluator(config, inputs, options, builder.tower, progress=progress, token=token)
-    defaults = config.method_params().to_dict()
-    groups = candidate_groups(options, defaults)
-    reference = None
-    if method.needs_data:
-        reference = options.reference_setting()
-        if "lam" in defaults and "lam" not in reference:
-            reference["lam"] = defaults["lam"]
-    bar = tqdm(total=sum(len(lams) for _, lams in groups), desc=f"Selecting ({options.criterion})", unit="candidate",
-               disable=not progress)
+    total = len(options.settings())
     candidates, best = [], None
-    ref_tau = _reference_tau(builder, reference) if reference is not None else None
-    for fixed, lams in groups:
-        is_ref = reference is not None and all(reference[k] == v for k, v in fixed.items())
-        tau = ref_tau if is_ref else builder.task_vector(fixed, 1.0)
-        for lam in lams:
-            setting = {**fixed, **({"lam": lam} if "lam" in options.grid else {})}
-            builder.write(tau, lam)
-            values = evaluator.evaluate(builder.tower)
-            candidates.append({"setting": setting, **values})
-            if best is None or values[options.criterion] < best[0]:
-                best = (values[options.criterion], setting, tau, lam)
-            bar.update(1)
+    bar = tqdm(total=total, desc=f"Selecting ({options.criterion})", unit="candidate", disable=not progress)
+    for setting, tau, lam in iterate_candidates(builder, options):
+        values = evaluator.evaluate(builder.tower)
+        candidates.append({"setting": setting, **values})
+        if best is None or values[options.criterion] < best[0]:
+            best = (values[options.criterion], setting, tau, lam)
+        bar.update(1)
     bar.close()
     _, chosen, tau, lam = best
     builder.write(tau, lam, into=merger.targets)
     merger.done.update(merger.names)
     merger.ctx.params = method.make_params(**{**config.parameters, **chosen})
-    record = replace(options, num_samples=len(evaluator.pixels), reference=reference, chosen=chosen,
+    record = replace(options, num_samples=len(evaluator.pixels), reference=builder.reference, chosen=chosen,
                      candidates=candidates)
     return config.replace(parameters={**config.parameters, **chosen}, select=record), builder.report
 

