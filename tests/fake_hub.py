@@ -180,6 +180,7 @@ class FakeHub:
         """(repo type, repo id) -> served repo."""
         self._commit_status: int | None = None
         self._yaml_errors: list[str] | None = None
+        self._echo: tuple[str, int] | None = None
         self._clock = 0
         self._lock = threading.RLock()
         self._server: ThreadingHTTPServer | None = None
@@ -301,6 +302,11 @@ class FakeHub:
         """Make every later commit POST answer ``status`` (the commit is recorded in ``commit_attempts`` only)."""
         self._commit_status = status
 
+    def echo_auth_errors(self, path_part: str, status: int) -> None:
+        """Make requests whose path contains ``path_part`` fail with ``status`` and a body that echoes their
+        Authorization header, as a careless proxy or server would (secrets must still never reach the user)."""
+        self._echo = (path_part, status)
+
     def reject_yaml(self, errors: list[str] | None = None) -> None:
         """Make ``/api/validate-yaml`` answer 400 with these error messages."""
         self._yaml_errors = list(errors or ["\"base_model\" must be a valid model id"])
@@ -315,6 +321,7 @@ class FakeHub:
             self.validated.clear()
         self._commit_status = None
         self._yaml_errors = None
+        self._echo = None
 
     # ---------------------------------------------------------------- queries
     @property
@@ -360,7 +367,11 @@ class FakeHub:
         route = "unknown"
         with self._lock:
             try:
-                route, reply = self._route(method, raw_path, query, headers, body)
+                if self._echo is not None and self._echo[0] in raw_path:
+                    route = "echo"
+                    reply = _Reply(self._echo[1], {"error": f"upstream failure for {headers.get('authorization')}"})
+                else:
+                    route, reply = self._route(method, raw_path, query, headers, body)
             except _HubError as err:
                 route, reply = err.route, err.reply
             self.requests.append(Request(method, unquote(raw_path), query, headers, body, route))

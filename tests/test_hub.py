@@ -359,24 +359,7 @@ def test_failing_commit_raises_push_error_folder_intact(local_result, fake_hub, 
 
 def test_push_error_redacts_token_echoed_by_server(saved_local, fake_hub, monkeypatch) -> None:
     """Even if the server echoes the Authorization header back in its error, the token does not reach the user."""
-    fake_hub.fail_commits(500)
-    original = fake_hub._handle
-
-    def echoing(handler, method):
-        if "/commit/" in handler.path:
-            auth = handler.headers.get("Authorization", "")
-            data = ('{"error": "upstream failure for %s"}' % auth).encode()
-            length = int(handler.headers.get("Content-Length") or 0)
-            handler.rfile.read(length)
-            handler.send_response(500)
-            handler.send_header("Content-Type", "application/json")
-            handler.send_header("Content-Length", str(len(data)))
-            handler.end_headers()
-            handler.wfile.write(data)
-            return
-        original(handler, method)
-
-    monkeypatch.setattr(fake_hub, "_handle", echoing)
+    fake_hub.echo_auth_errors("/commit/", 500)
     with pytest.raises(PushError) as info:
         push_folder(saved_local, "tester/echo", token=TOKEN)
     assert "upstream failure" in str(info.value)

@@ -641,30 +641,10 @@ def test_failed_push_to_hub_leaves_no_temporary_copy(project, fake_hub, tmp_path
 
 
 # ------------------------------------------------------------------------------------------- secrets in errors
-def _echo_token(hub: FakeHub, monkeypatch, status: int, match: str) -> None:
-    original = hub._handle
-
-    def echoing(handler, method):
-        if match in handler.path:
-            auth = handler.headers.get("Authorization", "")
-            data = json.dumps({"error": f"upstream said no to {auth}"}).encode()
-            length = int(handler.headers.get("Content-Length") or 0)
-            handler.rfile.read(length)
-            handler.send_response(status)
-            handler.send_header("Content-Type", "application/json")
-            handler.send_header("Content-Length", str(len(data)))
-            handler.end_headers()
-            handler.wfile.write(data)
-            return
-        original(handler, method)
-
-    monkeypatch.setattr(hub, "_handle", echoing)
-
-
 @pytest.mark.parametrize("status", [400, 401, 403, 500])
-def test_download_errors_name_the_status_and_never_the_token(project, fake_hub, monkeypatch, status):
+def test_download_errors_name_the_status_and_never_the_token(project, fake_hub, status):
     fake_hub.add_repo("org/model", {"config.json": (project.base / "config.json").read_bytes()})
-    _echo_token(fake_hub, monkeypatch, status, "/api/models/org/model")
+    fake_hub.echo_auth_errors("/api/models/org/model", status)
     with pytest.raises(CheckpointNotFoundError) as info:
         hf_mloss.merge("org/model", ["org/model"], "average", token=SECRET, progress=False)
     message = str(info.value)
@@ -674,9 +654,9 @@ def test_download_errors_name_the_status_and_never_the_token(project, fake_hub, 
 
 
 @pytest.mark.parametrize("status", [401, 403, 500])
-def test_push_errors_never_echo_the_token(project, fake_hub, monkeypatch, capsys, status):
+def test_push_errors_never_echo_the_token(project, fake_hub, capsys, status):
     folder = _saved(project)
-    _echo_token(fake_hub, monkeypatch, status, "/commit/")
+    fake_hub.echo_auth_errors("/commit/", status)
     with pytest.raises(PushError) as info:
         _push(folder)
     assert f"HTTP {status}" in str(info.value) and SECRET not in chain(info.value)
