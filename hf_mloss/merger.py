@@ -20,6 +20,8 @@ from .config import DEFAULT_NUM_SAMPLES, MergeConfig
 from .errors import CorruptCheckpointError, InvalidParameterError
 from .inputs import RunInputs, as_dtype, open_inputs
 from .methods import LayerwiseRun, MergeContext, MergeMethod
+from .parallel import Workers, cpu_workers
+from .parallel import active as active_workers
 from .result import MergeResult
 
 if TYPE_CHECKING:
@@ -111,11 +113,12 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
     method = config.merge_method()
     params = config.method_params()
     needs_data = method.needs_data or config.select is not None
-    with open_inputs(config, device=device, token=token, needs_data=needs_data, progress=progress) as inputs:
+    with open_inputs(config, device=device, token=token, needs_data=needs_data, progress=progress) as inputs, \
+            cpu_workers(inputs.device) as workers:
         model = inputs.load_output_model(config.output, progress=progress)
         tower = inputs.adapter.tower(model)
         ctx = MergeContext(params=params, weights=inputs.alpha.to(inputs.device, torch.float32), seed=config.seed)
-        merger = TensorMerger(inputs, method, ctx, tower)
+        merger = TensorMerger(inputs, method, ctx, tower, workers)
         report = None
         if config.select is not None:
             from .selection import select_and_merge
@@ -127,7 +130,7 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
             report = merge_layerwise(config, inputs, merger, tower, method, progress=progress)
         else:
             method.prepare(ctx, merger.visit)
-            merger.merge(tqdm(merger.names, desc=f"Merging ({config.method})", unit="tensor", disable=not progress))
+            merger.merge(merger.names, progress=progress, desc=f"Merging ({config.method})")
         model = finalize(model, merger, as_dtype(config.dtype) if config.dtype else stored_dtype(inputs))
         record = recorded_config(config, inputs)
         return MergeResult(model=model, config=record, report=report, base=inputs.base.ref, models=inputs.refs,
@@ -138,12 +141,15 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
 class TensorMerger:
     """Reads, checks and merges tensors into the model's tower."""
 
-    def __init__(self, inputs: RunInputs, method: MergeMethod, ctx: MergeContext, tower: PreTrainedModel) -> None:
+    def __init__(self, inputs: RunInputs, method: MergeMethod, ctx: MergeContext, tower: PreTrainedModel,
+                 workers: Workers | None = None) -> None:
         self.inputs, self.method, self.ctx, self.device = inputs, method, ctx, inputs.device
+        self.workers = workers or active_workers()
         adapter = inputs.adapter
         self.targets = {adapter.canonical_key(k): v for k, v in tower.state_dict().items()}
         self.names = [n for n in inputs.names if n in self.targets]
         self.done: set[str] = set()
+        self.checked: set[str] = set()  # merged tensors found finite (in float32) when they were written
         ctx.state["total_numel"] = sum(math.prod(inputs.base.shapes[n]) for n in self.names)
 
     def read(self, name: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -167,14 +173,25 @@ class TensorMerger:
             fn(name, base, sources)
 
     @torch.no_grad()
-    def merge(self, names: Sequence[str]) -> None:
-        for name in names:
-            if name in self.done:
-                continue
-            base, sources = self.read(name)
-            merged = self.method.merge_tensor(name, base, sources, self.ctx)
-            self.targets[name].copy_(merged)
-            self.done.add(name)
+    def merge(self, names: Sequence[str], *, progress: bool = False, desc: str = "Merging") -> None:
+        """Merge the ``names`` not merged yet into the model, spread over the run's workers."""
+        pending = list(dict.fromkeys(n for n in names if n not in self.done))
+        with tqdm(total=len(pending), desc=desc, unit="tensor", disable=not progress) as bar:
+            for name in self.workers.imap(self._merge_one, pending):
+                self.done.add(name)
+                bar.update()
+
+    def _merge_one(self, name: str) -> str:
+        base, sources = self.read(name)
+        merged = self.method.merge_tensor(name, base, sources, self.ctx)
+        del sources
+        # Checked here, while the tensor is in cache, instead of in a separate pass over the model in `finalize`
+        # (5.7 s of a 128 s TIES merge on 2 busy cores): one reduction, and the full mask only when the sum is not
+        # finite (NaN/Inf, or finite values whose sum overflows).
+        if torch.isfinite(merged.sum()) or torch.isfinite(merged).all():
+            self.checked.add(name)
+        self.targets[name].copy_(merged)
+        return name
 
 
 class DriverRun(LayerwiseRun):
@@ -234,7 +251,7 @@ def finalize(model: PreTrainedModel, merger: TensorMerger, dtype: torch.dtype) -
     params = merger.ctx.params
     for name in merger.names:
         tensor = merger.targets[name]
-        if not torch.isfinite(tensor).all():
+        if name not in merger.checked and not torch.isfinite(tensor).all():
             lam = getattr(params, "lam", None)
             raise InvalidParameterError(
                 f"The merge produced non-finite values in {name!r} (max |x| overflows float32)"
