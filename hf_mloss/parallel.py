@@ -1,21 +1,27 @@
-"""Parallel CPU work without OpenMP spin-waits: a few Python threads, each running torch ops on one intra-op thread.
+"""CPU threads for a run: as many as other processes leave idle, spread over pieces of work instead of inside ops.
 
 A merge or a scoring pass is a sequence of independent pieces (tensors, batches of images). Run on
-``torch.get_num_threads()`` OpenMP threads, every op is split in halves and ends at a barrier where the thread that
-finishes first spins until the other arrives. When other processes use the same cores, that other thread is often
-descheduled and the spinning burns the CPU share the process gets. Measured on 2 shared cores (load average 5-6):
-per-tensor TIES on twelve 8 × 768² stacks took 11-17 s with 2 OpenMP threads, 2.6-3.1 s with 1 thread and 2.5-3.0 s
-with this pool (2 workers × 1 thread); with idle cores the pool keeps both cores busy as OpenMP does.
+``torch.get_num_threads()`` OpenMP threads, every op is split in parts and ends at a barrier where the threads that
+finish first spin until the last arrives. When other processes use the same cores, that last thread is often
+descheduled and the spinning burns the CPU share the process gets. Measured on 2 shared cores (load average 5-8):
+per-tensor TIES on twelve 8 × 768² stacks took 11-17 s with 2 OpenMP threads and 2.6-3.1 s with 1; a 32-image
+``score(prefix="base")`` of ViT-B/32 × 8 took 203 s with 2 OpenMP threads, 50 s on 2 worker threads (every small op
+also waits for the GIL while the other worker is descheduled) and 18.5 s on 1 thread.
 
-Results do not depend on the pool: each piece is computed by the same single-threaded kernels whichever worker runs
-it, and callers combine pieces in a fixed order.
+So :func:`cpu_workers` first measures the idle cores (``/proc/stat`` over 50 ms, Linux) and runs with that many
+threads, at most ``torch.get_num_threads()``: with one, everything runs on the calling thread; with more, pieces go to
+worker threads that each run torch ops on one intra-op thread (no barriers inside ops). ``HF_MLOSS_THREADS=N`` fixes
+the number. Results do not depend on it: each piece is computed by the same kernels whichever thread runs it, and
+callers combine pieces in a fixed order.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -108,18 +114,56 @@ def active() -> Workers:
     return _active.get()
 
 
-def default_workers(device: torch.device | str) -> int:
-    """One worker per intra-op thread on a CPU (at most :data:`MAX_WORKERS`); 1 on accelerators."""
+def idle_cores(interval: float = 0.05) -> float | None:
+    """Cores of this process's CPU set that other processes left idle over ``interval`` seconds (``None`` where
+    ``/proc/stat`` is not available)."""
+    try:
+        cpus = {f"cpu{i}" for i in os.sched_getaffinity(0)}
+        first = _cpu_times(cpus)
+        time.sleep(interval)
+        second = _cpu_times(cpus)
+    except (OSError, AttributeError, ValueError):
+        return None
+    total = sum(b[0] - a[0] for a, b in zip(first, second))
+    idle = sum(b[1] - a[1] for a, b in zip(first, second))
+    return len(cpus) * idle / total if total > 0 else None
+
+
+def _cpu_times(cpus: set[str]) -> list[tuple[int, int]]:
+    """(total, idle + iowait) jiffies of each CPU in ``cpus``."""
+    times = []
+    with open("/proc/stat") as handle:
+        for line in handle:
+            fields = line.split()
+            if fields and fields[0] in cpus:
+                values = [int(v) for v in fields[1:9]]
+                times.append((sum(values), values[3] + values[4]))
+    return times
+
+
+def run_threads(device: torch.device | str) -> int:
+    """Threads for a run on ``device``: ``HF_MLOSS_THREADS``, else the idle cores (rounded, at least 1) up to
+    ``torch.get_num_threads()``; accelerators: 1 (their work is queued, not computed, by the host)."""
     if torch.device(device).type != "cpu":
         return 1
-    return min(MAX_WORKERS, torch.get_num_threads())
+    fixed = os.environ.get("HF_MLOSS_THREADS", "").strip()
+    if fixed.isdigit() and int(fixed) > 0:
+        return int(fixed)
+    threads = torch.get_num_threads()
+    idle = idle_cores()
+    return threads if idle is None else max(1, min(threads, int(idle + 0.5)))
 
 
 @contextlib.contextmanager
-def cpu_workers(device: torch.device | str, size: int | None = None) -> Iterator[Workers]:
-    """A :class:`Workers` pool for one run (the :func:`active` one meanwhile); torch's thread count is restored."""
-    workers = Workers(default_workers(device) if size is None else size)
-    threads = torch.get_num_threads()
+def cpu_workers(device: torch.device | str, threads: int | None = None) -> Iterator[Workers]:
+    """The :class:`Workers` of one run (the :func:`active` pool meanwhile) with :func:`run_threads` threads;
+    torch's thread count is restored afterwards."""
+    threads = run_threads(device) if threads is None else max(1, threads)
+    previous = torch.get_num_threads()
+    accelerator = torch.device(device).type != "cpu"
+    workers = Workers(1 if accelerator else min(MAX_WORKERS, threads))
+    if not accelerator:
+        torch.set_num_threads(threads)
     workers.start()
     token = _active.set(workers)
     try:
@@ -127,5 +171,4 @@ def cpu_workers(device: torch.device | str, size: int | None = None) -> Iterator
     finally:
         _active.reset(token)
         workers.stop()
-        if torch.get_num_threads() != threads or workers.size > 1:
-            torch.set_num_threads(threads)
+        torch.set_num_threads(previous)
