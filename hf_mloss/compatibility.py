@@ -127,20 +127,22 @@ class SubsetAccumulator:
         self.count = torch.zeros((), dtype=torch.float64, device=device)
 
     def add(self, h: torch.Tensor, activation: Callable) -> None:
-        """Add the stacked pre-activations ``h`` (``[positions, q, nodes]``) of one batch.
+        """Add the q pre-activations of one batch, ``h`` of shape ``[q, positions, nodes]``.
 
-        Per chunk, with H = h as ``[q, positions·nodes]``: merged = σ(A·H), then gap = merged − A·σ(H) in place
-        (one GEMM with β = 1): :func:`hf_mloss.scoring.node_gap` for every subset at once, in ~16 M-value chunks.
+        Per chunk of positions, with H the chunk as ``[q, positions·nodes]`` (a view): merged = σ(A·H), then
+        gap = merged − A·σ(H) in place (one GEMM with β = 1): :func:`hf_mloss.scoring.node_gap` for every subset at
+        once, in ~16 M-value chunks.
         """
         h = h.float()
-        n, q = h.shape[-1], h.shape[1]
+        q, n = h.shape[0], h.shape[-1]
         group = max(1, min(self.matrix.shape[0], _CHUNK_ELEMENTS // n))
         for start in range(0, self.matrix.shape[0], group):
             rows = slice(start, start + group)
             alpha = self.matrix[rows]
-            for chunk in h.split(max(1, _CHUNK_ELEMENTS // (alpha.shape[0] * n))):
-                positions = chunk.shape[0]
-                flat = chunk.transpose(0, 1).reshape(q, positions * n)
+            step = max(1, _CHUNK_ELEMENTS // (alpha.shape[0] * n))
+            for first in range(0, h.shape[1], step):
+                flat = h[:, first:first + step].reshape(q, -1)
+                positions = flat.shape[1] // n
                 gap = activation(alpha @ flat)  # σ(Σ_S α h), [subsets, positions·nodes]
                 merged_norm = torch.linalg.vector_norm(gap.view(-1, positions, n), dim=-1)
                 gap.addmm_(alpha, activation(flat), alpha=-1)  # − Σ_S α σ(h)
@@ -151,7 +153,7 @@ class SubsetAccumulator:
                 if self.node.shape[1]:
                     gap = gap.abs_() if self.reduction == "abs" else gap.square_()
                     self.node[rows] += gap.view(-1, positions, n).sum(1, dtype=torch.float64)
-        self.count += h.shape[0]
+        self.count += h.shape[1]
 
     def reduce_across_processes(self) -> None:
         """Sum the running sums of every process (a no-op in a single process)."""
@@ -198,7 +200,7 @@ def _embed_all(setup: ScoringSetup) -> list[list[torch.Tensor]]:
 def own_prefix_walk(setup: ScoringSetup, visit: Callable[[int, torch.Tensor], None],
                     done: Callable[[int], None]) -> None:
     """Walk the blocks once with every source's own forward; ``visit(layer, h)`` gets each batch's stacked
-    pre-activations ``[positions, q, nodes]`` of a scored linear, ``done(layer)`` follows its last batch.
+    pre-activations ``[q, positions, nodes]`` of a scored linear, ``done(layer)`` follows its last batch.
 
     Memory: the worker model, q copies of ONE block, and q sets of hidden states (as ``score(prefix="own")``).
     """
@@ -224,8 +226,7 @@ def own_prefix_walk(setup: ScoringSetup, visit: Callable[[int, torch.Tensor], No
                     if layer < last:
                         hidden[p][b] = adapter.forward_from_target(block, residual, u)
             if pre:
-                h = torch.stack(pre, dim=-2)
-                visit(layer, h.reshape(-1, *h.shape[-2:]))
+                visit(layer, torch.stack(pre).reshape(len(pre), -1, pre[0].shape[-1]))
         if layer in scored:
             done(layer)
         del copies
@@ -274,26 +275,34 @@ def subset_mloss(setup: ScoringSetup, subsets: Sequence[tuple[int, ...]], weight
 
 # ------------------------------------------------------------------------------------------------ baselines
 @torch.inference_mode()
-def task_vector_statistics(inputs: RunInputs, *, k: float = 0.2) -> dict[str, torch.Tensor]:
+def task_vector_statistics(inputs: RunInputs, *, k: float = 0.2, sample: int = 1 << 16) -> dict[str, torch.Tensor]:
     """Pairwise statistics of the task vectors τ_p = θ_p − θ₀, streamed one tensor at a time (``[q, q]`` each).
 
-    ``gram``: ⟨τ_i, τ_j⟩ over every float tensor; ``conflict``: entries kept by both per-tensor top-``k`` trims
-    (TIES' trim) whose signs differ; ``overlap``: entries kept by both.
+    ``gram``: ⟨τ_i, τ_j⟩ over every float tensor. ``conflict`` / ``overlap``: among the entries that both per-tensor
+    top-``k`` trims keep (TIES' trim; the magnitude threshold of each τ_p comes from a seeded sample of ``sample``
+    entries, so the kept fraction is k up to sampling error), those whose signs differ / all of them.
     """
-    from .methods.ops import trim_tensor_
-
     q = len(inputs.sources)
     out = {key: torch.zeros(q, q, dtype=torch.float64) for key in ("gram", "conflict", "overlap")}
+    generator = torch.Generator(device=inputs.device).manual_seed(0)
     for name in inputs.names:
         base = inputs.base.get_float(name, inputs.device)
         taus = torch.stack([s.get_float(name, inputs.device) for s in inputs.sources]).sub_(base).reshape(q, -1)
         out["gram"] += (taus @ taus.T).double().cpu()
-        for tau in taus:
-            trim_tensor_(tau, k)
-        positive, negative = (taus > 0).float(), (taus < 0).float()
-        kept = positive + negative
-        out["conflict"] += (positive @ negative.T + negative @ positive.T).double().cpu()
-        out["overlap"] += (kept @ kept.T).double().cpu()
+        magnitude = taus.abs()
+        drawn = magnitude
+        if magnitude.shape[1] > sample:
+            drawn = magnitude[:, torch.randint(magnitude.shape[1], (sample,), generator=generator,
+                                               device=inputs.device)]
+        count = int(drawn.shape[1] * k)  # exact without sampling: the floor(n·k)-th largest, as the trim keeps
+        threshold = (drawn.kthvalue(drawn.shape[1] - count + 1, dim=1, keepdim=True).values if count else
+                     torch.full((q, 1), float("inf"), device=magnitude.device))
+        kept = (magnitude >= threshold) & (magnitude > 0)
+        signed = torch.sign(taus).mul_(kept)  # ±1 where kept, 0 elsewhere
+        kept = kept.float()
+        overlap = kept @ kept.T
+        out["overlap"] += overlap.double().cpu()
+        out["conflict"] += ((overlap - signed @ signed.T) / 2).double().cpu()  # agree − conflict = ⟨s_i, s_j⟩
     return out
 
 

@@ -235,3 +235,18 @@ def test_hub_ids_give_the_same_report(hub_ids, pixels, report, image_folder, tmp
                                       "data": {"path": str(image_folder), "num_samples": 4}}))
     assert main(["score", str(config), "--pairwise", "-q"]) == 0
     assert "org/ft1" in capsys.readouterr().out
+
+
+def test_sampled_trim_thresholds_stay_close_to_exact(four) -> None:
+    """Tensors larger than the sample get their trim threshold from a seeded sample: close to the exact trim."""
+    from hf_mloss.compatibility import task_vector_statistics
+    from hf_mloss.inputs import open_inputs
+
+    base, models = four
+    config = hf_mloss.MergeConfig.from_kwargs(base, models)
+    with open_inputs(config, needs_data=False, progress=False) as inputs:
+        exact = task_vector_statistics(inputs)
+        sampled = task_vector_statistics(inputs, sample=256)
+    torch.testing.assert_close(sampled["gram"], exact["gram"])
+    fraction = (sampled["conflict"] / sampled["overlap"]).nan_to_num()
+    torch.testing.assert_close(fraction, (exact["conflict"] / exact["overlap"]).nan_to_num(), atol=0.03, rtol=0)
