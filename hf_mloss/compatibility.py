@@ -674,11 +674,13 @@ def run_compatibility(config: MergeConfig, *, subsets: Sequence[Sequence[int | s
     import time
 
     from .inputs import open_inputs
+    from .parallel import cpu_workers
     from .scoring import make_setup
 
     options = config.scoring_options()
     _check_config(config, options)
-    with open_inputs(config, device=device, token=token, needs_data=True, progress=progress) as inputs:
+    with open_inputs(config, device=device, token=token, needs_data=True, progress=progress) as inputs, \
+            cpu_workers(inputs.device):
         names = [r.name for r in inputs.refs]
         aliases = {m.model: i for i, m in enumerate(config.models) if isinstance(m.model, str)}
         chosen = standard_subsets(len(names), parse_subsets(subsets, names, aliases), leave_one_out=leave_one_out)
