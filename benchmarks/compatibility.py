@@ -510,8 +510,13 @@ def run_study(args: argparse.Namespace) -> None:
         record = {"suite": args.suite, "models": study.names, "config": bench.info["config"],
                   "command": " ".join(sys.argv), "eval_images": args.eval_images, "num_samples": args.num_samples}
         record["pairwise"] = pairwise_part(study, args)
+        finish(record, load_start, start, args)  # (a) is written as soon as it is measured
         if not args.skip_regret:
             record["regret"] = regret_part(study, args)
+            finish(record, load_start, start, args)
+
+
+def finish(record: dict, load_start: tuple, start: float, args: argparse.Namespace) -> None:
     record["machine"] = machine(load_start)
     record["total_s"] = round(time.perf_counter() - start, 1)
     write(f"compatibility_study_{args.suite.replace('-', '_')}", record, study_markdown(record))
