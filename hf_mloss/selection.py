@@ -40,7 +40,6 @@ from ._validation import param, short, validate_fields
 from .errors import InvalidParameterError
 
 if TYPE_CHECKING:
-    import torch
 
     from .config import MergeConfig
     from .inputs import RunInputs
@@ -312,7 +311,7 @@ class CandidateEvaluator:
         if not self.changed:
             return 0.0
         with torch.inference_mode():
-            if self.prefix is not None:
+            if self.prefix is not None and self._holds_base_prefix(tower):
                 hidden, first = list(self.prefix), self.start
             else:
                 hidden, first = [adapter.embed(tower, b.to(self.device)) for b in self.batches], 0
@@ -324,6 +323,15 @@ class CandidateEvaluator:
                 if layer < last:
                     hidden = [adapter.forward_from_target(blocks[layer], r, u) for r, u in halves]
         return total / len(self.scored)
+
+    def _holds_base_prefix(self, tower: Any) -> bool:
+        """Whether the candidate kept the base's embeddings and blocks before ``start`` (every built-in method
+        does when all experts equal the base there); otherwise its own prefix is run."""
+        import torch
+
+        state = {self.adapter.canonical_key(k): v for k, v in tower.state_dict().items()}
+        names = [n for n in self.inputs.names if n in state and self.adapter.stage_of(n) < self.start]
+        return all(torch.equal(state[n], self.inputs.base.get_float(n, state[n].device)) for n in names)
 
     def _layer_gap(self, layer: int, block: Any, inputs: list[Any]) -> float:
         import torch
