@@ -2,8 +2,10 @@
 
 ```
 hf-mloss merge CONFIG.yaml OUT_DIR [--push-to-hub REPO] [--private] [--overwrite] [--device DEVICE] [--quiet]
+              [--select unlabeled --grid PARAM=V1,V2,... [--criterion mloss|output|entropy] [--select-samples N]]
 hf-mloss score CONFIG.yaml [--json OUT] [--per-row] [--device DEVICE] [--quiet]
               [--pairwise [--subsets I,J,...] [--output-gap] [--no-baselines] [--out DIR]]
+              [--select unlabeled --grid PARAM=V1,V2,...]   (print every candidate's criteria, write nothing)
 hf-mloss push OUT_DIR REPO [--private] [--revision REV] [--create-pr] [--commit-message MSG] [--quiet]
 hf-mloss methods [--json]
 ```

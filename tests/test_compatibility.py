@@ -250,3 +250,13 @@ def test_sampled_trim_thresholds_stay_close_to_exact(four) -> None:
     torch.testing.assert_close(sampled["gram"], exact["gram"])
     fraction = (sampled["conflict"] / sampled["overlap"]).nan_to_num()
     torch.testing.assert_close(fraction, (exact["conflict"] / exact["overlap"]).nan_to_num(), atol=0.03, rtol=0)
+
+
+def test_model_card_embeds_the_report(four, pixels, report, tmp_path) -> None:
+    base, models = four
+    result = hf_mloss.merge(base, models, "ties", progress=False)
+    result.compatibility = report
+    folder = result.save_pretrained(tmp_path / "merged")
+    card = (folder / "README.md").read_text()
+    assert "## Compatibility of the merged models" in card and "| model left out |" in card
+    assert report.models[3] in card and "Computed without labels" in card
