@@ -30,18 +30,22 @@ def node_position_matrix(report: MLossReport, groups: int = 64) -> torch.Tensor:
 
 
 def draw_heatmap(report: MLossReport, folder: str | Path) -> str | None:
-    """Save the layer × node-position M-Loss heatmap into ``folder``; its file name, or ``None`` without matplotlib."""
-    try:
-        import matplotlib
+    """Save the layer × node-position M-Loss heatmap into ``folder``; its file name, or ``None`` without matplotlib.
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    Drawn with matplotlib's object API and its Agg canvas, without ``pyplot``: no global figure state and no
+    backend switch in the caller's process, and fewer modules to import in a merge process.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
     except ImportError:
         return None
     matrix = node_position_matrix(report).numpy()
     if matrix.size == 0:
         return None
-    fig, ax = plt.subplots(figsize=(8, 0.35 * len(matrix) + 1.8))
+    fig = Figure(figsize=(8, 0.35 * len(matrix) + 1.8))
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
     image = ax.imshow(matrix, aspect="auto", cmap="viridis", interpolation="nearest")
     ax.set_yticks(range(len(matrix)), [n.replace(".mlp.fc1", "") for n in report.layers], fontsize=7)
     ax.set_xlabel(f"node position (mean over {matrix.shape[1]} consecutive groups of rows)")
@@ -50,5 +54,4 @@ def draw_heatmap(report: MLossReport, folder: str | Path) -> str | None:
     fig.colorbar(image, ax=ax, label="node M-Loss")
     fig.tight_layout()
     fig.savefig(Path(folder) / HEATMAP_NAME, dpi=100, metadata={"Software": None})
-    plt.close(fig)
     return HEATMAP_NAME

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -430,9 +431,34 @@ def make_setup(inputs: RunInputs, model: PreTrainedModel, options: ScoringOption
         adapter=inputs.adapter, model=model, sources=inputs.sources, alpha=alpha.float().to(inputs.device),
         batches=shard_batches(inputs.pixels, config.batch_size), activation=activation,
         activation_name=activation_name, reduction=options.reduction, eps=options.eps, layers=options.layers,
-        device=inputs.device, compute_dtype=as_dtype(config.compute_dtype), progress=progress,
-        prefix=options.prefix, num_samples=len(inputs.pixels),
+        device=inputs.device, compute_dtype=resolve_compute_dtype(as_dtype(config.compute_dtype), inputs.device),
+        progress=progress, prefix=options.prefix, num_samples=len(inputs.pixels),
     )
+
+
+def resolve_compute_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The scoring dtype: bfloat16 on a CPU only where it has bf16 instructions (AVX512-BF16 or AMX), float32 else.
+
+    Without them every bf16 GEMM converts to float32 inside the kernel and is slower than float32 itself; with them
+    (measured on a Xeon with AMX, ViT-B/32 × 8, 32 images) bf16 scoring took 5.3-6.0 s against 13.2-18.5 s.
+    """
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu" or native_cpu_bf16():
+        return dtype
+    warnings.warn("compute_dtype='bfloat16' asked for, but this CPU has no bf16 instructions (avx512_bf16 / amx_bf16), "
+                  "where bf16 is slower than float32: scoring in float32 (the report records it).", stacklevel=3)
+    return torch.float32
+
+
+def native_cpu_bf16() -> bool:
+    """Whether this CPU computes bf16 dot products natively (AVX512-BF16 or AMX-BF16)."""
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # private helpers of torch.cpu; read the CPU flags instead
+        try:
+            flags = open("/proc/cpuinfo").read()
+        except OSError:
+            return False
+        return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
 def resolve_activation(adapter: ModelAdapter, activation: str | None) -> tuple[Callable, str]:

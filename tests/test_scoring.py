@@ -194,3 +194,54 @@ def test_report_round_trip(tmp_path, tiny_paths, pixels):
         assert torch.equal(back.node[name], report.node[name])
     assert "encoder.layers.1.mlp.fc1" in report.summary()
     assert report.to_dict(per_row=True)["node"]["encoder.layers.0.mlp.fc1"]
+
+
+def test_bf16_falls_back_to_float32_without_cpu_support(tiny_paths, pixels, monkeypatch):
+    from hf_mloss import scoring
+
+    monkeypatch.setattr(scoring, "native_cpu_bf16", lambda: False)
+    base_dir, model_dirs = tiny_paths
+    with pytest.warns(UserWarning, match="no bf16 instructions"):
+        report = hf_mloss.score(base_dir, model_dirs, pixels, prefix="base", compute_dtype="bfloat16", progress=False)
+    assert report.compute_dtype == "float32"
+
+
+def test_stacked_kernel_matches_accumulator_for_every_fused_activation():
+    """The blocked shared-prefix kernel equals MLossAccumulator.add on the same pre-activations, for activations with
+    a fused in-place form (quick_gelu via silu, silu, relu, gelu) and without one (tanh-approximated gelu)."""
+    from types import SimpleNamespace
+
+    from transformers.activations import ACT2FN
+
+    from hf_mloss.scoring import StackedTarget
+
+    torch.manual_seed(0)
+    q, n, d = 3, 400, 16  # 400 nodes: three blocks of the CPU kernel (170 nodes each for q = 3)
+    # Multiples of 1/8 and 1/16 below 1: every GEMM is exact in float32 whatever its blocking, so both paths see the
+    # same pre-activations and only the kernels differ.
+    weights = [torch.randint(-8, 9, (n, d)) / 16 for _ in range(q)]
+    biases = [torch.randint(-8, 9, (n,)) / 16 for _ in range(q)]
+    u = torch.randint(-8, 9, (40, d)) / 8
+    alpha = torch.tensor([0.2, 0.3, 0.5])
+
+    class Store(dict):
+        def get_float(self, name, device="cpu"):
+            return self[name]
+
+    sources = [Store({"fc.weight": w, "fc.bias": b}) for w, b in zip(weights, biases)]
+    for name in ("quick_gelu", "silu", "relu", "gelu", "gelu_pytorch_tanh"):
+        for reduction in ("abs", "sq"):
+            act = ACT2FN[name]
+            setup = SimpleNamespace(adapter=SimpleNamespace(target_name=lambda layer: "fc"), sources=sources,
+                                    device="cpu", alpha=alpha, reduction=reduction, eps=1e-4, activation=act,
+                                    compute_dtype=torch.float32)
+            target = StackedTarget(setup, 0)
+            acc = MLossAccumulator(n, reduction=reduction)
+            acc.add_sums(*target.partial_sums(u))
+            ref = MLossAccumulator(n, reduction=reduction)
+            ref.add(torch.stack([torch.nn.functional.linear(u, w, b) for w, b in zip(weights, biases)], 1), alpha, act)
+            a, b = acc.scores(), ref.scores()
+            for field in ("node", "node_normalized", "node_ratio"):
+                torch.testing.assert_close(getattr(a, field), getattr(b, field), rtol=1e-4, atol=1e-6, msg=name)
+            for field in ("layer", "layer_normalized", "layer_ratio"):
+                assert getattr(a, field) == pytest.approx(getattr(b, field), rel=1e-5), (name, field)

@@ -1,0 +1,353 @@
+"""Ratios and Markdown of ``merge_speed.py`` results: every repeat's table and ratios, and the targets over repeats.
+
+Kept apart from the runner so that ``merge_speed.py --render RESULTS.json`` can re-write the Markdown of a results
+file, and so that each function stays short.
+"""
+
+from __future__ import annotations
+
+CPU_NOTE = "CPU-time basis, informational (less sensitive to other jobs on the cores)"
+TARGETS = {
+    "ties_tensor_vs_mergekit_wall": 0.2,
+    "ties_tensor_vs_mergekit_rss": 0.5,
+    "m_ties_vs_mergekit_wall": 0.5,
+    "m_ties_vs_floor": 1.25,
+    "score_vs_floor": 1.2,
+    "compatibility_vs_score_own": 1.5,
+    "select_m_ties_vs_m_ties": 3.0,
+    "l14_m_ties_rss_gb": 4.0,
+}
+HF_NAMES = ("ties_tensor", "ties_tensor_mk", "ties_global", "dare", "task_arithmetic", "m_ties", "m_ties_bf16",
+            "select_m_ties", "ties_global_fb")
+MEASURE_RUNS = ("forward", "score", "score_bf16", "score_own", "compatibility")
+DESCRIPTIONS = {
+    "forward": "plain CLIPVisionModel forward (fp32, inference_mode); inner = fastest pass (default threads or 1)",
+    "score": "hf_mloss.score(prefix='base'), fp32",
+    "score_bf16": "hf_mloss.score(prefix='base'), compute_dtype=bfloat16",
+    "score_own": "hf_mloss.score(prefix='own'), fp32 (q own forwards)",
+    "compatibility": "hf_mloss.compatibility() (every pair, leave-one-out, the whole set, task-vector baselines)",
+    "ties_tensor": "hf_mloss ties, scope tensor (default convention)",
+    "ties_tensor_mk": "hf_mloss ties, convention mergekit (exact k by argsort; parity run)",
+    "ties_global": "hf_mloss ties, scope global (exact two-pass threshold)",
+    "dare": "hf_mloss dare (DARE-TIES, p=0.7)",
+    "task_arithmetic": "hf_mloss task_arithmetic (λ=0.3)",
+    "m_ties": "hf_mloss m_ties (k=0.2, e=0.1, prefix merged)",
+    "m_ties_bf16": "hf_mloss m_ties, same, compute_dtype=bfloat16 (scoring in bf16)",
+    "select_m_ties": "hf_mloss m_ties, select='unlabeled' over k × λ = 3 × 3 (e=0.1)",
+    "ties_global_fb": "hf_mloss ties, global, convention fusion_bench",
+    "mergekit_ties": "mergekit-yaml ties (density 0.2, normalize)",
+    "mergekit_1t_ties": "mergekit-yaml ties, OMP_NUM_THREADS=1",
+    "fusion_bench_ties": "fusion-bench TiesMergingAlgorithm (dis-mean)",
+}
+
+
+def _ok(res: dict | None) -> bool:
+    return bool(res) and "error" not in res and "skipped" not in res
+
+
+def _inner(res: dict) -> float | None:
+    return (res.get("child") or {}).get("inner_s")
+
+
+def _inner_cpu(res: dict) -> float | None:
+    return (res.get("child") or {}).get("inner_cpu_s")
+
+
+# ============================================================================================ ratios
+class Ratios(dict):
+    """``key → {value, num, den, target, meets_target, note}``."""
+
+    def add(self, key: str, num, den, target: float | None = None, note: str = "") -> None:
+        if num is None or den is None or den <= 0:
+            return
+        value = num / den
+        self[key] = {"value": value, "num": num, "den": den, "target": target, "note": note,
+                     "meets_target": (value <= target) if target is not None else None}
+
+
+def floor_figures(runs: dict, q: int) -> dict:
+    """F (fastest plain forward), the scoring floor (1 + q/3)·F, and their CPU-time versions."""
+    fwd = runs.get("forward")
+    if not _ok(fwd):
+        return {}
+    child = fwd["child"]
+    default = [p["wall_s"] for p in child.get("passes", []) if p.get("threads") == child.get("torch_threads")]
+    return {"forward_s": child["inner_s"], "forward_threads": child.get("inner_threads"),
+            "forward_default_threads_s": min(default) if default else None, "floor_forwards": 1 + q / 3,
+            "score_floor_s": (1 + q / 3) * child["inner_s"], "score_floor_cpu_s": (1 + q / 3) * child["inner_cpu_s"]}
+
+
+def mergekit_ratios(ratios: Ratios, runs: dict, q: int) -> None:
+    mk, tt, mt = runs.get("mergekit_ties"), runs.get("ties_tensor"), runs.get("m_ties")
+    if not (_ok(mk) and mk.get("tasks") == q):
+        return
+    wall = "process wall incl. imports, load and save, both sides"
+    if _ok(tt):
+        ratios.add("ties_tensor_vs_mergekit_wall", tt["wall_s"], mk["wall_s"], TARGETS["ties_tensor_vs_mergekit_wall"],
+                   wall)
+        ratios.add("ties_tensor_vs_mergekit_rss", tt["max_rss_mb"], mk["max_rss_mb"],
+                   TARGETS["ties_tensor_vs_mergekit_rss"], "peak RSS (os.wait4 ru_maxrss)")
+        ratios.add("ties_tensor_vs_mergekit_cpu", tt["cpu_s"], mk["cpu_s"], None, f"process CPU (user+sys); {CPU_NOTE}")
+    if _ok(mt):
+        ratios.add("m_ties_vs_mergekit_wall", mt["wall_s"], mk["wall_s"], TARGETS["m_ties_vs_mergekit_wall"], wall)
+        ratios.add("m_ties_vs_mergekit_cpu", mt["cpu_s"], mk["cpu_s"], None, f"process CPU (user+sys); {CPU_NOTE}")
+    if _ok(runs.get("m_ties_bf16")):
+        ratios.add("m_ties_bf16_vs_mergekit_wall", runs["m_ties_bf16"]["wall_s"], mk["wall_s"], None,
+                   "process wall; M-TIES with compute_dtype=bfloat16 scoring (merge arithmetic stays fp32)")
+    one = runs.get("mergekit_1t_ties")
+    if _ok(one):
+        for name in ("ties_tensor", "m_ties"):
+            if _ok(runs.get(name)):
+                ratios.add(f"{name}_vs_mergekit_1t_wall", runs[name]["wall_s"], one["wall_s"], None,
+                           "process wall vs mergekit run with OMP_NUM_THREADS=1 (informational)")
+
+
+def floor_ratios(ratios: Ratios, runs: dict, floor: dict) -> None:
+    if not floor:
+        return
+    tt, mt = runs.get("ties_tensor"), runs.get("m_ties")
+    if _ok(mt) and _ok(tt):
+        ratios.add("m_ties_vs_floor", _inner(mt), floor["score_floor_s"] + _inner(tt), TARGETS["m_ties_vs_floor"],
+                   "inner merge() times: M-TIES / ((1 + q/3)·F + per-tensor TIES merge())")
+        ratios.add("m_ties_vs_floor_wall", mt["wall_s"], floor["score_floor_s"] + tt["wall_s"], None,
+                   "process walls: M-TIES / ((1 + q/3)·F + per-tensor TIES process)")
+        ratios.add("m_ties_vs_floor_cpu", _inner_cpu(mt), floor["score_floor_cpu_s"] + _inner_cpu(tt), None,
+                   f"inner CPU times; {CPU_NOTE}")
+    for name in ("score", "score_bf16"):
+        if _ok(runs.get(name)):
+            ratios.add(f"{name}_vs_floor", _inner(runs[name]), floor["score_floor_s"],
+                       TARGETS["score_vs_floor"] if name == "score" else None,
+                       "inner score() time (incl. loading the base) / (1 + q/3)·F")
+            ratios.add(f"{name}_vs_floor_cpu", _inner_cpu(runs[name]), floor["score_floor_cpu_s"], None,
+                       f"inner CPU times; {CPU_NOTE}")
+
+
+def workload_ratios(ratios: Ratios, runs: dict) -> None:
+    """bf16 vs fp32, compatibility vs score(own), selection vs one M-TIES merge, hf_mloss vs fusion-bench."""
+    if _ok(runs.get("score")) and _ok(runs.get("score_bf16")):
+        ratios.add("score_bf16_vs_fp32", _inner(runs["score_bf16"]), _inner(runs["score"]), None,
+                   "bf16 autocast scoring time / fp32")
+    if _ok(runs.get("compatibility")) and _ok(runs.get("score_own")):
+        ratios.add("compatibility_vs_score_own", _inner(runs["compatibility"]), _inner(runs["score_own"]),
+                   TARGETS["compatibility_vs_score_own"], "inner: compatibility() / score(prefix='own') of all q")
+    if _ok(runs.get("select_m_ties")) and _ok(runs.get("m_ties")):
+        ratios.add("select_m_ties_vs_m_ties", _inner(runs["select_m_ties"]), _inner(runs["m_ties"]),
+                   TARGETS["select_m_ties_vs_m_ties"], "inner: 3 × 3 label-free selection / one M-TIES merge()")
+    fb, tg = runs.get("fusion_bench_ties"), runs.get("ties_global_fb")
+    if _ok(fb) and _ok(tg):
+        ratios.add("ties_global_fb_vs_fusion_bench_wall", tg["wall_s"], fb["wall_s"], None,
+                   f"{fb['tasks']} tasks, process wall")
+        ratios.add("ties_global_fb_vs_fusion_bench_rss", tg["max_rss_mb"], fb["max_rss_mb"], None,
+                   f"{fb['tasks']} tasks, peak RSS")
+
+
+def rss_table(runs: dict, model_mb: float) -> dict:
+    rss = {}
+    for name, res in runs.items():
+        if name in HF_NAMES and _ok(res):
+            after = res.get("child", {}).get("vmrss_after_import_mb")
+            rss[name] = {"peak_mb": res["max_rss_mb"], "over_two_models": res["max_rss_mb"] / (2 * model_mb),
+                         "child_vmhwm_mb": res.get("child", {}).get("vmhwm_mb"), "after_imports_mb": after,
+                         "above_imports_mb": res["max_rss_mb"] - after if after is not None else None}
+    return rss
+
+
+def summarize_repeat(repeat: dict, payload: dict) -> dict:
+    runs, q, model_mb = repeat["runs"], payload["q"], payload["models"]["model_bytes"] / 1e6
+    floor = floor_figures(runs, q)
+    ratios = Ratios()
+    mergekit_ratios(ratios, runs, q)
+    floor_ratios(ratios, runs, floor)
+    workload_ratios(ratios, runs)
+    mt = runs.get("m_ties")
+    if payload["shape"] == "l14" and payload["layers_override"] is None and _ok(mt):
+        ratios.add("l14_m_ties_rss_gb", mt["max_rss_mb"] / 1024, 1.0, TARGETS["l14_m_ties_rss_gb"],
+                   "absolute peak RSS in GB")
+    return {"model_mb": model_mb, **floor, "ratios": dict(ratios), "rss_vs_models": rss_table(runs, model_mb),
+            "full_depth_estimate": full_depth_estimate(runs, payload)}
+
+
+def full_depth_estimate(runs: dict, payload: dict) -> dict | None:
+    layers, full = payload["layers_override"], payload.get("shape_layers")
+    if layers is None or full is None:
+        return None
+    return {"note": f"crude linear extrapolation x{full}/{layers} of the inner times (embeddings, load and save are "
+                    "also scaled, so it overestimates slightly)",
+            **{name: _inner(res) * full / layers for name, res in runs.items() if _ok(res) and _inner(res)}}
+
+
+def summarize_repeats(payload: dict) -> dict:
+    """Per repeat summaries, and for each ratio its value in every repeat and how many repeats meet its target."""
+    per_repeat = [summarize_repeat(rep, payload) for rep in payload["repeats"]]
+    keys = list(dict.fromkeys(k for s in per_repeat for k in s["ratios"]))
+    across = {}
+    for key in keys:
+        values = [s["ratios"].get(key) for s in per_repeat]
+        target = next((v["target"] for v in values if v), None)
+        met = [v["meets_target"] for v in values if v and v["meets_target"] is not None]
+        across[key] = {"target": target, "values": values, "met": sum(met), "of": len(met)}
+    return {"per_repeat": per_repeat, "ratios": across}
+
+
+# ============================================================================================ Markdown
+def _fmt(x, nd=1) -> str:
+    return "—" if x is None else f"{x:.{nd}f}"
+
+
+def _load(t) -> str:
+    return "(" + ", ".join(f"{x:.2f}" for x in t) + ")" if t else "—"
+
+
+def header_lines(p: dict) -> list[str]:
+    m, q = p["machine"], p["q"]
+    shape = p["shape"] + (f" (num_hidden_layers overridden to {p['layers_override']})" if p["layers_override"] else "")
+    flags = ", ".join(f"{f} {'yes' if v else 'no'}" for f, v in m.get("cpu_flags", {}).items())
+    peers = "".join(f", {peer} {m[f'{peer}_versions'].get(peer.replace('_', '-'), '?')}"
+                    for peer in ("mergekit", "fusion_bench") if f"{peer}_versions" in m)
+    model_mb = p["models"]["model_bytes"] / 1e6
+    return [
+        f"# merge_speed: {shape}, q = {q}, device {p['device']}, {len(p['repeats'])} run(s)", "",
+        f"- Date (UTC): {m['date_utc']}",
+        f"- Command: `{m['command']}` (cwd `{m['cwd']}`)",
+        f"- CPU: {m['cpu_model']}, {m['cpu_affinity'] or m['cpu_count']} usable cores (torch threads "
+        f"{m['torch_threads']}), {m['ram_gb']} GB RAM" + (f", GPU {m['gpu']}" if m.get("gpu") else ""),
+        f"- CPU flags: {flags} (every flag is in the JSON, `machine.cpu_flags_all`)",
+        f"- Software: Python {m['python']}, torch {m['torch']}, transformers {m['transformers']}, "
+        f"hf_mloss {m['hf_mloss']}{peers}",
+        f"- Load average (1/5/15 min) at the start {_load(m['loadavg_start'])}, at the end {_load(m['loadavg_end'])}. "
+        "Each table gives, per run, the cores other processes used while it ran (/proc/stat busy time minus the "
+        "run's own CPU time).",
+        f"- Inputs: random-init CLIP vision tower ({p['models']['num_params'] / 1e6:.2f} M params, {model_mb:.1f} MB "
+        f"fp32 safetensors each), {q} fine-tunes = base + task vector (std {p['task_vectors']['std']}, per-tensor "
+        f"scale {p['task_vectors']['per_tensor_scale']}); {p['num_samples']} random images (preprocessed tensor), "
+        f"batch {p['batch_size']}. Checkpoints are in the page cache (warm reads).",
+        f"- TIES everywhere: keep k = {p['k']} (mergekit density {p['k']}, fusion-bench threshold {p['k'] * 100:g}), "
+        "λ = 1, disjoint mean.", "",
+        "Wall, CPU (user+sys) and peak RSS are per process (`os.wait4` rusage of the child; peers measured by "
+        "`benchmarks/peers/run_peer.py` the same way). They include interpreter start-up, imports, loading and "
+        "saving. *inner* is the library call alone: `merge()`, `score()`, `compatibility()`, the forward loop, or "
+        "fusion-bench's merge step.", "",
+    ]
+
+
+def targets_lines(p: dict) -> list[str]:
+    across = p["summary"]["ratios"]
+    n = len(p["repeats"])
+    lines = [f"## Targets over the {n} run(s)", "",
+             "| ratio | target | " + " | ".join(f"run {i + 1}: value (num / den)" for i in range(n)) + " | met |",
+             "|---|---|" + "---|" * n + "---|"]
+    for key, v in across.items():
+        if v["target"] is None:
+            continue
+        cells = [f"{x['value']:.3f} ({x['num']:.1f} / {x['den']:.1f})" if x else "—" for x in v["values"]]
+        lines.append(f"| {key} | ≤ {v['target']} | " + " | ".join(cells) + f" | {v['met']} of {v['of']} |")
+    return lines + [""]
+
+
+def runs_table_lines(rep: dict, p: dict) -> list[str]:
+    q, model_mb = p["q"], p["models"]["model_bytes"] / 1e6
+    lines = ["| run | library / method | tasks | wall s | inner s | CPU s | CPU/wall | peak RSS MB | RSS / (2 × model) "
+             "| others' cores |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, res in rep["runs"].items():
+        label, tasks = DESCRIPTIONS.get(name, name), res.get("tasks", q)
+        if "skipped" in res or "error" in res:
+            what = f"skipped: {res['skipped']}" if "skipped" in res else f"FAILED: {res['error'][:200]!r}"
+            lines.append(f"| {name} | {label} | {tasks} | {what} | | | | | | |")
+            continue
+        rel = res["max_rss_mb"] / (2 * model_mb) if name not in MEASURE_RUNS else None
+        others = res.get("contention", {}).get("other_cores")
+        lines.append(f"| {name} | {label} | {'—' if name == 'forward' else tasks} | {_fmt(res['wall_s'])} | "
+                     f"{_fmt(_inner(res))} | {_fmt(res['cpu_s'])} | {_fmt(res['cpu_s'] / res['wall_s'], 2)} | "
+                     f"{res['max_rss_mb']:.0f} | {_fmt(rel, 2) if rel is not None else ''} | {_fmt(others, 2)} |")
+    return lines + [""]
+
+
+def forward_line(rep: dict, summary: dict, p: dict) -> list[str]:
+    fwd = rep["runs"].get("forward")
+    if not _ok(fwd) or "forward_s" not in summary:
+        return []
+    passes = ", ".join(f"{x['wall_s']:.2f} s ({x.get('threads', '?')} thr)" for x in fwd["child"]["passes"])
+    return [f"Forward F = {summary['forward_s']:.2f} s for {p['num_samples']} images, the fastest pass (passes: "
+            f"{passes}; attention {fwd['child'].get('attn_implementation')}). Scoring floor (1 + q/3)·F = "
+            f"{summary['floor_forwards']:.2f} × F = {summary['score_floor_s']:.1f} s.", ""]
+
+
+def ratio_lines(summary: dict) -> list[str]:
+    if not summary["ratios"]:
+        return []
+    lines = ["| ratio | value | target | met | numerator / denominator | basis |", "|---|---|---|---|---|---|"]
+    for key, v in summary["ratios"].items():
+        tgt = f"≤ {v['target']}" if v.get("target") is not None else "—"
+        met = {True: "yes", False: "**no**", None: "—"}[v.get("meets_target")]
+        lines.append(f"| {key} | {v['value']:.3f} | {tgt} | {met} | {v['num']:.1f} / {v['den']:.1f} | "
+                     f"{v.get('note', '')} |")
+    return lines + [""]
+
+
+def repeat_lines(rep: dict, summary: dict, p: dict) -> list[str]:
+    lines = [f"## Run {rep['repeat']}", "",
+             f"Load average at its start {_load(rep['loadavg_start'])}, at its end {_load(rep['loadavg_end'])}.", ""]
+    return lines + runs_table_lines(rep, p) + forward_line(rep, summary, p) + ratio_lines(summary)
+
+
+def rss_lines(p: dict) -> list[str]:
+    summary = p["summary"]["per_repeat"][-1]
+    if not summary.get("rss_vs_models"):
+        return []
+    model_mb = summary["model_mb"]
+    lines = [f"## Peak RSS of each hf_mloss merge vs base + merged model (run {len(p['repeats'])})", "",
+             f"Reference figure: 2 × {model_mb:.1f} MB = {2 * model_mb:.1f} MB.", "",
+             "| run | peak RSS MB | / (2 × model) | child's own VmHWM MB | RSS after imports MB | peak − imports MB |",
+             "|---|---|---|---|---|---|"]
+    for name, v in summary["rss_vs_models"].items():
+        lines.append(f"| {name} | {v['peak_mb']:.0f} | {v['over_two_models']:.2f} | {_fmt(v.get('child_vmhwm_mb'), 0)}"
+                     f" | {_fmt(v.get('after_imports_mb'), 0)} | {_fmt(v.get('above_imports_mb'), 0)} |")
+    parent = p.get("parent_peak_rss_mb_during_runs")
+    return lines + ["", "Peak RSS is `ru_maxrss` from `os.wait4`, which on Linux is at least the parent's peak RSS at "
+                    "spawn time; the parent stayed at " + (f"{parent:.0f} MB" if parent is not None else "an unrecorded "
+                    "size") + " until the timed runs were over. *child's own VmHWM* is the child's /proc high-water "
+                    "mark.", ""]
+
+
+def check_lines(p: dict) -> list[str]:
+    lines = []
+    for rep in p["repeats"]:
+        checks = rep.get("checks", {})
+        b = checks.get("bf16")
+        if b and "error" not in b:
+            lines.append(f"- run {rep['repeat']}, bf16 vs fp32 scoring (prefix base): layer M-Loss relative error max "
+                         f"{b['layer_rel_err_max']:.2e}, mean {b['layer_rel_err_mean']:.2e}; Spearman ρ of node "
+                         f"M-Loss per layer min {b['node_spearman_min']:.4f}, mean {b['node_spearman_mean']:.4f}")
+        for key, v in checks.get("parity", {}).items():
+            if "error" in v:
+                lines.append(f"- run {rep['repeat']}, {key}: {v['error']}")
+                continue
+            lines.append(f"- run {rep['repeat']}, {key}: max |Δ| = {v['max_abs_diff']:.2e} over "
+                         f"{v['tensors_compared']} tensors; {v['entries_differing_gt_1e-6']} of "
+                         f"{v['entries_compared']:,} entries differ by > 1e-6"
+                         + (f"; keys not shared: {v['keys_not_shared']}" if v["keys_not_shared"] else ""))
+    return (["## Output checks", ""] + lines + [""]) if lines else []
+
+
+def tail_lines(p: dict) -> list[str]:
+    lines = []
+    est = (p["summary"]["per_repeat"][-1] or {}).get("full_depth_estimate")
+    if est:
+        est = dict(est)
+        lines += ["## Full-depth estimate", "", est.pop("note"), ""] + [f"- {k}: {v:.0f} s" for k, v in est.items()]
+        lines.append("")
+    skipped = {n: r["skipped"] for rep in p["repeats"] for n, r in rep["runs"].items() if "skipped" in r}
+    if skipped:
+        lines += ["## Skipped", ""] + [f"- {k}: {v}" for k, v in skipped.items()] + [""]
+    if p.get("notes"):
+        lines += ["## Notes", ""] + [f"- {n}" for n in p["notes"]] + [""]
+    if p["rss_guard"]["killed"]:
+        lines += ["## Killed by the RSS guard", ""] + [f"- {k}" for k in p["rss_guard"]["killed"]] + [""]
+    return lines
+
+
+def render_markdown(p: dict) -> str:
+    lines = header_lines(p) + targets_lines(p)
+    for rep, summary in zip(p["repeats"], p["summary"]["per_repeat"]):
+        lines += repeat_lines(rep, summary, p)
+    return "\n".join(lines + rss_lines(p) + check_lines(p) + tail_lines(p))
