@@ -420,7 +420,8 @@ def regret_part(study: Study, args: argparse.Namespace) -> dict:
                           "max_regret": max(regrets), "min_regret": min(regrets), "agrees_with_val": agree,
                           "instances": len(runs), "regrets": regrets})
     return {"instances": [{"seed": s, "tasks": list(t)} for s, t in instances], "table": table, "detail": detail,
-            "grids": {m: g for m, (_, g) in REGRET_METHODS.items()}, "select_samples": args.select_samples}
+            "grids": {m: g for m, (_, g) in REGRET_METHODS.items()}, "select_samples": args.select_samples,
+            "images": args.regret_images}
 
 
 # ------------------------------------------------------------------------------------------------- statistics
@@ -501,19 +502,25 @@ def run_study(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     with torch_threads(args.threads):
         bench = build_real_suite(real_config(args.suite, None), args.suite_cache or default_cache(), log)
-        if args.eval_images:
-            for split in ("val", "test"):
-                for t in bench.tasks:
-                    bench.hidden[split][t] = bench.hidden[split][t][: args.eval_images]
-                    bench.label_sets[split][t] = bench.label_sets[split][t][: args.eval_images]
+        truncate(bench, args.eval_images)
         study = Study(bench, args, log)
         record = {"suite": args.suite, "models": study.names, "config": bench.info["config"],
                   "command": " ".join(sys.argv), "eval_images": args.eval_images, "num_samples": args.num_samples}
         record["pairwise"] = pairwise_part(study, args)
         finish(record, load_start, start, args)  # (a) is written as soon as it is measured
         if not args.skip_regret:
+            truncate(bench, args.regret_images)
             record["regret"] = regret_part(study, args)
             finish(record, load_start, start, args)
+
+
+def truncate(bench, images: int | None) -> None:
+    """Evaluate on the first ``images`` val and test images of every task (all when None)."""
+    if images:
+        for split in ("val", "test"):
+            for t in bench.tasks:
+                bench.hidden[split][t] = bench.hidden[split][t][:images]
+                bench.label_sets[split][t] = bench.label_sets[split][t][:images]
 
 
 def finish(record: dict, load_start: tuple, start: float, args: argparse.Namespace) -> None:
@@ -551,7 +558,8 @@ def regret_markdown(regret: dict) -> list[str]:
     lines = ["", "## (b) Regret of label-free selection against val-label selection", "",
              f"Instances: {len(regret['instances'])} ("
              + "; ".join(f"seed {i['seed']}: {'+'.join(i['tasks'])}" for i in regret["instances"])
-             + f"). Candidates scored on {regret['select_samples']} unlabeled images. Grids: "
+             + f"). Candidates scored on {regret['select_samples']} unlabeled images; val and test accuracy on the "
+             f"first {regret.get('images') or 'all'} images per task. Grids: "
              + "; ".join(f"{m} {g}" for m, g in regret["grids"].items()) + ".", "",
              "| method | criterion | mean regret (points) | min … max | picks the val choice |", "|---|---|---|---|---|"]
     for row in regret["table"]:
@@ -607,6 +615,7 @@ def main(argv: list[str] | None = None) -> int:
     study.add_argument("--pair-permutations", type=int, default=9999)
     study.add_argument("--bootstrap", type=int, default=2000)
     study.add_argument("--regret-subsets", type=int, default=1, help="random 4-task merges per replicate")
+    study.add_argument("--regret-images", type=int, default=250, help="val/test images per task in (b)")
     study.add_argument("--skip-regret", action="store_true")
     study.add_argument("--seed", type=int, default=0)
     study.add_argument("--threads", type=int, default=2)
