@@ -1,0 +1,89 @@
+"""Runs use as many worker threads as the cores allow; the results must not depend on how many."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_mloss
+from hf_mloss import parallel
+
+
+def _run(monkeypatch, threads: int, fn, *, pooled: bool = True):
+    """``fn()`` with ``threads`` threads; with ``pooled``, checks that pieces ran on worker threads whenever there
+    are several (else that it ran on the calling thread, with ``threads`` intra-op threads)."""
+    monkeypatch.setenv("HF_MLOSS_THREADS", str(threads))
+    pieces = []
+    original = parallel._run_task
+    monkeypatch.setattr(parallel, "_run_task", lambda *a: (pieces.append(parallel.in_worker()), original(*a))[1])
+    result = fn()
+    assert bool(pieces) == (pooled and threads > 1) and all(pieces)
+    return result
+
+
+@pytest.mark.parametrize("method, params", [
+    ("ties", {"k": 0.3, "lam": 1.0}),
+    ("dare_ties", {"p": 0.5, "lam": 1.0}),
+    ("task_arithmetic", {"lam": 0.7}),
+])
+def test_data_free_merges_are_bitwise_equal_for_any_thread_count(monkeypatch, tiny_paths, method, params):
+    base, models = tiny_paths
+
+    def merged():
+        return hf_mloss.merge(base, models, method, seed=3, progress=False, **params).model.state_dict()
+
+    one, two, three = (_run(monkeypatch, n, merged) for n in (1, 2, 3))
+    assert one.keys() == two.keys() == three.keys()
+    for name in one:
+        assert torch.equal(one[name], two[name]), name
+        assert torch.equal(one[name], three[name]), name
+
+
+def test_m_ties_and_scores_are_bitwise_equal_for_any_thread_count(monkeypatch, tiny_paths, image_folder):
+    base, models = tiny_paths
+
+    def merged():
+        result = hf_mloss.merge(base, models, "m_ties", k=0.4, data=str(image_folder), num_samples=8,
+                                batch_size=3, progress=False)
+        return result.model.state_dict(), result.report
+
+    (one, report1), (two, report2) = (_run(monkeypatch, n, merged) for n in (1, 2))
+    for name in one:
+        assert torch.equal(one[name], two[name]), name
+    assert report1.layer == report2.layer
+    for layer in report1.layers:
+        assert torch.equal(report1.node[layer], report2.node[layer]), layer
+        assert torch.equal(report1.keep_ratios[layer], report2.keep_ratios[layer]), layer
+
+    def scored():
+        return hf_mloss.score(base, models, data=str(image_folder), num_samples=8, batch_size=3, prefix="own")
+
+    own1, own2 = (_run(monkeypatch, n, scored, pooled=False) for n in (1, 2))
+    assert own1.layer == own2.layer
+    for layer in own1.layers:
+        assert torch.equal(own1.node[layer], own2.node[layer]), layer
+
+
+def test_workers_keep_order_and_cover_every_piece():
+    with parallel.cpu_workers("cpu", threads=3) as workers:
+        assert workers.size == 3 and parallel.active() is workers
+        assert workers.map(lambda x: x * x, range(10)) == [x * x for x in range(10)]
+        seen = torch.zeros(101, dtype=torch.long)
+
+        def mark(piece: slice) -> None:
+            seen[piece] += 1
+
+        workers.split(mark, 101, align=8)
+        assert seen.tolist() == [1] * 101
+    assert parallel.active() is parallel.SERIAL
+
+
+def test_thread_count_override_and_restore(monkeypatch):
+    before = torch.get_num_threads()
+    monkeypatch.setenv("HF_MLOSS_THREADS", "1")
+    assert parallel.run_threads("cpu") == 1
+    with parallel.cpu_workers("cpu") as workers:
+        assert workers.size == 1 and not workers.parallel and torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    monkeypatch.setenv("HF_MLOSS_THREADS", "not a number")  # ignored: falls back to the idle cores
+    assert 1 <= parallel.run_threads("cpu") <= torch.get_num_threads()
