@@ -83,8 +83,10 @@ def pooled(upper: Upper, hidden: torch.Tensor, *, batch: int = 250) -> torch.Ten
 
 
 def lower_drift(model: Dinov2Model, base: Dinov2Model, frozen: int) -> float:
-    """Max |Δ| of the embeddings and the first ``frozen`` blocks between ``model`` and ``base``: 0 (or float
-    rounding) when the cached hidden states are valid for ``model``."""
+    """Largest relative change, max |Δ| / max |θ₀| per tensor, of the embeddings and the first ``frozen`` blocks
+    between ``model`` and ``base``: 0, or float rounding (a weighted mean of q copies of one tensor is a few ulps
+    off), when the cached hidden states are valid for ``model``."""
     theirs = base.state_dict()
     lower = ("embeddings.",) + tuple(f"encoder.layer.{i}." for i in range(frozen))
-    return max(float((v - theirs[k]).abs().max()) for k, v in model.state_dict().items() if k.startswith(lower))
+    return max(float((v - theirs[k]).abs().max() / theirs[k].abs().max().clamp_min(1e-12))
+               for k, v in model.state_dict().items() if k.startswith(lower) and v.is_floating_point())

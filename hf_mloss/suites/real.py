@@ -207,9 +207,9 @@ class RealBench:
         return {t: pooled(self.upper, self.hidden[split][t]) for t in tasks or self.tasks}
 
     def state_of(self, model: Dinov2Model) -> State:
-        """The upper blocks' weights; refuses a model whose frozen blocks moved (the cache would not apply)."""
+        """The upper blocks' weights; refuses a model whose frozen blocks moved beyond float rounding (the cache would not apply)."""
         drift = lower_drift(model, self.base, self.cfg.frozen)
-        if drift > 1e-6:
+        if drift > 1e-5:  # float32 rounding of a mean of identical copies is ~1e-7 relative
             raise ValueError(f"the frozen blocks differ from the base by {drift:.3g}: cached states do not apply")
         return {k: v.clone() for k, v in Upper(model, self.cfg.frozen).state_dict().items()}
 
