@@ -90,15 +90,23 @@ def markdown(results: Sequence[ReplicateResult], gates: Sequence[Gate], diffs: d
     note = (f"Val and test columns: means over {len(results)} fine-tuning replicates (seeds {seeds}) of the "
             "unweighted task mean; task columns are test.")
     lines += ["", note]
-    if passed:
-        lines += ["", "## Paired differences (test, points; 95 % bootstrap CI over images and replicates)", "",
-                  "| difference | mean | 95 % CI | per replicate | verdict |", "|---|---|---|---|---|"]
-        for (a, b), d in diffs.items():
-            reps = ", ".join(f"{v:+.2f}" for v in d.per_replicate)
-            lines.append(f"| {a} − {b} | {d.mean:+.2f} | [{d.low:+.2f}, {d.high:+.2f}] | {reps} | {d.verdict} |")
-        lines += ["", "## The literature's ordering (average < task arithmetic < TIES < ensemble < individual)", ""]
-        lines += [f"- {line}" for line in ordering_verdict(diffs)]
+    lines += differences_section(diffs, passed)
     return "\n".join(lines) + "\n"
+
+
+def differences_section(diffs: dict[tuple[str, str], Difference], passed: bool) -> list[str]:
+    """The paired differences and the literature's ordering; when a gate fails they are printed as measurements,
+    every verdict marked "not ranked"."""
+    mark = (lambda v: v) if passed else (lambda v: f"{v} (not ranked)")
+    title = ("## Paired differences (test, points; 95 % bootstrap CI over images and replicates)" if passed else
+             "## Paired differences, measured only: a gate fails, so none is a ranking (test, points; 95 % CI)")
+    lines = ["", title, "", "| difference | mean | 95 % CI | per replicate | verdict |", "|---|---|---|---|---|"]
+    for (a, b), d in diffs.items():
+        reps = ", ".join(f"{v:+.2f}" for v in d.per_replicate)
+        lines.append(f"| {a} − {b} | {d.mean:+.2f} | [{d.low:+.2f}, {d.high:+.2f}] | {reps} | {mark(d.verdict)} |")
+    lines += ["", "## The literature's ordering (average < task arithmetic < TIES < ensemble < individual)", ""]
+    lines += [f"- {line}" if passed else f"- {line} (not ranked)" for line in ordering_verdict(diffs)]
+    return lines
 
 
 def to_json(results: Sequence[ReplicateResult], gates: Sequence[Gate], diffs: dict[tuple[str, str], Difference],
