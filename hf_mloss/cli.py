@@ -2,7 +2,7 @@
 
 ```
 hf-mloss merge CONFIG.yaml OUT_DIR [--push-to-hub REPO] [--private] [--overwrite] [--device DEVICE] [--quiet]
-              [--select unlabeled --grid PARAM=V1,V2,... [--criterion mloss|output|entropy] [--select-samples N]]
+              [--select unlabeled --grid PARAM=V1,V2,... [--criterion output|entropy|mloss] [--select-samples N]]
 hf-mloss score CONFIG.yaml [--json OUT] [--per-row] [--device DEVICE] [--quiet]
               [--pairwise [--subsets I,J,...] [--output-gap] [--no-baselines] [--out DIR]]
               [--select unlabeled --grid PARAM=V1,V2,...]   (print every candidate's criteria, write nothing)
@@ -314,7 +314,7 @@ def _selection_parent() -> argparse.ArgumentParser:
     group.add_argument("--grid", metavar="PARAM=V1,V2,...", action="append", default=None,
                        help="Candidate values of one parameter (repeat: every combination is a candidate).")
     group.add_argument("--criterion", choices=("mloss", "output", "entropy"), default=None,
-                       help="What ranks the candidates (default mloss; entropy needs heads in the config).")
+                       help="What ranks the candidates (default output; entropy needs heads in the config).")
     group.add_argument("--select-samples", type=int, metavar="N", default=None,
                        help="Unlabeled images each candidate is scored on (default 32).")
     return parent

@@ -79,8 +79,8 @@ def merge(
         select: ``"unlabeled"`` chooses the parameters in ``grid`` on ``data`` without labels (or a mapping of
             :class:`~hf_mloss.selection.SelectionOptions`: ``num_samples``, ``share``, ``shares``, ``compare``).
         grid: the candidates, e.g. ``{"k": [0.2, 0.5, 0.8], "lam": [0.5, 1.0, 1.5]}`` (every combination).
-        criterion: ``"mloss"`` (merged-prefix M-Loss, default), ``"output"`` (discrepancy with each expert) or
-            ``"entropy"`` (needs ``heads``); see :mod:`hf_mloss.selection`.
+        criterion: ``"output"`` (discrepancy with each expert, default), ``"entropy"`` (needs ``heads``) or
+            ``"mloss"`` (merged-prefix M-Loss; it grows with λ); see :mod:`hf_mloss.selection`.
         heads: one classification head per model (for ``"entropy"``, and the logit KL of ``"output"``).
         **method_params: the method's parameters (``k``, ``e``, ``lam``, ``p``, ``scope``, ``layers``...).
 

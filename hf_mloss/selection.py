@@ -2,7 +2,9 @@
 
 ``merge(..., select="unlabeled", grid={"k": [...], "lam": [...]}, criterion=...)`` merges every setting of the grid
 (the cartesian product, in order), scores each candidate on ``num_samples`` unlabeled images and keeps the one with
-the lowest criterion (the first in grid order on ties). Criteria, all "lower is better":
+the lowest criterion (the first in grid order on ties). Criteria, all "lower is better" (default ``"output"``:
+on the real suite it lost 0.04-0.27 test points against choosing on val labels, entropy 2.2-3.3 and the
+merged-prefix M-Loss 6.6-10.3, since the latter grows with λ; ``benchmarks/results/compatibility_study_real.md``):
 
 * ``"mloss"``, the merged-prefix M-Loss: at every scored linear (CLIP: ``mlp.fc1``), with u the candidate's own
   input of that linear (its merged prefix), g = σ(W_m u + b_m) − Σ_p α_p σ(W_p u + b_p), the gap between the
@@ -57,8 +59,9 @@ CHUNK_ELEMENTS = 1 << 22
 class SelectionOptions:
     """How a merge's hyperparameters are chosen without labels (the ``select:`` section of a config)."""
 
-    criterion: str = param("mloss", "What ranks the candidates (lower is better): mloss (merged-prefix M-Loss), "
-                           "output (discrepancy with each expert on its share), entropy (needs heads).",
+    criterion: str = param("output", "What ranks the candidates (lower is better): output (discrepancy with each "
+                           "expert on its share; the default: measured closest to choosing on val labels), entropy "
+                           "(needs heads), mloss (merged-prefix M-Loss; it grows with λ, so it favours weak merges).",
                            choices=CRITERIA)
     grid: dict[str, Any] = param(help="Parameter → list of values; every combination is a candidate.",
                                  default_factory=dict)

@@ -58,7 +58,8 @@ def test_chosen_candidate_equals_a_direct_merge(tiny_paths, pixels, method, grid
     result = run(tiny_paths, method, pixels, grid, **fixed)
     select = result.config.select
     assert [c["setting"] for c in select.candidates] == SelectionOptions(grid=grid).settings()
-    assert select.chosen == min(select.candidates, key=lambda c: c["mloss"])["setting"]
+    assert select.criterion == "output"  # the default
+    assert select.chosen == min(select.candidates, key=lambda c: c["output"])["setting"]
     assert result.config.parameters == {**fixed, **select.chosen}
     base, models = tiny_paths
     direct = hf_mloss.merge(base, models, method, data=pixels, batch_size=3, progress=False, **fixed,
@@ -106,7 +107,7 @@ def pooled(model, x):
 def test_mloss_and_output_criteria_match_brute_force(tiny_paths, loaded, pixels) -> None:
     base_model, experts = loaded
     result = run(tiny_paths, "task_arithmetic", pixels, {"lam": [0.25, 1.0 / 3]},
-                 select={"num_samples": 6, "compare": ["output"]})
+                 select={"num_samples": 6, "criterion": "mloss", "compare": ["output"]})
     images = pixels[:6]
     base, models = tiny_paths
     feats = [pooled(e, images) for e in experts]
@@ -165,7 +166,8 @@ def frozen_lower(tmp_path_factory):
 
 def test_blocks_equal_to_the_base_are_shared_and_score_zero(frozen_lower, pixels) -> None:
     base, models = frozen_lower
-    result = run(frozen_lower, "task_arithmetic", pixels, {"lam": [0.3, 0.7]}, select={"num_samples": 5})
+    result = run(frozen_lower, "task_arithmetic", pixels, {"lam": [0.3, 0.7]},
+                 select={"num_samples": 5, "criterion": "mloss"})
     experts = [CLIPVisionModel.from_pretrained(m).eval() for m in models]
     for candidate in result.config.select.candidates:
         merged = hf_mloss.merge(base, models, "task_arithmetic", progress=False, **candidate["setting"]).model
@@ -178,10 +180,10 @@ def test_saved_record_card_and_rerun(tiny_paths, pixels, image_folder, tmp_path)
                             progress=False, select="unlabeled", grid={"k": [0.3, 0.6], "lam": [0.5, 1.0]})
     folder = result.save_pretrained(tmp_path / "merged")
     saved = yaml.safe_load((folder / "hf_mloss_config.yaml").read_text())
-    assert saved["select"]["criterion"] == "mloss" and saved["select"]["grid"] == {"k": [0.3, 0.6], "lam": [0.5, 1.0]}
+    assert saved["select"]["criterion"] == "output" and saved["select"]["grid"] == {"k": [0.3, 0.6], "lam": [0.5, 1.0]}
     assert saved["select"]["chosen"] == result.config.select.chosen and len(saved["select"]["candidates"]) == 4
     card = (folder / "README.md").read_text()
-    assert "Parameters chosen without labels" in card and "✓" in card and "`mloss`" in card
+    assert "Parameters chosen without labels" in card and "✓" in card and "`output`" in card
     again = MergeConfig.from_pretrained(folder).run(progress=False)
     assert max_diff(again.model, result.model) == 0 and again.config.select.chosen == result.config.select.chosen
 
@@ -246,12 +248,12 @@ def test_cli_merge_and_score_select(tiny_paths, image_folder, tmp_path, capsys) 
     assert main(["merge", str(config), str(tmp_path / "out"), "--select", "unlabeled", "--grid", "k=0.3,0.6",
                  "--grid", "lam=0.5,1", "--select-samples", "6", "-q"]) == 0
     printed = capsys.readouterr().out
-    assert "Label-free selection (mloss" in printed and " * " in printed
+    assert "Label-free selection (output" in printed and " * " in printed  # the default criterion
     saved = yaml.safe_load((tmp_path / "out" / "hf_mloss_config.yaml").read_text())
     assert saved["select"]["grid"] == {"k": [0.3, 0.6], "lam": [0.5, 1]} and saved["select"]["num_samples"] == 6
-    assert main(["score", str(config), "--select", "unlabeled", "--grid", "lam=0.5,1", "--criterion", "output",
+    assert main(["score", str(config), "--select", "unlabeled", "--grid", "lam=0.5,1", "--criterion", "mloss",
                  "-q"]) == 0
-    assert "Label-free selection (output" in capsys.readouterr().out
+    assert "Label-free selection (mloss" in capsys.readouterr().out
     assert main(["score", str(config), "--grid", "lam=1"]) == 2
     assert "add --select unlabeled" in capsys.readouterr().err
     assert main(["merge", str(config), str(tmp_path / "o2"), "--select", "unlabeled"]) == 2
