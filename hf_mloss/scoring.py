@@ -130,15 +130,15 @@ def node_sums(node: torch.Tensor, g: torch.Tensor, merged: torch.Tensor, *, redu
               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Add the per-node sums of gaps ``g`` and merged activations (``[positions, nodes]``) into ``node`` (rows as in
     :class:`MLossAccumulator`); returns the per-position Σg² and Σσ(αh)² over these nodes (float32)."""
-    magnitude, merged_magnitude = g.abs(), merged.abs()
+    magnitude, merged_magnitude, squares = g.abs(), merged.abs(), g.square()
     if reduction == "abs":
         node[0] += magnitude.sum(0, dtype=torch.float64)
     else:
-        node[0] += g.square().sum(0, dtype=torch.float64)
+        node[0] += squares.sum(0, dtype=torch.float64)
         node[3] += magnitude.sum(0, dtype=torch.float64)
     node[2] += merged_magnitude.sum(0, dtype=torch.float64)
     node[1] += magnitude.div_(merged_magnitude.add_(eps)).sum(0, dtype=torch.float64)
-    return g.square().sum(1), merged.square().sum(1)
+    return squares.sum(1), merged.square().sum(1)
 
 
 def add_position_sums(layer: torch.Tensor, squares: torch.Tensor, merged_squares: torch.Tensor, *, eps: float) -> None:
