@@ -10,14 +10,17 @@ import shutil
 
 import pytest
 import torch
+import transformers
 import yaml
 from safetensors.torch import load_file
 
 import hf_mloss
 from hf_mloss.cli import main
-from hf_mloss.compatibility import CompatibilityReport, compatibility, standard_subsets
+from hf_mloss.compatibility import (CompatibilityReport, SubsetAccumulator, compatibility, standard_subsets,
+                                    subset_matrix)
 from hf_mloss.data import load_pixel_values
 from hf_mloss.methods.ops import trim_tensor
+from hf_mloss.scoring import MLossAccumulator
 from hf_mloss.testing import make_tiny_setup, tiny_processor
 
 NUM = 8
@@ -54,6 +57,37 @@ def assert_matches_score(report: CompatibilityReport, subset, direct) -> None:
             assert report.values["node_mloss"][row, i].item() == pytest.approx(
                 float(direct.node[name].double().mean()), rel=1e-5, abs=1e-8)
             torch.testing.assert_close(report.node[name][row], direct.node[name], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("activation", [torch.nn.GELU(), transformers.activations.QuickGELUActivation(),
+                                        torch.nn.ReLU(), torch.nn.SiLU(), torch.nn.Tanh()],
+                         ids=["gelu", "quick_gelu", "relu", "silu", "tanh (no in-place kernel)"])
+@pytest.mark.parametrize("reduction", ["abs", "sq"])
+def test_subset_accumulator_equals_one_accumulator_per_subset(activation, reduction, monkeypatch) -> None:
+    """The batched kernel (activation folded and in place, chunks of positions) gives each subset the sums of a
+    plain per-subset accumulation, with uneven chunks and user weights."""
+    import hf_mloss.compatibility as compat
+
+    monkeypatch.setattr(compat, "_CHUNK_ELEMENTS", 7 * 11 * 5)  # 5 positions per chunk: 23 = 4 × 5 + 3
+    torch.manual_seed(0)
+    h = 3 * torch.randn(4, 23, 11)
+    weights = torch.tensor([1.0, 2.0, 0.5, 1.5])
+    subsets = standard_subsets(4)
+    acc = SubsetAccumulator(subset_matrix(subsets, weights), 11, reduction=reduction, per_node=True)
+    original = h.clone()
+    acc.add(h[:, :13], activation)
+    acc.add(h[:, 13:], activation)
+    assert torch.equal(h, original)
+    got = acc.scores()
+    for row, subset in enumerate(subsets):
+        alpha = weights[list(subset)] / weights[list(subset)].sum()
+        ref = MLossAccumulator(11, reduction=reduction)
+        ref.add(h[list(subset)].transpose(0, 1), alpha, activation)
+        want = ref.scores()
+        assert got["mloss"][row].item() == pytest.approx(want.layer, rel=1e-5)
+        assert got["mloss_normalized"][row].item() == pytest.approx(want.layer_normalized, rel=1e-5)
+        assert got["mloss_ratio"][row].item() == pytest.approx(want.layer_ratio, rel=1e-5)
+        torch.testing.assert_close(got["node"][row], want.node, rtol=1e-5, atol=1e-6)
 
 
 def test_subsets_scored(report) -> None:
