@@ -13,9 +13,9 @@ pre-activations, in chunks of ~16 M values. Subset S's numbers equal a direct :f
 of S (``prefix="own"``).
 
 Cost per model: one forward over the images, as ``score(prefix="own")``; memory: the q models' hidden states, q
-copies of ONE block, and a few 64 MB chunks of gaps, never q² forwards. The subsets add elementwise work ∝ (number
-of subsets) × positions × nodes per scored layer: measured on DINOv2-S with q = 8 (37 subsets), see
-``benchmarks/results/compatibility_cost_*.md``.
+copies of ONE block, f(s·h) of one batch and one 64 MB chunk of gaps, never q² forwards. The subsets add
+elementwise work ∝ (number of subsets) × positions × nodes per scored layer: for ViT-B/32 with q = 8 (37 subsets)
+see ``benchmarks/results/merge_speed_new_workloads_cpu.md`` (the report against one ``score(prefix="own")``).
 
 Label-free baselines beside it, streamed one tensor at a time over the task vectors τ_p = θ_p − θ₀: cosine and
 distance between task vectors, their norms, and the TIES sign-conflict fraction (entries kept by both trimmed task
