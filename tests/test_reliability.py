@@ -137,8 +137,7 @@ def test_ctrl_c_during_scoring_exits_cleanly(tmp_path, tiny_paths, image_folder,
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(scoring.MLossAccumulator, "add", interrupted)  # own-prefix path
-    monkeypatch.setattr(scoring.MLossAccumulator, "add_sums", interrupted)  # fused shared-prefix kernel
+    monkeypatch.setattr(scoring.MLossAccumulator, "add_sums", interrupted)  # both prefixes' fused kernels
     assert cli.main(["merge", str(config), str(tmp_path / "out"), "--quiet"]) == 130
     err = capsys.readouterr().err
     assert "interrupted" in err and "Traceback" not in err

@@ -245,3 +245,29 @@ def test_stacked_kernel_matches_accumulator_for_every_fused_activation():
                 torch.testing.assert_close(getattr(a, field), getattr(b, field), rtol=1e-4, atol=1e-6, msg=name)
             for field in ("layer", "layer_normalized", "layer_ratio"):
                 assert getattr(a, field) == pytest.approx(getattr(b, field), rel=1e-5), (name, field)
+
+
+@pytest.mark.parametrize("name", ["quick_gelu", "silu", "relu", "gelu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("reduction", ["abs", "sq"])
+def test_own_prefix_kernel_matches_accumulator(name, reduction, monkeypatch):
+    """gap_sums (the own-prefix kernel: activation folded and in place, blocks of positions) equals
+    MLossAccumulator.add on the same pre-activations, with uneven blocks."""
+    from transformers.activations import ACT2FN
+
+    from hf_mloss import scoring
+
+    monkeypatch.setattr(scoring, "_OWN_BLOCK_ELEMENTS", 3 * 10 * 7)  # 7 positions per block: 30 = 4 × 7 + 2
+    torch.manual_seed(0)
+    h = 3 * torch.randn(30, 3, 10)
+    alpha = torch.tensor([0.2, 0.3, 0.5])
+    act = ACT2FN[name]
+    ref = MLossAccumulator(10, reduction=reduction)
+    ref.add(h, alpha, act)
+    acc = MLossAccumulator(10, reduction=reduction)
+    acc.add_sums(*scoring.gap_sums(h.clone(), alpha, act, reduction=reduction, eps=1e-4))
+    a, b = acc.scores(), ref.scores()
+    assert acc.count == ref.count == 30
+    for field in ("node", "node_normalized", "node_ratio"):
+        torch.testing.assert_close(getattr(a, field), getattr(b, field), rtol=1e-5, atol=1e-6, msg=field)
+    for field in ("layer", "layer_normalized", "layer_ratio"):
+        assert getattr(a, field) == pytest.approx(getattr(b, field), rel=1e-5), field
