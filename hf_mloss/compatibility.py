@@ -129,7 +129,7 @@ class SubsetAccumulator:
     def add(self, h: torch.Tensor, activation: Callable) -> None:
         """Add the q pre-activations of one batch, ``h`` of shape ``[q, positions, nodes]``.
 
-        With σ(x) = f(s·x)/s and f one in-place kernel (:func:`hf_mloss.scoring.inplace_activation`), f(s·H) is
+        With σ(x) = f(s·x)/s and f in place (:func:`hf_mloss.scoring.inplace_activation`), f(s·H) is
         computed once for the batch; then per chunk of positions, with H the chunk as ``[q, positions·nodes]`` (a
         view), one GEMM writes s·A·H into a reused buffer, f runs in place (s·σ(A·H)) and one more GEMM with β = 1
         subtracts A·f(s·H): :func:`hf_mloss.scoring.node_gap` for every subset at once, scaled by s, with no new
@@ -138,12 +138,11 @@ class SubsetAccumulator:
         """
         from .scoring import inplace_activation
 
-        fused = inplace_activation(activation)
-        scale, f = fused if fused is not None else (1.0, activation)
+        scale, f = inplace_activation(activation)
         h = h.float()
         q, n = h.shape[0], h.shape[-1]
         scaled = h * scale if scale != 1.0 else h
-        activated = f(scaled.clone()) if fused is not None else f(scaled)  # f(s·h): once, not once per subset
+        activated = f(scaled.clone())  # f(s·h): once per batch, not once per subset
         m = self.matrix.shape[0]
         step = max(1, _CHUNK_ELEMENTS // (m * n))
         buffer = torch.empty(m, min(step, h.shape[1]) * n, device=h.device)
@@ -152,7 +151,7 @@ class SubsetAccumulator:
             flat = scaled[:, first:first + step].reshape(q, -1)
             positions = flat.shape[1] // n
             gap = torch.mm(self.matrix, flat, out=buffer[:, : positions * n])  # s·Σ_S α h
-            gap = f(gap) if fused is not None else gap.copy_(f(gap))  # s·σ(Σ_S α h)
+            gap = f(gap)  # s·σ(Σ_S α h), in place
             merged_norm = torch.linalg.vector_norm(gap.view(m, positions, n), dim=-1)
             gap.addmm_(self.matrix, activated[:, first:first + step].reshape(q, -1), alpha=-1)  # − s·Σ_S α σ(h)
             norm = torch.linalg.vector_norm(gap.view(m, positions, n), dim=-1)  # [subsets, positions]
