@@ -16,6 +16,7 @@ from hf_mloss.suites import domains as D
 from hf_mloss.suites.frozen import Upper, lower_drift, lower_hidden, pooled
 from hf_mloss.suites.gates import compute_gates
 from hf_mloss.suites.protocol import MethodSpec, ReplicateResult, check_grids
+from hf_mloss.suites.real import interpolate
 from hf_mloss.suites.stats import paired_bootstrap
 
 
@@ -57,6 +58,22 @@ def test_upper_round_trip_and_drift(dinov2):
     assert 0 < lower_drift(thirds, dinov2, 3) < 1e-5
     again = Upper(Dinov2Model(dinov2.config), 2).load_from(other)
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), upper.state_dict().values()))
+
+
+def test_wise_interpolation_moves_the_trained_blocks_only(dinov2):
+    tuned = Dinov2Model(dinov2.config).eval()
+    tuned.load_state_dict(dinov2.state_dict())
+    upper = Upper(tuned, 2)
+    with torch.no_grad():
+        for p in upper.parameters():
+            p.add_(torch.randn_like(p))
+    upper.write_into(tuned)
+    trained = {k: v.clone() for k, v in tuned.state_dict().items()}
+    mixed = interpolate(dinov2, tuned, 0.6).state_dict()
+    assert lower_drift(tuned, dinov2, 2) == 0.0  # frozen blocks stay bit-identical, so the cache still applies
+    for name, base in dinov2.state_dict().items():
+        assert torch.allclose(mixed[name], base + 0.6 * (trained[name] - base), atol=1e-6)
+    assert not torch.allclose(mixed["encoder.layer.3.mlp.fc1.weight"], trained["encoder.layer.3.mlp.fc1.weight"])
 
 
 def test_item_splits_are_disjoint_stable_and_non_empty():

@@ -41,13 +41,19 @@ def test_real_smoke_end_to_end(tmp_path, capsys):
 
 
 def test_tiny_suite_fast_end_to_end(tmp_path, capsys):
-    out = tmp_path / "out"
-    assert main(["tiny", "--fast", "--cache", str(tmp_path / "cache"), "--out", str(out), "--seeds", "2",
-                 "--num-samples", "32"]) == 0
+    out, table = tmp_path / "out", tmp_path / "record" / "tiny_suite"
+    assert main(["tiny", "--fast", "--cache", str(tmp_path / "cache"), "--out", str(out), "--table", str(table),
+                 "--num-samples", "32", "--threads", "1"]) == 0
     printed = capsys.readouterr().out
-    assert "| ensemble |" in printed and "| m_ties (random ranks) |" in printed
-    table = json.loads((out / "results.json").read_text())
-    labels = [row["label"] for row in table["methods"]]
-    assert labels[:6] == ["average", "task_arithmetic", "ties (global)", "ties (tensor)", "dare_ties", "m_ties"]
-    assert {"m_ties (random ranks)", "m_ties (e=0)"} <= set(labels)
+    # the same gated protocol as the real suite: one set of fine-tunes, so G5 fails and nothing is ranked
+    assert printed.index("## Gates (val)") < printed.index("## Accuracy")
+    assert "G5 statistics FAIL: 1 fine-tuning replicates" in printed and "ranks nothing" in printed
+    record = json.loads(table.with_suffix(".json").read_text())
+    assert record["all_gates_pass"] is False and len(record["replicates"]) == 1
+    rows = record["replicates"][0]["methods"]
+    assert {"average", "task_arithmetic", "ties", "m_ties", "m_ties (random ranks)", "m_ties (e=0)"} <= set(rows)
+    assert all(len(r["val_grid"]) == 2 for label, r in rows.items() if label != "average")
+    assert len(record["replicates"][0]["foreign"]) == 8 * 7  # every ordered pair of tasks
     CLIPVisionModel.from_pretrained(out / "m_ties_merge")
+    card = (out / "m_ties_merge" / "README.md").read_text()
+    assert "model-index" in card and "## Evaluation" in card

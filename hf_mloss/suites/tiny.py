@@ -47,12 +47,14 @@ import torch.nn.functional as F
 from transformers import CLIPVisionConfig, CLIPVisionModel
 
 from . import tasks as T
+from .protocol import Replicate, State
 from .training import (
     Log,
     Suite,
     TaskHead,
     atomic_dir,
     default_threads,
+    features,
     finetune,
     fit_head,
     head_accuracy,
@@ -364,24 +366,67 @@ def _load(run_dir: Path, data_dir: Path, pre_dir: Path, task_names: list[str], c
                      heads=load_heads(run_dir), val=val, test=test, unlabeled=T.to_pixel_values(mixed), info=info)
 
 
-def main(args, out: Path) -> int:
-    """``python -m hf_mloss.suites tiny``: build (or load) the tiny suite, compare every method, write results."""
-    from transformers import AutoConfig
+@dataclass
+class TinyBench:
+    """The tiny suite as a :class:`~hf_mloss.suites.protocol.Bench`: full CLIP towers on pixels, and one replicate
+    (the suite fine-tunes every task once)."""
 
-    from .compare import compare_methods, default_specs
+    suite: TinySuite
 
-    start = time.perf_counter()
+    def __post_init__(self) -> None:
+        self.base_dir = self.suite.base_dir
+        self.heads = self.suite.heads
+        self.model = CLIPVisionModel.from_pretrained(self.base_dir).eval()
+        self.replicates = [Replicate(self.suite.info["seed"], dict(self.suite.finetuned))]
+
+    @property
+    def tasks(self) -> list[str]:
+        return self.suite.tasks
+
+    def labels(self, split: str) -> dict[str, torch.Tensor]:
+        return {t: y for t, (_, y) in getattr(self.suite, split).items()}
+
+    def features(self, state: State, split: str, tasks: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+        self.model.load_state_dict(state)
+        data = getattr(self.suite, split)
+        return {t: features(self.model, data[t][0]) for t in tasks or self.tasks}
+
+    def state_of(self, model: CLIPVisionModel) -> State:
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    def load_state(self, folder: Path) -> State:
+        return self.state_of(CLIPVisionModel.from_pretrained(folder))
+
+    def scoring_data(self, seed: int, num_samples: int = 128) -> torch.Tensor:
+        order = torch.randperm(len(self.suite.unlabeled), generator=torch.Generator().manual_seed(seed))
+        return self.suite.unlabeled[order[:num_samples]]
+
+
+def main(args, out: Path, command: str = "") -> None:
+    """``python -m hf_mloss.suites tiny``: build (or load) the tiny suite, run the gated protocol, write results."""
+    from .run import machine, method_specs, run_protocol, save_m_ties, write_results
+
+    start, load = time.perf_counter(), os.getloadavg()
     suite = build_tiny_suite(args.cache, fast=args.fast)
-    print(f"Suite ready in {time.perf_counter() - start:.0f} s: {len(suite.finetuned)} fine-tuned CLIP vision "
-          f"towers, tasks {', '.join(suite.finetuned)}")
-    specs = default_specs(AutoConfig.from_pretrained(suite.base_dir).num_hidden_layers)
-    if args.fast:  # one setting per method: checks the pipeline (CI), not the numbers
-        for spec in specs:
-            spec.grid = {key: values[:1] for key, values in spec.grid.items()}
-    compare_methods(suite, specs=specs, seeds=tuple(range(args.seeds or 3)), num_samples=args.num_samples,
-                    out_dir=out)
-    print()
-    print((out / "results.md").read_text())
-    print(f"Total {time.perf_counter() - start:.0f} s. Results: {out / 'results.md'}, {out / 'results.json'}; "
-          f"M-TIES merge (Hub-ready): {out / 'm_ties_merge'}")
-    return 0
+    log = Log(True, "suite tiny")
+    built = time.perf_counter() - start
+    log(f"suite ready in {built:.0f} s: {len(suite.finetuned)} fine-tuned CLIP vision towers")
+    torch.use_deterministic_algorithms(True)
+    with torch_threads(args.threads):
+        bench = TinyBench(suite)
+        specs = method_specs(range(bench.model.config.num_hidden_layers), "smoke" if args.fast else "main")
+        results, gates, diffs = run_protocol(bench, specs, num_samples=args.num_samples, log=log)
+        extra = {"suite": "tiny", "command": command, "config": suite.info["config"],
+                 "machine": machine(args.threads, load, os.getloadavg()),
+                 "timings": {"build_s": round(built, 1), "total_s": round(time.perf_counter() - start, 1)}}
+        cfg = suite.info["config"]
+        title = (f"# Suite `tiny`: a {cfg['num_hidden_layers']}-layer CLIP tower pretrained in-process, "
+                 f"{len(bench.tasks)} tasks × 1 replicate")
+        setup = (f"Command: `{command}`. Machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, "
+                 f"{args.threads} torch threads. Time: build (or cache load) {built:.0f} s, total "
+                 f"{extra['timings']['total_s']:.0f} s. One set of fine-tunes ({cfg['ft_steps']} AdamW steps × "
+                 f"{cfg['ft_batch']}, lr {cfg['ft_lr']:g}, whole encoder); {cfg['n_val']} val / {cfg['n_test']} "
+                 "test images per task at most (fewer where a task's sources run out).")
+        header = [title, "", setup]
+        write_results(out, results, gates, diffs, header, extra)
+        save_m_ties(bench, results[0], out / "m_ties_merge", args.num_samples)
