@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg = real_config(args.suite, args.seeds)
         grid = {"real": "main", "real-full": "full", "real-smoke": "smoke"}[args.suite]
-        specs = method_specs(range(cfg.frozen, cfg.num_layers), grid)
+        specs = method_specs(range(cfg.frozen, cfg.num_layers), grid, vector_scale=cfg.wise)
         run_suite(cfg, specs, cache=args.cache or default_cache(), out=out, threads=args.threads,
                   num_samples=args.num_samples, name=args.suite, command=command)
     print((out / "results.md").read_text())

@@ -27,10 +27,14 @@ from .report import comparisons, default_pairs, markdown, to_json
 from .training import Log, torch_threads
 
 
-def method_specs(trained: Sequence[int], grid: str = "full") -> list[MethodSpec]:
+def method_specs(trained: Sequence[int], grid: str = "full", vector_scale: float = 1.0) -> list[MethodSpec]:
     """The methods and their grids (every tuned method searches as many settings: 6 with ``grid="full"``, 4 with
-    ``"main"``, 2 with ``"smoke"``).
+    ``"main"``, 2 with ``"smoke"``). The main grid fixes the TIES family's k at 0.2 (the TIES paper's default,
+    chosen by all four on both replicates of the 6-frozen build with the grid k {0.2, 0.5} × λ {1.0, 1.5}, where
+    λ sat on an edge of the grid in both) and spends its settings on λ.
 
+    λ values are per unit of the trained task vectors: when the merged models carry ``vector_scale`` × theirs (the
+    real suite's WiSE-FT interpolation), every λ is divided by it, so the grid covers the same merged models.
     M-TIES scores the fc1 rows of the ``trained`` blocks only: the frozen blocks' task vectors are exactly zero, so
     their keep ratios change nothing and scoring them would only cost time (the merge is the same). Few-layer M-TIES
     scores the upper half of the trained blocks."""
@@ -40,9 +44,12 @@ def method_specs(trained: Sequence[int], grid: str = "full") -> list[MethodSpec]
     ties = {"k": [0.2, 0.5], "lam": [1.0, 1.5, 2.0]}
     dare = {"p": [0.3, 0.7], "lam": [1.0, 1.5, 2.0]}
     if grid == "main":
-        ta, ties, dare = [0.3, 0.5, 0.7, 1.0], {"k": [0.2, 0.5], "lam": [1.0, 1.5]}, None
+        ta, ties, dare = [0.3, 0.5, 0.7, 1.0], {"k": [0.2], "lam": [0.7, 1.0, 1.5, 2.0]}, None
     elif grid == "smoke":
         ta, ties, dare = [0.5, 1.0], {"k": [0.5], "lam": [0.5, 1.0]}, None
+    per_unit = lambda lams: [round(lam / vector_scale, 2) for lam in lams]  # noqa: E731
+    ta, ties = per_unit(ta), {**ties, "lam": per_unit(ties["lam"])}
+    dare = dare and {**dare, "lam": per_unit(dare["lam"])}
     specs = [
         MethodSpec("average", "average"),
         MethodSpec("task_arithmetic", "task_arithmetic", grid={"lam": ta}),
