@@ -76,6 +76,27 @@ def test_wise_interpolation_moves_the_trained_blocks_only(dinov2):
     assert not torch.allclose(mixed["encoder.layer.3.mlp.fc1.weight"], trained["encoder.layer.3.mlp.fc1.weight"])
 
 
+@pytest.mark.parametrize(("method", "params"), [("task_arithmetic", {}), ("ties", {"k": 0.2}),
+                                               ("ties", {"k": 0.5, "scope": "global"})])
+def test_scaled_grid_finds_the_same_merge_after_interpolation(tmp_path, tiny_paths, method, params):
+    """Why the suite divides λ by ``wise``: the linear merges of θ₀ + w·τ at λ / w are those of θ₀ + τ at λ."""
+    import hf_mloss
+    from transformers import CLIPVisionModel
+
+    base_dir, model_dirs = tiny_paths
+    base = CLIPVisionModel.from_pretrained(base_dir)
+    scaled = []
+    for i, folder in enumerate(model_dirs):
+        scaled.append(str(tmp_path / f"wise{i}"))
+        interpolate(base, CLIPVisionModel.from_pretrained(folder), 0.6).save_pretrained(scaled[-1])
+    plain = hf_mloss.merge(base_dir, model_dirs, method, lam=1.5, progress=False, **params).model.state_dict()
+    again = hf_mloss.merge(base_dir, scaled, method, lam=1.5 / 0.6, progress=False, **params).model.state_dict()
+    for name, value in plain.items():
+        assert torch.allclose(again[name], value, atol=1e-5), name
+    other = hf_mloss.merge(base_dir, scaled, method, lam=1.5, progress=False, **params).model.state_dict()
+    assert not torch.allclose(other["encoder.layers.0.mlp.fc1.weight"], plain["encoder.layers.0.mlp.fc1.weight"])
+
+
 def test_item_splits_are_disjoint_stable_and_non_empty():
     keys = [f"item{i}" for i in range(23)]
     splits = D.split_items(keys)

@@ -315,7 +315,7 @@ def finetune_all(cfg: RealConfig, seed: int, base: Dinov2Model, upper: Upper, he
     return published
 
 
-def interpolate(base: Dinov2Model, tuned: Dinov2Model, wise: float) -> Dinov2Model:
+def interpolate(base: torch.nn.Module, tuned: torch.nn.Module, wise: float) -> torch.nn.Module:
     """``tuned`` moved to θ₀ + wise · (θ − θ₀) in place (WiSE-FT); weights equal to the base's stay bit-identical."""
     reference = base.state_dict()
     with torch.no_grad():
