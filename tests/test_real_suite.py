@@ -80,8 +80,9 @@ def test_wise_interpolation_moves_the_trained_blocks_only(dinov2):
                                                ("ties", {"k": 0.5, "scope": "global"})])
 def test_scaled_grid_finds_the_same_merge_after_interpolation(tmp_path, tiny_paths, method, params):
     """Why the suite divides λ by ``wise``: the linear merges of θ₀ + w·τ at λ / w are those of θ₀ + τ at λ."""
-    import hf_mloss
     from transformers import CLIPVisionModel
+
+    import hf_mloss
 
     base_dir, model_dirs = tiny_paths
     base = CLIPVisionModel.from_pretrained(base_dir)
