@@ -14,21 +14,29 @@ from transformers import CLIPVisionModel, Dinov2Model
 from hf_mloss.suites.__main__ import main
 
 
+def gated_record(printed: str, table, replicates: int) -> dict:
+    """The checks both suites share: gates printed first, a failing gate ranks nothing, every method tuned on its
+    own grid of two settings (smoke grids), the record holds the replicates."""
+    assert printed.index("## Gates (val)") < printed.index("## Accuracy")
+    assert "ranks nothing" in printed
+    record = json.loads(table.with_suffix(".json").read_text())
+    assert record["all_gates_pass"] is False and len(record["replicates"]) == replicates
+    rows = record["replicates"][0]["methods"]
+    assert {"average", "task_arithmetic", "ties", "m_ties", "m_ties (random ranks)", "m_ties (e=0)"} <= set(rows)
+    assert all(len(r["val_grid"]) == 2 for label, r in rows.items() if label != "average")
+    return record
+
+
 def test_real_smoke_end_to_end(tmp_path, capsys):
     out, table = tmp_path / "out", tmp_path / "record" / "smoke_suite"
     assert main(["real-smoke", "--cache", str(tmp_path / "cache"), "--out", str(out), "--table", str(table),
                  "--threads", "1"]) == 0
     printed = capsys.readouterr().out
-    assert printed.index("## Gates (val)") < printed.index("## Accuracy")
-    assert "G5 statistics FAIL" in printed and "ranks nothing" in printed  # 48 val images per task
+    record = gated_record(printed, table, replicates=2)
+    assert "--out" not in record["command"] and "--table" in record["command"]  # no machine folder in the record
+    assert "G5 statistics FAIL" in printed  # 48 val images per task
     # the paired differences are still measured and shown, each marked as no ranking
     assert "| m_ties − m_ties (random ranks) |" in printed and "(not ranked) |" in printed
-    record = json.loads(table.with_suffix(".json").read_text())
-    assert record["all_gates_pass"] is False and len(record["replicates"]) == 2
-    rows = record["replicates"][0]["methods"]
-    assert {"average", "task_arithmetic", "ties", "m_ties", "m_ties (random ranks)", "m_ties (e=0)"} <= set(rows)
-    # every method searched its own grid: two settings each, chosen independently
-    assert all(len(r["val_grid"]) == 2 for label, r in rows.items() if label != "average")
     assert {"ensemble (probabilities)", "ensemble (features)"} <= set(record["summary"])
     pairs = {(d["a"], d["b"]) for d in record["differences"]}
     assert ("m_ties", "m_ties (random ranks)") in pairs and ("m_ties", "ties") in pairs
@@ -46,13 +54,8 @@ def test_tiny_suite_fast_end_to_end(tmp_path, capsys):
                  "--num-samples", "32", "--threads", "1"]) == 0
     printed = capsys.readouterr().out
     # the same gated protocol as the real suite: one set of fine-tunes, so G5 fails and nothing is ranked
-    assert printed.index("## Gates (val)") < printed.index("## Accuracy")
-    assert "G5 statistics FAIL: 1 fine-tuning replicates" in printed and "ranks nothing" in printed
-    record = json.loads(table.with_suffix(".json").read_text())
-    assert record["all_gates_pass"] is False and len(record["replicates"]) == 1
-    rows = record["replicates"][0]["methods"]
-    assert {"average", "task_arithmetic", "ties", "m_ties", "m_ties (random ranks)", "m_ties (e=0)"} <= set(rows)
-    assert all(len(r["val_grid"]) == 2 for label, r in rows.items() if label != "average")
+    record = gated_record(printed, table, replicates=1)
+    assert "G5 statistics FAIL: 1 fine-tuning replicates" in printed
     assert len(record["replicates"][0]["foreign"]) == 8 * 7  # every ordered pair of tasks
     CLIPVisionModel.from_pretrained(out / "m_ties_merge")
     card = (out / "m_ties_merge" / "README.md").read_text()

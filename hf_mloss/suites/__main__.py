@@ -47,6 +47,20 @@ def real_config(name: str, seeds: int | None):
     return dataclasses.replace(cfg, seeds=tuple(range(seeds))) if seeds else cfg
 
 
+def record_args(argv: list[str]) -> list[str]:
+    """The arguments as the results record shows them: ``--out DIR`` dropped (where the results go changes none of
+    them, and a machine's folder does not belong in a committed table)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip or arg.startswith("--out="):
+            skip = False
+        elif arg == "--out":
+            skip = True
+        else:
+            kept.append(arg)
+    return kept
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hf_mloss.suites", description=__doc__.splitlines()[0])
     parser.add_argument("suite", choices=SUITES, help="which suite to run")
@@ -60,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = args.out or Path(f"hf_mloss_{args.suite.replace('-', '_')}_suite")
     start = time.perf_counter()
-    command = ("python -m hf_mloss.suites " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
+    command = "python -m hf_mloss.suites " + " ".join(record_args(argv if argv is not None else sys.argv[1:]))
     if args.suite == "tiny":
         from .tiny import main as tiny_main
 
