@@ -6,6 +6,8 @@ the two procedural tasks) in tests/test_suite_smoke.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from transformers import Dinov2Config, Dinov2Model
 
 from hf_mloss.evaluation import ensemble_scores
 from hf_mloss.suites import domains as D
+from hf_mloss.suites.__main__ import real_config
 from hf_mloss.suites.frozen import Upper, lower_drift, lower_hidden, pooled
 from hf_mloss.suites.gates import compute_gates
 from hf_mloss.suites.protocol import MethodSpec, ReplicateResult, check_grids
@@ -148,6 +151,15 @@ def test_paired_bootstrap_separates_and_refuses_to_rank_noise():
     assert paired_bootstrap(better, better, draws=100).low == 0.0
     with pytest.raises(ValueError):
         paired_bootstrap(better, {(0, "a"): better[0, "a"]})
+
+
+def test_quick_cut_is_the_full_suite_on_four_tasks():
+    """``real-quick`` differs from ``real`` in its tasks alone, so every cached artifact (keyed by the rest of the
+    configuration, stored per task) is shared: running the cut first builds part of the full suite."""
+    full, quick = real_config("real", None), real_config("real-quick", None)
+    assert len(quick.tasks) == 4 and set(quick.tasks) < set(full.tasks)
+    assert dataclasses.replace(quick, tasks=full.tasks) == full
+    assert real_config("real-quick", 3).seeds == (0, 1, 2)
 
 
 def test_grids_must_have_equal_sizes():

@@ -33,7 +33,8 @@ def test_real_smoke_end_to_end(tmp_path, capsys):
                  "--threads", "1"]) == 0
     printed = capsys.readouterr().out
     record = gated_record(printed, table, replicates=2)
-    assert "--out" not in record["command"] and "--table" in record["command"]  # no machine folder in the record
+    assert "--table" in record["command"]
+    assert "--out" not in record["command"] and "--cache" not in record["command"]  # no machine folder in the record
     assert "G5 statistics FAIL" in printed  # 48 val images per task
     # the paired differences are still measured and shown, each marked as no ranking
     assert "| m_ties − m_ties (random ranks) |" in printed and "(not ranked) |" in printed

@@ -1,8 +1,8 @@
 """Run a suite end to end: build (or load) it, run the protocol on every replicate, gate, report.
 
 Deterministic: a fixed number of torch threads and ``torch.use_deterministic_algorithms(True)``; every random
-stream is seeded from the configuration, so two builds with the same configuration and thread count print the
-same table.
+stream is seeded from the configuration, so two builds with the same configuration and thread count on the same
+kind of CPU print the same table (CPUs with other vector units round differently, and training amplifies it).
 """
 
 from __future__ import annotations
