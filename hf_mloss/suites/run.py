@@ -47,6 +47,7 @@ def method_specs(trained: Sequence[int], grid: str = "full", vector_scale: float
         ta, ties, dare = [0.3, 0.5, 0.7, 1.0], {"k": [0.2], "lam": [0.7, 1.0, 1.5, 2.0]}, None
     elif grid == "smoke":
         ta, ties, dare = [0.5, 1.0], {"k": [0.5], "lam": [0.5, 1.0]}, None
+
     def per_unit(lams: list[float]) -> list[float]:
         return [round(lam / vector_scale, 2) for lam in lams]
 
