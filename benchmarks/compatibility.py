@@ -32,6 +32,7 @@ Writes ``benchmarks/results/compatibility_<part>.md`` / ``.json``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -53,6 +54,13 @@ TA_GRID = {"lam": [0.2, 0.4, 0.8]}
 
 
 # ------------------------------------------------------------------------------------------------------- cost
+def recorded_command() -> str:
+    """This command as results show it, without the machine's folders (``--cache``, ``--suite-cache``)."""
+    from hf_mloss.suites.__main__ import record_args
+
+    return " ".join(record_args(sys.argv, ("--cache", "--suite-cache")))
+
+
 def cost_inputs(shape: str, q: int, num_samples: int, cache: Path) -> tuple[str, list[str], torch.Tensor]:
     """Base folder, q fine-tune folders and preprocessed images for a shape (built once under ``cache``)."""
     if shape == "b32":
@@ -132,7 +140,7 @@ def run_cost(args: argparse.Namespace) -> None:
                   f"CPU", flush=True)
     record = {"shape": args.shape, "q": args.q, "num_samples": args.num_samples, "threads": args.threads,
               "repeats": args.repeats, "timings": timings, "machine": machine(load_start),
-              "command": " ".join(sys.argv)}
+              "command": recorded_command()}
     write(f"compatibility_cost_{args.shape}_q{args.q}", record, cost_markdown(record))
 
 
@@ -177,7 +185,9 @@ class Study:
         self.models = [(rep.seed, t, str(rep.finetuned[t])) for rep in bench.replicates for t in bench.tasks]
         self.names = [f"{t}/s{seed}" for seed, t, _ in self.models]
         self.states = [bench.load_state(Path(folder)) for _, _, folder in self.models]
-        self.cache_file = args.cache / f"study-{args.suite}" / "accuracy.json"
+        # keyed by the suite's configuration: a rebuilt suite (other depth, interpolation, data) starts afresh
+        built = hashlib.sha1(json.dumps(bench.info["config"], sort_keys=True).encode()).hexdigest()[:10]
+        self.cache_file = args.cache / f"study-{args.suite}" / f"accuracy-{built}.json"
         self.cache = json.loads(self.cache_file.read_text()) if self.cache_file.exists() else {}
         self._features: dict[tuple[int, str, str], torch.Tensor] = {}
         self.own = {p: self.accuracy(self.member_features(p, "test", t), t, "test")
@@ -339,15 +349,17 @@ CRITERIA = ("mloss", "output (auto)", "entropy (auto)", "output (given)", "entro
 
 
 def regret_instances(study: Study, args: argparse.Namespace) -> list[tuple[int, tuple[str, ...]]]:
-    """Each replicate's merge of all tasks, then ``--regret-subsets`` random 4-task merges per replicate."""
+    """Each replicate's merge of all tasks, then ``--regret-subsets`` random merges of min(4, tasks − 1) tasks per
+    replicate (none when that is fewer than 2: a single model is not a merge)."""
     import numpy as np
 
     rng = np.random.default_rng(args.seed + 1)
     tasks = study.bench.tasks
+    size = min(4, len(tasks) - 1)
     out = [(rep.seed, tuple(tasks)) for rep in study.bench.replicates]
     for rep in study.bench.replicates:
-        for _ in range(args.regret_subsets):
-            out.append((rep.seed, tuple(sorted(rng.choice(tasks, min(4, len(tasks) - 1), replace=False).tolist()))))
+        for _ in range(args.regret_subsets if size >= 2 else 0):
+            out.append((rep.seed, tuple(sorted(rng.choice(tasks, size, replace=False).tolist()))))
     return out
 
 
@@ -372,7 +384,8 @@ def instance_candidates(study: Study, instance, method: str, args: argparse.Name
     shares = task_shares(study, tasks)
     pixels = torch.cat(shares)[torch.randperm(sum(len(x) for x in shares), generator=torch.Generator().manual_seed(seed))]
     heads = [study.bench.heads[t] for t in tasks]
-    auto = SelectionOptions(grid=grid, compare=("output", "entropy"), heads=heads, num_samples=args.select_samples)
+    auto = SelectionOptions(grid=grid, criterion="mloss", compare=("output", "entropy"), heads=heads,
+                            num_samples=args.select_samples)
     given = SelectionOptions(grid=grid, criterion="output", compare=("entropy",), heads=heads, share="given",
                              shares=shares, num_samples=args.select_samples)
     config = hf_mloss.MergeConfig.from_kwargs(str(study.bench.base_dir), [str(rep.finetuned[t]) for t in tasks],
@@ -505,7 +518,7 @@ def run_study(args: argparse.Namespace) -> None:
         truncate(bench, args.eval_images)
         study = Study(bench, args, log)
         record = {"suite": args.suite, "models": study.names, "config": bench.info["config"],
-                  "command": " ".join(sys.argv), "eval_images": args.eval_images, "num_samples": args.num_samples}
+                  "command": recorded_command(), "eval_images": args.eval_images, "num_samples": args.num_samples}
         record["pairwise"] = pairwise_part(study, args)
         finish(record, load_start, start, args)  # (a) is written as soon as it is measured
         if not args.skip_regret:

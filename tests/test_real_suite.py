@@ -15,12 +15,13 @@ from transformers import Dinov2Config, Dinov2Model
 
 from hf_mloss.evaluation import ensemble_scores
 from hf_mloss.suites import domains as D
-from hf_mloss.suites.__main__ import real_config
+from hf_mloss.suites.__main__ import real_config, record_args
 from hf_mloss.suites.frozen import Upper, lower_drift, lower_hidden, pooled
 from hf_mloss.suites.gates import compute_gates
 from hf_mloss.suites.protocol import MethodSpec, ReplicateResult, check_grids
 from hf_mloss.suites.real import interpolate
-from hf_mloss.suites.stats import paired_bootstrap
+from hf_mloss.suites.report import ordering_verdict, why_not
+from hf_mloss.suites.stats import Difference, paired_bootstrap
 
 
 @pytest.fixture(scope="module")
@@ -194,3 +195,27 @@ def test_gates_pass_and_fail_on_their_rules():
     gates = compute_gates(bad, data_free=["task_arithmetic", "ties"], tasks=["a", "b", "c", "d"], val_size=200,
                           test_size=500)
     assert [g.passed for g in gates] == [False] * 5, [g.line() for g in gates]
+
+
+def test_ordering_says_why_a_step_does_not_appear():
+    """Steps that hold get no reason; the others get the one their measurements support (disentangled fine-tunes:
+    averaging outputs ≈ averaging weights; entangled ones: the ensemble dilutes the member that knows the task)."""
+    holds, reversed_ = Difference(2.0, 1.0, 3.0, (2.0,)), Difference(-5.0, -6.0, -4.0, (-5.0,))
+    diffs = {("task_arithmetic", "average"): holds, ("ensemble (probabilities)", "ties"): reversed_}
+    disentangled = [_result(s, 0.40, 0.80, 0.52, 0.50, 0.60, 0.61, 0.5, -0.01) for s in (0, 1)]
+    first, second = ordering_verdict(diffs, disentangled)
+    assert first.startswith("average < task_arithmetic: holds") and "Likely why" not in first
+    assert second.startswith("ties < ensemble (probabilities): reversed") and "Likely why" in second
+    assert "ensemble − average is +2.00" in second and "-1.00 points on average" in second
+    assert "nearly linear" in second and "λ 0.5, 0.5 vs 1/q = 0.25" in second
+    entangled = [_result(0, 0.40, 0.80, 0.52, 0.50, 0.60, 0.61, 0.5, -0.20)]
+    assert "dilutes" in why_not("ties", "ensemble (probabilities)", entangled)
+    assert "do not resolve it" in why_not("task_arithmetic", "ties", entangled)
+    assert "little interference" in why_not("task_arithmetic", "ties", disentangled)
+    assert ordering_verdict(diffs) == [line.split(". Likely why")[0] for line in (first, second)]  # no results
+
+
+def test_records_drop_the_machine_folders():
+    argv = ["study", "--suite-cache", "/x/cache", "--cache=/y", "--seed", "1", "--out", "o"]
+    assert record_args(argv, ("--cache", "--suite-cache")) == ["study", "--seed", "1", "--out", "o"]
+    assert record_args(argv) == ["study", "--suite-cache", "/x/cache", "--seed", "1"]

@@ -12,6 +12,7 @@ import json
 from transformers import CLIPVisionModel, Dinov2Model
 
 from hf_mloss.suites.__main__ import main
+from hf_mloss.suites.report import render
 
 
 def gated_record(printed: str, table, replicates: int) -> dict:
@@ -42,6 +43,10 @@ def test_real_smoke_end_to_end(tmp_path, capsys):
     pairs = {(d["a"], d["b"]) for d in record["differences"]}
     assert ("m_ties", "m_ties (random ranks)") in pairs and ("m_ties", "ties") in pairs
     Dinov2Model.from_pretrained(out / "m_ties_merge")
+    # the Markdown re-rendered from the JSON record alone is the one written from the live results
+    written = table.with_suffix(".md").read_text()
+    render(table.with_suffix(".json"))
+    assert table.with_suffix(".md").read_text() == written
     # a second build from nothing (its own cache: data, heads, fine-tunes) prints the same table
     assert main(["real-smoke", "--cache", str(tmp_path / "cache2"), "--out", str(tmp_path / "again"),
                  "--threads", "1"]) == 0

@@ -54,14 +54,15 @@ def real_config(name: str, seeds: int | None):
     return dataclasses.replace(cfg, seeds=tuple(range(seeds))) if seeds else cfg
 
 
-def record_args(argv: list[str]) -> list[str]:
-    """The arguments as the results record shows them: ``--out DIR`` and ``--cache DIR`` dropped (where results and
-    artifacts live changes none of the numbers, and a machine's folders do not belong in a committed table)."""
+def record_args(argv: list[str], folders: tuple[str, ...] = ("--out", "--cache")) -> list[str]:
+    """The arguments as the results record shows them: the ``folders`` options (``--out DIR``, ``--cache DIR``)
+    dropped (where results and artifacts live changes none of the numbers, and a machine's folders do not belong in
+    a committed table)."""
     kept, skip = [], False
     for arg in argv:
-        if skip or arg.startswith(("--out=", "--cache=")):
+        if skip or arg.startswith(tuple(f"{option}=" for option in folders)):
             skip = False
-        elif arg in ("--out", "--cache"):
+        elif arg in folders:
             skip = True
         else:
             kept.append(arg)

@@ -116,13 +116,15 @@ class ReplicateResult:
     """label → task → bool per test image (reference rows and methods)."""
 
 
-def reference_rows(bench: Bench, base: State, tuned: dict[str, State], out: ReplicateResult) -> None:
-    """Pretrained heads, each fine-tune on its own task, and both ensembles, on val and test."""
+def reference_rows(bench: Bench, pretrained: dict[str, dict[str, torch.Tensor]], tuned: dict[str, State],
+                   out: ReplicateResult) -> None:
+    """Pretrained heads (``pretrained``: split → task → scores, the same for every replicate), each fine-tune on its
+    own task, and both ensembles, on val and test."""
     for split in SPLITS:
         labels = bench.labels(split)
         member = {p: bench.features(state, split) for p, state in tuned.items()}  # q full passes
         rows = {
-            "pretrained heads": {t: bench.heads[t].logits(f) for t, f in bench.features(base, split).items()},
+            "pretrained heads": pretrained[split],
             "fine-tuned (own task)": {t: bench.heads[t].logits(member[t][t]) for t in bench.tasks},
             "ensemble (probabilities)": {t: ensemble_scores([member[p][t] for p in tuned], bench.heads[t],
                                                             "probabilities") for t in bench.tasks},
@@ -189,14 +191,22 @@ def run_method(bench: Bench, replicate: Replicate, spec: MethodSpec, out: Replic
         f"(merge {merge_s:.0f} s, eval {eval_s:.0f} s)")
 
 
+def pretrained_scores(bench: Bench) -> dict[str, dict[str, torch.Tensor]]:
+    """The base model's scores under every task's head: split → task → scores (shared by all replicates)."""
+    base = bench.load_state(bench.base_dir)
+    return {split: evaluate_state(bench, base, split) for split in SPLITS}
+
+
 def run_replicate(bench: Bench, replicate: Replicate, specs: Sequence[MethodSpec], *, num_samples: int = 128,
+                  pretrained: dict[str, dict[str, torch.Tensor]] | None = None,
                   log: Callable[[str], None] = print) -> ReplicateResult:
-    """The whole protocol on one replicate (see the module docstring)."""
+    """The whole protocol on one replicate (see the module docstring); ``pretrained``: :func:`pretrained_scores`,
+    computed here when not given."""
     out = ReplicateResult(seed=replicate.seed)
     base = bench.load_state(bench.base_dir)
     tuned = {t: bench.load_state(replicate.finetuned[t]) for t in bench.tasks}
     start = time.perf_counter()
-    reference_rows(bench, base, tuned, out)
+    reference_rows(bench, pretrained or pretrained_scores(bench), tuned, out)
     foreign_effects(bench, base, tuned, out)
     means = {label: 100 * np.mean(list(r["val"].values())) for label, r in out.reference.items()}
     log(f"replicate {replicate.seed}: " + ", ".join(f"{k} {v:.2f}" for k, v in means.items())

@@ -21,7 +21,7 @@ import hf_mloss
 
 from . import domains as D
 from .gates import Gate, compute_gates
-from .protocol import Bench, MethodSpec, ReplicateResult, check_grids, run_replicate
+from .protocol import Bench, MethodSpec, ReplicateResult, check_grids, pretrained_scores, run_replicate
 from .real import RealConfig, build_real_suite
 from .report import comparisons, default_pairs, markdown, to_json
 from .training import Log, torch_threads
@@ -116,7 +116,9 @@ def run_protocol(bench: Bench, specs: Sequence[MethodSpec], *, num_samples: int 
                  ) -> tuple[list[ReplicateResult], list[Gate], dict]:
     """Every replicate through the protocol, the paired differences and the gates (G5 counts the images the bench
     really has per task and split)."""
-    results = [run_replicate(bench, rep, specs, num_samples=num_samples, log=log) for rep in bench.replicates]
+    pretrained = pretrained_scores(bench)
+    results = [run_replicate(bench, rep, specs, num_samples=num_samples, pretrained=pretrained, log=log)
+               for rep in bench.replicates]
     labels = [*results[0].reference, *results[0].methods]
     diffs = comparisons(results, default_pairs(labels))
     data_free = [s.label for s in specs if s.method != "average"
@@ -132,7 +134,8 @@ def write_results(out: Path, results: Sequence[ReplicateResult], gates: Sequence
     """``out``/results.md (header, gates, tables) and ``out``/results.json (the same numbers and ``extra``)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.md").write_text(markdown(results, gates, diffs, [*header, ""]))
-    (out / "results.json").write_text(json.dumps(to_json(results, gates, diffs, extra), indent=1) + "\n")
+    record = to_json(results, gates, diffs, {**extra, "header": list(header)})
+    (out / "results.json").write_text(json.dumps(record, indent=1) + "\n")
 
 
 def machine(threads: int, load_start: tuple, load_end: tuple) -> dict:
