@@ -219,3 +219,13 @@ def test_records_drop_the_machine_folders():
     argv = ["study", "--suite-cache", "/x/cache", "--cache=/y", "--seed", "1", "--out", "o"]
     assert record_args(argv, ("--cache", "--suite-cache")) == ["study", "--seed", "1", "--out", "o"]
     assert record_args(argv) == ["study", "--suite-cache", "/x/cache", "--seed", "1"]
+
+
+def test_records_name_the_kernel_paths(monkeypatch):
+    """Two CPUs round differently unless the kernel paths are pinned: the record says which were in use."""
+    from hf_mloss.suites.run import machine
+
+    monkeypatch.setenv("MKL_CBWR", "AVX2,STRICT")
+    m = machine(2, (0.5, 0, 0), (1.0, 0, 0))
+    assert m["kernels"] == {"aten": torch.backends.cpu.get_cpu_capability(), "MKL_CBWR": "AVX2,STRICT"}
+    assert m["threads"] == 2 and m["load_start"] == [0.5, 0, 0] and m["processor"]

@@ -68,7 +68,9 @@ class RealConfig:
     Adding one foreign task vector to a fine-tune (seed 0, trained weights as they are, 500 val images per task) cost
     −3.35 points with 6 frozen blocks (−3.54 with 4, −4.3 to −5.0 with 8 on 250-500 images) and −4.29 with 9, for
     4 points of own-task accuracy (85.0 → 81.0); the upper 3 blocks evaluate 2.4 × faster than the upper 6 on
-    CPU, and ``wise`` recovers the disentanglement."""
+    CPU, and ``wise`` recovers the disentanglement. 10 frozen blocks (2 trained; the calibration's val pass took
+    128 s instead of 279 s) trade worse: own task 76.6 / 74.1 / 70.9 and one foreign task vector −4.28 / −2.49 /
+    −0.83 at wise 0.8 / 0.7 / 0.6, so G1 fails (+28.7) where G2 passes, ensemble − average ≤ +3.3."""
     head_scale: float = 20.0
     ft_steps: int = 120
     ft_batch: int = 32

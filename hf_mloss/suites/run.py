@@ -139,15 +139,30 @@ def write_results(out: Path, results: Sequence[ReplicateResult], gates: Sequence
 
 
 def machine(threads: int, load_start: tuple, load_end: tuple) -> dict:
-    return {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+    """What a build's numbers depend on besides the configuration: the CPU and the kernel paths. Two CPUs with
+    different vector units round differently unless the paths are pinned (``ATEN_CPU_CAPABILITY=avx2``,
+    ``MKL_CBWR=AVX2,STRICT``: see benchmarks/README.md), so the record says which were in use."""
+    return {"cpus": os.cpu_count(), "processor": cpu_model() or platform.processor() or platform.machine(),
             "torch": torch.__version__, "transformers": transformers.__version__, "threads": threads,
+            "kernels": {"aten": torch.backends.cpu.get_cpu_capability(), "MKL_CBWR": os.environ.get("MKL_CBWR")},
             "load_start": [round(v, 2) for v in load_start], "load_end": [round(v, 2) for v in load_end]}
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (Linux), e.g. ``AMD EPYC 7B13``; None where /proc/cpuinfo is not there."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
 
 
 def describe(cfg: RealConfig, layers: int, extra: dict) -> str:
     m, t = extra["machine"], extra["timings"]
-    return (f"Command: `{extra['command']}`. Machine: {m['cpus']} CPU cores ({m['processor']}), torch {m['torch']}, "
-            f"transformers {m['transformers']}, {m['threads']} torch threads, load average {m['load_start'][0]} at "
+    kernels = m.get("kernels") or {}
+    paths = (f", kernels ATen {kernels['aten']} / MKL_CBWR {kernels['MKL_CBWR'] or 'unset'}" if kernels else "")
+    return (f"Command: `{extra['command']}`. Machine: {m['cpus']} CPU cores ({m['processor']}){paths}, torch "
+            f"{m['torch']}, transformers {m['transformers']}, {m['threads']} torch threads, load average {m['load_start'][0]} at "
             f"the start, {m['load_end'][0]} at the end. Time: build {t['build_s']:.0f} s, total {t['total_s']:.0f} "
             f"s. Setup: lower {cfg.frozen} blocks frozen (cached), upper {layers - cfg.frozen} + final norm trained "
             f"({cfg.ft_steps} AdamW steps × {cfg.ft_batch}, lr {cfg.ft_lr:g}, weight decay {cfg.ft_weight_decay:g}), "
