@@ -66,3 +66,21 @@ def test_tiny_suite_fast_end_to_end(tmp_path, capsys):
     CLIPVisionModel.from_pretrained(out / "m_ties_merge")
     card = (out / "m_ties_merge" / "README.md").read_text()
     assert "model-index" in card and "## Evaluation" in card
+
+
+def test_command_line_builds_pin_the_kernel_paths(tmp_path):
+    """``python -m hf_mloss.suites`` pins ATen and MKL to their AVX2 paths before any tensor operation (so CPUs with
+    other vector units round alike) and the record says so; a variable the user set is kept."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR")}
+    run = subprocess.run([sys.executable, "-m", "hf_mloss.suites", "real-smoke", "--seeds", "1", "--threads", "1",
+                          "--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "out")],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    record = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert record["machine"]["kernels"]["MKL_CBWR"] == "AVX2,STRICT"
+    assert record["machine"]["kernels"]["aten"] in ("AVX2", "DEFAULT")  # DEFAULT: a CPU without AVX2
+    assert "kernels ATen" in (tmp_path / "out" / "results.md").read_text()
