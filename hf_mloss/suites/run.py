@@ -2,7 +2,8 @@
 
 Deterministic: a fixed number of torch threads and ``torch.use_deterministic_algorithms(True)``; every random
 stream is seeded from the configuration, so two builds with the same configuration and thread count on the same
-kind of CPU print the same table (CPUs with other vector units round differently, and training amplifies it).
+kind of CPU print the same table. CPUs with other vector units round differently, and training amplifies it: the
+command line pins the kernel paths (``PINNED_KERNELS`` in ``__main__``) and each record names the paths it ran on.
 """
 
 from __future__ import annotations
