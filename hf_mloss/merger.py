@@ -183,7 +183,10 @@ class TensorMerger:
 
     def _merge_one(self, name: str) -> str:
         base, sources = self.read(name)
-        merged = self.method.merge_tensor(name, base, sources, self.ctx)
+        if self.method.zero_delta_is_base and all(torch.equal(s, base) for s in sources):
+            merged = base  # no source changed it (a frozen part): θ₀ + f(0) = θ₀, without trimming q zero tensors
+        else:
+            merged = self.method.merge_tensor(name, base, sources, self.ctx)
         del sources
         # Checked here, while the tensor is in cache, instead of in a separate pass over the model in `finalize`
         # (5.7 s of a 128 s TIES merge on 2 busy cores): one reduction, and the full mask only when the sum is not

@@ -361,6 +361,50 @@ def test_identical_models_merge_to_themselves(tiny_models, method, kwargs) -> No
             np.testing.assert_allclose(got[n].numpy(), t.numpy(), atol=ATOL, rtol=0, err_msg=n)
 
 
+@pytest.fixture(scope="module")
+def frozen_models(tiny_models, tmp_path_factory) -> tuple[str, list[str]]:
+    """The tiny fine-tunes with every tensor but the last block's fc1 reset to the base (a trained upper part only):
+    82 % of each task vector is exactly zero, so a global top-20 % threshold falls among the zeros."""
+    from safetensors.torch import save_file
+
+    base_dir, model_dirs = tiny_models
+    base = load_sd(base_dir)
+    out = []
+    for i, folder in enumerate(model_dirs):
+        state = load_sd(folder)
+        state.update({n: base[n].clone() for n in state if not n.startswith("encoder.layers.1.mlp.fc1.")})
+        target = tmp_path_factory.mktemp(f"frozen{i}")
+        for f in Path(folder).iterdir():
+            if f.name != "model.safetensors":
+                (target / f.name).write_bytes(f.read_bytes())
+        save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
+        out.append(str(target))
+    return str(base_dir), out
+
+
+@pytest.mark.parametrize(("method", "kwargs"), [("ties", dict(k=0.2)), ("ties", dict(k=0.2, scope="tensor")),
+                                                ("task_arithmetic", dict(lam=0.7))])
+def test_unchanged_tensors_are_the_base_and_count_in_global_trims(frozen_models, method, kwargs) -> None:
+    """Tensors no fine-tune changed are copied from the base, and their zeros still count in a global top-k
+    (the threshold then lies among them, so every changed entry is kept), as in the reference."""
+    base_dir, models = frozen_models
+    base, fts = load_sd(base_dir), [load_sd(m) for m in models]
+    names = [n for n, t in base.items() if t.is_floating_point()]
+    unchanged = [n for n in names if all(torch.equal(ft[n], base[n]) for ft in fts)]
+    assert 0.8 < sum(base[n].numel() for n in unchanged) / sum(base[n].numel() for n in names) < 1
+    result = run(frozen_models, method, **kwargs)
+    got = merged_sd(result)
+    assert all(torch.equal(got[n], base[n].float()) for n in unchanged)
+    if method == "ties":
+        expected = ref_ties(base, fts, names, scope=kwargs.get("scope", "global"), k=kwargs["k"])
+        assert_matches(result, expected)
+        if "scope" not in kwargs:  # nothing changed is trimmed: TIES is sign election + disjoint mean here
+            assert_matches(result, ref_ties(base, fts, names, scope="tensor", k=1.0))
+    else:
+        tau = {n: sum(ft[n].double() - base[n].double() for ft in fts) for n in names}
+        assert_matches(result, {n: (base[n].double() + 0.7 * tau[n]).numpy() for n in names})
+
+
 @pytest.mark.parametrize("scope", ["tensor", "global"])
 def test_identical_models_ties_equals_single_model_trim(tiny_models, scope) -> None:
     base_dir, model_dirs = tiny_models

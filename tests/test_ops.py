@@ -424,7 +424,8 @@ def run_selector(tensors: list[torch.Tensor], m: int) -> float:
 
 
 def random_magnitudes(seed: int, count: int) -> list[torch.Tensor]:
-    """Tensors of different sizes/shapes with duplicates, zeros, wide exponent range and same-high-bit clusters."""
+    """Tensors of different sizes/shapes with duplicates, zeros (some all zero), wide exponent range and same-high-bit
+    clusters."""
     g = gen(seed)
     out = []
     for i in range(count):
@@ -434,6 +435,8 @@ def random_magnitudes(seed: int, count: int) -> list[torch.Tensor]:
         t[torch.rand(n, generator=g) < 0.15] = 0.0  # zeros
         if n > 4:
             t[: n // 4] = t[n // 4 : 2 * (n // 4)]  # duplicates
+        if i % 5 == 4:  # an unchanged tensor (frozen during fine-tuning): all zeros
+            t = torch.zeros(n)
         if i % 3 == 0:  # values sharing the same high 16 bits (only pass 2 separates them)
             t = torch.cat([t, 1.0 + torch.arange(50, dtype=torch.float32) * 2**-20])
         shape = (t.numel(),) if i % 2 else (1, t.numel())

@@ -133,6 +133,9 @@ class MergeMethod:
     needs_data: ClassVar[bool] = False
     default_weight: ClassVar[str] = "uniform"
     """``"uniform"``: α_p = 1/q when the caller gives no weights; ``"one"``: α_p = 1 (task arithmetic)."""
+    zero_delta_is_base: ClassVar[bool] = False
+    """The merge is θ₀ + f(τ_1, …, τ_q) with f(0, …, 0) = 0 exactly: a tensor that no source changed is copied from
+    the base without calling :meth:`merge_tensor` (frozen parts of fine-tunes: embeddings, lower blocks)."""
 
     def make_params(self, **kwargs: Any) -> MethodParams:
         return self.params_class.from_kwargs(self.name, kwargs)

@@ -29,6 +29,7 @@ class Dare(MergeMethod):
                  "Lunch, ICML 2024")
     reference_url = "https://arxiv.org/abs/2311.03099"
     params_class = DareParams
+    zero_delta_is_base = True
 
     def __init__(self, name: str, combine: str) -> None:
         self.name = name

@@ -45,6 +45,7 @@ class TaskArithmetic(MergeMethod):
     reference = "Ilharco et al., Editing models with task arithmetic, ICLR 2023"
     reference_url = "https://arxiv.org/abs/2212.04089"
     params_class = TaskArithmeticParams
+    zero_delta_is_base = True
     default_weight = "one"
 
     def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:

@@ -133,6 +133,7 @@ class MTies(MergeMethod):
     reference = "M-Loss: Quantifying Model Merging Compatibility with Limited Unlabeled Data, AAAI 2026"
     reference_url = ""
     params_class = MTiesParams
+    zero_delta_is_base = True
     needs_data = True
     uniform_keep_is_tensor_trim = True
 

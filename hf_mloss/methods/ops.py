@@ -262,6 +262,9 @@ class ExactKthLargest:
         return magnitude.reshape(-1).to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
 
     def add_pass1(self, magnitude: torch.Tensor) -> None:
+        if not magnitude.any():  # an unchanged tensor: every entry is +0.0, bit pattern 0
+            self.high[0] += magnitude.numel()
+            return
         self.high += torch.bincount(self._bits(magnitude) >> 16, minlength=65536).cpu()
 
     def finish_pass1(self) -> None:
@@ -272,6 +275,10 @@ class ExactKthLargest:
         self.above = int(above[self.bucket])
 
     def add_pass2(self, magnitude: torch.Tensor) -> None:
+        if not magnitude.any():
+            if self.bucket == 0:
+                self.low[0] += magnitude.numel()
+            return
         bits = self._bits(magnitude)
         in_bucket = bits[(bits >> 16) == self.bucket]
         if in_bucket.numel():

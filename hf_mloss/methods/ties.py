@@ -79,6 +79,7 @@ class Ties(MergeMethod):
     reference = "Yadav et al., TIES-Merging: Resolving Interference When Merging Models, NeurIPS 2023"
     reference_url = "https://arxiv.org/abs/2306.01708"
     params_class = TiesParams
+    zero_delta_is_base = True
 
     def prepare(self, ctx: MergeContext, visit) -> None:
         import torch
