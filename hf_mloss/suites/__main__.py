@@ -42,8 +42,8 @@ QUICK_TASKS = ("digits", "emoji", "scene", "shapes")
 """The cut: four distinct sources (OpenCV handwriting, Noto emoji, photo crops, procedural shapes), each 36 points
 or more above its pretrained head after fine-tuning."""
 QUICK_CHANGES = {"tasks": QUICK_TASKS, "frozen": 10, "ft_batch": 16}
-"""How the cut differs from ``real``: 4 of its tasks, the upper 2 blocks trained instead of 3 (evaluating and
-fine-tuning cost about half), 16 images per step instead of 32; everything else (data, heads, learning rate, steps,
+"""How the cut differs from ``real``: 4 of its tasks, the upper 2 blocks trained instead of 3 (a method's search
+and a fine-tune take about 0.6 × as long), 16 images per step instead of 32; everything else (data, heads, learning rate, steps,
 WiSE-FT, protocol, gates) is the full suite's. That is what fits the README's main job in 15 minutes on 2 cores:
 the full suite's own configuration on these 4 tasks took 24.5 minutes, and with 10 frozen blocks alone 17.4
 (measured from nothing, all gates passing). The full suite keeps 9 frozen blocks and 32 images per step, because on
