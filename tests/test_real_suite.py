@@ -20,7 +20,8 @@ from hf_mloss.suites.frozen import Upper, lower_drift, lower_hidden, pooled
 from hf_mloss.suites.gates import compute_gates
 from hf_mloss.suites.protocol import MethodSpec, ReplicateResult, check_grids
 from hf_mloss.suites.real import interpolate
-from hf_mloss.suites.report import ordering_verdict, why_not
+from hf_mloss.suites.report import grid_edges, ordering_verdict, why_not
+from hf_mloss.suites.run import method_specs
 from hf_mloss.suites.stats import Difference, paired_bootstrap
 
 
@@ -155,16 +156,43 @@ def test_paired_bootstrap_separates_and_refuses_to_rank_noise():
 
 
 def test_quick_cut_is_the_full_suite_on_four_tasks():
-    """``real-quick`` differs from ``real`` only in what :data:`QUICK_CHANGES` names: 4 of its tasks, one more
-    frozen block and a smaller batch; the data, the heads (one global centre over all 8 domains), the learning
-    rate, the steps and the WiSE-FT interpolation are the full suite's."""
+    """``real-quick`` differs from ``real`` only in what :data:`QUICK_CHANGES` names: 4 of its tasks, shorter
+    fine-tunes with a smaller batch and a smaller WiSE-FT interpolation; the data, the heads (one global centre over
+    all 8 domains), the trained blocks and the learning rate are the full suite's."""
     full, quick = real_config("real", None), real_config("real-quick", None)
     assert len(quick.tasks) == 4 and set(quick.tasks) < set(full.tasks)
-    assert (quick.frozen, quick.ft_batch) == (full.frozen + 1, full.ft_batch // 2)
+    assert quick.ft_steps * quick.ft_batch < full.ft_steps * full.ft_batch and quick.wise < full.wise
     assert dataclasses.replace(quick, **{k: getattr(full, k) for k in QUICK_CHANGES}) == full
+    assert (quick.frozen, quick.ft_lr) == (full.frozen, full.ft_lr)
     assert quick.head_domains == full.head_domains and quick.key("n_train", "n_val", "n_test") == full.key(
         "n_train", "n_val", "n_test")
     assert real_config("real-quick", 3).seeds == (0, 1, 2)
+
+
+def test_task_arithmetic_grid_scales_with_the_number_of_tasks():
+    """Task arithmetic's λ multiplies a sum of q task vectors, so its grid is written for 4 tasks and halved for 8;
+    the TIES family's disjoint mean does not grow with q and keeps its grid; both divide by the interpolation."""
+    four = {s.label: s.grid for s in method_specs(range(10, 12), "main", num_tasks=4)}
+    eight = {s.label: s.grid for s in method_specs(range(10, 12), "main", num_tasks=8)}
+    assert four["task_arithmetic"]["lam"] == [0.3, 0.5, 0.7, 1.0]
+    assert eight["task_arithmetic"]["lam"] == [0.15, 0.25, 0.35, 0.5]
+    assert eight["ties"] == four["ties"] == eight["m_ties"] == {"k": [0.2], "lam": [0.7, 1.0, 1.5, 2.0]}
+    wise = {s.label: s.grid for s in method_specs(range(10, 12), "main", vector_scale=0.65, num_tasks=8)}
+    assert wise["task_arithmetic"]["lam"] == [0.23, 0.38, 0.54, 0.77]
+
+
+def test_grid_edges_flags_a_setting_chosen_at_an_end_of_its_grid():
+    def method(chosen, lams):
+        return {"chosen": chosen, "val_grid": [{"setting": {"k": 0.2, "lam": lam}, "val_mean": 0.5} for lam in lams]}
+
+    result = ReplicateResult(seed=3, methods={
+        "low": method({"k": 0.2, "lam": 1.0}, [1.0, 1.5, 2.0]),
+        "inside": method({"k": 0.2, "lam": 1.5}, [1.0, 1.5, 2.0]),
+        "high": method({"k": 0.2, "lam": 2.0}, [1.0, 1.5, 2.0]),
+        "average": {"chosen": {}, "val_grid": [{"setting": {}, "val_mean": 0.5}]},
+    })  # fmt: skip
+    assert grid_edges([result]) == ["low (seed 3): lam=1.0, the low end of its grid",
+                                    "high (seed 3): lam=2.0, the high end of its grid"]
 
 
 def test_grids_must_have_equal_sizes():

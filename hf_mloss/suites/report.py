@@ -107,6 +107,20 @@ def _params(results: Sequence[ReplicateResult], label: str) -> str:
     return text[0] if len(set(text)) == 1 else " / ".join(text)
 
 
+def grid_edges(results: Sequence[ReplicateResult]) -> list[str]:
+    """'label (seed s): name=value' for every chosen setting that sits on the low or high end of a searched
+    parameter: the best setting may lie outside the grid, and the method may do better than the table says."""
+    edges = []
+    for r in results:
+        for label, method in r.methods.items():
+            for name, value in method["chosen"].items():
+                values = {g["setting"][name] for g in method["val_grid"]}
+                if len(values) > 1 and value in (min(values), max(values)):
+                    end = "low" if value == min(values) else "high"
+                    edges.append(f"{label} (seed {r.seed}): {name}={value}, the {end} end of its grid")
+    return edges
+
+
 def markdown(results: Sequence[ReplicateResult], gates: Sequence[Gate], diffs: dict[tuple[str, str], Difference],
              header: Sequence[str] = ()) -> str:
     tasks = list(results[0].reference["pretrained heads"]["test"])
@@ -129,6 +143,10 @@ def markdown(results: Sequence[ReplicateResult], gates: Sequence[Gate], diffs: d
     note = (f"Val and test columns: means over {len(results)} fine-tuning replicates (seeds {seeds}) of the "
             "unweighted task mean; task columns are test.")
     lines += ["", note]
+    edges = grid_edges(results)
+    if edges:
+        lines += ["", "Chosen at an end of the searched grid (the best setting may lie beyond it): "
+                  + "; ".join(edges) + "."]
     lines += differences_section(diffs, passed, results)
     return "\n".join(lines) + "\n"
 

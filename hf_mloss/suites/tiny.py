@@ -414,7 +414,9 @@ def main(args, out: Path, command: str = "") -> None:
     torch.use_deterministic_algorithms(True)
     with torch_threads(args.threads):
         bench = TinyBench(suite)
-        specs = method_specs(range(bench.model.config.num_hidden_layers), "smoke" if args.fast else "main")
+        # num_tasks=4: task arithmetic's grid as written, the one the committed tiny table was searched on.
+        specs = method_specs(range(bench.model.config.num_hidden_layers), "smoke" if args.fast else "main",
+                             num_tasks=4)
         results, gates, diffs = run_protocol(bench, specs, num_samples=args.num_samples, log=log)
         extra = {"suite": "tiny", "command": command, "config": suite.info["config"],
                  "machine": machine(args.threads, load, os.getloadavg()),
