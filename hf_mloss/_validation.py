@@ -17,7 +17,7 @@ import typing
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from .errors import InvalidParameterError
+from .errors import InvalidParameterError, redact
 
 _MISSING = dataclasses.MISSING
 
@@ -218,9 +218,9 @@ def did_you_mean(value: Any, choices: Iterable[Any], aliases: Mapping[str, str] 
 
 
 def short(value: Any, limit: int = 80) -> str:
-    """``repr(value)`` cut to ``limit`` characters (error messages stay one line)."""
+    """``repr(value)`` cut to ``limit`` characters (error messages stay one line), token-shaped strings redacted."""
     try:
-        text = repr(value)
+        text = redact(repr(value))
     except Exception:  # noqa: BLE001 - a broken __repr__ must not hide the real error
         text = f"<{type(value).__name__}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -3,7 +3,7 @@
 ```
 hf-mloss merge CONFIG.yaml OUT_DIR [--push-to-hub REPO] [--private] [--overwrite] [--device DEVICE] [--quiet]
               [--select unlabeled --grid PARAM=V1,V2,... [--criterion output|entropy|mloss] [--select-samples N]]
-hf-mloss score CONFIG.yaml [--json OUT] [--per-row] [--device DEVICE] [--quiet]
+hf-mloss score CONFIG.yaml [--json OUT] [--per-row] [--overwrite] [--device DEVICE] [--quiet]
               [--pairwise [--subsets I,J,...] [--output-gap] [--no-baselines] [--out DIR]]
               [--select unlabeled --grid PARAM=V1,V2,...]   (print every candidate's criteria, write nothing)
 hf-mloss push OUT_DIR REPO [--private] [--revision REV] [--create-pr] [--commit-message MSG] [--quiet]
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ._version import __version__
-from .errors import HfMLossError, InvalidParameterError, PushError
+from .errors import HfMLossError, InvalidParameterError, PushError, redact
 
 EXIT_USER_ERROR = 2
 EXIT_PUSH_ERROR = 1
@@ -60,7 +60,7 @@ def merge_command(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     if args.push_to_hub:
         check_repo_id(args.push_to_hub)
-    protected = [args.config, *_local_inputs(config)]
+    protected = [args.config, *config.input_paths()]
     out_dir = check_output_dir(args.out_dir, overwrite=args.overwrite, protected=protected,
                                needed_bytes=_estimated_size(config))
     with _progress_bars(not args.quiet, datasets_too=config.data is not None):
@@ -96,14 +96,6 @@ def _estimated_size(config) -> int:
     return sum(p.stat().st_size for p in folder.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
 
 
-def _local_inputs(config) -> list[str]:
-    """The local folders a config reads (an output folder must not overlap them)."""
-    paths = [spec.model for spec in [config.base, *config.models] if spec.is_local]
-    if config.data is not None and config.data.path is not None:
-        paths.append(config.data.path)
-    return paths
-
-
 # ------------------------------------------------------------------------------------------------------- score
 def score_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     description = ("Measure the M-Loss (mergeability) of the config's models on its unlabeled data, without merging, "
@@ -112,6 +104,8 @@ def score_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     parser.add_argument("config", metavar="CONFIG.yaml", help="A config with base, models and data.")
     parser.add_argument("--json", metavar="OUT", default=None, help="Also write the report as JSON to this file.")
     parser.add_argument("--per-row", action="store_true", help="Include the per-row (node) vectors in the JSON.")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="Replace the --json file or the --out folder if it exists (once the new one is complete).")
     parser.add_argument("--device", default=None, help="Where to compute: cpu (default), cuda, cuda:1, mps...")
     pairwise = parser.add_argument_group("compatibility report (--pairwise)")
     pairwise.add_argument("--pairwise", action="store_true",
@@ -138,12 +132,10 @@ def score_command(args: argparse.Namespace) -> int:
     if config.data is None:  # fail now, not after downloading the models
         raise InvalidParameterError("Scoring needs unlabeled images and the config has no `data`: add e.g. `data: "
                                     "{id: tanganke/dtd, split: train, num_samples: 128}` or `data: {path: ./images}`.")
-    json_path = Path(args.json) if args.json else None
-    if json_path is not None and (json_path.is_dir() or json_path.is_symlink()):
-        raise InvalidParameterError(f"--json {args.json!r} is a folder or a link; give a file path.")
     if not args.pairwise and (args.subsets or args.output_gap or args.no_baselines or args.out):
         raise InvalidParameterError("--subsets, --output-gap, --no-baselines and --out belong to the compatibility "
                                     "report: add --pairwise.")
+    json_path, protected = _check_report_targets(config, args)
     if args.select:  # score the candidates of the grid, print them, write nothing
         with _progress_bars(not args.quiet, datasets_too=True):
             result = config.run(device=device, progress=not args.quiet)
@@ -158,8 +150,24 @@ def score_command(args: argparse.Namespace) -> int:
         else:
             report = config.run_score(device=device, progress=not args.quiet)
     print(report.summary())
-    _write_outputs(report, json_path, args)
+    _write_outputs(report, json_path, args, protected)
     return 0
+
+
+def _check_report_targets(config: Any, args: argparse.Namespace) -> tuple[Path | None, list[Any]]:
+    """Check ``--json`` and ``--out`` with the output guard before any work: never an input of the run (the
+    config file, models, processor, data, heads, shares) or inside one, never a link or a device file, never an
+    existing file or folder without ``--overwrite``."""
+    from .saving import check_output_dir, check_output_file
+
+    protected: list[Any] = [args.config, *config.input_paths()]
+    json_path = None
+    if args.json:
+        json_path = check_output_file(args.json, overwrite=args.overwrite, protected=protected, what="--json file")
+    if args.pairwise and args.out:
+        check_output_dir(args.out, overwrite=args.overwrite, protected=[*protected, *([json_path] if json_path
+                                                                                      else [])])
+    return json_path, protected
 
 
 def _parse_subsets(values: Sequence[str] | None) -> list[list[int]] | None:
@@ -172,20 +180,17 @@ def _parse_subsets(values: Sequence[str] | None) -> list[list[int]] | None:
                                     f"{values!r}.") from None
 
 
-def _write_outputs(report: Any, json_path: Path | None, args: argparse.Namespace) -> None:
-    try:
-        if json_path is not None:
-            json_path.parent.mkdir(parents=True, exist_ok=True)
-            if args.pairwise:
-                report.to_json(json_path)
-            else:
-                report.to_json(json_path, per_row=args.per_row)
-            print(f"Wrote {json_path}")
-        if args.pairwise and args.out:
-            written = report.save(args.out)
-            print("Wrote " + ", ".join(str(p) for p in written.values()))
-    except OSError as err:
-        raise InvalidParameterError(f"Cannot write the report: {err}") from None
+def _write_outputs(report: Any, json_path: Path | None, args: argparse.Namespace, protected: list[Any]) -> None:
+    from .saving import write_file
+
+    if json_path is not None:
+        text = report.to_json() if args.pairwise else report.to_json(per_row=args.per_row)
+        write_file(json_path, text + "\n", overwrite=args.overwrite, protected=protected, what="--json file")
+        print(f"Wrote {json_path}")
+    if args.pairwise and args.out:
+        written = report.save(args.out, overwrite=args.overwrite,
+                              protected=[*protected, *([json_path] if json_path else [])])
+        print("Wrote " + ", ".join(str(p) for p in written.values()))
 
 
 # -------------------------------------------------------------------------------------------------------- push
@@ -289,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except HfMLossError as err:
-        message = " ".join(str(err).split())  # one paragraph, no traceback: this is the user's to fix
+        message = redact(" ".join(str(err).split()))  # one paragraph, no traceback: this is the user's to fix
         print(f"hf-mloss: error: {message}", file=sys.stderr)
         return EXIT_PUSH_ERROR if isinstance(err, PushError) else EXIT_USER_ERROR
     except KeyboardInterrupt:
@@ -324,16 +329,9 @@ def _with_selection(config: Any, args: argparse.Namespace) -> Any:
     """The config with the selection flags applied (``--grid``/``--criterion`` need ``--select`` or a `select:`)."""
     import dataclasses
 
-    import yaml
-
     flags: dict[str, Any] = {"criterion": args.criterion, "num_samples": args.select_samples}
     if args.grid:
-        flags["grid"] = {}
-        for item in args.grid:
-            key, _, values = item.partition("=")
-            if not key.strip() or not values.strip():
-                raise InvalidParameterError(f"--grid {item!r}: write PARAM=V1,V2,... (e.g. --grid lam=0.3,0.5,1).")
-            flags["grid"][key.strip()] = [yaml.safe_load(v) for v in values.split(",") if v.strip()]
+        flags["grid"] = dict(_parse_grid_item(item) for item in args.grid)
     flags = {k: v for k, v in flags.items() if v is not None}
     if not args.select and config.select is None:
         if flags:
@@ -347,6 +345,29 @@ def _with_selection(config: Any, args: argparse.Namespace) -> Any:
 
     select = config.select.recorded() if config.select is not None else SelectionOptions(grid=flags["grid"])
     return config.replace(select=dataclasses.replace(select, **flags))
+
+
+def _parse_grid_item(item: str) -> tuple[str, list[Any]]:
+    """``PARAM=V1,V2,...`` or ``PARAM=[V1, V2]``, each value read by the config files' YAML rules (``1e-1`` is a
+    float, ``true`` a bool); anything else is refused in one line."""
+    from ._yaml import parse_yaml
+
+    key, _, text = item.partition("=")
+    key, text = key.strip(), text.strip()
+    usage = "write PARAM=V1,V2,... or PARAM=[V1,V2,...] (e.g. --grid lam=0.3,0.5,1)"
+    if not key or not text:
+        raise InvalidParameterError(f"--grid {item!r}: {usage}.")
+    where = f"--grid {key}"
+    try:
+        if text.startswith("["):
+            values = parse_yaml(text, where=where)
+        else:
+            values = [parse_yaml(v.strip(), where=where) for v in text.split(",") if v.strip()]
+    except HfMLossError as err:
+        raise InvalidParameterError(f"{err} ({usage}).") from None
+    if not isinstance(values, list) or not values or any(isinstance(v, (list, dict)) or v is None for v in values):
+        raise InvalidParameterError(f"{where}: each value must be one number, true/false or a word; {usage}.")
+    return key, values
 
 
 def _quiet_parent() -> argparse.ArgumentParser:

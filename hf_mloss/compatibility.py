@@ -520,10 +520,15 @@ class CompatibilityReport:
                    num_positions=content["num_positions"], compute_dtype=content.get("compute_dtype", "float32"),
                    data=content.get("data", {}), timings=content.get("timings", {}))
 
-    def to_json(self, path: str | Path | None = None) -> str:
-        text = json.dumps(self.to_dict(), indent=1)
+    def to_json(self, path: str | Path | None = None, *, overwrite: bool = False) -> str:
+        """The report as JSON, also written to ``path`` if given (atomic, never through a link, ``overwrite`` to
+        replace); NaN or infinite values are refused."""
+        from .report import finite_json
+        from .saving import write_file
+
+        text = finite_json(self.to_dict(), "The compatibility report", indent=1)
         if path is not None:
-            Path(path).write_text(text + "\n")
+            write_file(path, text + "\n", overwrite=overwrite, what="Report file")
         return text
 
     def to_markdown(self, *, heatmap: str | None = None) -> str:
@@ -559,7 +564,7 @@ class CompatibilityReport:
             lines += ["", f"![Pairwise M-Loss]({heatmap})"]
         return "\n".join(lines)
 
-    def draw_heatmap(self, path: str | Path, metric: str = "mloss") -> Path | None:
+    def draw_heatmap(self, path: str | Path, metric: str = "mloss", *, overwrite: bool = False) -> Path | None:
         """Save the ``[q, q]`` heatmap of ``metric`` as a PNG; ``None`` without matplotlib."""
         try:
             import matplotlib
@@ -584,21 +589,31 @@ class CompatibilityReport:
         ax.set_title(f"Pairwise {metric}\n({better}: more compatible)", fontsize=9)
         fig.colorbar(image, ax=ax)
         fig.tight_layout()
-        path = Path(path)
-        fig.savefig(path, dpi=100, metadata={"Software": None})
-        plt.close(fig)
-        return path
+        import io
 
-    def save(self, folder: str | Path) -> dict[str, Path]:
-        """Write ``compatibility.json``, ``compatibility.md`` and (with matplotlib) the heatmap into ``folder``."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
+        from .saving import write_file
+
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=100, metadata={"Software": None})
+        plt.close(fig)
+        return write_file(path, buffer.getvalue(), overwrite=overwrite, what="Heatmap file")
+
+    def save(self, folder: str | Path, *, overwrite: bool = False,
+             protected: Sequence[str | Path] = ()) -> dict[str, Path]:
+        """Write ``compatibility.json``, ``compatibility.md`` and (with matplotlib) the heatmap into ``folder``, a
+        new folder written whole or not at all (:mod:`hf_mloss.saving`): an existing non-empty one is replaced only
+        with ``overwrite``; one that is or holds a path of ``protected`` (the run's inputs) is refused."""
+        from .saving import atomic_folder, check_output_dir, write_file
+
+        folder = check_output_dir(folder, overwrite=overwrite, protected=protected)
+        text = self.to_json()  # refuses NaN before anything is written
+        with atomic_folder(folder, overwrite=overwrite) as tmp:
+            write_file(tmp / REPORT_JSON, text + "\n")
+            heatmap = self.draw_heatmap(tmp / HEATMAP_NAME)
+            write_file(tmp / REPORT_MARKDOWN, self.to_markdown(heatmap=HEATMAP_NAME if heatmap else None))
         written = {"json": folder / REPORT_JSON, "markdown": folder / REPORT_MARKDOWN}
-        self.to_json(written["json"])
-        heatmap = self.draw_heatmap(folder / HEATMAP_NAME)
         if heatmap is not None:
-            written["heatmap"] = heatmap
-        written["markdown"].write_text(self.to_markdown(heatmap=HEATMAP_NAME if heatmap else None))
+            written["heatmap"] = folder / HEATMAP_NAME
         return written
 
     @classmethod

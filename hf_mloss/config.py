@@ -33,7 +33,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._validation import check_keys, param, short, validate_fields
-from .errors import CheckpointNotFoundError, ConfigError, DataError, HfMLossError, InvalidParameterError
+from .errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    DataError,
+    HfMLossError,
+    InvalidParameterError,
+    looks_like_secret,
+)
 from .options import ScoringOptions
 from .selection import SelectionOptions
 
@@ -49,6 +56,8 @@ DEFAULT_NUM_SAMPLES = 128
 MAX_CONFIG_BYTES = 1 << 20
 TOKEN_HINT = ("hf-mloss never reads access tokens from a config file (it would end up in version control and in "
               "saved merges); log in with `hf auth login` or set the HF_TOKEN environment variable instead.")
+TOKEN_KEYS = ("token", "hf_token", "use_auth_token", "auth_token", "access_token", "hub_token", "api_key")
+"""Keys that name a credential (``tokenizer``, ``tokenizer_source`` are not: the guard looks at value shapes)."""
 IN_MEMORY = "in_memory"
 """Key that marks, in a written config, a model or data that was passed as a Python object (it cannot re-run)."""
 
@@ -280,6 +289,25 @@ class MergeConfig:
     def weights(self) -> list[float] | None:
         return [m.weight for m in self.models] if self.models[0].weight is not None else None
 
+    def input_paths(self) -> list[str]:
+        """Every local path this run reads: base, models, processor, data, selection heads and shares (an output
+        must not be any of them, inside one or hold one)."""
+        paths: list[Any] = [spec.model for spec in [self.base, *self.models] if spec.is_local]
+        if isinstance(self.processor, (str, os.PathLike)) and looks_local(os.fspath(self.processor)):
+            paths.append(self.processor)
+        if self.data is not None and self.data.path is not None:
+            paths.append(self.data.path)
+        if self.select is not None:
+            paths += [h for h in self.select.heads or () if isinstance(h, (str, os.PathLike))]
+            for share in self.select.shares or ():
+                if isinstance(share, DataSpec) and share.path is not None:
+                    paths.append(share.path)
+                elif isinstance(share, (str, os.PathLike)) and looks_local(os.fspath(share)):
+                    paths.append(share)
+                elif isinstance(share, Mapping) and isinstance(share.get("path"), str):
+                    paths.append(share["path"])
+        return [os.fspath(p) for p in paths]
+
     # ----------------------------------------------------------------------------------------------- loading
     @classmethod
     def from_kwargs(cls, base: Any, models: Any, method: str = "ties", *, weights: Sequence[float] | None = None,
@@ -330,9 +358,9 @@ class MergeConfig:
 
     @classmethod
     def _from_dict(cls, config: Any, root: Path | None) -> MergeConfig:
-        if not isinstance(config, Mapping):
-            raise ConfigError(f"A merge config must be a mapping with keys such as 'base' and 'models', got a "
-                              f"{type(config).__name__}: {short(config)}.")
+        if not isinstance(config, Mapping):  # the content is not echoed: a wrong file may hold a secret
+            raise ConfigError(f"A merge config must be a YAML mapping with keys such as 'base' and 'models'; this one "
+                              f"holds a {type(config).__name__} (is it the right file?).")
         _refuse_tokens(config, "")
         if "merge_method" in config:
             from .mergekit_compat import from_mergekit
@@ -381,8 +409,11 @@ class MergeConfig:
 
     @classmethod
     def from_pretrained(cls, folder_or_repo_id: str | os.PathLike[str], *, revision: str | None = None,
-                        token: str | bool | None = None) -> MergeConfig:
+                        token: str | bool | None = None, allow_local_paths: bool = False) -> MergeConfig:
         """The config saved with a merged model: a local folder, or a Hub repo (its ``hf_mloss_config.yaml``).
+
+        A recipe from a Hub repo was written by someone else: it may name only Hub models and datasets. Local,
+        absolute or ``../`` paths in it are refused (naming the key) unless ``allow_local_paths=True``.
 
         Example:
             ```python
@@ -395,10 +426,17 @@ class MergeConfig:
             if not path.is_file():
                 raise ConfigError(f"{str(local)!r} has no {MERGE_CONFIG_NAME}: it was not written by hf_mloss.")
             return cls.from_yaml(path)
+        from ._yaml import load_yaml
         from .hub import download_file
 
-        return cls.from_yaml(download_file(os.fspath(folder_or_repo_id), MERGE_CONFIG_NAME, revision=revision,
-                                           token=token))
+        path = Path(download_file(os.fspath(folder_or_repo_id), MERGE_CONFIG_NAME, revision=revision, token=token))
+        if not allow_local_paths:
+            content = load_yaml(path, max_bytes=MAX_CONFIG_BYTES)
+            for key, value in _local_paths(content, path.resolve().parent):
+                raise ConfigError(f"The recipe of Hub repo {os.fspath(folder_or_repo_id)!r} names a local path at "
+                                  f"{key} ({short(value)}); a recipe from the Hub may name only Hub models and "
+                                  "datasets. Pass allow_local_paths=True if you trust it and mean your own files.")
+        return cls.from_yaml(path)
 
     # ----------------------------------------------------------------------------------------------- output
     def to_dict(self, root: str | os.PathLike[str] | None = None) -> dict[str, Any]:
@@ -421,9 +459,10 @@ class MergeConfig:
             out["select"] = self.select.to_dict(base)
         return out
 
-    def to_yaml(self, path: str | os.PathLike[str] | None = None, *, root: str | os.PathLike[str] | None = None
-                ) -> str:
-        """The config as YAML text; also written to ``path`` when given.
+    def to_yaml(self, path: str | os.PathLike[str] | None = None, *, root: str | os.PathLike[str] | None = None,
+                overwrite: bool = False) -> str:
+        """The config as YAML text; also written to ``path`` when given (atomic, never through a link, never over
+        one of the config's inputs; an existing file is replaced only with ``overwrite``).
 
         Local paths are written relative to ``root`` (default: the folder of ``path``), so the file re-runs from
         where it lives; without either they are absolute.
@@ -434,7 +473,9 @@ class MergeConfig:
             root = Path(path).resolve().parent
         text = yaml.safe_dump(self.to_dict(root), sort_keys=False, allow_unicode=True)
         if path is not None:
-            Path(path).write_text(text, encoding="utf-8")
+            from .saving import write_file
+
+            write_file(path, text, overwrite=overwrite, protected=self.input_paths(), what="Config file")
         return text
 
     def save_pretrained(self, save_directory: str | os.PathLike[str], *,
@@ -595,14 +636,56 @@ def _mapping(value: Any, where: str) -> dict[str, Any]:
 
 
 def _refuse_tokens(value: Any, where: str) -> None:
+    """Refuse credentials in a config: keys that name one (``token``, ``hf_token``...) and any key or value shaped
+    like one (``hf_...``, ``HF_TOKEN=...``); the value itself is never echoed."""
     if isinstance(value, Mapping):
         for key, item in value.items():
-            if isinstance(key, str) and "token" in key.lower():
-                raise ConfigError(f"{where}{key}: {TOKEN_HINT}")
+            if isinstance(key, str) and (key.lower() in TOKEN_KEYS or looks_like_secret(key)):
+                name = f"{where}{key}" if key.lower() in TOKEN_KEYS else f"{where.rstrip('.') or 'a top-level'} key"
+                raise ConfigError(f"{name}: {TOKEN_HINT}")
             _refuse_tokens(item, f"{where}{key}.")
     elif isinstance(value, list):
         for i, item in enumerate(value):
             _refuse_tokens(item, f"{where.rstrip('.')}[{i}].")
+    elif isinstance(value, str) and looks_like_secret(value):
+        raise ConfigError(f"{where.rstrip('.') or 'The config'} holds a value shaped like an access token: {TOKEN_HINT}")
+
+
+def _local_paths(config: Any, root: Path) -> list[tuple[str, Any]]:
+    """``(key, value)`` of every input of a raw config (ours or mergekit's) that is not plainly a Hub id: path syntax,
+    not a repo id, or a name that exists as a local path here or beside the config."""
+    def local(value: Any) -> bool:
+        if isinstance(value, Mapping):  # {model: ...}, mergekit's {model: {path: ...}} or {path: ...}
+            inner = value.get("model", value.get("path"))
+            return local(inner.get("path") if isinstance(inner, Mapping) else inner)
+        if not isinstance(value, str):
+            return False
+        name = value.rsplit("@", 1)[0] if "@" in value else value
+        return (name.startswith((".", "/", "~", "\\")) or os.path.isabs(name) or not is_repo_id(name)
+                or expand(name).exists() or (root / name).exists())
+
+    if not isinstance(config, Mapping):
+        return []
+    found = []
+    for key in ("base", "base_model", "processor"):
+        if local(config.get(key)):
+            found.append((key, config[key]))
+    for key in ("models",):
+        for i, entry in enumerate(config.get(key) or [] if isinstance(config.get(key), list) else []):
+            if local(entry):
+                found.append((f"models[{i}]", entry))
+    data = config.get("data")
+    if isinstance(data, Mapping) and data.get("path") is not None or isinstance(data, str) and local(data):
+        found.append(("data", data))
+    select = config.get("select")
+    if isinstance(select, Mapping):
+        for key in ("heads", "shares"):
+            entries = select.get(key) if isinstance(select.get(key), list) else []
+            for i, entry in enumerate(entries):
+                if key == "heads" and isinstance(entry, str) or isinstance(entry, Mapping) and entry.get(
+                        "path") is not None or local(entry):
+                    found.append((f"select.{key}[{i}]", entry))
+    return found
 
 
 def _spread(specs: list[ModelSpec], key: str, values: Any, *, per_model_hint: str) -> None:

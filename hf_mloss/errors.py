@@ -6,9 +6,37 @@ specific hf_mloss error or the builtin they already handle.
 
 from __future__ import annotations
 
+import re
+
+_SECRET_SHAPES = (
+    re.compile(r"\b(hf_|api_org_|ghp_|gho_|sk-|xox[abp]-)[A-Za-z0-9]{20,}|\b(github_pat_)[A-Za-z0-9_]{20,}"),
+    re.compile(r"(?i)((?:[a-z_]*token|secret|password|passwd|api[_-]?key|authorization)[\"']?\s*[=:]\s*[\"']?"
+               r"(?:bearer\s+)?)[^\s\"',;]{8,}"),
+    re.compile(r"(?i)(bearer\s+)[^\s'\"]+"),
+)
+
+
+def redact(text: str) -> str:
+    """``text`` with every token-shaped string replaced by ``***``: Hub and other service tokens (``hf_...``,
+    ``api_org_...``, ``ghp_...``, ``sk-...``) and any long value after ``token``/``HF_TOKEN=``/``secret``/``password``
+    /``api_key``/``Bearer``. Every error message that echoes text a user gave goes through it."""
+    text = _SECRET_SHAPES[0].sub(lambda m: (m.group(1) or m.group(2)) + "***", text)
+    for pattern in _SECRET_SHAPES[1:]:
+        text = pattern.sub(lambda m: m.group(1) + "***", text)
+    return text
+
+
+def looks_like_secret(value: str) -> bool:
+    """Whether ``value`` holds a token-shaped string (see :func:`redact`)."""
+    return redact(value) != value
+
 
 class HfMLossError(Exception):
-    """Base class of every error hf_mloss raises on purpose (user errors, not bugs)."""
+    """Base class of every error hf_mloss raises on purpose (user errors, not bugs); token-shaped strings in the
+    message are redacted (see :func:`redact`)."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(redact(a) if isinstance(a, str) else a for a in args))
 
 
 class InvalidParameterError(HfMLossError, ValueError):

@@ -274,14 +274,14 @@ def hub_failure(err: BaseException, token: str | bool | None = None) -> str:
 
 def redact(text: str, token: str | bool | None = None) -> str:
     """``text`` without any token hf_mloss can know of (the argument, HF_TOKEN, the saved login) or bearer value."""
-    import re
-
     from huggingface_hub import get_token
+
+    from .errors import redact as redact_shapes
 
     secrets = {t for t in (token if isinstance(token, str) else None, get_token(), os.environ.get("HF_TOKEN")) if t}
     for secret in sorted(secrets, key=len, reverse=True):
         text = text.replace(secret, "***")
-    return re.sub(r"(?i)(bearer\s+)[^\s'\"]+", r"\1***", re.sub(r"hf_[A-Za-z0-9]{8,}", "hf_***", text))
+    return redact_shapes(text)
 
 
 def conversion_pr(repo_id: str, revision: str | None = None, *, token: str | bool | None = None) -> str | None:

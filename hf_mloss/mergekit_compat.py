@@ -8,8 +8,11 @@
 | ``dare_ties`` (``normalize: true``) / ``dare_linear`` | ``dare_ties`` / ``dare_linear``, ``p`` = ``density``, ``rescale: l1`` (mergekit's masks are drawn from another random stream) |
 
 ``base_model`` becomes ``base`` (``org/name@revision`` is split), ``out_dtype`` (else ``dtype``) becomes ``dtype``; the
-arithmetic runs in float32 either way. Anything else (slices, gradients, LoRA ``+`` syntax, tokenizer options,
-other methods) is refused with a message that says what to change.
+arithmetic runs in float32 either way. Per-model parameters default as mergekit 0.1.5 defines them: ``density`` 1.0
+(keep everything) where a model omits it, ``weight`` required on every model. ``tokenizer_source: base`` (or none) is
+accepted: the base's processor is copied; other tokenizer sources and ``tokenizer:`` sections merge vocabularies,
+which hf_mloss cannot do yet. Anything else (slices, gradients, LoRA ``+`` syntax, other methods) and any malformed
+shape (a list where one name or a mapping belongs) is refused in one line naming the key.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ METHODS = {"linear": "average", "task_arithmetic": "task_arithmetic", "ties": "t
 TOP_LEVEL = ("merge_method", "base_model", "models", "parameters", "dtype", "out_dtype", "tokenizer_source",
              "tokenizer", "chat_template", "name")
 IGNORED = ("tokenizer_source", "tokenizer", "chat_template", "name")
-"""Keys about text models' tokenizers (and labels) that have no meaning for a vision merge."""
+"""Keys about text models' tokenizers (and labels): only their no-op values are accepted (see _check_tokenizer)."""
+DEFAULT_DENSITY = 1.0
+"""mergekit's default ``density`` for a model that gives none (generalized task arithmetic methods, 0.1.5)."""
 
 
 def from_mergekit(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -39,10 +44,13 @@ def from_mergekit(config: Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"mergekit config key(s) {unknown} have no hf_mloss equivalent (hf_mloss reads "
                           f"{[k for k in TOP_LEVEL if k not in IGNORED]}).")
     method = config["merge_method"]
+    if not isinstance(method, str):
+        raise ConfigError(f"mergekit merge_method must be one method name such as ties, got {short(method)}.")
+    _check_tokenizer(config)
     if method not in METHODS:
         raise ConfigError(f"mergekit merge_method {short(method)} is not one hf_mloss shares; shared: {list(METHODS)} "
                           "(or write an hf_mloss config: `hf-mloss methods`).")
-    global_params = dict(config.get("parameters") or {})
+    global_params = _mapping(config.get("parameters"), "parameters")
     models, weights, densities = _models(config.get("models"))
     if config.get("base_model"):
         base = _model_entry(config["base_model"], "base_model")
@@ -57,12 +65,19 @@ def from_mergekit(config: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"base": base, "models": models, "method": METHODS[method]}
     normalize = global_params.pop("normalize", method in ("linear", "ties"))
     lam = global_params.pop("lambda", 1.0)
+    if not isinstance(normalize, bool):
+        raise ConfigError(f"mergekit parameters.normalize must be true or false, got {short(normalize)}.")
+    if isinstance(lam, bool) or not isinstance(lam, (int, float)):
+        raise ConfigError(f"mergekit parameters.lambda must be one number, got {short(lam)}.")
     if global_params:
         raise ConfigError(f"mergekit parameters {sorted(global_params)} have no hf_mloss equivalent.")
     parameters: dict[str, Any] = {}
     if method in ("ties", "dare_ties", "linear") and not normalize:
         raise ConfigError(f"mergekit `{method}` with normalize: false (a plain sum) has no hf_mloss equivalent; "
                           "use normalize: true, or task_arithmetic for a weighted sum.")
+    if normalize and abs(sum(weights)) < 1e-8:
+        raise ConfigError(f"mergekit parameters.normalize: true divides by the sum of the models' weights, which is "
+                          f"{sum(weights):g}; give weights that do not sum to 0.")
     if method == "task_arithmetic" and normalize:
         total = sum(weights)
         weights = [w / total for w in weights]
@@ -72,7 +87,7 @@ def from_mergekit(config: Mapping[str, Any]) -> dict[str, Any]:
         parameters.update(k=_one_density(densities), convention="mergekit")
     elif method.startswith("dare"):
         parameters.update(p=_one_density(densities), rescale="l1")
-    elif densities:
+    elif any(d is not None for d in densities):
         raise ConfigError(f"mergekit `{method}` takes no density.")
     for entry, weight in zip(models, weights):
         entry["weight"] = weight
@@ -83,7 +98,7 @@ def from_mergekit(config: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _models(entries: Any) -> tuple[list[dict[str, Any]], list[float], list[float]]:
+def _models(entries: Any) -> tuple[list[dict[str, Any]], list[float], list[float | None]]:
     if not isinstance(entries, list) or not entries:
         raise ConfigError("The mergekit config needs a non-empty `models` list (slices are not supported).")
     models, weights, densities = [], [], []
@@ -91,21 +106,46 @@ def _models(entries: Any) -> tuple[list[dict[str, Any]], list[float], list[float
         if not isinstance(entry, Mapping) or "model" not in entry:
             raise ConfigError(f"models[{i}] must be a mapping with `model` (and optional `parameters`), got "
                               f"{short(entry)}.")
-        params = dict(entry.get("parameters") or {})
-        weight = params.pop("weight", 1.0)
+        params = _mapping(entry.get("parameters"), f"models[{i}].parameters")
+        if "weight" not in params:
+            raise ConfigError(f"models[{i}].parameters.weight is missing; mergekit requires a weight on every model "
+                              "(e.g. parameters: {weight: 1.0}).")
+        weight = params.pop("weight")
         density = params.pop("density", None)
         if params or set(entry) - {"model", "parameters"}:
             raise ConfigError(f"models[{i}]: only `parameters.weight` and `parameters.density` have hf_mloss "
                               f"equivalents, got {sorted(params) or sorted(set(entry) - {'model', 'parameters'})}.")
         for name, value in (("weight", weight), ("density", density)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            if (name == "weight" or value is not None) and (isinstance(value, bool) or not isinstance(
+                    value, (int, float))):
                 raise ConfigError(f"models[{i}].parameters.{name} must be one number (gradients and per-tensor "
                                   f"filters are not supported), got {short(value)}.")
         models.append(_model_entry(entry["model"], f"models[{i}].model"))
         weights.append(float(weight))
-        if density is not None:
-            densities.append(float(density))
+        densities.append(None if density is None else float(density))
     return models, weights, densities
+
+
+def _mapping(value: Any, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"mergekit {where} must be a mapping (e.g. {{weight: 1.0, density: 0.5}}), got "
+                          f"{short(value)}.")
+    return dict(value)
+
+
+def _check_tokenizer(config: Mapping[str, Any]) -> None:
+    """Accept the tokenizer options that keep the base's (what a vision merge does); refuse vocabulary merges."""
+    source = config.get("tokenizer_source")
+    tokenizer = config.get("tokenizer")
+    if isinstance(tokenizer, Mapping) and set(tokenizer) <= {"source"}:
+        source, tokenizer = tokenizer.get("source", source), None
+    for key, value in (("tokenizer_source", source), ("tokenizer", tokenizer)):
+        if value is not None and value != "base":
+            raise ConfigError(f"mergekit {key}: {short(value, 40)} merges or swaps vocabularies, which hf_mloss "
+                              "cannot do yet (vocabularies cannot be merged yet); remove it or use "
+                              "tokenizer_source: base (the base's processor is copied).")
 
 
 def _model_entry(value: Any, where: str) -> dict[str, Any]:
@@ -128,9 +168,8 @@ def _model_entry(value: Any, where: str) -> dict[str, Any]:
     return {"model": value}
 
 
-def _one_density(densities: list[float]) -> float:
-    if not densities:
-        raise ConfigError("mergekit ties/dare need `parameters.density` on the models.")
+def _one_density(given: list[float | None]) -> float:
+    densities = [DEFAULT_DENSITY if d is None else d for d in given]  # mergekit's default for a model without one
     if len(set(densities)) > 1:
         raise ConfigError(f"Per-model densities {densities} differ; hf_mloss uses one keep fraction for all models.")
     return densities[0]

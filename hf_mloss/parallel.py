@@ -11,7 +11,8 @@ also waits for the GIL while the other worker is descheduled) and 18.5 s on 1 th
 So :func:`cpu_workers` first measures the idle cores (``/proc/stat`` over 50 ms, Linux) and runs with that many
 threads, at most ``torch.get_num_threads()``: with one, everything runs on the calling thread; with more, pieces go to
 worker threads that each run torch ops on one intra-op thread (no barriers inside ops). ``HF_MLOSS_THREADS=N`` fixes
-the number. Results do not depend on it: each piece is computed by the same kernels whichever thread runs it, and
+the number (ASCII digits only, clamped to the cores this process may use: more threads than cores only add
+contention). Results do not depend on it: each piece is computed by the same kernels whichever thread runs it, and
 callers combine pieces in a fixed order.
 """
 
@@ -146,19 +147,46 @@ def run_threads(device: torch.device | str) -> int:
     ``torch.get_num_threads()``; accelerators: 1 (their work is queued, not computed, by the host)."""
     if torch.device(device).type != "cpu":
         return 1
-    fixed = os.environ.get("HF_MLOSS_THREADS", "").strip()
-    if fixed.isdigit() and int(fixed) > 0:
-        return int(fixed)
-    threads = torch.get_num_threads()
+    fixed = env_threads()
+    if fixed is not None:
+        return fixed
+    threads = min(torch.get_num_threads(), machine_cores())
     idle = idle_cores()
     return threads if idle is None else max(1, min(threads, int(idle + 0.5)))
+
+
+def machine_cores() -> int:
+    """Cores this process may run on (its CPU affinity where known, else ``os.cpu_count()``)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def env_threads() -> int | None:
+    """``HF_MLOSS_THREADS`` parsed strictly (ASCII digits, at least 1) and clamped to :func:`machine_cores`; None
+    when unset.
+
+    Raises:
+        InvalidParameterError: any other value (``'²'``, ``-1``, ``four``, ``0``).
+    """
+    from .errors import InvalidParameterError
+
+    raw = os.environ.get("HF_MLOSS_THREADS")
+    if raw is None or not raw.strip():
+        return None
+    text = raw.strip()
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise InvalidParameterError(f"HF_MLOSS_THREADS={raw[:20]!r} must be a whole number of threads >= 1 (ASCII "
+                                    "digits, e.g. HF_MLOSS_THREADS=2); unset it to use the idle cores.")
+    return min(int(text), machine_cores())
 
 
 @contextlib.contextmanager
 def cpu_workers(device: torch.device | str, threads: int | None = None) -> Iterator[Workers]:
     """The :class:`Workers` of one run (the :func:`active` pool meanwhile) with :func:`run_threads` threads;
     torch's thread count is restored afterwards."""
-    threads = run_threads(device) if threads is None else max(1, threads)
+    threads = run_threads(device) if threads is None else max(1, min(int(threads), machine_cores()))
     previous = torch.get_num_threads()
     accelerator = torch.device(device).type != "cpu"
     workers = Workers(1 if accelerator else min(MAX_WORKERS, threads))

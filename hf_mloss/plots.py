@@ -53,5 +53,11 @@ def draw_heatmap(report: MLossReport, folder: str | Path) -> str | None:
                  "lower: the merge behaves more like the ensemble there", fontsize=10)
     fig.colorbar(image, ax=ax, label="node M-Loss")
     fig.tight_layout()
-    fig.savefig(Path(folder) / HEATMAP_NAME, dpi=100, metadata={"Software": None})
+    import io
+
+    from .saving import write_file
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100, metadata={"Software": None})
+    write_file(Path(folder) / HEATMAP_NAME, buffer.getvalue(), what="Heatmap file")
     return HEATMAP_NAME

@@ -13,6 +13,17 @@ MLOSS_SUMMARY_NAME = "mloss.json"
 MLOSS_SCORES_NAME = "mloss_scores.safetensors"
 
 
+def finite_json(content: Any, what: str, **kwargs: Any) -> str:
+    """``json.dumps(content)`` refusing NaN and infinities (they are not JSON and mean the run overflowed)."""
+    from .errors import InvalidParameterError
+
+    try:
+        return json.dumps(content, allow_nan=False, **kwargs)
+    except ValueError:
+        raise InvalidParameterError(f"{what} holds NaN or infinite values: the settings overflowed (very large "
+                                    "weights or λ); nothing was written. Use smaller values.") from None
+
+
 def describe_data(data: dict[str, Any]) -> str:
     """One line about the scoring images: source, split, count, how they were drawn, labels covered."""
     text = f"{data.get('id') or data.get('source')}"
@@ -126,14 +137,21 @@ class MLossReport:
             out["keep_ratios"] = {k: v.tolist() for k, v in self.keep_ratios.items()}
         return out
 
-    def to_json(self, path: str | Path | None = None, *, per_row: bool = False) -> str:
-        """The report as JSON text (``per_row``: with every node's values), also written to ``path`` if given."""
-        text = json.dumps(self.to_dict(per_row=per_row), indent=2)
+    def to_json(self, path: str | Path | None = None, *, per_row: bool = False, overwrite: bool = False) -> str:
+        """The report as JSON text (``per_row``: with every node's values), also written to ``path`` if given
+        (through :func:`hf_mloss.saving.write_file`: atomic, never through a link, ``overwrite`` to replace).
+
+        Raises:
+            InvalidParameterError: a value is NaN or infinite (the settings overflow); nothing is written.
+        """
+        from .saving import write_file
+
+        text = finite_json(self.to_dict(per_row=per_row), "The M-Loss report", indent=2)
         if path is not None:
-            Path(path).write_text(text + "\n")
+            write_file(path, text + "\n", overwrite=overwrite, what="Report file")
         return text
 
-    def save(self, folder: str | Path) -> None:
+    def save(self, folder: str | Path, *, overwrite: bool = False) -> None:
         """Write the summary JSON (``mloss.json``) and the per-row vectors (``mloss_scores.safetensors``).
 
         Args:
@@ -149,7 +167,7 @@ class MLossReport:
         from safetensors.torch import save_file
 
         folder = Path(folder)
-        self.to_json(folder / MLOSS_SUMMARY_NAME)
+        self.to_json(folder / MLOSS_SUMMARY_NAME, overwrite=overwrite)
         tensors = {f"node/{k}": v.float().contiguous() for k, v in self.node.items()}
         tensors.update({f"node_normalized/{k}": v.float().contiguous() for k, v in self.node_normalized.items()})
         tensors.update({f"node_ratio/{k}": v.float().contiguous() for k, v in self.node_ratio.items()})

@@ -176,11 +176,10 @@ class MergeResult:
                 pass
 
     def input_paths(self) -> list[str]:
-        """Local folders this merge read (the output must not overlap them)."""
+        """Local paths this merge read: models, base, processor, data, selection heads and shares (the output must
+        not overlap them)."""
         paths = [r.path for r in [self.base, *self.models] if r.path and r.repo_id is None and Path(r.path).exists()]
-        if self.config.data is not None and self.config.data.path is not None:
-            paths.append(self.config.data.path)
-        return paths
+        return [*paths, *self.config.input_paths()]
 
     def output_bytes(self) -> int:
         """Approximate size of the saved weights."""

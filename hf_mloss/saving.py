@@ -1,5 +1,12 @@
-"""Writing output folders safely: checked before the work, written beside the target, renamed into place.
+"""The one output guard: every file and folder hf_mloss writes is checked before the work, written beside its
+target and renamed into place.
 
+* :func:`check_output_dir` (folders: merges, report folders) and :func:`check_output_file` (``--json`` reports,
+  configs) refuse, before anything is computed, a target that is an input of the run or inside one or holding one
+  (models, base, processor, heads, shares, data, the config file), a symbolic link, a device or other special file,
+  the current working folder, and an existing target unless ``overwrite``.
+* :func:`write_file` writes a file to a temporary sibling, syncs it and renames it into place (``overwrite`` is the
+  only way to replace one; a kill leaves the previous file or the new one).
 * :func:`check_output_dir` refuses, before anything is computed, an output folder that overlaps an input (the
   models, the data, the config file), a symbolic link, a path under a file, an unwritable or too-full filesystem,
   and an existing non-empty folder unless ``overwrite``.
@@ -7,15 +14,21 @@
   at the end: the folder appears complete or not at all. An existing folder is replaced only at that final rename,
   and only with ``overwrite``. The temporary folder is removed on every exit path (exceptions, Ctrl-C, SIGTERM);
   ones left by a killed process (``kill -9``) are removed by the next save into the same parent folder.
+* Crash-consistent replacement: the new folder is swapped with the old one in one ``renameat2(RENAME_EXCHANGE)``
+  where the filesystem has it; elsewhere the old folder is moved to a hidden backup whose target name is recorded
+  first, and a save or check in the same parent after a kill restores that backup when the target is missing.
 * Every file written is listed in ``hf_mloss_files.json`` (name and size), which ``push`` uses as its allow-list.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import json
 import os
+import secrets
+import sys
 import shutil
 import signal
 import tempfile
@@ -27,6 +40,8 @@ from .errors import InvalidParameterError, OutputExistsError, SaveError
 
 TMP_PREFIX = ".hf_mloss-tmp-"
 MANIFEST_NAME = "hf_mloss_files.json"
+RECORD_SUFFIX = ".target"
+"""A backup folder's sidecar file holding the name of the folder it must be restored to after a kill."""
 _SPACE_MARGIN = 1.05
 
 
@@ -57,9 +72,15 @@ def check_output_dir(target: str | os.PathLike[str], *, overwrite: bool = False,
         raise InvalidParameterError(f"Output folder {str(target)!r} is a symbolic link (to {os.readlink(target)!r}); "
                                     "pass the real folder path instead.")
     _check_overlap(absolute, protected)
+    if parent.is_dir():
+        recover_interrupted(parent)
     if target.exists():
         if not target.is_dir():
             raise OutputExistsError(f"Output path {str(target)!r} is a file; choose a folder path.")
+        if Path(os.path.realpath(os.getcwd())).is_relative_to(os.path.realpath(absolute)):
+            raise InvalidParameterError(f"Output folder {str(target)!r} is the current working folder or holds it: "
+                                        "replacing it would pull the folder from under this process. Write to a new "
+                                        "subfolder (e.g. ./merged) instead.")
         if any(target.iterdir()) and not overwrite:
             raise OutputExistsError(f"Output folder {str(target)!r} already exists and is not empty; pass "
                                     "overwrite=True (CLI: --overwrite) to replace it, or choose another folder.")
@@ -74,6 +95,84 @@ def check_output_dir(target: str | os.PathLike[str], *, overwrite: bool = False,
     return target
 
 
+def check_output_file(target: str | os.PathLike[str], *, overwrite: bool = False,
+                      protected: Iterable[str | os.PathLike[str]] = (), what: str = "Output file") -> Path:
+    """Refuse an output file that cannot or must not be written (see the module docstring); returns it.
+
+    Raises:
+        OutputExistsError: the file exists (without ``overwrite``).
+        InvalidParameterError: overlap with an input, a symbolic link, a folder, a device or other special file, a
+            path under a file, no write permission or a name too long.
+    """
+    target = Path(os.fspath(target)).expanduser()
+    absolute = Path(os.path.abspath(target))
+    parent = _existing_ancestor(absolute.parent)
+    limit = _name_max(parent)
+    if len(absolute.name.encode()) > limit:
+        raise InvalidParameterError(f"{what} name {absolute.name[:40]!r}... is {len(absolute.name.encode())} bytes; "
+                                    f"this filesystem allows {limit}. Choose a shorter name.")
+    if target.is_symlink():
+        raise InvalidParameterError(f"{what} {str(target)!r} is a symbolic link; hf_mloss never writes through one. "
+                                    "Pass the real file path instead.")
+    _check_overlap(absolute, protected, what)
+    if target.exists():
+        if target.is_dir():
+            raise InvalidParameterError(f"{what} {str(target)!r} is a folder; give a file path.")
+        if not target.is_file():
+            raise InvalidParameterError(f"{what} {str(target)!r} is not a regular file (a device, pipe or socket); "
+                                        "give the path of a file to create.")
+        if not overwrite:
+            raise OutputExistsError(f"{what} {str(target)!r} already exists; pass overwrite=True (CLI: --overwrite) "
+                                    "to replace it, or choose another path.")
+    if not parent.is_dir():
+        raise InvalidParameterError(f"{what} {str(target)!r} cannot be created: {str(parent)!r} is a file.")
+    _probe_writable(target, parent)
+    return target
+
+
+def write_file(target: str | os.PathLike[str], content: str | bytes, *, overwrite: bool = False,
+               protected: Iterable[str | os.PathLike[str]] = (), what: str = "Output file") -> Path:
+    """Write ``content`` to ``target`` through a synced temporary sibling renamed into place (checked first with
+    :func:`check_output_file`): the previous file or the new one, never a half-written one.
+
+    Raises:
+        SaveError: the write failed (disk full...), naming the file; nothing was changed.
+    """
+    target = check_output_file(target, overwrite=overwrite, protected=protected, what=what)
+    data = content.encode("utf-8") if isinstance(content, str) else content
+    tmp = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{os.getpid()}-", dir=target.parent)
+        tmp = Path(name)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        if target.is_symlink() or (target.exists() and not target.is_file()):
+            raise InvalidParameterError(f"{what} {str(target)!r} became a link or special file while writing; "
+                                        "nothing was written.")
+        if overwrite:
+            os.replace(tmp, target)
+        else:
+            try:
+                os.link(tmp, target)  # never replaces: fails if something appeared there meanwhile
+            except FileExistsError:
+                raise OutputExistsError(f"{what} {str(target)!r} was created by something else meanwhile; nothing "
+                                        "was replaced.") from None
+            except OSError:  # no hard links on this filesystem
+                os.replace(tmp, target)
+    except OSError as err:
+        if isinstance(err, OutputExistsError):
+            raise
+        raise SaveError(f"Writing {what.lower()} {str(target)!r} failed: {err.strerror or err}; nothing was written."
+                        ) from None
+    finally:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+    return target
+
+
 def _probe_writable(target: Path, parent: Path) -> None:
     """Create and remove a temporary folder where the output will be written: permissions, read-only filesystems
     and quotas show up now, not after the merge."""
@@ -85,17 +184,17 @@ def _probe_writable(target: Path, parent: Path) -> None:
             from None
 
 
-def _check_overlap(target: Path, protected: Iterable[str | os.PathLike[str]]) -> None:
+def _check_overlap(target: Path, protected: Iterable[str | os.PathLike[str]], what: str = "Output folder") -> None:
     resolved_target = Path(os.path.realpath(target))
     for item in protected:
-        if item is None:
+        if item is None or not isinstance(item, (str, os.PathLike)):
             continue
-        path = Path(os.path.realpath(os.fspath(item)))
+        path = Path(os.path.realpath(os.path.expanduser(os.fspath(item))))
         for candidate in {target, resolved_target}:
             if candidate == path or path.is_relative_to(candidate) or candidate.is_relative_to(path):
                 raise InvalidParameterError(
-                    f"Output folder {str(target)!r} overlaps an input ({str(path)!r}): writing or replacing it could "
-                    "delete or corrupt that input. Choose an output folder outside the inputs.")
+                    f"{what} {str(target)!r} overlaps an input ({str(path)!r}): writing or replacing it could "
+                    f"delete or corrupt that input. Choose an output path outside the inputs.")
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -119,7 +218,7 @@ def _name_max(folder: Path) -> int:
 @contextlib.contextmanager
 def atomic_folder(target: str | os.PathLike[str], *, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary folder to write into; on success it becomes ``target`` (see the module docstring)."""
-    target = Path(os.fspath(target)).expanduser()
+    target = Path(os.path.abspath(Path(os.fspath(target)).expanduser()))
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(target.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-", dir=target.parent))
@@ -152,29 +251,82 @@ def _rename_into_place(tmp: Path, target: Path, *, overwrite: bool) -> None:
     if any(target.iterdir()) and not overwrite:
         raise OutputExistsError(f"Output folder {str(target)!r} already exists and is not empty; pass overwrite=True "
                                 "(CLI: --overwrite) to replace it.")
-    backup = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-old-", dir=target.parent))
-    backup.rmdir()
+    if _exchange(tmp, target):  # one atomic swap: at every instant the old folder or the new one is in place
+        return  # the old folder is now at ``tmp``, which the caller removes
+    backup = target.parent / f"{TMP_PREFIX}{os.getpid()}-old-{secrets.token_hex(6)}"
+    record = backup.with_name(backup.name + RECORD_SUFFIX)
+    record.write_text(target.name, encoding="utf-8")  # a kill from here on: the next save restores the backup
     os.rename(target, backup)
     try:
         os.rename(tmp, target)
     except BaseException:
         os.rename(backup, target)
+        record.unlink(missing_ok=True)
         raise
+    record.unlink(missing_ok=True)
     shutil.rmtree(backup, ignore_errors=True)
 
 
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where not supported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(first), at_fdcwd, os.fsencode(second), rename_exchange) == 0
+
+
+def recover_interrupted(parent: Path) -> None:
+    """Put back a folder that a killed save had moved to its backup before renaming the new one in (the target is
+    missing: the backup is restored; the target is present: the backup is removed)."""
+    try:
+        records = [e for e in parent.iterdir() if e.name.startswith(TMP_PREFIX) and e.name.endswith(RECORD_SUFFIX)]
+    except OSError:
+        return
+    for record in records:
+        backup = record.with_name(record.name[: -len(RECORD_SUFFIX)])
+        if _alive_owner(backup.name):
+            continue
+        try:
+            name = record.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            continue
+        target = parent / name
+        if backup.is_dir() and not backup.is_symlink() and name and "/" not in name and name not in (".", ".."):
+            if not target.exists() and not target.is_symlink():
+                os.rename(backup, target)
+            else:
+                shutil.rmtree(backup, ignore_errors=True)
+        record.unlink(missing_ok=True)
+
+
 def remove_stale_temporaries(parent: Path) -> None:
-    """Remove temporary folders left in ``parent`` by hf_mloss processes that no longer run (``kill -9``)."""
+    """Remove temporary files and folders left in ``parent`` by hf_mloss processes that no longer run
+    (``kill -9``), after restoring any backup whose target is missing (:func:`recover_interrupted`)."""
+    recover_interrupted(parent)
     try:
         entries = list(parent.iterdir())
     except OSError:
         return
     for entry in entries:
-        if not entry.name.startswith(TMP_PREFIX) or not entry.is_dir() or entry.is_symlink():
+        if not entry.name.startswith(TMP_PREFIX) or entry.is_symlink() or _alive_owner(entry.name):
             continue
-        pid = entry.name[len(TMP_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if "-old-" in entry.name:  # a backup without its record (older versions): it may be the only copy
+            continue
+        if entry.is_dir():
             shutil.rmtree(entry, ignore_errors=True)
+        elif entry.is_file() and not entry.name.endswith(RECORD_SUFFIX):
+            entry.unlink(missing_ok=True)
+
+
+def _alive_owner(name: str) -> bool:
+    """Whether the process whose id a temporary name carries still runs (unknown ids count as running)."""
+    pid = name[len(TMP_PREFIX):].split("-", 1)[0]
+    return not (pid.isascii() and pid.isdigit()) or _alive(int(pid))
 
 
 def _alive(pid: int) -> bool:

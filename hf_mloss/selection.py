@@ -52,6 +52,9 @@ CRITERIA = ("mloss", "output", "entropy")
 SHARES = ("auto", "all", "given")
 MODES = ("unlabeled",)
 DEFAULT_SELECT_SAMPLES = 32
+MAX_CANDIDATES = 1024
+"""Most candidates a selection grid may hold (the product of its axes' lengths): each is a merge and a scoring pass,
+so a larger grid is a mistake, refused before any validation work."""
 CHUNK_ELEMENTS = 1 << 22
 
 
@@ -88,6 +91,11 @@ class SelectionOptions:
                 raise InvalidParameterError(f"grid[{key!r}] must be a non-empty list of values (e.g. grid: {{k: "
                                             f"[0.2, 0.5, 0.8], lam: [0.5, 1.0, 1.5]}}), got {short(values)}.")
             grid[key] = list(values)
+        count = math.prod(len(values) for values in grid.values())
+        if count > MAX_CANDIDATES:
+            sizes = " x ".join(f"{len(v)} {k}" for k, v in grid.items())
+            raise InvalidParameterError(f"select.grid has {count} candidates ({sizes}); the limit is {MAX_CANDIDATES} "
+                                        "(each candidate is a merge and a scoring pass). Use fewer values per axis.")
         if not grid:
             raise InvalidParameterError("select needs a grid of at least one parameter, e.g. grid={'lam': [0.3, "
                                         "0.5, 1.0]} (task arithmetic) or {'k': [...], 'lam': [...]} (TIES, M-TIES).")
@@ -193,6 +201,11 @@ def check_selection(options: SelectionOptions, method: Any, parameters: Mapping[
         if given is not None and len(given) != num_models:
             raise InvalidParameterError(f"select.{key}: got {len(given)} for {num_models} models; give one per model, "
                                         "in the order of `models`.")
+    for i, head in enumerate(options.heads or ()):
+        import os
+
+        if isinstance(head, (str, os.PathLike)):
+            as_head(head, i)  # an unreadable head file is refused before any model is loaded
 
 
 # ---------------------------------------------------------------------------------------------------- heads
@@ -206,11 +219,15 @@ def as_head(head: Any, index: int) -> Any:
     if isinstance(head, (str, os.PathLike)):
         from safetensors.torch import load_file
 
+        from safetensors import SafetensorError
+
         try:
             tensors = load_file(os.fspath(head))
-        except (OSError, ValueError) as err:
-            raise InvalidParameterError(f"select.heads[{index}]: cannot read {os.fspath(head)!r} as safetensors "
-                                        f"({err}).") from None
+        except (OSError, ValueError, SafetensorError) as err:  # the file's content is never echoed
+            reason = err.strerror if isinstance(err, OSError) and err.strerror else "not a safetensors file"
+            raise InvalidParameterError(f"select.heads[{index}]: cannot read {os.fspath(head)!r} ({reason}); a head "
+                                        "file is a safetensors file holding `weight` [classes, features] (and "
+                                        "optionally `bias`).") from None
         if "weight" not in tensors:
             raise InvalidParameterError(f"select.heads[{index}]: {os.fspath(head)!r} holds {sorted(tensors)}; a head "
                                         "file needs `weight` [classes, features] (and optionally `bias`).")
@@ -577,6 +594,13 @@ def select_and_merge(config: MergeConfig, inputs: RunInputs, merger: TensorMerge
     bar = tqdm(total=total, desc=f"Selecting ({options.criterion})", unit="candidate", disable=not progress)
     for setting, tau, lam in iterate_candidates(builder, options):
         values = evaluator.evaluate(builder.tower)
+        bad = {name: value for name, value in values.items() if not math.isfinite(value)}
+        if bad:  # NaN is never "less than": it would win; an overflowing candidate is a user error
+            bar.close()
+            raise InvalidParameterError(
+                f"select.grid: the candidate {setting} scores {', '.join(f'{k}={v}' for k, v in bad.items())} (not "
+                "finite: its merge overflows, e.g. a huge λ or weights). Nothing was chosen or written; remove it "
+                "from the grid.")
         candidates.append({"setting": setting, **values})
         if best is None or values[options.criterion] < best[0]:
             best = (values[options.criterion], setting, tau, lam)
