@@ -86,8 +86,11 @@ def parse_yaml(text: str, *, where: str = "The config") -> Any:
             raise ConfigError(f"{where} expands to more than {MAX_NODES} YAML nodes (nested aliases?); refusing "
                               "to read it.")
         return loader.construct_document(node)
-    except yaml.YAMLError as err:
-        message = " ".join(str(err).split())
+    except yaml.YAMLError as err:  # what and where, never the file's lines (a wrong file may hold a secret)
+        problem = getattr(err, "problem", None) or getattr(err, "context", None) or type(err).__name__
+        mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        message = " ".join(f"{problem}{at}".split())
         message = message if len(message) <= 300 else message[:297] + "..."
         raise ConfigError(f"{where} is not valid YAML: {message}") from None
     except RecursionError:

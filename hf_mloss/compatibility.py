@@ -724,6 +724,7 @@ def run_compatibility(config: MergeConfig, *, subsets: Sequence[Sequence[int | s
             extra["output_gap"] = output_gaps(inputs, chosen, weights, inputs.pixels.split(config.batch_size),
                                               progress=progress)
             timings["output_gap_s"] = time.perf_counter() - start
+        _check_finite({m: scores[m] for m in scores["metrics"]}, extra, chosen, names, inputs.alpha)
         data = {**inputs.data_info.to_dict(), **inputs.data_info.sample_stats()} if inputs.data_info else {}
         return CompatibilityReport(
             models=names, weights=[float(w) for w in inputs.alpha], layers=scores["layers"], subsets=chosen,
@@ -732,6 +733,18 @@ def run_compatibility(config: MergeConfig, *, subsets: Sequence[Sequence[int | s
             num_samples=setup.num_samples, num_positions=scores["positions"],
             compute_dtype=str(setup.compute_dtype).replace("torch.", ""), data=data,
             timings={k: round(v, 3) for k, v in timings.items()})
+
+
+def _check_finite(values: dict[str, torch.Tensor], baselines: dict[str, list[float]],
+                  subsets: Sequence[tuple[int, ...]], names: Sequence[str], alpha: torch.Tensor) -> None:
+    """Refuse a report holding NaN or infinities, naming the metric, the subset and the weights that produced it."""
+    for metric, table in [*values.items(), *((k, torch.tensor(v, dtype=torch.float64)) for k, v in baselines.items())]:
+        bad = (~torch.isfinite(table.reshape(len(subsets), -1))).any(-1).nonzero().flatten().tolist()
+        if bad:
+            subset = [names[i] for i in subsets[bad[0]]]
+            raise InvalidParameterError(
+                f"The compatibility report's {metric} of subset {subset} is not finite (weights "
+                f"{[float(w) for w in alpha]}): the computation overflowed. Use smaller weights (or none).")
 
 
 def _check_config(config: MergeConfig, options: ScoringOptions) -> None:

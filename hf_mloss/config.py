@@ -26,6 +26,7 @@ accepted for the methods both libraries share (see :mod:`hf_mloss.mergekit_compa
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -272,6 +273,9 @@ class MergeConfig:
                                         f"{', '.join(missing)} {'has' if len(missing) == 1 else 'have'} no weight.")
         if all(given) and sum(m.weight for m in self.models) <= 0:
             raise InvalidParameterError("The models' weights must not all be 0.")
+        if all(given) and not math.isfinite(sum(m.weight for m in self.models)):
+            raise InvalidParameterError(f"weights {[m.weight for m in self.models]} sum to infinity (they overflow "
+                                        "once added or normalised); scale them all down by the same factor.")
 
     def merge_method(self) -> MergeMethod:
         from .methods import get_method
@@ -642,13 +646,14 @@ def _refuse_tokens(value: Any, where: str) -> None:
         for key, item in value.items():
             if isinstance(key, str) and (key.lower() in TOKEN_KEYS or looks_like_secret(key)):
                 name = f"{where}{key}" if key.lower() in TOKEN_KEYS else f"{where.rstrip('.') or 'a top-level'} key"
-                raise ConfigError(f"{name}: {TOKEN_HINT}")
+                raise ConfigError(f"{name} (a credential) is refused; {TOKEN_HINT}")
             _refuse_tokens(item, f"{where}{key}.")
     elif isinstance(value, list):
         for i, item in enumerate(value):
             _refuse_tokens(item, f"{where.rstrip('.')}[{i}].")
     elif isinstance(value, str) and looks_like_secret(value):
-        raise ConfigError(f"{where.rstrip('.') or 'The config'} holds a value shaped like an access token: {TOKEN_HINT}")
+        raise ConfigError(f"{where.rstrip('.') or 'The config'} holds a value shaped like an access token (it is not "
+                          f"shown); {TOKEN_HINT}")
 
 
 def _local_paths(config: Any, root: Path) -> list[tuple[str, Any]]:

@@ -182,6 +182,12 @@ def _iter_images(data, *, sampler: _Sampler, split: str, image_column, revision:
         try:
             ds = datasets.load_dataset(ref, split=split, streaming=True, revision=revision)
         except (FileNotFoundError, ConnectionError, OSError) as err:
+            import errno
+
+            if getattr(err, "errno", None) in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC):
+                from .hub import cache_failure
+
+                raise DataError(f"Cannot stream Hub dataset {ref!r}: {cache_failure(err)}") from None
             raise DataError(
                 f"Cannot stream Hub dataset {ref!r} (split {split!r}): {hub_failure(err)}. Check the id and split; a "
                 "local image folder works offline.") from None
@@ -219,6 +225,10 @@ def _from_dataset(ds, info: DataInfo, sampler: _Sampler, image_column, *, whole:
     if column not in (ds.column_names or [column]):
         raise DataError(f"Image column {column!r} not found; available columns: {ds.column_names}.")
     info.image_column = column
+    feature = (ds.features or {}).get(column)
+    if feature is not None and not _can_hold_images(feature):
+        raise DataError(f"Column {column!r} of {info.id or info.source!r} holds {_feature_name(feature)} values, not "
+                        f"images; pass image_column=... naming the column with images (columns: {ds.column_names}).")
     label = _find_label_column(ds, column)
     if label is not None:
         info.label_column = label
@@ -240,7 +250,36 @@ def _from_dataset(ds, info: DataInfo, sampler: _Sampler, image_column, *, whole:
         ds = ds.shuffle(seed=sampler.seed, buffer_size=sampler.buffer_size,
                         max_buffer_input_shards=max(1, min(ds.n_shards, MAX_BUFFER_SHARDS))).take(sampler.rows)
         rows = ds
-    return ((row[column], row.get(label) if label else None) for row in rows), info
+    return _arrow_errors_named(((row[column], row.get(label) if label else None) for row in rows), column,
+                               info), info
+
+
+def _can_hold_images(feature: Any) -> bool:
+    """Whether a column of this feature type can hold images: ``Image``, file paths/bytes, or {bytes, path}."""
+    import datasets
+
+    if isinstance(feature, datasets.Image):
+        return True
+    if isinstance(feature, datasets.Value):
+        return feature.dtype in ("string", "large_string", "binary", "large_binary")
+    return isinstance(feature, dict) and bool({"bytes", "path"} & set(feature))
+
+
+def _feature_name(feature: Any) -> str:
+    return getattr(feature, "dtype", None) or type(feature).__name__
+
+
+def _arrow_errors_named(rows: Iterable[Any], column: str, info: DataInfo) -> Iterator[Any]:
+    """``rows``, with Arrow's errors (a column type that cannot be read as images, found while streaming) turned
+    into a :class:`DataError` naming the column."""
+    import pyarrow
+
+    try:
+        yield from rows
+    except pyarrow.ArrowException as err:
+        raise DataError(f"Column {column!r} of {info.id or info.source!r} cannot be read as images "
+                        f"({type(err).__name__}: its values are not image files, paths or bytes); pass "
+                        "image_column=... naming the column with images.") from None
 
 
 def _reservoir(rows: Iterable[Any], k: int, seed: int) -> list[Any]:

@@ -250,6 +250,25 @@ def _snapshot(repo_id: str, revision: str | None, patterns: list[str], *, token,
     except HfHubHTTPError as err:
         raise CheckpointNotFoundError(f"Cannot download Hub model {repo_id!r} (revision {revision or 'main'}): "
                                       f"{hub_failure(err, token)}.") from None
+    except OSError as err:  # after the Hub's own errors (some subclass OSError)
+        raise CheckpointNotFoundError(f"Cannot download Hub model {repo_id!r}: {cache_failure(err, cache_dir)}") \
+            from None
+
+
+def cache_failure(err: OSError, cache_dir: str | os.PathLike[str] | None = None) -> str:
+    """Why a download could not be stored, with the fix: a read-only or foreign Hugging Face cache (shared clusters)
+    is named with ``HF_HOME`` / ``cache_dir=``."""
+    import errno
+
+    from huggingface_hub import constants
+
+    where = os.fspath(cache_dir) if cache_dir else getattr(err, "filename", None) or constants.HF_HUB_CACHE
+    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return (f"the Hugging Face cache is not writable ({where!r}: {err.strerror}). Set HF_HOME to a folder you can "
+                "write (e.g. export HF_HOME=$HOME/.cache/huggingface), or pass cache_dir=... .")
+    if err.errno == errno.ENOSPC:
+        return f"the Hugging Face cache is full ({where!r}); free space or set HF_HOME to another disk."
+    return f"{err.strerror or type(err).__name__} ({where!r})."
 
 
 def hub_failure(err: BaseException, token: str | bool | None = None) -> str:
@@ -353,3 +372,6 @@ def download_file(repo_id: str, filename: str, *, revision: str | None = None, t
         status = getattr(getattr(err, "response", None), "status_code", None)
         raise CheckpointNotFoundError(f"Cannot download {filename} of Hub repo {repo_id!r}"
                                       + (f" (HTTP {status})" if status else "") + ".") from None
+    except OSError as err:
+        raise CheckpointNotFoundError(f"Cannot download {filename} of Hub repo {repo_id!r}: {cache_failure(err)}") \
+            from None
