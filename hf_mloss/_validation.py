@@ -220,7 +220,7 @@ def did_you_mean(value: Any, choices: Iterable[Any], aliases: Mapping[str, str] 
 def short(value: Any, limit: int = 80) -> str:
     """``repr(value)`` cut to ``limit`` characters (error messages stay one line), token-shaped strings redacted."""
     try:
-        text = redact(repr(value))
+        text = redact(repr(value))  # before cutting: a cut token would escape the patterns
     except Exception:  # noqa: BLE001 - a broken __repr__ must not hide the real error
         text = f"<{type(value).__name__}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -10,7 +10,7 @@ import re
 
 _SECRET_SHAPES = (
     re.compile(r"\b(hf_|api_org_|ghp_|gho_|sk-|xox[abp]-)[A-Za-z0-9]{20,}|\b(github_pat_)[A-Za-z0-9_]{20,}"),
-    re.compile(r"(?i)((?:[a-z_]*token|secret|password|passwd|api[_-]?key|authorization)[\"']?\s*[=:]\s*[\"']?"
+    re.compile(r"(?i)((?:token|secret|password|passwd|api[_-]?key|authorization)[\"']?\s*[=:]\s*[\"']?"
                r"(?:bearer\s+)?)[^\s\"',;]{8,}"),
     re.compile(r"(?i)(bearer\s+)[^\s'\"]+"),
 )

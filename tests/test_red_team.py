@@ -33,6 +33,8 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 import hf_mloss
+import hf_mloss.parallel
+import hf_mloss.selection
 from hf_mloss import (
     CheckpointNotFoundError,
     ConfigError,
@@ -591,8 +593,291 @@ PUSH_SETUPS: list[tuple[str, Callable[[Project], Path], type[BaseException] | No
 ]
 
 
+# ------------------------------------------------------------------------------- round 3: every writer guarded
+SCORE_CONFIG = {"base": "./base", "models": ["./ft0", "./ft1"], "method": "average",
+                "data": {"path": "./images", "num_samples": 8}, "batch_size": 4}
+
+
+def score_cli(*extra: str, config: dict | None = None, name: str = "score.yaml") -> Callable[[Project], int]:
+    def act(p: Project) -> int:
+        path = write_config(name, config or SCORE_CONFIG)(p)
+        return main(["score", path, *[e.format(root=p.root) for e in extra], "--quiet"])
+
+    return act
+
+
+def config_intact(name: str, content: dict) -> Callable[[Project, object], None]:
+    return lambda p, _: (yaml.safe_load((p.root / name).read_text()) == content) or pytest.fail("config changed")
+
+
+def _linked_report_folder(p: Project, *extra: str) -> int:
+    """A report folder whose compatibility.md links to a file outside it: the link is never written through."""
+    (p.root / "victim.txt").write_text("precious")
+    (p.root / "compat").mkdir()
+    (p.root / "compat" / "compatibility.md").symlink_to(p.root / "victim.txt")
+    p.outputs.update({"compat", "victim.txt"})
+    return score_cli("--pairwise", "--out", "{root}/compat", *extra)(p)
+
+
+def victim_intact(p: Project, _=None) -> None:
+    assert (p.root / "victim.txt").read_text() == "precious", "a report was written through a symbolic link"
+
+
+def _heads(p: Project, content: bytes | None = None) -> list[str]:
+    (p.root / "heads").mkdir(exist_ok=True)
+    paths = []
+    for i in range(2):
+        path = p.root / "heads" / f"h{i}.safetensors"
+        if content is None:
+            save_file({"weight": torch.randn(3, 32)}, str(path))
+        else:
+            path.write_bytes(content)
+        paths.append(f"./heads/h{i}.safetensors")
+    p.outputs.add("heads")
+    return paths
+
+
+def _select_config(p: Project, **select) -> dict:
+    return {"base": "./base", "models": ["./ft0", "./ft1"], "method": "task_arithmetic",
+            "data": {"path": "./images", "num_samples": 8}, "batch_size": 4,
+            "select": {"grid": {"lam": [0.5, 1.0]}, "num_samples": 8, **select}}
+
+
+def _merge_onto(name: str, make_config: Callable[[Project], dict]) -> Callable[[Project], int]:
+    def act(p: Project) -> int:
+        return main(["merge", write_config("sel.yaml", make_config(p))(p), str(p.root / name), "--overwrite",
+                     "--quiet"])
+
+    return act
+
+
+def _processor_config(p: Project) -> dict:
+    shutil.copytree(p.base, p.root / "proc")
+    p.outputs.add("proc")
+    return {"base": "./base", "models": ["./ft0", "./ft1"], "method": "average", "processor": "./proc"}
+
+
+def _shares_config(p: Project) -> dict:
+    shutil.copytree(p.images, p.root / "images2")
+    p.outputs.add("images2")
+    return _select_config(p, share="given", shares=["./images", "./images2"])
+
+
+def _into_the_current_folder(p: Project):
+    work = p.root / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("mine")
+    p.outputs.add("work")
+    os.chdir(work)
+    try:
+        return _save(p, ".", overwrite=True)
+    finally:
+        os.chdir(p.root)
+        assert (work / "notes.txt").read_text() == "mine" and sorted(os.listdir(work)) == ["notes.txt"]
+
+
+GUARDED_WRITERS = [
+    Case("score_json_onto_the_config", score_cli("--json", "{root}/score.yaml"), None, ("overlaps an input",),
+         check=config_intact("score.yaml", SCORE_CONFIG), exit_code=2),
+    Case("score_json_onto_the_base_weights", score_cli("--json", "{root}/base/model.safetensors"), None,
+         ("overlaps an input",), exit_code=2),
+    Case("score_json_into_a_device_file", score_cli("--json", "/dev/full"), None,
+         ("'/dev/full'", "not a regular file"), exit_code=2),
+    Case("score_json_over_an_existing_report_needs_overwrite", lambda p: (
+        p.outputs.add("old.json"), (p.root / "old.json").write_text("{}"),
+        score_cli("--json", "{root}/old.json")(p))[-1], None, ("already exists", "--overwrite"),
+         check=lambda p, _: (p.root / "old.json").read_text() == "{}" or pytest.fail("replaced"), exit_code=2),
+    Case("pairwise_out_is_the_data_folder", score_cli("--pairwise", "--out", "{root}/images"), None,
+         ("overlaps an input",), exit_code=2),
+    Case("pairwise_out_inside_a_finetune", score_cli("--pairwise", "--out", "{root}/ft0/compat"), None,
+         ("overlaps an input",), exit_code=2),
+    Case("pairwise_out_with_a_linked_file_is_refused", lambda p: _linked_report_folder(p), None,
+         ("already exists",), check=victim_intact, exit_code=2),
+    Case("pairwise_out_overwrite_replaces_the_link_not_its_target", lambda p: _linked_report_folder(
+        p, "--overwrite"), None, ("compatibility.md",), check=lambda p, _: (
+            victim_intact(p), (p.root / "compat" / "compatibility.md").is_symlink() and pytest.fail("link kept")),
+         exit_code=0),
+    Case("merge_overwrite_onto_the_processor_folder", _merge_onto("proc", _processor_config), None,
+         ("overlaps an input",), exit_code=2),
+    Case("merge_overwrite_onto_the_heads_folder", _merge_onto("heads", lambda p: _select_config(
+        p, heads=_heads(p))), None, ("overlaps an input",), exit_code=2),
+    Case("merge_overwrite_onto_a_shares_folder", _merge_onto("images2", _shares_config), None,
+         ("overlaps an input",), exit_code=2),
+    Case("save_into_the_current_folder", _into_the_current_folder, InvalidParameterError,
+         ("current working folder",)),
+]
+
+
+# ------------------------------------------------------------------------------------------- round 3: no NaN wins
+NON_FINITE = [
+    Case("nan_candidate_never_wins", lambda p: merge_args(
+        p, "task_arithmetic", select="unlabeled", grid={"lam": [1e8, 0.3]}, data=str(p.images), **IMAGES),
+         InvalidParameterError, ("select.grid", "'lam': 100000000.0", "not finite", "Nothing was chosen")),
+    Case("compatibility_weights_that_overflow", lambda p: hf_mloss.compatibility(
+        str(p.base), p.model_args[1], str(p.images), weights=[1e308, 1e308], progress=False, **IMAGES),
+         InvalidParameterError, ("weights", "infinity")),
+]
+
+
+# ------------------------------------------------------------------------------------- round 3: secrets echoed
+def _config_file(name: str, content: str | bytes) -> Callable[[Project], int]:
+    def act(p: Project) -> int:
+        path = write_config(name, "")(p)
+        Path(path).write_bytes(content if isinstance(content, bytes) else content.encode())
+        return main(["merge", path, str(p.root / "out"), "--quiet"])
+
+    return act
+
+
+SECRETS = [
+    Case("token_file_given_as_the_config", _config_file("token", SECRET + "\n"), None,
+         ("holds a str", "right file"), exit_code=2),
+    Case("dotenv_given_as_the_config", _config_file(".env", f"HF_TOKEN={SECRET}\nOTHER=1\n"), None,
+         ("holds a str",), exit_code=2),
+    Case("dotenv_with_export_and_quotes", _config_file("env.sh", f'export HF_TOKEN="{SECRET}"\n'), None,
+         ("hf-mloss: error",), exit_code=2),
+    Case("yaml_error_on_the_token_line", _config_file("broken.yaml", f"models: [./ft0,\nHF_TOKEN: {SECRET}\n"),
+         None, ("not valid YAML", "line"), exit_code=2),
+    Case("token_as_a_yaml_key", _config_file("keyed.yaml", f"HF_TOKEN: {SECRET}\nbase: ./base\n"), None,
+         ("HF_TOKEN", "hf auth login"), exit_code=2),
+    Case("token_as_a_model_path", cli_config("path.yaml", {"base": "./base", "models": [f"./{SECRET}"]},
+                                             "{root}/out"), None, ("access token",), exit_code=2),
+    Case("token_in_a_model_path_from_python", lambda p: hf_mloss.merge(str(p.base), [f"./{SECRET}/x"],
+                                                                       progress=False),
+         CheckpointNotFoundError, ("hf_***",)),
+    Case("head_file_holding_a_token", lambda p: MergeConfig_from(p, _select_config(
+        p, heads=_heads(p, f"HF_TOKEN={SECRET}".encode()))), ConfigError,
+         ("select.heads[0]", "not a safetensors file")),
+]
+
+
+def MergeConfig_from(p: Project, content: dict):  # noqa: N802
+    return hf_mloss.MergeConfig.from_dict(content, base_dir=p.root)
+
+
+# ---------------------------------------------------------------------------------- round 3: mergekit's meaning
+def mergekit(**changes) -> Callable[[Project], object]:
+    def act(p: Project):
+        content = {"merge_method": "ties", "base_model": "./base", "parameters": {"normalize": True},
+                   "models": [{"model": "./ft0", "parameters": {"weight": 1.0, "density": 0.5}},
+                              {"model": "./ft1", "parameters": {"weight": 1.0, "density": 0.5}}]}
+        for key, value in changes.items():
+            if value is None:
+                content.pop(key, None)
+            else:
+                content[key] = value(content) if callable(value) else value
+        return MergeConfig_from(p, content)
+
+    return act
+
+
+def _params(i: int, **params) -> Callable[[dict], list]:
+    def edit(content: dict) -> list:
+        models = [dict(m) for m in content["models"]]
+        models[i] = {"model": models[i]["model"], "parameters": params}
+        return models
+
+    return edit
+
+
+MERGEKIT = [
+    Case("mergekit_density_omitted_on_one_model_is_1", mergekit(models=_params(1, weight=1.0)), ConfigError,
+         ("densities [0.5, 1.0] differ",)),
+    Case("mergekit_density_omitted_everywhere_keeps_all", mergekit(models=lambda c: [
+        {"model": m["model"], "parameters": {"weight": 1.0}} for m in c["models"]]), None,
+         check=lambda p, config: config.parameters["k"] == 1.0 or pytest.fail(str(config.parameters))),
+    Case("mergekit_weight_omitted_is_refused", mergekit(models=_params(0, density=0.5)), ConfigError,
+         ("models[0].parameters.weight is missing",)),
+    Case("mergekit_method_as_a_list", mergekit(merge_method=["ties"]), ConfigError,
+         ("merge_method must be one method name",)),
+    Case("mergekit_parameters_as_a_list", mergekit(parameters=["normalize"]), ConfigError,
+         ("parameters must be a mapping",)),
+    Case("mergekit_model_parameters_as_a_list", mergekit(models=lambda c: [
+        {"model": "./ft0", "parameters": [1.0]}, c["models"][1]]), ConfigError,
+         ("models[0].parameters must be a mapping",)),
+    Case("mergekit_normalize_with_zero_weights", mergekit(merge_method="task_arithmetic", models=lambda c: [
+        {"model": m["model"], "parameters": {"weight": 0.0}} for m in c["models"]]), ConfigError,
+         ("normalize", "sum of the models' weights")),
+    Case("mergekit_normalize_not_a_bool", mergekit(parameters={"normalize": "yes please"}), ConfigError,
+         ("normalize must be true or false",)),
+    Case("mergekit_tokenizer_source_union", mergekit(tokenizer_source="union"), ConfigError,
+         ("tokenizer_source", "vocabularies cannot be merged yet")),
+    Case("mergekit_tokenizer_section", mergekit(tokenizer={"source": "union", "tokens": {"<x>": {"source": "./ft0"}}}),
+         ConfigError, ("tokenizer", "vocabularies cannot be merged yet")),
+    Case("mergekit_tokenizer_source_base_is_accepted", mergekit(tokenizer_source="base"), None,
+         check=lambda p, config: config.parameters["k"] == 0.5 or pytest.fail(str(config.parameters))),
+]
+
+
+# ------------------------------------------------------------------------------------------ round 3: bounded knobs
+def with_env(name: str, value: str, action: Callable[[Project], object]) -> Callable[[Project], object]:
+    def act(p: Project):
+        old = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            return action(p)
+        finally:
+            os.environ.pop(name) if old is None else os.environ.__setitem__(name, old)
+
+    return act
+
+
+def _select_cli(*grid: str, method: str = "task_arithmetic") -> Callable[[Project], int]:
+    config = {**SCORE_CONFIG, "method": method}
+    return score_cli("--select", "unlabeled", *[item for g in grid for item in ("--grid", g)],
+                     "--select-samples", "4", config=config, name="sel.yaml")
+
+
+KNOBS = [
+    Case("grid_beyond_the_cap_is_refused_at_once", lambda p: hf_mloss.selection.SelectionOptions(
+        grid={"lam": [i / 1000 for i in range(1, 1001)], "k": [0.2, 0.5]}), InvalidParameterError,
+         ("2000 candidates", "limit is 1024")),
+    Case("threads_env_superscript", with_env("HF_MLOSS_THREADS", "²", lambda p: merge_args(p, "average")),
+         InvalidParameterError, ("HF_MLOSS_THREADS='²'", "ASCII digits")),
+    Case("threads_env_negative", with_env("HF_MLOSS_THREADS", "-4", lambda p: merge_args(p, "average")),
+         InvalidParameterError, ("HF_MLOSS_THREADS",)),
+    Case("threads_env_huge_is_clamped", with_env("HF_MLOSS_THREADS", "100000", lambda p: (
+        hf_mloss.parallel.run_threads("cpu"), merge_args(p, "average"))), None,
+         check=lambda p, out: out[0] <= (os.cpu_count() or 1) or pytest.fail(f"{out[0]} threads")),
+    Case("cli_grid_values_read_as_yaml_floats", _select_cli("lam=1e-1,1"), None, ("lam=0.1 ", "lam=1 "),
+         exit_code=0),
+    Case("cli_grid_as_a_flow_list", _select_cli("k=[0.2,0.5]", "lam=1", method="ties"), None,
+         ("k=0.2, lam=1", "k=0.5, lam=1"), exit_code=0),
+    Case("cli_grid_broken_list", _select_cli("k=[0.2,", method="ties"), None, ("--grid k", "not valid YAML"),
+         exit_code=2),
+    Case("cli_grid_nested_list", _select_cli("k=[[0.2]]", method="ties"), None, ("--grid k", "one number"),
+         exit_code=2),
+]
+
+
+# ------------------------------------------------------------------------------ round 3: library errors wrapped
+def _integer_image_column(p: Project):
+    import datasets
+
+    return merge_args(p, "m_ties", data=datasets.Dataset.from_dict({"image": [1, 2, 3, 4], "label": [0, 1, 0, 1]}),
+                      **IMAGES)
+
+
+def _integer_image_stream(p: Project):
+    import datasets
+
+    stream = datasets.Dataset.from_dict({"image": [1, 2, 3, 4]}).to_iterable_dataset()
+    return merge_args(p, "m_ties", data=stream, **IMAGES)
+
+
+WRAPPED = [
+    Case("integer_image_column", _integer_image_column, DataError, ("'image'", "int64", "image_column=")),
+    Case("integer_image_column_streamed", _integer_image_stream, DataError, ("'image'", "image_column=")),
+    Case("heads_file_not_safetensors", lambda p: merge_args(
+        p, "task_arithmetic", data=str(p.images), select="unlabeled", grid={"lam": [0.5, 1.0]},
+        heads=_heads(p, b"\x00" * 64), **IMAGES), InvalidParameterError,
+         ("select.heads[0]", "h0.safetensors", "not a safetensors file")),
+]
+
+
 # ------------------------------------------------------------------------------------------ the table runner
-CASES = REMOTE_CODE + INPUTS + OUTSIDE + GARBAGE + UNBOUNDED + DOOR
+CASES = REMOTE_CODE + INPUTS + OUTSIDE + GARBAGE + UNBOUNDED + DOOR + GUARDED_WRITERS + NON_FINITE + SECRETS + \
+    MERGEKIT + KNOBS + WRAPPED
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -698,6 +983,120 @@ def test_sigterm_during_save_leaves_no_temporary_folder(project):
             assert (target / "hf_mloss_files.json").is_file()
 
 
+KILLED_MID_OVERWRITE = textwrap.dedent("""
+    import os, signal, sys
+    import hf_mloss, hf_mloss.saving as saving
+    base, ft, target, where = sys.argv[1:5]
+    result = hf_mloss.merge(base, [ft], "average", progress=False)
+    result.save_pretrained(target)
+    (open(os.path.join(target, "first.txt"), "w").write("first"))
+    real_rename, real_exchange = os.rename, getattr(saving, "_exchange", None)
+
+    def rename(src, dst):  # SIGKILL right after the old folder moved to its backup
+        real_rename(src, dst)
+        if "-old-" in os.path.basename(str(dst)):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def exchange(first, second):  # SIGKILL right after the atomic swap
+        done = real_exchange(first, second)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if where == "backup":
+        saving._exchange = lambda a, b: False  # a filesystem without RENAME_EXCHANGE
+        os.rename = rename
+    else:
+        saving._exchange = exchange
+    result.save_pretrained(target, overwrite=True)
+""")
+
+
+@pytest.mark.parametrize("where", ["backup", "exchange"])
+def test_kill_9_during_overwrite_keeps_the_previous_or_the_new_folder(project, where):
+    """SIGKILL between moving the old folder away and renaming the new one in: the next save (or check) in the
+    same parent restores the previous folder instead of deleting its backup as stale."""
+    target = project.root / "out"
+    proc = subprocess.run([sys.executable, "-c", KILLED_MID_OVERWRITE, str(project.base), str(project.models[0]),
+                           str(target), where], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    hf_mloss.saving.check_output_dir(project.root / "other")  # any later save or check in the same parent
+    assert (target / "hf_mloss_files.json").is_file(), sorted(os.listdir(project.root))
+    if where == "backup":
+        assert (target / "first.txt").read_text() == "first"  # the previous merge is back, whole
+    merge_args(project, "average").save_pretrained(project.root / "later")
+    assert (target / "hf_mloss_files.json").is_file()
+    assert [n for n in os.listdir(project.root) if n.startswith(".hf_mloss-tmp")] == []
+
+
+def test_read_only_hub_cache_is_named_with_the_fix(project, monkeypatch):
+    import errno
+
+    import huggingface_hub
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", "/shared/hf/hub/models--org--model")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", read_only)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", read_only)
+    with pytest.raises(CheckpointNotFoundError) as info:
+        hf_mloss.merge("org/model", ["org/other"], "average", progress=False)
+    message = str(info.value)
+    assert "not writable" in message and "HF_HOME" in message and "cache_dir=" in message, message
+    with pytest.raises(CheckpointNotFoundError, match="HF_HOME"):
+        hf_mloss.MergeConfig.from_pretrained("org/recipe")
+
+
+@pytest.mark.parametrize("where, value", [("base", "{base}"), ("models", "../../../../etc"),
+                                           ("data", {"path": "/"}), ("processor", "~/proc")])
+def test_recipe_from_the_hub_names_only_hub_inputs(project, fake_hub, where, value):
+    recipe = {"base": "org/base", "models": ["org/ft-a", "org/ft-b"], "method": "average"}
+    value = value.format(base=project.base) if isinstance(value, str) else value
+    recipe[where] = [value, "org/ft-b"] if where == "models" else value
+    fake_hub.add_repo("stranger/recipe", {"hf_mloss_config.yaml": yaml.safe_dump(recipe)})
+    before = tree(project.root)
+    with pytest.raises(ConfigError) as info:
+        hf_mloss.MergeConfig.from_pretrained("stranger/recipe")
+    message = str(info.value)
+    key = "models[0]" if where == "models" else where
+    assert f"at {key} " in message and "allow_local_paths=True" in message, message
+    assert tree(project.root) == before
+
+
+def test_recipe_from_the_hub_with_local_paths_when_allowed(project, fake_hub):
+    recipe = {"base": str(project.base), "models": [str(m) for m in project.models], "method": "average"}
+    fake_hub.add_repo("me/recipe", {"hf_mloss_config.yaml": yaml.safe_dump(recipe)})
+    config = hf_mloss.MergeConfig.from_pretrained("me/recipe", allow_local_paths=True)
+    assert config.base.model == str(project.base)
+    hub_only = {"base": "org/base", "models": ["org/ft-a", "org/ft-b"], "method": "average"}
+    fake_hub.add_repo("org/recipe", {"hf_mloss_config.yaml": yaml.safe_dump(hub_only)})
+    assert hf_mloss.MergeConfig.from_pretrained("org/recipe").models[1].model == "org/ft-b"
+
+
+def test_redaction_covers_token_shapes():
+    from hf_mloss.errors import redact
+
+    for text in [SECRET, f"HF_TOKEN={SECRET}", "token: 0123456789abcdef", "Authorization: Bearer abc.def-ghi",
+                 "api_key='sk-0123456789abcdefghijklmn'"]:
+        out = redact(f"got {text} here")
+        assert "***" in out and "0123456789abcdef" not in out and SECRET not in out, out
+    for text in ["tokenizer_source: union", "./hf_mloss_out", ".hf_mloss-tmp-12-old-ab", "max_tokens: 77"]:
+        assert redact(text) == text
+
+
+def test_json_report_write_failure_names_the_file(project, monkeypatch, capsys):
+    import hf_mloss.saving as saving
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(saving.os, "fsync", full)
+    path = write_config("score.yaml", SCORE_CONFIG)(project)
+    assert main(["score", path, "--json", str(project.root / "r.json"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "r.json" in err and "No space left on device" in err and "nothing was written" in err, err
+    assert not (project.root / "r.json").exists()
+    assert [n for n in os.listdir(project.root) if n.startswith(".hf_mloss-tmp")] == []
+
+
 PROMPT_SCRIPT = textwrap.dedent("""
     import sys
     from hf_mloss.cli import main
@@ -720,3 +1119,5 @@ def test_answering_yes_to_a_prompt_never_runs_code(project):
 
 def test_case_count():
     assert len(CASES) + len(PUSH_SETUPS) + 10 >= 80
+    round_3 = GUARDED_WRITERS + NON_FINITE + SECRETS + MERGEKIT + KNOBS + WRAPPED
+    assert len(round_3) >= 40 and len({c.id for c in CASES}) == len(CASES)
