@@ -317,7 +317,8 @@ def _selection_parent() -> argparse.ArgumentParser:
                        help="Choose the method's parameters in --grid on the config's unlabeled data (merge: then "
                             "merge with them; score: print every candidate's criteria and write nothing).")
     group.add_argument("--grid", metavar="PARAM=V1,V2,...", action="append", default=None,
-                       help="Candidate values of one parameter (repeat: every combination is a candidate).")
+                       help="Candidate values of one parameter, read as in a config file (1e-1 is a number; "
+                            "PARAM=[V1,V2] works too). Repeat: every combination is a candidate (at most 1024).")
     group.add_argument("--criterion", choices=("mloss", "output", "entropy"), default=None,
                        help="What ranks the candidates (default output; entropy needs heads in the config).")
     group.add_argument("--select-samples", type=int, metavar="N", default=None,

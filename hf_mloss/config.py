@@ -363,7 +363,7 @@ class MergeConfig:
     @classmethod
     def _from_dict(cls, config: Any, root: Path | None) -> MergeConfig:
         if not isinstance(config, Mapping):  # the content is not echoed: a wrong file may hold a secret
-            raise ConfigError(f"A merge config must be a YAML mapping with keys such as 'base' and 'models'; this one "
+            raise ConfigError(f"A merge config must be a mapping with keys such as 'base' and 'models'; this one "
                               f"holds a {type(config).__name__} (is it the right file?).")
         _refuse_tokens(config, "")
         if "merge_method" in config:
@@ -483,8 +483,9 @@ class MergeConfig:
         return text
 
     def save_pretrained(self, save_directory: str | os.PathLike[str], *,
-                        location: str | os.PathLike[str] | None = None) -> Path:
-        """Write ``hf_mloss_config.yaml`` into ``save_directory`` (created if needed).
+                        location: str | os.PathLike[str] | None = None, overwrite: bool = False) -> Path:
+        """Write ``hf_mloss_config.yaml`` into ``save_directory`` (created if needed; an existing file is replaced
+        only with ``overwrite``).
 
         ``location``: where the folder will finally live, when it is written elsewhere first (local paths are
         written relative to it).
@@ -492,7 +493,7 @@ class MergeConfig:
         folder = Path(save_directory)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / MERGE_CONFIG_NAME
-        self.to_yaml(path, root=Path(os.path.abspath(location or folder)))
+        self.to_yaml(path, root=Path(os.path.abspath(location or folder)), overwrite=overwrite)
         return path
 
     # ----------------------------------------------------------------------------------------------- running

@@ -77,7 +77,7 @@ def check_output_dir(target: str | os.PathLike[str], *, overwrite: bool = False,
     if target.exists():
         if not target.is_dir():
             raise OutputExistsError(f"Output path {str(target)!r} is a file; choose a folder path.")
-        if Path(os.path.realpath(os.getcwd())).is_relative_to(os.path.realpath(absolute)):
+        if _cwd().is_relative_to(os.path.realpath(absolute)):
             raise InvalidParameterError(f"Output folder {str(target)!r} is the current working folder or holds it: "
                                         "replacing it would pull the folder from under this process. Write to a new "
                                         "subfolder (e.g. ./merged) instead.")
@@ -195,6 +195,13 @@ def _check_overlap(target: Path, protected: Iterable[str | os.PathLike[str]], wh
                 raise InvalidParameterError(
                     f"{what} {str(target)!r} overlaps an input ({str(path)!r}): writing or replacing it could "
                     f"delete or corrupt that input. Choose an output path outside the inputs.")
+
+
+def _cwd() -> Path:
+    try:
+        return Path(os.path.realpath(os.getcwd()))
+    except OSError:  # the working folder was deleted
+        return Path("/nonexistent-cwd")
 
 
 def _existing_ancestor(path: Path) -> Path:

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -736,8 +737,8 @@ SECRETS = [
          ("holds a str",), exit_code=2),
     Case("dotenv_with_export_and_quotes", _config_file("env.sh", f'export HF_TOKEN="{SECRET}"\n'), None,
          ("hf-mloss: error",), exit_code=2),
-    Case("yaml_error_on_the_token_line", _config_file("broken.yaml", f"models: [./ft0,\nHF_TOKEN: {SECRET}\n"),
-         None, ("not valid YAML", "line"), exit_code=2),
+    Case("yaml_error_on_the_token_line", _config_file("broken.yaml", f"base: ./base\nt: {SECRET}: x\n"),
+         None, ("not valid YAML", "line 2"), exit_code=2),
     Case("token_as_a_yaml_key", _config_file("keyed.yaml", f"HF_TOKEN: {SECRET}\nbase: ./base\n"), None,
          ("HF_TOKEN", "hf auth login"), exit_code=2),
     Case("token_as_a_model_path", cli_config("path.yaml", {"base": "./base", "models": [f"./{SECRET}"]},
@@ -1051,10 +1052,11 @@ def test_recipe_from_the_hub_names_only_hub_inputs(project, fake_hub, where, val
     recipe = {"base": "org/base", "models": ["org/ft-a", "org/ft-b"], "method": "average"}
     value = value.format(base=project.base) if isinstance(value, str) else value
     recipe[where] = [value, "org/ft-b"] if where == "models" else value
-    fake_hub.add_repo("stranger/recipe", {"hf_mloss_config.yaml": yaml.safe_dump(recipe)})
+    repo = f"stranger/recipe-{where}-{uuid.uuid4().hex[:8]}"  # the Hub cache outlives the fake Hub
+    fake_hub.add_repo(repo, {"hf_mloss_config.yaml": yaml.safe_dump(recipe)})
     before = tree(project.root)
     with pytest.raises(ConfigError) as info:
-        hf_mloss.MergeConfig.from_pretrained("stranger/recipe")
+        hf_mloss.MergeConfig.from_pretrained(repo)
     message = str(info.value)
     key = "models[0]" if where == "models" else where
     assert f"at {key} " in message and "allow_local_paths=True" in message, message
@@ -1063,12 +1065,13 @@ def test_recipe_from_the_hub_names_only_hub_inputs(project, fake_hub, where, val
 
 def test_recipe_from_the_hub_with_local_paths_when_allowed(project, fake_hub):
     recipe = {"base": str(project.base), "models": [str(m) for m in project.models], "method": "average"}
-    fake_hub.add_repo("me/recipe", {"hf_mloss_config.yaml": yaml.safe_dump(recipe)})
-    config = hf_mloss.MergeConfig.from_pretrained("me/recipe", allow_local_paths=True)
+    mine, theirs = (f"{owner}/recipe-{uuid.uuid4().hex[:8]}" for owner in ("me", "org"))
+    fake_hub.add_repo(mine, {"hf_mloss_config.yaml": yaml.safe_dump(recipe)})
+    config = hf_mloss.MergeConfig.from_pretrained(mine, allow_local_paths=True)
     assert config.base.model == str(project.base)
     hub_only = {"base": "org/base", "models": ["org/ft-a", "org/ft-b"], "method": "average"}
-    fake_hub.add_repo("org/recipe", {"hf_mloss_config.yaml": yaml.safe_dump(hub_only)})
-    assert hf_mloss.MergeConfig.from_pretrained("org/recipe").models[1].model == "org/ft-b"
+    fake_hub.add_repo(theirs, {"hf_mloss_config.yaml": yaml.safe_dump(hub_only)})
+    assert hf_mloss.MergeConfig.from_pretrained(theirs).models[1].model == "org/ft-b"
 
 
 def test_redaction_covers_token_shapes():
