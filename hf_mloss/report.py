@@ -164,7 +164,9 @@ class MLossReport:
             True
             ```
         """
-        from safetensors.torch import save_file
+        from safetensors.torch import save
+
+        from .saving import write_file
 
         folder = Path(folder)
         self.to_json(folder / MLOSS_SUMMARY_NAME, overwrite=overwrite)
@@ -172,8 +174,8 @@ class MLossReport:
         tensors.update({f"node_normalized/{k}": v.float().contiguous() for k, v in self.node_normalized.items()})
         tensors.update({f"node_ratio/{k}": v.float().contiguous() for k, v in self.node_ratio.items()})
         tensors.update({f"keep_ratios/{k}": v.float().contiguous() for k, v in self.keep_ratios.items()})
-        save_file(tensors, str(folder / MLOSS_SCORES_NAME), metadata={"format": "pt", "prefix": self.prefix,
-                                                                      "reduction": self.reduction})
+        content = save(tensors, metadata={"format": "pt", "prefix": self.prefix, "reduction": self.reduction})
+        write_file(folder / MLOSS_SCORES_NAME, content, overwrite=overwrite, what="Report file")
 
     @classmethod
     def load(cls, folder: str | Path) -> MLossReport:

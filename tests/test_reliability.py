@@ -143,3 +143,66 @@ def test_ctrl_c_during_scoring_exits_cleanly(tmp_path, tiny_paths, image_folder,
     assert "interrupted" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["merge.yaml"]
+
+
+# ------------------------------------------------------------------------------------------------- output guard
+def test_write_file_is_atomic_refuses_links_and_replaces_only_with_overwrite(tmp_path):
+    from hf_mloss.errors import OutputExistsError
+    from hf_mloss.saving import write_file
+
+    target = tmp_path / "report.json"
+    assert write_file(target, "one") == target and target.read_text() == "one"
+    with pytest.raises(OutputExistsError, match="overwrite=True"):
+        write_file(target, "two")
+    assert target.read_text() == "one"
+    write_file(target, b"two", overwrite=True)
+    assert target.read_text() == "two"
+    (tmp_path / "victim").write_text("keep")
+    (tmp_path / "link.json").symlink_to(tmp_path / "victim")
+    for overwrite in (False, True):
+        with pytest.raises(hf_mloss.InvalidParameterError, match="symbolic link"):
+            write_file(tmp_path / "link.json", "x", overwrite=overwrite)
+    with pytest.raises(hf_mloss.InvalidParameterError, match="overlaps an input"):
+        write_file(tmp_path / "inputs" / "a.json", "x", protected=[tmp_path / "inputs"])
+    with pytest.raises(hf_mloss.InvalidParameterError, match="not a regular file"):
+        write_file("/dev/null", "x", overwrite=True)
+    assert (tmp_path / "victim").read_text() == "keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "report.json", "victim"]
+
+
+def test_a_backup_left_by_a_killed_save_is_restored_not_deleted(tmp_path):
+    from hf_mloss.saving import RECORD_SUFFIX, TMP_PREFIX, remove_stale_temporaries
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    backup = tmp_path / f"{TMP_PREFIX}{dead}-old-abc"
+    backup.mkdir()
+    (backup / "model.safetensors").write_text("previous")
+    (tmp_path / (backup.name + RECORD_SUFFIX)).write_text("merged")
+    remove_stale_temporaries(tmp_path)  # what the next save into this folder does first
+    assert (tmp_path / "merged" / "model.safetensors").read_text() == "previous"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]
+    backup.mkdir()  # the target is present: the backup is the stale one
+    (tmp_path / (backup.name + RECORD_SUFFIX)).write_text("merged")
+    remove_stale_temporaries(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]
+
+
+@pytest.mark.parametrize("value, expected", [("2", "ok"), (" 1 ", "ok"), ("100000", "clamped"), ("²", "error"),
+                                             ("0", "error"), ("-3", "error"), ("1.5", "error"), ("four", "error"),
+                                             ("", "unset")])
+def test_thread_env_parsed_strictly_and_clamped(monkeypatch, value, expected):
+    from hf_mloss.parallel import env_threads, machine_cores
+
+    monkeypatch.setenv("HF_MLOSS_THREADS", value)
+    if expected == "error":
+        with pytest.raises(hf_mloss.InvalidParameterError, match="HF_MLOSS_THREADS"):
+            env_threads()
+        return
+    got = env_threads()
+    if expected == "unset":
+        assert got is None
+    elif expected == "clamped":
+        assert got == machine_cores() <= (os.cpu_count() or 1)
+    else:
+        assert got == min(int(value), machine_cores())
