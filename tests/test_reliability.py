@@ -206,3 +206,33 @@ def test_thread_env_parsed_strictly_and_clamped(monkeypatch, value, expected):
         assert got == machine_cores() <= (os.cpu_count() or 1)
     else:
         assert got == min(int(value), machine_cores())
+
+
+def test_non_finite_compatibility_values_are_refused_naming_the_subset(tiny_paths, image_folder, monkeypatch):
+    import hf_mloss.compatibility as compat
+
+    real = compat.subset_mloss
+
+    def overflowing(*args, **kwargs):
+        scores = real(*args, **kwargs)
+        scores[scores["metrics"][0]][1] = float("nan")  # the second subset overflows
+        return scores
+
+    monkeypatch.setattr(compat, "subset_mloss", overflowing)
+    base, models = tiny_paths
+    with pytest.raises(hf_mloss.InvalidParameterError, match=r"not finite \(weights") as info:
+        compat.compatibility(base, models, str(image_folder), num_samples=4, batch_size=4, progress=False)
+    assert "of subset [" in str(info.value)
+
+
+def test_reports_with_nan_are_never_written(tmp_path):
+    from hf_mloss.report import MLossReport
+
+    report = MLossReport(node={"l": torch.ones(2)}, node_normalized={"l": torch.ones(2)}, layer={"l": float("nan")},
+                         layer_normalized={"l": 1.0}, prefix="own", reduction="abs", activation="gelu", eps=1e-4,
+                         num_samples=1, num_positions=1)
+    with pytest.raises(hf_mloss.InvalidParameterError, match="NaN or infinite"):
+        report.to_json(tmp_path / "r.json")
+    with pytest.raises(hf_mloss.InvalidParameterError, match="NaN or infinite"):
+        report.save(tmp_path)
+    assert list(tmp_path.iterdir()) == []
