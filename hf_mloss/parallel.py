@@ -186,7 +186,7 @@ def env_threads() -> int | None:
 def cpu_workers(device: torch.device | str, threads: int | None = None) -> Iterator[Workers]:
     """The :class:`Workers` of one run (the :func:`active` pool meanwhile) with :func:`run_threads` threads;
     torch's thread count is restored afterwards."""
-    threads = run_threads(device) if threads is None else max(1, min(int(threads), machine_cores()))
+    threads = run_threads(device) if threads is None else max(1, threads)
     previous = torch.get_num_threads()
     accelerator = torch.device(device).type != "cpu"
     workers = Workers(1 if accelerator else min(MAX_WORKERS, threads))

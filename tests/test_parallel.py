@@ -7,6 +7,7 @@ import torch
 
 import hf_mloss
 from hf_mloss import parallel
+from hf_mloss.errors import InvalidParameterError
 
 
 def _run(monkeypatch, threads: int, fn, *, pooled: bool = True):
@@ -85,5 +86,8 @@ def test_thread_count_override_and_restore(monkeypatch):
     with parallel.cpu_workers("cpu") as workers:
         assert workers.size == 1 and not workers.parallel and torch.get_num_threads() == 1
     assert torch.get_num_threads() == before
-    monkeypatch.setenv("HF_MLOSS_THREADS", "not a number")  # ignored: falls back to the idle cores
+    monkeypatch.setenv("HF_MLOSS_THREADS", "not a number")  # refused, not silently ignored
+    with pytest.raises(InvalidParameterError, match="HF_MLOSS_THREADS"):
+        parallel.run_threads("cpu")
+    monkeypatch.delenv("HF_MLOSS_THREADS")  # unset: the idle cores
     assert 1 <= parallel.run_threads("cpu") <= torch.get_num_threads()
