@@ -105,7 +105,8 @@ def score_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     parser.add_argument("--json", metavar="OUT", default=None, help="Also write the report as JSON to this file.")
     parser.add_argument("--per-row", action="store_true", help="Include the per-row (node) vectors in the JSON.")
     parser.add_argument("--overwrite", action="store_true",
-                        help="Replace the --json file or the --out folder if it exists (once the new one is complete).")
+                        help="Replace the --json file or the --out folder if it exists (once the new one is "
+                             "complete).")
     parser.add_argument("--device", default=None, help="Where to compute: cpu (default), cuda, cuda:1, mps...")
     pairwise = parser.add_argument_group("compatibility report (--pairwise)")
     pairwise.add_argument("--pairwise", action="store_true",
