@@ -1074,6 +1074,24 @@ def test_recipe_from_the_hub_with_local_paths_when_allowed(project, fake_hub):
     assert hf_mloss.MergeConfig.from_pretrained(theirs).models[1].model == "org/ft-b"
 
 
+def test_integer_image_column_of_a_hub_parquet_dataset_is_named(project, fake_hub, monkeypatch):
+    import io
+
+    import datasets
+    import datasets.config
+
+    monkeypatch.setattr(datasets.config, "SLEEP_TIME_ON_THREADS_SHUTDOWN", 0)
+    buffer = io.BytesIO()
+    datasets.Dataset.from_dict({"image": list(range(16)), "label": [i % 2 for i in range(16)]}).to_parquet(buffer)
+    repo = f"org/integers-{uuid.uuid4().hex[:8]}"
+    fake_hub.add_repo(repo, {"data/train-00000-of-00001.parquet": buffer.getvalue()}, repo_type="dataset")
+    before = tree(project.root)
+    with pytest.raises(DataError) as info:
+        merge_args(project, "m_ties", data=repo, **IMAGES)
+    assert "'image'" in str(info.value) and "image_column=" in str(info.value), str(info.value)
+    assert tree(project.root) == before
+
+
 def test_redaction_covers_token_shapes():
     from hf_mloss.errors import redact
 
