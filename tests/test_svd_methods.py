@@ -321,3 +321,22 @@ def test_unlabeled_selection_over_the_scale(tiny_paths, image_folder, method) ->
     direct = hf_mloss.merge(base, models, method, progress=False, **select.chosen)
     a, b = result.model.state_dict(), direct.model.state_dict()
     assert max(float((a[k] - b[k]).abs().max()) for k in a if a[k].is_floating_point()) < 1e-6
+
+
+def test_suite_rows_tune_the_scale_on_grids_of_the_common_size() -> None:
+    """The suites tune TSV-M, Iso-C and Iso-CTS on λ grids as large as every other method's, reaching far above
+    TIES's (per unit of the trained task vectors), and compare them with task arithmetic as well as TIES."""
+    from hf_mloss.suites.protocol import check_grids
+    from hf_mloss.suites.report import default_pairs
+    from hf_mloss.suites.run import method_specs
+
+    for grid, size in [("full", 6), ("main", 4), ("smoke", 2)]:
+        specs = {s.label: s for s in method_specs(range(10, 12), grid, num_tasks=8)}
+        assert check_grids(list(specs.values())) == size
+        assert {specs[m].method for m in SVD_METHODS} == set(SVD_METHODS)
+    main_grid = {s.label: s.grid["lam"] for s in method_specs(range(10, 12), "main") if s.grid}
+    assert main_grid["tsv_m"] == [0.7, 1.0, 1.5, 2.5] and main_grid["iso_c"] == main_grid["iso_cts"] == [1, 2, 4, 7]
+    wise = {s.label: s.grid["lam"] for s in method_specs(range(10, 12), "main", vector_scale=0.5) if s.grid}
+    assert wise["iso_c"] == [2, 4, 8, 14]
+    pairs = default_pairs(["task_arithmetic", "ties", *SVD_METHODS])
+    assert {(m, b) for m in SVD_METHODS for b in ("ties", "task_arithmetic")} <= set(pairs)
