@@ -268,12 +268,8 @@ REFERENCES = {"tsv_m": lambda t, p: ref_tsv(t), "iso_c": lambda t, p: ref_iso_c(
               "iso_cts": lambda t, p: ref_iso_cts(t, p.get("common_space_fraction", 0.8))}
 
 
-@pytest.mark.parametrize(("method", "params"), [("tsv_m", {"lam": 1.2}), ("iso_c", {"lam": 3.0}),
-                                                ("iso_cts", {"lam": 2.0}),
-                                                ("iso_cts", {"lam": 2.0, "common_space_fraction": 0.5})])
-def test_whole_clip_merge_matches_a_numpy_reference(tiny_models, method, params) -> None:
-    base_dir, model_dirs = tiny_models
-    result = hf_mloss.merge(str(base_dir), [str(m) for m in model_dirs], method, progress=False, **params)
+def check_against_reference(result, base_dir, model_dirs, method: str, params: dict) -> int:
+    """Every float tensor of ``result`` against the numpy reference; returns how many were merged as matrices."""
     base = load_file(str(Path(base_dir) / "model.safetensors"))
     fts = [load_file(str(Path(m) / "model.safetensors")) for m in model_dirs]
     merged = result.model.state_dict()
@@ -281,13 +277,57 @@ def test_whole_clip_merge_matches_a_numpy_reference(tiny_models, method, params)
     for name, theta0 in base.items():
         if not theta0.is_floating_point():
             continue
+        if name.startswith(("text_model.", "text_projection", "visual_projection", "logit_scale")):  # from the base
+            assert torch.equal(merged[name], theta0), name
+            continue
         taus = np.stack([(ft[name] - theta0).double().numpy() for ft in fts])
         tau = REFERENCES[method](taus, params) if taus.ndim == 3 else taus.mean(0)
         matrices += taus.ndim == 3
         expected = theta0.double().numpy() + params["lam"] * tau
-        diff = np.abs(merged[name.removeprefix("vision_model.")].double().numpy() - expected).max()
-        assert diff < 1e-5, (name, diff)
-    assert matrices >= 13  # 6 per block × 2 blocks + the position embedding; patch embedding (4-D) takes the mean
+        ours = merged[name] if name in merged else merged[name.removeprefix("vision_model.")]
+        diff = np.abs(ours.double().numpy() - expected).max()
+        assert diff < 1e-5 * max(1.0, np.abs(expected).max()), (name, diff)
+    return matrices
+
+
+@pytest.mark.parametrize(("method", "params"), [("tsv_m", {"lam": 1.2}), ("iso_c", {"lam": 3.0}),
+                                                ("iso_cts", {"lam": 2.0}),
+                                                ("iso_cts", {"lam": 2.0, "common_space_fraction": 0.5})])
+def test_whole_clip_merge_matches_a_numpy_reference(tiny_models, method, params) -> None:
+    base_dir, model_dirs = tiny_models
+    result = hf_mloss.merge(str(base_dir), [str(m) for m in model_dirs], method, progress=False, **params)
+    # 6 per block × 2 blocks + the position embedding; the patch embedding (4-D) takes the mean
+    assert check_against_reference(result, base_dir, model_dirs, method, params) == 13
+
+
+@pytest.fixture(scope="module")
+def whole_clip(tmp_path_factory):
+    """A full CLIPModel (text tower, projections, logit scale) and two fine-tunes of all of it."""
+    from transformers import CLIPModel
+
+    from hf_mloss.testing import make_base, save_clip_model
+
+    root = tmp_path_factory.mktemp("whole_clip")
+    base_dir = save_clip_model(make_base(0), root / "base")
+    model_dirs = []
+    for i in range(2):
+        model = CLIPModel.from_pretrained(base_dir)
+        g = torch.Generator().manual_seed(50 + i)
+        model.load_state_dict({k: v + 1e-2 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+                               for k, v in model.state_dict().items()})
+        model.save_pretrained(root / f"ft{i}")
+        model_dirs.append(root / f"ft{i}")
+    return base_dir, model_dirs
+
+
+@pytest.mark.parametrize("method", SVD_METHODS)
+def test_full_clip_model_merges_its_vision_tower(whole_clip, method) -> None:
+    """A full CLIPModel gives a CLIPModel: the vision tower merged (as the reference), the rest kept from the base."""
+    base_dir, model_dirs = whole_clip
+    params = {"lam": 1.5}
+    result = hf_mloss.merge(str(base_dir), [str(m) for m in model_dirs], method, progress=False, **params)
+    assert type(result.model).__name__ == "CLIPModel"
+    assert check_against_reference(result, base_dir, model_dirs, method, params) == 13
 
 
 # --------------------------------------------------------------------------------- configs, CLI, selection
