@@ -380,3 +380,26 @@ def test_suite_rows_tune_the_scale_on_grids_of_the_common_size() -> None:
     assert wise["iso_c"] == [2, 4, 8, 14]
     pairs = default_pairs(["task_arithmetic", "ties", *SVD_METHODS])
     assert {(m, b) for m in SVD_METHODS for b in ("ties", "task_arithmetic")} <= set(pairs)
+
+
+def test_an_svd_that_fails_to_converge_in_float32_is_repeated_in_float64(monkeypatch) -> None:
+    """LAPACK's float32 solver can fail on clustered singular values; the merge then repeats that SVD in float64."""
+    from hf_mloss.methods import svd_ops
+
+    g = torch.Generator().manual_seed(12)
+    taus = torch.randn(3, 12, 10, generator=g)
+    expected = iso_cts_matrix(taus, 0.5), tsv_merge_matrix(taus, None)
+    real_svd, calls = torch.linalg.svd, []
+
+    def flaky_svd(matrix, full_matrices=True):
+        calls.append(matrix.dtype)
+        if matrix.dtype == torch.float32:
+            raise torch.linalg.LinAlgError("linalg.svd: The algorithm failed to converge")
+        return real_svd(matrix, full_matrices=full_matrices)
+
+    monkeypatch.setattr(svd_ops.torch.linalg, "svd", flaky_svd)
+    again = iso_cts_matrix(taus, 0.5), tsv_merge_matrix(taus, None)
+    assert calls.count(torch.float64) == calls.count(torch.float32) > 0
+    for a, b in zip(again, expected):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)

@@ -92,9 +92,9 @@ class IsoCts(_Isotropic):
 
 def iso_c_matrix(delta: torch.Tensor) -> torch.Tensor:
     """σ̄·U Vᵀ for ``delta = U Σ Vᵀ``, σ̄ the mean singular value."""
-    import torch
+    from .svd_ops import svd
 
-    u, s, vh = torch.linalg.svd(delta, full_matrices=False)
+    u, s, vh = svd(delta)
     return (u * s.mean()) @ vh
 
 
@@ -109,7 +109,7 @@ def iso_cts_matrix(taus: torch.Tensor, common_space_fraction: float) -> torch.Te
     """Iso-CTS merge of the ``[q, m, n]`` task matrices ``taus``."""
     import torch
 
-    from .svd_ops import nonzero_tasks, polar_factor
+    from .svd_ops import nonzero_tasks, polar_factor, svd
 
     active = nonzero_tasks(taus)
     if len(active) == 0:
@@ -117,12 +117,12 @@ def iso_cts_matrix(taus: torch.Tensor, common_space_fraction: float) -> torch.Te
     taus = taus[active] if len(active) < len(taus) else taus  # an unchanged task has no subspace of its own
     q, m, n = taus.shape
     common, per_task = subspace_sizes(min(m, n), q, common_space_fraction)
-    u, s, vh = torch.linalg.svd(taus.sum(0), full_matrices=False)
+    u, s, vh = svd(taus.sum(0))
     if per_task == 0:
         return (u * s.mean()) @ vh
     u_c = u[:, :common]
     specific = taus - u_c @ (u_c.T @ taus)  # each task off the common subspace (batched)
-    u_t, s_t, vh_t = torch.linalg.svd(specific, full_matrices=False)
+    u_t, s_t, vh_t = svd(specific)
     u_all = torch.cat([u_t[:, :, :per_task].transpose(0, 1).reshape(m, q * per_task), u_c], 1)
     vh_all = torch.cat([vh_t[:, :per_task, :].reshape(q * per_task, n), vh[:common]], 0)
     sigma = torch.cat([s_t[:, :per_task].reshape(-1), s[:common]]).mean()

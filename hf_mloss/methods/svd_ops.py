@@ -32,6 +32,22 @@ def mean_task_vector(taus: torch.Tensor) -> torch.Tensor:
     return taus.mean(0)
 
 
+def svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Thin SVD ``U, S, Vᴴ`` in the input's precision (batched over leading dimensions).
+
+    LAPACK's divide-and-conquer solver can fail to converge in float32 on matrices with many clustered singular
+    values (a task matrix projected off a 616-dimensional common subspace, rank <= 152 of 768, failed so on random
+    ViT-B/32-shaped task vectors); such a call is repeated in float64 and the factors rounded back.
+    """
+    try:
+        return torch.linalg.svd(matrix, full_matrices=False)
+    except torch.linalg.LinAlgError:
+        if matrix.dtype == torch.float64:
+            raise
+        u, s, vh = torch.linalg.svd(matrix.double(), full_matrices=False)
+        return u.to(matrix.dtype), s.to(matrix.dtype), vh.to(matrix.dtype)
+
+
 def polar_factor(matrix: torch.Tensor) -> torch.Tensor:
     """The orthogonal polar factor P·Qᵀ of ``matrix = P Σ Qᵀ`` (thin SVD; batched over leading dimensions).
 
@@ -39,7 +55,7 @@ def polar_factor(matrix: torch.Tensor) -> torch.Tensor:
     for a matrix of linearly independent unit columns it is their symmetric (Löwdin) orthogonalisation
     U·(UᵀU)^(-1/2): no column is favoured, unlike Gram-Schmidt.
     """
-    p, _, qh = torch.linalg.svd(matrix, full_matrices=False)
+    p, _, qh = svd(matrix)
     return p @ qh
 
 

@@ -79,7 +79,7 @@ def tsv_merge_matrix(taus: torch.Tensor, fraction: float | None) -> torch.Tensor
     """U⊥ Σ V⊥ᵀ of the ``[q, m, n]`` task matrices ``taus``; None when no component is kept (k = 0)."""
     import torch
 
-    from .svd_ops import nonzero_tasks, polar_factor
+    from .svd_ops import nonzero_tasks, polar_factor, svd
 
     active = nonzero_tasks(taus)
     if len(active) == 0:
@@ -89,7 +89,7 @@ def tsv_merge_matrix(taus: torch.Tensor, fraction: float | None) -> torch.Tensor
     k = int(min(m, n) * (fraction if fraction is not None else 1 / q))
     if k == 0:
         return None
-    u, s, vh = torch.linalg.svd(taus, full_matrices=False)  # one batched SVD: [q, m, r], [q, r], [q, r, n]
+    u, s, vh = svd(taus)  # one batched SVD: [q, m, r], [q, r], [q, r, n]
     u_cat = u[:, :, :k].transpose(0, 1).reshape(m, q * k)  # columns task by task
     s_cat = s[:, :k].reshape(q * k)
     vh_cat = vh[:, :k, :].reshape(q * k, n)
