@@ -7,7 +7,11 @@ over the q tasks of a layer where the algorithm allows it.
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def is_matrix(tensor: torch.Tensor) -> bool:
@@ -44,6 +48,7 @@ def svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     except torch.linalg.LinAlgError:
         if matrix.dtype == torch.float64:
             raise
+        logger.info("float32 SVD of a %s tensor did not converge; repeating it in float64", tuple(matrix.shape))
         u, s, vh = torch.linalg.svd(matrix.double(), full_matrices=False)
         return u.to(matrix.dtype), s.to(matrix.dtype), vh.to(matrix.dtype)
 
