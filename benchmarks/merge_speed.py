@@ -29,7 +29,7 @@ Examples::
     python benchmarks/merge_speed.py --methods forward,score,ties_tensor,m_ties --peers mergekit   # the targets
     python benchmarks/merge_speed.py --shape l14 --layers 1 --skip-peers --methods forward,score,m_ties
     python benchmarks/merge_speed.py --methods ties_tensor,task_arithmetic,tsv_m,iso_c,iso_cts --peers mergekit \
-        --repeats 1 --tag svd_cpu                                        # the SVD-based merges beside TIES
+        --repeats 1 --tag svd                                            # the SVD-based merges beside TIES
 
 Internal: ``python benchmarks/merge_speed.py --child SPEC.json`` runs one timed job (used by the parent).
 """
