@@ -15,6 +15,10 @@ Conventions (verified, see ``benchmarks/peers/README.md``):
   state-dict tensors (sorted keys), threshold rule, sign of the plain sum,
   disjoint mean (``merge_func="mean"``), ``base + scaling_factor * merged``;
   no per-model weights.
+* fusion-bench ``TaskSingularVectorMerging`` / ``ISO_C_Merge`` /
+  ``ISO_CTS_Merge`` (methods ``tsv_m``, ``iso_c``, ``iso_cts``): every 2-D
+  tensor through the SVD recipe, every other tensor the mean task vector, then
+  ``base + scaling_factor * merged`` (TSV-M's scalar ``alpha``).
 
 Usage::
 
