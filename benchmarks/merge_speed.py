@@ -13,7 +13,8 @@ What it does (every timed run is its own child process, so wall time, CPU time a
    * ``score`` / ``score_bf16`` / ``score_own``: ``hf_mloss.score`` with ``prefix="base"`` in fp32 / bf16, and
      ``prefix="own"`` (the reference for the compatibility report). The floor of the base-prefix scorer is (1 + q/3)·F.
    * hf_mloss merges (``ties_tensor``, ``ties_tensor_mk``, ``ties_global``, ``dare``, ``task_arithmetic``,
-     ``m_ties``, ``m_ties_bf16``), label-free selection (``select_m_ties``: M-TIES over a 3 × 3 (k, λ) grid) and the
+     ``m_ties``, ``m_ties_bf16``; the SVD-based ``tsv_m``, ``iso_c``, ``iso_cts`` only when named in ``--methods``),
+     label-free selection (``select_m_ties``: M-TIES over a 3 × 3 (k, λ) grid) and the
      pairwise compatibility report (``compatibility``). Each merge is ``hf_mloss.merge(...)`` then
      ``save_pretrained``.
    * peers, through ``benchmarks/peers/run_peer.py``: ``mergekit-yaml`` TIES on all q tasks, and fusion-bench TIES
@@ -27,6 +28,8 @@ Examples::
     python benchmarks/merge_speed.py --shape tiny --repeats 1         # ~1-minute smoke run (peers included)
     python benchmarks/merge_speed.py --methods forward,score,ties_tensor,m_ties --peers mergekit   # the targets
     python benchmarks/merge_speed.py --shape l14 --layers 1 --skip-peers --methods forward,score,m_ties
+    python benchmarks/merge_speed.py --methods ties_tensor,task_arithmetic,tsv_m,iso_c,iso_cts --peers mergekit \
+        --repeats 1 --tag svd                                            # the SVD-based merges beside TIES
 
 Internal: ``python benchmarks/merge_speed.py --child SPEC.json`` runs one timed job (used by the parent).
 """
@@ -87,7 +90,11 @@ HF_RUNS: dict[str, tuple[str, dict]] = {
     "m_ties": ("m_ties", dict(k=K, e=0.1, lam=1.0)),  # prefix="merged", 128 images
     "m_ties_bf16": ("m_ties", dict(k=K, e=0.1, lam=1.0, compute_dtype="bfloat16")),  # the same, bf16 scoring
     "select_m_ties": ("m_ties", dict(e=0.1, select="unlabeled", grid=SELECT_GRID)),  # label-free 3 x 3 selection
+    "tsv_m": ("tsv_m", dict(lam=1.0)),  # per matrix: q batched SVDs + 2 polar SVDs
+    "iso_c": ("iso_c", dict(lam=1.0)),  # per matrix: 1 SVD of the sum
+    "iso_cts": ("iso_cts", dict(lam=1.0)),  # per matrix: 1 SVD + q batched SVDs + 2 polar SVDs
 }
+SVD_RUNS = ("tsv_m", "iso_c", "iso_cts")
 SCORE_RUNS: dict[str, dict] = {
     "score": dict(prefix="base", compute_dtype="float32"),
     "score_bf16": dict(prefix="base", compute_dtype="bfloat16"),
@@ -95,7 +102,7 @@ SCORE_RUNS: dict[str, dict] = {
 }
 DATA_METHODS = ("m_ties", "m_dare")
 ALL_RUNS = ("forward", *SCORE_RUNS, *HF_RUNS, "compatibility")
-DEFAULT_RUNS = tuple(n for n in ALL_RUNS if n not in ("score_own", "compatibility", "select_m_ties"))
+DEFAULT_RUNS = tuple(n for n in ALL_RUNS if n not in ("score_own", "compatibility", "select_m_ties", *SVD_RUNS))
 PEERS = ("mergekit", "fusion_bench")
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni", "avx_vnni")
 

@@ -377,6 +377,8 @@ PARAMETER_VALUES = {
     "reduction": st.sampled_from(["abs", "sq"]),
     "activation": st.sampled_from([None, "gelu", "quick_gelu"]),
     "eps": st.sampled_from([1e-6, 1e-4, 0.5]),
+    "fraction": st.none() | st.sampled_from([0.1, 0.25]),
+    "common_space_fraction": st.sampled_from([0.5, 0.8, 1.0]),
 }
 
 

@@ -78,3 +78,39 @@ def test_mergekit_yaml_runs_unchanged(tiny_paths, tmp_path, method, kwargs):
     config = MergeConfig.from_yaml(run.out_dir / "peer_config.yml")
     assert config.method == {"linear": "average"}.get(method, method)
     assert _max_diff(config.run(progress=False), _peer_state(run)) < 1e-6
+
+
+@pytest.mark.parametrize(("method", "kwargs"), [("tsv_m", {}), ("iso_c", {}), ("iso_cts", {"common_space_fraction": 0.8})])
+def test_svd_merges_match_fusion_bench(tiny_paths, tmp_path, method, kwargs):
+    """TSV-M, Iso-C and Iso-CTS against fusion-bench's own algorithm classes: the SVDs' sign choices cancel in the
+    reconstructions, so the merges agree to float32 rounding."""
+    base, models = tiny_paths
+    run = _run("fusion_bench", method, tiny_paths, tmp_path, lam=1.3, **kwargs)
+    ours = hf_mloss.merge(base, models, method, lam=1.3, progress=False, **kwargs)
+    assert _max_diff(ours, _peer_state(run)) < 1e-5
+
+
+@pytest.mark.parametrize("method", ["tsv_m", "iso_cts"])
+def test_svd_merges_leave_out_a_task_that_left_a_matrix_unchanged(tiny_models, tmp_path, method):
+    """Where one fine-tune left a matrix as the base has it, fusion-bench orthogonalises the arbitrary singular vectors
+    of that zero task matrix with the others' (Iso-CTS also spends rank and σ̄ on them); hf_mloss leaves the task out
+    of that matrix. Every other tensor still agrees with fusion-bench."""
+    from transformers import CLIPVisionModel
+
+    from hf_mloss.testing import save_model
+
+    base_dir, model_dirs = tiny_models
+    name = "encoder.layers.0.mlp.fc1.weight"
+    model = CLIPVisionModel.from_pretrained(model_dirs[1])
+    state = model.state_dict()
+    key = next(k for k in state if k.endswith(name))
+    state[key] = CLIPVisionModel.from_pretrained(base_dir).state_dict()[key]
+    model.load_state_dict(state)
+    models = [str(model_dirs[0]), str(save_model(model, tmp_path / "ft1_frozen")), str(model_dirs[2])]
+    paths = (str(base_dir), models)
+    theirs = {k.removeprefix("vision_model."): v for k, v in _peer_state(_run("fusion_bench", method, paths, tmp_path,
+                                                                                   lam=1.0)).items()}
+    ours = hf_mloss.merge(*paths, method, progress=False).model.state_dict()
+    assert float((ours[name] - theirs[name]).abs().max()) > 1e-4
+    rest = {k: v for k, v in ours.items() if k != name and v.is_floating_point()}
+    assert max(float((v - theirs[k]).abs().max()) for k, v in rest.items()) < 1e-5

@@ -4,10 +4,15 @@ It must not import hf_mloss (that package is not installed there).  Usage::
 
     <fusion-bench venv>/bin/python _fusion_bench_child.py SPEC.json
 
-SPEC.json keys: ``method`` ("ties" | "task_arithmetic"), ``base_dir``,
-``model_dirs`` (list), ``out_dir``, ``scaling_factor``, ``threshold`` (TIES
-only, in fusion-bench's own form), ``merge_func`` (TIES only), ``seed`` and
-``model_class`` ("module:Class", default "transformers:CLIPVisionModel").
+SPEC.json keys: ``method`` ("ties" | "task_arithmetic" | "tsv_m" | "iso_c" |
+"iso_cts"), ``base_dir``, ``model_dirs`` (list), ``out_dir``,
+``scaling_factor`` (TSV-M: its ``alpha``), ``threshold`` (TIES only, in
+fusion-bench's own form), ``merge_func`` (TIES only),
+``common_space_fraction`` (Iso-CTS only), ``seed`` and ``model_class``
+("module:Class", default "transformers:CLIPVisionModel").
+
+TSV-M, Iso-C and Iso-CTS run fusion-bench's own algorithm classes on a
+``BaseModelPool`` of the loaded models, with a one-device CPU Lightning Fabric.
 
 The merged model's ``state_dict()`` is written with safetensors ``save_file``
 to ``out_dir/model.safetensors`` (plus ``config.json`` so it reloads with
@@ -57,9 +62,16 @@ def main(spec_path: str) -> None:
         )
     elif spec["method"] == "task_arithmetic":
         algo = TaskArithmeticAlgorithm(scaling_factor=float(spec["scaling_factor"]))
+    elif spec["method"] in ("tsv_m", "iso_c", "iso_cts"):
+        algo = _svd_algorithm(spec)
     else:
         raise SystemExit(f"unsupported fusion-bench method {spec['method']!r}")
-    merged = algo.run(pool)
+    if spec["method"] in ("tsv_m", "iso_c", "iso_cts"):
+        from fusion_bench.modelpool import BaseModelPool
+
+        merged = algo.run(BaseModelPool(pool))
+    else:
+        merged = algo.run(pool)
     t3 = time.perf_counter()
 
     out_dir = Path(spec["out_dir"])
@@ -79,6 +91,23 @@ def main(spec_path: str) -> None:
         "buffers_not_in_state_dict": sorted(name for name, _ in merged.named_buffers() if name not in state),
     }
     (out_dir / "fusion_bench_run.json").write_text(json.dumps(info, indent=2) + "\n")
+
+
+def _svd_algorithm(spec: dict):
+    """fusion-bench's TSV-M / Iso-C / Iso-CTS, on the CPU."""
+    import lightning as L
+    from fusion_bench.method import ISO_C_Merge, ISO_CTS_Merge, TaskSingularVectorMerging
+
+    scale = float(spec["scaling_factor"])
+    if spec["method"] == "tsv_m":
+        algo = TaskSingularVectorMerging(alpha=scale, exclude_keys=[])
+    elif spec["method"] == "iso_c":
+        algo = ISO_C_Merge(scaling_factor=scale, exclude_keys=[])
+    else:
+        algo = ISO_CTS_Merge(scaling_factor=scale, common_space_fraction=float(spec["common_space_fraction"]),
+                             exclude_keys=[])
+    algo.fabric = L.Fabric(accelerator="cpu", devices=1)
+    return algo
 
 
 if __name__ == "__main__":

@@ -15,6 +15,10 @@ Conventions (verified, see ``benchmarks/peers/README.md``):
   state-dict tensors (sorted keys), threshold rule, sign of the plain sum,
   disjoint mean (``merge_func="mean"``), ``base + scaling_factor * merged``;
   no per-model weights.
+* fusion-bench ``TaskSingularVectorMerging`` / ``ISO_C_Merge`` /
+  ``ISO_CTS_Merge`` (methods ``tsv_m``, ``iso_c``, ``iso_cts``): every 2-D
+  tensor through the SVD recipe, every other tensor the mean task vector, then
+  ``base + scaling_factor * merged`` (TSV-M's scalar ``alpha``).
 
 Usage::
 
@@ -59,7 +63,7 @@ __all__ = [
 ]
 
 MERGEKIT_METHODS = ("ties", "dare_ties", "dare_linear", "task_arithmetic", "linear")
-FUSION_BENCH_METHODS = ("ties", "task_arithmetic")
+FUSION_BENCH_METHODS = ("ties", "task_arithmetic", "tsv_m", "iso_c", "iso_cts")
 CHILD_SCRIPT = Path(__file__).resolve().with_name("_fusion_bench_child.py")
 DEFAULT_TIMEOUT = 1800.0
 
@@ -215,6 +219,7 @@ def run_peer_merge(
     weights: Sequence[float] | None = None,
     normalize: bool | None = None,
     merge_func: str = "mean",
+    common_space_fraction: float = 0.8,
     seed: int = 0,
     timeout: float = DEFAULT_TIMEOUT,
 ) -> PeerRun:
@@ -225,7 +230,8 @@ def run_peer_merge(
     (mergekit ``density``; fusion-bench ``threshold``), ``lam`` the final
     scale (mergekit ``lambda``; fusion-bench ``scaling_factor``).  ``weights``
     are mergekit per-model weights (fusion-bench has none: only all-ones is
-    accepted).  ``normalize`` is mergekit-only, ``merge_func`` fusion-bench-only.
+    accepted).  ``normalize`` is mergekit-only, ``merge_func`` fusion-bench-only
+    (TIES), ``common_space_fraction`` fusion-bench-only (``iso_cts``).
     Raises PeerUnavailable if the venv cannot be installed, PeerError on failure.
     """
     key = normalize_peer(peer)
@@ -253,7 +259,7 @@ def run_peer_merge(
         if method not in FUSION_BENCH_METHODS:
             raise ValueError(f"fusion-bench method must be one of {FUSION_BENCH_METHODS}")
         if weights is not None and any(float(w) != 1.0 for w in weights):
-            raise ValueError("fusion-bench TIES/task arithmetic take no per-model weights")
+            raise ValueError("fusion-bench's methods here take no per-model weights")
         spec = {
             "method": method,
             "base_dir": str(base_dir),
@@ -267,6 +273,8 @@ def run_peer_merge(
             if k is None:
                 raise ValueError("fusion-bench TIES needs a keep fraction k")
             spec["threshold"] = fusion_bench_threshold(k)
+        if method == "iso_cts":
+            spec["common_space_fraction"] = float(common_space_fraction)
         spec_path = out_dir / "peer_spec.json"
         spec_path.write_text(json.dumps(spec, indent=2) + "\n")
         cmd = [str(venv_bin(key)), str(CHILD_SCRIPT), str(spec_path)]

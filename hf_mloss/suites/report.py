@@ -21,6 +21,8 @@ from .stats import Difference, paired_bootstrap
 REFERENCE = ("pretrained heads", "fine-tuned (own task)", "ensemble (probabilities)", "ensemble (features)")
 ORDER = ("average", "task_arithmetic", "ties", "ensemble (probabilities)", "fine-tuned (own task)")
 """The CLIP merging literature's ordering (ViT-B/32, 8 tasks), lowest first."""
+SVD_MERGES = ("tsv_m", "iso_c", "iso_cts")
+"""Compared with task arithmetic too: their papers report them far above it (and TIES)."""
 
 
 def test_correct(results: Sequence[ReplicateResult], label: str) -> dict[tuple[int, str], np.ndarray]:
@@ -44,10 +46,12 @@ def comparisons(results: Sequence[ReplicateResult], pairs: Sequence[tuple[str, s
 
 
 def default_pairs(labels: Sequence[str]) -> list[tuple[str, str]]:
-    """Each method vs TIES, M-TIES vs each of its controls, and the adjacent pairs of the literature's ordering."""
+    """Each method vs TIES, M-TIES vs each of its controls, the SVD-based merges vs task arithmetic, and the adjacent
+    pairs of the literature's ordering."""
     methods = [m for m in labels if m not in REFERENCE]
     pairs = [(m, "ties") for m in methods if m != "ties" and "ties" in methods]
     pairs += [("m_ties", m) for m in methods if m.startswith("m_ties (")]
+    pairs += [(m, "task_arithmetic") for m in SVD_MERGES if {m, "task_arithmetic"} <= set(methods)]
     pairs += [(hi, lo) for lo, hi in itertools.pairwise(ORDER) if {lo, hi} <= set(labels)]
     return list(dict.fromkeys(pairs))
 

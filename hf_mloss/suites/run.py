@@ -40,7 +40,10 @@ def method_specs(trained: Sequence[int], grid: str = "full", vector_scale: float
     Task arithmetic's λ is written for 4 tasks and scaled by 4 / ``num_tasks`` (default 4: as written): it
     multiplies a sum of q task vectors, whose size grows with q (on the real suite's 8 tasks the unscaled grid's
     lowest λ, 0.3, won in both replicates, 2.5 and 4.3 val points below λ 0.25, the scaled grid's second value).
-    The TIES family's disjoint mean does not grow with q, so its grid is not scaled.
+    The TIES family's disjoint mean does not grow with q, so its grid is not scaled. The SVD-based merges (TSV-M,
+    Iso-C, Iso-CTS) reach far beyond TIES's λ: an offline probe (DINOv2-S, 6 fine-tunes of the upper 4 blocks) chose
+    λ ≈ 1.5 for TSV-M and ≈ 4 for Iso-C (val still rising from 1 to 4); their grids are not scaled with q either
+    (TSV-M's paper keeps λ = 1 on 8, 14 and 20 tasks).
     M-TIES scores the fc1 rows of the ``trained`` blocks only: the frozen blocks' task vectors are exactly zero, so
     their keep ratios change nothing and scoring them would only cost time (the merge is the same). Few-layer M-TIES
     scores the upper half of the trained blocks."""
@@ -49,10 +52,13 @@ def method_specs(trained: Sequence[int], grid: str = "full", vector_scale: float
     ta = [0.2, 0.3, 0.4, 0.5, 0.7, 1.0]
     ties = {"k": [0.2, 0.5], "lam": [1.0, 1.5, 2.0]}
     dare = {"p": [0.3, 0.7], "lam": [1.0, 1.5, 2.0]}
+    tsv, iso = [0.5, 0.75, 1.0, 1.5, 2.0, 3.0], [0.5, 1.0, 2.0, 3.0, 4.0, 6.0]
     if grid == "main":
         ta, ties, dare = [0.3, 0.5, 0.7, 1.0], {"k": [0.2], "lam": [0.7, 1.0, 1.5, 2.0]}, None
+        tsv, iso = [0.7, 1.0, 1.5, 2.5], [1.0, 2.0, 4.0, 7.0]
     elif grid == "smoke":
         ta, ties, dare = [0.5, 1.0], {"k": [0.5], "lam": [0.5, 1.0]}, None
+        tsv, iso = [1.0, 1.5], [1.0, 3.0]
 
     def per_unit(lams: list[float], scale: float = 1.0) -> list[float]:
         return [round(lam * scale / vector_scale, 2) for lam in lams]
@@ -70,6 +76,11 @@ def method_specs(trained: Sequence[int], grid: str = "full", vector_scale: float
         MethodSpec("m_ties", "m_ties", {"e": 0.1, "layers": trained}, dict(ties)),
         MethodSpec("m_ties (random ranks)", "m_ties", {"e": 0.1, "rank": "random", "layers": trained}, dict(ties)),
         MethodSpec("m_ties (e=0)", "m_ties", {"e": 0.0, "layers": trained}, dict(ties)),
+    ]
+    specs += [
+        MethodSpec("tsv_m", "tsv_m", grid={"lam": per_unit(tsv)}),
+        MethodSpec("iso_c", "iso_c", grid={"lam": per_unit(iso)}),
+        MethodSpec("iso_cts", "iso_cts", grid={"lam": per_unit(iso)}),
     ]
     if grid == "full":
         specs.append(MethodSpec(f"m_ties (layers {few[0]}-{few[-1]})", "m_ties", {"e": 0.1, "layers": few},

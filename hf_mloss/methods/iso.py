@@ -1,0 +1,133 @@
+"""Isotropic merging: Iso-C (the summed task matrix with a flat spectrum) and Iso-CTS (a common subspace plus
+task-specific subspaces, then a flat spectrum).
+
+Per layer matrix, with Δ = Σ_p α_p τ_p (α_p = 1 by default, the paper's task-arithmetic sum):
+
+* **Iso-C**: Δ = U Σ Vᵀ, every singular value replaced by their mean σ̄ = tr(Σ)/r: θ = θ₀ + λ·σ̄·U Vᵀ. Directions
+  the sum barely uses are raised to the common level, so that no task's directions are drowned by the dominant ones.
+* **Iso-CTS**: the top k = r − q·s singular vectors of Δ span the common subspace (k ≈ ``common_space_fraction``·r,
+  adjusted so the rest splits evenly: s = round((r − floor(r·f)) / q), as the authors' code); each task's matrix,
+  projected off that subspace (τ_p − U_k U_kᵀ τ_p), gives its top s singular vectors; the r kept left and right
+  vectors are orthogonalised (polar factors, as in TSV-M) and scaled isotropically by the mean of the r kept
+  singular values: θ = θ₀ + λ·σ̄·U⊥ V⊥ᵀ. With ``common_space_fraction=1`` it is Iso-C.
+
+Not a matrix (biases, norms, 4-D convolution kernels such as ViT's patch embedding): θ = θ₀ + λ·(1/q)·Σ_p α_p τ_p,
+the mean task vector, as the authors' code and fusion_bench. Every 2-D tensor, embedding tables included, is a
+matrix. The flat spectrum assumes a full-rank sum (true of full fine-tunes): for a rank-deficient Δ the directions
+outside its range, raised to σ̄ like the others, are whichever the SVD solver returns.
+
+λ (the paper's α) is chosen on held-out data in the paper; 1.0 is fusion_bench's default. σ̄ grows with the number
+and size of the task vectors, and the best λ can lie far above TIES's (≈ 4 for the sum of 6 DINOv2 fine-tunes in an
+offline probe), so grids should reach well beyond 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .._validation import param
+from . import register_merge_method
+from .base import MergeContext, MergeMethod, MethodParams
+
+if TYPE_CHECKING:
+    import torch
+
+REFERENCE = ("Marczak et al., No Task Left Behind: Isotropic Model Merging with Common and Task-Specific Subspaces, "
+             "arXiv 2502.04959, 2025")
+REFERENCE_URL = "https://arxiv.org/abs/2502.04959"
+
+
+@dataclass(frozen=True)
+class IsoCParams(MethodParams):
+    lam: float = param(1.0, "λ: θ = θ₀ + λ·τ_merged (the paper's α, tuned on held-out data there).")
+
+
+@dataclass(frozen=True)
+class IsoCtsParams(MethodParams):
+    lam: float = param(1.0, "λ: θ = θ₀ + λ·τ_merged (the paper's α, tuned on held-out data there).")
+    common_space_fraction: float = param(0.8, "Share of each matrix's rank given to the common subspace of the summed "
+                                         "task matrix (the paper's default 0.8); the rest is split among the tasks.",
+                                         low=0.0, high=1.0, low_open=True)
+
+
+class _Isotropic(MergeMethod):
+    reference = REFERENCE
+    reference_url = REFERENCE_URL
+    zero_delta_is_base = True
+    default_weight = "one"
+
+    def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
+        from .svd_ops import is_matrix, mean_task_vector, weighted_task_vectors
+
+        taus = weighted_task_vectors(base, sources, ctx.weights)
+        merged = self.merge_matrix(taus, ctx.params) if is_matrix(base) else mean_task_vector(taus)
+        return base + ctx.params.lam * merged
+
+    def merge_matrix(self, taus: torch.Tensor, params: MethodParams) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class IsoC(_Isotropic):
+    """Iso-C: the summed task matrix with its singular values replaced by their mean."""
+
+    name = "iso_c"
+    pretty_name = "Iso-C (isotropic merging in the common subspace)"
+    params_class = IsoCParams
+
+    def merge_matrix(self, taus, params) -> torch.Tensor:
+        return iso_c_matrix(taus.sum(0))
+
+
+class IsoCts(_Isotropic):
+    """Iso-CTS: common subspace of the sum plus task-specific subspaces, orthogonalised, flat spectrum."""
+
+    name = "iso_cts"
+    pretty_name = "Iso-CTS (isotropic merging in common and task-specific subspaces)"
+    params_class = IsoCtsParams
+
+    def merge_matrix(self, taus, params) -> torch.Tensor:
+        return iso_cts_matrix(taus, params.common_space_fraction)
+
+
+def iso_c_matrix(delta: torch.Tensor) -> torch.Tensor:
+    """σ̄·U Vᵀ for ``delta = U Σ Vᵀ``, σ̄ the mean singular value."""
+    from .svd_ops import svd
+
+    u, s, vh = svd(delta)
+    return (u * s.mean()) @ vh
+
+
+def subspace_sizes(rank: int, q: int, common_space_fraction: float) -> tuple[int, int]:
+    """(k common directions, s per task) with k + q·s = rank, as the authors' code splits a matrix's rank."""
+    common = int(rank * common_space_fraction)
+    per_task = min(round((rank - common) / q), rank // q)  # round() as theirs; capped so k >= 0 for tiny fractions
+    return rank - q * per_task, per_task
+
+
+def iso_cts_matrix(taus: torch.Tensor, common_space_fraction: float) -> torch.Tensor:
+    """Iso-CTS merge of the ``[q, m, n]`` task matrices ``taus``."""
+    import torch
+
+    from .svd_ops import nonzero_tasks, polar_factor, svd
+
+    active = nonzero_tasks(taus)
+    if len(active) == 0:
+        return torch.zeros_like(taus[0])
+    taus = taus[active] if len(active) < len(taus) else taus  # an unchanged task has no subspace of its own
+    q, m, n = taus.shape
+    common, per_task = subspace_sizes(min(m, n), q, common_space_fraction)
+    u, s, vh = svd(taus.sum(0))
+    if per_task == 0:
+        return (u * s.mean()) @ vh
+    u_c = u[:, :common]
+    specific = taus - u_c @ (u_c.T @ taus)  # each task off the common subspace (batched)
+    u_t, s_t, vh_t = svd(specific)
+    u_all = torch.cat([u_t[:, :, :per_task].transpose(0, 1).reshape(m, q * per_task), u_c], 1)
+    vh_all = torch.cat([vh_t[:, :per_task, :].reshape(q * per_task, n), vh[:common]], 0)
+    sigma = torch.cat([s_t[:, :per_task].reshape(-1), s[:common]]).mean()
+    return (polar_factor(u_all) * sigma) @ polar_factor(vh_all)
+
+
+register_merge_method(IsoC())
+register_merge_method(IsoCts())

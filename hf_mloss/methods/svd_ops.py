@@ -1,0 +1,69 @@
+"""Shared pieces of the SVD-based merges (TSV-M, Iso-C, Iso-CTS): which tensors are matrices, the weighted task
+matrices of one tensor, orthogonalisation by the polar factor, and the rule for everything that is not a matrix.
+
+Every SVD runs in float32 with ``torch.linalg`` on the tensors' own device (GPU solvers when they are there), batched
+over the q tasks of a layer where the algorithm allows it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def is_matrix(tensor: torch.Tensor) -> bool:
+    """A layer matrix for the SVD-based merges: any 2-D tensor (linear weights, embedding tables, projections).
+
+    Biases, norms (1-D) and convolution kernels (4-D, e.g. ViT's patch embedding) are not: they take the mean task
+    vector (:func:`mean_task_vector`), as the authors' code and fusion_bench do.
+    """
+    return tensor.dim() == 2
+
+
+def weighted_task_vectors(base: torch.Tensor, sources: list[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
+    """``[q, ...]`` stack of α_p·τ_p = α_p·(θ_p − θ₀), in one new buffer."""
+    taus = torch.stack(sources).sub_(base)
+    if not bool((weights == 1).all()):
+        taus.mul_(weights.to(taus).reshape(-1, *([1] * base.dim())))
+    return taus
+
+
+def mean_task_vector(taus: torch.Tensor) -> torch.Tensor:
+    """(1/q)·Σ_p α_p τ_p: what the non-matrix tensors get (the authors' code and fusion_bench average them)."""
+    return taus.mean(0)
+
+
+def svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Thin SVD ``U, S, Vᴴ`` in the input's precision (batched over leading dimensions).
+
+    LAPACK's divide-and-conquer solver can fail to converge in float32 on matrices with many clustered singular
+    values (a task matrix projected off a 616-dimensional common subspace, rank <= 152 of 768, failed so on random
+    ViT-B/32-shaped task vectors); such a call is repeated in float64 and the factors rounded back.
+    """
+    try:
+        return torch.linalg.svd(matrix, full_matrices=False)
+    except torch.linalg.LinAlgError:
+        if matrix.dtype == torch.float64:
+            raise
+        logger.info("float32 SVD of a %s tensor did not converge; repeating it in float64", tuple(matrix.shape))
+        u, s, vh = torch.linalg.svd(matrix.double(), full_matrices=False)
+        return u.to(matrix.dtype), s.to(matrix.dtype), vh.to(matrix.dtype)
+
+
+def polar_factor(matrix: torch.Tensor) -> torch.Tensor:
+    """The orthogonal polar factor P·Qᵀ of ``matrix = P Σ Qᵀ`` (thin SVD; batched over leading dimensions).
+
+    It is the matrix with orthonormal columns nearest to ``matrix`` in Frobenius norm (orthogonal Procrustes), and
+    for a matrix of linearly independent unit columns it is their symmetric (Löwdin) orthogonalisation
+    U·(UᵀU)^(-1/2): no column is favoured, unlike Gram-Schmidt.
+    """
+    p, _, qh = svd(matrix)
+    return p @ qh
+
+
+def nonzero_tasks(taus: torch.Tensor) -> torch.Tensor:
+    """Indices of the tasks whose matrix is not exactly zero (an untouched layer has no singular vectors to keep)."""
+    return torch.nonzero(taus.flatten(1).abs().amax(1) > 0).flatten()
