@@ -76,8 +76,13 @@ class RunInputs:
 
 @contextlib.contextmanager
 def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | None = None, needs_data: bool,
-                progress: bool = True) -> Iterator[RunInputs]:
-    """Prepare the inputs of ``config`` (see the module docstring); the checkpoints are closed on exit."""
+                progress: bool = True, whole_model: bool = False) -> Iterator[RunInputs]:
+    """Prepare the inputs of ``config`` (see the module docstring); the checkpoints are closed on exit.
+
+    ``whole_model``: when the base and every model are whole models holding the adapter's tower (full
+    ``CLIPModel`` repos), merge every tensor of them, not only the tower's (see
+    :func:`hf_mloss.adapters.whole_model_adapter`).
+    """
     from .adapters import adapter_for
 
     device = resolve_device(device)
@@ -90,6 +95,12 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
             raise IncompatibleCheckpointsError(
                 f"{ref.name!r} is a {model_config.model_type!r} model ({other.name} adapter) but the base is "
                 f"{resolved[0][2].model_type!r} ({adapter.name}); all models must share one architecture.")
+    check_family(config, adapter, resolved, needs_data=needs_data)
+    if whole_model and all(getattr(c, "model_type", None) in adapter.containers for _, _, c in resolved):
+        from .adapters import whole_model_adapter
+
+        adapter = whole_model_adapter(adapter)
+    check_vocabularies(resolved)
     stores: list[TensorStore] = []
     try:
         for ref, loaded, _ in resolved:
@@ -161,6 +172,83 @@ def check_model_type(ref: ModelRef) -> None:
             f"hf_mloss merges transformers models with an adapter: {list_adapters()}.")
 
 
+def check_family(config: MergeConfig, adapter: ModelAdapter, resolved, *, needs_data: bool) -> None:
+    """Refuse, before any tensor is read, what the family cannot do: scoring a family without M-Loss scoring,
+    ``output="tower"`` of a model without a tower, models of another ``model_type`` than the base's."""
+    from .errors import UnsupportedModelError
+
+    base_type = getattr(resolved[0][2], "model_type", None)
+    if needs_data and not getattr(adapter, "scorable", True):
+        from .adapters.generic import scoring_unavailable
+
+        method = config.merge_method()
+        what = (f"Method {config.method!r}" if method.needs_data else
+                "Label-free selection (select=...)" if getattr(config, "select", None) is not None else
+                "Scoring (score(), compatibility())")
+        raise UnsupportedModelError(scoring_unavailable(base_type, what))
+    if adapter.name != "generic":
+        return
+    if getattr(config, "output", "auto") == "tower":
+        raise InvalidParameterError(
+            f"output='tower' keeps one tower of a whole model (a CLIPModel's vision tower); a {base_type!r} model has "
+            "none. Use output='auto' (the base's class).")
+    for ref, _, model_config in resolved[1:]:
+        if model_config.model_type != base_type:
+            raise IncompatibleCheckpointsError(
+                f"{ref.name!r} is a {model_config.model_type!r} model but the base is a {base_type!r} model; all "
+                "models merged together must share one architecture.")
+
+
+_TOKENIZER_FILE = "tokenizer.json"
+
+
+def check_vocabularies(resolved) -> None:
+    """Refuse fine-tunes whose tokenizer has tokens the base's lacks, or ids the base's gives to other tokens (added
+    tokens): their embedding rows do not line up with the base's, even where the row counts happen to agree.
+
+    Compared where both folders hold a ``tokenizer.json`` (the fast-tokenizer file every current tokenizer saves).
+    """
+    base_ref = resolved[0][0]
+    base_vocab = _tokenizer_vocab(base_ref.path)
+    if base_vocab is None:
+        return
+    for ref, _, _ in resolved[1:]:
+        vocab = _tokenizer_vocab(ref.path)
+        if vocab is None or vocab == base_vocab:
+            continue
+        moved = sorted((token, i) for token, i in vocab.items() if base_vocab.get(token) != i)
+        if not moved:
+            continue  # the fine-tune's tokenizer lacks some of the base's tokens: the ids that exist still agree
+        examples = ", ".join(f"{token!r} (id {i})" for token, i in sorted(moved, key=lambda t: t[1])[:3])
+        raise IncompatibleCheckpointsError(
+            f"The tokenizer of {ref.name!r} has {len(moved)} token(s) that the base {base_ref.name!r} lacks or "
+            f"numbers differently (e.g. {examples}): added tokens. Their embedding rows have no counterpart in the "
+            "base, and hf_mloss never pads or re-aligns rows silently. Merge fine-tunes that kept the base's "
+            "tokenizer, or give the base the same tokens (tokenizer.add_tokens(...), "
+            "model.resize_token_embeddings(len(tokenizer)), save both) and merge onto that base.")
+
+
+def _tokenizer_vocab(path: str | None) -> dict[str, int] | None:
+    """token -> id of a folder's ``tokenizer.json`` (model vocabulary + added tokens), or None."""
+    import json
+
+    file = Path(path) / _TOKENIZER_FILE if path else None
+    if file is None or not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+        model_vocab = (data.get("model") or {}).get("vocab") or {}
+        if isinstance(model_vocab, list):  # Unigram: [[piece, score], ...]
+            vocab = {entry[0]: i for i, entry in enumerate(model_vocab)}
+        else:
+            vocab = {str(token): int(i) for token, i in model_vocab.items()}
+        for added in data.get("added_tokens") or []:
+            vocab[str(added["content"])] = int(added["id"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+        return None  # not a file this check understands: the tensor shapes are still checked
+    return vocab
+
+
 def float_names(store: TensorStore) -> list[str]:
     return [n for n in store.keys() if store.dtypes[n] is not None and store.dtypes[n].is_floating_point]
 
@@ -185,9 +273,28 @@ def check_compatible(base: TensorStore, other: TensorStore) -> None:
             "All models merged together must share one architecture.")
     for name in float_names(base):
         if base.shapes[name] != other.shapes[name]:
+            if _rows_differ(base.shapes[name], other.shapes[name]) and _is_vocabulary(name):
+                raise IncompatibleCheckpointsError(
+                    f"{name!r} has {base.shapes[name][0]} rows in the base {base.ref.name!r} but "
+                    f"{other.shapes[name][0]} in {other.ref.name!r}: the vocabularies differ (added tokens or another "
+                    "tokenizer). Rows of different vocabularies do not line up, and hf_mloss never pads them "
+                    "silently. Merge fine-tunes that share the base's vocabulary, or resize the base to the "
+                    "fine-tunes' tokenizer (model.resize_token_embeddings(len(tokenizer)), save it with that "
+                    "tokenizer) and merge onto that base.")
             raise IncompatibleCheckpointsError(
                 f"{name!r} has shape {base.shapes[name]} in {base.ref.name!r} but {other.shapes[name]} in "
                 f"{other.ref.name!r}. All models merged together must share one architecture.")
+
+
+def _rows_differ(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    return len(a) == len(b) and len(a) >= 1 and a[0] != b[0] and a[1:] == b[1:]
+
+
+def _is_vocabulary(name: str) -> bool:
+    """Whether a tensor is indexed by token id (input embeddings, LM head and its bias)."""
+    parts = name.split(".")
+    return any(p in ("embed_tokens", "word_embeddings", "wte", "lm_head", "embed_out", "token_embedding",
+                     "shared", "decoder") for p in parts) or "vocab" in name
 
 
 def check_config_matches_tensors(adapter: ModelAdapter, base: TensorStore) -> None:

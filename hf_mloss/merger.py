@@ -113,16 +113,19 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
     method = config.merge_method()
     params = config.method_params()
     needs_data = method.needs_data or config.select is not None
-    with open_inputs(config, device=device, token=token, needs_data=needs_data, progress=progress) as inputs, \
-            cpu_workers(inputs.device) as workers:
+    with open_inputs(config, device=device, token=token, needs_data=needs_data, progress=progress,
+                     whole_model=config.output == "auto") as inputs, cpu_workers(inputs.device) as workers:
         model = inputs.load_output_model(config.output, progress=progress)
         tower = inputs.adapter.tower(model)
         ctx = MergeContext(params=params, weights=inputs.alpha.to(inputs.device, torch.float32), seed=config.seed)
-        merger = TensorMerger(inputs, method, ctx, tower, workers)
+        merger = TensorMerger(inputs, method, ctx, model, workers)  # every merged tensor: a whole model's too
+        outside = outside_tower_names(inputs, merger.names)
         report = None
         if config.select is not None:
             from .selection import select_and_merge
 
+            refuse_changed_outside(inputs, outside, "Label-free selection (select=...)")
+            merger.names = [n for n in merger.names if n not in set(outside)]  # equal to the base's: kept as is
             config, report = select_and_merge(config.replace(select=config.select.recorded()), inputs, merger, tower,
                                               progress=progress, token=token)
             params = merger.ctx.params
@@ -133,20 +136,62 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
             merger.merge(merger.names, progress=progress, desc=f"Merging ({config.method})")
         model = finalize(model, merger, as_dtype(config.dtype) if config.dtype else stored_dtype(inputs))
         record = recorded_config(config, inputs)
+        description = method.describe(params)
+        if outside and method.needs_data and config.select is None:
+            description += " " + outside_rule_note(inputs, method, params, outside)
         return MergeResult(model=model, config=record, report=report, base=inputs.base.ref, models=inputs.refs,
-                           adapter=inputs.adapter, data_info=inputs.data_info,
-                           method_description=method.describe(params))
+                           adapter=inputs.adapter, data_info=inputs.data_info, method_description=description)
+
+
+def outside_tower_names(inputs: RunInputs, names: Sequence[str]) -> list[str]:
+    """The merged tensors outside the scored tower of a whole-model merge (a CLIPModel's text tower, projections,
+    ``logit_scale``); empty when the merge is one tower or a family without a tower."""
+    adapter = inputs.adapter
+    if not getattr(adapter, "whole_model", False):
+        return []
+    return [n for n in names if adapter.is_outside_tower(n)]
+
+
+def changed_names(inputs: RunInputs, names: Sequence[str]) -> list[str]:
+    """The ``names`` that some model holds with other values than the base."""
+    changed = []
+    for name in names:
+        base = inputs.base.get(name)
+        if any(not torch.equal(s.get(name).to(base.dtype), base) for s in inputs.sources):
+            changed.append(name)
+    return changed
+
+
+def refuse_changed_outside(inputs: RunInputs, outside: Sequence[str], what: str) -> None:
+    """Refuse a run that would keep the base's values of tensors the fine-tunes changed outside the scored tower."""
+    changed = changed_names(inputs, outside)
+    if changed:
+        raise InvalidParameterError(
+            f"{what} works on the vision tower, but the fine-tunes also changed {len(changed)} tensor(s) outside it "
+            f"(e.g. {changed[:3]}), which would silently keep the base's values. Pass output='tower' to merge and save "
+            "the vision tower only, or merge the whole model without select=.")
+
+
+def outside_rule_note(inputs: RunInputs, method: MergeMethod, params: Any, outside: Sequence[str]) -> str:
+    """The card's sentence on how a data-guided method merged the tensors its scoring data does not reach."""
+    rule = (f"DARE (keep probability p={params.p}, survivors x 1/p)" if method.name == "m_dare" else
+            f"TIES (per-tensor trim at k={params.k}, sign election, disjoint mean)")
+    changed = len(changed_names(inputs, outside))
+    return (f"M-Loss scored the vision tower on images. The {len(outside)} tensors outside it (text tower, "
+            f"projections, logit scale; {changed} changed by the fine-tunes) have no scoring data: they were merged "
+            f"by the method's data-free rule, {rule}, with lam={params.lam}.")
 
 
 class TensorMerger:
-    """Reads, checks and merges tensors into the model's tower."""
+    """Reads, checks and merges tensors into the model (its tower's, or every merged tensor of a whole model)."""
 
     def __init__(self, inputs: RunInputs, method: MergeMethod, ctx: MergeContext, tower: PreTrainedModel,
                  workers: Workers | None = None) -> None:
         self.inputs, self.method, self.ctx, self.device = inputs, method, ctx, inputs.device
         self.workers = workers or active_workers()
         adapter = inputs.adapter
-        self.targets = {adapter.canonical_key(k): v for k, v in tower.state_dict().items()}
+        self.targets = {name: v for k, v in tower.state_dict().items()
+                        if (name := adapter.canonical_key(k)) is not None}
         self.names = [n for n in inputs.names if n in self.targets]
         self.done: set[str] = set()
         self.checked: set[str] = set()  # merged tensors found finite (in float32) when they were written
