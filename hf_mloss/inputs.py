@@ -96,10 +96,13 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
                 f"{ref.name!r} is a {model_config.model_type!r} model ({other.name} adapter) but the base is "
                 f"{resolved[0][2].model_type!r} ({adapter.name}); all models must share one architecture.")
     check_family(config, adapter, resolved, needs_data=needs_data)
-    if whole_model and all(getattr(c, "model_type", None) in adapter.containers for _, _, c in resolved):
+    whole = [getattr(c, "model_type", None) in adapter.containers for _, _, c in resolved]
+    if whole_model and all(whole):
         from .adapters import whole_model_adapter
 
         adapter = whole_model_adapter(adapter)
+    elif whole_model and whole[0] and any(whole[1:]):
+        check_outside_unchanged(adapter, resolved, whole)
     check_vocabularies(resolved)
     stores: list[TensorStore] = []
     try:
@@ -197,6 +200,32 @@ def check_family(config: MergeConfig, adapter: ModelAdapter, resolved, *, needs_
             raise IncompatibleCheckpointsError(
                 f"{ref.name!r} is a {model_config.model_type!r} model but the base is a {base_type!r} model; all "
                 "models merged together must share one architecture.")
+
+
+def check_outside_unchanged(adapter: ModelAdapter, resolved, whole: list[bool]) -> None:
+    """A whole-model base merged with some tower-only models gives the tower merged into the base's whole model:
+    refuse it when a whole fine-tune changed tensors outside the tower, which that merge would silently drop."""
+    from .adapters import whole_model_adapter
+
+    outside_adapter = whole_model_adapter(adapter)
+    opened = [(ModuleStore(loaded, outside_adapter, ref) if loaded is not None else
+               CheckpointStore(ref, outside_adapter)) for (ref, loaded, _), is_whole in zip(resolved, whole) if is_whole]
+    try:
+        base, others = opened[0], opened[1:]
+        names = [n for n in float_names(base) if outside_adapter.is_outside_tower(n)]
+        for store in others:
+            changed = [n for n in names if n in store and (store.shapes[n] != base.shapes[n] or
+                                                           not torch.equal(store.get(n), base.get(n)))]
+            if changed:
+                towers = [ref.name for (ref, _, _), is_whole in zip(resolved, whole) if not is_whole]
+                raise IncompatibleCheckpointsError(
+                    f"{store.ref.name!r} changed {len(changed)} tensor(s) outside the {adapter.name} tower (e.g. "
+                    f"{changed[:3]}), but {towers[:3]} hold only that tower, so a whole-model merge would keep the "
+                    "base's values for them. Pass output='tower' to merge and save the tower only, or give every "
+                    "model as a whole model.")
+    finally:
+        for store in opened:
+            store.close()
 
 
 _TOKENIZER_FILE = "tokenizer.json"

@@ -24,17 +24,16 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
-    PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
 
 import hf_mloss
+from hf_mloss import testing
 from hf_mloss.methods.ops import tensor_seed
 
 VOCAB = 64
-DECODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=3)
+DECODER = testing.TINY_DECODER
 FAMILIES = {
     "llama": lambda tie: LlamaForCausalLM(LlamaConfig(**DECODER, tie_word_embeddings=tie)),
     "mistral": lambda tie: MistralForCausalLM(MistralConfig(**DECODER, tie_word_embeddings=tie)),
@@ -48,48 +47,20 @@ FAMILIES = {
 
 
 # ------------------------------------------------------------------------------------------------- fixtures
-def word_tokenizer(extra_tokens: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
-    """A word-level tokenizer built in-process (no Hub): 4 special tokens + 60 words = 64 ids."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3, **{f"w{i}": 4 + i for i in range(VOCAB - 4)}}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
-                                        eos_token="</s>", pad_token="<pad>")
-    if extra_tokens:
-        tokenizer.add_tokens(list(extra_tokens))
-    return tokenizer
+def word_tokenizer(extra_tokens: tuple[str, ...] = ()):
+    return testing.word_tokenizer(VOCAB, extra_tokens)
 
 
-def perturbed(model, seed: int, scale: float = 2e-2):
-    """A "fine-tune": every float tensor moved by a random task vector whose size varies per tensor."""
-    generator = torch.Generator().manual_seed(1000 + seed)
-    state = {}
-    for key, tensor in model.state_dict().items():
-        if tensor.is_floating_point():
-            spread = float(torch.empty(()).uniform_(0.3, 3.0, generator=generator))
-            tensor = tensor + scale * spread * torch.randn(tensor.shape, generator=generator)
-        state[key] = tensor
-    tuned = type(model)(model.config).eval()
-    tuned.load_state_dict(state)
-    if getattr(model.config, "tie_word_embeddings", False):
-        tuned.tie_weights()
-    return tuned
+def perturbed(model, seed: int):
+    return testing.perturbed(model, seed)
 
 
 def save_family(root: Path, family: str, *, q: int = 3, tie: bool = False, shard: str | None = None,
-                ft_tokenizer: PreTrainedTokenizerFast | None = None) -> tuple[Path, list[Path]]:
+                ft_tokenizer=None) -> tuple[Path, list[Path]]:
     torch.manual_seed(0)
     base = FAMILIES[family](tie).eval()
-    tokenizer = word_tokenizer()
-    folders = []
-    for i, model in enumerate([base, *[perturbed(base, i) for i in range(q)]]):
-        folder = root / ("base" if i == 0 else f"ft{i}")
-        model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
-        (ft_tokenizer if ft_tokenizer is not None and i > 0 else tokenizer).save_pretrained(folder)
-        folders.append(folder)
-    return folders[0], folders[1:]
+    return testing.save_with_finetunes(base, root, q, tokenizer=word_tokenizer(), ft_tokenizer=ft_tokenizer,
+                                       max_shard_size=shard)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -224,6 +195,9 @@ def test_decoder_saves_loads_and_generates(tmp_path):
     card = ModelCard.load(folder / "README.md")
     assert card.data.pipeline_tag == "text-generation" and card.data.base_model_relation == "merge"
     assert 'pipeline("text-generation"' in card.text
+    rerun = hf_mloss.MergeConfig.from_pretrained(folder).run(progress=False)  # the recipe saved beside it
+    for key, value in result.model.state_dict().items():
+        assert torch.equal(rerun.model.state_dict()[key], value), key
 
 
 def test_encoder_output_loads_with_automodel(tmp_path):
@@ -408,3 +382,30 @@ def test_selection_on_whole_clip_refuses_to_drop_a_changed_text_tower(clip_whole
     with pytest.raises(hf_mloss.InvalidParameterError, match="changed .* tensor\\(s\\) outside it.*output='tower'"):
         hf_mloss.merge(str(base), [str(m) for m in models], "ties", data=str(image_folder), select="unlabeled",
                        grid={"k": [0.2, 0.5]}, num_samples=4, progress=False)
+
+
+def test_whole_clip_with_a_tower_only_model_refuses_to_drop_text_changes(clip_whole, tmp_path):
+    from transformers import CLIPModel
+
+    base, models = clip_whole
+    tower_dir = tmp_path / "tower"
+    CLIPModel.from_pretrained(models[1]).vision_model.save_pretrained(tower_dir)  # a vision-tower-only fine-tune
+    with pytest.raises(hf_mloss.IncompatibleCheckpointsError, match="changed .* outside the clip_vision tower"):
+        hf_mloss.merge(str(base), [str(models[0]), str(tower_dir)], "average", progress=False)
+    tower = hf_mloss.merge(str(base), [str(models[0]), str(tower_dir)], "average", output="tower", progress=False)
+    assert type(tower.model).__name__ == "CLIPVisionModel"
+
+
+def test_loaded_models_merge_like_their_folders(tmp_path):
+    base, models = save_family(tmp_path / "in", "llama", tie=True)
+    loaded = AutoModelForCausalLM.from_pretrained(base)
+    from_memory = hf_mloss.merge(loaded, [str(m) for m in models], "ties", k=0.3, progress=False)
+    from_folders = hf_mloss.merge(str(base), [str(m) for m in models], "ties", k=0.3, progress=False)
+    for key, value in from_folders.model.state_dict().items():
+        assert torch.equal(from_memory.model.state_dict()[key], value), key
+
+
+def test_compatibility_of_a_family_without_scoring_is_refused(tmp_path, image_folder):
+    base, models = save_family(tmp_path / "in", "qwen2", q=2)
+    with pytest.raises(hf_mloss.UnsupportedModelError, match="'qwen2'.*data-free methods work"):
+        hf_mloss.compatibility(str(base), [str(m) for m in models], data=str(image_folder), progress=False)

@@ -2,9 +2,10 @@
 
 Each peer runs in its own venv (see ``setup_envs.py``) as a child process,
 offline (``HF_HUB_OFFLINE=1``); its wall time and peak RSS are measured with
-``os.wait4`` on that child.  Inputs are folders written by
-``save_pretrained`` (e.g. ``transformers.CLIPVisionModel``); the output folder
-gets ``model.safetensors`` + ``config.json``.
+``os.wait4`` on that child.  Inputs are any checkpoint folders written by
+``save_pretrained`` (``CLIPVisionModel``, ``LlamaForCausalLM``, ...); the
+output folder gets the safetensors weights (one file or shards, see
+``PeerRun.state_dict``) + ``config.json``.
 
 Conventions (verified, see ``benchmarks/peers/README.md``):
 
@@ -85,8 +86,23 @@ class PeerRun:
 
     @property
     def model_path(self) -> Path:
-        """The merged ``model.safetensors``."""
-        return self.out_dir / "model.safetensors"
+        """The merged ``model.safetensors`` (the first shard's name when the output is sharded)."""
+        files = self.weight_files
+        return files[0] if len(files) == 1 else self.out_dir / "model.safetensors"
+
+    @property
+    def weight_files(self) -> list[Path]:
+        """Every safetensors file of the output: ``model.safetensors``, or the shards of a large model."""
+        return sorted(self.out_dir.glob("*.safetensors"))
+
+    def state_dict(self) -> dict:
+        """Every merged tensor, read from all the output's safetensors files (any model family, sharded or not)."""
+        from safetensors.torch import load_file
+
+        state: dict = {}
+        for file in self.weight_files:
+            state.update(load_file(str(file)))
+        return state
 
     def __fspath__(self) -> str:
         return str(self.out_dir)
@@ -276,13 +292,14 @@ def run_peer_merge(
     if python is None:
         raise PeerUnavailable(f"{key} venv is not available (see the message above)")
     env = _child_env(python)
-    (out_dir / "model.safetensors").unlink(missing_ok=True)  # never report a stale output
+    for stale in out_dir.glob("*.safetensors"):  # never report a stale output (single file or shards)
+        stale.unlink()
     rc, wall, rss = _run_child(cmd, env, log_path, timeout)
     if rc != 0:
         raise PeerError(f"{key} {method} exited with {rc}; log tail:\n{_log_tail(log_path)}")
     run = PeerRun(key, method, out_dir, round(wall, 3), round(rss, 1), log_path)
-    if not run.model_path.is_file():
-        raise PeerError(f"{key} wrote no {run.model_path}; log tail:\n{_log_tail(log_path)}")
+    if not run.weight_files:
+        raise PeerError(f"{key} wrote no safetensors file in {out_dir}; log tail:\n{_log_tail(log_path)}")
     return run
 
 
