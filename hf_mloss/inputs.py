@@ -136,7 +136,11 @@ def _resolve(spec: ModelSpec, token):
         from .config import is_repo_id, looks_local
 
         repo_id = name if name and not looks_local(name) and is_repo_id(name) else None
-        return ModelRef(path=name, repo_id=repo_id), model, model.config
+        model_config = model.config
+        if not getattr(model_config, "architectures", None):  # built in memory: its class names the architecture
+            model_config = copy.deepcopy(model_config)
+            model_config.architectures = [type(model).__name__]
+        return ModelRef(path=name, repo_id=repo_id), model, model_config
     ref = resolve_model(spec.model, revision=spec.revision, token=token)
     check_model_type(ref)
     try:
@@ -208,8 +212,8 @@ def check_outside_unchanged(adapter: ModelAdapter, resolved, whole: list[bool]) 
     from .adapters import whole_model_adapter
 
     outside_adapter = whole_model_adapter(adapter)
-    opened = [(ModuleStore(loaded, outside_adapter, ref) if loaded is not None else
-               CheckpointStore(ref, outside_adapter)) for (ref, loaded, _), is_whole in zip(resolved, whole) if is_whole]
+    opened = [ModuleStore(loaded, outside_adapter, ref) if loaded is not None else
+              CheckpointStore(ref, outside_adapter) for (ref, loaded, _), is_whole in zip(resolved, whole) if is_whole]
     try:
         base, others = opened[0], opened[1:]
         names = [n for n in float_names(base) if outside_adapter.is_outside_tower(n)]

@@ -168,8 +168,8 @@ def refuse_changed_outside(inputs: RunInputs, outside: Sequence[str], what: str)
     if changed:
         raise InvalidParameterError(
             f"{what} works on the vision tower, but the fine-tunes also changed {len(changed)} tensor(s) outside it "
-            f"(e.g. {changed[:3]}), which would silently keep the base's values. Pass output='tower' to merge and save "
-            "the vision tower only, or merge the whole model without select=.")
+            f"(e.g. {changed[:3]}), which would silently keep the base's values. Pass output='tower' to merge and "
+            "save the vision tower only, or merge the whole model without select=.")
 
 
 def outside_rule_note(inputs: RunInputs, method: MergeMethod, params: Any, outside: Sequence[str]) -> str:

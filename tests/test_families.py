@@ -252,7 +252,7 @@ def test_vocabulary_mismatch_is_refused_before_any_work(tmp_path):
     with pytest.raises(hf_mloss.IncompatibleCheckpointsError, match="lacks or numbers differently.*added tokens"):
         hf_mloss.merge(str(base), [str(models[0]), str(tmp_path / "bigger")], "average", progress=False)
     (tmp_path / "bigger" / "tokenizer.json").unlink()  # no tokenizer to compare: the rows still do not line up
-    with pytest.raises(hf_mloss.IncompatibleCheckpointsError, match=r"64 rows .* 66 .*vocabularies differ.*never pads"):
+    with pytest.raises(hf_mloss.IncompatibleCheckpointsError, match=r"64 rows .* 66 .*vocabularies differ.*never pad"):
         hf_mloss.merge(str(base), [str(models[0]), str(tmp_path / "bigger")], "average", progress=False)
 
 
@@ -409,3 +409,16 @@ def test_compatibility_of_a_family_without_scoring_is_refused(tmp_path, image_fo
     base, models = save_family(tmp_path / "in", "qwen2", q=2)
     with pytest.raises(hf_mloss.UnsupportedModelError, match="'qwen2'.*data-free methods work"):
         hf_mloss.compatibility(str(base), [str(m) for m in models], data=str(image_folder), progress=False)
+
+
+def test_models_built_in_memory_merge_as_their_class(tmp_path):
+    base = testing.tiny_decoder("mistral")
+    assert not base.config.architectures
+    fine_tunes = [testing.perturbed(base, i) for i in range(2)]
+    result = hf_mloss.merge(base, fine_tunes, "task_arithmetic", lam=0.5, progress=False)
+    assert isinstance(result.model, MistralForCausalLM) and base.config.architectures is None
+    for key, value in result.model.state_dict().items():
+        if value.is_floating_point():
+            expected = base.state_dict()[key] + 0.5 * sum(f.state_dict()[key] - base.state_dict()[key]
+                                                          for f in fine_tunes)
+            torch.testing.assert_close(value, expected, rtol=0, atol=1e-6, msg=key)

@@ -136,11 +136,13 @@ def mergekit_config(
     lam: float = 1.0,
     weights: Sequence[float] | None = None,
     normalize: bool | None = None,
+    dtype: str = "float32",
 ) -> dict:
     """The mergekit YAML config (as a dict) for a task-vector method.
 
     ``normalize`` None keeps mergekit's per-method default, except for ``ties``
     where ``normalize: true`` (the TIES disjoint mean) is written explicitly.
+    ``dtype`` is mergekit's output dtype (``bfloat16`` for bf16 checkpoints).
     """
     if method not in MERGEKIT_METHODS:
         raise ValueError(f"mergekit method must be one of {MERGEKIT_METHODS}, got {method!r}")
@@ -165,7 +167,7 @@ def mergekit_config(
         "base_model": str(Path(base_dir).resolve()),
         "models": models,
         "parameters": shared,
-        "dtype": "float32",
+        "dtype": dtype,
     }
     if method == "linear":  # a plain average of the models; a base_model would be averaged in too
         del config["base_model"]
@@ -233,6 +235,7 @@ def run_peer_merge(
     merge_func: str = "mean",
     seed: int = 0,
     timeout: float = DEFAULT_TIMEOUT,
+    dtype: str = "float32",
 ) -> PeerRun:
     """Merge ``model_dirs`` onto ``base_dir`` with a peer library; write ``out_dir``.
 
@@ -241,7 +244,8 @@ def run_peer_merge(
     (mergekit ``density``; fusion-bench ``threshold``), ``lam`` the final
     scale (mergekit ``lambda``; fusion-bench ``scaling_factor``).  ``weights``
     are mergekit per-model weights (fusion-bench has none: only all-ones is
-    accepted).  ``normalize`` is mergekit-only, ``merge_func`` fusion-bench-only.
+    accepted).  ``normalize`` and ``dtype`` (output dtype) are mergekit-only,
+    ``merge_func`` fusion-bench-only.
     Raises PeerUnavailable if the venv cannot be installed, PeerError on failure.
     """
     key = normalize_peer(peer)
@@ -254,7 +258,8 @@ def run_peer_merge(
     log_path = out_dir / "peer_run.log"
 
     if key == "mergekit":
-        cfg = mergekit_config(method, base_dir, model_dirs, k=k, lam=lam, weights=weights, normalize=normalize)
+        cfg = mergekit_config(method, base_dir, model_dirs, k=k, lam=lam, weights=weights, normalize=normalize,
+                              dtype=dtype)
         cfg_path = out_dir / "peer_config.yml"
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         cmd = [
