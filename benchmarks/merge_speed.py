@@ -27,6 +27,10 @@ Examples::
     python benchmarks/merge_speed.py --shape tiny --repeats 1         # ~1-minute smoke run (peers included)
     python benchmarks/merge_speed.py --methods forward,score,ties_tensor,m_ties --peers mergekit   # the targets
     python benchmarks/merge_speed.py --shape l14 --layers 1 --skip-peers --methods forward,score,m_ties
+    python benchmarks/merge_speed.py --shape qwen2.5-0.5b --q 4 --methods ties_tensor,ties_tensor_mk --peers mergekit
+
+Decoder shapes (``qwen2.5-0.5b``, ``qwen-tiny``) build a random ``Qwen2ForCausalLM`` in bf16 (tied embeddings) and
+its fine-tunes the same way; they have no images, so only data-free runs apply, and mergekit writes bf16 too.
 
 Internal: ``python benchmarks/merge_speed.py --child SPEC.json`` runs one timed job (used by the parent).
 """
