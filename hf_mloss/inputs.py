@@ -58,16 +58,18 @@ class RunInputs:
     def refs(self) -> list[ModelRef]:
         return [s.ref for s in self.sources]
 
-    def load_output_model(self, output: str, *, progress: bool = True) -> PreTrainedModel:
-        """A float32 copy of the base on the run's device, as the class the merge writes (see ``output``)."""
+    def load_output_model(self, output: str, *, progress: bool = True,
+                          dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+        """A copy of the base on the run's device, as the class the merge writes (see ``output``), in float32
+        (``dtype``: the stored dtype, where a data-free merge writes its float32 results straight into it)."""
         if self.base_model is not None:
             model = copy.deepcopy(self.base_model)
             if output == "tower":
                 model = copy.deepcopy(self.adapter.tower(self.base_model))
         else:
             with quiet_transformers(not progress):
-                model = self.adapter.load_output_model(self.base.ref.path, output, dtype=torch.float32)
-        return model.to(device=self.device, dtype=torch.float32).eval()
+                model = self.adapter.load_output_model(self.base.ref.path, output, dtype=dtype)
+        return model.to(device=self.device, dtype=dtype).eval()
 
     def close(self) -> None:
         for store in [self.base, *self.sources]:

@@ -115,7 +115,8 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
     needs_data = method.needs_data or config.select is not None
     with open_inputs(config, device=device, token=token, needs_data=needs_data, progress=progress,
                      whole_model=config.output == "auto") as inputs, cpu_workers(inputs.device) as workers:
-        model = inputs.load_output_model(config.output, progress=progress)
+        model = inputs.load_output_model(config.output, progress=progress,
+                                         dtype=working_dtype(config, inputs, needs_data=needs_data))
         tower = inputs.adapter.tower(model)
         ctx = MergeContext(params=params, weights=inputs.alpha.to(inputs.device, torch.float32), seed=config.seed)
         merger = TensorMerger(inputs, method, ctx, model, workers)  # every merged tensor: a whole model's too
@@ -238,7 +239,10 @@ class TensorMerger:
         # finite (NaN/Inf, or finite values whose sum overflows).
         if torch.isfinite(merged.sum()) or torch.isfinite(merged).all():
             self.checked.add(name)
-        self.targets[name].copy_(merged)
+        target = self.targets[name]
+        if target.dtype != merged.dtype and merged is not base and name in self.checked and merged.numel():
+            check_fits(name, float(merged.abs().max()), target.dtype)  # before the rounding hides an overflow
+        target.copy_(merged)
         return name
 
 
@@ -305,15 +309,31 @@ def finalize(model: PreTrainedModel, merger: TensorMerger, dtype: torch.dtype) -
                 f"The merge produced non-finite values in {name!r} (max |x| overflows float32)"
                 + (f"; lam={lam} is too large" if lam is not None and abs(lam) > 1e3 else "") + ". Nothing was "
                 "written; use smaller lam/weights.")
-        if dtype.is_floating_point and dtype != torch.float32:
-            limit = torch.finfo(dtype).max
-            peak = float(tensor.abs().max()) if tensor.numel() else 0.0
-            if peak > limit:
-                raise InvalidParameterError(
-                    f"Saving as {str(dtype).replace('torch.', '')} would overflow: {name!r} reaches {peak:.4g} "
-                    f"(the largest {str(dtype).replace('torch.', '')} is {limit:.4g}). Nothing was written; pass "
-                    "dtype='bfloat16' or 'float32'.")
+        if dtype.is_floating_point and dtype != torch.float32 and tensor.dtype == torch.float32:
+            check_fits(name, float(tensor.abs().max()) if tensor.numel() else 0.0, dtype)
     return model.to(dtype).eval()
+
+
+def check_fits(name: str, peak: float, dtype: torch.dtype) -> None:
+    """Refuse a merged tensor whose largest magnitude ``peak`` overflows ``dtype``."""
+    limit = torch.finfo(dtype).max
+    if peak > limit:
+        raise InvalidParameterError(
+            f"Saving as {str(dtype).replace('torch.', '')} would overflow: {name!r} reaches {peak:.4g} "
+            f"(the largest {str(dtype).replace('torch.', '')} is {limit:.4g}). Nothing was written; pass "
+            "dtype='bfloat16' or 'float32'.")
+
+
+def working_dtype(config: MergeConfig, inputs: RunInputs, *, needs_data: bool) -> torch.dtype:
+    """The dtype the output model is held in while merging: float32, or, for a data-free merge whose output keeps
+    the base's storage dtype (bf16 LLMs), that dtype. Merges still compute in float32 and each merged tensor is
+    rounded once when written, exactly as the final cast would; the base is read exactly (it is stored in that
+    dtype); a bf16 model of N parameters then costs 2N bytes instead of 4N (plus 2N for the final cast)."""
+    out = as_dtype(config.dtype) if config.dtype else stored_dtype(inputs)
+    stored = {inputs.base.dtypes[n] for n in inputs.names}
+    if needs_data or not out.is_floating_point or stored != {out}:
+        return torch.float32
+    return out
 
 
 def stored_dtype(inputs: RunInputs) -> torch.dtype:

@@ -422,3 +422,21 @@ def test_models_built_in_memory_merge_as_their_class(tmp_path):
             expected = base.state_dict()[key] + 0.5 * sum(f.state_dict()[key] - base.state_dict()[key]
                                                           for f in fine_tunes)
             torch.testing.assert_close(value, expected, rtol=0, atol=1e-6, msg=key)
+
+
+def test_bf16_checkpoints_merge_in_float32_and_stay_bf16(tmp_path):
+    """A bf16 LLM is held in bf16 while merging (half the memory); every tensor is computed in float32 and rounded
+    once, as the final cast did."""
+    base = testing.tiny_decoder("qwen2").to(torch.bfloat16)
+    base_dir, models = testing.save_with_finetunes(base, tmp_path / "in", 3, tokenizer=word_tokenizer())
+    result = hf_mloss.merge(str(base_dir), [str(m) for m in models], "ties", k=0.3, scope="tensor", progress=False)
+    expected = reference("ties", weights_of(base_dir), [weights_of(m) for m in models], k=0.3, scope="tensor")
+    state = result.model.state_dict()
+    for name, value in expected.items():
+        assert state[name].dtype == torch.bfloat16, name
+        assert torch.equal(state[name], value.to(torch.bfloat16)), name
+    folder = result.save_pretrained(tmp_path / "merged")
+    assert AutoModelForCausalLM.from_pretrained(folder).dtype == torch.bfloat16
+    half = testing.save_with_finetunes(testing.tiny_decoder("qwen2").to(torch.float16), tmp_path / "f16", 2)
+    with pytest.raises(hf_mloss.InvalidParameterError, match="float16 would overflow.*largest float16"):
+        hf_mloss.merge(str(half[0]), [str(m) for m in half[1]], "task_arithmetic", lam=1e6, progress=False)
