@@ -30,6 +30,10 @@ Examples::
     python benchmarks/merge_speed.py --shape l14 --layers 1 --skip-peers --methods forward,score,m_ties
     python benchmarks/merge_speed.py --methods ties_tensor,task_arithmetic,tsv_m,iso_c,iso_cts --peers mergekit \
         --repeats 1 --tag svd                                            # the SVD-based merges beside TIES
+    python benchmarks/merge_speed.py --shape qwen2.5-0.5b --q 4 --methods ties_tensor,ties_tensor_mk --peers mergekit
+
+Decoder shapes (``qwen2.5-0.5b``, ``qwen-tiny``) build a random ``Qwen2ForCausalLM`` in bf16 (tied embeddings) and
+its fine-tunes the same way; they have no images, so only data-free runs apply, and mergekit writes bf16 too.
 
 Internal: ``python benchmarks/merge_speed.py --child SPEC.json`` runs one timed job (used by the parent).
 """
@@ -71,7 +75,21 @@ SHAPES: dict[str, dict] = {
     # Smoke-test size.
     "tiny": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  patch_size=16, image_size=64),
+    # Decoder LLMs (data-free merges only; bf16 checkpoints, as published). Qwen2.5-0.5B: 494 M parameters (tied
+    # embeddings), 0.99 GB in bf16.
+    "qwen2.5-0.5b": dict(family="qwen2", dtype="bfloat16", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         max_position_embeddings=32768, tie_word_embeddings=True),
+    "qwen-tiny": dict(family="qwen2", dtype="bfloat16", vocab_size=512, hidden_size=64, intermediate_size=256,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=True),
 }
+SHAPE_META = ("family", "dtype")
+"""Keys of a shape that describe how it is built, not its config."""
+
+
+def is_decoder(shape: str) -> bool:
+    return "family" in SHAPES[shape]
 TV_STD = 1e-3
 TV_SPREAD = (0.3, 3.0)
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -344,12 +362,22 @@ def _wait(proc: subprocess.Popen, deadline: float):
 
 # -------------------------------------------------------------------------------------------- fixtures
 def shape_config(shape: str, layers: int | None):
+    import transformers
     from transformers import CLIPVisionConfig
 
-    cfg = dict(SHAPES[shape])
+    cfg = {k: v for k, v in SHAPES[shape].items() if k not in SHAPE_META}
     if layers is not None:
         cfg["num_hidden_layers"] = layers
+    if is_decoder(shape):
+        return transformers.AutoConfig.for_model(SHAPES[shape]["family"], **cfg)
     return CLIPVisionConfig(**cfg)
+
+
+def shape_model_class(shape: str):
+    """The class a shape is built and saved as (a CLIP vision tower, or a causal LM)."""
+    from transformers import AutoModelForCausalLM, CLIPVisionModel
+
+    return AutoModelForCausalLM if is_decoder(shape) else CLIPVisionModel
 
 
 def _model_ok(folder: Path, manifest: dict) -> bool:
@@ -357,17 +385,20 @@ def _model_ok(folder: Path, manifest: dict) -> bool:
         ok = json.loads((folder / "bench_manifest.json").read_text()) == manifest
     except (OSError, json.JSONDecodeError):
         return False
-    return ok and (folder / "model.safetensors").is_file() and (folder / "preprocessor_config.json").is_file()
+    needs_processor = "image_size" in manifest.get("config", {})
+    return ok and (folder / "model.safetensors").is_file() and (
+        not needs_processor or (folder / "preprocessor_config.json").is_file())
 
 
-def _save(model, folder: Path, image_size: int, manifest: dict) -> None:
+def _save(model, folder: Path, image_size: int | None, manifest: dict) -> None:
     from transformers import CLIPImageProcessorPil
 
     if folder.exists():
         shutil.rmtree(folder)
-    model.save_pretrained(folder)
-    CLIPImageProcessorPil(size={"shortest_edge": image_size},
-                          crop_size={"height": image_size, "width": image_size}).save_pretrained(folder)
+    model.save_pretrained(folder, max_shard_size="50GB")  # one file, as the parity check reads it
+    if image_size is not None:
+        CLIPImageProcessorPil(size={"shortest_edge": image_size},
+                              crop_size={"height": image_size, "width": image_size}).save_pretrained(folder)
     (folder / "bench_manifest.json").write_text(json.dumps(manifest, indent=2))
 
 
@@ -391,28 +422,33 @@ def _fill_finetune(ft, base, index: int, seed: int) -> None:
 def ensure_models(cache: Path, shape: str, layers: int | None, q: int, seed: int = 0) -> tuple[Path, list[Path], dict]:
     """Create (or reuse) the base and q fine-tunes; fine-tune i depends only on (base, i), so q can grow."""
     import torch
-    from transformers import CLIPVisionModel
 
     config = shape_config(shape, layers)
+    model_class = shape_model_class(shape)
+    dtype = getattr(torch, SHAPES[shape].get("dtype", "float32"))
+    image_size = getattr(config, "image_size", None) if not is_decoder(shape) else None
     root = cache / "models" / (shape + (f"-{layers}L" if layers is not None else ""))
     base_dir = root / "base"
-    common = {"gen_version": GEN_VERSION, "config": {k: getattr(config, k) for k in SHAPES[shape]}
+    common = {"gen_version": GEN_VERSION, "config": {k: getattr(config, k) for k in SHAPES[shape]
+                                                     if k not in SHAPE_META}
               | {"num_hidden_layers": config.num_hidden_layers}, "seed": seed, "tv_std": TV_STD,
-              "tv_spread": list(TV_SPREAD)}
+              "tv_spread": list(TV_SPREAD), "dtype": str(dtype)}
     t0, created, base, ft = time.perf_counter(), [], None, None
     if not _model_ok(base_dir, common | {"role": "base"}):
         torch.manual_seed(seed)
-        base = CLIPVisionModel(config).eval()
-        _save(base, base_dir, config.image_size, common | {"role": "base"})
+        base = model_class.from_config(config).to(dtype).eval() if is_decoder(shape) else \
+            model_class(config).eval()
+        _save(base, base_dir, image_size, common | {"role": "base"})
         created.append("base")
     dirs = [root / f"ft{i}" for i in range(q)]
     for i, folder in enumerate(dirs):
         if _model_ok(folder, common | {"role": f"ft{i}"}):
             continue
-        base = base or CLIPVisionModel.from_pretrained(base_dir, dtype=torch.float32).eval()
-        ft = ft or CLIPVisionModel(config).eval()
+        base = base or model_class.from_pretrained(base_dir, dtype=dtype).eval()
+        ft = ft or (model_class.from_config(config).to(dtype).eval() if is_decoder(shape) else
+                    model_class(config).eval())
         _fill_finetune(ft, base, i, seed)
-        _save(ft, folder, config.image_size, common | {"role": f"ft{i}"})
+        _save(ft, folder, image_size, common | {"role": f"ft{i}"})
         created.append(f"ft{i}")
     info = {"root": str(root), "created": created, "create_s": round(time.perf_counter() - t0, 2),
             "model_bytes": (base_dir / "model.safetensors").stat().st_size,
@@ -454,8 +490,10 @@ def setup_main(spec: dict) -> dict:
             raise SystemExit("--device cuda but torch.cuda.is_available() is False")
     cache = Path(spec["cache"])
     base_dir, model_dirs, info = ensure_models(cache, spec["shape"], spec["layers"], spec["q"])
-    images = ensure_images(cache, spec["num_samples"], SHAPES[spec["shape"]]["image_size"])
-    return info | {"base": str(base_dir), "model_dirs": [str(p) for p in model_dirs], "images": str(images)}
+    images = None if is_decoder(spec["shape"]) else \
+        ensure_images(cache, spec["num_samples"], SHAPES[spec["shape"]]["image_size"])
+    return info | {"base": str(base_dir), "model_dirs": [str(p) for p in model_dirs],
+                   "images": str(images) if images else None}
 
 
 # -------------------------------------------------------------------------------------------- analysis (children)
@@ -621,9 +659,10 @@ def create_inputs(plan: Plan) -> None:
         raise SystemExit(f"creating the inputs failed: {setup['error']}")
     info = setup["child"]
     plan.base, plan.models = Path(info.pop("base")), [Path(p) for p in info.pop("model_dirs")]
-    plan.images, plan.models_info = Path(info.pop("images")), info
+    images = info.pop("images")
+    plan.images, plan.models_info = (Path(images) if images else None), info
     _log(f"models under {info['root']} ({plan.model_mb:.1f} MB each; created {info['created'] or 'none'} in "
-         f"{info['create_s']} s); images {plan.images.name}")
+         f"{info['create_s']} s); images {plan.images.name if plan.images else 'none (decoder: data-free runs)'}")
 
 
 def hf_spec(plan: Plan, name: str, repeat: int) -> dict:
@@ -659,7 +698,8 @@ def run_hf(plan: Plan, name: str, repeat: int) -> dict:
     return res
 
 
-def run_peer(peer: str, base: Path, models: list[Path], out: Path, timeout: float, env: dict | None = None) -> dict:
+def run_peer(peer: str, base: Path, models: list[Path], out: Path, timeout: float, env: dict | None = None,
+             dtype: str = "float32") -> dict:
     import resource
 
     try:
@@ -670,7 +710,8 @@ def run_peer(peer: str, base: Path, models: list[Path], out: Path, timeout: floa
     os.environ.update(env or {})  # the peer's child inherits this process's environment
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
-        run = run_peer_merge(peer, "ties", base, models, out, k=K, lam=1.0, timeout=timeout)
+        extra = {"dtype": dtype} if peer == "mergekit" else {}  # mergekit writes the checkpoints' dtype
+        run = run_peer_merge(peer, "ties", base, models, out, k=K, lam=1.0, timeout=timeout, **extra)
     except PeerUnavailable as err:
         return {"name": peer, "skipped": f"peer unavailable: {err}"}
     except PeerError as err:
@@ -720,7 +761,8 @@ def run_peers(plan: Plan, repeat: int, record) -> None:
             # mergekit_1t: the same merge with OMP_NUM_THREADS=1 (what one thread gives mergekit on busy cores)
             env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"} if peer == "mergekit_1t" else None
             _log(f"[run {repeat + 1}] {peer}: mergekit-yaml TIES on {q} tasks ...")
-            res = measured(run_peer, "mergekit", plan.base, plan.models, outs / f"{peer}_ties", timeout, env)
+            res = measured(run_peer, "mergekit", plan.base, plan.models, outs / f"{peer}_ties", timeout, env,
+                           SHAPES[plan.args.shape].get("dtype", "float32"))
             record(f"{peer}_ties", res | {"tasks": q})
         elif peer == "fusion_bench":
             tasks = min(q, plan.args.fusion_bench_tasks)

@@ -16,6 +16,11 @@ if TYPE_CHECKING:
     from .config import MergeConfig
 
 TEMPLATE = "modelcard_template.md"
+TEXT_USAGE = {"text-generation": '"The merged model"', "text2text-generation": '"The merged model"',
+              "feature-extraction": '"The merged model"', "fill-mask": '"The merged [MASK]."',
+              "text-classification": '"The merged model"', "token-classification": '"The merged model"',
+              "question-answering": 'question="Who merged it?", context="hf_mloss merged it."'}
+"""The call shown in the "How to use" snippet of a text model's card, by pipeline tag."""
 
 
 class CardSource(Protocol):
@@ -116,13 +121,16 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
     compatibility = getattr(result, "compatibility", None)
     template = resources.files("hf_mloss").joinpath("templates", TEMPLATE).read_text(encoding="utf-8")
     model_class = type(result.model).__name__
+    metadata = card_data(result)
     return ModelCard.from_template(
-        card_data(result),
+        metadata,
         template_str=template,
         title=f"{result.base.name} — {result.config.method} merge of {len(result.models)} models",
         num_models=len(result.models),
         model_class=model_class,
-        zero_shot=model_class == "CLIPModel",
+        zero_shot=model_class == "CLIPModel" or metadata.pipeline_tag == "zero-shot-image-classification",
+        pipeline_tag=metadata.pipeline_tag,
+        text_usage=TEXT_USAGE.get(metadata.pipeline_tag),
         method=result.config.method,
         papers=method_papers(result.config.method),
         method_description=result.method_description,

@@ -21,8 +21,19 @@ if TYPE_CHECKING:
 
 def save_weights(model: PreTrainedModel, adapter: ModelAdapter, folder: Path, *,
                  max_shard_size: int | str = "5GB") -> None:
-    """Write ``config.json`` and the safetensors weights of ``model`` into ``folder``."""
+    """Write ``config.json`` and the safetensors weights of ``model`` into ``folder``.
+
+    Models of the generic adapter (any transformers family) are written by their own ``save_pretrained``: tied
+    tensors saved once and tied again on load, transformers' checkpoint key spelling, the generation config.
+    """
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    if getattr(adapter, "saves_with_transformers", False):
+        from .inputs import quiet_transformers
+
+        with quiet_transformers(True):
+            model.save_pretrained(folder, max_shard_size=max_shard_size)
+        return
 
     state = {k: v.detach().contiguous() for k, v in adapter.checkpoint_state_dict(model).items()}
     was_disabled = are_progress_bars_disabled()

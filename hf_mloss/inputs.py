@@ -58,16 +58,18 @@ class RunInputs:
     def refs(self) -> list[ModelRef]:
         return [s.ref for s in self.sources]
 
-    def load_output_model(self, output: str, *, progress: bool = True) -> PreTrainedModel:
-        """A float32 copy of the base on the run's device, as the class the merge writes (see ``output``)."""
+    def load_output_model(self, output: str, *, progress: bool = True,
+                          dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+        """A copy of the base on the run's device, as the class the merge writes (see ``output``), in float32
+        (``dtype``: the stored dtype, where a data-free merge writes its float32 results straight into it)."""
         if self.base_model is not None:
             model = copy.deepcopy(self.base_model)
             if output == "tower":
                 model = copy.deepcopy(self.adapter.tower(self.base_model))
         else:
             with quiet_transformers(not progress):
-                model = self.adapter.load_output_model(self.base.ref.path, output, dtype=torch.float32)
-        return model.to(device=self.device, dtype=torch.float32).eval()
+                model = self.adapter.load_output_model(self.base.ref.path, output, dtype=dtype)
+        return model.to(device=self.device, dtype=dtype).eval()
 
     def close(self) -> None:
         for store in [self.base, *self.sources]:
@@ -76,8 +78,13 @@ class RunInputs:
 
 @contextlib.contextmanager
 def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | None = None, needs_data: bool,
-                progress: bool = True) -> Iterator[RunInputs]:
-    """Prepare the inputs of ``config`` (see the module docstring); the checkpoints are closed on exit."""
+                progress: bool = True, whole_model: bool = False) -> Iterator[RunInputs]:
+    """Prepare the inputs of ``config`` (see the module docstring); the checkpoints are closed on exit.
+
+    ``whole_model``: when the base and every model are whole models holding the adapter's tower (full
+    ``CLIPModel`` repos), merge every tensor of them, not only the tower's (see
+    :func:`hf_mloss.adapters.whole_model_adapter`).
+    """
     from .adapters import adapter_for
 
     device = resolve_device(device)
@@ -90,6 +97,15 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
             raise IncompatibleCheckpointsError(
                 f"{ref.name!r} is a {model_config.model_type!r} model ({other.name} adapter) but the base is "
                 f"{resolved[0][2].model_type!r} ({adapter.name}); all models must share one architecture.")
+    check_family(config, adapter, resolved, needs_data=needs_data)
+    whole = [getattr(c, "model_type", None) in adapter.containers for _, _, c in resolved]
+    if whole_model and all(whole):
+        from .adapters import whole_model_adapter
+
+        adapter = whole_model_adapter(adapter)
+    elif whole_model and whole[0] and any(whole[1:]):
+        check_outside_unchanged(adapter, resolved, whole)
+    check_vocabularies(resolved)
     stores: list[TensorStore] = []
     try:
         for ref, loaded, _ in resolved:
@@ -122,7 +138,11 @@ def _resolve(spec: ModelSpec, token):
         from .config import is_repo_id, looks_local
 
         repo_id = name if name and not looks_local(name) and is_repo_id(name) else None
-        return ModelRef(path=name, repo_id=repo_id), model, model.config
+        model_config = model.config
+        if not getattr(model_config, "architectures", None):  # built in memory: its class names the architecture
+            model_config = copy.deepcopy(model_config)
+            model_config.architectures = [type(model).__name__]
+        return ModelRef(path=name, repo_id=repo_id), model, model_config
     ref = resolve_model(spec.model, revision=spec.revision, token=token)
     check_model_type(ref)
     try:
@@ -161,6 +181,109 @@ def check_model_type(ref: ModelRef) -> None:
             f"hf_mloss merges transformers models with an adapter: {list_adapters()}.")
 
 
+def check_family(config: MergeConfig, adapter: ModelAdapter, resolved, *, needs_data: bool) -> None:
+    """Refuse, before any tensor is read, what the family cannot do: scoring a family without M-Loss scoring,
+    ``output="tower"`` of a model without a tower, models of another ``model_type`` than the base's."""
+    from .errors import UnsupportedModelError
+
+    base_type = getattr(resolved[0][2], "model_type", None)
+    if needs_data and not getattr(adapter, "scorable", True):
+        from .adapters.generic import scoring_unavailable
+
+        method = config.merge_method()
+        what = (f"Method {config.method!r}" if method.needs_data else
+                "Label-free selection (select=...)" if getattr(config, "select", None) is not None else
+                "Scoring (score(), compatibility())")
+        raise UnsupportedModelError(scoring_unavailable(base_type, what))
+    if adapter.name != "generic":
+        return
+    if getattr(config, "output", "auto") == "tower":
+        raise InvalidParameterError(
+            f"output='tower' keeps one tower of a whole model (a CLIPModel's vision tower); a {base_type!r} model has "
+            "none. Use output='auto' (the base's class).")
+    for ref, _, model_config in resolved[1:]:
+        if model_config.model_type != base_type:
+            raise IncompatibleCheckpointsError(
+                f"{ref.name!r} is a {model_config.model_type!r} model but the base is a {base_type!r} model; all "
+                "models merged together must share one architecture.")
+
+
+def check_outside_unchanged(adapter: ModelAdapter, resolved, whole: list[bool]) -> None:
+    """A whole-model base merged with some tower-only models gives the tower merged into the base's whole model:
+    refuse it when a whole fine-tune changed tensors outside the tower, which that merge would silently drop."""
+    from .adapters import whole_model_adapter
+
+    outside_adapter = whole_model_adapter(adapter)
+    opened = [ModuleStore(loaded, outside_adapter, ref) if loaded is not None else
+              CheckpointStore(ref, outside_adapter) for (ref, loaded, _), is_whole in zip(resolved, whole) if is_whole]
+    try:
+        base, others = opened[0], opened[1:]
+        names = [n for n in float_names(base) if outside_adapter.is_outside_tower(n)]
+        for store in others:
+            changed = [n for n in names if n in store and (store.shapes[n] != base.shapes[n] or
+                                                           not torch.equal(store.get(n), base.get(n)))]
+            if changed:
+                towers = [ref.name for (ref, _, _), is_whole in zip(resolved, whole) if not is_whole]
+                raise IncompatibleCheckpointsError(
+                    f"{store.ref.name!r} changed {len(changed)} tensor(s) outside the {adapter.name} tower (e.g. "
+                    f"{changed[:3]}), but {towers[:3]} hold only that tower, so a whole-model merge would keep the "
+                    "base's values for them. Pass output='tower' to merge and save the tower only, or give every "
+                    "model as a whole model.")
+    finally:
+        for store in opened:
+            store.close()
+
+
+_TOKENIZER_FILE = "tokenizer.json"
+
+
+def check_vocabularies(resolved) -> None:
+    """Refuse fine-tunes whose tokenizer has tokens the base's lacks, or ids the base's gives to other tokens (added
+    tokens): their embedding rows do not line up with the base's, even where the row counts happen to agree.
+
+    Compared where both folders hold a ``tokenizer.json`` (the fast-tokenizer file every current tokenizer saves).
+    """
+    base_ref = resolved[0][0]
+    base_vocab = _tokenizer_vocab(base_ref.path)
+    if base_vocab is None:
+        return
+    for ref, _, _ in resolved[1:]:
+        vocab = _tokenizer_vocab(ref.path)
+        if vocab is None or vocab == base_vocab:
+            continue
+        moved = sorted((token, i) for token, i in vocab.items() if base_vocab.get(token) != i)
+        if not moved:
+            continue  # the fine-tune's tokenizer lacks some of the base's tokens: the ids that exist still agree
+        examples = ", ".join(f"{token!r} (id {i})" for token, i in sorted(moved, key=lambda t: t[1])[:3])
+        raise IncompatibleCheckpointsError(
+            f"The tokenizer of {ref.name!r} has {len(moved)} token(s) that the base {base_ref.name!r} lacks or "
+            f"numbers differently (e.g. {examples}): added tokens. Their embedding rows have no counterpart in the "
+            "base, and hf_mloss never pads or re-aligns rows silently. Merge fine-tunes that kept the base's "
+            "tokenizer, or give the base the same tokens (tokenizer.add_tokens(...), "
+            "model.resize_token_embeddings(len(tokenizer)), save both) and merge onto that base.")
+
+
+def _tokenizer_vocab(path: str | None) -> dict[str, int] | None:
+    """token -> id of a folder's ``tokenizer.json`` (model vocabulary + added tokens), or None."""
+    import json
+
+    file = Path(path) / _TOKENIZER_FILE if path else None
+    if file is None or not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+        model_vocab = (data.get("model") or {}).get("vocab") or {}
+        if isinstance(model_vocab, list):  # Unigram: [[piece, score], ...]
+            vocab = {entry[0]: i for i, entry in enumerate(model_vocab)}
+        else:
+            vocab = {str(token): int(i) for token, i in model_vocab.items()}
+        for added in data.get("added_tokens") or []:
+            vocab[str(added["content"])] = int(added["id"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+        return None  # not a file this check understands: the tensor shapes are still checked
+    return vocab
+
+
 def float_names(store: TensorStore) -> list[str]:
     return [n for n in store.keys() if store.dtypes[n] is not None and store.dtypes[n].is_floating_point]
 
@@ -185,9 +308,28 @@ def check_compatible(base: TensorStore, other: TensorStore) -> None:
             "All models merged together must share one architecture.")
     for name in float_names(base):
         if base.shapes[name] != other.shapes[name]:
+            if _rows_differ(base.shapes[name], other.shapes[name]) and _is_vocabulary(name):
+                raise IncompatibleCheckpointsError(
+                    f"{name!r} has {base.shapes[name][0]} rows in the base {base.ref.name!r} but "
+                    f"{other.shapes[name][0]} in {other.ref.name!r}: the vocabularies differ (added tokens or another "
+                    "tokenizer). Rows of different vocabularies do not line up, and hf_mloss never pads them "
+                    "silently. Merge fine-tunes that share the base's vocabulary, or resize the base to the "
+                    "fine-tunes' tokenizer (model.resize_token_embeddings(len(tokenizer)), save it with that "
+                    "tokenizer) and merge onto that base.")
             raise IncompatibleCheckpointsError(
                 f"{name!r} has shape {base.shapes[name]} in {base.ref.name!r} but {other.shapes[name]} in "
                 f"{other.ref.name!r}. All models merged together must share one architecture.")
+
+
+def _rows_differ(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    return len(a) == len(b) and len(a) >= 1 and a[0] != b[0] and a[1:] == b[1:]
+
+
+def _is_vocabulary(name: str) -> bool:
+    """Whether a tensor is indexed by token id (input embeddings, LM head and its bias)."""
+    parts = name.split(".")
+    return any(p in ("embed_tokens", "word_embeddings", "wte", "lm_head", "embed_out", "token_embedding",
+                     "shared", "decoder") for p in parts) or "vocab" in name
 
 
 def check_config_matches_tensors(adapter: ModelAdapter, base: TensorStore) -> None:

@@ -113,16 +113,20 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
     method = config.merge_method()
     params = config.method_params()
     needs_data = method.needs_data or config.select is not None
-    with open_inputs(config, device=device, token=token, needs_data=needs_data, progress=progress) as inputs, \
-            cpu_workers(inputs.device) as workers:
-        model = inputs.load_output_model(config.output, progress=progress)
+    with open_inputs(config, device=device, token=token, needs_data=needs_data, progress=progress,
+                     whole_model=config.output == "auto") as inputs, cpu_workers(inputs.device) as workers:
+        model = inputs.load_output_model(config.output, progress=progress,
+                                         dtype=working_dtype(config, inputs, needs_data=needs_data))
         tower = inputs.adapter.tower(model)
         ctx = MergeContext(params=params, weights=inputs.alpha.to(inputs.device, torch.float32), seed=config.seed)
-        merger = TensorMerger(inputs, method, ctx, tower, workers)
+        merger = TensorMerger(inputs, method, ctx, model, workers)  # every merged tensor: a whole model's too
+        outside = outside_tower_names(inputs, merger.names)
         report = None
         if config.select is not None:
             from .selection import select_and_merge
 
+            refuse_changed_outside(inputs, outside, "Label-free selection (select=...)")
+            merger.names = [n for n in merger.names if n not in set(outside)]  # equal to the base's: kept as is
             config, report = select_and_merge(config.replace(select=config.select.recorded()), inputs, merger, tower,
                                               progress=progress, token=token)
             params = merger.ctx.params
@@ -133,20 +137,62 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
             merger.merge(merger.names, progress=progress, desc=f"Merging ({config.method})")
         model = finalize(model, merger, as_dtype(config.dtype) if config.dtype else stored_dtype(inputs))
         record = recorded_config(config, inputs)
+        description = method.describe(params)
+        if outside and method.needs_data and config.select is None:
+            description += " " + outside_rule_note(inputs, method, params, outside)
         return MergeResult(model=model, config=record, report=report, base=inputs.base.ref, models=inputs.refs,
-                           adapter=inputs.adapter, data_info=inputs.data_info,
-                           method_description=method.describe(params))
+                           adapter=inputs.adapter, data_info=inputs.data_info, method_description=description)
+
+
+def outside_tower_names(inputs: RunInputs, names: Sequence[str]) -> list[str]:
+    """The merged tensors outside the scored tower of a whole-model merge (a CLIPModel's text tower, projections,
+    ``logit_scale``); empty when the merge is one tower or a family without a tower."""
+    adapter = inputs.adapter
+    if not getattr(adapter, "whole_model", False):
+        return []
+    return [n for n in names if adapter.is_outside_tower(n)]
+
+
+def changed_names(inputs: RunInputs, names: Sequence[str]) -> list[str]:
+    """The ``names`` that some model holds with other values than the base."""
+    changed = []
+    for name in names:
+        base = inputs.base.get(name)
+        if any(not torch.equal(s.get(name).to(base.dtype), base) for s in inputs.sources):
+            changed.append(name)
+    return changed
+
+
+def refuse_changed_outside(inputs: RunInputs, outside: Sequence[str], what: str) -> None:
+    """Refuse a run that would keep the base's values of tensors the fine-tunes changed outside the scored tower."""
+    changed = changed_names(inputs, outside)
+    if changed:
+        raise InvalidParameterError(
+            f"{what} works on the vision tower, but the fine-tunes also changed {len(changed)} tensor(s) outside it "
+            f"(e.g. {changed[:3]}), which would silently keep the base's values. Pass output='tower' to merge and "
+            "save the vision tower only, or merge the whole model without select=.")
+
+
+def outside_rule_note(inputs: RunInputs, method: MergeMethod, params: Any, outside: Sequence[str]) -> str:
+    """The card's sentence on how a data-guided method merged the tensors its scoring data does not reach."""
+    rule = (f"DARE (keep probability p={params.p}, survivors x 1/p)" if method.name == "m_dare" else
+            f"TIES (per-tensor trim at k={params.k}, sign election, disjoint mean)")
+    changed = len(changed_names(inputs, outside))
+    return (f"M-Loss scored the vision tower on images. The {len(outside)} tensors outside it (text tower, "
+            f"projections, logit scale; {changed} changed by the fine-tunes) have no scoring data: they were merged "
+            f"by the method's data-free rule, {rule}, with lam={params.lam}.")
 
 
 class TensorMerger:
-    """Reads, checks and merges tensors into the model's tower."""
+    """Reads, checks and merges tensors into the model (its tower's, or every merged tensor of a whole model)."""
 
     def __init__(self, inputs: RunInputs, method: MergeMethod, ctx: MergeContext, tower: PreTrainedModel,
                  workers: Workers | None = None) -> None:
         self.inputs, self.method, self.ctx, self.device = inputs, method, ctx, inputs.device
         self.workers = workers or active_workers()
         adapter = inputs.adapter
-        self.targets = {adapter.canonical_key(k): v for k, v in tower.state_dict().items()}
+        self.targets = {name: v for k, v in tower.state_dict().items()
+                        if (name := adapter.canonical_key(k)) is not None}
         self.names = [n for n in inputs.names if n in self.targets]
         self.done: set[str] = set()
         self.checked: set[str] = set()  # merged tensors found finite (in float32) when they were written
@@ -193,7 +239,10 @@ class TensorMerger:
         # finite (NaN/Inf, or finite values whose sum overflows).
         if torch.isfinite(merged.sum()) or torch.isfinite(merged).all():
             self.checked.add(name)
-        self.targets[name].copy_(merged)
+        target = self.targets[name]
+        if target.dtype != merged.dtype and merged is not base and name in self.checked and merged.numel():
+            check_fits(name, float(merged.abs().max()), target.dtype)  # before the rounding hides an overflow
+        target.copy_(merged)
         return name
 
 
@@ -260,15 +309,31 @@ def finalize(model: PreTrainedModel, merger: TensorMerger, dtype: torch.dtype) -
                 f"The merge produced non-finite values in {name!r} (max |x| overflows float32)"
                 + (f"; lam={lam} is too large" if lam is not None and abs(lam) > 1e3 else "") + ". Nothing was "
                 "written; use smaller lam/weights.")
-        if dtype.is_floating_point and dtype != torch.float32:
-            limit = torch.finfo(dtype).max
-            peak = float(tensor.abs().max()) if tensor.numel() else 0.0
-            if peak > limit:
-                raise InvalidParameterError(
-                    f"Saving as {str(dtype).replace('torch.', '')} would overflow: {name!r} reaches {peak:.4g} "
-                    f"(the largest {str(dtype).replace('torch.', '')} is {limit:.4g}). Nothing was written; pass "
-                    "dtype='bfloat16' or 'float32'.")
+        if dtype.is_floating_point and dtype != torch.float32 and tensor.dtype == torch.float32:
+            check_fits(name, float(tensor.abs().max()) if tensor.numel() else 0.0, dtype)
     return model.to(dtype).eval()
+
+
+def check_fits(name: str, peak: float, dtype: torch.dtype) -> None:
+    """Refuse a merged tensor whose largest magnitude ``peak`` overflows ``dtype``."""
+    limit = torch.finfo(dtype).max
+    if peak > limit:
+        raise InvalidParameterError(
+            f"Saving as {str(dtype).replace('torch.', '')} would overflow: {name!r} reaches {peak:.4g} "
+            f"(the largest {str(dtype).replace('torch.', '')} is {limit:.4g}). Nothing was written; pass "
+            "dtype='bfloat16' or 'float32'.")
+
+
+def working_dtype(config: MergeConfig, inputs: RunInputs, *, needs_data: bool) -> torch.dtype:
+    """The dtype the output model is held in while merging: float32, or, for a data-free merge whose output keeps
+    the base's storage dtype (bf16 LLMs), that dtype. Merges still compute in float32 and each merged tensor is
+    rounded once when written, exactly as the final cast would; the base is read exactly (it is stored in that
+    dtype); a bf16 model of N parameters then costs 2N bytes instead of 4N (plus 2N for the final cast)."""
+    out = as_dtype(config.dtype) if config.dtype else stored_dtype(inputs)
+    stored = {inputs.base.dtypes[n] for n in inputs.names}
+    if needs_data or not out.is_floating_point or stored != {out}:
+        return torch.float32
+    return out
 
 
 def stored_dtype(inputs: RunInputs) -> torch.dtype:

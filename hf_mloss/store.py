@@ -148,9 +148,10 @@ class ModuleStore(TensorStore):
     def __init__(self, model: PreTrainedModel, adapter: ModelAdapter, ref: ModelRef) -> None:
         self.ref = ref
         self._tensors = {}
+        skipped = unsaved_buffers(adapter)
         for key, tensor in model.state_dict().items():
             name = adapter.canonical_key(key)
-            if name is not None:
+            if name is not None and name not in skipped:
                 self._tensors[name] = tensor.detach()
         self.shapes = {name: tuple(t.shape) for name, t in self._tensors.items()}
         self.dtypes = {name: t.dtype for name, t in self._tensors.items()}
@@ -207,14 +208,18 @@ def _unpickler_reason(err: pickle.UnpicklingError) -> str:
 
 
 def unsaved_buffers(adapter: ModelAdapter) -> frozenset[str]:
-    """Canonical names of the buffers the adapter's model class computes instead of saving (``position_ids``).
+    """Canonical names never read from a checkpoint: the buffers the merged class computes instead of saving
+    (``position_ids``), and the tensors tied to another one (``lm_head.weight`` tied to the input embeddings).
 
-    Old checkpoints still hold some of them (CLIP checkpoints saved before transformers made ``position_ids``
-    non-persistent); they
-    are not weights and are never compared or merged.
+    Old checkpoints still hold some of the buffers (CLIP checkpoints saved before transformers made ``position_ids``
+    non-persistent); they are not weights and are never compared or merged. A tied tensor is merged once, through
+    the tensor it is tied to (transformers ignores a saved copy of it too).
     """
-    raw = _unsaved_buffers(adapter.model_class, adapter.config.to_json_string(use_diff=False))
-    return frozenset(name for name in map(adapter.canonical_key, raw) if name is not None)
+    model_class = getattr(adapter, "merged_class", adapter.model_class)
+    config = getattr(adapter, "merged_config", adapter.config)
+    raw = _unsaved_buffers(model_class, config.to_json_string(use_diff=False))
+    tied = adapter.tied_names() if hasattr(adapter, "tied_names") else frozenset()
+    return frozenset(name for name in map(adapter.canonical_key, raw) if name is not None) | tied
 
 
 @functools.lru_cache(maxsize=16)

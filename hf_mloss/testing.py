@@ -121,3 +121,68 @@ def make_tiny_setup(root: str | Path, q: int = 3, seed: int = 0, **config_overri
     base_dir = save_model(base, root / "base")
     model_dirs = [save_model(make_finetune(base, seed * 100 + i), root / f"ft{i}") for i in range(q)]
     return base_dir, model_dirs
+
+
+# ----------------------------------------------------------------------------- text families (decoders, encoders)
+TINY_DECODER = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
+                    pad_token_id=3)  # fmt: skip
+
+
+def word_tokenizer(vocab_size: int = 64, extra_tokens: tuple[str, ...] = ()):
+    """A word-level fast tokenizer built in-process (no Hub): ``<unk> <s> </s> <pad>`` and words ``w0, w1, ...``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3, **{f"w{i}": 4 + i for i in range(vocab_size - 4)}}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
+                                        eos_token="</s>", pad_token="<pad>")
+    if extra_tokens:
+        tokenizer.add_tokens(list(extra_tokens))
+    return tokenizer
+
+
+def tiny_decoder(family: str = "llama", *, seed: int = 0, tie: bool = False, **overrides):
+    """A tiny random ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` (hidden 32, 2 blocks)."""
+    import transformers
+
+    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+    config = getattr(transformers, f"{names[family]}Config")(**{**TINY_DECODER, "tie_word_embeddings": tie,
+                                                                 **overrides})
+    torch.manual_seed(seed)
+    return getattr(transformers, f"{names[family]}ForCausalLM")(config).eval()
+
+
+def perturbed(model, seed: int, scale: float = 2e-2):
+    """A "fine-tune" of any model: every float tensor moved by a random task vector whose size varies per tensor
+    (tied tensors stay tied)."""
+    generator = torch.Generator().manual_seed(1000 + seed)
+    state = {}
+    for key, tensor in model.state_dict().items():
+        if tensor.is_floating_point():
+            spread = float(torch.empty(()).uniform_(0.3, 3.0, generator=generator))
+            tensor = tensor + scale * spread * torch.randn(tensor.shape, generator=generator).to(tensor.dtype)
+        state[key] = tensor
+    tuned = type(model)(model.config).to(next(model.parameters()).dtype).eval()
+    tuned.load_state_dict(state)
+    if getattr(model.config, "tie_word_embeddings", False):
+        tuned.tie_weights()
+    return tuned
+
+
+def save_with_finetunes(base, root: str | Path, q: int = 3, *, tokenizer=None, ft_tokenizer=None,
+                        max_shard_size: str | int | None = None, scale: float = 2e-2) -> tuple[Path, list[Path]]:
+    """Save ``base`` and ``q`` perturbed fine-tunes of it under ``root`` (``base``, ``ft1``...), each with a
+    tokenizer (``ft_tokenizer`` for the fine-tunes if given); return their folders."""
+    root = Path(root)
+    folders = []
+    for i, model in enumerate([base, *[perturbed(base, i, scale) for i in range(q)]]):
+        folder = root / ("base" if i == 0 else f"ft{i}")
+        model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+        chosen = ft_tokenizer if ft_tokenizer is not None and i > 0 else tokenizer
+        if chosen is not None:
+            chosen.save_pretrained(folder)
+        folders.append(folder)
+    return folders[0], folders[1:]

@@ -139,12 +139,14 @@ def test_non_finite_weights_are_refused(tmp_path, variants):
         hf_mloss.merge(str(variants["plain"][0]), [str(folder)], "ties", progress=False)
 
 
-def test_unsupported_architecture_lists_adapters(tmp_path):
+def test_a_family_without_scoring_is_merged_data_free_and_refused_for_scoring(tmp_path, image_folder):
     folder = tmp_path / "bert"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
-    with pytest.raises(hf_mloss.UnsupportedModelError, match="bert.*clip_vision"):
+    with pytest.raises(hf_mloss.CorruptCheckpointError, match="No weights found"):  # data-free: the generic adapter
         hf_mloss.merge(str(folder), [str(folder)], "ties", progress=False)
+    with pytest.raises(hf_mloss.UnsupportedModelError, match="'bert'.*clip_vision.*data-free methods work"):
+        hf_mloss.merge(str(folder), [str(folder)], "m_ties", data=str(image_folder), progress=False)
 
 
 def test_missing_local_path_vs_hub_id(tmp_path):

@@ -2,9 +2,10 @@
 
 Each peer runs in its own venv (see ``setup_envs.py``) as a child process,
 offline (``HF_HUB_OFFLINE=1``); its wall time and peak RSS are measured with
-``os.wait4`` on that child.  Inputs are folders written by
-``save_pretrained`` (e.g. ``transformers.CLIPVisionModel``); the output folder
-gets ``model.safetensors`` + ``config.json``.
+``os.wait4`` on that child.  Inputs are any checkpoint folders written by
+``save_pretrained`` (``CLIPVisionModel``, ``LlamaForCausalLM``, ...); the
+output folder gets the safetensors weights (one file or shards, see
+``PeerRun.state_dict``) + ``config.json``.
 
 Conventions (verified, see ``benchmarks/peers/README.md``):
 
@@ -89,8 +90,23 @@ class PeerRun:
 
     @property
     def model_path(self) -> Path:
-        """The merged ``model.safetensors``."""
-        return self.out_dir / "model.safetensors"
+        """The merged ``model.safetensors`` (the first shard's name when the output is sharded)."""
+        files = self.weight_files
+        return files[0] if len(files) == 1 else self.out_dir / "model.safetensors"
+
+    @property
+    def weight_files(self) -> list[Path]:
+        """Every safetensors file of the output: ``model.safetensors``, or the shards of a large model."""
+        return sorted(self.out_dir.glob("*.safetensors"))
+
+    def state_dict(self) -> dict:
+        """Every merged tensor, read from all the output's safetensors files (any model family, sharded or not)."""
+        from safetensors.torch import load_file
+
+        state: dict = {}
+        for file in self.weight_files:
+            state.update(load_file(str(file)))
+        return state
 
     def __fspath__(self) -> str:
         return str(self.out_dir)
@@ -124,11 +140,13 @@ def mergekit_config(
     lam: float = 1.0,
     weights: Sequence[float] | None = None,
     normalize: bool | None = None,
+    dtype: str = "float32",
 ) -> dict:
     """The mergekit YAML config (as a dict) for a task-vector method.
 
     ``normalize`` None keeps mergekit's per-method default, except for ``ties``
     where ``normalize: true`` (the TIES disjoint mean) is written explicitly.
+    ``dtype`` is mergekit's output dtype (``bfloat16`` for bf16 checkpoints).
     """
     if method not in MERGEKIT_METHODS:
         raise ValueError(f"mergekit method must be one of {MERGEKIT_METHODS}, got {method!r}")
@@ -153,7 +171,7 @@ def mergekit_config(
         "base_model": str(Path(base_dir).resolve()),
         "models": models,
         "parameters": shared,
-        "dtype": "float32",
+        "dtype": dtype,
     }
     if method == "linear":  # a plain average of the models; a base_model would be averaged in too
         del config["base_model"]
@@ -222,6 +240,7 @@ def run_peer_merge(
     common_space_fraction: float = 0.8,
     seed: int = 0,
     timeout: float = DEFAULT_TIMEOUT,
+    dtype: str = "float32",
 ) -> PeerRun:
     """Merge ``model_dirs`` onto ``base_dir`` with a peer library; write ``out_dir``.
 
@@ -230,8 +249,9 @@ def run_peer_merge(
     (mergekit ``density``; fusion-bench ``threshold``), ``lam`` the final
     scale (mergekit ``lambda``; fusion-bench ``scaling_factor``).  ``weights``
     are mergekit per-model weights (fusion-bench has none: only all-ones is
-    accepted).  ``normalize`` is mergekit-only, ``merge_func`` fusion-bench-only
-    (TIES), ``common_space_fraction`` fusion-bench-only (``iso_cts``).
+    accepted).  ``normalize`` and ``dtype`` (output dtype) are mergekit-only,
+    ``merge_func`` fusion-bench-only (TIES), ``common_space_fraction``
+    fusion-bench-only (``iso_cts``).
     Raises PeerUnavailable if the venv cannot be installed, PeerError on failure.
     """
     key = normalize_peer(peer)
@@ -244,7 +264,8 @@ def run_peer_merge(
     log_path = out_dir / "peer_run.log"
 
     if key == "mergekit":
-        cfg = mergekit_config(method, base_dir, model_dirs, k=k, lam=lam, weights=weights, normalize=normalize)
+        cfg = mergekit_config(method, base_dir, model_dirs, k=k, lam=lam, weights=weights, normalize=normalize,
+                              dtype=dtype)
         cfg_path = out_dir / "peer_config.yml"
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         cmd = [
@@ -284,13 +305,14 @@ def run_peer_merge(
     if python is None:
         raise PeerUnavailable(f"{key} venv is not available (see the message above)")
     env = _child_env(python)
-    (out_dir / "model.safetensors").unlink(missing_ok=True)  # never report a stale output
+    for stale in out_dir.glob("*.safetensors"):  # never report a stale output (single file or shards)
+        stale.unlink()
     rc, wall, rss = _run_child(cmd, env, log_path, timeout)
     if rc != 0:
         raise PeerError(f"{key} {method} exited with {rc}; log tail:\n{_log_tail(log_path)}")
     run = PeerRun(key, method, out_dir, round(wall, 3), round(rss, 1), log_path)
-    if not run.model_path.is_file():
-        raise PeerError(f"{key} wrote no {run.model_path}; log tail:\n{_log_tail(log_path)}")
+    if not run.weight_files:
+        raise PeerError(f"{key} wrote no safetensors file in {out_dir}; log tail:\n{_log_tail(log_path)}")
     return run
 
 

@@ -8,6 +8,7 @@ from ..errors import UnsupportedModelError
 from .base import EMBEDDING_STAGE, ModelAdapter
 from .clip_vision import CLIPVisionAdapter
 from .dinov2 import Dinov2Adapter
+from .generic import GenericAdapter, whole_model_adapter
 from .vit import ViTAdapter
 
 ADAPTERS: dict[str, type[ModelAdapter]] = {}
@@ -42,8 +43,10 @@ def list_adapters() -> list[str]:
 
 
 def adapter_for(config: PretrainedConfig) -> ModelAdapter:
-    """The adapter instance for a model config, chosen by ``config.model_type``."""
-    for adapter_cls in ADAPTERS.values():
+    """The adapter instance for a model config, chosen by ``config.model_type``: a family adapter (scored), else
+    the generic one (any model transformers builds without remote code; data-free methods only)."""
+    families = [cls for cls in ADAPTERS.values() if cls is not GenericAdapter]
+    for adapter_cls in [*families, GenericAdapter]:  # the generic adapter last, whatever registers after it
         if adapter_cls.matches(config):
             return adapter_cls(config)
     model_type = getattr(config, "model_type", None)
@@ -57,6 +60,7 @@ def adapter_for(config: PretrainedConfig) -> ModelAdapter:
 register_adapter(CLIPVisionAdapter)
 register_adapter(ViTAdapter)
 register_adapter(Dinov2Adapter)
+register_adapter(GenericAdapter)  # matches any transformers model_type: tried last
 
-__all__ = ["ADAPTERS", "EMBEDDING_STAGE", "CLIPVisionAdapter", "Dinov2Adapter", "ModelAdapter", "ViTAdapter",
-           "adapter_for", "list_adapters", "register_adapter"]
+__all__ = ["ADAPTERS", "EMBEDDING_STAGE", "CLIPVisionAdapter", "Dinov2Adapter", "GenericAdapter", "ModelAdapter",
+           "ViTAdapter", "adapter_for", "list_adapters", "register_adapter", "whole_model_adapter"]

@@ -1,0 +1,281 @@
+"""Data-free merging of any transformers model, and whole-model merges of a scored tower's container.
+
+:class:`GenericAdapter` is registered last and matches every ``model_type`` transformers builds without remote code
+(Llama, Mistral, Qwen2, BERT, GPT-2...). The data-free methods (average, task arithmetic, TIES, DARE) need nothing
+model-specific besides the tensor names, the class the merge is written as and the tokenizer or processor saved
+beside it; this adapter gives exactly that. Names are the checkpoint keys (after transformers' own renames for the
+``model_type``, if any); tied tensors (``lm_head.weight`` tied to the input embeddings) are merged once, through the
+tensor they are tied to, and the merge is saved with ``save_pretrained`` so it stays tied. It offers no M-Loss
+scoring: data-guided methods, ``score()`` and ``compatibility()`` refuse it with the reason.
+
+:func:`whole_model_adapter` turns a tower adapter (CLIP vision) into one that merges the whole container model
+(``CLIPModel``: the text tower, the projections and ``logit_scale`` too) while scoring still runs on the tower.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+from ..errors import UnsupportedModelError
+from .base import ModelAdapter
+
+DATA_FREE_METHODS = ("average", "task_arithmetic", "ties", "dare_ties", "dare_linear")
+
+# transformers' auto mappings (model_type -> class name) and the Hub pipeline tag of the classes they list
+_TAGGED_MAPPINGS = (
+    ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "text-generation"),
+    ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "text2text-generation"),
+    ("MODEL_FOR_MASKED_LM_MAPPING_NAMES", "fill-mask"),
+    ("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "text-classification"),
+    ("MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", "token-classification"),
+    ("MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES", "question-answering"),
+    ("MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES", "zero-shot-image-classification"),
+    ("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "image-classification"),
+)
+
+
+def scoring_unavailable(model_type: str | None, what: str = "M-Loss scoring") -> str:
+    """The message of a refused data-guided run on a family without scoring."""
+    from . import ADAPTERS
+
+    scored = sorted(t for cls in ADAPTERS.values() if getattr(cls, "scorable", True) for t in cls.model_types)
+    return (f"{what} needs a scored model family, and scoring is not available yet for model_type={model_type!r} "
+            f"(scored families: {scored}). The data-free methods work on any transformers model: "
+            f"{', '.join(DATA_FREE_METHODS)} (e.g. hf_mloss.merge(base, models, 'ties', k=0.2)).")
+
+
+def resolve_model_class(config: PretrainedConfig) -> type[PreTrainedModel]:
+    """The class a checkpoint is built as: ``config.architectures[0]`` when transformers provides it (never remote
+    code), else the base model class of ``AutoModel`` for the config."""
+    import transformers
+    from transformers import AutoModel
+
+    for arch in list(getattr(config, "architectures", None) or [])[:1]:
+        cls = getattr(transformers, arch, None) if isinstance(arch, str) and arch.isidentifier() else None
+        if not (isinstance(cls, type) and issubclass(cls, PreTrainedModel)):
+            raise UnsupportedModelError(
+                f"config.architectures names {str(arch)[:80]!r}, which transformers does not provide (custom code, "
+                "which hf_mloss never runs, or a newer transformers). Install a transformers that has it, or set "
+                "`architectures` in config.json to the transformers class the weights belong to.")
+        if not isinstance(config, cls.config_class):
+            raise UnsupportedModelError(
+                f"config.architectures names {arch!r}, whose config is {cls.config_class.__name__}, but "
+                f"model_type={config.model_type!r} gives a {type(config).__name__}; config.json is inconsistent.")
+        return cls
+    try:
+        return AutoModel._model_mapping[type(config)]
+    except (KeyError, ValueError):
+        raise UnsupportedModelError(
+            f"transformers has no model class for model_type={config.model_type!r} (no `architectures` in "
+            "config.json and no AutoModel mapping).") from None
+
+
+def pipeline_tag_for(model_class: type[PreTrainedModel]) -> str:
+    """The Hub ``pipeline_tag`` of a transformers class (``LlamaForCausalLM`` -> ``text-generation``)."""
+    from transformers.models.auto import modeling_auto
+
+    name = model_class.__name__
+    for mapping, tag in _TAGGED_MAPPINGS:
+        for value in getattr(modeling_auto, mapping, {}).values():
+            if name == value or (isinstance(value, (tuple, list)) and name in value):
+                return tag
+    vision = getattr(model_class, "main_input_name", "input_ids") == "pixel_values"
+    return "image-feature-extraction" if vision else "feature-extraction"
+
+
+def checkpoint_renames(model_type: str) -> list[tuple[re.Pattern[str], str]]:
+    """transformers' key renames for ``model_type`` (checkpoint spelling -> module names).
+
+    Raises:
+        UnsupportedModelError: the model type's checkpoints hold tensors that transformers fuses or splits on load
+            (MoE experts...): they do not line up one to one with the model's tensors.
+    """
+    from transformers import conversion_mapping
+
+    transforms = conversion_mapping.get_checkpoint_conversion_mapping(model_type) or []
+    renames = []
+    for transform in transforms:
+        if type(transform).__name__ != "WeightRenaming":
+            raise UnsupportedModelError(
+                f"model_type={model_type!r}: transformers converts some of its checkpoint tensors on load "
+                f"({list(transform.source_patterns)[:2]} -> {list(transform.target_patterns)[:1]}), so they do not "
+                "line up one to one with the model's tensors; hf_mloss does not merge this family yet.")
+        renames.append((re.compile(transform.source_patterns[0]), transform.target_patterns[0]))
+    return renames
+
+
+@functools.lru_cache(maxsize=16)
+def _meta_state(model_class: type[PreTrainedModel], config_json: str) -> tuple[dict[str, tuple[int, ...]],
+                                                                               frozenset[str], frozenset[str]]:
+    """(shapes of every tensor the class saves, buffers it does not save, tensors tied to another one)."""
+    import json
+
+    config = model_class.config_class.from_dict(json.loads(config_json))
+    with torch.device("meta"):  # shapes only: no memory, no initialisation cost
+        model = model_class(config)
+    state = model.state_dict()
+    tied = frozenset(getattr(model, "all_tied_weights_keys", None) or ())
+    unsaved = frozenset(name for name, _ in model.named_buffers() if name not in state)
+    return {k: tuple(v.shape) for k, v in state.items()}, unsaved, tied
+
+
+def meta_state(model_class: type[PreTrainedModel], config: PretrainedConfig):
+    """See :func:`_meta_state` (cached per class and config)."""
+    return _meta_state(model_class, config.to_json_string(use_diff=False))
+
+
+class GenericAdapter(ModelAdapter):
+    """Any transformers model, data-free: checkpoint keys as names, the base's class as output, no scoring."""
+
+    name = "generic"
+    model_types = ()
+    model_class = PreTrainedModel  # replaced by the config's class in __init__
+    layer_pattern = re.compile(r"(?:.*\.)?(?:layers|layer|h|blocks|block)\.(\d+)\.")
+    target_suffix = ""
+    scorable: ClassVar[bool] = False
+    saves_with_transformers: ClassVar[bool] = True
+    """The merge is written with the model's own ``save_pretrained`` (tied tensors saved once, generation config)."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__(config)
+        self.model_class = resolve_model_class(config)
+        self._renames = checkpoint_renames(config.model_type)
+
+    @classmethod
+    def matches(cls, config: PretrainedConfig) -> bool:
+        from transformers import CONFIG_MAPPING
+
+        return getattr(config, "model_type", None) in CONFIG_MAPPING
+
+    @property
+    def merged_class(self) -> type[PreTrainedModel]:
+        return self.model_class
+
+    @property
+    def num_layers(self) -> int:
+        text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        return int(getattr(text, "num_hidden_layers", 0) or 0)
+
+    def canonical_key(self, key: str) -> str | None:
+        for pattern, target in self._renames:
+            key = pattern.sub(target, key)
+        return key
+
+    def is_embedding(self, name: str) -> bool:
+        return "embed" in name or any(part in ("wte", "wpe") for part in name.split("."))
+
+    def layer_prefix(self, layer: int) -> str:
+        raise UnsupportedModelError(scoring_unavailable(self.config.model_type))
+
+    def tied_names(self) -> frozenset[str]:
+        """Tensors tied to another one (merged through it, never on their own)."""
+        return meta_state(self.model_class, self.config)[2]
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes, _, tied = meta_state(self.model_class, self.config)
+        return {name: shape for key, shape in shapes.items()
+                if key not in tied and (name := self.canonical_key(key)) is not None}
+
+    def output_class(self, output: str) -> type[PreTrainedModel]:
+        return self.model_class
+
+    def tower(self, model: PreTrainedModel) -> PreTrainedModel:
+        return model
+
+    def output_pipeline_tag(self, model: PreTrainedModel) -> str:
+        return pipeline_tag_for(type(model))
+
+    def card_metadata(self, model: PreTrainedModel | None = None) -> dict[str, Any]:
+        return {"library_name": "transformers", "pipeline_tag": pipeline_tag_for(type(model) if model is not None
+                                                                                  else self.model_class)}
+
+    def load_processor(self, path: str, *, token: str | bool | None = None, full: bool = False) -> Any:
+        """The base's processor (multimodal models), else its tokenizer, else its image processor or feature
+        extractor: whatever the model's pipeline needs beside the weights."""
+        from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoProcessor, AutoTokenizer
+
+        errors = []
+        for loader in (AutoProcessor, AutoTokenizer, AutoImageProcessor, AutoFeatureExtractor):
+            try:
+                return loader.from_pretrained(path, trust_remote_code=False, token=token)
+            except (OSError, ValueError, TypeError, KeyError) as err:
+                errors.append(f"{loader.__name__}: {' '.join(str(err).split())[:80]}")
+        raise OSError(f"no tokenizer or processor in {path!r} ({'; '.join(errors)})")
+
+    def activation(self, model: PreTrainedModel | None = None):
+        raise UnsupportedModelError(scoring_unavailable(self.config.model_type))
+
+    def layers(self, model: PreTrainedModel) -> list[nn.Module]:
+        raise UnsupportedModelError(scoring_unavailable(self.config.model_type))
+
+    def embed(self, model: PreTrainedModel, pixel_values: torch.Tensor) -> torch.Tensor:
+        raise UnsupportedModelError(scoring_unavailable(self.config.model_type))
+
+    def forward_to_target(self, layer: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise UnsupportedModelError(scoring_unavailable(self.config.model_type))
+
+    def forward_from_target(self, layer: nn.Module, residual: torch.Tensor, target_input: torch.Tensor) -> torch.Tensor:
+        raise UnsupportedModelError(scoring_unavailable(self.config.model_type))
+
+
+# ---------------------------------------------------------------------------------------------- whole models
+class WholeModelMixin:
+    """Merges every tensor of a tower adapter's container model (``CLIPModel``), scoring only the tower.
+
+    Tower tensors keep the tower's canonical names (so scoring, reports and M-TIES row trims are unchanged); the
+    others (text tower, projections, ``logit_scale``) are named by their checkpoint key and sit in the last stage:
+    a data-guided method merges them with its data-free rule (M-TIES: TIES trim at k; M-DARE: DARE at p).
+    """
+
+    whole_model: ClassVar[bool] = True
+
+    @property
+    def merged_class(self) -> type[PreTrainedModel]:
+        return self.containers[self.full_config.model_type][0]
+
+    @property
+    def merged_config(self) -> PretrainedConfig:
+        return self.full_config
+
+    def canonical_key(self, key: str) -> str | None:
+        name = super().canonical_key(key)
+        if name is not None:
+            return name
+        attribute = self.containers[self.full_config.model_type][1]
+        return None if key.startswith(f"{attribute}.") else key
+
+    def is_outside_tower(self, name: str) -> bool:
+        """Whether a canonical name lies outside the scored tower (merged without data)."""
+        return super().canonical_key(name) is None
+
+    def tied_names(self) -> frozenset[str]:
+        return frozenset(n for k in meta_state(self.merged_class, self.full_config)[2]
+                         if (n := self.canonical_key(k)) is not None)
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes, _, tied = meta_state(self.merged_class, self.full_config)
+        return {name: shape for key, shape in shapes.items()
+                if key not in tied and (name := self.canonical_key(key)) is not None}
+
+
+@functools.lru_cache(maxsize=None)
+def _whole_class(adapter_cls: type[ModelAdapter]) -> type[ModelAdapter]:
+    return type(f"Whole{adapter_cls.__name__}", (WholeModelMixin, adapter_cls), {"__module__": __name__})
+
+
+def has_container(adapter: ModelAdapter) -> bool:
+    """Whether the adapter's config is a whole model holding the adapter's tower (a full ``CLIPModel``)."""
+    return getattr(adapter.full_config, "model_type", None) in adapter.containers
+
+
+def whole_model_adapter(adapter: ModelAdapter) -> ModelAdapter:
+    """The adapter that merges the whole container model of ``adapter`` (see :class:`WholeModelMixin`)."""
+    if not has_container(adapter):
+        raise ValueError(f"{adapter.name} config {adapter.full_config.model_type!r} is not a whole model")
+    return _whole_class(type(adapter))(adapter.full_config)
