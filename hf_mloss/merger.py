@@ -115,7 +115,10 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
     needs_data = method.needs_data or config.select is not None
     with open_inputs(config, device=device, token=token, needs_data=needs_data, progress=progress) as inputs, \
             cpu_workers(inputs.device) as workers:
-        model = inputs.load_output_model(config.output, progress=progress)
+        from .lora import build_adapter_output, plan_adapter_output
+
+        adapter_plan = plan_adapter_output(config, inputs)  # output="adapter": refused here, before any work
+        model = inputs.load_output_model("auto" if adapter_plan else config.output, progress=progress)
         tower = inputs.adapter.tower(model)
         ctx = MergeContext(params=params, weights=inputs.alpha.to(inputs.device, torch.float32), seed=config.seed)
         merger = TensorMerger(inputs, method, ctx, tower, workers)
@@ -131,11 +134,14 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
         else:
             method.prepare(ctx, merger.visit)
             merger.merge(merger.names, progress=progress, desc=f"Merging ({config.method})")
-        model = finalize(model, merger, as_dtype(config.dtype) if config.dtype else stored_dtype(inputs))
+        out_dtype = as_dtype(config.dtype) if config.dtype else stored_dtype(inputs)
+        model = finalize(model, merger, out_dtype)
+        lora = None if adapter_plan is None else build_adapter_output(adapter_plan, config, inputs, merger.targets,
+                                                                      out_dtype)
         record = recorded_config(config, inputs)
         return MergeResult(model=model, config=record, report=report, base=inputs.base.ref, models=inputs.refs,
                            adapter=inputs.adapter, data_info=inputs.data_info,
-                           method_description=method.describe(params))
+                           method_description=method.describe(params), lora=lora)
 
 
 class TensorMerger:
