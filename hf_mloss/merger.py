@@ -139,6 +139,8 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
         lora = None if adapter_plan is None else build_adapter_output(adapter_plan, config, inputs, merger.targets,
                                                                       out_dtype)
         record = recorded_config(config, inputs)
+        if lora is not None:  # the adapter as written: its combination, and the rank an SVD used
+            record.combination, record.rank = lora.combination, lora.rank if lora.combination == "svd" else None
         return MergeResult(model=model, config=record, report=report, base=inputs.base.ref, models=inputs.refs,
                            adapter=inputs.adapter, data_info=inputs.data_info,
                            method_description=method.describe(params), lora=lora)

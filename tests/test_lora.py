@@ -133,12 +133,18 @@ def test_m_ties_score_and_compatibility_on_adapters_equal_materialised(lora_setu
         for key, value in row_theirs.items():
             if isinstance(value, float):
                 assert row_ours[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
-    score_ours = hf_mloss.score(str(base_dir), [str(a) for a in adapters], **kwargs)
-    score_theirs = hf_mloss.score(str(base_dir), [str(f) for f in full], **kwargs)
-    assert score_ours.mloss() == pytest.approx(score_theirs.mloss(), rel=1e-4)
+    score_ours = hf_mloss.score(str(base_dir), [str(a) for a in adapters], **kwargs).summary_rows()
+    score_theirs = hf_mloss.score(str(base_dir), [str(f) for f in full], **kwargs).summary_rows()
+    assert len(score_ours) == len(score_theirs) == 2
+    for row_ours, row_theirs in zip(score_ours, score_theirs):
+        for key, value in row_theirs.items():
+            if isinstance(value, float):
+                assert row_ours[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
     pairs_ours = hf_mloss.compatibility(str(base_dir), [str(a) for a in adapters[:2]], **kwargs)
     pairs_theirs = hf_mloss.compatibility(str(base_dir), [str(f) for f in full[:2]], **kwargs)
-    assert torch.allclose(torch.as_tensor(pairs_ours.matrix()), torch.as_tensor(pairs_theirs.matrix()), rtol=1e-4)
+    ours_matrix, theirs_matrix = pairs_ours.matrix(), pairs_theirs.matrix()
+    assert torch.isfinite(theirs_matrix[0, 1]) and theirs_matrix[0, 1] > 0
+    assert torch.allclose(ours_matrix, theirs_matrix, rtol=1e-4, equal_nan=True)
 
 
 def test_unlabeled_selection_on_adapters_equals_materialised(lora_setup, image_folder):
@@ -152,3 +158,265 @@ def test_unlabeled_selection_on_adapters_equals_materialised(lora_setup, image_f
         for key in ours.config.select.criteria:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7)
     assert_close_states(_state(ours), _state(theirs))
+
+
+# ================================================================================== an adapter out, and PEFT parity
+def peft_combination(base_dir: Path, adapters: list[Path], weights: list[float], combination: str, *,
+                     model_class=CLIPVisionModel, **kwargs) -> dict[str, torch.Tensor]:
+    """PEFT's own add_weighted_adapter on the same adapters, merged with merge_and_unload (the state dict)."""
+    model = PeftModel.from_pretrained(model_class.from_pretrained(base_dir), adapters[0], adapter_name="a0")
+    for i, adapter in enumerate(adapters[1:], start=1):
+        model.load_adapter(adapter, adapter_name=f"a{i}")
+    names = [f"a{i}" for i in range(len(adapters))]
+    model.add_weighted_adapter(names, weights, "merged", combination_type=combination, **kwargs)
+    model.set_adapter("merged")
+    return {k: v.float() for k, v in model.merge_and_unload().state_dict().items()}
+
+
+def load_written_adapter(base_dir: Path, folder: Path, model_class=CLIPVisionModel) -> dict[str, torch.Tensor]:
+    model = PeftModel.from_pretrained(model_class.from_pretrained(base_dir), folder)
+    return {k: v.float() for k, v in model.merge_and_unload().state_dict().items()}
+
+
+def test_cat_adapter_is_exact_and_equals_peft_cat(lora_setup, tmp_path):
+    base_dir, adapters, _ = lora_setup
+    weights = [0.5, 1.2, 0.3]
+    result = hf_mloss.merge(str(base_dir), [str(a) for a in adapters], "task_arithmetic", lam=1.0, weights=weights,
+                            output="adapter", combination="cat", progress=False)
+    folder = result.save_pretrained(tmp_path / "cat")
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 + 8 + 2 and config["lora_alpha"] == config["r"]
+    loaded = load_written_adapter(base_dir, folder)
+    assert_close_states(loaded, _state(result))  # exact: the adapter IS the merge
+    assert_close_states(loaded, peft_combination(base_dir, adapters, weights, "cat"))
+    card = (folder / "README.md").read_text()
+    assert "library_name: peft" in card and "PeftModel.from_pretrained" in card
+
+
+def test_average_cat_adapter_is_exact(lora_setup, tmp_path):
+    base_dir, adapters, full = lora_setup
+    result = hf_mloss.merge(str(base_dir), [str(a) for a in adapters], "average", output="adapter", progress=False)
+    assert result.lora.combination == "cat"
+    folder = result.save_pretrained(tmp_path / "avg")
+    reference = hf_mloss.merge(str(base_dir), [str(f) for f in full], "average", progress=False)
+    assert_close_states(load_written_adapter(base_dir, folder), _state(reference))
+
+
+def test_svd_adapter_equals_peft_svd_and_records_its_error(lora_setup, tmp_path):
+    base_dir, adapters, _ = lora_setup
+    weights = [0.6, 0.4, 0.8]
+    result = hf_mloss.merge(str(base_dir), [str(a) for a in adapters], "task_arithmetic", lam=1.0, weights=weights,
+                            output="adapter", combination="svd", rank=5, progress=False)
+    folder = result.save_pretrained(tmp_path / "svd")
+    loaded = load_written_adapter(base_dir, folder)
+    assert_close_states(loaded, peft_combination(base_dir, adapters, weights, "svd", svd_rank=5))
+    recorded = json.loads((folder / "hf_mloss_lora.json").read_text())
+    assert recorded["combination"] == "svd" and recorded["rank"] == 5
+    base = CLIPVisionModel.from_pretrained(base_dir).state_dict()
+    exact = _state(result)  # result.model: the merge before factorisation
+    for module, error in recorded["relative_errors"].items():
+        key = f"{module}.weight"
+        delta = exact[key] - base[key]
+        measured = float(torch.linalg.norm(delta - (loaded[key] - base[key])) / torch.linalg.norm(delta))
+        assert error == pytest.approx(measured, rel=1e-3, abs=1e-6), module
+        assert 0 < error < 1  # rank 5 < rank 14 of the exact sum: something is lost, not everything
+    card = (folder / "README.md").read_text()
+    assert "Relative Frobenius error" in card and f"{recorded['max_relative_error']:.4f}" in card
+
+
+def test_ties_svd_adapter_equals_peft_ties_svd(lora_setup, tmp_path):
+    base_dir, adapters, _ = lora_setup
+    weights = [0.7, 1.0, 0.5]
+    result = hf_mloss.merge(str(base_dir), [str(a) for a in adapters], "ties", k=0.4, lam=1.0, convention="peft",
+                            weights=weights, output="adapter", rank=6, progress=False)
+    assert result.lora.combination == "svd"
+    folder = result.save_pretrained(tmp_path / "ties")
+    theirs = peft_combination(base_dir, adapters, weights, "ties_svd", svd_rank=6, density=0.4)
+    assert_close_states(load_written_adapter(base_dir, folder), theirs)
+
+
+def test_dare_ties_svd_adapter_equals_peft_with_the_same_masks(lora_setup, tmp_path, monkeypatch):
+    """Both sides draw DARE masks from one shared rule (source i -> generator seeded by i): PEFT's own random stream
+    cannot be reproduced, its arithmetic can. PEFT elects on unweighted deltas and divides by the count: with equal
+    weights w that is hf_mloss's dare_ties with lam = w."""
+    import peft.utils.merge_utils as merge_utils
+
+    from hf_mloss.methods.base import MergeContext
+
+    base_dir, adapters, _ = lora_setup
+    q, density, w = len(adapters), 0.6, 0.8
+
+    def mask(shape, index):
+        return torch.rand(shape, generator=torch.Generator().manual_seed(1000 + index)) < density
+
+    calls = []
+
+    def peft_random_pruning(tensor, density, rescale):
+        index = len(calls) % q
+        calls.append(index)
+        pruned = torch.where(mask(tensor.shape, index), tensor, torch.zeros_like(tensor))
+        return pruned / density if rescale else pruned
+
+    monkeypatch.setattr(merge_utils, "random_pruning", peft_random_pruning)
+    monkeypatch.setattr(MergeContext, "generator",
+                        lambda self, name, index, device="cpu": torch.Generator().manual_seed(1000 + index))
+    result = hf_mloss.merge(str(base_dir), [str(a) for a in adapters], "dare_ties", p=density, lam=w,
+                            output="adapter", rank=6, progress=False)
+    folder = result.save_pretrained(tmp_path / "dare")
+    theirs = peft_combination(base_dir, adapters, [w] * q, "dare_ties_svd", svd_rank=6, density=density)
+    assert len(calls) == q * 8
+    assert_close_states(load_written_adapter(base_dir, folder), theirs)
+
+
+def test_adapter_output_from_whole_clip_adapters_loads_in_clipmodel(tmp_path, image_folder):
+    """Adapters trained on a full CLIPModel (text tower included): the vision tower merges as their materialised
+    models do, the text tower stays the base's (as for full-model inputs), and the adapter written loads in PEFT."""
+    from hf_mloss.testing import save_clip_model
+
+    base_dir = save_clip_model(make_base(seed=0), tmp_path / "clip")
+    adapters = [make_adapter(base_dir, tmp_path / f"clip_lora{i}", seed=i + 5, model_class=CLIPModel)
+                for i in range(2)]
+    full = [materialise(base_dir, a, tmp_path / f"clip_full{i}", model_class=CLIPModel) for i, a in enumerate(adapters)]
+    ours = hf_mloss.merge(str(base_dir), [str(a) for a in adapters], "ties", k=0.5, progress=False)
+    theirs = hf_mloss.merge(str(base_dir), [str(f) for f in full], "ties", k=0.5, progress=False)
+    assert isinstance(ours.model, CLIPModel)
+    assert_close_states(_state(ours), _state(theirs))
+    result = hf_mloss.merge(str(base_dir), [str(a) for a in adapters], "task_arithmetic", lam=0.5,
+                            output="adapter", progress=False)
+    folder = result.save_pretrained(tmp_path / "clip_cat")
+    loaded = load_written_adapter(base_dir, folder, CLIPModel)
+    assert_close_states(loaded, _state(result))
+    base = CLIPModel.from_pretrained(base_dir).state_dict()
+    assert any(not torch.equal(loaded[k], base[k]) for k in loaded if k.startswith("vision_model.encoder"))
+    assert all(torch.equal(loaded[k], base[k]) for k in loaded if k.startswith("text_model."))
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(use_dora=True),
+    dict(modules_to_save=["post_layernorm"]),
+    dict(bias="all"),
+    dict(r=3, rank_pattern={"fc1": 6}, alpha_pattern={"q_proj": 2}),
+])
+def test_lora_variants_read_exactly(lora_setup, tmp_path, kwargs):
+    """DoRA (Linear), modules_to_save, trained biases and rank/alpha patterns: the merge equals the materialised one."""
+    base_dir, adapters, full = lora_setup
+    variant = make_adapter(base_dir, tmp_path / "variant", seed=11, **kwargs)
+    variant_full = materialise(base_dir, variant, tmp_path / "variant_full")
+    ours = hf_mloss.merge(str(base_dir), [str(variant), str(adapters[0])], "task_arithmetic", lam=1.0,
+                          progress=False)
+    theirs = hf_mloss.merge(str(base_dir), [str(variant_full), str(full[0])], "task_arithmetic", lam=1.0,
+                            progress=False)
+    assert_close_states(_state(ours), _state(theirs))
+
+
+def test_modules_to_save_written_into_the_adapter(lora_setup, tmp_path):
+    base_dir, adapters, full = lora_setup
+    variant = make_adapter(base_dir, tmp_path / "mts", seed=12, modules_to_save=["post_layernorm"])
+    variant_full = materialise(base_dir, variant, tmp_path / "mts_full")
+    result = hf_mloss.merge(str(base_dir), [str(variant), str(adapters[2])], "average", output="adapter",
+                            progress=False)
+    folder = result.save_pretrained(tmp_path / "mts_out")
+    assert json.loads((folder / "adapter_config.json").read_text())["modules_to_save"] == ["post_layernorm"]
+    reference = hf_mloss.merge(str(base_dir), [str(variant_full), str(full[2])], "average", progress=False)
+    assert_close_states(load_written_adapter(base_dir, folder), _state(reference))
+
+
+# ================================================================================== refusals
+def test_refusals_before_any_work(lora_setup, tmp_path):
+    base_dir, adapters, full = lora_setup
+    models = [str(a) for a in adapters]
+    with pytest.raises(InvalidParameterError, match="combination='cat' is exact only for linear methods"):
+        hf_mloss.merge(str(base_dir), models, "ties", output="adapter", combination="cat", progress=False)
+    with pytest.raises(InvalidParameterError, match="rank and combination describe an adapter output"):
+        hf_mloss.merge(str(base_dir), models, "ties", rank=4, progress=False)
+    with pytest.raises(InvalidParameterError, match="is a full model"):
+        hf_mloss.merge(str(base_dir), [models[0], str(full[1])], "ties", output="adapter", progress=False)
+    with pytest.raises(InvalidParameterError, match="base .* is a LoRA adapter"):
+        hf_mloss.merge(models[0], models[1:], "ties", progress=False)
+    with pytest.raises(InvalidParameterError, match="DoRA inputs are not low-rank"):
+        dora = make_adapter(base_dir, tmp_path / "dora", seed=3, use_dora=True)
+        hf_mloss.merge(str(base_dir), [str(dora), models[0]], "task_arithmetic", output="adapter", progress=False)
+
+
+def test_base_mismatch_names_both(lora_setup, tmp_path):
+    base_dir, adapters, _ = lora_setup
+    other = make_adapter(base_dir, tmp_path / "other", seed=4, base_name="openai/clip-vit-base-patch32")
+    with pytest.raises(IncompatibleCheckpointsError, match=r"openai/clip-vit-base-patch32.*base of this merge is"):
+        hf_mloss.merge(str(base_dir), [str(other), str(adapters[0])], "ties", progress=False)
+    # an empty base_model_name_or_path takes the run's base; a copy of the base folder matches by content
+    unnamed = make_adapter(base_dir, tmp_path / "unnamed", seed=4, base_name="")
+    import shutil
+
+    copy = Path(shutil.copytree(base_dir, tmp_path / "base_copy"))
+    copied = make_adapter(base_dir, tmp_path / "copied", seed=5, base_name=str(copy))
+    result = hf_mloss.merge(str(base_dir), [str(unnamed), str(copied)], "ties", progress=False)
+    assert [m.name for m in result.models] == ["unnamed", "copied"]
+
+
+@pytest.mark.parametrize("config_class,reason", [
+    ("LoHaConfig", "LoHa"), ("LoKrConfig", "LoKr"), ("IA3Config", "IA³"),
+])
+def test_other_adapter_types_are_refused(lora_setup, tmp_path, config_class, reason):
+    base_dir, adapters, _ = lora_setup
+    config = getattr(peft, config_class)(target_modules=["q_proj", "v_proj", "fc1"],
+                                         **({"feedforward_modules": ["fc1"]} if config_class == "IA3Config" else {}))
+    model = get_peft_model(CLIPVisionModel.from_pretrained(base_dir), config)
+    model.save_pretrained(tmp_path / "other")
+    with pytest.raises(UnsupportedModelError, match=f"{reason}.*merge_and_unload"):
+        hf_mloss.merge(str(base_dir), [str(tmp_path / "other"), str(adapters[0])], "ties", progress=False)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"init_lora_weights": "pissa"}, "also changes the base weights"),
+    ({"lora_bias": True}, "lora_B"),
+    ({"alora_invocation_tokens": [1, 2]}, "aLoRA"),
+    ({"peft_type": "ADALORA"}, "AdaLoRA"),
+])
+def test_lora_options_that_are_not_exact_are_refused(lora_setup, tmp_path, change, message):
+    import shutil
+
+    base_dir, adapters, _ = lora_setup
+    folder = Path(shutil.copytree(adapters[0], tmp_path / "changed"))
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(UnsupportedModelError, match=message):
+        hf_mloss.merge(str(base_dir), [str(folder), str(adapters[1])], "ties", progress=False)
+
+
+# ================================================================================== configs: YAML, mergekit, CLI
+def test_yaml_and_mergekit_model_plus_lora(lora_setup, tmp_path):
+    from hf_mloss import MergeConfig
+
+    base_dir, adapters, full = lora_setup
+    config = MergeConfig.from_dict({
+        "merge_method": "task_arithmetic", "base_model": str(base_dir),
+        "models": [{"model": f"{base_dir}+{a}", "parameters": {"weight": 0.5}} for a in adapters[:2]],
+    })
+    assert [m.model for m in config.models] == [str(a) for a in adapters[:2]]
+    reference = hf_mloss.merge(str(base_dir), [str(f) for f in full[:2]], "task_arithmetic", lam=1.0,
+                               weights=[0.5, 0.5], progress=False)
+    assert_close_states(_state(config.run(progress=False)), _state(reference))
+    with pytest.raises(ConfigError, match="applies adapters to the merge's base"):
+        MergeConfig.from_dict({"merge_method": "ties", "base_model": str(base_dir),
+                               "models": [{"model": f"{full[0]}+{adapters[0]}", "parameters": {"density": 0.5}}]})
+    yaml_path = tmp_path / "merge.yaml"
+    yaml_path.write_text(f"base: {base_dir}\nmodels: [{adapters[0]}, {adapters[1]}]\nmethod: task_arithmetic\n"
+                         "parameters: {{lam: 1.0}}\noutput: adapter\ncombination: svd\nrank: 3\n".replace("{{", "{")
+                         .replace("}}", "}"))
+    config = MergeConfig.from_yaml(yaml_path)
+    assert (config.output, config.combination, config.rank) == ("adapter", "svd", 3)
+    assert "combination: svd" in config.to_yaml()
+
+
+def test_cli_merges_adapters_into_an_adapter(lora_setup, tmp_path):
+    from hf_mloss.cli import main
+
+    base_dir, adapters, _ = lora_setup
+    yaml_path = tmp_path / "merge.yaml"
+    yaml_path.write_text(f"base: {base_dir}\nmodels: [{adapters[0]}, {adapters[2]}]\nmethod: task_arithmetic\n"
+                         "output: adapter\n")
+    assert main(["merge", str(yaml_path), str(tmp_path / "out"), "-q"]) in (0, None)
+    assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
+    recipe = hf_mloss.MergeConfig.from_pretrained(tmp_path / "out")
+    assert recipe.output == "adapter" and recipe.combination == "cat"
+    assert recipe.models[0].fingerprint  # adapter folders are fingerprinted like model folders
