@@ -49,9 +49,8 @@ def card_data(result: CardSource) -> ModelCardData:
         from .lora import card_metadata
 
         meta = card_metadata(result)
-        hub_ids = [meta["base_model"]] if meta["base_model"] else []
     return ModelCardData(
-        base_model=hub_ids or None,
+        base_model=meta["base_model"] if lora is not None else hub_ids or None,
         base_model_relation="adapter" if lora is not None else "merge",
         library_name=meta["library_name"],
         pipeline_tag=meta["pipeline_tag"],

@@ -189,8 +189,8 @@ class MergeConfig:
     processor: Any = param(None, "Image processor (Hub id or folder); default: the base's.")
     output: str = param("auto", "auto: the base's class (a full CLIPModel stays one); tower: the merged tower only; "
                         "adapter: a PEFT LoRA adapter (from LoRA adapter inputs).", choices=OUTPUTS)
-    rank: int | None = param(None, "output=adapter with combination=svd: the adapter's rank (default: the largest "
-                             "input rank).", low=1, high=2**20)
+    lora_rank: int | None = param(None, "output=adapter with combination=svd: the adapter's rank (default: the "
+                                  "largest input rank; `rank` is M-TIES's row ranking).", low=1, high=2**20)
     combination: str | None = param(None, "output=adapter: cat (stacked factors, exact, linear methods) or svd "
                                     "(truncated SVD of each merged task vector); default: cat for linear methods.",
                                     choices=("cat", "svd"))
@@ -255,17 +255,17 @@ class MergeConfig:
         from .lora import LINEAR_METHODS
 
         if self.output != "adapter":
-            if self.rank is not None or self.combination is not None:
-                raise InvalidParameterError(f"rank and combination describe an adapter output; pass output='adapter' "
-                                            f"(got output={self.output!r}).")
+            if self.lora_rank is not None or self.combination is not None:
+                raise InvalidParameterError(f"lora_rank and combination describe an adapter output; pass "
+                                            f"output='adapter' (got output={self.output!r}).")
             return
         if self.combination == "cat" and self.method not in LINEAR_METHODS:
             raise InvalidParameterError(
                 f"combination='cat' is exact only for linear methods ({', '.join(LINEAR_METHODS)}); {self.method!r} "
                 "trims, elects signs or drops entries, so its merge is not a stack of the inputs' factors. Use "
-                "combination='svd' (with rank=...).")
-        if self.combination == "cat" and self.rank is not None:
-            raise InvalidParameterError("combination='cat' writes the sum of the input ranks; rank= applies to "
+                "combination='svd' (with lora_rank=...).")
+        if self.combination == "cat" and self.lora_rank is not None:
+            raise InvalidParameterError("combination='cat' writes the sum of the input ranks; lora_rank= applies to "
                                         "combination='svd' only.")
 
     def _validate_selection(self, method: MergeMethod) -> None:
@@ -433,7 +433,7 @@ class MergeConfig:
         if self.data is not None:
             out["data"] = self.data.to_dict(base)
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for key in ("dtype", "batch_size", "compute_dtype", "output", "rank", "combination"):
+        for key in ("dtype", "batch_size", "compute_dtype", "output", "lora_rank", "combination"):
             if getattr(self, key) != defaults[key]:
                 out[key] = getattr(self, key)
         if isinstance(self.processor, str):

@@ -603,11 +603,11 @@ def plan_adapter_output(config: MergeConfig, inputs: RunInputs) -> AdapterPlan |
     combination = config.combination or ("cat" if config.method in LINEAR_METHODS else "svd")
     if combination == "cat" and any(lora.use_dora for lora in adapters):
         raise InvalidParameterError("combination='cat' stacks LoRA factors, and DoRA inputs are not low-rank updates "
-                                    "of the base; use combination='svd' (with rank=...).")
+                                    "of the base; use combination='svd' (with lora_rank=...).")
     if combination == "cat":
         rank = max(sum(l.modules[n].rank for l in adapters if n in l.modules) for n in targets) if targets else 1
     else:
-        rank = config.rank or max((m.rank for l in adapters for m in l.modules.values()), default=1)
+        rank = config.lora_rank or max((m.rank for l in adapters for m in l.modules.values()), default=1)
     return AdapterPlan(targets=targets, copies=copies, adapters=adapters, combination=combination, rank=rank)
 
 

@@ -60,7 +60,8 @@ def merge(
 
     Args:
         base: the pretrained model the others were fine-tuned from (Hub id, local folder or loaded model).
-        models: the q fine-tuned models (Hub ids, local folders or loaded models).
+        models: the q fine-tuned models (Hub ids, local folders or loaded models), or PEFT LoRA adapters of the base
+            (folders or Hub ids holding ``adapter_config.json``), read as their merged models, tensor by tensor.
         method: a registered method (``hf_mloss.list_methods()``): ``average``, ``task_arithmetic``, ``ties``,
             ``dare_ties``, ``dare_linear``, ``m_ties``, ``m_dare``.
         weights: α, one per fine-tuned model (default uniform 1/q; 1 for task arithmetic and ``dare_linear``).
@@ -73,7 +74,9 @@ def merge(
         revision: Hub branch, tag or commit for every Hub model, or one per model (base first; None for folders).
         processor: image processor for ``data`` (Hub id, folder or object); default: the base's.
         output: ``"auto"`` writes the base's class (a full ``CLIPModel`` base gives a full ``CLIPModel``);
-            ``"tower"`` only the merged tower (``CLIPVisionModel``).
+            ``"tower"`` only the merged tower (``CLIPVisionModel``); ``"adapter"`` a PEFT LoRA adapter of the base
+            (LoRA adapter inputs; ``combination="cat"``, exact for linear methods, or ``"svd"`` with ``lora_rank=``;
+            see :mod:`hf_mloss.lora`).
         device: where to compute (``"cpu"``, ``"cuda"``...).
         token: passed to the Hub for private models; never stored or printed.
         select: ``"unlabeled"`` chooses the parameters in ``grid`` on ``data`` without labels (or a mapping of
@@ -140,7 +143,7 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
                                                                       out_dtype)
         record = recorded_config(config, inputs)
         if lora is not None:  # the adapter as written: its combination, and the rank an SVD used
-            record.combination, record.rank = lora.combination, lora.rank if lora.combination == "svd" else None
+            record.combination, record.lora_rank = lora.combination, lora.rank if lora.combination == "svd" else None
         return MergeResult(model=model, config=record, report=report, base=inputs.base.ref, models=inputs.refs,
                            adapter=inputs.adapter, data_info=inputs.data_info,
                            method_description=method.describe(params), lora=lora)

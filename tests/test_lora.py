@@ -206,7 +206,7 @@ def test_svd_adapter_equals_peft_svd_and_records_its_error(lora_setup, tmp_path)
     base_dir, adapters, _ = lora_setup
     weights = [0.6, 0.4, 0.8]
     result = hf_mloss.merge(str(base_dir), [str(a) for a in adapters], "task_arithmetic", lam=1.0, weights=weights,
-                            output="adapter", combination="svd", rank=5, progress=False)
+                            output="adapter", combination="svd", lora_rank=5, progress=False)
     folder = result.save_pretrained(tmp_path / "svd")
     loaded = load_written_adapter(base_dir, folder)
     assert_close_states(loaded, peft_combination(base_dir, adapters, weights, "svd", svd_rank=5))
@@ -228,7 +228,7 @@ def test_ties_svd_adapter_equals_peft_ties_svd(lora_setup, tmp_path):
     base_dir, adapters, _ = lora_setup
     weights = [0.7, 1.0, 0.5]
     result = hf_mloss.merge(str(base_dir), [str(a) for a in adapters], "ties", k=0.4, lam=1.0, convention="peft",
-                            weights=weights, output="adapter", rank=6, progress=False)
+                            weights=weights, output="adapter", lora_rank=6, progress=False)
     assert result.lora.combination == "svd"
     folder = result.save_pretrained(tmp_path / "ties")
     theirs = peft_combination(base_dir, adapters, weights, "ties_svd", svd_rank=6, density=0.4)
@@ -261,7 +261,7 @@ def test_dare_ties_svd_adapter_equals_peft_with_the_same_masks(lora_setup, tmp_p
     monkeypatch.setattr(MergeContext, "generator",
                         lambda self, name, index, device="cpu": torch.Generator().manual_seed(1000 + index))
     result = hf_mloss.merge(str(base_dir), [str(a) for a in adapters], "dare_ties", p=density, lam=w,
-                            output="adapter", rank=6, progress=False)
+                            output="adapter", lora_rank=6, progress=False)
     folder = result.save_pretrained(tmp_path / "dare")
     theirs = peft_combination(base_dir, adapters, [w] * q, "dare_ties_svd", svd_rank=6, density=density)
     assert len(calls) == q * 8
@@ -327,8 +327,8 @@ def test_refusals_before_any_work(lora_setup, tmp_path):
     models = [str(a) for a in adapters]
     with pytest.raises(InvalidParameterError, match="combination='cat' is exact only for linear methods"):
         hf_mloss.merge(str(base_dir), models, "ties", output="adapter", combination="cat", progress=False)
-    with pytest.raises(InvalidParameterError, match="rank and combination describe an adapter output"):
-        hf_mloss.merge(str(base_dir), models, "ties", rank=4, progress=False)
+    with pytest.raises(InvalidParameterError, match="lora_rank and combination describe an adapter output"):
+        hf_mloss.merge(str(base_dir), models, "ties", lora_rank=4, progress=False)
     with pytest.raises(InvalidParameterError, match="is a full model"):
         hf_mloss.merge(str(base_dir), [models[0], str(full[1])], "ties", output="adapter", progress=False)
     with pytest.raises(InvalidParameterError, match="base .* is a LoRA adapter"):
@@ -401,10 +401,10 @@ def test_yaml_and_mergekit_model_plus_lora(lora_setup, tmp_path):
                                "models": [{"model": f"{full[0]}+{adapters[0]}", "parameters": {"density": 0.5}}]})
     yaml_path = tmp_path / "merge.yaml"
     yaml_path.write_text(f"base: {base_dir}\nmodels: [{adapters[0]}, {adapters[1]}]\nmethod: task_arithmetic\n"
-                         "parameters: {{lam: 1.0}}\noutput: adapter\ncombination: svd\nrank: 3\n".replace("{{", "{")
+                         "parameters: {{lam: 1.0}}\noutput: adapter\ncombination: svd\nlora_rank: 3\n".replace("{{", "{")
                          .replace("}}", "}"))
     config = MergeConfig.from_yaml(yaml_path)
-    assert (config.output, config.combination, config.rank) == ("adapter", "svd", 3)
+    assert (config.output, config.combination, config.lora_rank) == ("adapter", "svd", 3)
     assert "combination: svd" in config.to_yaml()
 
 
@@ -420,3 +420,43 @@ def test_cli_merges_adapters_into_an_adapter(lora_setup, tmp_path):
     recipe = hf_mloss.MergeConfig.from_pretrained(tmp_path / "out")
     assert recipe.output == "adapter" and recipe.combination == "cat"
     assert recipe.models[0].fingerprint  # adapter folders are fingerprinted like model folders
+
+
+def test_hub_adapters_and_card_metadata(lora_setup, tmp_path, monkeypatch):
+    """Hub ids of a base and of adapters (an offline Hub cache): the adapters resolve, their base is checked by Hub
+    id, the recipe pins their commits, and the adapter written carries PEFT's card metadata."""
+    import hashlib
+    import shutil
+
+    import yaml
+    from huggingface_hub import constants
+
+    base_dir, adapters, full = lora_setup
+    cache = tmp_path / "hub"
+    repos = {"org/base": base_dir}
+    for i, adapter in enumerate(adapters[:2]):
+        hub_copy = Path(shutil.copytree(adapter, tmp_path / f"hub_lora{i}"))
+        config = json.loads((hub_copy / "adapter_config.json").read_text())
+        (hub_copy / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "org/base"}))
+        repos[f"org/lora{i}"] = hub_copy
+    for repo_id, src in repos.items():
+        storage = cache / f"models--{repo_id.replace('/', '--')}"
+        sha = hashlib.sha1(repo_id.encode()).hexdigest()
+        (storage / "refs").mkdir(parents=True)
+        (storage / "refs" / "main").write_text(sha)
+        shutil.copytree(src, storage / "snapshots" / sha)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = hf_mloss.merge("org/base", ["org/lora0", "org/lora1"], "task_arithmetic", lam=1.0, output="adapter",
+                            combination="svd", lora_rank=4, progress=False)
+    assert [m.revision for m in result.config.models] == [hashlib.sha1(f"org/lora{i}".encode()).hexdigest()
+                                                          for i in range(2)]
+    reference = hf_mloss.merge(str(base_dir), [str(f) for f in full[:2]], "task_arithmetic", lam=1.0, progress=False)
+    assert_close_states(_state(result), _state(reference))
+    folder = result.save_pretrained(tmp_path / "out")
+    meta = yaml.safe_load((folder / "README.md").read_text().split("---\n", 2)[1])
+    assert meta["library_name"] == "peft" and meta["base_model"] == "org/base"
+    assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] == "org/base"
+    with pytest.raises(IncompatibleCheckpointsError, match="org/base"):
+        hf_mloss.merge(str(base_dir), ["org/lora0"], "ties", progress=False)
