@@ -627,15 +627,21 @@ def build_adapter_output(plan: AdapterPlan, config: MergeConfig, inputs: RunInpu
             "written as a LoRA adapter. Write a full model (output='auto') instead.")
     tensors: dict[str, torch.Tensor] = {}
     errors: dict[str, float] = {}
-    coefficients = _linear_coefficients(config, inputs) if plan.combination == "cat" else None
+    # A linear merge of LoRA inputs is B_cat·A_cat exactly: "cat" writes those factors, and "svd" factors them
+    # through two thin QRs (no dense SVD of an out × in matrix). Other merges are factored from the dense ΔW.
+    factored = config.method in LINEAR_METHODS and not any(lora.use_dora for lora in plan.adapters)
+    coefficients = _linear_coefficients(config, inputs) if factored else None
     for name, module in plan.targets.items():
         delta = merged[name].float() - inputs.base.get_float(name)
         if coefficients is not None:
             a, b = _cat_factors(plan, name, coefficients)
-            error = _relative_error(delta, b @ a)
-            if error > 1e-3:
-                raise RuntimeError(f"combination='cat' does not reproduce the merge of {name!r} (relative error "
-                                   f"{error:.2e}); please report this.")
+            mismatch = _relative_error(delta, b @ a)
+            if mismatch > 1e-3:
+                raise RuntimeError(f"The stacked LoRA factors do not reproduce the merge of {name!r} (relative error "
+                                   f"{mismatch:.2e}); please report this.")
+            error = 0.0
+            if plan.combination == "svd":
+                a, b, error = _factored_svd(a, b, plan.rank)
         else:
             a, b, error = _svd_factors(delta, plan.rank)
         errors[module] = error
@@ -687,6 +693,17 @@ def _svd_factors(delta: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Te
     total = float(s.pow(2).sum())
     error = math.sqrt(max(float(s[r:].pow(2).sum()), 0.0) / total) if total > 0 else 0.0
     return vh[:r].contiguous(), (u[:, :r] * s[:r]).contiguous(), error
+
+
+def _factored_svd(a: torch.Tensor, b: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The truncated SVD of B·A from its factors: B = Q_b R_b, Aᵀ = Q_a R_a, SVD of the small R_b R_aᵀ."""
+    q_b, r_b = torch.linalg.qr(b)
+    q_a, r_a = torch.linalg.qr(a.T)
+    u, s, vh = torch.linalg.svd(r_b @ r_a.T, full_matrices=False)
+    r = min(rank, s.numel())
+    total = float(s.pow(2).sum())
+    error = math.sqrt(max(float(s[r:].pow(2).sum()), 0.0) / total) if total > 0 else 0.0
+    return (vh[:r] @ q_a.T).contiguous(), ((q_b @ u[:, :r]) * s[:r]).contiguous(), error
 
 
 def _pad(a: torch.Tensor, b: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
