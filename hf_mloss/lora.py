@@ -5,8 +5,11 @@ model is. It is read as a lazy :class:`LoraStore` over the run's base: ``get(nam
 adapted weight (ΔW = scale·B·A, computed for that one tensor only), the saved copy for ``modules_to_save`` tensors and
 trained biases, and the base's tensor for everything else. No full model is ever materialised, and PEFT is not needed.
 
-Exactly what ``PeftModel.merge_and_unload()`` computes is read; every adapter kind or option for which that cannot be
-done exactly is refused with the reason (:data:`REFUSED_TYPES`, :func:`check_adapter_config`), never approximated.
+Exactly what ``PeftModel.merge_and_unload()`` computes is read. Supported: LoRA (any ranks, ``lora_alpha`` /
+``use_rslora``, ``rank_pattern`` / ``alpha_pattern``), DoRA on linear layers, LoRA on embeddings and convolutions,
+``fan_in_fan_out``, ``modules_to_save`` and trained biases (``bias="all"`` / ``"lora_only"``), and IA³ (per-feature
+scales). Every other adapter kind or option is refused with the reason (:data:`REFUSED_TYPES`,
+:func:`check_adapter_config`), never approximated.
 
 Out: ``output="adapter"`` writes the merge as a LoRA adapter that ``PeftModel.from_pretrained(base, folder)`` loads:
 ``combination="cat"`` stacks the inputs' factors (the method's weights folded into B, ranks summed): exact for linear
@@ -51,7 +54,6 @@ COMBINATIONS = ("cat", "svd")
 REFUSED_TYPES = {
     "LOHA": "LoHa (Hadamard product of two low-rank pairs)",
     "LOKR": "LoKr (Kronecker-product factors)",
-    "IA3": "IA³ (learned activation scales)",
     "ADALORA": "AdaLoRA (SVD-parameterised, with rank masks)",
     "OFT": "OFT (orthogonal rotations)",
     "BOFT": "BOFT (butterfly orthogonal rotations)",
@@ -93,7 +95,8 @@ class LoraRef(ModelRef):
 
     def open_store(self, adapter: ModelAdapter, base: TensorStore) -> LoraStore:
         """The adapter read lazily over the run's base store (the hook :func:`hf_mloss.inputs.open_inputs` calls)."""
-        return LoraStore(LoraAdapter(self, adapter, base), base)
+        kind = Ia3Adapter if str(self.adapter_config.get("peft_type", "")).upper() == "IA3" else LoraAdapter
+        return LoraStore(kind(self, adapter, base), base)
 
 
 @dataclass
@@ -269,6 +272,66 @@ class LoraAdapter:
         return self._read.get(self.copies[name])
 
 
+class Ia3Adapter:
+    """An IA³ adapter: learned per-feature scales of the base weights, applied exactly as ``merge_and_unload``.
+
+    A feed-forward module's scale multiplies the weight's input columns (``ia3_l`` of shape ``[1, in]``); any
+    other module's multiplies its output rows (``[out, 1]``) and its bias.
+    """
+
+    use_dora = False
+
+    def __init__(self, ref: LoraRef, family: ModelAdapter, base: TensorStore) -> None:
+        self.ref, self.family = ref, family
+        self.modules: dict[str, str] = {}
+        """Canonical name (weight or bias) -> key of its ``ia3_l`` scale."""
+        self.copies: dict[str, str] = {}
+        self.copy_modules: dict[str, str] = {}
+        self.ignored: list[str] = []
+        self._read = _tensor_reader(Path(ref.path), ref.name)
+        for key, shape in self._read.shapes.items():
+            parts = key.split(".")
+            if "ia3_l" not in parts:
+                path = _strip_wrappers(key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key)
+                name = family.canonical_key(path)
+                if name is None:
+                    self.ignored.append(key)
+                    continue
+                if name not in base.shapes or tuple(base.shapes[name]) != tuple(shape):
+                    raise IncompatibleCheckpointsError(
+                        f"{ref.name!r}: the saved copy {key!r} does not fit the base's {name!r}; the adapter was "
+                        "trained on another architecture.")
+                self.copies[name] = key
+                self.copy_modules[name] = path.rsplit(".", 1)[0]
+                continue
+            module = ".".join(parts[:parts.index("ia3_l")])
+            path = module[len(PEFT_PREFIX):] if module.startswith(PEFT_PREFIX) else module
+            weight = family.canonical_key(f"{path}.weight")
+            if weight is None:
+                self.ignored.append(key)
+                continue
+            target = tuple(base.shapes.get(weight, ()))
+            if len(target) != 2 or tuple(shape) not in ((1, target[1]), (target[0], 1)):
+                raise IncompatibleCheckpointsError(
+                    f"{ref.name!r}: the IA³ scale {key!r} has shape {tuple(shape)}, which scales neither the inputs "
+                    f"nor the outputs of the base's {weight!r} {target}; the adapter was trained on another model.")
+            self.modules[weight] = key
+            bias = weight[: -len("weight")] + "bias"
+            if tuple(shape) == (target[0], 1) and target[0] != 1 and bias in base.shapes:
+                self.modules[bias] = key  # not feed-forward: PEFT scales the bias too
+        if not self.modules and not self.copies:
+            raise CorruptCheckpointError(f"{ref.name!r} adapts nothing of the {family.name} model.")
+
+    def apply(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        scale = self._read.get(self.modules[name]).float()
+        if name.endswith("bias"):
+            return tensor.float() * scale.reshape(tensor.shape)
+        return tensor.float() * scale
+
+    def copy(self, name: str) -> torch.Tensor:
+        return self._read.get(self.copies[name])
+
+
 class LoraStore(TensorStore):
     """An adapter seen as a full model: the base's tensors, with the adapted ones computed one at a time."""
 
@@ -387,7 +450,7 @@ def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
 
 # ============================================================================================= finding adapters
 def check_adapter_config(config: Any, name: str) -> dict[str, Any]:
-    """Refuse, with the reason, every adapter that is not plain LoRA (or DoRA on linears) read exactly.
+    """Refuse, with the reason, every adapter hf_mloss cannot read exactly (see the module docstring).
 
     Raises:
         CorruptCheckpointError: the file is not an adapter config.
@@ -396,10 +459,15 @@ def check_adapter_config(config: Any, name: str) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise CorruptCheckpointError(f"{ADAPTER_CONFIG} of {name!r} is not a JSON object.")
     peft_type = str(config.get("peft_type", "")).upper()
+    if peft_type == "IA3":
+        if config.get("fan_in_fan_out"):
+            raise UnsupportedModelError(f"{name!r} is an IA³ adapter with fan_in_fan_out=True, which hf_mloss does "
+                                        "not read. Merge it with PEFT's merge_and_unload() first.")
+        return config
     if peft_type != "LORA":
         kind = REFUSED_TYPES.get(peft_type, f"peft_type {peft_type or '(missing)'!r}")
         raise UnsupportedModelError(
-            f"{name!r} is a {kind} adapter; hf_mloss merges LoRA adapters (peft_type LORA, DoRA included) only. "
+            f"{name!r} is a {kind} adapter; hf_mloss merges LoRA (DoRA included) and IA³ adapters only. "
             "Merge it into its base with PEFT's merge_and_unload(), save_pretrained the result, and pass that folder.")
     for option, reason in _UNSUPPORTED_OPTIONS.items():
         if reason is not None and config.get(option) not in (None, False, [], {}, ""):
@@ -580,6 +648,10 @@ def plan_adapter_output(config: MergeConfig, inputs: RunInputs) -> AdapterPlan |
             f"{'is a full model' if len(full) == 1 else 'are full models'}. Pass adapters only, or write a full "
             "model (output='auto').")
     adapters = [s.lora for s in stores]
+    ia3 = [lora.ref.name for lora in adapters if isinstance(lora, Ia3Adapter)]
+    if ia3:
+        raise InvalidParameterError(f"output='adapter' writes a LoRA adapter; {ia3} are IA³ adapters, whose scaled "
+                                    "weights are not low-rank updates. Write a full model (output='auto') instead.")
     targets: dict[str, str] = {}
     copies: dict[str, str] = {}
     for lora in adapters:

@@ -353,13 +353,39 @@ def test_base_mismatch_names_both(lora_setup, tmp_path):
     assert [m.name for m in result.models] == ["unnamed", "copied"]
 
 
-@pytest.mark.parametrize("config_class,reason", [
-    ("LoHaConfig", "LoHa"), ("LoKrConfig", "LoKr"), ("IA3Config", "IA³"),
-])
+def test_ia3_adapters_read_exactly(lora_setup, tmp_path):
+    """IA³ (a per-feature scale of the weight; of the bias too outside feed-forward modules) is exact: the merge equals
+    the materialised one; it cannot be written back as a LoRA adapter."""
+    base_model = make_base(seed=0)
+    with torch.no_grad():  # non-zero biases, so that the bias scaling shows
+        for name, param in base_model.named_parameters():
+            if name.endswith("bias"):
+                param.add_(0.1 * torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))))
+    base_dir = save_model(base_model, tmp_path / "base")
+    ia3, ia3_full = [], []
+    for i in range(2):
+        config = peft.IA3Config(target_modules=["q_proj", "v_proj", "fc1", "fc2"], feedforward_modules=["fc1", "fc2"])
+        model = get_peft_model(CLIPVisionModel.from_pretrained(base_dir), config)
+        _randomise_b(model, seed=21 + i)
+        model.save_pretrained(tmp_path / f"ia3_{i}")
+        ia3.append(str(tmp_path / f"ia3_{i}"))
+        ia3_full.append(str(materialise(base_dir, tmp_path / f"ia3_{i}", tmp_path / f"ia3_full{i}")))
+    base = CLIPVisionModel.from_pretrained(base_dir).state_dict()
+    merged = CLIPVisionModel.from_pretrained(ia3_full[0]).state_dict()
+    changed = {k for k, v in merged.items() if not torch.equal(v, base[k])}
+    assert "encoder.layers.0.self_attn.q_proj.bias" in changed and "encoder.layers.0.mlp.fc1.bias" not in changed
+    for method in ("task_arithmetic", "ties"):
+        ours = hf_mloss.merge(str(base_dir), ia3, method, progress=False)
+        theirs = hf_mloss.merge(str(base_dir), ia3_full, method, progress=False)
+        assert_close_states(_state(ours), _state(theirs))
+    with pytest.raises(InvalidParameterError, match="IA³ adapters"):
+        hf_mloss.merge(str(base_dir), ia3, "ties", output="adapter", progress=False)
+
+
+@pytest.mark.parametrize("config_class,reason", [("LoHaConfig", "LoHa"), ("LoKrConfig", "LoKr")])
 def test_other_adapter_types_are_refused(lora_setup, tmp_path, config_class, reason):
     base_dir, adapters, _ = lora_setup
-    config = getattr(peft, config_class)(target_modules=["q_proj", "v_proj", "fc1"],
-                                         **({"feedforward_modules": ["fc1"]} if config_class == "IA3Config" else {}))
+    config = getattr(peft, config_class)(target_modules=["q_proj", "v_proj", "fc1"])
     model = get_peft_model(CLIPVisionModel.from_pretrained(base_dir), config)
     model.save_pretrained(tmp_path / "other")
     with pytest.raises(UnsupportedModelError, match=f"{reason}.*merge_and_unload"):
