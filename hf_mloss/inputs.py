@@ -128,6 +128,8 @@ def _resolve(spec: ModelSpec, token, base=None):
         return ModelRef(path=name, repo_id=repo_id), model, model.config
     try:
         ref = resolve_model(spec.model, revision=spec.revision, token=token)
+        if ref.weights_file is None and (Path(ref.path) / "adapter_config.json").is_file():
+            raise CorruptCheckpointError("an adapter folder")  # with a config.json of its base beside it
         check_model_type(ref)
     except CorruptCheckpointError:  # not a model folder: a PEFT LoRA adapter is read over the base (hf_mloss.lora)
         from .lora import resolve_lora

@@ -152,7 +152,7 @@ class LoraAdapter:
                     adapter_names.add(adapter_name)
                 factors.setdefault(module, {})[role] = key
                 continue
-            path = _strip_wrappers(key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key)
+            path = _strip_wrappers(key.removeprefix(PEFT_PREFIX))
             if any(part.startswith(_OTHER_TUNER_TOKENS) for part in path.split(".")):
                 raise UnsupportedModelError(
                     f"{ref.name!r}: tensor {key!r} belongs to an adapter kind that is not plain LoRA; hf_mloss reads "
@@ -195,7 +195,7 @@ class LoraAdapter:
             raise CorruptCheckpointError(
                 f"{self.ref.name!r}: module {module!r} has {sorted(roles)} but a LoRA module needs both its A and B "
                 "factors; the adapter file is incomplete.")
-        path = module[len(PEFT_PREFIX):] if module.startswith(PEFT_PREFIX) else module
+        path = module.removeprefix(PEFT_PREFIX)
         name = self.family.canonical_key(f"{path}.weight")
         if name is None:
             self.ignored.extend(roles.values())
@@ -204,7 +204,7 @@ class LoraAdapter:
         a_shape, b_shape = tuple(self._read.shapes[a_key]), tuple(self._read.shapes[b_key])
         target = tuple(base.shapes[name])
         kind = "embedding" if embedding else "conv" if len(a_shape) == 4 else "linear"
-        rank = a_shape[0] if kind != "embedding" else a_shape[0]
+        rank = a_shape[0]
         if kind == "embedding":
             expected = (a_shape[1], b_shape[0])  # ΔW = (B·A)ᵀ
         elif kind == "conv":
@@ -292,7 +292,7 @@ class Ia3Adapter:
         for key, shape in self._read.shapes.items():
             parts = key.split(".")
             if "ia3_l" not in parts:
-                path = _strip_wrappers(key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key)
+                path = _strip_wrappers(key.removeprefix(PEFT_PREFIX))
                 name = family.canonical_key(path)
                 if name is None:
                     self.ignored.append(key)
@@ -305,7 +305,7 @@ class Ia3Adapter:
                 self.copy_modules[name] = path.rsplit(".", 1)[0]
                 continue
             module = ".".join(parts[:parts.index("ia3_l")])
-            path = module[len(PEFT_PREFIX):] if module.startswith(PEFT_PREFIX) else module
+            path = module.removeprefix(PEFT_PREFIX)
             weight = family.canonical_key(f"{path}.weight")
             if weight is None:
                 self.ignored.append(key)

@@ -11,17 +11,17 @@ import torch
 
 peft = pytest.importorskip("peft")
 
-from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
-from transformers import CLIPModel, CLIPVisionModel  # noqa: E402
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import CLIPModel, CLIPVisionModel
 
-import hf_mloss  # noqa: E402
-from hf_mloss.errors import (  # noqa: E402
+import hf_mloss
+from hf_mloss.errors import (
     ConfigError,
     IncompatibleCheckpointsError,
     InvalidParameterError,
     UnsupportedModelError,
 )
-from hf_mloss.testing import make_base, save_model, tiny_processor  # noqa: E402
+from hf_mloss.testing import make_base, save_model, tiny_processor
 
 TARGETS = ["q_proj", "v_proj", "fc1", "fc2"]
 TOL = 1e-5
@@ -85,9 +85,9 @@ def assert_close_states(a: dict, b: dict, tol: float = TOL) -> None:
 def test_store_gives_merge_and_unload_weights(lora_setup):
     """Each tensor of an adapter store equals the merged model's tensor PEFT writes (rank, rsLoRA, alpha_pattern)."""
     from hf_mloss.adapters import adapter_for
+    from hf_mloss.config import ModelSpec
     from hf_mloss.hub import resolve_model
     from hf_mloss.lora import resolve_lora
-    from hf_mloss.config import ModelSpec
     from hf_mloss.store import CheckpointStore
 
     base_dir, adapters, full = lora_setup
@@ -239,7 +239,7 @@ def test_dare_ties_svd_adapter_equals_peft_with_the_same_masks(lora_setup, tmp_p
     """Both sides draw DARE masks from one shared rule (source i -> generator seeded by i): PEFT's own random stream
     cannot be reproduced, its arithmetic can. PEFT elects on unweighted deltas and divides by the count: with equal
     weights w that is hf_mloss's dare_ties with lam = w."""
-    import peft.utils.merge_utils as merge_utils
+    from peft.utils import merge_utils
 
     from hf_mloss.methods.base import MergeContext
 
@@ -296,6 +296,7 @@ def test_adapter_output_from_whole_clip_adapters_loads_in_clipmodel(tmp_path, im
     dict(modules_to_save=["post_layernorm"]),
     dict(bias="all"),
     dict(r=3, rank_pattern={"fc1": 6}, alpha_pattern={"q_proj": 2}),
+    dict(target_modules=["patch_embedding", "position_embedding", "q_proj"]),  # Conv2d and Embedding LoRA
 ])
 def test_lora_variants_read_exactly(lora_setup, tmp_path, kwargs):
     """DoRA (Linear), modules_to_save, trained biases and rank/alpha patterns: the merge equals the materialised one."""
@@ -307,6 +308,10 @@ def test_lora_variants_read_exactly(lora_setup, tmp_path, kwargs):
     theirs = hf_mloss.merge(str(base_dir), [str(variant_full), str(full[0])], "task_arithmetic", lam=1.0,
                             progress=False)
     assert_close_states(_state(ours), _state(theirs))
+    if "target_modules" in kwargs:
+        with pytest.raises(InvalidParameterError, match="writes LoRA on linear layers"):
+            hf_mloss.merge(str(base_dir), [str(variant), str(adapters[0])], "average", output="adapter",
+                           progress=False)
 
 
 def test_modules_to_save_written_into_the_adapter(lora_setup, tmp_path):
@@ -345,6 +350,7 @@ def test_base_mismatch_names_both(lora_setup, tmp_path):
         hf_mloss.merge(str(base_dir), [str(other), str(adapters[0])], "ties", progress=False)
     # an empty base_model_name_or_path takes the run's base; a copy of the base folder matches by content
     unnamed = make_adapter(base_dir, tmp_path / "unnamed", seed=4, base_name="")
+    (unnamed / "config.json").write_bytes((base_dir / "config.json").read_bytes())  # some adapters ship one
     import shutil
 
     copy = Path(shutil.copytree(base_dir, tmp_path / "base_copy"))
