@@ -330,8 +330,9 @@ def fingerprint_folder(folder: str | os.PathLike[str]) -> str:
 
     digest = xxhash.xxh3_128()
     root = Path(folder)
-    files = sorted(p for p in root.iterdir() if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.name in
-                                                                  ("config.json", "adapter_config.json") or p.name.endswith(".index.json")))
+    configs = ("config.json", "adapter_config.json")  # a PEFT adapter folder: its config and adapter weights
+    files = sorted(p for p in root.iterdir() if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.name in configs
+                                                                  or p.name.endswith(".index.json")))
     for path in files:
         digest.update(path.name.encode() + b"\0")
         with path.open("rb") as handle:
