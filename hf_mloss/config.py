@@ -527,6 +527,9 @@ def _as_model_spec(value: Any, where: str) -> ModelSpec:
         return value
     if value is None:
         raise InvalidParameterError(f"{where} is required: a Hub id (org/name), a local folder or a loaded model.")
+    if hasattr(value, "peft_config") and hasattr(value, "merge_and_unload"):
+        raise InvalidParameterError(f"{where} is a loaded PeftModel; pass its adapter folder (model.save_pretrained("
+                                    "folder)) to merge it as an adapter, or model.merge_and_unload() to pass the model.")
     try:
         return ModelSpec(model=value)
     except InvalidParameterError as err:

@@ -343,6 +343,13 @@ def test_refusals_before_any_work(lora_setup, tmp_path):
         hf_mloss.merge(str(base_dir), [str(dora), models[0]], "task_arithmetic", output="adapter", progress=False)
 
 
+def test_loaded_peft_model_is_refused_with_the_way_out(lora_setup):
+    base_dir, adapters, _ = lora_setup
+    loaded = PeftModel.from_pretrained(CLIPVisionModel.from_pretrained(base_dir), adapters[0])
+    with pytest.raises(InvalidParameterError, match=r"models\[0\] is a loaded PeftModel; pass its adapter folder"):
+        hf_mloss.merge(str(base_dir), [loaded, str(adapters[1])], "ties", progress=False)
+
+
 def test_base_mismatch_names_both(lora_setup, tmp_path):
     base_dir, adapters, _ = lora_setup
     other = make_adapter(base_dir, tmp_path / "other", seed=4, base_name="openai/clip-vit-base-patch32")
