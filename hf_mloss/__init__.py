@@ -50,7 +50,7 @@ _EXPORTS = {
 }
 
 _SUBMODULES = {"adapters", "card", "checkpoint", "cli", "config", "data", "demo", "errors", "evaluation", "hub",
-               "hub_push", "inputs", "merger", "mergekit_compat", "methods", "options", "plots", "report", "result",
+               "hub_push", "inputs", "lora", "merger", "mergekit_compat", "methods", "options", "plots", "report", "result",
                "saving", "scoring", "selection", "store", "suites", "testing", "theory"}
 
 __all__ = [

@@ -49,13 +49,18 @@ def card_data(result: CardSource) -> ModelCardData:
                    metric_value=float(value))
         for task, value in result.eval_results.items()
     ] or None
+    lora = getattr(result, "lora", None)
+    if lora is not None:  # a PEFT adapter: PEFT's metadata (library_name: peft, base_model: the base's Hub id)
+        from .lora import card_metadata
+
+        meta = card_metadata(result)
     return ModelCardData(
-        base_model=hub_ids or None,
-        base_model_relation="merge",
+        base_model=meta["base_model"] if lora is not None else hub_ids or None,
+        base_model_relation="adapter" if lora is not None else "merge",
         library_name=meta["library_name"],
         pipeline_tag=meta["pipeline_tag"],
         license=base_license(result.base.path),
-        tags=["merge", "model-merging", "hf_mloss", result.config.method],
+        tags=["merge", "model-merging", "hf_mloss", result.config.method, *meta.get("tags", ())],
         datasets=datasets,
         eval_results=eval_results,
         model_name=f"{result.config.method} merge" if eval_results else None,
@@ -150,5 +155,7 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
         heatmap=heatmap,
         selection=selection_rows(result.config),
         compatibility=compatibility.card_section() if compatibility is not None else None,
+        lora=getattr(result, "lora", None) and result.lora.card_section(),
+        base_hint=result.base.repo_id or "path/to/base",
         repo_hint="path/or/repo-id",
     )

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 MERGE_CONFIG_NAME = "hf_mloss_config.yaml"
 DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
-OUTPUTS = ("auto", "tower")
+OUTPUTS = ("auto", "tower", "adapter")
 DEFAULT_NUM_SAMPLES = 128
 MAX_CONFIG_BYTES = 1 << 20
 TOKEN_HINT = ("hf-mloss never reads access tokens from a config file (it would end up in version control and in "
@@ -197,8 +197,13 @@ class MergeConfig:
     compute_dtype: str = param("float32", "dtype of the scoring forward passes (bfloat16 where the CPU/GPU has it).",
                                choices=DTYPES)
     processor: Any = param(None, "Image processor (Hub id or folder); default: the base's.")
-    output: str = param("auto", "auto: the base's class (a full CLIPModel stays one); tower: the merged tower only.",
-                        choices=OUTPUTS)
+    output: str = param("auto", "auto: the base's class (a full CLIPModel stays one); tower: the merged tower only; "
+                        "adapter: a PEFT LoRA adapter (from LoRA adapter inputs).", choices=OUTPUTS)
+    lora_rank: int | None = param(None, "output=adapter with combination=svd: the adapter's rank (default: the "
+                                  "largest input rank; `rank` is M-TIES's row ranking).", low=1, high=2**20)
+    combination: str | None = param(None, "output=adapter: cat (stacked factors, exact, linear methods) or svd "
+                                    "(truncated SVD of each merged task vector); default: cat for linear methods.",
+                                    choices=("cat", "svd"))
     score: ScoringOptions | None = param(None, "Options of `hf-mloss score` (prefix, reduction, ...).")
     select: SelectionOptions | None = param(None, "Choose the method's parameters on unlabeled data: criterion, "
                                             "grid, ... (see hf_mloss.selection).")
@@ -254,6 +259,24 @@ class MergeConfig:
                 "suffice).")
         if self.select is not None:
             self._validate_selection(method)
+        self._validate_adapter_output()
+
+    def _validate_adapter_output(self) -> None:
+        from .lora import LINEAR_METHODS
+
+        if self.output != "adapter":
+            if self.lora_rank is not None or self.combination is not None:
+                raise InvalidParameterError(f"lora_rank and combination describe an adapter output; pass "
+                                            f"output='adapter' (got output={self.output!r}).")
+            return
+        if self.combination == "cat" and self.method not in LINEAR_METHODS:
+            raise InvalidParameterError(
+                f"combination='cat' is exact only for linear methods ({', '.join(LINEAR_METHODS)}); {self.method!r} "
+                "trims, elects signs or drops entries, so its merge is not a stack of the inputs' factors. Use "
+                "combination='svd' (with lora_rank=...).")
+        if self.combination == "cat" and self.lora_rank is not None:
+            raise InvalidParameterError("combination='cat' writes the sum of the input ranks; lora_rank= applies to "
+                                        "combination='svd' only.")
 
     def _validate_selection(self, method: MergeMethod) -> None:
         from .selection import check_selection
@@ -452,7 +475,7 @@ class MergeConfig:
         if self.data is not None:
             out["data"] = self.data.to_dict(base)
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for key in ("dtype", "batch_size", "compute_dtype", "output"):
+        for key in ("dtype", "batch_size", "compute_dtype", "output", "lora_rank", "combination"):
             if getattr(self, key) != defaults[key]:
                 out[key] = getattr(self, key)
         if isinstance(self.processor, str):
@@ -550,6 +573,9 @@ def _as_model_spec(value: Any, where: str) -> ModelSpec:
         return value
     if value is None:
         raise InvalidParameterError(f"{where} is required: a Hub id (org/name), a local folder or a loaded model.")
+    if hasattr(value, "peft_config") and hasattr(value, "merge_and_unload"):
+        raise InvalidParameterError(f"{where} is a loaded PeftModel; pass its adapter folder (model.save_pretrained("
+                                    "folder)) to merge it as an adapter, or model.merge_and_unload() to pass the model.")
     try:
         return ModelSpec(model=value)
     except InvalidParameterError as err:

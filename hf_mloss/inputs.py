@@ -89,7 +89,8 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
 
     device = resolve_device(device)
     specs = [config.base, *config.models]
-    resolved = [_resolve(spec, token) for spec in specs]
+    resolved = [_resolve(config.base, token)]
+    resolved += [_resolve(spec, token, base=resolved[0]) for spec in config.models]
     adapter = adapter_for(resolved[0][2])
     for (ref, _, model_config), spec in zip(resolved[1:], config.models):
         other = adapter_for(model_config)
@@ -109,7 +110,9 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
     stores: list[TensorStore] = []
     try:
         for ref, loaded, _ in resolved:
-            stores.append(ModuleStore(loaded, adapter, ref) if loaded is not None else CheckpointStore(ref, adapter))
+            opener = getattr(ref, "open_store", None)  # a LoRA adapter, read over the base (hf_mloss.lora)
+            stores.append(opener(adapter, stores[0]) if opener else ModuleStore(loaded, adapter, ref)
+                          if loaded is not None else CheckpointStore(ref, adapter))
         check_config_matches_tensors(adapter, stores[0])
         for store in stores[1:]:
             check_compatible(stores[0], store)
@@ -127,7 +130,7 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
             store.close()
 
 
-def _resolve(spec: ModelSpec, token):
+def _resolve(spec: ModelSpec, token, base=None):
     from transformers import AutoConfig
 
     from .errors import CorruptCheckpointError
@@ -143,8 +146,17 @@ def _resolve(spec: ModelSpec, token):
             model_config = copy.deepcopy(model_config)
             model_config.architectures = [type(model).__name__]
         return ModelRef(path=name, repo_id=repo_id), model, model_config
-    ref = resolve_model(spec.model, revision=spec.revision, token=token)
-    check_model_type(ref)
+    try:
+        ref = resolve_model(spec.model, revision=spec.revision, token=token)
+        if ref.weights_file is None and (Path(ref.path) / "adapter_config.json").is_file():
+            raise CorruptCheckpointError("an adapter folder")  # with a config.json of its base beside it
+        check_model_type(ref)
+    except CorruptCheckpointError:  # not a model folder: a PEFT LoRA adapter is read over the base (hf_mloss.lora)
+        from .lora import resolve_lora
+
+        if (lora := resolve_lora(spec, base, token)) is None:
+            raise
+        return lora
     try:
         model_config = AutoConfig.from_pretrained(ref.path, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as err:
@@ -460,8 +472,9 @@ def fingerprint_folder(folder: str | os.PathLike[str]) -> str:
 
     digest = xxhash.xxh3_128()
     root = Path(folder)
-    files = sorted(p for p in root.iterdir() if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.name ==
-                                                                  "config.json" or p.name.endswith(".index.json")))
+    configs = ("config.json", "adapter_config.json")  # a PEFT adapter folder: its config and adapter weights
+    files = sorted(p for p in root.iterdir() if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.name in configs
+                                                                  or p.name.endswith(".index.json")))
     for path in files:
         digest.update(path.name.encode() + b"\0")
         with path.open("rb") as handle:

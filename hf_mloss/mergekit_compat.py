@@ -11,8 +11,9 @@
 arithmetic runs in float32 either way. Per-model parameters default as mergekit 0.1.5 defines them: ``density`` 1.0
 (keep everything) where a model omits it, ``weight`` required on every model. ``tokenizer_source: base`` (or none) is
 accepted: the base's processor is copied; other tokenizer sources and ``tokenizer:`` sections merge vocabularies,
-which hf_mloss cannot do yet. Anything else (slices, gradients, LoRA ``+`` syntax, other methods) and any malformed
-shape (a list where one name or a mapping belongs) is refused in one line naming the key.
+which hf_mloss cannot do yet. ``base+adapter`` entries (and ``{model: ..., lora: ...}``) name a PEFT LoRA adapter of
+the base (:mod:`hf_mloss.lora`). Anything else (slices, gradients, other methods) and any malformed shape (a list
+where one name or a mapping belongs) is refused in one line naming the key.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def from_mergekit(config: Mapping[str, Any]) -> dict[str, Any]:
     else:
         raise ConfigError(f"The mergekit config has no base_model; `{method}` merges fine-tunes of one base: add "
                           "`base_model: org/name`.")
+    _check_lora_bases(base, models)
     out: dict[str, Any] = {"base": base, "models": models, "method": METHODS[method]}
     normalize = global_params.pop("normalize", method in ("linear", "ties"))
     lam = global_params.pop("lambda", 1.0)
@@ -149,23 +151,39 @@ def _check_tokenizer(config: Mapping[str, Any]) -> None:
 
 
 def _model_entry(value: Any, where: str) -> dict[str, Any]:
+    if isinstance(value, Mapping) and isinstance(value.get("lora"), (Mapping, str)):  # {model: ..., lora: ...}
+        lora = value["lora"].get("path") if isinstance(value["lora"], Mapping) else value["lora"]
+        return {**_model_entry(lora, where), "lora_of": _model_entry(value.get("model"), where)["model"]}
     if isinstance(value, Mapping):  # mergekit's long form {model: {path: ...}} or {path: ..., revision: ...}
         value = value.get("model", value)
         if isinstance(value, Mapping):
-            if "lora" in value:
-                raise ConfigError(f"{where}: LoRA adapters (model+lora) are not supported; merge the LoRA first.")
             entry = {"model": value.get("path")}
             if value.get("revision"):
                 entry["revision"] = value["revision"]
             return entry
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{where} must be a Hub id or a local folder, got {short(value)}.")
-    if "+" in value:
-        raise ConfigError(f"{where}: LoRA adapters (model+lora) are not supported; merge the LoRA first.")
+    if "+" in value:  # mergekit's model+lora: the adapter, applied to the merge's base (checked in from_mergekit)
+        model, lora = value.split("+", 1)
+        return {**_model_entry(lora, where), "lora_of": _model_entry(model, where)["model"]}
     if "@" in value:
         model, revision = value.rsplit("@", 1)
         return {"model": model, "revision": revision}
     return {"model": value}
+
+
+def _check_lora_bases(base: dict[str, Any], models: list[dict[str, Any]]) -> None:
+    """``model+lora`` entries: hf_mloss applies a LoRA adapter to the merge's base, so ``model`` must be that base."""
+    if "lora_of" in base:
+        raise ConfigError(f"base_model {base['lora_of']}+{base['model']} is a LoRA adapter; the base must be the full "
+                          f"model: base_model: {base['lora_of']}.")
+    for i, entry in enumerate(models):
+        lora_of = entry.pop("lora_of", None)
+        if lora_of is not None and lora_of != base["model"]:
+            raise ConfigError(
+                f"models[{i}]: {lora_of}+{entry['model']} applies a LoRA adapter to {lora_of!r}, but hf_mloss applies "
+                f"adapters to the merge's base ({base['model']!r}). Use {base['model']}+{entry['model']}, or merge the "
+                "adapter into its model first.")
 
 
 def _one_density(given: list[float | None]) -> float:

@@ -60,7 +60,8 @@ def merge(
 
     Args:
         base: the pretrained model the others were fine-tuned from (Hub id, local folder or loaded model).
-        models: the q fine-tuned models (Hub ids, local folders or loaded models).
+        models: the q fine-tuned models (Hub ids, local folders or loaded models), or PEFT LoRA adapters of the base
+            (folders or Hub ids holding ``adapter_config.json``), read as their merged models, tensor by tensor.
         method: a registered method (``hf_mloss.list_methods()``): ``average``, ``task_arithmetic``, ``ties``,
             ``dare_ties``, ``dare_linear``, ``m_ties``, ``m_dare``.
         weights: α, one per fine-tuned model (default uniform 1/q; 1 for task arithmetic and ``dare_linear``).
@@ -73,7 +74,9 @@ def merge(
         revision: Hub branch, tag or commit for every Hub model, or one per model (base first; None for folders).
         processor: image processor for ``data`` (Hub id, folder or object); default: the base's.
         output: ``"auto"`` writes the base's class (a full ``CLIPModel`` base gives a full ``CLIPModel``);
-            ``"tower"`` only the merged tower (``CLIPVisionModel``).
+            ``"tower"`` only the merged tower (``CLIPVisionModel``); ``"adapter"`` a PEFT LoRA adapter of the base
+            (LoRA adapter inputs; ``combination="cat"``, exact for linear methods, or ``"svd"`` with ``lora_rank=``;
+            see :mod:`hf_mloss.lora`).
         device: where to compute (``"cpu"``, ``"cuda"``...).
         token: passed to the Hub for private models; never stored or printed.
         select: ``"unlabeled"`` chooses the parameters in ``grid`` on ``data`` without labels (or a mapping of
@@ -114,8 +117,12 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
     params = config.method_params()
     needs_data = method.needs_data or config.select is not None
     with open_inputs(config, device=device, token=token, needs_data=needs_data, progress=progress,
-                     whole_model=config.output == "auto") as inputs, cpu_workers(inputs.device) as workers:
-        model = inputs.load_output_model(config.output, progress=progress,
+                     whole_model=config.output in ("auto", "adapter")) as inputs, \
+            cpu_workers(inputs.device) as workers:
+        from .lora import build_adapter_output, plan_adapter_output
+
+        adapter_plan = plan_adapter_output(config, inputs)  # output="adapter": refused here, before any work
+        model = inputs.load_output_model("auto" if adapter_plan else config.output, progress=progress,
                                          dtype=working_dtype(config, inputs, needs_data=needs_data))
         tower = inputs.adapter.tower(model)
         ctx = MergeContext(params=params, weights=inputs.alpha.to(inputs.device, torch.float32), seed=config.seed)
@@ -135,13 +142,19 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
         else:
             method.prepare(ctx, merger.visit)
             merger.merge(merger.names, progress=progress, desc=f"Merging ({config.method})")
-        model = finalize(model, merger, as_dtype(config.dtype) if config.dtype else stored_dtype(inputs))
+        out_dtype = as_dtype(config.dtype) if config.dtype else stored_dtype(inputs)
+        model = finalize(model, merger, out_dtype)
+        lora = None if adapter_plan is None else build_adapter_output(adapter_plan, config, inputs, merger.targets,
+                                                                      out_dtype)
         record = recorded_config(config, inputs)
         description = method.describe(params)
         if outside and method.needs_data and config.select is None:
             description += " " + outside_rule_note(inputs, method, params, outside)
+        if lora is not None:  # the adapter as written: its combination, and the rank an SVD used
+            record.combination, record.lora_rank = lora.combination, lora.rank if lora.combination == "svd" else None
         return MergeResult(model=model, config=record, report=report, base=inputs.base.ref, models=inputs.refs,
-                           adapter=inputs.adapter, data_info=inputs.data_info, method_description=description)
+                           adapter=inputs.adapter, data_info=inputs.data_info, method_description=description,
+                           lora=lora)
 
 
 def outside_tower_names(inputs: RunInputs, names: Sequence[str]) -> list[str]:

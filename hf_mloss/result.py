@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from .adapters import ModelAdapter
     from .data import DataInfo
     from .hub import ModelRef
+    from .lora import LoraOutput
     from .report import MLossReport
 
 
@@ -43,6 +44,9 @@ class MergeResult:
     data_info: DataInfo | None = None
     method_description: str = ""
     eval_results: dict[str, float] = field(default_factory=dict)
+    lora: LoraOutput | None = None
+    """``output="adapter"``: the merged LoRA adapter that ``save_pretrained`` writes (``model`` is then the merged
+    model it was factored from)."""
 
     @property
     def method(self) -> str:
@@ -141,8 +145,11 @@ class MergeResult:
         from .card import build_model_card
         from .checkpoint import save_weights
 
-        save_weights(self.model, self.adapter, folder, max_shard_size=max_shard_size)
-        self._save_processor(folder)
+        if self.lora is not None:  # a PEFT adapter: adapter_model.safetensors + adapter_config.json
+            self.lora.save(folder)
+        else:
+            save_weights(self.model, self.adapter, folder, max_shard_size=max_shard_size)
+            self._save_processor(folder)
         # local paths in the saved config are relative to where the folder ends up (absolute without one)
         if final is None:
             (folder / MERGE_CONFIG_NAME).write_text(self.config.to_yaml(), encoding="utf-8")
@@ -183,6 +190,8 @@ class MergeResult:
 
     def output_bytes(self) -> int:
         """Approximate size of the saved weights."""
+        if self.lora is not None:
+            return self.lora.nbytes()
         return sum(math.prod(t.shape) * t.element_size() for t in self.model.state_dict().values())
 
     def __repr__(self) -> str:
