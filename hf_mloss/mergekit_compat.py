@@ -6,6 +6,10 @@
 | ``task_arithmetic`` | ``task_arithmetic``, ``lam`` = ``lambda`` (mergekit's default 1), weights as given (÷ Σw with ``normalize``) |
 | ``ties`` (``normalize: true``) | ``ties``, ``convention: mergekit``, ``k`` = ``density`` (one value for all models), ``lam`` = ``lambda`` |
 | ``dare_ties`` (``normalize: true``) / ``dare_linear`` | ``dare_ties`` / ``dare_linear``, ``p`` = ``density``, ``rescale: l1`` (mergekit's masks are drawn from another random stream) |
+| ``slerp`` (``base_model`` + one other model) | ``slerp``, ``t`` = ``t`` |
+| ``model_stock`` | ``model_stock``, ``filter_wise`` = ``filter_wise`` |
+| ``breadcrumbs`` / ``breadcrumbs_ties`` | same names, ``k`` = ``density``, ``gamma``, ``lam`` = ``lambda``, ``normalize``, ``rescale: l1`` for ``rescale: true`` |
+| ``della`` / ``della_linear`` | same names, ``k`` = ``density``, ``e`` = ``epsilon``, ``lam``, ``normalize``, ``rescale: l1``/``none`` (masks from another random stream) |
 
 ``base_model`` becomes ``base`` (``org/name@revision`` is split), ``out_dtype`` (else ``dtype``) becomes ``dtype``; the
 arithmetic runs in float32 either way. Anything else (slices, gradients, LoRA ``+`` syntax, tokenizer options,
@@ -22,6 +26,9 @@ from .errors import ConfigError
 
 METHODS = {"linear": "average", "task_arithmetic": "task_arithmetic", "ties": "ties", "dare_ties": "dare_ties",
            "dare_linear": "dare_linear"}
+RECIPE_METHODS = ("slerp", "model_stock", "breadcrumbs", "breadcrumbs_ties", "della", "della_linear")
+"""mergekit methods with the same name and semantics here (mapped by :func:`_recipe_config`)."""
+METHODS.update({name: name for name in RECIPE_METHODS})
 TOP_LEVEL = ("merge_method", "base_model", "models", "parameters", "dtype", "out_dtype", "tokenizer_source",
              "tokenizer", "chat_template", "name")
 IGNORED = ("tokenizer_source", "tokenizer", "chat_template", "name")
@@ -42,6 +49,8 @@ def from_mergekit(config: Mapping[str, Any]) -> dict[str, Any]:
     if method not in METHODS:
         raise ConfigError(f"mergekit merge_method {short(method)} is not one hf_mloss shares; shared: {list(METHODS)} "
                           "(or write an hf_mloss config: `hf-mloss methods`).")
+    if method in RECIPE_METHODS:
+        return _recipe_config(config, method)
     global_params = dict(config.get("parameters") or {})
     models, weights, densities = _models(config.get("models"))
     if config.get("base_model"):
@@ -134,3 +143,113 @@ def _one_density(densities: list[float]) -> float:
     if len(set(densities)) > 1:
         raise ConfigError(f"Per-model densities {densities} differ; hf_mloss uses one keep fraction for all models.")
     return densities[0]
+
+
+RECIPE_SHARED = {"slerp": ("t",), "model_stock": ("filter_wise",)}
+"""Per method, the mergekit parameters read from the top-level ``parameters`` only (mergekit's shared scope)."""
+TASK_VECTOR_SHARED = ("lambda", "normalize", "rescale", "int8_mask")
+PER_MODEL = {"breadcrumbs": {"density": ("k", 1.0), "gamma": ("gamma", 0.01)},
+             "della": {"density": ("k", 1.0), "epsilon": ("e", 0.15)}}
+"""mergekit per-model parameter → (hf_mloss name, mergekit default); one value must serve every model."""
+DEFAULTS = {"breadcrumbs": (False, False), "breadcrumbs_ties": (False, False), "della": (True, True),
+            "della_linear": (False, True)}
+"""mergekit's (normalize, rescale) defaults of its generalised task-arithmetic methods."""
+
+
+def _recipe_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
+    """The hf_mloss config of a mergekit ``slerp``, ``model_stock``, ``breadcrumbs*`` or ``della*`` config.
+
+    As in mergekit, the ``base_model`` is the base whether or not ``models`` lists it too; shared parameters (``t``,
+    ``lambda``...) come from the top-level ``parameters``, per-model ones (``weight``, ``density``...) from the
+    model's ``parameters``, else the top-level ones, else mergekit's default.
+    """
+    if not config.get("base_model"):
+        raise ConfigError(f"mergekit `{method}` needs a `base_model` (the t=0 endpoint of slerp, the anchor of the "
+                          "others); add `base_model: org/name`.")
+    base = _model_entry(config["base_model"], "base_model")
+    family = method.removesuffix("_ties").removesuffix("_linear")
+    per_model = PER_MODEL.get(family, {})
+    shared_names = RECIPE_SHARED.get(method, TASK_VECTOR_SHARED)
+    takes_weight = method not in RECIPE_SHARED
+    global_params = dict(config.get("parameters") or {})
+    for key in global_params:
+        if key not in shared_names and key not in per_model and not (takes_weight and key == "weight"):
+            raise ConfigError(f"mergekit `{method}` has no parameter {key!r} hf_mloss can map; it reads "
+                              f"{sorted({*shared_names, *per_model, *(['weight'] if takes_weight else [])})}.")
+    entries = config.get("models")
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError("The mergekit config needs a non-empty `models` list (slices are not supported).")
+    models, weights, values = [], [], {key: [] for key in per_model}
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, Mapping) or "model" not in entry or set(entry) - {"model", "parameters"}:
+            raise ConfigError(f"models[{i}] must be a mapping with `model` (and optional `parameters`), got "
+                              f"{short(entry)}.")
+        model = _model_entry(entry["model"], f"models[{i}].model")
+        if model == base:  # mergekit merges the base_model as the base, never as one of the others
+            continue
+        params = dict(entry.get("parameters") or {})
+        allowed = [*per_model, *(["weight"] if takes_weight else [])]
+        unknown = sorted(set(params) - set(allowed))
+        if unknown:
+            where = " (shared: give it under the top-level `parameters`)" if set(unknown) & set(shared_names) else ""
+            raise ConfigError(f"models[{i}].parameters {unknown} have no hf_mloss equivalent for mergekit "
+                              f"`{method}`{where}; per-model parameters: {allowed or 'none'}.")
+        for key in allowed:
+            value = params.get(key, global_params.get(key, 1.0 if key == "weight" else per_model.get(key, (0, 0))[1]))
+            _check_number(value, f"models[{i}].parameters.{key}")
+            (weights if key == "weight" else values[key]).append(float(value))
+        models.append(model)
+    _check_model_count(method, len(models))
+    out: dict[str, Any] = {"base": base, "models": models, "method": method}
+    parameters: dict[str, Any] = {}
+    if method == "slerp":
+        if "t" not in global_params:
+            raise ConfigError("mergekit `slerp` needs `parameters: {t: ...}` (0 gives the base_model, 1 the other "
+                              "model).")
+        _check_number(global_params["t"], "parameters.t")
+        parameters["t"] = float(global_params["t"])
+    elif method == "model_stock":
+        parameters["filter_wise"] = _check_flag(global_params.get("filter_wise", False), "parameters.filter_wise")
+    else:
+        for key, (ours, _) in per_model.items():
+            if len(set(values[key])) > 1:
+                raise ConfigError(f"Per-model {key} values {values[key]} differ; hf_mloss uses one value for all "
+                                  "models.")
+            parameters[ours] = values[key][0]
+        normalize, rescale = DEFAULTS[method]
+        lam = global_params.get("lambda", 1.0)
+        _check_number(lam, "parameters.lambda")
+        parameters.update(lam=float(lam),
+                          normalize=_check_flag(global_params.get("normalize", normalize), "parameters.normalize"))
+        rescale = _check_flag(global_params.get("rescale", rescale), "parameters.rescale")
+        parameters["rescale"] = "l1" if rescale else "none"
+        _check_flag(global_params.get("int8_mask", False), "parameters.int8_mask")  # storage only: same values
+        for entry, weight in zip(models, weights):
+            entry["weight"] = weight
+    out["parameters"] = parameters
+    dtype = config.get("out_dtype") or config.get("dtype")
+    if dtype is not None:
+        out["dtype"] = dtype
+    return out
+
+
+def _check_model_count(method: str, count: int) -> None:
+    if method == "slerp" and count != 1:
+        raise ConfigError(f"mergekit `slerp` interpolates the base_model with exactly one other model; the config "
+                          f"lists {count} model(s) besides the base_model.")
+    if method == "model_stock" and count < 2:
+        raise ConfigError(f"mergekit `model_stock` needs at least 2 models besides the base_model, got {count}.")
+    if count == 0:
+        raise ConfigError(f"mergekit `{method}` lists no model besides the base_model.")
+
+
+def _check_number(value: Any, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{where} must be one number (gradients and per-tensor filters are not supported), got "
+                          f"{short(value)}.")
+
+
+def _check_flag(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where} must be true or false, got {short(value)}.")
+    return value

@@ -59,6 +59,9 @@ __all__ = [
 ]
 
 MERGEKIT_METHODS = ("ties", "dare_ties", "dare_linear", "task_arithmetic", "linear")
+MERGEKIT_RECIPE_METHODS = ("slerp", "model_stock", "breadcrumbs", "breadcrumbs_ties", "della", "della_linear")
+"""Further mergekit methods: ``slerp`` and ``model_stock`` take no weights; the others take ``density`` like ties."""
+MERGEKIT_METHODS += MERGEKIT_RECIPE_METHODS
 FUSION_BENCH_METHODS = ("ties", "task_arithmetic")
 CHILD_SCRIPT = Path(__file__).resolve().with_name("_fusion_bench_child.py")
 DEFAULT_TIMEOUT = 1800.0
@@ -120,14 +123,19 @@ def mergekit_config(
     lam: float = 1.0,
     weights: Sequence[float] | None = None,
     normalize: bool | None = None,
+    parameters: dict | None = None,
 ) -> dict:
     """The mergekit YAML config (as a dict) for a task-vector method.
 
     ``normalize`` None keeps mergekit's per-method default, except for ``ties``
     where ``normalize: true`` (the TIES disjoint mean) is written explicitly.
+    ``parameters`` are further top-level mergekit parameters (``t``, ``gamma``,
+    ``epsilon``, ``filter_wise``, ``rescale``...).
     """
     if method not in MERGEKIT_METHODS:
         raise ValueError(f"mergekit method must be one of {MERGEKIT_METHODS}, got {method!r}")
+    if method in ("slerp", "model_stock"):
+        return _mergekit_interpolation_config(method, base_dir, model_dirs, parameters or {})
     weights = list(weights) if weights is not None else [1.0] * len(model_dirs)
     if len(weights) != len(model_dirs):
         raise ValueError(f"got {len(weights)} weights for {len(model_dirs)} models")
@@ -144,6 +152,7 @@ def mergekit_config(
         normalize = True
     if normalize is not None:
         shared["normalize"] = bool(normalize)
+    shared.update(parameters or {})
     config = {
         "merge_method": method,
         "base_model": str(Path(base_dir).resolve()),
@@ -154,6 +163,18 @@ def mergekit_config(
     if method == "linear":  # a plain average of the models; a base_model would be averaged in too
         del config["base_model"]
     return config
+
+
+def _mergekit_interpolation_config(method: str, base_dir: Path, model_dirs: Sequence[Path], parameters: dict) -> dict:
+    """slerp / model_stock as published recipes write them: the base listed among the models, no weights."""
+    base = str(Path(base_dir).resolve())
+    if method == "slerp" and len(model_dirs) != 1:
+        raise ValueError(f"mergekit slerp takes the base and exactly one other model, got {len(model_dirs)}")
+    if method == "slerp" and "t" not in parameters:
+        raise ValueError("mergekit slerp needs parameters={'t': ...}")
+    models = [{"model": base}] + [{"model": str(Path(p).resolve())} for p in model_dirs]
+    return {"merge_method": method, "base_model": base, "models": models, "parameters": dict(parameters),
+            "dtype": "float32"}
 
 
 def _child_env(python: Path) -> dict[str, str]:
@@ -217,6 +238,7 @@ def run_peer_merge(
     merge_func: str = "mean",
     seed: int = 0,
     timeout: float = DEFAULT_TIMEOUT,
+    parameters: dict | None = None,
 ) -> PeerRun:
     """Merge ``model_dirs`` onto ``base_dir`` with a peer library; write ``out_dir``.
 
@@ -225,7 +247,8 @@ def run_peer_merge(
     (mergekit ``density``; fusion-bench ``threshold``), ``lam`` the final
     scale (mergekit ``lambda``; fusion-bench ``scaling_factor``).  ``weights``
     are mergekit per-model weights (fusion-bench has none: only all-ones is
-    accepted).  ``normalize`` is mergekit-only, ``merge_func`` fusion-bench-only.
+    accepted).  ``normalize`` and ``parameters`` (further top-level mergekit
+    parameters) are mergekit-only, ``merge_func`` fusion-bench-only.
     Raises PeerUnavailable if the venv cannot be installed, PeerError on failure.
     """
     key = normalize_peer(peer)
@@ -238,7 +261,8 @@ def run_peer_merge(
     log_path = out_dir / "peer_run.log"
 
     if key == "mergekit":
-        cfg = mergekit_config(method, base_dir, model_dirs, k=k, lam=lam, weights=weights, normalize=normalize)
+        cfg = mergekit_config(method, base_dir, model_dirs, k=k, lam=lam, weights=weights, normalize=normalize,
+                              parameters=parameters)
         cfg_path = out_dir / "peer_config.yml"
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         cmd = [
