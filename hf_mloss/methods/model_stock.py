@@ -46,6 +46,9 @@ class ModelStock(MergeMethod):
         if len(ctx.weights) < 2:
             raise InvalidParameterError(
                 f"model_stock needs at least 2 fine-tuned models (their angle sets the ratio), got {len(ctx.weights)}.")
+        if len(set(ctx.weights.tolist())) > 1:
+            raise InvalidParameterError(f"model_stock takes no weights (the models' angle sets the ratio), got "
+                                        f"{ctx.weights.tolist()}; drop the weights.")
 
     def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
         filter_wise = ctx.params.filter_wise

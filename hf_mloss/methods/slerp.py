@@ -46,6 +46,9 @@ class Slerp(MergeMethod):
                 f"slerp interpolates between the base (t=0) and exactly one other model (t=1), got "
                 f"{len(ctx.weights)} models; give one model (mergekit: the base_model plus one other model), or use "
                 "model_stock / task_arithmetic for more.")
+        if float(ctx.weights[0]) != 1.0:
+            raise InvalidParameterError(f"slerp takes no weight (t sets the mix), got weight {float(ctx.weights[0])}; "
+                                        "drop the weight and set t.")
 
     def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
         return slerp(ctx.params.t, base, sources[0])
