@@ -12,8 +12,9 @@
 | ``della`` / ``della_linear`` | same names, ``k`` = ``density``, ``e`` = ``epsilon``, ``lam``, ``normalize``, ``rescale: l1``/``none`` (masks from another random stream) |
 
 ``base_model`` becomes ``base`` (``org/name@revision`` is split), ``out_dtype`` (else ``dtype``) becomes ``dtype``; the
-arithmetic runs in float32 either way. Anything else (slices, gradients, LoRA ``+`` syntax, tokenizer options,
-other methods) is refused with a message that says what to change.
+arithmetic runs in float32 either way. Method parameters may be gradients or filter lists, as in mergekit (see
+:mod:`hf_mloss.schedule`); model weights are one number each. Anything else (slices, LoRA ``+`` syntax, tokenizer
+options, other methods) is refused with a message that says what to change.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._validation import short
-from .errors import ConfigError
+from .errors import ConfigError, InvalidParameterError
+from .schedule import ParamSchedule, is_schedule
 
 METHODS = {"linear": "average", "task_arithmetic": "task_arithmetic", "ties": "ties", "dare_ties": "dare_ties",
            "dare_linear": "dare_linear"}
@@ -106,14 +108,13 @@ def _models(entries: Any) -> tuple[list[dict[str, Any]], list[float], list[float
         if params or set(entry) - {"model", "parameters"}:
             raise ConfigError(f"models[{i}]: only `parameters.weight` and `parameters.density` have hf_mloss "
                               f"equivalents, got {sorted(params) or sorted(set(entry) - {'model', 'parameters'})}.")
-        for name, value in (("weight", weight), ("density", density)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise ConfigError(f"models[{i}].parameters.{name} must be one number (gradients and per-tensor "
-                                  f"filters are not supported), got {short(value)}.")
+        _check_number(weight, f"models[{i}].parameters.weight")
+        if density is not None:
+            _check_number(density, f"models[{i}].parameters.density", schedule=True)
         models.append(_model_entry(entry["model"], f"models[{i}].model"))
         weights.append(float(weight))
         if density is not None:
-            densities.append(float(density))
+            densities.append(density if is_schedule(density) else float(density))
     return models, weights, densities
 
 
@@ -140,7 +141,7 @@ def _model_entry(value: Any, where: str) -> dict[str, Any]:
 def _one_density(densities: list[float]) -> float:
     if not densities:
         raise ConfigError("mergekit ties/dare need `parameters.density` on the models.")
-    if len(set(densities)) > 1:
+    if any(d != densities[0] for d in densities):
         raise ConfigError(f"Per-model densities {densities} differ; hf_mloss uses one keep fraction for all models.")
     return densities[0]
 
@@ -196,8 +197,8 @@ def _recipe_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
                               f"`{method}`{where}; per-model parameters: {allowed or 'none'}.")
         for key in allowed:
             value = params.get(key, global_params.get(key, 1.0 if key == "weight" else per_model.get(key, (0, 0))[1]))
-            _check_number(value, f"models[{i}].parameters.{key}")
-            (weights if key == "weight" else values[key]).append(float(value))
+            _check_number(value, f"models[{i}].parameters.{key}", schedule=key != "weight")
+            (weights if key == "weight" else values[key]).append(value if is_schedule(value) else float(value))
         models.append(model)
     _check_model_count(method, len(models))
     out: dict[str, Any] = {"base": base, "models": models, "method": method}
@@ -206,23 +207,23 @@ def _recipe_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
         if "t" not in global_params:
             raise ConfigError("mergekit `slerp` needs `parameters: {t: ...}` (0 gives the base_model, 1 the other "
                               "model).")
-        _check_number(global_params["t"], "parameters.t")
-        parameters["t"] = float(global_params["t"])
+        _check_number(global_params["t"], "parameters.t", schedule=True)
+        parameters["t"] = _map_values(global_params["t"], float)
     elif method == "model_stock":
         parameters["filter_wise"] = _check_flag(global_params.get("filter_wise", False), "parameters.filter_wise")
     else:
         for key, (ours, _) in per_model.items():
-            if len(set(values[key])) > 1:
+            if any(v != values[key][0] for v in values[key]):
                 raise ConfigError(f"Per-model {key} values {values[key]} differ; hf_mloss uses one value for all "
                                   "models.")
             parameters[ours] = values[key][0]
         normalize, rescale = DEFAULTS[method]
         lam = global_params.get("lambda", 1.0)
-        _check_number(lam, "parameters.lambda")
-        parameters.update(lam=float(lam),
+        _check_number(lam, "parameters.lambda", schedule=True)
+        parameters.update(lam=_map_values(lam, float),
                           normalize=_check_flag(global_params.get("normalize", normalize), "parameters.normalize"))
         rescale = _check_flag(global_params.get("rescale", rescale), "parameters.rescale")
-        parameters["rescale"] = "l1" if rescale else "none"
+        parameters["rescale"] = _map_values(rescale, lambda on: "l1" if on else "none")
         _check_flag(global_params.get("int8_mask", False), "parameters.int8_mask")  # storage only: same values
         for entry, weight in zip(models, weights):
             entry["weight"] = weight
@@ -243,13 +244,34 @@ def _check_model_count(method: str, count: int) -> None:
         raise ConfigError(f"mergekit `{method}` lists no model besides the base_model.")
 
 
-def _check_number(value: Any, where: str) -> None:
+def _check_number(value: Any, where: str, *, schedule: bool = False) -> None:
+    """A number, or (``schedule``) a gradient / filter list of numbers (see :mod:`hf_mloss.schedule`)."""
+    if schedule and is_schedule(value):
+        try:
+            leaves = ParamSchedule.parse(value, where).leaves()
+        except InvalidParameterError as err:
+            raise ConfigError(str(err)) from None
+        for leaf in leaves:
+            _check_number(leaf, where)
+        return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{where} must be one number (gradients and per-tensor filters are not supported), got "
-                          f"{short(value)}.")
+        kind = "a number, a gradient or a filter list" if schedule else \
+            "one number (model weights do not vary over the layers here)"
+        raise ConfigError(f"{where} must be {kind}, got {short(value)}.")
 
 
-def _check_flag(value: Any, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{where} must be true or false, got {short(value)}.")
+def _check_flag(value: Any, where: str) -> Any:
+    """true / false, or a gradient / filter list of them."""
+    leaves = ParamSchedule.parse(value, where).leaves() if is_schedule(value) else [value]
+    if not all(isinstance(leaf, bool) for leaf in leaves):
+        raise ConfigError(f"{where} must be true or false (or a filter list of them), got {short(value)}.")
     return value
+
+
+def _map_values(value: Any, fn: Any) -> Any:
+    """``value`` (a scalar, gradient or filter list) with ``fn`` applied to every scalar in it."""
+    if isinstance(value, Mapping):
+        return {**value, "value": _map_values(value["value"], fn)}
+    if isinstance(value, list):
+        return [_map_values(v, fn) for v in value]
+    return fn(value)

@@ -23,6 +23,7 @@ from .methods import LayerwiseRun, MergeContext, MergeMethod
 from .parallel import Workers, cpu_workers
 from .parallel import active as active_workers
 from .result import MergeResult
+from .schedule import TensorParameters, replace_params
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -118,7 +119,8 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
         model = inputs.load_output_model(config.output, progress=progress)
         tower = inputs.adapter.tower(model)
         ctx = MergeContext(params=params, weights=inputs.alpha.to(inputs.device, torch.float32), seed=config.seed)
-        merger = TensorMerger(inputs, method, ctx, tower, workers)
+        tensor_params = TensorParameters(method, config.parameters, inputs.adapter)
+        merger = TensorMerger(inputs, method, ctx, tower, workers, tensor_params=tensor_params)
         report = None
         if config.select is not None:
             from .selection import select_and_merge
@@ -133,6 +135,7 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
             merger.merge(merger.names, progress=progress, desc=f"Merging ({config.method})")
         model = finalize(model, merger, as_dtype(config.dtype) if config.dtype else stored_dtype(inputs))
         record = recorded_config(config, inputs)
+        record.resolved_parameters = tensor_params.record(merger.names) if tensor_params else None
         return MergeResult(model=model, config=record, report=report, base=inputs.base.ref, models=inputs.refs,
                            adapter=inputs.adapter, data_info=inputs.data_info,
                            method_description=method.describe(params))
@@ -142,8 +145,9 @@ class TensorMerger:
     """Reads, checks and merges tensors into the model's tower."""
 
     def __init__(self, inputs: RunInputs, method: MergeMethod, ctx: MergeContext, tower: PreTrainedModel,
-                 workers: Workers | None = None) -> None:
+                 workers: Workers | None = None, *, tensor_params: TensorParameters | None = None) -> None:
         self.inputs, self.method, self.ctx, self.device = inputs, method, ctx, inputs.device
+        self.tensor_params = tensor_params  # per-layer / per-tensor parameter values, when the config has any
         self.workers = workers or active_workers()
         adapter = inputs.adapter
         self.targets = {adapter.canonical_key(k): v for k, v in tower.state_dict().items()}
@@ -183,10 +187,11 @@ class TensorMerger:
 
     def _merge_one(self, name: str) -> str:
         base, sources = self.read(name)
+        ctx = replace_params(self.ctx, self.tensor_params.for_tensor(name)) if self.tensor_params else self.ctx
         if self.method.zero_delta_is_base and all(torch.equal(s, base) for s in sources):
             merged = base  # no source changed it (a frozen part): θ₀ + f(0) = θ₀, without trimming q zero tensors
         else:
-            merged = self.method.merge_tensor(name, base, sources, self.ctx)
+            merged = self.method.merge_tensor(name, base, sources, ctx)
         del sources
         # Checked here, while the tensor is in cache, instead of in a separate pass over the model in `finalize`
         # (5.7 s of a 128 s TIES merge on 2 busy cores): one reduction, and the full mask only when the sum is not

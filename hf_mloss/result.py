@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .config import MERGE_CONFIG_NAME, MergeConfig
 from .saving import atomic_folder, check_output_dir
+from .schedule import is_schedule
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -50,8 +51,9 @@ class MergeResult:
 
     @property
     def params(self) -> dict[str, Any]:
-        """The method's parameters, defaults filled in."""
-        return self.config.method_params().to_dict()
+        """The method's parameters, defaults filled in (values that vary over the model as given)."""
+        scheduled = {k: v for k, v in self.config.parameters.items() if is_schedule(v)}
+        return {**self.config.method_params().to_dict(), **scheduled}
 
     @property
     def weights(self) -> list[float]:

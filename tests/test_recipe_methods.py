@@ -425,8 +425,8 @@ def test_mergekit_slerp_yaml_maps(tiny_paths) -> None:
         MergeConfig.from_dict(mk("slerp", base, [{"model": m} for m in models[:2]], {"t": 0.3}))
     with pytest.raises(ConfigError, match=r"needs `parameters: \{t: \.\.\.\}`"):
         MergeConfig.from_dict(mk("slerp", base, [{"model": models[0]}]))
-    with pytest.raises(ConfigError, match="gradients and per-tensor filters are not supported"):
-        MergeConfig.from_dict(mk("slerp", base, [{"model": models[0]}], {"t": [0, 0.5, 1]}))
+    with pytest.raises(ConfigError, match="parameters.t must be a number, a gradient or a filter list"):
+        MergeConfig.from_dict(mk("slerp", base, [{"model": models[0]}], {"t": "half"}))
     with pytest.raises(ConfigError, match="shared: give it under the top-level `parameters`"):
         MergeConfig.from_dict(mk("slerp", base, [{"model": models[0], "parameters": {"t": 0.5}}]))
 
@@ -458,7 +458,7 @@ REFUSED = [
     (lambda b, m: mk("breadcrumbs", b, [{"model": m[0]}], {"normalize": "yes"}),
      "parameters.normalize must be true or false"),
     (lambda b, m: mk("breadcrumbs_ties", b, [{"model": m[0], "parameters": {"weight": [1, 0]}}]),
-     "gradients and per-tensor filters"),
+     "must be one number"),
     (lambda b, m: mk("model_stock", b, [{"model": b}, {"model": m[0]}]), "at least 2 models besides"),
     (lambda b, m: mk("model_stock", b, [{"model": m[0], "parameters": {"weight": 1}}, {"model": m[1]}]),
      r"parameters \['weight'\] have no hf_mloss equivalent"),
@@ -484,3 +484,115 @@ def test_method_level_refusals(tiny_paths) -> None:
         merge(tiny_paths, "breadcrumbs", gamma=1.0)
     with pytest.raises(InvalidParameterError, match="rescale must be one of"):
         merge(tiny_paths, "breadcrumbs", rescale="inverse")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Parameters that vary over the model: gradients and filter lists (mergekit's definition)
+# --------------------------------------------------------------------------------------------------------------------
+
+from hf_mloss.schedule import ParamSchedule, interpolate, layer_position  # noqa: E402
+
+NAME = "encoder.layers.{}.self_attn.q_proj.weight"
+
+
+def test_gradient_interpolates_over_the_blocks_as_mergekit() -> None:
+    gradient = ParamSchedule.parse([0, 0.5, 0.3, 0.7, 1], "t")
+    # 9 blocks: block i at x = i/8, i.e. x·4 = i/2 on the 5 values: halfway points average their neighbours
+    got = [gradient.resolve(NAME.format(i), layer_position(i, 9)) for i in range(9)]
+    assert got == pytest.approx([0, 0.25, 0.5, 0.4, 0.3, 0.5, 0.7, 0.85, 1.0])
+    assert [layer_position(s, 4) for s in (-1, 0, 1, 2, 3, 4)] == [0, 0, 1 / 3, 2 / 3, 1, 0]  # outside blocks: 0
+    assert layer_position(0, 1) == 1.0  # one block sits at the end of the gradient (mergekit's t = 1)
+    assert interpolate((True, False), 0.99) is True and interpolate((True, False), 1.0) is False  # picked, not mixed
+
+
+def test_filter_list_first_match_wins_and_unmatched_is_default() -> None:
+    schedule = ParamSchedule.parse([{"filter": "self_attn", "value": [0, 1]}, {"filter": "mlp", "value": 0.3},
+                                    {"filter": "q_proj", "value": 0.9}, {"value": 0.5}], "t")
+    assert schedule.resolve(NAME.format(1), 1.0) == 1.0  # self_attn comes before q_proj
+    assert schedule.resolve("encoder.layers.0.mlp.fc1.weight", 0.0) == 0.3
+    assert schedule.resolve("post_layernorm.weight", 0.0) == 0.5
+    assert ParamSchedule.parse({"filter": "mlp", "value": 2}, "t").resolve("embeddings.patch", 0) is None
+    assert ParamSchedule.parse([{"filter": "*", "value": 2}], "t").resolve("anything", 0) == 2
+    assert schedule.to_plain() == [{"filter": "self_attn", "value": [0, 1]}, {"filter": "mlp", "value": 0.3},
+                                   {"filter": "q_proj", "value": 0.9}, {"value": 0.5}]
+    assert schedule.describe() == ("self_attn: 0 → 1 over the blocks; mlp: 0.3; q_proj: 0.9; elsewhere: 0.5")
+
+
+@pytest.mark.parametrize(("value", "match"), [
+    ([], "must be a value, a gradient"),
+    ([0.1, "x"], "numbers only"),
+    ([{"filter": "mlp"}], r"t\[0\] must be \{filter"),
+    ([{"filter": "", "value": 1}], r"t\[0\].filter must be a non-empty string"),
+    ([{"value": [[1]]}], r"t\[0\].value must be a value"),
+])
+def test_schedule_refusals(value, match) -> None:
+    with pytest.raises(InvalidParameterError, match=match):
+        ParamSchedule.parse(value, "t")
+
+
+def test_ties_gradient_and_filter_equal_per_tensor_scalar_merges(tiny_paths) -> None:
+    """A k gradient over the 2 blocks and a lam filter give, tensor by tensor, the merge with those scalars."""
+    schedules = {"k": [0.2, 0.8], "lam": [{"filter": "mlp", "value": 0.5}, {"value": 1.0}]}
+    result = merge(tiny_paths, "ties", scope="tensor", **schedules)
+    got = result.model.state_dict()
+    scalar = {(k, lam): merge(tiny_paths, "ties", scope="tensor", k=k, lam=lam).model.state_dict()
+              for k in (0.2, 0.8) for lam in (0.5, 1.0)}
+    seen = set()
+    for name, tensor in got.items():
+        if not tensor.is_floating_point():
+            continue
+        k = 0.8 if name.startswith("encoder.layers.1.") else 0.2  # outside the blocks: the gradient's start
+        lam = 0.5 if "mlp" in name else 1.0
+        assert torch.equal(tensor, scalar[(k, lam)][name]), name
+        assert result.config.resolved_parameters[name] == {"k": k, "lam": lam}
+        seen.add((k, lam))
+    assert seen == set(scalar)
+    assert result.params["k"] == [0.2, 0.8] and result.config.parameters == {**schedules, "scope": "tensor"}
+
+
+def test_schedules_are_recorded_shown_and_rerun(tiny_paths, tmp_path) -> None:
+    result = merge(tiny_paths, "della", k=[0.4, 0.6], e=[{"filter": "self_attn", "value": 0.05}, {"value": 0.2}],
+                   seed=2)
+    out = result.save_pretrained(tmp_path / "merged")
+    saved = yaml.safe_load((Path(out) / "hf_mloss_config.yaml").read_text())
+    assert saved["parameters"]["k"] == [0.4, 0.6]
+    assert saved["resolved_parameters"]["encoder.layers.1.self_attn.q_proj.weight"] == {"k": 0.6, "e": 0.05}
+    assert saved["resolved_parameters"]["embeddings.patch_embedding.weight"] == {"k": 0.4, "e": 0.2}
+    card = (Path(out) / "README.md").read_text()
+    assert "0.4 → 0.6 over the blocks" in card and "self_attn: 0.05; elsewhere: 0.2" in card
+    again = MergeConfig.from_pretrained(out).run(progress=False)
+    assert all(torch.equal(v, result.model.state_dict()[k]) for k, v in again.model.state_dict().items())
+
+
+def test_schedule_refused_where_it_cannot_apply(tiny_paths, image_folder) -> None:
+    with pytest.raises(InvalidParameterError, match="scope is global"):
+        merge(tiny_paths, "ties", k=[0.2, 0.5])
+    with pytest.raises(InvalidParameterError, match=r"parameters.k names 1.5"):
+        merge(tiny_paths, "ties", scope="tensor", k=[0.2, 1.5])
+    with pytest.raises(InvalidParameterError, match="data-guided method 'm_ties'"):
+        merge(tiny_paths, "m_ties", k=[0.2, 0.4], data=str(image_folder), num_samples=8, batch_size=4)
+    with pytest.raises(InvalidParameterError, match="At tensor .* the schedules give"):
+        merge(tiny_paths, "della", k=[0.5, 0.2], e=[0.1, 0.25])  # each value valid, k − e < 0 at the last block
+
+
+def test_mergekit_gradients_and_filters_map(tiny_paths) -> None:
+    base, models = tiny_paths
+    t = [{"filter": "self_attn", "value": [0, 0.5, 0.3, 0.7, 1]}, {"filter": "mlp", "value": [1, 0.5, 0.7, 0.3, 0]},
+         {"value": 0.5}]
+    config = MergeConfig.from_dict(mk("slerp", base, [{"model": base}, {"model": models[0]}], {"t": t}))
+    assert config.parameters == {"t": [{"filter": "self_attn", "value": [0.0, 0.5, 0.3, 0.7, 1.0]},
+                                       {"filter": "mlp", "value": [1.0, 0.5, 0.7, 0.3, 0.0]}, {"value": 0.5}]}
+    entries = [{"model": m, "parameters": {"weight": 1.0, "density": [0.2, 0.8]}} for m in models]
+    config = MergeConfig.from_dict(mk("ties", base, entries, {"lambda": [{"filter": "mlp", "value": 0.5},
+                                                                         {"value": 1}]}))
+    assert config.parameters["k"] == [0.2, 0.8] and config.parameters["lam"][0] == {"filter": "mlp", "value": 0.5}
+    config = MergeConfig.from_dict(mk("breadcrumbs", base, entries, {"rescale": [{"filter": "mlp", "value": True},
+                                                                                {"value": False}]}))
+    assert config.parameters["rescale"] == [{"filter": "mlp", "value": "l1"}, {"value": "none"}]
+    differing = [{"model": models[0], "parameters": {"density": [0.2, 0.8]}},
+                 {"model": models[1], "parameters": {"density": [0.2, 0.9]}}]
+    with pytest.raises(ConfigError, match="differ"):
+        MergeConfig.from_dict(mk("della", base, differing))
+    with pytest.raises(ConfigError, match="models\\[0\\].parameters.weight must be one number"):
+        MergeConfig.from_dict(mk("ties", base, [{"model": models[0], "parameters": {"weight": [1, 0.5],
+                                                                                    "density": 0.5}}]))

@@ -145,9 +145,9 @@ def mergekit_config(
         if method not in ("task_arithmetic", "linear"):
             if k is None:
                 raise ValueError(f"mergekit {method} needs a density k")
-            params["density"] = float(k)
+            params["density"] = k if isinstance(k, (list, dict)) else float(k)  # a gradient / filter list as is
         models.append({"model": str(Path(path).resolve()), "parameters": params})
-    shared: dict = {} if method == "linear" else {"lambda": float(lam)}
+    shared: dict = {} if method == "linear" else {"lambda": lam if isinstance(lam, (list, dict)) else float(lam)}
     if normalize is None and method == "ties":
         normalize = True
     if normalize is not None:
