@@ -157,3 +157,39 @@ def test_della_masks_follow_mergekits_distribution(tiny_paths, tmp_path):
             assert abs(observed - p) < 5 * math.sqrt(p * (1 - p) / count), (who, p, observed, count)
     # and the two are different draws (otherwise this test would not be needed)
     assert any(not torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+# Parameters that vary over the model: mergekit's gradients and filter lists -------------------------------------------
+
+@pytest.fixture(scope="module")
+def deep_paths(tmp_path_factory) -> tuple[str, list[str]]:
+    """Tiny towers with 4 blocks, so that a 5-point gradient is interpolated between its points (x = 0, 1/3, 2/3, 1)."""
+    from hf_mloss.testing import make_tiny_setup
+
+    base, models = make_tiny_setup(tmp_path_factory.mktemp("deep"), q=3, seed=1, num_hidden_layers=4)
+    return str(base), [str(m) for m in models]
+
+
+GRADIENT_RECIPES = [
+    # the Hub's most common recipe: slerp with t per filter as a layer gradient
+    ("slerp", {"parameters": {"t": [{"filter": "self_attn", "value": [0, 0.5, 0.3, 0.7, 1]},
+                                    {"filter": "mlp", "value": [1, 0.5, 0.7, 0.3, 0]}, {"value": 0.5}]}}),
+    ("ties", {"k": [0.1, 0.5, 0.9], "lam": [{"filter": "mlp", "value": 0.6}, {"value": [1.0, 0.8]}],
+              "weights": [1.0, 0.5, 2.0]}),
+    ("breadcrumbs_ties", {"k": [{"filter": "self_attn", "value": [0.3, 0.9]}, {"value": 0.6}], "weights": [1.0, 0.5, 2.0],
+                          "parameters": {"gamma": [0.0, 0.1], "normalize": True}}),
+    ("model_stock", {"parameters": {"filter_wise": [{"filter": "mlp", "value": True}, {"value": False}]}}),
+    ("della", {"k": 1.0, "lam": [0.5, 1.5], "weights": [1.0, 0.5, 2.0]}),
+]
+
+
+@pytest.mark.parametrize(("method", "kwargs"), GRADIENT_RECIPES,
+                         ids=[f"{m}-{i}" for i, (m, _) in enumerate(GRADIENT_RECIPES)])
+def test_mergekit_gradient_recipes_match(deep_paths, tmp_path, method, kwargs):
+    """The same YAML with gradients / filter lists: equal within 1e-6, and the saved config records the values."""
+    base, models = deep_paths
+    run = _run("mergekit", method, (base, models[:1] if method == "slerp" else models), tmp_path, **kwargs)
+    result = MergeConfig.from_yaml(run.out_dir / "peer_config.yml").run(progress=False)
+    assert _max_diff(result, _peer_state(run)) < 1e-6
+    resolved = result.config.resolved_parameters
+    assert resolved and len({str(v) for v in resolved.values()}) > 1  # the values really vary over the model
