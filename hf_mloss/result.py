@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .config import MERGE_CONFIG_NAME, MergeConfig
 from .saving import atomic_folder, check_output_dir
-from .schedule import is_schedule
+from .schedule import split_parameters
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -52,8 +52,8 @@ class MergeResult:
     @property
     def params(self) -> dict[str, Any]:
         """The method's parameters, defaults filled in (values that vary over the model as given)."""
-        scheduled = {k: v for k, v in self.config.parameters.items() if is_schedule(v)}
-        return {**self.config.method_params().to_dict(), **scheduled}
+        scheduled = split_parameters(self.config.merge_method(), self.config.parameters)[1]
+        return {**self.config.method_params().to_dict(), **{k: s.to_plain() for k, s in scheduled.items()}}
 
     @property
     def weights(self) -> list[float]:

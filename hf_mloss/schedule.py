@@ -18,6 +18,8 @@ one tensor and records what each scheduled parameter resolved to (written to the
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -126,15 +128,31 @@ def layer_position(stage: int, num_layers: int) -> float:
     return stage / (num_layers - 1) if num_layers > 1 else 1.0
 
 
-def split_parameters(parameters: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, ParamSchedule]]:
-    """``(scalars, schedules)``: the parameters that are one value, and the parsed gradients / filter lists."""
-    scalars = {k: v for k, v in parameters.items() if not is_schedule(v)}
-    return scalars, {k: ParamSchedule.parse(v, f"parameters.{k}") for k, v in parameters.items() if is_schedule(v)}
+def split_parameters(method: MergeMethod, parameters: Mapping[str, Any]
+                     ) -> tuple[dict[str, Any], dict[str, ParamSchedule]]:
+    """``(scalars, schedules)``: the parameters that are one value, and the parsed gradients / filter lists.
+
+    A parameter whose own type is a list (M-TIES ``layers``) is a value, never a schedule.
+    """
+    listed = _list_fields(method)
+    scheduled = {k for k, v in parameters.items() if is_schedule(v) and k not in listed}
+    return ({k: v for k, v in parameters.items() if k not in scheduled},
+            {k: ParamSchedule.parse(parameters[k], f"parameters.{k}") for k in scheduled})
+
+
+def _list_fields(method: MergeMethod) -> set[str]:
+    hints = typing.get_type_hints(method.params_class)
+    out = set()
+    for name, hint in hints.items():
+        members = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        if any(typing.get_origin(m) in (tuple, list) or m in (tuple, list) for m in members):
+            out.add(name)
+    return out
 
 
 def check_schedules(method: MergeMethod, parameters: Mapping[str, Any], *, selecting: bool) -> None:
     """Refuse schedules a run cannot honour, and check every value a schedule names against the method's rules."""
-    scalars, schedules = split_parameters(parameters)
+    scalars, schedules = split_parameters(method, parameters)
     if not schedules:
         return
     names = ", ".join(sorted(schedules))
@@ -156,14 +174,14 @@ def check_schedules(method: MergeMethod, parameters: Mapping[str, Any], *, selec
                 raise InvalidParameterError(f"parameters.{key} names {leaf!r}: {err}") from None
 
 
-def described_schedules(parameters: Mapping[str, Any]) -> dict[str, str]:
+def described_schedules(method: MergeMethod, parameters: Mapping[str, Any]) -> dict[str, str]:
     """The parameters that vary over the model, each in one readable line (for cards and summaries)."""
-    return {k: s.describe() for k, s in split_parameters(parameters)[1].items()}
+    return {k: s.describe() for k, s in split_parameters(method, parameters)[1].items()}
 
 
 def scalar_parameters(method: MergeMethod, parameters: Mapping[str, Any]) -> MethodParams:
     """The method's parameters with each schedule left at its default (what holds where no entry matches)."""
-    return method.make_params(**split_parameters(parameters)[0])
+    return method.make_params(**split_parameters(method, parameters)[0])
 
 
 class TensorParameters:
@@ -171,7 +189,7 @@ class TensorParameters:
 
     def __init__(self, method: MergeMethod, parameters: Mapping[str, Any], adapter: ModelAdapter) -> None:
         self.method, self.adapter = method, adapter
-        self.scalars, self.schedules = split_parameters(parameters)
+        self.scalars, self.schedules = split_parameters(method, parameters)
         self.resolved: dict[str, dict[str, Any]] = {}
         self._cache: dict[tuple, MethodParams] = {}
 
