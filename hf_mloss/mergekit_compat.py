@@ -105,6 +105,7 @@ def _models(entries: Any) -> tuple[list[dict[str, Any]], list[float], list[float
         params = dict(entry.get("parameters") or {})
         weight = params.pop("weight", 1.0)
         density = params.pop("density", None)
+        density = _layered([density], 1.0) if is_schedule(density) else density
         if params or set(entry) - {"model", "parameters"}:
             raise ConfigError(f"models[{i}]: only `parameters.weight` and `parameters.density` have hf_mloss "
                               f"equivalents, got {sorted(params) or sorted(set(entry) - {'model', 'parameters'})}.")
@@ -196,7 +197,10 @@ def _recipe_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
             raise ConfigError(f"models[{i}].parameters {unknown} have no hf_mloss equivalent for mergekit "
                               f"`{method}`{where}; per-model parameters: {allowed or 'none'}.")
         for key in allowed:
-            value = params.get(key, global_params.get(key, 1.0 if key == "weight" else per_model.get(key, (0, 0))[1]))
+            if key == "weight":
+                value = params.get(key, global_params.get(key, 1.0))
+            else:
+                value = _layered([params.get(key), global_params.get(key)], per_model[key][1])
             _check_number(value, f"models[{i}].parameters.{key}", schedule=key != "weight")
             (weights if key == "weight" else values[key]).append(value if is_schedule(value) else float(value))
         models.append(model)
@@ -207,10 +211,11 @@ def _recipe_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
         if "t" not in global_params:
             raise ConfigError("mergekit `slerp` needs `parameters: {t: ...}` (0 gives the base_model, 1 the other "
                               "model).")
-        _check_number(global_params["t"], "parameters.t", schedule=True)
+        _check_number(global_params["t"], "parameters.t", schedule=True)  # required: no default to fall back on
         parameters["t"] = _map_values(global_params["t"], float)
     elif method == "model_stock":
-        parameters["filter_wise"] = _check_flag(global_params.get("filter_wise", False), "parameters.filter_wise")
+        parameters["filter_wise"] = _check_flag(_layered([global_params.get("filter_wise")], False),
+                                                "parameters.filter_wise")
     else:
         for key, (ours, _) in per_model.items():
             if any(v != values[key][0] for v in values[key]):
@@ -218,11 +223,12 @@ def _recipe_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
                                   "models.")
             parameters[ours] = values[key][0]
         normalize, rescale = DEFAULTS[method]
-        lam = global_params.get("lambda", 1.0)
+        lam = _layered([global_params.get("lambda")], 1.0)
         _check_number(lam, "parameters.lambda", schedule=True)
         parameters.update(lam=_map_values(lam, float),
-                          normalize=_check_flag(global_params.get("normalize", normalize), "parameters.normalize"))
-        rescale = _check_flag(global_params.get("rescale", rescale), "parameters.rescale")
+                          normalize=_check_flag(_layered([global_params.get("normalize")], normalize),
+                                                "parameters.normalize"))
+        rescale = _check_flag(_layered([global_params.get("rescale")], rescale), "parameters.rescale")
         parameters["rescale"] = _map_values(rescale, lambda on: "l1" if on else "none")
         _check_flag(global_params.get("int8_mask", False), "parameters.int8_mask")  # storage only: same values
         for entry, weight in zip(models, weights):
@@ -266,6 +272,28 @@ def _check_flag(value: Any, where: str) -> Any:
     if not all(isinstance(leaf, bool) for leaf in leaves):
         raise ConfigError(f"{where} must be true or false (or a filter list of them), got {short(value)}.")
     return value
+
+
+def _layered(values: list[Any], default: Any) -> Any:
+    """One value from mergekit's scopes, most specific first: a filter list that matches no tensor falls through to
+    the next scope, then to mergekit's ``default`` (a scalar or gradient always matches)."""
+    entries: list[Any] = []
+    for value in values:
+        if value is None:
+            continue
+        if isinstance(value, Mapping) or (isinstance(value, list) and value and
+                                          all(isinstance(v, Mapping) for v in value)):
+            entries.extend([value] if isinstance(value, Mapping) else value)
+            if any(e.get("filter") in (None, "*") for e in entries):
+                break  # an entry without a filter always matches
+            continue
+        entries.append({"value": value})
+        break
+    else:
+        entries.append({"value": default})
+    if len(entries) == 1 and "filter" not in entries[0]:
+        return entries[0]["value"]
+    return entries
 
 
 def _map_values(value: Any, fn: Any) -> Any:

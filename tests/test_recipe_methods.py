@@ -596,3 +596,19 @@ def test_mergekit_gradients_and_filters_map(tiny_paths) -> None:
     with pytest.raises(ConfigError, match="models\\[0\\].parameters.weight must be one number"):
         MergeConfig.from_dict(mk("ties", base, [{"model": models[0], "parameters": {"weight": [1, 0.5],
                                                                                     "density": 0.5}}]))
+
+
+def test_mergekit_unmatched_filters_fall_through_its_scopes(tiny_paths) -> None:
+    """As in mergekit: a model's filter list that matches no tensor falls back to the top-level value, then to
+    mergekit's default (density 1, lambda 1), not to hf_mloss's defaults."""
+    base, models = tiny_paths
+    entries = [{"model": m, "parameters": {"density": [{"filter": "mlp", "value": 0.5}]}} for m in models]
+    config = MergeConfig.from_dict(mk("breadcrumbs", base, entries, {"density": 0.7,
+                                                                     "lambda": {"filter": "fc1", "value": 2.0}}))
+    assert config.parameters["k"] == [{"filter": "mlp", "value": 0.5}, {"value": 0.7}]
+    assert config.parameters["lam"] == [{"filter": "fc1", "value": 2.0}, {"value": 1.0}]
+    config = MergeConfig.from_dict(mk("della", base, entries))
+    assert config.parameters["k"] == [{"filter": "mlp", "value": 0.5}, {"value": 1.0}]
+    entries = [{"model": m, "parameters": {"density": {"filter": "mlp", "value": 0.5}}} for m in models]
+    assert MergeConfig.from_dict(mk("ties", base, entries)).parameters["k"] == [{"filter": "mlp", "value": 0.5},
+                                                                                 {"value": 1.0}]
