@@ -113,7 +113,8 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
     rows = report.summary_rows() if report is not None else []
     params = result.config.method_params()
     shown = {k: v for k, v in params.to_dict().items() if v is not None}
-    shown.update(described_schedules(result.config.merge_method(), result.config.parameters))  # values that vary over the model, as given
+    # values that vary over the model (gradients, filter lists), as given
+    shown.update(described_schedules(result.config.merge_method(), result.config.parameters))
     if hasattr(params, "resolved_scope"):
         shown["scope"] = params.resolved_scope
     compatibility = getattr(result, "compatibility", None)

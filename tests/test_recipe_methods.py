@@ -25,6 +25,7 @@ from hf_mloss.methods.della import keep_probabilities, magprune
 from hf_mloss.methods.model_stock import interpolation_ratio
 from hf_mloss.methods.ops import tensor_seed
 from hf_mloss.methods.slerp import DOT_THRESHOLD, slerp
+from hf_mloss.schedule import ParamSchedule, interpolate, layer_position
 
 ATOL = 1e-6
 T = torch.tensor
@@ -215,8 +216,8 @@ def test_della_params_refuse_probabilities_outside_0_1() -> None:
 @pytest.fixture(scope="module")
 def ckpt(tiny_models):
     base_dir, model_dirs = tiny_models
-    load = lambda p: load_file(str(Path(p) / "model.safetensors"))  # noqa: E731
-    base, fts = load(base_dir), [load(m) for m in model_dirs]
+    base = load_file(str(Path(base_dir) / "model.safetensors"))
+    fts = [load_file(str(Path(m) / "model.safetensors")) for m in model_dirs]
     return base, fts, [n for n, t in base.items() if t.is_floating_point()]
 
 
@@ -359,8 +360,7 @@ def test_della_whole_model_matches_regenerated_masks(tiny_paths, ckpt, method, r
 
 @pytest.mark.parametrize("method", ["della", "della_linear"])
 def test_della_seeded(tiny_paths, method) -> None:
-    sd = lambda r: r.model.state_dict()  # noqa: E731
-    a, b, c = (sd(merge(tiny_paths, method, k=0.5, seed=s)) for s in (1, 1, 2))
+    a, b, c = (merge(tiny_paths, method, k=0.5, seed=s).model.state_dict() for s in (1, 1, 2))
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert any(not torch.equal(a[n], c[n]) for n in a)
 
@@ -489,8 +489,6 @@ def test_method_level_refusals(tiny_paths) -> None:
 # --------------------------------------------------------------------------------------------------------------------
 # Parameters that vary over the model: gradients and filter lists (mergekit's definition)
 # --------------------------------------------------------------------------------------------------------------------
-
-from hf_mloss.schedule import ParamSchedule, interpolate, layer_position  # noqa: E402
 
 NAME = "encoder.layers.{}.self_attn.q_proj.weight"
 

@@ -27,9 +27,9 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.peers.run_peer import run_peer_merge  # noqa: E402
-from hf_mloss import MergeConfig  # noqa: E402
-from hf_mloss.testing import make_tiny_setup  # noqa: E402
+from benchmarks.peers.run_peer import run_peer_merge
+from hf_mloss import MergeConfig
+from hf_mloss.testing import make_tiny_setup
 
 WEIGHTS = [1.0, 0.5, 2.0]
 RECIPES = [
@@ -105,7 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "recipe_parity_cpu.json").write_text(json.dumps({"recipes": rows, "della_keep_rates": della},
                                                                indent=2) + "\n")
-    lines = ["# mergekit recipe parity (tiny CLIP towers, 4 blocks, float32, CPU)", "",
+    note = ("mergekit 0.1.5 (`mergekit-yaml`, a child process: its time includes interpreter start and imports) and "
+            "hf_mloss (`MergeConfig.from_yaml(...).run()` in process, inputs opened and merged) on the same YAML. "
+            "The recipe column omits the weights (1, 0.5, 2 where the method takes weights).")
+    lines = ["# mergekit recipe parity (tiny CLIP towers, 4 blocks, float32, CPU)", "", note, "",
              "| method | recipe | max abs diff | mergekit s | hf_mloss s |", "|---|---|---|---|---|"]
     lines += [f"| {r['method']} | `{json.dumps(r['recipe'])}` | {r['max_abs_diff']:.3g} | {r['mergekit_s']} | "
               f"{r['hf_mloss_s']} |" for r in rows]
