@@ -63,7 +63,8 @@ def merge(
         base: the pretrained model the others were fine-tuned from (Hub id, local folder or loaded model).
         models: the q fine-tuned models (Hub ids, local folders or loaded models).
         method: a registered method (``hf_mloss.list_methods()``): ``average``, ``task_arithmetic``, ``ties``,
-            ``dare_ties``, ``dare_linear``, ``m_ties``, ``m_dare``.
+            ``dare_ties``, ``dare_linear``, ``slerp``, ``model_stock``, ``breadcrumbs``, ``breadcrumbs_ties``,
+            ``della``, ``della_linear``, ``m_ties``, ``m_dare``.
         weights: α, one per fine-tuned model (default uniform 1/q; 1 for task arithmetic and ``dare_linear``).
         seed: seeds DARE masks, random ranks and the scoring sample (results are reproducible).
         dtype: dtype of the merged model (default: the base's). Arithmetic always runs in float32.
@@ -83,7 +84,10 @@ def merge(
         criterion: ``"output"`` (discrepancy with each expert, default), ``"entropy"`` (needs ``heads``) or
             ``"mloss"`` (merged-prefix M-Loss; it grows with λ); see :mod:`hf_mloss.selection`.
         heads: one classification head per model (for ``"entropy"``, and the logit KL of ``"output"``).
-        **method_params: the method's parameters (``k``, ``e``, ``lam``, ``p``, ``scope``, ``layers``...).
+        **method_params: the method's parameters (``k``, ``e``, ``lam``, ``p``, ``t``, ``scope``, ``layers``...). For
+            data-free methods each may vary over the model as in mergekit: a gradient over the blocks
+            (``k=[0.2, 0.8]``) or a filter list (``t=[{"filter": "self_attn", "value": [0, 1]}, {"value": 0.5}]``);
+            see :mod:`hf_mloss.schedule`.
 
     Returns:
         A :class:`MergeResult`: ``.model`` (the merged model), ``.config`` (the recorded recipe), ``.report``.
