@@ -193,3 +193,22 @@ def test_mergekit_gradient_recipes_match(deep_paths, tmp_path, method, kwargs):
     assert _max_diff(result, _peer_state(run)) < 1e-6
     resolved = result.config.resolved_parameters
     assert resolved and len({str(v) for v in resolved.values()}) > 1  # the values really vary over the model
+
+
+def test_della_l1_rescale_matches_mergekits_rule(tiny_paths, tmp_path):
+    """rescale: true (mergekit's default for DELLA) scales each tensor's survivors back to the task vector's L1 norm,
+    in both libraries (one model, weight 1: the merged delta is the rescaled survivors)."""
+    base, models = tiny_paths
+    kwargs = {"k": 0.5, "weights": [1.0], "parameters": {"epsilon": 0.2}}
+    run = _run("mergekit", "della_linear", (base, models[:1]), tmp_path, **kwargs)
+    config = MergeConfig.from_yaml(run.out_dir / "peer_config.yml")
+    assert config.parameters["rescale"] == "l1"
+    ours = {k: v for k, v in config.run(progress=False).model.state_dict().items() if v.is_floating_point()}
+    theirs = {k.removeprefix("vision_model."): v.float() for k, v in _peer_state(run).items()}
+    base_sd = load_file(os.path.join(base, "model.safetensors"))
+    model_sd = load_file(os.path.join(models[0], "model.safetensors"))
+    for name in ours:
+        tau_l1 = float((model_sd[name].float() - base_sd[name].float()).abs().double().sum())
+        for who, state in (("hf_mloss", ours), ("mergekit", theirs)):
+            merged_l1 = float((state[name] - base_sd[name].float()).abs().double().sum())
+            assert merged_l1 == pytest.approx(tau_l1, rel=1e-4), (who, name)
