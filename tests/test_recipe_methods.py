@@ -569,6 +569,9 @@ def test_schedule_refused_where_it_cannot_apply(tiny_paths, image_folder) -> Non
         merge(tiny_paths, "ties", scope="tensor", k=[0.2, 1.5])
     with pytest.raises(InvalidParameterError, match="data-guided method 'm_ties'"):
         merge(tiny_paths, "m_ties", k=[0.2, 0.4], data=str(image_folder), num_samples=8, batch_size=4)
+    with pytest.raises(InvalidParameterError, match="Label-free selection chooses one value per parameter"):
+        merge(tiny_paths, "ties", scope="tensor", k=[0.2, 0.5], data=str(image_folder), num_samples=8, batch_size=4,
+              select="unlabeled", grid={"lam": [0.5, 1.0]})
     with pytest.raises(InvalidParameterError, match="At tensor .* the schedules give"):
         merge(tiny_paths, "della", k=[0.5, 0.2], e=[0.1, 0.25])  # each value valid, k − e < 0 at the last block
 
