@@ -211,7 +211,11 @@ def _recipe_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
         if "t" not in global_params:
             raise ConfigError("mergekit `slerp` needs `parameters: {t: ...}` (0 gives the base_model, 1 the other "
                               "model).")
-        _check_number(global_params["t"], "parameters.t", schedule=True)  # required: no default to fall back on
+        _check_number(global_params["t"], "parameters.t", schedule=True)
+        if is_schedule(global_params["t"]) and all(f is not None for f, _ in
+                                                   ParamSchedule.parse(global_params["t"], "parameters.t").entries):
+            raise ConfigError("mergekit `slerp` needs t for every tensor and these filters may leave some without "
+                              "one (mergekit then fails); end the list with a `{value: ...}` entry without filter.")
         parameters["t"] = _map_values(global_params["t"], float)
     elif method == "model_stock":
         parameters["filter_wise"] = _check_flag(_layered([global_params.get("filter_wise")], False),

@@ -427,6 +427,8 @@ def test_mergekit_slerp_yaml_maps(tiny_paths) -> None:
         MergeConfig.from_dict(mk("slerp", base, [{"model": models[0]}]))
     with pytest.raises(ConfigError, match="parameters.t must be a number, a gradient or a filter list"):
         MergeConfig.from_dict(mk("slerp", base, [{"model": models[0]}], {"t": "half"}))
+    with pytest.raises(ConfigError, match="end the list with a `{value: ...}` entry without filter"):
+        MergeConfig.from_dict(mk("slerp", base, [{"model": models[0]}], {"t": [{"filter": "mlp", "value": 1}]}))
     with pytest.raises(ConfigError, match="shared: give it under the top-level `parameters`"):
         MergeConfig.from_dict(mk("slerp", base, [{"model": models[0], "parameters": {"t": 0.5}}]))
 
