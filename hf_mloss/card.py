@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from .schedule import described_schedules
+
 if TYPE_CHECKING:
     from .config import MergeConfig
 
@@ -121,6 +123,8 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
     rows = report.summary_rows() if report is not None else []
     params = result.config.method_params()
     shown = {k: v for k, v in params.to_dict().items() if v is not None}
+    # values that vary over the model (gradients, filter lists), as given
+    shown.update(described_schedules(result.config.merge_method(), result.config.parameters))
     if hasattr(params, "resolved_scope"):
         shown["scope"] = params.resolved_scope
     compatibility = getattr(result, "compatibility", None)

@@ -43,6 +43,7 @@ from .errors import (
     looks_like_secret,
 )
 from .options import ScoringOptions
+from .schedule import check_schedules, scalar_parameters
 from .selection import SelectionOptions
 
 if TYPE_CHECKING:
@@ -208,6 +209,8 @@ class MergeConfig:
     select: SelectionOptions | None = param(None, "Choose the method's parameters on unlabeled data: criterion, "
                                             "grid, ... (see hf_mloss.selection).")
     hf_mloss_version: str | None = param(None, "Version that wrote the config.")
+    resolved_parameters: dict[str, Any] | None = param(None, "Recorded by a run whose parameters vary over the model: "
+                                                        "each tensor's values (not read back).")
 
     def __post_init__(self) -> None:
         self.base = _as_model_spec(self.base, "base")
@@ -250,6 +253,7 @@ class MergeConfig:
         self.parameters = _plain(self.parameters)
         try:
             self.method_params()
+            check_schedules(method, self.parameters, selecting=self.select is not None)
         except InvalidParameterError as err:
             raise InvalidParameterError(f"Invalid parameters for method {self.method!r}: {err}") from None
         if method.needs_data and self.data is None:
@@ -306,8 +310,8 @@ class MergeConfig:
         return get_method(self.method)
 
     def method_params(self) -> MethodParams:
-        """The method's validated parameters (defaults filled in)."""
-        return self.merge_method().make_params(**self.parameters)
+        """The method's validated parameters (defaults filled in; per-layer/per-tensor values at their default)."""
+        return scalar_parameters(self.merge_method(), self.parameters)
 
     def scoring_options(self) -> ScoringOptions:
         return self.score or ScoringOptions()
@@ -484,6 +488,8 @@ class MergeConfig:
             out["score"] = self.score.to_dict()
         if self.select is not None:
             out["select"] = self.select.to_dict(base)
+        if self.resolved_parameters:
+            out["resolved_parameters"] = self.resolved_parameters
         return out
 
     def to_yaml(self, path: str | os.PathLike[str] | None = None, *, root: str | os.PathLike[str] | None = None,

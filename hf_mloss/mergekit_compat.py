@@ -6,14 +6,20 @@
 | ``task_arithmetic`` | ``task_arithmetic``, ``lam`` = ``lambda`` (mergekit's default 1), weights as given (÷ Σw with ``normalize``) |
 | ``ties`` (``normalize: true``) | ``ties``, ``convention: mergekit``, ``k`` = ``density`` (one value for all models), ``lam`` = ``lambda`` |
 | ``dare_ties`` (``normalize: true``) / ``dare_linear`` | ``dare_ties`` / ``dare_linear``, ``p`` = ``density``, ``rescale: l1`` (mergekit's masks are drawn from another random stream) |
+| ``slerp`` (``base_model`` + one other model) | ``slerp``, ``t`` = ``t`` |
+| ``model_stock`` | ``model_stock``, ``filter_wise`` = ``filter_wise`` |
+| ``breadcrumbs`` / ``breadcrumbs_ties`` | same names, ``k`` = ``density``, ``gamma``, ``lam`` = ``lambda``, ``normalize``, ``rescale: l1`` for ``rescale: true`` |
+| ``della`` / ``della_linear`` | same names, ``k`` = ``density``, ``e`` = ``epsilon``, ``lam``, ``normalize``, ``rescale: l1``/``none`` (masks from another random stream) |
 
 ``base_model`` becomes ``base`` (``org/name@revision`` is split), ``out_dtype`` (else ``dtype``) becomes ``dtype``; the
 arithmetic runs in float32 either way. Per-model parameters default as mergekit 0.1.5 defines them: ``density`` 1.0
-(keep everything) where a model omits it, ``weight`` required on every model. ``tokenizer_source: base`` (or none) is
-accepted: the base's processor is copied; other tokenizer sources and ``tokenizer:`` sections merge vocabularies,
-which hf_mloss cannot do yet. ``base+adapter`` entries (and ``{model: ..., lora: ...}``) name a PEFT LoRA adapter of
-the base (:mod:`hf_mloss.lora`). Anything else (slices, gradients, other methods) and any malformed shape (a list
-where one name or a mapping belongs) is refused in one line naming the key.
+(keep everything) where a model omits it, ``weight`` required on every model. Method parameters may be gradients or
+filter lists, as in mergekit (see :mod:`hf_mloss.schedule`); model weights are one number each.
+``tokenizer_source: base`` (or none) is accepted: the base's processor is copied; other tokenizer sources and
+``tokenizer:`` sections merge vocabularies, which hf_mloss cannot do yet. ``base+adapter`` entries (and
+``{model: ..., lora: ...}``) name a PEFT LoRA adapter of the base (:mod:`hf_mloss.lora`). Anything else (slices,
+other methods) and any malformed shape (a list where one name or a mapping belongs) is refused in one line naming the
+key.
 """
 
 from __future__ import annotations
@@ -22,10 +28,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._validation import short
-from .errors import ConfigError
+from .errors import ConfigError, InvalidParameterError
+from .schedule import ParamSchedule, is_schedule
 
 METHODS = {"linear": "average", "task_arithmetic": "task_arithmetic", "ties": "ties", "dare_ties": "dare_ties",
            "dare_linear": "dare_linear"}
+RECIPE_METHODS = ("slerp", "model_stock", "breadcrumbs", "breadcrumbs_ties", "della", "della_linear")
+"""mergekit methods with the same name and semantics here (mapped by :func:`_recipe_config`)."""
+METHODS.update({name: name for name in RECIPE_METHODS})
 TOP_LEVEL = ("merge_method", "base_model", "models", "parameters", "dtype", "out_dtype", "tokenizer_source",
              "tokenizer", "chat_template", "name")
 IGNORED = ("tokenizer_source", "tokenizer", "chat_template", "name")
@@ -51,6 +61,8 @@ def from_mergekit(config: Mapping[str, Any]) -> dict[str, Any]:
     if method not in METHODS:
         raise ConfigError(f"mergekit merge_method {short(method)} is not one hf_mloss shares; shared: {list(METHODS)} "
                           "(or write an hf_mloss config: `hf-mloss methods`).")
+    if method in RECIPE_METHODS:
+        return _recipe_config(config, method)
     global_params = _mapping(config.get("parameters"), "parameters")
     models, weights, densities = _models(config.get("models"))
     if config.get("base_model"):
@@ -114,17 +126,16 @@ def _models(entries: Any) -> tuple[list[dict[str, Any]], list[float], list[float
                               "(e.g. parameters: {weight: 1.0}).")
         weight = params.pop("weight")
         density = params.pop("density", None)
+        density = _layered([density], 1.0) if is_schedule(density) else density
         if params or set(entry) - {"model", "parameters"}:
             raise ConfigError(f"models[{i}]: only `parameters.weight` and `parameters.density` have hf_mloss "
                               f"equivalents, got {sorted(params) or sorted(set(entry) - {'model', 'parameters'})}.")
-        for name, value in (("weight", weight), ("density", density)):
-            if (name == "weight" or value is not None) and (isinstance(value, bool) or not isinstance(
-                    value, (int, float))):
-                raise ConfigError(f"models[{i}].parameters.{name} must be one number (gradients and per-tensor "
-                                  f"filters are not supported), got {short(value)}.")
+        _check_number(weight, f"models[{i}].parameters.weight")
+        if density is not None:
+            _check_number(density, f"models[{i}].parameters.density", schedule=True)
         models.append(_model_entry(entry["model"], f"models[{i}].model"))
         weights.append(float(weight))
-        densities.append(None if density is None else float(density))
+        densities.append(None if density is None else density if is_schedule(density) else float(density))
     return models, weights, densities
 
 
@@ -188,6 +199,171 @@ def _check_lora_bases(base: dict[str, Any], models: list[dict[str, Any]]) -> Non
 
 def _one_density(given: list[float | None]) -> float:
     densities = [DEFAULT_DENSITY if d is None else d for d in given]  # mergekit's default for a model without one
-    if len(set(densities)) > 1:
+    if any(d != densities[0] for d in densities):
         raise ConfigError(f"Per-model densities {densities} differ; hf_mloss uses one keep fraction for all models.")
     return densities[0]
+
+
+RECIPE_SHARED = {"slerp": ("t",), "model_stock": ("filter_wise",)}
+"""Per method, the mergekit parameters read from the top-level ``parameters`` only (mergekit's shared scope)."""
+TASK_VECTOR_SHARED = ("lambda", "normalize", "rescale", "int8_mask")
+PER_MODEL = {"breadcrumbs": {"density": ("k", 1.0), "gamma": ("gamma", 0.01)},
+             "della": {"density": ("k", 1.0), "epsilon": ("e", 0.15)}}
+"""mergekit per-model parameter → (hf_mloss name, mergekit default); one value must serve every model."""
+DEFAULTS = {"breadcrumbs": (False, False), "breadcrumbs_ties": (False, False), "della": (True, True),
+            "della_linear": (False, True)}
+"""mergekit's (normalize, rescale) defaults of its generalised task-arithmetic methods."""
+
+
+def _recipe_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
+    """The hf_mloss config of a mergekit ``slerp``, ``model_stock``, ``breadcrumbs*`` or ``della*`` config.
+
+    As in mergekit, the ``base_model`` is the base whether or not ``models`` lists it too; shared parameters (``t``,
+    ``lambda``...) come from the top-level ``parameters``, per-model ones (``weight``, ``density``...) from the
+    model's ``parameters``, else the top-level ones, else mergekit's default.
+    """
+    if not config.get("base_model"):
+        raise ConfigError(f"mergekit `{method}` needs a `base_model` (the t=0 endpoint of slerp, the anchor of the "
+                          "others); add `base_model: org/name`.")
+    base = _model_entry(config["base_model"], "base_model")
+    family = method.removesuffix("_ties").removesuffix("_linear")
+    per_model = PER_MODEL.get(family, {})
+    shared_names = RECIPE_SHARED.get(method, TASK_VECTOR_SHARED)
+    takes_weight = method not in RECIPE_SHARED
+    global_params = _mapping(config.get("parameters"), "parameters")
+    for key in global_params:
+        if key not in shared_names and key not in per_model and not (takes_weight and key == "weight"):
+            raise ConfigError(f"mergekit `{method}` has no parameter {key!r} hf_mloss can map; it reads "
+                              f"{sorted({*shared_names, *per_model, *(['weight'] if takes_weight else [])})}.")
+    entries = config.get("models")
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError("The mergekit config needs a non-empty `models` list (slices are not supported).")
+    models, weights, values = [], [], {key: [] for key in per_model}
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, Mapping) or "model" not in entry or set(entry) - {"model", "parameters"}:
+            raise ConfigError(f"models[{i}] must be a mapping with `model` (and optional `parameters`), got "
+                              f"{short(entry)}.")
+        model = _model_entry(entry["model"], f"models[{i}].model")
+        if model == base:  # mergekit merges the base_model as the base, never as one of the others
+            continue
+        params = _mapping(entry.get("parameters"), f"models[{i}].parameters")
+        allowed = [*per_model, *(["weight"] if takes_weight else [])]
+        unknown = sorted(set(params) - set(allowed))
+        if unknown:
+            where = " (shared: give it under the top-level `parameters`)" if set(unknown) & set(shared_names) else ""
+            raise ConfigError(f"models[{i}].parameters {unknown} have no hf_mloss equivalent for mergekit "
+                              f"`{method}`{where}; per-model parameters: {allowed or 'none'}.")
+        for key in allowed:
+            if key == "weight":
+                value = params.get(key, global_params.get(key))
+                if value is None:
+                    raise ConfigError(f"models[{i}].parameters.weight is missing; mergekit requires a weight on "
+                                      "every model (e.g. parameters: {weight: 1.0}).")
+            else:
+                value = _layered([params.get(key), global_params.get(key)], per_model[key][1])
+            _check_number(value, f"models[{i}].parameters.{key}", schedule=key != "weight")
+            (weights if key == "weight" else values[key]).append(value if is_schedule(value) else float(value))
+        models.append(model)
+    _check_model_count(method, len(models))
+    out: dict[str, Any] = {"base": base, "models": models, "method": method}
+    parameters: dict[str, Any] = {}
+    if method == "slerp":
+        if "t" not in global_params:
+            raise ConfigError("mergekit `slerp` needs `parameters: {t: ...}` (0 gives the base_model, 1 the other "
+                              "model).")
+        _check_number(global_params["t"], "parameters.t", schedule=True)
+        if is_schedule(global_params["t"]) and all(f is not None for f, _ in
+                                                   ParamSchedule.parse(global_params["t"], "parameters.t").entries):
+            raise ConfigError("mergekit `slerp` needs t for every tensor and these filters may leave some without "
+                              "one (mergekit then fails); end the list with a `{value: ...}` entry without filter.")
+        parameters["t"] = _map_values(global_params["t"], float)
+    elif method == "model_stock":
+        parameters["filter_wise"] = _check_flag(_layered([global_params.get("filter_wise")], False),
+                                                "parameters.filter_wise")
+    else:
+        for key, (ours, _) in per_model.items():
+            if any(v != values[key][0] for v in values[key]):
+                raise ConfigError(f"Per-model {key} values {values[key]} differ; hf_mloss uses one value for all "
+                                  "models.")
+            parameters[ours] = values[key][0]
+        normalize, rescale = DEFAULTS[method]
+        lam = _layered([global_params.get("lambda")], 1.0)
+        _check_number(lam, "parameters.lambda", schedule=True)
+        parameters.update(lam=_map_values(lam, float),
+                          normalize=_check_flag(_layered([global_params.get("normalize")], normalize),
+                                                "parameters.normalize"))
+        rescale = _check_flag(_layered([global_params.get("rescale")], rescale), "parameters.rescale")
+        parameters["rescale"] = _map_values(rescale, lambda on: "l1" if on else "none")
+        _check_flag(global_params.get("int8_mask", False), "parameters.int8_mask")  # storage only: same values
+        for entry, weight in zip(models, weights):
+            entry["weight"] = weight
+    out["parameters"] = parameters
+    dtype = config.get("out_dtype") or config.get("dtype")
+    if dtype is not None:
+        out["dtype"] = dtype
+    return out
+
+
+def _check_model_count(method: str, count: int) -> None:
+    if method == "slerp" and count != 1:
+        raise ConfigError(f"mergekit `slerp` interpolates the base_model with exactly one other model; the config "
+                          f"lists {count} model(s) besides the base_model.")
+    if method == "model_stock" and count < 2:
+        raise ConfigError(f"mergekit `model_stock` needs at least 2 models besides the base_model, got {count}.")
+    if count == 0:
+        raise ConfigError(f"mergekit `{method}` lists no model besides the base_model.")
+
+
+def _check_number(value: Any, where: str, *, schedule: bool = False) -> None:
+    """A number, or (``schedule``) a gradient / filter list of numbers (see :mod:`hf_mloss.schedule`)."""
+    if schedule and is_schedule(value):
+        try:
+            leaves = ParamSchedule.parse(value, where).leaves()
+        except InvalidParameterError as err:
+            raise ConfigError(str(err)) from None
+        for leaf in leaves:
+            _check_number(leaf, where)
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        kind = "a number, a gradient or a filter list" if schedule else \
+            "one number (model weights do not vary over the layers here)"
+        raise ConfigError(f"{where} must be {kind}, got {short(value)}.")
+
+
+def _check_flag(value: Any, where: str) -> Any:
+    """true / false, or a gradient / filter list of them."""
+    leaves = ParamSchedule.parse(value, where).leaves() if is_schedule(value) else [value]
+    if not all(isinstance(leaf, bool) for leaf in leaves):
+        raise ConfigError(f"{where} must be true or false (or a filter list of them), got {short(value)}.")
+    return value
+
+
+def _layered(values: list[Any], default: Any) -> Any:
+    """One value from mergekit's scopes, most specific first: a filter list that matches no tensor falls through to
+    the next scope, then to mergekit's ``default`` (a scalar or gradient always matches)."""
+    entries: list[Any] = []
+    for value in values:
+        if value is None:
+            continue
+        if isinstance(value, Mapping) or (isinstance(value, list) and value and
+                                          all(isinstance(v, Mapping) for v in value)):
+            entries.extend([value] if isinstance(value, Mapping) else value)
+            if any(e.get("filter") in (None, "*") for e in entries):
+                break  # an entry without a filter always matches
+            continue
+        entries.append({"value": value})
+        break
+    else:
+        entries.append({"value": default})
+    if len(entries) == 1 and "filter" not in entries[0]:
+        return entries[0]["value"]
+    return entries
+
+
+def _map_values(value: Any, fn: Any) -> Any:
+    """``value`` (a scalar, gradient or filter list) with ``fn`` applied to every scalar in it."""
+    if isinstance(value, Mapping):
+        return {**value, "value": _map_values(value["value"], fn)}
+    if isinstance(value, list):
+        return [_map_values(v, fn) for v in value]
+    return fn(value)

@@ -23,6 +23,7 @@ from .methods import LayerwiseRun, MergeContext, MergeMethod
 from .parallel import Workers, cpu_workers
 from .parallel import active as active_workers
 from .result import MergeResult
+from .schedule import TensorParameters, replace_params
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -63,7 +64,8 @@ def merge(
         models: the q fine-tuned models (Hub ids, local folders or loaded models), or PEFT LoRA adapters of the base
             (folders or Hub ids holding ``adapter_config.json``), read as their merged models, tensor by tensor.
         method: a registered method (``hf_mloss.list_methods()``): ``average``, ``task_arithmetic``, ``ties``,
-            ``dare_ties``, ``dare_linear``, ``m_ties``, ``m_dare``.
+            ``dare_ties``, ``dare_linear``, ``slerp``, ``model_stock``, ``breadcrumbs``, ``breadcrumbs_ties``,
+            ``della``, ``della_linear``, ``m_ties``, ``m_dare``.
         weights: α, one per fine-tuned model (default uniform 1/q; 1 for task arithmetic and ``dare_linear``).
         seed: seeds DARE masks, random ranks and the scoring sample (results are reproducible).
         dtype: dtype of the merged model (default: the base's). Arithmetic always runs in float32.
@@ -85,7 +87,10 @@ def merge(
         criterion: ``"output"`` (discrepancy with each expert, default), ``"entropy"`` (needs ``heads``) or
             ``"mloss"`` (merged-prefix M-Loss; it grows with λ); see :mod:`hf_mloss.selection`.
         heads: one classification head per model (for ``"entropy"``, and the logit KL of ``"output"``).
-        **method_params: the method's parameters (``k``, ``e``, ``lam``, ``p``, ``scope``, ``layers``...).
+        **method_params: the method's parameters (``k``, ``e``, ``lam``, ``p``, ``t``, ``scope``, ``layers``...). For
+            data-free methods each may vary over the model as in mergekit: a gradient over the blocks
+            (``k=[0.2, 0.8]``) or a filter list (``t=[{"filter": "self_attn", "value": [0, 1]}, {"value": 0.5}]``);
+            see :mod:`hf_mloss.schedule`.
 
     Returns:
         A :class:`MergeResult`: ``.model`` (the merged model), ``.config`` (the recorded recipe), ``.report``.
@@ -126,7 +131,9 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
                                          dtype=working_dtype(config, inputs, needs_data=needs_data))
         tower = inputs.adapter.tower(model)
         ctx = MergeContext(params=params, weights=inputs.alpha.to(inputs.device, torch.float32), seed=config.seed)
-        merger = TensorMerger(inputs, method, ctx, model, workers)  # every merged tensor: a whole model's too
+        tensor_params = TensorParameters(method, config.parameters, inputs.adapter)
+        merger = TensorMerger(inputs, method, ctx, model, workers,  # every merged tensor: a whole model's too
+                              tensor_params=tensor_params)
         outside = outside_tower_names(inputs, merger.names)
         report = None
         if config.select is not None:
@@ -152,6 +159,7 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
             description += " " + outside_rule_note(inputs, method, params, outside)
         if lora is not None:  # the adapter as written: its combination, and the rank an SVD used
             record.combination, record.lora_rank = lora.combination, lora.rank if lora.combination == "svd" else None
+        record.resolved_parameters = tensor_params.record(merger.names) if tensor_params else None
         return MergeResult(model=model, config=record, report=report, base=inputs.base.ref, models=inputs.refs,
                            adapter=inputs.adapter, data_info=inputs.data_info, method_description=description,
                            lora=lora)
@@ -200,8 +208,9 @@ class TensorMerger:
     """Reads, checks and merges tensors into the model (its tower's, or every merged tensor of a whole model)."""
 
     def __init__(self, inputs: RunInputs, method: MergeMethod, ctx: MergeContext, tower: PreTrainedModel,
-                 workers: Workers | None = None) -> None:
+                 workers: Workers | None = None, *, tensor_params: TensorParameters | None = None) -> None:
         self.inputs, self.method, self.ctx, self.device = inputs, method, ctx, inputs.device
+        self.tensor_params = tensor_params  # per-layer / per-tensor parameter values, when the config has any
         self.workers = workers or active_workers()
         adapter = inputs.adapter
         self.targets = {name: v for k, v in tower.state_dict().items()
@@ -242,10 +251,11 @@ class TensorMerger:
 
     def _merge_one(self, name: str) -> str:
         base, sources = self.read(name)
+        ctx = replace_params(self.ctx, self.tensor_params.for_tensor(name)) if self.tensor_params else self.ctx
         if self.method.zero_delta_is_base and all(torch.equal(s, base) for s in sources):
             merged = base  # no source changed it (a frozen part): θ₀ + f(0) = θ₀, without trimming q zero tensors
         else:
-            merged = self.method.merge_tensor(name, base, sources, self.ctx)
+            merged = self.method.merge_tensor(name, base, sources, ctx)
         del sources
         # Checked here, while the tensor is in cache, instead of in a separate pass over the model in `finalize`
         # (5.7 s of a 128 s TIES merge on 2 busy cores): one reduction, and the full mask only when the sum is not

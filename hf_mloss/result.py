@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .config import MERGE_CONFIG_NAME, MergeConfig
 from .saving import atomic_folder, check_output_dir
+from .schedule import split_parameters
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -54,8 +55,9 @@ class MergeResult:
 
     @property
     def params(self) -> dict[str, Any]:
-        """The method's parameters, defaults filled in."""
-        return self.config.method_params().to_dict()
+        """The method's parameters, defaults filled in (values that vary over the model as given)."""
+        scheduled = split_parameters(self.config.merge_method(), self.config.parameters)[1]
+        return {**self.config.method_params().to_dict(), **{k: s.to_plain() for k, s in scheduled.items()}}
 
     @property
     def weights(self) -> list[float]:

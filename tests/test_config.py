@@ -379,7 +379,13 @@ PARAMETER_VALUES = {
     "eps": st.sampled_from([1e-6, 1e-4, 0.5]),
     "fraction": st.none() | st.sampled_from([0.1, 0.25]),
     "common_space_fraction": st.sampled_from([0.5, 0.8, 1.0]),
+    "t": st.floats(0, 1, allow_nan=False),
+    "gamma": st.sampled_from([0.0, 0.01, 0.1]),
+    "normalize": st.booleans(),
+    "filter_wise": st.booleans(),
 }
+METHOD_VALUES = {("breadcrumbs", "rescale"): st.sampled_from(["none", "l1"]),
+                 ("breadcrumbs_ties", "rescale"): st.sampled_from(["none", "l1"])}
 
 
 @st.composite
@@ -388,7 +394,8 @@ def valid_configs(draw) -> dict:
 
     method = draw(st.sampled_from(list_methods()))
     names = list(field_help(get_method(method).params_class))
-    parameters = draw(st.fixed_dictionaries({}, optional={n: PARAMETER_VALUES[n] for n in names}))
+    parameters = draw(st.fixed_dictionaries({}, optional={n: METHOD_VALUES.get((method, n), PARAMETER_VALUES[n])
+                                                          for n in names}))
     weighted = draw(st.booleans())
     models = []
     for model_id in draw(st.lists(HUB_ID, min_size=1, max_size=4)):

@@ -114,6 +114,8 @@ def test_svd_merges_leave_out_a_task_that_left_a_matrix_unchanged(tiny_models, t
     assert float((ours[name] - theirs[name]).abs().max()) > 1e-4
     rest = {k: v for k, v in ours.items() if k != name and v.is_floating_point()}
     assert max(float((v - theirs[k]).abs().max()) for k, v in rest.items()) < 1e-5
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Decoder LLMs (Llama, Mistral, Qwen2): the families mergekit is built for, merged from the same YAML
 # --------------------------------------------------------------------------------------------------------------------
@@ -163,3 +165,137 @@ def test_decoder_ties_api_matches_mergekit(decoder_paths, tmp_path):
     ours = hf_mloss.merge(base, models, "ties", k=0.2, weights=[1.0, 1.0, 1.0], convention="mergekit",
                           progress=False)
     assert _decoder_max_diff(ours, run) < 1e-6
+
+
+# mergekit's recipe methods: slerp, model_stock, breadcrumbs(_ties), della(_linear) -------------------------------------
+
+RECIPES = [
+    ("slerp", {"parameters": {"t": 0.3}}),
+    ("slerp", {"parameters": {"t": 0.85}}),
+    ("model_stock", {"parameters": {}}),
+    ("model_stock", {"parameters": {"filter_wise": True}}),
+    ("breadcrumbs", {"k": 0.5, "lam": 0.7, "weights": [1.0, 0.5, 2.0], "parameters": {"gamma": 0.05}}),
+    ("breadcrumbs", {"k": 0.3, "weights": [1.0, 0.5, 2.0], "parameters": {"gamma": 0.2, "normalize": True,
+                                                                           "rescale": True}}),
+    ("breadcrumbs_ties", {"k": 0.5, "lam": 0.7, "weights": [1.0, 0.5, 2.0], "parameters": {"gamma": 0.05}}),
+    ("breadcrumbs_ties", {"k": 0.9, "weights": [1.0, 0.5, 2.0], "parameters": {"normalize": True}}),
+    # density 1 draws no mask: the deterministic half of DELLA (consensus, normalize, lambda) must match exactly
+    ("della", {"k": 1.0, "lam": 0.7, "weights": [1.0, 0.5, 2.0]}),
+    ("della_linear", {"k": 1.0, "lam": 0.7, "weights": [1.0, 0.5, 2.0]}),
+]
+
+
+@pytest.mark.parametrize(("method", "kwargs"), RECIPES, ids=[f"{m}-{i}" for i, (m, _) in enumerate(RECIPES)])
+def test_mergekit_recipe_methods_match(tiny_paths, tmp_path, method, kwargs):
+    """mergekit-yaml and hf_mloss run the same YAML on the same checkpoints: equal within 1e-6 in float32."""
+    base, models = tiny_paths
+    run = _run("mergekit", method, (base, models[:1] if method == "slerp" else models), tmp_path, **kwargs)
+    config = MergeConfig.from_yaml(run.out_dir / "peer_config.yml")
+    assert config.method == method
+    assert _max_diff(config.run(progress=False), _peer_state(run)) < 1e-6
+
+
+def _della_keep_rates(state, base_sd, tau_sd) -> list[tuple[float, float, int]]:
+    """(mean keep probability, observed keep rate, count) per probability bin, pooled over the tensors.
+
+    With one model, weight 1 and no rescaling, a DELLA merge is base + mask ⊙ τ: an entry counts as kept where the
+    merge is nearer base + τ than base. The expected probability of each entry is (k − e) + 2e·rank/(n − 1), ranks by
+    |τ| along axis 1 (a 1-D tensor is one row), computed here independently in numpy.
+    """
+    import numpy as np
+
+    probs, kept = [], []
+    for name, tau in tau_sd.items():
+        merged, base = state[name].double().numpy(), base_sd[name].double().numpy()
+        t = tau.double().numpy()
+        rows = t if t.ndim >= 2 else t[None]
+        n = rows.shape[1]
+        ranks = np.argsort(np.argsort(np.abs(rows), axis=1, kind="stable"), axis=1, kind="stable")
+        p = (0.5 - 0.2) + 0.4 * ranks / (n - 1) if n > 1 else np.full(rows.shape, 0.5)
+        clear = np.abs(t) > 1e-6  # entries whose change survives the float32 sum
+        near_full = np.abs(merged - (base + t)) < np.abs(merged - base)
+        probs.append(p.reshape(t.shape)[clear])
+        kept.append(near_full[clear])
+    probs, kept = np.concatenate(probs), np.concatenate(kept)
+    edges = np.linspace(0.3, 0.7, 6)
+    bins = np.clip(np.digitize(probs, edges[1:-1]), 0, 4)
+    return [(float(probs[bins == b].mean()), float(kept[bins == b].mean()), int((bins == b).sum())) for b in range(5)]
+
+
+def test_della_masks_follow_mergekits_distribution(tiny_paths, tmp_path):
+    """mergekit draws DELLA's masks from the global torch generator in its own processing order, which private
+    per-tensor generators cannot reproduce draw for draw; both must keep each entry with the same rank-set probability.
+    """
+    import math
+
+    base, models = tiny_paths
+    kwargs = {"k": 0.5, "weights": [1.0], "parameters": {"epsilon": 0.2, "rescale": False}}
+    run = _run("mergekit", "della_linear", (base, models[:1]), tmp_path, **kwargs)
+    config = MergeConfig.from_yaml(run.out_dir / "peer_config.yml")
+    assert config.parameters == {"k": 0.5, "e": 0.2, "lam": 1.0, "normalize": False, "rescale": "none"}
+    ours = {k: v for k, v in config.run(progress=False).model.state_dict().items() if v.is_floating_point()}
+    theirs = {k.removeprefix("vision_model."): v.float() for k, v in _peer_state(run).items()}
+    base_sd = load_file(os.path.join(base, "model.safetensors"))
+    model_sd = load_file(os.path.join(models[0], "model.safetensors"))
+    tau_sd = {k: model_sd[k].float() - base_sd[k].float() for k in ours}
+    rates = {"mergekit": _della_keep_rates(theirs, base_sd, tau_sd), "hf_mloss": _della_keep_rates(ours, base_sd, tau_sd)}
+    for who, bins in rates.items():
+        for p, observed, count in bins:
+            assert abs(observed - p) < 5 * math.sqrt(p * (1 - p) / count), (who, p, observed, count)
+    # and the two are different draws (otherwise this test would not be needed)
+    assert any(not torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+# Parameters that vary over the model: mergekit's gradients and filter lists -------------------------------------------
+
+@pytest.fixture(scope="module")
+def deep_paths(tmp_path_factory) -> tuple[str, list[str]]:
+    """Tiny towers with 4 blocks, so that a 5-point gradient is interpolated between its points (x = 0, 1/3, 2/3, 1)."""
+    from hf_mloss.testing import make_tiny_setup
+
+    base, models = make_tiny_setup(tmp_path_factory.mktemp("deep"), q=3, seed=1, num_hidden_layers=4)
+    return str(base), [str(m) for m in models]
+
+
+GRADIENT_RECIPES = [
+    # the Hub's most common recipe: slerp with t per filter as a layer gradient
+    ("slerp", {"parameters": {"t": [{"filter": "self_attn", "value": [0, 0.5, 0.3, 0.7, 1]},
+                                    {"filter": "mlp", "value": [1, 0.5, 0.7, 0.3, 0]}, {"value": 0.5}]}}),
+    ("ties", {"k": [0.1, 0.5, 0.9], "lam": [{"filter": "mlp", "value": 0.6}, {"value": [1.0, 0.8]}],
+              "weights": [1.0, 0.5, 2.0]}),
+    ("breadcrumbs_ties", {"k": [{"filter": "self_attn", "value": [0.3, 0.9]}, {"value": 0.6}], "weights": [1.0, 0.5, 2.0],
+                          "parameters": {"gamma": [0.0, 0.1], "normalize": True}}),
+    ("model_stock", {"parameters": {"filter_wise": [{"filter": "mlp", "value": True}, {"value": False}]}}),
+    ("della", {"k": 1.0, "lam": [0.5, 1.5], "weights": [1.0, 0.5, 2.0]}),
+]
+
+
+@pytest.mark.parametrize(("method", "kwargs"), GRADIENT_RECIPES,
+                         ids=[f"{m}-{i}" for i, (m, _) in enumerate(GRADIENT_RECIPES)])
+def test_mergekit_gradient_recipes_match(deep_paths, tmp_path, method, kwargs):
+    """The same YAML with gradients / filter lists: equal within 1e-6, and the saved config records the values."""
+    base, models = deep_paths
+    run = _run("mergekit", method, (base, models[:1] if method == "slerp" else models), tmp_path, **kwargs)
+    result = MergeConfig.from_yaml(run.out_dir / "peer_config.yml").run(progress=False)
+    assert _max_diff(result, _peer_state(run)) < 1e-6
+    resolved = result.config.resolved_parameters
+    assert resolved and len({str(v) for v in resolved.values()}) > 1  # the values really vary over the model
+
+
+def test_della_l1_rescale_matches_mergekits_rule(tiny_paths, tmp_path):
+    """rescale: true (mergekit's default for DELLA) scales each tensor's survivors back to the task vector's L1 norm,
+    in both libraries (one model, weight 1: the merged delta is the rescaled survivors)."""
+    base, models = tiny_paths
+    kwargs = {"k": 0.5, "weights": [1.0], "parameters": {"epsilon": 0.2}}
+    run = _run("mergekit", "della_linear", (base, models[:1]), tmp_path, **kwargs)
+    config = MergeConfig.from_yaml(run.out_dir / "peer_config.yml")
+    assert config.parameters["rescale"] == "l1"
+    ours = {k: v for k, v in config.run(progress=False).model.state_dict().items() if v.is_floating_point()}
+    theirs = {k.removeprefix("vision_model."): v.float() for k, v in _peer_state(run).items()}
+    base_sd = load_file(os.path.join(base, "model.safetensors"))
+    model_sd = load_file(os.path.join(models[0], "model.safetensors"))
+    for name in ours:
+        tau_l1 = float((model_sd[name].float() - base_sd[name].float()).abs().double().sum())
+        for who, state in (("hf_mloss", ours), ("mergekit", theirs)):
+            merged_l1 = float((state[name] - base_sd[name].float()).abs().double().sum())
+            assert merged_l1 == pytest.approx(tau_l1, rel=1e-4), (who, name)

@@ -64,6 +64,9 @@ __all__ = [
 ]
 
 MERGEKIT_METHODS = ("ties", "dare_ties", "dare_linear", "task_arithmetic", "linear")
+MERGEKIT_RECIPE_METHODS = ("slerp", "model_stock", "breadcrumbs", "breadcrumbs_ties", "della", "della_linear")
+"""Further mergekit methods: ``slerp`` and ``model_stock`` take no weights; the others take ``density`` like ties."""
+MERGEKIT_METHODS += MERGEKIT_RECIPE_METHODS
 FUSION_BENCH_METHODS = ("ties", "task_arithmetic", "tsv_m", "iso_c", "iso_cts")
 CHILD_SCRIPT = Path(__file__).resolve().with_name("_fusion_bench_child.py")
 DEFAULT_TIMEOUT = 1800.0
@@ -141,15 +144,20 @@ def mergekit_config(
     weights: Sequence[float] | None = None,
     normalize: bool | None = None,
     dtype: str = "float32",
+    parameters: dict | None = None,
 ) -> dict:
     """The mergekit YAML config (as a dict) for a task-vector method.
 
     ``normalize`` None keeps mergekit's per-method default, except for ``ties``
     where ``normalize: true`` (the TIES disjoint mean) is written explicitly.
     ``dtype`` is mergekit's output dtype (``bfloat16`` for bf16 checkpoints).
+    ``parameters`` are further top-level mergekit parameters (``t``, ``gamma``,
+    ``epsilon``, ``filter_wise``, ``rescale``...).
     """
     if method not in MERGEKIT_METHODS:
         raise ValueError(f"mergekit method must be one of {MERGEKIT_METHODS}, got {method!r}")
+    if method in ("slerp", "model_stock"):
+        return _mergekit_interpolation_config(method, base_dir, model_dirs, parameters or {})
     weights = list(weights) if weights is not None else [1.0] * len(model_dirs)
     if len(weights) != len(model_dirs):
         raise ValueError(f"got {len(weights)} weights for {len(model_dirs)} models")
@@ -159,13 +167,14 @@ def mergekit_config(
         if method not in ("task_arithmetic", "linear"):
             if k is None:
                 raise ValueError(f"mergekit {method} needs a density k")
-            params["density"] = float(k)
+            params["density"] = k if isinstance(k, (list, dict)) else float(k)  # a gradient / filter list as is
         models.append({"model": str(Path(path).resolve()), "parameters": params})
-    shared: dict = {} if method == "linear" else {"lambda": float(lam)}
+    shared: dict = {} if method == "linear" else {"lambda": lam if isinstance(lam, (list, dict)) else float(lam)}
     if normalize is None and method == "ties":
         normalize = True
     if normalize is not None:
         shared["normalize"] = bool(normalize)
+    shared.update(parameters or {})
     config = {
         "merge_method": method,
         "base_model": str(Path(base_dir).resolve()),
@@ -176,6 +185,18 @@ def mergekit_config(
     if method == "linear":  # a plain average of the models; a base_model would be averaged in too
         del config["base_model"]
     return config
+
+
+def _mergekit_interpolation_config(method: str, base_dir: Path, model_dirs: Sequence[Path], parameters: dict) -> dict:
+    """slerp / model_stock as published recipes write them: the base listed among the models, no weights."""
+    base = str(Path(base_dir).resolve())
+    if method == "slerp" and len(model_dirs) != 1:
+        raise ValueError(f"mergekit slerp takes the base and exactly one other model, got {len(model_dirs)}")
+    if method == "slerp" and "t" not in parameters:
+        raise ValueError("mergekit slerp needs parameters={'t': ...}")
+    models = [{"model": base}] + [{"model": str(Path(p).resolve())} for p in model_dirs]
+    return {"merge_method": method, "base_model": base, "models": models, "parameters": dict(parameters),
+            "dtype": "float32"}
 
 
 def _child_env(python: Path) -> dict[str, str]:
@@ -241,6 +262,7 @@ def run_peer_merge(
     seed: int = 0,
     timeout: float = DEFAULT_TIMEOUT,
     dtype: str = "float32",
+    parameters: dict | None = None,
 ) -> PeerRun:
     """Merge ``model_dirs`` onto ``base_dir`` with a peer library; write ``out_dir``.
 
@@ -249,9 +271,9 @@ def run_peer_merge(
     (mergekit ``density``; fusion-bench ``threshold``), ``lam`` the final
     scale (mergekit ``lambda``; fusion-bench ``scaling_factor``).  ``weights``
     are mergekit per-model weights (fusion-bench has none: only all-ones is
-    accepted).  ``normalize`` and ``dtype`` (output dtype) are mergekit-only,
-    ``merge_func`` fusion-bench-only (TIES), ``common_space_fraction``
-    fusion-bench-only (``iso_cts``).
+    accepted).  ``normalize``, ``dtype`` (output dtype) and ``parameters`` (further
+    top-level mergekit parameters) are mergekit-only, ``merge_func`` fusion-bench-only
+    (TIES), ``common_space_fraction`` fusion-bench-only (``iso_cts``).
     Raises PeerUnavailable if the venv cannot be installed, PeerError on failure.
     """
     key = normalize_peer(peer)
@@ -265,7 +287,7 @@ def run_peer_merge(
 
     if key == "mergekit":
         cfg = mergekit_config(method, base_dir, model_dirs, k=k, lam=lam, weights=weights, normalize=normalize,
-                              dtype=dtype)
+                              dtype=dtype, parameters=parameters)
         cfg_path = out_dir / "peer_config.yml"
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         cmd = [
