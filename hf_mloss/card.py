@@ -101,6 +101,11 @@ def selection_rows(config: MergeConfig) -> dict[str, Any] | None:
             "chosen": ", ".join(f"{k}={v}" for k, v in (select.chosen or {}).items())}
 
 
+def uses_seed(config: MergeConfig) -> bool:
+    """Whether the seed changes the result: random masks (DARE), or a sample of the scoring images."""
+    return "dare" in config.method or config.data is not None or config.select is not None
+
+
 def build_model_card(result: CardSource, *, heatmap: str | None = None) -> ModelCard:
     """Render the card of a merge (``heatmap``: file name of the M-Loss picture saved beside it, if any).
 
@@ -133,6 +138,8 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
                 for r, w in zip(result.models, result.weights)],
         parameters=shown,
         seed=result.config.seed,
+        seeded=uses_seed(result.config),
+        device=getattr(result, "device", ""),
         dtype=str(next(result.model.parameters()).dtype).replace("torch.", ""),
         data={**result.data_info.to_dict(), **result.data_info.sample_stats()} if result.data_info else None,
         eval_rows=[{"task": t, "value": v} for t, v in result.eval_results.items()],

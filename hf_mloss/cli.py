@@ -30,6 +30,8 @@ from .errors import HfMLossError, InvalidParameterError, PushError
 
 EXIT_USER_ERROR = 2
 EXIT_PUSH_ERROR = 1
+DEVICE_HELP = ("Where to compute: auto (default: the accelerator when present - this process's GPU under torchrun or "
+               "accelerate launch, else CUDA, then MPS - else the CPU), cpu, cuda, cuda:1, mps.")
 
 
 # ------------------------------------------------------------------------------------------------------- merge
@@ -44,7 +46,7 @@ def merge_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     parser.add_argument("--private", action="store_true", help="Create the Hub repo as private (with --push-to-hub).")
     parser.add_argument("--overwrite", action="store_true",
                         help="Replace OUT_DIR if it exists and is not empty (only once the new folder is complete).")
-    parser.add_argument("--device", default=None, help="Where to compute: cpu (default), cuda, cuda:1, mps...")
+    parser.add_argument("--device", default=None, help=DEVICE_HELP)
     if subparsers is not None:
         parser.set_defaults(func=merge_command)
     return parser
@@ -52,6 +54,7 @@ def merge_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
 
 def merge_command(args: argparse.Namespace) -> int:
     from .config import MergeConfig
+    from .distributed import describe_device, is_main_process, main_process_only
     from .hub_push import check_repo_id
     from .inputs import resolve_device
     from .saving import check_output_dir
@@ -61,10 +64,16 @@ def merge_command(args: argparse.Namespace) -> int:
     if args.push_to_hub:
         check_repo_id(args.push_to_hub)
     protected = [args.config, *_local_inputs(config)]
-    out_dir = check_output_dir(args.out_dir, overwrite=args.overwrite, protected=protected,
-                               needed_bytes=_estimated_size(config))
-    with _progress_bars(not args.quiet, datasets_too=config.data is not None):
-        result = config.run(device=device, progress=not args.quiet)
+    out_dir = Path(args.out_dir).expanduser()
+    with main_process_only() as main:  # under torchrun: checked once, before any process can write it
+        if main:
+            out_dir = check_output_dir(args.out_dir, overwrite=args.overwrite, protected=protected,
+                                       needed_bytes=_estimated_size(config))
+    show = not args.quiet and is_main_process()
+    if show:
+        print(f"hf-mloss: computing on {describe_device(device)}", file=sys.stderr)
+    with _progress_bars(show, datasets_too=config.data is not None):
+        result = config.run(device=device, progress=show)
         push_kwargs = {"private": True} if args.push_to_hub and args.private else {}
         saved = result.save_pretrained(out_dir, overwrite=args.overwrite, push_to_hub=bool(args.push_to_hub),
                                        repo_id=args.push_to_hub, **push_kwargs)
@@ -73,7 +82,8 @@ def merge_command(args: argparse.Namespace) -> int:
              f"  base:       {result.base.name}",
              "  models:     " + ", ".join(f"{r.name} (weight {w:.4g})"
                                           for r, w in zip(result.models, result.weights, strict=True)),
-             "  parameters: " + (", ".join(f"{k}={v!r}" for k, v in result.params.items()) or "none")]
+             "  parameters: " + (", ".join(f"{k}={v!r}" for k, v in result.params.items()) or "none"),
+             f"  device:     {result.device}"]
     if result.data_info is not None:
         info = result.data_info
         lines.append(f"  data:       {info.source} {info.id!r} (split {info.split!r}, {info.num_samples} images)")
@@ -84,7 +94,8 @@ def merge_command(args: argparse.Namespace) -> int:
     lines.append(f"Saved to {saved}")
     if args.push_to_hub:
         lines.append(f"Pushed to the Hub repo {args.push_to_hub}")
-    print("\n".join(lines))
+    if is_main_process():  # one summary per job, not one per process
+        print("\n".join(lines))
     return 0
 
 
@@ -112,7 +123,7 @@ def score_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     parser.add_argument("config", metavar="CONFIG.yaml", help="A config with base, models and data.")
     parser.add_argument("--json", metavar="OUT", default=None, help="Also write the report as JSON to this file.")
     parser.add_argument("--per-row", action="store_true", help="Include the per-row (node) vectors in the JSON.")
-    parser.add_argument("--device", default=None, help="Where to compute: cpu (default), cuda, cuda:1, mps...")
+    parser.add_argument("--device", default=None, help=DEVICE_HELP)
     pairwise = parser.add_argument_group("compatibility report (--pairwise)")
     pairwise.add_argument("--pairwise", action="store_true",
                           help="Score every pair, the set without each model and the whole set from one forward per "
@@ -131,10 +142,13 @@ def score_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
 
 def score_command(args: argparse.Namespace) -> int:
     from .config import MergeConfig
+    from .distributed import describe_device, is_main_process
     from .inputs import resolve_device
 
     config = _with_selection(MergeConfig.from_yaml(args.config), args)
     device = resolve_device(args.device)
+    main = is_main_process()  # every process scores its share; the main one prints and writes the reduced result
+    show = not args.quiet and main
     if config.data is None:  # fail now, not after downloading the models
         raise InvalidParameterError("Scoring needs unlabeled images and the config has no `data`: add e.g. `data: "
                                     "{id: tanganke/dtd, split: train, num_samples: 128}` or `data: {path: ./images}`.")
@@ -144,21 +158,28 @@ def score_command(args: argparse.Namespace) -> int:
     if not args.pairwise and (args.subsets or args.output_gap or args.no_baselines or args.out):
         raise InvalidParameterError("--subsets, --output-gap, --no-baselines and --out belong to the compatibility "
                                     "report: add --pairwise.")
+    if show:
+        print(f"hf-mloss: computing on {describe_device(device)}", file=sys.stderr)
     if args.select:  # score the candidates of the grid, print them, write nothing
-        with _progress_bars(not args.quiet, datasets_too=True):
-            result = config.run(device=device, progress=not args.quiet)
-        print(result.config.select.summary())
+        with _progress_bars(show, datasets_too=True):
+            result = config.run(device=device, progress=show)
+        if main:
+            print(result.config.select.summary())
         return 0
-    with _progress_bars(not args.quiet, datasets_too=True):
+    with _progress_bars(show, datasets_too=True):
         if args.pairwise:
             from .compatibility import run_compatibility
 
             report = run_compatibility(config, subsets=_parse_subsets(args.subsets), baselines=not args.no_baselines,
-                                       output_gap=args.output_gap, device=device, progress=not args.quiet)
+                                       output_gap=args.output_gap, device=device, progress=show)
         else:
-            report = config.run_score(device=device, progress=not args.quiet)
-    print(report.summary())
-    _write_outputs(report, json_path, args)
+            report = config.run_score(device=device, progress=show)
+    from .distributed import main_process_only
+
+    with main_process_only() as main:
+        if main:
+            print(report.summary())
+            _write_outputs(report, json_path, args)
     return 0
 
 

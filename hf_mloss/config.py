@@ -455,7 +455,8 @@ class MergeConfig:
         """Run the merge.
 
         Args:
-            device: where to compute (``"cpu"``, ``"cuda"``...); a property of the run, not of the recipe.
+            device: where to compute: ``"auto"`` (default: the accelerator when present, else the CPU), ``"cpu"``,
+                ``"cuda:1"``, ``"mps"``...; a property of the run, not of the recipe.
             token: Hub token for private models (never stored).
             progress: show progress bars.
 

@@ -280,27 +280,36 @@ def resolve_processor(config: MergeConfig, inputs: RunInputs, base_ref: ModelRef
 
 
 def resolve_device(device: Any = None) -> torch.device:
-    """The run's device, refused up front when this machine cannot compute on it."""
-    if device is None:
-        from accelerate import PartialState
+    """The run's device, refused up front when this machine cannot compute on it.
 
-        state = PartialState()
-        return torch.device(str(state.device) if state.num_processes > 1 else "cpu")
+    ``None`` or ``"auto"``: the accelerator when there is one (this process's own under ``torchrun`` /
+    ``accelerate launch``, else CUDA, then MPS), CPU otherwise (see :func:`hf_mloss.distributed.default_device`).
+    """
+    from .distributed import AUTO, default_device, distributed_state
+
+    if device is None or (isinstance(device, str) and device.strip().lower() == AUTO):
+        return default_device()
     try:
         parsed = torch.device(device)
-    except (RuntimeError, ValueError, TypeError) as err:
-        raise InvalidParameterError(f"device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1, mps): "
-                                    f"{' '.join(str(err).split())[:120]}") from None
+    except (RuntimeError, ValueError, TypeError):
+        raise InvalidParameterError(f"device {device!r} is not a device this library can use: pass 'auto' (the "
+                                    "accelerator when there is one, else the CPU), 'cpu', 'cuda', 'cuda:N' or "
+                                    "'mps'.") from None
     if parsed.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0 or (parsed.index is not None and parsed.index >= count):
             hint = f" or cuda:0..cuda:{count - 1}" if count else ""
-            raise InvalidParameterError(f"device {device!r}: this machine has {count} CUDA device(s); use cpu{hint}.")
+            raise InvalidParameterError(f"device {device!r}: this machine has {count} CUDA device(s); use 'auto', "
+                                        f"cpu{hint}.")
+        state = distributed_state()
+        if parsed.index is None and state is not None and torch.device(state.device).type == "cuda":
+            return torch.device(state.device)  # one GPU per process under torchrun, not all on cuda:0
     elif parsed.type == "mps":
         if not torch.backends.mps.is_available():
-            raise InvalidParameterError(f"device {device!r}: MPS is not available on this machine; use cpu.")
+            raise InvalidParameterError(f"device {device!r}: MPS is not available on this machine; use 'auto' or "
+                                        "cpu.")
     elif parsed.type != "cpu":
-        raise InvalidParameterError(f"device {device!r} cannot run a merge; use cpu, cuda[:N] or mps.")
+        raise InvalidParameterError(f"device {device!r} cannot run a merge; use 'auto', cpu, cuda[:N] or mps.")
     return parsed
 
 

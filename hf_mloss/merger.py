@@ -17,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .config import DEFAULT_NUM_SAMPLES, MergeConfig
+from .distributed import describe_device
 from .errors import CorruptCheckpointError, InvalidParameterError
 from .inputs import RunInputs, as_dtype, open_inputs
 from .methods import LayerwiseRun, MergeContext, MergeMethod
@@ -74,7 +75,8 @@ def merge(
         processor: image processor for ``data`` (Hub id, folder or object); default: the base's.
         output: ``"auto"`` writes the base's class (a full ``CLIPModel`` base gives a full ``CLIPModel``);
             ``"tower"`` only the merged tower (``CLIPVisionModel``).
-        device: where to compute (``"cpu"``, ``"cuda"``...).
+        device: where to compute: ``"auto"`` (default: the accelerator when present — this process's under
+            ``torchrun``/``accelerate launch``, else CUDA, then MPS — else the CPU), ``"cpu"``, ``"cuda:1"``, ``"mps"``.
         token: passed to the Hub for private models; never stored or printed.
         select: ``"unlabeled"`` chooses the parameters in ``grid`` on ``data`` without labels (or a mapping of
             :class:`~hf_mloss.selection.SelectionOptions`: ``num_samples``, ``share``, ``shares``, ``compare``).
@@ -135,7 +137,7 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
         record = recorded_config(config, inputs)
         return MergeResult(model=model, config=record, report=report, base=inputs.base.ref, models=inputs.refs,
                            adapter=inputs.adapter, data_info=inputs.data_info,
-                           method_description=method.describe(params))
+                           method_description=method.describe(params), device=describe_device(inputs.device))
 
 
 class TensorMerger:

@@ -56,6 +56,8 @@ class MLossReport:
     layer_ratio: dict[str, float] = field(default_factory=dict)
     node_ratio: dict[str, torch.Tensor] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)
+    device: str = ""
+    """Where it was computed (``cpu``, ``cuda:0 (NVIDIA ...)``, ``mps``)."""
 
     @property
     def layers(self) -> list[str]:
@@ -116,7 +118,7 @@ class MLossReport:
         out: dict[str, Any] = {
             "prefix": self.prefix, "reduction": self.reduction, "activation": self.activation, "eps": self.eps,
             "num_samples": self.num_samples, "num_positions": self.num_positions, "models": self.models,
-            "weights": self.weights, "compute_dtype": self.compute_dtype, "data": self.data,
+            "weights": self.weights, "compute_dtype": self.compute_dtype, "data": self.data, "device": self.device,
             "layers": self.summary_rows(),
         }  # fmt: skip
         if per_row:
@@ -176,5 +178,5 @@ class MLossReport:
             num_samples=meta["num_samples"], num_positions=meta["num_positions"], models=meta["models"],
             weights=meta["weights"], keep_ratios=group("keep_ratios"), compute_dtype=meta.get("compute_dtype", "float32"),
             layer_ratio={r["layer"]: r["mloss_ratio"] for r in rows if r.get("mloss_ratio") is not None},
-            node_ratio=group("node_ratio"), data=meta.get("data", {}),
+            node_ratio=group("node_ratio"), data=meta.get("data", {}), device=meta.get("device", ""),
         )  # fmt: skip

@@ -43,6 +43,8 @@ class MergeResult:
     data_info: DataInfo | None = None
     method_description: str = ""
     eval_results: dict[str, float] = field(default_factory=dict)
+    device: str = ""
+    """Where the merge was computed (``cpu``, ``cuda:0 (NVIDIA ...)``, ``mps``), as the card records it."""
 
     @property
     def method(self) -> str:
@@ -68,6 +70,7 @@ class MergeResult:
         report, and the list of the files written (``hf_mloss_files.json``, what a push uploads).
 
         The folder is written next to its final place and renamed into it, so it appears complete or not at all.
+        Under ``torchrun`` / ``accelerate launch`` only the main process writes (and pushes); the others wait for it.
         An existing non-empty folder is refused unless ``overwrite=True``, and then replaced only at the final
         rename. An output folder that overlaps an input is refused.
 
@@ -87,18 +90,23 @@ class MergeResult:
             >>> result.save_pretrained("merged", push_to_hub=True, repo_id="me/merged", private=True)
             ```
         """
+        from .distributed import main_process_only
+
         if push_to_hub:
             from .hub_push import check_repo_id
 
             check_repo_id(repo_id or Path(save_directory).name)
-        target = check_output_dir(save_directory, overwrite=overwrite, protected=self.input_paths(),
-                                  needed_bytes=self.output_bytes())
-        with atomic_folder(target, overwrite=overwrite) as tmp:
-            self._write(tmp, max_shard_size=max_shard_size, final=target)
-        if push_to_hub:
-            from .hub_push import push_folder
+        target = Path(os.fspath(save_directory)).expanduser()
+        with main_process_only() as main:  # under torchrun / accelerate launch: one writer, the others wait
+            if main:
+                target = check_output_dir(save_directory, overwrite=overwrite, protected=self.input_paths(),
+                                          needed_bytes=self.output_bytes())
+                with atomic_folder(target, overwrite=overwrite) as tmp:
+                    self._write(tmp, max_shard_size=max_shard_size, final=target)
+                if push_to_hub:
+                    from .hub_push import push_folder
 
-            push_folder(target, repo_id or target.name, **push_kwargs)
+                    push_folder(target, repo_id or target.name, **push_kwargs)
         return target
 
     def push_to_hub(self, repo_id: str, *, private: bool | None = None, token: str | bool | None = None,
@@ -117,25 +125,31 @@ class MergeResult:
             max_shard_size: shard the weights above this size.
 
         Returns:
-            The ``CommitInfo`` of the commit.
+            The ``CommitInfo`` of the commit (``None`` on the other processes of a ``torchrun`` job: only the main
+            one uploads).
 
         Example:
             ```python
             >>> hf_mloss.merge(base, models, "m_ties", data="tanganke/dtd").push_to_hub("me/merged-clip")
             ```
         """
+        from .distributed import main_process_only
         from .hub_push import check_repo_id, push_folder
 
         check_repo_id(repo_id)
-        tmp = Path(tempfile.mkdtemp(prefix="hf_mloss-push-"))
-        try:
-            folder = tmp / "merged"
-            with atomic_folder(folder) as out:
-                self._write(out, max_shard_size=max_shard_size, final=None)
-            return push_folder(folder, repo_id, private=private, token=token, revision=revision, create_pr=create_pr,
-                               commit_message=commit_message, keep_hint=False)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        info = None
+        with main_process_only() as main:  # one commit per job (the other processes get None)
+            if main:
+                tmp = Path(tempfile.mkdtemp(prefix="hf_mloss-push-"))
+                try:
+                    folder = tmp / "merged"
+                    with atomic_folder(folder) as out:
+                        self._write(out, max_shard_size=max_shard_size, final=None)
+                    info = push_folder(folder, repo_id, private=private, token=token, revision=revision,
+                                       create_pr=create_pr, commit_message=commit_message, keep_hint=False)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+        return info
 
     def _write(self, folder: Path, *, max_shard_size: int | str, final: Path | None) -> None:
         from .card import build_model_card
