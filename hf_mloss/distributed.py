@@ -29,9 +29,11 @@ def distributed_state() -> Any:
     ``debug_launcher``), else ``None``."""
     from accelerate import PartialState
 
-    launched = int(os.environ.get("WORLD_SIZE", "1") or "1") > 1
-    if not launched and not getattr(PartialState, "_shared_state", None):
-        return None
+    if not getattr(PartialState, "_shared_state", None):  # not initialised yet (by us, accelerate or the user)
+        if int(os.environ.get("WORLD_SIZE", "1") or "1") <= 1:
+            return None
+        # accelerate makes a CPU-only job (gloo) multi-process only when asked for the CPU
+        PartialState(cpu=not torch.cuda.is_available())
     state = PartialState()
     return state if state.num_processes > 1 else None
 
@@ -107,15 +109,20 @@ def default_device() -> torch.device:
 
 
 def describe_device(device: torch.device | str) -> str:
-    """``cuda:0 (NVIDIA H100 80GB HBM3)``, ``mps``, ``cpu``: what a run printed and recorded."""
+    """``cuda:0 (NVIDIA H100 80GB HBM3)``, ``mps``, ``cpu``, plus ``, 2 processes`` in a multi-process job: what a
+    run prints and records."""
     device = torch.device(device)
+    text = device.type
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         try:
-            return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+            text = f"cuda:{index} ({torch.cuda.get_device_name(index)})"
         except (RuntimeError, AssertionError, AttributeError):
-            return f"cuda:{index}"
-    return str(device)
+            text = f"cuda:{index}"
+    elif device.index is not None and device.type != "cpu":
+        text = str(device)
+    state = distributed_state()
+    return text + (f", {state.num_processes} processes" if state is not None else "")
 
 
 __all__ = ["AUTO", "default_device", "describe_device", "distributed_state", "is_main_process",

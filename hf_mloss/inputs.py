@@ -287,6 +287,7 @@ def resolve_device(device: Any = None) -> torch.device:
     """
     from .distributed import AUTO, default_device, distributed_state
 
+    state = distributed_state()  # under a launcher, joins the process group before any scoring shards its data
     if device is None or (isinstance(device, str) and device.strip().lower() == AUTO):
         return default_device()
     try:
@@ -301,7 +302,6 @@ def resolve_device(device: Any = None) -> torch.device:
             hint = f" or cuda:0..cuda:{count - 1}" if count else ""
             raise InvalidParameterError(f"device {device!r}: this machine has {count} CUDA device(s); use 'auto', "
                                         f"cpu{hint}.")
-        state = distributed_state()
         if parsed.index is None and state is not None and torch.device(state.device).type == "cuda":
             return torch.device(state.device)  # one GPU per process under torchrun, not all on cuda:0
     elif parsed.type == "mps":
