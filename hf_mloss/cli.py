@@ -53,6 +53,7 @@ def merge_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
 
 
 def merge_command(args: argparse.Namespace) -> int:
+    from .card import shown_parameters
     from .config import MergeConfig
     from .distributed import describe_device, is_main_process, main_process_only
     from .hub_push import check_repo_id
@@ -82,14 +83,15 @@ def merge_command(args: argparse.Namespace) -> int:
              f"  base:       {result.base.name}",
              "  models:     " + ", ".join(f"{r.name} (weight {w:.4g})"
                                           for r, w in zip(result.models, result.weights, strict=True)),
-             "  parameters: " + (", ".join(f"{k}={v!r}" for k, v in result.params.items()) or "none"),
+             "  parameters: " + (", ".join(f"{k}={v!r}" for k, v in
+                                           shown_parameters(result.config.method_params()).items()) or "none"),
              f"  device:     {result.device}"]
     if result.data_info is not None:
         info = result.data_info
         lines.append(f"  data:       {info.source} {info.id!r} (split {info.split!r}, {info.num_samples} images)")
     if result.config.select is not None:
         lines += ["", result.config.select.summary()]
-    if result.report is not None:
+    if result.report is not None and result.report.computed:
         lines += ["", result.report.summary(), ""]
     lines.append(f"Saved to {saved}")
     if args.push_to_hub:
@@ -256,6 +258,12 @@ def methods_command(args: argparse.Namespace) -> int:
     for name in list_methods():
         method = MERGE_METHODS[name]
         fields = field_help(method.params_class)
+        try:  # defaults as the card shows them: TIES's scope resolved from its default convention
+            resolved = method.params_class()
+            if hasattr(resolved, "resolved_scope") and "scope" in fields:
+                fields["scope"] = (resolved.resolved_scope, fields["scope"][1])
+        except TypeError:  # a method whose parameters have no defaults
+            pass
         entries.append({
             "name": name, "pretty_name": method.pretty_name, "reference": method.reference,
             "reference_url": method.reference_url, "needs_data": method.needs_data,

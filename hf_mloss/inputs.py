@@ -65,7 +65,7 @@ class RunInputs:
             if output == "tower":
                 model = copy.deepcopy(self.adapter.tower(self.base_model))
         else:
-            with quiet_transformers(not progress):
+            with quiet_transformers(True):  # one bar per stage, ours: not transformers' "Loading weights"
                 model = self.adapter.load_output_model(self.base.ref.path, output, dtype=torch.float32)
         return model.to(device=self.device, dtype=torch.float32).eval()
 

@@ -133,6 +133,11 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
         else:
             method.prepare(ctx, merger.visit)
             merger.merge(merger.names, progress=progress, desc=f"Merging ({config.method})")
+        if report is None:  # data-free: a report that says so, so `result.report.summary()` always works
+            from .report import MLossReport
+
+            report = MLossReport.not_computed(config.method, [r.name for r in inputs.refs],
+                                              (inputs.alpha / inputs.alpha.sum()).tolist())
         model = finalize(model, merger, as_dtype(config.dtype) if config.dtype else stored_dtype(inputs))
         record = recorded_config(config, inputs)
         return MergeResult(model=model, config=record, report=report, base=inputs.base.ref, models=inputs.refs,

@@ -30,7 +30,8 @@ class MergeResult:
         model: the merged model (the base's class, or the tower with ``output="tower"``), in ``eval()`` mode.
         config: the recorded recipe (:class:`MergeConfig`): Hub models pinned to their commit, local folders with
             a content fingerprint; ``result.config.run()`` reproduces the merge.
-        report: the M-Loss the merge used (data-guided methods), else ``None``.
+        report: the M-Loss the merge used (data-guided methods); for a data-free merge, a report with no layers whose
+            ``summary()`` says how to measure it (``report.computed`` is ``False``).
         eval_results: optional evaluation results (``{task: accuracy}``) recorded in the model card.
     """
 
@@ -163,7 +164,7 @@ class MergeResult:
         else:
             self.config.save_pretrained(folder, location=final)
         heatmap = None
-        if self.report is not None:
+        if self.report is not None and self.report.computed:
             self.report.save(folder)
             from .plots import draw_heatmap
 
