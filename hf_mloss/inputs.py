@@ -270,13 +270,28 @@ def resolve_processor(config: MergeConfig, inputs: RunInputs, base_ref: ModelRef
             with quiet_transformers(True):
                 return inputs.adapter.load_processor(where, token=token)
         except (OSError, ValueError) as err:
-            reason = f"the image processor of {where!r} cannot be loaded ({' '.join(str(err).split())[:200]})"
+            folder = Path(where)
+            if folder.is_dir() and not (folder / "preprocessor_config.json").exists():
+                reason = (f"{where!r} has no preprocessor_config.json (it was saved with the model's save_pretrained "
+                          "alone, without its image processor)")
+            else:
+                reason = f"the image processor of {where!r} cannot be loaded ({first_sentence(str(err))})"
     else:
         reason = "the base was passed as a loaded model that does not name where it came from"
     raise InvalidParameterError(
         f"Scoring images need the base model's image processor, and {reason}. Pass processor=... (a Hub id or "
         "folder with a preprocessor_config.json, e.g. 'openai/clip-vit-base-patch32', or a processor object; "
         "YAML: `processor: ...`), or pass the images already preprocessed as a [N, 3, H, W] tensor.")
+
+
+def first_sentence(text: str, limit: int = 240) -> str:
+    """The first sentence of an error message on one line, cut at a word (never mid-word) when longer than ``limit``."""
+    text = " ".join(text.split())
+    end = text.find(". ")
+    text = text if end == -1 else text[: end + 1]
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0] + " …"
 
 
 def resolve_device(device: Any = None) -> torch.device:

@@ -180,6 +180,7 @@ class MergeResult:
             return
         where = os.fspath(source) if source is not None else self.base.path
         if not where or not Path(where).is_dir():
+            self._warn_no_processor(where or "the loaded base model")
             return
         whole = not isinstance(self.model, self.adapter.model_class)
         try:
@@ -187,8 +188,17 @@ class MergeResult:
         except (OSError, ValueError, TypeError):
             try:
                 self.adapter.load_processor(where).save_pretrained(folder)
-            except (OSError, ValueError):  # the base has no preprocessor config: the card says so
-                pass
+            except (OSError, ValueError):  # the base has no preprocessor config
+                self._warn_no_processor(where)
+
+    @staticmethod
+    def _warn_no_processor(where: str) -> None:
+        import warnings
+
+        warnings.warn(f"The merged folder has no image processor: {where!r} has no preprocessor_config.json, so "
+                      "users of the merge cannot preprocess images with AutoImageProcessor.from_pretrained on it. "
+                      "Merge with processor='<the base's Hub id or a folder with one>' (YAML: `processor: ...`), or "
+                      "save one into the folder.", UserWarning, stacklevel=4)
 
     def input_paths(self) -> list[str]:
         """Local folders this merge read (the output must not overlap them)."""
