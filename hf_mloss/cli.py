@@ -72,7 +72,7 @@ def merge_command(args: argparse.Namespace) -> int:
                                        needed_bytes=_estimated_size(config))
     show = not args.quiet and is_main_process()
     if show:
-        print(f"hf-mloss: computing on {describe_device(device)}", file=sys.stderr)
+        print(f"Computing on {describe_device(device)}", flush=True)
     with _progress_bars(show, datasets_too=config.data is not None):
         result = config.run(device=device, progress=show)
         push_kwargs = {"private": True} if args.push_to_hub and args.private else {}
@@ -161,7 +161,7 @@ def score_command(args: argparse.Namespace) -> int:
         raise InvalidParameterError("--subsets, --output-gap, --no-baselines and --out belong to the compatibility "
                                     "report: add --pairwise.")
     if show:
-        print(f"hf-mloss: computing on {describe_device(device)}", file=sys.stderr)
+        print(f"Computing on {describe_device(device)}", flush=True)
     if args.select:  # score the candidates of the grid, print them, write nothing
         with _progress_bars(show, datasets_too=True):
             result = config.run(device=device, progress=show)

@@ -308,7 +308,7 @@ def resolve_device(device: Any = None) -> torch.device:
     try:
         parsed = torch.device(device)
     except (RuntimeError, ValueError, TypeError):
-        raise InvalidParameterError(f"device {device!r} is not a device this library can use: pass 'auto' (the "
+        raise InvalidParameterError(f"device {device!r} is not a torch device this library can use: pass 'auto' (the "
                                     "accelerator when there is one, else the CPU), 'cpu', 'cuda', 'cuda:N' or "
                                     "'mps'.") from None
     if parsed.type == "cuda":

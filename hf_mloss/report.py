@@ -119,10 +119,10 @@ class MLossReport:
         has_keep = any("keep_mean" in r for r in rows)
         header = f"{'layer':<34} {'M-Loss':>11} {'normalized':>11} {'node max':>11}"
         header += f" {'keep mean':>9} {'min':>6} {'max':>6}" if has_keep else ""
-        lines = [f"M-Loss of {len(self.models)} models (q={len(self.models)}), prefix={self.prefix} "
-                 f"({PREFIX_MEANING.get(self.prefix, self.prefix)}), reduction={self.reduction}, "
-                 f"activation={self.activation}, {self.num_samples} samples / {self.num_positions} positions"
-                 + (f", on {self.device}" if self.device else "")]
+        lines = [f"M-Loss of {len(self.models)} models (q={len(self.models)}), prefix={self.prefix}, "
+                 f"reduction={self.reduction}, activation={self.activation}, {self.num_samples} samples / "
+                 f"{self.num_positions} positions" + (f", on {self.device}" if self.device else ""),
+                 f"prefix {self.prefix}: {PREFIX_MEANING.get(self.prefix, self.prefix)}"]
         if self.data:
             lines.append(f"data: {describe_data(self.data)}")
         lines.append(self.reading())

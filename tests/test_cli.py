@@ -251,7 +251,7 @@ def test_methods_lists_methods_parameters_and_defaults(capsys):
     for name in list_methods():
         method = MERGE_METHODS[name]
         assert name in out and method.pretty_name in out and method.reference in out
-    assert "k=0.2, scope=None, lam=1.0, convention='hf_mloss'" in out  # ties
+    assert "k=0.2, scope='global', lam=1.0, convention='hf_mloss'" in out  # ties
     assert "M-TIES  [needs data]" in out
 
 

@@ -73,7 +73,8 @@ def test_printed_mloss_says_prefix_q_and_how_to_read_it(tiny_paths, image_folder
     base, models = tiny_paths
     report = hf_mloss.score(base, models, str(image_folder), num_samples=6, batch_size=3, progress=False)
     text = report.summary()
-    assert text.startswith("M-Loss of 3 models (q=3), prefix=own (each model's own activations")
+    assert text.startswith("M-Loss of 3 models (q=3), prefix=own, reduction=abs")
+    assert "prefix own: each model's own activations feed each layer" in text
     assert "Reading: lower is better; 0 means" in text and "% of the merged activations' norm" in text
     assert report.device == "cpu" and "on cpu" in text.splitlines()[0]
 
