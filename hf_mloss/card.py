@@ -104,10 +104,9 @@ def selection_rows(config: MergeConfig) -> dict[str, Any] | None:
 def shown_parameters(params: Any) -> dict[str, Any]:
     """A method's parameters as every surface shows them (card, CLI, ``hf-mloss methods``): unset optional ones
     left out, and TIES's ``scope`` resolved from its convention (``None`` means ``global`` for ``hf_mloss``)."""
-    shown = {k: v for k, v in params.to_dict().items() if v is not None}
-    if hasattr(params, "resolved_scope"):
-        shown["scope"] = params.resolved_scope
-    return shown
+    resolved = {"scope": params.resolved_scope} if hasattr(params, "resolved_scope") else {}
+    shown = {k: resolved.get(k, v) for k, v in params.to_dict().items()}
+    return {k: v for k, v in shown.items() if v is not None}
 
 
 def card_title(result: CardSource, model_class: str) -> str:

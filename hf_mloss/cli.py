@@ -316,7 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_USER_ERROR
     try:
-        return args.func(args)
+        with _plain_warnings():
+            return args.func(args)
     except HfMLossError as err:
         message = " ".join(str(err).split())  # one paragraph, no traceback: this is the user's to fix
         print(f"hf-mloss: error: {message}", file=sys.stderr)
@@ -382,6 +383,25 @@ def _quiet_parent() -> argparse.ArgumentParser:
     parent = argparse.ArgumentParser(add_help=False)
     parent.add_argument("-q", "--quiet", action="store_true", help="Disable progress bars.")
     return parent
+
+
+@contextmanager
+def _plain_warnings() -> Iterator[None]:
+    """Show the library's warnings as one line each (``hf-mloss: warning: ...``), without a source line."""
+    import warnings
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if filename.startswith(str(Path(__file__).parent)) and issubclass(category, UserWarning):
+            print(f"hf-mloss: warning: {' '.join(str(message).split())}", file=file or sys.stderr)
+        else:
+            previous(message, category, filename, lineno, file, line)
+
+    previous = warnings.showwarning
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = previous
 
 
 @contextmanager
