@@ -97,7 +97,7 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
         check_config_matches_tensors(adapter, stores[0])
         for store in stores[1:]:
             check_compatible(stores[0], store)
-        fingerprints = _verify_fingerprints(specs, resolved)
+        fingerprints = _verify_fingerprints(specs, resolved, progress=progress)
         method = config.merge_method()
         inputs = RunInputs(adapter=adapter, base=stores[0], sources=stores[1:], base_model=resolved[0][1],
                            names=float_names(stores[0]), alpha=resolve_weights(config, method.default_weight),
@@ -354,18 +354,25 @@ def fingerprint_folder(folder: str | os.PathLike[str]) -> str:
     return f"xxh3-128:{digest.hexdigest()}"
 
 
-def _verify_fingerprints(specs: list[ModelSpec], resolved) -> dict[int, str]:
+def _verify_fingerprints(specs: list[ModelSpec], resolved, *, progress: bool = False) -> dict[int, str]:
+    from tqdm.auto import tqdm
+
     out = {}
+    local = [i for i, (ref, loaded, _) in enumerate(resolved) if loaded is None and ref.repo_id is None]
+    bar = tqdm(total=len(local), desc="Fingerprinting local inputs", unit="folder",
+               disable=not progress or len(local) < 2)
     for i, (spec, (ref, loaded, _)) in enumerate(zip(specs, resolved)):
-        if loaded is not None or ref.repo_id is not None:
+        if i not in local:
             continue
         value = fingerprint_folder(ref.path)
+        bar.update()
         if spec.fingerprint is not None and spec.fingerprint != value:
             raise IncompatibleCheckpointsError(
                 f"{ref.name!r} ({ref.path}) is not the folder this config was recorded from: its weights' "
                 f"fingerprint is {value}, the config expects {spec.fingerprint}. Point the config at the original "
                 "weights, or delete the `fingerprint` line to accept these.")
         out[i] = value
+    bar.close()
     return out
 
 
