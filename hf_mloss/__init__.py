@@ -7,6 +7,7 @@ report = hf_mloss.score(base, [ft_a, ft_b], data="path/to/images")      # mergea
 pairs = hf_mloss.compatibility(base, [ft_a, ft_b, ft_c], data="path/to/images")   # pairwise M-Loss matrix
 result = hf_mloss.merge(base, [ft_a, ft_b], "m_ties", data="path/to/images", k=0.2, e=0.1)
 result.save_pretrained("merged")                                          # Hub-ready folder
+hf_mloss.evaluate(result.model, tasks, heads)                             # accuracy, with labelled data and heads
 hf_mloss.MergeConfig.from_pretrained("merged").run()                      # re-run a published recipe
 ```
 
@@ -47,10 +48,14 @@ _EXPORTS = {
     "register_merge_method": "methods",
     "merge": "merger",
     "score": "scoring",
+    "evaluate": "evaluation",
+    "evaluate_ensemble": "evaluation",
+    "EvalResult": "evaluation",
 }
 
-_SUBMODULES = {"adapters", "card", "checkpoint", "cli", "config", "data", "demo", "errors", "evaluation", "hub",
-               "hub_push", "inputs", "lora", "merger", "mergekit_compat", "methods", "options", "plots", "report", "result",
+_SUBMODULES = {"adapters", "card", "checkpoint", "cli", "config", "data", "demo", "distributed", "errors", "evaluation",
+               "hub", "hub_push", "inputs", "lora", "merger", "mergekit_compat", "methods", "options", "plots", "report",
+               "result",
                "saving", "scoring", "selection", "store", "suites", "testing", "theory"}
 
 __all__ = [
@@ -58,6 +63,7 @@ __all__ = [
     "ConfigError",
     "CorruptCheckpointError",
     "DataError",
+    "EvalResult",
     "HfMLossError",
     "IncompatibleCheckpointsError",
     "InvalidParameterError",
@@ -71,6 +77,8 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsupportedModelError",
     "__version__",
+    "evaluate",
+    "evaluate_ensemble",
     "list_adapters",
     "list_methods",
     "merge",
@@ -99,6 +107,7 @@ if TYPE_CHECKING:
     from .adapters import list_adapters, register_adapter
     from .compatibility import CompatibilityReport
     from .config import MergeConfig
+    from .evaluation import EvalResult, evaluate, evaluate_ensemble
     from .errors import (
         CheckpointNotFoundError,
         ConfigError,

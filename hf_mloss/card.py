@@ -113,6 +113,45 @@ def selection_rows(config: MergeConfig) -> dict[str, Any] | None:
             "chosen": ", ".join(f"{k}={v}" for k, v in (select.chosen or {}).items())}
 
 
+def shown_parameters(params: Any) -> dict[str, Any]:
+    """A method's parameters as every surface shows them (card, CLI, ``hf-mloss methods``): unset optional ones
+    left out, and TIES's ``scope`` resolved from its convention (``None`` means ``global`` for ``hf_mloss``)."""
+    resolved = {"scope": params.resolved_scope} if hasattr(params, "resolved_scope") else {}
+    shown = {k: resolved.get(k, v) for k, v in params.to_dict().items()}
+    return {k: v for k, v in shown.items() if v is not None}
+
+
+def card_title(result: CardSource, model_class: str) -> str:
+    """``M-TIES merge of 3 fine-tunes of openai/clip-vit-base-patch32``: the base named by its Hub id, never by a
+    local folder's name (``base``, ``checkpoint-500``... say nothing to a reader of the published card)."""
+    from .methods import get_method
+
+    base = result.base.repo_id or f"a {model_class}"
+    return f"{get_method(result.config.method).pretty_name} merge of {len(result.models)} fine-tunes of {base}"
+
+
+def rerun_blocker(config: MergeConfig) -> str | None:
+    """Why the recorded recipe cannot re-run as written (objects passed from Python), else ``None``."""
+    if any(spec.is_loaded for spec in [config.base, *config.models]):
+        return ("a model was passed as a loaded Python object (recorded as `in_memory`): replace it with its Hub id "
+                "or folder in the YAML to re-run")
+    if config.data is not None and config.data.objects is not None:
+        return ("the scoring images were passed from Python (recorded as `in_memory`, with their content hash when "
+                "they were a tensor): a re-run needs the same images, given as `data: {id: ...}` or `{path: ...}` or "
+                "passed again to `hf_mloss.merge(..., data=...)`")
+    select = config.select
+    if select is not None and any(not isinstance(h, str) for h in (select.heads or [])):
+        return "the selection's heads were passed from Python: save them as files and name them in `select.heads`"
+    if config.processor is not None and not isinstance(config.processor, str):
+        return "the image processor was passed as an object: name its Hub id or folder in `processor:`"
+    return None
+
+
+def uses_seed(config: MergeConfig) -> bool:
+    """Whether the seed changes the result: random masks (DARE), or a sample of the scoring images."""
+    return "dare" in config.method or config.data is not None or config.select is not None
+
+
 def build_model_card(result: CardSource, *, heatmap: str | None = None) -> ModelCard:
     """Render the card of a merge (``heatmap``: file name of the M-Loss picture saved beside it, if any).
 
@@ -121,12 +160,9 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
     """
     report = result.report
     rows = report.summary_rows() if report is not None else []
-    params = result.config.method_params()
-    shown = {k: v for k, v in params.to_dict().items() if v is not None}
+    shown = shown_parameters(result.config.method_params())
     # values that vary over the model (gradients, filter lists), as given
     shown.update(described_schedules(result.config.merge_method(), result.config.parameters))
-    if hasattr(params, "resolved_scope"):
-        shown["scope"] = params.resolved_scope
     compatibility = getattr(result, "compatibility", None)
     template = resources.files("hf_mloss").joinpath("templates", TEMPLATE).read_text(encoding="utf-8")
     model_class = type(result.model).__name__
@@ -134,7 +170,7 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
     return ModelCard.from_template(
         metadata,
         template_str=template,
-        title=f"{result.base.name} — {result.config.method} merge of {len(result.models)} models",
+        title=card_title(result, model_class),
         num_models=len(result.models),
         model_class=model_class,
         zero_shot=model_class == "CLIPModel" or metadata.pipeline_tag == "zero-shot-image-classification",
@@ -150,6 +186,9 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
                 for r, w in zip(result.models, result.weights)],
         parameters=shown,
         seed=result.config.seed,
+        seeded=uses_seed(result.config),
+        rerun_blocker=rerun_blocker(result.config),
+        device=getattr(result, "device", ""),
         dtype=str(next(result.model.parameters()).dtype).replace("torch.", ""),
         data={**result.data_info.to_dict(), **result.data_info.sample_stats()} if result.data_info else None,
         eval_rows=[{"task": t, "value": v} for t, v in result.eval_results.items()],

@@ -30,6 +30,8 @@ from .errors import HfMLossError, InvalidParameterError, PushError, redact
 
 EXIT_USER_ERROR = 2
 EXIT_PUSH_ERROR = 1
+DEVICE_HELP = ("Where to compute: auto (default: the accelerator when present - this process's GPU under torchrun or "
+               "accelerate launch, else CUDA, then MPS - else the CPU), cpu, cuda, cuda:1, mps.")
 
 
 # ------------------------------------------------------------------------------------------------------- merge
@@ -44,14 +46,16 @@ def merge_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     parser.add_argument("--private", action="store_true", help="Create the Hub repo as private (with --push-to-hub).")
     parser.add_argument("--overwrite", action="store_true",
                         help="Replace OUT_DIR if it exists and is not empty (only once the new folder is complete).")
-    parser.add_argument("--device", default=None, help="Where to compute: cpu (default), cuda, cuda:1, mps...")
+    parser.add_argument("--device", default=None, help=DEVICE_HELP)
     if subparsers is not None:
         parser.set_defaults(func=merge_command)
     return parser
 
 
 def merge_command(args: argparse.Namespace) -> int:
+    from .card import shown_parameters
     from .config import MergeConfig
+    from .distributed import describe_device, is_main_process, main_process_only
     from .hub_push import check_repo_id
     from .inputs import resolve_device
     from .saving import check_output_dir
@@ -61,10 +65,16 @@ def merge_command(args: argparse.Namespace) -> int:
     if args.push_to_hub:
         check_repo_id(args.push_to_hub)
     protected = [args.config, *config.input_paths()]
-    out_dir = check_output_dir(args.out_dir, overwrite=args.overwrite, protected=protected,
-                               needed_bytes=_estimated_size(config))
-    with _progress_bars(not args.quiet, datasets_too=config.data is not None):
-        result = config.run(device=device, progress=not args.quiet)
+    out_dir = Path(args.out_dir).expanduser()
+    with main_process_only() as main:  # under torchrun: checked once, before any process can write it
+        if main:
+            out_dir = check_output_dir(args.out_dir, overwrite=args.overwrite, protected=protected,
+                                       needed_bytes=_estimated_size(config))
+    show = not args.quiet and is_main_process()
+    if show:
+        print(f"Computing on {describe_device(device)}", flush=True)
+    with _progress_bars(show, datasets_too=config.data is not None):
+        result = config.run(device=device, progress=show)
         push_kwargs = {"private": True} if args.push_to_hub and args.private else {}
         saved = result.save_pretrained(out_dir, overwrite=args.overwrite, push_to_hub=bool(args.push_to_hub),
                                        repo_id=args.push_to_hub, **push_kwargs)
@@ -73,18 +83,21 @@ def merge_command(args: argparse.Namespace) -> int:
              f"  base:       {result.base.name}",
              "  models:     " + ", ".join(f"{r.name} (weight {w:.4g})"
                                           for r, w in zip(result.models, result.weights, strict=True)),
-             "  parameters: " + (", ".join(f"{k}={v!r}" for k, v in result.params.items()) or "none")]
+             "  parameters: " + (", ".join(f"{k}={v!r}" for k, v in
+                                           shown_parameters(result.config.method_params()).items()) or "none"),
+             f"  device:     {result.device}"]
     if result.data_info is not None:
         info = result.data_info
         lines.append(f"  data:       {info.source} {info.id!r} (split {info.split!r}, {info.num_samples} images)")
     if result.config.select is not None:
         lines += ["", result.config.select.summary()]
-    if result.report is not None:
+    if result.report is not None and result.report.computed:
         lines += ["", result.report.summary(), ""]
     lines.append(f"Saved to {saved}")
     if args.push_to_hub:
         lines.append(f"Pushed to the Hub repo {args.push_to_hub}")
-    print("\n".join(lines))
+    if is_main_process():  # one summary per job, not one per process
+        print("\n".join(lines))
     return 0
 
 
@@ -107,7 +120,7 @@ def score_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     parser.add_argument("--overwrite", action="store_true",
                         help="Replace the --json file or the --out folder if it exists (once the new one is "
                              "complete).")
-    parser.add_argument("--device", default=None, help="Where to compute: cpu (default), cuda, cuda:1, mps...")
+    parser.add_argument("--device", default=None, help=DEVICE_HELP)
     pairwise = parser.add_argument_group("compatibility report (--pairwise)")
     pairwise.add_argument("--pairwise", action="store_true",
                           help="Score every pair, the set without each model and the whole set from one forward per "
@@ -126,10 +139,13 @@ def score_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
 
 def score_command(args: argparse.Namespace) -> int:
     from .config import MergeConfig
+    from .distributed import describe_device, is_main_process
     from .inputs import resolve_device
 
     config = _with_selection(MergeConfig.from_yaml(args.config), args)
     device = resolve_device(args.device)
+    main = is_main_process()  # every process scores its share; the main one prints and writes the reduced result
+    show = not args.quiet and main
     if config.data is None:  # fail now, not after downloading the models
         raise InvalidParameterError("Scoring needs unlabeled images and the config has no `data`: add e.g. `data: "
                                     "{id: tanganke/dtd, split: train, num_samples: 128}` or `data: {path: ./images}`.")
@@ -137,21 +153,28 @@ def score_command(args: argparse.Namespace) -> int:
         raise InvalidParameterError("--subsets, --output-gap, --no-baselines and --out belong to the compatibility "
                                     "report: add --pairwise.")
     json_path, protected = _check_report_targets(config, args)
+    if show:
+        print(f"Computing on {describe_device(device)}", flush=True)
     if args.select:  # score the candidates of the grid, print them, write nothing
-        with _progress_bars(not args.quiet, datasets_too=True):
-            result = config.run(device=device, progress=not args.quiet)
-        print(result.config.select.summary())
+        with _progress_bars(show, datasets_too=True):
+            result = config.run(device=device, progress=show)
+        if main:
+            print(result.config.select.summary())
         return 0
-    with _progress_bars(not args.quiet, datasets_too=True):
+    with _progress_bars(show, datasets_too=True):
         if args.pairwise:
             from .compatibility import run_compatibility
 
             report = run_compatibility(config, subsets=_parse_subsets(args.subsets), baselines=not args.no_baselines,
-                                       output_gap=args.output_gap, device=device, progress=not args.quiet)
+                                       output_gap=args.output_gap, device=device, progress=show)
         else:
-            report = config.run_score(device=device, progress=not args.quiet)
-    print(report.summary())
-    _write_outputs(report, json_path, args, protected)
+            report = config.run_score(device=device, progress=show)
+    from .distributed import main_process_only
+
+    with main_process_only() as main:
+        if main:
+            print(report.summary())
+            _write_outputs(report, json_path, args, protected)
     return 0
 
 
@@ -241,6 +264,12 @@ def methods_command(args: argparse.Namespace) -> int:
     for name in list_methods():
         method = MERGE_METHODS[name]
         fields = field_help(method.params_class)
+        try:  # defaults as the card shows them: TIES's scope resolved from its default convention
+            resolved = method.params_class()
+            if hasattr(resolved, "resolved_scope") and "scope" in fields:
+                fields["scope"] = (resolved.resolved_scope, fields["scope"][1])
+        except TypeError:  # a method whose parameters have no defaults
+            pass
         entries.append({
             "name": name, "pretty_name": method.pretty_name, "reference": method.reference,
             "reference_url": method.reference_url, "needs_data": method.needs_data,
@@ -293,7 +322,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_USER_ERROR
     try:
-        return args.func(args)
+        with _plain_warnings():
+            return args.func(args)
     except HfMLossError as err:
         message = redact(" ".join(str(err).split()))  # one paragraph, no traceback: this is the user's to fix
         print(f"hf-mloss: error: {message}", file=sys.stderr)
@@ -376,6 +406,25 @@ def _quiet_parent() -> argparse.ArgumentParser:
     parent = argparse.ArgumentParser(add_help=False)
     parent.add_argument("-q", "--quiet", action="store_true", help="Disable progress bars.")
     return parent
+
+
+@contextmanager
+def _plain_warnings() -> Iterator[None]:
+    """Show the library's warnings as one line each (``hf-mloss: warning: ...``), without a source line."""
+    import warnings
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if filename.startswith(str(Path(__file__).parent)) and issubclass(category, UserWarning):
+            print(f"hf-mloss: warning: {' '.join(str(message).split())}", file=file or sys.stderr)
+        else:
+            previous(message, category, filename, lineno, file, line)
+
+    previous = warnings.showwarning
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = previous
 
 
 @contextmanager

@@ -443,15 +443,34 @@ class CompatibilityReport:
             out[i, j] = out[j, i] = self.score((i, j), metric, layer)
         return out
 
+    def spread(self, subset: Sequence[int]) -> float:
+        """``1 − Σ α_p²`` of ``subset``'s weights renormalised to sum to 1: M-Loss of exchangeable models scales with
+        it (:func:`hf_mloss.theory.expected_mloss`), so fewer models merge with less M-Loss whatever they are."""
+        alpha = torch.tensor([self.weights[p] for p in subset], dtype=torch.float64)
+        alpha = alpha / alpha.sum()
+        return float(1 - alpha.square().sum())
+
     def leave_one_out(self, metric: str = "mloss") -> list[dict[str, Any]]:
-        """Per model: ``metric`` of the whole set without it, and how much removing it lowers the whole set's."""
+        """Per model: ``metric`` of the set without it, how much lower it is than the whole set's (``gain``), and
+        that gain net of the q effect (``net_gain``).
+
+        Dropping any model lowers M-Loss by itself: for exchangeable (e.g. i.i.d.) fine-tunes the whole set's value
+        times ``spread(rest) / spread(all)`` (``1 − 1/(q−1)`` over ``1 − 1/q`` with uniform weights) is what the
+        rest is expected to score. ``net_gain`` is that expectation minus the measured value: > 0 means the rest
+        merges better than the smaller q alone explains (the model left out spoils the merge), ≤ 0 means it does
+        not. Only ``net_gain`` compares models; ``gain`` is positive for all of them.
+        """
         if self.q < 3:
             return []
-        whole = self.score(range(self.q), metric)
+        everyone = list(range(self.q))
+        whole = self.score(everyone, metric)
         rows = []
         for i, name in enumerate(self.models):
-            without = self.score([p for p in range(self.q) if p != i], metric)
-            rows.append({"model": name, "without": without, "gain": whole - without})
+            rest = [p for p in everyone if p != i]
+            without = self.score(rest, metric)
+            expected = whole * self.spread(rest) / self.spread(everyone)
+            rows.append({"model": name, "without": without, "gain": whole - without, "expected": expected,
+                         "net_gain": expected - without})
         return rows
 
     def pairs(self, metric: str = "mloss") -> list[dict[str, Any]]:
@@ -477,12 +496,18 @@ class CompatibilityReport:
         for i in range(self.q):
             cells = "".join(f"{'-':>11}" if i == j else f"{float(matrix[i, j]):>11.4e}" for j in range(self.q))
             lines.append(f"{labels[i]:<6}{cells}  {self.models[i]}")
+        pairs = matrix[~torch.isnan(matrix)]
+        if pairs.numel():
+            lines.append(f"Reading: lower is better (0: the pair's average merge equals their ensemble). Median pair "
+                         f"{float(pairs.median()):.4e}; compare pairs with it, and only with values of the same prefix "
+                         "(own), data and q.")
         loo = self.leave_one_out()
         if loo:
-            lines += ["", f"All {self.q}: M-Loss {self.score(range(self.q)):.4e}. Without one model (gain = how much "
-                      "lower the rest's M-Loss is):"]
-            lines += [f"  {r['model']:<40} {r['without']:.4e}  gain {r['gain']:+.3e}"
-                      for r in sorted(loo, key=lambda r: -r["gain"])]
+            lines += ["", f"All {self.q}: M-Loss {self.score(range(self.q)):.4e}. Without one model, against what "
+                      f"{self.q - 1} exchangeable models would score (net gain > 0: the model left out spoils the "
+                      "merge; dropping any model lowers M-Loss by the q effect alone):"]
+            lines += [f"  {r['model']:<40} {r['without']:.4e}  expected {r['expected']:.4e}  net gain "
+                      f"{r['net_gain']:+.3e}" for r in sorted(loo, key=lambda r: -r["net_gain"])]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -556,10 +581,12 @@ class CompatibilityReport:
             lines.append(f"| {labels[i]} | " + " | ".join(cells) + f" | {self.models[i]} |")
         loo = self.leave_one_out()
         if loo:
-            lines += ["", f"All {self.q} together: M-Loss {self.score(range(self.q)):.4e}. Without one model:", "",
-                      "| model left out | M-Loss of the rest | lower by |", "|---|---|---|"]
-            lines += [f"| {r['model']} | {r['without']:.4e} | {r['gain']:+.3e} |"
-                      for r in sorted(loo, key=lambda r: -r["gain"])]
+            lines += ["", f"All {self.q} together: M-Loss {self.score(range(self.q)):.4e}. Without one model, "
+                      f"against what {self.q - 1} exchangeable models would score (the q effect: fewer models merge "
+                      "with less M-Loss whatever they are). Net gain > 0: the model left out spoils the merge.", "",
+                      "| model left out | M-Loss of the rest | expected | net gain |", "|---|---|---|---|"]
+            lines += [f"| {r['model']} | {r['without']:.4e} | {r['expected']:.4e} | {r['net_gain']:+.3e} |"
+                      for r in sorted(loo, key=lambda r: -r["net_gain"])]
         if heatmap:
             lines += ["", f"![Pairwise M-Loss]({heatmap})"]
         return "\n".join(lines)
@@ -581,10 +608,14 @@ class CompatibilityReport:
         ax.set_xticks(range(self.q), [f"[{i}]" for i in range(self.q)], fontsize=7)
         ax.set_yticks(range(self.q), ticks, fontsize=7)
         if self.q <= 12:
+            from .plots import distinct_labels
+
             middle = (np.nanmin(matrix) + np.nanmax(matrix)) / 2
-            for i, j in itertools.permutations(range(self.q), 2):
+            cells = list(itertools.permutations(range(self.q), 2))
+            labels = distinct_labels([float(matrix[i, j]) for i, j in cells])  # different colours, different text
+            for (i, j), label in zip(cells, labels):
                 dark = (matrix[i, j] > middle) != (metric in HIGHER_IS_BETTER)
-                ax.text(j, i, f"{matrix[i, j]:.2g}", ha="center", va="center", fontsize=6, color="w" if dark else "k")
+                ax.text(j, i, label, ha="center", va="center", fontsize=6, color="w" if dark else "k")
         better = "higher" if metric in HIGHER_IS_BETTER else "lower"
         ax.set_title(f"Pairwise {metric}\n({better}: more compatible)", fontsize=9)
         fig.colorbar(image, ax=ax)

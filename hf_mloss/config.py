@@ -162,6 +162,9 @@ class DataSpec:
     def to_dict(self, root: Path | None = None) -> dict[str, Any]:
         if self.objects is not None:
             out: dict[str, Any] = {IN_MEMORY: type(self.objects).__name__}
+            digest = _content_hash(self.objects)
+            if digest is not None:  # a re-run needs the same images: this says whether given ones are the same
+                out["content"] = digest
         elif self.path is not None:
             out = {"path": _relative(self.path, root)}
         else:
@@ -530,7 +533,8 @@ class MergeConfig:
         """Run the merge.
 
         Args:
-            device: where to compute (``"cpu"``, ``"cuda"``...); a property of the run, not of the recipe.
+            device: where to compute: ``"auto"`` (default: the accelerator when present, else the CPU), ``"cpu"``,
+                ``"cuda:1"``, ``"mps"``...; a property of the run, not of the recipe.
             token: Hub token for private models (never stored).
             progress: show progress bars.
 
@@ -620,8 +624,10 @@ def _parse_data(entry: Any, root: Path | None) -> DataSpec:
                           "top-level `seed`.")
     entry = dict(entry)
     if IN_MEMORY in entry:
-        raise ConfigError(f"data was passed from Python ({short(entry[IN_MEMORY])}) when this config was written; "
-                          "replace the data section with `id` (a Hub dataset id) or `path` (a local image folder).")
+        content = f" (content {entry['content']})" if entry.get("content") else ""
+        raise ConfigError(f"data was passed from Python ({short(entry[IN_MEMORY])}{content}) when this config was "
+                          "written; replace the data section with `id` (a Hub dataset id) or `path` (a local image "
+                          "folder), or pass the same images to hf_mloss.merge(..., data=...).")
     names = [f.name for f in dataclasses.fields(DataSpec) if f.name != "objects"]
     check_keys(entry, names, "key in data", error=ConfigError)
     values = dict(entry)
@@ -754,6 +760,19 @@ def _is_array(value: Any) -> bool:
     return hasattr(value, "tolist") and hasattr(value, "shape")
 
 
+def _content_hash(objects: Any) -> str | None:
+    """``xxh3-128:…`` of a preprocessed image tensor's values (shape and dtype included), else ``None``."""
+    import torch
+    import xxhash
+
+    if not isinstance(objects, torch.Tensor):
+        return None
+    tensor = objects.detach().to("cpu").contiguous()
+    digest = xxhash.xxh3_128(f"{tuple(tensor.shape)}:{tensor.dtype}:".encode())
+    digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return f"xxh3-128:{digest.hexdigest()}"
+
+
 def _is_loaded_model(value: Any) -> bool:
     return hasattr(value, "config") and hasattr(value, "state_dict") and callable(value.state_dict)
 
@@ -800,9 +819,21 @@ def _resolve_model_path(value: str, root: Path | None) -> str:
 
 
 def _relative(value: str, root: Path | None) -> str:
-    """``value`` relative to ``root`` (where the config file lives), else absolute."""
+    """``value`` relative to ``root`` (where the config file lives) when both lie in one project, else absolute.
+
+    "One project": their deepest common folder is below the home folder (and not the filesystem root), so a merge
+    saved next to its inputs moves with them, while a model in the user's cache is not written as
+    ``../../../../../.cache/...`` (which breaks as soon as the merge folder moves).
+    """
     path = _absolute(value, None)
-    return path if root is None else os.path.relpath(path, root)
+    if root is None:
+        return path
+    try:
+        common = Path(os.path.commonpath([path, os.path.abspath(root)]))
+    except ValueError:  # different drives
+        return path
+    home = Path.home()
+    return path if common in {home, *home.parents} else os.path.relpath(path, root)
 
 
 def _plain(value: Any) -> Any:

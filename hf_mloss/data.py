@@ -114,6 +114,12 @@ def load_pixel_values(
         rows, info = _iter_images(data, sampler=sampler, split=split, image_column=image_column, revision=revision)
         pixels = _preprocess(rows, processor, info, limit=num_samples, batch_size=batch_size)
         info.num_samples = len(pixels)
+        if len(pixels) < num_samples:  # said, not silent: the report and card show the count actually used
+            import warnings
+
+            warnings.warn(f"Asked for {num_samples} scoring images; {info.id or info.source!r} has only "
+                          f"{len(pixels)} usable ones, so M-Loss is measured on {len(pixels)}.", UserWarning,
+                          stacklevel=2)
     if len(pixels) < min_samples:
         raise DataError(
             f"Only {len(pixels)} usable image(s) were read from {info.id or info.source!r} "

@@ -67,7 +67,7 @@ class RunInputs:
             if output == "tower":
                 model = copy.deepcopy(self.adapter.tower(self.base_model))
         else:
-            with quiet_transformers(not progress):
+            with quiet_transformers(True):  # one bar per stage, ours: not transformers' "Loading weights"
                 model = self.adapter.load_output_model(self.base.ref.path, output, dtype=dtype)
         return model.to(device=self.device, dtype=dtype).eval()
 
@@ -116,7 +116,7 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
         check_config_matches_tensors(adapter, stores[0])
         for store in stores[1:]:
             check_compatible(stores[0], store)
-        fingerprints = _verify_fingerprints(specs, resolved)
+        fingerprints = _verify_fingerprints(specs, resolved, progress=progress)
         method = config.merge_method()
         inputs = RunInputs(adapter=adapter, base=stores[0], sources=stores[1:], base_model=resolved[0][1],
                            names=float_names(stores[0]), alpha=resolve_weights(config, method.default_weight),
@@ -424,7 +424,12 @@ def resolve_processor(config: MergeConfig, inputs: RunInputs, base_ref: ModelRef
             with quiet_transformers(True):
                 return inputs.adapter.load_processor(where, token=token)
         except (OSError, ValueError) as err:
-            reason = f"the image processor of {where!r} cannot be loaded ({' '.join(str(err).split())[:200]})"
+            folder = Path(where)
+            if folder.is_dir() and not (folder / "preprocessor_config.json").exists():
+                reason = (f"{where!r} has no preprocessor_config.json (it was saved with the model's save_pretrained "
+                          "alone, without its image processor)")
+            else:
+                reason = f"the image processor of {where!r} cannot be loaded ({first_sentence(str(err))})"
     else:
         reason = "the base was passed as a loaded model that does not name where it came from"
     raise InvalidParameterError(
@@ -433,28 +438,47 @@ def resolve_processor(config: MergeConfig, inputs: RunInputs, base_ref: ModelRef
         "YAML: `processor: ...`), or pass the images already preprocessed as a [N, 3, H, W] tensor.")
 
 
-def resolve_device(device: Any = None) -> torch.device:
-    """The run's device, refused up front when this machine cannot compute on it."""
-    if device is None:
-        from accelerate import PartialState
+def first_sentence(text: str, limit: int = 240) -> str:
+    """The first sentence of an error message on one line, cut at a word (never mid-word) when longer than ``limit``."""
+    text = " ".join(text.split())
+    end = text.find(". ")
+    text = text if end == -1 else text[: end + 1]
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0] + " …"
 
-        state = PartialState()
-        return torch.device(str(state.device) if state.num_processes > 1 else "cpu")
+
+def resolve_device(device: Any = None) -> torch.device:
+    """The run's device, refused up front when this machine cannot compute on it.
+
+    ``None`` or ``"auto"``: the accelerator when there is one (this process's own under ``torchrun`` /
+    ``accelerate launch``, else CUDA, then MPS), CPU otherwise (see :func:`hf_mloss.distributed.default_device`).
+    """
+    from .distributed import AUTO, default_device, distributed_state
+
+    state = distributed_state()  # under a launcher, joins the process group before any scoring shards its data
+    if device is None or (isinstance(device, str) and device.strip().lower() == AUTO):
+        return default_device()
     try:
         parsed = torch.device(device)
-    except (RuntimeError, ValueError, TypeError) as err:
-        raise InvalidParameterError(f"device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1, mps): "
-                                    f"{' '.join(str(err).split())[:120]}") from None
+    except (RuntimeError, ValueError, TypeError):
+        raise InvalidParameterError(f"device {device!r} is not a torch device this library can use: pass 'auto' (the "
+                                    "accelerator when there is one, else the CPU), 'cpu', 'cuda', 'cuda:N' or "
+                                    "'mps'.") from None
     if parsed.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0 or (parsed.index is not None and parsed.index >= count):
             hint = f" or cuda:0..cuda:{count - 1}" if count else ""
-            raise InvalidParameterError(f"device {device!r}: this machine has {count} CUDA device(s); use cpu{hint}.")
+            raise InvalidParameterError(f"device {device!r}: this machine has {count} CUDA device(s); use 'auto', "
+                                        f"cpu{hint}.")
+        if parsed.index is None and state is not None and torch.device(state.device).type == "cuda":
+            return torch.device(state.device)  # one GPU per process under torchrun, not all on cuda:0
     elif parsed.type == "mps":
         if not torch.backends.mps.is_available():
-            raise InvalidParameterError(f"device {device!r}: MPS is not available on this machine; use cpu.")
+            raise InvalidParameterError(f"device {device!r}: MPS is not available on this machine; use 'auto' or "
+                                        "cpu.")
     elif parsed.type != "cpu":
-        raise InvalidParameterError(f"device {device!r} cannot run a merge; use cpu, cuda[:N] or mps.")
+        raise InvalidParameterError(f"device {device!r} cannot run a merge; use 'auto', cpu, cuda[:N] or mps.")
     return parsed
 
 
@@ -485,18 +509,25 @@ def fingerprint_folder(folder: str | os.PathLike[str]) -> str:
     return f"xxh3-128:{digest.hexdigest()}"
 
 
-def _verify_fingerprints(specs: list[ModelSpec], resolved) -> dict[int, str]:
+def _verify_fingerprints(specs: list[ModelSpec], resolved, *, progress: bool = False) -> dict[int, str]:
+    from tqdm.auto import tqdm
+
     out = {}
+    local = [i for i, (ref, loaded, _) in enumerate(resolved) if loaded is None and ref.repo_id is None]
+    bar = tqdm(total=len(local), desc="Fingerprinting local inputs", unit="folder",
+               disable=not progress or len(local) < 2)
     for i, (spec, (ref, loaded, _)) in enumerate(zip(specs, resolved)):
-        if loaded is not None or ref.repo_id is not None:
+        if i not in local:
             continue
         value = fingerprint_folder(ref.path)
+        bar.update()
         if spec.fingerprint is not None and spec.fingerprint != value:
             raise IncompatibleCheckpointsError(
                 f"{ref.name!r} ({ref.path}) is not the folder this config was recorded from: its weights' "
                 f"fingerprint is {value}, the config expects {spec.fingerprint}. Point the config at the original "
                 "weights, or delete the `fingerprint` line to accept these.")
         out[i] = value
+    bar.close()
     return out
 
 

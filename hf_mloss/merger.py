@@ -17,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .config import DEFAULT_NUM_SAMPLES, MergeConfig
+from .distributed import describe_device
 from .errors import CorruptCheckpointError, InvalidParameterError
 from .inputs import RunInputs, as_dtype, open_inputs
 from .methods import LayerwiseRun, MergeContext, MergeMethod
@@ -79,7 +80,8 @@ def merge(
             ``"tower"`` only the merged tower (``CLIPVisionModel``); ``"adapter"`` a PEFT LoRA adapter of the base
             (LoRA adapter inputs; ``combination="cat"``, exact for linear methods, or ``"svd"`` with ``lora_rank=``;
             see :mod:`hf_mloss.lora`).
-        device: where to compute (``"cpu"``, ``"cuda"``...).
+        device: where to compute: ``"auto"`` (default: the accelerator when present — this process's under
+            ``torchrun``/``accelerate launch``, else CUDA, then MPS — else the CPU), ``"cpu"``, ``"cuda:1"``, ``"mps"``.
         token: passed to the Hub for private models; never stored or printed.
         select: ``"unlabeled"`` chooses the parameters in ``grid`` on ``data`` without labels (or a mapping of
             :class:`~hf_mloss.selection.SelectionOptions`: ``num_samples``, ``share``, ``shares``, ``compare``).
@@ -149,6 +151,11 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
         else:
             method.prepare(ctx, merger.visit)
             merger.merge(merger.names, progress=progress, desc=f"Merging ({config.method})")
+        if report is None:  # data-free: a report that says so, so `result.report.summary()` always works
+            from .report import MLossReport
+
+            report = MLossReport.not_computed(config.method, [r.name for r in inputs.refs],
+                                              (inputs.alpha / inputs.alpha.sum()).tolist())
         out_dtype = as_dtype(config.dtype) if config.dtype else stored_dtype(inputs)
         model = finalize(model, merger, out_dtype)
         lora = None if adapter_plan is None else build_adapter_output(adapter_plan, config, inputs, merger.targets,
@@ -162,7 +169,7 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
         record.resolved_parameters = tensor_params.record(merger.names) if tensor_params else None
         return MergeResult(model=model, config=record, report=report, base=inputs.base.ref, models=inputs.refs,
                            adapter=inputs.adapter, data_info=inputs.data_info, method_description=description,
-                           lora=lora)
+                           lora=lora, device=describe_device(inputs.device))
 
 
 def outside_tower_names(inputs: RunInputs, names: Sequence[str]) -> list[str]:

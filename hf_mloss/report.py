@@ -10,6 +10,11 @@ from typing import Any
 import torch
 
 MLOSS_SUMMARY_NAME = "mloss.json"
+PREFIX_MEANING = {
+    "own": "each model's own activations feed each layer",
+    "base": "the base model's activations feed each layer",
+    "merged": "the merged model's activations feed each layer",
+}
 MLOSS_SCORES_NAME = "mloss_scores.safetensors"
 
 
@@ -67,6 +72,26 @@ class MLossReport:
     layer_ratio: dict[str, float] = field(default_factory=dict)
     node_ratio: dict[str, torch.Tensor] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)
+    device: str = ""
+    """Where it was computed (``cpu``, ``cuda:0 (NVIDIA ...)``, ``mps``)."""
+    note: str = ""
+    """Why no M-Loss was computed (a data-free merge), else empty."""
+
+    @classmethod
+    def not_computed(cls, method: str, models: list[str], weights: list[float]) -> MLossReport:
+        """The report of a merge that measured no M-Loss (a data-free method): no layers, a note saying how to
+        measure it, so ``result.report.summary()`` works for every merge."""
+        note = (f"No M-Loss was computed: {method} merges without data. To measure how well these {len(models)} "
+                "models merge, score them on unlabeled images: hf_mloss.score(base, models, data=...) or "
+                "`hf-mloss score CONFIG.yaml` (with a `data:` section); `score --pairwise` ranks every pair.")
+        return cls(node={}, node_normalized={}, layer={}, layer_normalized={}, prefix="", reduction="",
+                   activation="", eps=0.0, num_samples=0, num_positions=0, models=list(models),
+                   weights=list(weights), note=note)
+
+    @property
+    def computed(self) -> bool:
+        """Whether M-Loss was measured (``False`` for the report of a data-free merge)."""
+        return bool(self.layer)
 
     @property
     def layers(self) -> list[str]:
@@ -99,14 +124,19 @@ class MLossReport:
             >>> print(hf_mloss.score(base, models, data="tanganke/dtd").summary())
             ```
         """
+        if not self.computed:
+            return self.note or "No M-Loss was computed."
         rows = self.summary_rows()
         has_keep = any("keep_mean" in r for r in rows)
         header = f"{'layer':<34} {'M-Loss':>11} {'normalized':>11} {'node max':>11}"
         header += f" {'keep mean':>9} {'min':>6} {'max':>6}" if has_keep else ""
-        lines = [f"M-Loss (prefix={self.prefix}, reduction={self.reduction}, activation={self.activation}, "
-                 f"{self.num_samples} samples / {self.num_positions} positions)"]
+        lines = [f"M-Loss of {len(self.models)} models (q={len(self.models)}), prefix={self.prefix}, "
+                 f"reduction={self.reduction}, activation={self.activation}, {self.num_samples} samples / "
+                 f"{self.num_positions} positions" + (f", on {self.device}" if self.device else ""),
+                 f"prefix {self.prefix}: {PREFIX_MEANING.get(self.prefix, self.prefix)}"]
         if self.data:
             lines.append(f"data: {describe_data(self.data)}")
+        lines.append(self.reading())
         lines += [header, "-" * len(header)]
         for r in rows:
             line = f"{r['layer']:<34} {r['mloss']:>11.4e} {r['mloss_normalized']:>11.4e} {r['node_max']:>11.4e}"
@@ -114,6 +144,16 @@ class MLossReport:
                 line += f" {r['keep_mean']:>9.4f} {r['keep_min']:>6.3f} {r['keep_max']:>6.3f}"
             lines.append(line)
         return "\n".join(lines)
+
+    def reading(self) -> str:
+        """How to read the numbers: what 0 means, the gap relative to the merged activations, what to compare with."""
+        ratios = [v for v in self.layer_ratio.values() if v is not None]
+        scale = (f" Across layers the gap is {100 * sum(ratios) / len(ratios):.3g} % of the merged activations' "
+                 "norm (ratio of sums)." if ratios else "")
+        return ("Reading: lower is better; 0 means the merge behaves exactly like the ensemble of the models at that "
+                f"layer.{scale} Values grow with q (as 1 − Σα²) and differ between prefixes (own, the default of score, usually reads far higher than "
+                "merged on the same models): compare only reports with the same prefix, q and images, e.g. with `hf-mloss score "
+                "--pairwise` (median pair).")
 
     def __str__(self) -> str:
         return self.summary()
@@ -127,7 +167,7 @@ class MLossReport:
         out: dict[str, Any] = {
             "prefix": self.prefix, "reduction": self.reduction, "activation": self.activation, "eps": self.eps,
             "num_samples": self.num_samples, "num_positions": self.num_positions, "models": self.models,
-            "weights": self.weights, "compute_dtype": self.compute_dtype, "data": self.data,
+            "weights": self.weights, "compute_dtype": self.compute_dtype, "data": self.data, "device": self.device,
             "layers": self.summary_rows(),
         }  # fmt: skip
         if per_row:
@@ -196,5 +236,5 @@ class MLossReport:
             num_samples=meta["num_samples"], num_positions=meta["num_positions"], models=meta["models"],
             weights=meta["weights"], keep_ratios=group("keep_ratios"), compute_dtype=meta.get("compute_dtype", "float32"),
             layer_ratio={r["layer"]: r["mloss_ratio"] for r in rows if r.get("mloss_ratio") is not None},
-            node_ratio=group("node_ratio"), data=meta.get("data", {}),
+            node_ratio=group("node_ratio"), data=meta.get("data", {}), device=meta.get("device", ""),
         )  # fmt: skip

@@ -32,7 +32,8 @@ class MergeResult:
         model: the merged model (the base's class, or the tower with ``output="tower"``), in ``eval()`` mode.
         config: the recorded recipe (:class:`MergeConfig`): Hub models pinned to their commit, local folders with
             a content fingerprint; ``result.config.run()`` reproduces the merge.
-        report: the M-Loss the merge used (data-guided methods), else ``None``.
+        report: the M-Loss the merge used (data-guided methods); for a data-free merge, a report with no layers whose
+            ``summary()`` says how to measure it (``report.computed`` is ``False``).
         eval_results: optional evaluation results (``{task: accuracy}``) recorded in the model card.
     """
 
@@ -48,6 +49,8 @@ class MergeResult:
     lora: LoraOutput | None = None
     """``output="adapter"``: the merged LoRA adapter that ``save_pretrained`` writes (``model`` is then the merged
     model it was factored from)."""
+    device: str = ""
+    """Where the merge was computed (``cpu``, ``cuda:0 (NVIDIA ...)``, ``mps``), as the card records it."""
 
     @property
     def method(self) -> str:
@@ -74,6 +77,7 @@ class MergeResult:
         report, and the list of the files written (``hf_mloss_files.json``, what a push uploads).
 
         The folder is written next to its final place and renamed into it, so it appears complete or not at all.
+        Under ``torchrun`` / ``accelerate launch`` only the main process writes (and pushes); the others wait for it.
         An existing non-empty folder is refused unless ``overwrite=True``, and then replaced only at the final
         rename. An output folder that overlaps an input is refused.
 
@@ -93,18 +97,23 @@ class MergeResult:
             >>> result.save_pretrained("merged", push_to_hub=True, repo_id="me/merged", private=True)
             ```
         """
+        from .distributed import main_process_only
+
         if push_to_hub:
             from .hub_push import check_repo_id
 
             check_repo_id(repo_id or Path(save_directory).name)
-        target = check_output_dir(save_directory, overwrite=overwrite, protected=self.input_paths(),
-                                  needed_bytes=self.output_bytes())
-        with atomic_folder(target, overwrite=overwrite) as tmp:
-            self._write(tmp, max_shard_size=max_shard_size, final=target)
-        if push_to_hub:
-            from .hub_push import push_folder
+        target = Path(os.fspath(save_directory)).expanduser()
+        with main_process_only() as main:  # under torchrun / accelerate launch: one writer, the others wait
+            if main:
+                target = check_output_dir(save_directory, overwrite=overwrite, protected=self.input_paths(),
+                                          needed_bytes=self.output_bytes())
+                with atomic_folder(target, overwrite=overwrite) as tmp:
+                    self._write(tmp, max_shard_size=max_shard_size, final=target)
+                if push_to_hub:
+                    from .hub_push import push_folder
 
-            push_folder(target, repo_id or target.name, **push_kwargs)
+                    push_folder(target, repo_id or target.name, **push_kwargs)
         return target
 
     def push_to_hub(self, repo_id: str, *, private: bool | None = None, token: str | bool | None = None,
@@ -123,25 +132,31 @@ class MergeResult:
             max_shard_size: shard the weights above this size.
 
         Returns:
-            The ``CommitInfo`` of the commit.
+            The ``CommitInfo`` of the commit (``None`` on the other processes of a ``torchrun`` job: only the main
+            one uploads).
 
         Example:
             ```python
             >>> hf_mloss.merge(base, models, "m_ties", data="tanganke/dtd").push_to_hub("me/merged-clip")
             ```
         """
+        from .distributed import main_process_only
         from .hub_push import check_repo_id, push_folder
 
         check_repo_id(repo_id)
-        tmp = Path(tempfile.mkdtemp(prefix="hf_mloss-push-"))
-        try:
-            folder = tmp / "merged"
-            with atomic_folder(folder) as out:
-                self._write(out, max_shard_size=max_shard_size, final=None)
-            return push_folder(folder, repo_id, private=private, token=token, revision=revision, create_pr=create_pr,
-                               commit_message=commit_message, keep_hint=False)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        info = None
+        with main_process_only() as main:  # one commit per job (the other processes get None)
+            if main:
+                tmp = Path(tempfile.mkdtemp(prefix="hf_mloss-push-"))
+                try:
+                    folder = tmp / "merged"
+                    with atomic_folder(folder) as out:
+                        self._write(out, max_shard_size=max_shard_size, final=None)
+                    info = push_folder(folder, repo_id, private=private, token=token, revision=revision,
+                                       create_pr=create_pr, commit_message=commit_message, keep_hint=False)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+        return info
 
     def _write(self, folder: Path, *, max_shard_size: int | str, final: Path | None) -> None:
         from .card import build_model_card
@@ -158,7 +173,7 @@ class MergeResult:
         else:
             self.config.save_pretrained(folder, location=final)
         heatmap = None
-        if self.report is not None:
+        if self.report is not None and self.report.computed:
             self.report.save(folder)
             from .plots import draw_heatmap
 
@@ -174,6 +189,7 @@ class MergeResult:
             return
         where = os.fspath(source) if source is not None else self.base.path
         if not where or not Path(where).is_dir():
+            self._warn_no_processor(where or "the loaded base model")
             return
         whole = not isinstance(self.model, self.adapter.model_class)
         try:
@@ -181,8 +197,17 @@ class MergeResult:
         except (OSError, ValueError, TypeError):
             try:
                 self.adapter.load_processor(where).save_pretrained(folder)
-            except (OSError, ValueError):  # the base has no preprocessor config: the card says so
-                pass
+            except (OSError, ValueError):  # the base has no preprocessor config
+                self._warn_no_processor(where)
+
+    @staticmethod
+    def _warn_no_processor(where: str) -> None:
+        import warnings
+
+        warnings.warn(f"The merged folder has no image processor: {where!r} has no preprocessor_config.json, so "
+                      "users of the merge cannot preprocess images with AutoImageProcessor.from_pretrained on it. "
+                      "Merge with processor='<the base's Hub id or a folder with one>' (YAML: `processor: ...`), or "
+                      "save one into the folder.", UserWarning, stacklevel=4)
 
     def input_paths(self) -> list[str]:
         """Local paths this merge read: models, base, processor, data, selection heads and shares (the output must

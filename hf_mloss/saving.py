@@ -17,6 +17,7 @@ target and renamed into place.
 * Crash-consistent replacement: the new folder is swapped with the old one in one ``renameat2(RENAME_EXCHANGE)``
   where the filesystem has it; elsewhere the old folder is moved to a hidden backup whose target name is recorded
   first, and a save or check in the same parent after a kill restores that backup when the target is missing.
+* Files and folders get the modes the user's umask gives (0755 / 0644 under umask 022), not ``mkdtemp``'s 0700.
 * Every file written is listed in ``hf_mloss_files.json`` (name and size), which ``push`` uses as its allow-list.
 """
 
@@ -234,12 +235,38 @@ def atomic_folder(target: str | os.PathLike[str], *, overwrite: bool = False) ->
             try:
                 yield tmp
                 write_manifest(tmp)
+                apply_umask(tmp)
             except OSError as err:
                 raise SaveError(f"Writing {str(target)!r} failed: {err.strerror or err}; nothing was written (the "
                                 "partial copy was removed).") from None
             _rename_into_place(tmp, target, overwrite=overwrite)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def current_umask() -> int:
+    """The process's umask (read from ``/proc`` on Linux; elsewhere set and put back at once)."""
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(folder: Path) -> None:
+    """Give ``folder`` and everything in it the modes a plain ``mkdir`` / ``open`` would have: ``mkdtemp`` makes a
+    0700 folder and some writers 0600 files, so a merge renamed into place would be private to its owner (under
+    umask 022: folders 0755, files 0644, as the user expects)."""
+    mask = current_umask()
+    for path in [folder, *folder.rglob("*")]:
+        if path.is_symlink():
+            continue
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 def _rename_into_place(tmp: Path, target: Path, *, overwrite: bool) -> None:

@@ -435,6 +435,8 @@ def build_report(setup: ScoringSetup, results: dict[str, MLossAccumulator], *, m
                  data_info: DataInfo | None = None, records: dict[str, dict[str, torch.Tensor]] | None = None
                  ) -> MLossReport:
     """The :class:`MLossReport` of a scoring pass (``records``: per-row values a merge kept, e.g. keep ratios)."""
+    from .distributed import describe_device
+
     scores = {name: acc.scores() for name, acc in results.items()}
     positions = int(next(iter(results.values())).count) if results else 0
     return MLossReport(
@@ -447,6 +449,7 @@ def build_report(setup: ScoringSetup, results: dict[str, MLossAccumulator], *, m
         models=models, weights=setup.alpha.tolist(), keep_ratios=(records or {}).get("keep_ratios", {}),
         compute_dtype=str(setup.compute_dtype).replace("torch.", ""),
         data={**data_info.to_dict(), **data_info.sample_stats()} if data_info is not None else {},
+        device=describe_device(setup.device),
     )
 
 

@@ -607,12 +607,39 @@ def select_and_merge(config: MergeConfig, inputs: RunInputs, merger: TensorMerge
         bar.update(1)
     bar.close()
     _, chosen, tau, lam = best
+    warn_grid_edge(options.grid, chosen, options.criterion)
     builder.write(tau, lam, into=merger.targets)
     merger.done.update(merger.names)
     merger.ctx.params = method.make_params(**{**config.parameters, **chosen})
     record = replace(options, num_samples=len(evaluator.pixels), reference=builder.reference, chosen=chosen,
                      candidates=candidates)
     return config.replace(parameters={**config.parameters, **chosen}, select=record), builder.report
+
+
+def grid_edges(grid: dict[str, Any], chosen: dict[str, Any]) -> list[str]:
+    """The numeric grid axes of 3+ values whose chosen value is the smallest or the largest (``"lam=0.5 (lowest)"``):
+    the best setting may lie outside the grid."""
+    edges = []
+    for key, values in grid.items():
+        numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if len(numbers) < 3 or len(numbers) != len(values) or key not in chosen:
+            continue
+        if chosen[key] == min(numbers):
+            edges.append(f"{key}={chosen[key]} (the lowest of {sorted(numbers)})")
+        elif chosen[key] == max(numbers):
+            edges.append(f"{key}={chosen[key]} (the highest of {sorted(numbers)})")
+    return edges
+
+
+def warn_grid_edge(grid: dict[str, Any], chosen: dict[str, Any], criterion: str) -> None:
+    """Warn when the label-free choice sits on an edge of its grid (the benchmark suites flag it too)."""
+    import warnings
+
+    edges = grid_edges(grid, chosen)
+    if edges:
+        warnings.warn(f"The label-free selection (criterion {criterion!r}) chose a grid edge: {'; '.join(edges)}. A "
+                      "better setting may lie beyond it: extend the grid in that direction and select again.",
+                      UserWarning, stacklevel=3)
 
 
 def _reference_tau(builder: CandidateBuilder, reference: dict[str, Any]) -> dict[str, Any]:

@@ -41,3 +41,32 @@ def image_folder(tmp_path_factory) -> Path:
     from hf_mloss.testing import make_image_folder
 
     return make_image_folder(tmp_path_factory.mktemp("images"), n=12, size=40)
+
+
+# ------------------------------------------------------------------------------------------------ peer environments
+# The parity tests (marker `peers`) need mergekit / fusion-bench virtual environments. The test command never builds
+# them from the package index: they run when the environments exist (`python benchmarks/peers/setup_envs.py`, once,
+# into $HF_MLOSS_PEER_ENVS or benchmarks/.cache/peer-envs) and are skipped with that command otherwise. CI (`CI`
+# set) builds them first and requires them; HF_MLOSS_BUILD_PEER_ENVS=1 lets a test build a missing one.
+_PEERS_BY_TEST = {"mergekit": ("mergekit",), "fusion_bench": ("fusion_bench",), "both_peers": ("mergekit", "fusion_bench")}
+
+
+def _peers_needed(item: pytest.Item) -> tuple[str, ...]:
+    if item.get_closest_marker("peers") is None or item.path.name != "test_peers.py":
+        return ()
+    return tuple(dict.fromkeys(p for key, peers in _PEERS_BY_TEST.items() if key in item.name for p in peers))
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    needed = _peers_needed(item)
+    if not needed or os.environ.get("CI") or os.environ.get("HF_MLOSS_BUILD_PEER_ENVS") == "1":
+        return
+    try:
+        from benchmarks.peers import setup_envs
+    except ImportError:
+        return  # not run from the repository root: the test module skips itself
+    missing = [name for name in needed if setup_envs.env_info(name) is None]
+    if missing:
+        pytest.skip(f"peer environment(s) {', '.join(missing)} not built in {setup_envs.envs_root()}: run `python "
+                    f"benchmarks/peers/setup_envs.py {' '.join(missing)}` once (needs the package index), or set "
+                    "HF_MLOSS_PEER_ENVS to where they were built")

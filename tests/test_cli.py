@@ -251,7 +251,7 @@ def test_methods_lists_methods_parameters_and_defaults(capsys):
     for name in list_methods():
         method = MERGE_METHODS[name]
         assert name in out and method.pretty_name in out and method.reference in out
-    assert "k=0.2, scope=None, lam=1.0, convention='hf_mloss'" in out  # ties
+    assert "k=0.2, scope='global', lam=1.0, convention='hf_mloss'" in out  # ties
     assert "M-TIES  [needs data]" in out
 
 
@@ -294,3 +294,21 @@ def test_console_script(tmp_path):
     assert failed.stderr.startswith("hf-mloss: error: Invalid config") and "Unknown merge method 'tiez'" in failed.stderr
     assert "Traceback" not in failed.stderr and failed.stderr.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------ file permissions
+@pytest.mark.parametrize(("umask", "folder_mode", "file_mode"), [(0o022, 0o755, 0o644), (0o027, 0o750, 0o640),
+                                                                  (0o077, 0o700, 0o600)])
+def test_output_modes_follow_the_umask(ties_config, tmp_path, umask, folder_mode, file_mode):
+    import stat
+
+    previous = os.umask(umask)
+    try:
+        assert main(["merge", str(ties_config), str(tmp_path / "merged"), "--quiet"]) == 0
+    finally:
+        os.umask(previous)
+    out = tmp_path / "merged"
+    assert stat.S_IMODE(out.stat().st_mode) == folder_mode
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert "model.safetensors" in {p.name for p in files}
+    assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in files} == {p.name: oct(file_mode) for p in files}

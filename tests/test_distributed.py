@@ -1,4 +1,7 @@
-"""Data-parallel scoring: 2 CPU processes (accelerate's debug_launcher) reduce to the 1-process result.
+"""Devices and processes: the default device, and jobs of 2 CPU processes (gloo) that score in parallel and write once.
+
+Data-parallel scoring: 2 CPU processes (accelerate's debug_launcher) reduce to the 1-process result; ``torchrun``
+jobs of ``hf-mloss merge`` / ``score --pairwise`` / ``merge --push-to-hub`` write one folder, one report, one commit.
 
 The launcher forks; forking a process whose OpenMP pool is already running can deadlock, so the 2-process run
 happens in a fresh interpreter (``python -m hf_mloss.testing_dp``-style script below) started by the test.
@@ -7,6 +10,7 @@ happens in a fresh interpreter (``python -m hf_mloss.testing_dp``-style script b
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -15,6 +19,9 @@ import pytest
 import torch
 
 import hf_mloss
+
+sys.path.insert(0, os.path.dirname(__file__))
+from fake_hub import fake_hub  # noqa: E402,F401  (fixture)
 
 WORKER = textwrap.dedent(
     """
@@ -55,3 +62,172 @@ def test_two_processes_agree_with_one(tmp_path, tiny_paths, image_folder, prefix
     for name in single.layers:
         torch.testing.assert_close(dp["node"][name], single.node[name], rtol=1e-5, atol=1e-8)
         assert dp["layer"][name] == pytest.approx(single.layer[name], rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ default device
+@pytest.fixture
+def single_process(monkeypatch):
+    """No launcher around the test: a run is one process."""
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("hf_mloss.distributed.distributed_state", lambda: None)
+
+
+def mock_accelerators(monkeypatch, *, cuda: bool, mps: bool, count: int = 1) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count if cuda else 0)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: mps)
+
+
+@pytest.mark.parametrize("device", [None, "auto", "AUTO"])
+@pytest.mark.parametrize(("cuda", "mps", "expected"), [(False, False, "cpu"), (True, False, "cuda"),
+                                                      (False, True, "mps"), (True, True, "cuda")])
+def test_default_device_is_the_accelerator_when_present(monkeypatch, single_process, device, cuda, mps, expected):
+    from hf_mloss.inputs import resolve_device
+
+    mock_accelerators(monkeypatch, cuda=cuda, mps=mps)
+    assert resolve_device(device) == torch.device(expected)
+
+
+def test_explicit_devices_are_checked_against_the_machine(monkeypatch, single_process):
+    from hf_mloss.inputs import resolve_device
+
+    mock_accelerators(monkeypatch, cuda=False, mps=False)
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(hf_mloss.InvalidParameterError, match=r"0 CUDA device\(s\); use 'auto', cpu\."):
+        resolve_device("cuda")
+    with pytest.raises(hf_mloss.InvalidParameterError, match="MPS is not available"):
+        resolve_device("mps")
+    with pytest.raises(hf_mloss.InvalidParameterError) as info:
+        resolve_device("gpu0")
+    assert str(info.value).endswith("'cpu', 'cuda', 'cuda:N' or 'mps'.")  # whole, not cut mid-word
+    mock_accelerators(monkeypatch, cuda=True, mps=False, count=2)
+    assert resolve_device("cuda:1") == torch.device("cuda:1")
+    with pytest.raises(hf_mloss.InvalidParameterError, match="cuda:0..cuda:1"):
+        resolve_device("cuda:2")
+
+
+def test_under_a_launcher_each_process_gets_its_own_accelerator(monkeypatch):
+    from hf_mloss.inputs import resolve_device
+
+    class State:
+        device = torch.device("cuda:1")
+        num_processes, is_main_process = 2, False
+
+    mock_accelerators(monkeypatch, cuda=True, mps=False, count=2)
+    monkeypatch.setattr("hf_mloss.distributed.distributed_state", lambda: State())
+    assert resolve_device(None) == torch.device("cuda:1")
+    assert resolve_device("cuda") == torch.device("cuda:1")  # not every process on cuda:0
+    assert resolve_device("cuda:0") == torch.device("cuda:0")
+
+
+def test_single_process_has_no_distributed_state(monkeypatch):
+    from hf_mloss.distributed import distributed_state, is_main_process, main_process_only
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert distributed_state() is None and is_main_process()
+    with main_process_only() as main:
+        assert main
+
+
+def test_the_device_is_recorded_in_the_result_and_the_card(monkeypatch, single_process, tiny_paths, tmp_path):
+    mock_accelerators(monkeypatch, cuda=False, mps=False)
+    base, models = tiny_paths
+    result = hf_mloss.merge(base, models[:2], "ties", k=0.5, device="auto", progress=False)
+    assert result.device == "cpu"
+    folder = result.save_pretrained(tmp_path / "merged")
+    card = (folder / "README.md").read_text()
+    assert "Computed on `cpu`." in card
+    assert "`seed`" not in card  # TIES is deterministic: no seed to list
+
+
+def test_cli_help_names_the_default_device(capsys):
+    from hf_mloss.cli import main
+
+    assert main(["merge", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "auto (default: the accelerator when present" in text and "cpu (default)" not in text
+
+
+# ------------------------------------------------------------------------------------------ two-process CLI jobs
+def torchrun(args: list[str], *, env: dict[str, str] | None = None, cwd=None) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node 2 -m hf_mloss.cli ARGS`` on CPU (gloo)."""
+    full_env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "HF_MLOSS_THREADS": "1",
+                **(env or {})}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "hf_mloss.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=full_env, cwd=cwd)
+
+
+def two_process_config(tmp_path, tiny_paths, image_folder, method: str, **parameters):
+    import yaml
+
+    base, models = tiny_paths
+    config = {"base": base, "models": models, "method": method, "parameters": parameters}
+    if method.startswith("m_"):
+        config.update(data={"path": str(image_folder), "num_samples": 8}, batch_size=2)
+    path = tmp_path / f"{method}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize("method", ["ties", "m_ties"])
+def test_torchrun_merge_writes_one_folder(tmp_path, tiny_paths, image_folder, method):
+    from transformers import CLIPVisionModel
+
+    config = two_process_config(tmp_path, tiny_paths, image_folder, method, k=0.5)
+    out = tmp_path / "merged"
+    proc = torchrun(["merge", str(config), str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("Saved to") == 1, proc.stdout  # one summary per job
+    assert "already exists" not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".hf_mloss-tmp")) == []
+    single = hf_mloss.MergeConfig.from_yaml(config).run(device="cpu", progress=False)
+    merged = CLIPVisionModel.from_pretrained(out)
+    for name, tensor in single.model.state_dict().items():
+        torch.testing.assert_close(merged.state_dict()[name], tensor, rtol=1e-5, atol=1e-6)
+    if method == "m_ties":  # the scoring was split across the 2 processes and reduced: the 1-process report
+        saved = json.loads((out / "mloss.json").read_text())
+        assert saved["num_positions"] == single.report.num_positions
+        for row, name in zip(saved["layers"], single.report.layers):
+            assert row["mloss"] == pytest.approx(single.report.layer[name], rel=1e-5)
+
+
+def test_torchrun_score_pairwise_writes_once(tmp_path, tiny_paths, image_folder):
+    config = two_process_config(tmp_path, tiny_paths, image_folder, "m_ties", k=0.5)
+    out = tmp_path / "compat"
+    proc = torchrun(["score", str(config), "--pairwise", "--no-baselines", "--out", str(out), "--quiet"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("Wrote ") == 1, proc.stdout
+    assert (out / "compatibility.json").is_file()
+    from hf_mloss.compatibility import run_compatibility
+
+    single = run_compatibility(hf_mloss.MergeConfig.from_yaml(config), baselines=False, device="cpu", progress=False)
+    written, expected = json.loads((out / "compatibility.json").read_text()), json.loads(single.to_json())
+    written.pop("timings"), expected.pop("timings")
+    assert _close_json(written, expected)
+
+
+def _close_json(a, b, where: str = "") -> bool:
+    """Same JSON up to float rounding (the sums are reduced in another order); fails naming the first difference."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        assert a.keys() == b.keys(), where
+        return all(_close_json(a[k], b[k], f"{where}.{k}") for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        assert len(a) == len(b), where
+        return all(_close_json(x, y, f"{where}[{i}]") for i, (x, y) in enumerate(zip(a, b)))
+    if isinstance(a, float) and isinstance(b, float):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-9), where
+        return True
+    assert a == b, where
+    return True
+
+
+def test_torchrun_merge_push_to_hub_makes_one_commit(tmp_path, tiny_paths, image_folder, fake_hub):
+    config = two_process_config(tmp_path, tiny_paths, image_folder, "ties", k=0.5)
+    env = {"HF_ENDPOINT": fake_hub.url, "HF_HUB_OFFLINE": "0", "HF_TOKEN": "hf_test_token"}
+    proc = torchrun(["merge", str(config), str(tmp_path / "merged"), "--push-to-hub", "tester/merged", "-q"], env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(fake_hub.commits) == 1, fake_hub.commits
+    assert "model.safetensors" in fake_hub.commits[0].files
+    assert proc.stdout.count("Pushed to the Hub repo tester/merged") == 1

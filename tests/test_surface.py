@@ -1,0 +1,240 @@
+"""What a user sees: the README's quick start, readings on printed numbers, one default per parameter, cards that keep
+their promises, warnings where something is not what was asked."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import hf_mloss
+from hf_mloss.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def readme_block(heading: str, language: str = "python") -> str:
+    text = (REPO / "README.md").read_text()
+    return text.split(f"## {heading}")[1].split(f"```{language}\n")[1].split("```")[0]
+
+
+# ----------------------------------------------------------------------------------------------------- README
+def test_readme_leads_with_the_two_commands_and_stays_short():
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    commands = text.split("```bash\n")[1].split("```")[0].splitlines()
+    assert commands[0].endswith("python -m hf_mloss.suites real-quick")
+    assert commands[1].startswith('pip install torch==2.13.0 -e ".[test]" && python -m pytest')
+    headings = re.findall(r"^## (.+)$", text, flags=re.M)
+    assert headings[:5] == ["Quick start: merge two local folders", "Which method to start with",
+                            "Use your own models", "Python API", "Methods"]
+    assert "has not beaten\nits controls here" in text or "has not beaten its controls here" in text
+    for link in re.findall(r"\]\(((?:docs|benchmarks)/[^)#]+)\)", text):
+        assert (REPO / link).is_file(), link
+
+
+def test_readme_quick_start_runs(tmp_path):
+    code = readme_block("Quick start")
+    assert len([line for line in code.splitlines() if line.strip()]) <= 5
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "merged" / "model.safetensors").is_file()
+    # the CLI equivalent the README gives
+    (tmp_path / "merge.yaml").write_text(yaml.safe_dump({"base": "tiny_models/base", "method": "ties",
+                                                         "models": ["tiny_models/ft0", "tiny_models/ft1"]}))
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert main(["merge", "merge.yaml", "merged-cli", "-q"]) == 0
+    finally:
+        os.chdir(cwd)
+
+
+# --------------------------------------------------------------------------------------------- readings
+def test_data_free_merge_has_a_report_that_says_how_to_measure(tiny_paths, tmp_path):
+    base, models = tiny_paths
+    result = hf_mloss.merge(base, models[:2], "ties", progress=False)
+    assert result.report is not None and not result.report.computed
+    assert "No M-Loss was computed: ties merges without data" in result.report.summary()
+    folder = result.save_pretrained(tmp_path / "merged")
+    assert not (folder / "mloss.json").exists() and "## M-Loss per layer" not in (folder / "README.md").read_text()
+
+
+def test_printed_mloss_says_prefix_q_and_how_to_read_it(tiny_paths, image_folder):
+    base, models = tiny_paths
+    report = hf_mloss.score(base, models, str(image_folder), num_samples=6, batch_size=3, progress=False)
+    text = report.summary()
+    assert text.startswith("M-Loss of 3 models (q=3), prefix=own, reduction=abs")
+    assert "prefix own: each model's own activations feed each layer" in text
+    assert "Reading: lower is better; 0 means" in text and "% of the merged activations' norm" in text
+    assert report.device == "cpu" and "on cpu" in text.splitlines()[0]
+
+
+def test_leave_one_out_is_net_of_the_q_effect():
+    from hf_mloss.compatibility import CompatibilityReport
+
+    # q = 3: the leave-one-out sets are the pairs; exchangeable models would give each 1.0 * (1 - 1/2) / (1 - 1/3)
+    # = 0.75 of the whole set's 1.0
+    q = 3
+    subsets = [(0, 1), (0, 2), (1, 2), (0, 1, 2)]
+    values = torch.tensor([[0.75], [0.75], [0.6], [1.0]], dtype=torch.float64)
+    report = CompatibilityReport(models=["a", "b", "c"], weights=[1 / q] * q, layers=["l"], subsets=subsets,
+                                 values={"mloss": values}, baselines={}, reduction="abs", activation="gelu", eps=1e-4,
+                                 num_samples=4, num_positions=8)
+    rows = {r["model"]: r for r in report.leave_one_out()}
+    assert all(r["gain"] > 0 for r in rows.values())  # the raw gain: positive for every model
+    assert rows["a"]["expected"] == pytest.approx(0.75)
+    assert rows["a"]["net_gain"] == pytest.approx(0.15)  # without a, the rest merges better than q alone explains
+    assert rows["b"]["net_gain"] == pytest.approx(0.0) and rows["c"]["net_gain"] == pytest.approx(0.0)
+    summary = report.summary()
+    assert "net gain" in summary and summary.index("  a ") < summary.index("  b ")
+    assert "Median pair 7.5000e-01" in summary
+
+
+def test_heatmap_labels_distinguish_different_values():
+    from hf_mloss.plots import distinct_labels
+
+    assert distinct_labels([0.4812, 0.4849, 0.12]) == ["0.481", "0.485", "0.12"]
+    assert distinct_labels([0.5, 0.5, 0.25]) == ["0.5", "0.5", "0.25"]  # equal values may share a label
+    assert len(set(distinct_labels([1.0, 1.0 + 1e-9]))) == 1  # beyond 6 digits: not forced apart
+
+
+def test_node_heatmap_sorts_nodes_within_each_layer(tiny_paths, image_folder):
+    from hf_mloss.plots import node_position_matrix
+
+    base, models = tiny_paths
+    report = hf_mloss.score(base, models, str(image_folder), num_samples=4, batch_size=4, progress=False)
+    matrix = node_position_matrix(report)
+    assert (matrix[:, :-1] >= matrix[:, 1:]).all()  # highest first: node order carries no meaning in an MLP
+
+
+# --------------------------------------------------------------------------------------------- defaults
+def test_one_default_per_parameter(capsys, ties_config_path):
+    assert main(["methods"]) == 0
+    listing = capsys.readouterr().out
+    ties_line = listing.split("\nties ")[1]
+    assert "scope='global'" in ties_line and "scope=None" not in listing
+    assert main(["merge", str(ties_config_path), str(ties_config_path.parent / "out"), "-q"]) == 0
+    printed = capsys.readouterr().out
+    assert "scope='global'" in printed and "None" not in printed.split("parameters:")[1].splitlines()[0]
+    card = (ties_config_path.parent / "out" / "README.md").read_text()
+    assert "| `scope` | `global` |" in card
+
+
+@pytest.fixture
+def ties_config_path(tmp_path, tiny_paths) -> Path:
+    base, models = tiny_paths
+    path = tmp_path / "ties.yaml"
+    path.write_text(yaml.safe_dump({"base": base, "models": models[:2], "method": "ties"}))
+    return path
+
+
+def test_selection_on_a_grid_edge_warns(tiny_paths, image_folder):
+    from hf_mloss.selection import grid_edges
+
+    assert grid_edges({"lam": [0.5, 1.0, 1.5], "k": [0.2, 0.5]}, {"lam": 1.5, "k": 0.2}) == \
+        ["lam=1.5 (the highest of [0.5, 1.0, 1.5])"]  # a 2-value axis has no inside: not flagged
+    assert grid_edges({"lam": [0.5, 1.0, 1.5]}, {"lam": 1.0}) == []
+    base, models = tiny_paths
+    with pytest.warns(UserWarning, match="chose a grid edge: lam=1e-06"):
+        hf_mloss.merge(base, models, "task_arithmetic", data=str(image_folder), num_samples=4, batch_size=4,
+                       select="unlabeled", grid={"lam": [1e-6, 30.0, 60.0]}, progress=False)
+
+
+# --------------------------------------------------------------------------------------------- promises
+def test_card_promises_a_rerun_only_when_the_recipe_can_rerun(tiny_paths, image_folder, tmp_path):
+    from hf_mloss.data import load_pixel_values
+    from hf_mloss.testing import tiny_processor
+
+    base, models = tiny_paths
+    pixels, _ = load_pixel_values(str(image_folder), tiny_processor(), num_samples=4)
+    result = hf_mloss.merge(base, models, "m_ties", data=pixels, batch_size=4, progress=False)
+    folder = result.save_pretrained(tmp_path / "from-tensor")
+    card = (folder / "README.md").read_text()
+    assert "cannot re-run as written: the scoring images were passed from Python" in card
+    assert "reproduces the merge" not in card
+    recorded = yaml.safe_load((folder / "hf_mloss_config.yaml").read_text())["data"]
+    assert recorded["in_memory"] == "Tensor" and recorded["content"].startswith("xxh3-128:")
+    with pytest.raises(hf_mloss.ConfigError, match=re.escape(recorded["content"])):
+        hf_mloss.MergeConfig.from_pretrained(folder)
+    again = hf_mloss.merge(base, models, "m_ties", data=str(image_folder), num_samples=4, batch_size=4,
+                           progress=False).save_pretrained(tmp_path / "from-folder")
+    assert "reproduces the merge from the same inputs" in (again / "README.md").read_text()
+
+
+def test_paths_outside_the_project_are_recorded_absolute(tmp_path, monkeypatch):
+    from hf_mloss.config import _relative
+
+    monkeypatch.setattr(Path, "home", classmethod(lambda cls: tmp_path / "home"))
+    project = tmp_path / "home" / "project"
+    assert _relative(str(project / "models" / "ft0"), project / "out") == os.path.join("..", "models", "ft0")
+    cache = tmp_path / "home" / ".cache" / "huggingface" / "ft0"
+    assert _relative(str(cache), project / "out") == str(cache)
+
+
+def test_missing_processor_is_named_in_full(tmp_path, tiny_paths, image_folder):
+    from transformers import CLIPVisionModel
+
+    base, models = tiny_paths
+    bare = tmp_path / "bare-base"
+    CLIPVisionModel.from_pretrained(base).save_pretrained(bare)  # no preprocessor_config.json
+    with pytest.raises(hf_mloss.InvalidParameterError) as info:
+        hf_mloss.score(str(bare), models, str(image_folder), num_samples=4, progress=False)
+    message = str(info.value)
+    assert f"{str(bare)!r} has no preprocessor_config.json" in message and "Pass processor=..." in message
+    assert message.endswith("as a [N, 3, H, W] tensor.")
+    with pytest.warns(UserWarning, match="The merged folder has no image processor"):
+        hf_mloss.merge(str(bare), models, "ties", progress=False).save_pretrained(tmp_path / "merged")
+
+
+def test_first_sentence_never_cuts_mid_word():
+    from hf_mloss.inputs import first_sentence
+
+    long = "Can't load image processor for 'x' because " + "words " * 80
+    cut = first_sentence(long, limit=60)
+    assert cut.endswith(" …") and len(cut) <= 62 and long.startswith(cut[:-2])
+    assert first_sentence("First part. Second part.") == "First part."
+
+
+def test_fewer_images_than_asked_is_said(tiny_paths, image_folder):
+    base, models = tiny_paths
+    with pytest.warns(UserWarning, match=r"Asked for 500 scoring images; .* has only 12 usable ones"):
+        report = hf_mloss.score(base, models, str(image_folder), num_samples=500, batch_size=6, progress=False)
+    assert report.num_samples == 12
+
+
+# --------------------------------------------------------------------------------------------- the card
+def test_card_nits(tiny_paths, image_folder, tmp_path):
+    base, models = tiny_paths
+    card = (hf_mloss.merge(base, models, "m_ties", data=str(image_folder), num_samples=4, batch_size=4,
+                           progress=False).save_pretrained(tmp_path / "m") / "README.md").read_text()
+    assert "# M-TIES merge of 3 fine-tunes of a CLIPVisionModel" in card  # not the local folder's name ("base")
+    assert "| `seed` | `0` |" in card  # the sample of images depends on it
+    assert "author    = {Wang, Tiantong and" in card
+    usage = card.split("## How to use")[1]
+    assert usage.index('image = Image.open("photo.jpg")') < usage.index("images=image")
+
+
+def test_evaluate_is_exported():
+    assert hf_mloss.evaluate is hf_mloss.evaluation.evaluate and "evaluate" in hf_mloss.__all__
+    assert hf_mloss.EvalResult(accuracy={"a": 0.5, "b": 1.0}).mean == 0.75
+
+
+def test_quiet_silences_transformers_loading_bars(tiny_paths, tmp_path, capfd):
+    base, models = tiny_paths
+    config = tmp_path / "ties.yaml"
+    config.write_text(yaml.safe_dump({"base": base, "models": models[:2], "method": "ties"}))
+    assert main(["merge", str(config), str(tmp_path / "out")]) == 0
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err and "Merging (ties)" in err  # one bar per stage, ours
+    assert main(["merge", str(config), str(tmp_path / "out2"), "-q"]) == 0
+    assert capfd.readouterr().err == ""
