@@ -17,8 +17,7 @@ matrix. The flat spectrum assumes a full-rank sum (true of full fine-tunes): for
 outside its range, raised to σ̄ like the others, are whichever the SVD solver returns.
 
 λ (the paper's α) is chosen on held-out data in the paper; 1.0 is fusion_bench's default. σ̄ grows with the number
-and size of the task vectors, and the best λ can lie far above TIES's (≈ 4 for the sum of 6 DINOv2 fine-tunes in an
-offline probe), so grids should reach well beyond 1.
+and size of the task vectors, and the best λ can lie far above TIES's, so grids should reach well beyond 1.
 """
 
 from __future__ import annotations

@@ -41,9 +41,9 @@ def method_specs(trained: Sequence[int], grid: str = "full", vector_scale: float
     multiplies a sum of q task vectors, whose size grows with q (on the real suite's 8 tasks the unscaled grid's
     lowest λ, 0.3, won in both replicates, 2.5 and 4.3 val points below λ 0.25, the scaled grid's second value).
     The TIES family's disjoint mean does not grow with q, so its grid is not scaled. The SVD-based merges (TSV-M,
-    Iso-C, Iso-CTS) reach far beyond TIES's λ: an offline probe (DINOv2-S, 6 fine-tunes of the upper 4 blocks) chose
-    λ ≈ 1.5 for TSV-M and ≈ 4 for Iso-C (val still rising from 1 to 4); their grids are not scaled with q either
-    (TSV-M's paper keeps λ = 1 on 8, 14 and 20 tasks).
+    Iso-C, Iso-CTS) reach far beyond TIES's λ: a probe outside the committed records (DINOv2-S, 6 fine-tunes of
+    the upper 4 blocks) chose λ ≈ 1.5 for TSV-M and ≈ 4 for Iso-C (val still rising from 1 to 4); their grids are
+    not scaled with q either (TSV-M's paper keeps λ = 1 on 8, 14 and 20 tasks).
     M-TIES scores the fc1 rows of the ``trained`` blocks only: the frozen blocks' task vectors are exactly zero, so
     their keep ratios change nothing and scoring them would only cost time (the merge is the same). Few-layer M-TIES
     scores the upper half of the trained blocks."""
