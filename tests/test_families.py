@@ -440,3 +440,24 @@ def test_bf16_checkpoints_merge_in_float32_and_stay_bf16(tmp_path):
     half = testing.save_with_finetunes(testing.tiny_decoder("qwen2").to(torch.float16), tmp_path / "f16", 2)
     with pytest.raises(hf_mloss.InvalidParameterError, match="float16 would overflow.*largest float16"):
         hf_mloss.merge(str(half[0]), [str(m) for m in half[1]], "task_arithmetic", lam=1e6, progress=False)
+
+
+def test_whole_siglip_merges_data_free(tmp_path):
+    """A family without an hf_mloss adapter of its own (SigLIP, both towers) merges through the generic adapter."""
+    from transformers import SiglipConfig, SiglipModel
+
+    torch.manual_seed(0)
+    config = SiglipConfig(text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, vocab_size=64, max_position_embeddings=16),
+                          vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=32, patch_size=8))
+    base_dir, models = testing.save_with_finetunes(SiglipModel(config).eval(), tmp_path / "in", 2)
+    result = hf_mloss.merge(str(base_dir), [str(m) for m in models], "ties", k=0.3, progress=False)
+    assert isinstance(result.model, SiglipModel)
+    assert_matches(result, reference("ties", weights_of(base_dir), [weights_of(m) for m in models], k=0.3))
+    folder = result.save_pretrained(tmp_path / "merged")
+    loaded, info = AutoModel.from_pretrained(folder, output_loading_info=True)
+    assert isinstance(loaded, SiglipModel) and not info["missing_keys"]
+    from huggingface_hub import ModelCard
+
+    assert ModelCard.load(folder / "README.md").data.pipeline_tag == "zero-shot-image-classification"
