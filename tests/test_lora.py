@@ -160,6 +160,16 @@ def test_unlabeled_selection_on_adapters_equals_materialised(lora_setup, image_f
     assert_close_states(_state(ours), _state(theirs))
 
 
+def test_unlabeled_selection_into_an_adapter_uses_the_chosen_setting(lora_setup, image_folder, tmp_path):
+    base_dir, adapters, _ = lora_setup
+    result = hf_mloss.merge(str(base_dir), [str(a) for a in adapters[:2]], "task_arithmetic", data=str(image_folder),
+                            num_samples=8, select="unlabeled", grid={"lam": [0.2, 1.5]}, output="adapter",
+                            progress=False)
+    assert result.config.parameters["lam"] == result.config.select.chosen["lam"]
+    folder = result.save_pretrained(tmp_path / "chosen")
+    assert_close_states(load_written_adapter(base_dir, folder), _state(result))
+
+
 # ================================================================================== an adapter out, and PEFT parity
 def peft_combination(base_dir: Path, adapters: list[Path], weights: list[float], combination: str, *,
                      model_class=CLIPVisionModel, **kwargs) -> dict[str, torch.Tensor]:
