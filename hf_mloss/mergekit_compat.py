@@ -81,8 +81,7 @@ def from_mergekit(config: Mapping[str, Any]) -> dict[str, Any]:
     lam = global_params.pop("lambda", 1.0)
     if not isinstance(normalize, bool):
         raise ConfigError(f"mergekit parameters.normalize must be true or false, got {short(normalize)}.")
-    if isinstance(lam, bool) or not isinstance(lam, (int, float)):
-        raise ConfigError(f"mergekit parameters.lambda must be one number, got {short(lam)}.")
+    _check_number(lam, "parameters.lambda", schedule=True)
     if global_params:
         raise ConfigError(f"mergekit parameters {sorted(global_params)} have no hf_mloss equivalent.")
     parameters: dict[str, Any] = {}

@@ -150,6 +150,7 @@ def write_file(target: str | os.PathLike[str], content: str | bytes, *, overwrit
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp's 0600 -> what a plain open() would give
         if target.is_symlink() or (target.exists() and not target.is_file()):
             raise InvalidParameterError(f"{what} {str(target)!r} became a link or special file while writing; "
                                         "nothing was written.")

@@ -442,8 +442,8 @@ def test_mergekit_task_vector_recipes_map(tiny_paths) -> None:
     assert config.weights == [1.0, 0.5, 2.0] and len(config.models) == 3
     config = MergeConfig.from_dict(mk("breadcrumbs", base, entries[1:], {"gamma": 0.02, "rescale": True}))
     assert config.parameters == {"k": 0.5, "gamma": 0.02, "lam": 1.0, "normalize": False, "rescale": "l1"}
-    # mergekit's defaults when a parameter is absent: density 1, gamma 0.01, epsilon 0.15, weight 1
-    config = MergeConfig.from_dict(mk("della_linear", base, [{"model": m} for m in models]))
+    # mergekit's defaults when a parameter is absent: density 1, gamma 0.01, epsilon 0.15 (weight has none: required)
+    config = MergeConfig.from_dict(mk("della_linear", base, [{"model": m} for m in models], {"weight": 1.0}))
     assert config.parameters == {"k": 1.0, "e": 0.15, "lam": 1.0, "normalize": False, "rescale": "l1"}
     assert config.weights == [1.0, 1.0, 1.0]
     config = MergeConfig.from_dict(mk("model_stock", base, [{"model": m} for m in [base, *models]],
@@ -454,11 +454,12 @@ def test_mergekit_task_vector_recipes_map(tiny_paths) -> None:
 REFUSED = [
     (lambda b, m: {"merge_method": "della", "models": [{"model": m[0]}]}, "needs a `base_model`"),
     (lambda b, m: mk("della", b, [{"model": m[0]}], {"gamma": 0.1}), "has no parameter 'gamma'"),
-    (lambda b, m: mk("della", b, [{"model": m[0], "parameters": {"density": 0.5}},
-                                  {"model": m[1], "parameters": {"density": 0.4}}]),
+    (lambda b, m: mk("della", b, [{"model": m[0], "parameters": {"density": 0.5, "weight": 1.0}},
+                                  {"model": m[1], "parameters": {"density": 0.4, "weight": 1.0}}]),
      r"Per-model density values \[0.5, 0.4\] differ"),
-    (lambda b, m: mk("breadcrumbs", b, [{"model": m[0]}], {"normalize": "yes"}),
+    (lambda b, m: mk("breadcrumbs", b, [{"model": m[0], "parameters": {"weight": 1.0}}], {"normalize": "yes"}),
      "parameters.normalize must be true or false"),
+    (lambda b, m: mk("breadcrumbs", b, [{"model": m[0]}]), r"models\[0\].parameters.weight is missing"),
     (lambda b, m: mk("breadcrumbs_ties", b, [{"model": m[0], "parameters": {"weight": [1, 0]}}]),
      "must be one number"),
     (lambda b, m: mk("model_stock", b, [{"model": b}, {"model": m[0]}]), "at least 2 models besides"),
@@ -592,8 +593,8 @@ def test_mergekit_gradients_and_filters_map(tiny_paths) -> None:
     config = MergeConfig.from_dict(mk("breadcrumbs", base, entries, {"rescale": [{"filter": "mlp", "value": True},
                                                                                 {"value": False}]}))
     assert config.parameters["rescale"] == [{"filter": "mlp", "value": "l1"}, {"value": "none"}]
-    differing = [{"model": models[0], "parameters": {"density": [0.2, 0.8]}},
-                 {"model": models[1], "parameters": {"density": [0.2, 0.9]}}]
+    differing = [{"model": models[0], "parameters": {"density": [0.2, 0.8], "weight": 1.0}},
+                 {"model": models[1], "parameters": {"density": [0.2, 0.9], "weight": 1.0}}]
     with pytest.raises(ConfigError, match="differ"):
         MergeConfig.from_dict(mk("della", base, differing))
     with pytest.raises(ConfigError, match="models\\[0\\].parameters.weight must be one number"):
@@ -605,13 +606,13 @@ def test_mergekit_unmatched_filters_fall_through_its_scopes(tiny_paths) -> None:
     """As in mergekit: a model's filter list that matches no tensor falls back to the top-level value, then to
     mergekit's default (density 1, lambda 1), not to hf_mloss's defaults."""
     base, models = tiny_paths
-    entries = [{"model": m, "parameters": {"density": [{"filter": "mlp", "value": 0.5}]}} for m in models]
+    entries = [{"model": m, "parameters": {"density": [{"filter": "mlp", "value": 0.5}], "weight": 1.0}} for m in models]
     config = MergeConfig.from_dict(mk("breadcrumbs", base, entries, {"density": 0.7,
                                                                      "lambda": {"filter": "fc1", "value": 2.0}}))
     assert config.parameters["k"] == [{"filter": "mlp", "value": 0.5}, {"value": 0.7}]
     assert config.parameters["lam"] == [{"filter": "fc1", "value": 2.0}, {"value": 1.0}]
     config = MergeConfig.from_dict(mk("della", base, entries))
     assert config.parameters["k"] == [{"filter": "mlp", "value": 0.5}, {"value": 1.0}]
-    entries = [{"model": m, "parameters": {"density": {"filter": "mlp", "value": 0.5}}} for m in models]
+    entries = [{"model": m, "parameters": {"density": {"filter": "mlp", "value": 0.5}, "weight": 1.0}} for m in models]
     assert MergeConfig.from_dict(mk("ties", base, entries)).parameters["k"] == [{"filter": "mlp", "value": 0.5},
                                                                                  {"value": 1.0}]

@@ -236,3 +236,17 @@ def test_reports_with_nan_are_never_written(tmp_path):
     with pytest.raises(hf_mloss.InvalidParameterError, match="NaN or infinite"):
         report.save(tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_written_files_follow_the_umask(tmp_path):
+    """Report files (``--json``, ``to_json``) get the modes a plain ``open`` would give, not ``mkstemp``'s 0600."""
+    import os
+
+    from hf_mloss.saving import write_file
+
+    old = os.umask(0o022)
+    try:
+        path = write_file(tmp_path / "report.json", "{}\n")
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o644

@@ -26,6 +26,12 @@ from hf_mloss.testing import tiny_processor
 SVD_METHODS = ("tsv_m", "iso_c", "iso_cts")
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Unseeded ``torch.randn`` draws below come from a fixed stream, whatever ran before."""
+    torch.manual_seed(0)
+
+
 def merge_tensor(method: str, base: torch.Tensor, taus: list[torch.Tensor], weights=None, **params) -> torch.Tensor:
     """One tensor merged by ``method`` from task vectors ``taus`` (sources θ₀ + τ_p)."""
     impl = get_method(method)
@@ -103,7 +109,7 @@ def test_tsv_m_weights_scale_each_task_before_the_svds() -> None:
     base, taus = torch.randn(8, 6), [torch.randn(8, 6) for _ in range(3)]
     weighted = merge_tensor("tsv_m", base, taus, weights=[2.0, 0.5, 1.0])
     scaled = merge_tensor("tsv_m", base, [2.0 * taus[0], 0.5 * taus[1], taus[2]])
-    torch.testing.assert_close(weighted, scaled, atol=1e-5, rtol=0)
+    torch.testing.assert_close(weighted, scaled, atol=1e-4, rtol=1e-5)  # float32 SVDs of 2·τ and of τ
 
 
 def test_tsv_m_refuses_more_than_one_qth_of_the_rank(tiny_paths, tmp_path) -> None:
@@ -201,11 +207,13 @@ def test_non_matrix_tensors_take_the_mean_task_vector(method, shape) -> None:
 def test_unchanged_tensor_is_the_base_and_the_merge_is_homogeneous(method) -> None:
     impl = get_method(method)
     assert impl.zero_delta_is_base and impl.default_weight == "one"
-    base = torch.randn(9, 7)
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(9, 7, generator=g)
     assert torch.equal(merge_tensor(method, base, [torch.zeros(9, 7)] * 3), base)
-    taus = [torch.randn(9, 7) for _ in range(3)]
+    taus = [torch.randn(9, 7, generator=g) for _ in range(3)]
     once, twice = merge_tensor(method, base, taus), merge_tensor(method, base, [2 * t for t in taus])
-    torch.testing.assert_close(twice - base, 2 * (once - base), atol=1e-5, rtol=0)  # f(c·τ) = c·f(τ), c > 0
+    # f(c·τ) = c·f(τ), c > 0, to float32 SVD rounding (relative to the entries' size, a few units)
+    torch.testing.assert_close(twice - base, 2 * (once - base), atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize(("merge_matrix", "kwargs"), [(tsv_merge_matrix, {"fraction": None}),
@@ -277,9 +285,6 @@ def check_against_reference(result, base_dir, model_dirs, method: str, params: d
     for name, theta0 in base.items():
         if not theta0.is_floating_point():
             continue
-        if name.startswith(("text_model.", "text_projection", "visual_projection", "logit_scale")):  # from the base
-            assert torch.equal(merged[name], theta0), name
-            continue
         taus = np.stack([(ft[name] - theta0).double().numpy() for ft in fts])
         tau = REFERENCES[method](taus, params) if taus.ndim == 3 else taus.mean(0)
         matrices += taus.ndim == 3
@@ -322,12 +327,13 @@ def whole_clip(tmp_path_factory):
 
 @pytest.mark.parametrize("method", SVD_METHODS)
 def test_full_clip_model_merges_its_vision_tower(whole_clip, method) -> None:
-    """A full CLIPModel gives a CLIPModel: the vision tower merged (as the reference), the rest kept from the base."""
+    """A full CLIPModel gives a CLIPModel with every tensor merged as the reference: the vision tower, and the text
+    tower, projections and logit scale that the fine-tunes changed too."""
     base_dir, model_dirs = whole_clip
     params = {"lam": 1.5}
     result = hf_mloss.merge(str(base_dir), [str(m) for m in model_dirs], method, progress=False, **params)
     assert type(result.model).__name__ == "CLIPModel"
-    assert check_against_reference(result, base_dir, model_dirs, method, params) == 13
+    assert check_against_reference(result, base_dir, model_dirs, method, params) > 13  # text-tower matrices too
 
 
 # --------------------------------------------------------------------------------- configs, CLI, selection
