@@ -102,13 +102,7 @@ def from_mergekit(config: Mapping[str, Any]) -> dict[str, Any]:
         parameters.update(p=_one_density(densities), rescale="l1")
     elif any(d is not None for d in densities):
         raise ConfigError(f"mergekit `{method}` takes no density.")
-    for entry, weight in zip(models, weights):
-        entry["weight"] = weight
-    out["parameters"] = parameters
-    dtype = config.get("out_dtype") or config.get("dtype")
-    if dtype is not None:
-        out["dtype"] = dtype
-    return out
+    return _finish(out, parameters, models, weights, config)
 
 
 def _models(entries: Any) -> tuple[list[dict[str, Any]], list[float], list[float | None]]:
@@ -294,8 +288,14 @@ def _recipe_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
         rescale = _check_flag(_layered([global_params.get("rescale")], rescale), "parameters.rescale")
         parameters["rescale"] = _map_values(rescale, lambda on: "l1" if on else "none")
         _check_flag(global_params.get("int8_mask", False), "parameters.int8_mask")  # storage only: same values
-        for entry, weight in zip(models, weights):
-            entry["weight"] = weight
+    return _finish(out, parameters, models, weights, config)  # slerp, model_stock: no weights
+
+
+def _finish(out: dict[str, Any], parameters: dict[str, Any], models: list[dict[str, Any]], weights: list[float],
+            config: Mapping[str, Any]) -> dict[str, Any]:
+    """The hf_mloss config: the models' weights, the method parameters and the dtype (``out_dtype``, else ``dtype``)."""
+    for entry, weight in zip(models, weights):
+        entry["weight"] = weight
     out["parameters"] = parameters
     dtype = config.get("out_dtype") or config.get("dtype")
     if dtype is not None:
