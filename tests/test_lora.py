@@ -509,3 +509,35 @@ def test_hub_adapters_and_card_metadata(lora_setup, tmp_path, monkeypatch):
     assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] == "org/base"
     with pytest.raises(IncompatibleCheckpointsError, match="org/base"):
         hf_mloss.merge(str(base_dir), ["org/lora0"], "ties", progress=False)
+
+
+def test_decoder_adapters_merge_as_their_materialised_models_and_into_an_adapter(tmp_path):
+    """LoRA adapters of a tiny Llama (attention and gated-MLP projections, different ranks): data-free merges equal
+    those of the adapters' merge_and_unload() models, and a cat adapter loads in PEFT and equals PEFT's cat."""
+    from transformers import LlamaForCausalLM
+
+    from hf_mloss.testing import tiny_decoder, word_tokenizer
+
+    base_dir = tmp_path / "llama"
+    tiny_decoder("llama").save_pretrained(base_dir)
+    word_tokenizer().save_pretrained(base_dir)
+    targets = ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]
+    adapters = [make_adapter(base_dir, tmp_path / f"llama_lora{i}", seed=i + 3, model_class=LlamaForCausalLM,
+                             target_modules=targets, r=r) for i, r in enumerate([2, 4])]
+    full = []
+    for i, adapter in enumerate(adapters):
+        merged = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base_dir), adapter).merge_and_unload()
+        merged.save_pretrained(tmp_path / f"llama_full{i}")
+        word_tokenizer().save_pretrained(tmp_path / f"llama_full{i}")
+        full.append(tmp_path / f"llama_full{i}")
+    for method, params in [("ties", {"k": 0.5}), ("task_arithmetic", {"lam": 0.7})]:
+        ours = hf_mloss.merge(str(base_dir), [str(a) for a in adapters], method, progress=False, **params)
+        theirs = hf_mloss.merge(str(base_dir), [str(f) for f in full], method, progress=False, **params)
+        assert isinstance(ours.model, LlamaForCausalLM)
+        assert_close_states(_state(ours), _state(theirs))
+    result = hf_mloss.merge(str(base_dir), [str(a) for a in adapters], "task_arithmetic", lam=1.0,
+                            weights=[0.5, 1.5], output="adapter", combination="cat", progress=False)
+    folder = result.save_pretrained(tmp_path / "llama_cat")
+    loaded = load_written_adapter(base_dir, folder, LlamaForCausalLM)
+    assert_close_states(loaded, _state(result))
+    assert_close_states(loaded, peft_combination(base_dir, adapters, [0.5, 1.5], "cat", model_class=LlamaForCausalLM))
