@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from PIL import Image, UnidentifiedImageError
+from tqdm.auto import tqdm
 
 from .errors import DataError
 
@@ -84,6 +85,7 @@ def load_pixel_values(
     min_samples: int = 1,
     batch_size: int = 32,
     whole_split_max_bytes: int = WHOLE_SPLIT_MAX_BYTES,
+    progress: bool = False,
 ) -> tuple[torch.Tensor, DataInfo]:
     """Read up to ``num_samples`` images from ``data`` and preprocess them with ``processor``.
 
@@ -101,6 +103,7 @@ def load_pixel_values(
         min_samples: fail if fewer decodable images than this remain.
         whole_split_max_bytes: Hub splits up to this size are read whole for a uniform sample; larger ones, and
             those whose size the dataset card does not give, are shuffled across row groups.
+        progress: show a "Reading images" bar (streamed and decoded images can take a while).
     """
     if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 1:
         raise DataError(f"num_samples must be a positive integer, got {num_samples!r}.")
@@ -112,7 +115,7 @@ def load_pixel_values(
     else:
         sampler = _Sampler(num_samples, seed, max(buffer_size, 8 * num_samples), whole_split_max_bytes)
         rows, info = _iter_images(data, sampler=sampler, split=split, image_column=image_column, revision=revision)
-        pixels = _preprocess(rows, processor, info, limit=num_samples, batch_size=batch_size)
+        pixels = _preprocess(rows, processor, info, limit=num_samples, batch_size=batch_size, progress=progress)
         info.num_samples = len(pixels)
         if len(pixels) < num_samples:  # said, not silent: the report and card show the count actually used
             import warnings
@@ -354,13 +357,14 @@ def _decode(item: Any) -> Image.Image:
 
 
 def _preprocess(rows: Iterable[tuple[Any, Any]], processor: Any, info: DataInfo, *, limit: int,
-                batch_size: int) -> torch.Tensor:
+                batch_size: int, progress: bool = False) -> torch.Tensor:
     """Decode and preprocess up to ``limit`` images, skipping (and counting) the undecodable ones; count the distinct
     labels of the images used."""
     chunks: list[torch.Tensor] = []
     pending: list[Image.Image] = []
     labels: set[Any] = set()
     count = 0
+    bar = tqdm(total=limit, desc="Reading images", unit="img", disable=not progress, leave=False)
     for item, label in rows:
         if count >= limit:
             break
@@ -371,6 +375,7 @@ def _preprocess(rows: Iterable[tuple[Any, Any]], processor: Any, info: DataInfo,
             continue
         pending.append(image)
         count += 1
+        bar.update()
         if label is not None:
             labels.add(label)
         if len(pending) == batch_size:
@@ -378,6 +383,7 @@ def _preprocess(rows: Iterable[tuple[Any, Any]], processor: Any, info: DataInfo,
             pending = []
     if pending:
         chunks.append(processor(images=pending, return_tensors="pt")["pixel_values"])
+    bar.close()
     if info.label_column is not None:
         info.labels_covered = len(labels)
     if not chunks:

@@ -123,7 +123,7 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
                            device=device, fingerprints=fingerprints)
         _check_layers(config, adapter)
         if needs_data:
-            _load_data(inputs, config, resolved[0][0], token)
+            _load_data(inputs, config, resolved[0][0], token, progress=progress)
         yield inputs
     finally:
         for store in stores:
@@ -391,14 +391,16 @@ def _check_layers(config: MergeConfig, adapter: ModelAdapter) -> None:
             f"(valid: 0..{adapter.num_layers - 1}).")
 
 
-def _load_data(inputs: RunInputs, config: MergeConfig, base_ref: ModelRef, token) -> None:
+def _load_data(inputs: RunInputs, config: MergeConfig, base_ref: ModelRef, token, *, progress: bool = False
+               ) -> None:
     from .data import load_pixel_values
 
     data = config.data
     needs_processor = not isinstance(data.objects, torch.Tensor)
     processor = resolve_processor(config, inputs, base_ref, token) if needs_processor else None
     pixels, info = load_pixel_values(data.source, processor, num_samples=data.num_samples, seed=config.seed,
-                                     split=data.split, image_column=data.image_column, revision=data.revision)
+                                     split=data.split, image_column=data.image_column, revision=data.revision,
+                                     progress=progress)
     if not torch.isfinite(pixels).all():
         bad = int((~torch.isfinite(pixels)).flatten(1).any(1).sum())
         raise DataError(f"{bad} of the {len(pixels)} scoring images hold NaN or Inf pixel values; M-Loss on them "

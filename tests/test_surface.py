@@ -238,3 +238,14 @@ def test_quiet_silences_transformers_loading_bars(tiny_paths, tmp_path, capfd):
     assert "Loading weights" not in err and "Merging (ties)" in err  # one bar per stage, ours
     assert main(["merge", str(config), str(tmp_path / "out2"), "-q"]) == 0
     assert capfd.readouterr().err == ""
+
+
+def test_reading_images_shows_one_bar_that_quiet_silences(image_folder, capsys):
+    """Decoding and preprocessing the scoring images (streamed or from a folder) shows a "Reading images" bar."""
+    from hf_mloss.data import load_pixel_values
+    from hf_mloss.testing import tiny_processor
+
+    load_pixel_values(str(image_folder), tiny_processor(), num_samples=4, progress=True)
+    assert "Reading images" in capsys.readouterr().err
+    load_pixel_values(str(image_folder), tiny_processor(), num_samples=4, progress=False)
+    assert "Reading images" not in capsys.readouterr().err
