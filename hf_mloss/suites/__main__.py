@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=None, help="real suites: fine-tuning replicates (default 2)")
     parser.add_argument("--num-samples", type=int, default=128, help="unlabeled images for M-Loss")
     parser.add_argument("--fast", action="store_true", help="tiny only: a few steps, two settings per method")
+    parser.add_argument("--svd", action="store_true",
+                        help="real suites: add the SVD-based merges (tsv_m, iso_c, iso_cts) to the compared methods")
     args = parser.parse_args(argv)
     out = args.out or Path(f"hf_mloss_{args.suite.replace('-', '_')}_suite")
     start = time.perf_counter()
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = real_config(args.suite, args.seeds)
         grid = {"real": "main", "real-quick": "main", "real-full": "full", "real-smoke": "smoke"}[args.suite]
         specs = method_specs(range(cfg.frozen, cfg.num_layers), grid, vector_scale=cfg.wise,
-                             num_tasks=len(cfg.tasks))
+                             num_tasks=len(cfg.tasks), svd=args.svd)
         run_suite(cfg, specs, cache=args.cache or default_cache(), out=out, threads=args.threads,
                   num_samples=args.num_samples, name=args.suite, command=command)
     print((out / "results.md").read_text())

@@ -29,7 +29,7 @@ from .training import Log, torch_threads
 
 
 def method_specs(trained: Sequence[int], grid: str = "full", vector_scale: float = 1.0,
-                 num_tasks: int = 4) -> list[MethodSpec]:
+                 num_tasks: int = 4, svd: bool = False) -> list[MethodSpec]:
     """The methods and their grids (every tuned method searches as many settings: 6 with ``grid="full"``, 4 with
     ``"main"``, 2 with ``"smoke"``). The main grid fixes the TIES family's k at 0.2 (the TIES paper's default,
     chosen by all four on both replicates of the 6-frozen build with the grid k {0.2, 0.5} × λ {1.0, 1.5}, where
@@ -43,7 +43,9 @@ def method_specs(trained: Sequence[int], grid: str = "full", vector_scale: float
     The TIES family's disjoint mean does not grow with q, so its grid is not scaled. The SVD-based merges (TSV-M,
     Iso-C, Iso-CTS) reach far beyond TIES's λ: a probe outside the committed records (DINOv2-S, 6 fine-tunes of
     the upper 4 blocks) chose λ ≈ 1.5 for TSV-M and ≈ 4 for Iso-C (val still rising from 1 to 4); their grids are
-    not scaled with q either (TSV-M's paper keeps λ = 1 on 8, 14 and 20 tasks).
+    not scaled with q either (TSV-M's paper keeps λ = 1 on 8, 14 and 20 tasks). They are added with ``svd=True``
+    (``--svd``): on the cut, their 3 × 4 settings per replicate double the protocol's time, which would take the
+    README's main job past 15 minutes.
     M-TIES scores the fc1 rows of the ``trained`` blocks only: the frozen blocks' task vectors are exactly zero, so
     their keep ratios change nothing and scoring them would only cost time (the merge is the same). Few-layer M-TIES
     scores the upper half of the trained blocks."""
@@ -77,7 +79,7 @@ def method_specs(trained: Sequence[int], grid: str = "full", vector_scale: float
         MethodSpec("m_ties (random ranks)", "m_ties", {"e": 0.1, "rank": "random", "layers": trained}, dict(ties)),
         MethodSpec("m_ties (e=0)", "m_ties", {"e": 0.0, "layers": trained}, dict(ties)),
     ]
-    specs += [
+    specs += [] if not svd else [
         MethodSpec("tsv_m", "tsv_m", grid={"lam": per_unit(tsv)}),
         MethodSpec("iso_c", "iso_c", grid={"lam": per_unit(iso)}),
         MethodSpec("iso_cts", "iso_cts", grid={"lam": per_unit(iso)}),
