@@ -163,6 +163,11 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
     shown = shown_parameters(result.config.method_params())
     # values that vary over the model (gradients, filter lists), as given
     shown.update(described_schedules(result.config.merge_method(), result.config.parameters))
+    if getattr(result.config, "slices", None):  # output blocks taken from layer ranges of the inputs
+        from .slices import describe_slices
+
+        names = [result.base.name, *(r.name for r in result.models)]
+        shown["slices"] = "; ".join(describe_slices(result.config.slices, names))
     compatibility = getattr(result, "compatibility", None)
     template = resources.files("hf_mloss").joinpath("templates", TEMPLATE).read_text(encoding="utf-8")
     model_class = type(result.model).__name__
