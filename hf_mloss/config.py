@@ -318,7 +318,7 @@ class MergeConfig:
             missing = [f"models[{i}]" for i, g in enumerate(given) if not g]
             raise InvalidParameterError(f"Give a weight to every model or to none (the default is uniform); "
                                         f"{', '.join(missing)} {'has' if len(missing) == 1 else 'have'} no weight.")
-        if all(given) and sum(m.weight for m in self.models) <= 0:
+        if self.models and all(given) and sum(m.weight for m in self.models) <= 0:
             raise InvalidParameterError("The models' weights must not all be 0.")
         if all(given) and not math.isfinite(sum(m.weight for m in self.models)):
             raise InvalidParameterError(f"weights {[m.weight for m in self.models]} sum to infinity (they overflow "
@@ -338,7 +338,7 @@ class MergeConfig:
 
     @property
     def weights(self) -> list[float] | None:
-        return [m.weight for m in self.models] if self.models[0].weight is not None else None
+        return [m.weight for m in self.models] if self.models and self.models[0].weight is not None else None
 
     def input_paths(self) -> list[str]:
         """Every local path this run reads: base, models, processor, data, selection heads and shares (an output
