@@ -129,7 +129,8 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
         from .lora import build_adapter_output, plan_adapter_output
 
         adapter_plan = plan_adapter_output(config, inputs)  # output="adapter": refused here, before any work
-        slice_plan, refs = None, inputs.refs  # the models as given (a passthrough reads them all through its base)
+        # the inputs as given (a passthrough reads every model through its sliced base): recorded and carded
+        slice_plan, given = None, inputs
         if config.slices is not None:  # output blocks re-stacked from layer ranges (hf_mloss.slices)
             from .slices import apply_slices
 
@@ -167,14 +168,14 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
         model = finalize(model, merger, out_dtype)
         lora = None if adapter_plan is None else build_adapter_output(adapter_plan, config, inputs, merger.targets,
                                                                       out_dtype)
-        record = recorded_config(config, inputs)
+        record = recorded_config(config, given)
         description = method.describe(params)
         if outside and method.needs_data and config.select is None:
             description += " " + outside_rule_note(inputs, method, params, outside)
         if lora is not None:  # the adapter as written: its combination, and the rank an SVD used
             record.combination, record.lora_rank = lora.combination, lora.rank if lora.combination == "svd" else None
         record.resolved_parameters = tensor_params.record(merger.names) if tensor_params else None
-        return MergeResult(model=model, config=record, report=report, base=inputs.base.ref, models=refs,
+        return MergeResult(model=model, config=record, report=report, base=inputs.base.ref, models=given.refs,
                            adapter=inputs.adapter, data_info=inputs.data_info, method_description=description,
                            lora=lora, device=describe_device(inputs.device))
 

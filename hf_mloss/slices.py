@@ -107,22 +107,14 @@ class SlicePlan:
     """Output block → (input index, input block) of its first source (for per-block config settings)."""
 
     @classmethod
-    def build(cls, slices: list[dict[str, Any]], method: str, adapter: ModelAdapter, names: list[list[str]],
-              layer_counts: list[int]) -> SlicePlan:
-        """Plan the output of ``slices`` over inputs with these tensor ``names`` and block counts (base first).
+    def build(cls, slices: list[dict[str, Any]], method: str, adapter: ModelAdapter,
+              names: list[list[str]]) -> SlicePlan:
+        """Plan the output of ``slices`` over inputs with these canonical tensor ``names`` (base first).
 
         Raises:
             InvalidParameterError: a ``layer_range`` beyond a model's blocks.
         """
         num_inputs = len(names)
-        for s, entry in enumerate(slices):
-            for k, source in enumerate(entry["sources"]):
-                start, end = source["layer_range"]
-                count = layer_counts[source["model"]]
-                if end > count:
-                    raise InvalidParameterError(
-                        f"slices[{s}].sources[{k}].layer_range [{start}, {end}] runs past model {source['model']}'s "
-                        f"{count} layers (indices 0..{count - 1}, end excluded); use an end <= {count}.")
         blocks: list[dict[int, list[str]]] = [{} for _ in names]  # per input: block -> its tensor names
         outside: list[str] = []
         for i, input_names in enumerate(names):
@@ -132,6 +124,14 @@ class SlicePlan:
                     blocks[i].setdefault(int(match.group(1)), []).append(name)
                 elif i == 0:
                     outside.append(name)
+        for s, entry in enumerate(slices):
+            for k, source in enumerate(entry["sources"]):
+                start, end = source["layer_range"]
+                count = 1 + max(blocks[source["model"]], default=-1)
+                if end > count:
+                    raise InvalidParameterError(
+                        f"slices[{s}].sources[{k}].layer_range [{start}, {end}] runs past model {source['model']}'s "
+                        f"{count} layers (indices 0..{count - 1}, end excluded); use an end <= {count}.")
         passthrough = method == "passthrough"
         reads: dict[str, list[tuple[int, str]]] = {}
         positions: dict[str, float] = {}
@@ -208,15 +208,7 @@ def apply_slices(config: MergeConfig, inputs: RunInputs, dtype: torch.dtype) -> 
         raise InvalidParameterError(f"slices re-stack the blocks of text families merged data-free (Llama, Mistral, "
                                     f"Qwen2, BERT...); the {adapter.name} family is not one of them. Drop `slices`.")
     stores = [inputs.base, *inputs.sources]
-    counts = []
-    for store in stores:
-        try:
-            from transformers import AutoConfig
-
-            counts.append(int(AutoConfig.from_pretrained(store.ref.path).get_text_config().num_hidden_layers))
-        except (OSError, ValueError, TypeError, AttributeError):
-            counts.append(adapter.num_layers)
-    plan = SlicePlan.build(config.slices, config.method, adapter, [s.keys() for s in stores], counts)
+    plan = SlicePlan.build(config.slices, config.method, adapter, [s.keys() for s in stores])
     passthrough = config.method == "passthrough"
     base_map: dict[str, tuple[TensorStore, str]] = {}
     source_maps: list[dict[str, tuple[TensorStore, str]]] = [{} for _ in inputs.sources]

@@ -86,6 +86,22 @@ def test_passthrough_of_one_model_repeats_its_layers(llama):
     assert sum(1 for k in state if ".layers." in k and k.endswith("q_proj.weight")) == 6
 
 
+def test_tied_llama_stack_stays_tied_and_records_every_input(tmp_path):
+    base, models = save_with_finetunes(tiny_decoder("llama", num_hidden_layers=4, tie=True), tmp_path / "in", 1,
+                                       tokenizer=word_tokenizer())
+    config = MergeConfig(base=str(base), models=[str(models[0])], method="passthrough",
+                         slices=[{"sources": [{"model": 1, "layer_range": [0, 2]}]},
+                                 {"sources": [{"model": 0, "layer_range": [2, 4]}]}])
+    result = config.run(progress=False)
+    folder = result.save_pretrained(tmp_path / "out")
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    wb = weights(models[0])
+    assert torch.equal(model.model.embed_tokens.weight, wb["model.embed_tokens.weight"])  # the first slice's model
+    assert all(spec.fingerprint for spec in [result.config.base, *result.config.models])
+    assert [r.name for r in result.models] == ["ft1"]
+
+
 def test_qwen2_layer_types_follow_the_stack(tmp_path):
     base, models = save_with_finetunes(tiny_decoder("qwen2", num_hidden_layers=4), tmp_path / "in", 1,
                                        tokenizer=word_tokenizer())
