@@ -80,7 +80,7 @@ def check_slices(slices: Any, method: str, num_inputs: int) -> list[dict[str, An
                     f"{where}: all sources of a slice must hold the same number of layers to be merged, got ranges "
                     f"{[s_['layer_range'] for s_ in sources]}; make the ranges the same length.")
             needed = set(range(1, num_inputs)) | ({0} if method != "average" else set())
-            if len(models) != len(set(models)) or not needed <= set(models) or not set(models) <= set(range(num_inputs)):
+            if len(models) != len(set(models)) or not needed <= set(models):
                 raise InvalidParameterError(
                     f"{where}: a {method} slice lists every model once (model indices {sorted(needed)}, 0 = base), "
                     f"got {models}; hf_mloss merges the same models in every slice.")
@@ -228,7 +228,7 @@ def apply_slices(config: MergeConfig, inputs: RunInputs, dtype: torch.dtype) -> 
     out_config = output_config(adapter.config, plan)
     out_adapter = adapter_for(out_config)
     expected = out_adapter.expected_shapes()
-    wrong = [(n, sliced_base.shapes[n], expected.get(n)) for n in sliced_base.keys()
+    wrong = [(n, sliced_base.shapes[n], expected.get(n)) for n in sliced_base.shapes
              if sliced_base.shapes[n] != expected.get(n)]
     if wrong:
         name, got, want = wrong[0]

@@ -280,3 +280,11 @@ def test_a_slice_free_config_records_no_slices(llama):
     a, b, _ = llama
     config = MergeConfig(base=a, models=[b], method="slerp", parameters={"t": 0.5})
     assert config.slices is None and "slices" not in config.to_dict()
+
+
+def test_slices_of_a_scored_vision_family_are_refused(tiny_paths):
+    base, models = tiny_paths
+    config = MergeConfig(base=base, models=models, method="average",
+                         slices=[{"sources": [{"model": i, "layer_range": [0, 1]} for i in range(1 + len(models))]}])
+    with pytest.raises(InvalidParameterError, match="text families"):
+        config.run(progress=False)
