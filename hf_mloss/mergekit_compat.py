@@ -9,6 +9,7 @@
 | ``slerp`` (``base_model`` + one other model) | ``slerp``, ``t`` = ``t`` |
 | ``model_stock`` | ``model_stock``, ``filter_wise`` = ``filter_wise`` |
 | ``breadcrumbs`` / ``breadcrumbs_ties`` | same names, ``k`` = ``density``, ``gamma``, ``lam`` = ``lambda``, ``normalize``, ``rescale: l1`` for ``rescale: true`` |
+| ``passthrough`` with ``slices`` | ``passthrough`` with ``slices`` (one source per slice; no ``scale``) |
 | ``della`` / ``della_linear`` | same names, ``k`` = ``density``, ``e`` = ``epsilon``, ``lam``, ``normalize``, ``rescale: l1``/``none`` (masks from another random stream) |
 
 ``base_model`` becomes ``base`` (``org/name@revision`` is split), ``out_dtype`` (else ``dtype``) becomes ``dtype``; the

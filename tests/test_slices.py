@@ -288,3 +288,20 @@ def test_slices_of_a_scored_vision_family_are_refused(tiny_paths):
                          slices=[{"sources": [{"model": i, "layer_range": [0, 1]} for i in range(1 + len(models))]}])
     with pytest.raises(InvalidParameterError, match="text families"):
         config.run(progress=False)
+
+
+def test_cli_merges_a_mergekit_slices_yaml(llama, tmp_path):
+    """`hf-mloss merge` on the file a mergekit user publishes: the slerp-over-slices recipe, relative paths."""
+    from hf_mloss.cli import main
+
+    a, b, _ = llama
+    recipe = {"slices": [{"sources": [{"model": a, "layer_range": [0, 4]}, {"model": b, "layer_range": [0, 4]}]}],
+              "merge_method": "slerp", "base_model": a, "parameters": SLERP_T, "dtype": "bfloat16"}
+    (tmp_path / "slerp.yml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    assert main(["merge", str(tmp_path / "slerp.yml"), str(tmp_path / "out"), "--quiet"]) == 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert model.dtype == torch.bfloat16 and model.config.num_hidden_layers == 4
+    recorded = yaml.safe_load((tmp_path / "out" / "hf_mloss_config.yaml").read_text())
+    assert recorded["slices"] == [{"sources": [{"model": 0, "layer_range": [0, 4]},
+                                               {"model": 1, "layer_range": [0, 4]}]}]
+    assert "t" in recorded["resolved_parameters"]["model.layers.1.self_attn.q_proj.weight"]
