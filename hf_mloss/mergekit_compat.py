@@ -21,8 +21,8 @@ filter lists, as in mergekit (see :mod:`hf_mloss.schedule`); model weights are o
 ``{model: ..., lora: ...}``) name a PEFT LoRA adapter of the base (:mod:`hf_mloss.lora`). ``slices`` with
 ``sources`` and ``layer_range`` map to hf_mloss's ``slices`` (:mod:`hf_mloss.slices`): ``passthrough`` stacks (one
 source per slice) and slices merged by one of the methods above (the same models in every slice, per-model parameters
-the same in every slice). Anything else (other methods) and any malformed shape (a list where one name or a mapping belongs) is refused in one line naming the
-key.
+the same in every slice). Anything else (other methods) and any malformed shape (a list where one name or a mapping
+belongs) is refused in one line naming the key.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ RECIPE_METHODS = ("slerp", "model_stock", "breadcrumbs", "breadcrumbs_ties", "de
 """mergekit methods with the same name and semantics here (mapped by :func:`_recipe_config`)."""
 METHODS.update({name: name for name in RECIPE_METHODS})
 METHODS["passthrough"] = "passthrough"  # with slices only (hf_mloss.slices)
-TOP_LEVEL = ("merge_method", "base_model", "models", "slices", "parameters", "dtype", "out_dtype", "tokenizer_source",
-             "tokenizer", "chat_template", "name")
+TOP_LEVEL = ("merge_method", "base_model", "models", "slices", "parameters", "dtype", "out_dtype",
+             "tokenizer_source", "tokenizer", "chat_template", "name")
 IGNORED = ("tokenizer_source", "tokenizer", "chat_template", "name")
 """Keys about text models' tokenizers (and labels): only their no-op values are accepted (see _check_tokenizer)."""
 DEFAULT_DENSITY = 1.0
@@ -389,7 +389,8 @@ def _sliced_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
         raise ConfigError("The mergekit config has both `models` and `slices`; give one of them.")
     slices = config["slices"]
     if not isinstance(slices, list) or not slices:
-        raise ConfigError(f"mergekit slices must be a non-empty list of {{sources: [...]}} entries, got {short(slices)}.")
+        raise ConfigError(f"mergekit slices must be a non-empty list of {{sources: [...]}} entries, got "
+                          f"{short(slices)}.")
     order: list[Any] = []  # distinct models, in the order the slices name them
     params: dict[str, Any] = {}
     raw: dict[str, Any] = {}  # the model as the config spells it
@@ -419,9 +420,9 @@ def _sliced_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
                 raw[key] = source["model"]
                 params[key] = source.get("parameters")
             elif source.get("parameters") != params[key]:
-                raise ConfigError(f"mergekit {where}: {model['model']!r} has other parameters than in an earlier slice "
-                                  f"({short(source.get('parameters'))} vs {short(params[key])}); hf_mloss uses one set "
-                                  "per model for every slice.")
+                raise ConfigError(f"mergekit {where}: {model['model']!r} has other parameters than in an earlier "
+                                  f"slice ({short(source.get('parameters'))} vs {short(params[key])}); hf_mloss uses "
+                                  "one set per model for every slice.")
             row.append((key, source["layer_range"]))
         plain.append(row)
     base = _model_entry(config["base_model"], "base_model") if config.get("base_model") else dict(order[0])

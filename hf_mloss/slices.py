@@ -44,8 +44,8 @@ def check_slices(slices: Any, method: str, num_inputs: int) -> list[dict[str, An
         InvalidParameterError: naming the slice and source at fault and how to fix it.
     """
     if not isinstance(slices, list) or not slices:
-        raise InvalidParameterError(f"slices must be a non-empty list of {{sources: [{{model: i, layer_range: [a, b]}}]}}"
-                                    f" entries, got {short(slices)}.")
+        raise InvalidParameterError(f"slices must be a non-empty list of {{sources: [{{model: i, layer_range: "
+                                    f"[a, b]}}]}} entries, got {short(slices)}.")
     out = []
     for s, entry in enumerate(slices):
         where = f"slices[{s}]"

@@ -301,15 +301,14 @@ def test_della_l1_rescale_matches_mergekits_rule(tiny_paths, tmp_path):
             assert merged_l1 == pytest.approx(tau_l1, rel=1e-4), (who, name)
 
 
-# Slices and layer ranges: passthrough stacks (depth up-scaling) and slices merged by a method --------------------------
+# Slices and layer ranges: passthrough stacks (depth up-scaling) and slices merged by a method ---------------------
 SLERP_T = {"t": [{"filter": "self_attn", "value": [0, 0.5, 0.3, 0.7, 1]},
                  {"filter": "mlp", "value": [1, 0.5, 0.7, 0.3, 0]}, {"value": 0.5}]}
 
 
 def _sliced_recipes(a: str, b: str, c: str) -> dict[str, dict]:
-    def pair(lo, hi, *models, **params):
-        return {"sources": [{"model": m, "layer_range": [lo, hi], **({"parameters": params} if params else {})}
-                            for m in models]}
+    def pair(lo, hi, *models):
+        return {"sources": [{"model": m, "layer_range": [lo, hi]} for m in models]}
 
     return {
         "passthrough-overlap": {"slices": [{"sources": [{"model": a, "layer_range": [0, 3]}]},
@@ -327,6 +326,9 @@ def _sliced_recipes(a: str, b: str, c: str) -> dict[str, dict]:
                                                   {"model": b, "layer_range": [2, 4]}]}],
                           "merge_method": "slerp", "base_model": a, "parameters": {"t": [0.2, 0.9]},
                           "dtype": "float32"},
+        "linear-slices": {"slices": [pair(0, 2, b, c), {"sources": [{"model": b, "layer_range": [2, 4]},
+                                                                   {"model": c, "layer_range": [1, 3]}]}],
+                          "merge_method": "linear", "dtype": "float32"},
         "ties-slices": {"slices": [{"sources": [{"model": a, "layer_range": [0, 4]},
                                                 {"model": b, "layer_range": [0, 4], "parameters": {"weight": 1.0,
                                                                                                   "density": 0.4}},

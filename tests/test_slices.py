@@ -197,8 +197,8 @@ def test_slices_on_bert(tmp_path):
                                     "merge_method": "slerp", "base_model": a, "parameters": {"t": 0.3},
                                     "dtype": "float32"}).run(progress=False)
     name = "encoder.layer.0.intermediate.dense.weight"
-    torch.testing.assert_close(merged.model.state_dict()[name],
-                               slerp(0.3, wa["encoder.layer.1.intermediate.dense.weight"], wb[name]), rtol=0, atol=1e-6)
+    expected = slerp(0.3, wa["encoder.layer.1.intermediate.dense.weight"], wb[name])
+    torch.testing.assert_close(merged.model.state_dict()[name], expected, rtol=0, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------- refusals
@@ -272,8 +272,8 @@ def test_vocabulary_merges_are_refused_and_base_accepted(llama, source):
     with pytest.raises(ConfigError, match="vocabularies cannot be merged yet"):
         MergeConfig.from_dict({**recipe, "tokenizer_source": source})
     with pytest.raises(ConfigError, match="vocabularies cannot be merged yet"):
-        MergeConfig.from_dict({**recipe, "merge_method": "passthrough", "slices": recipe["slices"][:1],
-                               "tokenizer_source": source} | {"slices": [{"sources": recipe["slices"][0]["sources"][:1]}]})
+        MergeConfig.from_dict({**recipe, "merge_method": "passthrough", "tokenizer_source": source,
+                               "slices": [{"sources": recipe["slices"][0]["sources"][:1]}]})
 
 
 def test_a_slice_free_config_records_no_slices(llama):

@@ -26,7 +26,8 @@ class Passthrough(MergeMethod):
 
     name = "passthrough"
     pretty_name = "Passthrough (layer stacking)"
-    reference = "Kim et al., SOLAR 10.7B: Scaling Large Language Models with Simple yet Effective Depth Up-Scaling, 2023"
+    reference = ("Kim et al., SOLAR 10.7B: Scaling Large Language Models with Simple yet Effective Depth Up-Scaling, "
+                 "2023")
     reference_url = "https://arxiv.org/abs/2312.15166"
     params_class = PassthroughParams
     zero_delta_is_base = True
