@@ -310,6 +310,8 @@ def _sliced_recipes(a: str, b: str, c: str) -> dict[str, dict]:
     def pair(lo, hi, *models):
         return {"sources": [{"model": m, "layer_range": [lo, hi]} for m in models]}
 
+    wb, wc = {"weight": 1.0}, {"weight": 0.3}
+
     return {
         "passthrough-overlap": {"slices": [{"sources": [{"model": a, "layer_range": [0, 3]}]},
                                            {"sources": [{"model": b, "layer_range": [1, 4]}]}],
@@ -326,8 +328,9 @@ def _sliced_recipes(a: str, b: str, c: str) -> dict[str, dict]:
                                                   {"model": b, "layer_range": [2, 4]}]}],
                           "merge_method": "slerp", "base_model": a, "parameters": {"t": [0.2, 0.9]},
                           "dtype": "float32"},
-        "linear-slices": {"slices": [pair(0, 2, b, c), {"sources": [{"model": b, "layer_range": [2, 4]},
-                                                                   {"model": c, "layer_range": [1, 3]}]}],
+        "linear-slices": {"slices": [{"sources": [{"model": b, "layer_range": [lo_b, lo_b + 2], "parameters": wb},
+                                                  {"model": c, "layer_range": [lo_c, lo_c + 2], "parameters": wc}]}
+                                     for lo_b, lo_c in ((0, 0), (2, 1))],
                           "merge_method": "linear", "dtype": "float32"},
         "ties-slices": {"slices": [{"sources": [{"model": a, "layer_range": [0, 4]},
                                                 {"model": b, "layer_range": [0, 4], "parameters": {"weight": 1.0,
