@@ -127,6 +127,10 @@ def card_title(result: CardSource, model_class: str) -> str:
     from .methods import get_method
 
     base = result.base.repo_id or f"a {model_class}"
+    if getattr(result.config, "slices", None):  # layer ranges of the base and the models, not fine-tunes merged whole
+        layers = result.model.config.get_text_config().num_hidden_layers
+        sources = f"{1 + len(result.models)} models ({base} first)" if result.models else base
+        return f"{get_method(result.config.method).pretty_name} merge: {layers} layers from layer ranges of {sources}"
     return f"{get_method(result.config.method).pretty_name} merge of {len(result.models)} fine-tunes of {base}"
 
 
@@ -163,6 +167,11 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
     shown = shown_parameters(result.config.method_params())
     # values that vary over the model (gradients, filter lists), as given
     shown.update(described_schedules(result.config.merge_method(), result.config.parameters))
+    if getattr(result.config, "slices", None):  # output blocks taken from layer ranges of the inputs
+        from .slices import describe_slices
+
+        names = [result.base.name, *(r.name for r in result.models)]
+        shown["slices"] = "; ".join(describe_slices(result.config.slices, names))
     compatibility = getattr(result, "compatibility", None)
     template = resources.files("hf_mloss").joinpath("templates", TEMPLATE).read_text(encoding="utf-8")
     model_class = type(result.model).__name__
@@ -172,6 +181,8 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
         template_str=template,
         title=card_title(result, model_class),
         num_models=len(result.models),
+        sliced_layers=result.model.config.get_text_config().num_hidden_layers
+        if getattr(result.config, "slices", None) else None,
         model_class=model_class,
         zero_shot=model_class == "CLIPModel" or metadata.pipeline_tag == "zero-shot-image-classification",
         pipeline_tag=metadata.pipeline_tag,

@@ -211,6 +211,8 @@ class MergeConfig:
     score: ScoringOptions | None = param(None, "Options of `hf-mloss score` (prefix, reduction, ...).")
     select: SelectionOptions | None = param(None, "Choose the method's parameters on unlabeled data: criterion, "
                                             "grid, ... (see hf_mloss.selection).")
+    slices: Any = param(None, "Output layers from layer ranges of the inputs: [{sources: [{model: i, layer_range: "
+                        "[start, end]}]}], model an index into [base, *models] (see hf_mloss.slices).")
     hf_mloss_version: str | None = param(None, "Version that wrote the config.")
     resolved_parameters: dict[str, Any] | None = param(None, "Recorded by a run whose parameters vary over the model: "
                                                         "each tensor's values (not read back).")
@@ -234,7 +236,7 @@ class MergeConfig:
     def validate(self) -> None:
         """Check every field (no network; local paths must exist). Raises :class:`InvalidParameterError`."""
         validate_fields(self)
-        if not self.models:
+        if not self.models and not (self.method == "passthrough" and self.slices is not None):
             raise InvalidParameterError("models must be a non-empty list of fine-tuned models.")
         if self.base.weight is not None:
             raise InvalidParameterError("base.weight: the base has no weight; weights belong to the fine-tuned models.")
@@ -267,6 +269,21 @@ class MergeConfig:
         if self.select is not None:
             self._validate_selection(method)
         self._validate_adapter_output()
+        self._validate_slices(method)
+
+    def _validate_slices(self, method: MergeMethod) -> None:
+        from .slices import check_slices
+
+        if self.slices is None:
+            if method.name == "passthrough":
+                raise InvalidParameterError("passthrough copies the layer ranges named by `slices` and merges "
+                                            "nothing; give slices (e.g. slices: [{sources: [{model: 0, layer_range: "
+                                            "[0, 4]}]}, ...]).")
+            return
+        if method.needs_data or self.select is not None or self.output != "auto":
+            raise InvalidParameterError(f"slices work with data-free methods and output='auto' (got method "
+                                        f"{method.name!r}, output={self.output!r}{', select' if self.select else ''}).")
+        self.slices = check_slices(_plain(self.slices), method.name, 1 + len(self.models))
 
     def _validate_adapter_output(self) -> None:
         from .lora import LINEAR_METHODS
@@ -301,7 +318,7 @@ class MergeConfig:
             missing = [f"models[{i}]" for i, g in enumerate(given) if not g]
             raise InvalidParameterError(f"Give a weight to every model or to none (the default is uniform); "
                                         f"{', '.join(missing)} {'has' if len(missing) == 1 else 'have'} no weight.")
-        if all(given) and sum(m.weight for m in self.models) <= 0:
+        if self.models and all(given) and sum(m.weight for m in self.models) <= 0:
             raise InvalidParameterError("The models' weights must not all be 0.")
         if all(given) and not math.isfinite(sum(m.weight for m in self.models)):
             raise InvalidParameterError(f"weights {[m.weight for m in self.models]} sum to infinity (they overflow "
@@ -321,7 +338,7 @@ class MergeConfig:
 
     @property
     def weights(self) -> list[float] | None:
-        return [m.weight for m in self.models] if self.models[0].weight is not None else None
+        return [m.weight for m in self.models] if self.models and self.models[0].weight is not None else None
 
     def input_paths(self) -> list[str]:
         """Every local path this run reads: base, models, processor, data, selection heads and shares (an output
@@ -491,6 +508,8 @@ class MergeConfig:
             out["score"] = self.score.to_dict()
         if self.select is not None:
             out["select"] = self.select.to_dict(base)
+        if self.slices is not None:
+            out["slices"] = _plain(self.slices)
         if self.resolved_parameters:
             out["resolved_parameters"] = self.resolved_parameters
         return out

@@ -9,6 +9,7 @@
 | ``slerp`` (``base_model`` + one other model) | ``slerp``, ``t`` = ``t`` |
 | ``model_stock`` | ``model_stock``, ``filter_wise`` = ``filter_wise`` |
 | ``breadcrumbs`` / ``breadcrumbs_ties`` | same names, ``k`` = ``density``, ``gamma``, ``lam`` = ``lambda``, ``normalize``, ``rescale: l1`` for ``rescale: true`` |
+| ``passthrough`` with ``slices`` | ``passthrough`` with ``slices`` (one source per slice; no ``scale``) |
 | ``della`` / ``della_linear`` | same names, ``k`` = ``density``, ``e`` = ``epsilon``, ``lam``, ``normalize``, ``rescale: l1``/``none`` (masks from another random stream) |
 
 ``base_model`` becomes ``base`` (``org/name@revision`` is split), ``out_dtype`` (else ``dtype``) becomes ``dtype``; the
@@ -17,9 +18,11 @@ arithmetic runs in float32 either way. Per-model parameters default as mergekit 
 filter lists, as in mergekit (see :mod:`hf_mloss.schedule`); model weights are one number each.
 ``tokenizer_source: base`` (or none) is accepted: the base's processor is copied; other tokenizer sources and
 ``tokenizer:`` sections merge vocabularies, which hf_mloss cannot do yet. ``base+adapter`` entries (and
-``{model: ..., lora: ...}``) name a PEFT LoRA adapter of the base (:mod:`hf_mloss.lora`). Anything else (slices,
-other methods) and any malformed shape (a list where one name or a mapping belongs) is refused in one line naming the
-key.
+``{model: ..., lora: ...}``) name a PEFT LoRA adapter of the base (:mod:`hf_mloss.lora`). ``slices`` with
+``sources`` and ``layer_range`` map to hf_mloss's ``slices`` (:mod:`hf_mloss.slices`): ``passthrough`` stacks (one
+source per slice) and slices merged by one of the methods above (the same models in every slice, per-model parameters
+the same in every slice). Anything else (other methods) and any malformed shape (a list where one name or a mapping
+belongs) is refused in one line naming the key.
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ METHODS = {"linear": "average", "task_arithmetic": "task_arithmetic", "ties": "t
 RECIPE_METHODS = ("slerp", "model_stock", "breadcrumbs", "breadcrumbs_ties", "della", "della_linear")
 """mergekit methods with the same name and semantics here (mapped by :func:`_recipe_config`)."""
 METHODS.update({name: name for name in RECIPE_METHODS})
-TOP_LEVEL = ("merge_method", "base_model", "models", "parameters", "dtype", "out_dtype", "tokenizer_source",
-             "tokenizer", "chat_template", "name")
+METHODS["passthrough"] = "passthrough"  # with slices only (hf_mloss.slices)
+TOP_LEVEL = ("merge_method", "base_model", "models", "slices", "parameters", "dtype", "out_dtype",
+             "tokenizer_source", "tokenizer", "chat_template", "name")
 IGNORED = ("tokenizer_source", "tokenizer", "chat_template", "name")
 """Keys about text models' tokenizers (and labels): only their no-op values are accepted (see _check_tokenizer)."""
 DEFAULT_DENSITY = 1.0
@@ -61,6 +65,11 @@ def from_mergekit(config: Mapping[str, Any]) -> dict[str, Any]:
     if method not in METHODS:
         raise ConfigError(f"mergekit merge_method {short(method)} is not one hf_mloss shares; shared: {list(METHODS)} "
                           "(or write an hf_mloss config: `hf-mloss methods`).")
+    if "slices" in config:
+        return _sliced_config(config, method)
+    if method == "passthrough":
+        raise ConfigError("mergekit passthrough without slices copies one model; give `slices` with `layer_range`s "
+                          "to stack layers (hf_mloss maps passthrough with slices only).")
     if method in RECIPE_METHODS:
         return _recipe_config(config, method)
     global_params = _mapping(config.get("parameters"), "parameters")
@@ -366,3 +375,80 @@ def _map_values(value: Any, fn: Any) -> Any:
     if isinstance(value, list):
         return [_map_values(v, fn) for v in value]
     return fn(value)
+
+
+def _sliced_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
+    """The hf_mloss config of a mergekit config with ``slices`` (see :mod:`hf_mloss.slices`).
+
+    ``passthrough``: the base is the ``base_model``, else the first slice's model (whose config the output takes, as
+    in mergekit); the others are the models. Other methods: the config as if its models were listed once under
+    ``models`` (each model's ``parameters`` must be the same in every slice), with the slices recorded by index.
+    """
+    if config.get("models"):
+        raise ConfigError("The mergekit config has both `models` and `slices`; give one of them.")
+    slices = config["slices"]
+    if not isinstance(slices, list) or not slices:
+        raise ConfigError(f"mergekit slices must be a non-empty list of {{sources: [...]}} entries, got "
+                          f"{short(slices)}.")
+    order: list[Any] = []  # distinct models, in the order the slices name them
+    params: dict[str, Any] = {}
+    raw: dict[str, Any] = {}  # the model as the config spells it
+    plain: list[list[tuple[str, Any]]] = []
+    for s, entry in enumerate(slices):
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("sources"), list) or not entry["sources"]:
+            raise ConfigError(f"mergekit slices[{s}] must be {{sources: [{{model: ..., layer_range: [a, b]}}]}}, got "
+                              f"{short(entry)}.")
+        extra = sorted(set(entry) - {"sources"})
+        if extra:
+            raise ConfigError(f"mergekit slices[{s}] keys {extra} (per-slice parameters or base_model) have no "
+                              "hf_mloss equivalent; give parameters at the top level or per source.")
+        row = []
+        for k, source in enumerate(entry["sources"]):
+            where = f"slices[{s}].sources[{k}]"
+            if not isinstance(source, Mapping) or "model" not in source or "layer_range" not in source or \
+                    set(source) - {"model", "layer_range", "parameters"}:
+                raise ConfigError(f"mergekit {where} must be {{model: ..., layer_range: [start, end]}} (and optional "
+                                  f"parameters), got {short(source)}.")
+            model = _model_entry(source["model"], f"{where}.model")
+            if "lora_of" in model:
+                raise ConfigError(f"mergekit {where}: a LoRA adapter in a slice has no hf_mloss equivalent; merge it "
+                                  "into its model first.")
+            key = repr(sorted(model.items()))
+            if key not in params:
+                order.append(model)
+                raw[key] = source["model"]
+                params[key] = source.get("parameters")
+            elif source.get("parameters") != params[key]:
+                raise ConfigError(f"mergekit {where}: {model['model']!r} has other parameters than in an earlier "
+                                  f"slice ({short(source.get('parameters'))} vs {short(params[key])}); hf_mloss uses "
+                                  "one set per model for every slice.")
+            row.append((key, source["layer_range"]))
+        plain.append(row)
+    base = _model_entry(config["base_model"], "base_model") if config.get("base_model") else dict(order[0])
+    if method == "passthrough":
+        _check_tokenizer(config)
+        if config.get("parameters") or any(params.values()):
+            raise ConfigError("mergekit passthrough parameters (scale) have no hf_mloss equivalent; remove them.")
+        models = [m for m in order if m != base]
+        out: dict[str, Any] = {"base": base, "models": models, "method": "passthrough"}
+        index = {repr(sorted(m.items())): i for i, m in enumerate([base, *models])}
+        dtype = config.get("out_dtype") or config.get("dtype")
+        if dtype is not None:
+            out["dtype"] = dtype
+    else:
+        listed = [m for m in order if method == "linear" or m != base]
+        flat = {k: v for k, v in config.items() if k != "slices"}
+        keys = [repr(sorted(m.items())) for m in listed]
+        flat["models"] = [{"model": raw[k], **({"parameters": params[k]} if params[k] is not None else {})}
+                          for k in keys]
+        out = from_mergekit(flat)
+        index = {}
+        for i, m in enumerate([out["base"], *out["models"]]):
+            plain_model = {k: v for k, v in m.items() if k in ("model", "revision")}
+            index.setdefault(repr(sorted(plain_model.items())), i)
+        if method == "linear":  # the sources are the models; the base only gives the architecture
+            index.update({repr(sorted({k: v for k, v in m.items() if k in ("model", "revision")}.items())): i + 1
+                          for i, m in enumerate(out["models"])})
+    out["slices"] = [{"sources": [{"model": index[key], "layer_range": bounds} for key, bounds in row]}
+                     for row in plain]
+    return out

@@ -129,11 +129,19 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
         from .lora import build_adapter_output, plan_adapter_output
 
         adapter_plan = plan_adapter_output(config, inputs)  # output="adapter": refused here, before any work
-        model = inputs.load_output_model("auto" if adapter_plan else config.output, progress=progress,
-                                         dtype=working_dtype(config, inputs, needs_data=needs_data))
+        # the inputs as given (a passthrough reads every model through its sliced base): recorded and carded
+        slice_plan, given = None, inputs
+        if config.slices is not None:  # output blocks re-stacked from layer ranges (hf_mloss.slices)
+            from .slices import apply_slices
+
+            inputs, model, slice_plan = apply_slices(config, inputs, working_dtype(config, inputs, needs_data=False))
+        else:
+            model = inputs.load_output_model("auto" if adapter_plan else config.output, progress=progress,
+                                             dtype=working_dtype(config, inputs, needs_data=needs_data))
         tower = inputs.adapter.tower(model)
         ctx = MergeContext(params=params, weights=inputs.alpha.to(inputs.device, torch.float32), seed=config.seed)
-        tensor_params = TensorParameters(method, config.parameters, inputs.adapter)
+        tensor_params = TensorParameters(method, config.parameters, inputs.adapter,
+                                         slice_plan.positions if slice_plan else None)
         merger = TensorMerger(inputs, method, ctx, model, workers,  # every merged tensor: a whole model's too
                               tensor_params=tensor_params)
         outside = outside_tower_names(inputs, merger.names)
@@ -160,14 +168,14 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
         model = finalize(model, merger, out_dtype)
         lora = None if adapter_plan is None else build_adapter_output(adapter_plan, config, inputs, merger.targets,
                                                                       out_dtype)
-        record = recorded_config(config, inputs)
+        record = recorded_config(config, given)
         description = method.describe(params)
         if outside and method.needs_data and config.select is None:
             description += " " + outside_rule_note(inputs, method, params, outside)
         if lora is not None:  # the adapter as written: its combination, and the rank an SVD used
             record.combination, record.lora_rank = lora.combination, lora.rank if lora.combination == "svd" else None
         record.resolved_parameters = tensor_params.record(merger.names) if tensor_params else None
-        return MergeResult(model=model, config=record, report=report, base=inputs.base.ref, models=inputs.refs,
+        return MergeResult(model=model, config=record, report=report, base=inputs.base.ref, models=given.refs,
                            adapter=inputs.adapter, data_info=inputs.data_info, method_description=description,
                            lora=lora, device=describe_device(inputs.device))
 

@@ -187,8 +187,10 @@ def scalar_parameters(method: MergeMethod, parameters: Mapping[str, Any]) -> Met
 class TensorParameters:
     """A method's parameters per tensor, from the config's scalars and schedules; records each resolution."""
 
-    def __init__(self, method: MergeMethod, parameters: Mapping[str, Any], adapter: ModelAdapter) -> None:
+    def __init__(self, method: MergeMethod, parameters: Mapping[str, Any], adapter: ModelAdapter,
+                 positions: Mapping[str, float] | None = None) -> None:
         self.method, self.adapter = method, adapter
+        self.positions = positions  # per tensor, where it sits on a gradient (slices: over its slice)
         self.scalars, self.schedules = split_parameters(method, parameters)
         self.resolved: dict[str, dict[str, Any]] = {}
         self._cache: dict[tuple, MethodParams] = {}
@@ -198,7 +200,8 @@ class TensorParameters:
 
     def for_tensor(self, name: str) -> MethodParams:
         """The parameters of tensor ``name`` (validated; the values are recorded in :attr:`resolved`)."""
-        x = layer_position(self.adapter.stage_of(name), self.adapter.num_layers)
+        x = (self.positions[name] if self.positions is not None and name in self.positions else
+             layer_position(self.adapter.stage_of(name), self.adapter.num_layers))
         values = {k: s.resolve(name, x) for k, s in self.schedules.items()}
         values = {k: v for k, v in values.items() if v is not None}
         key = tuple(sorted(values.items()))

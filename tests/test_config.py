@@ -407,6 +407,9 @@ def valid_configs(draw) -> dict:
             models.append({k: v for k, v in {"model": model_id, "weight": weight, "revision": revision}.items()
                            if v is not None})
     config = {"base": draw(HUB_ID), "models": models, "method": method, "parameters": parameters}
+    if method == "passthrough":  # it stacks layer ranges: one input per slice (hf_mloss.slices)
+        config["slices"] = [{"sources": [{"model": i, "layer_range": [0, draw(st.integers(1, 4))]}]}
+                            for i in range(len(models) + 1)]
     seed = draw(st.integers(0, 2**31))
     optional = {
         "seed": st.just(seed),

@@ -299,3 +299,76 @@ def test_della_l1_rescale_matches_mergekits_rule(tiny_paths, tmp_path):
         for who, state in (("hf_mloss", ours), ("mergekit", theirs)):
             merged_l1 = float((state[name] - base_sd[name].float()).abs().double().sum())
             assert merged_l1 == pytest.approx(tau_l1, rel=1e-4), (who, name)
+
+
+# Slices and layer ranges: passthrough stacks (depth up-scaling) and slices merged by a method ---------------------
+SLERP_T = {"t": [{"filter": "self_attn", "value": [0, 0.5, 0.3, 0.7, 1]},
+                 {"filter": "mlp", "value": [1, 0.5, 0.7, 0.3, 0]}, {"value": 0.5}]}
+
+
+def _sliced_recipes(a: str, b: str, c: str) -> dict[str, dict]:
+    def pair(lo, hi, *models):
+        return {"sources": [{"model": m, "layer_range": [lo, hi]} for m in models]}
+
+    wb, wc = {"weight": 1.0}, {"weight": 0.3}
+
+    return {
+        "passthrough-overlap": {"slices": [{"sources": [{"model": a, "layer_range": [0, 3]}]},
+                                           {"sources": [{"model": b, "layer_range": [1, 4]}]}],
+                                "merge_method": "passthrough", "dtype": "float32"},
+        "passthrough-self": {"slices": [{"sources": [{"model": a, "layer_range": [0, 2]}]},
+                                        {"sources": [{"model": a, "layer_range": [1, 4]}]},
+                                        {"sources": [{"model": b, "layer_range": [3, 4]}]}],
+                             "merge_method": "passthrough", "base_model": a, "dtype": "float32"},
+        "slerp-whole": {"slices": [pair(0, 4, a, b)], "merge_method": "slerp", "base_model": a,
+                        "parameters": SLERP_T, "tokenizer_source": "base", "dtype": "float32"},
+        "slerp-two-slices": {"slices": [pair(0, 2, a, b), pair(2, 4, a, b)], "merge_method": "slerp",
+                             "base_model": a, "parameters": SLERP_T, "dtype": "float32"},
+        "slerp-shifted": {"slices": [{"sources": [{"model": a, "layer_range": [1, 3]},
+                                                  {"model": b, "layer_range": [2, 4]}]}],
+                          "merge_method": "slerp", "base_model": a, "parameters": {"t": [0.2, 0.9]},
+                          "dtype": "float32"},
+        "linear-slices": {"slices": [{"sources": [{"model": b, "layer_range": [lo_b, lo_b + 2], "parameters": wb},
+                                                  {"model": c, "layer_range": [lo_c, lo_c + 2], "parameters": wc}]}
+                                     for lo_b, lo_c in ((0, 0), (2, 1))],
+                          "merge_method": "linear", "dtype": "float32"},
+        "ties-slices": {"slices": [{"sources": [{"model": a, "layer_range": [0, 4]},
+                                                {"model": b, "layer_range": [0, 4], "parameters": {"weight": 1.0,
+                                                                                                  "density": 0.4}},
+                                                {"model": c, "layer_range": [0, 4], "parameters": {"weight": 0.5,
+                                                                                                  "density": 0.4}}]}],
+                        "merge_method": "ties", "base_model": a, "parameters": {"lambda": 0.8, "normalize": True},
+                        "dtype": "float32"},
+    }
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral"])
+def sliced_paths(request, tmp_path_factory):
+    from hf_mloss.testing import save_with_finetunes, tiny_decoder, word_tokenizer
+
+    base = tiny_decoder(request.param, num_hidden_layers=4)
+    base_dir, models = save_with_finetunes(base, tmp_path_factory.mktemp(f"sliced-{request.param}"), 2,
+                                           tokenizer=word_tokenizer())
+    return str(base_dir), [str(m) for m in models]
+
+
+@pytest.mark.parametrize("recipe", list(_sliced_recipes("a", "b", "c")))
+def test_mergekit_slices_match(sliced_paths, tmp_path, recipe):
+    """The same slices YAML through mergekit-yaml and hf_mloss: the same layer count and tensors within 1e-6."""
+    import json
+
+    base, (ft1, ft2) = sliced_paths
+    config = _sliced_recipes(base, ft1, ft2)[recipe]
+    try:
+        run = peers.run_mergekit_yaml(config, tmp_path / "mergekit")
+    except peers.PeerUnavailable as err:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"mergekit not installable here: {err}")
+    result = MergeConfig.from_yaml(run.out_dir / "peer_config.yml").run(progress=False)
+    theirs = json.loads((run.out_dir / "config.json").read_text())
+    assert result.model.config.num_hidden_layers == theirs["num_hidden_layers"]
+    assert set(result.model.state_dict()) == set(run.state_dict())
+    diff = _decoder_max_diff(result, run)
+    print(f"{recipe}: max |hf_mloss - mergekit| = {diff:.3g}")
+    assert diff < 1e-6

@@ -204,7 +204,7 @@ def test_mergekit_yaml_is_mapped_to_our_config(tiny_paths, tmp_path):
                          ({"parameters": {"normalize": False}}, "normalize: false"),
                          ({"models": [{"model": models[0], "parameters": {"density": 0.2, "weight": [0, 1]}}]},
                           "must be one number"),
-                         ({"slices": []}, "no hf_mloss equivalent")]:
+                         ({"slices": []}, "both `models` and `slices`")]:
         path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), **bad}))
         with pytest.raises(hf_mloss.ConfigError, match=message):
             MergeConfig.from_yaml(path)

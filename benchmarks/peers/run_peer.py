@@ -338,6 +338,35 @@ def run_peer_merge(
     return run
 
 
+def run_mergekit_yaml(config: dict, out_dir: str | Path, *, seed: int = 0,
+                      timeout: float = DEFAULT_TIMEOUT) -> PeerRun:
+    """Run ``mergekit-yaml`` on a raw mergekit config dict (slices, layer ranges...), written to
+    ``out_dir/peer_config.yml``; the output lands in ``out_dir``.
+
+    Raises PeerUnavailable if the venv cannot be installed, PeerError on failure.
+    """
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_path = out_dir / "peer_run.log"
+    cfg_path = out_dir / "peer_config.yml"
+    cfg_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    python = ensure_env("mergekit")
+    if python is None:
+        raise PeerUnavailable("mergekit venv is not available (see the message above)")
+    for stale in out_dir.glob("*.safetensors"):
+        stale.unlink()
+    cmd = [str(venv_bin("mergekit", "mergekit-yaml")), str(cfg_path), str(out_dir), "--no-copy-tokenizer",
+           "--random-seed", str(seed)]
+    rc, wall, rss = _run_child(cmd, _child_env(python), log_path, timeout)
+    method = str(config.get("merge_method"))
+    if rc != 0:
+        raise PeerError(f"mergekit {method} exited with {rc}; log tail:\n{_log_tail(log_path)}")
+    run = PeerRun("mergekit", method, out_dir, round(wall, 3), round(rss, 1), log_path)
+    if not run.weight_files:
+        raise PeerError(f"mergekit wrote no safetensors file in {out_dir}; log tail:\n{_log_tail(log_path)}")
+    return run
+
+
 def run_peer_ties(
     peer: str,
     base_dir: str | Path,

@@ -55,7 +55,7 @@ def list_methods() -> list[str]:
     return sorted(MERGE_METHODS)
 
 
-from . import breadcrumbs, dare, della, iso, linear, model_stock, mties, slerp, ties, tsv  # noqa: E402,F401  (registers them)
+from . import breadcrumbs, dare, della, iso, linear, model_stock, mties, passthrough, slerp, ties, tsv  # noqa: E402,F401  (registers them)
 
 __all__ = ["MERGE_METHODS", "LayerHooks", "LayerwiseRun", "MergeContext", "MergeMethod", "MethodParams", "get_method",
            "list_methods", "register_merge_method"]
