@@ -230,9 +230,11 @@ def atomic_folder(target: str | os.PathLike[str], *, overwrite: bool = False) ->
     target = Path(os.path.abspath(Path(os.fspath(target)).expanduser()))
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(target.parent)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-", dir=target.parent))
-    try:
-        with _sigterm_raises():
+    with _sigterm_raises():
+        tmp = None
+        try:
+            with _sigterm_held():  # the folder is created and named at once: a SIGTERM cannot fall in between
+                tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-", dir=target.parent))
             try:
                 yield tmp
                 write_manifest(tmp)
@@ -241,8 +243,10 @@ def atomic_folder(target: str | os.PathLike[str], *, overwrite: bool = False) ->
                 raise SaveError(f"Writing {str(target)!r} failed: {err.strerror or err}; nothing was written (the "
                                 "partial copy was removed).") from None
             _rename_into_place(tmp, target, overwrite=overwrite)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            if tmp is not None:
+                with _sigterm_held():  # the cleanup runs to its end; a SIGTERM that came meanwhile is raised after it
+                    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def current_umask() -> int:
@@ -290,16 +294,17 @@ def _rename_into_place(tmp: Path, target: Path, *, overwrite: bool) -> None:
         return  # the old folder is now at ``tmp``, which the caller removes
     backup = target.parent / f"{TMP_PREFIX}{os.getpid()}-old-{secrets.token_hex(6)}"
     record = backup.with_name(backup.name + RECORD_SUFFIX)
-    record.write_text(target.name, encoding="utf-8")  # a kill from here on: the next save restores the backup
-    os.rename(target, backup)
-    try:
-        os.rename(tmp, target)
-    except BaseException:
-        os.rename(backup, target)
+    with _sigterm_held():  # SIGTERM waits for the swap and the backup's removal; SIGKILL is what the record is for
+        record.write_text(target.name, encoding="utf-8")  # a kill from here on: the next save restores the backup
+        os.rename(target, backup)
+        try:
+            os.rename(tmp, target)
+        except BaseException:
+            os.rename(backup, target)
+            record.unlink(missing_ok=True)
+            raise
         record.unlink(missing_ok=True)
-        raise
-    record.unlink(missing_ok=True)
-    shutil.rmtree(backup, ignore_errors=True)
+        shutil.rmtree(backup, ignore_errors=True)
 
 
 def _exchange(first: Path, second: Path) -> bool:
@@ -389,6 +394,20 @@ def _sigterm_raises() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _sigterm_held() -> Iterator[None]:
+    """Block SIGTERM in the block (it stays pending and is delivered when the block ends), so that creating or
+    removing a temporary folder is never cut in the middle."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def write_manifest(folder: Path) -> None:
