@@ -374,7 +374,8 @@ def task_shares(study: Study, tasks) -> list[torch.Tensor]:
 def instance_candidates(study: Study, instance, method: str, args: argparse.Namespace) -> list[dict]:
     """Every candidate of ``method``'s grid on one instance: all criteria, val and test accuracy (cached)."""
     from hf_mloss.inputs import open_inputs
-    from hf_mloss.selection import CandidateBuilder, CandidateEvaluator, SelectionOptions, iterate_candidates
+    from hf_mloss.selection import CandidateBuilder, CandidateEvaluator, iterate_candidates
+    from hf_mloss.selection_options import SelectionOptions
 
     seed, tasks = instance
     key = f"regret|{seed}|{','.join(tasks)}|{method}|{args.select_samples}"

@@ -8,7 +8,7 @@ pairs = hf_mloss.compatibility(base, [ft_a, ft_b, ft_c], data="path/to/images") 
 result = hf_mloss.merge(base, [ft_a, ft_b], "m_ties", data="path/to/images", k=0.2, e=0.1)
 result.save_pretrained("merged")                                          # Hub-ready folder
 hf_mloss.evaluate(result.model, tasks, heads)                             # accuracy, with labelled data and heads
-hf_mloss.MergeConfig.from_pretrained("merged").run()                      # re-run a published recipe
+hf_mloss.run("merged")                                                    # re-run a published recipe
 ```
 
 Public names are imported on first use, so ``import hf_mloss`` (and ``hf-mloss --help``) stays fast: torch,
@@ -40,26 +40,30 @@ _EXPORTS = {
     "MergeResult": "result",
     "MLossReport": "report",
     "CompatibilityReport": "compatibility",
-    "compatibility": "compatibility",
-    "SelectionOptions": "selection",
+    "compatibility": "api",
+    "SelectionOptions": "selection_options",
     "list_adapters": "adapters",
     "register_adapter": "adapters",
     "list_methods": "methods",
     "register_merge_method": "methods",
-    "merge": "merger",
-    "score": "scoring",
+    "merge": "api",
+    "score": "api",
+    "run": "api",
+    "run_score": "api",
+    "RunOptions": "api",
     "evaluate": "evaluation",
     "evaluate_ensemble": "evaluation",
     "EvalResult": "evaluation",
 }
 
-_SUBMODULES = {"adapters", "card", "checkpoint", "cli", "config", "data", "demo", "distributed", "errors", "evaluation",
+_SUBMODULES = {"adapters", "api", "card", "checkpoint", "cli", "config", "data", "demo", "distributed", "errors", "evaluation",
                "hub", "hub_push", "inputs", "lora", "merger", "mergekit_compat", "methods", "options", "plots", "report",
                "result",
                "saving", "scoring", "selection", "store", "suites", "testing", "theory"}
 
 __all__ = [
     "CheckpointNotFoundError",
+    "CompatibilityReport",
     "ConfigError",
     "CorruptCheckpointError",
     "DataError",
@@ -72,7 +76,9 @@ __all__ = [
     "MergeResult",
     "OutputExistsError",
     "PushError",
+    "RunOptions",
     "SaveError",
+    "SelectionOptions",
     "UnknownMethodError",
     "UnsafeCheckpointError",
     "UnsupportedModelError",
@@ -82,8 +88,11 @@ __all__ = [
     "list_adapters",
     "list_methods",
     "merge",
+    "compatibility",
     "register_adapter",
     "register_merge_method",
+    "run",
+    "run_score",
     "score",
 ]
 
@@ -123,9 +132,8 @@ if TYPE_CHECKING:
         UnsafeCheckpointError,
         UnsupportedModelError,
     )
-    from .merger import merge
+    from .api import RunOptions, compatibility, merge, run, run_score, score
     from .methods import list_methods, register_merge_method
     from .report import MLossReport
     from .result import MergeResult
-    from .scoring import score
-    from .selection import SelectionOptions
+    from .selection_options import SelectionOptions

@@ -29,7 +29,7 @@ def save_weights(model: PreTrainedModel, adapter: ModelAdapter, folder: Path, *,
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
     if getattr(adapter, "saves_with_transformers", False):
-        from .inputs import quiet_transformers
+        from ._logging import quiet_transformers
 
         with quiet_transformers(True):
             model.save_pretrained(folder, max_shard_size=max_shard_size)

@@ -53,6 +53,7 @@ def merge_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
 
 
 def merge_command(args: argparse.Namespace) -> int:
+    from .api import run
     from .card import shown_parameters
     from .config import MergeConfig
     from .distributed import describe_device, is_main_process, main_process_only
@@ -74,7 +75,7 @@ def merge_command(args: argparse.Namespace) -> int:
     if show:
         print(f"Computing on {describe_device(device)}", flush=True)
     with _progress_bars(show, datasets_too=config.data is not None):
-        result = config.run(device=device, progress=show)
+        result = run(config, device=device, progress=show)
         push_kwargs = {"private": True} if args.push_to_hub and args.private else {}
         saved = result.save_pretrained(out_dir, overwrite=args.overwrite, push_to_hub=bool(args.push_to_hub),
                                        repo_id=args.push_to_hub, **push_kwargs)
@@ -138,6 +139,7 @@ def score_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
 
 
 def score_command(args: argparse.Namespace) -> int:
+    from .api import run, run_score
     from .config import MergeConfig
     from .distributed import describe_device, is_main_process
     from .inputs import resolve_device
@@ -157,7 +159,7 @@ def score_command(args: argparse.Namespace) -> int:
         print(f"Computing on {describe_device(device)}", flush=True)
     if args.select:  # score the candidates of the grid, print them, write nothing
         with _progress_bars(show, datasets_too=True):
-            result = config.run(device=device, progress=show)
+            result = run(config, device=device, progress=show)
         if main:
             print(result.config.select.summary())
         return 0
@@ -168,7 +170,7 @@ def score_command(args: argparse.Namespace) -> int:
             report = run_compatibility(config, subsets=_parse_subsets(args.subsets), baselines=not args.no_baselines,
                                        output_gap=args.output_gap, device=device, progress=show)
         else:
-            report = config.run_score(device=device, progress=show)
+            report = run_score(config, device=device, progress=show)
     from .distributed import main_process_only
 
     with main_process_only() as main:
@@ -373,7 +375,7 @@ def _with_selection(config: Any, args: argparse.Namespace) -> Any:
     if config.select is None and "grid" not in flags:
         raise InvalidParameterError("--select unlabeled needs candidates: add --grid PARAM=V1,V2,... (e.g. --grid "
                                     "k=0.2,0.5,0.8 --grid lam=0.5,1,1.5) or a `select: {grid: ...}` section.")
-    from .selection import SelectionOptions
+    from .selection_options import SelectionOptions
 
     select = config.select.recorded() if config.select is not None else SelectionOptions(grid=flags["grid"])
     return config.replace(select=dataclasses.replace(select, **flags))

@@ -28,8 +28,6 @@ from __future__ import annotations
 import copy
 import itertools
 import json
-import sys
-import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .config import DEFAULT_NUM_SAMPLES, MergeConfig
+from .config import MergeConfig
 from .errors import InvalidParameterError
 from .options import ScoringOptions
 from .report import describe_data
@@ -46,7 +44,7 @@ if TYPE_CHECKING:
     from .inputs import RunInputs
     from .scoring import ScoringSetup
 
-__all__ = ["BASELINES", "METRICS", "CompatibilityReport", "compatibility", "run_compatibility"]
+__all__ = ["BASELINES", "METRICS", "CompatibilityReport", "run_compatibility"]
 
 METRICS = ("mloss", "mloss_normalized", "mloss_ratio")
 """Per-layer M-Loss summaries of a subset (averaged over the scored layers for its overall score): mean over
@@ -655,66 +653,6 @@ class CompatibilityReport:
 
 
 # ------------------------------------------------------------------------------------------------------ API
-def compatibility(
-    base: Any,
-    models: Sequence[Any],
-    data: Any,
-    *,
-    num_samples: int = DEFAULT_NUM_SAMPLES,
-    batch_size: int = 16,
-    weights: Sequence[float] | None = None,
-    subsets: Sequence[Sequence[int | str]] | None = None,
-    leave_one_out: bool = True,
-    baselines: bool = True,
-    output_gap: bool = False,
-    reduction: str = "abs",
-    activation: str | None = None,
-    eps: float = 1e-4,
-    layers: Sequence[int] | None = None,
-    per_node: bool = False,
-    seed: int = 0,
-    split: str = "train",
-    image_column: str | None = None,
-    compute_dtype: str = "float32",
-    revision: str | Sequence[str | None] | None = None,
-    processor: Any = None,
-    device: str | torch.device | None = None,
-    token: str | bool | None = None,
-    progress: bool = True,
-) -> CompatibilityReport:
-    """Which candidate fine-tunes merge well together, from a few unlabeled images and ONE forward per model.
-
-    Args:
-        base, models, data, weights, num_samples, batch_size, seed, split, image_column, compute_dtype, revision,
-            processor, device, token: as in :func:`hf_mloss.score`.
-        subsets: more subsets to score besides every pair, leave-one-out and the whole set (model indices or names).
-        leave_one_out: also score the set without each model (q ≥ 3).
-        baselines: add the task-vector baselines (cosine, distance, norms, TIES sign conflicts).
-        output_gap: add the output-level gap between each scored subset's average merge and the ensemble of its
-            members' pooled features (one more forward per subset and per model).
-        reduction, activation, eps, layers: as in :func:`hf_mloss.score` (the prefix is always ``"own"``).
-        per_node: keep every subset's per-node M-Loss (``report.node``).
-
-    Returns:
-        A :class:`CompatibilityReport`.
-
-    Example:
-        ```python
-        >>> report = hf_mloss.compatibility("openai/clip-vit-base-patch32", ["org/ft-a", "org/ft-b", "org/ft-c"],
-        ...                                 data="tanganke/dtd", num_samples=64)
-        >>> print(report.summary())
-        ```
-    """
-    options = ScoringOptions(prefix="own", reduction=reduction, activation=activation, eps=eps,
-                             layers=tuple(layers) if layers is not None else None)
-    config = MergeConfig.from_kwargs(base, models, "average", weights=weights, revision=revision, data=data,
-                                     num_samples=num_samples, split=split, image_column=image_column, seed=seed,
-                                     batch_size=batch_size, compute_dtype=compute_dtype, processor=processor,
-                                     score=options)
-    return run_compatibility(config, subsets=subsets, leave_one_out=leave_one_out, baselines=baselines,
-                             output_gap=output_gap, per_node=per_node, device=device, token=token, progress=progress)
-
-
 def run_compatibility(config: MergeConfig, *, subsets: Sequence[Sequence[int | str]] | None = None,
                       leave_one_out: bool = True, baselines: bool = True, output_gap: bool = False,
                       per_node: bool = False, device: Any = None, token: str | bool | None = None,
@@ -790,13 +728,3 @@ def _check_config(config: MergeConfig, options: ScoringOptions) -> None:
         raise InvalidParameterError("A compatibility report needs at least 2 models.")
 
 
-
-class _CallableModule(types.ModuleType):
-    """``hf_mloss.compatibility`` is both this module and the function: importing the module (as the CLI does) binds
-    the package attribute to the module, so the module forwards calls to :func:`compatibility`."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> CompatibilityReport:
-        return compatibility(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._validation import check_keys, param, short, validate_fields
+from .hub import expand, is_repo_id, looks_local
 from .errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -44,12 +45,10 @@ from .errors import (
 )
 from .options import ScoringOptions
 from .schedule import check_schedules, scalar_parameters
-from .selection import SelectionOptions
+from .selection_options import SelectionOptions, check_selection
 
 if TYPE_CHECKING:
     from .methods import MergeMethod, MethodParams
-    from .report import MLossReport
-    from .result import MergeResult
 
 MERGE_CONFIG_NAME = "hf_mloss_config.yaml"
 DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
@@ -184,9 +183,9 @@ class MergeConfig:
         ```python
         >>> from hf_mloss import MergeConfig
         >>> config = MergeConfig.from_yaml("examples/merge_clip_vit_b32_8tasks.yaml")
-        >>> result = config.run(device="cuda")
+        >>> result = hf_mloss.run(config, device="cuda")
         >>> result.save_pretrained("merged")                   # writes merged/hf_mloss_config.yaml too
-        >>> MergeConfig.from_pretrained("merged").run()        # the same merge, bit for bit
+        >>> hf_mloss.run(MergeConfig.from_pretrained("merged"))        # the same merge, bit for bit
         ```
     """
 
@@ -303,8 +302,6 @@ class MergeConfig:
                                         "combination='svd' only.")
 
     def _validate_selection(self, method: MergeMethod) -> None:
-        from .selection import check_selection
-
         if self.data is None:
             raise DataError("Label-free selection scores every candidate on unlabeled images and no data was given: "
                             "pass data=... (a Hub dataset id, a local image folder or images; ~32 suffice).")
@@ -363,10 +360,10 @@ class MergeConfig:
     @classmethod
     def from_kwargs(cls, base: Any, models: Any, method: str = "ties", *, weights: Sequence[float] | None = None,
                     revision: str | Sequence[str | None] | None = None, data: Any = None,
-                    num_samples: int = DEFAULT_NUM_SAMPLES, split: str = "train", image_column: str | None = None,
                     score: ScoringOptions | Mapping[str, Any] | None = None, **options: Any) -> MergeConfig:
-        """The config of a :func:`hf_mloss.merge` call (same arguments): ``options`` are config fields (``seed``,
-        ``dtype``, ``batch_size``...) or the method's parameters.
+        """The config of a :func:`hf_mloss.merge` call (same arguments): ``options`` are data options (the fields of
+        :class:`DataSpec`: ``num_samples``, ``split``, ``image_column``...), config fields (``seed``, ``dtype``,
+        ``batch_size``...) or the method's parameters.
 
         Example:
             ```python
@@ -382,10 +379,11 @@ class MergeConfig:
         _spread(specs, "revision", revision, per_model_hint="base first; None for folders and loaded models")
         _spread(specs[1:], "weight", weights, per_model_hint="the base has none")
         fields = {f.name for f in dataclasses.fields(cls)}
+        data_fields = {f.name for f in dataclasses.fields(DataSpec)} - {"id", "path", "objects", "revision"}
+        data_options = {k: options.pop(k) for k in list(options) if k in data_fields}
         config_options = {k: v for k, v in options.items() if k in fields}
         parameters = {k: v for k, v in options.items() if k not in fields}
-        data_spec = None if data is None else DataSpec.parse(data, num_samples=num_samples, split=split,
-                                                             image_column=image_column)
+        data_spec = None if data is None else DataSpec.parse(data, **data_options)
         return cls(base=specs[0], models=specs[1:], method=method, parameters=parameters, data=data_spec, score=score,
                    **config_options)
 
@@ -468,7 +466,7 @@ class MergeConfig:
 
         Example:
             ```python
-            >>> MergeConfig.from_pretrained("me/clip-vit-b32-8tasks-mties").run()   # re-run a published merge
+            >>> hf_mloss.run(MergeConfig.from_pretrained("me/clip-vit-b32-8tasks-mties"))   # re-run a published merge
             ```
         """
         local = Path(os.fspath(folder_or_repo_id)).expanduser()
@@ -507,7 +505,7 @@ class MergeConfig:
         if self.score is not None:
             out["score"] = self.score.to_dict()
         if self.select is not None:
-            out["select"] = self.select.to_dict(base)
+            out["select"] = _selection_to_dict(self.select, base)
         if self.slices is not None:
             out["slices"] = _plain(self.slices)
         if self.resolved_parameters:
@@ -546,50 +544,6 @@ class MergeConfig:
         path = folder / MERGE_CONFIG_NAME
         self.to_yaml(path, root=Path(os.path.abspath(location or folder)), overwrite=overwrite)
         return path
-
-    # ----------------------------------------------------------------------------------------------- running
-    def run(self, *, device: Any = None, token: str | bool | None = None, progress: bool = True) -> MergeResult:
-        """Run the merge.
-
-        Args:
-            device: where to compute: ``"auto"`` (default: the accelerator when present, else the CPU), ``"cpu"``,
-                ``"cuda:1"``, ``"mps"``...; a property of the run, not of the recipe.
-            token: Hub token for private models (never stored).
-            progress: show progress bars.
-
-        Returns:
-            The :class:`~hf_mloss.MergeResult`, whose ``config`` records what ran.
-
-        Example:
-            ```python
-            >>> MergeConfig.from_yaml("merge.yaml").run(device="cuda").save_pretrained("merged")
-            ```
-        """
-        from .merger import run_merge
-
-        self.validate()
-        return run_merge(self, device=device, token=token, progress=progress)
-
-    def run_score(self, *, device: Any = None, token: str | bool | None = None, progress: bool = True
-                  ) -> MLossReport:
-        """Measure M-Loss with the ``score`` options (no merge unless ``prefix="merged"``).
-
-        Args:
-            device, token, progress: as in :meth:`run`.
-
-        Example:
-            ```python
-            >>> print(MergeConfig.from_yaml("merge.yaml").run_score().summary())
-            ```
-        """
-        from .scoring import run_score
-
-        self.validate()
-        if self.data is None:
-            raise InvalidParameterError("Scoring needs unlabeled images and the config has no `data`: add e.g. "
-                                        "`data: {id: tanganke/dtd, split: train, num_samples: 128}` or "
-                                        "`data: {path: ./images}`.")
-        return run_score(self, device=device, token=token, progress=progress)
 
     def replace(self, **changes: Any) -> MergeConfig:
         """A copy with some fields changed (validated)."""
@@ -667,6 +621,23 @@ def _parse_select(entry: dict[str, Any], root: Path | None) -> SelectionOptions:
     if isinstance(entry.get("shares"), list):
         entry["shares"] = [_parse_data(share, root) for share in entry["shares"]]
     return _build(SelectionOptions, entry, "select.")
+
+
+def _selection_to_dict(select: SelectionOptions, root: Path | None) -> dict[str, Any]:
+    """The ``select:`` section (local head files and data folders relative to ``root``)."""
+    out: dict[str, Any] = {"criterion": select.criterion, "grid": select.grid, "num_samples": select.num_samples,
+                           "share": select.share}
+    if select.compare:
+        out["compare"] = list(select.compare)
+    if select.heads:
+        out["heads"] = [_relative(h, root) if isinstance(h, str) else {IN_MEMORY: type(h).__name__}
+                        for h in select.heads]
+    if select.shares:
+        out["shares"] = [DataSpec.parse(s).to_dict(root) for s in select.shares]
+    for key in ("reference", "chosen", "candidates"):
+        if getattr(select, key) is not None:
+            out[key] = getattr(select, key)
+    return out
 
 
 def _migrate(config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -794,32 +765,6 @@ def _content_hash(objects: Any) -> str | None:
 
 def _is_loaded_model(value: Any) -> bool:
     return hasattr(value, "config") and hasattr(value, "state_dict") and callable(value.state_dict)
-
-
-def looks_local(value: str) -> bool:
-    """Whether ``value`` names a local path rather than a Hub id (explicit path syntax, or it exists)."""
-    if value.startswith((".", "/", "~")) or os.path.isabs(value) or "/" in value.replace("/", "", 1):
-        return True
-    return expand(value).exists() or not is_repo_id(value)
-
-
-def is_repo_id(value: str) -> bool:
-    """Whether ``value`` is spelled like a Hub repo id (``name`` or ``org/name``)."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(value)
-    except HFValidationError:
-        return False
-    return True
-
-
-def expand(value: str) -> Path:
-    """``Path(value).expanduser()``, or the path as written when ``~user`` names no known home."""
-    try:
-        return Path(value).expanduser()
-    except RuntimeError:
-        return Path(value)
 
 
 def _absolute(value: str, root: Path | None) -> str:

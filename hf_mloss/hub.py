@@ -20,6 +20,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import logging
+import mmap
 import os
 import re
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ PICKLE_INDEX = "pytorch_model.bin.index.json"
 PICKLE_SINGLE = "pytorch_model.bin"
 WEIGHT_PATTERNS = ["*.json", "*.safetensors"]
 PICKLE_PATTERNS = ["*.json", "pytorch_model*.bin"]
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
 CONVERSION_BOT = "SFconvertbot"
 CONVERSION_PR_TITLE = "Adding `safetensors` variant of this model"
 """Author and title of the pull requests the Hub's safetensors-conversion bot opens (as transformers checks them)."""
@@ -375,3 +377,52 @@ def download_file(repo_id: str, filename: str, *, revision: str | None = None, t
     except OSError as err:
         raise CheckpointNotFoundError(f"Cannot download {filename} of Hub repo {repo_id!r}: {cache_failure(err)}") \
             from None
+
+
+# ------------------------------------------------------------------------------------------ references
+def looks_local(value: str) -> bool:
+    """Whether ``value`` names a local path rather than a Hub id (explicit path syntax, or it exists)."""
+    if value.startswith((".", "/", "~")) or os.path.isabs(value) or "/" in value.replace("/", "", 1):
+        return True
+    return expand(value).exists() or not is_repo_id(value)
+
+
+def is_repo_id(value: str) -> bool:
+    """Whether ``value`` is spelled like a Hub repo id (``name`` or ``org/name``)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        return False
+    return True
+
+
+def expand(value: str) -> Path:
+    """``Path(value).expanduser()``, or the path as written when ``~user`` names no known home."""
+    try:
+        return Path(value).expanduser()
+    except RuntimeError:
+        return Path(value)
+
+
+def fingerprint_folder(folder: str | os.PathLike[str]) -> str:
+    """A content fingerprint of a model folder's weights and config (xxh3-128 over the files, in name order).
+
+    Reads every byte once through ``mmap`` (no copies); at ~10 GB/s it costs a fraction of loading the weights.
+    """
+    import xxhash
+
+    digest = xxhash.xxh3_128()
+    root = Path(folder)
+    configs = ("config.json", "adapter_config.json")  # a PEFT adapter folder: its config and adapter weights
+    files = sorted(p for p in root.iterdir() if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.name in configs
+                                                                  or p.name.endswith(".index.json")))
+    for path in files:
+        digest.update(path.name.encode() + b"\0")
+        with path.open("rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size:
+                with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as view:
+                    digest.update(view)
+    return f"xxh3-128:{digest.hexdigest()}"

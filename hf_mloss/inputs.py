@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import mmap
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .errors import DataError, IncompatibleCheckpointsError, InvalidParameterError
-from .hub import ModelRef, resolve_model
+from ._logging import quiet_transformers
+from .hub import ModelRef, fingerprint_folder, resolve_model
 from .store import CheckpointStore, ModuleStore, TensorStore
 
 if TYPE_CHECKING:
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 
 @dataclass
@@ -138,7 +137,7 @@ def _resolve(spec: ModelSpec, token, base=None):
     if spec.is_loaded:
         model = spec.model
         name = getattr(model.config, "_name_or_path", "") or ""
-        from .config import is_repo_id, looks_local
+        from .hub import is_repo_id, looks_local
 
         repo_id = name if name and not looks_local(name) and is_repo_id(name) else None
         model_config = model.config
@@ -489,28 +488,6 @@ def as_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 # ------------------------------------------------------------------------------------------- fingerprints
-def fingerprint_folder(folder: str | os.PathLike[str]) -> str:
-    """A content fingerprint of a model folder's weights and config (xxh3-128 over the files, in name order).
-
-    Reads every byte once through ``mmap`` (no copies); at ~10 GB/s it costs a fraction of loading the weights.
-    """
-    import xxhash
-
-    digest = xxhash.xxh3_128()
-    root = Path(folder)
-    configs = ("config.json", "adapter_config.json")  # a PEFT adapter folder: its config and adapter weights
-    files = sorted(p for p in root.iterdir() if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.name in configs
-                                                                  or p.name.endswith(".index.json")))
-    for path in files:
-        digest.update(path.name.encode() + b"\0")
-        with path.open("rb") as handle:
-            size = os.fstat(handle.fileno()).st_size
-            if size:
-                with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as view:
-                    digest.update(view)
-    return f"xxh3-128:{digest.hexdigest()}"
-
-
 def _verify_fingerprints(specs: list[ModelSpec], resolved, *, progress: bool = False) -> dict[int, str]:
     from tqdm.auto import tqdm
 
@@ -531,22 +508,3 @@ def _verify_fingerprints(specs: list[ModelSpec], resolved, *, progress: bool = F
         out[i] = value
     bar.close()
     return out
-
-
-@contextlib.contextmanager
-def quiet_transformers(enabled: bool) -> Iterator[None]:
-    """Silence transformers' per-model loading bars and load reports in the block (when ``enabled``)."""
-    from transformers.utils import logging as hf_logging
-
-    if not enabled:
-        yield
-        return
-    was_enabled, level = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
-        if was_enabled:
-            hf_logging.enable_progress_bar()

@@ -521,7 +521,7 @@ def _adapter_folder(model: str, revision: str | None, token) -> tuple[str | None
     path = Path(model).expanduser()
     if path.is_dir():
         return (str(path), None) if (path / ADAPTER_CONFIG).is_file() else (None, None)
-    from .config import is_repo_id, looks_local
+    from .hub import is_repo_id, looks_local
 
     if looks_local(model) or not is_repo_id(model):
         return None, None
@@ -556,7 +556,7 @@ def check_base(declared: str | None, base: ModelRef, adapter_name: str) -> None:
     if local.is_dir() and base.path and Path(base.path).is_dir():
         if local.resolve() == Path(base.path).resolve():
             return
-        from .inputs import fingerprint_folder
+        from .hub import fingerprint_folder
 
         if fingerprint_folder(local) == fingerprint_folder(base.path):
             return

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
 
-from .config import DEFAULT_NUM_SAMPLES, MergeConfig
+from .config import MergeConfig
 from .distributed import describe_device
 from .errors import CorruptCheckpointError, InvalidParameterError
 from .inputs import RunInputs, as_dtype, open_inputs
@@ -32,94 +32,13 @@ if TYPE_CHECKING:
     from .report import MLossReport
 
 
-def merge(
-    base: Any,
-    models: Sequence[Any],
-    method: str = "ties",
-    *,
-    weights: Sequence[float] | None = None,
-    seed: int = 0,
-    dtype: str | None = None,
-    data: Any = None,
-    num_samples: int = DEFAULT_NUM_SAMPLES,
-    batch_size: int = 16,
-    split: str = "train",
-    image_column: str | None = None,
-    compute_dtype: str = "float32",
-    revision: str | Sequence[str | None] | None = None,
-    processor: Any = None,
-    output: str = "auto",
-    device: str | torch.device | None = None,
-    token: str | bool | None = None,
-    progress: bool = True,
-    select: str | Mapping[str, Any] | None = None,
-    grid: Mapping[str, Sequence[Any]] | None = None,
-    criterion: str | None = None,
-    heads: Sequence[Any] | None = None,
-    **method_params: Any,
-) -> MergeResult:
-    """Merge fine-tuned models of one base into one model.
+def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | None = None, progress: bool = True,
+              select_and_merge: Callable[..., tuple[MergeConfig, MLossReport]] | None = None) -> MergeResult:
+    """Run a validated config (see :func:`hf_mloss.run`).
 
-    Args:
-        base: the pretrained model the others were fine-tuned from (Hub id, local folder or loaded model).
-        models: the q fine-tuned models (Hub ids, local folders or loaded models), or PEFT LoRA adapters of the base
-            (folders or Hub ids holding ``adapter_config.json``), read as their merged models, tensor by tensor.
-        method: a registered method (``hf_mloss.list_methods()``): ``average``, ``task_arithmetic``, ``ties``,
-            ``dare_ties``, ``dare_linear``, ``slerp``, ``model_stock``, ``breadcrumbs``, ``breadcrumbs_ties``,
-            ``della``, ``della_linear``, ``m_ties``, ``m_dare``.
-        weights: α, one per fine-tuned model (default uniform 1/q; 1 for task arithmetic and ``dare_linear``).
-        seed: seeds DARE masks, random ranks and the scoring sample (results are reproducible).
-        dtype: dtype of the merged model (default: the base's). Arithmetic always runs in float32.
-        data: unlabeled images for data-guided methods (``m_ties``, ``m_dare``): Hub dataset id, local image
-            folder, ``datasets`` object, list of images, or a preprocessed ``[N, 3, H, W]`` tensor.
-        num_samples, batch_size, split, image_column: how the scoring data is read and batched.
-        compute_dtype: dtype of the scoring forward passes (``float32`` or ``bfloat16``).
-        revision: Hub branch, tag or commit for every Hub model, or one per model (base first; None for folders).
-        processor: image processor for ``data`` (Hub id, folder or object); default: the base's.
-        output: ``"auto"`` writes the base's class (a full ``CLIPModel`` base gives a full ``CLIPModel``);
-            ``"tower"`` only the merged tower (``CLIPVisionModel``); ``"adapter"`` a PEFT LoRA adapter of the base
-            (LoRA adapter inputs; ``combination="cat"``, exact for linear methods, or ``"svd"`` with ``lora_rank=``;
-            see :mod:`hf_mloss.lora`).
-        device: where to compute: ``"auto"`` (default: the accelerator when present — this process's under
-            ``torchrun``/``accelerate launch``, else CUDA, then MPS — else the CPU), ``"cpu"``, ``"cuda:1"``, ``"mps"``.
-        token: passed to the Hub for private models; never stored or printed.
-        select: ``"unlabeled"`` chooses the parameters in ``grid`` on ``data`` without labels (or a mapping of
-            :class:`~hf_mloss.selection.SelectionOptions`: ``num_samples``, ``share``, ``shares``, ``compare``).
-        grid: the candidates, e.g. ``{"k": [0.2, 0.5, 0.8], "lam": [0.5, 1.0, 1.5]}`` (every combination).
-        criterion: ``"output"`` (discrepancy with each expert, default), ``"entropy"`` (needs ``heads``) or
-            ``"mloss"`` (merged-prefix M-Loss; it grows with λ); see :mod:`hf_mloss.selection`.
-        heads: one classification head per model (for ``"entropy"``, and the logit KL of ``"output"``).
-        **method_params: the method's parameters (``k``, ``e``, ``lam``, ``p``, ``t``, ``scope``, ``layers``...). For
-            data-free methods each may vary over the model as in mergekit: a gradient over the blocks
-            (``k=[0.2, 0.8]``) or a filter list (``t=[{"filter": "self_attn", "value": [0, 1]}, {"value": 0.5}]``);
-            see :mod:`hf_mloss.schedule`.
-
-    Returns:
-        A :class:`MergeResult`: ``.model`` (the merged model), ``.config`` (the recorded recipe), ``.report``.
-
-    Example:
-        ```python
-        >>> import hf_mloss
-        >>> result = hf_mloss.merge("openai/clip-vit-base-patch32", ["org/ft-cars", "org/ft-dtd"], "ties", k=0.2)
-        >>> result.save_pretrained("merged-clip")
-        >>> chosen = hf_mloss.merge(base, models, "ties", data="path/to/images", select="unlabeled",
-        ...                         grid={"k": [0.2, 0.5, 0.8], "lam": [0.5, 1.0, 1.5]})
-        >>> chosen.config.select.chosen                          # the label-free choice, recorded
-        ```
+    ``select_and_merge`` runs a config's label-free selection (:func:`hf_mloss.selection.select_and_merge`, which
+    drives this module's merger): the caller passes it, so the driver does not depend on the selection built on it.
     """
-    from .selection import selection_options
-
-    selection = selection_options(select, grid=grid, criterion=criterion, heads=heads)
-    config = MergeConfig.from_kwargs(base, models, method, weights=weights, revision=revision, data=data,
-                                     num_samples=num_samples, split=split, image_column=image_column, seed=seed,
-                                     dtype=dtype, batch_size=batch_size, compute_dtype=compute_dtype,
-                                     processor=processor, output=output, select=selection, **method_params)
-    return run_merge(config, device=device, token=token, progress=progress)
-
-
-def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | None = None,
-              progress: bool = True) -> MergeResult:
-    """Run a validated config (see :meth:`MergeConfig.run`)."""
     method = config.merge_method()
     params = config.method_params()
     needs_data = method.needs_data or config.select is not None
@@ -147,8 +66,9 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
         outside = outside_tower_names(inputs, merger.names)
         report = None
         if config.select is not None:
-            from .selection import select_and_merge
-
+            if select_and_merge is None:
+                raise InvalidParameterError("This config selects its parameters (select: ...); run it with "
+                                            "hf_mloss.run(config).")
             refuse_changed_outside(inputs, outside, "Label-free selection (select=...)")
             merger.names = [n for n in merger.names if n not in set(outside)]  # equal to the base's: kept as is
             config, report = select_and_merge(config.replace(select=config.select.recorded()), inputs, merger, tower,

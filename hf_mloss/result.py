@@ -31,7 +31,7 @@ class MergeResult:
     Attributes:
         model: the merged model (the base's class, or the tower with ``output="tower"``), in ``eval()`` mode.
         config: the recorded recipe (:class:`MergeConfig`): Hub models pinned to their commit, local folders with
-            a content fingerprint; ``result.config.run()`` reproduces the merge.
+            a content fingerprint; ``hf_mloss.run(result.config)`` reproduces the merge.
         report: the M-Loss the merge used (data-guided methods); for a data-free merge, a report with no layers whose
             ``summary()`` says how to measure it (``report.computed`` is ``False``).
         eval_results: optional evaluation results (``{task: accuracy}``) recorded in the model card.

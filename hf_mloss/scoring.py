@@ -27,8 +27,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from .adapters import EMBEDDING_STAGE, ModelAdapter
-from .config import DEFAULT_NUM_SAMPLES, MergeConfig
-from .errors import InvalidParameterError
+from .config import MergeConfig
 from .methods.base import LayerHooks
 from .options import PREFIXES, REDUCTIONS, ScoringOptions
 from .parallel import Workers, cpu_workers
@@ -40,7 +39,7 @@ if TYPE_CHECKING:
     from .data import DataInfo
     from .inputs import RunInputs
 
-__all__ = ["PREFIXES", "REDUCTIONS", "LayerScores", "MLossAccumulator", "score"]
+__all__ = ["PREFIXES", "REDUCTIONS", "LayerScores", "MLossAccumulator", "score_config"]
 _BLOCK_ELEMENTS = 1 << 19
 """Pre-activations ``[positions, q, nodes]`` per block of the shared-prefix kernel on a CPU (2 MB of float32)."""
 _BLOCK_ELEMENTS_ACCELERATOR = 1 << 24
@@ -512,88 +511,15 @@ def shard_batches(pixels: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
     return list(share.split(batch_size))
 
 
-def score(
-    base: Any,
-    models: Sequence[Any],
-    data: Any,
-    *,
-    num_samples: int = DEFAULT_NUM_SAMPLES,
-    batch_size: int = 16,
-    weights: Sequence[float] | None = None,
-    prefix: str = "own",
-    reduction: str = "abs",
-    activation: str | None = None,
-    eps: float = 1e-4,
-    layers: Sequence[int] | None = None,
-    seed: int = 0,
-    split: str = "train",
-    image_column: str | None = None,
-    compute_dtype: str = "float32",
-    revision: str | Sequence[str | None] | None = None,
-    processor: Any = None,
-    method: str = "m_ties",
-    device: str | torch.device | None = None,
-    token: str | bool | None = None,
-    progress: bool = True,
-    **method_params: Any,
-) -> MLossReport:
-    """Measure mergeability without merging: node and layer M-Loss of ``models`` over unlabeled ``data``.
-
-    Args:
-        base, models, data, weights, seed, revision, processor, token: as in :func:`hf_mloss.merge`.
-        prefix: where each scored linear's input comes from: ``"own"`` (each model's own forward, the paper's
-            definition; q forwards), ``"base"`` (the base model's forward, shared), or ``"merged"`` (the
-            merged-so-far model of a ``method`` merge, M-TIES by default, with ``method_params`` such as ``k``/``e``).
-        reduction: ``"abs"`` (mean |g|, the paper) or ``"sq"`` (mean g², the authors' code).
-        activation: override the model's own activation (e.g. ``"gelu_pytorch_tanh"`` as in the reference code).
-        eps: ε of the per-position normalised M-Loss.
-        layers: blocks to score (default: all).
-
-    Returns:
-        An :class:`~hf_mloss.report.MLossReport` (``.summary()`` prints the per-layer table).
-
-    Example:
-        ```python
-        >>> report = hf_mloss.score("openai/clip-vit-base-patch32", ["org/ft-a", "org/ft-b"], data="tanganke/dtd")
-        >>> print(report.summary())
-        ```
-    """
-    options = ScoringOptions(prefix=prefix, reduction=reduction, activation=activation, eps=eps,
-                             layers=tuple(layers) if layers is not None else None)
-    if prefix != "merged" and method_params:
-        raise InvalidParameterError(f"Unknown argument(s) {sorted(method_params)} for score() with prefix={prefix!r} "
-                                    "(method parameters apply only with prefix='merged').")
-    config = MergeConfig.from_kwargs(base, models, method, weights=weights, revision=revision, data=data,
-                                     num_samples=num_samples, split=split, image_column=image_column, seed=seed,
-                                     batch_size=batch_size, compute_dtype=compute_dtype, processor=processor,
-                                     score=options, **method_params)
-    return run_score(config, device=device, token=token, progress=progress)
-
-
-def run_score(config: MergeConfig, *, device: Any = None, token: str | bool | None = None,
-              progress: bool = True) -> MLossReport:
-    """Score a validated config (see :meth:`MergeConfig.run_score`)."""
+def score_config(config: MergeConfig, *, device: Any = None, token: str | bool | None = None,
+                 progress: bool = True) -> MLossReport:
+    """Score a validated config whose prefix is ``own`` or ``base`` (see :func:`hf_mloss.run_score`)."""
     from .inputs import open_inputs
 
     options = config.scoring_options()
-    if options.prefix == "merged":
-        return _score_merged(config, options, device=device, token=token, progress=progress)
     with open_inputs(config, device=device, token=token, needs_data=True, progress=progress) as inputs, \
             cpu_workers(inputs.device):
         model = inputs.adapter.tower(inputs.load_output_model("tower", progress=progress))
         setup = make_setup(inputs, model, options, config, progress=progress)
         results = score_shared_prefix(setup) if options.prefix == "base" else score_own_prefix(setup)
         return build_report(setup, results, models=[r.name for r in inputs.refs], data_info=inputs.data_info)
-
-
-def _score_merged(config: MergeConfig, options: ScoringOptions, **run: Any) -> MLossReport:
-    """The M-Loss a data-guided merge measures on its merged prefix (the merge is run and dropped)."""
-    from .merger import run_merge
-
-    method = config.merge_method()
-    if not method.needs_data:
-        raise InvalidParameterError(f"prefix='merged' scores the prefix of a data-guided merge; method "
-                                    f"{config.method!r} uses no data (use m_ties or m_dare).")
-    scoring = {k: v for k, v in options.to_dict().items() if k != "prefix" and v is not None}
-    parameters = {**config.parameters, **scoring}  # the score options win, as documented for `score:`
-    return run_merge(config.replace(parameters=parameters, output="tower"), **run).report

@@ -74,7 +74,7 @@ def test_saved_merge_re_runs_bit_for_bit(project, image_folder, tmp_path, capsys
     assert saved["base"]["model"] == "../../base" and saved["models"][2]["model"] == "../../ft2"  # relative to it
     assert all(entry["fingerprint"].startswith("xxh3-128:") for entry in [saved["base"], *saved["models"]])
 
-    # from_pretrained(folder).run() and `hf-mloss merge FOLDER/hf_mloss_config.yaml OUT`: the same weights
+    # hf_mloss.run(from_pretrained(folder)) and `hf-mloss merge FOLDER/hf_mloss_config.yaml OUT`: the same weights
     config = MergeConfig.from_pretrained(first)
     assert config.method == method and config.seed == kwargs.get("seed", 0)
     assert Path(config.base.model) == (project / "base")
@@ -82,7 +82,7 @@ def test_saved_merge_re_runs_bit_for_bit(project, image_folder, tmp_path, capsys
         assert config.parameters == {"k": 0.3, "e": 0.1} and config.data.num_samples == 8
     else:
         assert [m.weight for m in config.models] == [0.2, 0.5, 0.3] and config.dtype == "bfloat16"
-    again = config.run(progress=False).save_pretrained(tmp_path / "again")
+    again = hf_mloss.run(config, progress=False).save_pretrained(tmp_path / "again")
     assert_same_weights(first, again)
     assert main(["merge", str(first / MERGE_CONFIG_NAME), str(tmp_path / "cli"), "--quiet"]) == 0
     capsys.readouterr()
@@ -103,7 +103,7 @@ def test_re_run_refuses_changed_weights(project, tmp_path):
 
     save_file(tensors, str(copy_dir / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(hf_mloss.IncompatibleCheckpointsError, match="not the folder this config was recorded from"):
-        MergeConfig.from_pretrained(folder).run(progress=False)
+        hf_mloss.run(MergeConfig.from_pretrained(folder), progress=False)
 
 
 def test_recorded_config_pins_what_ran(tiny_paths):

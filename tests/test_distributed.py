@@ -182,7 +182,7 @@ def test_torchrun_merge_writes_one_folder(tmp_path, tiny_paths, image_folder, me
     assert proc.stdout.count("Saved to") == 1, proc.stdout  # one summary per job
     assert "already exists" not in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".hf_mloss-tmp")) == []
-    single = hf_mloss.MergeConfig.from_yaml(config).run(device="cpu", progress=False)
+    single = hf_mloss.run(hf_mloss.MergeConfig.from_yaml(config), device="cpu", progress=False)
     merged = CLIPVisionModel.from_pretrained(out)
     for name, tensor in single.model.state_dict().items():
         torch.testing.assert_close(merged.state_dict()[name], tensor, rtol=1e-5, atol=1e-6)

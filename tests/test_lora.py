@@ -444,7 +444,7 @@ def test_yaml_and_mergekit_model_plus_lora(lora_setup, tmp_path):
     assert [m.model for m in config.models] == [str(a) for a in adapters[:2]]
     reference = hf_mloss.merge(str(base_dir), [str(f) for f in full[:2]], "task_arithmetic", lam=1.0,
                                weights=[0.5, 0.5], progress=False)
-    assert_close_states(_state(config.run(progress=False)), _state(reference))
+    assert_close_states(_state(hf_mloss.run(config, progress=False)), _state(reference))
     with pytest.raises(ConfigError, match="applies adapters to the merge's base"):
         MergeConfig.from_dict({"merge_method": "ties", "base_model": str(base_dir),
                                "models": [{"model": f"{full[0]}+{adapters[0]}", "parameters": {"density": 0.5, "weight": 1.0}}]})

@@ -77,7 +77,7 @@ def test_mergekit_yaml_runs_unchanged(tiny_paths, tmp_path, method, kwargs):
     run = _run("mergekit", method, tiny_paths, tmp_path, **kwargs)
     config = MergeConfig.from_yaml(run.out_dir / "peer_config.yml")
     assert config.method == {"linear": "average"}.get(method, method)
-    assert _max_diff(config.run(progress=False), _peer_state(run)) < 1e-6
+    assert _max_diff(hf_mloss.run(config, progress=False), _peer_state(run)) < 1e-6
 
 
 @pytest.mark.parametrize(("method", "kwargs"), [("tsv_m", {}), ("iso_c", {}), ("iso_cts", {"common_space_fraction": 0.8})])
@@ -154,7 +154,7 @@ def _decoder_max_diff(result, run) -> float:
 def test_decoder_merges_match_mergekit_from_the_same_yaml(decoder_paths, tmp_path, method, kwargs):
     run = _run("mergekit", method, decoder_paths, tmp_path, **kwargs)
     config = MergeConfig.from_yaml(run.out_dir / "peer_config.yml")
-    result = config.run(progress=False)
+    result = hf_mloss.run(config, progress=False)
     assert type(result.model).__name__.endswith("ForCausalLM")
     assert _decoder_max_diff(result, run) < 1e-6
 
@@ -192,7 +192,7 @@ def test_mergekit_recipe_methods_match(tiny_paths, tmp_path, method, kwargs):
     run = _run("mergekit", method, (base, models[:1] if method == "slerp" else models), tmp_path, **kwargs)
     config = MergeConfig.from_yaml(run.out_dir / "peer_config.yml")
     assert config.method == method
-    assert _max_diff(config.run(progress=False), _peer_state(run)) < 1e-6
+    assert _max_diff(hf_mloss.run(config, progress=False), _peer_state(run)) < 1e-6
 
 
 def _della_keep_rates(state, base_sd, tau_sd) -> list[tuple[float, float, int]]:
@@ -233,7 +233,7 @@ def test_della_masks_follow_mergekits_distribution(tiny_paths, tmp_path):
     run = _run("mergekit", "della_linear", (base, models[:1]), tmp_path, **kwargs)
     config = MergeConfig.from_yaml(run.out_dir / "peer_config.yml")
     assert config.parameters == {"k": 0.5, "e": 0.2, "lam": 1.0, "normalize": False, "rescale": "none"}
-    ours = {k: v for k, v in config.run(progress=False).model.state_dict().items() if v.is_floating_point()}
+    ours = {k: v for k, v in hf_mloss.run(config, progress=False).model.state_dict().items() if v.is_floating_point()}
     theirs = {k.removeprefix("vision_model."): v.float() for k, v in _peer_state(run).items()}
     base_sd = load_file(os.path.join(base, "model.safetensors"))
     model_sd = load_file(os.path.join(models[0], "model.safetensors"))
@@ -276,7 +276,7 @@ def test_mergekit_gradient_recipes_match(deep_paths, tmp_path, method, kwargs):
     """The same YAML with gradients / filter lists: equal within 1e-6, and the saved config records the values."""
     base, models = deep_paths
     run = _run("mergekit", method, (base, models[:1] if method == "slerp" else models), tmp_path, **kwargs)
-    result = MergeConfig.from_yaml(run.out_dir / "peer_config.yml").run(progress=False)
+    result = hf_mloss.run(MergeConfig.from_yaml(run.out_dir / "peer_config.yml"), progress=False)
     assert _max_diff(result, _peer_state(run)) < 1e-6
     resolved = result.config.resolved_parameters
     assert resolved and len({str(v) for v in resolved.values()}) > 1  # the values really vary over the model
@@ -290,7 +290,7 @@ def test_della_l1_rescale_matches_mergekits_rule(tiny_paths, tmp_path):
     run = _run("mergekit", "della_linear", (base, models[:1]), tmp_path, **kwargs)
     config = MergeConfig.from_yaml(run.out_dir / "peer_config.yml")
     assert config.parameters["rescale"] == "l1"
-    ours = {k: v for k, v in config.run(progress=False).model.state_dict().items() if v.is_floating_point()}
+    ours = {k: v for k, v in hf_mloss.run(config, progress=False).model.state_dict().items() if v.is_floating_point()}
     theirs = {k.removeprefix("vision_model."): v.float() for k, v in _peer_state(run).items()}
     base_sd = load_file(os.path.join(base, "model.safetensors"))
     model_sd = load_file(os.path.join(models[0], "model.safetensors"))
@@ -365,7 +365,7 @@ def test_mergekit_slices_match(sliced_paths, tmp_path, recipe):
         if os.environ.get("CI"):
             raise
         pytest.skip(f"mergekit not installable here: {err}")
-    result = MergeConfig.from_yaml(run.out_dir / "peer_config.yml").run(progress=False)
+    result = hf_mloss.run(MergeConfig.from_yaml(run.out_dir / "peer_config.yml"), progress=False)
     theirs = json.loads((run.out_dir / "config.json").read_text())
     assert result.model.config.num_hidden_layers == theirs["num_hidden_layers"]
     assert set(result.model.state_dict()) == set(run.state_dict())

@@ -390,10 +390,10 @@ def test_config_dict_and_yaml_round_trip(tiny_paths, tmp_path) -> None:
     config = MergeConfig.from_dict({"base": base, "models": [{"model": m, "weight": w} for m, w in
                                                             zip(models, [1.0, 0.5, 2.0])],
                                     "method": "breadcrumbs_ties", "parameters": {"k": 0.6, "gamma": 0.05}})
-    via_dict = config.run(progress=False)
+    via_dict = hf_mloss.run(config, progress=False)
     path = tmp_path / "merge.yaml"
     direct.config.to_yaml(path)
-    via_yaml = MergeConfig.from_yaml(path).run(progress=False)
+    via_yaml = hf_mloss.run(MergeConfig.from_yaml(path), progress=False)
     for result in (via_dict, via_yaml):
         assert all(torch.equal(v, direct.model.state_dict()[k]) for k, v in result.model.state_dict().items())
     saved = yaml.safe_load(path.read_text())
@@ -406,7 +406,7 @@ def test_saved_merge_records_method_and_card_cites_paper(tiny_paths, tmp_path) -
     out = result.save_pretrained(tmp_path / "merged")
     card = (Path(out) / "README.md").read_text()
     assert "2406.11617" in card and "DELLA" in card
-    again = MergeConfig.from_pretrained(out).run(progress=False)
+    again = hf_mloss.run(MergeConfig.from_pretrained(out), progress=False)
     assert all(torch.equal(v, result.model.state_dict()[k]) for k, v in again.model.state_dict().items())
 
 
@@ -561,7 +561,7 @@ def test_schedules_are_recorded_shown_and_rerun(tiny_paths, tmp_path) -> None:
     assert saved["resolved_parameters"]["embeddings.patch_embedding.weight"] == {"k": 0.4, "e": 0.2}
     card = (Path(out) / "README.md").read_text()
     assert "0.4 → 0.6 over the blocks" in card and "self_attn: 0.05; elsewhere: 0.2" in card
-    again = MergeConfig.from_pretrained(out).run(progress=False)
+    again = hf_mloss.run(MergeConfig.from_pretrained(out), progress=False)
     assert all(torch.equal(v, result.model.state_dict()[k]) for k, v in again.model.state_dict().items())
 
 

@@ -830,7 +830,7 @@ def _select_cli(*grid: str, method: str = "task_arithmetic") -> Callable[[Projec
 
 
 KNOBS = [
-    Case("grid_beyond_the_cap_is_refused_at_once", lambda p: hf_mloss.selection.SelectionOptions(
+    Case("grid_beyond_the_cap_is_refused_at_once", lambda p: hf_mloss.selection_options.SelectionOptions(
         grid={"lam": [i / 1000 for i in range(1, 1001)], "k": [0.2, 0.5]}), InvalidParameterError,
          ("2000 candidates", "limit is 1024")),
     Case("threads_env_superscript", with_env("HF_MLOSS_THREADS", "²", lambda p: merge_args(p, "average")),

@@ -16,7 +16,8 @@ import hf_mloss
 from hf_mloss import MergeConfig
 from hf_mloss.cli import main
 from hf_mloss.data import load_pixel_values
-from hf_mloss.selection import SelectionOptions, candidate_groups, selection_options
+from hf_mloss.selection import candidate_groups
+from hf_mloss.selection_options import SelectionOptions, selection_options
 from hf_mloss.testing import make_base, make_finetune, save_model, tiny_processor
 
 NUM = 8
@@ -184,7 +185,7 @@ def test_saved_record_card_and_rerun(tiny_paths, pixels, image_folder, tmp_path)
     assert saved["select"]["chosen"] == result.config.select.chosen and len(saved["select"]["candidates"]) == 4
     card = (folder / "README.md").read_text()
     assert "Parameters chosen without labels" in card and "✓" in card and "`output`" in card
-    again = MergeConfig.from_pretrained(folder).run(progress=False)
+    again = hf_mloss.run(MergeConfig.from_pretrained(folder), progress=False)
     assert max_diff(again.model, result.model) == 0 and again.config.select.chosen == result.config.select.chosen
 
 
@@ -202,7 +203,7 @@ def test_yaml_select_section_with_head_files(tiny_paths, image_folder, tmp_path)
     loaded = MergeConfig.from_yaml(config)
     assert loaded.select.heads[0] == str(tmp_path / "heads" / "h0.safetensors")
     assert loaded.to_dict(root=tmp_path)["select"]["heads"][0] == "heads/h0.safetensors"
-    result = loaded.run(progress=False)
+    result = hf_mloss.run(loaded, progress=False)
     assert result.config.select.chosen in [{"lam": 0.3}, {"lam": 0.5}]
     assert {"entropy"} <= set(result.config.select.candidates[0])
 

@@ -3,6 +3,8 @@ slices merged by a method with gradients over each slice, an encoder family, and
 
 from __future__ import annotations
 
+import hf_mloss
+
 import re
 from pathlib import Path
 
@@ -49,7 +51,7 @@ def test_passthrough_stack_with_overlapping_ranges(llama, tmp_path):
                          {"sources": [{"model": b, "layer_range": [1, 4]}]}],
               "merge_method": "passthrough", "dtype": "float32", "tokenizer_source": "base"}
     (tmp_path / "recipe.yml").write_text(yaml.safe_dump(recipe))
-    result = MergeConfig.from_yaml(tmp_path / "recipe.yml").run(progress=False)
+    result = hf_mloss.run(MergeConfig.from_yaml(tmp_path / "recipe.yml"), progress=False)
     folder = result.save_pretrained(tmp_path / "stacked")
     model = AutoModelForCausalLM.from_pretrained(folder)
     assert model.config.num_hidden_layers == 6
@@ -68,7 +70,7 @@ def test_passthrough_stack_with_overlapping_ranges(llama, tmp_path):
     saved = MergeConfig.from_pretrained(folder)
     assert saved.method == "passthrough" and saved.slices == [
         {"sources": [{"model": 0, "layer_range": [0, 3]}]}, {"sources": [{"model": 1, "layer_range": [1, 4]}]}]
-    rerun = saved.run(progress=False)
+    rerun = hf_mloss.run(saved, progress=False)
     assert all(torch.equal(v, result.model.state_dict()[k]) for k, v in rerun.model.state_dict().items())
     card = (folder / "README.md").read_text()
     assert "layers 0–2 of base → output layers 0–2" in card and "output layers 3–5" in card
@@ -79,7 +81,7 @@ def test_passthrough_of_one_model_repeats_its_layers(llama):
     config = MergeConfig(base=a, models=[], method="passthrough",
                          slices=[{"sources": [{"model": 0, "layer_range": [0, 4]}]},
                                  {"sources": [{"model": 0, "layer_range": [2, 4]}]}])
-    state = config.run(progress=False).model.state_dict()
+    state = hf_mloss.run(config, progress=False).model.state_dict()
     wa = weights(a)
     assert torch.equal(state["model.layers.5.self_attn.q_proj.weight"], wa["model.layers.3.self_attn.q_proj.weight"])
     assert torch.equal(state["model.layers.4.mlp.up_proj.weight"], wa["model.layers.2.mlp.up_proj.weight"])
@@ -92,7 +94,7 @@ def test_tied_llama_stack_stays_tied_and_records_every_input(tmp_path):
     config = MergeConfig(base=str(base), models=[str(models[0])], method="passthrough",
                          slices=[{"sources": [{"model": 1, "layer_range": [0, 2]}]},
                                  {"sources": [{"model": 0, "layer_range": [2, 4]}]}])
-    result = config.run(progress=False)
+    result = hf_mloss.run(config, progress=False)
     folder = result.save_pretrained(tmp_path / "out")
     model = AutoModelForCausalLM.from_pretrained(folder)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
@@ -108,7 +110,7 @@ def test_qwen2_layer_types_follow_the_stack(tmp_path):
     config = MergeConfig(base=str(base), models=[str(models[0])], method="passthrough",
                          slices=[{"sources": [{"model": 0, "layer_range": [0, 4]}]},
                                  {"sources": [{"model": 1, "layer_range": [0, 1]}]}])
-    folder = config.run(progress=False).save_pretrained(tmp_path / "out")
+    folder = hf_mloss.run(config, progress=False).save_pretrained(tmp_path / "out")
     model = AutoModelForCausalLM.from_pretrained(folder)
     assert model.config.num_hidden_layers == 5
     if getattr(model.config, "layer_types", None) is not None:
@@ -144,7 +146,7 @@ def test_slerp_over_slices_with_filter_gradients(llama, tmp_path, slices):
     recipe = {"slices": [{"sources": [{"model": a, "layer_range": [sa, sa + n]},
                                       {"model": b, "layer_range": [sb, sb + n]}]} for sa, sb, n in slices],
               "merge_method": "slerp", "base_model": a, "parameters": SLERP_T, "dtype": "float32"}
-    result = MergeConfig.from_dict(recipe).run(progress=False)
+    result = hf_mloss.run(MergeConfig.from_dict(recipe), progress=False)
     assert result.model.config.num_hidden_layers == sum(n for _, _, n in slices)
     expected = expected_slerp(weights(a), weights(b), slices)
     ours = result.model.state_dict()
@@ -164,7 +166,7 @@ def test_task_arithmetic_over_slices_uses_each_sources_layers(llama):
                                       {"model": b, "layer_range": [0, 2], "parameters": {"weight": 1.0}},
                                       {"model": c, "layer_range": [1, 3], "parameters": {"weight": 0.5}}]}],
               "merge_method": "task_arithmetic", "base_model": a, "parameters": {"lambda": 0.5}, "dtype": "float32"}
-    result = MergeConfig.from_dict(recipe).run(progress=False)
+    result = hf_mloss.run(MergeConfig.from_dict(recipe), progress=False)
     wa, wb, wc = weights(a), weights(b), weights(c)
     ours = result.model.state_dict()
     name = "model.layers.1.mlp.down_proj.weight"
@@ -180,9 +182,9 @@ def test_slices_on_bert(tmp_path):
                                 num_attention_heads=4, max_position_embeddings=64, pad_token_id=3)).eval()
     base, models = save_with_finetunes(bert, tmp_path / "in", 1, tokenizer=word_tokenizer())
     a, b = str(base), str(models[0])
-    stack = MergeConfig.from_dict({"slices": [{"sources": [{"model": a, "layer_range": [0, 3]}]},
+    stack = hf_mloss.run(MergeConfig.from_dict({"slices": [{"sources": [{"model": a, "layer_range": [0, 3]}]},
                                               {"sources": [{"model": b, "layer_range": [1, 3]}]}],
-                                   "merge_method": "passthrough", "dtype": "float32"}).run(progress=False)
+                                   "merge_method": "passthrough", "dtype": "float32"}), progress=False)
     folder = stack.save_pretrained(tmp_path / "stacked")
     loaded, info = AutoModel.from_pretrained(folder, output_loading_info=True)
     assert isinstance(loaded, BertModel) and loaded.config.num_hidden_layers == 5 and not info["missing_keys"]
@@ -192,10 +194,10 @@ def test_slices_on_bert(tmp_path):
                        wa["encoder.layer.2.attention.self.query.weight"])
     assert torch.equal(ours["embeddings.word_embeddings.weight"], wa["embeddings.word_embeddings.weight"])
     assert torch.equal(ours["pooler.dense.weight"], wb["pooler.dense.weight"])
-    merged = MergeConfig.from_dict({"slices": [{"sources": [{"model": a, "layer_range": [1, 3]},
+    merged = hf_mloss.run(MergeConfig.from_dict({"slices": [{"sources": [{"model": a, "layer_range": [1, 3]},
                                                             {"model": b, "layer_range": [0, 2]}]}],
                                     "merge_method": "slerp", "base_model": a, "parameters": {"t": 0.3},
-                                    "dtype": "float32"}).run(progress=False)
+                                    "dtype": "float32"}), progress=False)
     name = "encoder.layer.0.intermediate.dense.weight"
     expected = slerp(0.3, wa["encoder.layer.1.intermediate.dense.weight"], wb[name])
     torch.testing.assert_close(merged.model.state_dict()[name], expected, rtol=0, atol=1e-6)
@@ -208,7 +210,7 @@ def test_layer_range_out_of_bounds_is_refused(llama, tmp_path):
                                                {"sources": [{"model": b, "layer_range": [2, 6]}]}],
                                     "merge_method": "passthrough"})
     with pytest.raises(InvalidParameterError, match=r"layer_range \[2, 6\] runs past model 1's 4 layers"):
-        config.run(progress=False)
+        hf_mloss.run(config, progress=False)
 
 
 def test_slices_of_different_lengths_are_refused_for_merges(llama):
@@ -242,7 +244,7 @@ def test_sources_with_different_architectures_are_refused(llama, tmp_path):
                                                {"sources": [{"model": str(wide), "layer_range": [0, 2]}]}],
                                     "merge_method": "passthrough"})
     with pytest.raises(IncompatibleCheckpointsError):
-        config.run(progress=False)
+        hf_mloss.run(config, progress=False)
 
 
 def test_passthrough_without_slices_and_slices_with_models_are_refused(llama):
@@ -287,7 +289,7 @@ def test_slices_of_a_scored_vision_family_are_refused(tiny_paths):
     config = MergeConfig(base=base, models=models, method="average",
                          slices=[{"sources": [{"model": i, "layer_range": [0, 1]} for i in range(1 + len(models))]}])
     with pytest.raises(InvalidParameterError, match="text families"):
-        config.run(progress=False)
+        hf_mloss.run(config, progress=False)
 
 
 def test_cli_merges_a_mergekit_slices_yaml(llama, tmp_path):

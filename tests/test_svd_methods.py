@@ -343,7 +343,7 @@ def test_yaml_config_and_cli(tiny_paths, tmp_path) -> None:
     config = MergeConfig.from_dict({"base": base, "models": models, "method": "iso_cts",
                                     "parameters": {"lam": 2.5, "common_space_fraction": 0.6}})
     assert config.method_params().common_space_fraction == 0.6
-    via_config = config.run(progress=False)
+    via_config = hf_mloss.run(config, progress=False)
     assert all(torch.equal(a, b) for a, b in zip(direct.model.state_dict().values(),
                                                   via_config.model.state_dict().values()))
     path = tmp_path / "tsv.yaml"

@@ -13,6 +13,8 @@ Usage::
 
 from __future__ import annotations
 
+import hf_mloss
+
 import argparse
 import json
 import sys
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             run = run_peer_merge("mergekit", method, base, models[:1] if method == "slerp" else models,
                                  Path(tmp) / f"run{i}", **kwargs)
             start = time.perf_counter()
-            result = MergeConfig.from_yaml(run.out_dir / "peer_config.yml").run(progress=False)
+            result = hf_mloss.run(MergeConfig.from_yaml(run.out_dir / "peer_config.yml"), progress=False)
             ours_s = time.perf_counter() - start
             state = {k: v for k, v in result.model.state_dict().items() if v.is_floating_point()}
             recipe = {key: value for key, value in kwargs.items() if key != "weights"}
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         k, e = 0.5, 0.2
         run = run_peer_merge("mergekit", "della_linear", base, models[:1], Path(tmp) / "della", k=k, weights=[1.0],
                              parameters={"epsilon": e, "rescale": False}, seed=0)
-        ours = MergeConfig.from_yaml(run.out_dir / "peer_config.yml").run(progress=False).model.state_dict()
+        ours = hf_mloss.run(MergeConfig.from_yaml(run.out_dir / "peer_config.yml"), progress=False).model.state_dict()
         ours = {k_: v for k_, v in ours.items() if v.is_floating_point()}
         theirs = {k_.removeprefix("vision_model."): v.float() for k_, v in load_file(str(run.model_path)).items()}
         base_sd, model_sd = load_file(f"{base}/model.safetensors"), load_file(f"{models[0]}/model.safetensors")
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "recipe_parity_cpu.json").write_text(json.dumps({"recipes": rows, "della_keep_rates": della},
                                                                indent=2) + "\n")
     note = ("mergekit 0.1.5 (`mergekit-yaml`, a child process: its time includes interpreter start and imports) and "
-            "hf_mloss (`MergeConfig.from_yaml(...).run()` in process, inputs opened and merged) on the same YAML. "
+            "hf_mloss (`hf_mloss.run(MergeConfig.from_yaml(...))` in process, inputs opened and merged) on the same YAML. "
             "The recipe column omits the weights (1, 0.5, 2 where the method takes weights).")
     lines = ["# mergekit recipe parity (tiny CLIP towers, 4 blocks, float32, CPU)", "", note, "",
              "| method | recipe | max abs diff | mergekit s | hf_mloss s |", "|---|---|---|---|---|"]

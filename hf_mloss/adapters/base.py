@@ -38,6 +38,8 @@ class ModelAdapter(ABC):
     target_suffix: ClassVar[str]
     """Module name, relative to a block, of the linear that feeds the activation (``"mlp.fc1"``)."""
     pipeline_tag: ClassVar[str] = "image-feature-extraction"
+    fallback: ClassVar[bool] = False
+    """Tried after every other registered adapter (the generic one, which accepts any model type)."""
     containers: ClassVar[dict[str, tuple[type[PreTrainedModel], str, str]]] = {}
     """Whole-model types that hold the merged tower: ``model_type -> (class, tower attribute, pipeline tag)``
     (CLIP: ``"clip" -> (CLIPModel, "vision_model", "zero-shot-image-classification")``)."""

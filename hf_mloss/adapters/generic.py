@@ -42,7 +42,7 @@ _TAGGED_MAPPINGS = (
 
 def scoring_unavailable(model_type: str | None, what: str = "M-Loss scoring") -> str:
     """The message of a refused data-guided run on a family without scoring."""
-    from . import ADAPTERS
+    from .registry import ADAPTERS
 
     scored = sorted(t for cls in ADAPTERS.values() if getattr(cls, "scorable", True) for t in cls.model_types)
     return (f"{what} needs a scored model family, and scoring is not available yet for model_type={model_type!r} "
@@ -138,6 +138,7 @@ class GenericAdapter(ModelAdapter):
     model_class = PreTrainedModel  # replaced by the config's class in __init__
     layer_pattern = re.compile(r"(?:.*\.)?(?:layers|layer|h|blocks|block)\.(\d+)\.")
     target_suffix = ""
+    fallback = True
     scorable: ClassVar[bool] = False
     saves_with_transformers: ClassVar[bool] = True
     """The merge is written with the model's own ``save_pretrained`` (tied tensors saved once, generation config)."""

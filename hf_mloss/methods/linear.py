@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .._validation import param
-from . import register_merge_method
+from .registry import register_merge_method
 from .base import MergeContext, MergeMethod, MethodParams
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from .._validation import param
 from ..errors import InvalidParameterError
-from . import register_merge_method
+from .registry import register_merge_method
 from .base import MergeContext, MergeMethod, MethodParams
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from . import register_merge_method
+from .registry import register_merge_method
 from .base import MergeContext, MergeMethod, MethodParams
 
 if TYPE_CHECKING:
