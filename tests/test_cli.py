@@ -169,7 +169,9 @@ def test_user_errors_from_the_api_are_one_paragraph(tmp_path, tiny_paths, capsys
     with pytest.raises(hf_mloss.ConfigError):  # caught by the config already (a local folder that does not exist)
         hf_mloss.config.MergeConfig.from_yaml(config)
     incompatible = tmp_path / "other"
-    hf_mloss.testing.save_model(hf_mloss.testing.make_base(1, hidden_size=48, intermediate_size=96), incompatible)
+    from hf_mloss.testing import make_base, save_model
+
+    save_model(make_base(1, hidden_size=48, intermediate_size=96), incompatible)
     config = write_config(tmp_path / "c.yaml", base=base, models=[str(incompatible)])
     capsys.readouterr()
     assert main(["merge", str(config), str(tmp_path / "out"), "-q"]) == 2

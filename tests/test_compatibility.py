@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 import hf_mloss
 from hf_mloss.cli import main
-from hf_mloss.compatibility import (CompatibilityReport, SubsetAccumulator, compatibility, standard_subsets,
-                                    subset_matrix)
+from hf_mloss.api import compatibility
+from hf_mloss.compatibility import CompatibilityReport, SubsetAccumulator, standard_subsets, subset_matrix
 from hf_mloss.data import load_pixel_values
 from hf_mloss.methods.ops import trim_tensor
 from hf_mloss.scoring import MLossAccumulator
