@@ -221,7 +221,7 @@ def test_non_finite_compatibility_values_are_refused_naming_the_subset(tiny_path
     monkeypatch.setattr(compat, "subset_mloss", overflowing)
     base, models = tiny_paths
     with pytest.raises(hf_mloss.InvalidParameterError, match=r"not finite \(weights") as info:
-        compat.compatibility(base, models, str(image_folder), num_samples=4, batch_size=4, progress=False)
+        hf_mloss.compatibility(base, models, str(image_folder), num_samples=4, batch_size=4, progress=False)
     assert "of subset [" in str(info.value)
 
 
