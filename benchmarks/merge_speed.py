@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import importlib
 import json
 import math
 import os
@@ -63,7 +64,7 @@ DEFAULT_RESULTS = HERE / "results"
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from merge_speed_report import render_markdown, summarize_repeats  # noqa: E402
+from merge_speed_report import REFERENCE_SUFFIX, render_markdown, summarize_repeats  # noqa: E402
 
 SHAPES: dict[str, dict] = {
     # CLIPVisionConfig defaults = ViT-B/32 (87.46 M parameters, 350 MB fp32).
@@ -155,8 +156,13 @@ def child_main(spec_path: str) -> int:
     t0, c0 = time.perf_counter(), time.process_time()
     import torch
 
-    import hf_mloss.merger
-    import hf_mloss.scoring  # noqa: F401  (imports before the timed call, as in a script that merges)
+    import hf_mloss
+
+    for module in ("api", "merger", "scoring", "merging.driver", "engine.score"):  # imported before the timed call,
+        try:  # as in a script that merges (the module names of this tree or of a --reference tree)
+            importlib.import_module(f"hf_mloss.{module}")
+        except ImportError:
+            pass
 
     info: dict = {"import_s": time.perf_counter() - t0, "vmrss_after_import_mb": _proc_status_mb("VmRSS"),
                   "torch_threads": torch.get_num_threads(), "loadavg_start": os.getloadavg()}
@@ -327,6 +333,8 @@ def run_child(spec: dict, work: Path, timeout: float) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path)]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
+    if spec.get("pythonpath"):  # a --reference tree: its hf_mloss is imported instead of this one
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [spec["pythonpath"], env.get("PYTHONPATH")]))
     with open(log_path, "w") as log:
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
@@ -665,9 +673,12 @@ def create_inputs(plan: Plan) -> None:
          f"{info['create_s']} s); images {plan.images.name if plan.images else 'none (decoder: data-free runs)'}")
 
 
-def hf_spec(plan: Plan, name: str, repeat: int) -> dict:
-    """The child spec of an hf_mloss run (or the plain forward)."""
-    spec = dict(plan.common_spec(), name=f"{name}.r{repeat}")
+def hf_spec(plan: Plan, name: str, repeat: int, reference: bool = False) -> dict:
+    """The child spec of an hf_mloss run (or the plain forward); ``reference``: under the --reference tree."""
+    label = f"{name}{REFERENCE_SUFFIX}" if reference else name
+    spec = dict(plan.common_spec(), name=f"{label}.r{repeat}")
+    if reference:
+        spec["pythonpath"] = str(Path(plan.args.reference).resolve())
     if name == "forward":
         return spec | dict(kind="forward", data=str(plan.images), repeats=plan.args.forward_repeats)
     if name in SCORE_RUNS:
@@ -678,7 +689,7 @@ def hf_spec(plan: Plan, name: str, repeat: int) -> dict:
     method, params = HF_RUNS[name]
     data = method in DATA_METHODS or "select" in params
     return spec | dict(kind="merge", method=method, params=params, data=str(plan.images) if data else None,
-                       out=str(plan.outs / name))
+                       out=str(plan.outs / label))
 
 
 def measured(fn, *a, **kw) -> dict:
@@ -690,9 +701,9 @@ def measured(fn, *a, **kw) -> dict:
     return res
 
 
-def run_hf(plan: Plan, name: str, repeat: int) -> dict:
-    spec = hf_spec(plan, name, repeat)
-    _log(f"[run {repeat + 1}] {name} ...")
+def run_hf(plan: Plan, name: str, repeat: int, reference: bool = False) -> dict:
+    spec = hf_spec(plan, name, repeat, reference)
+    _log(f"[run {repeat + 1}] {name}{REFERENCE_SUFFIX if reference else ''} ...")
     res = measured(run_child, spec, plan.work, plan.args.timeout)
     res["spec"] = {k: v for k, v in spec.items() if k not in ("models", "result")}
     return res
@@ -801,6 +812,8 @@ def run_repeat(plan: Plan, repeat: int) -> dict:
     started = os.getloadavg()
     for name in plan.runs:
         record(name, run_hf(plan, name, repeat))
+        if plan.args.reference and name != "forward":  # side by side: this tree, then the reference tree
+            record(f"{name}{REFERENCE_SUFFIX}", run_hf(plan, name, repeat, reference=True))
     run_peers(plan, repeat, record)
     for res in results.values():
         res.setdefault("tasks", plan.args.q)
@@ -848,7 +861,7 @@ def main_run(args) -> int:
     plan = make_plan(args)
     started = {"date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                "command": shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv]), "cwd": os.getcwd(),
-               "loadavg_start": os.getloadavg()}
+               "loadavg_start": os.getloadavg(), "reference": args.reference}
     _log(f"shape={args.shape} layers={args.layers} q={args.q} device={args.device} runs={plan.runs} "
          f"peers={plan.peers} repeats={args.repeats}")
     create_inputs(plan)
@@ -915,6 +928,9 @@ def parse_args(argv=None):
     ap.add_argument("--results-dir", default=str(DEFAULT_RESULTS))
     ap.add_argument("--tag", default=None, help="results file suffix (default: <shape>_<device>; b32: <device>)")
     ap.add_argument("--keep-outputs", action="store_true", help="keep the merged models under the cache")
+    ap.add_argument("--reference", metavar="TREE", default=None,
+                    help="another hf_mloss source tree (e.g. a git worktree of the previous main): every hf_mloss run "
+                         "is repeated under it right after this tree's, and the report gives both trees' ratios")
     ap.add_argument("--render", metavar="JSON", help="only re-write the Markdown of an existing results JSON")
     return ap.parse_args(argv)
 

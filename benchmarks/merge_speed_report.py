@@ -152,8 +152,30 @@ def rss_table(runs: dict, model_mb: float) -> dict:
     return rss
 
 
+REFERENCE_SUFFIX = "@reference"
+"""Suffix of the runs made under ``--reference`` (another hf_mloss tree, run side by side with this one)."""
+
+
+def reference_view(runs: dict) -> dict | None:
+    """The runs as the reference tree saw them: each ``X@reference`` in place of ``X`` (peers and the plain forward
+    shared), so the same ratio functions give the reference's ratios; None without a reference."""
+    if not any(name.endswith(REFERENCE_SUFFIX) for name in runs):
+        return None
+    view = {name: res for name, res in runs.items() if not name.endswith(REFERENCE_SUFFIX)}
+    view.update({name[: -len(REFERENCE_SUFFIX)]: res for name, res in runs.items() if name.endswith(REFERENCE_SUFFIX)})
+    return view
+
+
 def summarize_repeat(repeat: dict, payload: dict) -> dict:
-    runs, q, model_mb = repeat["runs"], payload["q"], payload["models"]["model_bytes"] / 1e6
+    summary = _summarize_runs(repeat["runs"], payload)
+    view = reference_view(repeat["runs"])
+    if view is not None:
+        summary["reference_ratios"] = _summarize_runs(view, payload)["ratios"]
+    return summary
+
+
+def _summarize_runs(runs: dict, payload: dict) -> dict:
+    q, model_mb = payload["q"], payload["models"]["model_bytes"] / 1e6
     floor = floor_figures(runs, q)
     ratios = Ratios()
     mergekit_ratios(ratios, runs, q)
@@ -228,6 +250,29 @@ def header_lines(p: dict) -> list[str]:
         "saving. *inner* is the library call alone: `merge()`, `score()`, `compatibility()`, the forward loop, or "
         "fusion-bench's merge step.", "",
     ]
+
+
+def reference_lines(p: dict) -> list[str]:
+    """Every ratio of this tree beside the same ratio of the --reference tree, per run."""
+    per_repeat = p["summary"]["per_repeat"]
+    if not any("reference_ratios" in s for s in per_repeat):
+        return []
+    keys = list(dict.fromkeys(k for s in per_repeat for k in s["ratios"]))
+    n = len(per_repeat)
+    lines = [f"## This tree against the reference tree (`--reference {p['machine'].get('reference', '')}`)", "",
+             "Each hf_mloss run was made twice in a row, under this tree and under the reference tree; the ratios "
+             "below are computed the same way on each tree's runs (peers and the plain forward shared).", "",
+             "| ratio | target | " + " | ".join(f"run {i + 1}: this / reference" for i in range(n)) + " |",
+             "|---|---|" + "---|" * n]
+    for key in keys:
+        cells = []
+        for s in per_repeat:
+            ours, theirs = s["ratios"].get(key), s.get("reference_ratios", {}).get(key)
+            cells.append(f"{ours['value']:.3f} / {theirs['value']:.3f}" if ours and theirs else
+                         f"{ours['value']:.3f} / —" if ours else "—")
+        target = next((s["ratios"][key]["target"] for s in per_repeat if key in s["ratios"]), None)
+        lines.append(f"| {key} | {'≤ ' + str(target) if target is not None else ''} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def targets_lines(p: dict) -> list[str]:
@@ -347,7 +392,7 @@ def tail_lines(p: dict) -> list[str]:
 
 
 def render_markdown(p: dict) -> str:
-    lines = header_lines(p) + targets_lines(p)
+    lines = header_lines(p) + targets_lines(p) + reference_lines(p)
     for rep, summary in zip(p["repeats"], p["summary"]["per_repeat"]):
         lines += repeat_lines(rep, summary, p)
     return "\n".join(lines + rss_lines(p) + check_lines(p) + tail_lines(p))
