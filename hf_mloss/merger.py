@@ -224,6 +224,9 @@ class DriverRun(LayerwiseRun):
     def merge_remaining(self) -> None:
         self.merger.merge(self.merger.names)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.merger.inputs.base.shapes[name])
+
     def record(self, kind: str, target: str, values: torch.Tensor) -> None:
         self.records.setdefault(kind, {})[target] = values
 

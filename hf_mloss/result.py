@@ -188,6 +188,9 @@ class MergeResult:
             source.save_pretrained(folder)
             return
         where = os.fspath(source) if source is not None else self.base.path
+        if getattr(self.adapter, "modality", "image") == "text":  # a text family: the base's tokenizer
+            self._save_tokenizer(where or "the loaded base model", folder)
+            return
         if not where or not Path(where).is_dir():
             self._warn_no_processor(where or "the loaded base model")
             return
@@ -199,6 +202,18 @@ class MergeResult:
                 self.adapter.load_processor(where).save_pretrained(folder)
             except (OSError, ValueError):  # the base has no preprocessor config
                 self._warn_no_processor(where)
+
+    @staticmethod
+    def _save_tokenizer(where: str, folder: Path) -> None:
+        import warnings
+
+        from transformers import AutoTokenizer
+
+        try:
+            AutoTokenizer.from_pretrained(where, trust_remote_code=False).save_pretrained(folder)
+        except (OSError, ValueError, TypeError, KeyError):
+            warnings.warn(f"The merged folder has no tokenizer: none could be loaded from {where!r}. Save the "
+                          "base's tokenizer into the folder.", UserWarning, stacklevel=4)
 
     @staticmethod
     def _warn_no_processor(where: str) -> None:

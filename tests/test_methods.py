@@ -445,9 +445,19 @@ def check_keep_ratios(report, k: float, e: float, names) -> None:
         assert float(keep[order][0]) == pytest.approx(k) and float(keep[order][-1]) == pytest.approx(k - e)
 
 
+def ref_row_thresholds(tau: np.ndarray, counts: list[int]) -> np.ndarray:
+    """Per row: the m-th largest |τ| (+inf where m ≤ 0: nothing kept; −inf where m ≥ n_in: everything kept)."""
+    out = []
+    for row, m in zip(np.abs(tau), counts):
+        out.append(math.inf if m <= 0 else -math.inf if m >= row.size else np.sort(row)[::-1][m - 1])
+    return np.asarray(out)
+
+
 def ref_m_merge(base, fts, names, row_keep: dict[str, np.ndarray], *, k: float, other="ties", p=None, seed=0,
                 lam=1.0, weights=None) -> dict[str, np.ndarray]:
-    """M-TIES/M-DARE reference: fc1 rows keep floor(n_in·keep_i), other tensors per-tensor trim at k (or DARE)."""
+    """M-TIES/M-DARE reference: fc1 rows keep floor(n_in·keep_i); fc1 bias entry i is kept iff its |τ| reaches the
+    threshold of row i of the same task vector's fc1 weight (the node group); other tensors per-tensor trim at k
+    (or DARE)."""
     q = len(fts)
     w = np.full(q, 1.0 / q) if weights is None else np.asarray(weights, dtype=np.float64)
     out = {}
@@ -458,6 +468,11 @@ def ref_m_merge(base, fts, names, row_keep: dict[str, np.ndarray], *, k: float, 
             n_in = taus.shape[2]
             counts = [math.floor(n_in * float(x)) for x in row_keep[module]]
             trimmed = np.stack([ref_trim_rows(t, counts) for t in taus])
+        elif n.endswith(".bias") and module in row_keep:
+            weight_taus = task_vectors(base, fts, f"{module}.weight")
+            counts = [math.floor(weight_taus.shape[2] * float(x)) for x in row_keep[module]]
+            trimmed = np.stack([np.where(np.abs(t) >= ref_row_thresholds(wt, counts), t, 0.0)
+                                for t, wt in zip(taus, weight_taus)])
         elif other == "ties":
             trimmed = np.stack([ref_trim_tensor(t, math.floor(t.size * k)) for t in taus])
         else:

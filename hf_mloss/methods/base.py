@@ -97,6 +97,10 @@ class LayerwiseRun:
         """Merge every tensor not merged yet."""
         raise NotImplementedError
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape of a merged tensor (canonical name)."""
+        raise NotImplementedError
+
     def record(self, kind: str, target: str, values: torch.Tensor) -> None:
         """Keep per-row values of a scored linear for the report (e.g. ``kind="keep_ratios"``)."""
         raise NotImplementedError

@@ -1,10 +1,20 @@
-"""M-TIES and M-DARE: TIES / DARE whose scored linears get one keep ratio per row, from the rows' node M-Loss.
+"""M-TIES and M-DARE: TIES / DARE whose scored units get one keep ratio per node, from the nodes' M-Loss.
 
-Rows (nodes) are ranked by node M-Loss: rank r_i ∈ {0..n−1} in ascending order (stable on ties), ρ_i = r_i/(n−1),
-and row i keeps the fraction ``k − e·ρ_i`` of each task vector's entries — the lowest-loss node keeps k, the
-highest k − e. Every other tensor is trimmed per tensor at k (M-TIES) or DARE-dropped (M-DARE). The merge runs block
-by block through :class:`MTiesHooks`: with ``prefix="merged"`` each block is scored on the inputs produced by the
-already-merged blocks before it (the paper's Algorithm 1).
+Nodes are ranked by node M-Loss: rank r_i ∈ {0..n−1} in ascending order (stable on ties), ρ_i = r_i/(n−1), and node
+i keeps the fraction ``k − e·ρ_i`` of each task vector — the lowest-loss node keeps k, the highest k − e. The keep
+ratio applies to the node's whole GROUP, as the adapter declares it (:meth:`~hf_mloss.adapters.ModelAdapter.
+node_groups`; SPEC §1b, §3): each 2-D member slice (row i of the fc1 / gate / up weight, column i of the down
+weight) keeps its own ``floor(len · keep_i)`` largest |τ| entries; a 1-D member (the bias entry i of fc1 / gate) has
+no fraction of its own (``floor(1 · keep_i)`` would zero it) and is kept iff its |τ| reaches the threshold of the
+node's FIRST 2-D member slice (row i of the fc1 / gate weight) in the same task vector. The same keep vector applies
+to every task vector. Every other tensor is trimmed per tensor at k (M-TIES) or DARE-dropped (M-DARE); group tensors
+are never rescaled. The merge runs block by block through :class:`MTiesHooks`: with ``prefix="merged"`` each block
+is scored on the inputs produced by the already-merged blocks before it (the paper's Algorithm 1).
+
+``e=0`` (M-TIES): every node keeps k, and every group tensor is then trimmed per tensor at k, so the control is bit
+for bit ``ties(scope="tensor")`` — also where a group is not one row (a gated MLP's gate row, up row and down column;
+a per-node trim at a uniform k would differ from the per-tensor trim). M-DARE with ``e=0`` trims its groups node by
+node at the uniform ratio.
 """
 
 from __future__ import annotations
@@ -55,7 +65,7 @@ class LayerwiseParams(ScoringOptions, MethodParams):
                         "or own.", choices=PREFIXES)
     layers: tuple[int, ...] | None = param(None, "Blocks whose scored linear gets M-Loss keep ratios (few-layer "
                                            "M-TIES); default: all.", low=0)
-    e: float = param(0.1, "Keep-ratio spread: rows keep between k − e (highest M-Loss) and k (lowest).", low=0.0)
+    e: float = param(0.1, "Keep-ratio spread: nodes keep between k − e (highest M-Loss) and k (lowest).", low=0.0)
     lam: float = param(1.0, "λ: θ = θ₀ + λ·τ_merged.")
     rank: str = param("mloss", "Row ranks from node M-Loss, or random (the ablation control).", choices=RANKS)
 
@@ -71,7 +81,7 @@ class LayerwiseParams(ScoringOptions, MethodParams):
 
 @dataclass(frozen=True)
 class MTiesParams(LayerwiseParams):
-    k: float = param(0.2, "Keep fraction of the lowest-M-Loss rows and of every other tensor.", low=0.0, high=1.0,
+    k: float = param(0.2, "Keep fraction of the lowest-M-Loss nodes and of every other tensor.", low=0.0, high=1.0,
                      low_open=True, hint=KEEP_HINT)
 
     @property
@@ -83,7 +93,7 @@ class MTiesParams(LayerwiseParams):
 class MDareParams(LayerwiseParams):
     p: float = param(0.7, "DARE keep probability of the non-scored tensors.", low=0.0, high=1.0, low_open=True,
                      hint="p is the probability of KEEPING an entry.")
-    k: float | None = param(None, "Keep fraction of the lowest-M-Loss rows (default: p).", low=0.0, high=1.0,
+    k: float | None = param(None, "Keep fraction of the lowest-M-Loss nodes (default: p).", low=0.0, high=1.0,
                             low_open=True, hint=KEEP_HINT)
 
     @property
@@ -91,42 +101,138 @@ class MDareParams(LayerwiseParams):
         return self.p if self.k is None else self.k
 
 
+@dataclass(frozen=True)
+class GroupMember:
+    """How one tensor of a scored node group is trimmed: its slice i keeps the fraction ``keep[i]`` of each task vector.
+
+    2-D members are trimmed slice by slice (``dim=0``: row i, ``dim=1``: column i). A 1-D member (a bias) has no
+    fraction of its own — ``floor(1 · keep_i)`` would zero it — so entry i is kept iff its |τ| reaches the threshold
+    of slice i of the group's ``anchor`` (its first 2-D member: the fc1 / gate weight) in the same task vector.
+    """
+
+    keep: torch.Tensor
+    """``[n]`` keep ratios, one per node (float64, on the run's device)."""
+    dim: int
+    anchor: str | None = None
+    """1-D members: the canonical name of the group's first 2-D member."""
+    anchor_length: int = 0
+    """1-D members: the length of the anchor's slices (for an anchor that no source changed)."""
+    keeps_thresholds: bool = False
+    """The anchor of a group with 1-D members: its per-slice thresholds are kept for them."""
+
+
+GROUP_STATE = "node_groups"
+"""``MergeContext.state`` key: canonical name -> :class:`GroupMember`, for the group tensors of the scored blocks."""
+THRESHOLD_STATE = "node_thresholds"
+"""``MergeContext.state`` key: anchor name -> ``[q, n]`` per-slice thresholds of each task vector."""
+
+
+def unchanged_anchor_thresholds(member: GroupMember) -> torch.Tensor:
+    """The thresholds of an anchor whose task vectors are all zero (the merge copied it from the base): 0 where the
+    slice keeps some but not all entries, +inf where it keeps none, -inf where it keeps all."""
+    import torch
+
+    counts = torch.floor(member.keep.double() * member.anchor_length)
+    zero = torch.zeros(counts.shape, dtype=torch.float32, device=member.keep.device)
+    thresholds = torch.where(counts > 0, zero, torch.full_like(zero, float("inf")))
+    return torch.where(counts >= member.anchor_length, torch.full_like(zero, float("-inf")), thresholds)
+
+
 class MTiesHooks(LayerHooks):
-    """Merge stage by stage; each scored linear waits for its block's node M-Loss, which sets its row keep ratios."""
+    """Merge stage by stage; the node group of each scored block waits for the block's node M-Loss, which sets the
+    keep ratios of its nodes.
+
+    The group comes from :meth:`~hf_mloss.adapters.ModelAdapter.node_groups` (CLIP: the fc1 weight's rows and bias
+    entries; a gated MLP: the gate and up weights' rows and the down weight's columns). Its 2-D members are merged
+    first (the anchor keeps its thresholds), then its 1-D members, against the anchor's thresholds.
+    """
 
     def __init__(self, run: LayerwiseRun, uniform_keep_is_tensor_trim: bool) -> None:
         self.run = run
         self.params: LayerwiseParams = run.ctx.params
         self.scored = set(self.params.layers if self.params.layers is not None else range(run.adapter.num_layers))
         self.uniform_keep_is_tensor_trim = uniform_keep_is_tensor_trim
+        # Every group is read and checked now, before any tensor is merged.
+        self.groups = {layer: self._checked_group(layer) for layer in sorted(self.scored)}
 
-    def _row_weight(self, layer: int) -> str:
-        return f"{self.run.adapter.target_name(layer)}.weight"
+    def _checked_group(self, layer: int) -> list[tuple[str, int, int]]:
+        """``(name, dim, ndim)`` of each member of ``layer``'s node group, refused when the adapter's declaration
+        does not fit the merged tensors."""
+        adapter = self.run.adapter
+        declared = list(adapter.node_groups(layer))
+        held = set(self.run.stage_names(layer))
+        where = f"{type(adapter).__name__}.node_groups({layer})"
+        if not declared:
+            raise InvalidParameterError(f"{where} declares no tensor; a scored block needs at least its scored "
+                                        "weight, e.g. [('<block>.mlp.fc1.weight', 0)].")
+        members, seen = [], set()
+        for name, dim in declared:
+            if name not in held:
+                raise InvalidParameterError(
+                    f"{where} names {name!r}, which is not a floating-point tensor of block {layer} (e.g. "
+                    f"{sorted(held)[:3]}); fix the adapter's node_groups.")
+            ndim = len(self.run.shape(name))
+            if name in seen or ndim not in (1, 2) or dim not in ((0, 1) if ndim == 2 else (0,)):
+                raise InvalidParameterError(
+                    f"{where} declares ({name!r}, {dim}) for a {ndim}-D tensor{' twice' if name in seen else ''}: "
+                    "a group holds each tensor once, 2-D tensors with dim 0 (row i) or 1 (column i), 1-D tensors "
+                    "with dim 0 (entry i).")
+            seen.add(name)
+            members.append((name, dim, ndim))
+        if not any(ndim == 2 for _, _, ndim in members):
+            raise InvalidParameterError(f"{where} declares no 2-D tensor: a node's bias entry is trimmed against "
+                                        "its weight slice, so the group needs one.")
+        return members
+
+    def _group_names(self, layer: int) -> set[str]:
+        return {name for name, _, _ in self.groups.get(layer, ())}
 
     def before_stage(self, stage: int) -> None:
-        deferred = self._row_weight(stage) if stage in self.scored else None
-        self.run.merge([n for n in self.run.stage_names(stage) if n != deferred])
+        deferred = self._group_names(stage)
+        self.run.merge([n for n in self.run.stage_names(stage) if n not in deferred])
 
     def after_scores(self, layer: int, scores) -> None:
         if layer not in self.scored:
             return
-        name, target = self._row_weight(layer), self.run.adapter.target_name(layer)
+        target = self.run.adapter.target_name(layer)
         ctx = self.run.ctx
         node = scores.node
         ranks = random_scores(node.numel(), ctx.seed, target) if self.params.rank == "random" else node
         keep = keep_ratios_from_scores(ranks, self.params.row_k, self.params.e)
         self.run.record("keep_ratios", target, keep.float())
-        # With e = 0 every row keeps k: the per-tensor trim then makes the control equal per-tensor TIES exactly.
-        if self.params.e > 0 or not self.uniform_keep_is_tensor_trim:
-            ctx.state.setdefault("row_keep", {})[name] = keep.to(self.run.device)
-        self.run.merge([name])
+        members = self.groups[layer]
+        slices = [(name, dim) for name, dim, ndim in members if ndim == 2]
+        entries = [name for name, _, ndim in members if ndim == 1]
+        anchor, anchor_dim = slices[0]
+        for name, dim, _ in members:
+            size = self.run.shape(name)[dim]
+            if size != keep.numel():
+                raise InvalidParameterError(
+                    f"{type(self.run.adapter).__name__}.node_groups({layer}) puts {name!r} (dim {dim}: {size} "
+                    f"slices) in the group of {target!r}, which has {keep.numel()} nodes.")
+        # With e = 0 every node keeps k: the per-tensor trim of every group tensor then makes the control equal
+        # per-tensor TIES exactly (M-TIES; M-DARE trims its groups at the uniform keep ratio instead).
+        grouped = self.params.e > 0 or not self.uniform_keep_is_tensor_trim
+        state = ctx.state.setdefault(GROUP_STATE, {})
+        keep = keep.to(self.run.device)
+        length = self.run.shape(anchor)[1 - anchor_dim]
+        for name, dim, ndim in members:
+            if not grouped:
+                state.pop(name, None)
+            elif ndim == 1:
+                state[name] = GroupMember(keep, dim, anchor=anchor, anchor_length=length)
+            else:
+                state[name] = GroupMember(keep, dim, keeps_thresholds=name == anchor and bool(entries))
+        self.run.merge([name for name, _ in slices])
+        self.run.merge(entries)  # after the anchor: they are trimmed against its thresholds
+        ctx.state.get(THRESHOLD_STATE, {}).pop(anchor, None)
 
     def after_all(self) -> None:
         self.run.merge_remaining()
 
 
 class MTies(MergeMethod):
-    """M-TIES: M-Loss-guided row-wise TIES."""
+    """M-TIES: M-Loss-guided node-wise TIES (each node's group trimmed at its keep ratio)."""
 
     name = "m_ties"
     pretty_name = "M-TIES"
@@ -141,7 +247,7 @@ class MTies(MergeMethod):
         return MTiesHooks(run, self.uniform_keep_is_tensor_trim)
 
     def trim_other_(self, name: str, tau: torch.Tensor, index: int, ctx: MergeContext) -> torch.Tensor:
-        """Trim, in place, a task vector tensor that has no M-Loss row keep ratios."""
+        """Trim, in place, a task vector tensor outside the scored node groups."""
         from .ops import trim_tensor_
 
         return trim_tensor_(tau, ctx.params.k)
@@ -149,20 +255,32 @@ class MTies(MergeMethod):
     def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
         import torch
 
-        from .ops import elect_and_merge, trim_rows_
+        from .ops import elect_and_merge, trim_entries_, trim_slices_
 
-        row_keep = ctx.state.get("row_keep", {}).get(name)
+        member = ctx.state.get(GROUP_STATE, {}).get(name)
         taus = torch.stack(sources).sub_(base)  # one [q, ...] buffer trimmed in place, as in TIES
-        for i, tau in enumerate(taus):
-            if row_keep is not None:
-                trim_rows_(tau, row_keep)
-            else:
+        if member is None:
+            for i, tau in enumerate(taus):
                 self.trim_other_(name, tau, i, ctx)
+        elif member.anchor is not None:  # a node's bias entry: against the threshold of its anchor slice
+            thresholds = ctx.state.get(THRESHOLD_STATE, {}).get(member.anchor)
+            if thresholds is None:  # no source changed the anchor (copied from the base, never trimmed)
+                thresholds = unchanged_anchor_thresholds(member).expand(len(taus), -1)
+            for tau, threshold in zip(taus, thresholds):
+                trim_entries_(tau, threshold)
+        else:
+            n = member.keep.numel()
+            kept = torch.empty(len(taus), n, dtype=taus.dtype, device=taus.device) if member.keeps_thresholds \
+                else None
+            for i, tau in enumerate(taus):
+                trim_slices_(tau, member.keep, member.dim, thresholds=None if kept is None else kept[i])
+            if kept is not None:
+                ctx.state.setdefault(THRESHOLD_STATE, {})[name] = kept
         return base + ctx.params.lam * elect_and_merge(taus, ctx.weights)
 
 
 class MDare(MTies):
-    """M-DARE: M-Loss row trim on the scored linears (no rescale), DARE (×1/p) on every other tensor."""
+    """M-DARE: M-Loss node-group trim on the scored units (no rescale), DARE (×1/p) on every other tensor."""
 
     name = "m_dare"
     pretty_name = "M-DARE"

@@ -156,6 +156,68 @@ def _trim_rows_(tau: torch.Tensor, counts: torch.Tensor) -> None:
     _zero_below_(tau, magnitude, thresholds)
 
 
+def trim_slices(tau: torch.Tensor, keep: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Slice-wise trim: slice i (row i for ``dim=0``, column i for ``dim=1``) keeps its ``floor(len · keep[i])``
+    largest-magnitude entries (entries ≥ the m-th largest; 0 → an empty slice). ``dim=0`` equals :func:`trim_rows`."""
+    return trim_slices_(tau.clone(), keep, dim)
+
+
+def trim_slices_(tau: torch.Tensor, keep: torch.Tensor, dim: int = 0, *,
+                 thresholds: torch.Tensor | None = None) -> torch.Tensor:
+    """In-place :func:`trim_slices` (returns ``tau``).
+
+    ``thresholds``: an optional ``[tau.shape[dim]]`` float tensor that receives each slice's threshold (the m-th
+    largest |τ| of the slice; ``+inf`` where m ≤ 0, ``-inf`` where m ≥ the slice length, i.e. nothing is zeroed):
+    M-TIES trims a node's bias entry against the threshold of the node's first weight slice.
+    """
+    if tau.dim() != 2 or dim not in (0, 1) or keep.shape != (tau.shape[dim],):
+        raise ValueError(f"trim_slices needs a 2-D tensor, dim 0 (rows) or 1 (columns) and one keep ratio per "
+                         f"slice, got shape {tuple(tau.shape)}, dim={dim} and {tuple(keep.shape)} keep ratios")
+    n, length = tau.shape[dim], tau.shape[1 - dim]
+    counts = torch.floor(keep.double() * length).long().clamp(0, length)
+    out = torch.empty(n, dtype=tau.dtype, device=tau.device) if thresholds is None else thresholds
+    if out.shape != (n,):
+        raise ValueError(f"thresholds must hold one value per slice ({n}), got shape {tuple(out.shape)}")
+
+    def piece(part: slice) -> None:
+        view = tau[part] if dim == 0 else tau[:, part]
+        _trim_slices_(view, counts[part], out[part], dim)
+
+    # Slices are independent: on one large tensor the run's workers take a share of them each.
+    parallel.active().split(piece, n, min_piece=max(1, _SPLIT_MIN_NUMEL // max(length, 1)))
+    return tau
+
+
+def _trim_slices_(tau: torch.Tensor, counts: torch.Tensor, out: torch.Tensor, dim: int) -> None:
+    """Trim the slices of ``tau`` along ``dim`` in place and write their thresholds into ``out`` (as
+    :func:`_trim_rows_`: the same top-k values, so rows are trimmed bit for bit as by :func:`trim_rows_`)."""
+    if tau.shape[dim] == 0:
+        return
+    within = 1 - dim
+    length = tau.shape[within]
+    if length == 0:
+        out.fill_(float("-inf"))
+        return
+    magnitude = tau.abs()
+    widest = min(max(int(counts.max()), 1), length)
+    ordered = magnitude.topk(widest, dim=within, sorted=True).values
+    thresholds = ordered.gather(within, (counts - 1).clamp(min=0).unsqueeze(within))
+    per_slice = counts.unsqueeze(within)
+    thresholds = torch.where(per_slice > 0, thresholds, torch.full_like(thresholds, float("inf")))
+    thresholds = torch.where(per_slice >= length, torch.full_like(thresholds, float("-inf")), thresholds)
+    out.copy_(thresholds.reshape(-1))
+    _zero_below_(tau, magnitude, thresholds)
+
+
+def trim_entries_(tau: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
+    """Keep, in place, the entries of a 1-D ``tau`` with ``|tau[i]| >= thresholds[i]`` (a node's bias entry against
+    its node's threshold); returns ``tau``."""
+    if tau.dim() != 1 or thresholds.shape != tau.shape:
+        raise ValueError(f"trim_entries needs a 1-D tensor and one threshold per entry, got {tuple(tau.shape)} and "
+                         f"{tuple(thresholds.shape)}")
+    return _zero_below_(tau, tau.abs(), thresholds.to(tau))
+
+
 def elect_and_merge(
     taus: Sequence[torch.Tensor] | torch.Tensor,
     weights: torch.Tensor,
