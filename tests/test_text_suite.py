@@ -175,6 +175,8 @@ def test_smoke_run_of_the_whole_pipeline(tmp_path, monkeypatch):
     assert "| ties |" in md and "Grid edge check" in md
     # the experts are save_pretrained folders (+ tokenizer) whose frozen blocks equal the base's
     bench = out["bench"]
+    assert {text.split()[0] for text in bench.scoring} == {"ab", "cd", "ef", "xy", "zw"}  # every class, both tasks
+    assert len(bench.scoring_data(0, 8)) == 8 and bench.scoring_data(7, 8) == bench.scoring_data(7 + X.DRAW_STRIDE, 8)
     from transformers import AutoModel, AutoTokenizer
 
     folder = bench.replicates[0].finetuned["syn_a"]
