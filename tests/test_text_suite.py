@@ -1,0 +1,190 @@
+"""The text suite: task builders, the encoder split at a block boundary, statistics, M-TIES rows, and a smoke run
+of the whole pipeline on a tiny random BERT and two synthetic tasks (no packages, no wheel)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from hf_mloss.suites import text as X
+from hf_mloss.suites import text_tasks as T
+
+
+def synthetic_task(name: str, classes: tuple[str, ...], sources: int = 12, per_source: int = 5) -> T.TextTask:
+    """Each class's snippets repeat a class-specific letter pattern (learnable from characters)."""
+    def read(cls: str) -> list[T.Source]:
+        rng = np.random.default_rng(len(cls) + sum(map(ord, cls)))
+        return [(f"{cls}-{s}", [f"{cls} " + " ".join(cls[i % len(cls)] * int(rng.integers(1, 4)) for i in range(6))
+                                + f" {s} {j}" for j in range(per_source)]) for s in range(sources)]
+    return T.TextTask(name, classes, read, "synthetic")
+
+
+def test_split_task_keeps_source_items_apart_and_is_deterministic():
+    task = synthetic_task("syn", ("ab", "cd", "ef"))
+    sizes = {"exemplar": 6, "train": 30, "val": 12, "test": 12}
+    splits = T.split_task(task, sizes, seed=3)
+    again = T.split_task(task, sizes, seed=3)
+    assert splits["test"].texts == again["test"].texts
+    owners = {s: {n for n in v.source_names} for s, v in splits.items()}
+    for a in T.SPLITS:
+        for b in T.SPLITS:
+            if a != b:
+                assert not owners[a] & owners[b], (a, b)
+    for split, n in sizes.items():
+        assert len(splits[split].texts) == n
+        assert np.bincount(splits[split].labels).tolist() == [n // 3] * 3
+    test = splits["test"]
+    # every snippet's source id names the source item it was cut from
+    for text, src in zip(test.texts, test.sources):
+        assert test.source_names[src].split("-")[1] == text.split()[-2]
+    assert T.split_task(task, sizes, seed=4)["test"].texts != test.texts
+
+
+def test_split_task_rejects_a_class_with_too_few_source_items():
+    task = synthetic_task("few", ("ab", "cd"), sources=3)
+    with pytest.raises(ValueError, match="3 source items, need ≥ 4"):
+        T.split_task(task, {"exemplar": 2, "train": 4, "val": 2, "test": 2})
+
+
+def test_cutting_helpers():
+    assert T.word_windows("a b c d e f g h i j", 4, 4, minimum=2) == ["a b c d", "e f g h", "i j"]
+    assert T.line_windows("x\n\n y\nz\nw\n", size=2) == ["x\ny", "z\nw"]
+    roff = '.TH LS 1\n.SH NAME\nls \\- list \\fBdirectory\\fR contents\n.B \\-a\n.\\" comment\nmore text'
+    assert T.roff_text(roff) == "ls - list directory contents -a more text"
+
+
+@pytest.mark.parametrize("name", ["licence", "isocodes", "fortune", "code"])
+def test_shipped_task_builders_on_small_slices(name):
+    task = T.TASKS[name]
+    if T.missing_sources([name]):
+        pytest.skip(f"{name}: {T.missing_sources([name])[0]}")
+    splits = T.split_task(task, {"exemplar": len(task.classes), "train": 4 * len(task.classes), "val": 12,
+                                 "test": 12})
+    assert set(splits["train"].labels.tolist()) == set(range(len(task.classes)))
+    assert all(text.strip() for s in splits.values() for text in s.texts)
+    assert not set(splits["train"].source_names) & set(splits["test"].source_names)
+
+
+def test_missing_sources_says_how_to_install(monkeypatch, tmp_path):
+    monkeypatch.setattr(T, "ISO", tmp_path)
+    missing = T.missing_sources(["isocodes"])
+    assert missing and "apt-get install" in missing[0] and "iso_3166-1.json" in missing[0]
+    assert "unknown text task" in T.missing_sources(["nope"])[0]
+
+
+def test_text_upper_equals_the_full_bert_forward(tmp_path):
+    model, tokenizer = X.random_base(tmp_path)
+    batch = tokenizer(["a short one", "and a much longer sentence with more tokens"], padding="longest",
+                      return_tensors="pt")
+    mask = batch["attention_mask"].bool()
+    assert not mask.all()  # padding present: the mask must matter
+    with torch.no_grad():
+        full = model(**batch).last_hidden_state
+        expected = (full * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+        upper = X.TextUpper(model, 1)
+        got = X.pooled(upper, X.lower_hidden(model, batch["input_ids"], mask, 1), mask)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # write_into puts the upper blocks back where they came from
+    with torch.no_grad():
+        for p in upper.parameters():
+            p.add_(1.0)
+    moved = upper.write_into(model)
+    assert torch.equal(moved.encoder.layer[2].output.dense.bias, upper.blocks[1].output.dense.bias)
+
+
+def test_source_bootstrap_resamples_source_items_not_snippets():
+    # one task, 2 replicates; method a is right on source 0's 10 snippets and wrong on source 1's 10, b the reverse
+    sources = {"t": np.repeat([0, 1], 10)}
+    a = {(r, "t"): np.repeat([True, False], 10) for r in (0, 1)}
+    b = {(r, "t"): np.repeat([False, True], 10) for r in (0, 1)}
+    low, high = X.source_bootstrap(a, b, sources, draws=4000)
+    # only 2 source items: a draw holds both copies of one of them a quarter of the time each: ±100 reachable
+    assert low == pytest.approx(-100) and high == pytest.approx(100)
+    same = {(r, "t"): np.ones(20, bool) for r in (0, 1)}
+    assert X.source_bootstrap(same, b, sources) == pytest.approx((0.0, 100.0))
+
+
+def test_paired_differences_t_interval_and_holm():
+    from scipy import stats
+
+    def result(seed, acc_a, acc_b):
+        r = X.ReplicateResult(seed=seed)
+        n = 100
+        r.correct = {"a": {"t": np.arange(n) < acc_a * n}, "b": {"t": np.arange(n) < acc_b * n},
+                     "c": {"t": np.arange(n) < acc_b * n}}
+        return r
+
+    results = [result(0, 0.6, 0.5), result(1, 0.7, 0.5), result(2, 0.65, 0.5)]
+    sources = {"t": np.arange(100)}
+    d_ab, d_cb = X.paired_differences(results, [("a", "b"), ("c", "b")], sources, draws=500)
+    per = np.array([10.0, 20.0, 15.0])
+    se = per.std(ddof=1) / math.sqrt(3)
+    assert d_ab.mean == pytest.approx(15.0)
+    assert d_ab.t_low == pytest.approx(15 - stats.t.ppf(0.975, 2) * se)
+    p = 2 * stats.t.sf(15 / se, 2)
+    assert d_ab.p == pytest.approx(p)
+    assert math.isnan(d_cb.p) and d_cb.verdict == "not separated"  # no spread: no p-value
+    assert d_ab.p_holm == pytest.approx(min(1.0, 2 * p))  # the smallest of 2 p-values × 2; the undefined one counts as 1
+    assert d_cb.p_holm == 1.0
+
+
+def test_m_ties_rows_reported_not_run_without_a_bert_adapter(monkeypatch):
+    from hf_mloss.adapters import ADAPTERS
+
+    cfg = X.TextConfig(tasks=("licence", "isocodes"))
+    monkeypatch.delitem(ADAPTERS, "bert", raising=False)
+    specs, not_run = X.method_specs(cfg)
+    assert not any(s.method == "m_ties" for s in specs)
+    assert set(not_run) >= {"m_ties", "m_ties (e=0)", "m_ties (random ranks, draw 2)", "m_ties (inverted ranks)",
+                            "m_ties (uniform k−e/2)"}
+    assert all("BERT" in reason for reason in not_run.values())
+
+    class TextBert:
+        modality = "text"
+
+    monkeypatch.setitem(ADAPTERS, "bert", TextBert)
+    specs, not_run = X.method_specs(cfg)
+    family = {s.label: s for s in specs if s.method == "m_ties"}
+    assert {"m_ties", "m_ties (e=0)", "m_ties (random ranks, draw 0)", "m_ties (random ranks, draw 2)"} <= set(family)
+    assert family["m_ties"].params["layers"] == [3, 4, 5]
+    assert X.draw_of("m_ties (random ranks, draw 2)") == 2
+    for label in ("m_ties (inverted ranks)", "m_ties (uniform k−e/2)"):  # controls m_ties cannot express yet
+        assert label in family or "rank" in not_run[label]
+
+
+def test_smoke_run_of_the_whole_pipeline(tmp_path, monkeypatch):
+    monkeypatch.setitem(T.TASKS, "syn_a", synthetic_task("syn_a", ("ab", "cd", "ef"), sources=16))
+    monkeypatch.setitem(T.TASKS, "syn_b", synthetic_task("syn_b", ("xy", "zw"), sources=16))
+    monkeypatch.setattr(T, "missing_sources", lambda tasks: [])
+    cfg = X.TextConfig(**{**X.SMOKE_CHANGES, "tasks": ("syn_a", "syn_b"), "n_train": 48, "n_val": 24,
+                          "n_test": 24})
+    out = X.run_text_suite(cfg, cache=tmp_path / "cache", out=tmp_path / "out", threads=1, name="text-smoke",
+                           grid="smoke", command="test")
+    record = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert {"average", "task_arithmetic", "ties", "dare_ties", "tsv_m", "iso_c"} <= set(record["summary"])
+    assert record["gates"][-1]["name"] == "G6 premise"
+    assert record["premise"].startswith("M-Loss premise")
+    for fractions in record["ties_kept_fraction"].values():
+        assert all(0 < f <= 1 for f in fractions)
+    assert record["sizes"]["syn_a"]["test"] == {"snippets": 24, "source_items": 9}  # 3 of 16 per class
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "| ties |" in md and "Grid edge check" in md
+    # the experts are save_pretrained folders (+ tokenizer) whose frozen blocks equal the base's
+    bench = out["bench"]
+    assert {text.split()[0] for text in bench.scoring} == {"ab", "cd", "ef", "xy", "zw"}  # every class, both tasks
+    assert len(bench.scoring_data(0, 8)) == 8 and bench.scoring_data(7, 8) == bench.scoring_data(7 + X.DRAW_STRIDE, 8)
+    from transformers import AutoModel, AutoTokenizer
+
+    folder = bench.replicates[0].finetuned["syn_a"]
+    expert, base = AutoModel.from_pretrained(folder), AutoModel.from_pretrained(bench.base_dir)
+    assert AutoTokenizer.from_pretrained(folder) is not None
+    assert X.lower_drift(expert, base, cfg.frozen) == 0.0
+    assert not torch.equal(expert.encoder.layer[2].output.dense.weight, base.encoder.layer[2].output.dense.weight)
+    # a second run reuses the cache (no fine-tuning stage runs again)
+    again = X.run_text_suite(cfg, cache=tmp_path / "cache", out=tmp_path / "out2", threads=1, name="text-smoke",
+                             grid="smoke")
+    assert not any(k.startswith("finetune/") for k in again["extra"]["timings"]["stages"])
