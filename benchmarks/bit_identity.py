@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results" / "bit_identity.json"
 
 SCENARIO = r'''
@@ -42,19 +43,19 @@ outputs = {}
 def keep(case, value, prefix=""):
     """Flatten tensors, numbers and nested containers into outputs[case/...] (float64 lists keep every bit)."""
     if isinstance(value, torch.Tensor):
-        outputs[f"{case}{prefix}"] = value.detach().double().flatten().tolist() if value.is_floating_point() else \
+        outputs[f"{case}::{prefix}"] = value.detach().double().flatten().tolist() if value.is_floating_point() else \
             value.flatten().tolist()
     elif isinstance(value, dict):
         for k, v in value.items():
             keep(case, v, f"{prefix}/{k}")
     elif isinstance(value, (list, tuple)):
         if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-            outputs[f"{case}{prefix}"] = [float(v) for v in value]
+            outputs[f"{case}::{prefix}"] = [float(v) for v in value]
         else:
             for i, v in enumerate(value):
                 keep(case, v, f"{prefix}[{i}]")
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        outputs[f"{case}{prefix}"] = [float(value)]
+        outputs[f"{case}::{prefix}"] = [float(value)]
 
 
 NUMERIC_REPORT_KEYS = ("node", "node_normalized", "node_ratio", "layer", "layer_normalized", "layer_ratio",
@@ -117,12 +118,11 @@ out_path.write_text(json.dumps(outputs))
 def build_fixtures(folder: Path, families: list[str]) -> None:
     """Tiny base + 3 fine-tunes per family, saved with save_pretrained, and the scoring pixels."""
     import torch
-    from transformers import (BitImageProcessorPil, Dinov2Config, Dinov2Model, ViTConfig, ViTImageProcessorPil,
-                              ViTModel)
+    from transformers import BitImageProcessorPil, Dinov2Config, Dinov2Model, ViTConfig, ViTImageProcessorPil, ViTModel
 
     from hf_mloss.testing import make_base, make_finetune, perturbed, save_model
 
-    common = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2)
+    common = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
     for family in families:
         root = folder / family
         if family == "clip":
@@ -162,11 +162,11 @@ def compare(reference: dict, current: dict) -> list[dict]:
     """Per case (the first two path components after the family, e.g. ``clip/merge/ties``): max |diff|, identical."""
     rows: dict[str, dict] = {}
     for key in sorted(set(reference) | set(current)):
-        parts = key.split("/")
-        case = "/".join(parts[:-1]) if "/report" not in key and "/model" not in key and "/select" not in key else \
-            key.split("/report")[0].split("/model")[0].split("/select")[0]
-        row = rows.setdefault(case, {"case": case, "values": 0, "max_abs_diff": 0.0, "identical": True,
-                                     "missing": []})
+        case, field = key.split("::")
+        parts = field.split("/")
+        case = f"{case}/{parts[1]}" + (f".{parts[2]}" if parts[1] in ("report", "select") and len(parts) > 2 else "")
+        row = rows.setdefault(case, {"case": case, "values": 0, "max_abs_diff": 0.0, "max_rel_diff": 0.0,
+                                     "identical": True, "missing": []})
         a, b = reference.get(key), current.get(key)
         if a is None or b is None or len(a) != len(b):
             row["identical"] = False
@@ -178,8 +178,10 @@ def compare(reference: dict, current: dict) -> list[dict]:
             row["identical"] = False
             import math
 
-            diff = max((abs(x - y) if not (math.isnan(x) and math.isnan(y)) else 0.0) for x, y in zip(a, b))
-            row["max_abs_diff"] = max(row["max_abs_diff"], diff)
+            diffs = [(abs(x - y), abs(x - y) / max(abs(x), 1e-30)) for x, y in zip(a, b)
+                     if x != y and not (math.isnan(x) and math.isnan(y))]
+            row["max_abs_diff"] = max(row["max_abs_diff"], *(d for d, _ in diffs))
+            row["max_rel_diff"] = max(row["max_rel_diff"], *(r for _, r in diffs))
     return list(rows.values())
 
 
@@ -205,9 +207,10 @@ def main() -> None:
                            capture_output=True)
     rows = compare(reference, current)
     width = max(len(r["case"]) for r in rows)
-    print(f"{'case':<{width}}  {'values':>7}  {'max abs diff':>12}  identical")
+    print(f"{'case':<{width}}  {'values':>7}  {'max abs diff':>12}  {'max rel diff':>12}  identical")
     for r in rows:
-        print(f"{r['case']:<{width}}  {r['values']:>7}  {r['max_abs_diff']:>12.3e}  {'yes' if r['identical'] else 'NO'}")
+        print(f"{r['case']:<{width}}  {r['values']:>7}  {r['max_abs_diff']:>12.3e}  {r['max_rel_diff']:>12.3e}  "
+              f"{'yes' if r['identical'] else 'NO'}")
     same = sum(r["identical"] for r in rows)
     print(f"\n{same}/{len(rows)} cases identical (reference {args.reference}).")
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 import hf_mloss
 from hf_mloss.cli import main
-from hf_mloss.compatibility import (CompatibilityReport, SubsetAccumulator, compatibility, standard_subsets,
+from hf_mloss.compatibility import (CompatibilityReport, compatibility, standard_subsets,
                                     subset_matrix)
 from hf_mloss.data import load_pixel_values
 from hf_mloss.methods.ops import trim_tensor
@@ -66,19 +66,20 @@ def assert_matches_score(report: CompatibilityReport, subset, direct) -> None:
 def test_subset_accumulator_equals_one_accumulator_per_subset(activation, reduction, monkeypatch) -> None:
     """The batched kernel (activation folded and in place, chunks of positions) gives each subset the sums of a
     plain per-subset accumulation, with uneven chunks and user weights."""
-    import hf_mloss.compatibility as compat
+    from hf_mloss import kernel
+    from hf_mloss.compatibility import subset_scores
 
-    monkeypatch.setattr(compat, "_CHUNK_ELEMENTS", 7 * 11 * 5)  # 5 positions per chunk: 23 = 4 × 5 + 3
+    monkeypatch.setattr(kernel, "BLOCK_ELEMENTS", 11 * 11 * 5)  # 11 subsets: 5 positions per block, 13 = 2 × 5 + 3
     torch.manual_seed(0)
     h = 3 * torch.randn(4, 23, 11)
     weights = torch.tensor([1.0, 2.0, 0.5, 1.5])
     subsets = standard_subsets(4)
-    acc = SubsetAccumulator(subset_matrix(subsets, weights), 11, reduction=reduction, per_node=True)
-    original = h.clone()
-    acc.add(h[:, :13], activation)
-    acc.add(h[:, 13:], activation)
-    assert torch.equal(h, original)
-    got = acc.scores()
+    assert len(subsets) == 11
+    acc = kernel.GapSums(len(subsets), 11, reduction=reduction, per_node=True)
+    matrix = subset_matrix(subsets, weights)
+    acc.add_preactivations(h[:, :13].transpose(0, 1).clone(), matrix, activation)
+    acc.add_preactivations(h[:, 13:].transpose(0, 1).clone(), matrix, activation)
+    got = subset_scores(acc)
     for row, subset in enumerate(subsets):
         alpha = weights[list(subset)] / weights[list(subset)].sum()
         ref = MLossAccumulator(11, reduction=reduction)

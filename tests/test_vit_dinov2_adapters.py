@@ -154,10 +154,11 @@ def test_split_block_forward_equals_the_block_and_the_model(family):
     model = family["fts"][1]
     adapter = adapter_for(model.config)
     with torch.no_grad():
-        hidden = adapter.embed(model, family["pixels"][:3])
+        hidden, context = adapter.embed(model, {"pixel_values": family["pixels"][:3]})
+        assert context.mask is None  # every image token counts
         for block in adapter.layers(model):
-            residual, u = adapter.forward_to_target(block, hidden)
-            out = adapter.forward_from_target(block, residual, u)
+            residual, u = adapter.forward_to_target(block, hidden, context)
+            out = adapter.forward_from_target(block, residual, u, context)
             torch.testing.assert_close(out, block(hidden), rtol=0, atol=0)
             hidden = out
         torch.testing.assert_close(model.layernorm(hidden), model(pixel_values=family["pixels"][:3]).last_hidden_state,
