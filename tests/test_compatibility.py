@@ -272,19 +272,27 @@ def test_hub_ids_give_the_same_report(hub_ids, pixels, report, image_folder, tmp
     assert "org/ft1" in capsys.readouterr().out
 
 
-def test_sampled_trim_thresholds_stay_close_to_exact(four) -> None:
-    """Tensors larger than the sample get their trim threshold from a seeded sample: close to the exact trim."""
+def test_sign_conflicts_count_exactly_the_entries_the_ties_trim_keeps(four) -> None:
+    """The sign-conflict baseline uses TIES' own per-tensor trim (methods.ops): its overlap and conflict counts are
+    those of the trimmed task vectors, pair by pair."""
     from hf_mloss.compatibility import task_vector_statistics
     from hf_mloss.inputs import open_inputs
 
     base, models = four
     config = hf_mloss.MergeConfig.from_kwargs(base, models)
     with open_inputs(config, needs_data=False, progress=False) as inputs:
-        exact = task_vector_statistics(inputs)
-        sampled = task_vector_statistics(inputs, sample=256)
-    torch.testing.assert_close(sampled["gram"], exact["gram"])
-    fraction = (sampled["conflict"] / sampled["overlap"]).nan_to_num()
-    torch.testing.assert_close(fraction, (exact["conflict"] / exact["overlap"]).nan_to_num(), atol=0.03, rtol=0)
+        stats = task_vector_statistics(inputs, k=0.3)
+        q = len(inputs.sources)
+        overlap = torch.zeros(q, q, dtype=torch.float64)
+        conflict = torch.zeros(q, q, dtype=torch.float64)
+        for name in inputs.names:
+            theta0 = inputs.base.get_float(name)
+            signs = [torch.sign(trim_tensor(s.get_float(name) - theta0, 0.3)).flatten() for s in inputs.sources]
+            for i, j in itertools.product(range(q), range(q)):
+                overlap[i, j] += int(((signs[i] != 0) & (signs[j] != 0)).sum())
+                conflict[i, j] += int((signs[i] * signs[j] < 0).sum())
+    assert overlap[0, 1] > 0 and conflict[0, 1] > 0
+    assert torch.equal(stats["overlap"], overlap) and torch.equal(stats["conflict"], conflict)
 
 
 def test_model_card_embeds_the_report(four, pixels, report, tmp_path) -> None:
