@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -101,9 +102,10 @@ for family in families:
         for reduction in ("abs", "sq"):
             keep_report(f"{family}/score/{prefix}/{reduction}",
                         hf_mloss.score(base, models, prefix=prefix, reduction=reduction, **score_common))
-    keep_report(f"{family}/compatibility", hf_mloss.compatibility(base, models, per_node=True, **score_common))
-    keep_report(f"{family}/compatibility/sq", hf_mloss.compatibility(base, models, reduction="sq", per_node=True,
-                                                                     baselines=False, **score_common))
+    for reduction in ("abs", "sq"):
+        report = hf_mloss.compatibility(base, models, reduction=reduction, per_node=True, **score_common)
+        keep_report(f"{family}/compatibility/{reduction}", report)
+        keep(f"{family}/compatibility/{reduction}", report.node, "/report/node")
     keep_merge(f"{family}/select/ties/mloss", hf_mloss.merge(base, models, "ties", select="unlabeled",
                                                              grid={"k": [0.2, 0.5], "lam": [0.8, 1.0]},
                                                              criterion="mloss", **common))
@@ -163,8 +165,12 @@ def compare(reference: dict, current: dict) -> list[dict]:
     rows: dict[str, dict] = {}
     for key in sorted(set(reference) | set(current)):
         case, field = key.split("::")
-        parts = field.split("/")
-        case = f"{case}/{parts[1]}" + (f".{parts[2]}" if parts[1] in ("report", "select") and len(parts) > 2 else "")
+        parts = [p for p in re.sub(r"\[\d+\]", "", field).split("/") if p]
+        if parts[0] == "model":  # one row per merged model, per report field (per metric for lists of entries)
+            parts = parts[:1]
+        elif len(parts) > 1:
+            parts = [parts[0], parts[-1] if {"subsets", "candidates"} & set(parts) else parts[1]]
+        case = f"{case}/{'.'.join(parts[:2])}"
         row = rows.setdefault(case, {"case": case, "values": 0, "max_abs_diff": 0.0, "max_rel_diff": 0.0,
                                      "identical": True, "missing": []})
         a, b = reference.get(key), current.get(key)
