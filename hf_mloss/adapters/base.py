@@ -1,9 +1,11 @@
 """The adapter protocol: everything hf_mloss needs to know about one model family.
 
 An adapter maps checkpoint key spellings to canonical tensor names, orders tensors into *stages* (the embeddings,
-then one stage per transformer block, then the final norm), names the linears that feed an element-wise activation
-(the "nodes" that get an M-Loss), and runs one block in two halves so the scorer can capture the input of that linear
-without running the block twice.
+then one stage per transformer block, then the final norm), declares the scored unit of a block (:class:`ScoredUnit`:
+the linear that feeds the activation, and for gated MLPs the linear it multiplies; the "nodes" that get an M-Loss)
+and which tensor slices belong to a node (:meth:`ModelAdapter.node_groups`), and runs one block in two halves so the
+scorer can capture the input of the unit without running the block twice. ``embed`` turns one batch of model inputs
+into hidden states and a :class:`BlockContext` (padding mask, family-specific extras) that every block receives.
 """
 
 from __future__ import annotations
