@@ -140,6 +140,7 @@ def stacked_target(setup: ScoringSetup, layer: int) -> StackedTarget:
                          device=setup.device, compute_dtype=setup.compute_dtype)
 
 
+@torch.inference_mode()
 def score_shared_prefix(setup: ScoringSetup, hooks: LayerHooks | None = None) -> dict[str, MLossAccumulator]:
     """Score with u from ``setup.model`` (base or merged-so-far). The forward advances one block at a time.
 
@@ -165,8 +166,7 @@ def score_shared_prefix(setup: ScoringSetup, hooks: LayerHooks | None = None) ->
         hooks.after_scores(layer, acc.scores())
 
     hooks.before_stage(EMBEDDING_STAGE)
-    with torch.inference_mode():
-        states = embed_batches(setup, setup.model, pool)
+    states = embed_batches(setup, setup.model, pool)
     bar = tqdm(range(adapter.num_layers), desc="M-Loss (shared prefix)", unit="layer", disable=not setup.progress)
     shared_walk(setup, states, list(range(adapter.num_layers)), measure=measure, collect=collect, pool=pool,
                 before_stage=hooks.before_stage, last=max(scored) if scored else -1, progress=bar)
@@ -176,6 +176,7 @@ def score_shared_prefix(setup: ScoringSetup, hooks: LayerHooks | None = None) ->
     return results
 
 
+@torch.inference_mode()
 def score_own_prefix(setup: ScoringSetup) -> dict[str, MLossAccumulator]:
     """Score with every source running its own forward (the paper's definition; q forwards).
 
