@@ -142,9 +142,11 @@ def subset_mloss(setup: ScoringSetup, subsets: Sequence[tuple[int, ...]], weight
 
     def visit(layer: int, inputs: UnitInputs) -> None:
         if layer not in current:
-            current[layer] = GapSums(len(subsets), inputs.gate.shape[-1], reduction=setup.reduction, eps=setup.eps,
+            current[layer] = GapSums(len(subsets), inputs.num_nodes, reduction=setup.reduction, eps=setup.eps,
                                      per_node=per_node, device=setup.device)
-        current[layer].add_preactivations(inputs.gate, matrix, setup.activation, up=inputs.up, mask=inputs.mask)
+        gate, up = inputs.stacked(sources_first=True)
+        current[layer].add_preactivations(gate, matrix, setup.activation, up=up, mask=inputs.mask,
+                                          sources_first=True)
 
     def done(layer: int) -> None:
         acc = current.pop(layer)

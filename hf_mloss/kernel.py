@@ -37,17 +37,23 @@ GEMM_BLOCK_ELEMENTS = 1 << 19
 GEMM_BLOCK_POSITIONS = 1024
 ACCELERATOR_BLOCK_ELEMENTS = 1 << 24
 """On an accelerator: one block of nodes (all of them), positions in chunks of 64 MB of pre-activations."""
+ROWS_BLOCK_ELEMENTS = 1 << 24
+"""Gap values per chunk of the several-row path (m > 1 rows of A; 64 MB of float32): measured 1.5-2x faster than
+4 M-value chunks for 137 subsets."""
 
 
-def block_shape(q: int, num_rows: int, num_nodes: int, device: torch.device | str, *, stacked_gemm: bool = False
-                ) -> tuple[int, int]:
+def block_shape(q: int, num_rows: int, num_nodes: int, device: torch.device | str, *, stacked_gemm: bool = False,
+                rows_of_a: bool = False) -> tuple[int, int]:
     """The chunking rule: ``(positions, nodes)`` per kernel block for q sources and ``num_rows`` merges (rows of A).
 
     A block holds ``positions × max(q, m) × nodes`` values. On a CPU, pre-activations made by the stacked GEMM come
     in blocks of nodes (1024 positions), given ones in blocks of positions (all nodes: slicing nodes of a whole
-    tensor would be strided); on an accelerator one block of nodes, positions in 64 MB chunks.
+    tensor would be strided); on an accelerator one block of nodes, positions in 64 MB chunks. The several-row
+    GEMM path (``rows_of_a``) takes chunks of :data:`ROWS_BLOCK_ELEMENTS` gaps everywhere.
     """
     width = max(q, num_rows)
+    if rows_of_a:
+        return max(1, ROWS_BLOCK_ELEMENTS // (num_rows * num_nodes)), num_nodes
     if torch.device(device).type != "cpu":
         return max(1, ACCELERATOR_BLOCK_ELEMENTS // (width * num_nodes)), num_nodes
     if stacked_gemm:
@@ -133,8 +139,8 @@ class GapSums:
     """Running sums of the gaps of ``m`` merges (rows of A) at one scored unit of ``num_nodes`` nodes.
 
     ``node`` (``[4, m, nodes]``, float64; ``[4, m, 0]`` without ``per_node``): Σ|g| (``abs``) or Σg² (``sq``),
-    Σ|g|/(|μ|+ε), Σ|μ|, and Σ|g| (kept apart only for ``sq``). ``layer`` (``[4, m]``): Σ‖g‖₂, Σ‖g‖₂/(‖μ‖₂+ε),
-    Σ‖μ‖₂ and the number of positions.
+    Σ|g|/(|μ|+ε), Σ|μ|, and Σ|g| (kept apart only for ``sq``); the m > 1 path of :meth:`add_preactivations` fills
+    the first row only. ``layer`` (``[4, m]``): Σ‖g‖₂, Σ‖g‖₂/(‖μ‖₂+ε), Σ‖μ‖₂ and the number of positions.
     """
 
     def __init__(self, num_rows: int, num_nodes: int, *, reduction: str = "abs", eps: float = 1e-4,
@@ -205,13 +211,26 @@ class GapSums:
 
     def add_preactivations(self, h: torch.Tensor, mix: torch.Tensor, activation: Callable, *,
                            up: torch.Tensor | None = None, merged: torch.Tensor | None = None,
-                           merged_up: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> None:
-        """Add the gaps of given pre-activations ``h`` (``[positions, q, nodes]``, overwritten; gated: ``up`` too)
-        for the rows of ``mix``; ``mask`` (``[positions]`` bool): only the positions where it is True count."""
+                           merged_up: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                           sources_first: bool = False) -> None:
+        """Add the gaps of given pre-activations ``h`` (``[positions, q, nodes]``, or ``[q, positions, nodes]``
+        with ``sources_first``; overwritten; gated: ``up`` too) for the rows of ``mix``; ``mask`` (``[positions]``
+        bool): only the positions where it is True count.
+
+        One row (``score``): blocks of positions on ``h`` as it lies (:func:`gap_block`). Several rows (every
+        subset of the compatibility report): :meth:`_add_rows`, one GEMM per chunk on the sources-first layout.
+        """
         if mask is not None:
             keep = mask.reshape(-1).to(h.device)
-            h, up, merged, merged_up = (None if t is None else t[keep] for t in (h, up, merged, merged_up))
+            h, up, merged, merged_up = (None if t is None else t[:, keep] if sources_first else t[keep]
+                                        for t in (h, up, merged, merged_up))
         scale, f = inplace_activation(activation)
+        if mix.shape[0] > 1 and merged is None:
+            self._add_rows(h if sources_first else h.transpose(0, 1),
+                           mix, scale, f, None if up is None else up if sources_first else up.transpose(0, 1))
+            return
+        if sources_first:
+            h, up = h.transpose(0, 1), None if up is None else up.transpose(0, 1)
         q, n = h.shape[-2:]
         rows, _ = block_shape(q, mix.shape[0], n, h.device)
         batch, eps = self.empty(), self.eps * scale  # |s·g|/(|s·μ|+s·ε) = |g|/(|μ|+ε)
@@ -223,6 +242,45 @@ class GapSums:
             batch.add_positions(*batch.add_block(g, mu, every, eps), eps=eps)
         batch.unscale(scale)
         self.merge(batch)
+
+    def _add_rows(self, h: torch.Tensor, mix: torch.Tensor, scale: float, f: Callable,
+                  up: torch.Tensor | None) -> None:
+        """:meth:`add_preactivations` for m > 1 rows of A (``h``: ``[q, positions, nodes]``, overwritten): with H
+        the ``[q, positions·nodes]`` layout of a
+        chunk, one GEMM writes s·A·H into a reused buffer, f runs in place, one more GEMM with β = 1 subtracts
+        A·f(s·H) (f(s·H) computed once for all rows). Node sums: only Σ|g| / Σg² (``node[0]``). Measured on
+        [8, 800, 3072] with 37 subsets, quick_gelu: 0.47-0.55 s, against 1.34-1.48 s for σ applied out of place per
+        chunk and 1.1 s for the per-position products of :func:`gap_block`."""
+        q, n = h.shape[0], h.shape[2]
+        h = h.contiguous()  # [q, positions, nodes]
+        scaled = h.mul_(scale) if scale != 1.0 else h
+        activated = f(scaled.clone())  # f(s·h): once per batch, not once per row
+        if up is not None:
+            up = up.contiguous()
+            activated.mul_(up)
+        mix = mix.to(h)
+        m, positions = mix.shape[0], h.shape[1]
+        step, _ = block_shape(q, m, n, h.device, rows_of_a=True)
+        buffer = torch.empty(m, min(step, positions) * n, device=h.device)
+        eps = self.eps * scale
+        for first in range(0, positions, step):
+            flat = scaled[:, first:first + step].reshape(q, -1)
+            count = flat.shape[1] // n
+            gap = torch.mm(mix, flat, out=buffer[:, : count * n])  # s·A·h
+            gap = f(gap)  # s·σ(A·h), in place
+            if up is not None:
+                gap.mul_(torch.mm(mix, up[:, first:first + step].reshape(q, -1)))
+            mu_norm = torch.linalg.vector_norm(gap.view(m, count, n), dim=-1)
+            gap.addmm_(mix, activated[:, first:first + step].reshape(q, -1), alpha=-1)  # − s·A·σ(h)
+            norm = torch.linalg.vector_norm(gap.view(m, count, n), dim=-1)  # [rows of A, positions]
+            self.layer[0] += norm.sum(1, dtype=torch.float64) / scale
+            self.layer[1] += (norm / (mu_norm + eps)).sum(1, dtype=torch.float64)
+            self.layer[2] += mu_norm.sum(1, dtype=torch.float64) / scale
+            if self.per_node:
+                gap = gap.abs_() if self.reduction == "abs" else gap.square_()
+                self.node[0] += gap.view(m, count, n).sum(1, dtype=torch.float64) / (
+                    scale if self.reduction == "abs" else scale**2)
+        self.layer[3] += positions
 
 
 def _part(t: torch.Tensor | None, part: slice) -> torch.Tensor | None:

@@ -189,11 +189,12 @@ def score_own_prefix(setup: ScoringSetup) -> dict[str, MLossAccumulator]:
 
     def visit(layer: int, inputs: UnitInputs) -> None:
         if layer not in current:
-            current[layer] = MLossAccumulator(inputs.gate.shape[-1], reduction=setup.reduction, eps=setup.eps,
+            current[layer] = MLossAccumulator(inputs.num_nodes, reduction=setup.reduction, eps=setup.eps,
                                               device=setup.device)
         acc = current[layer]
         sums = acc.empty()
-        sums.add_preactivations(inputs.gate, mix, setup.activation, up=inputs.up, mask=inputs.mask)
+        gate, up = inputs.stacked()
+        sums.add_preactivations(gate, mix, setup.activation, up=up, mask=inputs.mask)
         acc.add_sums(sums)
 
     def done(layer: int) -> None:

@@ -60,12 +60,21 @@ class BatchState:
 
 @dataclass
 class UnitInputs:
-    """One batch at a scored unit of the own-prefix walk: the q stacked pre-activations ``[positions, q, nodes]``
-    (``up``: gated units), and the positions that count (``mask``, ``[positions]`` bool, or ``None``)."""
+    """One batch at a scored unit of the own-prefix walk: the q sources' pre-activations (``up``: gated units),
+    and the positions that count (``mask``, ``[positions]`` bool, or ``None``)."""
 
-    gate: torch.Tensor
-    up: torch.Tensor | None
+    gates: list[torch.Tensor]
+    ups: list[torch.Tensor] | None
     mask: torch.Tensor | None
+
+    @property
+    def num_nodes(self) -> int:
+        return self.gates[0].shape[-1]
+
+    def stacked(self, *, sources_first: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(gate, up)`` pre-activations as ``[positions, q, nodes]`` (``sources_first``: ``[q, positions,
+        nodes]``, the layout of the kernel's several-row path)."""
+        return _stacked(self.gates, sources_first), _stacked(self.ups, sources_first) if self.ups else None
 
 
 def embed_batches(setup: WalkSetup, model: Any, pool: Any = None) -> list[BatchState]:
@@ -189,8 +198,7 @@ def own_walk(setup: WalkSetup, scored: Sequence[int], visit: Callable[[int, Unit
                                                   state.context)
             if gates:
                 mask = states[0][b].context.mask
-                visit(layer, UnitInputs(_stacked(gates), _stacked(ups) if ups else None,
-                                        mask.reshape(-1) if mask is not None else None))
+                visit(layer, UnitInputs(gates, ups or None, mask.reshape(-1) if mask is not None else None))
         if layer in scored and done is not None:
             done(layer)
         if progress is not None:
@@ -198,7 +206,9 @@ def own_walk(setup: WalkSetup, scored: Sequence[int], visit: Callable[[int, Unit
         del copies
 
 
-def _stacked(pre: list[torch.Tensor]) -> torch.Tensor:
-    """q pre-activations ``[..., nodes]`` as ``[positions, q, nodes]``."""
+def _stacked(pre: list[torch.Tensor], sources_first: bool) -> torch.Tensor:
+    """q pre-activations ``[..., nodes]`` as ``[positions, q, nodes]`` (or ``[q, positions, nodes]``)."""
+    if sources_first:
+        return torch.stack(pre).reshape(len(pre), -1, pre[0].shape[-1])
     h = torch.stack(pre, dim=-2)
     return h.view(-1, *h.shape[-2:])

@@ -69,7 +69,7 @@ def test_subset_accumulator_equals_one_accumulator_per_subset(activation, reduct
     from hf_mloss import kernel
     from hf_mloss.compatibility import subset_scores
 
-    monkeypatch.setattr(kernel, "BLOCK_ELEMENTS", 11 * 11 * 5)  # 11 subsets: 5 positions per block, 13 = 2 × 5 + 3
+    monkeypatch.setattr(kernel, "ROWS_BLOCK_ELEMENTS", 11 * 11 * 5)  # 11 subsets: 5 positions per chunk: 13 = 2×5 + 3
     torch.manual_seed(0)
     h = 3 * torch.randn(4, 23, 11)
     weights = torch.tensor([1.0, 2.0, 0.5, 1.5])
@@ -77,8 +77,10 @@ def test_subset_accumulator_equals_one_accumulator_per_subset(activation, reduct
     assert len(subsets) == 11
     acc = kernel.GapSums(len(subsets), 11, reduction=reduction, per_node=True)
     matrix = subset_matrix(subsets, weights)
-    acc.add_preactivations(h[:, :13].transpose(0, 1).clone(), matrix, activation)
-    acc.add_preactivations(h[:, 13:].transpose(0, 1).clone(), matrix, activation)
+    original = h.clone()
+    acc.add_preactivations(h[:, :13].clone(), matrix, activation, sources_first=True)
+    acc.add_preactivations(h[:, 13:].transpose(0, 1), matrix, activation)  # positions first: copied, not changed
+    assert torch.equal(h, original)
     got = subset_scores(acc)
     for row, subset in enumerate(subsets):
         alpha = weights[list(subset)] / weights[list(subset)].sum()
