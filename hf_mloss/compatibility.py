@@ -8,12 +8,11 @@ asked for) is one row of a matrix A with A[S, p] = α_p / Σ_{p'∈S} α_{p'} fo
     g_S = σ(A_S · h) − A_S · σ(h)
 
 is the gap of subset S with its weights normalised over S (uniform by default; user weights α give α_i/(α_i+α_j)
-for a pair): :func:`hf_mloss.scoring.node_gap` for every subset at once, as two GEMMs with the q-row matrix H of
-pre-activations, in chunks of ~16 M values. Subset S's numbers equal a direct :func:`hf_mloss.score` of the models
-of S (``prefix="own"``).
+for a pair): the gap kernel (:mod:`hf_mloss.kernel`) with A as its mixing matrix, every subset in one pass. Subset
+S's numbers equal a direct :func:`hf_mloss.score` of the models of S (``prefix="own"``).
 
 Cost per model: one forward over the images, as ``score(prefix="own")``; memory: the q models' hidden states, q
-copies of ONE block, f(s·h) of one batch and one 64 MB chunk of gaps, never q² forwards. The subsets add
+copies of ONE block and one kernel block of gaps (:func:`hf_mloss.kernel.block_shape`), never q² forwards. The subsets add
 elementwise work ∝ (number of subsets) × positions × nodes per scored layer: for ViT-B/32 with q = 8 (37 subsets)
 see ``benchmarks/results/merge_speed_new_workloads_cpu.md`` (the report against one ``score(prefix="own")``).
 
@@ -25,10 +24,9 @@ of its members' pooled features (one extra forward per scored subset).
 
 from __future__ import annotations
 
-import copy
 import itertools
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,8 +53,6 @@ BASELINES = ("tv_cosine", "tv_distance", "tv_norm", "sign_conflict", "output_gap
 TIES sign-conflict fraction, and the output-level merge-vs-ensemble gap (only with ``output_gap=True``)."""
 HIGHER_IS_BETTER = {"tv_cosine"}
 """Metrics where a higher value means more compatible (all others: lower is better)."""
-_CHUNK_ELEMENTS = 1 << 24
-"""Values per chunk of subset gaps (64 MB in float32): measured 1.5-2x faster than 4 M-value chunks for 137 subsets."""
 REPORT_JSON, REPORT_MARKDOWN, HEATMAP_NAME = "compatibility.json", "compatibility.md", "compatibility_heatmap.png"
 
 
@@ -109,134 +105,18 @@ def subset_matrix(subsets: Sequence[tuple[int, ...]], weights: torch.Tensor) -> 
 
 
 # ----------------------------------------------------------------------------------------------- M-Loss
-class SubsetAccumulator:
-    """Running sums of the layer M-Loss of many subsets of the q models at one scored linear."""
-
-    def __init__(self, matrix: torch.Tensor, num_nodes: int, *, reduction: str = "abs", eps: float = 1e-4,
-                 per_node: bool = False, device: Any = "cpu") -> None:
-        self.matrix = matrix.to(device)
-        self.reduction, self.eps = reduction, eps
-        m = matrix.shape[0]
-        self.node = torch.zeros(m, num_nodes if per_node else 0, dtype=torch.float64, device=device)
-        """Per subset and node: Σ|g| (``abs``) or Σg² (``sq``) over positions (only with ``per_node``: one more
-        pass over the gaps)."""
-        self.layer = torch.zeros(3, m, dtype=torch.float64, device=device)
-        """Per subset: Σ‖g‖₂, Σ‖g‖₂/(‖σ(Σαh)‖₂+ε), Σ‖σ(Σαh)‖₂ over positions."""
-        self.count = torch.zeros((), dtype=torch.float64, device=device)
-
-    def add(self, h: torch.Tensor, activation: Callable) -> None:
-        """Add the q pre-activations of one batch, ``h`` of shape ``[q, positions, nodes]``.
-
-        With σ(x) = f(s·x)/s and f in place (:func:`hf_mloss.scoring.inplace_activation`), f(s·H) is
-        computed once for the batch; then per chunk of positions, with H the chunk as ``[q, positions·nodes]`` (a
-        view), one GEMM writes s·A·H into a reused buffer, f runs in place (s·σ(A·H)) and one more GEMM with β = 1
-        subtracts A·f(s·H): :func:`hf_mloss.scoring.node_gap` for every subset at once, scaled by s, with no new
-        buffer per chunk (measured on [8, 800, 3072] with 37 subsets, quick_gelu: 0.47-0.55 s against 1.34-1.48 s
-        for σ applied out of place per chunk).
-        """
-        from .scoring import inplace_activation
-
-        scale, f = inplace_activation(activation)
-        h = h.float()
-        q, n = h.shape[0], h.shape[-1]
-        scaled = h * scale if scale != 1.0 else h
-        activated = f(scaled.clone())  # f(s·h): once per batch, not once per subset
-        m = self.matrix.shape[0]
-        step = max(1, _CHUNK_ELEMENTS // (m * n))
-        buffer = torch.empty(m, min(step, h.shape[1]) * n, device=h.device)
-        eps = self.eps * scale  # |s·g| / (|s·σ| + s·ε) = |g| / (|σ| + ε)
-        for first in range(0, h.shape[1], step):
-            flat = scaled[:, first:first + step].reshape(q, -1)
-            positions = flat.shape[1] // n
-            gap = torch.mm(self.matrix, flat, out=buffer[:, : positions * n])  # s·Σ_S α h
-            gap = f(gap)  # s·σ(Σ_S α h), in place
-            merged_norm = torch.linalg.vector_norm(gap.view(m, positions, n), dim=-1)
-            gap.addmm_(self.matrix, activated[:, first:first + step].reshape(q, -1), alpha=-1)  # − s·Σ_S α σ(h)
-            norm = torch.linalg.vector_norm(gap.view(m, positions, n), dim=-1)  # [subsets, positions]
-            self.layer[0] += norm.sum(1, dtype=torch.float64) / scale
-            self.layer[1] += (norm / (merged_norm + eps)).sum(1, dtype=torch.float64)
-            self.layer[2] += merged_norm.sum(1, dtype=torch.float64) / scale
-            if self.node.shape[1]:
-                gap = gap.abs_() if self.reduction == "abs" else gap.square_()
-                self.node += gap.view(m, positions, n).sum(1, dtype=torch.float64) / (
-                    scale if self.reduction == "abs" else scale**2)
-        self.count += h.shape[1]
-
-    def reduce_across_processes(self) -> None:
-        """Sum the running sums of every process (a no-op in a single process)."""
-        from accelerate import PartialState
-        from accelerate.utils import reduce
-
-        if PartialState().num_processes > 1:
-            packed = reduce(torch.cat([self.node.flatten(), self.layer.flatten(), self.count[None]]), reduction="sum")
-            sizes = [self.node.numel(), self.layer.numel()]
-            self.node = packed[: sizes[0]].view_as(self.node)
-            self.layer = packed[sizes[0] : sizes[0] + sizes[1]].view_as(self.layer)
-            self.count = packed[-1]
-
-    def scores(self) -> dict[str, torch.Tensor]:
-        """Per subset: the :data:`METRICS`; with ``per_node`` also ``node_mloss`` and ``node`` (``[subsets, nodes]``)."""
-        count = self.count.clamp_min(1)
-        tiny = torch.finfo(torch.float64).tiny
-        out = {"mloss": (self.layer[0] / count).cpu(), "mloss_normalized": (self.layer[1] / count).cpu(),
-               "mloss_ratio": (self.layer[0] / self.layer[2].clamp_min(tiny)).cpu()}
-        if self.node.shape[1]:
-            node = self.node / count
-            out.update(node_mloss=node.mean(1).cpu(), node=node.float().cpu())
-        return out
-
-
-def _embed_all(setup: ScoringSetup) -> list[list[torch.Tensor]]:
-    """Each source's hidden states entering block 0 (its own embeddings), per batch."""
-    from .adapters import EMBEDDING_STAGE
-
-    adapter, worker = setup.adapter, setup.model
-    names = [n for n in setup.sources[0].keys() if adapter.stage_of(n) == EMBEDDING_STAGE]
-    state = {adapter.canonical_key(k): v for k, v in worker.state_dict().items()}
-    hidden = []
-    for store in setup.sources:
-        for name in names:
-            if name in state:
-                state[name].copy_(store.get(name))
-        with setup.autocast():
-            hidden.append([adapter.embed(worker, b.to(setup.device)) for b in setup.batches])
-    return hidden
-
-
-@torch.inference_mode()
-def own_prefix_walk(setup: ScoringSetup, visit: Callable[[int, torch.Tensor], None],
-                    done: Callable[[int], None]) -> None:
-    """Walk the blocks once with every source's own forward; ``visit(layer, h)`` gets each batch's stacked
-    pre-activations ``[q, positions, nodes]`` of a scored linear, ``done(layer)`` follows its last batch.
-
-    Memory: the worker model, q copies of ONE block, and q sets of hidden states (as ``score(prefix="own")``).
-    """
-    from .scoring import _load_block
-
-    adapter, scored = setup.adapter, set(setup.scored_layers())
-    hidden = _embed_all(setup)
-    blocks = adapter.layers(setup.model)
-    last = max(scored)
-    for layer in range(last + 1):
-        copies = []
-        for store in setup.sources:
-            block = copy.deepcopy(blocks[layer])
-            _load_block(block, store, adapter.layer_prefix(layer), setup.device)
-            copies.append(block)
-        for b in range(len(setup.batches)):
-            pre = []
-            for p, block in enumerate(copies):
-                with setup.autocast():
-                    residual, u = adapter.forward_to_target(block, hidden[p][b])
-                    if layer in scored:
-                        pre.append(block.get_submodule(adapter.target_suffix)(u).float())
-                    if layer < last:
-                        hidden[p][b] = adapter.forward_from_target(block, residual, u)
-            if pre:
-                visit(layer, torch.stack(pre).reshape(len(pre), -1, pre[0].shape[-1]))
-        if layer in scored:
-            done(layer)
-        del copies
+def subset_scores(sums: Any) -> dict[str, torch.Tensor]:
+    """Per subset (row of the :class:`~hf_mloss.kernel.GapSums`): the :data:`METRICS`, with per-node sums also
+    ``node_mloss`` and ``node`` (``[subsets, nodes]``), and ``positions``."""
+    count = sums.count.clamp_min(1)
+    tiny = torch.finfo(torch.float64).tiny
+    layer = sums.layer
+    out = {"mloss": (layer[0] / count).cpu(), "mloss_normalized": (layer[1] / count).cpu(),
+           "mloss_ratio": (layer[0] / layer[2].clamp_min(tiny)).cpu(), "positions": sums.count}
+    if sums.per_node:
+        node = sums.node[0] / count
+        out.update(node_mloss=node.mean(1).cpu(), node=node.float().cpu())
+    return out
 
 
 def subset_mloss(setup: ScoringSetup, subsets: Sequence[tuple[int, ...]], weights: torch.Tensor, *,
@@ -248,27 +128,31 @@ def subset_mloss(setup: ScoringSetup, subsets: Sequence[tuple[int, ...]], weight
     """
     from tqdm.auto import tqdm
 
-    matrix = subset_matrix(subsets, weights)
-    current: dict[int, SubsetAccumulator] = {}
+    from .kernel import GapSums
+    from .walk import UnitInputs, own_walk
+
+    matrix = subset_matrix(subsets, weights).to(setup.device)
+    current: dict[int, GapSums] = {}
     per_layer: dict[int, dict[str, torch.Tensor]] = {}
     layers = setup.scored_layers()
     bar = tqdm(total=len(layers), desc=f"M-Loss of {len(subsets)} subsets (own prefix)", unit="layer",
                disable=not progress)
 
-    def visit(layer: int, h: torch.Tensor) -> None:
+    def visit(layer: int, inputs: UnitInputs) -> None:
         if layer not in current:
-            current[layer] = SubsetAccumulator(matrix, h.shape[-1], reduction=setup.reduction, eps=setup.eps,
-                                               per_node=per_node, device=setup.device)
-        current[layer].add(h, setup.activation)
+            current[layer] = GapSums(len(subsets), inputs.num_nodes, reduction=setup.reduction, eps=setup.eps,
+                                     per_node=per_node, device=setup.device)
+        gate, up = inputs.stacked(sources_first=True)
+        current[layer].add_preactivations(gate, matrix, setup.activation, up=up, mask=inputs.mask,
+                                          sources_first=True)
 
     def done(layer: int) -> None:
         acc = current.pop(layer)
         acc.reduce_across_processes()
-        per_layer[layer] = acc.scores()
-        per_layer[layer]["positions"] = acc.count
+        per_layer[layer] = subset_scores(acc)
         bar.update(1)
 
-    own_prefix_walk(setup, visit, done)
+    own_walk(setup, layers, visit, done)
     bar.close()
     metrics = [*METRICS, "node_mloss"] if per_node else list(METRICS)
     out: dict[str, Any] = {m: torch.stack([per_layer[layer][m] for layer in layers], dim=1) for m in metrics}
@@ -282,28 +166,24 @@ def subset_mloss(setup: ScoringSetup, subsets: Sequence[tuple[int, ...]], weight
 
 # ------------------------------------------------------------------------------------------------ baselines
 @torch.inference_mode()
-def task_vector_statistics(inputs: RunInputs, *, k: float = 0.2, sample: int = 1 << 16) -> dict[str, torch.Tensor]:
+def task_vector_statistics(inputs: RunInputs, *, k: float = 0.2) -> dict[str, torch.Tensor]:
     """Pairwise statistics of the task vectors τ_p = θ_p − θ₀, streamed one tensor at a time (``[q, q]`` each).
 
     ``gram``: ⟨τ_i, τ_j⟩ over every float tensor. ``conflict`` / ``overlap``: among the entries that both per-tensor
-    top-``k`` trims keep (TIES' trim; the magnitude threshold of each τ_p comes from a seeded sample of ``sample``
-    entries, so the kept fraction is k up to sampling error), those whose signs differ / all of them.
+    top-``k`` trims keep (TIES' trim, with the threshold of :func:`hf_mloss.methods.ops.magnitude_threshold`), those
+    whose signs differ / all of them.
     """
+    from .methods.ops import keep_count, magnitude_threshold
+
     q = len(inputs.sources)
     out = {key: torch.zeros(q, q, dtype=torch.float64) for key in ("gram", "conflict", "overlap")}
-    generator = torch.Generator(device=inputs.device).manual_seed(0)
     for name in inputs.names:
         base = inputs.base.get_float(name, inputs.device)
         taus = torch.stack([s.get_float(name, inputs.device) for s in inputs.sources]).sub_(base).reshape(q, -1)
         out["gram"] += (taus @ taus.T).double().cpu()
         magnitude = taus.abs()
-        drawn = magnitude
-        if magnitude.shape[1] > sample:
-            drawn = magnitude[:, torch.randint(magnitude.shape[1], (sample,), generator=generator,
-                                               device=inputs.device)]
-        count = int(drawn.shape[1] * k)  # exact without sampling: the floor(n·k)-th largest, as the trim keeps
-        threshold = (drawn.kthvalue(drawn.shape[1] - count + 1, dim=1, keepdim=True).values if count else
-                     torch.full((q, 1), float("inf"), device=magnitude.device))
+        count = keep_count(magnitude.shape[1], k)  # the floor(n·k)-th largest, as the trim keeps
+        threshold = torch.tensor([[magnitude_threshold(row, count)] for row in magnitude], device=magnitude.device)
         kept = (magnitude >= threshold) & (magnitude > 0)
         signed = torch.sign(taus).mul_(kept)  # ±1 where kept, 0 elsewhere
         kept = kept.float()

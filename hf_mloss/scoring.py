@@ -15,54 +15,31 @@ all weights together must not change it.
 from __future__ import annotations
 
 import contextlib
-import copy
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from .adapters import EMBEDDING_STAGE, ModelAdapter
 from .config import MergeConfig
+from .kernel import GapSums, StackedTarget, inplace_activation, node_gap  # noqa: F401  (kept importable from here)
 from .methods.base import LayerHooks
 from .options import PREFIXES, REDUCTIONS, ScoringOptions
 from .parallel import Workers, cpu_workers
 from .parallel import active as active_workers
 from .report import MLossReport
 from .store import TensorStore
+from .walk import UnitInputs, embed_batches, own_walk, shared_walk
 
 if TYPE_CHECKING:
     from .data import DataInfo
     from .inputs import RunInputs
 
 __all__ = ["PREFIXES", "REDUCTIONS", "LayerScores", "MLossAccumulator", "score_config"]
-_BLOCK_ELEMENTS = 1 << 19
-"""Pre-activations ``[positions, q, nodes]`` per block of the shared-prefix kernel on a CPU (2 MB of float32)."""
-_BLOCK_ELEMENTS_ACCELERATOR = 1 << 24
-_OWN_BLOCK_ELEMENTS = 1 << 21
-"""Pre-activations per block of the own-prefix kernel :func:`gap_sums` on a CPU (8 MB of float32; measured on
-[800, 8, 3072], quick_gelu, 2 threads: 0.09 s against 0.20-0.22 s for :meth:`MLossAccumulator.add` on the whole
-batch; blocks of 2 MB had more parallel regions and stalled when other processes shared the cores)."""
-_MAX_ROWS = 1024
-"""Positions per block (ViT-B/32, batch 16: 800)."""
-
-
-def node_gap(h: torch.Tensor, alpha: torch.Tensor, activation: Callable) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gap and merged activation for pre-activations ``h`` of shape ``[positions, q, nodes]``.
-
-    Returns ``(g, merged)`` with ``merged = σ(Σ_p α_p h_p)`` and ``g = merged − Σ_p α_p σ(h_p)``, both
-    ``[positions, nodes]``.
-    """
-    alpha = alpha.to(h)
-    # alpha @ h is a batched [1, q] x [q, nodes] product on h as it lies; einsum("q,pqn->pn") copied h first
-    # (measured: 0.14 ms vs 1.2 ms for a [170, 8, 3072] chunk, identical values).
-    merged = activation(torch.matmul(alpha, h))
-    ensemble = torch.matmul(alpha, activation(h))
-    return merged - ensemble, merged
 
 
 @dataclass
@@ -83,195 +60,36 @@ class LayerScores:
     """Σ_positions ‖g‖₂ / Σ_positions ‖σ(Σα h)‖₂."""
 
 
-class MLossAccumulator:
-    """Running sums of node / layer M-Loss for one scored linear."""
 
-    def __init__(self, num_nodes: int, *, reduction: str = "abs", eps: float = 1e-4, device="cpu") -> None:
-        self.reduction = reduction
-        self.eps = eps
-        # per node: the reduced gap, the per-position normalised gap, |σ(αh)|, and |g| (kept apart only for "sq");
-        # per layer: ‖g‖, the normalised ‖g‖, ‖σ(αh)‖, and the number of positions
-        self.node = torch.zeros(4, num_nodes, dtype=torch.float64, device=device)
-        self.layer = torch.zeros(4, dtype=torch.float64, device=device)
+
+class MLossAccumulator(GapSums):
+    """Running sums of node / layer M-Loss for one scored unit (the :class:`~hf_mloss.kernel.GapSums` of one merge:
+    ``node`` is ``[4, 1, nodes]``, ``layer`` ``[4, 1]``)."""
+
+    def __init__(self, num_nodes: int, *, reduction: str = "abs", eps: float = 1e-4, device: Any = "cpu") -> None:
+        super().__init__(1, num_nodes, reduction=reduction, eps=eps, device=device)
 
     def add(self, h: torch.Tensor, alpha: torch.Tensor, activation: Callable) -> None:
-        """Add the pre-activations ``h`` (``[positions, q, nodes]``) of some positions: the plain definition (the
-        scorers use the fused :func:`gap_sums` / :class:`StackedTarget` kernels, tested against this)."""
+        """Add the pre-activations ``h`` (``[positions, q, nodes]``) of some positions with the plain definition
+        (:func:`~hf_mloss.kernel.node_gap`; the scorers use the fused kernel, tested against it)."""
         g, merged = node_gap(h.float(), alpha, activation)
-        squares = node_sums(self.node, g, merged, reduction=self.reduction, eps=self.eps)
-        add_position_sums(self.layer, *squares, eps=self.eps)
+        self.add_positions(*self.add_block(g[:, None], merged[:, None], slice(None), self.eps), eps=self.eps)
 
-    def add_sums(self, node: torch.Tensor, layer: torch.Tensor) -> None:
-        """Add running sums computed elsewhere (a :class:`StackedTarget` pass over one batch)."""
-        self.node += node
-        self.layer += layer
-
-    @property
-    def count(self) -> torch.Tensor:
-        return self.layer[3]
-
-    def reduce_across_processes(self) -> None:
-        """Sum the running sums of every process (a no-op in a single process)."""
-        from accelerate import PartialState
-        from accelerate.utils import reduce
-
-        if PartialState().num_processes > 1:
-            packed = reduce(torch.cat([self.node.flatten(), self.layer]), reduction="sum")
-            self.node, self.layer = packed[: self.node.numel()].view_as(self.node), packed[self.node.numel():]
+    def add_sums(self, sums: GapSums) -> None:
+        """Add running sums computed elsewhere (one batch's kernel pass)."""
+        self.merge(sums)
 
     def scores(self) -> LayerScores:
         """The means (and ratios of sums) accumulated so far."""
-        count = self.layer[3].clamp_min(1)
-        gap_sum = self.node[0] if self.reduction == "abs" else self.node[3]
+        node, layer = self.node[:, 0], self.layer[:, 0]
+        count = layer[3].clamp_min(1)
+        gap_sum = node[0] if self.reduction == "abs" else node[3]
         tiny = torch.finfo(torch.float64).tiny
         return LayerScores(
-            node=(self.node[0] / count).float().cpu(), node_normalized=(self.node[1] / count).float().cpu(),
-            node_ratio=(gap_sum / self.node[2].clamp_min(tiny)).float().cpu(), layer=float(self.layer[0] / count),
-            layer_normalized=float(self.layer[1] / count), layer_ratio=float(self.layer[0] / self.layer[2].clamp_min(tiny)),
+            node=(node[0] / count).float().cpu(), node_normalized=(node[1] / count).float().cpu(),
+            node_ratio=(gap_sum / node[2].clamp_min(tiny)).float().cpu(), layer=float(layer[0] / count),
+            layer_normalized=float(layer[1] / count), layer_ratio=float(layer[0] / layer[2].clamp_min(tiny)),
         )
-
-def node_sums(node: torch.Tensor, g: torch.Tensor, merged: torch.Tensor, *, reduction: str,
-              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Add the per-node sums of gaps ``g`` and merged activations (``[positions, nodes]``) into ``node`` (rows as in
-    :class:`MLossAccumulator`); returns the per-position Σg² and Σσ(αh)² over these nodes (float32)."""
-    magnitude, merged_magnitude, squares = g.abs(), merged.abs(), g.square()
-    if reduction == "abs":
-        node[0] += magnitude.sum(0, dtype=torch.float64)
-    else:
-        node[0] += squares.sum(0, dtype=torch.float64)
-        node[3] += magnitude.sum(0, dtype=torch.float64)
-    node[2] += merged_magnitude.sum(0, dtype=torch.float64)
-    node[1] += magnitude.div_(merged_magnitude.add_(eps)).sum(0, dtype=torch.float64)
-    return squares.sum(1), merged.square().sum(1)
-
-
-def add_position_sums(layer: torch.Tensor, squares: torch.Tensor, merged_squares: torch.Tensor, *, eps: float) -> None:
-    """Add the layer sums of some positions given their Σg² and Σσ(αh)² over every node (``layer`` as in
-    :class:`MLossAccumulator`)."""
-    norm, merged_norm = squares.sqrt(), merged_squares.sqrt()
-    layer[0] += norm.sum(dtype=torch.float64)
-    layer[1] += (norm / (merged_norm + eps)).sum(dtype=torch.float64)
-    layer[2] += merged_norm.sum(dtype=torch.float64)
-    layer[3] += norm.shape[0]
-
-
-def inplace_activation(activation: Callable) -> tuple[float, Callable[[torch.Tensor], torch.Tensor]]:
-    """``(s, f)`` with σ(x) = f(s·x)/s and ``f`` writing its result into its argument (and returning it).
-
-    quick_gelu is x·sigmoid(1.702x) = silu(1.702x)/1.702: folding 1.702 into the stacked weights makes the q copies'
-    activation one in-place pass instead of three (multiply, sigmoid, multiply, each on a fresh buffer; measured
-    90 ms against 16 ms on a [170, 8, 3072] chunk). Activations without a fused in-place kernel get s = 1 and
-    ``activation`` copied back into its input.
-    """
-    from transformers import activations as hf
-
-    functional = nn.functional
-    if isinstance(activation, hf.QuickGELUActivation):
-        return 1.702, _silu_
-    if isinstance(activation, (nn.SiLU, getattr(hf, "SiLUActivation", nn.SiLU))):
-        return 1.0, _silu_
-    if isinstance(activation, nn.ReLU):
-        return 1.0, torch.relu_
-    gelu = getattr(activation, "act", activation) if isinstance(activation, hf.GELUActivation) else activation
-    if gelu is functional.gelu:
-        return 1.0, torch.ops.aten.gelu_
-    return 1.0, lambda x: x.copy_(activation(x))
-
-
-def _silu_(x: torch.Tensor) -> torch.Tensor:
-    return nn.functional.silu(x, inplace=True)
-
-
-class StackedTarget:
-    """The q sources' weights of one scored linear, in node blocks, and the fused scoring kernel over them.
-
-    For u of some positions, block j holds nodes [a, b) of every source: ONE GEMM gives the ``[positions, q, b-a]``
-    pre-activations, which are reduced while they are in cache: the weighted sums over q (batched matmuls), the
-    activation in place, then per-node sums and per-position squared norms. Only per-node and per-position sums
-    leave a block. On ViT-B/32 × 8 fc1 (800 positions, 1 thread) this took 246 ms against 428-478 ms for the
-    whole-layer GEMM followed by :meth:`MLossAccumulator.add`, whose GEMM alone took 247 ms.
-    """
-
-    def __init__(self, setup: ScoringSetup, layer: int) -> None:
-        name = setup.adapter.target_name(layer)
-        sources, device = setup.sources, setup.device
-        self.q, self.alpha, self.reduction, self.eps = len(sources), setup.alpha, setup.reduction, setup.eps
-        self.scale, self.activation = inplace_activation(setup.activation)
-        weights = [s.get_float(f"{name}.weight", device) for s in sources]
-        has_bias = f"{name}.bias" in sources[0]
-        biases = [s.get_float(f"{name}.bias", device) for s in sources] if has_bias else None
-        self.num_nodes = weights[0].shape[0]
-        if torch.device(device).type == "cpu":  # blocks of ~2 MB of pre-activations: 1024 positions × q × 64 nodes
-            self.rows = _MAX_ROWS
-            nodes = max(1, _BLOCK_ELEMENTS // (self.q * self.rows))
-        else:  # one block, positions in chunks of 64 MB of pre-activations
-            nodes = self.num_nodes
-            self.rows = max(1, _BLOCK_ELEMENTS_ACCELERATOR // (self.q * nodes))
-        self.blocks = [(a, min(a + nodes, self.num_nodes)) for a in range(0, self.num_nodes, nodes)]
-        self.weight: list[torch.Tensor] = []
-        self.bias: list[torch.Tensor | None] = []
-        dtype = setup.compute_dtype
-        for a, b in self.blocks:  # [q·(b−a), d]: source p's rows a..b at p·(b−a)
-            self.weight.append(torch.cat([w[a:b] for w in weights]).to(dtype))
-            self.bias.append(torch.cat([c[a:b] for c in biases]).to(dtype) if has_bias else None)
-
-    def partial_sums(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Node and layer sums (as in :class:`MLossAccumulator`) over the positions of ``u`` (``[..., d]``)."""
-        node = torch.zeros(4, self.num_nodes, dtype=torch.float64, device=u.device)
-        layer = torch.zeros(4, dtype=torch.float64, device=u.device)
-        eps = self.eps * self.scale  # gaps come scaled by s: |g|/(|σ|+ε) = |s·g|/(|s·σ|+s·ε)
-        for rows in u.reshape(-1, u.shape[-1]).split(self.rows):
-            rows = rows.to(self.weight[0].dtype)
-            squares = torch.zeros(2, rows.shape[0], dtype=torch.float64, device=u.device)
-            for (a, b), weight, bias in zip(self.blocks, self.weight, self.bias):
-                h = nn.functional.linear(rows, weight, bias).float().view(rows.shape[0], self.q, b - a)
-                g, merged = scaled_gap(h, self.alpha, self.scale, self.activation)
-                squares += torch.stack(node_sums(node[:, a:b], g, merged, reduction=self.reduction, eps=eps))
-            add_position_sums(layer, *squares, eps=eps)
-        unscale_sums(node, layer, self.scale, self.reduction)
-        return node, layer
-
-
-def scaled_gap(h: torch.Tensor, alpha: torch.Tensor, scale: float, f: Callable) -> tuple[torch.Tensor, torch.Tensor]:
-    """(s·g, s·σ(Σαh)) from pre-activations ``h`` (``[positions, q, nodes]``, overwritten), with σ(x) = f(s·x)/s.
-
-    With f in place (:func:`inplace_activation`) these are f(s·Σαh) − Σα·f(s·h) and f(s·Σαh): one in-place scaling
-    and one in-place activation of the q copies, and no division per entry.
-    """
-    alpha = alpha.to(h)
-    merged = torch.matmul(alpha, h)
-    if scale != 1.0:
-        h.mul_(scale)
-        merged.mul_(scale)
-    merged = f(merged)
-    ensemble = torch.matmul(alpha, f(h))
-    return ensemble.neg_().add_(merged), merged
-
-
-def unscale_sums(node: torch.Tensor, layer: torch.Tensor, scale: float, reduction: str) -> None:
-    """Sums of s·g and s·σ (rows as in :class:`MLossAccumulator`) back to sums of g and σ, in place (the normalised
-    sums are scale-free)."""
-    if scale != 1.0:
-        node[0] /= scale if reduction == "abs" else scale**2
-        node[2:4] /= scale
-        layer[0::2] /= scale
-
-
-def gap_sums(h: torch.Tensor, alpha: torch.Tensor, activation: Callable, *, reduction: str = "abs", eps: float = 1e-4
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Node and layer sums (rows as in :class:`MLossAccumulator`) of pre-activations ``h`` (``[positions, q,
-    nodes]``, float32, overwritten): :meth:`MLossAccumulator.add` with the activation folded and in place
-    (:func:`inplace_activation`), over blocks of positions that stay in cache; for ``add_sums``."""
-    scale, f = inplace_activation(activation)
-    q, n = h.shape[-2:]
-    node = torch.zeros(4, n, dtype=torch.float64, device=h.device)
-    layer = torch.zeros(4, dtype=torch.float64, device=h.device)
-    rows = max(1, _OWN_BLOCK_ELEMENTS // (q * n)) if h.device.type == "cpu" else h.shape[0]
-    for block in h.split(rows):
-        g, merged = scaled_gap(block, alpha, scale, f)
-        add_position_sums(layer, *node_sums(node, g, merged, reduction=reduction, eps=eps * scale), eps=eps * scale)
-    unscale_sums(node, layer, scale, reduction)
-    return node, layer
 
 
 @dataclass
@@ -311,6 +129,16 @@ class ScoringSetup:
         return sorted(set(range(self.adapter.num_layers) if self.layers is None else self.layers))
 
 
+
+def stacked_target(setup: ScoringSetup, layer: int) -> StackedTarget:
+    """The fused kernel of block ``layer``'s unit over ``setup``'s sources (one GEMM per block of nodes)."""
+    adapter = setup.adapter
+    prefix, unit = adapter.layer_prefix(layer), adapter.unit
+    return StackedTarget(setup.sources, adapter.target_name(layer), up=f"{prefix}{unit.up}" if unit.up else None,
+                         mix=setup.alpha[None], activation=setup.activation, reduction=setup.reduction, eps=setup.eps,
+                         device=setup.device, compute_dtype=setup.compute_dtype)
+
+
 @torch.inference_mode()
 def score_shared_prefix(setup: ScoringSetup, hooks: LayerHooks | None = None) -> dict[str, MLossAccumulator]:
     """Score with u from ``setup.model`` (base or merged-so-far). The forward advances one block at a time.
@@ -318,64 +146,33 @@ def score_shared_prefix(setup: ScoringSetup, hooks: LayerHooks | None = None) ->
     The batches of a block run on the run's workers; each returns its sums, which are added in batch order.
     """
     hooks = hooks or LayerHooks()
-    adapter, model, pool = setup.adapter, setup.model, setup.pool
+    adapter, pool = setup.adapter, setup.pool
     scored = setup.scored_layers()
-    last_needed = max(scored) if scored else -1
     results: dict[str, MLossAccumulator] = {}
+
+    def measure(layer: int) -> Callable | None:
+        if layer not in scored:
+            return None
+        target = stacked_target(setup, layer)
+        return lambda u, context: target.sums(u, mask=context.mask)
+
+    def collect(layer: int, sums: list[GapSums]) -> None:
+        acc = MLossAccumulator(sums[0].node.shape[-1], reduction=setup.reduction, eps=setup.eps, device=setup.device)
+        for part in sums:
+            acc.add_sums(part)
+        acc.reduce_across_processes()
+        results[adapter.target_name(layer)] = acc
+        hooks.after_scores(layer, acc.scores())
+
     hooks.before_stage(EMBEDDING_STAGE)
-    hidden = pool.map(lambda b: _embed(setup, b), setup.batches)
-    blocks = adapter.layers(model)
+    states = embed_batches(setup, setup.model, pool)
     bar = tqdm(range(adapter.num_layers), desc="M-Loss (shared prefix)", unit="layer", disable=not setup.progress)
-    for layer in bar:
-        hooks.before_stage(layer)
-        if layer > last_needed:  # nothing left to score: the remaining stages only need merging
-            continue
-        block = blocks[layer]
-        target = StackedTarget(setup, layer) if layer in scored else None
-        halves = pool.map(lambda h: _to_target(setup, block, h, target), hidden)
-        if target is not None:
-            acc = MLossAccumulator(target.num_nodes, reduction=setup.reduction, eps=setup.eps, device=setup.device)
-            for _, _, sums in halves:
-                acc.add_sums(*sums)
-            acc.reduce_across_processes()
-            results[adapter.target_name(layer)] = acc
-            hooks.after_scores(layer, acc.scores())
-        del target
-        if layer < last_needed:
-            hidden = pool.map(lambda half: _from_target(setup, block, half), halves)
+    shared_walk(setup, states, list(range(adapter.num_layers)), measure=measure, collect=collect, pool=pool,
+                before_stage=hooks.before_stage, last=max(scored) if scored else -1, progress=bar)
+    bar.close()
     hooks.before_stage(adapter.num_layers)  # the tail (final norm)
     hooks.after_all()
     return results
-
-
-def _embed(setup: ScoringSetup, pixels: torch.Tensor) -> torch.Tensor:
-    with setup.autocast():
-        return setup.adapter.embed(setup.model, pixels.to(setup.device))
-
-
-def _to_target(setup: ScoringSetup, block: nn.Module, hidden: torch.Tensor, target: StackedTarget | None):
-    """One batch up to the scored linear: (residual, its input u, the batch's M-Loss sums or None)."""
-    with setup.autocast():
-        residual, u = setup.adapter.forward_to_target(block, hidden)
-    return residual, u, target.partial_sums(u) if target is not None else None
-
-
-def _from_target(setup: ScoringSetup, block: nn.Module, half: tuple) -> torch.Tensor:
-    residual, u, _ = half
-    with setup.autocast():
-        return setup.adapter.forward_from_target(block, residual, u)
-
-
-def _load_block(module: nn.Module, store: TensorStore, prefix: str, device) -> None:
-    """Fill a copy of one block with a source's weights; every parameter must come from the source."""
-    expected = {key: value for key, value in module.state_dict().items()}
-    missing = [prefix + key for key, value in expected.items() if prefix + key not in store and
-               key in dict(module.named_parameters())]
-    if missing:
-        raise KeyError(f"{store.ref.name!r} has no tensor {missing[0]!r}: the adapter's names do not match the block.")
-    state = {key: store.get(prefix + key).to(device=device, dtype=value.dtype)
-             for key, value in expected.items() if prefix + key in store}
-    module.load_state_dict(state, strict=False)
 
 
 @torch.inference_mode()
@@ -384,49 +181,30 @@ def score_own_prefix(setup: ScoringSetup) -> dict[str, MLossAccumulator]:
 
     Memory: the worker model, q copies of ONE block, and q sets of hidden states.
     """
-    adapter, worker = setup.adapter, setup.model
     scored = setup.scored_layers()
     results: dict[str, MLossAccumulator] = {}
-    embed_names = [n for n in setup.sources[0].keys() if adapter.stage_of(n) == EMBEDDING_STAGE]
-    hidden: list[list[torch.Tensor]] = []
-    worker_state = {adapter.canonical_key(k): v for k, v in worker.state_dict().items()}
-    for store in setup.sources:
-        for name in embed_names:
-            if name in worker_state:
-                worker_state[name].copy_(store.get(name))
-        with setup.autocast():
-            hidden.append([adapter.embed(worker, b.to(setup.device)) for b in setup.batches])
-    blocks = adapter.layers(worker)
-    last_needed = max(scored) if scored else -1
-    bar = tqdm(range(last_needed + 1), desc="M-Loss (own prefix)", unit="layer", disable=not setup.progress)
-    for layer in bar:
-        copies = []
-        for store in setup.sources:
-            block = copy.deepcopy(blocks[layer])
-            _load_block(block, store, adapter.layer_prefix(layer), setup.device)
-            copies.append(block)
-        target = adapter.target_suffix
-        acc = None
-        if layer in scored:
-            n = copies[0].get_submodule(target).out_features
-            acc = MLossAccumulator(n, reduction=setup.reduction, eps=setup.eps, device=setup.device)
-        for b in range(len(setup.batches)):
-            pre = []
-            for p, block in enumerate(copies):
-                with setup.autocast():
-                    residual, u = adapter.forward_to_target(block, hidden[p][b])
-                    if acc is not None:
-                        pre.append(block.get_submodule(target)(u).float())
-                    if layer < last_needed:
-                        hidden[p][b] = adapter.forward_from_target(block, residual, u)
-            if acc is not None:
-                h = torch.stack(pre, dim=-2)
-                acc.add_sums(*gap_sums(h.view(-1, *h.shape[-2:]), setup.alpha, setup.activation,
-                                       reduction=setup.reduction, eps=setup.eps))
-        if acc is not None:
-            acc.reduce_across_processes()
-            results[adapter.target_name(layer)] = acc
-        del copies
+    current: dict[int, MLossAccumulator] = {}
+    mix = setup.alpha[None]
+
+    def visit(layer: int, inputs: UnitInputs) -> None:
+        if layer not in current:
+            current[layer] = MLossAccumulator(inputs.num_nodes, reduction=setup.reduction, eps=setup.eps,
+                                              device=setup.device)
+        acc = current[layer]
+        sums = acc.empty()
+        gate, up = inputs.stacked()
+        sums.add_preactivations(gate, mix, setup.activation, up=up, mask=inputs.mask)
+        acc.add_sums(sums)
+
+    def done(layer: int) -> None:
+        acc = current.pop(layer)
+        acc.reduce_across_processes()
+        results[setup.adapter.target_name(layer)] = acc
+
+    bar = tqdm(total=max(scored) + 1 if scored else 0, desc="M-Loss (own prefix)", unit="layer",
+               disable=not setup.progress)
+    own_walk(setup, scored, visit, done, progress=bar)
+    bar.close()
     return results
 
 

@@ -51,7 +51,6 @@ if TYPE_CHECKING:
     from .merger import TensorMerger
     from .report import MLossReport
 
-CHUNK_ELEMENTS = 1 << 22
 
 
 # ----------------------------------------------------------------------------------------------- criteria
@@ -90,6 +89,7 @@ class CandidateEvaluator:
         self.scored = sorted(set(range(self.adapter.num_layers) if layers is None else layers))
         self.changed = [layer for layer in self.scored if self._target_changed(layer)]
         self.heads = [as_head(h, i) for i, h in enumerate(options.heads)] if options.heads else None
+        self._targets: dict[int, Any] = {}
         self.start = unchanged_blocks(inputs)
         self.prefix = self._shared_prefix(tower) if "mloss" in options.criteria and self.start >= 0 else None
         if {"output", "entropy"} & set(options.criteria):
@@ -108,16 +108,25 @@ class CandidateEvaluator:
         return any(not torch.equal(s.get_float(key), self.inputs.base.get_float(key))
                    for s in self.inputs.sources for key in keys)
 
+    # the block walk reads these (hf_mloss.walk.WalkSetup): the candidate's tower runs every block
+    @property
+    def sources(self) -> list[Any]:
+        return self.inputs.sources
+
+    def autocast(self) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()
+
     def _shared_prefix(self, tower: Any) -> list[Any]:
-        """Hidden states entering block ``start``, from ``tower`` holding the base (every candidate shares them)."""
+        """Batch states entering block ``start``, from ``tower`` holding the base (every candidate shares them)."""
         import torch
 
+        from .walk import embed_batches, shared_walk
+
         with torch.inference_mode():
-            hidden = [self.adapter.embed(tower, b.to(self.device)) for b in self.batches]
-            for block in self.adapter.layers(tower)[: self.start]:
-                hidden = [self.adapter.forward_from_target(block, *self.adapter.forward_to_target(block, h))
-                          for h in hidden]
-        return hidden
+            states = embed_batches(self, tower)
+            return shared_walk(self, states, list(range(self.start)), model=tower, last=self.start)
 
     def evaluate(self, tower: Any) -> dict[str, float]:
         """Every requested criterion of the candidate held by ``tower``."""
@@ -133,24 +142,40 @@ class CandidateEvaluator:
 
     def merged_prefix_mloss(self, tower: Any) -> float:
         """Mean over scored layers of mean_positions ‖σ(W_m u + b_m) − Σ_p α_p σ(W_p u + b_p)‖₂, u the candidate's
-        own input of the layer (layers where every expert equals the base contribute exactly 0)."""
+        own input of the layer (layers where every expert equals the base contribute exactly 0): the gap kernel with
+        the candidate's own unit as the merge (:meth:`hf_mloss.kernel.StackedTarget.sums`)."""
         import torch
 
-        adapter = self.adapter
+        from .walk import embed_batches, shared_walk
+
         if not self.changed:
             return 0.0
+        unit, blocks = self.adapter.unit, self.adapter.layers(tower)
+        total = 0.0
+
+        def measure(layer: int) -> Any:
+            if layer not in self.changed:
+                return None
+            target, block = self._target(layer), blocks[layer]
+            gate = block.get_submodule(unit.gate)
+            up = block.get_submodule(unit.up) if unit.up else None
+            own = (lambda rows: gate(rows)) if up is None else (lambda rows: (gate(rows), up(rows)))
+            return lambda u, context: target.sums(u, mask=context.mask, per_node=False, merged=own)
+
+        def collect(layer: int, sums: list[Any]) -> None:
+            nonlocal total
+            acc = sums[0]
+            for part in sums[1:]:
+                acc.merge(part)
+            total += float(acc.layer[0, 0] / acc.count.clamp_min(1))
+
         with torch.inference_mode():
             if self.prefix is not None and self._holds_base_prefix(tower):
-                hidden, first = list(self.prefix), self.start
+                states, first = list(self.prefix), self.start
             else:
-                hidden, first = [adapter.embed(tower, b.to(self.device)) for b in self.batches], 0
-            blocks, last, total = adapter.layers(tower), self.changed[-1], 0.0
-            for layer in range(first, last + 1):
-                halves = [adapter.forward_to_target(blocks[layer], h) for h in hidden]
-                if layer in self.changed:
-                    total += self._layer_gap(layer, blocks[layer], [u for _, u in halves])
-                if layer < last:
-                    hidden = [adapter.forward_from_target(blocks[layer], r, u) for r, u in halves]
+                states, first = embed_batches(self, tower), 0
+            shared_walk(self, states, list(range(first, self.changed[-1] + 1)), measure=measure, collect=collect,
+                        model=tower)
         return total / len(self.scored)
 
     def _holds_base_prefix(self, tower: Any) -> bool:
@@ -162,24 +187,16 @@ class CandidateEvaluator:
         names = [n for n in self.inputs.names if n in state and self.adapter.stage_of(n) < self.start]
         return all(torch.equal(state[n], self.inputs.base.get_float(n, state[n].device)) for n in names)
 
-    def _layer_gap(self, layer: int, block: Any, inputs: list[Any]) -> float:
-        import torch
-        from torch import nn
+    def _target(self, layer: int) -> Any:
+        """The experts' stacked unit of block ``layer`` (built once, shared by every candidate)."""
+        from .kernel import StackedTarget
 
-        name, sources = self.adapter.target_name(layer), self.inputs.sources
-        weight = torch.cat([s.get_float(f"{name}.weight", self.device) for s in sources])
-        has_bias = f"{name}.bias" in sources[0]
-        bias = torch.cat([s.get_float(f"{name}.bias", self.device) for s in sources]) if has_bias else None
-        linear = block.get_submodule(self.adapter.target_suffix)
-        q = len(sources)
-        total, count = torch.zeros((), dtype=torch.float64), 0
-        for u in inputs:
-            for flat in u.reshape(-1, u.shape[-1]).split(max(1, CHUNK_ELEMENTS // weight.shape[0])):
-                experts = nn.functional.linear(flat, weight, bias).reshape(flat.shape[0], q, -1)
-                gap = self.activation(linear(flat)) - torch.matmul(self.alpha, self.activation(experts))
-                total += torch.linalg.vector_norm(gap, dim=-1).sum(dtype=torch.float64).cpu()
-                count += flat.shape[0]
-        return float(total / max(count, 1))
+        if layer not in self._targets:
+            prefix, unit = self.adapter.layer_prefix(layer), self.adapter.unit
+            self._targets[layer] = StackedTarget(
+                self.inputs.sources, self.adapter.target_name(layer), up=f"{prefix}{unit.up}" if unit.up else None,
+                mix=self.alpha[None], activation=self.activation, device=self.device)
+        return self._targets[layer]
 
     def _shares(self, config: MergeConfig, tower: Any, token: Any) -> tuple[Any, Any, Any]:
         """The images, which expert each one is compared with (None: every expert), and the experts' features."""

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 import hf_mloss
 from hf_mloss.cli import main
 from hf_mloss.api import compatibility
-from hf_mloss.compatibility import CompatibilityReport, SubsetAccumulator, standard_subsets, subset_matrix
+from hf_mloss.compatibility import CompatibilityReport, standard_subsets, subset_matrix
 from hf_mloss.data import load_pixel_values
 from hf_mloss.methods.ops import trim_tensor
 from hf_mloss.scoring import MLossAccumulator
@@ -66,19 +66,22 @@ def assert_matches_score(report: CompatibilityReport, subset, direct) -> None:
 def test_subset_accumulator_equals_one_accumulator_per_subset(activation, reduction, monkeypatch) -> None:
     """The batched kernel (activation folded and in place, chunks of positions) gives each subset the sums of a
     plain per-subset accumulation, with uneven chunks and user weights."""
-    import hf_mloss.compatibility as compat
+    from hf_mloss import kernel
+    from hf_mloss.compatibility import subset_scores
 
-    monkeypatch.setattr(compat, "_CHUNK_ELEMENTS", 7 * 11 * 5)  # 5 positions per chunk: 23 = 4 × 5 + 3
+    monkeypatch.setattr(kernel, "ROWS_BLOCK_ELEMENTS", 11 * 11 * 5)  # 11 subsets: 5 positions per chunk: 13 = 2×5 + 3
     torch.manual_seed(0)
     h = 3 * torch.randn(4, 23, 11)
     weights = torch.tensor([1.0, 2.0, 0.5, 1.5])
     subsets = standard_subsets(4)
-    acc = SubsetAccumulator(subset_matrix(subsets, weights), 11, reduction=reduction, per_node=True)
+    assert len(subsets) == 11
+    acc = kernel.GapSums(len(subsets), 11, reduction=reduction, per_node=True)
+    matrix = subset_matrix(subsets, weights)
     original = h.clone()
-    acc.add(h[:, :13], activation)
-    acc.add(h[:, 13:], activation)
+    acc.add_preactivations(h[:, :13].clone(), matrix, activation, sources_first=True)
+    acc.add_preactivations(h[:, 13:].transpose(0, 1), matrix, activation)  # positions first: copied, not changed
     assert torch.equal(h, original)
-    got = acc.scores()
+    got = subset_scores(acc)
     for row, subset in enumerate(subsets):
         alpha = weights[list(subset)] / weights[list(subset)].sum()
         ref = MLossAccumulator(11, reduction=reduction)
@@ -271,19 +274,27 @@ def test_hub_ids_give_the_same_report(hub_ids, pixels, report, image_folder, tmp
     assert "org/ft1" in capsys.readouterr().out
 
 
-def test_sampled_trim_thresholds_stay_close_to_exact(four) -> None:
-    """Tensors larger than the sample get their trim threshold from a seeded sample: close to the exact trim."""
+def test_sign_conflicts_count_exactly_the_entries_the_ties_trim_keeps(four) -> None:
+    """The sign-conflict baseline uses TIES' own per-tensor trim (methods.ops): its overlap and conflict counts are
+    those of the trimmed task vectors, pair by pair."""
     from hf_mloss.compatibility import task_vector_statistics
     from hf_mloss.inputs import open_inputs
 
     base, models = four
     config = hf_mloss.MergeConfig.from_kwargs(base, models)
     with open_inputs(config, needs_data=False, progress=False) as inputs:
-        exact = task_vector_statistics(inputs)
-        sampled = task_vector_statistics(inputs, sample=256)
-    torch.testing.assert_close(sampled["gram"], exact["gram"])
-    fraction = (sampled["conflict"] / sampled["overlap"]).nan_to_num()
-    torch.testing.assert_close(fraction, (exact["conflict"] / exact["overlap"]).nan_to_num(), atol=0.03, rtol=0)
+        stats = task_vector_statistics(inputs, k=0.3)
+        q = len(inputs.sources)
+        overlap = torch.zeros(q, q, dtype=torch.float64)
+        conflict = torch.zeros(q, q, dtype=torch.float64)
+        for name in inputs.names:
+            theta0 = inputs.base.get_float(name)
+            signs = [torch.sign(trim_tensor(s.get_float(name) - theta0, 0.3)).flatten() for s in inputs.sources]
+            for i, j in itertools.product(range(q), range(q)):
+                overlap[i, j] += int(((signs[i] != 0) & (signs[j] != 0)).sum())
+                conflict[i, j] += int((signs[i] * signs[j] < 0).sum())
+    assert overlap[0, 1] > 0 and conflict[0, 1] > 0
+    assert torch.equal(stats["overlap"], overlap) and torch.equal(stats["conflict"], conflict)
 
 
 def test_model_card_embeds_the_report(four, pixels, report, tmp_path) -> None:

@@ -214,11 +214,9 @@ def test_bf16_falls_back_to_float32_without_cpu_support(tiny_paths, pixels, monk
 def test_stacked_kernel_matches_accumulator_for_every_fused_activation():
     """The blocked shared-prefix kernel equals MLossAccumulator.add on the same pre-activations, for activations with
     a fused in-place form (quick_gelu via silu, silu, relu, gelu) and without one (tanh-approximated gelu)."""
-    from types import SimpleNamespace
-
     from transformers.activations import ACT2FN
 
-    from hf_mloss.scoring import StackedTarget
+    from hf_mloss.kernel import StackedTarget
 
     torch.manual_seed(0)
     q, n, d = 3, 400, 16  # 400 nodes: three blocks of the CPU kernel (170 nodes each for q = 3)
@@ -237,12 +235,10 @@ def test_stacked_kernel_matches_accumulator_for_every_fused_activation():
     for name in ("quick_gelu", "silu", "relu", "gelu", "gelu_pytorch_tanh"):
         for reduction in ("abs", "sq"):
             act = ACT2FN[name]
-            setup = SimpleNamespace(adapter=SimpleNamespace(target_name=lambda layer: "fc"), sources=sources,
-                                    device="cpu", alpha=alpha, reduction=reduction, eps=1e-4, activation=act,
-                                    compute_dtype=torch.float32)
-            target = StackedTarget(setup, 0)
+            target = StackedTarget(sources, "fc", mix=alpha[None], activation=act, reduction=reduction, eps=1e-4)
+            assert len(target.blocks) == 3
             acc = MLossAccumulator(n, reduction=reduction)
-            acc.add_sums(*target.partial_sums(u))
+            acc.add_sums(target.sums(u))
             ref = MLossAccumulator(n, reduction=reduction)
             ref.add(torch.stack([torch.nn.functional.linear(u, w, b) for w, b in zip(weights, biases)], 1), alpha, act)
             a, b = acc.scores(), ref.scores()
@@ -255,13 +251,13 @@ def test_stacked_kernel_matches_accumulator_for_every_fused_activation():
 @pytest.mark.parametrize("name", ["quick_gelu", "silu", "relu", "gelu", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize("reduction", ["abs", "sq"])
 def test_own_prefix_kernel_matches_accumulator(name, reduction, monkeypatch):
-    """gap_sums (the own-prefix kernel: activation folded and in place, blocks of positions) equals
-    MLossAccumulator.add on the same pre-activations, with uneven blocks."""
+    """The kernel on given pre-activations (the own-prefix path: activation folded and in place, blocks of
+    positions) equals MLossAccumulator.add on the same pre-activations, with uneven blocks."""
     from transformers.activations import ACT2FN
 
-    from hf_mloss import scoring
+    from hf_mloss import kernel
 
-    monkeypatch.setattr(scoring, "_OWN_BLOCK_ELEMENTS", 3 * 10 * 7)  # 7 positions per block: 30 = 4 × 7 + 2
+    monkeypatch.setattr(kernel, "BLOCK_ELEMENTS", 3 * 10 * 7)  # 7 positions per block: 30 = 4 × 7 + 2
     torch.manual_seed(0)
     h = 3 * torch.randn(30, 3, 10)
     alpha = torch.tensor([0.2, 0.3, 0.5])
@@ -269,7 +265,7 @@ def test_own_prefix_kernel_matches_accumulator(name, reduction, monkeypatch):
     ref = MLossAccumulator(10, reduction=reduction)
     ref.add(h, alpha, act)
     acc = MLossAccumulator(10, reduction=reduction)
-    acc.add_sums(*scoring.gap_sums(h.clone(), alpha, act, reduction=reduction, eps=1e-4))
+    acc.add_preactivations(h.clone(), alpha[None], act)
     a, b = acc.scores(), ref.scores()
     assert acc.count == ref.count == 30
     for field in ("node", "node_normalized", "node_ratio"):

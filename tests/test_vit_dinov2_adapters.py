@@ -154,10 +154,11 @@ def test_split_block_forward_equals_the_block_and_the_model(family):
     model = family["fts"][1]
     adapter = adapter_for(model.config)
     with torch.no_grad():
-        hidden = adapter.embed(model, family["pixels"][:3])
+        hidden, context = adapter.embed(model, {"pixel_values": family["pixels"][:3]})
+        assert context.mask is None  # every image token counts
         for block in adapter.layers(model):
-            residual, u = adapter.forward_to_target(block, hidden)
-            out = adapter.forward_from_target(block, residual, u)
+            residual, u = adapter.forward_to_target(block, hidden, context)
+            out = adapter.forward_from_target(block, residual, u, context)
             torch.testing.assert_close(out, block(hidden), rtol=0, atol=0)
             hidden = out
         torch.testing.assert_close(model.layernorm(hidden), model(pixel_values=family["pixels"][:3]).last_hidden_state,
@@ -238,3 +239,42 @@ def test_merge_saves_a_loadable_model(family, method, tmp_path):
         adapter = adapter_for(loaded.config)
         assert result.report.layers == adapter.target_names()
         assert set(result.report.keep_ratios) == set(adapter.target_names())
+
+
+# ------------------------------------------------------------------------------------------- node groups
+def test_node_groups_are_the_fc1_row_and_its_bias_entry(family):
+    """A node of these towers is a row of fc1 and its bias entry (fc2 reads the unit but is not declared)."""
+    adapter = adapter_for(family["base"].config)
+    prefix = adapter.layer_prefix(1)
+    assert adapter.unit.gate == adapter.target_suffix == "mlp.fc1" and adapter.unit.up is None
+    assert adapter.node_groups(1) == [(f"{prefix}mlp.fc1.weight", 0), (f"{prefix}mlp.fc1.bias", 0)]
+    shapes = adapter.expected_shapes()
+    assert all(name in shapes for name, _ in adapter.node_groups(0))
+    assert adapter.modality == "image" and adapter.input_names == ("pixel_values",)
+
+
+def test_node_groups_default_from_the_unit_and_target_suffix_alias():
+    """A unit with up and down linears groups gate rows, up rows and down columns; tensors the model lacks (no
+    bias) are left out. An adapter that only sets ``target_suffix`` gets the matching unit."""
+    from hf_mloss.adapters import CLIPVisionAdapter, ScoredUnit
+    from hf_mloss.testing import tiny_vision_config
+
+    class Gated(CLIPVisionAdapter):
+        unit = ScoredUnit(gate="mlp.fc1", up="mlp.fc1", down="mlp.fc2")  # fc1 twice: names that exist
+
+    class Legacy(CLIPVisionAdapter):
+        target_suffix = "mlp.fc2"
+
+    config = tiny_vision_config()
+    assert Gated.target_suffix == "mlp.fc1" and Legacy.unit == ScoredUnit(gate="mlp.fc2")
+    groups = Gated(config).node_groups(0)
+    assert groups == [("encoder.layers.0.mlp.fc1.weight", 0), ("encoder.layers.0.mlp.fc1.bias", 0),
+                      ("encoder.layers.0.mlp.fc1.weight", 0), ("encoder.layers.0.mlp.fc1.bias", 0),
+                      ("encoder.layers.0.mlp.fc2.weight", 1)]
+
+    class NoBias(CLIPVisionAdapter):
+        unit = ScoredUnit(gate="mlp.fc1", up="self_attn.missing", down="mlp.fc2")
+
+    assert NoBias(config).node_groups(1) == [("encoder.layers.1.mlp.fc1.weight", 0),
+                                             ("encoder.layers.1.mlp.fc1.bias", 0),
+                                             ("encoder.layers.1.mlp.fc2.weight", 1)]

@@ -136,10 +136,10 @@ def split_forward_diff(model, pixels: torch.Tensor) -> float:
     from hf_mloss.adapters import adapter_for
 
     adapter = adapter_for(model.config)
-    hidden = adapter.embed(model, pixels)
+    hidden, context = adapter.embed(model, {"pixel_values": pixels})
     for block in adapter.layers(model):
-        residual, u = adapter.forward_to_target(block, hidden)
-        hidden = adapter.forward_from_target(block, residual, u)
+        residual, u = adapter.forward_to_target(block, hidden, context)
+        hidden = adapter.forward_from_target(block, residual, u, context)
     return float((model.layernorm(hidden) - model(pixel_values=pixels).last_hidden_state).abs().max())
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import EMBEDDING_STAGE, ModelAdapter
+from .base import EMBEDDING_STAGE, BlockContext, ModelAdapter, ScoredUnit
 from .clip_vision import CLIPVisionAdapter
 from .dinov2 import Dinov2Adapter
 from .generic import GenericAdapter, whole_model_adapter
@@ -14,5 +14,5 @@ register_adapter(ViTAdapter)
 register_adapter(Dinov2Adapter)
 register_adapter(GenericAdapter)  # matches any transformers model_type: tried last
 
-__all__ = ["ADAPTERS", "EMBEDDING_STAGE", "CLIPVisionAdapter", "Dinov2Adapter", "GenericAdapter", "ModelAdapter",
-           "ViTAdapter", "adapter_for", "list_adapters", "register_adapter", "whole_model_adapter"]
+__all__ = ["ADAPTERS", "EMBEDDING_STAGE", "BlockContext", "CLIPVisionAdapter", "Dinov2Adapter", "GenericAdapter",
+           "ModelAdapter", "ScoredUnit", "ViTAdapter", "adapter_for", "list_adapters", "register_adapter", "whole_model_adapter"]

@@ -1,16 +1,20 @@
 """The adapter protocol: everything hf_mloss needs to know about one model family.
 
 An adapter maps checkpoint key spellings to canonical tensor names, orders tensors into *stages* (the embeddings,
-then one stage per transformer block, then the final norm), names the linears that feed an element-wise activation
-(the "nodes" that get an M-Loss), and runs one block in two halves so the scorer can capture the input of that linear
-without running the block twice.
+then one stage per transformer block, then the final norm), declares the scored unit of a block (:class:`ScoredUnit`:
+the linear that feeds the activation, and for gated MLPs the linear it multiplies; the "nodes" that get an M-Loss)
+and which tensor slices belong to a node (:meth:`ModelAdapter.node_groups`), and runs one block in two halves so the
+scorer can capture the input of the unit without running the block twice. ``embed`` turns one batch of model inputs
+into hidden states and a :class:`BlockContext` (padding mask, family-specific extras) that every block receives.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -18,6 +22,29 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 EMBEDDING_STAGE = -1
+
+
+@dataclass
+class BlockContext:
+    """Per-batch state a family's blocks need besides the hidden states."""
+
+    mask: torch.Tensor | None = None
+    """``[batch, seq]`` bool, True where a position counts (padding False); ``None``: every position counts."""
+    extras: dict[str, Any] = field(default_factory=dict)
+    """Family-specific: a 4-D attention mask, position embeddings..."""
+
+
+@dataclass(frozen=True)
+class ScoredUnit:
+    """The nodes of one block that get an M-Loss: ``gate`` feeds the activation; gated MLPs multiply by ``up``."""
+
+    gate: str
+    """Module suffix, relative to the block prefix: ``"mlp.fc1"``, ``"mlp.gate_proj"``, ``"intermediate.dense"``."""
+    up: str | None = None
+    """Gated units only: ``"mlp.up_proj"`` (node i is f(gate_i(u))·up_i(u))."""
+    down: str | None = None
+    """The linear that reads the unit, whose COLUMN i belongs to node i (``"mlp.down_proj"``); ``None``: its
+    columns are not part of the node groups."""
 
 
 class ModelAdapter(ABC):
@@ -35,8 +62,14 @@ class ModelAdapter(ABC):
     """The transformers class the merged model is loaded and saved as."""
     layer_pattern: ClassVar[re.Pattern[str]]
     """Regex whose group 1 is the block index in a canonical tensor name."""
+    unit: ClassVar[ScoredUnit]
+    """The scored unit of every block (its linears, relative to the block prefix)."""
     target_suffix: ClassVar[str]
-    """Module name, relative to a block, of the linear that feeds the activation (``"mlp.fc1"``)."""
+    """``unit.gate``: module name, relative to a block, of the linear that feeds the activation (``"mlp.fc1"``)."""
+    modality: ClassVar[str] = "image"
+    """What ``data=`` must hold: ``"image"`` or ``"text"``."""
+    input_names: ClassVar[tuple[str, ...]] = ("pixel_values",)
+    """The keys of one batch dict (:meth:`embed`)."""
     pipeline_tag: ClassVar[str] = "image-feature-extraction"
     fallback: ClassVar[bool] = False
     """Tried after every other registered adapter (the generic one, which accepts any model type)."""
@@ -45,6 +78,14 @@ class ModelAdapter(ABC):
     (CLIP: ``"clip" -> (CLIPModel, "vision_model", "zero-shot-image-classification")``)."""
     checkpoint_prefix: ClassVar[str] = ""
     """Prefix of the tower's keys in the saved file, chosen so every transformers version loads it."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """``unit`` and ``target_suffix`` name the same linear: a subclass may set either."""
+        super().__init_subclass__(**kwargs)
+        if "unit" in cls.__dict__:
+            cls.target_suffix = cls.unit.gate
+        elif "target_suffix" in cls.__dict__:
+            cls.unit = ScoredUnit(gate=cls.target_suffix)
 
     def __init__(self, config: PretrainedConfig) -> None:
         self.full_config = config
@@ -90,6 +131,22 @@ class ModelAdapter(ABC):
 
     def target_names(self) -> list[str]:
         return [self.target_name(layer) for layer in range(self.num_layers)]
+
+    def node_groups(self, layer: int) -> list[tuple[str, int]]:
+        """``(canonical tensor name, dim)`` pairs whose slice i belongs to node i of block ``layer``'s unit: dim 0 a
+        row (a 1-D tensor: entry i), dim 1 a column. By default from :attr:`unit`: the gate's weight rows and bias
+        entries, the up linear's rows (and bias entries), the down linear's weight columns; tensors the model does
+        not have (no bias) are left out. CLIP: ``[("encoder.layers.3.mlp.fc1.weight", 0), (".. .bias", 0)]``."""
+        prefix, unit, names = self.layer_prefix(layer), self.unit, self._tensor_names
+        pairs = [(f"{prefix}{linear}.{kind}", 0) for linear in (unit.gate, unit.up) if linear
+                 for kind in ("weight", "bias")]
+        if unit.down:
+            pairs.append((f"{prefix}{unit.down}.weight", 1))
+        return [(name, dim) for name, dim in pairs if name in names]
+
+    @functools.cached_property
+    def _tensor_names(self) -> frozenset[str]:
+        return frozenset(self.expected_shapes())
 
     # ----------------------------------------------------------------- loading and saving
     def load_model(self, path: str, *, dtype: torch.dtype | None = None, **kwargs: Any) -> PreTrainedModel:
@@ -167,16 +224,19 @@ class ModelAdapter(ABC):
         return ACT2FN[self.config.hidden_act]
 
     @abstractmethod
-    def embed(self, model: PreTrainedModel, pixel_values: torch.Tensor) -> torch.Tensor:
-        """Hidden states entering block 0."""
+    def embed(self, model: PreTrainedModel, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, BlockContext]:
+        """Hidden states entering block 0 for one batch (a dict keyed by :attr:`input_names`), and the batch's
+        :class:`BlockContext` that every block of the walk receives."""
 
     @abstractmethod
-    def forward_to_target(self, layer: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run a block up to its scored linear: returns (residual state, input of the scored linear)."""
+    def forward_to_target(self, layer: nn.Module, hidden: torch.Tensor, context: BlockContext | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run a block up to its scored unit: returns (residual state, input u of the unit's linears)."""
 
     @abstractmethod
-    def forward_from_target(self, layer: nn.Module, residual: torch.Tensor, target_input: torch.Tensor) -> torch.Tensor:
-        """Finish a block from the scored linear's input: returns the block's output hidden states."""
+    def forward_from_target(self, layer: nn.Module, residual: torch.Tensor, target_input: torch.Tensor,
+                            context: BlockContext | None = None) -> torch.Tensor:
+        """Finish a block from the scored unit's input: returns the block's output hidden states."""
 
     def card_metadata(self, model: PreTrainedModel | None = None) -> dict[str, Any]:
         tag = self.output_pipeline_tag(model) if model is not None else self.pipeline_tag

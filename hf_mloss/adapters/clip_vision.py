@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 from transformers import CLIPModel, CLIPVisionConfig, CLIPVisionModel, PretrainedConfig, PreTrainedModel
 
-from .base import ModelAdapter
+from .base import BlockContext, ModelAdapter, ScoredUnit
 
 _VISION_PREFIX = "vision_model."
 _TOWER_ROOTS = ("embeddings.", "pre_layrnorm.", "encoder.", "post_layernorm.")
@@ -27,7 +28,7 @@ class CLIPVisionAdapter(ModelAdapter):
     model_types = ("clip_vision_model", "clip")
     model_class = CLIPVisionModel
     layer_pattern = re.compile(r"encoder\.layers\.(\d+)\.")
-    target_suffix = "mlp.fc1"
+    unit = ScoredUnit(gate="mlp.fc1")
     containers = {"clip": (CLIPModel, "vision_model", "zero-shot-image-classification")}
     checkpoint_prefix = _VISION_PREFIX
 
@@ -49,13 +50,16 @@ class CLIPVisionAdapter(ModelAdapter):
     def layers(self, model: PreTrainedModel) -> list[nn.Module]:
         return list(model.encoder.layers)
 
-    def embed(self, model: PreTrainedModel, pixel_values: torch.Tensor) -> torch.Tensor:
-        return model.pre_layrnorm(model.embeddings(pixel_values))
+    def embed(self, model: PreTrainedModel, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, BlockContext]:
+        pixel_values = batch["pixel_values"]
+        return model.pre_layrnorm(model.embeddings(pixel_values)), BlockContext()
 
-    def forward_to_target(self, layer: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_to_target(self, layer: nn.Module, hidden: torch.Tensor, context: BlockContext | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
         attn, _ = layer.self_attn(hidden_states=layer.layer_norm1(hidden), attention_mask=None)
         residual = hidden + attn
         return residual, layer.layer_norm2(residual)
 
-    def forward_from_target(self, layer: nn.Module, residual: torch.Tensor, target_input: torch.Tensor) -> torch.Tensor:
+    def forward_from_target(self, layer: nn.Module, residual: torch.Tensor, target_input: torch.Tensor,
+                            context: BlockContext | None = None) -> torch.Tensor:
         return residual + layer.mlp(target_input)

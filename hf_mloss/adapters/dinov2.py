@@ -12,13 +12,14 @@ not an element-wise activation of one linear, so the node M-Loss is not defined 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 from transformers import Dinov2Model, PretrainedConfig, PreTrainedModel
 
 from ..errors import UnsupportedModelError
-from .base import ModelAdapter
+from .base import BlockContext, ModelAdapter, ScoredUnit
 
 _MODEL_PREFIX = "dinov2."
 _ROOTS = ("embeddings.", "encoder.layer.", "layernorm.")
@@ -41,7 +42,7 @@ class Dinov2Adapter(ModelAdapter):
     model_types = ("dinov2",)
     model_class = Dinov2Model
     layer_pattern = re.compile(r"encoder\.layer\.(\d+)\.")
-    target_suffix = "mlp.fc1"
+    unit = ScoredUnit(gate="mlp.fc1")
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__(config)
@@ -73,16 +74,18 @@ class Dinov2Adapter(ModelAdapter):
     def layers(self, model: PreTrainedModel) -> list[nn.Module]:
         return list(model.encoder.layer)
 
-    def embed(self, model: PreTrainedModel, pixel_values: torch.Tensor) -> torch.Tensor:
+    def embed(self, model: PreTrainedModel, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, BlockContext]:
+        pixel_values = batch["pixel_values"]
         # as Dinov2Model.forward: positions are interpolated to the input size inside the embeddings
         pixel_values = pixel_values.to(model.embeddings.patch_embeddings.projection.weight.dtype)
-        return model.embeddings(pixel_values)
+        return model.embeddings(pixel_values), BlockContext()
 
-    def forward_to_target(self, layer: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_to_target(self, layer: nn.Module, hidden: torch.Tensor, context: BlockContext | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
         attn, _ = layer.attention(layer.norm1(hidden), attention_mask=None)
         residual = layer.drop_path(layer.layer_scale1(attn)) + hidden
         return residual, layer.norm2(residual)
 
-    def forward_from_target(self, layer: nn.Module, residual: torch.Tensor,
-                            target_input: torch.Tensor) -> torch.Tensor:
+    def forward_from_target(self, layer: nn.Module, residual: torch.Tensor, target_input: torch.Tensor,
+                            context: BlockContext | None = None) -> torch.Tensor:
         return layer.drop_path(layer.layer_scale2(layer.mlp(target_input))) + residual

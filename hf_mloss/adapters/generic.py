@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -23,7 +24,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from ..errors import UnsupportedModelError
-from .base import ModelAdapter
+from .base import BlockContext, ModelAdapter
 
 DATA_FREE_METHODS = ("average", "task_arithmetic", "ties", "dare_ties", "dare_linear")
 
@@ -215,13 +216,18 @@ class GenericAdapter(ModelAdapter):
     def layers(self, model: PreTrainedModel) -> list[nn.Module]:
         raise UnsupportedModelError(scoring_unavailable(self.config.model_type))
 
-    def embed(self, model: PreTrainedModel, pixel_values: torch.Tensor) -> torch.Tensor:
+    def embed(self, model: PreTrainedModel, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, BlockContext]:
         raise UnsupportedModelError(scoring_unavailable(self.config.model_type))
 
-    def forward_to_target(self, layer: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_to_target(self, layer: nn.Module, hidden: torch.Tensor, context: BlockContext | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
         raise UnsupportedModelError(scoring_unavailable(self.config.model_type))
 
-    def forward_from_target(self, layer: nn.Module, residual: torch.Tensor, target_input: torch.Tensor) -> torch.Tensor:
+    def forward_from_target(self, layer: nn.Module, residual: torch.Tensor, target_input: torch.Tensor,
+                            context: BlockContext | None = None) -> torch.Tensor:
+        raise UnsupportedModelError(scoring_unavailable(self.config.model_type))
+
+    def node_groups(self, layer: int) -> list[tuple[str, int]]:
         raise UnsupportedModelError(scoring_unavailable(self.config.model_type))
 
 

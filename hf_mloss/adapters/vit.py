@@ -10,12 +10,13 @@ worker's ``state_dict`` agree with the stores; :meth:`ViTAdapter.canonical_key` 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel, ViTModel
 
-from .base import ModelAdapter
+from .base import BlockContext, ModelAdapter, ScoredUnit
 
 _MODEL_PREFIX = "vit."
 _ROOTS = ("embeddings.", "layers.", "layernorm.", "pooler.")
@@ -53,7 +54,7 @@ class ViTAdapter(ModelAdapter):
     model_types = ("vit",)
     model_class = ViTModel
     layer_pattern = re.compile(r"layers\.(\d+)\.")
-    target_suffix = "mlp.fc1"
+    unit = ScoredUnit(gate="mlp.fc1")
 
     def canonical_key(self, key: str) -> str | None:
         if key.startswith(_MODEL_PREFIX):
@@ -75,16 +76,18 @@ class ViTAdapter(ModelAdapter):
     def layers(self, model: PreTrainedModel) -> list[nn.Module]:
         return list(model.layers)
 
-    def embed(self, model: PreTrainedModel, pixel_values: torch.Tensor) -> torch.Tensor:
+    def embed(self, model: PreTrainedModel, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, BlockContext]:
+        pixel_values = batch["pixel_values"]
         # as ViTModel.forward: cast to the weights' dtype, no position interpolation (the size must match the config)
         pixel_values = pixel_values.to(model.embeddings.patch_embeddings.projection.weight.dtype)
-        return model.embeddings(pixel_values)
+        return model.embeddings(pixel_values), BlockContext()
 
-    def forward_to_target(self, layer: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_to_target(self, layer: nn.Module, hidden: torch.Tensor, context: BlockContext | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
         attn, _ = layer.attention(layer.layernorm_before(hidden), None)
         residual = layer.dropout(attn) + hidden
         return residual, layer.layernorm_after(residual)
 
-    def forward_from_target(self, layer: nn.Module, residual: torch.Tensor,
-                            target_input: torch.Tensor) -> torch.Tensor:
+    def forward_from_target(self, layer: nn.Module, residual: torch.Tensor, target_input: torch.Tensor,
+                            context: BlockContext | None = None) -> torch.Tensor:
         return layer.dropout(layer.mlp(target_input)) + residual
