@@ -675,6 +675,8 @@ def compatibility(
     seed: int = 0,
     split: str = "train",
     image_column: str | None = None,
+    text_column: str | None = None,
+    max_length: int | None = None,
     compute_dtype: str = "float32",
     revision: str | Sequence[str | None] | None = None,
     processor: Any = None,
@@ -685,8 +687,8 @@ def compatibility(
     """Which candidate fine-tunes merge well together, from a few unlabeled images and ONE forward per model.
 
     Args:
-        base, models, data, weights, num_samples, batch_size, seed, split, image_column, compute_dtype, revision,
-            processor, device, token: as in :func:`hf_mloss.score`.
+        base, models, data, weights, num_samples, batch_size, seed, split, image_column, text_column, max_length,
+            compute_dtype, revision, processor, device, token: as in :func:`hf_mloss.score`.
         subsets: more subsets to score besides every pair, leave-one-out and the whole set (model indices or names).
         leave_one_out: also score the set without each model (q ≥ 3).
         baselines: add the task-vector baselines (cosine, distance, norms, TIES sign conflicts).
@@ -708,7 +710,8 @@ def compatibility(
     options = ScoringOptions(prefix="own", reduction=reduction, activation=activation, eps=eps,
                              layers=tuple(layers) if layers is not None else None)
     config = MergeConfig.from_kwargs(base, models, "average", weights=weights, revision=revision, data=data,
-                                     num_samples=num_samples, split=split, image_column=image_column, seed=seed,
+                                     num_samples=num_samples, split=split, image_column=image_column,
+                                     text_column=text_column, max_length=max_length, seed=seed,
                                      batch_size=batch_size, compute_dtype=compute_dtype, processor=processor,
                                      score=options)
     return run_compatibility(config, subsets=subsets, leave_one_out=leave_one_out, baselines=baselines,

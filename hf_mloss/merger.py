@@ -45,6 +45,8 @@ def merge(
     batch_size: int = 16,
     split: str = "train",
     image_column: str | None = None,
+    text_column: str | None = None,
+    max_length: int | None = None,
     compute_dtype: str = "float32",
     revision: str | Sequence[str | None] | None = None,
     processor: Any = None,
@@ -71,8 +73,11 @@ def merge(
         seed: seeds DARE masks, random ranks and the scoring sample (results are reproducible).
         dtype: dtype of the merged model (default: the base's). Arithmetic always runs in float32.
         data: unlabeled images for data-guided methods (``m_ties``, ``m_dare``): Hub dataset id, local image
-            folder, ``datasets`` object, list of images, or a preprocessed ``[N, 3, H, W]`` tensor.
+            folder, ``datasets`` object, list of images, or a preprocessed ``[N, 3, H, W]`` tensor; for text families,
+            text: a list of strings, a text or data file, a folder of text files, or a ``datasets`` text split.
         num_samples, batch_size, split, image_column: how the scoring data is read and batched.
+        text_column, max_length: for text data, the column with the text (auto-detected) and the tokens per
+            sequence at most (default 128).
         compute_dtype: dtype of the scoring forward passes (``float32`` or ``bfloat16``).
         revision: Hub branch, tag or commit for every Hub model, or one per model (base first; None for folders).
         processor: image processor for ``data`` (Hub id, folder or object); default: the base's.
@@ -111,7 +116,8 @@ def merge(
 
     selection = selection_options(select, grid=grid, criterion=criterion, heads=heads)
     config = MergeConfig.from_kwargs(base, models, method, weights=weights, revision=revision, data=data,
-                                     num_samples=num_samples, split=split, image_column=image_column, seed=seed,
+                                     num_samples=num_samples, split=split, image_column=image_column,
+                                     text_column=text_column, max_length=max_length, seed=seed,
                                      dtype=dtype, batch_size=batch_size, compute_dtype=compute_dtype,
                                      processor=processor, output=output, select=selection, **method_params)
     return run_merge(config, device=device, token=token, progress=progress)

@@ -528,6 +528,8 @@ def score(
     seed: int = 0,
     split: str = "train",
     image_column: str | None = None,
+    text_column: str | None = None,
+    max_length: int | None = None,
     compute_dtype: str = "float32",
     revision: str | Sequence[str | None] | None = None,
     processor: Any = None,
@@ -540,7 +542,8 @@ def score(
     """Measure mergeability without merging: node and layer M-Loss of ``models`` over unlabeled ``data``.
 
     Args:
-        base, models, data, weights, seed, revision, processor, token: as in :func:`hf_mloss.merge`.
+        base, models, data, weights, seed, revision, processor, text_column, max_length, token: as in
+            :func:`hf_mloss.merge`.
         prefix: where each scored linear's input comes from: ``"own"`` (each model's own forward, the paper's
             definition; q forwards), ``"base"`` (the base model's forward, shared), or ``"merged"`` (the
             merged-so-far model of a ``method`` merge, M-TIES by default, with ``method_params`` such as ``k``/``e``).
@@ -564,7 +567,8 @@ def score(
         raise InvalidParameterError(f"Unknown argument(s) {sorted(method_params)} for score() with prefix={prefix!r} "
                                     "(method parameters apply only with prefix='merged').")
     config = MergeConfig.from_kwargs(base, models, method, weights=weights, revision=revision, data=data,
-                                     num_samples=num_samples, split=split, image_column=image_column, seed=seed,
+                                     num_samples=num_samples, split=split, image_column=image_column,
+                                     text_column=text_column, max_length=max_length, seed=seed,
                                      batch_size=batch_size, compute_dtype=compute_dtype, processor=processor,
                                      score=options, **method_params)
     return run_score(config, device=device, token=token, progress=progress)
