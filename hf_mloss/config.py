@@ -140,16 +140,16 @@ class DataSpec:
         given = [x is not None for x in (self.id, self.path, self.objects)]
         if sum(given) != 1:
             raise DataError("data needs exactly one of `id` (a Hub dataset id such as tanganke/dtd), "
-                                        f"`path` (a local image folder) or images, got id={short(self.id)}, "
-                                        f"path={short(self.path)}.")
+                            f"`path` (a local folder or data file) or data objects (images, texts), got "
+                            f"id={short(self.id)}, path={short(self.path)}.")
         if self.path is not None and not _is_data_path(expand(self.path)):
             from .data import DATA_FILE_SUFFIXES
 
             kind = (f"is a file, not a folder or a text/data file ({', '.join(DATA_FILE_SUFFIXES)})"
                     if expand(self.path).exists() else "does not exist")
             raise DataError(f"data.path {self.path!r} {kind}: pass a folder of images (imagefolder layout "
-                            "`train/<label>/*.png` or a flat folder), or text for a text model (a .txt file, one "
-                            "sample per line; a .jsonl/.csv/.parquet file; a folder of .txt files).")
+                            "`train/<label>/*.png` or a flat folder), or text for a text model (a list of strings; a "
+                            ".txt file, one sample per line; a .jsonl/.csv/.parquet file; a folder of .txt files).")
 
     @classmethod
     def parse(cls, data: Any, **options: Any) -> DataSpec:
@@ -809,7 +809,9 @@ def _content_hash(objects: Any) -> str | None:
             digest.update(f"{len(encoded)}:".encode() + encoded)
         return f"xxh3-128:{digest.hexdigest()}"
     given = as_model_inputs(objects) if not isinstance(objects, torch.Tensor) else None
-    if given is not None and "pixel_values" not in given:
+    if given is not None and "pixel_values" in given:
+        objects, given = given["pixel_values"], None  # pixels hash as the bare tensor does
+    if given is not None:
         digest = xxhash.xxh3_128(b"inputs:")
         for name in sorted(given.keys()):
             tensor = given[name].detach().to("cpu").contiguous()

@@ -832,6 +832,8 @@ def _tokenize(rows: Iterable[tuple[Any, Any]], tokenizer: Any, info: DataInfo, *
 
     def flush() -> None:
         nonlocal truncated
+        if not pending:
+            return
         texts = [text for text, _, _ in pending]
         # one token over max_length tells which texts are cut; those are tokenised again at max_length, so their
         # closing special token (BERT's [SEP]) is kept
