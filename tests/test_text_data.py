@@ -274,6 +274,20 @@ def test_hub_text_dataset_is_streamed(tokenizer, fake_hub, monkeypatch):
     assert rows(again) == rows(inputs)
 
 
+def test_a_stream_whose_columns_are_unknown_until_read(tokenizer):
+    import datasets
+
+    def rows_of():
+        for i, text in enumerate(SENTENCES):
+            yield {"id": i, "body": text}
+
+    stream = datasets.IterableDataset.from_generator(rows_of)
+    assert not stream.features  # typed from its first row
+    inputs, info = load_token_ids(stream, tokenizer, num_samples=5)
+    assert sorted(rows(inputs)) == sorted(ids_of(tokenizer, t) for t in SENTENCES)
+    assert (info.text_column, info.sampling) == ("body", "shuffled shards")
+
+
 def test_pretokenised_inputs_pass_through(tokenizer):
     encoded = tokenizer(SENTENCES, padding=True, return_tensors="pt")
     inputs, info = load_token_ids(encoded, None, num_samples=3)
@@ -450,6 +464,9 @@ def test_data_spec_text_fields_are_validated_and_written_only_when_set(tmp_path)
         DataSpec.parse(str(config_file))
     tokens = {"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 3, dtype=torch.long)}
     assert DataSpec.parse(tokens).objects is tokens  # tokenised inputs are data, not a data section
+    assert DataSpec.parse(tokens).to_dict()["content"].startswith("xxh3-128:")
+    pixels = torch.rand(2, 3, 4, 4)
+    assert DataSpec.parse({"pixel_values": pixels}).to_dict()["content"] == DataSpec.parse(pixels).to_dict()["content"]
 
 
 def test_merge_config_threads_text_fields_through_kwargs_and_yaml(tmp_path):
