@@ -461,7 +461,13 @@ def check_max_length(adapter: ModelAdapter, max_length: int | None) -> int | Non
 
 
 def check_token_ids(adapter: ModelAdapter, input_ids: torch.Tensor) -> None:
-    """Every token id has a row in the model's embedding (else the tokenizer is not the base's)."""
+    """Every token id has a row in the model's embedding (else the tokenizer is not the base's), and every sequence
+    fits the positions the model embeds (already tokenised inputs are not cut)."""
+    positions = getattr(_text_config(adapter), "max_position_embeddings", None)
+    if isinstance(positions, int) and input_ids.dim() == 2 and input_ids.shape[1] > positions:
+        raise DataError(f"The scoring sequences are {input_ids.shape[1]} tokens long but the base embeds {positions} "
+                        f"positions (max_position_embeddings). Cut them to {positions} tokens, or pass text and "
+                        "max_length=... to have them tokenised.")
     vocab = getattr(_text_config(adapter), "vocab_size", None)
     if not isinstance(vocab, int) or not input_ids.numel():
         return

@@ -14,7 +14,7 @@ scoring walk reads it in batches (:meth:`ModelInputs.split`), one share per proc
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import ItemsView, Iterator, KeysView, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -60,10 +60,10 @@ class ModelInputs:
     def __iter__(self) -> Iterator[str]:
         return iter(self._tensors)
 
-    def keys(self):  # noqa: ANN201 - dict view
+    def keys(self) -> KeysView[str]:
         return self._tensors.keys()
 
-    def items(self):  # noqa: ANN201 - dict view
+    def items(self) -> ItemsView[str, torch.Tensor]:
         return self._tensors.items()
 
     def to_dict(self) -> dict[str, torch.Tensor]:

@@ -14,7 +14,6 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer
 
-import hf_mloss
 from hf_mloss.config import DataSpec, MergeConfig
 from hf_mloss.data import DEFAULT_MAX_LENGTH, load_model_inputs, load_pixel_values, load_token_ids
 from hf_mloss.errors import ConfigError, DataError, InvalidParameterError
@@ -349,7 +348,7 @@ def test_the_image_path_is_unchanged(image_folder):
 @pytest.fixture
 def text_family(monkeypatch):
     """A scored text family for Llama, registered for the test only (ahead of any other adapter)."""
-    import hf_mloss.adapters as adapters
+    from hf_mloss import adapters
     from hf_mloss.adapters.generic import GenericAdapter
 
     class TextFamily(GenericAdapter):
@@ -392,7 +391,7 @@ def test_open_inputs_of_a_text_family_yields_token_ids(text_family, llama_folder
         assert info.max_length == 64  # the default 128, lowered to the base's 64 positions
         assert info.num_tokens == model_inputs.num_tokens == 11
         with pytest.raises(AttributeError, match="scored on text.*model_inputs"):
-            inputs.pixels
+            _ = inputs.pixels
         model = text_family(inputs.adapter.full_config).load_model(str(base))
         with torch.no_grad():  # the batches run through the base as they are
             for batch in model_inputs.split(3):
@@ -401,24 +400,27 @@ def test_open_inputs_of_a_text_family_yields_token_ids(text_family, llama_folder
 
 def test_open_inputs_of_a_text_family_refuses_what_cannot_run(text_family, llama_folders, image_folder, tmp_path):
     base, models = llama_folders
-    with pytest.raises(InvalidParameterError, match="max_length=100 but the base embeds 64 positions"):
-        with open_text(base, models, SENTENCES, max_length=100):
+
+    def refused(error, match, base_folder, data, **kwargs):
+        with pytest.raises(error, match=match), open_text(base_folder, models, data, **kwargs):
             pass
-    with pytest.raises(DataError, match=r"The text_family \('llama'\) family is scored on text.*folder of images"):
-        with open_text(base, models, str(image_folder / "train" / "class1")):
-            pass
+
+    refused(InvalidParameterError, "max_length=100 but the base embeds 64 positions", base, SENTENCES, max_length=100)
+    refused(DataError, r"The text_family \('llama'\) family is scored on text.*folder of images", base,
+            str(image_folder / "train" / "class1"))
     bare = tmp_path / "bare"
     tiny_decoder("llama").save_pretrained(bare)  # weights and config only, no tokenizer
-    with pytest.raises(InvalidParameterError, match="no tokenizer files.*processor="):
-        with open_text(bare, models, SENTENCES):
-            pass
+    refused(InvalidParameterError, "no tokenizer files.*processor=", bare, SENTENCES)
     big = tmp_path / "big_vocab"
     word_tokenizer(vocab_size=200).save_pretrained(big)
-    with pytest.raises(DataError, match="vocabulary has 64 ids.*does not belong to the base"):
-        with open_text(base, models, ["w150 w2"], processor=str(big)):
-            pass
+    refused(DataError, "vocabulary has 64 ids.*does not belong to the base", base, ["w150 w2"], processor=str(big))
     with open_text(base, models, ["w1 w2"], processor=word_tokenizer()) as inputs:  # a tokenizer object
         assert rows(inputs.model_inputs) == [[5, 6]]
+    too_long = {"input_ids": torch.full((2, 65), 5), "attention_mask": torch.ones(2, 65, dtype=torch.long)}
+    refused(DataError, "65 tokens long but the base embeds 64 positions", base, too_long)
+    tokens = {"input_ids": torch.tensor([[5, 6, 3], [7, 3, 3]]), "attention_mask": torch.tensor([[1, 1, 0], [1, 0, 0]])}
+    with open_text(bare, models, tokens) as inputs:  # already tokenised: no tokenizer needed
+        assert rows(inputs.model_inputs) == [[5, 6], [7]] and inputs.data_info.source == "tokens"
 
 
 def test_open_inputs_of_an_image_family_keeps_pixels(tiny_paths, image_folder):
@@ -433,10 +435,10 @@ def test_open_inputs_of_an_image_family_keeps_pixels(tiny_paths, image_folder):
         assert torch.equal(inputs.pixels, expected)
         with pytest.raises(AttributeError):
             inputs.pixels = expected  # read-only
-    with pytest.raises(DataError, match="clip_vision .* family is scored on images.*strings that name no image"):
-        with open_inputs(MergeConfig.from_kwargs(base, models, "m_ties", data=SENTENCES), needs_data=True,
-                         progress=False):
-            pass
+    text_config = MergeConfig.from_kwargs(base, models, "m_ties", data=SENTENCES)
+    with pytest.raises(DataError, match="clip_vision .* family is scored on images.*strings that name no image"), \
+            open_inputs(text_config, needs_data=True, progress=False):
+        pass
 
 
 # ------------------------------------------------------------------------------------------------- config
@@ -472,7 +474,11 @@ def test_data_spec_text_fields_are_validated_and_written_only_when_set(tmp_path)
 def test_merge_config_threads_text_fields_through_kwargs_and_yaml(tmp_path):
     import inspect
 
-    for function in (hf_mloss.merge, hf_mloss.score, hf_mloss.compatibility):
+    from hf_mloss.compatibility import compatibility  # `hf_mloss.compatibility` is the module once it is imported
+    from hf_mloss.merger import merge
+    from hf_mloss.scoring import score
+
+    for function in (merge, score, compatibility):
         parameters = inspect.signature(function).parameters
         assert parameters["text_column"].default is None and parameters["max_length"].default is None, function
     (tmp_path / "corpus.txt").write_text("w1 w2\n", encoding="utf-8")
