@@ -719,7 +719,10 @@ def _text_folder(path: Path, sampler: _Sampler, split: str, text_column: str | N
                 raise DataError(f"Split {split!r} is not in the saved dataset {str(path)!r}; its splits are "
                                 f"{list(loaded)}. Pass split=... (YAML: data.split).")
             loaded = loaded[split]
-        info = DataInfo(source="folder", id=path.name, split=split, seed=seed)
+            saved_split = split
+        else:  # one saved split: whichever it was, not the split argument
+            saved_split = str(loaded.split) if loaded.split is not None else None
+        info = DataInfo(source="folder", id=path.name, split=saved_split, seed=seed)
         return _texts_from_dataset(loaded, info, sampler, text_column, whole=False, family=family)
     files = sorted(p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in
                                                                           p.relative_to(path).parts))

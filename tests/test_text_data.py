@@ -239,7 +239,7 @@ def test_saved_dataset_folder_with_splits_and_labels(tokenizer, tmp_path):
     assert (info.label_column, info.labels_covered) == ("label", 1)
     whole, info = load_token_ids(tmp_path / "single", tokenizer, num_samples=5)
     assert sorted(rows(whole)) == sorted(ids_of(tokenizer, t) for t in SENTENCES)
-    assert (info.sampling, info.labels_covered, info.text_column) == ("shuffled", 3, "sentence")
+    assert (info.sampling, info.labels_covered, info.text_column, info.split) == ("shuffled", 3, "sentence", None)
     with pytest.raises(DataError, match=r"Split 'validation' is not in the saved dataset .*\['train', 'test'\]"):
         load_token_ids(tmp_path / "dict", tokenizer, split="validation")
     in_memory, _ = load_token_ids(datasets.DatasetDict({"train": train}), tokenizer, num_samples=5)
