@@ -15,7 +15,7 @@ Text families score on text (:func:`load_model_inputs` follows the adapter's ``m
 folder of them, a folder of ``.txt`` / ``.md`` files (one sample per *file*: a folder holds documents), a folder saved
 with ``Dataset.save_to_disk``, a ``datasets`` object or a Hub dataset (streamed, sampled as above), with
 ``text_column`` found automatically (the one string column, else the one named ``text``). Texts are tokenised with the
-base's tokenizer, cut at ``max_length`` tokens (default 128) and right-padded; the attention mask marks the real tokens.
+base's tokenizer, cut at ``max_length`` tokens (default 128) and right-padded; the attention mask marks real tokens.
 """
 
 from __future__ import annotations
@@ -480,11 +480,9 @@ def load_model_inputs(
                               text_column=text_column, max_length=max_length, revision=revision,
                               min_samples=min_samples, batch_size=batch_size, buffer_size=buffer_size,
                               whole_split_max_bytes=whole_split_max_bytes, progress=progress, family=family)
+    _refuse_text_for_images(data, family)
     given = as_model_inputs(data)
     if given is not None:
-        if "pixel_values" not in given:
-            raise DataError(f"{_family(family, capital=True)} is scored on images, but data= holds token ids "
-                            f"({list(given.keys())}). {_IMAGE_DATA}")
         data = given["pixel_values"]
     pixels, info = load_pixel_values(data, processor, num_samples=num_samples, seed=seed, split=split,
                                      image_column=image_column, revision=revision, min_samples=min_samples,
@@ -495,9 +493,9 @@ def load_model_inputs(
 
 _IMAGE_DATA = ("Pass images: a Hub image dataset, a local image folder, a datasets object with an image column, PIL "
                "images or image paths, or a [N, 3, H, W] tensor.")
-_TEXT_DATA = ("Pass text: a list of strings, a .txt file (one sample per line), a .jsonl/.json/.csv/.tsv/.parquet file, "
-              "a folder of text files (one sample per file), or a datasets text split (Hub id, local dataset folder "
-              "or datasets object; text_column=... names its column).")
+_TEXT_DATA = ("Pass text: a list of strings, a .txt file (one sample per line), a .jsonl/.json/.csv/.tsv/.parquet "
+              "file, a folder of text files (one sample per file), or a datasets text split (Hub id, local dataset "
+              "folder or datasets object; text_column=... names its column).")
 
 
 def _family(family: str | None, *, capital: bool = False) -> str:
@@ -515,9 +513,10 @@ def _refuse_text_for_images(data: Any, family: str | None) -> None:
     elif isinstance(data, (str, os.PathLike)):
         path = Path(os.fspath(data)).expanduser()
         if path.is_file() and path.suffix.lower() in DATA_FILE_SUFFIXES:
-            what = f"the file {os.fspath(data)!r}, a {'text' if path.suffix.lower() in TEXT_FILE_SUFFIXES else 'data'} file"
-    elif as_model_inputs(data) is not None and "pixel_values" not in as_model_inputs(data):
-        what = "token ids"
+            kind = "text" if path.suffix.lower() in TEXT_FILE_SUFFIXES else "data"
+            what = f"the file {os.fspath(data)!r}, a {kind} file"
+    elif (given := as_model_inputs(data)) is not None and "pixel_values" not in given:
+        what = f"token ids ({list(given.keys())})"
     if what is not None:
         raise DataError(f"{_family(family, capital=True)} is scored on images, but data= holds {what}. Text scores "
                         f"text families (BERT-style encoders, Llama-style decoders). {_IMAGE_DATA}")

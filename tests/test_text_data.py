@@ -81,7 +81,8 @@ def test_model_inputs_len_select_split_shard_and_num_tokens():
     assert [len(b["input_ids"]) for b in batches] == [2, 2, 1]
     # each batch is cut to its own longest sequence: [4, 4] -> 3 columns, [1, 4] -> 4 columns, [2] -> 2 columns
     assert [b["input_ids"].shape[1] for b in batches] == [3, 4, 2]
-    assert torch.equal(batches[0]["input_ids"], ids[:2, :3]) and torch.equal(batches[0]["attention_mask"], mask[:2, :3])
+    assert torch.equal(batches[0]["input_ids"], ids[:2, :3])
+    assert torch.equal(batches[0]["attention_mask"], mask[:2, :3])
     assert sum(int(b["attention_mask"].sum()) for b in batches) == inputs.num_tokens  # no token lost
     picked = inputs.select([4, 0])
     assert torch.equal(picked["input_ids"], ids[[4, 0]]) and len(picked) == 2
@@ -325,8 +326,8 @@ def test_images_handed_to_a_text_family_are_refused_by_name(tokenizer, image_fol
     cases = [(torch.zeros(2, 3, 8, 8), "a tensor of shape"), ([picture], "PIL images"),
              ([str(image_file)], "paths of image files"), ({"pixel_values": torch.zeros(2, 3, 8, 8)}, "pixel values"),
              (str(image_folder / "train" / "class0"), "is a folder of images"),
-             (datasets.Dataset.from_dict({"image": [picture]}, features=datasets.Features({"image": datasets.Image()})),
-              "holds images")]
+             (datasets.Dataset.from_dict({"image": [picture]},
+                                         features=datasets.Features({"image": datasets.Image()})), "holds images")]
     for data, what in cases:
         with pytest.raises(DataError, match=f"The llama family is scored on text, .*{what}.*Pass text"):
             load_model_inputs(data, modality="text", tokenizer=tokenizer, family="llama")
@@ -418,7 +419,8 @@ def test_open_inputs_of_a_text_family_refuses_what_cannot_run(text_family, llama
         assert rows(inputs.model_inputs) == [[5, 6]]
     too_long = {"input_ids": torch.full((2, 65), 5), "attention_mask": torch.ones(2, 65, dtype=torch.long)}
     refused(DataError, "65 tokens long but the base embeds 64 positions", base, too_long)
-    tokens = {"input_ids": torch.tensor([[5, 6, 3], [7, 3, 3]]), "attention_mask": torch.tensor([[1, 1, 0], [1, 0, 0]])}
+    tokens = {"input_ids": torch.tensor([[5, 6, 3], [7, 3, 3]]),
+              "attention_mask": torch.tensor([[1, 1, 0], [1, 0, 0]])}
     with open_text(bare, models, tokens) as inputs:  # already tokenised: no tokenizer needed
         assert rows(inputs.model_inputs) == [[5, 6], [7]] and inputs.data_info.source == "tokens"
 
@@ -502,7 +504,8 @@ def test_report_line_counts_sequences_and_tokens():
 
     line = describe_data({"source": "texts", "num_samples": 5, "num_tokens": 17, "sampling": "as given"})
     assert line == "texts, 5 sequences, 17 tokens, sampled: as given"
-    assert describe_data({"id": "org/images", "split": "train", "num_samples": 8}) == "org/images (split train), 8 images"
+    image_line = describe_data({"id": "org/images", "split": "train", "num_samples": 8})
+    assert image_line == "org/images (split train), 8 images"
 
 
 def test_no_warning_on_a_full_text_sample(tokenizer):
