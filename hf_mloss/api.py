@@ -39,7 +39,8 @@ class RunOptions(TypedDict, total=False):
         seed: seeds DARE masks, random ranks and the data sample (results are reproducible).
     How the unlabeled data is read (see :class:`~hf_mloss.config.DataSpec`):
         num_samples: samples to use (default 128, the paper's); split: the dataset split (``"train"``);
-        image_column: the image column (auto-detected); batch_size: forward batch size (16);
+        image_column / text_column: the image or text column (auto-detected); max_length: tokens per sequence at
+        most (text, default 128); batch_size: forward batch size (16);
         processor: image processor for ``data`` (Hub id, folder or object; default: the base's);
         compute_dtype: dtype of the scoring forwards (``"float32"`` or ``"bfloat16"``).
     Where it runs (never recorded in a config):
@@ -55,6 +56,8 @@ class RunOptions(TypedDict, total=False):
     num_samples: int
     split: str
     image_column: str | None
+    text_column: str | None
+    max_length: int | None
     batch_size: int
     processor: Any
     compute_dtype: str
@@ -82,8 +85,10 @@ def merge(base: Any, models: Sequence[Any], method: str = "ties", *, data: Any =
         method: a registered method (``hf_mloss.list_methods()``): ``average``, ``task_arithmetic``, ``ties``,
             ``dare_ties``, ``dare_linear``, ``slerp``, ``model_stock``, ``breadcrumbs``, ``della``, ``tsv_m``,
             ``iso_c``, ``iso_cts``, ``m_ties``, ``m_dare``...
-        data: unlabeled data for data-guided methods (``m_ties``, ``m_dare``) and selection: Hub dataset id, local
-            folder, ``datasets`` object, list of images, or a preprocessed ``[N, 3, H, W]`` tensor.
+        data: unlabeled data for data-guided methods (``m_ties``, ``m_dare``) and selection: for image families a
+            Hub dataset id, local image folder, ``datasets`` object, list of images or a preprocessed ``[N, 3, H, W]``
+            tensor; for text families a list of strings, a text or data file, a folder of text files, or a
+            ``datasets`` text split (tokenised with the base's tokenizer).
         select: ``"unlabeled"`` chooses the parameters in ``grid`` on ``data`` without labels (or a mapping of
             :class:`~hf_mloss.selection_options.SelectionOptions`: ``num_samples``, ``share``, ``shares``,
             ``compare``).

@@ -89,7 +89,9 @@ def merge_command(args: argparse.Namespace) -> int:
              f"  device:     {result.device}"]
     if result.data_info is not None:
         info = result.data_info
-        lines.append(f"  data:       {info.source} {info.id!r} (split {info.split!r}, {info.num_samples} images)")
+        count = (f"{info.num_samples} images" if info.num_tokens is None else
+                 f"{info.num_samples} sequences, {info.num_tokens} tokens")
+        lines.append(f"  data:       {info.source} {info.id!r} (split {info.split!r}, {count})")
     if result.config.select is not None:
         lines += ["", result.config.select.summary()]
     if result.report is not None and result.report.computed:

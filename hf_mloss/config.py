@@ -113,17 +113,23 @@ class ModelSpec:
 
 @dataclass
 class DataSpec:
-    """The unlabeled scoring images: a Hub dataset (``id``), a local image folder (``path``), or Python objects."""
+    """The unlabeled scoring data (images for image families, text for text families): a Hub dataset (``id``), a
+    local folder or data file (``path``), or Python objects."""
 
     id: str | None = param(None, "Hub dataset id, streamed (e.g. tanganke/dtd).")
-    path: str | None = param(None, "Local image folder (imagefolder layout or flat).")
+    path: str | None = param(None, "Local image folder (imagefolder layout or flat), text folder, or text/data file "
+                             "(.txt, .jsonl, .json, .csv, .tsv, .parquet).")
     split: str = param("train", "Dataset split.")
-    num_samples: int = param(DEFAULT_NUM_SAMPLES, "Images to use (the paper: 128).", low=1, high=1_000_000)
+    num_samples: int = param(DEFAULT_NUM_SAMPLES, "Images or texts to use (the paper: 128).", low=1, high=1_000_000)
     image_column: str | None = param(None, "Column with the images (auto-detected).")
+    text_column: str | None = param(None, "Column with the text (auto-detected; text families).")
+    max_length: int | None = param(None, "Tokens per text at most (default 128; text families).", low=1,
+                                   high=1_000_000)
     revision: str | None = param(None, "Hub dataset revision.")
     objects: Any = field(default=None, repr=False, compare=False,
-                         metadata={"help": "Images passed from Python: a [N, 3, H, W] tensor, a list of PIL images "
-                                           "or paths, or a datasets object (not written to configs)."})
+                         metadata={"help": "Data passed from Python: a [N, 3, H, W] tensor, a list of PIL images, "
+                                           "paths or strings, tokenised inputs, or a datasets object (not written "
+                                           "to configs)."})
 
     def __post_init__(self) -> None:
         try:
@@ -133,19 +139,25 @@ class DataSpec:
         given = [x is not None for x in (self.id, self.path, self.objects)]
         if sum(given) != 1:
             raise DataError("data needs exactly one of `id` (a Hub dataset id such as tanganke/dtd), "
-                                        f"`path` (a local image folder) or images, got id={short(self.id)}, "
-                                        f"path={short(self.path)}.")
-        if self.path is not None and not expand(self.path).is_dir():
-            kind = "is a file, not a folder" if expand(self.path).exists() else "does not exist"
-            raise DataError(f"data.path {self.path!r} {kind}: pass a folder of images (imagefolder "
-                                        "layout `train/<label>/*.png` or a flat folder).")
+                            f"`path` (a local folder or data file) or data objects (images, texts), got "
+                            f"id={short(self.id)}, path={short(self.path)}.")
+        if self.path is not None and not _is_data_path(expand(self.path)):
+            from .data import DATA_FILE_SUFFIXES
+
+            kind = (f"is a file, not a folder or a text/data file ({', '.join(DATA_FILE_SUFFIXES)})"
+                    if expand(self.path).exists() else "does not exist")
+            raise DataError(f"data.path {self.path!r} {kind}: pass a folder of images (imagefolder layout "
+                            "`train/<label>/*.png` or a flat folder), or text for a text model (a list of strings; a "
+                            ".txt file, one sample per line; a .jsonl/.csv/.parquet file; a folder of .txt files).")
 
     @classmethod
     def parse(cls, data: Any, **options: Any) -> DataSpec:
         """From what ``merge(data=...)`` accepts: a Hub id, a local folder, or images as Python objects."""
         if isinstance(data, DataSpec):
             return data
-        if isinstance(data, Mapping):
+        from .model_inputs import as_model_inputs
+
+        if isinstance(data, Mapping) and as_model_inputs(data) is None:
             return cls(**{**options, **data})
         if isinstance(data, os.PathLike) or (isinstance(data, str) and looks_local(data)):
             return cls(path=os.fspath(data), **options)
@@ -169,7 +181,7 @@ class DataSpec:
         else:
             out = {"id": self.id}
         out.update(split=self.split, num_samples=self.num_samples)
-        for key in ("image_column", "revision"):
+        for key in ("image_column", "text_column", "max_length", "revision"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out
@@ -199,7 +211,8 @@ class MergeConfig:
     batch_size: int = param(16, "Images per scoring forward pass.", low=1, high=65536)
     compute_dtype: str = param("float32", "dtype of the scoring forward passes (bfloat16 where the CPU/GPU has it).",
                                choices=DTYPES)
-    processor: Any = param(None, "Image processor (Hub id or folder); default: the base's.")
+    processor: Any = param(None, "Image processor, or tokenizer for text families (Hub id or folder); default: the "
+                           "base's.")
     output: str = param("auto", "auto: the base's class (a full CLIPModel stays one); tower: the merged tower only; "
                         "adapter: a PEFT LoRA adapter (from LoRA adapter inputs).", choices=OUTPUTS)
     lora_rank: int | None = param(None, "output=adapter with combination=svd: the adapter's rank (default: the "
@@ -251,7 +264,7 @@ class MergeConfig:
         if self.processor is not None and not (isinstance(self.processor, str) and self.processor.strip()) \
                 and not callable(self.processor):
             raise InvalidParameterError(f"processor must be a Hub id, a folder with a preprocessor_config.json, or an "
-                                        f"image processor object, got {short(self.processor)}.")
+                                        f"image processor or tokenizer object, got {short(self.processor)}.")
         method = self.merge_method()
         self.method = method.name
         self.parameters = _plain(self.parameters)
@@ -587,7 +600,7 @@ def _parse_model(entry: Any, where: str, root: Path | None) -> ModelSpec:
 
 def _parse_data(entry: Any, root: Path | None) -> DataSpec:
     if isinstance(entry, str):
-        local = looks_local(entry) or (root is not None and (root / entry).is_dir())
+        local = looks_local(entry) or (root is not None and _is_data_path(root / entry))
         entry = {"path": entry} if local else {"id": entry}
     if not isinstance(entry, Mapping):
         raise ConfigError(f"data must be a Hub dataset id, a local folder or a mapping such as {{id: tanganke/dtd, "
@@ -751,16 +764,42 @@ def _is_array(value: Any) -> bool:
 
 
 def _content_hash(objects: Any) -> str | None:
-    """``xxh3-128:…`` of a preprocessed image tensor's values (shape and dtype included), else ``None``."""
+    """``xxh3-128:…`` of a preprocessed image tensor's values (shape and dtype included), of tokenised inputs (each
+    tensor, by name) or of a list of texts, else ``None``."""
     import torch
     import xxhash
 
+    from .model_inputs import as_model_inputs
+
+    if isinstance(objects, (list, tuple)) and objects and all(isinstance(x, str) for x in objects):
+        digest = xxhash.xxh3_128(b"texts:")
+        for text in objects:
+            encoded = text.encode("utf-8", "surrogatepass")
+            digest.update(f"{len(encoded)}:".encode() + encoded)
+        return f"xxh3-128:{digest.hexdigest()}"
+    given = as_model_inputs(objects) if not isinstance(objects, torch.Tensor) else None
+    if given is not None and "pixel_values" in given:
+        objects, given = given["pixel_values"], None  # pixels hash as the bare tensor does
+    if given is not None:
+        digest = xxhash.xxh3_128(b"inputs:")
+        for name in sorted(given.keys()):
+            tensor = given[name].detach().to("cpu").contiguous()
+            digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}:".encode())
+            digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        return f"xxh3-128:{digest.hexdigest()}"
     if not isinstance(objects, torch.Tensor):
         return None
     tensor = objects.detach().to("cpu").contiguous()
     digest = xxhash.xxh3_128(f"{tuple(tensor.shape)}:{tensor.dtype}:".encode())
     digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     return f"xxh3-128:{digest.hexdigest()}"
+
+
+def _is_data_path(path: Path) -> bool:
+    """A folder, or a file of a type scoring data is read from (text, JSON lines, CSV, parquet)."""
+    from .data import DATA_FILE_SUFFIXES
+
+    return path.is_dir() or (path.is_file() and path.suffix.lower() in DATA_FILE_SUFFIXES)
 
 
 def _is_loaded_model(value: Any) -> bool:

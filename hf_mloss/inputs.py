@@ -1,7 +1,8 @@
 """The inputs of a run, prepared once for :func:`hf_mloss.merge` and :func:`hf_mloss.score`.
 
 :func:`open_inputs` resolves every model (local folder or Hub snapshot), picks the adapter, indexes the checkpoints
-lazily, checks they can be merged, resolves the weights, the image processor and the scoring images, and closes the
+lazily, checks they can be merged, resolves the weights and the scoring data as the model's inputs (images through the
+base's image processor for image families, text through the base's tokenizer for text families), and closes the
 checkpoint handles when the run ends, whatever happens. Everything that can be refused is refused here, before the
 first forward pass or tensor merge.
 """
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from .adapters import ModelAdapter
     from .config import MergeConfig, ModelSpec
     from .data import DataInfo
+    from .model_inputs import ModelInputs
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -48,7 +50,8 @@ class RunInputs:
     alpha: torch.Tensor
     """Per-source weights (float64), as the method uses them."""
     device: torch.device
-    pixels: torch.Tensor | None = None
+    model_inputs: ModelInputs | None = None
+    """The scoring samples as the model takes them (``pixel_values``, or ``input_ids`` + ``attention_mask``)."""
     data_info: DataInfo | None = None
     fingerprints: dict[int, str] = field(default_factory=dict)
     """Content fingerprint of each local input (index 0 = base)."""
@@ -56,6 +59,17 @@ class RunInputs:
     @property
     def refs(self) -> list[ModelRef]:
         return [s.ref for s in self.sources]
+
+    @property
+    def pixels(self) -> torch.Tensor | None:
+        """Deprecated: ``model_inputs["pixel_values"]`` (image families only); read :attr:`model_inputs`."""
+        if self.model_inputs is None:
+            return None
+        if "pixel_values" not in self.model_inputs:
+            raise AttributeError(f"The {self.adapter.name} family is scored on {self.model_inputs.modality}: its "
+                                 f"inputs are {list(self.model_inputs.keys())}, not pixels; read "
+                                 "RunInputs.model_inputs.")
+        return self.model_inputs["pixel_values"]
 
     def load_output_model(self, output: str, *, progress: bool = True,
                           dtype: torch.dtype = torch.float32) -> PreTrainedModel:
@@ -392,19 +406,115 @@ def _check_layers(config: MergeConfig, adapter: ModelAdapter) -> None:
 
 def _load_data(inputs: RunInputs, config: MergeConfig, base_ref: ModelRef, token, *, progress: bool = False
                ) -> None:
-    from .data import load_pixel_values
+    """The scoring data as the adapter's inputs: images for image families, token ids for text families."""
+    from .data import DEFAULT_MAX_LENGTH, load_model_inputs
+    from .model_inputs import as_model_inputs
 
     data = config.data
-    needs_processor = not isinstance(data.objects, torch.Tensor)
-    processor = resolve_processor(config, inputs, base_ref, token) if needs_processor else None
-    pixels, info = load_pixel_values(data.source, processor, num_samples=data.num_samples, seed=config.seed,
-                                     split=data.split, image_column=data.image_column, revision=data.revision,
-                                     progress=progress)
-    if not torch.isfinite(pixels).all():
-        bad = int((~torch.isfinite(pixels)).flatten(1).any(1).sum())
-        raise DataError(f"{bad} of the {len(pixels)} scoring images hold NaN or Inf pixel values; M-Loss on them "
-                        "would be NaN. Remove them or pass clean images.")
-    inputs.pixels, inputs.data_info = pixels, info
+    modality = getattr(inputs.adapter, "modality", "image")
+    family = f"{inputs.adapter.name} ({getattr(inputs.adapter.full_config, 'model_type', None)!r})"
+    if modality == "text":
+        max_length = check_max_length(inputs.adapter, data.max_length)
+        ready = as_model_inputs(data.objects) is not None
+        tokenizer = None if ready else resolve_tokenizer(config, inputs, base_ref, token)
+        model_inputs, info = load_model_inputs(
+            data.source, modality="text", tokenizer=tokenizer, family=family, num_samples=data.num_samples,
+            seed=config.seed, split=data.split, text_column=data.text_column,
+            max_length=max_length or DEFAULT_MAX_LENGTH, revision=data.revision, progress=progress)
+        check_token_ids(inputs.adapter, model_inputs["input_ids"])
+    else:
+        needs_processor = not isinstance(data.objects, torch.Tensor) and as_model_inputs(data.objects) is None
+        processor = resolve_processor(config, inputs, base_ref, token) if needs_processor else None
+        model_inputs, info = load_model_inputs(
+            data.source, modality="image", processor=processor, family=family, num_samples=data.num_samples,
+            seed=config.seed, split=data.split, image_column=data.image_column, revision=data.revision,
+            progress=progress)
+        pixels = model_inputs["pixel_values"]
+        if not torch.isfinite(pixels).all():
+            bad = int((~torch.isfinite(pixels)).flatten(1).any(1).sum())
+            raise DataError(f"{bad} of the {len(pixels)} scoring images hold NaN or Inf pixel values; M-Loss on them "
+                            "would be NaN. Remove them or pass clean images.")
+    inputs.model_inputs, inputs.data_info = model_inputs, info
+
+
+def _text_config(adapter: ModelAdapter) -> Any:
+    config = adapter.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def check_max_length(adapter: ModelAdapter, max_length: int | None) -> int | None:
+    """``max_length`` within the positions the model embeds: a ``max_length`` given above them is refused, the
+    default is lowered to them (the sequences would otherwise index past the position embeddings)."""
+    from .data import DEFAULT_MAX_LENGTH
+
+    positions = getattr(_text_config(adapter), "max_position_embeddings", None)
+    if not isinstance(positions, int) or positions < 1:
+        return max_length
+    if max_length is None:
+        return min(DEFAULT_MAX_LENGTH, positions)
+    if max_length > positions:
+        raise InvalidParameterError(
+            f"max_length={max_length} but the base embeds {positions} positions (max_position_embeddings); longer "
+            f"sequences cannot run through it. Pass max_length={positions} or less.")
+    return max_length
+
+
+def check_token_ids(adapter: ModelAdapter, input_ids: torch.Tensor) -> None:
+    """Every token id has a row in the model's embedding (else the tokenizer is not the base's), and every sequence
+    fits the positions the model embeds (already tokenised inputs are not cut)."""
+    positions = getattr(_text_config(adapter), "max_position_embeddings", None)
+    if isinstance(positions, int) and input_ids.dim() == 2 and input_ids.shape[1] > positions:
+        raise DataError(f"The scoring sequences are {input_ids.shape[1]} tokens long but the base embeds {positions} "
+                        f"positions (max_position_embeddings). Cut them to {positions} tokens, or pass text and "
+                        "max_length=... to have them tokenised.")
+    vocab = getattr(_text_config(adapter), "vocab_size", None)
+    if not isinstance(vocab, int) or not input_ids.numel():
+        return
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab:
+        raise DataError(
+            f"The scoring token ids run from {low} to {high} but the base's vocabulary has {vocab} ids "
+            "(vocab_size): the tokenizer does not belong to the base. Use the base's own tokenizer (saved in its "
+            "folder), or pass processor=... naming a tokenizer with the base's vocabulary.")
+
+
+def resolve_tokenizer(config: MergeConfig, inputs: RunInputs, base_ref: ModelRef, token) -> Any:
+    """The tokenizer for the scoring texts: ``config.processor`` (a tokenizer or processor object, or a folder or
+    Hub id holding one), else the base's (``AutoTokenizer``, never running code from the folder).
+
+    Raises:
+        InvalidParameterError: none can be found; the message says what to pass.
+    """
+    candidate = config.processor
+    if candidate is not None and not isinstance(candidate, (str, os.PathLike)):
+        inner = getattr(candidate, "tokenizer", None)  # a processor object (CLIPProcessor) carries its tokenizer
+        return inner if inner is not None and callable(inner) else candidate
+    where = os.fspath(candidate) if candidate is not None else (
+        base_ref.path if base_ref.path and Path(base_ref.path).is_dir() else base_ref.repo_id)
+    if where:
+        from transformers import AutoTokenizer
+
+        loader = getattr(inputs.adapter, "load_tokenizer", None)
+        try:
+            with quiet_transformers(True):
+                if loader is not None:
+                    return loader(where, token=token)
+                return AutoTokenizer.from_pretrained(where, trust_remote_code=False, token=token)
+        except (OSError, ValueError, TypeError, KeyError) as err:
+            folder = Path(where)
+            files = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model")
+            if folder.is_dir() and not any((folder / f).exists() for f in files):
+                reason = (f"{where!r} has no tokenizer files (tokenizer.json, tokenizer_config.json...): it was saved "
+                          "with the model's save_pretrained alone, without its tokenizer")
+            else:
+                reason = f"the tokenizer of {where!r} cannot be loaded ({first_sentence(str(err))})"
+    else:
+        reason = "the base was passed as a loaded model that does not name where it came from"
+    raise InvalidParameterError(
+        f"Scoring texts need the base model's tokenizer, and {reason}. Save it beside the weights "
+        "(tokenizer.save_pretrained(folder)) or pass processor=... (a tokenizer object, or a Hub id or folder "
+        "holding one; YAML: `processor: ...`), or pass the texts already tokenised ({'input_ids': ..., "
+        "'attention_mask': ...}).")
 
 
 def resolve_processor(config: MergeConfig, inputs: RunInputs, base_ref: ModelRef, token) -> Any:

@@ -30,11 +30,14 @@ def finite_json(content: Any, what: str, **kwargs: Any) -> str:
 
 
 def describe_data(data: dict[str, Any]) -> str:
-    """One line about the scoring images: source, split, count, how they were drawn, labels covered."""
+    """One line about the scoring images or texts: source, split, count, how they were drawn, labels covered."""
     text = f"{data.get('id') or data.get('source')}"
     if data.get("split"):
         text += f" (split {data['split']})"
-    text += f", {data.get('num_samples')} images"
+    if data.get("num_tokens") is not None:  # text: sequences and the tokens in them (padding excluded)
+        text += f", {data.get('num_samples')} sequences, {data['num_tokens']} tokens"
+    else:
+        text += f", {data.get('num_samples')} images"
     if data.get("sampling"):
         text += f", sampled: {data['sampling']}"
     if data.get("labels_covered") is not None:
