@@ -6,9 +6,13 @@ from transformers import PretrainedConfig
 
 from ..errors import UnsupportedModelError
 from .base import EMBEDDING_STAGE, ModelAdapter
+from .bert import BertAdapter
+from .clip_text import CLIPTextAdapter
 from .clip_vision import CLIPVisionAdapter
 from .dinov2 import Dinov2Adapter
 from .generic import GenericAdapter, whole_model_adapter
+from .llama import LlamaAdapter
+from .siglip_vision import SiglipVisionAdapter
 from .vit import ViTAdapter
 
 ADAPTERS: dict[str, type[ModelAdapter]] = {}
@@ -60,6 +64,10 @@ def adapter_for(config: PretrainedConfig) -> ModelAdapter:
 register_adapter(CLIPVisionAdapter)
 register_adapter(ViTAdapter)
 register_adapter(Dinov2Adapter)
+register_adapter(SiglipVisionAdapter)
+register_adapter(BertAdapter)
+register_adapter(LlamaAdapter)
+register_adapter(CLIPTextAdapter)
 register_adapter(GenericAdapter)  # matches any transformers model_type: tried last
 
 __all__ = ["ADAPTERS", "EMBEDDING_STAGE", "CLIPVisionAdapter", "Dinov2Adapter", "GenericAdapter", "ModelAdapter",

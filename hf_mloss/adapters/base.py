@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -18,6 +19,21 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 EMBEDDING_STAGE = -1
+
+
+@dataclass
+class BlockContext:
+    """Per-batch state a family's blocks need besides the hidden states."""
+    mask: torch.Tensor | None = None      # [batch, seq] bool, True where a position counts (padding False); None: all
+    extras: dict[str, Any] = field(default_factory=dict)   # family-specific: 4-D attention mask, position embeddings...
+
+
+@dataclass(frozen=True)
+class ScoredUnit:
+    """The nodes of one block that get an M-Loss: `gate` feeds the activation; gated MLPs multiply by `up`."""
+    gate: str                 # suffix, relative to the block prefix: "mlp.fc1", "mlp.gate_proj", "intermediate.dense"
+    up: str | None = None     # gated units only: "mlp.up_proj"
+    down: str | None = None   # the linear that reads the unit (its COLUMN i belongs to node i): "mlp.fc2", "mlp.down_proj"
 
 
 class ModelAdapter(ABC):
