@@ -2,9 +2,11 @@
 
 Any checkpoint class of the family is merged whole, as the base's own class (``BertModel``,
 ``BertForSequenceClassification``, ``RobertaForMaskedLM``...): the encoder is scored, the heads (pooler,
-classifier, MLM head) sit in the last stage and are merged by the method's data-free rule. Canonical names drop the
-``bert.`` / ``roberta.`` prefix the ``*For*`` classes put before the encoder, so a ``BertModel`` file and a
-``BertForSequenceClassification`` file name the encoder's tensors alike. Reading, tied tensors and saving are the
+classifier, MLM head) sit in the last stage and are merged by the method's data-free rule. Canonical names are the
+base class's own keys (``bert.encoder.layer.0...`` under a ``*For*`` class, ``encoder.layer.0...`` under
+``BertModel``), and files of either spelling are read under them: ``bert.``-prefixed keys (``BertFor*`` checkpoints)
+under a ``BertModel`` base (their heads are not part of it), unprefixed ``BertModel`` keys under a ``BertFor*``
+base. Reading, tied tensors and saving are the
 generic adapter's (``save_pretrained``: tied tensors saved once, the tokenizer from the base).
 """
 
@@ -18,9 +20,30 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from ..errors import UnsupportedModelError
-from .base import BlockContext, ScoredUnit
+from ..errors import InvalidParameterError, UnsupportedModelError
+from .base import BlockContext, ScoredUnit, walks_with_context
 from .generic import GenericAdapter, meta_state
+
+
+_ENCODER_ROOTS = ("embeddings.", "encoder.", "pooler.")  # the tensors of the bare encoder (``BertModel``)
+
+
+def base_class_prefix(model_class: type[PreTrainedModel], config: PretrainedConfig) -> tuple[str, str]:
+    """(prefix of the base model's tensors in ``model_class``'s keys, prefix other classes of the family put there):
+    ``("bert.", "")`` for ``BertForSequenceClassification``, ``("", "bert.")`` for ``BertModel``."""
+    prefix = f"{model_class.base_model_prefix}." if getattr(model_class, "base_model_prefix", "") else ""
+    keys = meta_state(model_class, config)[0]
+    return (prefix, "") if prefix and any(k.startswith(prefix) for k in keys) else ("", prefix)
+
+
+def base_class_key(key: str, prefix: str, strip: str, roots: tuple[str, ...]) -> str | None:
+    """A checkpoint key under the base class's spelling (see :func:`base_class_prefix`); ``None`` for the heads of a
+    ``*For*`` file when the base is the bare model, which has none."""
+    if prefix:
+        return prefix + key if key.startswith(roots) else key
+    if strip and key.startswith(strip):
+        key = key[len(strip):]
+    return key if key.startswith(roots) else None
 
 
 def _bidirectional_mask(config: PretrainedConfig, embeddings: torch.Tensor, attention_mask: torch.Tensor):
@@ -43,14 +66,15 @@ class BertAdapter(GenericAdapter):
     layer_pattern = re.compile(r"encoder\.layer\.(\d+)\.")
     unit: ClassVar[ScoredUnit] = ScoredUnit(gate="intermediate.dense", down="output.dense")
     target_suffix = unit.gate
-    scorable: ClassVar[bool] = True
+    scorable: ClassVar[bool] = walks_with_context()  # scored once the block walk passes a BlockContext
     modality: ClassVar[str] = "text"
     input_names: ClassVar[tuple[str, ...]] = ("input_ids", "attention_mask")
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__(config)
-        prefix = getattr(self.model_class, "base_model_prefix", "")
-        self._prefix = f"{prefix}." if prefix else ""
+        self.name = self.config.model_type  # models of two families never merge together, even with equal shapes
+        self._prefix, self._strip = base_class_prefix(self.model_class, self.config)
+        self.layer_pattern = re.compile(re.escape(self._prefix) + r"encoder\.layer\.(\d+)\.")
 
     @classmethod
     def matches(cls, config: PretrainedConfig) -> bool:
@@ -60,14 +84,20 @@ class BertAdapter(GenericAdapter):
 
     # ----------------------------------------------------------------- names
     def canonical_key(self, key: str) -> str | None:
-        key = super().canonical_key(key)
-        return key[len(self._prefix):] if self._prefix and key.startswith(self._prefix) else key
+        return base_class_key(super().canonical_key(key), self._prefix, self._strip, _ENCODER_ROOTS)
 
     def is_embedding(self, name: str) -> bool:
-        return name.startswith("embeddings.")
+        return name.startswith(f"{self._prefix}embeddings.")
 
     def layer_prefix(self, layer: int) -> str:
-        return f"encoder.layer.{layer}."
+        return f"{self._prefix}encoder.layer.{layer}."
+
+    def output_class(self, output: str) -> type[PreTrainedModel]:
+        if output == "tower":
+            raise InvalidParameterError(
+                f"output='tower' keeps one tower of a whole model (a CLIPModel's vision tower); a "
+                f"{self.config.model_type!r} model has none. Use output='auto' (the base's class).")
+        return self.model_class
 
     def tied_names(self) -> frozenset[str]:
         return frozenset(n for k in meta_state(self.model_class, self.config)[2]

@@ -2,8 +2,9 @@
 
 The checkpoint is merged whole as the base's own class (``LlamaForCausalLM``..., or the family's ``*ForCausalLM``
 when ``config.json`` names none): the decoder blocks are scored, the final norm and ``lm_head`` are the last stage.
-Canonical names drop the ``model.`` prefix of the ``*For*`` classes (``layers.3.mlp.gate_proj.weight``), so a bare
-``LlamaModel`` file names the blocks alike. Reading, tied embeddings (``lm_head`` tied to ``embed_tokens``: merged once,
+Canonical names are the base class's own keys (``model.layers.3.mlp.gate_proj.weight`` for a ``*ForCausalLM``, as
+the generic adapter and mergekit name them); a file of the other spelling (a bare ``LlamaModel``'s ``layers.3...``,
+or ``model.``-prefixed keys under a bare-model base) is read under the base's names. Reading, tied embeddings (``lm_head`` tied to ``embed_tokens``: merged once,
 saved tied) and saving are the generic adapter's.
 
 The unit is the gated MLP ``down_proj(f(gate_proj(u)) * up_proj(u))`` (SPEC 1b): node i owns row i of ``gate_proj``
@@ -20,10 +21,13 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from .base import BlockContext, ScoredUnit
+from ..errors import InvalidParameterError
+from .base import BlockContext, ScoredUnit, walks_with_context
+from .bert import base_class_key, base_class_prefix
 from .generic import GenericAdapter, meta_state
 
 _FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+_DECODER_ROOTS = ("embed_tokens.", "layers.", "norm.")  # the tensors of the bare decoder (``LlamaModel``)
 
 
 def causal_lm_class(config: PretrainedConfig) -> type[PreTrainedModel]:
@@ -68,10 +72,10 @@ class LlamaAdapter(GenericAdapter):
 
     name = "llama"
     model_types = _FAMILIES
-    layer_pattern = re.compile(r"layers\.(\d+)\.")
+    layer_pattern = re.compile(r"model\.layers\.(\d+)\.")  # per instance: the base class's spelling
     unit: ClassVar[ScoredUnit] = ScoredUnit(gate="mlp.gate_proj", up="mlp.up_proj", down="mlp.down_proj")
     target_suffix = unit.gate
-    scorable: ClassVar[bool] = True
+    scorable: ClassVar[bool] = walks_with_context()  # scored once the block walk passes a BlockContext
     modality: ClassVar[str] = "text"
     input_names: ClassVar[tuple[str, ...]] = ("input_ids", "attention_mask")
 
@@ -80,8 +84,9 @@ class LlamaAdapter(GenericAdapter):
             config = config.__class__.from_dict(config.to_dict())
             config.architectures = [causal_lm_class(config).__name__]
         super().__init__(config)
-        prefix = getattr(self.model_class, "base_model_prefix", "")
-        self._prefix = f"{prefix}." if prefix else ""
+        self.name = self.config.model_type  # models of two families never merge together, even with equal shapes
+        self._prefix, self._strip = base_class_prefix(self.model_class, self.config)
+        self.layer_pattern = re.compile(re.escape(self._prefix) + r"layers\.(\d+)\.")
 
     @classmethod
     def matches(cls, config: PretrainedConfig) -> bool:
@@ -89,14 +94,20 @@ class LlamaAdapter(GenericAdapter):
 
     # ----------------------------------------------------------------- names
     def canonical_key(self, key: str) -> str | None:
-        key = super().canonical_key(key)
-        return key[len(self._prefix):] if self._prefix and key.startswith(self._prefix) else key
+        return base_class_key(super().canonical_key(key), self._prefix, self._strip, _DECODER_ROOTS)
 
     def is_embedding(self, name: str) -> bool:
-        return name.startswith("embed_tokens.")
+        return name.startswith(f"{self._prefix}embed_tokens.")
 
     def layer_prefix(self, layer: int) -> str:
-        return f"layers.{layer}."
+        return f"{self._prefix}layers.{layer}."
+
+    def output_class(self, output: str) -> type[PreTrainedModel]:
+        if output == "tower":
+            raise InvalidParameterError(
+                f"output='tower' keeps one tower of a whole model (a CLIPModel's vision tower); a "
+                f"{self.config.model_type!r} model has none. Use output='auto' (the base's class).")
+        return self.model_class
 
     def tied_names(self) -> frozenset[str]:
         return frozenset(n for k in meta_state(self.model_class, self.config)[2]
