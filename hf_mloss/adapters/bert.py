@@ -24,7 +24,6 @@ from ..errors import InvalidParameterError, UnsupportedModelError
 from .base import BlockContext, ScoredUnit, walks_with_context
 from .generic import GenericAdapter, meta_state
 
-
 _ENCODER_ROOTS = ("embeddings.", "encoder.", "pooler.")  # the tensors of the bare encoder (``BertModel``)
 
 

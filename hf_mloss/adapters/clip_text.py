@@ -35,7 +35,7 @@ class CLIPTextAdapter(ModelAdapter):
     unit: ClassVar[ScoredUnit] = ScoredUnit(gate="mlp.fc1", down="mlp.fc2")
     target_suffix = unit.gate
     pipeline_tag = "feature-extraction"
-    containers = {"clip": (CLIPModel, "text_model", "zero-shot-image-classification")}
+    containers: ClassVar[dict] = {"clip": (CLIPModel, "text_model", "zero-shot-image-classification")}
     checkpoint_prefix = _TEXT_PREFIX
     scorable: ClassVar[bool] = walks_with_context()  # scored once the block walk passes a BlockContext
     modality: ClassVar[str] = "text"
@@ -46,8 +46,7 @@ class CLIPTextAdapter(ModelAdapter):
         return config.text_config if config.model_type == "clip" else config
 
     def canonical_key(self, key: str) -> str | None:
-        if key.startswith(_TEXT_PREFIX):
-            key = key[len(_TEXT_PREFIX) :]
+        key = key.removeprefix(_TEXT_PREFIX)
         return key if key.startswith(_TOWER_ROOTS) else None
 
     def is_embedding(self, name: str) -> bool:

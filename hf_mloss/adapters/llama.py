@@ -4,8 +4,8 @@ The checkpoint is merged whole as the base's own class (``LlamaForCausalLM``...,
 when ``config.json`` names none): the decoder blocks are scored, the final norm and ``lm_head`` are the last stage.
 Canonical names are the base class's own keys (``model.layers.3.mlp.gate_proj.weight`` for a ``*ForCausalLM``, as
 the generic adapter and mergekit name them); a file of the other spelling (a bare ``LlamaModel``'s ``layers.3...``,
-or ``model.``-prefixed keys under a bare-model base) is read under the base's names. Reading, tied embeddings (``lm_head`` tied to ``embed_tokens``: merged once,
-saved tied) and saving are the generic adapter's.
+or ``model.``-prefixed keys under a bare-model base) is read under the base's names. Reading, tied embeddings
+(``lm_head`` tied to ``embed_tokens``: merged once, saved tied) and saving are the generic adapter's.
 
 The unit is the gated MLP ``down_proj(f(gate_proj(u)) * up_proj(u))`` (SPEC 1b): node i owns row i of ``gate_proj``
 and ``up_proj`` and column i of ``down_proj``.
@@ -159,7 +159,8 @@ class LlamaAdapter(GenericAdapter):
 
     def forward_to_target(self, layer: nn.Module, hidden: torch.Tensor,
                           context: BlockContext) -> tuple[torch.Tensor, torch.Tensor]:
-        attn, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden), attention_mask=self._mask_of(layer, context),
+        attn, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden),
+                                  attention_mask=self._mask_of(layer, context),
                                   position_ids=context.extras["position_ids"],
                                   position_embeddings=context.extras["position_embeddings"])
         if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 2: norms after the attention and around the MLP

@@ -32,7 +32,7 @@ class SiglipVisionAdapter(ModelAdapter):
     layer_pattern = re.compile(r"encoder\.layers\.(\d+)\.")
     unit: ClassVar[ScoredUnit] = ScoredUnit(gate="mlp.fc1", down="mlp.fc2")
     target_suffix = unit.gate
-    containers = {"siglip": (SiglipModel, "vision_model", "zero-shot-image-classification")}
+    containers: ClassVar[dict] = {"siglip": (SiglipModel, "vision_model", "zero-shot-image-classification")}
     checkpoint_prefix = _VISION_PREFIX
     scorable: ClassVar[bool] = walks_with_context()  # scored once the block walk passes a BlockContext
     modality: ClassVar[str] = "image"
@@ -43,8 +43,7 @@ class SiglipVisionAdapter(ModelAdapter):
         return config.vision_config if config.model_type == "siglip" else config
 
     def canonical_key(self, key: str) -> str | None:
-        if key.startswith(_VISION_PREFIX):
-            key = key[len(_VISION_PREFIX) :]
+        key = key.removeprefix(_VISION_PREFIX)
         return key if key.startswith(_TOWER_ROOTS) else None
 
     def is_embedding(self, name: str) -> bool:
