@@ -322,8 +322,16 @@ def assert_names_cover(adapter, file_shapes: dict[str, tuple[int, ...]], *, outs
 
 def test_canonical_names_cover_every_tensor_of_the_checkpoint(saved):
     _, base_dir, _ = saved
-    adapter, _ = load(base_dir)
+    adapter, model = load(base_dir)
     assert_names_cover(adapter, checkpoint_shapes(base_dir))
+    # a block copy is filled from a store by ``layer_prefix(l) + key``: every parameter of a block has its name
+    expected = adapter.expected_shapes()
+    for layer, block in enumerate(adapter.layers(model)):
+        for key, value in block.named_parameters():
+            assert expected[f"{adapter.layer_prefix(layer)}{key}"] == tuple(value.shape), (layer, key)
+    # and the model's own state dict is named alike (the worker model of a scoring pass)
+    own = {adapter.canonical_key(k): tuple(v.shape) for k, v in model.state_dict().items()}
+    assert all(own.get(name) == shape for name, shape in expected.items())
 
 
 def test_node_groups_line_up(saved):
