@@ -371,6 +371,38 @@ def test_prefixed_and_unprefixed_encoder_files_share_names(tmp_path):
     assert bare_adapter.layer_prefix(1) == "encoder.layer.1."
 
 
+def test_a_masked_lm_file_with_pretraining_heads_merges_as_its_class(tmp_path):
+    """``bert-base-uncased`` is a ``BertForMaskedLM`` whose file also holds the pooler and the next-sentence head of
+    pre-training: the merge is a ``BertForMaskedLM`` (those tensors are not part of it, as transformers loads it),
+    and it is scored on the encoder."""
+    import json
+
+    torch.manual_seed(0)
+    pretraining = transformers.BertForPreTraining(transformers.BertConfig(**ENCODER)).eval()
+    folders = []
+    for i, model in enumerate([pretraining, testing.perturbed(pretraining, 0), testing.perturbed(pretraining, 1)]):
+        folder = tmp_path / f"m{i}"
+        model.save_pretrained(folder)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "architectures": ["BertForMaskedLM"]}))
+        testing.word_tokenizer(VOCAB).save_pretrained(folder)
+        folders.append(folder)
+    adapter, _ = load(folders[0])
+    file_shapes = checkpoint_shapes(folders[0])
+    dropped = sorted(k for k in file_shapes if adapter.canonical_key(k) is None)
+    assert dropped == ["bert.pooler.dense.bias", "bert.pooler.dense.weight", "cls.seq_relationship.bias",
+                       "cls.seq_relationship.weight"]
+    assert_names_cover(adapter, {k: v for k, v in file_shapes.items() if k not in dropped})
+    result = hf_mloss.merge(str(folders[0]), [str(f) for f in folders[1:]], "average", progress=False)
+    assert type(result.model) is transformers.BertForMaskedLM
+    sources = [_float_state(f) for f in folders[1:]]
+    for key, value in result.model.state_dict().items():
+        if key in sources[0]:
+            torch.testing.assert_close(value, (sources[0][key] + sources[1][key]) / 2, rtol=0, atol=1e-6)
+    loaded = transformers.AutoModelForMaskedLM.from_pretrained(result.save_pretrained(tmp_path / "merged"))
+    assert type(loaded) is transformers.BertForMaskedLM
+
+
 def test_towers_of_whole_models_are_named(tmp_path):
     """The SigLIP vision tower of a SiglipModel and the CLIP text tower of a CLIPModel (the other keys: None)."""
     from transformers import CLIPConfig, CLIPModel, SiglipConfig, SiglipModel

@@ -6,8 +6,10 @@ classifier, MLM head) sit in the last stage and are merged by the method's data-
 base class's own keys (``bert.encoder.layer.0...`` under a ``*For*`` class, ``encoder.layer.0...`` under
 ``BertModel``), and files of either spelling are read under them: ``bert.``-prefixed keys (``BertFor*`` checkpoints)
 under a ``BertModel`` base (their heads are not part of it), unprefixed ``BertModel`` keys under a ``BertFor*``
-base. Reading, tied tensors and saving are the
-generic adapter's (``save_pretrained``: tied tensors saved once, the tokenizer from the base).
+base. Tensors the base class has no place for are not part of the merge, as transformers leaves them out when it
+loads the class (the pooler and next-sentence head that ``bert-base-uncased``'s ``BertForMaskedLM`` file also
+holds). Reading, tied tensors and saving are the generic adapter's (``save_pretrained``: tied tensors saved once, the
+tokenizer from the base).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from ..errors import InvalidParameterError, UnsupportedModelError
+from ..errors import InvalidParameterError
 from .base import BlockContext, ScoredUnit, walks_with_context
 from .generic import GenericAdapter, meta_state
 
@@ -74,6 +76,7 @@ class BertAdapter(GenericAdapter):
         self.name = self.config.model_type  # models of two families never merge together, even with equal shapes
         self._prefix, self._strip = base_class_prefix(self.model_class, self.config)
         self.layer_pattern = re.compile(re.escape(self._prefix) + r"encoder\.layer\.(\d+)\.")
+        self._known = frozenset(meta_state(self.model_class, self.config)[0])  # every tensor the class saves
 
     @classmethod
     def matches(cls, config: PretrainedConfig) -> bool:
@@ -83,7 +86,8 @@ class BertAdapter(GenericAdapter):
 
     # ----------------------------------------------------------------- names
     def canonical_key(self, key: str) -> str | None:
-        return base_class_key(super().canonical_key(key), self._prefix, self._strip, _ENCODER_ROOTS)
+        name = base_class_key(super().canonical_key(key), self._prefix, self._strip, _ENCODER_ROOTS)
+        return name if name in self._known else None
 
     def is_embedding(self, name: str) -> bool:
         return name.startswith(f"{self._prefix}embeddings.")
@@ -136,8 +140,6 @@ class BertAdapter(GenericAdapter):
 
     def forward_to_target(self, layer: nn.Module, hidden: torch.Tensor,
                           context: BlockContext) -> tuple[torch.Tensor, torch.Tensor]:
-        if getattr(layer, "is_decoder", False):
-            raise UnsupportedModelError("BERT-family decoders (is_decoder=True) are not scored; merge them data-free.")
         attention_output, _ = layer.attention(hidden, context.extras.get("attention_mask"))
         return attention_output, attention_output
 
