@@ -755,3 +755,66 @@ def test_score_own_prefix_equals_the_brute_force_encoder_mloss(encoder_setup):
     for name, expected in ref.items():
         torch.testing.assert_close(report.node[name].double(), expected["abs"], rtol=1e-4, atol=1e-7)
         assert report.layer[name] == pytest.approx(float(expected["layer"]), rel=1e-4)
+
+
+# ------------------------------------------------------------------------------ SigLIP node M-Loss, brute force
+def brute_force_image_mloss(models: list, pixel_values: torch.Tensor, *, eps: float = 1e-4) -> dict[str, dict]:
+    """Node and layer M-Loss (prefix "own", equal weights) of SigLIP vision towers by hooks on each model's
+    ``mlp.fc1`` in its own forward: every token of every image counts."""
+    pre = []
+    for model in models:
+        captured: list[torch.Tensor] = []
+        handles = [block.mlp.fc1.register_forward_hook(
+            lambda m, a, out, into=captured: into.append(out.reshape(-1, out.shape[-1]).double()))
+            for block in model.encoder.layers]
+        with torch.no_grad():
+            model(pixel_values=pixel_values)
+        for handle in handles:
+            handle.remove()
+        pre.append(captured)
+    f = models[0].encoder.layers[0].mlp.activation_fn
+    out = {}
+    for layer in range(len(pre[0])):
+        h = torch.stack([p[layer] for p in pre])
+        merged = f(h.mean(0))
+        gap = merged - f(h).mean(0)
+        out[f"encoder.layers.{layer}.mlp.fc1"] = {"abs": gap.abs().mean(0), "layer": gap.norm(dim=-1).mean(),
+                                                  "positions": gap.shape[0]}
+    return out
+
+
+@pytest.mark.skipif(not walks_with_context(), reason="hf_mloss.score walks blocks with a BlockContext (the SigLIP "
+                    "adapter's embed(model, batch) contract) only once the core redesign's block walk is in")
+def test_score_own_prefix_equals_the_brute_force_siglip_mloss(tmp_path):
+    torch.manual_seed(0)
+    base_dir, models = testing.save_with_finetunes(_siglip().eval(), tmp_path, 2, scale=5e-2,
+                                                   tokenizer=_processor("siglip_vision"))
+    pixels = torch.randn(5, 3, 16, 16, generator=torch.Generator().manual_seed(3))
+    report = hf_mloss.score(str(base_dir), [str(m) for m in models], pixels, prefix="own", batch_size=2,
+                            progress=False)
+    loaded = [transformers.SiglipVisionModel.from_pretrained(m).eval() for m in models]
+    ref = brute_force_image_mloss(loaded, pixels)
+    assert set(report.node) == set(ref) and report.activation == "gelu_pytorch_tanh"
+    assert report.num_positions == 5 * 4
+    for name, expected in ref.items():
+        torch.testing.assert_close(report.node[name].double(), expected["abs"], rtol=1e-4, atol=1e-7)
+        assert report.layer[name] == pytest.approx(float(expected["layer"]), rel=1e-4)
+
+
+def test_the_siglip_reference_matches_the_adapter_walk(tmp_path):
+    torch.manual_seed(0)
+    base = _siglip().eval()
+    models = [testing.perturbed(base, i, 5e-2) for i in range(2)]
+    pixels = torch.randn(5, 3, 16, 16, generator=torch.Generator().manual_seed(3))
+    ref = brute_force_image_mloss(models, pixels)
+    adapter = adapter_for(base.config)
+    walks = [walk(adapter, model, {"pixel_values": pixels}) for model in models]
+    f = adapter.activation(models[0])
+    for layer in range(adapter.num_layers):
+        with torch.no_grad():
+            h = [m.encoder.layers[layer].mlp.fc1(w.inputs[layer]).reshape(-1, 64).double()
+                 for m, w in zip(models, walks)]
+        gap = f((h[0] + h[1]) / 2) - (f(h[0]) + f(h[1])) / 2
+        name = adapter.target_name(layer)
+        assert ref[name]["positions"] == 5 * 4 and float(ref[name]["abs"].min()) > 0
+        torch.testing.assert_close(gap.abs().mean(0), ref[name]["abs"], rtol=1e-6, atol=1e-10)
