@@ -145,17 +145,18 @@ class LlamaAdapter(GenericAdapter):
         hidden = decoder.embed_tokens(input_ids)
         position_ids = pad_aware_positions(attention_mask)
         extras = {"masks": decoder_masks(decoder.config, hidden, attention_mask, position_ids),
+                  "layer_types": getattr(decoder.config, "layer_types", None),
                   "position_ids": position_ids,
                   "position_embeddings": decoder.rotary_emb(hidden, position_ids=position_ids)}
         return hidden, BlockContext(mask=attention_mask.bool(), extras=extras)
 
     @staticmethod
     def _mask_of(layer: nn.Module, context: BlockContext):
+        """The mask of the block's attention type (``config.layer_types[layer_idx]``), as the model picks it."""
         masks = context.extras["masks"]
         if None in masks:
             return masks[None]
-        return masks[getattr(layer.self_attn, "layer_type", None) or getattr(layer, "attention_type", None)
-                     or "full_attention"]
+        return masks[context.extras["layer_types"][layer.self_attn.layer_idx]]
 
     def forward_to_target(self, layer: nn.Module, hidden: torch.Tensor,
                           context: BlockContext) -> tuple[torch.Tensor, torch.Tensor]:
