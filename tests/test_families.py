@@ -266,7 +266,7 @@ def test_added_tokens_in_padded_rows_are_refused(tmp_path):
 def test_other_model_types_and_towers_are_refused(tmp_path):
     base, models = save_family(tmp_path / "llama", "llama", q=1)
     other, _ = save_family(tmp_path / "mistral", "mistral", q=0)
-    with pytest.raises(hf_mloss.IncompatibleCheckpointsError, match="'mistral' model but the base is a 'llama'"):
+    with pytest.raises(hf_mloss.IncompatibleCheckpointsError, match="'mistral' model.*but the base is.*'llama'"):
         hf_mloss.merge(str(base), [str(other)], "average", progress=False)
     with pytest.raises(hf_mloss.InvalidParameterError, match="output='tower'.*'llama' model has none"):
         hf_mloss.merge(str(base), [str(models[0])], "average", output="tower", progress=False)

@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 from .base import EMBEDDING_STAGE, BlockContext, ModelAdapter, ScoredUnit
+from .bert import BertAdapter
+from .clip_text import CLIPTextAdapter
 from .clip_vision import CLIPVisionAdapter
 from .dinov2 import Dinov2Adapter
 from .generic import GenericAdapter, whole_model_adapter
+from .llama import LlamaAdapter
 from .registry import ADAPTERS, adapter_for, list_adapters, register_adapter
+from .siglip_vision import SiglipVisionAdapter
 from .vit import ViTAdapter
 
 register_adapter(CLIPVisionAdapter)
 register_adapter(ViTAdapter)
 register_adapter(Dinov2Adapter)
+register_adapter(SiglipVisionAdapter)
+register_adapter(BertAdapter)
+register_adapter(LlamaAdapter)
+register_adapter(CLIPTextAdapter)
 register_adapter(GenericAdapter)  # matches any transformers model_type: tried last
 
-__all__ = ["ADAPTERS", "EMBEDDING_STAGE", "BlockContext", "CLIPVisionAdapter", "Dinov2Adapter", "GenericAdapter",
-           "ModelAdapter", "ScoredUnit", "ViTAdapter", "adapter_for", "list_adapters", "register_adapter", "whole_model_adapter"]
+__all__ = ["ADAPTERS", "EMBEDDING_STAGE", "BertAdapter", "BlockContext", "CLIPTextAdapter", "CLIPVisionAdapter",
+           "Dinov2Adapter", "GenericAdapter", "LlamaAdapter", "ModelAdapter", "ScoredUnit", "SiglipVisionAdapter",
+           "ViTAdapter", "adapter_for", "list_adapters", "register_adapter", "whole_model_adapter"]

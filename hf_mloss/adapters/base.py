@@ -242,26 +242,10 @@ class ModelAdapter(ABC):
         tag = self.output_pipeline_tag(model) if model is not None else self.pipeline_tag
         return {"library_name": "transformers", "pipeline_tag": tag}
 
-    # ----------------------------------------------------------------- node groups
-    def node_groups(self, layer: int) -> list[tuple[str, int]]:
-        """The tensors whose slice i belongs to node i of block ``layer``'s scored unit, as ``(canonical name, dim)``:
-        dim 0 = row i, dim 1 = column i, a 1-D tensor (bias) = entry i. M-TIES and M-DARE trim a node's whole group
-        at its keep ratio (SPEC §1b, §3); the first 2-D member's slice sets the threshold of the 1-D members.
 
-        Default, from the adapter's ``unit`` (or ``target_suffix``): the rows of the gate (and up) weight, their bias
-        entries where the model has biases, and the columns of the ``down`` weight. CLIP:
-        ``[("encoder.layers.3.mlp.fc1.weight", 0), ("encoder.layers.3.mlp.fc1.bias", 0)]``; a gated MLP:
-        ``[(".gate_proj.weight", 0), (".up_proj.weight", 0), (".down_proj.weight", 1)]``.
-        """
-        unit = getattr(self, "unit", None)
-        row_modules = [unit.gate, *([unit.up] if unit.up else [])] if unit is not None else [self.target_suffix]
-        down = getattr(unit, "down", None) if unit is not None else None
-        names = self.__dict__.get("_node_group_names")
-        if names is None:  # the model's tensor names, once per adapter (built on the meta device)
-            names = self.__dict__["_node_group_names"] = frozenset(self.expected_shapes())
-        prefix = self.layer_prefix(layer)
-        groups = [(f"{prefix}{module}.weight", 0) for module in row_modules]
-        groups += [(f"{prefix}{module}.bias", 0) for module in row_modules if f"{prefix}{module}.bias" in names]
-        if down:
-            groups.append((f"{prefix}{down}.weight", 1))
-        return groups
+def walks_with_context() -> bool:
+    """Whether the block walk hands a :class:`BlockContext` to the adapters (``forward_to_target(layer, hidden,
+    context)``): the families written against it (text, padded batches) are scored only where it does."""
+    import inspect
+
+    return "context" in inspect.signature(ModelAdapter.forward_to_target).parameters

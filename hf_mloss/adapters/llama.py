@@ -1,0 +1,178 @@
+"""Adapter for LLaMA-family decoders (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2): gated M-Loss on text.
+
+The checkpoint is merged whole as the base's own class (``LlamaForCausalLM``..., or the family's ``*ForCausalLM``
+when ``config.json`` names none): the decoder blocks are scored, the final norm and ``lm_head`` are the last stage.
+Canonical names are the base class's own keys (``model.layers.3.mlp.gate_proj.weight`` for a ``*ForCausalLM``, as
+the generic adapter and mergekit name them); a file of the other spelling (a bare ``LlamaModel``'s ``layers.3...``,
+or ``model.``-prefixed keys under a bare-model base) is read under the base's names. Reading, tied embeddings
+(``lm_head`` tied to ``embed_tokens``: merged once, saved tied) and saving are the generic adapter's.
+
+The unit is the gated MLP ``down_proj(f(gate_proj(u)) * up_proj(u))`` (SPEC 1b): node i owns row i of ``gate_proj``
+and ``up_proj`` and column i of ``down_proj``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import ClassVar
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+from ..errors import InvalidParameterError
+from .base import BlockContext, ScoredUnit, walks_with_context
+from .bert import base_class_key, base_class_prefix
+from .generic import GenericAdapter, meta_state
+
+_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+_DECODER_ROOTS = ("embed_tokens.", "layers.", "norm.")  # the tensors of the bare decoder (``LlamaModel``)
+
+
+def causal_lm_class(config: PretrainedConfig) -> type[PreTrainedModel]:
+    """The family's ``*ForCausalLM`` class for a config (``LlamaConfig`` -> ``LlamaForCausalLM``)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM._model_mapping[type(config)]
+
+
+def pad_aware_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position of every token counted from the sequence's first real token (as ``generate`` numbers them), so a
+    left-padded sequence gets the positions it has alone; padding positions get 0."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def decoder_masks(config: PretrainedConfig, embeddings: torch.Tensor, attention_mask: torch.Tensor,
+                  position_ids: torch.Tensor) -> dict[str | None, object]:
+    """The causal + padding masks the decoder layers get, keyed by layer type, built by transformers' own
+    ``masking_utils`` for the model's attention implementation (as the family's ``*Model.forward`` builds them)."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    kwargs = {"config": config, "inputs_embeds": embeddings, "attention_mask": attention_mask, "cache": None,
+              "position_ids": position_ids}
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:  # Qwen2 / Qwen3 / Gemma 2: per-layer full or sliding-window attention
+        masks: dict[str | None, object] = {"full_attention": create_causal_mask(**kwargs)}
+        if "sliding_attention" in layer_types:
+            masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
+        return masks
+    sliding = getattr(config, "sliding_window", None) is not None  # Mistral: one mask for every layer
+    return {None: (create_sliding_window_causal_mask if sliding else create_causal_mask)(**kwargs)}
+
+
+class LlamaAdapter(GenericAdapter):
+    """LLaMA-family decoder: gated node M-Loss on every ``layers.N.mlp`` (``gate_proj`` / ``up_proj``).
+
+    A block runs ``input_layernorm → self_attn (causal + padding mask, rotary embeddings) → +residual →
+    post_attention_layernorm → mlp → +residual`` (Gemma 2 adds a norm after the attention and around the MLP).
+    Positions are counted from each sequence's first real token, so left and right padding give the same hidden
+    states as the sequence alone; padding positions never count.
+    """
+
+    name = "llama"
+    model_types = _FAMILIES
+    layer_pattern = re.compile(r"model\.layers\.(\d+)\.")  # per instance: the base class's spelling
+    unit: ClassVar[ScoredUnit] = ScoredUnit(gate="mlp.gate_proj", up="mlp.up_proj", down="mlp.down_proj")
+    target_suffix = unit.gate
+    scorable: ClassVar[bool] = walks_with_context()  # scored once the block walk passes a BlockContext
+    modality: ClassVar[str] = "text"
+    input_names: ClassVar[tuple[str, ...]] = ("input_ids", "attention_mask")
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        if not getattr(config, "architectures", None):  # no class named: the family's causal LM
+            config = config.__class__.from_dict(config.to_dict())
+            config.architectures = [causal_lm_class(config).__name__]
+        super().__init__(config)
+        self.name = self.config.model_type  # models of two families never merge together, even with equal shapes
+        self._prefix, self._strip = base_class_prefix(self.model_class, self.config)
+        self.layer_pattern = re.compile(re.escape(self._prefix) + r"layers\.(\d+)\.")
+
+    @classmethod
+    def matches(cls, config: PretrainedConfig) -> bool:
+        return getattr(config, "model_type", None) in cls.model_types
+
+    # ----------------------------------------------------------------- names
+    def canonical_key(self, key: str) -> str | None:
+        return base_class_key(super().canonical_key(key), self._prefix, self._strip, _DECODER_ROOTS)
+
+    def is_embedding(self, name: str) -> bool:
+        return name.startswith(f"{self._prefix}embed_tokens.")
+
+    def layer_prefix(self, layer: int) -> str:
+        return f"{self._prefix}layers.{layer}."
+
+    def output_class(self, output: str) -> type[PreTrainedModel]:
+        if output == "tower":
+            raise InvalidParameterError(
+                f"output='tower' keeps one tower of a whole model (a CLIPModel's vision tower); a "
+                f"{self.config.model_type!r} model has none. Use output='auto' (the base's class).")
+        return self.model_class
+
+    def tied_names(self) -> frozenset[str]:
+        return frozenset(n for k in meta_state(self.model_class, self.config)[2]
+                         if (n := self.canonical_key(k)) is not None)
+
+    def node_groups(self, layer: int) -> list[tuple[str, int]]:
+        """Rows i of ``gate_proj`` and ``up_proj`` (and of their biases, if any) and column i of ``down_proj``."""
+        prefix, unit = self.layer_prefix(layer), self.unit
+        groups = [(f"{prefix}{unit.gate}.weight", 0), (f"{prefix}{unit.up}.weight", 0),
+                  (f"{prefix}{unit.down}.weight", 1)]
+        if getattr(self.config, "mlp_bias", False):
+            groups += [(f"{prefix}{unit.gate}.bias", 0), (f"{prefix}{unit.up}.bias", 0)]
+        return groups
+
+    # ----------------------------------------------------------------- the block walk
+    def layers(self, model: PreTrainedModel) -> list[nn.Module]:
+        return list(model.base_model.layers)
+
+    def activation(self, model: PreTrainedModel | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """f of the unit: the model's own ``mlp.act_fn`` (silu; tanh-GELU for Gemma), else read from the config."""
+        if model is not None:
+            return self.layers(model)[0].mlp.act_fn
+        from transformers.activations import ACT2FN
+
+        return ACT2FN[getattr(self.config, "hidden_activation", None) or self.config.hidden_act]
+
+    def embed(self, model: PreTrainedModel, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, BlockContext]:
+        """Token embeddings (Gemma's scaled ones included), the causal + padding masks and the rotary
+        ``(cos, sin)``, computed once per batch."""
+        decoder = model.base_model
+        input_ids = batch["input_ids"]
+        attention_mask = batch.get("attention_mask")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        hidden = decoder.embed_tokens(input_ids)
+        position_ids = pad_aware_positions(attention_mask)
+        extras = {"masks": decoder_masks(decoder.config, hidden, attention_mask, position_ids),
+                  "layer_types": getattr(decoder.config, "layer_types", None),
+                  "position_ids": position_ids,
+                  "position_embeddings": decoder.rotary_emb(hidden, position_ids=position_ids)}
+        return hidden, BlockContext(mask=attention_mask.bool(), extras=extras)
+
+    @staticmethod
+    def _mask_of(layer: nn.Module, context: BlockContext):
+        """The mask of the block's attention type (``config.layer_types[layer_idx]``), as the model picks it."""
+        masks = context.extras["masks"]
+        if None in masks:
+            return masks[None]
+        return masks[context.extras["layer_types"][layer.self_attn.layer_idx]]
+
+    def forward_to_target(self, layer: nn.Module, hidden: torch.Tensor,
+                          context: BlockContext) -> tuple[torch.Tensor, torch.Tensor]:
+        attn, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden),
+                                  attention_mask=self._mask_of(layer, context),
+                                  position_ids=context.extras["position_ids"],
+                                  position_embeddings=context.extras["position_embeddings"])
+        if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 2: norms after the attention and around the MLP
+            residual = hidden + layer.post_attention_layernorm(attn)
+            return residual, layer.pre_feedforward_layernorm(residual)
+        residual = hidden + attn
+        return residual, layer.post_attention_layernorm(residual)
+
+    def forward_from_target(self, layer: nn.Module, residual: torch.Tensor, target_input: torch.Tensor,
+                            context: BlockContext) -> torch.Tensor:
+        out = layer.mlp(target_input)
+        if hasattr(layer, "post_feedforward_layernorm"):
+            out = layer.post_feedforward_layernorm(out)
+        return residual + out
