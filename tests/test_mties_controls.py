@@ -1,4 +1,4 @@
-"""``rank="inverted"``: the M-TIES / M-DARE control whose row ranks come from −M-Loss (the highest-loss node keeps k)."""
+"""``rank="inverted"``: the M-TIES / M-DARE control ranking rows by −M-Loss (the highest-loss node keeps k)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import torch
 import hf_mloss
 
 FC1 = [f"encoder.layers.{i}.mlp.fc1" for i in range(2)]
-IMG = dict(num_samples=8, batch_size=4)
+IMG = {"num_samples": 8, "batch_size": 4}
 
 
 @pytest.mark.parametrize("method", ["m_ties", "m_dare"])
 def test_inverted_ranks_mirror_the_mloss_keep_ratios(tiny_paths, image_folder, method) -> None:
     base, models = tiny_paths
     k, e = 0.5, 0.2
-    common = dict(k=k, e=e, data=str(image_folder), progress=False, **IMG)
+    common = {"k": k, "e": e, "data": str(image_folder), "progress": False, **IMG}
     mloss = hf_mloss.merge(base, models, method, **common)
     inverted = hf_mloss.merge(base, models, method, rank="inverted", **common)
     for name in FC1:

@@ -18,7 +18,6 @@ import hf_mloss
 from hf_mloss.testing import make_base, make_finetune, save_model
 
 
-
 def task_vectors(base, fts, name) -> np.ndarray:
     return np.stack([(ft[name].float() - base[name].float()).double().numpy() for ft in fts])
 
@@ -47,7 +46,7 @@ def partly_frozen(tmp_path_factory):
                     value.copy_(base.state_dict()[name])
         save_model(tuned, root / f"ft{seed}")
         paths.append(root / f"ft{seed}")
-    load = lambda p: load_file(str(p / "model.safetensors"))  # noqa: E731
+    load = lambda p: load_file(str(p / "model.safetensors"))
     return root / "base", paths, load(root / "base"), [load(p) for p in paths]
 
 

@@ -133,7 +133,8 @@ class Ties(MergeMethod):
         return base + params.lam * merged
 
 
-def global_thresholds(ctx: MergeContext, visit, keep: float, *, extra: int = 0, budget: str = "all") -> list[float]:
+def global_thresholds(ctx: MergeContext, visit, keep: float, *, extra: int = 0, budget: str = "all"
+                      ) -> list[float]:
     """Per task vector, the exact magnitude threshold of a global top-``keep`` trim (two streaming passes).
 
     ``budget="all"`` keeps ``floor(d·keep)`` of the d entries of the whole model (TIES's definition);
