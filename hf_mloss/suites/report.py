@@ -166,8 +166,8 @@ def grid_check_lines(rows: list[dict]) -> list[str]:
     if not rows:
         return []
     lines = ["## Grid check (val)", "",
-             "| method | parameter | chosen per replicate | grid step | at an end | val points lost one step below / "
-             "above | parabola optimum |", "|---|---|---|---|---|---|---|"]
+             ("| method | parameter | chosen per replicate | grid step | at an end | val points lost one step below / "
+              "above | parabola optimum |"), "|---|---|---|---|---|---|---|"]
     for row in rows:
         edges = [i for i, e in enumerate(row["edge"]) if e]
         loss = "; ".join(" / ".join("end" if v is None else f"{v:.2f}" for v in pair) for pair in row["loss"])
@@ -308,12 +308,13 @@ def differences_section(diffs: dict[tuple[str, str], Difference], passed: bool,
     mark = (lambda v: v) if passed else (lambda v: f"{v} (not ranked)")
     title = ("## Paired differences (test, points)" if passed else
              "## Paired differences, measured only: a gate fails, so none is a ranking (test, points)")
-    lines = ["", title, "", "Item bootstrap: 95 % percentile interval resampling source items per task (photo regions, "
-             "emoji, scans; procedural images one by one), replicates fixed. Replicate t: interval over the "
-             "per-replicate differences at the level of its Holm step within its family (M-Loss claim; other "
-             "methods), with the Holm-adjusted p. A verdict needs both intervals to exclude 0.", "",
-             "| difference | family | mean | item bootstrap 95 % | replicate t (Holm level) | p (Holm) | per replicate "
-             "| verdict |", "|---|---|---|---|---|---|---|---|"]
+    note = ("Item bootstrap: 95 % percentile interval resampling source items per task (photo regions, emoji, "
+            "scans; procedural images one by one), replicates fixed. Replicate t: interval over the per-replicate "
+            "differences at the level of its Holm step within its family (M-Loss claim; other methods), with the "
+            "Holm-adjusted p. A verdict needs both intervals to exclude 0.")
+    columns = ("| difference | family | mean | item bootstrap 95 % | replicate t (Holm level) | p (Holm) | "
+               "per replicate | verdict |")
+    lines = ["", title, "", note, "", columns, "|---|---|---|---|---|---|---|---|"]
     for (a, b), d in diffs.items():
         reps = ", ".join(f"{v:+.2f}" for v in d.per_replicate)
         t = "-" if d.t_low is None else f"[{d.t_low:+.2f}, {d.t_high:+.2f}] ({100 * d.t_level:.1f} %)"
