@@ -180,6 +180,10 @@ def test_quick_cut_is_the_full_suite_on_four_tasks():
     assert quick.head_domains == full.head_domains and quick.key("n_train", "n_val", "n_test") == full.key(
         "n_train", "n_val", "n_test")
     assert real_config("real-quick", 3).seeds == (0, 1, 2)
+    assert quick.seeds == full.seeds == (0, 1, 2, 3)  # ≥ 4 replicates, G5
+    scaled = real_config("real-quick", None, head_scale=100.0)
+    assert scaled.head_scale == 100.0 and scaled.key("head_scale") != quick.key("head_scale")  # heads cached apart
+    assert dataclasses.replace(scaled, head_scale=quick.head_scale) == quick
 
 
 def test_task_arithmetic_grid_scales_with_the_number_of_tasks():

@@ -60,7 +60,10 @@ def default_cache() -> Path:
     return Path(HF_HOME) / "hf_mloss_suites"
 
 
-def real_config(name: str, seeds: int | None):
+def real_config(name: str, seeds: int | None, head_scale: float | None = None):
+    """The configuration of suite ``name``; ``seeds``: that many replicates; ``head_scale``: the heads' logit scale
+    (the knob that sets how confident each expert is, hence how much a mean of probabilities keeps each expert's
+    answer; heads and fine-tunes are cached per scale)."""
     from .real import RealConfig
 
     cfg = RealConfig()
@@ -70,7 +73,8 @@ def real_config(name: str, seeds: int | None):
         cfg = RealConfig(tasks=("texture", "shapes"), head_domains=("texture", "shapes"), n_train=64, shots=4,
                          n_val=48, n_test=48, scoring_per_task=16, frozen=2, ft_steps=6, ft_batch=8, ft_lr=1e-3,
                          random_base=True, seeds=(0, 1))
-    return dataclasses.replace(cfg, seeds=tuple(range(seeds))) if seeds else cfg
+    cfg = dataclasses.replace(cfg, seeds=tuple(range(seeds))) if seeds else cfg
+    return cfg if head_scale is None else dataclasses.replace(cfg, head_scale=head_scale)
 
 
 def record_args(argv: list[str], folders: tuple[str, ...] = ("--out", "--cache")) -> list[str]:
@@ -113,9 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from .run import method_specs, run_suite
 
-        cfg = real_config(args.suite, args.seeds)
-        if args.head_scale is not None:
-            cfg = dataclasses.replace(cfg, head_scale=args.head_scale)
+        cfg = real_config(args.suite, args.seeds, args.head_scale)
         grid = {"real": "main", "real-quick": "main", "real-full": "full", "real-smoke": "smoke"}[args.suite]
         specs = method_specs(range(cfg.frozen, cfg.num_layers), grid, num_tasks=len(cfg.tasks), svd=args.svd)
         run_suite(cfg, specs, cache=args.cache or default_cache(), out=out, threads=args.threads,
