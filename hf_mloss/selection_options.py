@@ -36,8 +36,8 @@ class SelectionOptions:
                            choices=CRITERIA)
     grid: dict[str, Any] = param(help="Parameter → list of values; every combination is a candidate.",
                                  default_factory=dict)
-    num_samples: int = param(DEFAULT_SELECT_SAMPLES, "Unlabeled images each candidate is scored on (the first of "
-                             "the data sample).", low=1, high=1_000_000)
+    num_samples: int = param(DEFAULT_SELECT_SAMPLES, "Unlabeled images each candidate is scored on (a seeded "
+                             "sample spread over the whole data sample).", low=1, high=1_000_000)
     share: str = param("auto", "Which images compare a candidate with which expert (output, entropy): auto "
                        "(label-free routing), all, or given (per-model data in `shares`).", choices=SHARES)
     shares: list[Any] | None = param(None, "One unlabeled data set per model (Hub id, folder, ...), with share=given.")

@@ -17,12 +17,25 @@ from hf_mloss.evaluation import ensemble_scores
 from hf_mloss.suites import domains as D
 from hf_mloss.suites.__main__ import QUICK_CHANGES, real_config, record_args
 from hf_mloss.suites.frozen import Upper, lower_drift, lower_hidden, pooled
-from hf_mloss.suites.gates import compute_gates
-from hf_mloss.suites.protocol import MethodSpec, ReplicateResult, check_grids
+from hf_mloss.suites.gates import all_pass, compute_gates
+from hf_mloss.suites.protocol import MethodSpec, ReplicateResult, check_grids, kept_changed_fraction
 from hf_mloss.suites.real import interpolate
-from hf_mloss.suites.report import grid_edges, ordering_verdict, why_not
+from hf_mloss.suites.report import (
+    CONTROLS,
+    RANDOM,
+    claim_verdict,
+    comparisons,
+    default_pairs,
+    grid_check,
+    grid_edges,
+    ordering_verdict,
+    why_not,
+)
+from hf_mloss.suites.report import (
+    test_correct as correct_of,
+)
 from hf_mloss.suites.run import method_specs
-from hf_mloss.suites.stats import Difference, paired_bootstrap
+from hf_mloss.suites.stats import Difference, holm, item_bootstrap, paired_bootstrap, paired_difference, replicate_t
 
 
 @pytest.fixture(scope="module")
@@ -167,18 +180,36 @@ def test_quick_cut_is_the_full_suite_on_four_tasks():
     assert quick.head_domains == full.head_domains and quick.key("n_train", "n_val", "n_test") == full.key(
         "n_train", "n_val", "n_test")
     assert real_config("real-quick", 3).seeds == (0, 1, 2)
+    assert quick.seeds == full.seeds == (0, 1, 2, 3)  # ≥ 4 replicates, G5
+    scaled = real_config("real-quick", None, head_scale=100.0)
+    assert scaled.head_scale == 100.0 and scaled.key("head_scale") != quick.key("head_scale")  # heads cached apart
+    assert dataclasses.replace(scaled, head_scale=quick.head_scale) == quick
 
 
 def test_task_arithmetic_grid_scales_with_the_number_of_tasks():
     """Task arithmetic's λ multiplies a sum of q task vectors, so its grid is written for 4 tasks and halved for 8;
-    the TIES family's disjoint mean does not grow with q and keeps its grid; both divide by the interpolation."""
+    the TIES family's disjoint mean does not grow with q and keeps its grid; no grid is rescaled by the
+    interpolation (the merges act on the checkpoints the experts are)."""
     four = {s.label: s.grid for s in method_specs(range(10, 12), "main", num_tasks=4)}
     eight = {s.label: s.grid for s in method_specs(range(10, 12), "main", num_tasks=8)}
-    assert four["task_arithmetic"]["lam"] == [0.3, 0.5, 0.7, 1.0]
-    assert eight["task_arithmetic"]["lam"] == [0.15, 0.25, 0.35, 0.5]
-    assert eight["ties"] == four["ties"] == eight["m_ties"] == {"k": [0.2], "lam": [0.7, 1.0, 1.5, 2.0]}
-    wise = {s.label: s.grid for s in method_specs(range(10, 12), "main", vector_scale=0.65, num_tasks=8)}
-    assert wise["task_arithmetic"]["lam"] == [0.23, 0.38, 0.54, 0.77]
+    assert four["task_arithmetic"]["lam"] == [0.5, 0.65, 0.8, 0.95, 1.1, 1.25]
+    assert eight["task_arithmetic"]["lam"] == [0.25, 0.325, 0.4, 0.475, 0.55, 0.625]
+    assert eight["ties"] == four["ties"] == eight["m_ties"] == {"k": [0.2], "lam": [1.6, 2.0, 2.4, 2.8, 3.2, 3.6]}
+
+
+def test_method_list_holds_the_controls_on_one_grid():
+    """M-TIES, e = 0, three random-rank draws (distinct seeds), inverted ranks and the budget-matched uniform trim
+    (e = 0 at k − e/2) on grids of one size; global TIES counts its budget over the changed entries."""
+    specs = {s.label: s for s in method_specs(range(10, 12), "main", num_tasks=4)}
+    assert specs["ties"].params == {"scope": "global", "budget": "changed"}
+    draws = [specs[f"{RANDOM[:-1]}, draw {i})"] for i in (1, 2, 3)]
+    assert len({d.seed_offset for d in draws}) == 3 and all(d.params["rank"] == "random" for d in draws)
+    assert specs["m_ties (inverted ranks)"].params["rank"] == "inverted"
+    matched = specs["m_ties (budget-matched uniform)"]
+    assert matched.params["e"] == 0.0 and matched.grid["k"] == pytest.approx([0.2 - specs["m_ties"].params["e"] / 2])
+    assert matched.grid["lam"] == specs["m_ties"].grid["lam"]
+    assert check_grids(list(specs.values())) == 6
+    assert set(CONTROLS) <= {*specs, RANDOM}
 
 
 def test_grid_edges_flags_a_setting_chosen_at_an_end_of_its_grid():
@@ -218,15 +249,30 @@ def _result(seed: int, pre: float, own: float, ens: float, avg: float, ta: float
 
 
 def test_gates_pass_and_fail_on_their_rules():
-    good = [_result(s, 0.40, 0.80, 0.65, 0.50, 0.53, 0.56, 0.5, -0.01) for s in (0, 1)]
+    good = [_result(s, 0.40, 0.80, 0.65, 0.50, 0.53, 0.56, 0.5, -0.01) for s in range(4)]
     gates = compute_gates(good, data_free=["task_arithmetic", "ties"], tasks=["a", "b", "c", "d"], val_size=500,
                           test_size=500)
-    assert [g.passed for g in gates] == [True] * 5, [g.line() for g in gates]
-    assert "ensemble − average = +15.00" in gates[2].value
+    assert [g.passed for g in gates] == [True] * 6, [g.line() for g in gates]
+    assert "ensemble − average = +15.00" in gates[2].value and all_pass(gates)
+    assert gates[5].value == "ensemble (probabilities) − best merge (ties) = +9.00" and not gates[5].blocking
     bad = [_result(s, 0.60, 0.80, 0.55, 0.50, 0.51, 0.52, 0.3, -0.05) for s in (0,)]
     gates = compute_gates(bad, data_free=["task_arithmetic", "ties"], tasks=["a", "b", "c", "d"], val_size=200,
                           test_size=500)
-    assert [g.passed for g in gates] == [False] * 5, [g.line() for g in gates]
+    assert [g.passed for g in gates] == [False] * 5 + [True], [g.line() for g in gates]
+    three = compute_gates(good[:3], data_free=["task_arithmetic", "ties"], tasks=["a", "b", "c", "d"],
+                          val_size=500, test_size=500)
+    assert "G5 statistics FAIL: 3 fine-tuning replicates" in three[4].line()  # ≥ 4 replicates
+
+
+def test_premise_gate_reports_but_does_not_block():
+    """Ensemble at or below the best merge: "M-Loss premise absent", and the suite may still rank."""
+    results = [_result(s, 0.40, 0.80, 0.55, 0.50, 0.53, 0.56, 0.5, -0.01) for s in range(4)]
+    gates = compute_gates(results, data_free=["task_arithmetic", "ties"], tasks=["a", "b", "c", "d"],
+                          val_size=500, test_size=500)
+    premise = gates[5]
+    assert not premise.passed and "M-Loss premise absent" in premise.value and "ABSENT" in premise.line()
+    assert "−1.00" in premise.value or "-1.00" in premise.value
+    assert all_pass(gates)
 
 
 def test_ordering_says_why_a_step_does_not_appear():
@@ -261,3 +307,135 @@ def test_records_name_the_kernel_paths(monkeypatch):
     m = machine(2, (0.5, 0, 0), (1.0, 0, 0))
     assert m["kernels"] == {"aten": torch.backends.cpu.get_cpu_capability(), "MKL_CBWR": "AVX2,STRICT"}
     assert m["threads"] == 2 and m["load_start"] == [0.5, 0, 0] and m["processor"]
+
+
+def test_replicate_t_is_the_one_sample_t_interval():
+    from scipy import stats
+
+    x = (1.0, 2.0, 0.5, 1.5)
+    low, high, p = replicate_t(x, 0.95)
+    reference = stats.ttest_1samp(x, 0)
+    assert (low, high) == pytest.approx(tuple(reference.confidence_interval(0.95)))
+    assert p == pytest.approx(reference.pvalue)
+    assert replicate_t((1.0,), 0.95) == (None, None, None)
+
+
+def test_holm_steps_levels_and_adjusted_p():
+    """Three comparisons: p sorted, adjusted min(1, (m − i)·p) with a running max; each interval at its step's
+    level 1 − α/(m − i), and the steps after the first non-rejection keep that step's level."""
+    def diff(per_replicate, family="f"):
+        low, high, p = replicate_t(per_replicate, 0.95)
+        return Difference(float(np.mean(per_replicate)), 0.0, 0.0, per_replicate, 0.95, low, high, 0.95, p, p,
+                          family)
+
+    strong, middle, null = (3.0, 3.1, 2.9, 3.2), (1.0, 2.0, 0.5, 1.5), (0.5, -0.5, 0.2, -0.1)
+    out = holm({"s": diff(strong), "m": diff(middle), "n": diff(null), "other": diff(middle, "g")})
+    p = {k: replicate_t(v, 0.95)[2] for k, v in (("s", strong), ("m", middle), ("n", null))}
+    assert out["s"].p_holm == pytest.approx(3 * p["s"]) and out["s"].t_level == pytest.approx(1 - 0.05 / 3)
+    assert out["m"].p_holm == pytest.approx(max(3 * p["s"], 2 * p["m"]))
+    assert out["m"].p_holm >= 0.05 and out["m"].t_level == pytest.approx(1 - 0.05 / 2)  # first non-rejection
+    assert out["n"].t_level == pytest.approx(1 - 0.05 / 2) and out["n"].p_holm == pytest.approx(min(1, p["n"]))
+    assert (out["s"].t_low, out["s"].t_high) == pytest.approx(replicate_t(strong, 1 - 0.05 / 3)[:2])
+    assert out["s"].t_low > 0 and out["m"].t_low < 0 < out["m"].t_high  # excludes 0 exactly when Holm rejects
+    assert out["other"].p_holm == pytest.approx(p["m"])  # its own family of one
+
+
+def test_item_bootstrap_resamples_source_items_not_images():
+    """Images of one item share their difficulty: resampling items gives a wider interval than resampling images,
+    the point estimate is the same, and one item per image is the image-level bootstrap."""
+    rng = np.random.default_rng(0)
+    items = {"a": np.repeat(np.arange(20), 25)}
+    difficulty = np.repeat(rng.random(20), 25)
+    a = {(r, "a"): rng.random(500) < difficulty for r in range(3)}
+    b = {(r, "a"): rng.random(500) < 0.5 for r in range(3)}
+    by_image = item_bootstrap(a, b, None, draws=1000)
+    by_item = item_bootstrap(a, b, items, draws=1000)
+    assert by_item[0] == pytest.approx(by_image[0])
+    assert by_item[2] - by_item[1] > 2 * (by_image[2] - by_image[1])
+    own = item_bootstrap(a, b, {"a": np.arange(500)}, draws=1000)
+    assert own[:3] == pytest.approx(by_image[:3]) and own[3] == pytest.approx(by_image[3])
+    with pytest.raises(ValueError, match="item ids"):
+        item_bootstrap(a, b, {"a": np.arange(10)})
+
+
+def test_paired_difference_verdict_needs_both_intervals():
+    rng = np.random.default_rng(1)
+    better, worse = {}, {}
+    for r in range(4):
+        for t in ("a", "b"):
+            base = rng.random(500)
+            better[r, t], worse[r, t] = base < 0.75, base < 0.65
+    d = paired_difference(better, worse)
+    assert d.verdict == "higher" and d.t_low > 0 and d.low > 0
+    assert dataclasses.replace(d, t_low=-1.0).verdict == "not separated"
+    assert paired_difference(worse, better).verdict == "lower"
+
+
+def _method(correct_by_task, lam=1.0, vals=(0.5, 0.6, 0.55)):
+    grid = [{"setting": {"k": 0.2, "lam": v}, "val_mean": m} for v, m in zip((0.5, 1.0, 1.5), vals)]
+    return {"chosen": {"k": 0.2, "lam": lam}, "val_grid": grid, "params": {"k": 0.2, "lam": lam},
+            "val": {t: 0.5 for t in correct_by_task}, "test": {t: float(c.mean()) for t, c in correct_by_task.items()}}
+
+
+def test_random_control_pooled_over_draws_and_claim_families():
+    """The random-ranks draws are compared through their mean; the claim family holds M-TIES against its three
+    controls, Holm-corrected apart from the other comparisons."""
+    rng = np.random.default_rng(2)
+    results = []
+    for seed in range(4):
+        r = ReplicateResult(seed=seed)
+        rows = {"ties": 0.5, "m_ties": 0.8, f"{RANDOM[:-1]}, draw 1)": 0.5, f"{RANDOM[:-1]}, draw 2)": 0.5,
+                "m_ties (inverted ranks)": 0.4, "m_ties (budget-matched uniform)": 0.5}
+        for label, rate in rows.items():
+            r.correct[label] = {"a": rng.random(400) < rate}
+            r.methods[label] = _method(r.correct[label])
+        results.append(r)
+    pooled = correct_of(results, RANDOM)
+    draws = [correct_of(results, f"{RANDOM[:-1]}, draw {i})") for i in (1, 2)]
+    assert np.allclose(pooled[0, "a"], (draws[0][0, "a"] + draws[1][0, "a"]) / 2)
+    pairs = default_pairs(list(results[0].methods))
+    assert pairs[:3] == [("m_ties", c) for c in CONTROLS]
+    assert not any("draw" in a or "draw" in b for a, b in pairs)
+    diffs = comparisons(results, pairs, draws=300)
+    assert {d.family for k, d in diffs.items() if k in pairs[:3]} == {"M-Loss claim"}
+    levels = sorted(diffs["m_ties", c].t_level for c in CONTROLS)  # every step rejects: 1 − α/3, 1 − α/2, 1 − α
+    assert levels == pytest.approx([1 - 0.05, 1 - 0.05 / 2, 1 - 0.05 / 3])
+    lines = claim_verdict(diffs, passed=True)
+    assert all("higher" in line for line in lines[:3]) and lines[3].startswith("M-Loss helps here")
+    assert claim_verdict(diffs, passed=False)[3].startswith("M-Loss helping is not shown here: a blocking gate")
+    assert "M-Loss premise absent" in claim_verdict(diffs, passed=True, premise=False)[-1]
+
+
+def test_grid_check_marks_edges_losses_and_the_parabola_optimum():
+    inside = ReplicateResult(seed=0, methods={"m": _method({"a": np.ones(4)}, lam=1.0, vals=(0.5, 0.6, 0.55))})
+    edge = ReplicateResult(seed=1, methods={"m": _method({"a": np.ones(4)}, lam=1.5, vals=(0.5, 0.55, 0.6))})
+    (row,) = grid_check([inside, edge])
+    assert row["parameter"] == "lam" and row["chosen"] == [1.0, 1.5] and row["edge"] == [False, True]
+    assert row["step"] == 0.5 and row["loss"] == [[10.0, 5.0], [5.0, None]]
+    # parabola through (0.5, 0.5), (1, 0.6), (1.5, 0.55): vertex at 1 + 0.5 · (0.05 / (2 · 0.15)) = 1.0833
+    assert row["vertex"][0] == pytest.approx(1.083, abs=1e-3) and row["vertex"][1] is None
+
+
+def test_kept_changed_fraction_by_hand():
+    """Two fine-tunes of a 10-entry trained part in a model of 100 entries: 5 and 10 entries changed. k = 0.2 over
+    all entries keeps floor(20) ≥ every changed entry (fraction 1); over the changed ones floor(0.2·c)/c."""
+    base = {"w": torch.zeros(10)}
+    tuned = {"a": {"w": torch.tensor([1.0, 2, 3, 4, 5, 0, 0, 0, 0, 0])}, "b": {"w": torch.arange(1.0, 11)}}
+    assert kept_changed_fraction(base, tuned, 0.2, "all", 100) == pytest.approx(1.0)
+    assert kept_changed_fraction(base, tuned, 0.2, "changed", 100) == pytest.approx((1 / 5 + 2 / 10) / 2)
+    assert kept_changed_fraction(base, tuned, 0.05, "all", 100) == pytest.approx((5 / 5 + 5 / 10) / 2)
+
+
+def test_source_items_leave_the_images_unchanged():
+    """The item ids are recorded beside the generation, without a random draw: the images are the same."""
+    for task in ("shapes", "scene", "emoji", "digits"):
+        if D.missing_sources([task]):
+            continue
+        images, labels = D.DOMAINS[task].generate(D.domain_rng(0, task, "test"), 40, "test")
+        again, labels_again, items = D.generate_with_items(task, D.domain_rng(0, task, "test"), 40, "test")
+        assert np.array_equal(images, again) and np.array_equal(labels, labels_again)
+        assert items.shape == (40,) and items[0] == 0 and items.max() == len(np.unique(items)) - 1
+        if task == "shapes":
+            assert np.array_equal(items, np.arange(40))  # procedural: every image its own item
+        if task == "scene":
+            assert len(np.unique(items)) <= 30  # 10 photos × 3 test regions

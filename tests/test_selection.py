@@ -16,7 +16,7 @@ import hf_mloss
 from hf_mloss import MergeConfig
 from hf_mloss.cli import main
 from hf_mloss.data import load_pixel_values
-from hf_mloss.selection import candidate_groups
+from hf_mloss.selection import candidate_groups, spread_sample
 from hf_mloss.selection_options import SelectionOptions, selection_options
 from hf_mloss.testing import make_base, make_finetune, save_model, tiny_processor
 
@@ -109,7 +109,7 @@ def test_mloss_and_output_criteria_match_brute_force(tiny_paths, loaded, pixels)
     base_model, experts = loaded
     result = run(tiny_paths, "task_arithmetic", pixels, {"lam": [0.25, 1.0 / 3]},
                  select={"num_samples": 6, "criterion": "mloss", "compare": ["output"]})
-    images = pixels[:6]
+    images = spread_sample(pixels, 6, 0)  # the seeded spread sample of the merge (seed 0)
     base, models = tiny_paths
     feats = [pooled(e, images) for e in experts]
     move = torch.stack([(f - pooled(base_model, images)).norm(dim=-1) for f in feats])
@@ -172,7 +172,7 @@ def test_blocks_equal_to_the_base_are_shared_and_score_zero(frozen_lower, pixels
     experts = [CLIPVisionModel.from_pretrained(m).eval() for m in models]
     for candidate in result.config.select.candidates:
         merged = hf_mloss.merge(base, models, "task_arithmetic", progress=False, **candidate["setting"]).model
-        assert candidate["mloss"] == pytest.approx(brute_mloss(merged, experts, pixels[:5]), rel=1e-4)
+        assert candidate["mloss"] == pytest.approx(brute_mloss(merged, experts, spread_sample(pixels, 5, 0)), rel=1e-4)
 
 
 def test_saved_record_card_and_rerun(tiny_paths, pixels, image_folder, tmp_path) -> None:

@@ -23,8 +23,15 @@ def gated_record(printed: str, table, replicates: int) -> dict:
     record = json.loads(table.with_suffix(".json").read_text())
     assert record["all_gates_pass"] is False and len(record["replicates"]) == replicates
     rows = record["replicates"][0]["methods"]
-    assert {"average", "task_arithmetic", "ties", "m_ties", "m_ties (random ranks)", "m_ties (e=0)"} <= set(rows)
+    assert {"average", "task_arithmetic", "ties", "m_ties", "m_ties (e=0)", "m_ties (inverted ranks)",
+            "m_ties (budget-matched uniform)", *(f"m_ties (random ranks, draw {i})" for i in (1, 2, 3))} <= set(rows)
     assert all(len(r["val_grid"]) == 2 for label, r in rows.items() if label != "average")
+    # one scale, TIES's trim over the changed entries, the premise gate, both intervals, the grid check
+    assert rows["ties"]["params"]["budget"] == "changed"
+    assert 0 < record["replicates"][0]["trim"]["ties"] < 1 and "of the entries the fine-tunes changed" in printed
+    assert "G6 premise" in printed and "## Grid check (val)" in printed and "Edge check:" in printed
+    assert "## Does M-Loss help?" in printed and "| item bootstrap 95 % | replicate t (Holm level) |" in printed
+    assert {d["family"] for d in record["differences"]} == {"M-Loss claim", "methods"}
     return record
 
 

@@ -31,7 +31,7 @@ from .base import LayerHooks, LayerwiseRun, MergeContext, MergeMethod, MethodPar
 if TYPE_CHECKING:
     import torch
 
-RANKS = ("mloss", "random")
+RANKS = ("mloss", "random", "inverted")
 KEEP_HINT = "k is the fraction of each task vector that is KEPT (mergekit: density)."
 
 
@@ -67,7 +67,8 @@ class LayerwiseParams(ScoringOptions, MethodParams):
                                            "M-TIES); default: all.", low=0)
     e: float = param(0.1, "Keep-ratio spread: nodes keep between k − e (highest M-Loss) and k (lowest).", low=0.0)
     lam: float = param(1.0, "λ: θ = θ₀ + λ·τ_merged.")
-    rank: str = param("mloss", "Row ranks from node M-Loss, or random (the ablation control).", choices=RANKS)
+    rank: str = param("mloss", "Row ranks from node M-Loss, random, or inverted (−M-Loss): the ablation "
+                   "controls.", choices=RANKS)
 
     @property
     def row_k(self) -> float:
@@ -198,6 +199,7 @@ class MTiesHooks(LayerHooks):
         ctx = self.run.ctx
         node = scores.node
         ranks = random_scores(node.numel(), ctx.seed, target) if self.params.rank == "random" else node
+        ranks = -node if self.params.rank == "inverted" else ranks  # control: the highest-loss node keeps k
         keep = keep_ratios_from_scores(ranks, self.params.row_k, self.params.e)
         self.run.record("keep_ratios", target, keep.float())
         members = self.groups[layer]

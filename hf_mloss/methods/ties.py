@@ -52,6 +52,8 @@ CONVENTIONS: dict[str, TiesConvention] = {
 }
 
 
+BUDGETS = ("all", "changed")
+"""``budget=``: the entries a global trim's k counts over (see :func:`global_thresholds`)."""
 KEEP_HINT = "k is the fraction of each task vector that is KEPT (mergekit: density)."
 
 
@@ -63,6 +65,9 @@ class TiesParams(MethodParams):
     lam: float = param(1.0, "λ: θ = θ₀ + λ·τ_merged.")
     convention: str = param("hf_mloss", "Whose details to reproduce: hf_mloss, mergekit, fusion_bench or peft.",
                             choices=tuple(CONVENTIONS))
+    budget: str = param("all", "Global scope: what k is a fraction of: all (every entry of the model, the original "
+                        "definition) or changed (the entries a fine-tune changed, τ ≠ 0; for partly frozen "
+                        "fine-tunes, whose unchanged zeros would otherwise fill the budget).", choices=BUDGETS)
 
     @property
     def rules(self) -> TiesConvention:
@@ -87,7 +92,8 @@ class Ties(MergeMethod):
         params: TiesParams = ctx.params
         if params.resolved_scope != "global":
             return
-        ctx.state["thresholds"] = global_thresholds(ctx, visit, params.k, extra=params.rules.extra_keep)
+        ctx.state["thresholds"] = global_thresholds(ctx, visit, params.k, extra=params.rules.extra_keep,
+                                                    budget=params.budget)
         if params.rules.majority_zero_sign:
             balance = torch.zeros((), dtype=torch.float64)
 
@@ -127,23 +133,36 @@ class Ties(MergeMethod):
         return base + params.lam * merged
 
 
-def global_thresholds(ctx: MergeContext, visit, keep: float, *, extra: int = 0) -> list[float]:
-    """Per task vector, the exact magnitude threshold of a global top-``keep`` trim (two streaming passes)."""
+def global_thresholds(ctx: MergeContext, visit, keep: float, *, extra: int = 0, budget: str = "all"
+                      ) -> list[float]:
+    """Per task vector, the exact magnitude threshold of a global top-``keep`` trim (two streaming passes).
+
+    ``budget="all"`` keeps ``floor(d·keep)`` of the d entries of the whole model (TIES's definition);
+    ``budget="changed"`` keeps ``floor(c·keep)`` of the c entries the task vector changed (τ ≠ 0), counted in pass 1:
+    with most of a model frozen, the unchanged zeros fill an "all" budget and the trim keeps every trained entry."""
+    import torch
+
     from .ops import ExactKthLargest, keep_count
 
     total = ctx.state["total_numel"]  # float elements of one task vector, known from the headers
     selectors = [ExactKthLargest(keep_count(total, keep, extra=extra)) for _ in range(len(ctx.weights))]
+    changed = [0] * len(selectors)
 
     def pass1(name, base, sources):
-        for selector, t in zip(selectors, sources):
-            selector.add_pass1((t - base).abs())
+        for i, (selector, t) in enumerate(zip(selectors, sources)):
+            magnitude = (t - base).abs()
+            selector.add_pass1(magnitude)
+            if budget == "changed":
+                changed[i] += int(torch.count_nonzero(magnitude))
 
     def pass2(name, base, sources):
         for selector, t in zip(selectors, sources):
             selector.add_pass2((t - base).abs())
 
     visit(pass1)
-    for selector in selectors:
+    for selector, count in zip(selectors, changed):
+        if budget == "changed":
+            selector.m = keep_count(count, keep, extra=extra)
         selector.finish_pass1()
     visit(pass2)
     return [selector.value() for selector in selectors]

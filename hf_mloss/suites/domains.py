@@ -5,6 +5,9 @@ class ``n // C`` or ``n // C + 1`` times, shuffled). Splits: ``train`` (fine-tun
 ``exemplar`` (the few labelled images per class that build the frozen heads), ``val`` and ``test``. Wherever the
 source has distinct items (scans, garments, drawings, emoji, photo regions), the four splits draw from disjoint
 items, so val and test measure generalisation to unseen items, not to new placements of seen ones.
+:func:`generate_with_items` also returns each image's source item (the unit a statistic over test images should
+resample: images of one item are not independent): the scan (digits), garment (fashion), drawing (clipart), emoji,
+or photo region (scene); procedural images (script, texture, shapes) are each their own item.
 
 Sources (Debian packages install with ``apt-get install``; see :data:`APT_PACKAGES`):
 
@@ -144,7 +147,9 @@ def pick_per_class(rng: np.random.Generator, pool_labels: np.ndarray, labels: np
 def gen_fashion(rng: np.random.Generator, n: int, split: str):
     images, pool_labels = _fashion_pool(split)
     labels = balanced_labels(rng, n, len(FASHION))
-    return _grey_on_black(rng, images[pick_per_class(rng, pool_labels, labels)], (70, 99)), labels
+    picks = pick_per_class(rng, pool_labels, labels)
+    _note(*(("fashion", split, int(i)) for i in picks))
+    return _grey_on_black(rng, images[picks], (70, 99)), labels
 
 
 @functools.cache
@@ -165,7 +170,9 @@ def gen_digits(rng: np.random.Generator, n: int, split: str):
     lo, hi = DIGIT_COLUMNS[split]
     pool = np.flatnonzero((cols >= lo) & (cols < hi))
     labels = balanced_labels(rng, n, 10)
-    return _grey_on_black(rng, cells[pool[pick_per_class(rng, digit[pool], labels)]], (56, 95)), labels
+    picks = pool[pick_per_class(rng, digit[pool], labels)]
+    _note(*(("digit", int(i)) for i in picks))
+    return _grey_on_black(rng, cells[picks], (56, 95)), labels
 
 
 # ----------------------------------------------------------------------------------------------- clip art
@@ -212,7 +219,9 @@ def gen_clipart(rng: np.random.Generator, n: int, split: str):
         pool = _clipart_files(CLIPART[c], split)
         image = None
         while image is None:
-            image = _rgba(pool[rng.integers(len(pool))])
+            path = pool[rng.integers(len(pool))]
+            image = _rgba(path)
+        _note(str(path))
         image = resized(image, int(rng.integers(60, 95)))
         if rng.random() < 0.5:
             image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
@@ -303,7 +312,9 @@ def gen_emoji(rng: np.random.Generator, n: int, split: str):
     out = np.empty((n, SIZE, SIZE, 3), np.uint8)
     for i, c in enumerate(labels):
         pool = _emoji_items(EMOJI[c], split)
-        image = resized(_emoji_image(pool[rng.integers(len(pool))]), int(rng.integers(50, 92)))
+        item = pool[rng.integers(len(pool))]
+        _note(("emoji", item))
+        image = resized(_emoji_image(item), int(rng.integers(50, 92)))
         out[i] = random_colour(rng)
         rgba = np.asarray(image)
         place(out[i], rgba[..., :3], rng, rgba[..., 3])
@@ -341,6 +352,7 @@ def gen_scene(rng: np.random.Generator, n: int, split: str):
         photo = _scene(SCENES[c])
         cell_h, cell_w = photo.shape[0] // GRID, photo.shape[1] // GRID
         row, col = _scene_cells(SCENES[c], split)[rng.integers(CELLS[split])]
+        _note((SCENES[c], row, col))
         side = int(rng.integers(int(0.6 * min(cell_h, cell_w)), min(cell_h, cell_w) + 1))
         y = row * cell_h + int(rng.integers(0, cell_h - side + 1))
         x = col * cell_w + int(rng.integers(0, cell_w - side + 1))
@@ -481,6 +493,33 @@ def missing_sources(names: list[str]) -> list[str]:
         package = domain.source.split("apt: ")[-1].rstrip(")") if "apt: " in domain.source else "?"
         out += [f"{path} (apt-get install {package})" for path in domain.required if not path.exists()]
     return out
+
+
+_ITEMS: list | None = None
+"""The source items of the images being generated, while :func:`generate_with_items` records them."""
+
+
+def _note(*keys) -> None:
+    """Record the source item of each image just drawn (no random draw: the images are the same either way)."""
+    if _ITEMS is not None:
+        _ITEMS.extend(keys)
+
+
+def generate_with_items(name: str, rng: np.random.Generator, n: int, split: str
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``DOMAINS[name].generate`` plus an int64 item id per image (0, 1, ... in order of first appearance): images
+    with one id come from one source item; a domain that records none gives every image its own."""
+    global _ITEMS
+    _ITEMS = []
+    try:
+        images, labels = DOMAINS[name].generate(rng, n, split)
+        keys = _ITEMS
+    finally:
+        _ITEMS = None
+    if len(keys) != len(labels):
+        keys = list(range(len(labels)))
+    first: dict = {}
+    return images, labels, np.array([first.setdefault(k, len(first)) for k in keys], dtype=np.int64)
 
 
 def domain_rng(seed: int, name: str, split: str) -> np.random.Generator:

@@ -74,6 +74,8 @@ class MethodSpec:
     """Fixed parameters."""
     grid: dict[str, list[Any]] = field(default_factory=dict)
     """Tuned on val: the cartesian product, in this order."""
+    seed_offset: int = 0
+    """Added to the replicate's seed for the merge (one draw of a random control per offset)."""
 
     def settings(self) -> list[dict[str, Any]]:
         keys = list(self.grid)
@@ -114,6 +116,8 @@ class ReplicateResult:
     """label → {chosen, val_grid, val, test, merge_seconds, eval_seconds}."""
     correct: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     """label → task → bool per test image (reference rows and methods)."""
+    trim: dict[str, float] = field(default_factory=dict)
+    """TIES label → fraction of the entries the fine-tunes changed that its chosen trim keeps (mean over tasks)."""
 
 
 def reference_rows(bench: Bench, pretrained: dict[str, dict[str, torch.Tensor]], tuned: dict[str, State],
@@ -165,8 +169,10 @@ def run_method(bench: Bench, replicate: Replicate, spec: MethodSpec, out: Replic
     grid = []
     for setting in spec.settings():
         start = time.perf_counter()
-        merged = hf_mloss.merge(str(bench.base_dir), models, spec.method, seed=replicate.seed, progress=False,
-                                data=data, num_samples=num_samples, batch_size=64, **spec.params, **setting)
+        merged = hf_mloss.merge(str(bench.base_dir), models, spec.method, seed=replicate.seed + spec.seed_offset,
+                                progress=False, data=data, num_samples=num_samples, batch_size=64, **spec.params,
+                                **setting)
+        total = sum(v.numel() for v in merged.model.state_dict().values() if v.is_floating_point())
         state = bench.state_of(merged.model)
         merge_s += time.perf_counter() - start
         start = time.perf_counter()
@@ -183,7 +189,7 @@ def run_method(bench: Bench, replicate: Replicate, spec: MethodSpec, out: Replic
     out.methods[spec.label] = {
         "method": spec.method, "params": {**spec.params, **setting}, "chosen": setting, "val_grid": grid,
         "val": val, "test": {t: accuracy(s, labels["test"][t]) for t, s in test_scores.items()},
-        "merge_seconds": round(merge_s, 1), "eval_seconds": round(eval_s, 1),
+        "merge_seconds": round(merge_s, 1), "eval_seconds": round(eval_s, 1), "total_numel": total,
     }  # fmt: skip
     out.correct[spec.label] = {t: correct(s, labels["test"][t]) for t, s in test_scores.items()}
     test_mean = 100 * np.mean(list(out.methods[spec.label]["test"].values()))
@@ -213,4 +219,23 @@ def run_replicate(bench: Bench, replicate: Replicate, specs: Sequence[MethodSpec
         + f" (val; {time.perf_counter() - start:.0f} s)")
     for spec in specs:
         run_method(bench, replicate, spec, out, num_samples=num_samples, log=log)
+        if spec.method == "ties":
+            chosen = out.methods[spec.label]["params"]
+            out.trim[spec.label] = kept_changed_fraction(base, tuned, chosen.get("k", 0.2),
+                                                         chosen.get("budget", "all"),
+                                                         out.methods[spec.label]["total_numel"])
+            log(f"  {spec.label}: keeps {100 * out.trim[spec.label]:.1f} % of the entries the fine-tunes changed")
     return out
+
+
+def kept_changed_fraction(base: State, tuned: Mapping[str, State], k: float, budget: str, total: int) -> float:
+    """The fraction of the entries each fine-tune changed (τ ≠ 0) that a global TIES trim at ``k`` keeps, mean over
+    the fine-tunes: it keeps floor(k·N) of the largest |τ|, N the model's ``total`` entries (``budget="all"``) or the
+    c changed ones (``"changed"``), so min(c, floor(k·N)) / c (exact up to equal magnitudes at the threshold).
+    ``base`` and ``tuned`` may hold only the trained part: every entry outside it is unchanged."""
+    fractions = []
+    for state in tuned.values():
+        changed = sum(int(torch.count_nonzero(state[key] - base[key])) for key in state)
+        budget_n = total if budget == "all" else changed
+        fractions.append(min(changed, int(budget_n * k)) / changed if changed else 0.0)
+    return float(np.mean(fractions))

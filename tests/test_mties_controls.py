@@ -1,0 +1,34 @@
+"""``rank="inverted"``: the M-TIES / M-DARE control ranking rows by −M-Loss (the highest-loss node keeps k)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_mloss
+
+FC1 = [f"encoder.layers.{i}.mlp.fc1" for i in range(2)]
+IMG = {"num_samples": 8, "batch_size": 4}
+
+
+@pytest.mark.parametrize("method", ["m_ties", "m_dare"])
+def test_inverted_ranks_mirror_the_mloss_keep_ratios(tiny_paths, image_folder, method) -> None:
+    base, models = tiny_paths
+    k, e = 0.5, 0.2
+    common = {"k": k, "e": e, "data": str(image_folder), "progress": False, **IMG}
+    mloss = hf_mloss.merge(base, models, method, **common)
+    inverted = hf_mloss.merge(base, models, method, rank="inverted", **common)
+    for name in FC1:
+        node = inverted.report.node[name].double()
+        n = node.numel()
+        assert torch.unique(node).numel() == n  # distinct scores: the ranks are a permutation
+        descending = torch.empty(n, dtype=torch.float64)
+        descending[torch.argsort(-node)] = torch.arange(n, dtype=torch.float64)
+        b = inverted.report.keep_ratios[name].double()
+        torch.testing.assert_close(b, k - e * descending / (n - 1), atol=1e-6, rtol=0)
+        assert float(b[node.argmax()]) == pytest.approx(k) and float(b[node.argmin()]) == pytest.approx(k - e)
+    # the first block is scored on the same inputs by both: rank r → n−1−r, so keep' = 2k − e − keep
+    a, b = (r.report.keep_ratios[FC1[0]].double() for r in (mloss, inverted))
+    torch.testing.assert_close(a + b, torch.full_like(a, 2 * k - e), atol=1e-6, rtol=0)
+    assert any(not torch.equal(mloss.model.state_dict()[n], inverted.model.state_dict()[n])
+               for n in (f"{FC1[0]}.weight", f"{FC1[1]}.weight"))
