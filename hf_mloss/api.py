@@ -257,7 +257,10 @@ def _score_merged(config: MergeConfig, options: ScoringOptions, **run_options: A
                                     f"{config.method!r} uses no data (use m_ties or m_dare).")
     scoring = {k: v for k, v in options.to_dict().items() if k != "prefix" and v is not None}
     parameters = {**config.parameters, **scoring}  # the score options win, as documented for `score:`
-    return run(config.replace(parameters=parameters, output="tower"), **run_options).report
+    from .merger import run_merge
+
+    config = config.replace(parameters=parameters)
+    return run_merge(config, scored_part_only=True, **run_options).report
 
 
 def as_config(config: MergeConfig | str | os.PathLike[str], *, token: str | bool | None = None) -> MergeConfig:

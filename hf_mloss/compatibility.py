@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .config import MergeConfig
-from .errors import InvalidParameterError
+from .errors import InvalidParameterError, UnsupportedModelError
 from .options import ScoringOptions
 from .report import describe_data
 
@@ -237,7 +237,7 @@ def output_gaps(inputs: RunInputs, subsets: Sequence[tuple[int, ...]], weights: 
     average merge (α normalised over S). Costs one forward per model and one per subset."""
     from tqdm.auto import tqdm
 
-    tower = inputs.adapter.tower(inputs.load_output_model("tower", progress=False))
+    tower = inputs.load_scoring_model(progress=False)
     state = {inputs.adapter.canonical_key(k): v for k, v in tower.state_dict().items()}
     names = [n for n in inputs.names if n in state]
     features = []
@@ -557,7 +557,7 @@ def run_compatibility(config: MergeConfig, *, subsets: Sequence[Sequence[int | s
         names = [r.name for r in inputs.refs]
         aliases = {m.model: i for i, m in enumerate(config.models) if isinstance(m.model, str)}
         chosen = standard_subsets(len(names), parse_subsets(subsets, names, aliases), leave_one_out=leave_one_out)
-        model = inputs.adapter.tower(inputs.load_output_model("tower", progress=progress))
+        model = inputs.load_scoring_model(progress=progress)
         setup = make_setup(inputs, model, options, config, progress=progress)
         weights = inputs.alpha / inputs.alpha.sum()
         start = time.perf_counter()
@@ -568,6 +568,9 @@ def run_compatibility(config: MergeConfig, *, subsets: Sequence[Sequence[int | s
             start = time.perf_counter()
             extra = weight_baselines(task_vector_statistics(inputs), chosen)
             timings["baselines_s"] = time.perf_counter() - start
+        if output_gap and getattr(inputs.adapter, "modality", "image") != "image":
+            raise UnsupportedModelError(f"output_gap compares pooled image features; the {inputs.adapter.name!r} "
+                                        f"family is scored on {inputs.adapter.modality}: leave output_gap off.")
         if output_gap:
             start = time.perf_counter()
             extra["output_gap"] = output_gaps(inputs, chosen, weights, inputs.pixels.split(config.batch_size),

@@ -71,6 +71,15 @@ class RunInputs:
                                  "RunInputs.model_inputs.")
         return self.model_inputs["pixel_values"]
 
+    def scoring_output(self) -> str:
+        """The ``output`` a scoring pass loads its model as: the tower of a whole model (a CLIPModel's vision tower),
+        else the model itself (``"auto"``: a family without towers, e.g. a causal LM)."""
+        return "tower" if self.adapter.containers else "auto"
+
+    def load_scoring_model(self, *, progress: bool = True) -> PreTrainedModel:
+        """The model whose blocks a scoring pass walks, in float32 on the run's device."""
+        return self.adapter.tower(self.load_output_model(self.scoring_output(), progress=progress))
+
     def load_output_model(self, output: str, *, progress: bool = True,
                           dtype: torch.dtype = torch.float32) -> PreTrainedModel:
         """A copy of the base on the run's device, as the class the merge writes (see ``output``), in float32

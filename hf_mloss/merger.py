@@ -33,17 +33,20 @@ if TYPE_CHECKING:
 
 
 def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | None = None, progress: bool = True,
-              select_and_merge: Callable[..., tuple[MergeConfig, MLossReport]] | None = None) -> MergeResult:
+              select_and_merge: Callable[..., tuple[MergeConfig, MLossReport]] | None = None,
+              scored_part_only: bool = False) -> MergeResult:
     """Run a validated config (see :func:`hf_mloss.run`).
 
     ``select_and_merge`` runs a config's label-free selection (:func:`hf_mloss.selection.select_and_merge`, which
     drives this module's merger): the caller passes it, so the driver does not depend on the selection built on it.
+    ``scored_part_only``: merge only the model a scoring pass runs (a whole CLIPModel's vision tower; the model itself
+    for a family without towers), for the merged-prefix M-Loss of ``score(prefix="merged")``.
     """
     method = config.merge_method()
     params = config.method_params()
     needs_data = method.needs_data or config.select is not None
     with open_inputs(config, device=device, token=token, needs_data=needs_data, progress=progress,
-                     whole_model=config.output in ("auto", "adapter")) as inputs, \
+                     whole_model=config.output in ("auto", "adapter") and not scored_part_only) as inputs, \
             cpu_workers(inputs.device) as workers:
         from .lora import build_adapter_output, plan_adapter_output
 
@@ -55,7 +58,8 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
 
             inputs, model, slice_plan = apply_slices(config, inputs, working_dtype(config, inputs, needs_data=False))
         else:
-            model = inputs.load_output_model("auto" if adapter_plan else config.output, progress=progress,
+            output = inputs.scoring_output() if scored_part_only else "auto" if adapter_plan else config.output
+            model = inputs.load_output_model(output, progress=progress,
                                              dtype=working_dtype(config, inputs, needs_data=needs_data))
         tower = inputs.adapter.tower(model)
         ctx = MergeContext(params=params, weights=inputs.alpha.to(inputs.device, torch.float32), seed=config.seed)

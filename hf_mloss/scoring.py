@@ -37,6 +37,7 @@ from .walk import UnitInputs, embed_batches, own_walk, shared_walk
 
 if TYPE_CHECKING:
     from .data import DataInfo
+    from .model_inputs import ModelInputs
     from .inputs import RunInputs
 
 __all__ = ["PREFIXES", "REDUCTIONS", "LayerScores", "MLossAccumulator", "score_config"]
@@ -239,10 +240,10 @@ def make_setup(inputs: RunInputs, model: PreTrainedModel, options: ScoringOption
     alpha = inputs.alpha / inputs.alpha.sum()  # M-Loss compares with a convex combination (SPEC §1)
     return ScoringSetup(
         adapter=inputs.adapter, model=model, sources=inputs.sources, alpha=alpha.float().to(inputs.device),
-        batches=shard_batches(inputs.pixels, config.batch_size), activation=activation,
+        batches=shard_batches(inputs.model_inputs, config.batch_size), activation=activation,
         activation_name=activation_name, reduction=options.reduction, eps=options.eps, layers=options.layers,
         device=inputs.device, compute_dtype=resolve_compute_dtype(as_dtype(config.compute_dtype), inputs.device),
-        progress=progress, prefix=options.prefix, num_samples=len(inputs.pixels),
+        progress=progress, prefix=options.prefix, num_samples=len(inputs.model_inputs),
     )
 
 
@@ -280,13 +281,16 @@ def resolve_activation(adapter: ModelAdapter, activation: str | None) -> tuple[C
     return ACT2FN[activation], activation
 
 
-def shard_batches(pixels: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
-    """This process's share of the samples (every ``world``-th one), in batches of ``batch_size``."""
+def shard_batches(samples: ModelInputs | torch.Tensor, batch_size: int) -> list[dict[str, torch.Tensor]]:
+    """This process's share of the samples (every ``world``-th one), in batches of ``batch_size`` (dicts of model
+    inputs; a tensor is pixel values)."""
     from accelerate import PartialState
 
+    from .model_inputs import ModelInputs
+
     state = PartialState()
-    share = pixels[state.process_index :: state.num_processes]
-    return list(share.split(batch_size))
+    samples = samples if isinstance(samples, ModelInputs) else ModelInputs({"pixel_values": samples})
+    return samples.shard(state.process_index, state.num_processes).split(batch_size)
 
 
 def score_config(config: MergeConfig, *, device: Any = None, token: str | bool | None = None,
@@ -297,7 +301,7 @@ def score_config(config: MergeConfig, *, device: Any = None, token: str | bool |
     options = config.scoring_options()
     with open_inputs(config, device=device, token=token, needs_data=True, progress=progress) as inputs, \
             cpu_workers(inputs.device):
-        model = inputs.adapter.tower(inputs.load_output_model("tower", progress=progress))
+        model = inputs.load_scoring_model(progress=progress)
         setup = make_setup(inputs, model, options, config, progress=progress)
         results = score_shared_prefix(setup) if options.prefix == "base" else score_own_prefix(setup)
         return build_report(setup, results, models=[r.name for r in inputs.refs], data_info=inputs.data_info)

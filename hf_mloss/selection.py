@@ -42,7 +42,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from .errors import InvalidParameterError
+from .errors import InvalidParameterError, UnsupportedModelError
 from .heads import as_head
 from .selection_options import (
     SelectionOptions,
@@ -101,6 +101,11 @@ class CandidateEvaluator:
 
         self.inputs, self.options, self.adapter = inputs, options, inputs.adapter
         self.device, self.batch_size = inputs.device, config.batch_size
+        if getattr(self.adapter, "modality", "image") != "image":
+            raise UnsupportedModelError(
+                f"Label-free selection reads images; the {self.adapter.name!r} family is scored on "
+                f"{self.adapter.modality}, where selection is not available yet. Merge each setting and compare "
+                "them with hf_mloss.score / hf_mloss.compatibility, or choose on labelled validation data.")
         self.pixels = spread_sample(inputs.pixels, options.num_samples, config.seed)
         self.alpha = (inputs.alpha / inputs.alpha.sum()).float().to(self.device)
         self.activation, _ = resolve_activation(self.adapter, config.scoring_options().activation)
