@@ -11,6 +11,7 @@ are skipped until it is there.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import re
@@ -201,8 +202,8 @@ def ref_group_merge(base: dict, fts: list[dict], keep: dict[int, np.ndarray], *,
     floor(len·keep_i) entries; every other tensor is trimmed per tensor at k; elect + disjoint mean (uniform α)."""
     slices = {name: (dim, layer) for layer in keep for name, dim in group_members(layer)}
     out = {}
-    for name in base:
-        taus = np.stack([(ft[name].float() - base[name].float()).double().numpy() for ft in fts])
+    for name, base_tensor in base.items():
+        taus = np.stack([(ft[name].float() - base_tensor.float()).double().numpy() for ft in fts])
         trimmed = []
         for tau in taus:
             if name in slices:
@@ -219,7 +220,7 @@ def ref_group_merge(base: dict, fts: list[dict], keep: dict[int, np.ndarray], *,
         agree = (np.sign(trimmed) == sign) & (trimmed != 0)
         count = agree.sum(0)
         merged = np.where(count > 0, (trimmed * agree).sum(0) / np.maximum(count, 1), 0.0)
-        out[name] = base[name].double().numpy() + merged
+        out[name] = base_tensor.double().numpy() + merged
     return out
 
 
@@ -302,6 +303,18 @@ def test_registered_family_is_chosen_and_declares_its_node_groups(family) -> Non
     assert adapter.node_groups(1) == group_members(1)
     assert adapter.stage_of("embed_tokens.weight") == -1 and adapter.stage_of("layers.2.mix.bias") == 2
     assert adapter.stage_of("norm.weight") == adapter.num_layers == 3
+
+
+def test_the_model_ignores_padding_on_either_side(family) -> None:
+    """What the brute force below relies on: a padded text gives the unpadded outputs at its real tokens."""
+    model = GatedTestModel.from_pretrained(family[1][0]).eval()
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        alone = model(ids, attention_mask=torch.ones_like(ids))
+        right = model(torch.tensor([[5, 6, 7, 3, 3]]), attention_mask=torch.tensor([[1, 1, 1, 0, 0]]))
+        left = model(torch.tensor([[3, 3, 5, 6, 7]]), attention_mask=torch.tensor([[0, 0, 1, 1, 1]]))
+    torch.testing.assert_close(right[:, :3], alone)
+    torch.testing.assert_close(left[:, 2:], alone)
 
 
 DATA_FREE_SPECIAL = {"passthrough"}  # re-stacks layer ranges: needs slices=, not models
@@ -426,7 +439,10 @@ def brute_force_gated_gap(base: str, models: list[str], layer_count: int) -> dic
         caught: list[dict[str, torch.Tensor]] = []
         for model in fine_tunes:
             seen: dict[str, torch.Tensor] = {}
-            handles = [module.register_forward_hook(lambda mod, args, out, key=key: seen.__setitem__(key, out))
+            def catch(module, args, out, *, key: str, seen: dict = seen) -> None:
+                seen[key] = out
+
+            handles = [module.register_forward_hook(functools.partial(catch, key=key))
                        for layer, block in enumerate(model.layers)
                        for key, module in ((f"a{layer}", block.mlp.gate_proj), (f"b{layer}", block.mlp.up_proj))]
             with torch.no_grad():

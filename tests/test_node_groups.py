@@ -25,7 +25,7 @@ from hf_mloss.methods.ops import (
 )
 
 INF = float("inf")
-IMG = dict(num_samples=8, batch_size=4)
+IMG = {"num_samples": 8, "batch_size": 4}
 FC1 = [f"encoder.layers.{layer}.mlp.fc1" for layer in range(2)]
 
 
@@ -121,7 +121,7 @@ def test_default_node_groups_of_the_vision_families() -> None:
     from hf_mloss.adapters import adapter_for, whole_model_adapter
     from hf_mloss.testing import tiny_vision_config
 
-    small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2)
+    small = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
     clip = adapter_for(tiny_vision_config())
     assert clip.node_groups(1) == [("encoder.layers.1.mlp.fc1.weight", 0), ("encoder.layers.1.mlp.fc1.bias", 0)]
     whole = whole_model_adapter(adapter_for(CLIPConfig(vision_config=tiny_vision_config().to_dict())))

@@ -83,14 +83,15 @@ def test_merged_prefix_matches_manual_layerwise_merge(tiny_paths, loaded, pixels
     k, e = 0.3, 0.2
     result = hf_mloss.merge(base_dir, model_dirs, "m_ties", data=pixels, k=k, e=e, batch_size=4, progress=False)
     report = result.report
-    # manual: merge everything but fc1 weights per tensor, then fc1 of each block from scores taken on that prefix
+    # manual: merge everything but fc1 per tensor, then fc1 of each block from scores taken on that prefix (its
+    # bias entry i kept iff it reaches the threshold of row i of the same task vector: the node's group)
     manual = copy.deepcopy(base)
     state = {n: t for n, t in manual.state_dict().items()}
     sources = [m.state_dict() for m in models]
     alpha = torch.full((3,), 1 / 3)
     with torch.no_grad():
         for name, tensor in state.items():
-            if not tensor.is_floating_point() or name.endswith("mlp.fc1.weight"):
+            if not tensor.is_floating_point() or name.endswith(("mlp.fc1.weight", "mlp.fc1.bias")):
                 continue
             taus = [trim_tensor(s[name] - tensor, k) for s in sources]
             tensor.copy_(tensor + elect_and_merge(taus, alpha))
@@ -104,9 +105,17 @@ def test_merged_prefix_matches_manual_layerwise_merge(tiny_paths, loaded, pixels
             ranks = torch.empty(node.numel()); ranks[node.argsort(stable=True)] = torch.arange(node.numel()).float()
             keep = k - e * ranks / (node.numel() - 1)
             torch.testing.assert_close(report.keep_ratios[fc1], keep, rtol=0, atol=1e-6)
-            base_w = state[fc1 + ".weight"]
+            base_w, base_b = state[fc1 + ".weight"], state[fc1 + ".bias"]
             taus = [trim_rows(s[fc1 + ".weight"] - base_w, report.keep_ratios[fc1]) for s in sources]
+            counts = (report.keep_ratios[fc1].double() * base_w.shape[1]).floor().long()
+            rows = torch.arange(len(counts))
+            thresholds = [tau.abs().sort(1, descending=True).values[rows, counts - 1]
+                          for tau in taus]  # the counts-th largest |τ| of each row (all counts > 0 here)
+            assert bool((counts > 0).all() and (counts < base_w.shape[1]).all())
+            bias_taus = [torch.where((s[fc1 + ".bias"] - base_b).abs() >= t, s[fc1 + ".bias"] - base_b, 0.0)
+                         for s, t in zip(sources, thresholds)]
             base_w.copy_(base_w + elect_and_merge(taus, alpha))
+            base_b.copy_(base_b + elect_and_merge(bias_taus, alpha))
     for name, tensor in result.model.state_dict().items():
         torch.testing.assert_close(tensor, state[name], rtol=0, atol=1e-6, msg=name)
 
@@ -120,7 +129,7 @@ def test_identical_sources_have_zero_mloss_and_unchanged_merge(tiny_paths, pixel
     result = hf_mloss.merge(base_dir, same, "m_ties", data=pixels, k=1.0, e=0.5, progress=False)
     reference = CLIPVisionModel.from_pretrained(model_dirs[0]).state_dict()
     for name, tensor in result.model.state_dict().items():
-        if name.endswith("fc1.weight"):  # row trim keeps k - e·rank rows; with k=1 the lowest-loss rows keep all
+        if name.endswith(("fc1.weight", "fc1.bias")):  # node groups keep k - e·rank; with k=1 the lowest-loss keep all
             continue
         torch.testing.assert_close(tensor, reference[name], rtol=0, atol=1e-6, msg=name)
 

@@ -104,7 +104,7 @@ class MDareParams(LayerwiseParams):
 
 @dataclass(frozen=True)
 class GroupMember:
-    """How one tensor of a scored node group is trimmed: its slice i keeps the fraction ``keep[i]`` of each task vector.
+    """How one tensor of a scored node group is trimmed: slice i keeps the fraction ``keep[i]`` of each task vector.
 
     2-D members are trimmed slice by slice (``dim=0``: row i, ``dim=1``: column i). A 1-D member (a bias) has no
     fraction of its own — ``floor(1 · keep_i)`` would zero it — so entry i is kept iff its |τ| reaches the threshold
