@@ -273,14 +273,14 @@ def test_other_model_types_and_towers_are_refused(tmp_path):
 
 
 def test_scoring_a_family_without_scoring_is_refused_clearly(tmp_path, image_folder):
-    base, models = save_family(tmp_path / "in", "llama", q=2)
+    base, models = save_family(tmp_path / "in", "gpt2", q=2)
     paths = [str(m) for m in models]
     for call in (lambda: hf_mloss.merge(str(base), paths, "m_ties", data=str(image_folder), progress=False),
                  lambda: hf_mloss.score(str(base), paths, data=str(image_folder), progress=False),
                  lambda: hf_mloss.merge(str(base), paths, "ties", data=str(image_folder), select="unlabeled",
                                         grid={"k": [0.2, 0.5]}, progress=False)):
         with pytest.raises(hf_mloss.UnsupportedModelError,
-                           match="scoring is not available yet for model_type='llama'.*data-free methods work"):
+                           match="scoring is not available yet for model_type='gpt2'.*data-free methods work"):
             call()
 
 
@@ -406,8 +406,8 @@ def test_loaded_models_merge_like_their_folders(tmp_path):
 
 
 def test_compatibility_of_a_family_without_scoring_is_refused(tmp_path, image_folder):
-    base, models = save_family(tmp_path / "in", "qwen2", q=2)
-    with pytest.raises(hf_mloss.UnsupportedModelError, match="'qwen2'.*data-free methods work"):
+    base, models = save_family(tmp_path / "in", "gpt2", q=2)
+    with pytest.raises(hf_mloss.UnsupportedModelError, match="'gpt2'.*data-free methods work"):
         hf_mloss.compatibility(str(base), [str(m) for m in models], data=str(image_folder), progress=False)
 
 

@@ -347,24 +347,11 @@ def test_the_image_path_is_unchanged(image_folder):
 
 # ------------------------------------------------------------------------------------------------- open_inputs
 @pytest.fixture
-def text_family(monkeypatch):
-    """A scored text family for Llama, registered for the test only (ahead of any other adapter)."""
-    from hf_mloss import adapters
-    from hf_mloss.adapters.generic import GenericAdapter
+def text_family():
+    """The scored text family of Llama decoders (hf_mloss.adapters.llama)."""
+    from hf_mloss.adapters import LlamaAdapter
 
-    class TextFamily(GenericAdapter):
-        name = "text_family"
-        model_types = ("llama",)
-        scorable = True
-        modality = "text"
-        input_names = ("input_ids", "attention_mask")
-
-        @classmethod
-        def matches(cls, config):
-            return getattr(config, "model_type", None) in cls.model_types
-
-    monkeypatch.setattr(adapters, "ADAPTERS", {"text_family": TextFamily, **adapters.ADAPTERS})
-    return TextFamily
+    return LlamaAdapter
 
 
 @pytest.fixture(scope="module")
@@ -407,7 +394,7 @@ def test_open_inputs_of_a_text_family_refuses_what_cannot_run(text_family, llama
             pass
 
     refused(InvalidParameterError, "max_length=100 but the base embeds 64 positions", base, SENTENCES, max_length=100)
-    refused(DataError, r"The text_family \('llama'\) family is scored on text.*folder of images", base,
+    refused(DataError, r"The llama \('llama'\) family is scored on text.*folder of images", base,
             str(image_folder / "train" / "class1"))
     bare = tmp_path / "bare"
     tiny_decoder("llama").save_pretrained(bare)  # weights and config only, no tokenizer
@@ -474,15 +461,9 @@ def test_data_spec_text_fields_are_validated_and_written_only_when_set(tmp_path)
 
 
 def test_merge_config_threads_text_fields_through_kwargs_and_yaml(tmp_path):
-    import inspect
+    from hf_mloss.api import RunOptions
 
-    from hf_mloss.compatibility import compatibility  # `hf_mloss.compatibility` is the module once it is imported
-    from hf_mloss.merger import merge
-    from hf_mloss.scoring import score
-
-    for function in (merge, score, compatibility):
-        parameters = inspect.signature(function).parameters
-        assert parameters["text_column"].default is None and parameters["max_length"].default is None, function
+    assert {"text_column", "max_length"} <= set(RunOptions.__annotations__)  # declared once for the three entry points
     (tmp_path / "corpus.txt").write_text("w1 w2\n", encoding="utf-8")
     config = MergeConfig.from_kwargs("org/base", ["org/a", "org/b"], "m_ties", data=str(tmp_path / "corpus.txt"),
                                      max_length=48, text_column=None)
