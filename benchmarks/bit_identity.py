@@ -220,8 +220,9 @@ def main() -> None:
     same = sum(r["identical"] for r in rows)
     print(f"\n{same}/{len(rows)} cases identical (reference {args.reference}).")
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps({"reference": args.reference, "families": families, "cases": rows},
-                                            indent=1, default=str) + "\n")
+    cases = ",\n".join("  " + json.dumps(r, default=str) for r in rows)  # one line per case
+    Path(args.output).write_text(f'{{"reference": {json.dumps(args.reference)}, "families": {json.dumps(families)}, '
+                                 f'"identical": {same}, "cases": [\n{cases}\n]}}\n')
 
 
 if __name__ == "__main__":
