@@ -47,12 +47,14 @@ QUICK_TASKS = ("digits", "emoji", "scene", "shapes")
 """The cut: four distinct sources (OpenCV handwriting, Noto emoji, photo crops, procedural shapes), each 36 points
 or more above its pretrained head after fine-tuning."""
 QUICK_CHANGES = {"tasks": QUICK_TASKS, "ft_steps": 120, "ft_batch": 16, "wise": 0.6}
+QUICK_SEEDS = (0, 1)
 """How the cut differs from ``real``: 4 of its tasks, fine-tuned for 120 steps of 16 images instead of 180 of 32,
-saved at WiSE-FT 0.6 instead of 0.65; everything else (data, heads, the 2 trained blocks, learning rate, the 4
-replicates, the methods and controls, protocol, gates) is the full suite's. The earlier cut (2 replicates, 6 merges
-on grids of 4) took 14.6 minutes from nothing on 2 idle cores; with 4 replicates and the controls (55 settings
-per replicate instead of 21) it takes several times that, so it is past the README's 15-minute main job: ``--seeds
-2`` halves the protocol's time (G5 then fails: it ranks nothing). Training the upper 4 blocks instead of 2
+saved at WiSE-FT 0.6 instead of 0.65, 2 replicates instead of 4, grids of 4 settings instead of 6, and of M-TIES's
+controls only e = 0 and one random-rank draw (``grid="quick"`` of :func:`~benchmarks.suites.run.method_specs`: 21
+settings per replicate, as the earlier cut that took 14.6 minutes from nothing on 2 idle cores; the full protocol's
+55 with 4 replicates takes several times that). Data, heads, the 2 trained blocks, learning rate, protocol and gates
+are the full suite's; with 2 replicates G5 fails, so the cut ranks nothing: it shows the pipeline, ``real`` gives
+the verdicts. ``--seeds 4`` runs the cut with the full suite's replicates. Training the upper 4 blocks instead of 2
 (``frozen=8``) measured 0.87 s against 0.40 s per training step of 16 images and 40 s against 16 s per 2000-image
 evaluation (2 threads, load average 7.7): about 2.3× the cut's time, so both suites keep 2 trained blocks, and
 global TIES trims by counting its budget over the changed entries (``budget="changed"``)."""
@@ -72,7 +74,7 @@ def real_config(name: str, seeds: int | None, head_scale: float | None = None):
 
     cfg = RealConfig()
     if name == "real-quick":
-        cfg = RealConfig(**QUICK_CHANGES)
+        cfg = RealConfig(**QUICK_CHANGES, seeds=QUICK_SEEDS)
     elif name == "real-smoke":
         cfg = RealConfig(tasks=("texture", "shapes"), head_domains=("texture", "shapes"), n_train=64, shots=4,
                          n_val=48, n_test=48, scoring_per_task=16, frozen=2, ft_steps=6, ft_batch=8, ft_lr=1e-3,
@@ -128,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         from .run import method_specs, run_suite
 
         cfg = real_config(args.suite, args.seeds, args.head_scale)
-        grid = {"real": "main", "real-quick": "main", "real-full": "full", "real-smoke": "smoke"}[args.suite]
-        specs = method_specs(range(cfg.frozen, cfg.num_layers), grid, num_tasks=len(cfg.tasks), svd=args.svd)
+        grid = {"real": "main", "real-quick": "quick", "real-full": "full", "real-smoke": "smoke"}[args.suite]
+        specs = method_specs(range(cfg.frozen, cfg.num_layers), grid, num_tasks=len(cfg.tasks), svd=args.svd,
+                             random_draws=1 if grid == "quick" else 3)
         run_suite(cfg, specs, cache=args.cache or default_cache(), out=out, threads=args.threads,
                   num_samples=args.num_samples, name=args.suite, command=command)
     print((out / "results.md").read_text())
