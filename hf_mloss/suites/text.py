@@ -48,8 +48,17 @@ import hf_mloss
 
 from . import text_tasks as T
 from .gates import Gate, compute_gates, val_mean
-from .protocol import MethodSpec, Replicate, ReplicateResult, State, check_grids, foreign_effects, pretrained_scores, \
-    reference_rows, run_method
+from .protocol import (
+    MethodSpec,
+    Replicate,
+    ReplicateResult,
+    State,
+    check_grids,
+    foreign_effects,
+    pretrained_scores,
+    reference_rows,
+    run_method,
+)
 from .real import cached_tensors
 from .training import Log, TaskHead, atomic_dir, load_heads, lr_lambda, save_heads, stage, torch_threads
 
@@ -652,8 +661,8 @@ def markdown(results, gates: Sequence[Gate], premise_line: str, diffs: Sequence[
         cells = " | ".join(f"{v:.1f}" for v in task_means(results, label, "test").values())
         lines.append(f"| {label} | {params} | {split_mean(results, label, 'val'):.2f} | "
                      f"{split_mean(results, label, 'test'):.2f} | {cells} |")
-    lines += ["", f"Means over {len(results)} fine-tuning replicates (seeds {[r.seed for r in results]}) of the "
-              "unweighted task mean; task columns are test."]
+    lines += ["", (f"Means over {len(results)} fine-tuning replicates (seeds {[r.seed for r in results]}) of the "
+              "unweighted task mean; task columns are test.")]
     for label, reason in not_run.items():
         lines.append(f"- {label}: not run: {reason}")
     if kept:
@@ -664,9 +673,9 @@ def markdown(results, gates: Sequence[Gate], premise_line: str, diffs: Sequence[
                                          if edges else "no chosen setting sits at an end of its grid.")]
     mark = "" if passed else " (not ranked)"
     lines += ["", "## Paired differences (test, points)", "",
-              "t: 95 % t interval over the replicates' paired differences, p Holm-adjusted across the table; "
+              ("t: 95 % t interval over the replicates' paired differences, p Holm-adjusted across the table; "
               "bootstrap: 95 % interval resampling replicates and test source items. A verdict needs Holm p < 0.05 "
-              "and a bootstrap interval excluding 0.", "",
+              "and a bootstrap interval excluding 0."), "",
               "| difference | mean | t 95 % | p (Holm) | bootstrap 95 % | per replicate | verdict |",
               "|---|---|---|---|---|---|---|"]
     for d in diffs:

@@ -179,7 +179,7 @@ FORTUNES = Path("/usr/share/games/fortunes")
 
 
 def read_fortune(cls: str) -> list[Source]:
-    entries = [" ".join(e.split()) for e in re.split(r"^%$", read_text(FORTUNES / cls), flags=re.M)]
+    entries = [" ".join(e.split()) for e in re.split(r"^%$", read_text(FORTUNES / cls), flags=re.MULTILINE)]
     return [(f"{cls}#{i}", [" ".join(e.split()[:48])]) for i, e in enumerate(entries) if len(e.split()) >= 4]
 
 
