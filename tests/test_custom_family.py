@@ -12,10 +12,8 @@ are skipped until it is there.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
 import re
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,23 +29,7 @@ from hf_mloss.methods import MERGE_METHODS
 from hf_mloss.methods import ops as ops_module
 from hf_mloss.testing import save_with_finetunes, word_tokenizer
 
-try:  # the shared adapter contract (hf_mloss.adapters.base); its definition, until the engine lands it
-    from hf_mloss.adapters.base import BlockContext, ScoredUnit
-except ImportError:
-    @dataclass
-    class BlockContext:  # type: ignore[no-redef]
-        mask: torch.Tensor | None = None
-        extras: dict[str, Any] = field(default_factory=dict)
-
-    @dataclass(frozen=True)
-    class ScoredUnit:  # type: ignore[no-redef]
-        gate: str
-        up: str | None = None
-        down: str | None = None
-
-NEEDS_ENGINE = pytest.mark.skipif(
-    importlib.util.find_spec("hf_mloss.kernel") is None,
-    reason="needs the M-Loss engine for gated units and text batches (hf_mloss.kernel): not in this tree yet")
+from hf_mloss.adapters.base import BlockContext, ScoredUnit
 
 MODEL_TYPE = "hf_mloss_test_gated"
 Q = 3
@@ -402,7 +384,6 @@ def test_m_dare_trims_node_groups_and_drops_the_rest(family, monkeypatch) -> Non
                                    atol=2e-6, err_msg=name)
 
 
-@NEEDS_ENGINE
 def test_m_ties_merges_the_family_on_text(family, monkeypatch, tmp_path) -> None:
     base, models = family
     k, e = 0.5, 0.2
@@ -460,7 +441,6 @@ def brute_force_gated_gap(base: str, models: list[str], layer_count: int) -> dic
     return {f"layers.{layer}.mlp.gate_proj": total / positions for layer, total in sums.items()}
 
 
-@NEEDS_ENGINE
 def test_score_equals_a_brute_force_gated_gap(family) -> None:
     base, models = family
     report = hf_mloss.score(base, models, data=TEXTS, num_samples=len(TEXTS), batch_size=5, progress=False)

@@ -25,7 +25,7 @@ from transformers import AutoModel, AutoModelForCausalLM
 import hf_mloss
 from hf_mloss import testing
 from hf_mloss.adapters import adapter_for
-from hf_mloss.adapters.base import EMBEDDING_STAGE, BlockContext, ScoredUnit, walks_with_context
+from hf_mloss.adapters.base import EMBEDDING_STAGE, BlockContext, ScoredUnit
 from hf_mloss.adapters.clip_text import CLIPTextAdapter
 
 VOCAB = 64
@@ -638,9 +638,6 @@ def test_the_gated_reference_matches_the_adapter_walk_and_a_hand_computation(gat
     assert all(float(v["abs"].abs().max()) == 0 for v in same.values())
 
 
-@pytest.mark.skipif(not walks_with_context(), reason="hf_mloss.score walks blocks with a BlockContext (text batches, "
-                    "padding masks) only once the core redesign's block walk is in; until then text families are "
-                    "refused for scoring")
 @pytest.mark.parametrize("reduction", ["abs", "sq"])
 def test_score_own_prefix_equals_the_brute_force_gated_mloss(gated_setup, reduction):
     base, models = gated_setup
@@ -741,9 +738,6 @@ def test_the_encoder_reference_counts_no_padding_and_matches_the_adapter_walk(en
         torch.testing.assert_close(gap.abs().mean(0), ref[name]["abs"], rtol=1e-5, atol=1e-9)
 
 
-@pytest.mark.skipif(not walks_with_context(), reason="hf_mloss.score walks blocks with a BlockContext (text batches, "
-                    "padding masks) only once the core redesign's block walk is in; until then text families are "
-                    "refused for scoring")
 def test_score_own_prefix_equals_the_brute_force_encoder_mloss(encoder_setup):
     base, models = encoder_setup
     texts = [" ".join(f"w{i - 4}" for i in seq) for seq in SEQUENCES]
@@ -783,8 +777,6 @@ def brute_force_image_mloss(models: list, pixel_values: torch.Tensor, *, eps: fl
     return out
 
 
-@pytest.mark.skipif(not walks_with_context(), reason="hf_mloss.score walks blocks with a BlockContext (the SigLIP "
-                    "adapter's embed(model, batch) contract) only once the core redesign's block walk is in")
 def test_score_own_prefix_equals_the_brute_force_siglip_mloss(tmp_path):
     torch.manual_seed(0)
     base_dir, models = testing.save_with_finetunes(_siglip().eval(), tmp_path, 2, scale=5e-2,

@@ -241,11 +241,3 @@ class ModelAdapter(ABC):
     def card_metadata(self, model: PreTrainedModel | None = None) -> dict[str, Any]:
         tag = self.output_pipeline_tag(model) if model is not None else self.pipeline_tag
         return {"library_name": "transformers", "pipeline_tag": tag}
-
-
-def walks_with_context() -> bool:
-    """Whether the block walk hands a :class:`BlockContext` to the adapters (``forward_to_target(layer, hidden,
-    context)``): the families written against it (text, padded batches) are scored only where it does."""
-    import inspect
-
-    return "context" in inspect.signature(ModelAdapter.forward_to_target).parameters

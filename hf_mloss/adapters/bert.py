@@ -23,7 +23,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from ..errors import InvalidParameterError
-from .base import BlockContext, ScoredUnit, walks_with_context
+from .base import BlockContext, ScoredUnit
 from .generic import GenericAdapter, meta_state
 
 _ENCODER_ROOTS = ("embeddings.", "encoder.", "pooler.")  # the tensors of the bare encoder (``BertModel``)
@@ -62,12 +62,14 @@ class BertAdapter(GenericAdapter):
     Padding positions never count: the batch's ``attention_mask`` masks the attention and the positions.
     """
 
+    scorable = True  # GenericAdapter's families are not; this one is
+    fallback = False
+
     name = "bert"
     model_types = ("bert", "roberta", "xlm-roberta")
     layer_pattern = re.compile(r"encoder\.layer\.(\d+)\.")
     unit: ClassVar[ScoredUnit] = ScoredUnit(gate="intermediate.dense", down="output.dense")
     target_suffix = unit.gate
-    scorable: ClassVar[bool] = walks_with_context()  # scored once the block walk passes a BlockContext
     modality: ClassVar[str] = "text"
     input_names: ClassVar[tuple[str, ...]] = ("input_ids", "attention_mask")
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import CLIPModel, CLIPTextConfig, CLIPTextModel, PretrainedConfig, PreTrainedModel
 
-from .base import BlockContext, ModelAdapter, ScoredUnit, walks_with_context
+from .base import BlockContext, ModelAdapter, ScoredUnit
 
 _TEXT_PREFIX = "text_model."
 _TOWER_ROOTS = ("embeddings.", "encoder.", "final_layer_norm.")
@@ -37,7 +37,6 @@ class CLIPTextAdapter(ModelAdapter):
     pipeline_tag = "feature-extraction"
     containers: ClassVar[dict] = {"clip": (CLIPModel, "text_model", "zero-shot-image-classification")}
     checkpoint_prefix = _TEXT_PREFIX
-    scorable: ClassVar[bool] = walks_with_context()  # scored once the block walk passes a BlockContext
     modality: ClassVar[str] = "text"
     input_names: ClassVar[tuple[str, ...]] = ("input_ids", "attention_mask")
 

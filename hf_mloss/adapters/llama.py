@@ -22,7 +22,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from ..errors import InvalidParameterError
-from .base import BlockContext, ScoredUnit, walks_with_context
+from .base import BlockContext, ScoredUnit
 from .bert import base_class_key, base_class_prefix
 from .generic import GenericAdapter, meta_state
 
@@ -70,12 +70,14 @@ class LlamaAdapter(GenericAdapter):
     states as the sequence alone; padding positions never count.
     """
 
+    scorable = True  # GenericAdapter's families are not; this one is
+    fallback = False
+
     name = "llama"
     model_types = _FAMILIES
     layer_pattern = re.compile(r"model\.layers\.(\d+)\.")  # per instance: the base class's spelling
     unit: ClassVar[ScoredUnit] = ScoredUnit(gate="mlp.gate_proj", up="mlp.up_proj", down="mlp.down_proj")
     target_suffix = unit.gate
-    scorable: ClassVar[bool] = walks_with_context()  # scored once the block walk passes a BlockContext
     modality: ClassVar[str] = "text"
     input_names: ClassVar[tuple[str, ...]] = ("input_ids", "attention_mask")
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel, SiglipModel, SiglipVisionConfig, SiglipVisionModel
 
-from .base import BlockContext, ModelAdapter, ScoredUnit, walks_with_context
+from .base import BlockContext, ModelAdapter, ScoredUnit
 
 _VISION_PREFIX = "vision_model."
 _TOWER_ROOTS = ("embeddings.", "encoder.", "post_layernorm.", "head.")
@@ -34,7 +34,6 @@ class SiglipVisionAdapter(ModelAdapter):
     target_suffix = unit.gate
     containers: ClassVar[dict] = {"siglip": (SiglipModel, "vision_model", "zero-shot-image-classification")}
     checkpoint_prefix = _VISION_PREFIX
-    scorable: ClassVar[bool] = walks_with_context()  # scored once the block walk passes a BlockContext
     modality: ClassVar[str] = "image"
     input_names: ClassVar[tuple[str, ...]] = ("pixel_values",)
 
