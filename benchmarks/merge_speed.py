@@ -156,7 +156,7 @@ def child_main(spec_path: str) -> int:
     t0, c0 = time.perf_counter(), time.process_time()
     import torch
 
-    import hf_mloss
+    import hf_mloss  # noqa: F401  (the package, then its modules below)
 
     for module in ("api", "merger", "scoring", "merging.driver", "engine.score"):  # imported before the timed call,
         try:  # as in a script that merges (the module names of this tree or of a --reference tree)
@@ -208,7 +208,7 @@ def child_forward(spec: dict, pixels, info: dict) -> None:
 def child_score(spec: dict, pixels, info: dict) -> None:
     import torch
 
-    import hf_mloss
+    import hf_mloss  # noqa: F401  (the package, then its modules below)
 
     t1, c1 = time.perf_counter(), time.process_time()
     report = hf_mloss.score(spec["base"], spec["models"], pixels, num_samples=spec["num_samples"],
@@ -220,7 +220,7 @@ def child_score(spec: dict, pixels, info: dict) -> None:
 
 
 def child_merge(spec: dict, pixels, info: dict) -> None:
-    import hf_mloss
+    import hf_mloss  # noqa: F401  (the package, then its modules below)
 
     extra = {}
     if spec.get("data"):
@@ -237,7 +237,7 @@ def child_merge(spec: dict, pixels, info: dict) -> None:
 
 
 def child_compatibility(spec: dict, pixels, info: dict) -> None:
-    import hf_mloss
+    import hf_mloss  # noqa: F401  (the package, then its modules below)
 
     t1, c1 = time.perf_counter(), time.process_time()
     hf_mloss.compatibility(spec["base"], spec["models"], pixels, num_samples=spec["num_samples"],
@@ -584,7 +584,7 @@ def machine_info(args) -> dict:
     import torch
     import transformers
 
-    import hf_mloss
+    import hf_mloss  # noqa: F401  (the package, then its modules below)
 
     mem_gb = None
     try:

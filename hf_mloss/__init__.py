@@ -36,12 +36,12 @@ _EXPORTS = {
     "UnknownMethodError": "errors",
     "UnsafeCheckpointError": "errors",
     "UnsupportedModelError": "errors",
-    "MergeConfig": "config",
-    "MergeResult": "result",
-    "MLossReport": "report",
-    "CompatibilityReport": "compatibility",
+    "MergeConfig": "spec.config",
+    "MergeResult": "output.result",
+    "MLossReport": "output.report",
+    "CompatibilityReport": "engine.compatibility",
     "compatibility": "api",
-    "SelectionOptions": "selection_options",
+    "SelectionOptions": "spec.selection",
     "list_adapters": "adapters",
     "register_adapter": "adapters",
     "list_methods": "methods",
@@ -51,15 +51,12 @@ _EXPORTS = {
     "run": "api",
     "run_score": "api",
     "RunOptions": "api",
-    "evaluate": "evaluation",
-    "evaluate_ensemble": "evaluation",
-    "EvalResult": "evaluation",
+    "evaluate": "merging.evaluation",
+    "evaluate_ensemble": "merging.evaluation",
+    "EvalResult": "merging.evaluation",
 }
 
-_SUBMODULES = {"adapters", "api", "card", "checkpoint", "cli", "config", "data", "demo", "distributed", "errors", "evaluation",
-               "hub", "hub_push", "inputs", "lora", "merger", "mergekit_compat", "methods", "options", "plots", "report",
-               "result",
-               "saving", "scoring", "selection", "store", "suites", "testing", "theory"}
+_SUBMODULES = {"adapters", "api", "cli", "distributed", "engine", "errors", "loading", "merging", "methods", "output", "parallel", "saving", "spec"}
 
 __all__ = [
     "CheckpointNotFoundError",
@@ -114,9 +111,9 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from .adapters import list_adapters, register_adapter
-    from .compatibility import CompatibilityReport
-    from .config import MergeConfig
-    from .evaluation import EvalResult, evaluate, evaluate_ensemble
+    from .engine.compatibility import CompatibilityReport
+    from .spec.config import MergeConfig
+    from .merging.evaluation import EvalResult, evaluate, evaluate_ensemble
     from .errors import (
         CheckpointNotFoundError,
         ConfigError,
@@ -134,6 +131,6 @@ if TYPE_CHECKING:
     )
     from .api import RunOptions, compatibility, merge, run, run_score, score
     from .methods import list_methods, register_merge_method
-    from .report import MLossReport
-    from .result import MergeResult
-    from .selection_options import SelectionOptions
+    from .output.report import MLossReport
+    from .output.result import MergeResult
+    from .spec.selection import SelectionOptions

@@ -1,8 +1,8 @@
 """The public entry points: ``merge``, ``score``, ``compatibility`` and ``run`` (a recipe).
 
 Each call builds a :class:`~hf_mloss.MergeConfig` (a pure description: it validates, reads and writes recipes, and
-runs nothing) and hands it to the engine: the merge driver (:mod:`hf_mloss.merger`), the scorer
-(:mod:`hf_mloss.scoring`) or the compatibility report (:mod:`hf_mloss.compatibility`). The keyword arguments the three
+runs nothing) and hands it to the engine: the merge driver (:mod:`hf_mloss.merging.driver`), the scorer
+(:mod:`hf_mloss.engine.score`) or the compatibility report (:mod:`hf_mloss.compatibility`). The keyword arguments the three
 share (which weights, which data, where to run) are declared once, in :class:`RunOptions`.
 """
 
@@ -12,17 +12,17 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
 
-from .config import MergeConfig
+from .spec.config import MergeConfig
 from .errors import InvalidParameterError
-from .options import ScoringOptions
-from .selection_options import selection_options
+from .spec.options import ScoringOptions
+from .spec.selection import selection_options
 
 if TYPE_CHECKING:
     import torch
 
-    from .compatibility import CompatibilityReport
-    from .report import MLossReport
-    from .result import MergeResult
+    from .engine.compatibility import CompatibilityReport
+    from .output.report import MLossReport
+    from .output.result import MergeResult
 
 __all__ = ["RunOptions", "compatibility", "merge", "run", "run_score", "score"]
 
@@ -37,7 +37,7 @@ class RunOptions(TypedDict, total=False):
         weights: α, one per fine-tuned model (default uniform 1/q; 1 for task arithmetic and ``dare_linear``).
         revision: Hub branch, tag or commit for every Hub model, or one per model (base first; None for folders).
         seed: seeds DARE masks, random ranks and the data sample (results are reproducible).
-    How the unlabeled data is read (see :class:`~hf_mloss.config.DataSpec`):
+    How the unlabeled data is read (see :class:`~hf_mloss.spec.config.DataSpec`):
         num_samples: samples to use (default 128, the paper's); split: the dataset split (``"train"``);
         image_column / text_column: the image or text column (auto-detected); max_length: tokens per sequence at
         most (text, default 128); batch_size: forward batch size (16);
@@ -90,18 +90,18 @@ def merge(base: Any, models: Sequence[Any], method: str = "ties", *, data: Any =
             tensor; for text families a list of strings, a text or data file, a folder of text files, or a
             ``datasets`` text split (tokenised with the base's tokenizer).
         select: ``"unlabeled"`` chooses the parameters in ``grid`` on ``data`` without labels (or a mapping of
-            :class:`~hf_mloss.selection_options.SelectionOptions`: ``num_samples``, ``share``, ``shares``,
+            :class:`~hf_mloss.spec.selection.SelectionOptions`: ``num_samples``, ``share``, ``shares``,
             ``compare``).
         grid: the candidates, e.g. ``{"k": [0.2, 0.5, 0.8], "lam": [0.5, 1.0, 1.5]}`` (every combination).
         criterion: ``"output"`` (discrepancy with each expert, default), ``"entropy"`` (needs ``heads``) or
-            ``"mloss"`` (merged-prefix M-Loss); see :mod:`hf_mloss.selection`.
+            ``"mloss"`` (merged-prefix M-Loss); see :mod:`hf_mloss.merging.selection`.
         heads: one classification head per model (for ``"entropy"``, and the logit KL of ``"output"``).
         **options: the shared :class:`RunOptions` (``weights``, ``num_samples``, ``device``...); config fields
             ``dtype`` (of the merged model, default the base's; arithmetic runs in float32) and ``output``
             (``"auto"``: the base's class; ``"tower"``: only the merged tower; ``"adapter"``: a PEFT LoRA adapter,
-            with ``combination`` and ``lora_rank``, see :mod:`hf_mloss.lora`); and the method's parameters (``k``,
+            with ``combination`` and ``lora_rank``, see :mod:`hf_mloss.loading.lora`); and the method's parameters (``k``,
             ``e``, ``lam``, ``p``, ``t``, ``scope``, ``layers``...), which data-free methods may vary over the model
-            as in mergekit (``k=[0.2, 0.8]``, filter lists; see :mod:`hf_mloss.schedule`).
+            as in mergekit (``k=[0.2, 0.8]``, filter lists; see :mod:`hf_mloss.spec.schedule`).
 
     Returns:
         A :class:`~hf_mloss.MergeResult`: ``.model`` (the merged model), ``.config`` (the recorded recipe),
@@ -141,7 +141,7 @@ def score(base: Any, models: Sequence[Any], data: Any, *, prefix: str = "own", r
         **options: the shared :class:`RunOptions`; with ``prefix="merged"`` also the method's parameters.
 
     Returns:
-        An :class:`~hf_mloss.report.MLossReport` (``.summary()`` prints the per-layer table).
+        An :class:`~hf_mloss.output.report.MLossReport` (``.summary()`` prints the per-layer table).
 
     Example:
         ```python
@@ -180,7 +180,7 @@ def compatibility(base: Any, models: Sequence[Any], data: Any, *,
         **options: the shared :class:`RunOptions`.
 
     Returns:
-        A :class:`~hf_mloss.compatibility.CompatibilityReport`.
+        A :class:`~hf_mloss.engine.compatibility.CompatibilityReport`.
 
     Example:
         ```python
@@ -189,7 +189,7 @@ def compatibility(base: Any, models: Sequence[Any], data: Any, *,
         >>> print(report.summary())
         ```
     """
-    from .compatibility import run_compatibility
+    from .engine.compatibility import run_compatibility
 
     run_options = _split_runtime(options)
     scoring = ScoringOptions(prefix="own", reduction=reduction, activation=activation, eps=eps,
@@ -218,8 +218,8 @@ def run(config: MergeConfig | str | os.PathLike[str], *, device: Any = None, tok
         >>> hf_mloss.run("me/clip-vit-b32-8tasks-mties")        # re-run a published merge, bit for bit
         ```
     """
-    from .merger import run_merge
-    from .selection import select_and_merge
+    from .merging.driver import run_merge
+    from .merging.selection import select_and_merge
 
     config = as_config(config, token=token)
     config.validate()
@@ -235,7 +235,7 @@ def run_score(config: MergeConfig | str | os.PathLike[str], *, device: Any = Non
         >>> print(hf_mloss.run_score("merge.yaml").summary())
         ```
     """
-    from .scoring import score_config
+    from .engine.score import score_config
 
     config = as_config(config, token=token)
     config.validate()
@@ -257,7 +257,7 @@ def _score_merged(config: MergeConfig, options: ScoringOptions, **run_options: A
                                     f"{config.method!r} uses no data (use m_ties or m_dare).")
     scoring = {k: v for k, v in options.to_dict().items() if k != "prefix" and v is not None}
     parameters = {**config.parameters, **scoring}  # the score options win, as documented for `score:`
-    from .merger import run_merge
+    from .merging.driver import run_merge
 
     config = config.replace(parameters=parameters)
     return run_merge(config, scored_part_only=True, **run_options).report

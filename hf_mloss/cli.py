@@ -39,7 +39,7 @@ def merge_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     description = ("Merge the models of a YAML config and write a Hub-ready folder (safetensors, config, image "
                    "processor, model card, hf_mloss_config.yaml and the M-Loss report).")
     parser = _subparser(subparsers, "merge", description, parents=[_quiet_parent(), _selection_parent()])
-    parser.add_argument("config", metavar="CONFIG.yaml", help="The merge config (see hf_mloss.config).")
+    parser.add_argument("config", metavar="CONFIG.yaml", help="The merge config (see hf_mloss.spec.config).")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="Folder to write the merged model to.")
     parser.add_argument("--push-to-hub", metavar="REPO", default=None,
                         help="Also upload the folder to this Hub repo, in one commit (uses `hf auth login`/HF_TOKEN).")
@@ -54,11 +54,11 @@ def merge_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
 
 def merge_command(args: argparse.Namespace) -> int:
     from .api import run
-    from .card import shown_parameters
-    from .config import MergeConfig
+    from .output.card import shown_parameters
+    from .spec.config import MergeConfig
     from .distributed import describe_device, is_main_process, main_process_only
-    from .hub_push import check_repo_id
-    from .inputs import resolve_device
+    from .output.push import check_repo_id
+    from .loading.inputs import resolve_device
     from .saving import check_output_dir
 
     config = _with_selection(MergeConfig.from_yaml(args.config), args)
@@ -142,9 +142,9 @@ def score_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
 
 def score_command(args: argparse.Namespace) -> int:
     from .api import run, run_score
-    from .config import MergeConfig
+    from .spec.config import MergeConfig
     from .distributed import describe_device, is_main_process
-    from .inputs import resolve_device
+    from .loading.inputs import resolve_device
 
     config = _with_selection(MergeConfig.from_yaml(args.config), args)
     device = resolve_device(args.device)
@@ -167,7 +167,7 @@ def score_command(args: argparse.Namespace) -> int:
         return 0
     with _progress_bars(show, datasets_too=True):
         if args.pairwise:
-            from .compatibility import run_compatibility
+            from .engine.compatibility import run_compatibility
 
             report = run_compatibility(config, subsets=_parse_subsets(args.subsets), baselines=not args.no_baselines,
                                        output_gap=args.output_gap, device=device, progress=show)
@@ -238,7 +238,7 @@ def push_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
 
 
 def push_command(args: argparse.Namespace) -> int:
-    from . import hub_push
+    from .output import push as hub_push
 
     hub_push.check_repo_id(args.repo)
     with _progress_bars(not args.quiet):
@@ -377,7 +377,7 @@ def _with_selection(config: Any, args: argparse.Namespace) -> Any:
     if config.select is None and "grid" not in flags:
         raise InvalidParameterError("--select unlabeled needs candidates: add --grid PARAM=V1,V2,... (e.g. --grid "
                                     "k=0.2,0.5,0.8 --grid lam=0.5,1,1.5) or a `select: {grid: ...}` section.")
-    from .selection_options import SelectionOptions
+    from .spec.selection import SelectionOptions
 
     select = config.select.recorded() if config.select is not None else SelectionOptions(grid=flags["grid"])
     return config.replace(select=dataclasses.replace(select, **flags))

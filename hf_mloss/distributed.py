@@ -7,7 +7,7 @@
   (so a single-process run never initialises a process group).
 * :func:`main_process_only` runs a block (a save, a push, a print) on the main process only; the other processes
   wait at a barrier until it is done, then go on with the main process's result available on the filesystem.
-  Scoring work is split across the processes and reduced in :mod:`hf_mloss.scoring` and
+  Scoring work is split across the processes and reduced in :mod:`hf_mloss.engine.score` and
   :mod:`hf_mloss.compatibility`; a data-free merge is computed by every process (it is cheap next to a save and
   identical everywhere), but written once.
 """

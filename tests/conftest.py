@@ -25,7 +25,7 @@ def _isolated_hf_home(tmp_path_factory, monkeypatch):
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> tuple[Path, list[Path]]:
     """A tiny base and 3 fine-tunes (hidden 32, 2 blocks, 32px images) saved with save_pretrained."""
-    from hf_mloss.testing import make_tiny_setup
+    from examples.tiny import make_tiny_setup
 
     return make_tiny_setup(tmp_path_factory.mktemp("tiny"), q=3, seed=0)
 
@@ -38,7 +38,7 @@ def tiny_paths(tiny_models) -> tuple[str, list[str]]:
 
 @pytest.fixture(scope="session")
 def image_folder(tmp_path_factory) -> Path:
-    from hf_mloss.testing import make_image_folder
+    from examples.tiny import make_image_folder
 
     return make_image_folder(tmp_path_factory.mktemp("images"), n=12, size=40)
 

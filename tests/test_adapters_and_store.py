@@ -10,9 +10,9 @@ from transformers import CLIPVisionModel
 
 import hf_mloss
 from hf_mloss.adapters import CLIPVisionAdapter, adapter_for, register_adapter
-from hf_mloss.hub import resolve_model
-from hf_mloss.store import CheckpointStore
-from hf_mloss.testing import make_base, make_finetune, save_clip_model, save_model
+from hf_mloss.loading.hub import resolve_model
+from hf_mloss.loading.store import CheckpointStore
+from examples.tiny import make_base, make_finetune, save_clip_model, save_model
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,10 @@ import yaml
 from transformers import CLIPVisionModel
 
 import hf_mloss
-from hf_mloss import hub_push
+from hf_mloss.output import push as hub_push
 from hf_mloss.cli import build_parser, main
 from hf_mloss.methods import MERGE_METHODS, list_methods
-from hf_mloss.config import MERGE_CONFIG_NAME
+from hf_mloss.spec.config import MERGE_CONFIG_NAME
 
 
 def write_config(path: Path, **config) -> Path:
@@ -156,7 +156,7 @@ def test_merge_push_to_hub(ties_config, tmp_path, fake_push, capsys):
     + ([(["--device", "cuda"], "CUDA device(s)")] if not torch.cuda.is_available() else []),
 )
 def test_bad_flags_fail_before_merging(ties_config, tmp_path, monkeypatch, capsys, flags, message):
-    monkeypatch.setattr("hf_mloss.merger.run_merge", lambda *a, **k: pytest.fail("merged despite a bad flag"))
+    monkeypatch.setattr("hf_mloss.merging.driver.run_merge", lambda *a, **k: pytest.fail("merged despite a bad flag"))
     assert main(["merge", str(ties_config), str(tmp_path / "out"), *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hf-mloss: error:") and message in err and "Traceback" not in err
@@ -167,9 +167,9 @@ def test_user_errors_from_the_api_are_one_paragraph(tmp_path, tiny_paths, capsys
     base, models = tiny_paths
     config = write_config(tmp_path / "c.yaml", base=base, models=[models[0], "./missing-model"])
     with pytest.raises(hf_mloss.ConfigError):  # caught by the config already (a local folder that does not exist)
-        hf_mloss.config.MergeConfig.from_yaml(config)
+        hf_mloss.spec.config.MergeConfig.from_yaml(config)
     incompatible = tmp_path / "other"
-    from hf_mloss.testing import make_base, save_model
+    from examples.tiny import make_base, save_model
 
     save_model(make_base(1, hidden_size=48, intermediate_size=96), incompatible)
     config = write_config(tmp_path / "c.yaml", base=base, models=[str(incompatible)])
@@ -185,7 +185,7 @@ def test_unexpected_errors_keep_their_traceback(ties_config, tmp_path, monkeypat
     def broken(*args, **kwargs):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr("hf_mloss.merger.run_merge", broken)
+    monkeypatch.setattr("hf_mloss.merging.driver.run_merge", broken)
     with pytest.raises(RuntimeError, match="a bug"):
         main(["merge", str(ties_config), str(tmp_path / "out")])
 

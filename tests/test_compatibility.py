@@ -17,11 +17,11 @@ from safetensors.torch import load_file
 import hf_mloss
 from hf_mloss.cli import main
 from hf_mloss.api import compatibility
-from hf_mloss.compatibility import CompatibilityReport, standard_subsets, subset_matrix
-from hf_mloss.data import load_pixel_values
+from hf_mloss.engine.compatibility import CompatibilityReport, standard_subsets, subset_matrix
+from hf_mloss.loading.data import load_pixel_values
 from hf_mloss.methods.ops import trim_tensor
-from hf_mloss.scoring import MLossAccumulator
-from hf_mloss.testing import make_tiny_setup, tiny_processor
+from hf_mloss.engine.score import MLossAccumulator
+from examples.tiny import make_tiny_setup, tiny_processor
 
 NUM = 8
 
@@ -66,8 +66,8 @@ def assert_matches_score(report: CompatibilityReport, subset, direct) -> None:
 def test_subset_accumulator_equals_one_accumulator_per_subset(activation, reduction, monkeypatch) -> None:
     """The batched kernel (activation folded and in place, chunks of positions) gives each subset the sums of a
     plain per-subset accumulation, with uneven chunks and user weights."""
-    from hf_mloss import kernel
-    from hf_mloss.compatibility import subset_scores
+    from hf_mloss.engine import kernel
+    from hf_mloss.engine.compatibility import subset_scores
 
     monkeypatch.setattr(kernel, "ROWS_BLOCK_ELEMENTS", 11 * 11 * 5)  # 11 subsets: 5 positions per chunk: 13 = 2×5 + 3
     torch.manual_seed(0)
@@ -212,11 +212,11 @@ def test_refusals(four, pixels, report) -> None:
         report.score((0,))
     config = hf_mloss.MergeConfig.from_kwargs(base, models, data=pixels, score={"prefix": "base"})
     with pytest.raises(hf_mloss.InvalidParameterError, match="prefix='own'"):
-        hf_mloss.compatibility.run_compatibility(config, progress=False)
+        hf_mloss.engine.compatibility.run_compatibility(config, progress=False)
 
 
 def test_package_attribute_stays_callable_after_the_module_is_imported(four, pixels) -> None:
-    import hf_mloss.compatibility as module
+    import hf_mloss.engine.compatibility as module
 
     base, models = four
     assert callable(hf_mloss.compatibility) and module.CompatibilityReport is CompatibilityReport
@@ -277,8 +277,8 @@ def test_hub_ids_give_the_same_report(hub_ids, pixels, report, image_folder, tmp
 def test_sign_conflicts_count_exactly_the_entries_the_ties_trim_keeps(four) -> None:
     """The sign-conflict baseline uses TIES' own per-tensor trim (methods.ops): its overlap and conflict counts are
     those of the trimmed task vectors, pair by pair."""
-    from hf_mloss.compatibility import task_vector_statistics
-    from hf_mloss.inputs import open_inputs
+    from hf_mloss.engine.compatibility import task_vector_statistics
+    from hf_mloss.loading.inputs import open_inputs
 
     base, models = four
     config = hf_mloss.MergeConfig.from_kwargs(base, models)

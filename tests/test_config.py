@@ -17,9 +17,9 @@ import hf_mloss
 from hf_mloss import ConfigError
 from hf_mloss.cli import main
 from hf_mloss._validation import field_help
-from hf_mloss.config import MERGE_CONFIG_NAME, DataSpec, MergeConfig, ModelSpec
+from hf_mloss.spec.config import MERGE_CONFIG_NAME, DataSpec, MergeConfig, ModelSpec
 from hf_mloss.methods import list_methods
-from hf_mloss.options import ScoringOptions
+from hf_mloss.spec.options import ScoringOptions
 
 TOP_LEVEL_KEYS = ("hf_mloss_version", "base", "models", "method", "parameters", "data", "seed", "dtype",
                   "batch_size", "compute_dtype", "processor", "output", "score")
@@ -41,7 +41,7 @@ def no_merge(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a merge or scoring run started for an invalid config")
 
-    monkeypatch.setattr("hf_mloss.inputs.open_inputs", refuse)
+    monkeypatch.setattr("hf_mloss.loading.inputs.open_inputs", refuse)
 
 
 def weights_of(folder: Path) -> dict[str, torch.Tensor]:
@@ -194,7 +194,7 @@ def test_per_model_revisions_reach_the_hub(monkeypatch):
         seen.append((ref, revision))
         raise hf_mloss.CheckpointNotFoundError("stop here")
 
-    monkeypatch.setattr("hf_mloss.inputs.resolve_model", fake_resolve)
+    monkeypatch.setattr("hf_mloss.loading.inputs.resolve_model", fake_resolve)
     with pytest.raises(hf_mloss.CheckpointNotFoundError):
         hf_mloss.merge("org/base", ["org/a"], "average", revision=["abc", "def"], progress=False)
     assert seen == [("org/base", "abc")]
@@ -408,7 +408,7 @@ def valid_configs(draw) -> dict:
             models.append({k: v for k, v in {"model": model_id, "weight": weight, "revision": revision}.items()
                            if v is not None})
     config = {"base": draw(HUB_ID), "models": models, "method": method, "parameters": parameters}
-    if method == "passthrough":  # it stacks layer ranges: one input per slice (hf_mloss.slices)
+    if method == "passthrough":  # it stacks layer ranges: one input per slice (hf_mloss.spec.slices)
         config["slices"] = [{"sources": [{"model": i, "layer_range": [0, draw(st.integers(1, 4))]}]}
                             for i in range(len(models) + 1)]
     seed = draw(st.integers(0, 2**31))

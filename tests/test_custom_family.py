@@ -27,7 +27,7 @@ import hf_mloss
 from hf_mloss.adapters import ModelAdapter, register_adapter
 from hf_mloss.methods import MERGE_METHODS
 from hf_mloss.methods import ops as ops_module
-from hf_mloss.testing import save_with_finetunes, word_tokenizer
+from examples.tiny import save_with_finetunes, word_tokenizer
 
 from hf_mloss.adapters.base import BlockContext, ScoredUnit
 
@@ -252,11 +252,11 @@ class TrimSpy:
 def merge_with_scores(base: str, models: list[str], method_name: str, scores: dict[int, torch.Tensor],
                       **params: Any) -> dict[str, torch.Tensor]:
     """A data-guided merge driven by given node scores (the hooks in a merged-prefix pass's order), no data."""
-    from hf_mloss.inputs import open_inputs
-    from hf_mloss.merger import TensorMerger
+    from hf_mloss.loading.inputs import open_inputs
+    from hf_mloss.merging.driver import TensorMerger
     from hf_mloss.methods import MergeContext
-    from hf_mloss.scoring import LayerScores
-    from hf_mloss.selection import replay_layerwise
+    from hf_mloss.engine.score import LayerScores
+    from hf_mloss.merging.selection import replay_layerwise
 
     # data= only satisfies the config's check: the scores are given, nothing is read
     config = hf_mloss.MergeConfig.from_kwargs(base, models, method_name, data=TEXTS, **params)

@@ -46,8 +46,8 @@ WORKER = textwrap.dedent(
 
 @pytest.mark.parametrize("prefix", ["base", "own"])
 def test_two_processes_agree_with_one(tmp_path, tiny_paths, image_folder, prefix):
-    from hf_mloss.data import load_pixel_values
-    from hf_mloss.testing import tiny_processor
+    from hf_mloss.loading.data import load_pixel_values
+    from examples.tiny import tiny_processor
 
     base, models = tiny_paths
     pixels, _ = load_pixel_values(str(image_folder), tiny_processor(), num_samples=10)
@@ -83,14 +83,14 @@ def mock_accelerators(monkeypatch, *, cuda: bool, mps: bool, count: int = 1) -> 
 @pytest.mark.parametrize(("cuda", "mps", "expected"), [(False, False, "cpu"), (True, False, "cuda"),
                                                       (False, True, "mps"), (True, True, "cuda")])
 def test_default_device_is_the_accelerator_when_present(monkeypatch, single_process, device, cuda, mps, expected):
-    from hf_mloss.inputs import resolve_device
+    from hf_mloss.loading.inputs import resolve_device
 
     mock_accelerators(monkeypatch, cuda=cuda, mps=mps)
     assert resolve_device(device) == torch.device(expected)
 
 
 def test_explicit_devices_are_checked_against_the_machine(monkeypatch, single_process):
-    from hf_mloss.inputs import resolve_device
+    from hf_mloss.loading.inputs import resolve_device
 
     mock_accelerators(monkeypatch, cuda=False, mps=False)
     assert resolve_device("cpu") == torch.device("cpu")
@@ -108,7 +108,7 @@ def test_explicit_devices_are_checked_against_the_machine(monkeypatch, single_pr
 
 
 def test_under_a_launcher_each_process_gets_its_own_accelerator(monkeypatch):
-    from hf_mloss.inputs import resolve_device
+    from hf_mloss.loading.inputs import resolve_device
 
     class State:
         device = torch.device("cuda:1")
@@ -200,7 +200,7 @@ def test_torchrun_score_pairwise_writes_once(tmp_path, tiny_paths, image_folder)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("Wrote ") == 1, proc.stdout
     assert (out / "compatibility.json").is_file()
-    from hf_mloss.compatibility import run_compatibility
+    from hf_mloss.engine.compatibility import run_compatibility
 
     single = run_compatibility(hf_mloss.MergeConfig.from_yaml(config), baselines=False, device="cpu", progress=False)
     written, expected = json.loads((out / "compatibility.json").read_text()), json.loads(single.to_json())

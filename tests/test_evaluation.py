@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import CLIPVisionModel
 
-from hf_mloss.evaluation import encode, evaluate, evaluate_ensemble
+from hf_mloss.merging.evaluation import encode, evaluate, evaluate_ensemble
 
 
 class LinearHead:

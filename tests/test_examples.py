@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_mloss.config import MergeConfig
+from hf_mloss.spec.config import MergeConfig
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TASKS = ["sun397", "stanford-cars", "resisc45", "eurosat", "svhn", "gtsrb", "mnist", "dtd"]

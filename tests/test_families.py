@@ -29,7 +29,7 @@ from transformers import (
 )
 
 import hf_mloss
-from hf_mloss import testing
+from examples import tiny as testing
 from hf_mloss.methods.ops import tensor_seed
 
 VOCAB = 64
@@ -289,7 +289,7 @@ def clip_pair(root: Path, q: int = 2) -> tuple[Path, list[Path]]:
     """A tiny full CLIPModel and q fine-tunes of BOTH towers (and projections, logit scale), with a CLIPProcessor."""
     from transformers import CLIPConfig, CLIPModel, CLIPProcessor
 
-    from hf_mloss.testing import tiny_processor, tiny_tokenizer, tiny_vision_config
+    from examples.tiny import tiny_processor, tiny_tokenizer, tiny_vision_config
 
     torch.manual_seed(0)
     config = CLIPConfig(vision_config=tiny_vision_config().to_dict(),

@@ -25,9 +25,9 @@ from fake_hub import FakeHub, fake_hub  # noqa: E402,F401  (fixture re-export)
 
 import hf_mloss  # noqa: E402
 from hf_mloss import CheckpointNotFoundError, PushError  # noqa: E402
-from hf_mloss.hub import resolve_model  # noqa: E402
-from hf_mloss.hub_push import push_folder  # noqa: E402
-from hf_mloss.config import MERGE_CONFIG_NAME  # noqa: E402
+from hf_mloss.loading.hub import resolve_model  # noqa: E402
+from hf_mloss.output.push import push_folder  # noqa: E402
+from hf_mloss.spec.config import MERGE_CONFIG_NAME  # noqa: E402
 from hf_mloss.saving import MANIFEST_NAME  # noqa: E402
 
 TOKEN = "hf_sentinel_TOKEN_123"

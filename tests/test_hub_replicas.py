@@ -39,9 +39,9 @@ from hub_replicas import (  # noqa: E402,F401  (fixtures re-exported)
 import hf_mloss  # noqa: E402
 from hf_mloss import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError  # noqa: E402
 from hf_mloss.adapters import adapter_for  # noqa: E402
-from hf_mloss.hub import conversion_pr, resolve_model  # noqa: E402
-from hf_mloss.store import CheckpointStore, must_match, unsaved_buffers  # noqa: E402
-from hf_mloss.testing import tiny_processor  # noqa: E402
+from hf_mloss.loading.hub import conversion_pr, resolve_model  # noqa: E402
+from hf_mloss.loading.store import CheckpointStore, must_match, unsaved_buffers  # noqa: E402
+from examples.tiny import tiny_processor  # noqa: E402
 
 NEVER_READ = ("tf_model.h5", "flax_model.msgpack")
 
@@ -226,7 +226,7 @@ class _RunsCode:
 
 
 def _bin_folder(tmp_path: Path, state, **save_kwargs) -> Path:
-    from hf_mloss.testing import tiny_vision_config
+    from examples.tiny import tiny_vision_config
 
     folder = tmp_path / "bin_model"
     folder.mkdir()
@@ -283,7 +283,7 @@ def no_shutdown_sleep(monkeypatch) -> None:
 def test_dtd_sample_covers_the_whole_split(replica_hub, replicas, no_shutdown_sleep) -> None:
     import datasets
 
-    from hf_mloss.data import load_pixel_values
+    from hf_mloss.loading.data import load_pixel_values
 
     pixels, info = load_pixel_values(DTD_ID, tiny_processor(), num_samples=128, seed=0)
     assert pixels.shape == (128, 3, 32, 32)
@@ -302,7 +302,7 @@ def test_dtd_sample_covers_the_whole_split(replica_hub, replicas, no_shutdown_sl
 
 
 def test_large_split_is_shuffled_across_row_groups(replica_hub, no_shutdown_sleep) -> None:
-    from hf_mloss.data import load_pixel_values
+    from hf_mloss.loading.data import load_pixel_values
 
     pixels, info = load_pixel_values(DTD_ID, tiny_processor(), num_samples=64, seed=0, whole_split_max_bytes=1000)
     assert pixels.shape[0] == 64 and info.sampling == "shuffled shards"
@@ -310,7 +310,7 @@ def test_large_split_is_shuffled_across_row_groups(replica_hub, no_shutdown_slee
 
 
 def test_local_folder_sample_records_labels(image_folder) -> None:
-    from hf_mloss.data import load_pixel_values
+    from hf_mloss.loading.data import load_pixel_values
 
     pixels, info = load_pixel_values(str(image_folder), tiny_processor(), num_samples=6, seed=0)
     assert pixels.shape[0] == 6 and info.sampling == "whole split"

@@ -1,4 +1,4 @@
-"""The gap kernel (hf_mloss.kernel) against the plain definition, computed by brute force with forward hooks on the
+"""The gap kernel (hf_mloss.engine.kernel) against the plain definition, computed by brute force with forward hooks on the
 q sources' own linears: element-wise and gated units, padded batches (padding never counted), m rows of A at once,
 and the sums of 2 processes reduced by accelerate."""
 
@@ -14,8 +14,8 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from hf_mloss.adapters import BlockContext, ScoredUnit
-from hf_mloss.kernel import GapSums, StackedTarget, reduce_sums
-from hf_mloss.walk import as_batch, embed_batches, own_walk, shared_walk
+from hf_mloss.engine.kernel import GapSums, StackedTarget, reduce_sums
+from hf_mloss.engine.walk import as_batch, embed_batches, own_walk, shared_walk
 
 Q, D, N = 3, 12, 20
 
@@ -146,7 +146,7 @@ def test_padded_batch_equals_the_plain_definition_on_each_unpadded_sequence(gate
 def test_m_rows_equal_m_separate_single_row_calls(gated, monkeypatch):
     """A mixing matrix of m rows (subsets, candidates) gives each row the sums of its own m = 1 pass, over uneven
     blocks of positions."""
-    from hf_mloss import kernel
+    from hf_mloss.engine import kernel
 
     monkeypatch.setattr(kernel, "ROWS_BLOCK_ELEMENTS", 5 * 4 * N)  # 4 positions per chunk of the 5-row pass
     activation = ACT2FN["quick_gelu"]
@@ -326,7 +326,7 @@ WORKER = textwrap.dedent(
     import json, sys, torch
     from accelerate import PartialState, debug_launcher
     from transformers.activations import ACT2FN
-    from hf_mloss.kernel import GapSums
+    from hf_mloss.engine.kernel import GapSums
 
     out = sys.argv[1]
 

@@ -1,4 +1,4 @@
-"""PEFT LoRA adapters in and out (hf_mloss.lora): adapters read as their merged models, adapters written back, and
+"""PEFT LoRA adapters in and out (hf_mloss.loading.lora): adapters read as their merged models, adapters written back, and
 parity with PEFT's own ``merge_and_unload`` and ``add_weighted_adapter``. Tiny CLIP models, offline."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from hf_mloss.errors import (
     InvalidParameterError,
     UnsupportedModelError,
 )
-from hf_mloss.testing import make_base, save_model, tiny_processor
+from examples.tiny import make_base, save_model, tiny_processor
 
 TARGETS = ["q_proj", "v_proj", "fc1", "fc2"]
 TOL = 1e-5
@@ -85,10 +85,10 @@ def assert_close_states(a: dict, b: dict, tol: float = TOL) -> None:
 def test_store_gives_merge_and_unload_weights(lora_setup):
     """Each tensor of an adapter store equals the merged model's tensor PEFT writes (rank, rsLoRA, alpha_pattern)."""
     from hf_mloss.adapters import adapter_for
-    from hf_mloss.config import ModelSpec
-    from hf_mloss.hub import resolve_model
-    from hf_mloss.lora import resolve_lora
-    from hf_mloss.store import CheckpointStore
+    from hf_mloss.spec.config import ModelSpec
+    from hf_mloss.loading.hub import resolve_model
+    from hf_mloss.loading.lora import resolve_lora
+    from hf_mloss.loading.store import CheckpointStore
 
     base_dir, adapters, full = lora_setup
     base_ref = resolve_model(base_dir)
@@ -281,7 +281,7 @@ def test_dare_ties_svd_adapter_equals_peft_with_the_same_masks(lora_setup, tmp_p
 def test_adapter_output_from_whole_clip_adapters_loads_in_clipmodel(tmp_path, image_folder):
     """Adapters trained on a full CLIPModel (text tower included): the vision tower merges as their materialised
     models do, so does the text tower (merged, as for full-model inputs), and the adapter written loads in PEFT."""
-    from hf_mloss.testing import save_clip_model
+    from examples.tiny import save_clip_model
 
     base_dir = save_clip_model(make_base(seed=0), tmp_path / "clip")
     adapters = [make_adapter(base_dir, tmp_path / f"clip_lora{i}", seed=i + 5, model_class=CLIPModel)
@@ -516,7 +516,7 @@ def test_decoder_adapters_merge_as_their_materialised_models_and_into_an_adapter
     those of the adapters' merge_and_unload() models, and a cat adapter loads in PEFT and equals PEFT's cat."""
     from transformers import LlamaForCausalLM
 
-    from hf_mloss.testing import tiny_decoder, word_tokenizer
+    from examples.tiny import tiny_decoder, word_tokenizer
 
     base_dir = tmp_path / "llama"
     tiny_decoder("llama").save_pretrained(base_dir)

@@ -564,7 +564,7 @@ def test_m_ties_lowest_loss_row_keeps_floor_nk(tmp_path, image_folder) -> None:
 
     With n_in = 10 and k = 0.7, floor(10·0.7) = 7 (the per-tensor trim keep_count also gives 7 per 10 entries).
     """
-    from hf_mloss.testing import make_tiny_setup
+    from examples.tiny import make_tiny_setup
 
     base_dir, model_dirs = make_tiny_setup(tmp_path, q=2, hidden_size=10, intermediate_size=12)
     k, e = 0.7, 0.1

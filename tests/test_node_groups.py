@@ -119,7 +119,7 @@ def test_default_node_groups_of_the_vision_families() -> None:
     from transformers import CLIPConfig, Dinov2Config, ViTConfig
 
     from hf_mloss.adapters import adapter_for, whole_model_adapter
-    from hf_mloss.testing import tiny_vision_config
+    from examples.tiny import tiny_vision_config
 
     small = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
     clip = adapter_for(tiny_vision_config())
@@ -206,11 +206,11 @@ def test_clip_m_ties_e0_still_equals_tensor_ties(tiny_paths, image_folder) -> No
 
 def merge_with_scores(base, models, method_name, scores, *, adapter_patch=None, **params) -> dict[str, torch.Tensor]:
     """A data-guided merge driven by given node scores (the hooks in a merged-prefix pass's order), no data."""
-    from hf_mloss.inputs import open_inputs
-    from hf_mloss.merger import TensorMerger
+    from hf_mloss.loading.inputs import open_inputs
+    from hf_mloss.merging.driver import TensorMerger
     from hf_mloss.methods import MergeContext
-    from hf_mloss.scoring import LayerScores
-    from hf_mloss.selection import replay_layerwise
+    from hf_mloss.engine.score import LayerScores
+    from hf_mloss.merging.selection import replay_layerwise
 
     config = hf_mloss.MergeConfig.from_kwargs(base, models, method_name, data="unused", **params)
     method, method_params = config.merge_method(), config.method_params()
@@ -229,7 +229,7 @@ def merge_with_scores(base, models, method_name, scores, *, adapter_patch=None, 
 @pytest.fixture(scope="module")
 def narrow(tmp_path_factory):
     """CLIP towers with fc1 rows of 8 entries, whose fine-tunes left block 0's fc1 weight as the base's."""
-    from hf_mloss.testing import make_base, make_finetune, save_model
+    from examples.tiny import make_base, make_finetune, save_model
 
     root = tmp_path_factory.mktemp("narrow")
     base = make_base(0, hidden_size=8, intermediate_size=16)
@@ -283,7 +283,7 @@ def test_bad_node_groups_are_refused(narrow, groups, message) -> None:
 
 def test_groups_are_deferred_until_their_scores(narrow, monkeypatch) -> None:
     """Before its scores, a block merges everything but its group; then the 2-D members, then the 1-D ones."""
-    from hf_mloss.merger import DriverRun
+    from hf_mloss.merging.driver import DriverRun
 
     calls: list[list[str]] = []
     original = DriverRun.merge

@@ -97,7 +97,7 @@ def test_svd_merges_leave_out_a_task_that_left_a_matrix_unchanged(tiny_models, t
     of that matrix. Every other tensor still agrees with fusion-bench."""
     from transformers import CLIPVisionModel
 
-    from hf_mloss.testing import save_model
+    from examples.tiny import save_model
 
     base_dir, model_dirs = tiny_models
     name = "encoder.layers.0.mlp.fc1.weight"
@@ -134,7 +134,7 @@ DECODER_CASES = [
 
 @pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "llama-tied"])
 def decoder_paths(request, tmp_path_factory):
-    from hf_mloss.testing import save_with_finetunes, tiny_decoder, word_tokenizer
+    from examples.tiny import save_with_finetunes, tiny_decoder, word_tokenizer
 
     family = request.param.removesuffix("-tied")
     base = tiny_decoder(family, tie=request.param.endswith("-tied"))
@@ -251,7 +251,7 @@ def test_della_masks_follow_mergekits_distribution(tiny_paths, tmp_path):
 @pytest.fixture(scope="module")
 def deep_paths(tmp_path_factory) -> tuple[str, list[str]]:
     """Tiny towers with 4 blocks, so that a 5-point gradient is interpolated between its points (x = 0, 1/3, 2/3, 1)."""
-    from hf_mloss.testing import make_tiny_setup
+    from examples.tiny import make_tiny_setup
 
     base, models = make_tiny_setup(tmp_path_factory.mktemp("deep"), q=3, seed=1, num_hidden_layers=4)
     return str(base), [str(m) for m in models]
@@ -344,7 +344,7 @@ def _sliced_recipes(a: str, b: str, c: str) -> dict[str, dict]:
 
 @pytest.fixture(scope="module", params=["llama", "mistral"])
 def sliced_paths(request, tmp_path_factory):
-    from hf_mloss.testing import save_with_finetunes, tiny_decoder, word_tokenizer
+    from examples.tiny import save_with_finetunes, tiny_decoder, word_tokenizer
 
     base = tiny_decoder(request.param, num_hidden_layers=4)
     base_dir, models = save_with_finetunes(base, tmp_path_factory.mktemp(f"sliced-{request.param}"), 2,

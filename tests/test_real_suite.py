@@ -13,14 +13,14 @@ import pytest
 import torch
 from transformers import Dinov2Config, Dinov2Model
 
-from hf_mloss.evaluation import ensemble_scores
-from hf_mloss.suites import domains as D
-from hf_mloss.suites.__main__ import QUICK_CHANGES, real_config, record_args
-from hf_mloss.suites.frozen import Upper, lower_drift, lower_hidden, pooled
-from hf_mloss.suites.gates import all_pass, compute_gates
-from hf_mloss.suites.protocol import MethodSpec, ReplicateResult, check_grids, kept_changed_fraction
-from hf_mloss.suites.real import interpolate
-from hf_mloss.suites.report import (
+from hf_mloss.merging.evaluation import ensemble_scores
+from benchmarks.suites import domains as D
+from benchmarks.suites.__main__ import QUICK_CHANGES, real_config, record_args
+from benchmarks.suites.frozen import Upper, lower_drift, lower_hidden, pooled
+from benchmarks.suites.gates import all_pass, compute_gates
+from benchmarks.suites.protocol import MethodSpec, ReplicateResult, check_grids, kept_changed_fraction
+from benchmarks.suites.real import interpolate
+from benchmarks.suites.report import (
     CONTROLS,
     RANDOM,
     claim_verdict,
@@ -31,11 +31,11 @@ from hf_mloss.suites.report import (
     ordering_verdict,
     why_not,
 )
-from hf_mloss.suites.report import (
+from benchmarks.suites.report import (
     test_correct as correct_of,
 )
-from hf_mloss.suites.run import method_specs
-from hf_mloss.suites.stats import Difference, holm, item_bootstrap, paired_bootstrap, paired_difference, replicate_t
+from benchmarks.suites.run import method_specs
+from benchmarks.suites.stats import Difference, holm, item_bootstrap, paired_bootstrap, paired_difference, replicate_t
 
 
 @pytest.fixture(scope="module")
@@ -301,7 +301,7 @@ def test_records_drop_the_machine_folders():
 
 def test_records_name_the_kernel_paths(monkeypatch):
     """Two CPUs round differently unless the kernel paths are pinned: the record says which were in use."""
-    from hf_mloss.suites.run import machine
+    from benchmarks.suites.run import machine
 
     monkeypatch.setenv("MKL_CBWR", "AVX2,STRICT")
     m = machine(2, (0.5, 0, 0), (1.0, 0, 0))

@@ -25,7 +25,7 @@ from hf_mloss.methods.della import keep_probabilities, magprune
 from hf_mloss.methods.model_stock import interpolation_ratio
 from hf_mloss.methods.ops import tensor_seed
 from hf_mloss.methods.slerp import DOT_THRESHOLD, slerp
-from hf_mloss.schedule import ParamSchedule, interpolate, layer_position
+from hf_mloss.spec.schedule import ParamSchedule, interpolate, layer_position
 
 ATOL = 1e-6
 T = torch.tensor
@@ -313,7 +313,7 @@ def test_slerp_whole_model(tiny_paths, ckpt, t) -> None:
 
 def test_slerp_whole_model_takes_the_spherical_branch(tmp_path) -> None:
     """Far-apart "fine-tunes" (a different random init) put every tensor below the parallel threshold."""
-    from hf_mloss.testing import make_base, save_model
+    from examples.tiny import make_base, save_model
 
     a, b = save_model(make_base(1), tmp_path / "a"), save_model(make_base(2), tmp_path / "b")
     sd_a, sd_b = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))

@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 
 import hf_mloss
 import hf_mloss.parallel
-import hf_mloss.selection
+import hf_mloss.merging.selection
 from hf_mloss import (
     CheckpointNotFoundError,
     ConfigError,
@@ -50,7 +50,7 @@ from hf_mloss import (
     UnsupportedModelError,
 )
 from hf_mloss.cli import main
-from hf_mloss.testing import make_base, make_finetune, make_image_folder, save_model
+from examples.tiny import make_base, make_finetune, make_image_folder, save_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_hub import FakeHub, fake_hub  # noqa: E402,F401  (fixture re-export)
@@ -278,12 +278,12 @@ def _twice(p: Project):
         assert tree(p.root / "twice") == first
 
 
-def _failed_overwrite(p: Project, monkeypatch_target: str = "hf_mloss.checkpoint.save_torch_state_dict"):
+def _failed_overwrite(p: Project, monkeypatch_target: str = "hf_mloss.output.checkpoint.save_torch_state_dict"):
     p.outputs.add("kept")
     result = merge_args(p, "average")
     result.save_pretrained(p.root / "kept")
     before = tree(p.root / "kept")
-    import hf_mloss.checkpoint as checkpoint
+    import hf_mloss.output.checkpoint as checkpoint
 
     original = checkpoint.save_torch_state_dict
 
@@ -558,7 +558,7 @@ def _saved(p: Project, name: str = "pushme") -> Path:
 
 
 def _push(folder: Path, hub: FakeHub | None = None, **kwargs):
-    from hf_mloss.hub_push import push_folder
+    from hf_mloss.output.push import push_folder
 
     return push_folder(folder, kwargs.pop("repo", "tester/red-team"), token=SECRET, **kwargs)
 
@@ -830,7 +830,7 @@ def _select_cli(*grid: str, method: str = "task_arithmetic") -> Callable[[Projec
 
 
 KNOBS = [
-    Case("grid_beyond_the_cap_is_refused_at_once", lambda p: hf_mloss.selection_options.SelectionOptions(
+    Case("grid_beyond_the_cap_is_refused_at_once", lambda p: hf_mloss.spec.selection.SelectionOptions(
         grid={"lam": [i / 1000 for i in range(1, 1001)], "k": [0.2, 0.5]}), InvalidParameterError,
          ("2000 candidates", "limit is 1024")),
     Case("threads_env_superscript", with_env("HF_MLOSS_THREADS", "²", lambda p: merge_args(p, "average")),

@@ -14,8 +14,8 @@ import torch
 from PIL import Image
 
 import hf_mloss
-from hf_mloss.data import load_pixel_values
-from hf_mloss.testing import make_base, make_finetune, save_model, tiny_processor
+from hf_mloss.loading.data import load_pixel_values
+from examples.tiny import make_base, make_finetune, save_model, tiny_processor
 
 
 def test_empty_and_too_small_data(tmp_path, tiny_paths):
@@ -127,7 +127,8 @@ def test_kill_9_mid_write_leaves_no_or_a_complete_folder(tmp_path, tiny_paths):
 def test_ctrl_c_during_scoring_exits_cleanly(tmp_path, tiny_paths, image_folder, monkeypatch, capsys):
     import yaml
 
-    from hf_mloss import cli, scoring
+    from hf_mloss import cli
+    from hf_mloss.engine import score as scoring
 
     base, models = tiny_paths
     config = tmp_path / "merge.yaml"
@@ -209,7 +210,7 @@ def test_thread_env_parsed_strictly_and_clamped(monkeypatch, value, expected):
 
 
 def test_non_finite_compatibility_values_are_refused_naming_the_subset(tiny_paths, image_folder, monkeypatch):
-    import hf_mloss.compatibility as compat
+    import hf_mloss.engine.compatibility as compat
 
     real = compat.subset_mloss
 
@@ -226,7 +227,7 @@ def test_non_finite_compatibility_values_are_refused_naming_the_subset(tiny_path
 
 
 def test_reports_with_nan_are_never_written(tmp_path):
-    from hf_mloss.report import MLossReport
+    from hf_mloss.output.report import MLossReport
 
     report = MLossReport(node={"l": torch.ones(2)}, node_normalized={"l": torch.ones(2)}, layer={"l": float("nan")},
                          layer_normalized={"l": 1.0}, prefix="own", reduction="abs", activation="gelu", eps=1e-4,

@@ -13,7 +13,7 @@ from huggingface_hub import ModelCard
 from transformers import AutoImageProcessor, CLIPVisionModel
 
 import hf_mloss
-from hf_mloss.config import MERGE_CONFIG_NAME
+from hf_mloss.spec.config import MERGE_CONFIG_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -93,7 +93,7 @@ def test_failed_write_leaves_no_folder(tmp_path, tiny_paths, monkeypatch):
     def boom(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr("hf_mloss.checkpoint.save_torch_state_dict", boom)
+    monkeypatch.setattr("hf_mloss.output.checkpoint.save_torch_state_dict", boom)
     with pytest.raises(OSError, match="disk full"):
         result.save_pretrained(tmp_path / "never")
     assert list(tmp_path.iterdir()) == []
@@ -105,7 +105,7 @@ def _numbers(text: str) -> list[float]:
 
 def test_golden_demo_card(tmp_path):
     """model_cards/demo_m_ties.md is the card of the offline demo's M-TIES merge; regenerate and compare."""
-    from hf_mloss import demo
+    from examples import demo
 
     demo.main(["--out", str(tmp_path / "demo")])
     fresh = (tmp_path / "demo" / "README.md").read_text()

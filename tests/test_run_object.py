@@ -17,8 +17,8 @@ import hf_mloss
 from hf_mloss import MergeConfig
 from hf_mloss._validation import param
 from hf_mloss.methods import MERGE_METHODS, LayerHooks, MergeMethod, MethodParams, register_merge_method
-from hf_mloss.options import PREFIXES, ScoringOptions
-from hf_mloss.testing import make_base, make_finetune, save_clip_model, save_model
+from hf_mloss.spec.options import PREFIXES, ScoringOptions
+from examples.tiny import make_base, make_finetune, save_clip_model, save_model
 
 IMAGES = {"num_samples": 8, "batch_size": 4}
 

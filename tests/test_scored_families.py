@@ -23,7 +23,7 @@ from safetensors import safe_open
 from transformers import AutoModel, AutoModelForCausalLM
 
 import hf_mloss
-from hf_mloss import testing
+from examples import tiny as testing
 from hf_mloss.adapters import adapter_for
 from hf_mloss.adapters.base import EMBEDDING_STAGE, BlockContext, ScoredUnit
 from hf_mloss.adapters.clip_text import CLIPTextAdapter

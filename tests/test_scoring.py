@@ -9,10 +9,10 @@ import torch
 from transformers import CLIPVisionModel
 
 import hf_mloss
-from hf_mloss.data import load_pixel_values
+from hf_mloss.loading.data import load_pixel_values
 from hf_mloss.methods.ops import elect_and_merge, trim_rows, trim_tensor
-from hf_mloss.scoring import MLossAccumulator, node_gap
-from hf_mloss.testing import tiny_processor
+from hf_mloss.engine.score import MLossAccumulator, node_gap
+from examples.tiny import tiny_processor
 
 NUM = 8
 
@@ -160,7 +160,7 @@ def test_imagefolder_and_in_memory_dataset_give_the_same_report(tiny_paths, imag
 
 def test_bf16_compute_is_close_to_fp32(tiny_paths, pixels, monkeypatch):
     base_dir, model_dirs = tiny_paths
-    from hf_mloss import scoring
+    from hf_mloss.engine import score as scoring
 
     # the bf16 numerics on any CPU: on one without bf16 instructions the scorer would fall back to float32 (tested
     # below); bf16 still computes correctly there, only slower
@@ -211,7 +211,7 @@ def test_report_round_trip(tmp_path, tiny_paths, pixels):
 
 
 def test_bf16_falls_back_to_float32_without_cpu_support(tiny_paths, pixels, monkeypatch):
-    from hf_mloss import scoring
+    from hf_mloss.engine import score as scoring
 
     monkeypatch.setattr(scoring, "native_cpu_bf16", lambda: False)
     base_dir, model_dirs = tiny_paths
@@ -225,7 +225,7 @@ def test_stacked_kernel_matches_accumulator_for_every_fused_activation():
     a fused in-place form (quick_gelu via silu, silu, relu, gelu) and without one (tanh-approximated gelu)."""
     from transformers.activations import ACT2FN
 
-    from hf_mloss.kernel import StackedTarget
+    from hf_mloss.engine.kernel import StackedTarget
 
     torch.manual_seed(0)
     q, n, d = 3, 400, 16  # 400 nodes: three blocks of the CPU kernel (170 nodes each for q = 3)
@@ -264,7 +264,7 @@ def test_own_prefix_kernel_matches_accumulator(name, reduction, monkeypatch):
     positions) equals MLossAccumulator.add on the same pre-activations, with uneven blocks."""
     from transformers.activations import ACT2FN
 
-    from hf_mloss import kernel
+    from hf_mloss.engine import kernel
 
     monkeypatch.setattr(kernel, "BLOCK_ELEMENTS", 3 * 10 * 7)  # 7 positions per block: 30 = 4 × 7 + 2
     torch.manual_seed(0)

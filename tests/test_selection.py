@@ -15,10 +15,10 @@ from transformers import CLIPVisionModel
 import hf_mloss
 from hf_mloss import MergeConfig
 from hf_mloss.cli import main
-from hf_mloss.data import load_pixel_values
-from hf_mloss.selection import candidate_groups, spread_sample
-from hf_mloss.selection_options import SelectionOptions, selection_options
-from hf_mloss.testing import make_base, make_finetune, save_model, tiny_processor
+from hf_mloss.loading.data import load_pixel_values
+from hf_mloss.merging.selection import candidate_groups, spread_sample
+from hf_mloss.spec.selection import SelectionOptions, selection_options
+from examples.tiny import make_base, make_finetune, save_model, tiny_processor
 
 NUM = 8
 

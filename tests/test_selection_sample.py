@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_mloss.selection import spread_sample
+from hf_mloss.merging.selection import spread_sample
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -17,8 +17,8 @@ from transformers import AutoModel, AutoModelForCausalLM, BertConfig, BertModel
 from hf_mloss import MergeConfig
 from hf_mloss.errors import ConfigError, IncompatibleCheckpointsError, InvalidParameterError
 from hf_mloss.methods.slerp import slerp
-from hf_mloss.schedule import interpolate
-from hf_mloss.testing import save_with_finetunes, tiny_decoder, word_tokenizer
+from hf_mloss.spec.schedule import interpolate
+from examples.tiny import save_with_finetunes, tiny_decoder, word_tokenizer
 
 LAYER = re.compile(r"(.*\.(?:layers|layer)\.)(\d+)(\..*)")
 SLERP_T = {"t": [{"filter": "self_attn", "value": [0, 0.5, 0.3, 0.7, 1]},

@@ -11,8 +11,8 @@ import json
 
 from transformers import CLIPVisionModel, Dinov2Model
 
-from hf_mloss.suites.__main__ import main
-from hf_mloss.suites.report import render
+from benchmarks.suites.__main__ import main
+from benchmarks.suites.report import render
 
 
 def gated_record(printed: str, table, replicates: int) -> dict:
@@ -76,14 +76,14 @@ def test_tiny_suite_fast_end_to_end(tmp_path, capsys):
 
 
 def test_command_line_builds_pin_the_kernel_paths(tmp_path):
-    """``python -m hf_mloss.suites`` pins ATen and MKL to their AVX2 paths before any tensor operation (so CPUs with
+    """``python -m benchmarks.suites`` pins ATen and MKL to their AVX2 paths before any tensor operation (so CPUs with
     other vector units round alike) and the record says so; a variable the user set is kept."""
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR")}
-    run = subprocess.run([sys.executable, "-m", "hf_mloss.suites", "real-smoke", "--seeds", "1", "--threads", "1",
+    run = subprocess.run([sys.executable, "-m", "benchmarks.suites", "real-smoke", "--seeds", "1", "--threads", "1",
                           "--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "out")],
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]

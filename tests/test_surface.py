@@ -30,7 +30,7 @@ def test_readme_leads_with_the_two_commands_and_stays_short():
     text = (REPO / "README.md").read_text()
     assert len(text.splitlines()) <= 250
     commands = text.split("```bash\n")[1].split("```")[0].splitlines()
-    assert commands[0].endswith("python -m hf_mloss.suites real-quick")
+    assert commands[0].endswith("python -m benchmarks.suites real-quick")
     assert commands[1].startswith('pip install torch==2.13.0 -e ".[test]" && python -m pytest')
     headings = re.findall(r"^## (.+)$", text, flags=re.M)
     assert headings[:5] == ["Quick start: merge two local folders", "Which method to start with",
@@ -80,7 +80,7 @@ def test_printed_mloss_says_prefix_q_and_how_to_read_it(tiny_paths, image_folder
 
 
 def test_leave_one_out_is_net_of_the_q_effect():
-    from hf_mloss.compatibility import CompatibilityReport
+    from hf_mloss.engine.compatibility import CompatibilityReport
 
     # q = 3: the leave-one-out sets are the pairs; exchangeable models would give each 1.0 * (1 - 1/2) / (1 - 1/3)
     # = 0.75 of the whole set's 1.0
@@ -101,7 +101,7 @@ def test_leave_one_out_is_net_of_the_q_effect():
 
 
 def test_heatmap_labels_distinguish_different_values():
-    from hf_mloss.plots import distinct_labels
+    from hf_mloss.output.plots import distinct_labels
 
     assert distinct_labels([0.4812, 0.4849, 0.12]) == ["0.481", "0.485", "0.12"]
     assert distinct_labels([0.5, 0.5, 0.25]) == ["0.5", "0.5", "0.25"]  # equal values may share a label
@@ -109,7 +109,7 @@ def test_heatmap_labels_distinguish_different_values():
 
 
 def test_node_heatmap_sorts_nodes_within_each_layer(tiny_paths, image_folder):
-    from hf_mloss.plots import node_position_matrix
+    from hf_mloss.output.plots import node_position_matrix
 
     base, models = tiny_paths
     report = hf_mloss.score(base, models, str(image_folder), num_samples=4, batch_size=4, progress=False)
@@ -139,7 +139,7 @@ def ties_config_path(tmp_path, tiny_paths) -> Path:
 
 
 def test_selection_on_a_grid_edge_warns(tiny_paths, image_folder):
-    from hf_mloss.selection import grid_edges
+    from hf_mloss.merging.selection import grid_edges
 
     assert grid_edges({"lam": [0.5, 1.0, 1.5], "k": [0.2, 0.5]}, {"lam": 1.5, "k": 0.2}) == \
         ["lam=1.5 (the highest of [0.5, 1.0, 1.5])"]  # a 2-value axis has no inside: not flagged
@@ -152,8 +152,8 @@ def test_selection_on_a_grid_edge_warns(tiny_paths, image_folder):
 
 # --------------------------------------------------------------------------------------------- promises
 def test_card_promises_a_rerun_only_when_the_recipe_can_rerun(tiny_paths, image_folder, tmp_path):
-    from hf_mloss.data import load_pixel_values
-    from hf_mloss.testing import tiny_processor
+    from hf_mloss.loading.data import load_pixel_values
+    from examples.tiny import tiny_processor
 
     base, models = tiny_paths
     pixels, _ = load_pixel_values(str(image_folder), tiny_processor(), num_samples=4)
@@ -172,7 +172,7 @@ def test_card_promises_a_rerun_only_when_the_recipe_can_rerun(tiny_paths, image_
 
 
 def test_paths_outside_the_project_are_recorded_absolute(tmp_path, monkeypatch):
-    from hf_mloss.config import _relative
+    from hf_mloss.spec.config import _relative
 
     monkeypatch.setattr(Path, "home", classmethod(lambda cls: tmp_path / "home"))
     project = tmp_path / "home" / "project"
@@ -197,7 +197,7 @@ def test_missing_processor_is_named_in_full(tmp_path, tiny_paths, image_folder):
 
 
 def test_first_sentence_never_cuts_mid_word():
-    from hf_mloss.inputs import first_sentence
+    from hf_mloss.loading.inputs import first_sentence
 
     long = "Can't load image processor for 'x' because " + "words " * 80
     cut = first_sentence(long, limit=60)
@@ -225,7 +225,7 @@ def test_card_nits(tiny_paths, image_folder, tmp_path):
 
 
 def test_evaluate_is_exported():
-    assert hf_mloss.evaluate is hf_mloss.evaluation.evaluate and "evaluate" in hf_mloss.__all__
+    assert hf_mloss.evaluate is hf_mloss.merging.evaluation.evaluate and "evaluate" in hf_mloss.__all__
     assert hf_mloss.EvalResult(accuracy={"a": 0.5, "b": 1.0}).mean == 0.75
 
 
@@ -242,8 +242,8 @@ def test_quiet_silences_transformers_loading_bars(tiny_paths, tmp_path, capfd):
 
 def test_reading_images_shows_one_bar_that_quiet_silences(image_folder, capsys):
     """Decoding and preprocessing the scoring images (streamed or from a folder) shows a "Reading images" bar."""
-    from hf_mloss.data import load_pixel_values
-    from hf_mloss.testing import tiny_processor
+    from hf_mloss.loading.data import load_pixel_values
+    from examples.tiny import tiny_processor
 
     load_pixel_values(str(image_folder), tiny_processor(), num_samples=4, progress=True)
     assert "Reading images" in capsys.readouterr().err

@@ -15,13 +15,13 @@ from safetensors.torch import load_file
 import hf_mloss
 from hf_mloss import MergeConfig
 from hf_mloss.cli import main
-from hf_mloss.data import load_pixel_values
+from hf_mloss.loading.data import load_pixel_values
 from hf_mloss.errors import InvalidParameterError
 from hf_mloss.methods import get_method, list_methods
 from hf_mloss.methods.base import MergeContext
 from hf_mloss.methods.iso import iso_cts_matrix, subspace_sizes
 from hf_mloss.methods.tsv import tsv_merge_matrix
-from hf_mloss.testing import tiny_processor
+from examples.tiny import tiny_processor
 
 SVD_METHODS = ("tsv_m", "iso_c", "iso_cts")
 
@@ -310,7 +310,7 @@ def whole_clip(tmp_path_factory):
     """A full CLIPModel (text tower, projections, logit scale) and two fine-tunes of all of it."""
     from transformers import CLIPModel
 
-    from hf_mloss.testing import make_base, save_clip_model
+    from examples.tiny import make_base, save_clip_model
 
     root = tmp_path_factory.mktemp("whole_clip")
     base_dir = save_clip_model(make_base(0), root / "base")
@@ -372,9 +372,9 @@ def test_unlabeled_selection_over_the_scale(tiny_paths, image_folder, method) ->
 def test_suite_rows_tune_the_scale_on_grids_of_the_common_size() -> None:
     """The suites tune TSV-M, Iso-C and Iso-CTS on λ grids as large as every other method's, reaching far above
     TIES's (per unit of the trained task vectors), and compare them with task arithmetic as well as TIES."""
-    from hf_mloss.suites.protocol import check_grids
-    from hf_mloss.suites.report import default_pairs
-    from hf_mloss.suites.run import method_specs
+    from benchmarks.suites.protocol import check_grids
+    from benchmarks.suites.report import default_pairs
+    from benchmarks.suites.run import method_specs
 
     for grid, size in [("full", 6), ("main", 4), ("smoke", 2)]:
         assert not {"tsv_m", "iso_c", "iso_cts"} & {s.label for s in method_specs(range(10, 12), grid)}  # opt-in

@@ -14,11 +14,11 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer
 
-from hf_mloss.config import DataSpec, MergeConfig
-from hf_mloss.data import DEFAULT_MAX_LENGTH, load_model_inputs, load_pixel_values, load_token_ids
+from hf_mloss.spec.config import DataSpec, MergeConfig
+from hf_mloss.loading.data import DEFAULT_MAX_LENGTH, load_model_inputs, load_pixel_values, load_token_ids
 from hf_mloss.errors import ConfigError, DataError, InvalidParameterError
-from hf_mloss.model_inputs import ModelInputs
-from hf_mloss.testing import save_with_finetunes, tiny_decoder, tiny_processor, word_tokenizer
+from hf_mloss.loading.model_inputs import ModelInputs
+from examples.tiny import save_with_finetunes, tiny_decoder, tiny_processor, word_tokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_hub import fake_hub  # noqa: E402,F401  (fixture re-export)
@@ -361,7 +361,7 @@ def llama_folders(tmp_path_factory):
 
 
 def open_text(base, models, data, **kwargs):
-    from hf_mloss.inputs import open_inputs
+    from hf_mloss.loading.inputs import open_inputs
 
     config = MergeConfig.from_kwargs(str(base), [str(m) for m in models], "ties", data=data, **kwargs)
     return open_inputs(config, needs_data=True, progress=False)
@@ -413,7 +413,7 @@ def test_open_inputs_of_a_text_family_refuses_what_cannot_run(text_family, llama
 
 
 def test_open_inputs_of_an_image_family_keeps_pixels(tiny_paths, image_folder):
-    from hf_mloss.inputs import open_inputs
+    from hf_mloss.loading.inputs import open_inputs
 
     base, models = tiny_paths
     config = MergeConfig.from_kwargs(base, models, "m_ties", data=str(image_folder), num_samples=6)
@@ -481,7 +481,7 @@ def test_merge_config_threads_text_fields_through_kwargs_and_yaml(tmp_path):
 
 
 def test_report_line_counts_sequences_and_tokens():
-    from hf_mloss.report import describe_data
+    from hf_mloss.output.report import describe_data
 
     line = describe_data({"source": "texts", "num_samples": 5, "num_tokens": 17, "sampling": "as given"})
     assert line == "texts, 5 sequences, 17 tokens, sampled: as given"

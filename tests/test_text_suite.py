@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from hf_mloss.suites import text as X
-from hf_mloss.suites import text_tasks as T
+from benchmarks.suites import text as X
+from benchmarks.suites import text_tasks as T
 
 
 def synthetic_task(name: str, classes: tuple[str, ...], sources: int = 12, per_source: int = 5) -> T.TextTask:

@@ -1,4 +1,4 @@
-"""Tests for `hf_mloss.theory`: TV(f') constants, q-source closed forms vs Monte Carlo, validity range, normalised
+"""Tests for `hf_mloss.engine.theory`: TV(f') constants, q-source closed forms vs Monte Carlo, validity range, normalised
 variants, paper constants, validation."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import warnings
 import pytest
 import torch
 
-from hf_mloss import theory
+from hf_mloss.engine import theory
 from hf_mloss.errors import InvalidParameterError
-from hf_mloss.theory import (
+from hf_mloss.engine.theory import (
     ACTIVATIONS,
     PAPER_ACTIVATIONS,
     ClosedFormValidityWarning,

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 import hf_mloss
-from hf_mloss.testing import make_base, make_finetune, save_model
+from examples.tiny import make_base, make_finetune, save_model
 
 
 def task_vectors(base, fts, name) -> np.ndarray:

@@ -13,8 +13,8 @@ pytest.importorskip("matplotlib")
 
 from transformers import CLIPImageProcessorPil, CLIPVisionModel  # noqa: E402
 
-from hf_mloss.suites import tasks as T  # noqa: E402
-from hf_mloss.suites.tiny import TaskHead, TinySuite, build_tiny_suite  # noqa: E402
+from benchmarks.suites import tasks as T  # noqa: E402
+from benchmarks.suites.tiny import TaskHead, TinySuite, build_tiny_suite  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -57,7 +57,7 @@ print(json.dumps(out))
 def _tiny_clip(seed: int = 0):
     from transformers import CLIPConfig, CLIPModel
 
-    from hf_mloss.testing import TINY_VISION
+    from examples.tiny import TINY_VISION
 
     torch.manual_seed(seed)
     text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=100,

@@ -21,8 +21,8 @@ from transformers import (
 
 import hf_mloss
 from hf_mloss.adapters import Dinov2Adapter, ViTAdapter, adapter_for
-from hf_mloss.hub import resolve_model
-from hf_mloss.store import CheckpointStore
+from hf_mloss.loading.hub import resolve_model
+from hf_mloss.loading.store import CheckpointStore
 
 NUM = 8
 Q = 3
@@ -257,7 +257,7 @@ def test_node_groups_default_from_the_unit_and_target_suffix_alias():
     """A unit with up and down linears groups gate rows, up rows and down columns; tensors the model lacks (no
     bias) are left out. An adapter that only sets ``target_suffix`` gets the matching unit."""
     from hf_mloss.adapters import CLIPVisionAdapter, ScoredUnit
-    from hf_mloss.testing import tiny_vision_config
+    from examples.tiny import tiny_vision_config
 
     class Gated(CLIPVisionAdapter):
         unit = ScoredUnit(gate="mlp.fc1", up="mlp.fc1", down="mlp.fc2")  # fc1 twice: names that exist

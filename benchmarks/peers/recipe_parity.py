@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.peers.run_peer import run_peer_merge
 from hf_mloss import MergeConfig
-from hf_mloss.testing import make_tiny_setup
+from examples.tiny import make_tiny_setup
 
 WEIGHTS = [1.0, 0.5, 2.0]
 RECIPES = [

@@ -47,7 +47,7 @@ from pathlib import Path
 import yaml
 
 try:  # imported as benchmarks.peers.run_peer
-    from .setup_envs import ensure_env, normalize_peer, venv_bin
+    from benchmarks.peers.setup_envs import ensure_env, normalize_peer, venv_bin
 except ImportError:  # run as a script from benchmarks/peers/
     from setup_envs import ensure_env, normalize_peer, venv_bin  # type: ignore[no-redef]
 

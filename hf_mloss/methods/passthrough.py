@@ -1,6 +1,6 @@
 """Passthrough: the output copies input layers as given (mergekit's ``passthrough``), with no arithmetic.
 
-With ``slices`` (:mod:`hf_mloss.slices`) this stacks layer ranges of one or more models, the "depth up-scaling" or
+With ``slices`` (:mod:`hf_mloss.spec.slices`) this stacks layer ranges of one or more models, the "depth up-scaling" or
 "frankenmerge" recipe: every output tensor is the tensor of the one source its slice names, renumbered.
 """
 
@@ -22,7 +22,7 @@ class PassthroughParams(MethodParams):
 
 
 class Passthrough(MergeMethod):
-    """θ = the one source tensor its slice names (the sliced base; see :class:`hf_mloss.slices.SlicePlan`)."""
+    """θ = the one source tensor its slice names (the sliced base; see :class:`hf_mloss.spec.slices.SlicePlan`)."""
 
     name = "passthrough"
     pretty_name = "Passthrough (layer stacking)"

@@ -1,0 +1,1 @@
+"""Benchmarks and the yardstick suites of hf_mloss (not part of the library wheel)."""

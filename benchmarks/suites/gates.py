@@ -1,0 +1,107 @@
+"""Gates: whether a suite is in the regime where merge methods can be ranked, computed on val before any ranking.
+
+* **G1 headroom**: fine-tuned (each on its task) − pretrained heads ≥ 30 points.
+* **G2 disentanglement**: the mean change of a task's accuracy when one foreign task vector is added
+  (θ₀ + τ_t + τ_p vs θ₀ + τ_t) ≥ −3 points, and no task where the ensemble (probabilities) is below the pretrained
+  heads.
+* **G3 method spread**: best data-free merge − average ≥ 3 points; the merge-vs-ensemble gap (ensemble − average;
+  CLIP ViT-B/32, 8 tasks: +12.7) is reported beside it, not gated.
+* **G4 scaling**: task arithmetic's chosen λ ≥ 2/q in every replicate, and task arithmetic − average ≥ 1.5 points.
+* **G5 statistics**: ≥ 4 fine-tuning replicates (``min_replicates``: a t interval over replicates needs a few degrees
+  of freedom) and ≥ 500 val and test images per task; a difference is a ranking only when both its intervals
+  (replicate t, item bootstrap) exclude 0.
+* **G6 premise** (reported, not blocking): ensemble (probabilities) − the best merge on val > 0. M-Loss measures how
+  far a merge's activations fall from the ensemble's; where no merge falls short of the ensemble, "M-Loss premise
+  absent" is printed: M-TIES's comparisons then test its trimming rule, not the premise.
+
+Every gate is computed on the checkpoints the merges use (no rescaling between experts and merges). All numbers are
+means over replicates of unweighted task means, in points.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from benchmarks.suites.protocol import ReplicateResult
+
+DATA_FREE_EXCLUDED = ("average",)
+
+
+@dataclass(frozen=True)
+class Gate:
+    name: str
+    passed: bool
+    value: str
+    rule: str
+    blocking: bool = True
+    """A failing blocking gate ranks nothing; a non-blocking one is reported beside the rankings."""
+
+    def line(self) -> str:
+        state = ("PASS" if self.passed else "FAIL") if self.blocking else ("present" if self.passed else "ABSENT")
+        return f"{self.name} {state}: {self.value} (needs {self.rule}{'' if self.blocking else '; not blocking'})"
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "passed": self.passed, "value": self.value, "rule": self.rule,
+                "blocking": self.blocking}
+
+
+PREMISE_ABSENT = "M-Loss premise absent"
+
+
+def all_pass(gates: Sequence[Gate]) -> bool:
+    """Whether every blocking gate passes (the suite may rank)."""
+    return all(g.passed for g in gates if g.blocking)
+
+
+def val_mean(results: Sequence[ReplicateResult], label: str) -> float:
+    """Mean over replicates of the val task-mean of a reference row or a method, in points."""
+    rows = [r.reference[label]["val"] if label in r.reference else r.methods[label]["val"] for r in results]
+    return 100 * float(np.mean([np.mean(list(row.values())) for row in rows]))
+
+
+def val_task_mean(results: Sequence[ReplicateResult], label: str, task: str) -> float:
+    return 100 * float(np.mean([r.reference[label]["val"][task] for r in results]))
+
+
+def compute_gates(results: Sequence[ReplicateResult], *, data_free: Sequence[str], tasks: Sequence[str],
+                  val_size: int, test_size: int, merges: Sequence[str] = (), min_replicates: int = 4) -> list[Gate]:
+    """G1-G6 (see the module docstring); ``data_free`` are the labels of the data-free merges besides average,
+    ``merges`` every merge's label (G6; default: ``data_free`` and average)."""
+    pre, own = val_mean(results, "pretrained heads"), val_mean(results, "fine-tuned (own task)")
+    avg = val_mean(results, "average")
+    foreign = 100 * float(np.mean([v for r in results for v in r.foreign.values()]))
+    worst = min(tasks, key=lambda t: val_task_mean(results, "ensemble (probabilities)", t)
+                - val_task_mean(results, "pretrained heads", t))
+    worst_gap = val_task_mean(results, "ensemble (probabilities)", worst) - val_task_mean(results, "pretrained heads",
+                                                                                           worst)
+    best = max(data_free, key=lambda label: val_mean(results, label))
+    spread = val_mean(results, best) - avg
+    ens_gap = val_mean(results, "ensemble (probabilities)") - avg
+    q = len(tasks)
+    lams = [r.methods["task_arithmetic"]["chosen"].get("lam") for r in results]
+    ta_gain = val_mean(results, "task_arithmetic") - avg
+    merges = list(merges) or [*data_free, "average"]
+    top = max(merges, key=lambda label: val_mean(results, label))
+    premise = val_mean(results, "ensemble (probabilities)") - val_mean(results, top)
+    return [
+        Gate("G1 headroom", own - pre >= 30, f"fine-tuned {own:.2f} − pretrained heads {pre:.2f} = {own - pre:+.2f}",
+             "≥ +30"),
+        Gate("G2 disentanglement", foreign >= -3 and worst_gap >= 0,
+             f"one foreign task vector {foreign:+.2f} on average; lowest ensemble − pretrained heads {worst_gap:+.2f} "
+             f"({worst})", "≥ −3 and ≥ 0 on every task"),
+        Gate("G3 method spread", spread >= 3,
+             f"best data-free merge ({best}) − average = {spread:+.2f}; ensemble − average = {ens_gap:+.2f} "
+             "(CLIP ViT-B/32: +12.7)", "spread ≥ +3"),
+        Gate("G4 scaling", all(lam is not None and lam >= 2 / q for lam in lams) and ta_gain >= 1.5,
+             f"task arithmetic λ chosen {lams} (2/q = {2 / q:.2f}); task arithmetic − average = {ta_gain:+.2f}",
+             "λ ≥ 2/q in every replicate and ≥ +1.5"),
+        Gate("G5 statistics", len(results) >= min_replicates and min(val_size, test_size) >= 500,
+             f"{len(results)} fine-tuning replicates, {val_size} val / {test_size} test images per task",
+             f"≥ {min_replicates} replicates, ≥ 500 images per task and split"),
+        Gate("G6 premise", premise > 0,
+             f"ensemble (probabilities) − best merge ({top}) = {premise:+.2f}"
+             + ("" if premise > 0 else f": {PREMISE_ABSENT}"), "> 0", blocking=False),
+    ]  # fmt: skip

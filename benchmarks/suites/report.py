@@ -1,0 +1,384 @@
+"""The results table: gates first, then (only if every gate passes) paired comparisons and the ordering verdict.
+
+Markdown for people, JSON (same numbers, plus per-replicate details) for programs. Accuracies are in points:
+means over replicates of unweighted task means. Every paired difference carries a replicate-level t interval
+(Holm-corrected within its family: the M-Loss claim, M-TIES against its three controls; the other comparisons) and
+an item-level bootstrap interval (:mod:`benchmarks.suites.stats`). The grid check says, per method, whether a chosen
+setting sits at an end of its grid and how much val accuracy one grid step costs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.suites.gates import PREMISE_ABSENT, Gate, all_pass
+from benchmarks.suites.protocol import ReplicateResult
+from benchmarks.suites.stats import Difference, Items, holm, paired_difference
+
+REFERENCE = ("pretrained heads", "fine-tuned (own task)", "ensemble (probabilities)", "ensemble (features)")
+ORDER = ("average", "task_arithmetic", "ties", "ensemble (probabilities)", "fine-tuned (own task)")
+"""The CLIP merging literature's ordering (ViT-B/32, 8 tasks), lowest first."""
+SVD_MERGES = ("tsv_m", "iso_c", "iso_cts")
+"""Compared with task arithmetic too: their papers report them far above it (and TIES)."""
+RANDOM = "m_ties (random ranks)"
+"""The random-ranks control: its draws are rows ``m_ties (random ranks, draw i)``, compared through their mean."""
+CONTROLS = (RANDOM, "m_ties (inverted ranks)", "m_ties (budget-matched uniform)")
+"""M-TIES's controls: "M-Loss helps" only if M-TIES is above all three, both intervals excluding 0."""
+CLAIM, OTHERS = "M-Loss claim", "methods"
+
+
+def draws_of(labels: Sequence[str], label: str) -> list[str]:
+    """The rows that are draws of the pooled control ``label`` (``label`` itself where it is a row)."""
+    return [m for m in labels if m.startswith(f"{label[:-1]}, draw ")] if label.endswith(")") else []
+
+
+def test_correct(results: Sequence[ReplicateResult], label: str) -> dict[tuple[int, str], np.ndarray]:
+    """(seed, task) → correctness per test image; a pooled control: the mean over its draws (a float per image)."""
+    out = {}
+    for r in results:
+        rows = [label] if label in r.correct else draws_of(list(r.correct), label)
+        if not rows:
+            raise KeyError(label)
+        for t in r.correct[rows[0]]:
+            out[r.seed, t] = np.mean([r.correct[row][t].astype(np.float64) for row in rows], axis=0)
+    return out
+
+
+def split_mean(results: Sequence[ReplicateResult], label: str, split: str) -> float:
+    rows = [r.reference[label][split] if label in r.reference else r.methods[label][split] for r in results]
+    return 100 * float(np.mean([np.mean(list(row.values())) for row in rows]))
+
+
+def task_means(results: Sequence[ReplicateResult], label: str, split: str) -> dict[str, float]:
+    rows = [r.reference[label][split] if label in r.reference else r.methods[label][split] for r in results]
+    return {t: 100 * float(np.mean([row[t] for row in rows])) for t in rows[0]}
+
+
+def family_of(a: str, b: str) -> str:
+    return CLAIM if a == "m_ties" and b in CONTROLS else OTHERS
+
+
+def comparisons(results: Sequence[ReplicateResult], pairs: Sequence[tuple[str, str]], *, draws: int = 2000,
+                items: Items | None = None) -> dict[tuple[str, str], Difference]:
+    """Every pair's :func:`~benchmarks.suites.stats.paired_difference` (``items``: task → source item per test
+    image), then Holm's correction within each family."""
+    diffs = {(a, b): paired_difference(test_correct(results, a), test_correct(results, b), items, draws=draws,
+                                       seed=i, family=family_of(a, b))
+             for i, (a, b) in enumerate(pairs)}
+    return holm(diffs)
+
+
+def pooled_labels(labels: Sequence[str]) -> list[str]:
+    """``labels`` with each control's draws replaced by the pooled control (at the first draw's place)."""
+    out = []
+    for label in labels:
+        pooled = next((c for c in (RANDOM,) if label in draws_of(labels, c)), None)
+        out.append(pooled or label)
+    return list(dict.fromkeys(out))
+
+
+def default_pairs(labels: Sequence[str]) -> list[tuple[str, str]]:
+    """M-TIES vs each of its controls (the claim), then each method vs TIES, M-TIES vs its other ablations, the
+    SVD-based merges vs task arithmetic, and the adjacent pairs of the literature's ordering."""
+    methods = [m for m in pooled_labels(labels) if m not in REFERENCE]
+    pairs = [("m_ties", c) for c in CONTROLS if {"m_ties", c} <= set(methods)]
+    pairs += [(m, "ties") for m in methods if m != "ties" and "ties" in methods]
+    pairs += [("m_ties", m) for m in methods if m.startswith("m_ties (")]
+    pairs += [(m, "task_arithmetic") for m in SVD_MERGES if {m, "task_arithmetic"} <= set(methods)]
+    pairs += [(hi, lo) for lo, hi in itertools.pairwise(ORDER) if {lo, hi} <= set(labels)]
+    return list(dict.fromkeys(pairs))
+
+
+def claim_verdict(diffs: dict[tuple[str, str], Difference], passed: bool, premise: bool = True) -> list[str]:
+    """Which way M-TIES goes against each control, and whether "M-Loss helps" follows (M-TIES above all three,
+    both intervals excluding 0, every blocking gate passing)."""
+    lines, above = [], []
+    for control in CONTROLS:
+        d = diffs.get(("m_ties", control))
+        if d is None:
+            lines.append(f"m_ties − {control}: not measured")
+            continue
+        above.append(d.verdict == "higher")
+        lines.append(f"m_ties − {control} = {d.mean:+.2f}: {d.verdict} ({interval_text(d)})")
+    holds = passed and len(above) == len(CONTROLS) and all(above)
+    if holds:
+        lines.append("M-Loss helps here: M-TIES is above all three controls, both intervals excluding 0.")
+    else:
+        why = ("a blocking gate fails" if not passed else "not every control was run" if len(above) < len(CONTROLS)
+               else "M-TIES is not above all three controls with both intervals excluding 0")
+        lines.append(f"M-Loss helping is not shown here: {why}.")
+    if not premise:
+        lines.append(f"{PREMISE_ABSENT}: no merge falls short of the ensemble on val (G6), so these comparisons test "
+                     "M-TIES's trimming rule, not the premise that M-Loss measures a shortfall.")
+    return lines
+
+
+def interval_text(d: Difference) -> str:
+    t = (f"replicate t [{d.t_low:+.2f}, {d.t_high:+.2f}] at {100 * d.t_level:.1f} % (Holm), p {d.p_holm:.3g}"
+         if d.t_low is not None else "no replicate interval (1 replicate)")
+    return f"item bootstrap [{d.low:+.2f}, {d.high:+.2f}]; {t}"
+
+
+def grid_check(results: Sequence[ReplicateResult]) -> list[dict]:
+    """Per method and searched parameter: the chosen value per replicate, whether it is an end of the grid, the
+    grid step, the val points lost one step away on each side (None at an end), and the optimum of the parabola
+    through the chosen point and its neighbours (the unsearched optimum nearby: within half a step when the chosen
+    point is inside the grid and val is concave there)."""
+    rows = []
+    for label in results[0].methods:
+        grid = results[0].methods[label]["val_grid"]
+        names = [n for n in (grid[0]["setting"] if grid else {}) if len({g["setting"][n] for g in grid}) > 1]
+        for name in names:
+            row = {"method": label, "parameter": name, "chosen": [], "edge": [], "step": None, "loss": [],
+                   "vertex": []}
+            for r in results:
+                method = r.methods[label]
+                chosen = method["chosen"]
+                line = sorted((g["setting"][name], g["val_mean"]) for g in method["val_grid"]
+                              if all(g["setting"][k] == v for k, v in chosen.items() if k != name))
+                values = [v for v, _ in line]
+                i = values.index(chosen[name])
+                row["chosen"].append(chosen[name])
+                row["edge"].append(i in (0, len(values) - 1))
+                row["step"] = round(float(np.min(np.diff(values))), 4) if len(values) > 1 else None
+                best = line[i][1]
+                row["loss"].append([None if j < 0 or j >= len(line) else round(100 * (best - line[j][1]), 2)
+                                    for j in (i - 1, i + 1)])
+                row["vertex"].append(parabola_vertex(line[i - 1:i + 2]) if 0 < i < len(line) - 1 else None)
+            rows.append(row)
+    return rows
+
+
+def parabola_vertex(points: Sequence[tuple[float, float]]) -> float | None:
+    """The x of the maximum of the parabola through three (x, y) points (None where it is not concave)."""
+    (x0, y0), (x1, y1), (x2, y2) = points
+    a = np.polyfit([x0, x1, x2], [y0, y1, y2], 2)
+    return None if a[0] >= 0 else round(float(-a[1] / (2 * a[0])), 3)
+
+
+def grid_check_lines(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    lines = ["## Grid check (val)", "",
+             ("| method | parameter | chosen per replicate | grid step | at an end | val points lost one step below / "
+              "above | parabola optimum |"), "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        edges = [i for i, e in enumerate(row["edge"]) if e]
+        loss = "; ".join(" / ".join("end" if v is None else f"{v:.2f}" for v in pair) for pair in row["loss"])
+        vertex = ", ".join("-" if v is None else f"{v:g}" for v in row["vertex"])
+        edge = "no" if not edges else f"YES ({len(edges)} of {len(row['edge'])})"
+        lines.append(f"| {row['method']} | {row['parameter']} | {', '.join(f'{v:g}' for v in row['chosen'])} | "
+                     f"{row['step']:g} | {edge} | {loss} | {vertex} |")
+    ok = not any(any(row["edge"]) for row in rows)
+    lines += ["", "Edge check: " + ("no chosen setting is at an end of its grid." if ok else
+                                    "a chosen setting is at an end of its grid (marked YES): the best setting may "
+                                    "lie beyond it.")]
+    return lines
+
+
+def trim_lines(results: Sequence[ReplicateResult]) -> list[str]:
+    labels = list(dict.fromkeys(label for r in results for label in r.trim))
+    lines = []
+    for label in labels:
+        params = _params(results, label)
+        values = [100 * r.trim[label] for r in results if label in r.trim]
+        budget = results[0].methods[label]["params"].get("budget", "all")
+        lines.append(f"{label} ({params}, budget={budget}) keeps {np.mean(values):.1f} % of the entries the "
+                     f"fine-tunes changed (per replicate: {', '.join(f'{v:.1f}' for v in values)}).")
+    return lines
+
+
+def ordering_verdict(diffs: dict[tuple[str, str], Difference], results: Sequence[ReplicateResult] = ()
+                     ) -> list[str]:
+    """One line per adjacent pair of :data:`ORDER`: whether the higher one is above, by its paired interval; where
+    it is not, and ``results`` are given, the likely reason with the measurements behind it (:func:`why_not`)."""
+    lines = []
+    for lo, hi in itertools.pairwise(ORDER):
+        d = diffs.get((hi, lo))
+        if d is None:
+            continue
+        holds = {"higher": "holds", "lower": "reversed", "not separated": "not separated"}[d.verdict]
+        line = f"{lo} < {hi}: {holds} ({hi} − {lo} = {d.mean:+.2f}; {interval_text(d)})"
+        reason = why_not(lo, hi, results) if d.verdict != "higher" and results else None
+        lines.append(f"{line}. Likely why: {reason}" if reason else line)
+    return lines
+
+
+def why_not(lo: str, hi: str, results: Sequence[ReplicateResult]) -> str | None:
+    """What the measurements say about a step of the literature's ordering that does not appear (val numbers)."""
+    q = len(results[0].reference["pretrained heads"]["val"])
+    lams = [r.methods["task_arithmetic"]["chosen"].get("lam") for r in results if "task_arithmetic" in r.methods]
+    lam = f"λ {', '.join(f'{v:g}' for v in lams)} vs 1/q = {1 / q:.3g}" if lams else "its λ"
+    foreign = 100 * float(np.mean([v for r in results for v in r.foreign.values()]))
+    one_foreign = f"adding one foreign task vector changes a task by {foreign:+.2f} points on average, G2"
+    if (lo, hi) == ("average", "task_arithmetic"):
+        return (f"task arithmetic is the average at λ = 1/q; it chose {lam}, so scaling the task vectors up gains "
+                f"little here ({one_foreign}).")
+    if (lo, hi) == ("task_arithmetic", "ties"):
+        if foreign >= -3:
+            return (f"TIES adds trimming and sign election to task arithmetic, to resolve interference between task "
+                    f"vectors; {one_foreign}, so there is little interference for them to resolve.")
+        return (f"{one_foreign}: the task vectors interfere in function, and TIES's trimming and sign election, "
+                "which act on the weights one coordinate at a time, do not resolve it here.")
+    if (lo, hi) == ("ties", "ensemble (probabilities)"):
+        gap = split_mean(results, "ensemble (probabilities)", "val") - split_mean(results, "average", "val")
+        close = (f"the ensemble weighs every member's probabilities by 1/q, and ensemble − average is {gap:+.2f} "
+                 "points on val (CLIP ViT-B/32: +12.7)")
+        if foreign >= -3:
+            return (f"{close}; {one_foreign}. With small, disentangled task vectors the models are nearly linear "
+                    f"in their weights, so averaging outputs behaves like averaging weights, while task arithmetic "
+                    f"({lam}) and TIES apply the task vectors at a larger scale, which no average of the members' "
+                    "outputs can do.")
+        return (f"{close}; {one_foreign}, so on each task the q − 1 members fine-tuned elsewhere are as far off as "
+                "the merges are, and the ensemble dilutes the one member that knows the task.")
+    if (lo, hi) == ("ensemble (probabilities)", "fine-tuned (own task)"):
+        return (f"on each task, q − 1 = {q - 1} of the ensemble's members were fine-tuned on other tasks; here they "
+                "do not pull it below the member fine-tuned on the task itself.")
+    return None
+
+
+def _params(results: Sequence[ReplicateResult], label: str) -> str:
+    chosen = [r.methods[label]["chosen"] for r in results]
+    text = [", ".join(f"{k}={v}" for k, v in c.items()) or "-" for c in chosen]
+    return text[0] if len(set(text)) == 1 else " / ".join(text)
+
+
+def grid_edges(results: Sequence[ReplicateResult]) -> list[str]:
+    """'label (seed s): name=value' for every chosen setting that sits on the low or high end of a searched
+    parameter: the best setting may lie outside the grid, and the method may do better than the table says."""
+    edges = []
+    for r in results:
+        for label, method in r.methods.items():
+            for name, value in method["chosen"].items():
+                values = {g["setting"][name] for g in method["val_grid"]}
+                if len(values) > 1 and value in (min(values), max(values)):
+                    end = "low" if value == min(values) else "high"
+                    edges.append(f"{label} (seed {r.seed}): {name}={value}, the {end} end of its grid")
+    return edges
+
+
+def markdown(results: Sequence[ReplicateResult], gates: Sequence[Gate], diffs: dict[tuple[str, str], Difference],
+             header: Sequence[str] = ()) -> str:
+    tasks = list(results[0].reference["pretrained heads"]["test"])
+    lines = [*header, "## Gates (val)", ""]
+    lines += [f"- {g.line()}" for g in gates]
+    passed = all_pass(gates)
+    premise = next((g.passed for g in gates if g.name.startswith("G6")), True)
+    verdict = ("All gates pass: the differences below may be read as rankings where their interval excludes 0."
+               if passed else "**A gate fails: this suite ranks nothing.** The numbers below are measurements only.")
+    lines += ["", verdict, ""]
+    if not premise:
+        lines += [f"**{PREMISE_ABSENT}** (G6): the ensemble is not above the best merge on val.", ""]
+    columns = "| row | chosen on val (per replicate) | val | test | " + " | ".join(tasks) + " |"
+    lines += ["## Accuracy (%)", "", columns,
+              "|" + "---|" * (4 + len(tasks))]
+    labels = [*REFERENCE, *results[0].methods]
+    for label in labels:
+        params = "-" if label in REFERENCE else _params(results, label)
+        cells = " | ".join(f"{v:.1f}" for v in task_means(results, label, "test").values())
+        lines.append(f"| {label} | {params} | {split_mean(results, label, 'val'):.2f} | "
+                     f"{split_mean(results, label, 'test'):.2f} | {cells} |")
+    seeds = [r.seed for r in results]
+    note = (f"Val and test columns: means over {len(results)} fine-tuning replicates (seeds {seeds}) of the "
+            "unweighted task mean; task columns are test.")
+    lines += ["", note]
+    trims = trim_lines(results)
+    if trims:
+        lines += ["", *trims]
+    checks = grid_check(results)
+    if checks:
+        lines += ["", *grid_check_lines(checks)]
+    if any(("m_ties", c) in diffs for c in CONTROLS):
+        lines += ["", "## Does M-Loss help? (M-TIES against its three controls, test)", ""]
+        lines += [f"- {line}" for line in claim_verdict(diffs, passed, premise)]
+    lines += differences_section(diffs, passed, results)
+    return "\n".join(lines) + "\n"
+
+
+def differences_section(diffs: dict[tuple[str, str], Difference], passed: bool,
+                        results: Sequence[ReplicateResult] = ()) -> list[str]:
+    """The paired differences and the literature's ordering; when a gate fails they are printed as measurements,
+    every verdict marked "not ranked"."""
+    mark = (lambda v: v) if passed else (lambda v: f"{v} (not ranked)")
+    title = ("## Paired differences (test, points)" if passed else
+             "## Paired differences, measured only: a gate fails, so none is a ranking (test, points)")
+    note = ("Item bootstrap: 95 % percentile interval resampling source items per task (photo regions, emoji, "
+            "scans; procedural images one by one), replicates fixed. Replicate t: interval over the per-replicate "
+            "differences at the level of its Holm step within its family (M-Loss claim; other methods), with the "
+            "Holm-adjusted p. A verdict needs both intervals to exclude 0.")
+    columns = ("| difference | family | mean | item bootstrap 95 % | replicate t (Holm level) | p (Holm) | "
+               "per replicate | verdict |")
+    lines = ["", title, "", note, "", columns, "|---|---|---|---|---|---|---|---|"]
+    for (a, b), d in diffs.items():
+        reps = ", ".join(f"{v:+.2f}" for v in d.per_replicate)
+        t = "-" if d.t_low is None else f"[{d.t_low:+.2f}, {d.t_high:+.2f}] ({100 * d.t_level:.1f} %)"
+        p = "-" if d.p_holm is None else f"{d.p_holm:.3g}"
+        lines.append(f"| {a} − {b} | {d.family or '-'} | {d.mean:+.2f} | [{d.low:+.2f}, {d.high:+.2f}] | {t} | {p} | "
+                     f"{reps} | {mark(d.verdict)} |")
+    lines += ["", "## The literature's ordering (average < task arithmetic < TIES < ensemble < individual)", ""]
+    lines += [f"- {line}" if passed else f"- {line} (not ranked)" for line in ordering_verdict(diffs, results)]
+    return lines
+
+
+def to_json(results: Sequence[ReplicateResult], gates: Sequence[Gate], diffs: dict[tuple[str, str], Difference],
+            extra: dict[str, Any]) -> dict[str, Any]:
+    labels = [*REFERENCE, *results[0].methods]
+    premise = next((g.passed for g in gates if g.name.startswith("G6")), True)
+    return {
+        **extra,
+        "gates": [g.to_dict() for g in gates],
+        "all_gates_pass": all_pass(gates),
+        "premise_present": premise,
+        "claim": claim_verdict(diffs, all_pass(gates), premise) if any(("m_ties", c) in diffs for c in CONTROLS)
+        else [],
+        "grid_check": grid_check(results),
+        "trim": trim_lines(results),
+        "summary": {label: {"val": split_mean(results, label, "val"), "test": split_mean(results, label, "test"),
+                            "test_per_task": task_means(results, label, "test")} for label in labels},
+        "differences": [{"a": a, "b": b, **d.to_dict()} for (a, b), d in diffs.items()],
+        "ordering": ordering_verdict(diffs, results),
+        "replicates": [{"seed": r.seed, "reference": r.reference, "foreign": r.foreign, "methods": r.methods,
+                        "trim": r.trim} for r in results],
+    }  # fmt: skip
+
+
+def from_json(record: dict[str, Any]) -> tuple[list[ReplicateResult], list[Gate], dict[tuple[str, str], Difference]]:
+    """The replicates (without per-image correctness), gates and differences of a results record (:func:`to_json`)."""
+    results = [ReplicateResult(seed=r["seed"], reference=r["reference"], foreign=r["foreign"], methods=r["methods"],
+                               trim=r.get("trim", {})) for r in record["replicates"]]
+    gates = [Gate(**g) for g in record["gates"]]
+    fields = set(Difference.__dataclass_fields__)
+    diffs = {(d["a"], d["b"]): Difference(**{**{k: v for k, v in d.items() if k in fields},
+                                             "per_replicate": tuple(d["per_replicate"])})
+             for d in record["differences"]}
+    return results, gates, diffs
+
+
+def render(json_path: Path) -> None:
+    """Rewrite a results record's Markdown (beside it) and its derived fields with this version of the report, from
+    its JSON: no number is recomputed. The header is the record's, or that of the Markdown it replaces."""
+    json_path = Path(json_path)
+    record = json.loads(json_path.read_text())
+    md_path = json_path.with_suffix(".md")
+    header = record.get("header") or md_path.read_text().split("## Gates (val)")[0].rstrip("\n").split("\n")
+    results, gates, diffs = from_json(record)
+    record["header"], record["ordering"] = header, ordering_verdict(diffs, results)
+    premise = next((g.passed for g in gates if g.name.startswith("G6")), True)
+    if any(("m_ties", c) in diffs for c in CONTROLS):
+        record["claim"] = claim_verdict(diffs, all_pass(gates), premise)
+    md_path.write_text(markdown(results, gates, diffs, [*header, ""]))
+    json_path.write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    import sys
+
+    for name in sys.argv[1:] or sys.exit("usage: python -m benchmarks.suites.report RESULTS.json [...]"):
+        render(Path(name))
+        print(f"rendered {Path(name).with_suffix('.md')}")

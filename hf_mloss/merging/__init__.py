@@ -1,0 +1,2 @@
+"""The merge side: the merge driver (driver), label-free selection (selection) and evaluation with
+labels (evaluation)."""

@@ -1,0 +1,325 @@
+"""``merge()`` and the merge driver: tensor by tensor for data-free methods, block by block for data-guided ones.
+
+Memory: the merged model (loaded from the base, in float32) plus, at any time, the q sources' copies of ONE tensor
+(data-free methods) or of one block's scored linear (data-guided methods). Source checkpoints are read lazily.
+The driver names no method: a data-guided method supplies :class:`~hf_mloss.methods.LayerHooks` that decide what
+is merged while the M-Loss scorer walks the blocks.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tqdm.auto import tqdm
+
+from ..spec.config import MergeConfig
+from ..distributed import describe_device
+from ..errors import CorruptCheckpointError, InvalidParameterError
+from ..loading.inputs import RunInputs, as_dtype, open_inputs
+from ..methods import LayerwiseRun, MergeContext, MergeMethod
+from ..parallel import Workers, cpu_workers
+from ..parallel import active as active_workers
+from ..output.result import MergeResult
+from ..spec.schedule import TensorParameters, replace_params
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from ..output.report import MLossReport
+
+
+def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | None = None, progress: bool = True,
+              select_and_merge: Callable[..., tuple[MergeConfig, MLossReport]] | None = None,
+              scored_part_only: bool = False) -> MergeResult:
+    """Run a validated config (see :func:`hf_mloss.run`).
+
+    ``select_and_merge`` runs a config's label-free selection (:func:`hf_mloss.merging.selection.select_and_merge`, which
+    drives this module's merger): the caller passes it, so the driver does not depend on the selection built on it.
+    ``scored_part_only``: merge only the model a scoring pass runs (a whole CLIPModel's vision tower; the model itself
+    for a family without towers), for the merged-prefix M-Loss of ``score(prefix="merged")``.
+    """
+    method = config.merge_method()
+    params = config.method_params()
+    needs_data = method.needs_data or config.select is not None
+    with open_inputs(config, device=device, token=token, needs_data=needs_data, progress=progress,
+                     whole_model=config.output in ("auto", "adapter") and not scored_part_only) as inputs, \
+            cpu_workers(inputs.device) as workers:
+        from ..loading.lora import build_adapter_output, plan_adapter_output
+
+        adapter_plan = plan_adapter_output(config, inputs)  # output="adapter": refused here, before any work
+        # the inputs as given (a passthrough reads every model through its sliced base): recorded and carded
+        slice_plan, given = None, inputs
+        if config.slices is not None:  # output blocks re-stacked from layer ranges (hf_mloss.spec.slices)
+            from ..spec.slices import apply_slices
+
+            inputs, model, slice_plan = apply_slices(config, inputs, working_dtype(config, inputs, needs_data=False))
+        else:
+            output = inputs.scoring_output() if scored_part_only else "auto" if adapter_plan else config.output
+            model = inputs.load_output_model(output, progress=progress,
+                                             dtype=working_dtype(config, inputs, needs_data=needs_data))
+        tower = inputs.adapter.tower(model)
+        ctx = MergeContext(params=params, weights=inputs.alpha.to(inputs.device, torch.float32), seed=config.seed)
+        tensor_params = TensorParameters(method, config.parameters, inputs.adapter,
+                                         slice_plan.positions if slice_plan else None)
+        merger = TensorMerger(inputs, method, ctx, model, workers,  # every merged tensor: a whole model's too
+                              tensor_params=tensor_params)
+        outside = outside_tower_names(inputs, merger.names)
+        report = None
+        if config.select is not None:
+            if select_and_merge is None:
+                raise InvalidParameterError("This config selects its parameters (select: ...); run it with "
+                                            "hf_mloss.run(config).")
+            refuse_changed_outside(inputs, outside, "Label-free selection (select=...)")
+            merger.names = [n for n in merger.names if n not in set(outside)]  # equal to the base's: kept as is
+            config, report = select_and_merge(config.replace(select=config.select.recorded()), inputs, merger, tower,
+                                              progress=progress, token=token)
+            params = merger.ctx.params
+        elif method.needs_data:
+            report = merge_layerwise(config, inputs, merger, tower, method, progress=progress)
+        else:
+            method.prepare(ctx, merger.visit)
+            merger.merge(merger.names, progress=progress, desc=f"Merging ({config.method})")
+        if report is None:  # data-free: a report that says so, so `result.report.summary()` always works
+            from ..output.report import MLossReport
+
+            report = MLossReport.not_computed(config.method, [r.name for r in inputs.refs],
+                                              (inputs.alpha / inputs.alpha.sum()).tolist())
+        out_dtype = as_dtype(config.dtype) if config.dtype else stored_dtype(inputs)
+        model = finalize(model, merger, out_dtype)
+        lora = None if adapter_plan is None else build_adapter_output(adapter_plan, config, inputs, merger.targets,
+                                                                      out_dtype)
+        record = recorded_config(config, given)
+        description = method.describe(params)
+        if outside and method.needs_data and config.select is None:
+            description += " " + outside_rule_note(inputs, method, params, outside)
+        if lora is not None:  # the adapter as written: its combination, and the rank an SVD used
+            record.combination, record.lora_rank = lora.combination, lora.rank if lora.combination == "svd" else None
+        record.resolved_parameters = tensor_params.record(merger.names) if tensor_params else None
+        return MergeResult(model=model, config=record, report=report, base=inputs.base.ref, models=given.refs,
+                           adapter=inputs.adapter, data_info=inputs.data_info, method_description=description,
+                           lora=lora, device=describe_device(inputs.device))
+
+
+def outside_tower_names(inputs: RunInputs, names: Sequence[str]) -> list[str]:
+    """The merged tensors outside the scored tower of a whole-model merge (a CLIPModel's text tower, projections,
+    ``logit_scale``); empty when the merge is one tower or a family without a tower."""
+    adapter = inputs.adapter
+    if not getattr(adapter, "whole_model", False):
+        return []
+    return [n for n in names if adapter.is_outside_tower(n)]
+
+
+def changed_names(inputs: RunInputs, names: Sequence[str]) -> list[str]:
+    """The ``names`` that some model holds with other values than the base."""
+    changed = []
+    for name in names:
+        base = inputs.base.get(name)
+        if any(not torch.equal(s.get(name).to(base.dtype), base) for s in inputs.sources):
+            changed.append(name)
+    return changed
+
+
+def refuse_changed_outside(inputs: RunInputs, outside: Sequence[str], what: str) -> None:
+    """Refuse a run that would keep the base's values of tensors the fine-tunes changed outside the scored tower."""
+    changed = changed_names(inputs, outside)
+    if changed:
+        raise InvalidParameterError(
+            f"{what} works on the vision tower, but the fine-tunes also changed {len(changed)} tensor(s) outside it "
+            f"(e.g. {changed[:3]}), which would silently keep the base's values. Pass output='tower' to merge and "
+            "save the vision tower only, or merge the whole model without select=.")
+
+
+def outside_rule_note(inputs: RunInputs, method: MergeMethod, params: Any, outside: Sequence[str]) -> str:
+    """The card's sentence on how a data-guided method merged the tensors its scoring data does not reach."""
+    rule = (f"DARE (keep probability p={params.p}, survivors x 1/p)" if method.name == "m_dare" else
+            f"TIES (per-tensor trim at k={params.k}, sign election, disjoint mean)")
+    changed = len(changed_names(inputs, outside))
+    return (f"M-Loss scored the vision tower on images. The {len(outside)} tensors outside it (text tower, "
+            f"projections, logit scale; {changed} changed by the fine-tunes) have no scoring data: they were merged "
+            f"by the method's data-free rule, {rule}, with lam={params.lam}.")
+
+
+class TensorMerger:
+    """Reads, checks and merges tensors into the model (its tower's, or every merged tensor of a whole model)."""
+
+    def __init__(self, inputs: RunInputs, method: MergeMethod, ctx: MergeContext, tower: PreTrainedModel,
+                 workers: Workers | None = None, *, tensor_params: TensorParameters | None = None) -> None:
+        self.inputs, self.method, self.ctx, self.device = inputs, method, ctx, inputs.device
+        self.tensor_params = tensor_params  # per-layer / per-tensor parameter values, when the config has any
+        self.workers = workers or active_workers()
+        adapter = inputs.adapter
+        self.targets = {name: v for k, v in tower.state_dict().items()
+                        if (name := adapter.canonical_key(k)) is not None}
+        self.names = [n for n in inputs.names if n in self.targets]
+        self.done: set[str] = set()
+        self.checked: set[str] = set()  # merged tensors found finite (in float32) when they were written
+        ctx.state["total_numel"] = sum(math.prod(inputs.base.shapes[n]) for n in self.names)
+
+    def read(self, name: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        base = self.targets[name].float() if name not in self.done else self.inputs.base.get_float(name, self.device)
+        sources = []
+        for store in self.inputs.sources:
+            tensor = store.get_float(name, self.device)
+            # One reduction instead of a full isfinite mask: any NaN/Inf (or an overflowing sum) makes the sum
+            # non-finite, and only then are the entries counted.
+            if not torch.isfinite(tensor.sum()) and not torch.isfinite(tensor).all():
+                bad = int((~torch.isfinite(tensor)).sum())
+                raise CorruptCheckpointError(
+                    f"{name!r} of {store.ref.name!r} holds {bad} non-finite value(s) (NaN/Inf); a merge would spread "
+                    "them. Fix or exclude that checkpoint.")
+            sources.append(tensor)
+        return base, sources
+
+    def visit(self, fn) -> None:
+        for name in self.names:
+            base, sources = self.read(name)
+            fn(name, base, sources)
+
+    @torch.no_grad()
+    def merge(self, names: Sequence[str], *, progress: bool = False, desc: str = "Merging") -> None:
+        """Merge the ``names`` not merged yet into the model, spread over the run's workers."""
+        pending = list(dict.fromkeys(n for n in names if n not in self.done))
+        with tqdm(total=len(pending), desc=desc, unit="tensor", disable=not progress) as bar:
+            for name in self.workers.imap(self._merge_one, pending):
+                self.done.add(name)
+                bar.update()
+
+    def _merge_one(self, name: str) -> str:
+        base, sources = self.read(name)
+        ctx = replace_params(self.ctx, self.tensor_params.for_tensor(name)) if self.tensor_params else self.ctx
+        if self.method.zero_delta_is_base and all(torch.equal(s, base) for s in sources):
+            merged = base  # no source changed it (a frozen part): θ₀ + f(0) = θ₀, without trimming q zero tensors
+        else:
+            merged = self.method.merge_tensor(name, base, sources, ctx)
+        del sources
+        # Checked here, while the tensor is in cache, instead of in a separate pass over the model in `finalize`
+        # (5.7 s of a 128 s TIES merge on 2 busy cores): one reduction, and the full mask only when the sum is not
+        # finite (NaN/Inf, or finite values whose sum overflows).
+        if torch.isfinite(merged.sum()) or torch.isfinite(merged).all():
+            self.checked.add(name)
+        target = self.targets[name]
+        if target.dtype != merged.dtype and merged is not base and name in self.checked and merged.numel():
+            check_fits(name, float(merged.abs().max()), target.dtype)  # before the rounding hides an overflow
+        target.copy_(merged)
+        return name
+
+
+class DriverRun(LayerwiseRun):
+    """The driver's side of a data-guided merge: what :class:`~hf_mloss.methods.LayerHooks` may ask for."""
+
+    def __init__(self, merger: TensorMerger) -> None:
+        self.merger = merger
+        self.ctx, self.adapter, self.device = merger.ctx, merger.inputs.adapter, merger.device
+        self.records: dict[str, dict[str, torch.Tensor]] = {}
+        self.stages: dict[int, list[str]] = {}
+        for name in merger.names:
+            self.stages.setdefault(self.adapter.stage_of(name), []).append(name)
+
+    def stage_names(self, stage: int) -> list[str]:
+        return list(self.stages.get(stage, []))
+
+    def merge(self, names: list[str]) -> None:
+        self.merger.merge(names)
+
+    def merge_remaining(self) -> None:
+        self.merger.merge(self.merger.names)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.merger.inputs.base.shapes[name])
+
+    def record(self, kind: str, target: str, values: torch.Tensor) -> None:
+        self.records.setdefault(kind, {})[target] = values
+
+
+def merge_layerwise(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: PreTrainedModel,
+                    method: MergeMethod, *, progress: bool) -> MLossReport:
+    """Score and merge block by block through the method's hooks; returns the M-Loss report the merge used."""
+    from ..engine.score import build_report, make_setup, score_own_prefix, score_shared_prefix
+
+    options = method.scoring_options(merger.ctx.params)
+    run = DriverRun(merger)
+    hooks = method.layer_hooks(run)
+    if options.prefix == "merged":
+        setup = make_setup(inputs, tower, options, config, progress=progress)
+        results = score_shared_prefix(setup, hooks)
+    else:
+        # The scorer's model must not be the merge container: own-prefix scoring swaps weights into it.
+        setup = make_setup(inputs, copy.deepcopy(tower), options, config, progress=progress)
+        results = score_shared_prefix(setup) if options.prefix == "base" else score_own_prefix(setup)
+        for layer in setup.scored_layers():
+            hooks.after_scores(layer, results[inputs.adapter.target_name(layer)].scores())
+        hooks.after_all()
+    merger.merge(merger.names)  # whatever the hooks left
+    return build_report(setup, results, models=[r.name for r in inputs.refs], data_info=inputs.data_info,
+                        records=run.records)
+
+
+@torch.no_grad()
+def finalize(model: PreTrainedModel, merger: TensorMerger, dtype: torch.dtype) -> PreTrainedModel:
+    """Check the merged tensors are finite, in float32 and after the cast to ``dtype``, then cast.
+
+    Raises:
+        InvalidParameterError: naming the first tensor that overflows and what to change.
+    """
+    params = merger.ctx.params
+    for name in merger.names:
+        tensor = merger.targets[name]
+        if name not in merger.checked and not torch.isfinite(tensor).all():
+            lam = getattr(params, "lam", None)
+            raise InvalidParameterError(
+                f"The merge produced non-finite values in {name!r} (max |x| overflows float32)"
+                + (f"; lam={lam} is too large" if lam is not None and abs(lam) > 1e3 else "") + ". Nothing was "
+                "written; use smaller lam/weights.")
+        if dtype.is_floating_point and dtype != torch.float32 and tensor.dtype == torch.float32:
+            check_fits(name, float(tensor.abs().max()) if tensor.numel() else 0.0, dtype)
+    return model.to(dtype).eval()
+
+
+def check_fits(name: str, peak: float, dtype: torch.dtype) -> None:
+    """Refuse a merged tensor whose largest magnitude ``peak`` overflows ``dtype``."""
+    limit = torch.finfo(dtype).max
+    if peak > limit:
+        raise InvalidParameterError(
+            f"Saving as {str(dtype).replace('torch.', '')} would overflow: {name!r} reaches {peak:.4g} "
+            f"(the largest {str(dtype).replace('torch.', '')} is {limit:.4g}). Nothing was written; pass "
+            "dtype='bfloat16' or 'float32'.")
+
+
+def working_dtype(config: MergeConfig, inputs: RunInputs, *, needs_data: bool) -> torch.dtype:
+    """The dtype the output model is held in while merging: float32, or, for a data-free merge whose output keeps
+    the base's storage dtype (bf16 LLMs), that dtype. Merges still compute in float32 and each merged tensor is
+    rounded once when written, exactly as the final cast would; the base is read exactly (it is stored in that
+    dtype); a bf16 model of N parameters then costs 2N bytes instead of 4N (plus 2N for the final cast)."""
+    out = as_dtype(config.dtype) if config.dtype else stored_dtype(inputs)
+    stored = {inputs.base.dtypes[n] for n in inputs.names}
+    if needs_data or not out.is_floating_point or stored != {out}:
+        return torch.float32
+    return out
+
+
+def stored_dtype(inputs: RunInputs) -> torch.dtype:
+    """The base's floating-point storage dtype (the default dtype of the merged model)."""
+    dtypes = [inputs.base.dtypes[n] for n in inputs.names]
+    return dtypes[0] if dtypes else torch.float32
+
+
+def recorded_config(config: MergeConfig, inputs: RunInputs) -> MergeConfig:
+    """The config as it ran: Hub models pinned to their resolved commit, local folders with their fingerprint."""
+    from .._version import __version__
+
+    record = copy.copy(config)
+    record.base = copy.copy(config.base)
+    record.models = [copy.copy(m) for m in config.models]
+    for i, (spec, store) in enumerate(zip([record.base, *record.models], [inputs.base, *inputs.sources])):
+        if store.ref.repo_id and not spec.is_loaded and store.ref.revision:
+            spec.revision = store.ref.revision
+        spec.weights_file = getattr(store.ref, "weights_file", None)
+        spec.weights_ref = getattr(store.ref, "weights_ref", None)
+        if i in inputs.fingerprints:
+            spec.fingerprint = inputs.fingerprints[i]
+    record.hf_mloss_version = __version__
+    return record

@@ -1,0 +1,501 @@
+"""Label-free hyperparameter selection: choose a merge's λ, k (any grid of its parameters) from unlabeled images.
+
+``merge(..., select="unlabeled", grid={"k": [...], "lam": [...]}, criterion=...)`` merges every setting of the grid
+(the cartesian product, in order), scores each candidate on ``num_samples`` unlabeled images and keeps the one with
+the lowest criterion (the first in grid order on ties). The ``num_samples`` images are a seeded sample spread over
+the whole data sample (:func:`spread_sample`, seeded by the merge's ``seed``), not its first images, so data ordered
+task by task is represented task by task. Criteria, all "lower is better" (default ``"output"``: in
+``benchmarks/results/compatibility_study_real.md``, over 4 draws of the real suite, its mean regret against choosing
+on val labels was +0.23 test points for TIES, +1.62 for M-TIES and +3.76 for task arithmetic, where ``"entropy"``
+lost +6.40 / +6.82 / +12.94 and the middle of the grid +6.46 / +5.64 / +4.40; the merged-prefix M-Loss grows with λ,
+so it favours weak merges):
+
+* ``"mloss"``, the merged-prefix M-Loss: at every scored linear (CLIP: ``mlp.fc1``), with u the candidate's own
+  input of that linear (its merged prefix), g = σ(W_m u + b_m) − Σ_p α_p σ(W_p u + b_p), the gap between the
+  candidate's activation and the ensemble of the q experts' activations on the same input; the criterion is the mean
+  over scored layers of the mean over positions of ‖g‖₂. For plain averaging it is exactly the layer M-Loss with
+  ``prefix="merged"``. Needs no heads.
+* ``"output"``: the discrepancy between the candidate and each expert on that expert's share of the images: with
+  heads, KL(softmax(head_p(f_p(x))) ‖ softmax(head_p(f_m(x)))); without, the relative squared distance
+  ‖f_m(x) − f_p(x)‖² / ‖f_p(x)‖² of the pooled features f. Averaged over images.
+* ``"entropy"`` (AdaMerging's criterion, the known baseline): the entropy of softmax(head_p(f_m(x))) on expert p's
+  share, averaged. Needs heads.
+
+Shares (which images compare the candidate with which expert): ``"given"`` — one unlabeled set per model
+(``shares``; the images are split evenly, ``num_samples`` in all); ``"auto"`` (default, label-free) — image x goes to
+the expert whose pooled feature it moves most from the base's, relative to that expert's mean move:
+argmax_p ‖f_p(x) − f_0(x)‖ / mean_x' ‖f_p(x') − f_0(x')‖; ``"all"`` — every image to every expert.
+
+Reuse. A method's ``lam`` means θ = θ₀ + λ·τ_merged (every built-in method): each setting of the other parameters
+is merged once at λ = 1 and rescaled for every λ of the grid. A data-guided method (M-TIES) is merged once, with
+live M-Loss scoring, at the reference setting (the middle value of every grid axis); every other candidate replays
+the reference's recorded node M-Loss through the method's hooks, so it costs a tensor merge and no forward (its row
+ranks come from the reference's merged prefix). The experts' pooled features are computed once. Blocks where every
+expert equals the base (frozen lower blocks) are run once, not per candidate.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from ..errors import InvalidParameterError, UnsupportedModelError
+from ..loading.heads import as_head
+from ..spec.selection import (
+    SelectionOptions,
+)
+
+if TYPE_CHECKING:
+
+    from ..spec.config import MergeConfig
+    from ..loading.inputs import RunInputs
+    from .driver import TensorMerger
+    from ..output.report import MLossReport
+
+
+
+# ----------------------------------------------------------------------------------------------- criteria
+def unchanged_blocks(inputs: RunInputs) -> int:
+    """How many leading blocks (after identical embeddings) every source holds exactly as the base: every candidate
+    merge shares them too, so their output is computed once. -1 when the embeddings already differ."""
+    import torch
+
+    from ..adapters import EMBEDDING_STAGE
+
+    adapter = inputs.adapter
+    by_stage: dict[int, list[str]] = {}
+    for name in inputs.names:
+        by_stage.setdefault(adapter.stage_of(name), []).append(name)
+    for stage in [EMBEDDING_STAGE, *range(adapter.num_layers)]:
+        for name in by_stage.get(stage, []):
+            base = inputs.base.get(name)
+            if any(not torch.equal(s.get(name).to(base.dtype), base) for s in inputs.sources):
+                return stage
+    return adapter.num_layers
+
+
+def spread_sample(pixels: Any, n: int, seed: int) -> Any:
+    """``n`` of ``pixels`` spread over the whole set, in their order: systematic sampling with a seeded random
+    start, index ⌊(i + u)·N/n⌋ for i < n, u ~ U[0, 1). Every run of ≥ N/n consecutive images gets at least one, so
+    a data set ordered task by task gives every task its share (the first ``n`` would show only the first tasks);
+    all of them when ``n`` ≥ N."""
+    import torch
+
+    total = len(pixels)
+    if n >= total:
+        return pixels
+    u = torch.rand((), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    index = ((torch.arange(n, dtype=torch.float64) + u) * (total / n)).floor().long().clamp_(max=total - 1)
+    return pixels[index]
+
+
+class CandidateEvaluator:
+    """Scores candidate merges on the selection images (see the module docstring for the criteria)."""
+
+    def __init__(self, config: MergeConfig, inputs: RunInputs, options: SelectionOptions, tower: Any, *,
+                 progress: bool = True, token: Any = None) -> None:
+        from ..engine.score import resolve_activation
+
+        self.inputs, self.options, self.adapter = inputs, options, inputs.adapter
+        self.device, self.batch_size = inputs.device, config.batch_size
+        if getattr(self.adapter, "modality", "image") != "image":
+            raise UnsupportedModelError(
+                f"Label-free selection reads images; the {self.adapter.name!r} family is scored on "
+                f"{self.adapter.modality}, where selection is not available yet. Merge each setting and compare "
+                "them with hf_mloss.score / hf_mloss.compatibility, or choose on labelled validation data.")
+        self.pixels = spread_sample(inputs.pixels, options.num_samples, config.seed)
+        self.alpha = (inputs.alpha / inputs.alpha.sum()).float().to(self.device)
+        self.activation, _ = resolve_activation(self.adapter, config.scoring_options().activation)
+        layers = config.scoring_options().layers
+        self.scored = sorted(set(range(self.adapter.num_layers) if layers is None else layers))
+        self.changed = [layer for layer in self.scored if self._target_changed(layer)]
+        self.heads = [as_head(h, i) for i, h in enumerate(options.heads)] if options.heads else None
+        self._targets: dict[int, Any] = {}
+        self.start = unchanged_blocks(inputs)
+        self.prefix = self._shared_prefix(tower) if "mloss" in options.criteria and self.start >= 0 else None
+        if {"output", "entropy"} & set(options.criteria):
+            self.images, self.owner, self.experts = self._shares(config, tower, token)
+
+    @property
+    def batches(self) -> list[Any]:
+        return list(self.pixels.split(self.batch_size))
+
+    def _target_changed(self, layer: int) -> bool:
+        """Whether any source's scored linear differs from the base's (else every candidate's gap there is 0)."""
+        import torch
+
+        name = self.adapter.target_name(layer)
+        keys = [key for key in (f"{name}.weight", f"{name}.bias") if key in self.inputs.base]
+        return any(not torch.equal(s.get_float(key), self.inputs.base.get_float(key))
+                   for s in self.inputs.sources for key in keys)
+
+    # the block walk reads these (hf_mloss.engine.walk.WalkSetup): the candidate's tower runs every block
+    @property
+    def sources(self) -> list[Any]:
+        return self.inputs.sources
+
+    def autocast(self) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def _shared_prefix(self, tower: Any) -> list[Any]:
+        """Batch states entering block ``start``, from ``tower`` holding the base (every candidate shares them)."""
+        import torch
+
+        from ..engine.walk import embed_batches, shared_walk
+
+        with torch.inference_mode():
+            states = embed_batches(self, tower)
+            return shared_walk(self, states, list(range(self.start)), model=tower, last=self.start)
+
+    def evaluate(self, tower: Any) -> dict[str, float]:
+        """Every requested criterion of the candidate held by ``tower``."""
+        out = {}
+        if "mloss" in self.options.criteria:
+            out["mloss"] = self.merged_prefix_mloss(tower)
+        if {"output", "entropy"} & set(self.options.criteria):
+            from ..engine.compatibility import pooled_features
+
+            merged = pooled_features(tower, self.images.split(self.batch_size), self.device)
+            out.update(self._output_criteria(merged))
+        return {k: out[k] for k in self.options.criteria}
+
+    def merged_prefix_mloss(self, tower: Any) -> float:
+        """Mean over scored layers of mean_positions ‖σ(W_m u + b_m) − Σ_p α_p σ(W_p u + b_p)‖₂, u the candidate's
+        own input of the layer (layers where every expert equals the base contribute exactly 0): the gap kernel with
+        the candidate's own unit as the merge (:meth:`hf_mloss.engine.kernel.StackedTarget.sums`)."""
+        import torch
+
+        from ..engine.walk import embed_batches, shared_walk
+
+        if not self.changed:
+            return 0.0
+        unit, blocks = self.adapter.unit, self.adapter.layers(tower)
+        total = 0.0
+
+        def measure(layer: int) -> Any:
+            if layer not in self.changed:
+                return None
+            target, block = self._target(layer), blocks[layer]
+            gate = block.get_submodule(unit.gate)
+            up = block.get_submodule(unit.up) if unit.up else None
+            own = (lambda rows: gate(rows)) if up is None else (lambda rows: (gate(rows), up(rows)))
+            return lambda u, context: target.sums(u, mask=context.mask, per_node=False, merged=own)
+
+        def collect(layer: int, sums: list[Any]) -> None:
+            nonlocal total
+            acc = sums[0]
+            for part in sums[1:]:
+                acc.merge(part)
+            total += float(acc.layer[0, 0] / acc.count.clamp_min(1))
+
+        with torch.inference_mode():
+            if self.prefix is not None and self._holds_base_prefix(tower):
+                states, first = list(self.prefix), self.start
+            else:
+                states, first = embed_batches(self, tower), 0
+            shared_walk(self, states, list(range(first, self.changed[-1] + 1)), measure=measure, collect=collect,
+                        model=tower)
+        return total / len(self.scored)
+
+    def _holds_base_prefix(self, tower: Any) -> bool:
+        """Whether the candidate kept the base's embeddings and blocks before ``start`` (every built-in method
+        does when all experts equal the base there); otherwise its own prefix is run."""
+        import torch
+
+        state = {self.adapter.canonical_key(k): v for k, v in tower.state_dict().items()}
+        names = [n for n in self.inputs.names if n in state and self.adapter.stage_of(n) < self.start]
+        return all(torch.equal(state[n], self.inputs.base.get_float(n, state[n].device)) for n in names)
+
+    def _target(self, layer: int) -> Any:
+        """The experts' stacked unit of block ``layer`` (built once, shared by every candidate)."""
+        from ..engine.kernel import StackedTarget
+
+        if layer not in self._targets:
+            prefix, unit = self.adapter.layer_prefix(layer), self.adapter.unit
+            self._targets[layer] = StackedTarget(
+                self.inputs.sources, self.adapter.target_name(layer), up=f"{prefix}{unit.up}" if unit.up else None,
+                mix=self.alpha[None], activation=self.activation, device=self.device)
+        return self._targets[layer]
+
+    def _shares(self, config: MergeConfig, tower: Any, token: Any) -> tuple[Any, Any, Any]:
+        """The images, which expert each one is compared with (None: every expert), and the experts' features."""
+        import torch
+
+        from ..engine.compatibility import load_weights_into, pooled_features
+
+        sources = self.inputs.sources
+        images, owner = self.pixels, None
+        if self.options.share == "given":
+            images, owner = self._given_shares(config, token)
+        state = {self.adapter.canonical_key(k): v for k, v in tower.state_dict().items()}
+        names = [n for n in self.inputs.names if n in state]
+        batches = images.split(self.batch_size)
+        experts = []
+        for store in sources:
+            load_weights_into(state, [store], [1.0], names)
+            experts.append(pooled_features(tower, batches, self.device))
+        if self.options.share == "auto":
+            load_weights_into(state, [self.inputs.base], [1.0], names)
+            base = pooled_features(tower, batches, self.device)
+            move = torch.stack([(f - base).norm(dim=-1) for f in experts])  # [q, images]
+            owner = (move / move.mean(1, keepdim=True).clamp_min(1e-12)).argmax(0)
+        load_weights_into(state, [self.inputs.base], [1.0], names)
+        return images, owner, torch.stack(experts)
+
+    def _given_shares(self, config: MergeConfig, token: Any) -> tuple[Any, Any]:
+        import torch
+
+        from ..spec.config import DataSpec
+        from ..loading.data import load_pixel_values
+        from ..loading.inputs import resolve_processor
+
+        per_model = math.ceil(self.options.num_samples / len(self.options.shares))
+        images, owner, processor = [], [], None
+        for p, share in enumerate(self.options.shares):
+            spec = DataSpec.parse(share, num_samples=per_model)
+            if processor is None and not isinstance(spec.objects, torch.Tensor):
+                processor = resolve_processor(config, self.inputs, self.inputs.base.ref, token)
+            pixels, _ = load_pixel_values(spec.source, processor, num_samples=per_model, seed=config.seed,
+                                          split=spec.split, image_column=spec.image_column)
+            images.append(pixels)
+            owner += [p] * len(pixels)
+        return torch.cat(images), torch.tensor(owner)
+
+    def _output_criteria(self, merged: Any) -> dict[str, float]:
+        """``output`` and, with heads, ``entropy`` of a candidate's pooled features (see the module docstring)."""
+        import torch
+
+        per_expert: dict[str, list[Any]] = {"output": [], "entropy": []}
+        for p, expert in enumerate(self.experts):
+            if self.heads is None:
+                per_expert["output"].append((merged - expert).square().sum(-1) / expert.square().sum(-1).clamp_min(
+                    1e-12))
+                continue
+            with torch.no_grad():
+                log_merged = torch.log_softmax(self.heads[p](merged).float(), -1)
+                log_expert = torch.log_softmax(self.heads[p](expert).float(), -1)
+            per_expert["output"].append((log_expert.exp() * (log_expert - log_merged)).sum(-1))
+            per_expert["entropy"].append(-(log_merged.exp() * log_merged).sum(-1))
+        out = {}
+        for key, values in per_expert.items():
+            if values:
+                table = torch.stack(values)  # [q, images]
+                picked = table.mean() if self.owner is None else table.gather(0, self.owner[None].to(
+                    table.device)).mean()
+                out[key] = float(picked)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- candidates
+def replay_layerwise(merger: TensorMerger, method: Any, scores: Mapping[int, Any]) -> None:
+    """Run a data-guided method's hooks with recorded per-layer scores instead of a scoring pass, in the order a
+    merged-prefix pass calls them: the merge it produces is the one those scores give, at a tensor merge's cost."""
+    from ..adapters import EMBEDDING_STAGE
+    from .driver import DriverRun
+
+    run = DriverRun(merger)
+    hooks = method.layer_hooks(run)
+    layers = merger.inputs.adapter.num_layers
+    for stage in [EMBEDDING_STAGE, *range(layers)]:
+        hooks.before_stage(stage)
+        if stage in scores:
+            hooks.after_scores(stage, scores[stage])
+    hooks.before_stage(layers)
+    hooks.after_all()
+    merger.merge(merger.names)
+
+
+def recorded_scores(report: MLossReport, adapter: Any) -> dict[int, Any]:
+    """The per-layer :class:`~hf_mloss.engine.score.LayerScores` a merge's report recorded, by block index."""
+    from ..engine.score import LayerScores
+
+    out = {}
+    for layer in range(adapter.num_layers):
+        name = adapter.target_name(layer)
+        if name in report.layer:
+            out[layer] = LayerScores(
+                node=report.node[name], node_normalized=report.node_normalized[name],
+                node_ratio=report.node_ratio.get(name, report.node[name]), layer=report.layer[name],
+                layer_normalized=report.layer_normalized[name], layer_ratio=report.layer_ratio.get(name, 0.0))
+    return out
+
+
+class CandidateBuilder:
+    """Merges the settings of a grid into a scratch tower and returns their task vectors τ = (θ − θ₀) / λ."""
+
+    def __init__(self, config: MergeConfig, inputs: RunInputs, tower: Any, names: Sequence[str]) -> None:
+        self.config, self.inputs, self.tower, self.names = config, inputs, tower, list(names)
+        self.state = {inputs.adapter.canonical_key(k): v for k, v in tower.state_dict().items()}
+        self.base = {name: self.state[name].detach().clone() for name in self.names}
+        self.scores: dict[int, Any] | None = None
+        self.report: MLossReport | None = None
+        self.reference: dict[str, Any] | None = None
+
+    def write(self, tau: Mapping[str, Any] | None, lam: float, into: Mapping[str, Any] | None = None) -> None:
+        """``into[name] = θ₀ + λ·τ`` (``into``: the scratch tower by default; ``tau=None``: the base)."""
+        import torch
+
+        target = self.state if into is None else into
+        with torch.no_grad():
+            for name in self.names:
+                if tau is None:
+                    target[name].copy_(self.base[name])
+                else:
+                    torch.add(self.base[name], tau[name], alpha=lam, out=target[name])
+
+    def task_vector(self, setting: Mapping[str, Any], lam: float, *, live: bool = False) -> dict[str, Any]:
+        """Merge ``setting`` at λ = ``lam`` and return (θ − θ₀) / λ. A data-guided method scores live when ``live``
+        (the reference; its scores are kept), else replays the reference's scores."""
+        import torch
+
+        from .driver import TensorMerger, merge_layerwise
+        from ..methods import MergeContext
+
+        config = self.config.replace(parameters={**self.config.parameters, **setting, **self._lam(lam)}, select=None)
+        method, params = config.merge_method(), config.method_params()
+        self.write(None, 1.0)
+        ctx = MergeContext(params=params, weights=self.inputs.alpha.to(self.inputs.device, torch.float32),
+                           seed=config.seed)
+        merger = TensorMerger(self.inputs, method, ctx, self.tower)
+        if method.needs_data and live:
+            self.report = merge_layerwise(config, self.inputs, merger, self.tower, method, progress=False)
+            self.scores = recorded_scores(self.report, self.inputs.adapter)
+        elif method.needs_data:
+            replay_layerwise(merger, method, self.scores)
+        else:
+            method.prepare(ctx, merger.visit)
+            merger.merge(merger.names)
+        return {name: (self.state[name] - self.base[name]).div_(lam) for name in self.names}
+
+    def _lam(self, lam: float) -> dict[str, float]:
+        return {"lam": lam} if "lam" in self.config.method_params().to_dict() else {}
+
+
+def candidate_groups(options: SelectionOptions, method_params: Mapping[str, Any]) -> list[tuple[dict, list]]:
+    """The grid as (setting without λ, the λ values that rescale its merge); without a ``lam`` parameter every
+    setting is its own group, merged as it is (λ = 1 stands for "no rescaling")."""
+    if "lam" not in method_params:
+        return [(setting, [1.0]) for setting in options.settings()]
+    lams = list(options.grid.get("lam", [method_params["lam"]]))
+    keys = [k for k in options.grid if k != "lam"]
+    return [(dict(zip(keys, values)), lams) for values in itertools.product(*(options.grid[k] for k in keys))]
+
+
+def iterate_candidates(builder: CandidateBuilder, options: SelectionOptions) -> Iterator[tuple[dict, dict, float]]:
+    """Yield ``(setting, τ, λ)`` for every candidate of the grid, in order, while ``builder.tower`` holds
+    θ₀ + λ·τ (see the module docstring for what is merged once and what is rescaled or replayed).
+
+    Example:
+        ```python
+        >>> for setting, tau, lam in iterate_candidates(builder, options):
+        ...     values = evaluator.evaluate(builder.tower)
+        ```
+    """
+    config = builder.config
+    defaults = config.method_params().to_dict()
+    reference = builder.reference = reference_setting(config, options)
+    ref_tau = _reference_tau(builder, reference) if reference is not None else None
+    for fixed, lams in candidate_groups(options, defaults):
+        is_ref = reference is not None and all(reference[k] == v for k, v in fixed.items())
+        tau = ref_tau if is_ref else builder.task_vector(fixed, 1.0)
+        for lam in lams:
+            builder.write(tau, lam)
+            yield {**fixed, **({"lam": lam} if "lam" in options.grid else {})}, tau, lam
+
+
+def reference_setting(config: MergeConfig, options: SelectionOptions) -> dict[str, Any] | None:
+    """For a data-guided method, the setting merged with live M-Loss scoring (middle of every grid axis; λ from the
+    parameters when the grid has none); ``None`` for data-free methods."""
+    if not config.merge_method().needs_data:
+        return None
+    reference = options.reference_setting()
+    defaults = config.method_params().to_dict()
+    if "lam" in defaults and "lam" not in reference:
+        reference["lam"] = defaults["lam"]
+    return reference
+
+
+def select_and_merge(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: Any, *,
+                     progress: bool = True, token: Any = None) -> tuple[MergeConfig, MLossReport | None]:
+    """Score every candidate of ``config.select``, write the chosen one into ``merger``'s tower, and return the
+    config as it ran (chosen parameters, the selection record) with the reference merge's M-Loss report, if any.
+
+    Example:
+        ```python
+        >>> record, report = select_and_merge(config, inputs, merger, tower)   # what run_merge does
+        >>> record.select.chosen
+        {'k': 0.5, 'lam': 1.0}
+        ```
+    """
+    import copy
+
+    from tqdm.auto import tqdm
+
+    options, method = config.select, config.merge_method()
+    builder = CandidateBuilder(config, inputs, copy.deepcopy(tower), merger.names)
+    evaluator = CandidateEvaluator(config, inputs, options, builder.tower, progress=progress, token=token)
+    total = len(options.settings())
+    candidates, best = [], None
+    bar = tqdm(total=total, desc=f"Selecting ({options.criterion})", unit="candidate", disable=not progress)
+    for setting, tau, lam in iterate_candidates(builder, options):
+        values = evaluator.evaluate(builder.tower)
+        bad = {name: value for name, value in values.items() if not math.isfinite(value)}
+        if bad:  # NaN is never "less than": it would win; an overflowing candidate is a user error
+            bar.close()
+            raise InvalidParameterError(
+                f"select.grid: the candidate {setting} scores {', '.join(f'{k}={v}' for k, v in bad.items())} (not "
+                "finite: its merge overflows, e.g. a huge λ or weights). Nothing was chosen or written; remove it "
+                "from the grid.")
+        candidates.append({"setting": setting, **values})
+        if best is None or values[options.criterion] < best[0]:
+            best = (values[options.criterion], setting, tau, lam)
+        bar.update(1)
+    bar.close()
+    _, chosen, tau, lam = best
+    warn_grid_edge(options.grid, chosen, options.criterion)
+    builder.write(tau, lam, into=merger.targets)
+    merger.done.update(merger.names)
+    merger.ctx.params = method.make_params(**{**config.parameters, **chosen})
+    record = replace(options, num_samples=len(evaluator.pixels), reference=builder.reference, chosen=chosen,
+                     candidates=candidates)
+    return config.replace(parameters={**config.parameters, **chosen}, select=record), builder.report
+
+
+def grid_edges(grid: dict[str, Any], chosen: dict[str, Any]) -> list[str]:
+    """The numeric grid axes of 3+ values whose chosen value is the smallest or the largest (``"lam=0.5 (lowest)"``):
+    the best setting may lie outside the grid."""
+    edges = []
+    for key, values in grid.items():
+        numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if len(numbers) < 3 or len(numbers) != len(values) or key not in chosen:
+            continue
+        if chosen[key] == min(numbers):
+            edges.append(f"{key}={chosen[key]} (the lowest of {sorted(numbers)})")
+        elif chosen[key] == max(numbers):
+            edges.append(f"{key}={chosen[key]} (the highest of {sorted(numbers)})")
+    return edges
+
+
+def warn_grid_edge(grid: dict[str, Any], chosen: dict[str, Any], criterion: str) -> None:
+    """Warn when the label-free choice sits on an edge of its grid (the benchmark suites flag it too)."""
+    import warnings
+
+    edges = grid_edges(grid, chosen)
+    if edges:
+        warnings.warn(f"The label-free selection (criterion {criterion!r}) chose a grid edge: {'; '.join(edges)}. A "
+                      "better setting may lie beyond it: extend the grid in that direction and select again.",
+                      UserWarning, stacklevel=3)
+
+
+def _reference_tau(builder: CandidateBuilder, reference: dict[str, Any]) -> dict[str, Any]:
+    lam = reference.get("lam", 1.0)
+    if lam == 0:
+        raise InvalidParameterError("The reference setting of a data-guided method (the middle of each grid axis) "
+                                    "has lam=0, whose merge is the base: put a non-zero λ in the middle of the grid.")
+    setting = {k: v for k, v in reference.items() if k != "lam"}
+    return builder.task_vector(setting, lam, live=True)

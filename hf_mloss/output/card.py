@@ -1,0 +1,215 @@
+"""The model card of a merged model, rendered with ``huggingface_hub.ModelCard`` from a packaged Jinja template.
+
+The builder reads what it needs from a merge result (any object with the attributes of :class:`CardSource`), so it
+does not depend on :mod:`hf_mloss.output.result`.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+from ..spec.schedule import described_schedules
+
+if TYPE_CHECKING:
+    from ..spec.config import MergeConfig
+
+TEMPLATE = "modelcard_template.md"
+TEXT_USAGE = {"text-generation": '"The merged model"', "text2text-generation": '"The merged model"',
+              "feature-extraction": '"The merged model"', "fill-mask": '"The merged [MASK]."',
+              "text-classification": '"The merged model"', "token-classification": '"The merged model"',
+              "question-answering": 'question="Who merged it?", context="hf_mloss merged it."'}
+"""The call shown in the "How to use" snippet of a text model's card, by pipeline tag."""
+
+
+class CardSource(Protocol):
+    """What the card needs from a merge (``MergeResult`` has all of it)."""
+
+    model: Any
+    config: MergeConfig
+    report: Any
+    base: Any
+    models: list[Any]
+    adapter: Any
+    data_info: Any
+    method_description: str
+    eval_results: dict[str, float]
+    weights: list[float]
+
+
+def card_data(result: CardSource) -> ModelCardData:
+    """YAML metadata: Hub ids only in ``base_model`` (local paths never leak), merge relation, tags, license."""
+    hub_ids = [ref.repo_id for ref in [result.base, *result.models] if ref.repo_id]
+    meta = result.adapter.card_metadata(result.model)
+    info = result.data_info.to_dict() if result.data_info is not None else {}
+    datasets = [info["id"]] if info.get("source") == "hub" and info.get("id") else None
+    eval_results = [
+        EvalResult(task_type="image-classification", dataset_type=task, dataset_name=task, metric_type="accuracy",
+                   metric_value=float(value))
+        for task, value in result.eval_results.items()
+    ] or None
+    lora = getattr(result, "lora", None)
+    if lora is not None:  # a PEFT adapter: PEFT's metadata (library_name: peft, base_model: the base's Hub id)
+        from ..loading.lora import card_metadata
+
+        meta = card_metadata(result)
+    return ModelCardData(
+        base_model=meta["base_model"] if lora is not None else hub_ids or None,
+        base_model_relation="adapter" if lora is not None else "merge",
+        library_name=meta["library_name"],
+        pipeline_tag=meta["pipeline_tag"],
+        license=base_license(result.base.path),
+        tags=["merge", "model-merging", "hf_mloss", result.config.method, *meta.get("tags", ())],
+        datasets=datasets,
+        eval_results=eval_results,
+        model_name=f"{result.config.method} merge" if eval_results else None,
+    )
+
+
+def base_license(folder: str | None) -> str | None:
+    """The ``license`` of the base model's card, when its folder (or Hub snapshot) holds one."""
+    readme = Path(folder) / "README.md" if folder else None
+    if readme is None or not readme.is_file():
+        return None
+    try:
+        return ModelCard.load(readme, ignore_metadata_errors=True).data.get("license")
+    except Exception:  # noqa: BLE001 - an unreadable base card only means: no license to carry over
+        return None
+
+
+def method_papers(method_name: str) -> list[dict[str, str]]:
+    """The papers a method builds on (its own first): TIES for M-TIES, DARE for M-DARE, ..."""
+    from ..methods import get_method
+
+    names = {"m_ties": ["m_ties", "ties"], "m_dare": ["m_ties", "dare_ties"]}.get(method_name, [method_name])
+    papers = []
+    for name in names:
+        method = get_method(name)
+        papers.append({"name": method.pretty_name, "reference": method.reference, "url": method.reference_url})
+    return papers
+
+
+def _weights_source(ref: Any) -> str | None:
+    """``model.safetensors``, or ``model.safetensors (refs/pr/1)`` when it came from a pull request."""
+    name = getattr(ref, "weights_file", None)
+    pr = getattr(ref, "weights_ref", None)
+    return f"{name} ({pr})" if name and pr else name
+
+
+def selection_rows(config: MergeConfig) -> dict[str, Any] | None:
+    """The label-free selection record of a merge for the card: criterion, grid, and every candidate's values."""
+    select = config.select
+    if select is None or not select.candidates:
+        return None
+    keys = list(select.grid)
+    rows = [{"setting": ", ".join(f"{k}={c['setting'].get(k)}" for k in keys),
+             "values": [c.get(name) for name in select.criteria], "chosen": c["setting"] == select.chosen}
+            for c in select.candidates]
+    return {"criterion": select.criterion, "criteria": select.criteria, "grid": select.grid,
+            "num_samples": select.num_samples, "share": select.share, "reference": select.reference, "rows": rows,
+            "chosen": ", ".join(f"{k}={v}" for k, v in (select.chosen or {}).items())}
+
+
+def shown_parameters(params: Any) -> dict[str, Any]:
+    """A method's parameters as every surface shows them (card, CLI, ``hf-mloss methods``): unset optional ones
+    left out, and TIES's ``scope`` resolved from its convention (``None`` means ``global`` for ``hf_mloss``)."""
+    resolved = {"scope": params.resolved_scope} if hasattr(params, "resolved_scope") else {}
+    shown = {k: resolved.get(k, v) for k, v in params.to_dict().items()}
+    return {k: v for k, v in shown.items() if v is not None}
+
+
+def card_title(result: CardSource, model_class: str) -> str:
+    """``M-TIES merge of 3 fine-tunes of openai/clip-vit-base-patch32``: the base named by its Hub id, never by a
+    local folder's name (``base``, ``checkpoint-500``... say nothing to a reader of the published card)."""
+    from ..methods import get_method
+
+    base = result.base.repo_id or f"a {model_class}"
+    if getattr(result.config, "slices", None):  # layer ranges of the base and the models, not fine-tunes merged whole
+        layers = result.model.config.get_text_config().num_hidden_layers
+        sources = f"{1 + len(result.models)} models ({base} first)" if result.models else base
+        return f"{get_method(result.config.method).pretty_name} merge: {layers} layers from layer ranges of {sources}"
+    return f"{get_method(result.config.method).pretty_name} merge of {len(result.models)} fine-tunes of {base}"
+
+
+def rerun_blocker(config: MergeConfig) -> str | None:
+    """Why the recorded recipe cannot re-run as written (objects passed from Python), else ``None``."""
+    if any(spec.is_loaded for spec in [config.base, *config.models]):
+        return ("a model was passed as a loaded Python object (recorded as `in_memory`): replace it with its Hub id "
+                "or folder in the YAML to re-run")
+    if config.data is not None and config.data.objects is not None:
+        return ("the scoring images were passed from Python (recorded as `in_memory`, with their content hash when "
+                "they were a tensor): a re-run needs the same images, given as `data: {id: ...}` or `{path: ...}` or "
+                "passed again to `hf_mloss.merge(..., data=...)`")
+    select = config.select
+    if select is not None and any(not isinstance(h, str) for h in (select.heads or [])):
+        return "the selection's heads were passed from Python: save them as files and name them in `select.heads`"
+    if config.processor is not None and not isinstance(config.processor, str):
+        return "the image processor was passed as an object: name its Hub id or folder in `processor:`"
+    return None
+
+
+def uses_seed(config: MergeConfig) -> bool:
+    """Whether the seed changes the result: random masks (DARE), or a sample of the scoring images."""
+    return "dare" in config.method or config.data is not None or config.select is not None
+
+
+def build_model_card(result: CardSource, *, heatmap: str | None = None) -> ModelCard:
+    """Render the card of a merge (``heatmap``: file name of the M-Loss picture saved beside it, if any).
+
+    A :class:`~hf_mloss.engine.compatibility.CompatibilityReport` set as ``result.compatibility`` is embedded, and so is the
+    label-free selection record of ``result.config.select``.
+    """
+    report = result.report
+    rows = report.summary_rows() if report is not None else []
+    shown = shown_parameters(result.config.method_params())
+    # values that vary over the model (gradients, filter lists), as given
+    shown.update(described_schedules(result.config.merge_method(), result.config.parameters))
+    if getattr(result.config, "slices", None):  # output blocks taken from layer ranges of the inputs
+        from ..spec.slices import describe_slices
+
+        names = [result.base.name, *(r.name for r in result.models)]
+        shown["slices"] = "; ".join(describe_slices(result.config.slices, names))
+    compatibility = getattr(result, "compatibility", None)
+    template = resources.files("hf_mloss").joinpath("templates", TEMPLATE).read_text(encoding="utf-8")
+    model_class = type(result.model).__name__
+    metadata = card_data(result)
+    return ModelCard.from_template(
+        metadata,
+        template_str=template,
+        title=card_title(result, model_class),
+        num_models=len(result.models),
+        sliced_layers=result.model.config.get_text_config().num_hidden_layers
+        if getattr(result.config, "slices", None) else None,
+        model_class=model_class,
+        zero_shot=model_class == "CLIPModel" or metadata.pipeline_tag == "zero-shot-image-classification",
+        pipeline_tag=metadata.pipeline_tag,
+        text_usage=TEXT_USAGE.get(metadata.pipeline_tag),
+        method=result.config.method,
+        papers=method_papers(result.config.method),
+        method_description=result.method_description,
+        base_name=result.base.name,
+        base_revision=result.base.revision,
+        base_file=_weights_source(result.base),
+        models=[{"name": r.name, "revision": r.revision, "weight": w, "file": _weights_source(r)}
+                for r, w in zip(result.models, result.weights)],
+        parameters=shown,
+        seed=result.config.seed,
+        seeded=uses_seed(result.config),
+        rerun_blocker=rerun_blocker(result.config),
+        device=getattr(result, "device", ""),
+        dtype=str(next(result.model.parameters()).dtype).replace("torch.", ""),
+        data={**result.data_info.to_dict(), **result.data_info.sample_stats()} if result.data_info else None,
+        eval_rows=[{"task": t, "value": v} for t, v in result.eval_results.items()],
+        report=report,
+        mloss_rows=rows,
+        has_keep=any("keep_mean" in r for r in rows),
+        heatmap=heatmap,
+        selection=selection_rows(result.config),
+        compatibility=compatibility.card_section() if compatibility is not None else None,
+        lora=getattr(result, "lora", None) and result.lora.card_section(),
+        base_hint=result.base.repo_id or "path/to/base",
+        repo_hint="path/or/repo-id",
+    )

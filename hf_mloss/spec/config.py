@@ -1,0 +1,853 @@
+"""``MergeConfig``: the one description of a merge (or scoring) run, validated once, saved with every merge.
+
+:func:`hf_mloss.merge` builds one from its arguments; ``hf-mloss merge CONFIG.yaml OUT_DIR`` reads one from YAML;
+:meth:`MergeConfig.from_pretrained` reads the ``hf_mloss_config.yaml`` of a merged model's folder or Hub repo, so a
+published merge re-runs in one line. The config a merge returns (``MergeResult.config``) is the *record* of the run:
+Hub models pinned to the commit they resolved to, local folders with a content fingerprint that a re-run verifies.
+
+```yaml
+base: openai/clip-vit-base-patch32          # Hub id or local folder, or {model: ..., revision: ...}
+models:                                      # the fine-tunes: plain strings or {model, weight, revision}
+  - tanganke/clip-vit-base-patch32_dtd
+  - {model: ./finetunes/cars, weight: 0.5}
+method: m_ties                               # `hf-mloss methods` lists them
+parameters: {k: 0.2, e: 0.1}                 # the method's parameters; the others keep their defaults
+data: {id: tanganke/dtd, split: train, num_samples: 128}   # or {path: ./images}; needed by data-guided methods
+seed: 0
+dtype: float32                               # dtype of the saved model (default: the base's)
+score: {prefix: own, reduction: abs}         # optional, used by `hf-mloss score`
+```
+
+Relative local paths resolve against the folder of the config file. Access tokens are never read from a config: use
+``hf auth login`` or ``HF_TOKEN``. mergekit YAML files (``merge_method``, ``base_model``, ``models[].parameters``) are
+accepted for the methods both libraries share (see :mod:`hf_mloss.spec.mergekit`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .._validation import check_keys, param, short, validate_fields
+from ..loading.hub import expand, is_repo_id, looks_local
+from ..errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    DataError,
+    HfMLossError,
+    InvalidParameterError,
+    looks_like_secret,
+)
+from .options import ScoringOptions
+from .schedule import check_schedules, scalar_parameters
+from .selection import SelectionOptions, check_selection
+
+if TYPE_CHECKING:
+    from ..methods import MergeMethod, MethodParams
+
+MERGE_CONFIG_NAME = "hf_mloss_config.yaml"
+DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+OUTPUTS = ("auto", "tower", "adapter")
+DEFAULT_NUM_SAMPLES = 128
+MAX_CONFIG_BYTES = 1 << 20
+TOKEN_HINT = ("hf-mloss never reads access tokens from a config file (it would end up in version control and in "
+              "saved merges); log in with `hf auth login` or set the HF_TOKEN environment variable instead.")
+TOKEN_KEYS = ("token", "hf_token", "use_auth_token", "auth_token", "access_token", "hub_token", "api_key")
+"""Keys that name a credential (``tokenizer``, ``tokenizer_source`` are not: the guard looks at value shapes)."""
+IN_MEMORY = "in_memory"
+"""Key that marks, in a written config, a model or data that was passed as a Python object (it cannot re-run)."""
+
+
+@dataclass
+class ModelSpec:
+    """One model of a merge: a Hub id, a local folder or a loaded ``PreTrainedModel``."""
+
+    model: Any = param(help="Hub id (org/name), local folder written by save_pretrained, or a loaded model.")
+    weight: float | None = param(None, "α of this fine-tune (give all or none).", low=0.0)
+    revision: str | None = param(None, "Hub branch, tag or commit (Hub ids only).",
+                                 hint="(quote it in YAML if it looks like a number)")
+    fingerprint: str | None = param(None, "Content fingerprint of a local folder's weights (recorded; a re-run "
+                                    "verifies it).")
+    weights_file: str | None = param(None, "The weights file that was read (recorded), e.g. model.safetensors.")
+    weights_ref: str | None = param(None, "The pull-request ref the weights came from (recorded), e.g. refs/pr/1 "
+                                    "for the Hub's safetensors-conversion bot.")
+
+    def __post_init__(self) -> None:
+        validate_fields(self)
+        if isinstance(self.model, os.PathLike):
+            self.model = os.fspath(self.model)
+        if isinstance(self.model, str):
+            if not self.model.strip():
+                raise InvalidParameterError("model must be a Hub id or a local folder, got an empty string.")
+        elif not _is_loaded_model(self.model):
+            raise InvalidParameterError(f"model must be a Hub id, a local folder or a loaded transformers "
+                                        f"PreTrainedModel, got {type(self.model).__name__}: {short(self.model)}.")
+        if self.revision is not None and self.is_local:
+            raise InvalidParameterError(f"revision={self.revision!r} only applies to Hub ids; {self.model!r} is a "
+                                        "local folder.")
+
+    @property
+    def is_loaded(self) -> bool:
+        return not isinstance(self.model, str)
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self.model, str) and looks_local(self.model)
+
+    def to_dict(self, root: Path | None = None) -> dict[str, Any]:
+        if self.is_loaded:
+            name = getattr(getattr(self.model, "config", None), "_name_or_path", "") or type(self.model).__name__
+            out: dict[str, Any] = {IN_MEMORY: str(name)}
+        else:
+            out = {"model": _relative(self.model, root) if self.is_local else self.model}
+        for key in ("revision", "weight", "fingerprint", "weights_file", "weights_ref"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
+@dataclass
+class DataSpec:
+    """The unlabeled scoring data (images for image families, text for text families): a Hub dataset (``id``), a
+    local folder or data file (``path``), or Python objects."""
+
+    id: str | None = param(None, "Hub dataset id, streamed (e.g. tanganke/dtd).")
+    path: str | None = param(None, "Local image folder (imagefolder layout or flat), text folder, or text/data file "
+                             "(.txt, .jsonl, .json, .csv, .tsv, .parquet).")
+    split: str = param("train", "Dataset split.")
+    num_samples: int = param(DEFAULT_NUM_SAMPLES, "Images or texts to use (the paper: 128).", low=1, high=1_000_000)
+    image_column: str | None = param(None, "Column with the images (auto-detected).")
+    text_column: str | None = param(None, "Column with the text (auto-detected; text families).")
+    max_length: int | None = param(None, "Tokens per text at most (default 128; text families).", low=1,
+                                   high=1_000_000)
+    revision: str | None = param(None, "Hub dataset revision.")
+    objects: Any = field(default=None, repr=False, compare=False,
+                         metadata={"help": "Data passed from Python: a [N, 3, H, W] tensor, a list of PIL images, "
+                                           "paths or strings, tokenised inputs, or a datasets object (not written "
+                                           "to configs)."})
+
+    def __post_init__(self) -> None:
+        try:
+            validate_fields(self)
+        except InvalidParameterError as err:
+            raise DataError(str(err)) from None
+        given = [x is not None for x in (self.id, self.path, self.objects)]
+        if sum(given) != 1:
+            raise DataError("data needs exactly one of `id` (a Hub dataset id such as tanganke/dtd), "
+                            f"`path` (a local folder or data file) or data objects (images, texts), got "
+                            f"id={short(self.id)}, path={short(self.path)}.")
+        if self.path is not None and not _is_data_path(expand(self.path)):
+            from ..loading.data import DATA_FILE_SUFFIXES
+
+            kind = (f"is a file, not a folder or a text/data file ({', '.join(DATA_FILE_SUFFIXES)})"
+                    if expand(self.path).exists() else "does not exist")
+            raise DataError(f"data.path {self.path!r} {kind}: pass a folder of images (imagefolder layout "
+                            "`train/<label>/*.png` or a flat folder), or text for a text model (a list of strings; a "
+                            ".txt file, one sample per line; a .jsonl/.csv/.parquet file; a folder of .txt files).")
+
+    @classmethod
+    def parse(cls, data: Any, **options: Any) -> DataSpec:
+        """From what ``merge(data=...)`` accepts: a Hub id, a local folder, or images as Python objects."""
+        if isinstance(data, DataSpec):
+            return data
+        from ..loading.model_inputs import as_model_inputs
+
+        if isinstance(data, Mapping) and as_model_inputs(data) is None:
+            return cls(**{**options, **data})
+        if isinstance(data, os.PathLike) or (isinstance(data, str) and looks_local(data)):
+            return cls(path=os.fspath(data), **options)
+        if isinstance(data, str):
+            return cls(id=data, **options)
+        return cls(objects=data, **options)
+
+    @property
+    def source(self) -> Any:
+        """What the data loader receives: the folder, the Hub id, or the objects."""
+        return self.path if self.path is not None else self.id if self.id is not None else self.objects
+
+    def to_dict(self, root: Path | None = None) -> dict[str, Any]:
+        if self.objects is not None:
+            out: dict[str, Any] = {IN_MEMORY: type(self.objects).__name__}
+            digest = _content_hash(self.objects)
+            if digest is not None:  # a re-run needs the same images: this says whether given ones are the same
+                out["content"] = digest
+        elif self.path is not None:
+            out = {"path": _relative(self.path, root)}
+        else:
+            out = {"id": self.id}
+        out.update(split=self.split, num_samples=self.num_samples)
+        for key in ("image_column", "text_column", "max_length", "revision"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
+@dataclass
+class MergeConfig:
+    """One merge (or scoring) run: inputs, method, parameters, data and options. Validated on construction.
+
+    Example:
+        ```python
+        >>> from hf_mloss import MergeConfig
+        >>> config = MergeConfig.from_yaml("examples/merge_clip_vit_b32_8tasks.yaml")
+        >>> result = hf_mloss.run(config, device="cuda")
+        >>> result.save_pretrained("merged")                   # writes merged/hf_mloss_config.yaml too
+        >>> hf_mloss.run(MergeConfig.from_pretrained("merged"))        # the same merge, bit for bit
+        ```
+    """
+
+    base: ModelSpec = param(help="The pretrained model the others were fine-tuned from.")
+    models: list[ModelSpec] = param(help="The fine-tuned models to merge.")
+    method: str = param("ties", "Registered merge method (hf-mloss methods).")
+    parameters: dict[str, Any] = param(help="The method's parameters.", default_factory=dict)
+    data: DataSpec | None = param(None, "Unlabeled images (data-guided methods and scoring).")
+    seed: int = param(0, "Seeds DARE masks, random ranks and data shuffling.", low=0, high=2**63 - 1)
+    dtype: str | None = param(None, "dtype of the saved model (default: the base's).", choices=DTYPES)
+    batch_size: int = param(16, "Images per scoring forward pass.", low=1, high=65536)
+    compute_dtype: str = param("float32", "dtype of the scoring forward passes (bfloat16 where the CPU/GPU has it).",
+                               choices=DTYPES)
+    processor: Any = param(None, "Image processor, or tokenizer for text families (Hub id or folder); default: the "
+                           "base's.")
+    output: str = param("auto", "auto: the base's class (a full CLIPModel stays one); tower: the merged tower only; "
+                        "adapter: a PEFT LoRA adapter (from LoRA adapter inputs).", choices=OUTPUTS)
+    lora_rank: int | None = param(None, "output=adapter with combination=svd: the adapter's rank (default: the "
+                                  "largest input rank; `rank` is M-TIES's row ranking).", low=1, high=2**20)
+    combination: str | None = param(None, "output=adapter: cat (stacked factors, exact, linear methods) or svd "
+                                    "(truncated SVD of each merged task vector); default: cat for linear methods.",
+                                    choices=("cat", "svd"))
+    score: ScoringOptions | None = param(None, "Options of `hf-mloss score` (prefix, reduction, ...).")
+    select: SelectionOptions | None = param(None, "Choose the method's parameters on unlabeled data: criterion, "
+                                            "grid, ... (see hf_mloss.merging.selection).")
+    slices: Any = param(None, "Output layers from layer ranges of the inputs: [{sources: [{model: i, layer_range: "
+                        "[start, end]}]}], model an index into [base, *models] (see hf_mloss.spec.slices).")
+    hf_mloss_version: str | None = param(None, "Version that wrote the config.")
+    resolved_parameters: dict[str, Any] | None = param(None, "Recorded by a run whose parameters vary over the model: "
+                                                        "each tensor's values (not read back).")
+
+    def __post_init__(self) -> None:
+        self.base = _as_model_spec(self.base, "base")
+        if isinstance(self.models, (str, os.PathLike, ModelSpec)) or _is_loaded_model(self.models) or not isinstance(
+                self.models, Sequence):
+            raise InvalidParameterError(f"models must be a non-empty list of Hub ids, local folders or loaded models, "
+                                        f"got {short(self.models)}.")
+        self.models = [_as_model_spec(m, f"models[{i}]") for i, m in enumerate(self.models)]
+        if isinstance(self.data, (Mapping, str, os.PathLike)):
+            self.data = DataSpec.parse(self.data)
+        if isinstance(self.score, Mapping):
+            self.score = _build(ScoringOptions, self.score, "score")
+        if isinstance(self.select, Mapping):
+            self.select = _build(SelectionOptions, self.select, "select.")
+        self.validate()
+
+    # ----------------------------------------------------------------------------------------------- checks
+    def validate(self) -> None:
+        """Check every field (no network; local paths must exist). Raises :class:`InvalidParameterError`."""
+        validate_fields(self)
+        if not self.models and not (self.method == "passthrough" and self.slices is not None):
+            raise InvalidParameterError("models must be a non-empty list of fine-tuned models.")
+        if self.base.weight is not None:
+            raise InvalidParameterError("base.weight: the base has no weight; weights belong to the fine-tuned models.")
+        for i, spec in enumerate([self.base, *self.models]):
+            where = "base" if i == 0 else f"models[{i - 1}]"
+            if spec.is_local and not expand(spec.model).is_dir():
+                kind = "is a file, not a model folder" if expand(spec.model).exists() else "does not exist"
+                raise CheckpointNotFoundError(f"{where}: local path {spec.model!r} {kind} (relative paths in a config "
+                                            "resolve against the config file's folder).")
+        self._validate_weights()
+        if isinstance(self.processor, os.PathLike):
+            self.processor = os.fspath(self.processor)
+        if self.processor is not None and not (isinstance(self.processor, str) and self.processor.strip()) \
+                and not callable(self.processor):
+            raise InvalidParameterError(f"processor must be a Hub id, a folder with a preprocessor_config.json, or an "
+                                        f"image processor or tokenizer object, got {short(self.processor)}.")
+        method = self.merge_method()
+        self.method = method.name
+        self.parameters = _plain(self.parameters)
+        try:
+            self.method_params()
+            check_schedules(method, self.parameters, selecting=self.select is not None)
+        except InvalidParameterError as err:
+            raise InvalidParameterError(f"Invalid parameters for method {self.method!r}: {err}") from None
+        if method.needs_data and self.data is None:
+            raise DataError(
+                f"Method {self.method!r} is data-guided and no data was given: pass data=... (a Hub dataset id such "
+                "as tanganke/dtd, a local image folder, a datasets object or a list of images; ~128 unlabeled images "
+                "suffice).")
+        if self.select is not None:
+            self._validate_selection(method)
+        self._validate_adapter_output()
+        self._validate_slices(method)
+
+    def _validate_slices(self, method: MergeMethod) -> None:
+        from .slices import check_slices
+
+        if self.slices is None:
+            if method.name == "passthrough":
+                raise InvalidParameterError("passthrough copies the layer ranges named by `slices` and merges "
+                                            "nothing; give slices (e.g. slices: [{sources: [{model: 0, layer_range: "
+                                            "[0, 4]}]}, ...]).")
+            return
+        if method.needs_data or self.select is not None or self.output != "auto":
+            raise InvalidParameterError(f"slices work with data-free methods and output='auto' (got method "
+                                        f"{method.name!r}, output={self.output!r}{', select' if self.select else ''}).")
+        self.slices = check_slices(_plain(self.slices), method.name, 1 + len(self.models))
+
+    def _validate_adapter_output(self) -> None:
+        from ..loading.lora import LINEAR_METHODS
+
+        if self.output != "adapter":
+            if self.lora_rank is not None or self.combination is not None:
+                raise InvalidParameterError(f"lora_rank and combination describe an adapter output; pass "
+                                            f"output='adapter' (got output={self.output!r}).")
+            return
+        if self.combination == "cat" and self.method not in LINEAR_METHODS:
+            raise InvalidParameterError(
+                f"combination='cat' is exact only for linear methods ({', '.join(LINEAR_METHODS)}); {self.method!r} "
+                "trims, elects signs or drops entries, so its merge is not a stack of the inputs' factors. Use "
+                "combination='svd' (with lora_rank=...).")
+        if self.combination == "cat" and self.lora_rank is not None:
+            raise InvalidParameterError("combination='cat' writes the sum of the input ranks; lora_rank= applies to "
+                                        "combination='svd' only.")
+
+    def _validate_selection(self, method: MergeMethod) -> None:
+        if self.data is None:
+            raise DataError("Label-free selection scores every candidate on unlabeled images and no data was given: "
+                            "pass data=... (a Hub dataset id, a local image folder or images; ~32 suffice).")
+        check_selection(self.select, method, self.parameters, len(self.models))
+        for share in self.select.shares or ():
+            DataSpec.parse(share)
+
+    def _validate_weights(self) -> None:
+        given = [m.weight is not None for m in self.models]
+        if any(given) and not all(given):
+            missing = [f"models[{i}]" for i, g in enumerate(given) if not g]
+            raise InvalidParameterError(f"Give a weight to every model or to none (the default is uniform); "
+                                        f"{', '.join(missing)} {'has' if len(missing) == 1 else 'have'} no weight.")
+        if self.models and all(given) and sum(m.weight for m in self.models) <= 0:
+            raise InvalidParameterError("The models' weights must not all be 0.")
+        if all(given) and not math.isfinite(sum(m.weight for m in self.models)):
+            raise InvalidParameterError(f"weights {[m.weight for m in self.models]} sum to infinity (they overflow "
+                                        "once added or normalised); scale them all down by the same factor.")
+
+    def merge_method(self) -> MergeMethod:
+        from ..methods import get_method
+
+        return get_method(self.method)
+
+    def method_params(self) -> MethodParams:
+        """The method's validated parameters (defaults filled in; per-layer/per-tensor values at their default)."""
+        return scalar_parameters(self.merge_method(), self.parameters)
+
+    def scoring_options(self) -> ScoringOptions:
+        return self.score or ScoringOptions()
+
+    @property
+    def weights(self) -> list[float] | None:
+        return [m.weight for m in self.models] if self.models and self.models[0].weight is not None else None
+
+    def input_paths(self) -> list[str]:
+        """Every local path this run reads: base, models, processor, data, selection heads and shares (an output
+        must not be any of them, inside one or hold one)."""
+        paths: list[Any] = [spec.model for spec in [self.base, *self.models] if spec.is_local]
+        if isinstance(self.processor, (str, os.PathLike)) and looks_local(os.fspath(self.processor)):
+            paths.append(self.processor)
+        if self.data is not None and self.data.path is not None:
+            paths.append(self.data.path)
+        if self.select is not None:
+            paths += [h for h in self.select.heads or () if isinstance(h, (str, os.PathLike))]
+            for share in self.select.shares or ():
+                if isinstance(share, DataSpec) and share.path is not None:
+                    paths.append(share.path)
+                elif isinstance(share, (str, os.PathLike)) and looks_local(os.fspath(share)):
+                    paths.append(share)
+                elif isinstance(share, Mapping) and isinstance(share.get("path"), str):
+                    paths.append(share["path"])
+        return [os.fspath(p) for p in paths]
+
+    # ----------------------------------------------------------------------------------------------- loading
+    @classmethod
+    def from_kwargs(cls, base: Any, models: Any, method: str = "ties", *, weights: Sequence[float] | None = None,
+                    revision: str | Sequence[str | None] | None = None, data: Any = None,
+                    score: ScoringOptions | Mapping[str, Any] | None = None, **options: Any) -> MergeConfig:
+        """The config of a :func:`hf_mloss.merge` call (same arguments): ``options`` are data options (the fields of
+        :class:`DataSpec`: ``num_samples``, ``split``, ``image_column``...), config fields (``seed``, ``dtype``,
+        ``batch_size``...) or the method's parameters.
+
+        Example:
+            ```python
+            >>> config = MergeConfig.from_kwargs("org/base", ["org/ft-a", "org/ft-b"], "ties", k=0.3, seed=1)
+            >>> config.to_yaml("merge.yaml")
+            ```
+        """
+        if isinstance(models, (str, os.PathLike)) or _is_loaded_model(models) or not isinstance(models, Sequence):
+            raise InvalidParameterError(f"models must be a non-empty list of Hub ids, local folders or loaded models, "
+                                        f"got {short(models)}.")
+        specs = [_as_model_spec(m, "base" if i == 0 else f"models[{i - 1}]")
+                 for i, m in enumerate([base, *models])]
+        _spread(specs, "revision", revision, per_model_hint="base first; None for folders and loaded models")
+        _spread(specs[1:], "weight", weights, per_model_hint="the base has none")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        data_fields = {f.name for f in dataclasses.fields(DataSpec)} - {"id", "path", "objects", "revision"}
+        data_options = {k: options.pop(k) for k in list(options) if k in data_fields}
+        config_options = {k: v for k, v in options.items() if k in fields}
+        parameters = {k: v for k, v in options.items() if k not in fields}
+        data_spec = None if data is None else DataSpec.parse(data, **data_options)
+        return cls(base=specs[0], models=specs[1:], method=method, parameters=parameters, data=data_spec, score=score,
+                   **config_options)
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any], base_dir: str | os.PathLike[str] | None = None) -> MergeConfig:
+        """Build and validate a config from a dict with the YAML schema (or mergekit's).
+
+        Args:
+            config: the parsed YAML (``base``, ``models``, ``method``, ``parameters``, ``data``, ``seed``...).
+            base_dir: folder that relative local paths resolve against (``from_yaml`` passes the file's folder).
+
+        Raises:
+            ConfigError: naming the field, the value and the valid choices.
+        """
+        try:
+            return cls._from_dict(config, Path(base_dir) if base_dir is not None else None)
+        except ConfigError:
+            raise
+        except HfMLossError as err:
+            raise ConfigError(str(err)) from None
+
+    @classmethod
+    def _from_dict(cls, config: Any, root: Path | None) -> MergeConfig:
+        if not isinstance(config, Mapping):  # the content is not echoed: a wrong file may hold a secret
+            raise ConfigError(f"A merge config must be a mapping with keys such as 'base' and 'models'; this one "
+                              f"holds a {type(config).__name__} (is it the right file?).")
+        _refuse_tokens(config, "")
+        if "merge_method" in config:
+            from .mergekit import from_mergekit
+
+            config = from_mergekit(config)
+        config = _migrate(config)
+        check_keys(config, [f.name for f in dataclasses.fields(cls)], "top-level key", error=ConfigError)
+        for key in ("base", "models"):
+            if key not in config:
+                raise ConfigError(f"Missing required key {key!r}: name the base model (`base: org/name`) and the "
+                                  "fine-tuned models (`models: [org/ft-a, org/ft-b]`).")
+        if not isinstance(config["models"], list):
+            raise ConfigError(f"models must be a list of Hub ids or local folders (or {{model: ..., weight: ...}} "
+                              f"entries), got {short(config['models'])}.")
+        values = dict(config)
+        values["base"] = _parse_model(config["base"], "base", root)
+        values["models"] = [_parse_model(m, f"models[{i}]", root) for i, m in enumerate(config["models"])]
+        if config.get("data") is not None:
+            values["data"] = _parse_data(config["data"], root)
+        if config.get("score") is not None:
+            values["score"] = _build(ScoringOptions, _mapping(config["score"], "score"), "score.")
+        if config.get("select") is not None:
+            values["select"] = _parse_select(_mapping(config["select"], "select"), root)
+        if values.get("parameters") is None:
+            values["parameters"] = {}
+        values["parameters"] = _mapping(values["parameters"], "parameters")
+        if isinstance(values.get("processor"), str) and looks_local(values["processor"]):
+            values["processor"] = _absolute(values["processor"], root)
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> MergeConfig:
+        """Read and validate a YAML config (ours or mergekit's); relative paths resolve against its folder.
+
+        Raises:
+            ConfigError: the file is missing, too large, not YAML, or describes an invalid merge.
+        """
+        from .._yaml import load_yaml
+
+        path = Path(path)
+        content = load_yaml(path, max_bytes=MAX_CONFIG_BYTES)
+        try:
+            return cls.from_dict(content, base_dir=path.resolve().parent)
+        except ConfigError as err:
+            raise ConfigError(f"Invalid config {str(path)!r}: {err}") from None
+
+    @classmethod
+    def from_pretrained(cls, folder_or_repo_id: str | os.PathLike[str], *, revision: str | None = None,
+                        token: str | bool | None = None, allow_local_paths: bool = False) -> MergeConfig:
+        """The config saved with a merged model: a local folder, or a Hub repo (its ``hf_mloss_config.yaml``).
+
+        A recipe from a Hub repo was written by someone else: it may name only Hub models and datasets. Local,
+        absolute or ``../`` paths in it are refused (naming the key) unless ``allow_local_paths=True``.
+
+        Example:
+            ```python
+            >>> hf_mloss.run(MergeConfig.from_pretrained("me/clip-vit-b32-8tasks-mties"))   # re-run a published merge
+            ```
+        """
+        local = Path(os.fspath(folder_or_repo_id)).expanduser()
+        if local.is_dir():
+            path = local / MERGE_CONFIG_NAME
+            if not path.is_file():
+                raise ConfigError(f"{str(local)!r} has no {MERGE_CONFIG_NAME}: it was not written by hf_mloss.")
+            return cls.from_yaml(path)
+        from .._yaml import load_yaml
+        from ..loading.hub import download_file
+
+        path = Path(download_file(os.fspath(folder_or_repo_id), MERGE_CONFIG_NAME, revision=revision, token=token))
+        if not allow_local_paths:
+            content = load_yaml(path, max_bytes=MAX_CONFIG_BYTES)
+            for key, value in _local_paths(content, path.resolve().parent):
+                raise ConfigError(f"The recipe of Hub repo {os.fspath(folder_or_repo_id)!r} names a local path at "
+                                  f"{key} ({short(value)}); a recipe from the Hub may name only Hub models and "
+                                  "datasets. Pass allow_local_paths=True if you trust it and mean your own files.")
+        return cls.from_yaml(path)
+
+    # ----------------------------------------------------------------------------------------------- output
+    def to_dict(self, root: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+        """The config in the YAML schema; local paths relative to ``root`` when given (where the file will live)."""
+        base = Path(os.path.abspath(root)) if root is not None else None
+        out: dict[str, Any] = {"hf_mloss_version": self.hf_mloss_version} if self.hf_mloss_version else {}
+        out.update(base=self.base.to_dict(base), models=[m.to_dict(base) for m in self.models], method=self.method,
+                   parameters=_plain(self.parameters), seed=self.seed)
+        if self.data is not None:
+            out["data"] = self.data.to_dict(base)
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for key in ("dtype", "batch_size", "compute_dtype", "output", "lora_rank", "combination"):
+            if getattr(self, key) != defaults[key]:
+                out[key] = getattr(self, key)
+        if isinstance(self.processor, str):
+            out["processor"] = _relative(self.processor, base) if looks_local(self.processor) else self.processor
+        if self.score is not None:
+            out["score"] = self.score.to_dict()
+        if self.select is not None:
+            out["select"] = _selection_to_dict(self.select, base)
+        if self.slices is not None:
+            out["slices"] = _plain(self.slices)
+        if self.resolved_parameters:
+            out["resolved_parameters"] = self.resolved_parameters
+        return out
+
+    def to_yaml(self, path: str | os.PathLike[str] | None = None, *, root: str | os.PathLike[str] | None = None,
+                overwrite: bool = False) -> str:
+        """The config as YAML text; also written to ``path`` when given (atomic, never through a link, never over
+        one of the config's inputs; an existing file is replaced only with ``overwrite``).
+
+        Local paths are written relative to ``root`` (default: the folder of ``path``), so the file re-runs from
+        where it lives; without either they are absolute.
+        """
+        import yaml
+
+        if root is None and path is not None:
+            root = Path(path).resolve().parent
+        text = yaml.safe_dump(self.to_dict(root), sort_keys=False, allow_unicode=True)
+        if path is not None:
+            from ..saving import write_file
+
+            write_file(path, text, overwrite=overwrite, protected=self.input_paths(), what="Config file")
+        return text
+
+    def save_pretrained(self, save_directory: str | os.PathLike[str], *,
+                        location: str | os.PathLike[str] | None = None, overwrite: bool = False) -> Path:
+        """Write ``hf_mloss_config.yaml`` into ``save_directory`` (created if needed; an existing file is replaced
+        only with ``overwrite``).
+
+        ``location``: where the folder will finally live, when it is written elsewhere first (local paths are
+        written relative to it).
+        """
+        folder = Path(save_directory)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / MERGE_CONFIG_NAME
+        self.to_yaml(path, root=Path(os.path.abspath(location or folder)), overwrite=overwrite)
+        return path
+
+    def replace(self, **changes: Any) -> MergeConfig:
+        """A copy with some fields changed (validated)."""
+        return dataclasses.replace(self, **changes)
+
+
+# ------------------------------------------------------------------------------------------------- parsing
+def _as_model_spec(value: Any, where: str) -> ModelSpec:
+    if isinstance(value, ModelSpec):
+        return value
+    if value is None:
+        raise InvalidParameterError(f"{where} is required: a Hub id (org/name), a local folder or a loaded model.")
+    if hasattr(value, "peft_config") and hasattr(value, "merge_and_unload"):
+        raise InvalidParameterError(f"{where} is a loaded PeftModel; pass its adapter folder (model.save_pretrained("
+                                    "folder)) to merge it as an adapter, or model.merge_and_unload() to pass the model.")
+    try:
+        return ModelSpec(model=value)
+    except InvalidParameterError as err:
+        raise InvalidParameterError(f"{where}: {err}") from None
+
+
+def _parse_model(entry: Any, where: str, root: Path | None) -> ModelSpec:
+    if isinstance(entry, str):
+        entry = {"model": entry}
+    if not isinstance(entry, Mapping):
+        raise ConfigError(f"{where} must be a Hub id or local folder (a string) or a mapping such as "
+                          f"{{model: org/name, weight: 0.5}}, got {short(entry)}.")
+    if IN_MEMORY in entry:
+        raise ConfigError(f"{where} was a model passed from Python ({short(entry[IN_MEMORY])}) when this config was "
+                          "written; replace it with its Hub id or folder (`model: ...`) to re-run.")
+    check_keys(entry, [f.name for f in dataclasses.fields(ModelSpec)], f"key in {where}", error=ConfigError)
+    if "model" not in entry:
+        raise ConfigError(f"{where} has no `model` key: write {{model: org/name}}, got {short(dict(entry))}.")
+    values = dict(entry)
+    if isinstance(values["model"], str):
+        if not values["model"].strip():
+            raise ConfigError(f"{where}.model must be a Hub id or a local folder, got ''.")
+        values["model"] = _resolve_model_path(values["model"], root)
+    return _build(ModelSpec, values, f"{where}.")
+
+
+def _parse_data(entry: Any, root: Path | None) -> DataSpec:
+    if isinstance(entry, str):
+        local = looks_local(entry) or (root is not None and _is_data_path(root / entry))
+        entry = {"path": entry} if local else {"id": entry}
+    if not isinstance(entry, Mapping):
+        raise ConfigError(f"data must be a Hub dataset id, a local folder or a mapping such as {{id: tanganke/dtd, "
+                          f"split: train, num_samples: 128}}, got {short(entry)}.")
+    if "seed" in entry:
+        raise ConfigError("data.seed: hf_mloss uses one seed for data shuffling and the merge: set only the "
+                          "top-level `seed`.")
+    entry = dict(entry)
+    if IN_MEMORY in entry:
+        content = f" (content {entry['content']})" if entry.get("content") else ""
+        raise ConfigError(f"data was passed from Python ({short(entry[IN_MEMORY])}{content}) when this config was "
+                          "written; replace the data section with `id` (a Hub dataset id) or `path` (a local image "
+                          "folder), or pass the same images to hf_mloss.merge(..., data=...).")
+    names = [f.name for f in dataclasses.fields(DataSpec) if f.name != "objects"]
+    check_keys(entry, names, "key in data", error=ConfigError)
+    values = dict(entry)
+    if isinstance(values.get("path"), str):
+        values["path"] = _absolute(values["path"], root)
+    return _build(DataSpec, values, "data.")
+
+
+def _parse_select(entry: dict[str, Any], root: Path | None) -> SelectionOptions:
+    """The ``select:`` section: head files and share folders resolve against the config's folder."""
+    heads = entry.get("heads")
+    if isinstance(heads, list):
+        for i, head in enumerate(heads):
+            if isinstance(head, Mapping) and IN_MEMORY in head:
+                raise ConfigError(f"select.heads[{i}] was passed from Python when this config was written; replace "
+                                  "it with a safetensors file holding `weight` (and `bias`).")
+        entry["heads"] = [_absolute(h, root) if isinstance(h, str) else h for h in heads]
+    if isinstance(entry.get("shares"), list):
+        entry["shares"] = [_parse_data(share, root) for share in entry["shares"]]
+    return _build(SelectionOptions, entry, "select.")
+
+
+def _selection_to_dict(select: SelectionOptions, root: Path | None) -> dict[str, Any]:
+    """The ``select:`` section (local head files and data folders relative to ``root``)."""
+    out: dict[str, Any] = {"criterion": select.criterion, "grid": select.grid, "num_samples": select.num_samples,
+                           "share": select.share}
+    if select.compare:
+        out["compare"] = list(select.compare)
+    if select.heads:
+        out["heads"] = [_relative(h, root) if isinstance(h, str) else {IN_MEMORY: type(h).__name__}
+                        for h in select.heads]
+    if select.shares:
+        out["shares"] = [DataSpec.parse(s).to_dict(root) for s in select.shares]
+    for key in ("reference", "chosen", "candidates"):
+        if getattr(select, key) is not None:
+            out[key] = getattr(select, key)
+    return out
+
+
+def _migrate(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Read configs saved by hf_mloss 0.1, which recorded what it had read about the data inside ``data``."""
+    version = str(config.get("hf_mloss_version") or "")
+    data = config.get("data")
+    if not version.startswith("0.1.") or not isinstance(data, Mapping):
+        return config
+    data = {k: v for k, v in data.items() if k not in ("skipped", "seed")}
+    if data.pop("source", None) == "imagefolder" and "id" in data:
+        data["path"] = data.pop("id")
+    return {**config, "data": data}
+
+
+def _build(cls: type, values: Mapping[str, Any], where: str) -> Any:
+    names = [f.name for f in dataclasses.fields(cls)]
+    check_keys(values, names, f"key in {where.rstrip('.')}", error=ConfigError)
+    try:
+        return cls(**values)
+    except HfMLossError as err:
+        message = str(err)
+        raise ConfigError(f"{where}{message}" if message.split(" ")[0].split("=")[0] in names else message) from None
+
+
+def _mapping(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where} must be a mapping (e.g. {{k: 0.2}}), got {short(value)}.")
+    return dict(value)
+
+
+def _refuse_tokens(value: Any, where: str) -> None:
+    """Refuse credentials in a config: keys that name one (``token``, ``hf_token``...) and any key or value shaped
+    like one (``hf_...``, ``HF_TOKEN=...``); the value itself is never echoed."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if isinstance(key, str) and (key.lower() in TOKEN_KEYS or looks_like_secret(key)):
+                name = f"{where}{key}" if key.lower() in TOKEN_KEYS else f"{where.rstrip('.') or 'a top-level'} key"
+                raise ConfigError(f"{name} (a credential) is refused; {TOKEN_HINT}")
+            _refuse_tokens(item, f"{where}{key}.")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _refuse_tokens(item, f"{where.rstrip('.')}[{i}].")
+    elif isinstance(value, str) and looks_like_secret(value):
+        raise ConfigError(f"{where.rstrip('.') or 'The config'} holds a value shaped like an access token (it is not "
+                          f"shown); {TOKEN_HINT}")
+
+
+def _local_paths(config: Any, root: Path) -> list[tuple[str, Any]]:
+    """``(key, value)`` of every input of a raw config (ours or mergekit's) that is not plainly a Hub id: path syntax,
+    not a repo id, or a name that exists as a local path here or beside the config."""
+    def local(value: Any) -> bool:
+        if isinstance(value, Mapping):  # {model: ...}, mergekit's {model: {path: ...}} or {path: ...}
+            inner = value.get("model", value.get("path"))
+            return local(inner.get("path") if isinstance(inner, Mapping) else inner)
+        if not isinstance(value, str):
+            return False
+        name = value.rsplit("@", 1)[0] if "@" in value else value
+        return (name.startswith((".", "/", "~", "\\")) or os.path.isabs(name) or not is_repo_id(name)
+                or expand(name).exists() or (root / name).exists())
+
+    if not isinstance(config, Mapping):
+        return []
+    found = []
+    for key in ("base", "base_model", "processor"):
+        if local(config.get(key)):
+            found.append((key, config[key]))
+    for key in ("models",):
+        for i, entry in enumerate(config.get(key) or [] if isinstance(config.get(key), list) else []):
+            if local(entry):
+                found.append((f"models[{i}]", entry))
+    data = config.get("data")
+    if isinstance(data, Mapping) and data.get("path") is not None or isinstance(data, str) and local(data):
+        found.append(("data", data))
+    select = config.get("select")
+    if isinstance(select, Mapping):
+        for key in ("heads", "shares"):
+            entries = select.get(key) if isinstance(select.get(key), list) else []
+            for i, entry in enumerate(entries):
+                if key == "heads" and isinstance(entry, str) or isinstance(entry, Mapping) and entry.get(
+                        "path") is not None or local(entry):
+                    found.append((f"select.{key}[{i}]", entry))
+    return found
+
+
+def _spread(specs: list[ModelSpec], key: str, values: Any, *, per_model_hint: str) -> None:
+    """Set ``key`` on every spec from one value or one value per spec."""
+    if values is None:
+        return
+    if key == "revision" and isinstance(values, str):
+        for spec in specs:
+            if not spec.is_local and not spec.is_loaded:
+                spec.revision = values
+        return
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Sequence) and not _is_array(values):
+        raise InvalidParameterError(f"{key}s must be a list with one entry per model ({per_model_hint}), got "
+                                    f"{short(values)}.")
+    values = list(values)
+    if len(values) != len(specs):
+        raise InvalidParameterError(f"Got {len(values)} {key}s for {len(specs)} models: pass one per model "
+                                    f"({per_model_hint}).")
+    for i, (spec, value) in enumerate(zip(specs, values)):
+        try:
+            setattr(spec, key, value)
+            spec.__post_init__()
+        except InvalidParameterError as err:
+            raise InvalidParameterError(f"{key}s[{i}]: {err}") from None
+
+
+def _is_array(value: Any) -> bool:
+    return hasattr(value, "tolist") and hasattr(value, "shape")
+
+
+def _content_hash(objects: Any) -> str | None:
+    """``xxh3-128:…`` of a preprocessed image tensor's values (shape and dtype included), of tokenised inputs (each
+    tensor, by name) or of a list of texts, else ``None``."""
+    import torch
+    import xxhash
+
+    from ..loading.model_inputs import as_model_inputs
+
+    if isinstance(objects, (list, tuple)) and objects and all(isinstance(x, str) for x in objects):
+        digest = xxhash.xxh3_128(b"texts:")
+        for text in objects:
+            encoded = text.encode("utf-8", "surrogatepass")
+            digest.update(f"{len(encoded)}:".encode() + encoded)
+        return f"xxh3-128:{digest.hexdigest()}"
+    given = as_model_inputs(objects) if not isinstance(objects, torch.Tensor) else None
+    if given is not None and "pixel_values" in given:
+        objects, given = given["pixel_values"], None  # pixels hash as the bare tensor does
+    if given is not None:
+        digest = xxhash.xxh3_128(b"inputs:")
+        for name in sorted(given.keys()):
+            tensor = given[name].detach().to("cpu").contiguous()
+            digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}:".encode())
+            digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        return f"xxh3-128:{digest.hexdigest()}"
+    if not isinstance(objects, torch.Tensor):
+        return None
+    tensor = objects.detach().to("cpu").contiguous()
+    digest = xxhash.xxh3_128(f"{tuple(tensor.shape)}:{tensor.dtype}:".encode())
+    digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return f"xxh3-128:{digest.hexdigest()}"
+
+
+def _is_data_path(path: Path) -> bool:
+    """A folder, or a file of a type scoring data is read from (text, JSON lines, CSV, parquet)."""
+    from ..loading.data import DATA_FILE_SUFFIXES
+
+    return path.is_dir() or (path.is_file() and path.suffix.lower() in DATA_FILE_SUFFIXES)
+
+
+def _is_loaded_model(value: Any) -> bool:
+    return hasattr(value, "config") and hasattr(value, "state_dict") and callable(value.state_dict)
+
+
+def _absolute(value: str, root: Path | None) -> str:
+    """``value`` as an absolute path (relative ones against ``root``); symbolic links are kept as written."""
+    path = expand(value)
+    if not path.is_absolute():
+        path = (root or Path.cwd()) / path
+    return os.path.normpath(path)
+
+
+def _resolve_model_path(value: str, root: Path | None) -> str:
+    """Explicit local paths resolve against ``root``, and so does a bare name of a folder there; else: a Hub id."""
+    if looks_local(value) or (root is not None and value and (root / value).is_dir()):
+        return _absolute(value, root)
+    return value
+
+
+def _relative(value: str, root: Path | None) -> str:
+    """``value`` relative to ``root`` (where the config file lives) when both lie in one project, else absolute.
+
+    "One project": their deepest common folder is below the home folder (and not the filesystem root), so a merge
+    saved next to its inputs moves with them, while a model in the user's cache is not written as
+    ``../../../../../.cache/...`` (which breaks as soon as the merge folder moves).
+    """
+    path = _absolute(value, None)
+    if root is None:
+        return path
+    try:
+        common = Path(os.path.commonpath([path, os.path.abspath(root)]))
+    except ValueError:  # different drives
+        return path
+    home = Path.home()
+    return path if common in {home, *home.parents} else os.path.relpath(path, root)
+
+
+def _plain(value: Any) -> Any:
+    """Tuples to lists and numpy scalars to Python numbers, recursively (YAML-safe and equal after a round trip)."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if hasattr(value, "item") and hasattr(value, "dtype"):
+        return value.item()
+    return value
+
+
+__all__ = ["MERGE_CONFIG_NAME", "DataSpec", "MergeConfig", "ModelSpec"]

@@ -1,0 +1,454 @@
+"""Reading mergekit YAML configs: the methods both libraries share, mapped to hf_mloss's with the same results.
+
+| mergekit | hf_mloss |
+|---|---|
+| ``linear`` (``normalize: true``, no ``base_model``) | ``average`` of the models with their ``weight`` |
+| ``task_arithmetic`` | ``task_arithmetic``, ``lam`` = ``lambda`` (mergekit's default 1), weights as given (÷ Σw with ``normalize``) |
+| ``ties`` (``normalize: true``) | ``ties``, ``convention: mergekit``, ``k`` = ``density`` (one value for all models), ``lam`` = ``lambda`` |
+| ``dare_ties`` (``normalize: true``) / ``dare_linear`` | ``dare_ties`` / ``dare_linear``, ``p`` = ``density``, ``rescale: l1`` (mergekit's masks are drawn from another random stream) |
+| ``slerp`` (``base_model`` + one other model) | ``slerp``, ``t`` = ``t`` |
+| ``model_stock`` | ``model_stock``, ``filter_wise`` = ``filter_wise`` |
+| ``breadcrumbs`` / ``breadcrumbs_ties`` | same names, ``k`` = ``density``, ``gamma``, ``lam`` = ``lambda``, ``normalize``, ``rescale: l1`` for ``rescale: true`` |
+| ``passthrough`` with ``slices`` | ``passthrough`` with ``slices`` (one source per slice; no ``scale``) |
+| ``della`` / ``della_linear`` | same names, ``k`` = ``density``, ``e`` = ``epsilon``, ``lam``, ``normalize``, ``rescale: l1``/``none`` (masks from another random stream) |
+
+``base_model`` becomes ``base`` (``org/name@revision`` is split), ``out_dtype`` (else ``dtype``) becomes ``dtype``; the
+arithmetic runs in float32 either way. Per-model parameters default as mergekit 0.1.5 defines them: ``density`` 1.0
+(keep everything) where a model omits it, ``weight`` required on every model. Method parameters may be gradients or
+filter lists, as in mergekit (see :mod:`hf_mloss.spec.schedule`); model weights are one number each.
+``tokenizer_source: base`` (or none) is accepted: the base's processor is copied; other tokenizer sources and
+``tokenizer:`` sections merge vocabularies, which hf_mloss cannot do yet. ``base+adapter`` entries (and
+``{model: ..., lora: ...}``) name a PEFT LoRA adapter of the base (:mod:`hf_mloss.loading.lora`). ``slices`` with
+``sources`` and ``layer_range`` map to hf_mloss's ``slices`` (:mod:`hf_mloss.spec.slices`): ``passthrough`` stacks (one
+source per slice) and slices merged by one of the methods above (the same models in every slice, per-model parameters
+the same in every slice). Anything else (other methods) and any malformed shape (a list where one name or a mapping
+belongs) is refused in one line naming the key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .._validation import short
+from ..errors import ConfigError, InvalidParameterError
+from .schedule import ParamSchedule, is_schedule
+
+METHODS = {"linear": "average", "task_arithmetic": "task_arithmetic", "ties": "ties", "dare_ties": "dare_ties",
+           "dare_linear": "dare_linear"}
+RECIPE_METHODS = ("slerp", "model_stock", "breadcrumbs", "breadcrumbs_ties", "della", "della_linear")
+"""mergekit methods with the same name and semantics here (mapped by :func:`_recipe_config`)."""
+METHODS.update({name: name for name in RECIPE_METHODS})
+METHODS["passthrough"] = "passthrough"  # with slices only (hf_mloss.spec.slices)
+TOP_LEVEL = ("merge_method", "base_model", "models", "slices", "parameters", "dtype", "out_dtype",
+             "tokenizer_source", "tokenizer", "chat_template", "name")
+IGNORED = ("tokenizer_source", "tokenizer", "chat_template", "name")
+"""Keys about text models' tokenizers (and labels): only their no-op values are accepted (see _check_tokenizer)."""
+DEFAULT_DENSITY = 1.0
+"""mergekit's default ``density`` for a model that gives none (generalized task arithmetic methods, 0.1.5)."""
+
+
+def from_mergekit(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The hf_mloss config dict equivalent to a mergekit config dict.
+
+    Raises:
+        ConfigError: an option with no hf_mloss equivalent (the message names it).
+    """
+    unknown = [k for k in config if k not in TOP_LEVEL]
+    if unknown:
+        raise ConfigError(f"mergekit config key(s) {unknown} have no hf_mloss equivalent (hf_mloss reads "
+                          f"{[k for k in TOP_LEVEL if k not in IGNORED]}).")
+    method = config["merge_method"]
+    if not isinstance(method, str):
+        raise ConfigError(f"mergekit merge_method must be one method name such as ties, got {short(method)}.")
+    _check_tokenizer(config)
+    if method not in METHODS:
+        raise ConfigError(f"mergekit merge_method {short(method)} is not one hf_mloss shares; shared: {list(METHODS)} "
+                          "(or write an hf_mloss config: `hf-mloss methods`).")
+    if "slices" in config:
+        return _sliced_config(config, method)
+    if method == "passthrough":
+        raise ConfigError("mergekit passthrough without slices copies one model; give `slices` with `layer_range`s "
+                          "to stack layers (hf_mloss maps passthrough with slices only).")
+    if method in RECIPE_METHODS:
+        return _recipe_config(config, method)
+    global_params = _mapping(config.get("parameters"), "parameters")
+    models, weights, densities = _models(config.get("models"))
+    if config.get("base_model"):
+        base = _model_entry(config["base_model"], "base_model")
+        if method == "linear":
+            raise ConfigError("mergekit `linear` with a base_model averages the base in too; list it under `models` "
+                              "with its weight instead (hf_mloss then averages exactly those models).")
+    elif method == "linear":
+        base = dict(models[0])  # an average needs no base: the first model only provides the architecture
+    else:
+        raise ConfigError(f"The mergekit config has no base_model; `{method}` merges fine-tunes of one base: add "
+                          "`base_model: org/name`.")
+    _check_lora_bases(base, models)
+    out: dict[str, Any] = {"base": base, "models": models, "method": METHODS[method]}
+    normalize = global_params.pop("normalize", method in ("linear", "ties"))
+    lam = global_params.pop("lambda", 1.0)
+    if not isinstance(normalize, bool):
+        raise ConfigError(f"mergekit parameters.normalize must be true or false, got {short(normalize)}.")
+    _check_number(lam, "parameters.lambda", schedule=True)
+    if global_params:
+        raise ConfigError(f"mergekit parameters {sorted(global_params)} have no hf_mloss equivalent.")
+    parameters: dict[str, Any] = {}
+    if method in ("ties", "dare_ties", "linear") and not normalize:
+        raise ConfigError(f"mergekit `{method}` with normalize: false (a plain sum) has no hf_mloss equivalent; "
+                          "use normalize: true, or task_arithmetic for a weighted sum.")
+    if normalize and abs(sum(weights)) < 1e-8:
+        raise ConfigError(f"mergekit parameters.normalize: true divides by the sum of the models' weights, which is "
+                          f"{sum(weights):g}; give weights that do not sum to 0.")
+    if method == "task_arithmetic" and normalize:
+        total = sum(weights)
+        weights = [w / total for w in weights]
+    if method != "linear":
+        parameters["lam"] = lam
+    if method == "ties":
+        parameters.update(k=_one_density(densities), convention="mergekit")
+    elif method.startswith("dare"):
+        parameters.update(p=_one_density(densities), rescale="l1")
+    elif any(d is not None for d in densities):
+        raise ConfigError(f"mergekit `{method}` takes no density.")
+    return _finish(out, parameters, models, weights, config)
+
+
+def _models(entries: Any) -> tuple[list[dict[str, Any]], list[float], list[float | None]]:
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError("The mergekit config needs a non-empty `models` list (slices are not supported).")
+    models, weights, densities = [], [], []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, Mapping) or "model" not in entry:
+            raise ConfigError(f"models[{i}] must be a mapping with `model` (and optional `parameters`), got "
+                              f"{short(entry)}.")
+        params = _mapping(entry.get("parameters"), f"models[{i}].parameters")
+        if "weight" not in params:
+            raise ConfigError(f"models[{i}].parameters.weight is missing; mergekit requires a weight on every model "
+                              "(e.g. parameters: {weight: 1.0}).")
+        weight = params.pop("weight")
+        density = params.pop("density", None)
+        density = _layered([density], 1.0) if is_schedule(density) else density
+        if params or set(entry) - {"model", "parameters"}:
+            raise ConfigError(f"models[{i}]: only `parameters.weight` and `parameters.density` have hf_mloss "
+                              f"equivalents, got {sorted(params) or sorted(set(entry) - {'model', 'parameters'})}.")
+        _check_number(weight, f"models[{i}].parameters.weight")
+        if density is not None:
+            _check_number(density, f"models[{i}].parameters.density", schedule=True)
+        models.append(_model_entry(entry["model"], f"models[{i}].model"))
+        weights.append(float(weight))
+        densities.append(None if density is None else density if is_schedule(density) else float(density))
+    return models, weights, densities
+
+
+def _mapping(value: Any, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"mergekit {where} must be a mapping (e.g. {{weight: 1.0, density: 0.5}}), got "
+                          f"{short(value)}.")
+    return dict(value)
+
+
+def _check_tokenizer(config: Mapping[str, Any]) -> None:
+    """Accept the tokenizer options that keep the base's (what a vision merge does); refuse vocabulary merges."""
+    source = config.get("tokenizer_source")
+    tokenizer = config.get("tokenizer")
+    if isinstance(tokenizer, Mapping) and set(tokenizer) <= {"source"}:
+        source, tokenizer = tokenizer.get("source", source), None
+    for key, value in (("tokenizer_source", source), ("tokenizer", tokenizer)):
+        if value is not None and value != "base":
+            raise ConfigError(f"mergekit {key}: {short(value, 40)} merges or swaps vocabularies, which hf_mloss "
+                              "cannot do yet (vocabularies cannot be merged yet); remove it or use "
+                              "tokenizer_source: base (the base's processor is copied).")
+
+
+def _model_entry(value: Any, where: str) -> dict[str, Any]:
+    if isinstance(value, Mapping) and isinstance(value.get("lora"), (Mapping, str)):  # {model: ..., lora: ...}
+        lora = value["lora"].get("path") if isinstance(value["lora"], Mapping) else value["lora"]
+        return {**_model_entry(lora, where), "lora_of": _model_entry(value.get("model"), where)["model"]}
+    if isinstance(value, Mapping):  # mergekit's long form {model: {path: ...}} or {path: ..., revision: ...}
+        value = value.get("model", value)
+        if isinstance(value, Mapping):
+            entry = {"model": value.get("path")}
+            if value.get("revision"):
+                entry["revision"] = value["revision"]
+            return entry
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{where} must be a Hub id or a local folder, got {short(value)}.")
+    if "+" in value:  # mergekit's model+lora: the adapter, applied to the merge's base (checked in from_mergekit)
+        model, lora = value.split("+", 1)
+        return {**_model_entry(lora, where), "lora_of": _model_entry(model, where)["model"]}
+    if "@" in value:
+        model, revision = value.rsplit("@", 1)
+        return {"model": model, "revision": revision}
+    return {"model": value}
+
+
+def _check_lora_bases(base: dict[str, Any], models: list[dict[str, Any]]) -> None:
+    """``model+lora`` entries: hf_mloss applies a LoRA adapter to the merge's base, so ``model`` must be that base."""
+    if "lora_of" in base:
+        raise ConfigError(f"base_model {base['lora_of']}+{base['model']} is a LoRA adapter; the base must be the full "
+                          f"model: base_model: {base['lora_of']}.")
+    for i, entry in enumerate(models):
+        lora_of = entry.pop("lora_of", None)
+        if lora_of is not None and lora_of != base["model"]:
+            raise ConfigError(
+                f"models[{i}]: {lora_of}+{entry['model']} applies a LoRA adapter to {lora_of!r}, but hf_mloss applies "
+                f"adapters to the merge's base ({base['model']!r}). Use {base['model']}+{entry['model']}, or merge the "
+                "adapter into its model first.")
+
+
+def _one_density(given: list[float | None]) -> float:
+    densities = [DEFAULT_DENSITY if d is None else d for d in given]  # mergekit's default for a model without one
+    if any(d != densities[0] for d in densities):
+        raise ConfigError(f"Per-model densities {densities} differ; hf_mloss uses one keep fraction for all models.")
+    return densities[0]
+
+
+RECIPE_SHARED = {"slerp": ("t",), "model_stock": ("filter_wise",)}
+"""Per method, the mergekit parameters read from the top-level ``parameters`` only (mergekit's shared scope)."""
+TASK_VECTOR_SHARED = ("lambda", "normalize", "rescale", "int8_mask")
+PER_MODEL = {"breadcrumbs": {"density": ("k", 1.0), "gamma": ("gamma", 0.01)},
+             "della": {"density": ("k", 1.0), "epsilon": ("e", 0.15)}}
+"""mergekit per-model parameter → (hf_mloss name, mergekit default); one value must serve every model."""
+DEFAULTS = {"breadcrumbs": (False, False), "breadcrumbs_ties": (False, False), "della": (True, True),
+            "della_linear": (False, True)}
+"""mergekit's (normalize, rescale) defaults of its generalised task-arithmetic methods."""
+
+
+def _recipe_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
+    """The hf_mloss config of a mergekit ``slerp``, ``model_stock``, ``breadcrumbs*`` or ``della*`` config.
+
+    As in mergekit, the ``base_model`` is the base whether or not ``models`` lists it too; shared parameters (``t``,
+    ``lambda``...) come from the top-level ``parameters``, per-model ones (``weight``, ``density``...) from the
+    model's ``parameters``, else the top-level ones, else mergekit's default.
+    """
+    if not config.get("base_model"):
+        raise ConfigError(f"mergekit `{method}` needs a `base_model` (the t=0 endpoint of slerp, the anchor of the "
+                          "others); add `base_model: org/name`.")
+    base = _model_entry(config["base_model"], "base_model")
+    family = method.removesuffix("_ties").removesuffix("_linear")
+    per_model = PER_MODEL.get(family, {})
+    shared_names = RECIPE_SHARED.get(method, TASK_VECTOR_SHARED)
+    takes_weight = method not in RECIPE_SHARED
+    global_params = _mapping(config.get("parameters"), "parameters")
+    for key in global_params:
+        if key not in shared_names and key not in per_model and not (takes_weight and key == "weight"):
+            raise ConfigError(f"mergekit `{method}` has no parameter {key!r} hf_mloss can map; it reads "
+                              f"{sorted({*shared_names, *per_model, *(['weight'] if takes_weight else [])})}.")
+    entries = config.get("models")
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError("The mergekit config needs a non-empty `models` list (slices are not supported).")
+    models, weights, values = [], [], {key: [] for key in per_model}
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, Mapping) or "model" not in entry or set(entry) - {"model", "parameters"}:
+            raise ConfigError(f"models[{i}] must be a mapping with `model` (and optional `parameters`), got "
+                              f"{short(entry)}.")
+        model = _model_entry(entry["model"], f"models[{i}].model")
+        if model == base:  # mergekit merges the base_model as the base, never as one of the others
+            continue
+        params = _mapping(entry.get("parameters"), f"models[{i}].parameters")
+        allowed = [*per_model, *(["weight"] if takes_weight else [])]
+        unknown = sorted(set(params) - set(allowed))
+        if unknown:
+            where = " (shared: give it under the top-level `parameters`)" if set(unknown) & set(shared_names) else ""
+            raise ConfigError(f"models[{i}].parameters {unknown} have no hf_mloss equivalent for mergekit "
+                              f"`{method}`{where}; per-model parameters: {allowed or 'none'}.")
+        for key in allowed:
+            if key == "weight":
+                value = params.get(key, global_params.get(key))
+                if value is None:
+                    raise ConfigError(f"models[{i}].parameters.weight is missing; mergekit requires a weight on "
+                                      "every model (e.g. parameters: {weight: 1.0}).")
+            else:
+                value = _layered([params.get(key), global_params.get(key)], per_model[key][1])
+            _check_number(value, f"models[{i}].parameters.{key}", schedule=key != "weight")
+            (weights if key == "weight" else values[key]).append(value if is_schedule(value) else float(value))
+        models.append(model)
+    _check_model_count(method, len(models))
+    out: dict[str, Any] = {"base": base, "models": models, "method": method}
+    parameters: dict[str, Any] = {}
+    if method == "slerp":
+        if "t" not in global_params:
+            raise ConfigError("mergekit `slerp` needs `parameters: {t: ...}` (0 gives the base_model, 1 the other "
+                              "model).")
+        _check_number(global_params["t"], "parameters.t", schedule=True)
+        if is_schedule(global_params["t"]) and all(f is not None for f, _ in
+                                                   ParamSchedule.parse(global_params["t"], "parameters.t").entries):
+            raise ConfigError("mergekit `slerp` needs t for every tensor and these filters may leave some without "
+                              "one (mergekit then fails); end the list with a `{value: ...}` entry without filter.")
+        parameters["t"] = _map_values(global_params["t"], float)
+    elif method == "model_stock":
+        parameters["filter_wise"] = _check_flag(_layered([global_params.get("filter_wise")], False),
+                                                "parameters.filter_wise")
+    else:
+        for key, (ours, _) in per_model.items():
+            if any(v != values[key][0] for v in values[key]):
+                raise ConfigError(f"Per-model {key} values {values[key]} differ; hf_mloss uses one value for all "
+                                  "models.")
+            parameters[ours] = values[key][0]
+        normalize, rescale = DEFAULTS[method]
+        lam = _layered([global_params.get("lambda")], 1.0)
+        _check_number(lam, "parameters.lambda", schedule=True)
+        parameters.update(lam=_map_values(lam, float),
+                          normalize=_check_flag(_layered([global_params.get("normalize")], normalize),
+                                                "parameters.normalize"))
+        rescale = _check_flag(_layered([global_params.get("rescale")], rescale), "parameters.rescale")
+        parameters["rescale"] = _map_values(rescale, lambda on: "l1" if on else "none")
+        _check_flag(global_params.get("int8_mask", False), "parameters.int8_mask")  # storage only: same values
+    return _finish(out, parameters, models, weights, config)  # slerp, model_stock: no weights
+
+
+def _finish(out: dict[str, Any], parameters: dict[str, Any], models: list[dict[str, Any]], weights: list[float],
+            config: Mapping[str, Any]) -> dict[str, Any]:
+    """The hf_mloss config: the models' weights, the method parameters and the dtype (``out_dtype``, else ``dtype``)."""
+    for entry, weight in zip(models, weights):
+        entry["weight"] = weight
+    out["parameters"] = parameters
+    dtype = config.get("out_dtype") or config.get("dtype")
+    if dtype is not None:
+        out["dtype"] = dtype
+    return out
+
+
+def _check_model_count(method: str, count: int) -> None:
+    if method == "slerp" and count != 1:
+        raise ConfigError(f"mergekit `slerp` interpolates the base_model with exactly one other model; the config "
+                          f"lists {count} model(s) besides the base_model.")
+    if method == "model_stock" and count < 2:
+        raise ConfigError(f"mergekit `model_stock` needs at least 2 models besides the base_model, got {count}.")
+    if count == 0:
+        raise ConfigError(f"mergekit `{method}` lists no model besides the base_model.")
+
+
+def _check_number(value: Any, where: str, *, schedule: bool = False) -> None:
+    """A number, or (``schedule``) a gradient / filter list of numbers (see :mod:`hf_mloss.spec.schedule`)."""
+    if schedule and is_schedule(value):
+        try:
+            leaves = ParamSchedule.parse(value, where).leaves()
+        except InvalidParameterError as err:
+            raise ConfigError(str(err)) from None
+        for leaf in leaves:
+            _check_number(leaf, where)
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        kind = "a number, a gradient or a filter list" if schedule else \
+            "one number (model weights do not vary over the layers here)"
+        raise ConfigError(f"{where} must be {kind}, got {short(value)}.")
+
+
+def _check_flag(value: Any, where: str) -> Any:
+    """true / false, or a gradient / filter list of them."""
+    leaves = ParamSchedule.parse(value, where).leaves() if is_schedule(value) else [value]
+    if not all(isinstance(leaf, bool) for leaf in leaves):
+        raise ConfigError(f"{where} must be true or false (or a filter list of them), got {short(value)}.")
+    return value
+
+
+def _layered(values: list[Any], default: Any) -> Any:
+    """One value from mergekit's scopes, most specific first: a filter list that matches no tensor falls through to
+    the next scope, then to mergekit's ``default`` (a scalar or gradient always matches)."""
+    entries: list[Any] = []
+    for value in values:
+        if value is None:
+            continue
+        if isinstance(value, Mapping) or (isinstance(value, list) and value and
+                                          all(isinstance(v, Mapping) for v in value)):
+            entries.extend([value] if isinstance(value, Mapping) else value)
+            if any(e.get("filter") in (None, "*") for e in entries):
+                break  # an entry without a filter always matches
+            continue
+        entries.append({"value": value})
+        break
+    else:
+        entries.append({"value": default})
+    if len(entries) == 1 and "filter" not in entries[0]:
+        return entries[0]["value"]
+    return entries
+
+
+def _map_values(value: Any, fn: Any) -> Any:
+    """``value`` (a scalar, gradient or filter list) with ``fn`` applied to every scalar in it."""
+    if isinstance(value, Mapping):
+        return {**value, "value": _map_values(value["value"], fn)}
+    if isinstance(value, list):
+        return [_map_values(v, fn) for v in value]
+    return fn(value)
+
+
+def _sliced_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
+    """The hf_mloss config of a mergekit config with ``slices`` (see :mod:`hf_mloss.spec.slices`).
+
+    ``passthrough``: the base is the ``base_model``, else the first slice's model (whose config the output takes, as
+    in mergekit); the others are the models. Other methods: the config as if its models were listed once under
+    ``models`` (each model's ``parameters`` must be the same in every slice), with the slices recorded by index.
+    """
+    if config.get("models"):
+        raise ConfigError("The mergekit config has both `models` and `slices`; give one of them.")
+    slices = config["slices"]
+    if not isinstance(slices, list) or not slices:
+        raise ConfigError(f"mergekit slices must be a non-empty list of {{sources: [...]}} entries, got "
+                          f"{short(slices)}.")
+    order: list[Any] = []  # distinct models, in the order the slices name them
+    params: dict[str, Any] = {}
+    raw: dict[str, Any] = {}  # the model as the config spells it
+    plain: list[list[tuple[str, Any]]] = []
+    for s, entry in enumerate(slices):
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("sources"), list) or not entry["sources"]:
+            raise ConfigError(f"mergekit slices[{s}] must be {{sources: [{{model: ..., layer_range: [a, b]}}]}}, got "
+                              f"{short(entry)}.")
+        extra = sorted(set(entry) - {"sources"})
+        if extra:
+            raise ConfigError(f"mergekit slices[{s}] keys {extra} (per-slice parameters or base_model) have no "
+                              "hf_mloss equivalent; give parameters at the top level or per source.")
+        row = []
+        for k, source in enumerate(entry["sources"]):
+            where = f"slices[{s}].sources[{k}]"
+            if not isinstance(source, Mapping) or "model" not in source or "layer_range" not in source or \
+                    set(source) - {"model", "layer_range", "parameters"}:
+                raise ConfigError(f"mergekit {where} must be {{model: ..., layer_range: [start, end]}} (and optional "
+                                  f"parameters), got {short(source)}.")
+            model = _model_entry(source["model"], f"{where}.model")
+            if "lora_of" in model:
+                raise ConfigError(f"mergekit {where}: a LoRA adapter in a slice has no hf_mloss equivalent; merge it "
+                                  "into its model first.")
+            key = repr(sorted(model.items()))
+            if key not in params:
+                order.append(model)
+                raw[key] = source["model"]
+                params[key] = source.get("parameters")
+            elif source.get("parameters") != params[key]:
+                raise ConfigError(f"mergekit {where}: {model['model']!r} has other parameters than in an earlier "
+                                  f"slice ({short(source.get('parameters'))} vs {short(params[key])}); hf_mloss uses "
+                                  "one set per model for every slice.")
+            row.append((key, source["layer_range"]))
+        plain.append(row)
+    base = _model_entry(config["base_model"], "base_model") if config.get("base_model") else dict(order[0])
+    if method == "passthrough":
+        _check_tokenizer(config)
+        if config.get("parameters") or any(params.values()):
+            raise ConfigError("mergekit passthrough parameters (scale) have no hf_mloss equivalent; remove them.")
+        models = [m for m in order if m != base]
+        out: dict[str, Any] = {"base": base, "models": models, "method": "passthrough"}
+        index = {repr(sorted(m.items())): i for i, m in enumerate([base, *models])}
+        dtype = config.get("out_dtype") or config.get("dtype")
+        if dtype is not None:
+            out["dtype"] = dtype
+    else:
+        listed = [m for m in order if method == "linear" or m != base]
+        flat = {k: v for k, v in config.items() if k != "slices"}
+        keys = [repr(sorted(m.items())) for m in listed]
+        flat["models"] = [{"model": raw[k], **({"parameters": params[k]} if params[k] is not None else {})}
+                          for k in keys]
+        out = from_mergekit(flat)
+        index = {}
+        for i, m in enumerate([out["base"], *out["models"]]):
+            plain_model = {k: v for k, v in m.items() if k in ("model", "revision")}
+            index.setdefault(repr(sorted(plain_model.items())), i)
+        if method == "linear":  # the sources are the models; the base only gives the architecture
+            index.update({repr(sorted({k: v for k, v in m.items() if k in ("model", "revision")}.items())): i + 1
+                          for i, m in enumerate(out["models"])})
+    out["slices"] = [{"sources": [{"model": index[key], "layer_range": bounds} for key, bounds in row]}
+                     for row in plain]
+    return out

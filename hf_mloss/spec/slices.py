@@ -1,0 +1,268 @@
+"""Slices: output layers taken from layer ranges of the inputs, as mergekit's ``slices`` / ``layer_range`` define them.
+
+A config's ``slices`` is a list of ``{sources: [{model: i, layer_range: [start, end]}, ...]}``; ``model`` is an index
+into ``[base, *models]`` (0 = the base). The output's blocks are the slices' blocks in order, so the output has
+``Σ (end − start)`` blocks (its config is written with that ``num_hidden_layers``):
+
+* ``passthrough``: each slice names one source; output block ``j`` is that source's block ``start + offset``,
+  renumbered to ``j`` (depth up-scaling, "frankenmerges"). Tensors before the blocks (embeddings) come from the first
+  slice's model, those after them (final norm, head) from the last slice's model, as in mergekit.
+* any other data-free method: each slice lists every model once (the base too, except for ``average``), with ranges of
+  one length; output block ``j`` merges the sources' blocks ``start_i + offset``. A gradient runs over each slice on
+  its own (block ``offset`` of ``n`` sits at ``offset/(n − 1)``, ``1`` when ``n = 1``), as mergekit computes it;
+  tensors outside the blocks sit at 0.
+
+:class:`SlicePlan` maps each output tensor name to the input tensor it reads per model; :func:`apply_slices` turns a
+run's inputs into sliced ones (stores that read the mapped tensors lazily) and builds the output model.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .._validation import short
+from ..errors import IncompatibleCheckpointsError, InvalidParameterError
+from ..loading.store import TensorStore
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from ..adapters import ModelAdapter
+    from .config import MergeConfig
+    from ..loading.inputs import RunInputs
+
+
+def check_slices(slices: Any, method: str, num_inputs: int) -> list[dict[str, Any]]:
+    """Validate the shape of ``slices`` (no model needed) and return it as plain data.
+
+    Raises:
+        InvalidParameterError: naming the slice and source at fault and how to fix it.
+    """
+    if not isinstance(slices, list) or not slices:
+        raise InvalidParameterError(f"slices must be a non-empty list of {{sources: [{{model: i, layer_range: "
+                                    f"[a, b]}}]}} entries, got {short(slices)}.")
+    out = []
+    for s, entry in enumerate(slices):
+        where = f"slices[{s}]"
+        if not isinstance(entry, Mapping) or set(entry) != {"sources"} or not isinstance(entry["sources"], list) \
+                or not entry["sources"]:
+            raise InvalidParameterError(f"{where} must be {{sources: [{{model: i, layer_range: [start, end]}}, ...]}} "
+                                        f"(nothing else), got {short(entry)}.")
+        sources = []
+        for k, source in enumerate(entry["sources"]):
+            at = f"{where}.sources[{k}]"
+            if not isinstance(source, Mapping) or set(source) != {"model", "layer_range"}:
+                raise InvalidParameterError(f"{at} must be {{model: i, layer_range: [start, end]}}, got "
+                                            f"{short(source)}.")
+            model, bounds = source["model"], source["layer_range"]
+            if isinstance(model, bool) or not isinstance(model, int) or not 0 <= model < num_inputs:
+                raise InvalidParameterError(f"{at}.model must be an index into [base, *models] (0 = base, "
+                                            f"0..{num_inputs - 1}), got {short(model)}.")
+            if not (isinstance(bounds, (list, tuple)) and len(bounds) == 2 and all(
+                    isinstance(b, int) and not isinstance(b, bool) for b in bounds) and 0 <= bounds[0] < bounds[1]):
+                raise InvalidParameterError(f"{at}.layer_range must be [start, end] with 0 <= start < end (end "
+                                            f"excluded), got {short(bounds)}.")
+            sources.append({"model": model, "layer_range": [int(bounds[0]), int(bounds[1])]})
+        lengths = {s_["layer_range"][1] - s_["layer_range"][0] for s_ in sources}
+        models = [s_["model"] for s_ in sources]
+        if method == "passthrough":
+            if len(sources) != 1:
+                raise InvalidParameterError(f"{where}: passthrough copies one source per slice, got {len(sources)}; "
+                                            "give each slice one source (or merge them with a method such as slerp).")
+        else:
+            if len(lengths) != 1:
+                raise InvalidParameterError(
+                    f"{where}: all sources of a slice must hold the same number of layers to be merged, got ranges "
+                    f"{[s_['layer_range'] for s_ in sources]}; make the ranges the same length.")
+            needed = set(range(1, num_inputs)) | ({0} if method != "average" else set())
+            if len(models) != len(set(models)) or not needed <= set(models):
+                raise InvalidParameterError(
+                    f"{where}: a {method} slice lists every model once (model indices {sorted(needed)}, 0 = base), "
+                    f"got {models}; hf_mloss merges the same models in every slice.")
+        out.append({"sources": sources})
+    return out
+
+
+def _renumber(name: str, match: Any, layer: int) -> str:
+    start, end = match.span(1)
+    return f"{name[:start]}{layer}{name[end:]}"
+
+
+@dataclasses.dataclass
+class SlicePlan:
+    """Each output tensor's input tensors, as ``(input index, input name)`` pairs, and its gradient position."""
+
+    num_layers: int
+    reads: dict[str, list[tuple[int, str]]]
+    """Output name → the input tensors it is made of: every input in order (base first) for a merge, one for a
+    passthrough."""
+    positions: dict[str, float]
+    """Output name → where it sits on a gradient (see the module docstring)."""
+    layer_of: dict[int, tuple[int, int]]
+    """Output block → (input index, input block) of its first source (for per-block config settings)."""
+
+    @classmethod
+    def build(cls, slices: list[dict[str, Any]], method: str, adapter: ModelAdapter,
+              names: list[list[str]]) -> SlicePlan:
+        """Plan the output of ``slices`` over inputs with these canonical tensor ``names`` (base first).
+
+        Raises:
+            InvalidParameterError: a ``layer_range`` beyond a model's blocks.
+        """
+        num_inputs = len(names)
+        blocks: list[dict[int, list[str]]] = [{} for _ in names]  # per input: block -> its tensor names
+        outside: list[str] = []
+        for i, input_names in enumerate(names):
+            for name in input_names:
+                match = adapter.layer_pattern.match(name)
+                if match:
+                    blocks[i].setdefault(int(match.group(1)), []).append(name)
+                elif i == 0:
+                    outside.append(name)
+        for s, entry in enumerate(slices):
+            for k, source in enumerate(entry["sources"]):
+                start, end = source["layer_range"]
+                count = 1 + max(blocks[source["model"]], default=-1)
+                if end > count:
+                    raise InvalidParameterError(
+                        f"slices[{s}].sources[{k}].layer_range [{start}, {end}] runs past model {source['model']}'s "
+                        f"{count} layers (indices 0..{count - 1}, end excluded); use an end <= {count}.")
+        passthrough = method == "passthrough"
+        reads: dict[str, list[tuple[int, str]]] = {}
+        positions: dict[str, float] = {}
+        first, last = slices[0]["sources"][0]["model"], slices[-1]["sources"][0]["model"]
+        for name in outside:  # mergekit: before the blocks from the first slice's models, after them from the last's
+            donor = first if adapter.is_embedding(name) else last
+            reads[name] = [(donor, name)] if passthrough else [(i, name) for i in range(num_inputs)]
+            positions[name] = 0.0
+        layer_of: dict[int, tuple[int, int]] = {}
+        out_layer = 0
+        for entry in slices:
+            sources = entry["sources"]
+            lead = sources[0]
+            length = lead["layer_range"][1] - lead["layer_range"][0]
+            # an input missing from a merged slice (the average's architecture donor) reads the lead's blocks
+            starts = [lead["layer_range"][0]] * num_inputs
+            for src in sources:
+                starts[src["model"]] = src["layer_range"][0]
+            for offset in range(length):
+                layer_of[out_layer] = (lead["model"], starts[lead["model"]] + offset)
+                for name in blocks[lead["model"]].get(starts[lead["model"]] + offset, []):
+                    match = adapter.layer_pattern.match(name)
+                    out_name = _renumber(name, match, out_layer)
+                    inputs = [lead["model"]] if passthrough else range(num_inputs)
+                    reads[out_name] = [(i, _renumber(name, match, starts[i] + offset)) for i in inputs]
+                    positions[out_name] = offset / (length - 1) if length > 1 else 1.0
+                out_layer += 1
+        return cls(num_layers=out_layer, reads=reads, positions=positions, layer_of=layer_of)
+
+
+class SlicedStore(TensorStore):
+    """Reads output names as other tensors of one or more stores (lazily, one tensor at a time)."""
+
+    def __init__(self, ref: Any, mapping: dict[str, tuple[TensorStore, str]]) -> None:
+        self.ref = ref
+        self._mapping = mapping
+        self.shapes = {out: store.shapes[name] for out, (store, name) in mapping.items()}
+        self.dtypes = {out: store.dtypes[name] for out, (store, name) in mapping.items()}
+
+    def get(self, name: str) -> torch.Tensor:
+        store, source = self._mapping[name]
+        return store.get(source)
+
+    def get_float(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
+        store, source = self._mapping[name]
+        return store.get_float(source, device)
+
+
+def output_config(config: Any, plan: SlicePlan) -> Any:
+    """The base's config with the output's block count (and per-block settings such as ``layer_types`` renumbered)."""
+    out = copy.deepcopy(config)
+    text = out.get_text_config() if hasattr(out, "get_text_config") else out
+    old = text.num_hidden_layers
+    text.num_hidden_layers = plan.num_layers
+    layer_types = getattr(text, "layer_types", None)
+    if isinstance(layer_types, (list, tuple)) and len(layer_types) == old:
+        text.layer_types = [layer_types[plan.layer_of[j][1]] for j in range(plan.num_layers)]
+    return out
+
+
+def apply_slices(config: MergeConfig, inputs: RunInputs, dtype: torch.dtype) -> tuple[RunInputs, PreTrainedModel,
+                                                                                      SlicePlan]:
+    """The run's inputs as the slices read them, the output model (holding the base's side of every tensor) and
+    the plan.
+
+    Raises:
+        InvalidParameterError: a layer range out of bounds, or a family slices cannot be written for.
+        IncompatibleCheckpointsError: sources whose tensors do not fit the output (different architectures).
+    """
+    from ..adapters import adapter_for
+
+    adapter = inputs.adapter
+    if not getattr(adapter, "saves_with_transformers", False) or getattr(adapter, "whole_model", False):
+        raise InvalidParameterError(f"slices re-stack the blocks of text families merged data-free (Llama, Mistral, "
+                                    f"Qwen2, BERT...); the {adapter.name} family is not one of them. Drop `slices`.")
+    stores = [inputs.base, *inputs.sources]
+    plan = SlicePlan.build(config.slices, config.method, adapter, [s.keys() for s in stores])
+    passthrough = config.method == "passthrough"
+    base_map: dict[str, tuple[TensorStore, str]] = {}
+    source_maps: list[dict[str, tuple[TensorStore, str]]] = [{} for _ in inputs.sources]
+    for out, pairs in plan.reads.items():
+        for i, name in pairs:
+            if name not in stores[i]:
+                raise IncompatibleCheckpointsError(
+                    f"slices: {stores[i].ref.name!r} has no tensor {name!r} (read for {out!r}); the slices' sources "
+                    "must share one architecture.")
+        if passthrough:
+            base_map[out] = (stores[pairs[0][0]], pairs[0][1])
+            continue
+        base_map[out] = (stores[0], pairs[0][1])
+        for i, name in pairs[1:]:
+            source_maps[i - 1][out] = (stores[i], name)
+    sliced_base = SlicedStore(inputs.base.ref, base_map)
+    out_config = output_config(adapter.config, plan)
+    out_adapter = adapter_for(out_config)
+    expected = out_adapter.expected_shapes()
+    wrong = [(n, sliced_base.shapes[n], expected.get(n)) for n in sliced_base.shapes
+             if sliced_base.shapes[n] != expected.get(n)]
+    if wrong:
+        name, got, want = wrong[0]
+        raise IncompatibleCheckpointsError(
+            f"slices: {name!r} is read with shape {list(got)} but the output ({out_config.model_type}, "
+            f"{plan.num_layers} layers, the base's config) expects {list(want) if want else 'no such tensor'}; "
+            "the slices' sources must share one architecture.")
+    sources = [] if passthrough else [SlicedStore(s.ref, m) for s, m in zip(inputs.sources, source_maps)]
+    alpha = inputs.alpha[:0] if passthrough else inputs.alpha
+    sliced = dataclasses.replace(inputs, adapter=out_adapter, base=sliced_base, sources=sources, alpha=alpha,
+                                 names=[n for n in plan.reads if sliced_base.dtypes[n].is_floating_point])
+    with torch.device(inputs.device):
+        model = out_adapter.merged_class._from_config(out_config, dtype=dtype)
+    filled = set()
+    with torch.no_grad():
+        for key, tensor in model.state_dict().items():
+            name = out_adapter.canonical_key(key)
+            if name in base_map:
+                tensor.copy_(sliced_base.get(name))
+                filled.add(name)
+    missing = [n for n in base_map if n not in filled]
+    if missing:
+        raise IncompatibleCheckpointsError(f"slices: the output model has no tensor {missing[0]!r} the plan reads; "
+                                           "the sources do not match the base's architecture.")
+    return sliced, model.eval(), plan
+
+
+def describe_slices(slices: list[dict[str, Any]], names: list[str]) -> list[str]:
+    """One readable line per slice for cards: ``layers 0–3 of org/a + layers 0–3 of org/b → output 0–3``."""
+    lines, out = [], 0
+    for entry in slices:
+        sources = entry["sources"]
+        length = sources[0]["layer_range"][1] - sources[0]["layer_range"][0]
+        parts = [f"layers {s['layer_range'][0]}–{s['layer_range'][1] - 1} of {names[s['model']]}" for s in sources]
+        lines.append(f"{' + '.join(parts)} → output layers {out}–{out + length - 1}")
+        out += length
+    return lines
