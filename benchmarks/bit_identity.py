@@ -37,6 +37,12 @@ torch.use_deterministic_algorithms(True)
 warnings.filterwarnings("ignore")
 import hf_mloss
 
+if len(sys.argv) > 4 and sys.argv[4] == "rows-only":  # node groups without their bias entries: the earlier rule
+    from hf_mloss.adapters.base import ModelAdapter
+
+    grouped = ModelAdapter.node_groups
+    ModelAdapter.node_groups = lambda self, layer: [(n, d) for n, d in grouped(self, layer) if not n.endswith(".bias")]
+
 fixtures, out_path, families = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3].split(",")
 outputs = {}
 
@@ -149,13 +155,14 @@ def build_fixtures(folder: Path, families: list[str]) -> None:
         torch.save(torch.randn(10, 3, size, size, generator=torch.Generator().manual_seed(1)), root / "pixels.pt")
 
 
-def run_scenario(tree: Path, fixtures: Path, out: Path, families: list[str]) -> dict:
+def run_scenario(tree: Path, fixtures: Path, out: Path, families: list[str], rows_only: bool = False) -> dict:
     script = fixtures / "scenario.py"
     script.write_text(SCENARIO)
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", "HF_HOME": str(fixtures / f"hf_home_{out.stem}"), "TRANSFORMERS_VERBOSITY": "error",
            "TQDM_DISABLE": "1"}
-    subprocess.run([sys.executable, str(script), str(fixtures), str(out), ",".join(families)], env=env, check=True,
+    subprocess.run([sys.executable, str(script), str(fixtures), str(out), ",".join(families),
+                    "rows-only" if rows_only else "groups"], env=env, check=True,
                    cwd=fixtures)
     return json.loads(out.read_text())
 
@@ -196,6 +203,9 @@ def main() -> None:
     parser.add_argument("--reference", default="main", help="git revision to compare with (default: main)")
     parser.add_argument("--families", default="clip,vit,dinov2")
     parser.add_argument("--output", default=str(RESULTS))
+    parser.add_argument("--rows-only-groups", action="store_true",
+                        help="run this tree with node groups of weight rows only (the bias entries trimmed per tensor, "
+                             "as before node groups): isolates the rest of a change from the bias rule")
     args = parser.parse_args()
     families = args.families.split(",")
     with tempfile.TemporaryDirectory(prefix="bit_identity_") as tmp:
@@ -207,7 +217,7 @@ def main() -> None:
             fixtures = tmp / "fixtures"
             build_fixtures(fixtures, families)
             reference = run_scenario(worktree, fixtures, tmp / "reference.json", families)
-            current = run_scenario(ROOT, fixtures, tmp / "current.json", families)
+            current = run_scenario(ROOT, fixtures, tmp / "current.json", families, args.rows_only_groups)
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(worktree)], check=False,
                            capture_output=True)
@@ -222,6 +232,7 @@ def main() -> None:
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     cases = ",\n".join("  " + json.dumps(r, default=str) for r in rows)  # one line per case
     Path(args.output).write_text(f'{{"reference": {json.dumps(args.reference)}, "families": {json.dumps(families)}, '
+                                 f'"rows_only_groups": {json.dumps(args.rows_only_groups)}, '
                                  f'"identical": {same}, "cases": [\n{cases}\n]}}\n')
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 import re
 from typing import Any
 
@@ -222,16 +223,18 @@ class TrimSpy:
         self.keeps: dict[str, torch.Tensor] = {}
         method = MERGE_METHODS[method_name]
         merge_tensor, trim_slices_ = method.merge_tensor, ops_module.trim_slices_
-        current: dict[str, str] = {}
+        lock = threading.Lock()
+        current = threading.local()  # the driver merges tensors on several worker threads at once
 
         def merge_spy(name, base, sources, ctx):
-            current["name"] = name
+            current.name = name
             return merge_tensor(name, base, sources, ctx)
 
         def trim_spy(tau, keep, dim=0, **kwargs):
             out = trim_slices_(tau, keep, dim, **kwargs)
-            self.trimmed.setdefault(current["name"], []).append(tau.detach().clone())
-            self.keeps[current["name"]] = keep.detach().double().cpu()
+            with lock:
+                self.trimmed.setdefault(current.name, []).append(tau.detach().clone())
+                self.keeps[current.name] = keep.detach().double().cpu()
             return out
 
         monkeypatch.setattr(method, "merge_tensor", merge_spy)
