@@ -335,6 +335,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("hf-mloss: interrupted", file=sys.stderr)
         return 130
+    finally:
+        _close_process_group()
+
+
+def _close_process_group() -> None:
+    """Close torch.distributed's process group if the run opened one (under ``torchrun``): a gloo group left open at
+    interpreter exit can abort the process in its C++ teardown ("terminate called without an active exception")."""
+    dist = sys.modules.get("torch.distributed")  # never imports torch for `--help`
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------------------------------- helpers
