@@ -22,7 +22,6 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from ..errors import InvalidParameterError
 from .base import BlockContext, ScoredUnit
 from .generic import GenericAdapter, meta_state
 
@@ -96,17 +95,6 @@ class BertAdapter(GenericAdapter):
 
     def layer_prefix(self, layer: int) -> str:
         return f"{self._prefix}encoder.layer.{layer}."
-
-    def output_class(self, output: str) -> type[PreTrainedModel]:
-        if output == "tower":
-            raise InvalidParameterError(
-                f"output='tower' keeps one tower of a whole model (a CLIPModel's vision tower); a "
-                f"{self.config.model_type!r} model has none. Use output='auto' (the base's class).")
-        return self.model_class
-
-    def tied_names(self) -> frozenset[str]:
-        return frozenset(n for k in meta_state(self.model_class, self.config)[2]
-                         if (n := self.canonical_key(k)) is not None)
 
     def node_groups(self, layer: int) -> list[tuple[str, int]]:
         """Row i of ``intermediate.dense`` (weight and bias) belongs to node i."""

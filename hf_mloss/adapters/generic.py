@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from ..errors import UnsupportedModelError
+from ..errors import InvalidParameterError, UnsupportedModelError
 from .base import BlockContext, ModelAdapter
 
 DATA_FREE_METHODS = ("average", "task_arithmetic", "ties", "dare_ties", "dare_linear")
@@ -176,8 +176,9 @@ class GenericAdapter(ModelAdapter):
         raise UnsupportedModelError(scoring_unavailable(self.config.model_type))
 
     def tied_names(self) -> frozenset[str]:
-        """Tensors tied to another one (merged through it, never on their own)."""
-        return meta_state(self.model_class, self.config)[2]
+        """Tensors tied to another one (merged through it, never on their own), by canonical name."""
+        return frozenset(n for k in meta_state(self.model_class, self.config)[2]
+                         if (n := self.canonical_key(k)) is not None)
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         shapes, _, tied = meta_state(self.model_class, self.config)
@@ -185,6 +186,10 @@ class GenericAdapter(ModelAdapter):
                 if key not in tied and (name := self.canonical_key(key)) is not None}
 
     def output_class(self, output: str) -> type[PreTrainedModel]:
+        if output == "tower":
+            raise InvalidParameterError(
+                f"output='tower' keeps one tower of a whole model (a CLIPModel's vision tower); a "
+                f"{self.config.model_type!r} model has none. Use output='auto' (the base's class).")
         return self.model_class
 
     def tower(self, model: PreTrainedModel) -> PreTrainedModel:

@@ -21,10 +21,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from ..errors import InvalidParameterError
 from .base import BlockContext, ScoredUnit
 from .bert import base_class_key, base_class_prefix
-from .generic import GenericAdapter, meta_state
+from .generic import GenericAdapter
 
 _FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
 _DECODER_ROOTS = ("embed_tokens.", "layers.", "norm.")  # the tensors of the bare decoder (``LlamaModel``)
@@ -103,17 +102,6 @@ class LlamaAdapter(GenericAdapter):
 
     def layer_prefix(self, layer: int) -> str:
         return f"{self._prefix}layers.{layer}."
-
-    def output_class(self, output: str) -> type[PreTrainedModel]:
-        if output == "tower":
-            raise InvalidParameterError(
-                f"output='tower' keeps one tower of a whole model (a CLIPModel's vision tower); a "
-                f"{self.config.model_type!r} model has none. Use output='auto' (the base's class).")
-        return self.model_class
-
-    def tied_names(self) -> frozenset[str]:
-        return frozenset(n for k in meta_state(self.model_class, self.config)[2]
-                         if (n := self.canonical_key(k)) is not None)
 
     def node_groups(self, layer: int) -> list[tuple[str, int]]:
         """Rows i of ``gate_proj`` and ``up_proj`` (and of their biases, if any) and column i of ``down_proj``."""
