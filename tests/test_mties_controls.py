@@ -1,4 +1,5 @@
-"""``rank="inverted"``: the M-TIES / M-DARE control ranking rows by −M-Loss (the highest-loss node keeps k)."""
+"""The M-TIES / M-DARE controls: ``rank="inverted"`` ranks rows by −M-Loss (the highest-loss node keeps k);
+``rank="uniform"`` gives every node k − e/2."""
 
 from __future__ import annotations
 
@@ -32,3 +33,23 @@ def test_inverted_ranks_mirror_the_mloss_keep_ratios(tiny_paths, image_folder, m
     torch.testing.assert_close(a + b, torch.full_like(a, 2 * k - e), atol=1e-6, rtol=0)
     assert any(not torch.equal(mloss.model.state_dict()[n], inverted.model.state_dict()[n])
                for n in (f"{FC1[0]}.weight", f"{FC1[1]}.weight"))
+
+
+@pytest.mark.parametrize("method", ["m_ties", "m_dare"])
+def test_uniform_rank_keeps_the_mean_ratio_on_every_node(tiny_paths, image_folder, method) -> None:
+    """``rank="uniform"``: the budget-matched control — every scored node keeps k − e/2 (the mean of M-TIES's ranked
+    ratios), each row trimmed on its own; the tensors outside the groups keep k as in M-TIES."""
+    base, models = tiny_paths
+    k, e = 0.5, 0.2
+    common = {"k": k, "e": e, "data": str(image_folder), "progress": False, "seed": 3, **IMG}
+    ranked = hf_mloss.merge(base, models, method, **common)
+    uniform = hf_mloss.merge(base, models, method, rank="uniform", **common)
+    for name in FC1:
+        keep = uniform.report.keep_ratios[name]  # recorded in float32
+        assert torch.equal(keep, torch.full_like(keep, k - e / 2))
+        assert float(ranked.report.keep_ratios[name].double().mean()) == pytest.approx(k - e / 2)
+    # outside the groups both runs are the same per-tensor trim at k: identical tensors
+    sd_r, sd_u = ranked.model.state_dict(), uniform.model.state_dict()
+    outside = [n for n in sd_r if "fc1" not in n and sd_r[n].is_floating_point()]
+    assert len(outside) > 10 and all(torch.equal(sd_r[n], sd_u[n]) for n in outside)
+    assert not torch.equal(sd_r[f"{FC1[0]}.weight"], sd_u[f"{FC1[0]}.weight"])

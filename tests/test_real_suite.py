@@ -199,15 +199,15 @@ def test_task_arithmetic_grid_scales_with_the_number_of_tasks():
 
 def test_method_list_holds_the_controls_on_one_grid():
     """M-TIES, e = 0, three random-rank draws (distinct seeds), inverted ranks and the budget-matched uniform trim
-    (e = 0 at k − e/2) on grids of one size; global TIES counts its budget over the changed entries."""
+    (``rank="uniform"``: every scored row at k − e/2, the rest at k) on grids of one size; global TIES counts its budget over the changed entries."""
     specs = {s.label: s for s in method_specs(range(10, 12), "main", num_tasks=4)}
     assert specs["ties"].params == {"scope": "global", "budget": "changed"}
     draws = [specs[f"{RANDOM[:-1]}, draw {i})"] for i in (1, 2, 3)]
     assert len({d.seed_offset for d in draws}) == 3 and all(d.params["rank"] == "random" for d in draws)
     assert specs["m_ties (inverted ranks)"].params["rank"] == "inverted"
     matched = specs["m_ties (budget-matched uniform)"]
-    assert matched.params["e"] == 0.0 and matched.grid["k"] == pytest.approx([0.2 - specs["m_ties"].params["e"] / 2])
-    assert matched.grid["lam"] == specs["m_ties"].grid["lam"]
+    assert matched.params == {**specs["m_ties"].params, "rank": "uniform"}
+    assert matched.grid == specs["m_ties"].grid
     assert check_grids(list(specs.values())) == 6
     assert set(CONTROLS) <= {*specs, RANDOM}
 

@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=None, help="real suites: fine-tuning replicates (default 4)")
     parser.add_argument("--head-scale", type=float, default=None,
                         help="real suites: the frozen heads' logit scale (default 20; CLIP's is 100)")
+    parser.add_argument("--grid", choices=("quick", "main", "full"), default=None,
+                        help="image suites: the grids and controls (default: the suite's own; real-quick --seeds 4 "
+                        "--grid main is the committed image record: every control on the cut's cached tasks)")
     parser.add_argument("--num-samples", type=int, default=128, help="unlabeled images for M-Loss")
     parser.add_argument("--fast", action="store_true", help="tiny only: a few steps, two settings per method")
     parser.add_argument("--svd", action="store_true",
@@ -130,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.suites.run import method_specs, run_suite
 
         cfg = real_config(args.suite, args.seeds, args.head_scale)
-        grid = {"real": "main", "real-quick": "quick", "real-full": "full", "real-smoke": "smoke"}[args.suite]
+        grid = args.grid or {"real": "main", "real-quick": "quick", "real-full": "full", "real-smoke": "smoke"}[args.suite]
         specs = method_specs(range(cfg.frozen, cfg.num_layers), grid, num_tasks=len(cfg.tasks), svd=args.svd,
                              random_draws=1 if grid == "quick" else 3)
         run_suite(cfg, specs, cache=args.cache or default_cache(), out=out, threads=args.threads,

@@ -44,8 +44,8 @@ def method_specs(trained: Sequence[int], grid: str = "full", num_tasks: int = 4,
 
     M-TIES (e = 0.1) has four controls on the same grid and images: e = 0 (per-tensor trim at k), random ranks
     (``random_draws`` draws, seeds offset by 1000 per draw), inverted ranks (−M-Loss), and the budget-matched uniform
-    trim (e = 0 at k − e/2, the mean keep ratio of M-TIES's scored rows; every other tensor is trimmed at k − e/2 too,
-    where M-TIES keeps k). M-TIES scores the ``trained`` blocks only: the frozen blocks' task vectors are exactly
+    trim (``rank="uniform"``: every scored row keeps k − e/2, the mean of M-TIES's ranked ratios, trimmed row by row
+    as M-TIES trims; every other tensor keeps k, as in M-TIES). M-TIES scores the ``trained`` blocks only: the frozen blocks' task vectors are exactly
     zero. The SVD-based merges are added with ``svd=True``; ``grid="full"`` adds DARE-TIES and few-layer M-TIES
     (the upper half of the trained blocks)."""
     trained = list(trained)
@@ -61,7 +61,6 @@ def method_specs(trained: Sequence[int], grid: str = "full", num_tasks: int = 4,
         tsv, iso = tsv[1:5], iso[1:5]
     ta = [round(lam * 4 / num_tasks, 3) for lam in ta]
     e = 0.1
-    budget_matched = {**ties, "k": [round(k - e / 2, 4) for k in ties["k"]]}
     m_ties = {"e": e, "layers": trained}
     specs = [
         MethodSpec("average", "average"),
@@ -74,7 +73,7 @@ def method_specs(trained: Sequence[int], grid: str = "full", num_tasks: int = 4,
     ]
     specs += [] if grid == "quick" else [
         MethodSpec("m_ties (inverted ranks)", "m_ties", {**m_ties, "rank": "inverted"}, dict(ties)),
-        MethodSpec("m_ties (budget-matched uniform)", "m_ties", {**m_ties, "e": 0.0}, budget_matched),
+        MethodSpec("m_ties (budget-matched uniform)", "m_ties", {**m_ties, "rank": "uniform"}, dict(ties)),
     ]
     specs += [] if not svd else [
         MethodSpec("tsv_m", "tsv_m", grid={"lam": tsv}),

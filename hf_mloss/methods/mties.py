@@ -15,6 +15,10 @@ is scored on the inputs produced by the already-merged blocks before it (the pap
 for bit ``ties(scope="tensor")`` — also where a group is not one row (a gated MLP's gate row, up row and down column;
 a per-node trim at a uniform k would differ from the per-tensor trim). M-DARE with ``e=0`` trims its groups node by
 node at the uniform ratio.
+
+Controls (``rank=``): ``random`` (seeded random ranks: the same spread without the M-Loss signal), ``inverted``
+(ranks by −M-Loss), ``uniform`` (every node's group keeps k − e/2, the mean of the ranked ratios, trimmed node by
+node: M-TIES's budget and trimming layout with no ranking at all; every other tensor still keeps k).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from .base import LayerHooks, LayerwiseRun, MergeContext, MergeMethod, MethodPar
 if TYPE_CHECKING:
     import torch
 
-RANKS = ("mloss", "random", "inverted")
+RANKS = ("mloss", "random", "inverted", "uniform")
 KEEP_HINT = "k is the fraction of each task vector that is KEPT (mergekit: density)."
 
 
@@ -67,8 +71,9 @@ class LayerwiseParams(ScoringOptions, MethodParams):
                                            "M-TIES); default: all.", low=0)
     e: float = param(0.1, "Keep-ratio spread: nodes keep between k − e (highest M-Loss) and k (lowest).", low=0.0)
     lam: float = param(1.0, "λ: θ = θ₀ + λ·τ_merged.")
-    rank: str = param("mloss", "Row ranks from node M-Loss, random, or inverted (−M-Loss): the ablation "
-                   "controls.", choices=RANKS)
+    rank: str = param("mloss", "Row ranks from node M-Loss, random, or inverted (−M-Loss); uniform: every "
+                      "scored node keeps k − e/2, the mean of the ranked keep ratios (the budget-matched control).",
+                      choices=RANKS)
 
     @property
     def row_k(self) -> float:
@@ -201,6 +206,8 @@ class MTiesHooks(LayerHooks):
         ranks = random_scores(node.numel(), ctx.seed, target) if self.params.rank == "random" else node
         ranks = -node if self.params.rank == "inverted" else ranks  # control: the highest-loss node keeps k
         keep = keep_ratios_from_scores(ranks, self.params.row_k, self.params.e)
+        if self.params.rank == "uniform":  # control: the same total budget, spread evenly over the nodes
+            keep = keep.new_full(keep.shape, self.params.row_k - self.params.e / 2)
         self.run.record("keep_ratios", target, keep.float())
         members = self.groups[layer]
         slices = [(name, dim) for name, dim, ndim in members if ndim == 2]
