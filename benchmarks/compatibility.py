@@ -7,7 +7,8 @@ their scores track merged accuracy.
 baselines), and one M-TIES merge vs label-free selection over a 3×3 (k, λ) grid (TIES and M-TIES) and a 3-value λ
 grid (task arithmetic). Wall and process CPU seconds, the load average before and after.
 
-``study``: on a built suite with fine-tuning replicates (``benchmarks.suites.real``: 2 seeds × 8 tasks = 16 fine-tunes)
+``study``: on a built suite with fine-tuning replicates (the image suite ``real-quick --seeds 4``: 4 tasks × 4 seeds; the
+text suite ``text``: 6 tasks × 4 seeds)
 
 * (a) every pair and random subsets of 3-6 fine-tunes: the M-Loss of each (one ``compatibility()`` pass) and the
   label-free baselines, against the normalised test accuracy of the subset's average merge (mean over members p of
@@ -175,10 +176,13 @@ SCORES = ("mloss", "mloss_ratio", "mloss_normalized", "tv_cosine", "tv_distance"
           "output_gap")
 """Label-free scores of a subset, as in ``CompatibilityReport`` (output_gap via the suite's cached lower blocks)."""
 TARGETS = {"norm_acc": "normalised merged accuracy", "ens_gap": "ensemble − merge accuracy"}
+CONTROL = "tv_distance"
+"""The weight-space baseline every score's partial correlation controls for (the strongest one on the image
+suite's earlier study)."""
 
 
 class Study:
-    """The suite's 16 fine-tunes, their states and features, and the accuracies of average merges of subsets."""
+    """The suite's fine-tunes (every task of every replicate), their states and features, and the accuracies of average merges of subsets."""
 
     def __init__(self, bench, args: argparse.Namespace, log) -> None:
         self.bench, self.args, self.log = bench, args, log
@@ -246,18 +250,34 @@ def study_subsets(q: int, args: argparse.Namespace) -> tuple[list[tuple[int, ...
     return subsets, [[int(i) for i in rng.permutation(q)] for _ in range(args.subset_permutations)]
 
 
-def output_gaps_fast(study: Study, pixels: torch.Tensor, subsets) -> dict[tuple[int, ...], float]:
-    """The report's output gap (pooled features of the average merge vs the members' ensemble), with the frozen
-    lower blocks run once on the scoring images (they are the base's in every model)."""
-    from benchmarks.suites.frozen import lower_hidden, pooled
+def unlabeled_features(bench, samples):
+    """``state → pooled features`` of the bench's model on unlabeled ``samples`` (images or strings), with the frozen
+    lower blocks run once (they are the base's in every model)."""
+    if isinstance(samples, torch.Tensor):
+        from benchmarks.suites.frozen import lower_hidden, pooled
 
-    bench = study.bench
-    lower = lower_hidden(bench.base, pixels, bench.cfg.frozen)
+        lower = lower_hidden(bench.base, samples, bench.cfg.frozen)
 
-    def features(state):
+        def features(state):
+            bench.upper.load_state_dict(state)
+            return pooled(bench.upper, lower)
+        return features
+    from transformers import AutoTokenizer
+
+    from benchmarks.suites.text import encode, pooled
+
+    encoded = encode(bench.cfg, AutoTokenizer.from_pretrained(bench.base_dir), bench.base, list(samples), "s")
+
+    def text_features(state):
         bench.upper.load_state_dict(state)
-        return pooled(bench.upper, lower)
+        return pooled(bench.upper, encoded["s.hidden"], encoded["s.mask"])
+    return text_features
 
+
+def output_gaps_fast(study: Study, samples, subsets) -> dict[tuple[int, ...], float]:
+    """The report's output gap (pooled features of the average merge vs the members' ensemble) on the unlabeled
+    ``samples``, through the suite's cached lower blocks."""
+    features = unlabeled_features(study.bench, samples)
     members = [features(state) for state in study.states]
     out = {}
     for subset in subsets:
@@ -274,19 +294,20 @@ def pairwise_part(study: Study, args: argparse.Namespace) -> dict:
     bench, q = study.bench, len(study.models)
     subsets, perms = study_subsets(q, args)
     permuted = sorted({tuple(sorted(perm[p] for p in s)) for perm in perms for s in subsets} - set(subsets))
-    pixels = bench.scoring_data(0, args.num_samples)
+    samples = bench.scoring_data(0, args.num_samples)
     layers = list(range(bench.cfg.frozen, bench.base.config.num_hidden_layers))
     start = time.perf_counter()
-    report = hf_mloss.compatibility(str(bench.base_dir), [m[2] for m in study.models], pixels, batch_size=32,
+    report = hf_mloss.compatibility(str(bench.base_dir), [m[2] for m in study.models], samples, batch_size=32,
                                     num_samples=args.num_samples, layers=layers, subsets=[*subsets, *permuted])
     compat_s = time.perf_counter() - start
     study.log(f"compatibility of {len(report.subsets)} subsets in {compat_s:.0f} s")
     pairs = list(itertools.combinations(range(q), 2))
-    gaps = output_gaps_fast(study, pixels, pairs + subsets)
-    check = hf_mloss.compatibility(str(bench.base_dir), [study.models[p][2] for p in pairs[0]], pixels,
-                                   baselines=False, output_gap=True, layers=layers, progress=False)
-    study.log(f"output gap of {pairs[0]}: API {check.baselines['output_gap'][0]:.6g}, cached-lower path "
-              f"{gaps[pairs[0]]:.6g}")
+    gaps = output_gaps_fast(study, samples, pairs + subsets)
+    if isinstance(samples, torch.Tensor):  # the cached-lower path against the report's own output gap
+        check = hf_mloss.compatibility(str(bench.base_dir), [study.models[p][2] for p in pairs[0]], samples,
+                                       baselines=False, output_gap=True, layers=layers, progress=False)
+        study.log(f"output gap of {pairs[0]}: API {check.baselines['output_gap'][0]:.6g}, cached-lower path "
+                  f"{gaps[pairs[0]]:.6g}")
     observations = {"pairs": pairs, "subsets": subsets}
     for i, subset in enumerate(pairs + subsets):
         study.subset_accuracy(subset)
@@ -335,6 +356,10 @@ def correlation_tables(study: Study, observations: dict, lookup, subset_perms, a
                             model_bootstrap(obs, x, y, q, draws=args.bootstrap, rng=rng))
                 row = {"group": group, "n": len(obs), "target": target, "score": score, "rho": spearman(x, y),
                        "low": interval[0], "high": interval[1], "p": permutation_p(obs, lookup(score), y, perms)}
+                if score != CONTROL:  # beyond what the task-vector distance already says
+                    z = [lookup(CONTROL)(o) for o in obs]
+                    row["partial_rho"] = partial_spearman(x, y, z)
+                    row["partial_p"] = permutation_p(obs, lookup(score), y, perms, control=z)
                 if group == "all pairs":
                     row["same_task_auc"] = control_auc(x, same, score in HIGHER_IS_BETTER)
                 rows.append(row)
@@ -349,26 +374,43 @@ REGRET_METHODS = {
 CRITERIA = ("mloss", "output (auto)", "entropy (auto)", "output (given)", "entropy (given)")
 
 
-def regret_instances(study: Study, args: argparse.Namespace) -> list[tuple[int, tuple[str, ...]]]:
-    """Each replicate's merge of all tasks, then ``--regret-subsets`` random merges of min(4, tasks − 1) tasks per
-    replicate (none when that is fewer than 2: a single model is not a merge)."""
+def regret_instances(study: Study, args: argparse.Namespace) -> list[tuple[int, tuple[str, ...], int]]:
+    """(replicate seed, tasks, data draw): each replicate's merge of all tasks, then ``--regret-subsets`` random
+    merges of min(4, tasks − 1) tasks per replicate (none when that is fewer than 2: a single model is not a merge),
+    each under ``--draws`` draws of the unlabeled selection data."""
     import numpy as np
 
     rng = np.random.default_rng(args.seed + 1)
     tasks = study.bench.tasks
     size = min(4, len(tasks) - 1)
-    out = [(rep.seed, tuple(tasks)) for rep in study.bench.replicates]
+    merges = [(rep.seed, tuple(tasks)) for rep in study.bench.replicates]
     for rep in study.bench.replicates:
         for _ in range(args.regret_subsets if size >= 2 else 0):
-            out.append((rep.seed, tuple(sorted(rng.choice(tasks, size, replace=False).tolist()))))
-    return out
+            merges.append((rep.seed, tuple(sorted(rng.choice(tasks, size, replace=False).tolist()))))
+    return [(seed, chosen, draw) for seed, chosen in merges for draw in range(args.draws)]
 
 
-def task_shares(study: Study, tasks) -> list[torch.Tensor]:
-    """Each task's unlabeled scoring images (the suite draws an equal slice from every task's train split)."""
+def task_shares(study: Study, tasks) -> list:
+    """Each task's unlabeled scoring samples (the suite draws an equal slice from every task's train split)."""
     bench = study.bench
     chunk = len(bench.scoring) // len(bench.tasks)
     return [bench.scoring[bench.tasks.index(t) * chunk:(bench.tasks.index(t) + 1) * chunk] for t in tasks]
+
+
+def shuffled_pool(shares: list, seed: int):
+    """The tasks' shares pooled in a seeded order (images: one tensor; text: one list of strings)."""
+    total = sum(len(x) for x in shares)
+    order = torch.randperm(total, generator=torch.Generator().manual_seed(seed))
+    if isinstance(shares[0], torch.Tensor):
+        return torch.cat(shares)[order]
+    pool = [text for share in shares for text in share]
+    return [pool[i] for i in order.tolist()]
+
+
+def grid_edge(setting: dict, grid: dict) -> str:
+    """Where a chosen setting sits in its grid: ``"lam=min"`` / ``"k=max"``… for every axis at an end, or ``""``."""
+    return ",".join(f"{axis}={'min' if setting[axis] == min(values) else 'max'}" for axis, values in grid.items()
+                    if len(values) > 1 and setting[axis] in (min(values), max(values)))
 
 
 def instance_candidates(study: Study, instance, method: str, args: argparse.Namespace) -> list[dict]:
@@ -377,22 +419,23 @@ def instance_candidates(study: Study, instance, method: str, args: argparse.Name
     from hf_mloss.merging.selection import CandidateBuilder, CandidateEvaluator, iterate_candidates
     from hf_mloss.spec.selection import SelectionOptions
 
-    seed, tasks = instance
-    key = f"regret|{seed}|{','.join(tasks)}|{method}|{args.select_samples}"
+    seed, tasks, draw = instance
+    key = f"regret|{seed}|{','.join(tasks)}|{method}|{args.select_samples}" + (f"|draw{draw}" if draw else "")
     if key in study.cache:
         return study.cache[key]
     fixed, grid = REGRET_METHODS[method]
     rep = next(r for r in study.bench.replicates if r.seed == seed)
     shares = task_shares(study, tasks)
-    pixels = torch.cat(shares)[torch.randperm(sum(len(x) for x in shares), generator=torch.Generator().manual_seed(seed))]
+    data_seed = seed + 1000 * draw  # another draw: another order of the pool, so selection samples others
+    pool = shuffled_pool(shares, data_seed)
     heads = [study.bench.heads[t] for t in tasks]
     auto = SelectionOptions(grid=grid, criterion="mloss", compare=("output", "entropy"), heads=heads,
                             num_samples=args.select_samples)
     given = SelectionOptions(grid=grid, criterion="output", compare=("entropy",), heads=heads, share="given",
                              shares=shares, num_samples=args.select_samples)
     config = hf_mloss.MergeConfig.from_kwargs(str(study.bench.base_dir), [str(rep.finetuned[t]) for t in tasks],
-                                              method, data=pixels, num_samples=len(pixels), batch_size=32,
-                                              seed=seed, select=auto, **fixed)
+                                              method, data=pool, num_samples=len(pool), batch_size=32,
+                                              seed=data_seed, select=auto, **fixed)
     rows = []
     with open_inputs(config, needs_data=True, progress=False) as inputs:
         tower = inputs.adapter.tower(inputs.load_output_model("tower", progress=False))
@@ -419,10 +462,11 @@ def regret_part(study: Study, args: argparse.Namespace) -> dict:
     instances = regret_instances(study, args)
     detail, table = [], []
     for instance in instances:
-        study.log(f"regret instance: seed {instance[0]}, tasks {', '.join(instance[1])}")
+        study.log(f"regret instance: seed {instance[0]}, tasks {', '.join(instance[1])}, draw {instance[2]}")
         for method in REGRET_METHODS:
             rows = instance_candidates(study, instance, method, args)
-            detail.append({"seed": instance[0], "tasks": list(instance[1]), "method": method, "candidates": rows})
+            detail.append({"seed": instance[0], "tasks": list(instance[1]), "draw": instance[2], "method": method,
+                           "candidates": rows})
     for method in REGRET_METHODS:
         runs = [d["candidates"] for d in detail if d["method"] == method]
         choosers = {c: (lambda rows, c=c: min(rows, key=lambda r: r[c])) for c in CRITERIA}
@@ -431,10 +475,14 @@ def regret_part(study: Study, args: argparse.Namespace) -> dict:
         for name, choose in choosers.items():
             regrets = [100 * (max(rows, key=lambda r: r["val"])["test"] - choose(rows)["test"]) for rows in runs]
             agree = sum(choose(rows)["setting"] == max(rows, key=lambda r: r["val"])["setting"] for rows in runs)
+            edges = [grid_edge(choose(rows)["setting"], REGRET_METHODS[method][1]) for rows in runs]
             table.append({"method": method, "criterion": name, "mean_regret": sum(regrets) / len(regrets),
                           "max_regret": max(regrets), "min_regret": min(regrets), "agrees_with_val": agree,
-                          "instances": len(runs), "regrets": regrets})
-    return {"instances": [{"seed": s, "tasks": list(t)} for s, t in instances], "table": table, "detail": detail,
+                          "instances": len(runs), "regrets": regrets, "edges": edges,
+                          "at_edge": sum(bool(e) for e in edges),
+                          "at_lowest_lam": sum("lam=min" in e.split(",") for e in edges)})
+    return {"instances": [{"seed": s, "tasks": list(t), "draw": d} for s, t, d in instances], "table": table,
+            "detail": detail, "draws": args.draws,
             "grids": {m: g for m, (_, g) in REGRET_METHODS.items()}, "select_samples": args.select_samples,
             "images": args.regret_images}
 
@@ -483,16 +531,42 @@ def model_jackknife(observations, score, target, q: int) -> tuple[float, float]:
     return rho - 1.96 * se, rho + 1.96 * se
 
 
-def permutation_p(observations, lookup, target, perms) -> float:
+def partial_spearman(x, y, z) -> float:
+    """Spearman partial correlation of x and y given z: the Pearson correlation of the ranks' residuals after a
+    linear fit on z's ranks."""
+    import numpy as np
+    from scipy.stats import rankdata
+
+    x, y, z = (np.asarray(v, dtype=float) for v in (x, y, z))
+    if len(x) < 4 or min(np.ptp(x), np.ptp(y), np.ptp(z)) == 0 or np.isnan(np.concatenate([x, y, z])).any():
+        return float("nan")
+    rx, ry, rz = (rankdata(v) for v in (x, y, z))
+    design = np.column_stack([np.ones_like(rz), rz])
+
+    def residual(v):
+        return v - design @ np.linalg.lstsq(design, v, rcond=None)[0]
+
+    ex, ey = residual(rx), residual(ry)
+    denominator = float(np.sqrt((ex ** 2).sum() * (ey ** 2).sum()))
+    return float((ex * ey).sum() / denominator) if denominator > 0 else float("nan")
+
+
+def permutation_p(observations, lookup, target, perms, control=None) -> float:
     """Two-sided p of ρ(score, target) when model identities are permuted (Mantel): the permuted observation π(S)
-    takes the score of π(S), the target stays; ``lookup(subset)`` gives a score or ``None`` (not computed)."""
-    observed = spearman([lookup(o) for o in observations], target)
+    takes the score of π(S), the target stays; ``lookup(subset)`` gives a score or ``None`` (not computed). With
+    ``control`` (one value per observation, kept in place, as the target): the partial ρ given it."""
+    def statistic(values):
+        return spearman(values, target) if control is None else partial_spearman(values, target, control)
+
+    observed = statistic([lookup(o) for o in observations])
+    if math.isnan(observed):
+        return float("nan")
     exceed, used = 0, 0
     for perm in perms:
         values = [lookup(tuple(sorted(perm[p] for p in o))) for o in observations]
         if any(v is None for v in values):
             return float("nan")
-        rho = spearman(values, target)
+        rho = statistic(values)
         used += 1
         exceed += abs(rho) >= abs(observed) - 1e-12
     return (1 + exceed) / (1 + used)
@@ -507,19 +581,30 @@ def control_auc(values, same: list[bool], higher_is_better: bool) -> float:
     return wins / max(len(inside) * len(outside), 1)
 
 
-def run_study(args: argparse.Namespace) -> None:
+def load_bench(suite: str, seeds: int | None, cache: Path | None, log):
+    """The built suite (from its cache: the study trains nothing the suite run has not)."""
     from benchmarks.suites.__main__ import default_cache, real_config
+
+    if suite.startswith("text"):
+        from benchmarks.suites.text import build_text_suite, text_config
+
+        return build_text_suite(text_config(suite, seeds), cache or default_cache(), log)
     from benchmarks.suites.real import build_real_suite
+
+    return build_real_suite(real_config(suite, seeds), cache or default_cache(), log)
+
+
+def run_study(args: argparse.Namespace) -> None:
     from benchmarks.suites.training import Log, torch_threads
 
     log = Log(True, f"compatibility study {args.suite}")
     load_start = os.getloadavg()
     start = time.perf_counter()
     with torch_threads(args.threads):
-        bench = build_real_suite(real_config(args.suite, None), args.suite_cache or default_cache(), log)
+        bench = load_bench(args.suite, args.seeds, args.suite_cache, log)
         truncate(bench, args.eval_images)
         study = Study(bench, args, log)
-        record = {"suite": args.suite, "models": study.names, "config": bench.info["config"],
+        record = {"suite": args.suite, "seeds": args.seeds, "models": study.names, "config": bench.info["config"],
                   "command": recorded_command(), "eval_images": args.eval_images, "num_samples": args.num_samples}
         record["pairwise"] = pairwise_part(study, args)
         finish(record, load_start, start, args)  # (a) is written as soon as it is measured
@@ -541,28 +626,36 @@ def truncate(bench, images: int | None) -> None:
 def finish(record: dict, load_start: tuple, start: float, args: argparse.Namespace) -> None:
     record["machine"] = machine(load_start)
     record["total_s"] = round(time.perf_counter() - start, 1)
-    write(f"compatibility_study_{args.suite.replace('-', '_')}", record, study_markdown(record))
+    write(args.record or f"compatibility_study_{args.suite.replace('-', '_')}", record, study_markdown(record))
 
 
 def study_markdown(record: dict) -> str:
     pw = record["pairwise"]
     lines = [f"# Mergeability without labels on suite `{record['suite']}` ({len(record['models'])} fine-tunes)", "",
              f"Command: `{record['command']}`. {describe_machine(record)} Total {record['total_s']:.0f} s.", "",
-             f"Fine-tunes: {', '.join(record['models'])}. M-Loss on {record['num_samples']} unlabeled scoring images "
-             f"(layers {pw['layers'][0]} … {pw['layers'][-1]}: the fine-tuned blocks); {pw['num_subsets_scored']} "
+             f"Fine-tunes: {', '.join(record['models'])}. M-Loss on {record['num_samples']} unlabeled scoring samples, one "
+             f"common mix over every task (the same samples for every subset, from the tasks' train splits; "
+             f"layers {pw['layers'][0]} … {pw['layers'][-1]}: the fine-tuned blocks); {pw['num_subsets_scored']} "
              f"subsets scored in one compatibility() pass ({pw['compat_seconds']:.0f} s). Merges: uniform "
-             f"average of the members; accuracy on {record['eval_images'] or 'all'} test images per task.", "",
+             f"average of the members; accuracy on {record['eval_images'] or 'all'} test samples per task.", "",
              "## (a) Scores against merged accuracy", "",
-             "| observations | n | target | score | Spearman ρ | 95 % interval | permutation p | same-task AUC |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"| observations | n | target | score | Spearman ρ | 95 % interval | permutation p | partial ρ given "
+             f"{CONTROL} | its permutation p | same-task AUC |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def number(value, spec):
+        return "—" if value is None or value != value else format(value, spec)
+
     for row in pw["tables"]:
         auc = f"{row['same_task_auc']:.2f}" if "same_task_auc" in row else ""
-        p = f"{row['p']:.3f}" if row["p"] == row["p"] else "not computed"
         lines.append(f"| {row['group']} | {row['n']} | {TARGETS[row['target']]} | {row['score']} | {row['rho']:+.2f} | "
-                     f"{row['low']:+.2f} … {row['high']:+.2f} | {p} | {auc} |")
-    lines += ["", "Intervals: pairs — percentile interval over resamples of the 16 models (a pair enters as often as "
+                     f"{row['low']:+.2f} … {row['high']:+.2f} | {number(row['p'], '.3f')} | "
+                     f"{number(row.get('partial_rho'), '+.2f')} | {number(row.get('partial_p'), '.3f')} | {auc} |")
+    lines += ["", f"Intervals: pairs — percentile interval over resamples of the {len(record['models'])} models (a pair enters as often as "
               "the product of its members' counts); subsets — ρ ± 1.96 delete-one-model jackknife standard errors. "
               "p: two-sided, model identities permuted (Mantel; the score of π(S) against the accuracy of S). "
+              "Partial ρ: Spearman correlation of the score and the target with the task-vector distance's ranks "
+              "regressed out of both; its p permutes model identities of the score with target and distance in place. "
               "Same-task AUC: P(a same-task pair looks more compatible than a cross-task pair)."]
     if "regret" in record:
         lines += regret_markdown(record["regret"])
@@ -572,14 +665,18 @@ def study_markdown(record: dict) -> str:
 def regret_markdown(regret: dict) -> list[str]:
     lines = ["", "## (b) Regret of label-free selection against val-label selection", "",
              f"Instances: {len(regret['instances'])} ("
-             + "; ".join(f"seed {i['seed']}: {'+'.join(i['tasks'])}" for i in regret["instances"])
+             + "; ".join(f"seed {i['seed']}: {'+'.join(i['tasks'])}" for i in regret["instances"] if not i.get("draw"))
+             + f"; each under {regret.get('draws', 1)} draw(s) of the unlabeled data"
              + f"). Candidates scored on {regret['select_samples']} unlabeled images; val and test accuracy on the "
              f"first {regret.get('images') or 'all'} images per task. Grids: "
              + "; ".join(f"{m} {g}" for m, g in regret["grids"].items()) + ".", "",
-             "| method | criterion | mean regret (points) | min … max | picks the val choice |", "|---|---|---|---|---|"]
+             "| method | criterion | mean regret (points) | min … max | picks the val choice | at a grid edge | "
+             "at the lowest λ |", "|---|---|---|---|---|---|---|"]
     for row in regret["table"]:
+        n = row["instances"]
         lines.append(f"| {row['method']} | {row['criterion']} | {row['mean_regret']:+.2f} | {row['min_regret']:+.2f} … "
-                     f"{row['max_regret']:+.2f} | {row['agrees_with_val']}/{row['instances']} |")
+                     f"{row['max_regret']:+.2f} | {row['agrees_with_val']}/{n} | {row.get('at_edge', '—')}/{n} | "
+                     f"{row.get('at_lowest_lam', '—')}/{n} |")
     lines += ["", "Regret = test accuracy (mean over the merged tasks) of the candidate chosen on val labels − that of "
               "the candidate the criterion chooses; negative = better than val. `auto`: each image compared with the "
               "expert it moves most (label-free); `given`: each expert on its own task's unlabeled images."]
@@ -619,7 +716,10 @@ def main(argv: list[str] | None = None) -> int:
     cost.add_argument("--threads", type=int, default=2)
     cost.set_defaults(func=run_cost)
     study = sub.add_parser("study", help="label-free scores vs merged accuracy, and selection regret, on a suite")
-    study.add_argument("--suite", choices=("real", "real-smoke"), default="real")
+    study.add_argument("--suite", choices=("real", "real-quick", "real-smoke", "text", "text-quick", "text-smoke"),
+                       default="real-quick")
+    study.add_argument("--seeds", type=int, default=4, help="fine-tuning replicates of the suite (its cached build)")
+    study.add_argument("--draws", type=int, default=2, help="draws of the unlabeled selection data per instance")
     study.add_argument("--suite-cache", type=Path, default=None, help="the suite's cache (default: its own)")
     study.add_argument("--cache", type=Path, default=HERE / ".cache" / "compatibility")
     study.add_argument("--num-samples", type=int, default=128)
@@ -634,6 +734,7 @@ def main(argv: list[str] | None = None) -> int:
     study.add_argument("--skip-regret", action="store_true")
     study.add_argument("--seed", type=int, default=0)
     study.add_argument("--threads", type=int, default=2)
+    study.add_argument("--record", default=None, help="record name under benchmarks/results (default: from the suite)")
     study.set_defaults(func=run_study)
     args = parser.parse_args(argv)
     args.func(args)

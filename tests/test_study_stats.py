@@ -1,0 +1,70 @@
+"""The compatibility study's statistics (benchmarks/compatibility.py): partial Spearman correlation, the Mantel
+permutation test with a control held in place, grid-edge labels and the pooled selection data of both suites."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import rankdata
+
+from benchmarks.compatibility import grid_edge, partial_spearman, permutation_p, shuffled_pool, spearman
+
+
+def closed_form_partial(x, y, z) -> float:
+    """r_xy·z = (r_xy − r_xz r_yz) / sqrt((1 − r_xz²)(1 − r_yz²)) on the ranks."""
+    rx, ry, rz = (rankdata(v) for v in (x, y, z))
+    r = np.corrcoef([rx, ry, rz])
+    return (r[0, 1] - r[0, 2] * r[1, 2]) / math.sqrt((1 - r[0, 2] ** 2) * (1 - r[1, 2] ** 2))
+
+
+def test_partial_spearman_matches_the_closed_form() -> None:
+    rng = np.random.default_rng(0)
+    z = rng.normal(size=40)
+    x, y = z + rng.normal(size=40), z + rng.normal(size=40)
+    assert partial_spearman(x, y, z) == pytest.approx(closed_form_partial(x, y, z), abs=1e-12)
+    assert spearman(x, y) > partial_spearman(x, y, z)  # the shared part through z is removed
+
+
+def test_partial_spearman_is_nan_when_z_explains_a_score_or_too_little_is_given() -> None:
+    z = np.arange(10.0)
+    assert math.isnan(partial_spearman(z ** 3, np.random.default_rng(2).normal(size=10), z))  # x's ranks are z's
+    assert math.isnan(partial_spearman([1, 2, 3], [1, 2, 3], [3, 2, 1]))  # too few observations
+    assert math.isnan(partial_spearman([1, 1, 1, 1, 1], [1, 2, 3, 4, 5], [5, 3, 4, 1, 2]))  # a constant score
+
+
+def test_permutation_p_with_a_control_permutes_the_score_only() -> None:
+    """6 models, every pair; the target is the score plus noise: ρ and the partial ρ given an unrelated control are
+    both significant, and a control equal to the score leaves nothing to find (nan: no variance left)."""
+    rng = np.random.default_rng(1)
+    values = rng.normal(size=6)
+    pairs = list(itertools.combinations(range(6), 2))
+    table = {pair: float(values[pair[0]] + values[pair[1]]) for pair in pairs}
+    score = table.get
+    target = [table[p] + 0.05 * rng.normal() for p in pairs]
+    perms = [list(p) for p in itertools.permutations(range(6))]
+    unrelated = list(rng.normal(size=len(pairs)))
+    assert permutation_p(pairs, score, target, perms) < 0.05
+    assert permutation_p(pairs, score, target, perms, control=unrelated) < 0.05
+    p_null = permutation_p(pairs, score, list(rng.normal(size=len(pairs))), perms, control=unrelated)
+    assert p_null > 0.05
+
+
+def test_grid_edge_names_each_axis_at_an_end() -> None:
+    grid = {"k": [0.2, 0.5, 0.8], "lam": [0.7, 1.0, 1.5]}
+    assert grid_edge({"k": 0.5, "lam": 1.0}, grid) == ""
+    assert grid_edge({"k": 0.2, "lam": 1.5}, grid) == "k=min,lam=max"
+    assert grid_edge({"k": 0.5, "lam": 0.7}, {"k": [0.5], "lam": [0.7, 1.0]}) == "lam=min"  # one-value axes never
+
+
+def test_shuffled_pool_keeps_every_sample_once_for_images_and_text() -> None:
+    images = [torch.full((2, 3), float(i)) for i in range(3)]
+    pooled = shuffled_pool(images, seed=4)
+    assert pooled.shape == (6, 3) and sorted(pooled[:, 0].tolist()) == [0, 0, 1, 1, 2, 2]
+    assert torch.equal(pooled, shuffled_pool(images, seed=4)) and not torch.equal(pooled, shuffled_pool(images, 5))
+    texts = [["a", "b"], ["c"], ["d", "e", "f"]]
+    mixed = shuffled_pool(texts, seed=4)
+    assert sorted(mixed) == list("abcdef") and mixed == shuffled_pool(texts, seed=4)
