@@ -547,8 +547,10 @@ def partial_spearman(x, y, z) -> float:
         return v - design @ np.linalg.lstsq(design, v, rcond=None)[0]
 
     ex, ey = residual(rx), residual(ry)
-    denominator = float(np.sqrt((ex ** 2).sum() * (ey ** 2).sum()))
-    return float((ex * ey).sum() / denominator) if denominator > 0 else float("nan")
+    left = [float((e ** 2).sum() / ((r - r.mean()) ** 2).sum()) for e, r in ((ex, rx), (ey, ry))]
+    if min(left) < 1e-12:  # z's ranks explain x or y entirely: nothing is left to correlate
+        return float("nan")
+    return float((ex * ey).sum() / np.sqrt((ex ** 2).sum() * (ey ** 2).sum()))
 
 
 def permutation_p(observations, lookup, target, perms, control=None) -> float:
