@@ -430,13 +430,15 @@ def control_support() -> dict[str, str | None]:
 
 
 def method_specs(cfg: TextConfig, grid: str = "main", draws: int = 3) -> tuple[list[MethodSpec], dict[str, str]]:
-    """The compared methods (every tuned one on a grid of the same size: 4 settings, 2 with ``grid="smoke"``) and
+    """The compared methods (every tuned one on a grid of the same size: 5 settings, 2 with ``grid="smoke"``) and
     the rows not run, label → reason. Task arithmetic's λ is written for 4 tasks and scaled by 4 / q (it
     multiplies a sum of q task vectors); the TIES family's and the SVD merges' are not (as in the image suite)."""
     q = len(cfg.tasks)
     trained = list(range(cfg.frozen, cfg.num_layers))
-    ta, lam = [0.3, 0.5, 0.7, 1.0], [0.7, 1.0, 1.5, 2.0]
-    tsv, iso = [0.7, 1.0, 1.5, 2.5], [1.0, 2.0, 4.0, 7.0]
+    # 5 settings each; the 2-replicate record chose task arithmetic's and TIES's top λ (0.667, 2.0): the grids
+    # now reach past them
+    ta, lam = [0.5, 0.7, 1.0, 1.4, 2.0], [1.0, 1.5, 2.0, 2.5, 3.0]
+    tsv, iso = [0.7, 1.0, 1.5, 2.5, 3.5], [1.0, 2.0, 4.0, 7.0, 11.0]
     if grid == "smoke":
         ta, lam, tsv, iso = [0.5, 1.0], [0.5, 1.0], [1.0, 1.5], [1.0, 3.0]
     ta = [round(v * 4 / q, 3) for v in ta]
