@@ -270,3 +270,41 @@ def test_output_gap_of_bert_is_the_pooled_gap(bert) -> None:
         ensembles = [sum(mean_pooled(experts[p], s) for p in subset) / len(subset) for s in seqs]
         diff = sum(float((mean_pooled(merged, s) - e).norm()) for s, e in zip(seqs, ensembles))
         assert gap == pytest.approx(diff / sum(float(e.norm()) for e in ensembles), rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- CLIP text tower
+@pytest.fixture(scope="module")
+def clip_text(tmp_path_factory):
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    config = CLIPTextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                            vocab_size=520, max_position_embeddings=16, bos_token_id=512, eos_token_id=513,
+                            pad_token_id=513)
+    torch.manual_seed(0)
+    base, models = tiny.save_with_finetunes(CLIPTextModel(config).eval(), tmp_path_factory.mktemp("clip_text"), q=2,
+                                            scale=5e-2)
+    return str(base), [str(m) for m in models]
+
+
+def test_clip_text_output_is_the_pooled_end_token_and_padding_never_counts(clip_text) -> None:
+    from transformers import CLIPTextModel
+
+    eos = 513
+    seqs = [[512, *s, eos] for s in sequences((3, 1, 6, 2, 4), seed=9)]  # <bos> words <eos>, padded with <eos>
+    width = max(map(len, seqs))
+    data = {"input_ids": torch.tensor([s + [eos] * (width - len(s)) for s in seqs]),
+            "attention_mask": torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])}
+    alone = select(clip_text, data, {"lam": [0.4, 0.9]}, batch_size=1, share="all")
+    batched = select(clip_text, data, {"lam": [0.4, 0.9]}, batch_size=5, share="all")
+    experts = [CLIPTextModel.from_pretrained(m).eval() for m in clip_text[1]]
+
+    def pooled(model, seq):
+        with torch.no_grad():
+            return model(input_ids=torch.tensor([seq])).pooler_output[0].double()
+
+    for a, b in zip(alone.config.select.candidates, batched.config.select.candidates):
+        assert b["output"] == pytest.approx(a["output"], rel=1e-5)
+        merged = direct(clip_text, **a["setting"])
+        values = [float((pooled(merged, s) - pooled(e, s)).square().sum() / pooled(e, s).square().sum())
+                  for e in experts for s in seqs]
+        assert a["output"] == pytest.approx(sum(values) / len(values), abs=1e-5)
