@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM, BertConfig, BertModel
 
 import hf_mloss
 from examples import tiny
-from hf_mloss.merging.selection import spread_sample
 from hf_mloss.loading.model_inputs import ModelInputs
+from hf_mloss.merging.selection import spread_sample
 
 VOCAB, PAD = 64, 3
 LENGTHS = (5, 2, 7, 3, 6, 4, 8, 2, 5, 3)

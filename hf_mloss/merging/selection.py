@@ -92,9 +92,8 @@ def unchanged_blocks(inputs: RunInputs) -> int:
 def spread_sample(samples: Any, n: int, seed: int) -> Any:
     """``n`` of ``samples`` (images, or token ids as :class:`~hf_mloss.loading.model_inputs.ModelInputs`) spread
     over the whole set, in their order: systematic sampling with a seeded random start, index ⌊(i + u)·N/n⌋ for
-    i < n, u ~ U[0, 1). Every run of ≥ N/n consecutive samples gets at least one, so
-    a data set ordered task by task gives every task its share (the first ``n`` would show only the first tasks);
-    all of them when ``n`` ≥ N."""
+    i < n, u ~ U[0, 1). Every run of ≥ N/n consecutive samples gets at least one, so a data set ordered task by task
+    gives every task its share (the first ``n`` would show only the first tasks); all of them when ``n`` ≥ N."""
     import torch
 
     from ..loading.model_inputs import ModelInputs
@@ -126,7 +125,7 @@ def check_output_rule(rule: Any, options: SelectionOptions, adapter: Any) -> Non
 
 
 class CandidateEvaluator:
-    """Scores candidate merges on the selection images (see the module docstring for the criteria)."""
+    """Scores candidate merges on the selection samples (see the module docstring for the criteria)."""
 
     def __init__(self, config: MergeConfig, inputs: RunInputs, options: SelectionOptions, tower: Any, *,
                  progress: bool = True, token: Any = None) -> None:
@@ -134,7 +133,7 @@ class CandidateEvaluator:
 
         self.inputs, self.options, self.adapter = inputs, options, inputs.adapter
         self.device, self.batch_size = inputs.device, config.batch_size
-        self.pixels = spread_sample(inputs.model_inputs, options.num_samples, config.seed)
+        self.sample = spread_sample(inputs.model_inputs, options.num_samples, config.seed)
         self.alpha = (inputs.alpha / inputs.alpha.sum()).float().to(self.device)
         self.activation, _ = resolve_activation(self.adapter, config.scoring_options().activation)
         layers = config.scoring_options().layers
@@ -147,11 +146,11 @@ class CandidateEvaluator:
         self.start = unchanged_blocks(inputs)
         self.prefix = self._shared_prefix(tower) if "mloss" in options.criteria and self.start >= 0 else None
         if {"output", "entropy"} & set(options.criteria):
-            self.samples, self.owner, self.columns = self._shares(config, tower, token)
+            self.compared, self.owner, self.columns = self._shares(config, tower, token)
 
     @property
     def batches(self) -> list[Any]:
-        return model_batches(self.pixels, self.batch_size, self.device)
+        return model_batches(self.sample, self.batch_size, self.device)
 
     def _target_changed(self, layer: int) -> bool:
         """Whether any source's scored linear differs from the base's (else every candidate's gap there is 0)."""
@@ -250,7 +249,8 @@ class CandidateEvaluator:
         return self._targets[layer]
 
     def _shares(self, config: MergeConfig, tower: Any, token: Any) -> tuple[Any, Any, Any]:
-        """The samples, which expert each one is compared with (None: every expert), and the compared outputs: per
+        """The batches compared, which expert each sample is compared with (None: every expert), and the compared
+        outputs: per
         batch, one tensor per compared column (every expert with share ``all``; else one tensor whose row i is
         expert owner[i]'s output). Routing runs the experts once more than holding all their outputs would, so only
         the compared outputs are kept (a causal LM's are samples × tokens × vocabulary)."""
@@ -259,7 +259,7 @@ class CandidateEvaluator:
         from ..engine.compatibility import load_weights_into
 
         sources, rule = self.inputs.sources, self.rule
-        samples, owner = self.pixels, None
+        samples, owner = self.sample, None
         if self.options.share == "given":
             samples, owner = self._given_shares(config, token)
         state = {self.adapter.canonical_key(k): v for k, v in tower.state_dict().items()}
@@ -293,7 +293,7 @@ class CandidateEvaluator:
                         column[0] = torch.zeros_like(out)
                     column[0][rows] = out[rows]
         load_weights_into(state, [self.inputs.base], [1.0], names)
-        return (samples, batches), owner, columns
+        return batches, owner, columns
 
     def _given_shares(self, config: MergeConfig, token: Any) -> tuple[Any, Any]:
         """One unlabeled set per model, ``num_samples`` / q of each, read as the family reads its data."""
@@ -339,7 +339,8 @@ class CandidateEvaluator:
             sums[key][0] += float(value[0].double().sum())
             sums[key][1] += float(value[1].double().sum())
 
-        (_, batches), bounds = self.samples, batch_bounds(self.samples[1])
+        batches = self.compared
+        bounds = batch_bounds(batches)
         for batch, column, (lo, hi) in zip(batches, self.columns, bounds):
             merged = self.rule.outputs(tower, batch)
             for c, reference in enumerate(column):
@@ -570,7 +571,7 @@ def select_and_merge(config: MergeConfig, inputs: RunInputs, merger: TensorMerge
     builder.write(tau, lam, into=merger.targets)
     merger.done.update(merger.names)
     merger.ctx.params = method.make_params(**{**config.parameters, **chosen})
-    record = replace(options, num_samples=len(evaluator.pixels), reference=builder.reference, chosen=chosen,
+    record = replace(options, num_samples=len(evaluator.sample), reference=builder.reference, chosen=chosen,
                      candidates=candidates)
     return config.replace(parameters={**config.parameters, **chosen}, select=record), builder.report
 
