@@ -308,3 +308,27 @@ def test_clip_text_output_is_the_pooled_end_token_and_padding_never_counts(clip_
         values = [float((pooled(merged, s) - pooled(e, s)).square().sum() / pooled(e, s).square().sum())
                   for e in experts for s in seqs]
         assert a["output"] == pytest.approx(sum(values) / len(values), abs=1e-5)
+
+
+def test_a_bare_decoder_compares_its_last_real_token(tmp_path) -> None:
+    """A LLaMA-family model without an LM head (``LlamaModel``) has no next-token distribution: its output is the
+    final hidden state of the last real token, and entropy needs heads as for encoders."""
+    from transformers import LlamaModel
+
+    bare = LlamaModel(tiny.tiny_decoder("llama", seed=1).config).eval()
+    base, models = tiny.save_with_finetunes(bare, tmp_path, q=2, scale=5e-2)
+    paths = (str(base), [str(m) for m in models])
+    seqs = sequences((4, 2, 6, 3), seed=11)
+    result = select(paths, padded(seqs), {"lam": [0.5]}, share="all")
+    experts = [LlamaModel.from_pretrained(m).eval() for m in paths[1]]
+    merged = direct(paths, lam=0.5)
+
+    def last(model, seq):
+        with torch.no_grad():
+            return model(input_ids=torch.tensor([seq])).last_hidden_state[0, -1].double()
+
+    values = [float((last(merged, s) - last(e, s)).square().sum() / last(e, s).square().sum())
+              for e in experts for s in seqs]
+    assert result.config.select.candidates[0]["output"] == pytest.approx(sum(values) / len(values), abs=1e-5)
+    with pytest.raises(hf_mloss.InvalidParameterError, match="final hidden state of the last real token"):
+        select(paths, padded(seqs), {"lam": [0.5]}, criterion="entropy")

@@ -250,10 +250,9 @@ class CandidateEvaluator:
 
     def _shares(self, config: MergeConfig, tower: Any, token: Any) -> tuple[Any, Any, Any]:
         """The batches compared, which expert each sample is compared with (None: every expert), and the compared
-        outputs: per
-        batch, one tensor per compared column (every expert with share ``all``; else one tensor whose row i is
-        expert owner[i]'s output). Routing runs the experts once more than holding all their outputs would, so only
-        the compared outputs are kept (a causal LM's are samples × tokens × vocabulary)."""
+        outputs: per batch, one tensor per compared column (every expert with share ``all``; else one tensor whose
+        row i is expert owner[i]'s output). Routing runs the experts once more than holding all their outputs would,
+        so only the compared outputs are kept (a causal LM's are samples × tokens × vocabulary)."""
         import torch
 
         from ..engine.compatibility import load_weights_into
@@ -266,12 +265,13 @@ class CandidateEvaluator:
         names = [n for n in self.inputs.names if n in state]
         batches = model_batches(samples, self.batch_size, self.device)
 
-        def run(store: Any) -> list[Any]:
+        def run(store: Any) -> Iterator[Any]:  # batch by batch: one batch of outputs besides the kept ones
             load_weights_into(state, [store], [1.0], names)
-            return [rule.outputs(tower, batch) for batch in batches]
+            for batch in batches:
+                yield rule.outputs(tower, batch)
 
         if self.options.share == "auto":
-            base = run(self.inputs.base)
+            base = list(run(self.inputs.base))
             move = torch.stack([torch.cat([rule.move(b, o, batch) for b, o, batch in zip(base, run(s), batches)])
                                 for s in sources])  # [q, samples]
             owner = (move / move.mean(1, keepdim=True).clamp_min(1e-12)).argmax(0).cpu()
