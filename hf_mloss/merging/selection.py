@@ -547,6 +547,7 @@ def select_and_merge(config: MergeConfig, inputs: RunInputs, merger: TensorMerge
     from tqdm.auto import tqdm
 
     options, method = config.select, config.merge_method()
+    check_output_rule(inputs.adapter.output_rule(tower), options, inputs.adapter)  # before the scratch copy
     builder = CandidateBuilder(config, inputs, copy.deepcopy(tower), merger.names)
     evaluator = CandidateEvaluator(config, inputs, options, builder.tower, progress=progress, token=token)
     total = len(options.settings())
