@@ -93,9 +93,10 @@ def merge(base: Any, models: Sequence[Any], method: str = "ties", *, data: Any =
             :class:`~hf_mloss.spec.selection.SelectionOptions`: ``num_samples``, ``share``, ``shares``,
             ``compare``).
         grid: the candidates, e.g. ``{"k": [0.2, 0.5, 0.8], "lam": [0.5, 1.0, 1.5]}`` (every combination).
-        criterion: ``"output"`` (discrepancy with each expert, default), ``"entropy"`` (needs ``heads``) or
-            ``"mloss"`` (merged-prefix M-Loss); see :mod:`hf_mloss.merging.selection`.
-        heads: one classification head per model (for ``"entropy"``, and the logit KL of ``"output"``).
+        criterion: ``"output"`` (discrepancy with each expert, default; a causal LM's: the KL of next-token
+            distributions), ``"entropy"`` (encoders: needs ``heads``; a causal LM: of its own next-token
+            distribution) or ``"mloss"`` (merged-prefix M-Loss); see :mod:`hf_mloss.merging.selection`.
+        heads: encoders: one classification head per model (for ``"entropy"``, and the logit KL of ``"output"``).
         **options: the shared :class:`RunOptions` (``weights``, ``num_samples``, ``device``...); config fields
             ``dtype`` (of the merged model, default the base's; arithmetic runs in float32) and ``output``
             (``"auto"``: the base's class; ``"tower"``: only the merged tower; ``"adapter"``: a PEFT LoRA adapter,

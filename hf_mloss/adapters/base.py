@@ -238,6 +238,13 @@ class ModelAdapter(ABC):
                             context: BlockContext | None = None) -> torch.Tensor:
         """Finish a block from the scored unit's input: returns the block's output hidden states."""
 
+    def output_rule(self, model: PreTrainedModel) -> Any:
+        """How ``model``'s outputs are read and compared without labels (label-free selection, the output gap):
+        by default its pooled output (``pooler_output``, else the first token), see :mod:`.outputs`."""
+        from .outputs import PooledFeatures, first_token_pool
+
+        return PooledFeatures(first_token_pool, "pooled output (pooler_output, else the first token)")
+
     def card_metadata(self, model: PreTrainedModel | None = None) -> dict[str, Any]:
         tag = self.output_pipeline_tag(model) if model is not None else self.pipeline_tag
         return {"library_name": "transformers", "pipeline_tag": tag}

@@ -136,3 +136,24 @@ class BertAdapter(GenericAdapter):
     def forward_from_target(self, layer: nn.Module, residual: torch.Tensor, target_input: torch.Tensor,
                             context: BlockContext) -> torch.Tensor:
         return layer.output(layer.intermediate(target_input), residual)
+
+    # ----------------------------------------------------------------- outputs without labels
+    def output_rule(self, model: PreTrainedModel):
+        """Mean pooling of the encoder's last hidden states over the real tokens (as sentence-transformers pools
+        the MiniLM / BERT sentence encoders): the pooler is trained for next-sentence prediction only and many
+        encoder checkpoints never use it, so it is not read. Any class of the family (``BertModel``,
+        ``BertFor*``) pools its encoder (``base_model``), so its task head is not part of the output."""
+        from .outputs import PooledFeatures
+
+        return PooledFeatures(mean_pool, "mean of the encoder's last hidden states over the real tokens")
+
+
+def mean_pool(model: PreTrainedModel, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``[batch, hidden]``: the encoder's last hidden states averaged over the non-padding tokens."""
+    mask = batch.get("attention_mask")
+    if mask is None:
+        mask = torch.ones_like(batch["input_ids"])
+    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+    hidden = model.base_model(**{**inputs, "attention_mask": mask}).last_hidden_state.float()
+    weights = mask.to(hidden.dtype)[..., None]
+    return (hidden * weights).sum(1) / weights.sum(1).clamp_min(1)

@@ -60,6 +60,38 @@ def decoder_masks(config: PretrainedConfig, embeddings: torch.Tensor, attention_
     return {None: (create_sliding_window_causal_mask if sliding else create_causal_mask)(**kwargs)}
 
 
+def is_causal_lm(model: PreTrainedModel) -> bool:
+    """Whether ``model`` is a family's causal LM (its class is the one ``AutoModelForCausalLM`` builds)."""
+    try:
+        return isinstance(model, causal_lm_class(model.config))
+    except (KeyError, ValueError):
+        return False
+
+
+def _inputs(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``input_ids``, ``attention_mask`` and the pad-aware positions (left padding gives what the sequence alone
+    gets)."""
+    mask = batch.get("attention_mask")
+    if mask is None:
+        mask = torch.ones_like(batch["input_ids"])
+    return {"input_ids": batch["input_ids"], "attention_mask": mask, "position_ids": pad_aware_positions(mask)}
+
+
+def causal_logits(model: PreTrainedModel, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``[batch, seq, vocab]`` next-token logits of a causal LM."""
+    return model(**_inputs(batch), use_cache=False).logits
+
+
+def last_token_pool(model: PreTrainedModel, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``[batch, hidden]``: the decoder's final hidden state at each sequence's last real token."""
+    inputs = _inputs(batch)
+    hidden = model.base_model(**inputs, use_cache=False).last_hidden_state
+    mask = inputs["attention_mask"].bool()
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    last = torch.where(mask, positions, -1).amax(-1).clamp_min(0)
+    return hidden[torch.arange(len(hidden), device=hidden.device), last]
+
+
 class LlamaAdapter(GenericAdapter):
     """LLaMA-family decoder: gated node M-Loss on every ``layers.N.mlp`` (``gate_proj`` / ``up_proj``).
 
@@ -159,6 +191,17 @@ class LlamaAdapter(GenericAdapter):
             return residual, layer.pre_feedforward_layernorm(residual)
         residual = hidden + attn
         return residual, layer.post_attention_layernorm(residual)
+
+    # ----------------------------------------------------------------- outputs without labels
+    def output_rule(self, model: PreTrainedModel):
+        """A causal LM (a model with an LM head: ``*ForCausalLM``): the next-token distribution at every real
+        position. Any other class of the family (the bare decoder, ``*ForSequenceClassification``): the last real
+        token's final hidden state, the one a decoder's sequence classifier reads."""
+        from .outputs import NextTokenDistribution, PooledFeatures
+
+        if is_causal_lm(model):
+            return NextTokenDistribution(causal_logits, "next-token distribution at every real position")
+        return PooledFeatures(last_token_pool, "final hidden state of the last real token")
 
     def forward_from_target(self, layer: nn.Module, residual: torch.Tensor, target_input: torch.Tensor,
                             context: BlockContext) -> torch.Tensor:

@@ -19,7 +19,8 @@ see ``benchmarks/results/merge_speed_new_workloads_cpu.md`` (the report against 
 Label-free baselines beside it, streamed one tensor at a time over the task vectors τ_p = θ_p − θ₀: cosine and
 distance between task vectors, their norms, and the TIES sign-conflict fraction (entries kept by both trimmed task
 vectors whose signs differ); optionally the output-level gap between each subset's average merge and the ensemble
-of its members' pooled features (one extra forward per scored subset).
+of its members' outputs (pooled features of encoders, next-token distributions of causal LMs; one extra forward per
+scored subset).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..spec.config import MergeConfig
-from ..errors import InvalidParameterError, UnsupportedModelError
+from ..errors import InvalidParameterError
 from ..spec.options import ScoringOptions
 from ..output.report import describe_data
 
@@ -211,17 +212,6 @@ def weight_baselines(stats: dict[str, torch.Tensor], subsets: Sequence[tuple[int
     return out
 
 
-@torch.inference_mode()
-def pooled_features(tower: Any, batches: Sequence[torch.Tensor], device: Any) -> torch.Tensor:
-    """The tower's pooled output (``pooler_output``, else the first token) for every batch, concatenated."""
-    out = []
-    for batch in batches:
-        result = tower(pixel_values=batch.to(device))
-        pooled = getattr(result, "pooler_output", None)
-        out.append((pooled if pooled is not None else result.last_hidden_state[:, 0]).float())
-    return torch.cat(out)
-
-
 def load_weights_into(state: dict[str, torch.Tensor], stores: Sequence[Any], alpha: Sequence[float],
                       names: Sequence[str]) -> None:
     """``state[name] = Σ_p α_p θ_p[name]`` for every name (one tensor of each store at a time)."""
@@ -231,27 +221,37 @@ def load_weights_into(state: dict[str, torch.Tensor], stores: Sequence[Any], alp
             target.copy_(sum(a * s.get_float(name, target.device) for a, s in zip(alpha, stores)))
 
 
-def output_gaps(inputs: RunInputs, subsets: Sequence[tuple[int, ...]], weights: torch.Tensor, batches, *,
-                progress: bool = True) -> list[float]:
-    """Per subset: Σ_x ‖f_S(x) − Σ_p α_p f_p(x)‖ / Σ_x ‖Σ_p α_p f_p(x)‖ over pooled features, f_S the subset's
-    average merge (α normalised over S). Costs one forward per model and one per subset."""
+def output_gaps(inputs: RunInputs, subsets: Sequence[tuple[int, ...]], weights: torch.Tensor,
+                batches: Sequence[Any], *, progress: bool = True) -> list[float]:
+    """Per subset, the gap between its average merge (α normalised over S) and the ensemble of its members, read
+    through the family's output rule (:meth:`hf_mloss.adapters.base.ModelAdapter.output_rule`): pooled features
+    (encoders) give Σ_x ‖f_S(x) − Σ_p α_p f_p(x)‖ / Σ_x ‖Σ_p α_p f_p(x)‖; a causal LM gives the mean over real
+    positions of KL(Σ_p α_p P_p ‖ P_S), the mixture of the members' next-token distributions against the merge's.
+    Costs one forward per model and one per subset; holds every model's outputs (a causal LM's: samples × tokens
+    × vocabulary floats per model)."""
     from tqdm.auto import tqdm
 
+    from .walk import batch_to
+
     tower = inputs.load_scoring_model(progress=False)
+    rule = inputs.adapter.output_rule(tower)
+    batches = [batch_to(batch, inputs.device) for batch in batches]
     state = {inputs.adapter.canonical_key(k): v for k, v in tower.state_dict().items()}
     names = [n for n in inputs.names if n in state]
-    features = []
+    outputs = []
     for store in inputs.sources:
         load_weights_into(state, [store], [1.0], names)
-        features.append(pooled_features(tower, batches, inputs.device))
+        outputs.append([rule.outputs(tower, batch) for batch in batches])
     matrix = subset_matrix(subsets, weights).double()
     gaps = []
     for row, subset in enumerate(tqdm(subsets, desc="Output gaps", unit="merge", disable=not progress)):
         alpha = matrix[row, list(subset)].tolist()
         load_weights_into(state, [inputs.sources[p] for p in subset], alpha, names)
-        ensemble = sum(a * features[p] for a, p in zip(alpha, subset))
-        merged = pooled_features(tower, batches, inputs.device)
-        gaps.append(float((merged - ensemble).norm(dim=-1).sum() / ensemble.norm(dim=-1).sum().clamp_min(1e-12)))
+        total = count = 0.0
+        for b, batch in enumerate(batches):
+            gap, norm = rule.ensemble_gap([outputs[p][b] for p in subset], alpha, rule.outputs(tower, batch), batch)
+            total, count = total + float(gap.double().sum()), count + float(norm.double().sum())
+        gaps.append(total / max(count, 1e-12))
     return gaps
 
 
@@ -568,12 +568,9 @@ def run_compatibility(config: MergeConfig, *, subsets: Sequence[Sequence[int | s
             start = time.perf_counter()
             extra = weight_baselines(task_vector_statistics(inputs), chosen)
             timings["baselines_s"] = time.perf_counter() - start
-        if output_gap and getattr(inputs.adapter, "modality", "image") != "image":
-            raise UnsupportedModelError(f"output_gap compares pooled image features; the {inputs.adapter.name!r} "
-                                        f"family is scored on {inputs.adapter.modality}: leave output_gap off.")
         if output_gap:
             start = time.perf_counter()
-            extra["output_gap"] = output_gaps(inputs, chosen, weights, inputs.pixels.split(config.batch_size),
+            extra["output_gap"] = output_gaps(inputs, chosen, weights, inputs.model_inputs.split(config.batch_size),
                                               progress=progress)
             timings["output_gap_s"] = time.perf_counter() - start
         _check_finite({m: scores[m] for m in scores["metrics"]}, extra, chosen, names, inputs.alpha)

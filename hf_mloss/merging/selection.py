@@ -1,36 +1,48 @@
-"""Label-free hyperparameter selection: choose a merge's λ, k (any grid of its parameters) from unlabeled images.
+"""Label-free hyperparameter selection: choose a merge's λ, k (any grid of its parameters) from unlabeled data.
 
 ``merge(..., select="unlabeled", grid={"k": [...], "lam": [...]}, criterion=...)`` merges every setting of the grid
-(the cartesian product, in order), scores each candidate on ``num_samples`` unlabeled images and keeps the one with
-the lowest criterion (the first in grid order on ties). The ``num_samples`` images are a seeded sample spread over
-the whole data sample (:func:`spread_sample`, seeded by the merge's ``seed``), not its first images, so data ordered
-task by task is represented task by task. Criteria, all "lower is better" (default ``"output"``: in
-``benchmarks/results/compatibility_study_real.md``, over 4 draws of the real suite, its mean regret against choosing
-on val labels was +0.23 test points for TIES, +1.62 for M-TIES and +3.76 for task arithmetic, where ``"entropy"``
-lost +6.40 / +6.82 / +12.94 and the middle of the grid +6.46 / +5.64 / +4.40; the merged-prefix M-Loss grows with λ,
-so it favours weak merges):
+(the cartesian product, in order), scores each candidate on ``num_samples`` unlabeled samples (images for image
+families; texts for BERT-family encoders, LLaMA-family decoders and CLIP text towers, read with ``text_column`` and
+``max_length`` as for scoring) and keeps the one with the lowest criterion (the first in grid order on ties). The
+``num_samples`` samples are a seeded sample spread over the whole data sample (:func:`spread_sample`, seeded by the
+merge's ``seed``), not its first ones, so data ordered task by task is represented task by task. Padding never
+counts. Criteria, all "lower is better" (default ``"output"``: in
+``benchmarks/results/compatibility_study_real.md``, over 4 draws of the real image suite, its mean regret against
+choosing on val labels was +0.23 test points for TIES, +1.62 for M-TIES and +3.76 for task arithmetic, where
+``"entropy"`` lost +6.40 / +6.82 / +12.94 and the middle of the grid +6.46 / +5.64 / +4.40; the merged-prefix
+M-Loss grows with λ, so it favours weak merges; no such study exists for text yet):
 
 * ``"mloss"``, the merged-prefix M-Loss: at every scored linear (CLIP: ``mlp.fc1``), with u the candidate's own
-  input of that linear (its merged prefix), g = σ(W_m u + b_m) − Σ_p α_p σ(W_p u + b_p), the gap between the
-  candidate's activation and the ensemble of the q experts' activations on the same input; the criterion is the mean
-  over scored layers of the mean over positions of ‖g‖₂. For plain averaging it is exactly the layer M-Loss with
-  ``prefix="merged"``. Needs no heads.
-* ``"output"``: the discrepancy between the candidate and each expert on that expert's share of the images: with
-  heads, KL(softmax(head_p(f_p(x))) ‖ softmax(head_p(f_m(x)))); without, the relative squared distance
-  ‖f_m(x) − f_p(x)‖² / ‖f_p(x)‖² of the pooled features f. Averaged over images.
-* ``"entropy"`` (AdaMerging's criterion, the known baseline): the entropy of softmax(head_p(f_m(x))) on expert p's
-  share, averaged. Needs heads.
+  input of that linear (its merged prefix), g = σ(W_m u + b_m) − Σ_p α_p σ(W_p u + b_p) (gated units:
+  σ(gate)·up), the gap between the candidate's activation and the ensemble of the q experts' activations on the same
+  input; the criterion is the mean over scored layers of the mean over real positions of ‖g‖₂. For plain averaging
+  it is exactly the layer M-Loss with ``prefix="merged"``. Needs no heads.
+* ``"output"``: the discrepancy between the candidate and each expert on that expert's share of the samples, read
+  through the family's output rule (:mod:`hf_mloss.adapters.outputs`). Encoders (image towers, CLIP text: the
+  pooled output; BERT family: the mean of the last hidden states over real tokens): with heads,
+  KL(softmax(head_p(f_p(x))) ‖ softmax(head_p(f_m(x)))); without, the relative squared distance
+  ‖f_m(x) − f_p(x)‖² / ‖f_p(x)‖²; averaged over (sample, expert) pairs. Causal LMs (``*ForCausalLM``): at every
+  real position t of sample x, KL(P_p(·|x≤t) ‖ P_m(·|x≤t)) of the next-token distributions, averaged over every
+  real position of every (sample, expert) pair (with ``share="all"``: exactly the mean over experts of each
+  expert's mean over positions).
+* ``"entropy"`` (AdaMerging's criterion, the known baseline): encoders: the entropy of softmax(head_p(f_m(x))) on
+  expert p's share, averaged; needs heads. Causal LMs: the LM head is the model's own head, so no heads are given:
+  the entropy of the candidate's next-token distribution, averaged over real positions. It rewards confident
+  merges whether or not they agree with any expert (a merge collapsing onto a few tokens scores well), so it is
+  offered as the baseline it is, not recommended: prefer ``"output"``.
 
-Shares (which images compare the candidate with which expert): ``"given"`` — one unlabeled set per model
-(``shares``; the images are split evenly, ``num_samples`` in all); ``"auto"`` (default, label-free) — image x goes to
-the expert whose pooled feature it moves most from the base's, relative to that expert's mean move:
-argmax_p ‖f_p(x) − f_0(x)‖ / mean_x' ‖f_p(x') − f_0(x')‖; ``"all"`` — every image to every expert.
+Shares (which samples compare the candidate with which expert): ``"given"`` — one unlabeled set per model
+(``shares``; ``num_samples`` split evenly); ``"auto"`` (default, label-free) — sample x goes to the expert whose
+output it moves most from the base's, relative to that expert's mean move: argmax_p m_p(x) / mean_x' m_p(x'), with
+m_p(x) = ‖f_p(x) − f_0(x)‖ for encoders and the mean over real positions of KL(P_p ‖ P_0) for causal LMs; ``"all"`` —
+every sample to every expert. Only the compared outputs are kept (with ``"auto"`` the experts run once to route and
+once to record them): a causal LM's take samples × tokens × vocabulary floats (× q with ``"all"``).
 
 Reuse. A method's ``lam`` means θ = θ₀ + λ·τ_merged (every built-in method): each setting of the other parameters
 is merged once at λ = 1 and rescaled for every λ of the grid. A data-guided method (M-TIES) is merged once, with
 live M-Loss scoring, at the reference setting (the middle value of every grid axis); every other candidate replays
 the reference's recorded node M-Loss through the method's hooks, so it costs a tensor merge and no forward (its row
-ranks come from the reference's merged prefix). The experts' pooled features are computed once. Blocks where every
+ranks come from the reference's merged prefix). The experts' outputs are computed once. Blocks where every
 expert equals the base (frozen lower blocks) are run once, not per candidate.
 """
 
@@ -42,7 +54,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InvalidParameterError, UnsupportedModelError
+from ..errors import InvalidParameterError
 from ..loading.heads import as_head
 from ..spec.selection import (
     SelectionOptions,
@@ -77,23 +89,43 @@ def unchanged_blocks(inputs: RunInputs) -> int:
     return adapter.num_layers
 
 
-def spread_sample(pixels: Any, n: int, seed: int) -> Any:
-    """``n`` of ``pixels`` spread over the whole set, in their order: systematic sampling with a seeded random
-    start, index ⌊(i + u)·N/n⌋ for i < n, u ~ U[0, 1). Every run of ≥ N/n consecutive images gets at least one, so
-    a data set ordered task by task gives every task its share (the first ``n`` would show only the first tasks);
-    all of them when ``n`` ≥ N."""
+def spread_sample(samples: Any, n: int, seed: int) -> Any:
+    """``n`` of ``samples`` (images, or token ids as :class:`~hf_mloss.loading.model_inputs.ModelInputs`) spread
+    over the whole set, in their order: systematic sampling with a seeded random start, index ⌊(i + u)·N/n⌋ for
+    i < n, u ~ U[0, 1). Every run of ≥ N/n consecutive samples gets at least one, so a data set ordered task by task
+    gives every task its share (the first ``n`` would show only the first tasks); all of them when ``n`` ≥ N."""
     import torch
 
-    total = len(pixels)
+    from ..loading.model_inputs import ModelInputs
+
+    if isinstance(samples, ModelInputs) and samples.modality == "image":
+        samples = samples["pixel_values"]  # the images as one tensor, as before
+    total = len(samples)
     if n >= total:
-        return pixels
+        return samples
     u = torch.rand((), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     index = ((torch.arange(n, dtype=torch.float64) + u) * (total / n)).floor().long().clamp_(max=total - 1)
-    return pixels[index]
+    return samples.select(index) if isinstance(samples, ModelInputs) else samples[index]
+
+
+def check_output_rule(rule: Any, options: SelectionOptions, adapter: Any) -> None:
+    """Refuse, before any candidate is merged, criteria the family's outputs cannot give: ``entropy`` of pooled
+    features without heads, heads on a causal LM (its LM head is its own head)."""
+    family = getattr(adapter.full_config, "model_type", adapter.name)
+    if "entropy" in options.criteria and not options.heads and not rule.has_distribution:
+        raise InvalidParameterError(
+            f"criterion 'entropy' needs one classification head per model (heads=...): the {family!r} model's "
+            f"output is the {rule.description}, not a distribution. Pass heads=[...] (one per model), or use "
+            "criterion='output' or 'mloss', which need no heads.")
+    if options.heads and rule.has_distribution:
+        raise InvalidParameterError(
+            f"heads=... apply to pooled features; the {family!r} model is a causal LM, whose LM head is its own "
+            "head (output: the KL of the experts' next-token distributions, entropy: the candidate's). Remove "
+            "heads.")
 
 
 class CandidateEvaluator:
-    """Scores candidate merges on the selection images (see the module docstring for the criteria)."""
+    """Scores candidate merges on the selection samples (see the module docstring for the criteria)."""
 
     def __init__(self, config: MergeConfig, inputs: RunInputs, options: SelectionOptions, tower: Any, *,
                  progress: bool = True, token: Any = None) -> None:
@@ -101,27 +133,24 @@ class CandidateEvaluator:
 
         self.inputs, self.options, self.adapter = inputs, options, inputs.adapter
         self.device, self.batch_size = inputs.device, config.batch_size
-        if getattr(self.adapter, "modality", "image") != "image":
-            raise UnsupportedModelError(
-                f"Label-free selection reads images; the {self.adapter.name!r} family is scored on "
-                f"{self.adapter.modality}, where selection is not available yet. Merge each setting and compare "
-                "them with hf_mloss.score / hf_mloss.compatibility, or choose on labelled validation data.")
-        self.pixels = spread_sample(inputs.pixels, options.num_samples, config.seed)
+        self.sample = spread_sample(inputs.model_inputs, options.num_samples, config.seed)
         self.alpha = (inputs.alpha / inputs.alpha.sum()).float().to(self.device)
         self.activation, _ = resolve_activation(self.adapter, config.scoring_options().activation)
         layers = config.scoring_options().layers
         self.scored = sorted(set(range(self.adapter.num_layers) if layers is None else layers))
         self.changed = [layer for layer in self.scored if self._target_changed(layer)]
         self.heads = [as_head(h, i) for i, h in enumerate(options.heads)] if options.heads else None
+        self.rule = self.adapter.output_rule(tower)
+        check_output_rule(self.rule, options, self.adapter)
         self._targets: dict[int, Any] = {}
         self.start = unchanged_blocks(inputs)
         self.prefix = self._shared_prefix(tower) if "mloss" in options.criteria and self.start >= 0 else None
         if {"output", "entropy"} & set(options.criteria):
-            self.images, self.owner, self.experts = self._shares(config, tower, token)
+            self.compared, self.owner, self.columns = self._shares(config, tower, token)
 
     @property
     def batches(self) -> list[Any]:
-        return list(self.pixels.split(self.batch_size))
+        return model_batches(self.sample, self.batch_size, self.device)
 
     def _target_changed(self, layer: int) -> bool:
         """Whether any source's scored linear differs from the base's (else every candidate's gap there is 0)."""
@@ -158,10 +187,7 @@ class CandidateEvaluator:
         if "mloss" in self.options.criteria:
             out["mloss"] = self.merged_prefix_mloss(tower)
         if {"output", "entropy"} & set(self.options.criteria):
-            from ..engine.compatibility import pooled_features
-
-            merged = pooled_features(tower, self.images.split(self.batch_size), self.device)
-            out.update(self._output_criteria(merged))
+            out.update(self._output_criteria(tower))
         return {k: out[k] for k in self.options.criteria}
 
     def merged_prefix_mloss(self, tower: Any) -> float:
@@ -223,72 +249,156 @@ class CandidateEvaluator:
         return self._targets[layer]
 
     def _shares(self, config: MergeConfig, tower: Any, token: Any) -> tuple[Any, Any, Any]:
-        """The images, which expert each one is compared with (None: every expert), and the experts' features."""
+        """The batches compared, which expert each sample is compared with (None: every expert), and the compared
+        outputs: per batch, one tensor per compared column (every expert with share ``all``; else one tensor whose
+        row i is expert owner[i]'s output). Routing runs the experts once more than holding all their outputs would,
+        so only the compared outputs are kept (a causal LM's are samples × tokens × vocabulary)."""
         import torch
 
-        from ..engine.compatibility import load_weights_into, pooled_features
+        from ..engine.compatibility import load_weights_into
 
-        sources = self.inputs.sources
-        images, owner = self.pixels, None
+        sources, rule = self.inputs.sources, self.rule
+        samples, owner = self.sample, None
         if self.options.share == "given":
-            images, owner = self._given_shares(config, token)
+            samples, owner = self._given_shares(config, token)
         state = {self.adapter.canonical_key(k): v for k, v in tower.state_dict().items()}
         names = [n for n in self.inputs.names if n in state]
-        batches = images.split(self.batch_size)
-        experts = []
-        for store in sources:
+        batches = model_batches(samples, self.batch_size, self.device)
+
+        def run(store: Any) -> Iterator[Any]:  # batch by batch: one batch of outputs besides the kept ones
             load_weights_into(state, [store], [1.0], names)
-            experts.append(pooled_features(tower, batches, self.device))
+            for batch in batches:
+                yield rule.outputs(tower, batch)
+
         if self.options.share == "auto":
-            load_weights_into(state, [self.inputs.base], [1.0], names)
-            base = pooled_features(tower, batches, self.device)
-            move = torch.stack([(f - base).norm(dim=-1) for f in experts])  # [q, images]
-            owner = (move / move.mean(1, keepdim=True).clamp_min(1e-12)).argmax(0)
+            base = list(run(self.inputs.base))
+            move = torch.stack([torch.cat([rule.move(b, o, batch) for b, o, batch in zip(base, run(s), batches)])
+                                for s in sources])  # [q, samples]
+            owner = (move / move.mean(1, keepdim=True).clamp_min(1e-12)).argmax(0).cpu()
+            del base
+        if owner is None:
+            columns = [[out] for out in run(sources[0])]
+            for store in sources[1:]:
+                for column, out in zip(columns, run(store)):
+                    column.append(out)
+        else:
+            columns = [[None] for _ in batches]
+            bounds = batch_bounds(batches)
+            for p, store in enumerate(sources):
+                if not bool((owner == p).any()):
+                    continue
+                for column, out, (lo, hi) in zip(columns, run(store), bounds):
+                    rows = (owner[lo:hi] == p).nonzero().flatten().to(out.device)
+                    if column[0] is None:
+                        column[0] = torch.zeros_like(out)
+                    column[0][rows] = out[rows]
         load_weights_into(state, [self.inputs.base], [1.0], names)
-        return images, owner, torch.stack(experts)
+        return batches, owner, columns
 
     def _given_shares(self, config: MergeConfig, token: Any) -> tuple[Any, Any]:
+        """One unlabeled set per model, ``num_samples`` / q of each, read as the family reads its data."""
         import torch
 
+        from ..loading.data import DEFAULT_MAX_LENGTH, load_model_inputs
+        from ..loading.inputs import check_max_length, resolve_processor, resolve_tokenizer
+        from ..loading.model_inputs import as_model_inputs
         from ..spec.config import DataSpec
-        from ..loading.data import load_pixel_values
-        from ..loading.inputs import resolve_processor
 
         per_model = math.ceil(self.options.num_samples / len(self.options.shares))
-        images, owner, processor = [], [], None
+        parts, owner, reader = [], [], None
+        text = getattr(self.adapter, "modality", "image") == "text"
         for p, share in enumerate(self.options.shares):
             spec = DataSpec.parse(share, num_samples=per_model)
-            if processor is None and not isinstance(spec.objects, torch.Tensor):
-                processor = resolve_processor(config, self.inputs, self.inputs.base.ref, token)
-            pixels, _ = load_pixel_values(spec.source, processor, num_samples=per_model, seed=config.seed,
-                                          split=spec.split, image_column=spec.image_column)
-            images.append(pixels)
-            owner += [p] * len(pixels)
-        return torch.cat(images), torch.tensor(owner)
+            ready = isinstance(spec.objects, torch.Tensor) or as_model_inputs(spec.objects) is not None
+            if reader is None and not ready:
+                reader = (resolve_tokenizer if text else resolve_processor)(config, self.inputs,
+                                                                              self.inputs.base.ref, token)
+            if text:
+                max_length = check_max_length(self.adapter, spec.max_length or config.data.max_length)
+                samples, _ = load_model_inputs(spec.source, modality="text", tokenizer=reader,
+                                               num_samples=per_model, seed=config.seed, split=spec.split,
+                                               text_column=spec.text_column,
+                                               max_length=max_length or DEFAULT_MAX_LENGTH)
+            else:
+                samples, _ = load_model_inputs(spec.source, modality="image", processor=reader,
+                                               num_samples=per_model, seed=config.seed, split=spec.split,
+                                               image_column=spec.image_column)
+            parts.append(samples)
+            owner += [p] * len(samples)
+        return concat_samples(parts), torch.tensor(owner)
 
-    def _output_criteria(self, merged: Any) -> dict[str, float]:
-        """``output`` and, with heads, ``entropy`` of a candidate's pooled features (see the module docstring)."""
+    def _output_criteria(self, tower: Any) -> dict[str, float]:
+        """``output`` and ``entropy`` of the candidate held by ``tower`` (see the module docstring): Σ numerators /
+        Σ denominators over every (sample, compared expert) pair (an image or pooled text: 1 each; a causal LM:
+        its real positions)."""
         import torch
 
-        per_expert: dict[str, list[Any]] = {"output": [], "entropy": []}
-        for p, expert in enumerate(self.experts):
-            if self.heads is None:
-                per_expert["output"].append((merged - expert).square().sum(-1) / expert.square().sum(-1).clamp_min(
-                    1e-12))
-                continue
-            with torch.no_grad():
-                log_merged = torch.log_softmax(self.heads[p](merged).float(), -1)
-                log_expert = torch.log_softmax(self.heads[p](expert).float(), -1)
-            per_expert["output"].append((log_expert.exp() * (log_expert - log_merged)).sum(-1))
-            per_expert["entropy"].append(-(log_merged.exp() * log_merged).sum(-1))
-        out = {}
-        for key, values in per_expert.items():
-            if values:
-                table = torch.stack(values)  # [q, images]
-                picked = table.mean() if self.owner is None else table.gather(0, self.owner[None].to(
-                    table.device)).mean()
-                out[key] = float(picked)
-        return out
+        sums = {"output": [0.0, 0.0], "entropy": [0.0, 0.0]}
+
+        def add(key: str, value: tuple[Any, Any]) -> None:
+            sums[key][0] += float(value[0].double().sum())
+            sums[key][1] += float(value[1].double().sum())
+
+        batches = self.compared
+        bounds = batch_bounds(batches)
+        for batch, column, (lo, hi) in zip(batches, self.columns, bounds):
+            merged = self.rule.outputs(tower, batch)
+            for c, reference in enumerate(column):
+                experts = torch.full((hi - lo,), c) if self.owner is None else self.owner[lo:hi]
+                if self.heads is None:
+                    add("output", self.rule.discrepancy(reference, merged, batch))
+                    continue
+                for p in experts.unique().tolist():
+                    rows = (experts == p).nonzero().flatten().to(merged.device)
+                    with torch.no_grad():
+                        log_merged = torch.log_softmax(self.heads[p](merged[rows]).float(), -1)
+                        log_expert = torch.log_softmax(self.heads[p](reference[rows]).float(), -1)
+                    kl = (log_expert.exp() * (log_expert - log_merged)).sum(-1)
+                    add("output", (kl, torch.ones_like(kl)))
+                    entropy = -(log_merged.exp() * log_merged).sum(-1)
+                    add("entropy", (entropy, torch.ones_like(entropy)))
+            if self.heads is None and "entropy" in self.options.criteria:
+                add("entropy", self.rule.entropy(merged, batch))
+        return {key: total / count for key, (total, count) in sums.items() if count}
+
+
+def model_batches(samples: Any, batch_size: int, device: Any) -> list[dict[str, Any]]:
+    """``samples`` (a pixel tensor or :class:`~hf_mloss.loading.model_inputs.ModelInputs`) as consecutive batches
+    of model inputs on ``device`` (text batches cut to their own longest sequence)."""
+    from ..engine.walk import batch_to
+
+    parts = samples.split(batch_size)
+    return [batch_to(part, device) for part in parts]
+
+
+def batch_bounds(batches: Sequence[Mapping[str, Any]]) -> list[tuple[int, int]]:
+    """``(first, end)`` sample index of every batch."""
+    bounds, start = [], 0
+    for batch in batches:
+        size = len(next(iter(batch.values())))
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+def concat_samples(parts: Sequence[Any]) -> Any:
+    """Samples of several sets as one: pixel tensors concatenated; token ids right-padded to the longest (mask 0
+    there, so the padding never counts)."""
+    import torch
+
+    from ..loading.model_inputs import ModelInputs
+
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(list(parts))
+    if all("pixel_values" in p for p in parts):
+        return torch.cat([p["pixel_values"] for p in parts])
+    width = max(p["input_ids"].shape[1] for p in parts)
+    out: dict[str, list[Any]] = {}
+    for part in parts:
+        for key, tensor in part.items():
+            pad = width - tensor.shape[1]
+            out.setdefault(key, []).append(torch.nn.functional.pad(tensor, (0, pad)) if pad else tensor)
+    return ModelInputs({key: torch.cat(tensors) for key, tensors in out.items()})
 
 
 # ---------------------------------------------------------------------------------------------- candidates
@@ -437,6 +547,7 @@ def select_and_merge(config: MergeConfig, inputs: RunInputs, merger: TensorMerge
     from tqdm.auto import tqdm
 
     options, method = config.select, config.merge_method()
+    check_output_rule(inputs.adapter.output_rule(tower), options, inputs.adapter)  # before the scratch copy
     builder = CandidateBuilder(config, inputs, copy.deepcopy(tower), merger.names)
     evaluator = CandidateEvaluator(config, inputs, options, builder.tower, progress=progress, token=token)
     total = len(options.settings())
@@ -461,7 +572,7 @@ def select_and_merge(config: MergeConfig, inputs: RunInputs, merger: TensorMerge
     builder.write(tau, lam, into=merger.targets)
     merger.done.update(merger.names)
     merger.ctx.params = method.make_params(**{**config.parameters, **chosen})
-    record = replace(options, num_samples=len(evaluator.pixels), reference=builder.reference, chosen=chosen,
+    record = replace(options, num_samples=len(evaluator.sample), reference=builder.reference, chosen=chosen,
                      candidates=candidates)
     return config.replace(parameters={**config.parameters, **chosen}, select=record), builder.report
 

@@ -99,7 +99,7 @@ def _weights_source(ref: Any) -> str | None:
     return f"{name} ({pr})" if name and pr else name
 
 
-def selection_rows(config: MergeConfig) -> dict[str, Any] | None:
+def selection_rows(config: MergeConfig, modality: str = "image") -> dict[str, Any] | None:
     """The label-free selection record of a merge for the card: criterion, grid, and every candidate's values."""
     select = config.select
     if select is None or not select.candidates:
@@ -109,7 +109,8 @@ def selection_rows(config: MergeConfig) -> dict[str, Any] | None:
              "values": [c.get(name) for name in select.criteria], "chosen": c["setting"] == select.chosen}
             for c in select.candidates]
     return {"criterion": select.criterion, "criteria": select.criteria, "grid": select.grid,
-            "num_samples": select.num_samples, "share": select.share, "reference": select.reference, "rows": rows,
+            "num_samples": select.num_samples, "unit": "texts" if modality == "text" else "images",
+            "share": select.share, "reference": select.reference, "rows": rows,
             "chosen": ", ".join(f"{k}={v}" for k, v in (select.chosen or {}).items())}
 
 
@@ -207,7 +208,7 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
         mloss_rows=rows,
         has_keep=any("keep_mean" in r for r in rows),
         heatmap=heatmap,
-        selection=selection_rows(result.config),
+        selection=selection_rows(result.config, getattr(result.adapter, "modality", "image")),
         compatibility=compatibility.card_section() if compatibility is not None else None,
         lora=getattr(result, "lora", None) and result.lora.card_section(),
         base_hint=result.base.repo_id or "path/to/base",

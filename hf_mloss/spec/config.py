@@ -316,8 +316,10 @@ class MergeConfig:
 
     def _validate_selection(self, method: MergeMethod) -> None:
         if self.data is None:
-            raise DataError("Label-free selection scores every candidate on unlabeled images and no data was given: "
-                            "pass data=... (a Hub dataset id, a local image folder or images; ~32 suffice).")
+            raise DataError("Label-free selection scores every candidate on unlabeled data and no data was given: "
+                            "pass data=... (images for image families: a Hub dataset id, a local image folder or "
+                            "images; texts for text families: a list of strings, a text file or a Hub text split; "
+                            "~32 samples suffice).")
         check_selection(self.select, method, self.parameters, len(self.models))
         for share in self.select.shares or ():
             DataSpec.parse(share)

@@ -32,17 +32,18 @@ class SelectionOptions:
 
     criterion: str = param("output", "What ranks the candidates (lower is better): output (discrepancy with each "
                            "expert on its share; the default: measured closest to choosing on val labels), entropy "
-                           "(needs heads), mloss (merged-prefix M-Loss; it grows with λ, so it favours weak merges).",
+                           "(encoders: needs heads; causal LMs: their own next-token distribution), mloss "
+                           "(merged-prefix M-Loss; it grows with λ, so it favours weak merges).",
                            choices=CRITERIA)
     grid: dict[str, Any] = param(help="Parameter → list of values; every combination is a candidate.",
                                  default_factory=dict)
-    num_samples: int = param(DEFAULT_SELECT_SAMPLES, "Unlabeled images each candidate is scored on (a seeded "
-                             "sample spread over the whole data sample).", low=1, high=1_000_000)
-    share: str = param("auto", "Which images compare a candidate with which expert (output, entropy): auto "
+    num_samples: int = param(DEFAULT_SELECT_SAMPLES, "Unlabeled samples (images, texts) each candidate is "
+                             "scored on (a seeded sample spread over the whole data sample).", low=1, high=1_000_000)
+    share: str = param("auto", "Which samples compare a candidate with which expert (output, entropy): auto "
                        "(label-free routing), all, or given (per-model data in `shares`).", choices=SHARES)
     shares: list[Any] | None = param(None, "One unlabeled data set per model (Hub id, folder, ...), with share=given.")
-    heads: list[Any] | None = param(None, "One classification head per model: safetensors files holding `weight` "
-                                    "[classes, features] (and `bias`), or, from Python, modules/callables.")
+    heads: list[Any] | None = param(None, "Encoders: one classification head per model: safetensors files holding "
+                                    "`weight` [classes, features] (and `bias`), or, from Python, modules/callables.")
     compare: tuple[str, ...] = param((), "Further criteria computed and recorded for every candidate.",
                                      choices=CRITERIA)
     reference: dict[str, Any] | None = param(None, "Recorded: the setting whose M-Loss ranks the candidates of a "
@@ -68,10 +69,8 @@ class SelectionOptions:
             raise InvalidParameterError("select needs a grid of at least one parameter, e.g. grid={'lam': [0.3, "
                                         "0.5, 1.0]} (task arithmetic) or {'k': [...], 'lam': [...]} (TIES, M-TIES).")
         object.__setattr__(self, "grid", grid)
-        needs_heads = "entropy" in self.criteria
-        if needs_heads and not self.heads:
-            raise InvalidParameterError("criterion 'entropy' needs one classification head per model (heads=...); "
-                                        "use criterion='mloss' or 'output' without heads.")
+        # entropy without heads: a causal LM's own next-token distribution; an encoder's refusal needs its family
+        # (hf_mloss.merging.selection.check_output_rule)
         if self.share == "given" and not self.shares:
             raise InvalidParameterError("share='given' needs `shares`: one unlabeled data set per model.")
         if self.shares and self.share != "given":
@@ -93,7 +92,7 @@ class SelectionOptions:
 
     def summary(self) -> str:
         """Plain text: every candidate's criteria values, the chosen one marked."""
-        lines = [f"Label-free selection ({self.criterion}, lower is better; {self.num_samples} images"
+        lines = [f"Label-free selection ({self.criterion}, lower is better; {self.num_samples} samples"
                  + (f", shares {self.share}" if {"output", "entropy"} & set(self.criteria) else "") + ")"]
         for candidate in self.candidates or []:
             mark = "*" if candidate["setting"] == self.chosen else " "
