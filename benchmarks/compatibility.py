@@ -438,7 +438,7 @@ def instance_candidates(study: Study, instance, method: str, args: argparse.Name
                                               seed=data_seed, select=auto, **fixed)
     rows = []
     with open_inputs(config, needs_data=True, progress=False) as inputs:
-        tower = inputs.adapter.tower(inputs.load_output_model("tower", progress=False))
+        tower = inputs.adapter.tower(inputs.load_output_model(inputs.scoring_output(), progress=False))
         names = [n for n in inputs.names if n in {inputs.adapter.canonical_key(k) for k in tower.state_dict()}]
         builder = CandidateBuilder(config, inputs, tower, names)
         evaluators = {"auto": CandidateEvaluator(config, inputs, auto, tower, progress=False),
