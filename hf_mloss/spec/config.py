@@ -644,6 +644,18 @@ def parse_text_data(value: Any, **options: Any) -> DataSpec:
         if isinstance(value, str) and not value.strip():
             raise DataError("text_data is an empty string: pass a text file, a folder of .txt files, a Hub dataset "
                             "id or a list of strings.")
+        if isinstance(value, (str, os.PathLike)):
+            from ..loading.data import DATA_FILE_SUFFIXES
+
+            path = expand(os.fspath(value))
+            local = isinstance(value, os.PathLike) or looks_local(os.fspath(value)) or \
+                path.suffix.lower() in DATA_FILE_SUFFIXES
+            if local and not path.exists():
+                raise DataError(f"text_data {os.fspath(value)!r} does not exist: pass a text file (.txt, one sample "
+                                "per line; .jsonl/.csv/.parquet with a text column), a folder of .txt files, a Hub "
+                                "dataset id or a list of strings.")
+            if local:
+                value = {"path": os.fspath(value)}
         if type(value).__name__ == "Tensor":
             raise DataError("text_data is a tensor; it takes text for the text tower (a list of strings, a text "
                             "file or folder, a datasets text split). Images go to data=.")
