@@ -24,7 +24,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from ..errors import InvalidParameterError, UnsupportedModelError
-from .base import BlockContext, ModelAdapter
+from .base import EMBEDDING_STAGE, BlockContext, ModelAdapter
 
 DATA_FREE_METHODS = ("average", "task_arithmetic", "ties", "dare_ties", "dare_linear")
 
@@ -318,7 +318,11 @@ class TowerViewMixin:
     def stage_of(self, name: str) -> int:
         if not self.owns(name):
             return self.num_layers  # outside the tower: after its blocks
-        return super().stage_of(name[len(self.tower_prefix):])
+        inner = name[len(self.tower_prefix):]
+        match = self.layer_pattern.match(inner)
+        if match:
+            return int(match.group(1))
+        return EMBEDDING_STAGE if super().is_embedding(inner) else self.num_layers
 
     def is_embedding(self, name: str) -> bool:
         return self.owns(name) and super().is_embedding(name[len(self.tower_prefix):])
