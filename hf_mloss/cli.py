@@ -75,7 +75,7 @@ def merge_command(args: argparse.Namespace) -> int:
     show = not args.quiet and is_main_process()
     if show:
         print(f"Computing on {describe_device(device)}", flush=True)
-    with _progress_bars(show, datasets_too=config.data is not None):
+    with _progress_bars(show, datasets_too=config.data is not None or config.text_data is not None):
         result = run(config, device=device, progress=show)
         push_kwargs = {"private": True} if args.push_to_hub and args.private else {}
         saved = result.save_pretrained(out_dir, overwrite=args.overwrite, push_to_hub=bool(args.push_to_hub),

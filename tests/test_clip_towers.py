@@ -225,3 +225,19 @@ def test_bad_text_data_is_refused_before_any_write(clip, tmp_path, text_file):
     with pytest.raises(InvalidParameterError, match="hold only one tower"):
         hf_mloss.score(base, [models[0], str(tower)], text_data=str(text_file), progress=False)
     assert not out.exists()
+
+
+def test_selection_reads_back_the_scores_of_a_whole_model_report(clip, pixels):
+    """Label-free selection replays a whole-model merge's node M-Loss, which its report names as in the whole
+    model (``vision_model.encoder...``)."""
+    from transformers import AutoConfig
+
+    from hf_mloss.adapters import adapter_for, whole_model_adapter
+    from hf_mloss.merging.selection import recorded_scores
+
+    base, models = clip
+    report = hf_mloss.merge(base, models, "m_ties", data=pixels, k=K, e=E, progress=False).report
+    adapter = whole_model_adapter(adapter_for(AutoConfig.from_pretrained(base)))
+    scores = recorded_scores(report, adapter)
+    assert sorted(scores) == [0, 1]
+    assert torch.equal(scores[1].node, report.node["vision_model.encoder.layers.1.mlp.fc1"])

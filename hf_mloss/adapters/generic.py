@@ -262,6 +262,11 @@ class WholeModelMixin:
         attribute = self.containers[self.full_config.model_type][1]
         return None if key.startswith(f"{attribute}.") else key
 
+    @property
+    def report_prefix(self) -> str:
+        """How the scored tower's layers are named in a report of the whole model (``"vision_model."``)."""
+        return f"{self.containers[self.full_config.model_type][1]}."
+
     def is_outside_tower(self, name: str) -> bool:
         """Whether a canonical name lies outside the scored tower (merged without data)."""
         return super().canonical_key(name) is None

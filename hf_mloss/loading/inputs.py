@@ -84,13 +84,10 @@ class RunInputs:
         whole = getattr(self.adapter, "whole_model", False)
         towers = []
         if self.model_inputs is not None:
-            attribute = self.adapter.containers[self.adapter.full_config.model_type][1] if whole else ""
-            prefix = f"{attribute}." if whole and attribute else ""
-            names = None
-            if whole:
-                names = [n for n in self.names if not self.adapter.is_outside_tower(n)]
-            towers.append(ScoredTower(self.adapter, self.adapter.tower(model), self.model_inputs, self.data_info, prefix, names,
-                                      attribute or "model"))
+            prefix = getattr(self.adapter, "report_prefix", "")
+            names = [n for n in self.names if not self.adapter.is_outside_tower(n)] if whole else None
+            towers.append(ScoredTower(self.adapter, self.adapter.tower(model), self.model_inputs, self.data_info,
+                                      prefix, names, prefix[:-1] or "model"))
         for view in self.towers:
             samples = self.tower_inputs.get(view.tower_attribute)
             if samples is not None:

@@ -45,7 +45,9 @@ def card_data(result: CardSource) -> ModelCardData:
     hub_ids = [ref.repo_id for ref in [result.base, *result.models] if ref.repo_id]
     meta = result.adapter.card_metadata(result.model)
     info = result.data_info.to_dict() if result.data_info is not None else {}
-    datasets = [info["id"]] if info.get("source") == "hub" and info.get("id") else None
+    towers = getattr(result.report, "towers", None) or {}  # a whole model's towers, each on its own data
+    infos = [info, *(tower.get("data") or {} for tower in towers.values())]
+    datasets = list(dict.fromkeys(i["id"] for i in infos if i.get("source") == "hub" and i.get("id"))) or None
     eval_results = [
         EvalResult(task_type="image-classification", dataset_type=task, dataset_name=task, metric_type="accuracy",
                    metric_value=float(value))
