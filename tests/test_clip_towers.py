@@ -224,7 +224,31 @@ def test_bad_text_data_is_refused_before_any_write(clip, tmp_path, text_file):
     CLIPModel.from_pretrained(models[1]).vision_model.save_pretrained(tower)
     with pytest.raises(InvalidParameterError, match="hold only one tower"):
         hf_mloss.score(base, [models[0], str(tower)], text_data=str(text_file), progress=False)
+
+
+def test_cli_refuses_bad_text_data_before_writing(clip, image_folder, tmp_path, capsys):
+    from hf_mloss.cli import main
+    from hf_mloss.spec.config import MergeConfig
+
+    base, models = clip
+    MergeConfig.from_kwargs(base, models, "m_ties", data=str(image_folder)).to_yaml(tmp_path / "m.yaml")
+    out = tmp_path / "out"
+    assert main(["merge", str(tmp_path / "m.yaml"), str(out), "--text-data", str(tmp_path / "nope.txt"), "-q"]) == 2
+    assert "nope.txt' does not exist" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_text_data_from_a_datasets_split_with_text_column(clip):
+    from datasets import Dataset
+
+    base, models = clip
+    split = Dataset.from_dict({"caption": TEXTS, "other": [t[::-1] for t in TEXTS]})  # CLIP lowercases
+    report = hf_mloss.score(base, models, text_data=split, text_column="caption", progress=False)
+    strings = hf_mloss.score(base, models, text_data=TEXTS, progress=False)
+    other = hf_mloss.score(base, models, text_data=split, text_column="other", progress=False)
+    name = "text_model.encoder.layers.1.mlp.fc1"
+    assert torch.equal(report.node[name], strings.node[name])
+    assert not torch.equal(other.node[name], strings.node[name])
 
 
 def test_selection_reads_back_the_scores_of_a_whole_model_report(clip, pixels):
