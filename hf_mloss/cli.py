@@ -384,7 +384,7 @@ def _text_data_parent() -> argparse.ArgumentParser:
     group.add_argument("--text-split", metavar="SPLIT", default=None, help="Dataset split of --text-data (train).")
     group.add_argument("--text-num-samples", type=int, metavar="N", default=None,
                        help="Texts to use (default 128).")
-    group.add_argument("--max-length", type=int, metavar="N", default=None,
+    group.add_argument("--text-max-length", type=int, metavar="N", default=None,
                        help="Tokens per text at most (default 128, at most the model's positions).")
     return parent
 
@@ -397,15 +397,15 @@ def _with_text_data(config: Any, args: argparse.Namespace) -> Any:
     from .spec.config import DataSpec, parse_text_data
 
     options = {"text_column": args.text_column, "split": args.text_split, "num_samples": args.text_num_samples,
-               "max_length": args.max_length}
+               "max_length": args.text_max_length}
     options = {k: v for k, v in options.items() if v is not None}
     if args.text_data is not None:
         return config.replace(text_data=parse_text_data(args.text_data, **options))
     if options:
         if config.text_data is None:
-            raise InvalidParameterError("--text-column, --text-split, --text-num-samples and --max-length describe "
-                                        "the text tower's text: add --text-data PATH_OR_ID (or a `text_data:` "
-                                        "section to the config).")
+            raise InvalidParameterError("--text-column, --text-split, --text-num-samples and --text-max-length "
+                                        "describe the text tower's text: add --text-data PATH_OR_ID (or a "
+                                        "`text_data:` section to the config).")
         fields = {f.name: getattr(config.text_data, f.name) for f in dataclasses.fields(DataSpec)}
         return config.replace(text_data=DataSpec(**{**fields, **options}))
     return config

@@ -18,8 +18,8 @@ import hf_mloss
 from examples import tiny as testing
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fake_hub import fake_hub  # noqa: E402,F401  (fixture re-export)
-from test_families import clip_pair  # noqa: E402
+from fake_hub import fake_hub  # noqa: F401  (fixture re-export)
+from test_families import clip_pair
 
 SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
 

@@ -15,7 +15,7 @@ import hf_mloss
 from hf_mloss.errors import DataError, InvalidParameterError
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_families import clip_pair, save_family  # noqa: E402
+from test_families import clip_pair, save_family
 
 pytestmark = pytest.mark.filterwarnings("ignore:Asked for .* scoring:UserWarning")  # small samples on purpose
 TEXTS = ["a photo of a cat", "two dogs", "a red square on a blue table", "x", "the quick brown fox jumps"]
@@ -192,7 +192,7 @@ def test_cli_text_data(clip, image_folder, text_file, tmp_path, capsys):
     config = MergeConfig.from_kwargs(base, models, "m_ties", data=str(image_folder), k=K, e=E, num_samples=4)
     config.to_yaml(tmp_path / "merge.yaml")
     assert main(["score", str(tmp_path / "merge.yaml"), "--text-data", str(text_file), "--text-num-samples", "3",
-                 "--max-length", "12", "-q"]) == 0
+                 "--text-max-length", "12", "-q"]) == 0
     out = capsys.readouterr().out
     assert "text_model.encoder.layers.1.mlp.fc1" in out and "text tower: scored on 3 texts" in out
     assert main(["merge", str(tmp_path / "merge.yaml"), str(tmp_path / "out"), "--text-data", str(text_file),
@@ -206,11 +206,12 @@ def test_cli_text_data(clip, image_folder, text_file, tmp_path, capsys):
 # ------------------------------------------------------------------------------------------- refusals
 def test_bad_text_data_is_refused_before_any_write(clip, tmp_path, text_file):
     base, models = clip
-    out = tmp_path / "never"
     with pytest.raises(DataError, match="text_data is an empty list"):
         hf_mloss.merge(base, models, "m_ties", text_data=[], progress=False)
     with pytest.raises(DataError, match="text_data 'missing.txt' does not exist"):
         hf_mloss.score(base, models, text_data="missing.txt", progress=False)
+    with pytest.raises(DataError, match="scored on images, but data= holds.*pass the text as text_data="):
+        hf_mloss.score(base, models, data=TEXTS, progress=False)
     with pytest.raises(InvalidParameterError, match="merges without data and would ignore it"):
         hf_mloss.merge(base, models, "ties", text_data=TEXTS, progress=False)
     with pytest.raises(InvalidParameterError, match="does not take text_data"):

@@ -336,7 +336,7 @@ class TowerViewMixin:
         return f"{self.tower_prefix}{super().layer_prefix(layer)}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _view_class(adapter_cls: type[ModelAdapter], prefix: str) -> type[ModelAdapter]:
     return type(f"{adapter_cls.__name__}In{prefix[:-1].title().replace('_', '')}", (TowerViewMixin, adapter_cls),
                 {"__module__": __name__, "tower_prefix": prefix})

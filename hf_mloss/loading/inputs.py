@@ -516,7 +516,7 @@ def _check_layers(config: MergeConfig, adapter: ModelAdapter, towers: list[Model
 def _load_data(inputs: RunInputs, config: MergeConfig, base_ref: ModelRef, token, *, progress: bool = False
                ) -> None:
     """The scoring data as the adapter's inputs: images for image families, token ids for text families."""
-    from .data import DEFAULT_MAX_LENGTH, load_model_inputs
+    from .data import load_model_inputs
     from .model_inputs import as_model_inputs
 
     data = config.data
@@ -528,10 +528,18 @@ def _load_data(inputs: RunInputs, config: MergeConfig, base_ref: ModelRef, token
     else:
         needs_processor = not isinstance(data.objects, torch.Tensor) and as_model_inputs(data.objects) is None
         processor = resolve_processor(config, inputs, base_ref, token) if needs_processor else None
-        model_inputs, info = load_model_inputs(
-            data.source, modality="image", processor=processor, family=family, num_samples=data.num_samples,
-            seed=config.seed, split=data.split, image_column=data.image_column, revision=data.revision,
-            progress=progress)
+        try:
+            model_inputs, info = load_model_inputs(
+                data.source, modality="image", processor=processor, family=family, num_samples=data.num_samples,
+                seed=config.seed, split=data.split, image_column=data.image_column, revision=data.revision,
+                progress=progress)
+        except DataError as err:
+            from ..adapters.generic import other_towers
+
+            if "text" not in str(err) or not any(v.modality == "text" for v in other_towers(inputs.adapter)):
+                raise
+            raise DataError(f"{err} For the text tower of this whole {inputs.adapter.full_config.model_type!r} "
+                            "model, pass the text as text_data=... (both towers are then scored).") from None
         pixels = model_inputs["pixel_values"]
         if not torch.isfinite(pixels).all():
             bad = int((~torch.isfinite(pixels)).flatten(1).any(1).sum())
