@@ -132,6 +132,10 @@ def test_m_ties_with_both_towers_keeps_ratios_for_both(clip, pixels, tmp_path):
             assert torch.equal(state[name], value), name
     assert "text tower: scored on text data" in both.method_description
     folder = both.save_pretrained(tmp_path / "merged")
+    from hf_mloss.output.report import MLossReport
+
+    saved = MLossReport.load(folder)
+    assert saved.towers == both.report.towers and torch.equal(saved.keep_ratios[fc1[:-7]], keep[fc1[:-7]])
     card = (folder / "README.md").read_text()
     assert "`text_model.encoder.layers.1.mlp.fc1`" in card and "`vision_model.encoder.layers.0.mlp.fc1`" in card
     assert "text tower: scored on 5 texts" in card

@@ -290,7 +290,9 @@ def _merge_tower(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, t
     from ..engine.score import build_report, make_setup, score_own_prefix, score_shared_prefix
 
     options = method.scoring_options(merger.ctx.params)
-    run = DriverRun(merger, adapter=tower.adapter, names=tower.names)
+    merged = set(merger.names)
+    names = None if tower.names is None else [n for n in tower.names if n in merged]
+    run = DriverRun(merger, adapter=tower.adapter, names=names)
     hooks = method.layer_hooks(run)
     if options.prefix == "merged":
         setup = make_setup(inputs, tower.module, options, config, progress=progress, tower=tower)

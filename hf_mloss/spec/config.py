@@ -13,6 +13,7 @@ models:                                      # the fine-tunes: plain strings or 
 method: m_ties                               # `hf-mloss methods` lists them
 parameters: {k: 0.2, e: 0.1}                 # the method's parameters; the others keep their defaults
 data: {id: tanganke/dtd, split: train, num_samples: 128}   # or {path: ./images}; needed by data-guided methods
+text_data: {path: ./captions.txt}            # optional: a whole CLIPModel's text tower is scored on it too
 seed: 0
 dtype: float32                               # dtype of the saved model (default: the base's)
 score: {prefix: own, reduction: abs}         # optional, used by `hf-mloss score`
