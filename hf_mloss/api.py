@@ -73,7 +73,7 @@ def _split_runtime(options: dict[str, Any]) -> dict[str, Any]:
     return run
 
 
-def merge(base: Any, models: Sequence[Any], method: str = "ties", *, data: Any = None,
+def merge(base: Any, models: Sequence[Any], method: str = "ties", *, data: Any = None, text_data: Any = None,
           select: str | Mapping[str, Any] | None = None, grid: Mapping[str, Sequence[Any]] | None = None,
           criterion: str | None = None, heads: Sequence[Any] | None = None, **options: Any) -> MergeResult:
     """Merge fine-tuned models of one base into one model.
@@ -89,6 +89,10 @@ def merge(base: Any, models: Sequence[Any], method: str = "ties", *, data: Any =
             Hub dataset id, local image folder, ``datasets`` object, list of images or a preprocessed ``[N, 3, H, W]``
             tensor; for text families a list of strings, a text or data file, a folder of text files, or a
             ``datasets`` text split (tokenised with the base's tokenizer).
+        text_data: a whole two-tower model (a ``CLIPModel`` with both towers fine-tuned): text for the text tower,
+            in any form ``data`` takes for text families (``text_column``, ``max_length`` apply to it). Each tower
+            is scored on its own data; a tower without data is merged by the method's data-free rule (M-TIES: TIES
+            trim at k), as the report's ``towers`` and the card say.
         select: ``"unlabeled"`` chooses the parameters in ``grid`` on ``data`` without labels (or a mapping of
             :class:`~hf_mloss.spec.selection.SelectionOptions`: ``num_samples``, ``share``, ``shares``,
             ``compare``).
@@ -120,17 +124,19 @@ def merge(base: Any, models: Sequence[Any], method: str = "ties", *, data: Any =
     """
     run_options = _split_runtime(options)
     selection = selection_options(select, grid=grid, criterion=criterion, heads=heads)
-    config = MergeConfig.from_kwargs(base, models, method, data=data, select=selection, **options)
+    config = MergeConfig.from_kwargs(base, models, method, data=data, text_data=text_data, select=selection,
+                                     **options)
     return run(config, **run_options)
 
 
-def score(base: Any, models: Sequence[Any], data: Any, *, prefix: str = "own", reduction: str = "abs",
-          activation: str | None = None, eps: float = 1e-4, layers: Sequence[int] | None = None,
-          method: str = "m_ties", **options: Any) -> MLossReport:
+def score(base: Any, models: Sequence[Any], data: Any = None, *, text_data: Any = None, prefix: str = "own",
+          reduction: str = "abs", activation: str | None = None, eps: float = 1e-4,
+          layers: Sequence[int] | None = None, method: str = "m_ties", **options: Any) -> MLossReport:
     """Measure mergeability without merging: node and layer M-Loss of ``models`` over unlabeled ``data``.
 
     Args:
-        base, models, data: as in :func:`merge`.
+        base, models, data, text_data: as in :func:`merge` (``text_data``: a whole CLIPModel's text tower is scored
+            too; the report's layers are then named as in the whole model, ``text_model.encoder.layers.0.mlp.fc1``).
         prefix: where each scored linear's input comes from: ``"own"`` (each model's own forward, the paper's
             definition; q forwards), ``"base"`` (the base model's forward, shared), or ``"merged"`` (the
             merged-so-far model of a ``method`` merge, M-TIES by default, with its parameters such as ``k``/``e``).
@@ -158,7 +164,7 @@ def score(base: Any, models: Sequence[Any], data: Any, *, prefix: str = "own", r
     if prefix != "merged" and method_params:
         raise InvalidParameterError(f"Unknown argument(s) {method_params} for score() with prefix={prefix!r} "
                                     "(method parameters apply only with prefix='merged').")
-    config = MergeConfig.from_kwargs(base, models, method, data=data, score=scoring, **options)
+    config = MergeConfig.from_kwargs(base, models, method, data=data, text_data=text_data, score=scoring, **options)
     return run_score(config, **run_options)
 
 
@@ -192,6 +198,10 @@ def compatibility(base: Any, models: Sequence[Any], data: Any, *,
     """
     from .engine.compatibility import run_compatibility
 
+    if options.get("text_data") is not None:
+        raise InvalidParameterError(
+            "compatibility() scores one tower (a CLIPModel's vision tower, on images) and does not take text_data; "
+            "score each tower with hf_mloss.score(base, models, data=..., text_data=...) instead.")
     run_options = _split_runtime(options)
     scoring = ScoringOptions(prefix="own", reduction=reduction, activation=activation, eps=eps,
                              layers=tuple(layers) if layers is not None else None)
@@ -240,7 +250,7 @@ def run_score(config: MergeConfig | str | os.PathLike[str], *, device: Any = Non
 
     config = as_config(config, token=token)
     config.validate()
-    if config.data is None:
+    if config.data is None and config.text_data is None:
         raise InvalidParameterError("Scoring needs unlabeled data and the config has no `data`: add e.g. "
                                     "`data: {id: tanganke/dtd, split: train, num_samples: 128}` or "
                                     "`data: {path: ./images}`.")
@@ -261,7 +271,8 @@ def _score_merged(config: MergeConfig, options: ScoringOptions, **run_options: A
     from .merging.driver import run_merge
 
     config = config.replace(parameters=parameters)
-    return run_merge(config, scored_part_only=True, **run_options).report
+    # with text_data, every tower of the whole model is merged and scored
+    return run_merge(config, scored_part_only=config.text_data is None, **run_options).report
 
 
 def as_config(config: MergeConfig | str | os.PathLike[str], *, token: str | bool | None = None) -> MergeConfig:

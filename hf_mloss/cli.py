@@ -38,7 +38,8 @@ DEVICE_HELP = ("Where to compute: auto (default: the accelerator when present - 
 def merge_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     description = ("Merge the models of a YAML config and write a Hub-ready folder (safetensors, config, image "
                    "processor, model card, hf_mloss_config.yaml and the M-Loss report).")
-    parser = _subparser(subparsers, "merge", description, parents=[_quiet_parent(), _selection_parent()])
+    parser = _subparser(subparsers, "merge", description,
+                        parents=[_quiet_parent(), _selection_parent(), _text_data_parent()])
     parser.add_argument("config", metavar="CONFIG.yaml", help="The merge config (see hf_mloss.spec.config).")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="Folder to write the merged model to.")
     parser.add_argument("--push-to-hub", metavar="REPO", default=None,
@@ -61,7 +62,7 @@ def merge_command(args: argparse.Namespace) -> int:
     from .loading.inputs import resolve_device
     from .saving import check_output_dir
 
-    config = _with_selection(MergeConfig.from_yaml(args.config), args)
+    config = _with_text_data(_with_selection(MergeConfig.from_yaml(args.config), args), args)
     device = resolve_device(args.device)
     if args.push_to_hub:
         check_repo_id(args.push_to_hub)
@@ -74,7 +75,7 @@ def merge_command(args: argparse.Namespace) -> int:
     show = not args.quiet and is_main_process()
     if show:
         print(f"Computing on {describe_device(device)}", flush=True)
-    with _progress_bars(show, datasets_too=config.data is not None):
+    with _progress_bars(show, datasets_too=config.data is not None or config.text_data is not None):
         result = run(config, device=device, progress=show)
         push_kwargs = {"private": True} if args.push_to_hub and args.private else {}
         saved = result.save_pretrained(out_dir, overwrite=args.overwrite, push_to_hub=bool(args.push_to_hub),
@@ -116,7 +117,8 @@ def _estimated_size(config) -> int:
 def score_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     description = ("Measure the M-Loss (mergeability) of the config's models on its unlabeled data, without merging, "
                    "and print the per-layer table. Options come from the config's optional `score:` section.")
-    parser = _subparser(subparsers, "score", description, parents=[_quiet_parent(), _selection_parent()])
+    parser = _subparser(subparsers, "score", description,
+                        parents=[_quiet_parent(), _selection_parent(), _text_data_parent()])
     parser.add_argument("config", metavar="CONFIG.yaml", help="A config with base, models and data.")
     parser.add_argument("--json", metavar="OUT", default=None, help="Also write the report as JSON to this file.")
     parser.add_argument("--per-row", action="store_true", help="Include the per-row (node) vectors in the JSON.")
@@ -146,11 +148,11 @@ def score_command(args: argparse.Namespace) -> int:
     from .distributed import describe_device, is_main_process
     from .loading.inputs import resolve_device
 
-    config = _with_selection(MergeConfig.from_yaml(args.config), args)
+    config = _with_text_data(_with_selection(MergeConfig.from_yaml(args.config), args), args)
     device = resolve_device(args.device)
     main = is_main_process()  # every process scores its share; the main one prints and writes the reduced result
     show = not args.quiet and main
-    if config.data is None:  # fail now, not after downloading the models
+    if config.data is None and config.text_data is None:  # fail now, not after downloading the models
         raise InvalidParameterError("Scoring needs unlabeled images and the config has no `data`: add e.g. `data: "
                                     "{id: tanganke/dtd, split: train, num_samples: 128}` or `data: {path: ./images}`.")
     if not args.pairwise and (args.subsets or args.output_gap or args.no_baselines or args.out):
@@ -369,6 +371,44 @@ def _selection_parent() -> argparse.ArgumentParser:
     group.add_argument("--select-samples", type=int, metavar="N", default=None,
                        help="Unlabeled images each candidate is scored on (default 32).")
     return parent
+
+
+def _text_data_parent() -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    group = parent.add_argument_group("text tower of a whole CLIPModel (overrides the config's `text_data:`)")
+    group.add_argument("--text-data", metavar="PATH_OR_ID", default=None,
+                       help="Unlabeled text for the text tower: a .txt file (one sample per line), a .jsonl/.csv/"
+                            ".parquet file, a folder of .txt files, or a Hub dataset id. Both towers are then scored "
+                            "(the images of the config's `data:` feed the vision tower).")
+    group.add_argument("--text-column", metavar="NAME", default=None, help="Column with the text (auto-detected).")
+    group.add_argument("--text-split", metavar="SPLIT", default=None, help="Dataset split of --text-data (train).")
+    group.add_argument("--text-num-samples", type=int, metavar="N", default=None,
+                       help="Texts to use (default 128).")
+    group.add_argument("--text-max-length", type=int, metavar="N", default=None,
+                       help="Tokens per text at most (default 128, at most the model's positions).")
+    return parent
+
+
+def _with_text_data(config: Any, args: argparse.Namespace) -> Any:
+    """The config with ``--text-data`` (and its options) applied: a new ``text_data`` section, or the options laid
+    over the config's own."""
+    import dataclasses
+
+    from .spec.config import DataSpec, parse_text_data
+
+    options = {"text_column": args.text_column, "split": args.text_split, "num_samples": args.text_num_samples,
+               "max_length": args.text_max_length}
+    options = {k: v for k, v in options.items() if v is not None}
+    if args.text_data is not None:
+        return config.replace(text_data=parse_text_data(args.text_data, **options))
+    if options:
+        if config.text_data is None:
+            raise InvalidParameterError("--text-column, --text-split, --text-num-samples and --text-max-length "
+                                        "describe the text tower's text: add --text-data PATH_OR_ID (or a "
+                                        "`text_data:` section to the config).")
+        fields = {f.name: getattr(config.text_data, f.name) for f in dataclasses.fields(DataSpec)}
+        return config.replace(text_data=DataSpec(**{**fields, **options}))
+    return config
 
 
 def _with_selection(config: Any, args: argparse.Namespace) -> Any:

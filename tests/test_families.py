@@ -365,7 +365,8 @@ def test_m_ties_on_whole_clip_scores_vision_and_trims_text_without_data(clip_who
     k, lam = 0.3, 0.8
     result = hf_mloss.merge(str(base), [str(m) for m in models], "m_ties", data=str(image_folder), k=k, e=0.1,
                             lam=lam, num_samples=8, progress=False)
-    assert set(result.report.node) == {"encoder.layers.0.mlp.fc1", "encoder.layers.1.mlp.fc1"}  # vision blocks
+    # vision blocks, named as in the whole model
+    assert set(result.report.node) == {"vision_model.encoder.layers.0.mlp.fc1", "vision_model.encoder.layers.1.mlp.fc1"}
     base_state = weights_of(base)
     expected = reference("ties", base_state, [weights_of(m) for m in models], k=k, lam=lam, scope="tensor")
     outside = {key: value for key, value in expected.items() if key.startswith(OUTSIDE)}

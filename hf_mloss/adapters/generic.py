@@ -24,7 +24,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from ..errors import InvalidParameterError, UnsupportedModelError
-from .base import BlockContext, ModelAdapter
+from .base import EMBEDDING_STAGE, BlockContext, ModelAdapter
 
 DATA_FREE_METHODS = ("average", "task_arithmetic", "ties", "dare_ties", "dare_linear")
 
@@ -262,6 +262,11 @@ class WholeModelMixin:
         attribute = self.containers[self.full_config.model_type][1]
         return None if key.startswith(f"{attribute}.") else key
 
+    @property
+    def report_prefix(self) -> str:
+        """How the scored tower's layers are named in a report of the whole model (``"vision_model."``)."""
+        return f"{self.containers[self.full_config.model_type][1]}."
+
     def is_outside_tower(self, name: str) -> bool:
         """Whether a canonical name lies outside the scored tower (merged without data)."""
         return super().canonical_key(name) is None
@@ -291,3 +296,65 @@ def whole_model_adapter(adapter: ModelAdapter) -> ModelAdapter:
     if not has_container(adapter):
         raise ValueError(f"{adapter.name} config {adapter.full_config.model_type!r} is not a whole model")
     return _whole_class(type(adapter))(adapter.full_config)
+
+
+# ---------------------------------------------------------------------------------------------- other towers
+class TowerViewMixin:
+    """A tower adapter read inside its whole model: every canonical name carries the tower's attribute prefix
+    (``text_model.encoder.layers.0.mlp.fc1.weight``), the spelling a whole-model adapter gives the tensors outside
+    its own tower. The block walk, scoring and M-TIES's node groups then run on that tower of the whole model's
+    stores exactly as the tower adapter runs them alone (same ``embed``, blocks, masks, unit)."""
+
+    tower_prefix: ClassVar[str] = ""
+    """``"text_model."``: the tower's attribute in the whole model, with a dot."""
+
+    @property
+    def tower_attribute(self) -> str:
+        return self.tower_prefix[:-1]
+
+    def owns(self, name: str) -> bool:
+        """Whether a whole-model canonical name is a tensor of this tower."""
+        return name.startswith(self.tower_prefix) and super().canonical_key(name) is not None
+
+    def canonical_key(self, key: str) -> str | None:
+        name = super().canonical_key(key)
+        return None if name is None else f"{self.tower_prefix}{name}"
+
+    def stage_of(self, name: str) -> int:
+        if not self.owns(name):
+            return self.num_layers  # outside the tower: after its blocks
+        inner = name[len(self.tower_prefix):]
+        match = self.layer_pattern.match(inner)
+        if match:
+            return int(match.group(1))
+        return EMBEDDING_STAGE if super().is_embedding(inner) else self.num_layers
+
+    def is_embedding(self, name: str) -> bool:
+        return self.owns(name) and super().is_embedding(name[len(self.tower_prefix):])
+
+    def layer_prefix(self, layer: int) -> str:
+        return f"{self.tower_prefix}{super().layer_prefix(layer)}"
+
+
+@functools.cache
+def _view_class(adapter_cls: type[ModelAdapter], prefix: str) -> type[ModelAdapter]:
+    return type(f"{adapter_cls.__name__}In{prefix[:-1].title().replace('_', '')}", (TowerViewMixin, adapter_cls),
+                {"__module__": __name__, "tower_prefix": prefix})
+
+
+def other_towers(adapter: ModelAdapter) -> list[ModelAdapter]:
+    """The other scored towers of ``adapter``'s whole model, as :class:`TowerViewMixin` views (a CLIPModel's text
+    tower, for the CLIP vision adapter): every registered adapter whose ``containers`` hold the same whole-model type
+    under another attribute. Empty for a config that is not a whole model, or a whole model with no other adapter."""
+    from .registry import ADAPTERS
+
+    model_type = getattr(adapter.full_config, "model_type", None)
+    own = adapter.containers.get(model_type)
+    if own is None:
+        return []
+    views = []
+    for cls in ADAPTERS.values():
+        entry = cls.containers.get(model_type)
+        if entry is not None and entry[1] != own[1] and not cls.fallback:
+            views.append(_view_class(cls, f"{entry[1]}.")(adapter.full_config))
+    return views

@@ -597,6 +597,11 @@ def _check_finite(values: dict[str, torch.Tensor], baselines: dict[str, list[flo
 
 
 def _check_config(config: MergeConfig, options: ScoringOptions) -> None:
+    if config.text_data is not None:
+        raise InvalidParameterError(
+            "A compatibility report scores one tower (a CLIPModel's vision tower, on images) and does not take "
+            "text_data; score both towers with hf_mloss.score(base, models, data=..., text_data=...) (`hf-mloss "
+            "score` without --pairwise), or drop text_data.")
     if config.data is None:
         raise InvalidParameterError("A compatibility report needs unlabeled images and the config has no `data`: add "
                                     "e.g. `data: {path: ./images, num_samples: 128}`.")

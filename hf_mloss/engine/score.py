@@ -38,7 +38,7 @@ from .walk import UnitInputs, embed_batches, own_walk, shared_walk
 if TYPE_CHECKING:
     from ..loading.data import DataInfo
     from ..loading.model_inputs import ModelInputs
-    from ..loading.inputs import RunInputs
+    from ..loading.inputs import RunInputs, ScoredTower
 
 __all__ = ["PREFIXES", "REDUCTIONS", "LayerScores", "MLossAccumulator", "score_config"]
 
@@ -210,12 +210,14 @@ def score_own_prefix(setup: ScoringSetup) -> dict[str, MLossAccumulator]:
 
 
 def build_report(setup: ScoringSetup, results: dict[str, MLossAccumulator], *, models: list[str],
-                 data_info: DataInfo | None = None, records: dict[str, dict[str, torch.Tensor]] | None = None
-                 ) -> MLossReport:
-    """The :class:`MLossReport` of a scoring pass (``records``: per-row values a merge kept, e.g. keep ratios)."""
+                 data_info: DataInfo | None = None, records: dict[str, dict[str, torch.Tensor]] | None = None,
+                 key_prefix: str = "") -> MLossReport:
+    """The :class:`MLossReport` of a scoring pass (``records``: per-row values a merge kept, e.g. keep ratios;
+    ``key_prefix``: put before every layer name, the tower's attribute in a whole model)."""
     from ..distributed import describe_device
 
-    scores = {name: acc.scores() for name, acc in results.items()}
+    scores = {f"{key_prefix}{name}": acc.scores() for name, acc in results.items()}
+    keep = {f"{key_prefix}{name}": v for name, v in (records or {}).get("keep_ratios", {}).items()}
     positions = int(next(iter(results.values())).count) if results else 0
     return MLossReport(
         node={k: v.node for k, v in scores.items()}, node_normalized={k: v.node_normalized for k, v in scores.items()},
@@ -224,7 +226,7 @@ def build_report(setup: ScoringSetup, results: dict[str, MLossAccumulator], *, m
         layer_ratio={k: v.layer_ratio for k, v in scores.items()},
         node_ratio={k: v.node_ratio for k, v in scores.items()}, prefix=setup.prefix, reduction=setup.reduction,
         activation=setup.activation_name, eps=setup.eps, num_samples=setup.num_samples, num_positions=positions,
-        models=models, weights=setup.alpha.tolist(), keep_ratios=(records or {}).get("keep_ratios", {}),
+        models=models, weights=setup.alpha.tolist(), keep_ratios=keep,
         compute_dtype=str(setup.compute_dtype).replace("torch.", ""),
         data={**data_info.to_dict(), **data_info.sample_stats()} if data_info is not None else {},
         device=describe_device(setup.device),
@@ -232,18 +234,21 @@ def build_report(setup: ScoringSetup, results: dict[str, MLossAccumulator], *, m
 
 
 def make_setup(inputs: RunInputs, model: PreTrainedModel, options: ScoringOptions, config: MergeConfig, *,
-               progress: bool = True) -> ScoringSetup:
-    """A scoring pass over ``inputs``' images with ``model`` as the shared-prefix (or scratch) model."""
+               progress: bool = True, tower: ScoredTower | None = None) -> ScoringSetup:
+    """A scoring pass over ``inputs``' samples with ``model`` as the shared-prefix (or scratch) model (``tower``:
+    one tower of a whole model, walked by its adapter over its own samples)."""
     from ..loading.inputs import as_dtype
 
-    activation, activation_name = resolve_activation(inputs.adapter, options.activation)
+    adapter = tower.adapter if tower is not None else inputs.adapter
+    samples = tower.samples if tower is not None else inputs.model_inputs
+    activation, activation_name = resolve_activation(adapter, options.activation)
     alpha = inputs.alpha / inputs.alpha.sum()  # M-Loss compares with a convex combination (SPEC §1)
     return ScoringSetup(
-        adapter=inputs.adapter, model=model, sources=inputs.sources, alpha=alpha.float().to(inputs.device),
-        batches=shard_batches(inputs.model_inputs, config.batch_size), activation=activation,
+        adapter=adapter, model=model, sources=inputs.sources, alpha=alpha.float().to(inputs.device),
+        batches=shard_batches(samples, config.batch_size), activation=activation,
         activation_name=activation_name, reduction=options.reduction, eps=options.eps, layers=options.layers,
         device=inputs.device, compute_dtype=resolve_compute_dtype(as_dtype(config.compute_dtype), inputs.device),
-        progress=progress, prefix=options.prefix, num_samples=len(inputs.model_inputs),
+        progress=progress, prefix=options.prefix, num_samples=len(samples),
     )
 
 
@@ -301,7 +306,48 @@ def score_config(config: MergeConfig, *, device: Any = None, token: str | bool |
     options = config.scoring_options()
     with open_inputs(config, device=device, token=token, needs_data=True, progress=progress) as inputs, \
             cpu_workers(inputs.device):
-        model = inputs.load_scoring_model(progress=progress)
-        setup = make_setup(inputs, model, options, config, progress=progress)
-        results = score_shared_prefix(setup) if options.prefix == "base" else score_own_prefix(setup)
-        return build_report(setup, results, models=[r.name for r in inputs.refs], data_info=inputs.data_info)
+        if not inputs.towers:
+            model = inputs.load_scoring_model(progress=progress)
+            setup = make_setup(inputs, model, options, config, progress=progress)
+            results = score_shared_prefix(setup) if options.prefix == "base" else score_own_prefix(setup)
+            return build_report(setup, results, models=[r.name for r in inputs.refs], data_info=inputs.data_info)
+        model = inputs.load_output_model("auto", progress=progress)  # the whole model: every tower is scored
+        reports = []
+        for tower in inputs.scored_towers(model):
+            setup = make_setup(inputs, tower.module, options, config, progress=progress, tower=tower)
+            results = score_shared_prefix(setup) if options.prefix == "base" else score_own_prefix(setup)
+            reports.append((tower, build_report(setup, results, models=[r.name for r in inputs.refs],
+                                                data_info=tower.data_info, key_prefix=tower.key_prefix)))
+        return combine_tower_reports(reports, unscored=unscored_towers(inputs, "not scored (no {kind} data)"))
+
+
+def unscored_towers(inputs: RunInputs, template: str) -> dict[str, str]:
+    """The towers of a whole two-tower run that no data reaches, each with ``template`` (``{kind}``: image or
+    text) filled in: ``{"vision_model": "not scored (no image data)"}``."""
+    scored = inputs.scored_attributes()
+    return {attribute: template.format(kind=modality) for attribute, modality in inputs.tower_modalities().items()
+            if attribute not in scored}
+
+
+def combine_tower_reports(reports: list[tuple[ScoredTower, MLossReport]], *,
+                          unscored: dict[str, str] | None = None) -> MLossReport:
+    """One report of a whole model's towers: every tower's layers (named as in the whole model), ``towers``
+    saying how each tower was treated, the first scored tower's data and the sample and position totals."""
+    import dataclasses
+
+    first = reports[0][1]
+    combined = dataclasses.replace(first, node={}, node_normalized={}, layer={}, layer_normalized={}, layer_ratio={},
+                                   node_ratio={}, keep_ratios={}, num_samples=0, num_positions=0, towers={})
+    for tower, report in reports:
+        for key in ("node", "node_normalized", "layer", "layer_normalized", "layer_ratio", "node_ratio",
+                    "keep_ratios"):
+            getattr(combined, key).update(getattr(report, key))
+        combined.num_samples += report.num_samples
+        combined.num_positions += report.num_positions
+        kind = "texts" if "num_tokens" in report.data else "images"
+        combined.towers[tower.attribute] = {
+            "status": f"scored on {report.num_samples} {kind} ({report.num_positions} positions)",
+            "data": report.data, "num_samples": report.num_samples, "num_positions": report.num_positions}
+    for attribute, status in (unscored or {}).items():
+        combined.towers[attribute] = {"status": status}
+    return combined

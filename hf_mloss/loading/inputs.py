@@ -55,6 +55,12 @@ class RunInputs:
     data_info: DataInfo | None = None
     fingerprints: dict[int, str] = field(default_factory=dict)
     """Content fingerprint of each local input (index 0 = base)."""
+    towers: list[ModelAdapter] = field(default_factory=list)
+    """The other towers of a whole two-tower model (a CLIPModel's text tower), as views whose names are the whole
+    model's (:func:`hf_mloss.adapters.generic.other_towers`); empty unless the merge is of whole models."""
+    tower_inputs: dict[str, ModelInputs] = field(default_factory=dict)
+    """Scoring samples of those towers, by tower attribute (``"text_model"``: the tokenised ``text_data``)."""
+    tower_data_info: dict[str, DataInfo] = field(default_factory=dict)
 
     @property
     def refs(self) -> list[ModelRef]:
@@ -70,6 +76,47 @@ class RunInputs:
                                  f"inputs are {list(self.model_inputs.keys())}, not pixels; read "
                                  "RunInputs.model_inputs.")
         return self.model_inputs["pixel_values"]
+
+    def scored_towers(self, model: PreTrainedModel) -> list[ScoredTower]:
+        """The towers a scoring pass walks in ``model`` (a whole model, or the scored tower itself), each with its
+        adapter, samples and report-name prefix: the adapter's own tower when ``data`` was given, and every other
+        tower given data (``text_data``). One entry, keys unchanged, for a run of one tower."""
+        whole = getattr(self.adapter, "whole_model", False)
+        towers = []
+        if self.model_inputs is not None:
+            prefix = getattr(self.adapter, "report_prefix", "")
+            names = [n for n in self.names if not self.adapter.is_outside_tower(n)] if whole else None
+            towers.append(ScoredTower(self.adapter, self.adapter.tower(model), self.model_inputs, self.data_info,
+                                      prefix, names, prefix[:-1] or "model"))
+        for view in self.towers:
+            samples = self.tower_inputs.get(view.tower_attribute)
+            if samples is not None:
+                towers.append(ScoredTower(view, getattr(model, view.tower_attribute), samples,
+                                          self.tower_data_info.get(view.tower_attribute), "",
+                                          [n for n in self.names if view.owns(n)], view.tower_attribute))
+        return towers
+
+    def tower_modalities(self) -> dict[str, str]:
+        """``{tower attribute: modality}`` of a whole-model merge's towers (``{"vision_model": "image",
+        "text_model": "text"}``); empty for a model of one tower."""
+        if not getattr(self.adapter, "whole_model", False):
+            return {}
+        own = self.adapter.containers[self.adapter.full_config.model_type][1]
+        out = {own: getattr(self.adapter, "modality", "image")}
+        if self.towers:
+            out.update({view.tower_attribute: view.modality for view in self.towers})
+        else:
+            from ..adapters.generic import other_towers
+
+            out.update({view.tower_attribute: view.modality for view in other_towers(self.adapter)})
+        return out
+
+    def scored_attributes(self) -> set[str]:
+        """The towers of :meth:`tower_modalities` that scoring data reaches."""
+        towers = self.tower_modalities()
+        own = next(iter(towers), None)
+        scored = {own} if own is not None and self.model_inputs is not None else set()
+        return scored | set(self.tower_inputs)
 
     def scoring_output(self) -> str:
         """The ``output`` a scoring pass loads its model as: the tower of a whole model (a CLIPModel's vision tower),
@@ -98,6 +145,22 @@ class RunInputs:
             store.close()
 
 
+@dataclass
+class ScoredTower:
+    """One tower a scoring pass walks: the adapter that walks it, its module, its samples, and how its layers are
+    named in the report (``key_prefix`` + the adapter's target names)."""
+
+    adapter: ModelAdapter
+    module: PreTrainedModel
+    samples: ModelInputs
+    data_info: DataInfo | None
+    key_prefix: str
+    names: list[str] | None
+    """The merged tensors of the tower (a whole-model merge), else ``None``: every merged tensor."""
+    attribute: str
+    """``vision_model`` / ``text_model`` (``model``: a model of one tower)."""
+
+
 @contextlib.contextmanager
 def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | None = None, needs_data: bool,
                 progress: bool = True, whole_model: bool = False) -> Iterator[RunInputs]:
@@ -122,6 +185,8 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
                 f"{resolved[0][2].model_type!r} ({adapter.name}); all models must share one architecture.")
     check_family(config, adapter, resolved, needs_data=needs_data)
     whole = [getattr(c, "model_type", None) in adapter.containers for _, _, c in resolved]
+    towers = check_text_data(config, adapter, resolved, whole)
+    whole_model = whole_model or bool(towers)
     if whole_model and all(whole):
         from ..adapters import whole_model_adapter
 
@@ -142,10 +207,12 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
         method = config.merge_method()
         inputs = RunInputs(adapter=adapter, base=stores[0], sources=stores[1:], base_model=resolved[0][1],
                            names=float_names(stores[0]), alpha=resolve_weights(config, method.default_weight),
-                           device=device, fingerprints=fingerprints)
-        _check_layers(config, adapter)
-        if needs_data:
+                           device=device, fingerprints=fingerprints, towers=towers)
+        _check_layers(config, adapter, towers)
+        if needs_data and config.data is not None:
             _load_data(inputs, config, resolved[0][0], token, progress=progress)
+        if needs_data and towers:
+            _load_tower_text(inputs, config, resolved[0][0], token, progress=progress)
         yield inputs
     finally:
         for store in stores:
@@ -240,6 +307,36 @@ def check_family(config: MergeConfig, adapter: ModelAdapter, resolved, *, needs_
             raise IncompatibleCheckpointsError(
                 f"{ref.name!r} is a {model_config.model_type!r} model but the base is a {base_type!r} model; all "
                 "models merged together must share one architecture.")
+
+
+def check_text_data(config: MergeConfig, adapter: ModelAdapter, resolved, whole: list[bool]) -> list[ModelAdapter]:
+    """The text towers ``config.text_data`` scores (views named as in the whole model), or ``[]`` without it.
+
+    Raises:
+        InvalidParameterError: the base is not a whole two-tower model with a scored text tower (a CLIPModel), a
+            model holds one tower only, or the run keeps one tower (``output="tower"``).
+    """
+    if getattr(config, "text_data", None) is None:
+        return []
+    from ..adapters.generic import other_towers
+
+    base_type = getattr(resolved[0][2], "model_type", None)
+    texts = [view for view in other_towers(adapter) if getattr(view, "modality", "image") == "text"] \
+        if whole[0] else []
+    if not texts:
+        raise InvalidParameterError(
+            f"text_data scores the text tower of a whole two-tower model (a CLIPModel), but the base is a "
+            f"{base_type!r} model ({adapter.name} adapter) with no text tower beside a scored one. Text for a text "
+            "model (BERT, Llama, CLIPTextModel) goes to data=...; drop text_data.")
+    towerless = [ref.name for (ref, _, _), is_whole in zip(resolved[1:], whole[1:]) if not is_whole]
+    if towerless:
+        raise InvalidParameterError(
+            f"text_data scores the text tower, but {towerless[:3]} hold only one tower (not a whole {base_type!r} "
+            "model): give every model as a whole model, or drop text_data.")
+    if getattr(config, "output", "auto") != "auto" and config.merge_method().needs_data:
+        raise InvalidParameterError(f"text_data scores the text tower of the whole model, but output="
+                                    f"{config.output!r} does not write it; use output='auto' or drop text_data.")
+    return texts
 
 
 def check_outside_unchanged(adapter: ModelAdapter, resolved, whole: list[bool]) -> None:
@@ -402,48 +499,82 @@ def resolve_weights(config: MergeConfig, default: str) -> torch.Tensor:
     return torch.tensor(config.weights, dtype=torch.float64)
 
 
-def _check_layers(config: MergeConfig, adapter: ModelAdapter) -> None:
+def _check_layers(config: MergeConfig, adapter: ModelAdapter, towers: list[ModelAdapter] = ()) -> None:
     layers = set()
     params = config.method_params()
     for source in (getattr(params, "layers", None), config.score.layers if config.score else None):
         layers |= set(source or ())
-    if layers and max(layers) >= adapter.num_layers:
-        raise InvalidParameterError(
-            f"layers names block {max(layers)} but the model has {adapter.num_layers} blocks "
-            f"(valid: 0..{adapter.num_layers - 1}).")
+    scored = ([adapter] if config.data is not None else []) + list(towers)
+    for each in scored or [adapter]:
+        if layers and max(layers) >= each.num_layers:
+            where = f" (the {each.tower_attribute} tower)" if hasattr(each, "tower_attribute") else ""
+            raise InvalidParameterError(
+                f"layers names block {max(layers)} but the model{where} has {each.num_layers} blocks "
+                f"(valid: 0..{each.num_layers - 1}).")
 
 
 def _load_data(inputs: RunInputs, config: MergeConfig, base_ref: ModelRef, token, *, progress: bool = False
                ) -> None:
     """The scoring data as the adapter's inputs: images for image families, token ids for text families."""
-    from .data import DEFAULT_MAX_LENGTH, load_model_inputs
+    from .data import load_model_inputs
     from .model_inputs import as_model_inputs
 
     data = config.data
     modality = getattr(inputs.adapter, "modality", "image")
     family = f"{inputs.adapter.name} ({getattr(inputs.adapter.full_config, 'model_type', None)!r})"
     if modality == "text":
-        max_length = check_max_length(inputs.adapter, data.max_length)
-        ready = as_model_inputs(data.objects) is not None
-        tokenizer = None if ready else resolve_tokenizer(config, inputs, base_ref, token)
-        model_inputs, info = load_model_inputs(
-            data.source, modality="text", tokenizer=tokenizer, family=family, num_samples=data.num_samples,
-            seed=config.seed, split=data.split, text_column=data.text_column,
-            max_length=max_length or DEFAULT_MAX_LENGTH, revision=data.revision, progress=progress)
-        check_token_ids(inputs.adapter, model_inputs["input_ids"])
+        model_inputs, info = load_text(inputs.adapter, data, config, inputs, base_ref, token, family=family,
+                                       progress=progress)
     else:
         needs_processor = not isinstance(data.objects, torch.Tensor) and as_model_inputs(data.objects) is None
         processor = resolve_processor(config, inputs, base_ref, token) if needs_processor else None
-        model_inputs, info = load_model_inputs(
-            data.source, modality="image", processor=processor, family=family, num_samples=data.num_samples,
-            seed=config.seed, split=data.split, image_column=data.image_column, revision=data.revision,
-            progress=progress)
+        try:
+            model_inputs, info = load_model_inputs(
+                data.source, modality="image", processor=processor, family=family, num_samples=data.num_samples,
+                seed=config.seed, split=data.split, image_column=data.image_column, revision=data.revision,
+                progress=progress)
+        except DataError as err:
+            from ..adapters.generic import other_towers
+
+            if "text" not in str(err) or not any(v.modality == "text" for v in other_towers(inputs.adapter)):
+                raise
+            raise DataError(f"{err} For the text tower of this whole {inputs.adapter.full_config.model_type!r} "
+                            "model, pass the text as text_data=... (both towers are then scored).") from None
         pixels = model_inputs["pixel_values"]
         if not torch.isfinite(pixels).all():
             bad = int((~torch.isfinite(pixels)).flatten(1).any(1).sum())
             raise DataError(f"{bad} of the {len(pixels)} scoring images hold NaN or Inf pixel values; M-Loss on them "
                             "would be NaN. Remove them or pass clean images.")
     inputs.model_inputs, inputs.data_info = model_inputs, info
+
+
+def load_text(adapter: ModelAdapter, data: Any, config: MergeConfig, inputs: RunInputs, base_ref: ModelRef, token,
+              *, family: str, progress: bool = False) -> tuple[ModelInputs, DataInfo]:
+    """Texts of ``data`` (a :class:`~hf_mloss.spec.config.DataSpec`) tokenised for ``adapter``'s model (the base's
+    tokenizer), checked against its vocabulary and positions."""
+    from .data import DEFAULT_MAX_LENGTH, load_model_inputs
+    from .model_inputs import as_model_inputs
+
+    max_length = check_max_length(adapter, data.max_length)
+    ready = as_model_inputs(data.objects) is not None
+    tokenizer = None if ready else resolve_tokenizer(config, inputs, base_ref, token)
+    model_inputs, info = load_model_inputs(
+        data.source, modality="text", tokenizer=tokenizer, family=family, num_samples=data.num_samples,
+        seed=config.seed, split=data.split, text_column=data.text_column,
+        max_length=max_length or DEFAULT_MAX_LENGTH, revision=data.revision, progress=progress)
+    check_token_ids(adapter, model_inputs["input_ids"])
+    return model_inputs, info
+
+
+def _load_tower_text(inputs: RunInputs, config: MergeConfig, base_ref: ModelRef, token, *, progress: bool = False
+                     ) -> None:
+    """``config.text_data`` tokenised for each text tower of the whole model."""
+    for view in inputs.towers:
+        family = f"{view.tower_attribute} of {getattr(view.full_config, 'model_type', None)!r} (text_data)"
+        samples, info = load_text(view, config.text_data, config, inputs, base_ref, token, family=family,
+                                  progress=progress)
+        inputs.tower_inputs[view.tower_attribute] = samples
+        inputs.tower_data_info[view.tower_attribute] = info
 
 
 def _text_config(adapter: ModelAdapter) -> Any:

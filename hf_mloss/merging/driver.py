@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from ..spec.config import MergeConfig
 from ..distributed import describe_device
 from ..errors import CorruptCheckpointError, InvalidParameterError
-from ..loading.inputs import RunInputs, as_dtype, open_inputs
+from ..loading.inputs import RunInputs, ScoredTower, as_dtype, open_inputs
 from ..methods import LayerwiseRun, MergeContext, MergeMethod
 from ..parallel import Workers, cpu_workers
 from ..parallel import active as active_workers
@@ -79,7 +79,7 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
                                               progress=progress, token=token)
             params = merger.ctx.params
         elif method.needs_data:
-            report = merge_layerwise(config, inputs, merger, tower, method, progress=progress)
+            report = merge_layerwise(config, inputs, merger, model, method, progress=progress)
         else:
             method.prepare(ctx, merger.visit)
             merger.merge(merger.names, progress=progress, desc=f"Merging ({config.method})")
@@ -94,8 +94,8 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
                                                                       out_dtype)
         record = recorded_config(config, given)
         description = method.describe(params)
-        if outside and method.needs_data and config.select is None:
-            description += " " + outside_rule_note(inputs, method, params, outside)
+        if (outside or inputs.towers) and method.needs_data and config.select is None:
+            description += " " + outside_rule_note(inputs, method, params, merger.names)
         if lora is not None:  # the adapter as written: its combination, and the rank an SVD used
             record.combination, record.lora_rank = lora.combination, lora.rank if lora.combination == "svd" else None
         record.resolved_parameters = tensor_params.record(merger.names) if tensor_params else None
@@ -133,14 +133,39 @@ def refuse_changed_outside(inputs: RunInputs, outside: Sequence[str], what: str)
             "save the vision tower only, or merge the whole model without select=.")
 
 
-def outside_rule_note(inputs: RunInputs, method: MergeMethod, params: Any, outside: Sequence[str]) -> str:
-    """The card's sentence on how a data-guided method merged the tensors its scoring data does not reach."""
+def data_free_rule(method: MergeMethod, params: Any, lead: str = "") -> str:
+    """How a data-guided method merges a tensor no scoring data reaches: ``"trimmed at k=0.2 (data-free)"``."""
+    if method.name == "m_dare":
+        return f"{lead}DARE at p={params.p} (data-free)"
+    return f"{lead}trimmed at k={params.k} (data-free)"
+
+
+def outside_rule_note(inputs: RunInputs, method: MergeMethod, params: Any, names: Sequence[str]) -> str:
+    """The card's sentences on each tower of a whole model and on the tensors no scoring data reaches."""
+    from ..output.report import tower_label
+
     rule = (f"DARE (keep probability p={params.p}, survivors x 1/p)" if method.name == "m_dare" else
             f"TIES (per-tensor trim at k={params.k}, sign election, disjoint mean)")
-    changed = len(changed_names(inputs, outside))
-    return (f"M-Loss scored the vision tower on images. The {len(outside)} tensors outside it (text tower, "
-            f"projections, logit scale; {changed} changed by the fine-tunes) have no scoring data: they were merged "
-            f"by the method's data-free rule, {rule}, with lam={params.lam}.")
+    scored = inputs.scored_attributes()
+    lines, unscored = [], []
+    for attribute, modality in inputs.tower_modalities().items():
+        if attribute in scored:
+            lines.append(f"{tower_label(attribute)}: scored on {modality} data (M-Loss node keep ratios)")
+        else:
+            lines.append(f"{tower_label(attribute)}: no {modality} data, {data_free_rule(method, params)}")
+            unscored.append(tower_label(attribute))
+    own = next(iter(inputs.tower_modalities()), None)
+
+    def reached(name: str) -> bool:
+        if own in scored and not inputs.adapter.is_outside_tower(name):
+            return True
+        return any(view.owns(name) for view in inputs.towers if view.tower_attribute in scored)
+
+    unreached = [n for n in names if not reached(n)]
+    changed = len(changed_names(inputs, unreached))
+    return (f"{'; '.join(lines)}. The {len(unreached)} tensors no scoring data reaches ("
+            f"{''.join(f'{label}, ' for label in unscored)}projections, logit scale; {changed} changed by the "
+            f"fine-tunes) were merged by the method's data-free rule, {rule}, with lam={params.lam}.")
 
 
 class TensorMerger:
@@ -211,12 +236,16 @@ class TensorMerger:
 class DriverRun(LayerwiseRun):
     """The driver's side of a data-guided merge: what :class:`~hf_mloss.methods.LayerHooks` may ask for."""
 
-    def __init__(self, merger: TensorMerger) -> None:
+    def __init__(self, merger: TensorMerger, *, adapter: Any = None, names: Sequence[str] | None = None) -> None:
+        """``adapter`` / ``names``: one tower of a whole model (its walking adapter and its tensors); default: the
+        run's adapter and every merged tensor."""
         self.merger = merger
-        self.ctx, self.adapter, self.device = merger.ctx, merger.inputs.adapter, merger.device
+        self.ctx, self.device = merger.ctx, merger.device
+        self.adapter = adapter if adapter is not None else merger.inputs.adapter
+        self.names = list(merger.names if names is None else names)
         self.records: dict[str, dict[str, torch.Tensor]] = {}
         self.stages: dict[int, list[str]] = {}
-        for name in merger.names:
+        for name in self.names:
             self.stages.setdefault(self.adapter.stage_of(name), []).append(name)
 
     def stage_names(self, stage: int) -> list[str]:
@@ -226,7 +255,7 @@ class DriverRun(LayerwiseRun):
         self.merger.merge(names)
 
     def merge_remaining(self) -> None:
-        self.merger.merge(self.merger.names)
+        self.merger.merge(self.names)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.merger.inputs.base.shapes[name])
@@ -237,25 +266,46 @@ class DriverRun(LayerwiseRun):
 
 def merge_layerwise(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: PreTrainedModel,
                     method: MergeMethod, *, progress: bool) -> MLossReport:
-    """Score and merge block by block through the method's hooks; returns the M-Loss report the merge used."""
+    """Score and merge block by block through the method's hooks; returns the M-Loss report the merge used.
+
+    ``tower``: the model the merge is written into (or its scored tower). A whole two-tower model given data for
+    both towers (``data`` and ``text_data``) is walked tower by tower, each on its own samples with its own
+    adapter; the tensors no walk reaches (an unscored tower, projections) are merged last by the method's
+    data-free rule.
+    """
+    from ..engine.score import combine_tower_reports, unscored_towers
+
+    towers = inputs.scored_towers(tower)
+    reports = [(each, _merge_tower(config, inputs, merger, each, method, progress=progress)) for each in towers]
+    merger.merge(merger.names)  # whatever the hooks left (the tensors of no scored tower)
+    if not inputs.towers and not getattr(inputs.adapter, "whole_model", False):
+        return reports[0][1]
+    return combine_tower_reports(reports, unscored=unscored_towers(inputs, data_free_rule(method, merger.ctx.params,
+                                                                                          "no {kind} data, ")))
+
+
+def _merge_tower(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: ScoredTower,
+                 method: MergeMethod, *, progress: bool) -> MLossReport:
+    """One tower's walk: its stages merged through the method's hooks, its report (layers named for the run)."""
     from ..engine.score import build_report, make_setup, score_own_prefix, score_shared_prefix
 
     options = method.scoring_options(merger.ctx.params)
-    run = DriverRun(merger)
+    merged = set(merger.names)
+    names = None if tower.names is None else [n for n in tower.names if n in merged]
+    run = DriverRun(merger, adapter=tower.adapter, names=names)
     hooks = method.layer_hooks(run)
     if options.prefix == "merged":
-        setup = make_setup(inputs, tower, options, config, progress=progress)
+        setup = make_setup(inputs, tower.module, options, config, progress=progress, tower=tower)
         results = score_shared_prefix(setup, hooks)
     else:
         # The scorer's model must not be the merge container: own-prefix scoring swaps weights into it.
-        setup = make_setup(inputs, copy.deepcopy(tower), options, config, progress=progress)
+        setup = make_setup(inputs, copy.deepcopy(tower.module), options, config, progress=progress, tower=tower)
         results = score_shared_prefix(setup) if options.prefix == "base" else score_own_prefix(setup)
         for layer in setup.scored_layers():
-            hooks.after_scores(layer, results[inputs.adapter.target_name(layer)].scores())
+            hooks.after_scores(layer, results[tower.adapter.target_name(layer)].scores())
         hooks.after_all()
-    merger.merge(merger.names)  # whatever the hooks left
-    return build_report(setup, results, models=[r.name for r in inputs.refs], data_info=inputs.data_info,
-                        records=run.records)
+    return build_report(setup, results, models=[r.name for r in inputs.refs], data_info=tower.data_info,
+                        records=run.records, key_prefix=tower.key_prefix)
 
 
 @torch.no_grad()

@@ -426,7 +426,7 @@ def recorded_scores(report: MLossReport, adapter: Any) -> dict[int, Any]:
 
     out = {}
     for layer in range(adapter.num_layers):
-        name = adapter.target_name(layer)
+        name = getattr(adapter, "report_prefix", "") + adapter.target_name(layer)  # a whole model's: vision_model.
         if name in report.layer:
             out[layer] = LayerScores(
                 node=report.node[name], node_normalized=report.node_normalized[name],

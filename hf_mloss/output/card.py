@@ -45,7 +45,9 @@ def card_data(result: CardSource) -> ModelCardData:
     hub_ids = [ref.repo_id for ref in [result.base, *result.models] if ref.repo_id]
     meta = result.adapter.card_metadata(result.model)
     info = result.data_info.to_dict() if result.data_info is not None else {}
-    datasets = [info["id"]] if info.get("source") == "hub" and info.get("id") else None
+    towers = getattr(result.report, "towers", None) or {}  # a whole model's towers, each on its own data
+    infos = [info, *(tower.get("data") or {} for tower in towers.values())]
+    datasets = list(dict.fromkeys(i["id"] for i in infos if i.get("source") == "hub" and i.get("id"))) or None
     eval_results = [
         EvalResult(task_type="image-classification", dataset_type=task, dataset_name=task, metric_type="accuracy",
                    metric_value=float(value))
@@ -144,6 +146,11 @@ def rerun_blocker(config: MergeConfig) -> str | None:
         return ("the scoring images were passed from Python (recorded as `in_memory`, with their content hash when "
                 "they were a tensor): a re-run needs the same images, given as `data: {id: ...}` or `{path: ...}` or "
                 "passed again to `hf_mloss.merge(..., data=...)`")
+    text = getattr(config, "text_data", None)
+    if text is not None and text.objects is not None:
+        return ("the text tower's scoring texts were passed from Python (recorded as `in_memory` with their content "
+                "hash): a re-run needs the same texts, given as `text_data: {path: ...}` (a text file or folder) or "
+                "`{id: ...}`, or passed again to `hf_mloss.merge(..., text_data=...)`")
     select = config.select
     if select is not None and any(not isinstance(h, str) for h in (select.heads or [])):
         return "the selection's heads were passed from Python: save them as files and name them in `select.heads`"
@@ -152,9 +159,21 @@ def rerun_blocker(config: MergeConfig) -> str | None:
     return None
 
 
+def tower_lines(report: Any) -> list[str]:
+    """One line per tower of a whole two-tower model: how it was merged, and the data it was scored on."""
+    from .report import describe_data, tower_label
+
+    lines = []
+    for attribute, tower in (getattr(report, "towers", None) or {}).items():
+        data = f" (data: {describe_data(tower['data'])})" if tower.get("data") else ""
+        lines.append(f"{tower_label(attribute)}: {tower['status']}{data}")
+    return lines
+
+
 def uses_seed(config: MergeConfig) -> bool:
     """Whether the seed changes the result: random masks (DARE), or a sample of the scoring images."""
-    return "dare" in config.method or config.data is not None or config.select is not None
+    return ("dare" in config.method or config.data is not None or getattr(config, "text_data", None) is not None
+            or config.select is not None)
 
 
 def build_model_card(result: CardSource, *, heatmap: str | None = None) -> ModelCard:
@@ -205,6 +224,7 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
         data={**result.data_info.to_dict(), **result.data_info.sample_stats()} if result.data_info else None,
         eval_rows=[{"task": t, "value": v} for t, v in result.eval_results.items()],
         report=report,
+        towers=tower_lines(report),
         mloss_rows=rows,
         has_keep=any("keep_mean" in r for r in rows),
         heatmap=heatmap,

@@ -46,6 +46,11 @@ def describe_data(data: dict[str, Any]) -> str:
     return text
 
 
+def tower_label(attribute: str) -> str:
+    """``text_model`` -> ``text tower`` (how reports and cards name a tower of a whole model)."""
+    return f"{attribute.removesuffix('_model')} tower"
+
+
 @dataclass
 class MLossReport:
     """M-Loss of every scored linear (one entry per block), with per-row (node) vectors.
@@ -79,6 +84,10 @@ class MLossReport:
     """Where it was computed (``cpu``, ``cuda:0 (NVIDIA ...)``, ``mps``)."""
     note: str = ""
     """Why no M-Loss was computed (a data-free merge), else empty."""
+    towers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """A whole two-tower model (a CLIPModel scored with ``text_data``, or merged whole): how each tower was treated,
+    by attribute (``{"text_model": {"status": "no text data, trimmed at k=0.2 (data-free)"}}``; a scored tower
+    also has its ``data``, ``num_samples`` and ``num_positions``). Its layers are named as in the whole model."""
 
     @classmethod
     def not_computed(cls, method: str, models: list[str], weights: list[float]) -> MLossReport:
@@ -131,18 +140,23 @@ class MLossReport:
             return self.note or "No M-Loss was computed."
         rows = self.summary_rows()
         has_keep = any("keep_mean" in r for r in rows)
-        header = f"{'layer':<34} {'M-Loss':>11} {'normalized':>11} {'node max':>11}"
+        width = max([34, *(len(r["layer"]) for r in rows)])
+        header = f"{'layer':<{width}} {'M-Loss':>11} {'normalized':>11} {'node max':>11}"
         header += f" {'keep mean':>9} {'min':>6} {'max':>6}" if has_keep else ""
         lines = [f"M-Loss of {len(self.models)} models (q={len(self.models)}), prefix={self.prefix}, "
                  f"reduction={self.reduction}, activation={self.activation}, {self.num_samples} samples / "
                  f"{self.num_positions} positions" + (f", on {self.device}" if self.device else ""),
                  f"prefix {self.prefix}: {PREFIX_MEANING.get(self.prefix, self.prefix)}"]
-        if self.data:
+        if self.towers:
+            for attribute, tower in self.towers.items():
+                data = f"; data: {describe_data(tower['data'])}" if tower.get("data") else ""
+                lines.append(f"{tower_label(attribute)}: {tower['status']}{data}")
+        elif self.data:
             lines.append(f"data: {describe_data(self.data)}")
         lines.append(self.reading())
         lines += [header, "-" * len(header)]
         for r in rows:
-            line = f"{r['layer']:<34} {r['mloss']:>11.4e} {r['mloss_normalized']:>11.4e} {r['node_max']:>11.4e}"
+            line = f"{r['layer']:<{width}} {r['mloss']:>11.4e} {r['mloss_normalized']:>11.4e} {r['node_max']:>11.4e}"
             if has_keep and "keep_mean" in r:
                 line += f" {r['keep_mean']:>9.4f} {r['keep_min']:>6.3f} {r['keep_max']:>6.3f}"
             lines.append(line)
@@ -173,6 +187,8 @@ class MLossReport:
             "weights": self.weights, "compute_dtype": self.compute_dtype, "data": self.data, "device": self.device,
             "layers": self.summary_rows(),
         }  # fmt: skip
+        if self.towers:
+            out["towers"] = self.towers
         if per_row:
             out["node"] = {k: v.tolist() for k, v in self.node.items()}
             out["node_normalized"] = {k: v.tolist() for k, v in self.node_normalized.items()}
@@ -240,4 +256,5 @@ class MLossReport:
             weights=meta["weights"], keep_ratios=group("keep_ratios"), compute_dtype=meta.get("compute_dtype", "float32"),
             layer_ratio={r["layer"]: r["mloss_ratio"] for r in rows if r.get("mloss_ratio") is not None},
             node_ratio=group("node_ratio"), data=meta.get("data", {}), device=meta.get("device", ""),
+            towers=meta.get("towers", {}),
         )  # fmt: skip

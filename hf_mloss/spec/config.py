@@ -13,6 +13,7 @@ models:                                      # the fine-tunes: plain strings or 
 method: m_ties                               # `hf-mloss methods` lists them
 parameters: {k: 0.2, e: 0.1}                 # the method's parameters; the others keep their defaults
 data: {id: tanganke/dtd, split: train, num_samples: 128}   # or {path: ./images}; needed by data-guided methods
+text_data: {path: ./captions.txt}            # optional: a whole CLIPModel's text tower is scored on it too
 seed: 0
 dtype: float32                               # dtype of the saved model (default: the base's)
 score: {prefix: own, reduction: abs}         # optional, used by `hf-mloss score`
@@ -206,6 +207,9 @@ class MergeConfig:
     method: str = param("ties", "Registered merge method (hf-mloss methods).")
     parameters: dict[str, Any] = param(help="The method's parameters.", default_factory=dict)
     data: DataSpec | None = param(None, "Unlabeled images (data-guided methods and scoring).")
+    text_data: DataSpec | None = param(None, "Unlabeled text for the text tower of a whole two-tower model (a "
+                                       "CLIPModel): the text tower is then scored too (strings, text file(s), folder "
+                                       "or a datasets text split, as `data` takes for text families).")
     seed: int = param(0, "Seeds DARE masks, random ranks and data shuffling.", low=0, high=2**63 - 1)
     dtype: str | None = param(None, "dtype of the saved model (default: the base's).", choices=DTYPES)
     batch_size: int = param(16, "Images per scoring forward pass.", low=1, high=65536)
@@ -238,6 +242,8 @@ class MergeConfig:
         self.models = [_as_model_spec(m, f"models[{i}]") for i, m in enumerate(self.models)]
         if isinstance(self.data, (Mapping, str, os.PathLike)):
             self.data = DataSpec.parse(self.data)
+        if self.text_data is not None and not isinstance(self.text_data, DataSpec):
+            self.text_data = parse_text_data(self.text_data)
         if isinstance(self.score, Mapping):
             self.score = _build(ScoringOptions, self.score, "score")
         if isinstance(self.select, Mapping):
@@ -273,7 +279,8 @@ class MergeConfig:
             check_schedules(method, self.parameters, selecting=self.select is not None)
         except InvalidParameterError as err:
             raise InvalidParameterError(f"Invalid parameters for method {self.method!r}: {err}") from None
-        if method.needs_data and self.data is None:
+        self._validate_text_data(method)
+        if method.needs_data and self.data is None and self.text_data is None:
             raise DataError(
                 f"Method {self.method!r} is data-guided and no data was given: pass data=... (a Hub dataset id such "
                 "as tanganke/dtd, a local image folder, a datasets object or a list of images; ~128 unlabeled images "
@@ -282,6 +289,17 @@ class MergeConfig:
             self._validate_selection(method)
         self._validate_adapter_output()
         self._validate_slices(method)
+
+    def _validate_text_data(self, method: MergeMethod) -> None:
+        if self.text_data is None:
+            return
+        if self.select is not None:
+            raise InvalidParameterError("text_data scores a whole model's text tower in a merge or score(); label-free "
+                                        "selection (select=...) measures the vision tower only: drop text_data or "
+                                        "select.")
+        if not method.needs_data and self.score is None:
+            raise InvalidParameterError(f"text_data is the scoring text of a data-guided merge (m_ties, m_dare) or of "
+                                        f"score(); method {method.name!r} merges without data and would ignore it.")
 
     def _validate_slices(self, method: MergeMethod) -> None:
         from .slices import check_slices
@@ -358,8 +376,9 @@ class MergeConfig:
         paths: list[Any] = [spec.model for spec in [self.base, *self.models] if spec.is_local]
         if isinstance(self.processor, (str, os.PathLike)) and looks_local(os.fspath(self.processor)):
             paths.append(self.processor)
-        if self.data is not None and self.data.path is not None:
-            paths.append(self.data.path)
+        for spec in (self.data, self.text_data):
+            if spec is not None and spec.path is not None:
+                paths.append(spec.path)
         if self.select is not None:
             paths += [h for h in self.select.heads or () if isinstance(h, (str, os.PathLike))]
             for share in self.select.shares or ():
@@ -374,7 +393,7 @@ class MergeConfig:
     # ----------------------------------------------------------------------------------------------- loading
     @classmethod
     def from_kwargs(cls, base: Any, models: Any, method: str = "ties", *, weights: Sequence[float] | None = None,
-                    revision: str | Sequence[str | None] | None = None, data: Any = None,
+                    revision: str | Sequence[str | None] | None = None, data: Any = None, text_data: Any = None,
                     score: ScoringOptions | Mapping[str, Any] | None = None, **options: Any) -> MergeConfig:
         """The config of a :func:`hf_mloss.merge` call (same arguments): ``options`` are data options (the fields of
         :class:`DataSpec`: ``num_samples``, ``split``, ``image_column``...), config fields (``seed``, ``dtype``,
@@ -398,9 +417,13 @@ class MergeConfig:
         data_options = {k: options.pop(k) for k in list(options) if k in data_fields}
         config_options = {k: v for k, v in options.items() if k in fields}
         parameters = {k: v for k, v in options.items() if k not in fields}
+        text_options = {k: v for k, v in data_options.items() if k != "image_column"}
+        if text_data is not None:  # the text options (text_column, max_length) describe the text, not the images
+            data_options = {k: v for k, v in data_options.items() if k not in TEXT_ONLY_OPTIONS}
         data_spec = None if data is None else DataSpec.parse(data, **data_options)
-        return cls(base=specs[0], models=specs[1:], method=method, parameters=parameters, data=data_spec, score=score,
-                   **config_options)
+        text_spec = None if text_data is None else parse_text_data(text_data, **text_options)
+        return cls(base=specs[0], models=specs[1:], method=method, parameters=parameters, data=data_spec,
+                   text_data=text_spec, score=score, **config_options)
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any], base_dir: str | os.PathLike[str] | None = None) -> MergeConfig:
@@ -444,6 +467,8 @@ class MergeConfig:
         values["models"] = [_parse_model(m, f"models[{i}]", root) for i, m in enumerate(config["models"])]
         if config.get("data") is not None:
             values["data"] = _parse_data(config["data"], root)
+        if config.get("text_data") is not None:
+            values["text_data"] = _parse_data(config["text_data"], root, key="text_data")
         if config.get("score") is not None:
             values["score"] = _build(ScoringOptions, _mapping(config["score"], "score"), "score.")
         if config.get("select") is not None:
@@ -511,6 +536,8 @@ class MergeConfig:
                    parameters=_plain(self.parameters), seed=self.seed)
         if self.data is not None:
             out["data"] = self.data.to_dict(base)
+        if self.text_data is not None:
+            out["text_data"] = self.text_data.to_dict(base)
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         for key in ("dtype", "batch_size", "compute_dtype", "output", "lora_rank", "combination"):
             if getattr(self, key) != defaults[key]:
@@ -600,7 +627,57 @@ def _parse_model(entry: Any, where: str, root: Path | None) -> ModelSpec:
     return _build(ModelSpec, values, f"{where}.")
 
 
-def _parse_data(entry: Any, root: Path | None) -> DataSpec:
+TEXT_ONLY_OPTIONS = ("text_column", "max_length")
+"""Data options that describe text: with ``text_data=`` given they go to it, not to the images of ``data=``."""
+
+
+def parse_text_data(value: Any, **options: Any) -> DataSpec:
+    """``text_data=`` as a :class:`DataSpec`: whatever ``data=`` takes for a text family (strings, a text or data
+    file, a folder of text files, a Hub dataset id, a ``datasets`` text split, a mapping of DataSpec fields).
+
+    Raises:
+        DataError: empty, images, or a path that does not exist (naming ``text_data``).
+    """
+    if isinstance(value, DataSpec):
+        spec = value
+    else:
+        if isinstance(value, (list, tuple)) and not value:
+            raise DataError("text_data is an empty list: pass at least one string (texts for the text tower), a "
+                            "text file, a folder of .txt files or a datasets text split.")
+        if isinstance(value, str) and not value.strip():
+            raise DataError("text_data is an empty string: pass a text file, a folder of .txt files, a Hub dataset "
+                            "id or a list of strings.")
+        if isinstance(value, (str, os.PathLike)):
+            from ..loading.data import DATA_FILE_SUFFIXES
+
+            path = expand(os.fspath(value))
+            local = isinstance(value, os.PathLike) or looks_local(os.fspath(value)) or \
+                path.suffix.lower() in DATA_FILE_SUFFIXES
+            if local and not path.exists():
+                raise DataError(f"text_data {os.fspath(value)!r} does not exist: pass a text file (.txt, one sample "
+                                "per line; .jsonl/.csv/.parquet with a text column), a folder of .txt files, a Hub "
+                                "dataset id or a list of strings.")
+            if local:
+                value = {"path": os.fspath(value)}
+        if type(value).__name__ == "Tensor":
+            raise DataError("text_data is a tensor; it takes text for the text tower (a list of strings, a text "
+                            "file or folder, a datasets text split). Images go to data=.")
+        try:
+            spec = DataSpec.parse(value, **options)
+        except DataError as err:
+            raise DataError(f"text_data: {err}".replace("data.path", "text_data.path")) from None
+    if spec.image_column is not None:
+        raise DataError(f"text_data has image_column={spec.image_column!r}; it holds text for the text tower "
+                        "(text_column=...). Images go to data=.")
+    return spec
+
+
+def _parse_data(entry: Any, root: Path | None, key: str = "data") -> DataSpec:
+    if key != "data":
+        try:
+            return _parse_data(entry, root)
+        except ConfigError as err:
+            raise ConfigError(f"{key}: {err}") from None
     if isinstance(entry, str):
         local = looks_local(entry) or (root is not None and _is_data_path(root / entry))
         entry = {"path": entry} if local else {"id": entry}
