@@ -375,7 +375,7 @@ CRITERIA = ("mloss", "output (auto)", "entropy (auto)", "output (given)", "entro
 
 
 def regret_instances(study: Study, args: argparse.Namespace) -> list[tuple[int, tuple[str, ...], int]]:
-    """(replicate seed, tasks, data draw): each replicate's merge of all tasks, then ``--regret-subsets`` random
+    """(replicate seed, tasks, data draw): each replicate's (the first ``--regret-replicates``) merge of all tasks, then ``--regret-subsets`` random
     merges of min(4, tasks − 1) tasks per replicate (none when that is fewer than 2: a single model is not a merge),
     each under ``--draws`` draws of the unlabeled selection data."""
     import numpy as np
@@ -383,8 +383,9 @@ def regret_instances(study: Study, args: argparse.Namespace) -> list[tuple[int, 
     rng = np.random.default_rng(args.seed + 1)
     tasks = study.bench.tasks
     size = min(4, len(tasks) - 1)
-    merges = [(rep.seed, tuple(tasks)) for rep in study.bench.replicates]
-    for rep in study.bench.replicates:
+    replicates = study.bench.replicates[:args.regret_replicates]
+    merges = [(rep.seed, tuple(tasks)) for rep in replicates]
+    for rep in replicates:
         for _ in range(args.regret_subsets if size >= 2 else 0):
             merges.append((rep.seed, tuple(sorted(rng.choice(tasks, size, replace=False).tolist()))))
     return [(seed, chosen, draw) for seed, chosen in merges for draw in range(args.draws)]
@@ -732,6 +733,7 @@ def main(argv: list[str] | None = None) -> int:
     study.add_argument("--pair-permutations", type=int, default=9999)
     study.add_argument("--bootstrap", type=int, default=2000)
     study.add_argument("--regret-subsets", type=int, default=1, help="random 4-task merges per replicate")
+    study.add_argument("--regret-replicates", type=int, default=None, help="replicates whose merges (b) uses (all)")
     study.add_argument("--regret-images", type=int, default=250, help="val/test images per task in (b)")
     study.add_argument("--skip-regret", action="store_true")
     study.add_argument("--seed", type=int, default=0)
