@@ -158,7 +158,7 @@ def test_smoke_run_of_the_whole_pipeline(tmp_path, monkeypatch):
     cfg = X.TextConfig(**{**X.SMOKE_CHANGES, "tasks": ("syn_a", "syn_b"), "n_train": 48, "n_val": 24,
                           "n_test": 24})
     out = X.run_text_suite(cfg, cache=tmp_path / "cache", out=tmp_path / "out", threads=1, name="text-smoke",
-                           grid="smoke", command="test")
+                           grid="smoke", command="test", svd=True)
     record = json.loads((tmp_path / "out" / "results.json").read_text())
     assert {"average", "task_arithmetic", "ties", "dare_ties", "tsv_m", "iso_c"} <= set(record["summary"])
     assert record["gates"][-1]["name"] == "G6 premise"
@@ -183,3 +183,29 @@ def test_smoke_run_of_the_whole_pipeline(tmp_path, monkeypatch):
     again = X.run_text_suite(cfg, cache=tmp_path / "cache", out=tmp_path / "out2", threads=1, name="text-smoke",
                              grid="smoke")
     assert not any(k.startswith("finetune/") for k in again["extra"]["timings"]["stages"])
+
+
+def test_replicate_results_are_cached_per_configuration_methods_and_seed(tmp_path):
+    """A run with more replicates, or one stopped half-way, reuses the replicates already measured; another
+    configuration or method list measures afresh."""
+    from benchmarks.suites.protocol import Replicate, ReplicateResult
+    from benchmarks.suites.training import Log
+
+    cfg = X.TextConfig(tasks=("licence", "isocodes"))
+    specs, _ = X.method_specs(cfg)
+    calls = []
+
+    def run(seed):
+        def measure():
+            calls.append(seed)
+            return ReplicateResult(seed=seed, trim={"ties": 0.25 + seed})
+        return measure
+
+    log = Log(False, "test")
+    first = X.cached_replicate(cfg, tmp_path, Replicate(0, {}), specs, 128, run(0), log)
+    again = X.cached_replicate(cfg, tmp_path, Replicate(0, {}), specs, 128, run(0), log)
+    assert calls == [0] and again.trim == first.trim == {"ties": 0.25}
+    X.cached_replicate(cfg, tmp_path, Replicate(1, {}), specs, 128, run(1), log)
+    X.cached_replicate(cfg, tmp_path, Replicate(0, {}), specs[:-1], 128, run(0), log)
+    X.cached_replicate(cfg, tmp_path, Replicate(0, {}), specs, 64, run(0), log)
+    assert calls == [0, 1, 0, 0]

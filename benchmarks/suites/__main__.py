@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-samples", type=int, default=128, help="unlabeled images for M-Loss")
     parser.add_argument("--fast", action="store_true", help="tiny only: a few steps, two settings per method")
     parser.add_argument("--svd", action="store_true",
-                        help="real suites: add the SVD-based merges (tsv_m, iso_c, iso_cts) to the compared methods")
+                        help="add the SVD-based merges to the compared methods (image suites: tsv_m, iso_c, iso_cts; text: "
+                        "tsv_m, iso_c)")
     args = parser.parse_args(argv)
     out = args.out or Path(f"hf_mloss_{args.suite.replace('-', '_')}_suite")
     start = time.perf_counter()
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 
         run_text_suite(text_config(args.suite, args.seeds), cache=args.cache or default_cache(), out=out,
                        threads=args.threads, num_samples=args.num_samples, name=args.suite, command=command,
-                       grid="smoke" if args.suite == "text-smoke" else "main")
+                       grid="smoke" if args.suite == "text-smoke" else "main", svd=args.svd)
     else:
         from benchmarks.suites.run import method_specs, run_suite
 

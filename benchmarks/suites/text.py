@@ -429,9 +429,10 @@ def control_support() -> dict[str, str | None]:
             f"m_ties has no budget-matched uniform rank (rank='uniform', every row keeps k − e/2; rank ∈ {RANKS})"}
 
 
-def method_specs(cfg: TextConfig, grid: str = "main", draws: int = 3) -> tuple[list[MethodSpec], dict[str, str]]:
+def method_specs(cfg: TextConfig, grid: str = "main", draws: int = 3, svd: bool = False
+                 ) -> tuple[list[MethodSpec], dict[str, str]]:
     """The compared methods (every tuned one on a grid of the same size: 5 settings, 2 with ``grid="smoke"``) and
-    the rows not run, label → reason. Task arithmetic's λ is written for 4 tasks and scaled by 4 / q (it
+    the rows not run, label → reason; ``svd``: the SVD-based merges (TSV-M, Iso-C) too. Task arithmetic's λ is written for 4 tasks and scaled by 4 / q (it
     multiplies a sum of q task vectors); the TIES family's and the SVD merges' are not (as in the image suite)."""
     q = len(cfg.tasks)
     trained = list(range(cfg.frozen, cfg.num_layers))
@@ -448,9 +449,8 @@ def method_specs(cfg: TextConfig, grid: str = "main", draws: int = 3) -> tuple[l
         MethodSpec("task_arithmetic", "task_arithmetic", grid={"lam": ta}),
         MethodSpec("ties", "ties", {"scope": "tensor"}, dict(ties)),
         MethodSpec("dare_ties", "dare_ties", {"p": 0.5}, {"lam": lam}),
-        MethodSpec("tsv_m", "tsv_m", grid={"lam": tsv}),
-        MethodSpec("iso_c", "iso_c", grid={"lam": iso}),
     ]
+    specs += [MethodSpec("tsv_m", "tsv_m", grid={"lam": tsv}), MethodSpec("iso_c", "iso_c", grid={"lam": iso})] if svd else []
     family = [("m_ties", {"e": 0.1}), ("m_ties (e=0)", {"e": 0.0})]
     family += [(f"m_ties (random ranks, draw {d})", {"e": 0.1, "rank": "random"}) for d in range(draws)]
     family += [("m_ties (inverted ranks)", {"e": 0.1, "rank": "inverted"}),
@@ -687,8 +687,30 @@ def markdown(results, gates: Sequence[Gate], premise_line: str, diffs: Sequence[
     return "\n".join(lines) + "\n"
 
 
+def cached_replicate(cfg: TextConfig, cache: Path, replicate: Replicate, specs: Sequence[MethodSpec],
+                     num_samples: int, run, log) -> ReplicateResult:
+    """One replicate's protocol results, cached under the configuration, the compared methods and the seed: a run
+    with more replicates, or one stopped half-way, reuses every replicate already measured."""
+    import pickle
+
+    described = json.dumps([dataclasses.asdict(cfg) | {"seeds": None}, num_samples,
+                            [dataclasses.asdict(spec) for spec in specs]], sort_keys=True, default=str)
+    folder = Path(cache) / VERSION / "results" / hashlib.sha1(described.encode()).hexdigest()[:10]
+    path = folder / f"seed{replicate.seed}.pkl"
+    if path.exists():
+        log(f"replicate {replicate.seed}: protocol results from the cache ({path.parent.name})")
+        return pickle.loads(path.read_bytes())
+    result = run()
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(pickle.dumps(result))
+    os.replace(tmp, path)
+    return result
+
+
 def run_text_suite(cfg: TextConfig, *, cache: Path, out: Path, threads: int = 2, num_samples: int = 128,
-                   name: str = "text", command: str = "", grid: str = "main", log: Log | None = None) -> dict:
+                   name: str = "text", command: str = "", grid: str = "main", svd: bool = False,
+                   log: Log | None = None) -> dict:
     """Build + protocol + gates + report; writes ``out``/results.md and results.json."""
     import transformers
 
@@ -707,7 +729,7 @@ def run_text_suite(cfg: TextConfig, *, cache: Path, out: Path, threads: int = 2,
     transformers.utils.logging.set_verbosity_error()
     torch.use_deterministic_algorithms(True)
     start, cpu_start, load = time.perf_counter(), time.process_time(), os.getloadavg()
-    specs, not_run = method_specs(cfg, grid)
+    specs, not_run = method_specs(cfg, grid, svd=svd)
     with torch_threads(threads):
         bench = build_text_suite(cfg, cache, log)
         built = time.perf_counter() - start
@@ -715,8 +737,9 @@ def run_text_suite(cfg: TextConfig, *, cache: Path, out: Path, threads: int = 2,
         for label, reason in not_run.items():
             log(f"  {label}: not run: {reason}")
         pretrained = pretrained_scores(bench)
-        results = [run_text_replicate(bench, rep, specs, num_samples=num_samples, pretrained=pretrained, log=log)
-                   for rep in bench.replicates]
+        results = [cached_replicate(cfg, cache, rep, specs, num_samples, lambda rep=rep: run_text_replicate(
+            bench, rep, specs, num_samples=num_samples, pretrained=pretrained, log=log), log)
+            for rep in bench.replicates]
         kept = {s.label: [kept_fraction(bench, rep, s, r.methods[s.label]["chosen"])
                           for rep, r in zip(bench.replicates, results)]
                 for s in specs if s.method in ("ties", "dare_ties")}
