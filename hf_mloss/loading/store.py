@@ -49,6 +49,10 @@ class TensorStore:
     def get(self, name: str) -> torch.Tensor:
         raise NotImplementedError
 
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` (along dim 0) of a tensor, without reading the rest where the format allows."""
+        return self.get(name)[start:stop]
+
     def get_float(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
         """The tensor as float32 on ``device`` (merges compute in float32 whatever the stored dtype)."""
         return self.get(name).to(device=device, dtype=torch.float32)
@@ -131,6 +135,15 @@ class CheckpointStore(TensorStore):
             return self._pickle_states[file][key].clone()  # a fresh buffer, never the shared mapped one
         try:
             return self._handles[file].get_tensor(key)
+        except (SafetensorError, OSError) as err:
+            raise CorruptCheckpointError(f"Cannot read tensor {name!r} from {file.name} of {self.ref.name!r}: {err}")
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        file, key = self._locations[name]
+        if self.is_pickle:
+            return self._pickle_states[file][key][start:stop].clone()
+        try:
+            return self._handles[file].get_slice(key)[start:stop]  # reads those rows' bytes only
         except (SafetensorError, OSError) as err:
             raise CorruptCheckpointError(f"Cannot read tensor {name!r} from {file.name} of {self.ref.name!r}: {err}")
 

@@ -251,7 +251,7 @@ def elect_and_merge(
     q = stacked.shape[0]
     flat, out = stacked.view(q, -1), torch.empty(stacked.shape[1:], dtype=stacked.dtype, device=stacked.device)
     out_flat, alpha_flat = out.view(-1), alpha.view(q, 1)
-    chunk = max(_ALIGN, _CHUNK_NUMEL // q // _ALIGN * _ALIGN) if stacked.device.type == "cpu" else flat.shape[1]
+    chunk = elect_chunk_numel(q) if stacked.device.type == "cpu" else flat.shape[1]
 
     def piece(cols: slice) -> None:
         for start in range(cols.start, cols.stop, chunk):
@@ -260,6 +260,12 @@ def elect_and_merge(
 
     parallel.active().split(piece, flat.shape[1], min_piece=_SPLIT_MIN_NUMEL // q, align=chunk)
     return out
+
+
+def elect_chunk_numel(q: int) -> int:
+    """Entries per source that :func:`elect_and_merge` handles at a time on CPU (a multiple of 4096). A caller that
+    merges one tensor in flat pieces starting at multiples of it gets the same chunks, hence the same bits."""
+    return max(_ALIGN, _CHUNK_NUMEL // q // _ALIGN * _ALIGN)
 
 
 def _elect_and_merge(stacked: torch.Tensor, alpha: torch.Tensor, elect: str, divide_by: str,
@@ -358,3 +364,27 @@ class ExactKthLargest:
         low = int(idx[-1]) if len(idx) else 0
         bits = torch.tensor([(self.bucket << 16) | low], dtype=torch.int32)
         return bits.view(torch.float32).item()
+
+
+def streamed_thresholds(chunks, counts: Sequence[int], numel: int) -> list[float]:
+    """Per task, the ``counts[i]``-th largest ``|τ_i|`` of one tensor seen as flat chunks: the value
+    :func:`magnitude_threshold` gives on the whole tensor (``+inf`` for a count ≤ 0, ``-inf`` for one ≥ ``numel``).
+
+    ``chunks()`` yields, for each consecutive piece of the tensor, the list of the q task vectors' float32 pieces;
+    it is called twice (the two passes of :class:`ExactKthLargest`), so no whole task vector is ever held.
+    """
+    values = [float("inf") if m <= 0 else float("-inf") for m in counts]
+    active = {i: ExactKthLargest(m) for i, m in enumerate(counts) if 0 < m < numel}
+    if not active:
+        return values
+    for taus in chunks():
+        for i, selector in active.items():
+            selector.add_pass1(taus[i].abs())
+    for selector in active.values():
+        selector.finish_pass1()
+    for taus in chunks():
+        for i, selector in active.items():
+            selector.add_pass2(taus[i].abs())
+    for i, selector in active.items():
+        values[i] = selector.value()
+    return values
