@@ -262,12 +262,17 @@ class TensorMerger:
 
         Pass 1 checks the sources and whether any changed the tensor, and (with ``counts``) pass 2 finds each task
         vector's threshold over the whole tensor; the last pass merges each piece and writes it into the model."""
-        from ..methods.ops import streamed_thresholds
+        from ..methods.ops import sample_positions, streamed_thresholds
 
         target = self.targets[name]
-        changed = False
-        for _, base, sources in self._chunks(name):
+        changed, positions = False, sample_positions(target.numel()).to(self.device) if counts else None
+        samples: list[list[torch.Tensor]] = [[] for _ in self.inputs.sources]
+        for piece, base, sources in self._chunks(name):
             changed = changed or not all(torch.equal(s, base) for s in sources)
+            if positions is not None:  # |τ_i| at the sample positions inside this piece
+                at = positions[(positions >= piece.start) & (positions < piece.stop)] - piece.start
+                for kept, source in zip(samples, sources):
+                    kept.append((source[at] - base[at]).abs())
         if not changed and self.method.zero_delta_is_base:
             if torch.isfinite(target.sum()) or torch.isfinite(target).all():
                 self.checked.add(name)  # merged = base: the model already holds it
@@ -277,7 +282,8 @@ class TensorMerger:
             for _, base, sources in self._chunks(name):
                 yield [s.sub_(base) for s in sources]
 
-        thresholds = streamed_thresholds(taus, counts, target.numel()) if counts else []
+        thresholds = streamed_thresholds(taus, counts, target.numel(), [torch.cat(k) for k in samples]) if counts \
+            else []
         finite, peak, flat = True, 0.0, target.view(-1)
         for piece, base, sources in self._chunks(name):
             merged = self.method.merge_chunk(name, base, sources, ctx, thresholds)

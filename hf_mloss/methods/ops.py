@@ -366,25 +366,55 @@ class ExactKthLargest:
         return bits.view(torch.float32).item()
 
 
-def streamed_thresholds(chunks, counts: Sequence[int], numel: int) -> list[float]:
+def sample_positions(numel: int) -> torch.Tensor:
+    """Sorted, seeded positions of a tensor of ``numel`` entries whose |τ| :func:`streamed_thresholds` samples."""
+    generator = torch.Generator().manual_seed(numel)
+    return torch.randint(numel, (_BRACKET_SAMPLE,), generator=generator).sort().values
+
+
+def streamed_thresholds(chunks, counts: Sequence[int], numel: int, samples: Sequence[torch.Tensor]) -> list[float]:
     """Per task, the ``counts[i]``-th largest ``|τ_i|`` of one tensor seen as flat chunks: the value
     :func:`magnitude_threshold` gives on the whole tensor (``+inf`` for a count ≤ 0, ``-inf`` for one ≥ ``numel``).
 
     ``chunks()`` yields, for each consecutive piece of the tensor, the list of the q task vectors' float32 pieces;
-    it is called twice (the two passes of :class:`ExactKthLargest`), so no whole task vector is ever held.
+    ``samples[i]``: ``|τ_i|`` at :func:`sample_positions`. As in :func:`magnitude_threshold`, the sample's quantiles
+    bracket the target: one pass counts the entries above the bracket and keeps those inside, and a selection among
+    them is exact whenever the counts prove the target inside; a task whose bracket missed takes the two passes of
+    :class:`ExactKthLargest`. No whole task vector is ever held.
     """
     values = [float("inf") if m <= 0 else float("-inf") for m in counts]
-    active = {i: ExactKthLargest(m) for i, m in enumerate(counts) if 0 < m < numel}
-    if not active:
-        return values
+    active = [i for i, m in enumerate(counts) if 0 < m < numel]
+    bounds = {}
+    for i in active:
+        q = 1.0 - counts[i] / numel
+        margin = 5.0 * (q * (1.0 - q) / samples[i].numel()) ** 0.5
+        bounds[i] = torch.quantile(samples[i].float(), torch.tensor([max(q - margin, 0.0), min(q + margin, 1.0)])
+                                   ).tolist()
+    above, inside = dict.fromkeys(active, 0), {i: [] for i in active}
     for taus in chunks():
-        for i, selector in active.items():
-            selector.add_pass1(taus[i].abs())
-    for selector in active.values():
-        selector.finish_pass1()
-    for taus in chunks():
-        for i, selector in active.items():
-            selector.add_pass2(taus[i].abs())
-    for i, selector in active.items():
-        values[i] = selector.value()
+        for i in active:
+            lo, hi = bounds[i]
+            magnitude = taus[i].abs_()
+            in_bracket = magnitude <= hi
+            above[i] += magnitude.numel() - int(torch.count_nonzero(in_bracket))
+            inside[i].append(magnitude[in_bracket.logical_and_(magnitude >= lo)])
+    missed = []
+    for i in active:
+        kept, rank = torch.cat(inside.pop(i)), counts[i] - above[i]
+        if 0 < rank <= kept.numel():
+            values[i] = kept.kthvalue(kept.numel() - rank + 1).values.item()
+        else:
+            missed.append(i)
+    if missed:
+        selectors = {i: ExactKthLargest(counts[i]) for i in missed}
+        for taus in chunks():
+            for i, selector in selectors.items():
+                selector.add_pass1(taus[i].abs())
+        for selector in selectors.values():
+            selector.finish_pass1()
+        for taus in chunks():
+            for i, selector in selectors.items():
+                selector.add_pass2(taus[i].abs())
+        for i, selector in selectors.items():
+            values[i] = selector.value()
     return values
