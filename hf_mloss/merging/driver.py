@@ -1,7 +1,9 @@
 """``merge()`` and the merge driver: tensor by tensor for data-free methods, block by block for data-guided ones.
 
 Memory: the merged model (loaded from the base, in float32) plus, at any time, the q sources' copies of ONE tensor
-(data-free methods) or of one block's scored linear (data-guided methods). Source checkpoints are read lazily.
+(data-free methods) or of one block's scored linear (data-guided methods). Source checkpoints are read lazily. A
+tensor too large for q float32 copies (an LLM's embedding) is merged in flat pieces when the method allows it
+(:meth:`~hf_mloss.methods.MergeMethod.chunk_keep_counts`), with the same bits as whole.
 The driver names no method: a data-guided method supplies :class:`~hf_mloss.methods.LayerHooks` that decide what
 is merged while the M-Loss scorer walks the blocks.
 """
@@ -216,7 +218,6 @@ class TensorMerger:
             check_fits(name, float(merged.abs().max()), target.dtype)  # before the rounding hides an overflow
         target.copy_(merged)
         return name
-
 
     def _chunk_counts(self, name: str, ctx: MergeContext) -> list[int] | None:
         """The method's per-source keep counts when ``name`` is large enough to merge in chunks, else None."""
