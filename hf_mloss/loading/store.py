@@ -5,9 +5,9 @@ A :class:`CheckpointStore` indexes the weight file(s) of a model folder (safeten
 time: safetensors with ``safe_open`` (``pread`` backend: bytes land in a fresh buffer instead of staying mapped, so
 resident memory stays honest; :meth:`~TensorStore.get_rows` preads only a row range's bytes), ``.bin`` files with the
 restricted unpickler (``torch.load(weights_only=True, mmap=True)``: it cannot run code, and zip-format files are
-mapped, not read whole). A ``.bin`` file that only the full unpickler could read is refused. Buffers the model class does not save (``position_ids``, which 2021-era
-checkpoints still hold) are left out, so checkpoints compare on what the class persists. :class:`ModuleStore` offers
-the same interface over a model already in memory.
+mapped, not read whole). A ``.bin`` file that only the full unpickler could read is refused. Buffers the model class
+does not save (``position_ids``, which 2021-era checkpoints still hold) are left out, so checkpoints compare on what
+the class persists. :class:`ModuleStore` offers the same interface over a model already in memory.
 """
 
 from __future__ import annotations
