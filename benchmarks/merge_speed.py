@@ -6,7 +6,8 @@ What it does (every timed run is its own child process, so wall time, CPU time a
 1. Creates, or reuses from the cache, a seeded random-init CLIP vision tower and q "fine-tunes". Each fine-tune is
    the base plus a task vector: per tensor, ``1e-3 * s * randn`` with a log-uniform scale ``s`` in [0.3, 3].
    They are saved with ``save_pretrained`` (fp32 safetensors) plus a ``CLIPImageProcessorPil`` config. Also
-   creates ``--num-samples`` random images as a preprocessed ``[N, 3, H, W]`` tensor (uniform RGB, CLIP mean/std).
+   creates ``--num-samples`` random images as a preprocessed ``[N, 3, H, W]`` tensor (uniform RGB, CLIP mean/std);
+   decoder shapes: random token sequences instead (see below).
 2. Runs the selected runs ``--repeats`` times (default 3), all in this invocation, one repeat after the other:
    * ``forward``: plain fp32 ``CLIPVisionModel`` forward passes of the base over the images, under
      ``torch.inference_mode``, alternating torch's default thread count and one thread. F is the fastest pass.
