@@ -251,6 +251,10 @@ def header_lines(p: dict) -> list[str]:
     ]
 
 
+DATA_RUNS = (*MEASURE_RUNS, "m_ties", "m_ties_bf16", "select_m_ties")
+"""The runs that read the scoring data (images or token sequences)."""
+
+
 def is_decoder(p: dict) -> bool:
     return (p.get("inputs") or {}).get("kind") == "decoder"
 
@@ -262,12 +266,14 @@ def inputs_line(p: dict, q: int, model_mb: float) -> str:
     params = p["models"]["num_params"] / 1e6
     if is_decoder(p):
         i = p["inputs"]
+        used = any(name.split("@")[0] in DATA_RUNS for rep in p["repeats"] for name in rep["runs"])
+        data = (f"{p['num_samples']} random token sequences × {i['seq_len']} tokens ({i['data']}), batch "
+                f"{p['batch_size']}" if used else "no data (data-free merges only)")
         return (f"- Inputs: random-init {i['family']} decoder (`*ForCausalLM`; {params:.2f} M params, vocab "
                 f"{i['vocab_size']}, hidden {i['hidden_size']}, {i['num_hidden_layers']} blocks, "
                 f"{'tied' if i['tie_word_embeddings'] else 'untied'} input/output embeddings), {model_mb:.1f} MB "
-                f"{i['dtype']} safetensors each; {tv}, saved in {i['dtype']}; {p['num_samples']} random token "
-                f"sequences × {i['seq_len']} tokens ({i['data']}), batch {p['batch_size']}. Merges write "
-                f"{i['dtype']} (mergekit too). Checkpoints are in the page cache (warm reads).")
+                f"{i['dtype']} safetensors each; {tv}, saved in {i['dtype']}; {data}. Merges write {i['dtype']} "
+                "(mergekit too). Checkpoints are in the page cache (warm reads).")
     return (f"- Inputs: random-init CLIP vision tower ({params:.2f} M params, {model_mb:.1f} MB fp32 safetensors "
             f"each), {tv}; {p['num_samples']} random images (preprocessed tensor), batch {p['batch_size']}. "
             "Checkpoints are in the page cache (warm reads).")
