@@ -6,7 +6,8 @@ What it does (every timed run is its own child process, so wall time, CPU time a
 1. Creates, or reuses from the cache, a seeded random-init CLIP vision tower and q "fine-tunes". Each fine-tune is
    the base plus a task vector: per tensor, ``1e-3 * s * randn`` with a log-uniform scale ``s`` in [0.3, 3].
    They are saved with ``save_pretrained`` (fp32 safetensors) plus a ``CLIPImageProcessorPil`` config. Also
-   creates ``--num-samples`` random images as a preprocessed ``[N, 3, H, W]`` tensor (uniform RGB, CLIP mean/std).
+   creates ``--num-samples`` random images as a preprocessed ``[N, 3, H, W]`` tensor (uniform RGB, CLIP mean/std);
+   decoder shapes: random token sequences instead (see below).
 2. Runs the selected runs ``--repeats`` times (default 3), all in this invocation, one repeat after the other:
    * ``forward``: plain fp32 ``CLIPVisionModel`` forward passes of the base over the images, under
      ``torch.inference_mode``, alternating torch's default thread count and one thread. F is the fastest pass.
@@ -33,7 +34,12 @@ Examples::
     python benchmarks/merge_speed.py --shape qwen2.5-0.5b --q 4 --methods ties_tensor,ties_tensor_mk --peers mergekit
 
 Decoder shapes (``qwen2.5-0.5b``, ``qwen-tiny``) build a random ``Qwen2ForCausalLM`` in bf16 (tied embeddings) and
-its fine-tunes the same way; they have no images, so only data-free runs apply, and mergekit writes bf16 too.
+its fine-tunes the same way; mergekit writes bf16 too. Their data is ``--num-samples`` random token sequences of
+``--seq-len`` tokens (uniform ids, full attention mask), and ``forward`` is the bare decoder (``AutoModel``: the
+blocks the scorer walks, no ``lm_head``) in fp32, so the score floor is measured as for images::
+
+    python benchmarks/merge_speed.py --shape qwen2.5-0.5b --q 4 --num-samples 64 \
+        --methods forward,score,score_own,compatibility,ties_tensor --peers mergekit
 
 Internal: ``python benchmarks/merge_speed.py --child SPEC.json`` runs one timed job (used by the parent).
 """
@@ -106,7 +112,7 @@ HF_RUNS: dict[str, tuple[str, dict]] = {
     "ties_global": ("ties", dict(k=K, lam=1.0, scope="global")),  # hf_mloss default (global, exact two-pass)
     "dare": ("dare", dict(p=0.7, lam=1.0)),  # DARE-TIES, 1/p rescale
     "task_arithmetic": ("task_arithmetic", dict(lam=0.3)),
-    "m_ties": ("m_ties", dict(k=K, e=0.1, lam=1.0)),  # prefix="merged", 128 images
+    "m_ties": ("m_ties", dict(k=K, e=0.1, lam=1.0)),  # prefix="merged", on the shape's data
     "m_ties_bf16": ("m_ties", dict(k=K, e=0.1, lam=1.0, compute_dtype="bfloat16")),  # the same, bf16 scoring
     "select_m_ties": ("m_ties", dict(e=0.1, select="unlabeled", grid=SELECT_GRID)),  # label-free 3 x 3 selection
     "tsv_m": ("tsv_m", dict(lam=1.0)),  # per matrix: q batched SVDs + 2 polar SVDs
@@ -166,7 +172,7 @@ def child_main(spec_path: str) -> int:
 
     info: dict = {"import_s": time.perf_counter() - t0, "vmrss_after_import_mb": _proc_status_mb("VmRSS"),
                   "torch_threads": torch.get_num_threads(), "loadavg_start": os.getloadavg()}
-    pixels = torch.load(spec["data"], weights_only=True)[: spec["num_samples"]] if spec.get("data") else None
+    pixels = load_data(spec["data"], spec["num_samples"]) if spec.get("data") else None
     runner = {"forward": child_forward, "score": child_score, "merge": child_merge,
               "compatibility": child_compatibility}[spec["kind"]]
     runner(spec, pixels, info)
@@ -178,27 +184,44 @@ def child_main(spec_path: str) -> int:
     return 0
 
 
+def load_data(path: str, n: int):
+    """The first ``n`` samples: an image tensor ``[N, 3, H, W]``, or token ids ``{"input_ids", "attention_mask"}``."""
+    import torch
+
+    data = torch.load(path, weights_only=True)
+    return {k: v[:n] for k, v in data.items()} if isinstance(data, dict) else data[:n]
+
+
+def batches(data, size: int) -> list:
+    """``data`` in batches of ``size`` samples, each as the forward's keyword arguments."""
+    if isinstance(data, dict):
+        parts = {k: v.split(size) for k, v in data.items()}
+        return [{k: parts[k][i] for k in parts} for i in range(len(parts["input_ids"]))]
+    return [{"pixel_values": batch} for batch in data.split(size)]
+
+
 def child_forward(spec: dict, pixels, info: dict) -> None:
     """Forward passes alternating torch's default thread count and one thread; F is the fastest pass.
 
     On a shared machine OpenMP threads spin-wait for each other and one thread can be several times faster, so the
     floor is taken over both settings (never a slower denominator than a plain forward can reach)."""
     import torch
-    from transformers import CLIPVisionModel
+    from transformers import AutoModel, CLIPVisionModel
 
     device, default_threads = spec["device"], torch.get_num_threads()
     t1 = time.perf_counter()
-    model = CLIPVisionModel.from_pretrained(spec["base"], dtype=torch.float32).to(device).eval()
+    model_class = AutoModel if isinstance(pixels, dict) else CLIPVisionModel  # a decoder: its blocks, no lm_head
+    model = model_class.from_pretrained(spec["base"], dtype=torch.float32).to(device).eval()
     info.update(attn_implementation=model.config._attn_implementation, load_s=time.perf_counter() - t1)
     passes = []
     with torch.inference_mode():
         for threads in [default_threads, 1] * spec.get("repeats", 2) if device == "cpu" else [default_threads] * 2:
             torch.set_num_threads(threads)
-            model(pixel_values=pixels[:1].to(device))  # one-image warm-up (kernel selection), not timed
+            model(**{k: v[:1].to(device) for k, v in batches(pixels, 1)[0].items()})  # warm-up (kernel selection)
             _sync(device)
             ts, cs = time.perf_counter(), time.process_time()
-            for batch in pixels.split(spec["batch_size"]):
-                model(pixel_values=batch.to(device))
+            for batch in batches(pixels, spec["batch_size"]):
+                model(**{k: v.to(device) for k, v in batch.items()})
             _sync(device)
             passes.append({"threads": threads, "wall_s": time.perf_counter() - ts, "cpu_s": time.process_time() - cs})
     best = min(passes, key=lambda p: p["wall_s"])
@@ -489,6 +512,19 @@ def ensure_images(cache: Path, n: int, image_size: int, seed: int = 0) -> Path:
     return path
 
 
+def ensure_tokens(cache: Path, n: int, seq_len: int, vocab_size: int, seed: int = 0) -> Path:
+    """``n`` random token sequences of ``seq_len`` ids (uniform over the vocabulary, full attention mask)."""
+    import torch
+
+    path = cache / "tokens" / f"random_n{n}_t{seq_len}_v{vocab_size}_seed{seed}_v{GEN_VERSION}.pt"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        gen = torch.Generator().manual_seed(654_321 + seed)
+        ids = torch.randint(0, vocab_size, (n, seq_len), generator=gen)
+        torch.save({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, path)
+    return path
+
+
 def setup_main(spec: dict) -> dict:
     """Child job: create / reuse the models and images (kept out of the parent so that its RSS stays small)."""
     if spec["device"].startswith("cuda"):
@@ -498,8 +534,9 @@ def setup_main(spec: dict) -> dict:
             raise SystemExit("--device cuda but torch.cuda.is_available() is False")
     cache = Path(spec["cache"])
     base_dir, model_dirs, info = ensure_models(cache, spec["shape"], spec["layers"], spec["q"])
-    images = None if is_decoder(spec["shape"]) else \
-        ensure_images(cache, spec["num_samples"], SHAPES[spec["shape"]]["image_size"])
+    shape = SHAPES[spec["shape"]]
+    images = ensure_tokens(cache, spec["num_samples"], spec["seq_len"], shape["vocab_size"]) if is_decoder(
+        spec["shape"]) else ensure_images(cache, spec["num_samples"], shape["image_size"])
     return info | {"base": str(base_dir), "model_dirs": [str(p) for p in model_dirs],
                    "images": str(images) if images else None}
 
@@ -661,7 +698,7 @@ def make_plan(args) -> Plan:
 def create_inputs(plan: Plan) -> None:
     args = plan.args
     spec = dict(name="setup", kind="setup", device=args.device, cache=str(Path(args.cache).resolve()),
-                shape=args.shape, layers=args.layers, q=args.q, num_samples=args.num_samples)
+                shape=args.shape, layers=args.layers, q=args.q, num_samples=args.num_samples, seq_len=args.seq_len)
     setup = run_child(spec, plan.work, args.timeout)
     if "error" in setup:
         raise SystemExit(f"creating the inputs failed: {setup['error']}")
@@ -670,7 +707,7 @@ def create_inputs(plan: Plan) -> None:
     images = info.pop("images")
     plan.images, plan.models_info = (Path(images) if images else None), info
     _log(f"models under {info['root']} ({plan.model_mb:.1f} MB each; created {info['created'] or 'none'} in "
-         f"{info['create_s']} s); images {plan.images.name if plan.images else 'none (decoder: data-free runs)'}")
+         f"{info['create_s']} s); data {plan.images.name}")
 
 
 def hf_spec(plan: Plan, name: str, repeat: int, reference: bool = False) -> dict:
@@ -883,13 +920,30 @@ def build_payload(plan: Plan, repeats: list[dict], started: dict, killed: list[s
         "device": args.device, "num_samples": args.num_samples, "batch_size": args.batch_size, "k": K,
         "task_vectors": {"std": TV_STD, "per_tensor_scale": f"log-uniform in {list(TV_SPREAD)}"},
         "machine": machine_info(args) | started, "models": plan.models_info,
-        "images": {"path": str(plan.images), "kind": "uniform random RGB, CLIP-normalised, preprocessed tensor"},
+        "images": {"path": str(plan.images), "kind": "uniform random RGB, CLIP-normalised, preprocessed tensor"}
+        if not is_decoder(args.shape) else None,
+        "inputs": inputs_description(plan),
         "repeats": repeats, "rss_guard": {"limit_gb": args.rss_limit_gb, "killed": killed},
         "parent_peak_rss_mb_during_runs": parent_rss, "select_grid": SELECT_GRID,
         "shape_layers": SHAPES[args.shape]["num_hidden_layers"],
     }
     payload["summary"] = summarize_repeats(payload)
     return payload
+
+
+def inputs_description(plan: Plan) -> dict:
+    """What the runs were given, for the report's header (the model kind, dtype and data differ per shape)."""
+    args, shape, info = plan.args, SHAPES[plan.args.shape], plan.models_info
+    config = info["config"]
+    common = {"num_params": info["num_params"], "model_mb": info["model_bytes"] / 1e6, "q": args.q,
+              "num_samples": args.num_samples, "batch_size": args.batch_size}
+    if not is_decoder(args.shape):
+        return common | {"kind": "clip_vision", "dtype": "float32"}
+    return common | {"kind": "decoder", "family": shape["family"], "dtype": shape["dtype"],
+                     "vocab_size": config["vocab_size"], "hidden_size": config["hidden_size"],
+                     "num_hidden_layers": config["num_hidden_layers"],
+                     "tie_word_embeddings": config["tie_word_embeddings"], "seq_len": args.seq_len,
+                     "data": "uniform random token ids, full attention mask"}
 
 
 def write_results(plan: Plan, payload: dict) -> None:
@@ -912,6 +966,7 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     ap.add_argument("--num-samples", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (decoder shapes)")
     ap.add_argument("--methods", default=None,
                     help=f"comma-separated subset of {','.join(ALL_RUNS)} (default: {','.join(DEFAULT_RUNS)})")
     ap.add_argument("--repeats", type=int, default=3, help="times the whole set of runs is repeated (all kept)")

@@ -17,6 +17,8 @@ TARGETS = {
     "select_m_ties_vs_m_ties": 3.0,
     "l14_m_ties_rss_gb": 4.0,
 }
+DECODER_TARGETS = {"ties_tensor_vs_mergekit_wall": 0.5}
+"""The targets set otherwise for decoder shapes (data-free merges of a bf16 LLM against mergekit)."""
 HF_NAMES = ("ties_tensor", "ties_tensor_mk", "ties_global", "dare", "task_arithmetic", "m_ties", "m_ties_bf16",
             "select_m_ties", "ties_global_fb")
 MEASURE_RUNS = ("forward", "score", "score_bf16", "score_own", "compatibility")
@@ -77,13 +79,13 @@ def floor_figures(runs: dict, q: int) -> dict:
             "score_floor_s": (1 + q / 3) * child["inner_s"], "score_floor_cpu_s": (1 + q / 3) * child["inner_cpu_s"]}
 
 
-def mergekit_ratios(ratios: Ratios, runs: dict, q: int) -> None:
+def mergekit_ratios(ratios: Ratios, runs: dict, q: int, targets: dict = TARGETS) -> None:
     mk, tt, mt = runs.get("mergekit_ties"), runs.get("ties_tensor"), runs.get("m_ties")
     if not (_ok(mk) and mk.get("tasks") == q):
         return
     wall = "process wall incl. imports, load and save, both sides"
     if _ok(tt):
-        ratios.add("ties_tensor_vs_mergekit_wall", tt["wall_s"], mk["wall_s"], TARGETS["ties_tensor_vs_mergekit_wall"],
+        ratios.add("ties_tensor_vs_mergekit_wall", tt["wall_s"], mk["wall_s"], targets["ties_tensor_vs_mergekit_wall"],
                    wall)
         ratios.add("ties_tensor_vs_mergekit_rss", tt["max_rss_mb"], mk["max_rss_mb"],
                    TARGETS["ties_tensor_vs_mergekit_rss"], "peak RSS (os.wait4 ru_maxrss)")
@@ -178,7 +180,7 @@ def _summarize_runs(runs: dict, payload: dict) -> dict:
     q, model_mb = payload["q"], payload["models"]["model_bytes"] / 1e6
     floor = floor_figures(runs, q)
     ratios = Ratios()
-    mergekit_ratios(ratios, runs, q)
+    mergekit_ratios(ratios, runs, q, TARGETS | DECODER_TARGETS if is_decoder(payload) else TARGETS)
     floor_ratios(ratios, runs, floor)
     workload_ratios(ratios, runs)
     mt = runs.get("m_ties")
@@ -239,10 +241,7 @@ def header_lines(p: dict) -> list[str]:
         f"- Load average (1/5/15 min) at the start {_load(m['loadavg_start'])}, at the end {_load(m['loadavg_end'])}. "
         "Each table gives, per run, the cores other processes used while it ran (/proc/stat busy time minus the "
         "run's own CPU time).",
-        f"- Inputs: random-init CLIP vision tower ({p['models']['num_params'] / 1e6:.2f} M params, {model_mb:.1f} MB "
-        f"fp32 safetensors each), {q} fine-tunes = base + task vector (std {p['task_vectors']['std']}, per-tensor "
-        f"scale {p['task_vectors']['per_tensor_scale']}); {p['num_samples']} random images (preprocessed tensor), "
-        f"batch {p['batch_size']}. Checkpoints are in the page cache (warm reads).",
+        inputs_line(p, q, model_mb),
         f"- TIES everywhere: keep k = {p['k']} (mergekit density {p['k']}, fusion-bench threshold {p['k'] * 100:g}), "
         "λ = 1, disjoint mean.", "",
         "Wall, CPU (user+sys) and peak RSS are per process (`os.wait4` rusage of the child; peers measured by "
@@ -250,6 +249,34 @@ def header_lines(p: dict) -> list[str]:
         "saving. *inner* is the library call alone: `merge()`, `score()`, `compatibility()`, the forward loop, or "
         "fusion-bench's merge step.", "",
     ]
+
+
+DATA_RUNS = (*MEASURE_RUNS, "m_ties", "m_ties_bf16", "select_m_ties")
+"""The runs that read the scoring data (images or token sequences)."""
+
+
+def is_decoder(p: dict) -> bool:
+    return (p.get("inputs") or {}).get("kind") == "decoder"
+
+
+def inputs_line(p: dict, q: int, model_mb: float) -> str:
+    """What the runs were given: a CLIP vision tower on images, or a decoder on token sequences."""
+    tv = (f"{q} fine-tunes = base + task vector (std {p['task_vectors']['std']}, per-tensor scale "
+          f"{p['task_vectors']['per_tensor_scale']})")
+    params = p["models"]["num_params"] / 1e6
+    if is_decoder(p):
+        i = p["inputs"]
+        used = any(name.split("@")[0] in DATA_RUNS for rep in p["repeats"] for name in rep["runs"])
+        data = (f"{p['num_samples']} random token sequences × {i['seq_len']} tokens ({i['data']}), batch "
+                f"{p['batch_size']}" if used else "no data (data-free merges only)")
+        return (f"- Inputs: random-init {i['family']} decoder (`*ForCausalLM`; {params:.2f} M params, vocab "
+                f"{i['vocab_size']}, hidden {i['hidden_size']}, {i['num_hidden_layers']} blocks, "
+                f"{'tied' if i['tie_word_embeddings'] else 'untied'} input/output embeddings), {model_mb:.1f} MB "
+                f"{i['dtype']} safetensors each; {tv}, saved in {i['dtype']}; {data}. Merges write {i['dtype']} "
+                "(mergekit too). Checkpoints are in the page cache (warm reads).")
+    return (f"- Inputs: random-init CLIP vision tower ({params:.2f} M params, {model_mb:.1f} MB fp32 safetensors "
+            f"each), {tv}; {p['num_samples']} random images (preprocessed tensor), batch {p['batch_size']}. "
+            "Checkpoints are in the page cache (warm reads).")
 
 
 def reference_lines(p: dict) -> list[str]:
@@ -295,6 +322,8 @@ def runs_table_lines(rep: dict, p: dict) -> list[str]:
              "| others' cores |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, res in rep["runs"].items():
         label, tasks = DESCRIPTIONS.get(name, name), res.get("tasks", q)
+        if name == "forward" and is_decoder(p):
+            label = "plain bare-decoder forward (AutoModel, fp32, inference_mode, no lm_head); inner = fastest pass"
         if "skipped" in res or "error" in res:
             what = f"skipped: {res['skipped']}" if "skipped" in res else f"FAILED: {res['error'][:200]!r}"
             lines.append(f"| {name} | {label} | {tasks} | {what} | | | | | | |")
@@ -312,7 +341,9 @@ def forward_line(rep: dict, summary: dict, p: dict) -> list[str]:
     if not _ok(fwd) or "forward_s" not in summary:
         return []
     passes = ", ".join(f"{x['wall_s']:.2f} s ({x.get('threads', '?')} thr)" for x in fwd["child"]["passes"])
-    return [f"Forward F = {summary['forward_s']:.2f} s for {p['num_samples']} images, the fastest pass (passes: "
+    what = (f"sequences of {p['inputs']['seq_len']} tokens (bare decoder, fp32, no lm_head)" if is_decoder(p) else
+            "images")
+    return [f"Forward F = {summary['forward_s']:.2f} s for {p['num_samples']} {what}, the fastest pass (passes: "
             f"{passes}; attention {fwd['child'].get('attn_implementation')}). Scoring floor (1 + q/3)·F = "
             f"{summary['floor_forwards']:.2f} × F = {summary['score_floor_s']:.1f} s.", ""]
 

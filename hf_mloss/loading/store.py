@@ -3,17 +3,18 @@
 A :class:`CheckpointStore` indexes the weight file(s) of a model folder (safetensors, single or sharded, else
 ``pytorch_model.bin`` files), maps every key to its canonical name through the adapter, and reads tensors one at a
 time: safetensors with ``safe_open`` (``pread`` backend: bytes land in a fresh buffer instead of staying mapped, so
-resident memory stays honest), ``.bin`` files with the restricted unpickler (``torch.load(weights_only=True,
-mmap=True)``: it cannot run code, and zip-format files are mapped, not read whole). A ``.bin`` file that only the
-full unpickler could read is refused. Buffers the model class does not save (``position_ids``, which 2021-era
-checkpoints still hold) are left out, so checkpoints compare on what the class persists. :class:`ModuleStore` offers
-the same interface over a model already in memory.
+resident memory stays honest; :meth:`~TensorStore.get_rows` preads only a row range's bytes), ``.bin`` files with the
+restricted unpickler (``torch.load(weights_only=True, mmap=True)``: it cannot run code, and zip-format files are
+mapped, not read whole). A ``.bin`` file that only the full unpickler could read is refused. Buffers the model class
+does not save (``position_ids``, which 2021-era checkpoints still hold) are left out, so checkpoints compare on what
+the class persists. :class:`ModuleStore` offers the same interface over a model already in memory.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import pickle
 from collections.abc import Mapping
 from pathlib import Path
@@ -49,6 +50,10 @@ class TensorStore:
     def get(self, name: str) -> torch.Tensor:
         raise NotImplementedError
 
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` (along dim 0) of a tensor, without reading the rest where the format allows."""
+        return self.get(name)[start:stop]
+
     def get_float(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
         """The tensor as float32 on ``device`` (merges compute in float32 whatever the stored dtype)."""
         return self.get(name).to(device=device, dtype=torch.float32)
@@ -68,6 +73,7 @@ class CheckpointStore(TensorStore):
         self.shapes = {}
         self.dtypes = {}
         self._handles: dict[Path, object] = {}
+        self._offsets: dict[Path, dict[str, int]] = {}
         self._pickle_states: dict[Path, Mapping[str, torch.Tensor]] = {}
         self._unsaved = unsaved_buffers(adapter)
         weights = find_weights(folder, allow_pickle=allow_pickle)
@@ -122,6 +128,7 @@ class CheckpointStore(TensorStore):
                 "file; download it again (for Hub models: huggingface-cli download --force-download ...)."
             ) from err
         self._handles[file] = handle
+        self._offsets[file] = safetensors_offsets(file)
         return entries
 
     # ------------------------------------------------------------------ reading
@@ -133,6 +140,26 @@ class CheckpointStore(TensorStore):
             return self._handles[file].get_tensor(key)
         except (SafetensorError, OSError) as err:
             raise CorruptCheckpointError(f"Cannot read tensor {name!r} from {file.name} of {self.ref.name!r}: {err}")
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        file, key = self._locations[name]
+        if self.is_pickle:
+            return self._pickle_states[file][key][start:stop].clone()
+        shape, dtype = self.shapes[name], self.dtypes[name]
+        start, stop = max(0, min(start, shape[0])), max(0, min(stop, shape[0]))
+        rows = torch.empty((max(stop - start, 0), *shape[1:]), dtype=dtype)
+        offset = self._offsets[file][key] + start * rows[0:1].nbytes if rows.numel() else 0
+        try:  # pread those rows' bytes straight into the tensor: nothing else is read, nothing stays mapped
+            with open(file, "rb", buffering=0) as handle:
+                view, done = memoryview(rows.view(torch.uint8).numpy()).cast("B"), 0
+                while done < len(view):
+                    got = os.preadv(handle.fileno(), [view[done:]], offset + done)
+                    if got <= 0:
+                        raise OSError(f"file ends {len(view) - done} bytes early")
+                    done += got
+        except OSError as err:
+            raise CorruptCheckpointError(f"Cannot read tensor {name!r} from {file.name} of {self.ref.name!r}: {err}")
+        return rows
 
     def close(self) -> None:
         self._handles.clear()
@@ -161,6 +188,14 @@ class ModuleStore(TensorStore):
 
     def __repr__(self) -> str:
         return f"ModuleStore({self.ref.name!r}, tensors={len(self.shapes)})"
+
+
+def safetensors_offsets(file: Path) -> dict[str, int]:
+    """Absolute byte offset of every tensor's data in a safetensors file (from its JSON header)."""
+    with open(file, "rb") as handle:
+        size = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(size))
+    return {key: 8 + size + info["data_offsets"][0] for key, info in header.items() if key != "__metadata__"}
 
 
 def load_pickle_state(file: Path, model_name: str) -> Mapping[str, torch.Tensor]:

@@ -152,6 +152,22 @@ class MergeMethod:
                      ) -> torch.Tensor:
         raise NotImplementedError
 
+    def chunk_keep_counts(self, numel: int, ctx: MergeContext) -> list[int] | None:
+        """Whether a tensor of ``numel`` entries may be merged in flat chunks (what :meth:`merge_chunk` needs).
+
+        A method whose merge is element-wise once each task vector's magnitude threshold over the whole tensor is
+        known returns, per source, how many entries of ``|τ_i|`` that threshold keeps (an empty list when it needs
+        no per-tensor threshold). The driver then merges a large tensor (a 151936 × 896 embedding) chunk by chunk,
+        never holding q float32 copies of it. ``None`` (the default): the tensor is merged whole.
+        """
+        return None
+
+    def merge_chunk(self, name: str, base: torch.Tensor, sources: list[torch.Tensor], ctx: MergeContext,
+                    thresholds: list[float]) -> torch.Tensor:
+        """:meth:`merge_tensor`'s values on one flat chunk; ``thresholds[i]``: the ``counts[i]``-th largest
+        ``|τ_i|`` of the whole tensor (``counts`` from :meth:`chunk_keep_counts`)."""
+        raise NotImplementedError(f"method {self.name!r} merges whole tensors only")
+
     def scoring_options(self, params: MethodParams) -> ScoringOptions:
         """How a data-guided method's M-Loss is measured (its parameters usually extend ``ScoringOptions``)."""
         return params.scoring_options()  # type: ignore[attr-defined]

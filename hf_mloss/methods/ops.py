@@ -251,7 +251,7 @@ def elect_and_merge(
     q = stacked.shape[0]
     flat, out = stacked.view(q, -1), torch.empty(stacked.shape[1:], dtype=stacked.dtype, device=stacked.device)
     out_flat, alpha_flat = out.view(-1), alpha.view(q, 1)
-    chunk = max(_ALIGN, _CHUNK_NUMEL // q // _ALIGN * _ALIGN) if stacked.device.type == "cpu" else flat.shape[1]
+    chunk = elect_chunk_numel(q) if stacked.device.type == "cpu" else flat.shape[1]
 
     def piece(cols: slice) -> None:
         for start in range(cols.start, cols.stop, chunk):
@@ -260,6 +260,12 @@ def elect_and_merge(
 
     parallel.active().split(piece, flat.shape[1], min_piece=_SPLIT_MIN_NUMEL // q, align=chunk)
     return out
+
+
+def elect_chunk_numel(q: int) -> int:
+    """Entries per source that :func:`elect_and_merge` handles at a time on CPU (a multiple of 4096). A caller that
+    merges one tensor in flat pieces starting at multiples of it gets the same chunks, hence the same bits."""
+    return max(_ALIGN, _CHUNK_NUMEL // q // _ALIGN * _ALIGN)
 
 
 def _elect_and_merge(stacked: torch.Tensor, alpha: torch.Tensor, elect: str, divide_by: str,
@@ -358,3 +364,57 @@ class ExactKthLargest:
         low = int(idx[-1]) if len(idx) else 0
         bits = torch.tensor([(self.bucket << 16) | low], dtype=torch.int32)
         return bits.view(torch.float32).item()
+
+
+def sample_positions(numel: int) -> torch.Tensor:
+    """Sorted, seeded positions of a tensor of ``numel`` entries whose |τ| :func:`streamed_thresholds` samples."""
+    generator = torch.Generator().manual_seed(numel)
+    return torch.randint(numel, (_BRACKET_SAMPLE,), generator=generator).sort().values
+
+
+def streamed_thresholds(chunks, counts: Sequence[int], numel: int, samples: Sequence[torch.Tensor]) -> list[float]:
+    """Per task, the ``counts[i]``-th largest ``|τ_i|`` of one tensor seen as flat chunks: the value
+    :func:`magnitude_threshold` gives on the whole tensor (``+inf`` for a count ≤ 0, ``-inf`` for one ≥ ``numel``).
+
+    ``chunks()`` yields, for each consecutive piece of the tensor, the list of the q task vectors' float32 pieces;
+    ``samples[i]``: ``|τ_i|`` at :func:`sample_positions`. As in :func:`magnitude_threshold`, the sample's quantiles
+    bracket the target: one pass counts the entries above the bracket and keeps those inside, and a selection among
+    them is exact whenever the counts prove the target inside; a task whose bracket missed takes the two passes of
+    :class:`ExactKthLargest`. No whole task vector is ever held.
+    """
+    values = [float("inf") if m <= 0 else float("-inf") for m in counts]
+    active = [i for i, m in enumerate(counts) if 0 < m < numel]
+    bounds = {}
+    for i in active:
+        q = 1.0 - counts[i] / numel
+        margin = 5.0 * (q * (1.0 - q) / samples[i].numel()) ** 0.5
+        bounds[i] = torch.quantile(samples[i].float(), torch.tensor([max(q - margin, 0.0), min(q + margin, 1.0)])
+                                   ).tolist()
+    above, inside = dict.fromkeys(active, 0), {i: [] for i in active}
+    for taus in chunks():
+        for i in active:
+            lo, hi = bounds[i]
+            magnitude = taus[i].abs_()
+            in_bracket = magnitude <= hi
+            above[i] += magnitude.numel() - int(torch.count_nonzero(in_bracket))
+            inside[i].append(magnitude[in_bracket.logical_and_(magnitude >= lo)])
+    missed = []
+    for i in active:
+        kept, rank = torch.cat(inside.pop(i)), counts[i] - above[i]
+        if 0 < rank <= kept.numel():
+            values[i] = kept.kthvalue(kept.numel() - rank + 1).values.item()
+        else:
+            missed.append(i)
+    if missed:
+        selectors = {i: ExactKthLargest(counts[i]) for i in missed}
+        for taus in chunks():
+            for i, selector in selectors.items():
+                selector.add_pass1(taus[i].abs())
+        for selector in selectors.values():
+            selector.finish_pass1()
+        for taus in chunks():
+            for i, selector in selectors.items():
+                selector.add_pass2(taus[i].abs())
+        for i, selector in selectors.items():
+            values[i] = selector.value()
+    return values

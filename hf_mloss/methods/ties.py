@@ -133,6 +133,34 @@ class Ties(MergeMethod):
         return base + params.lam * merged
 
 
+    def chunk_keep_counts(self, numel: int, ctx: MergeContext) -> list[int] | None:
+        from .ops import keep_count
+
+        params: TiesParams = ctx.params
+        if params.resolved_scope == "global":
+            return []  # the thresholds are the whole model's, known before any tensor is merged
+        rules = params.rules
+        if rules.exact_k:
+            return None  # argsort order at ties: needs the whole tensor
+        return [keep_count(numel, params.k, min_keep=rules.min_keep, extra=rules.extra_keep)] * len(ctx.weights)
+
+    def merge_chunk(self, name, base, sources, ctx: MergeContext, thresholds: list[float]) -> torch.Tensor:
+        import torch
+
+        from .ops import elect_and_merge, trim_by_threshold_
+
+        params: TiesParams = ctx.params
+        if params.resolved_scope == "global":
+            thresholds = ctx.state["thresholds"]
+        # the same steps as merge_tensor, a per-tensor trim keeping |τ| >= its whole-tensor threshold
+        taus = torch.stack(sources).sub_(base)
+        for tau, threshold in zip(taus, thresholds):
+            trim_by_threshold_(tau, threshold)
+        merged = elect_and_merge(taus, ctx.weights, elect=params.rules.elect, divide_by=params.rules.divide_by,
+                                 zero_positive=ctx.state.get("zero_positive", True))
+        return base + params.lam * merged
+
+
 def global_thresholds(ctx: MergeContext, visit, keep: float, *, extra: int = 0, budget: str = "all"
                       ) -> list[float]:
     """Per task vector, the exact magnitude threshold of a global top-``keep`` trim (two streaming passes).

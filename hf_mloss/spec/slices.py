@@ -175,6 +175,10 @@ class SlicedStore(TensorStore):
         store, source = self._mapping[name]
         return store.get(source)
 
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        store, source = self._mapping[name]
+        return store.get_rows(source, start, stop)
+
     def get_float(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
         store, source = self._mapping[name]
         return store.get_float(source, device)

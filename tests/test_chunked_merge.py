@@ -1,0 +1,146 @@
+"""Large tensors merged in flat pieces (`TensorMerger._merge_in_chunks`): the same bits as merging them whole.
+
+The driver merges a tensor whose q sources hold ≥ ``CHUNKED_MIN_NUMEL`` entries piece by piece when the method allows
+(TIES): per-tensor thresholds come from :func:`streamed_thresholds`, the rest is element-wise. These tests lower the
+size limits so that a tiny decoder's tensors take that path, and compare every output bit with the whole-tensor path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import hf_mloss
+from examples.tiny import save_with_finetunes, tiny_decoder
+from hf_mloss.errors import CorruptCheckpointError
+from hf_mloss.merging import driver
+from hf_mloss.methods.ops import magnitude_threshold, sample_positions, streamed_thresholds
+
+# An embedding of 3001 x 96 entries: pieces of 32768 entries (q = 4) cut it inside rows, and its last piece is short.
+MERGE_IN_CHUNKS = driver.TensorMerger._merge_in_chunks
+SHAPE = dict(vocab_size=3001, hidden_size=96, intermediate_size=200, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(-1).view(torch.uint8)
+
+
+def _pieces(tensors: list[torch.Tensor], step: int):
+    """``chunks`` for streamed_thresholds: the task vectors in consecutive flat pieces."""
+    def chunks():
+        for start in range(0, tensors[0].numel(), step):
+            yield [t.reshape(-1)[start:start + step].clone() for t in tensors]
+    return chunks
+
+
+@pytest.mark.parametrize("step", [1000, 4096, 10**6])
+def test_streamed_thresholds_equal_the_whole_tensor_selection(step) -> None:
+    generator = torch.Generator().manual_seed(0)
+    # bf16-rounded values: many equal magnitudes, as in a real bf16 task vector
+    taus = [(torch.randn(300, 70, generator=generator) * 1e-3).bfloat16().float() for _ in range(3)]
+    numel = taus[0].numel()
+    samples = [t.reshape(-1)[sample_positions(numel)].abs() for t in taus]
+    for counts in ([int(numel * 0.2)] * 3, [1, numel // 2, numel - 1], [0, numel, 5]):
+        got = streamed_thresholds(_pieces(taus, step), counts, numel, samples)
+        want = [magnitude_threshold(t.abs(), m) for t, m in zip(taus, counts)]
+        assert got == want
+
+
+def test_streamed_thresholds_fall_back_when_the_sample_misses() -> None:
+    generator = torch.Generator().manual_seed(1)
+    taus = [torch.randn(50_000, generator=generator) for _ in range(2)]
+    counts = [10_000, 40_000]
+    # samples far from the target quantile: the bracket misses, the exact radix selection takes over
+    wrong = [torch.full((16384,), 100.0), torch.zeros(16384)]
+    got = streamed_thresholds(_pieces(taus, 7000), counts, 50_000, wrong)
+    assert got == [magnitude_threshold(t.abs(), m) for t, m in zip(taus, counts)]
+
+
+@pytest.fixture(scope="module")
+def decoder_sets(tmp_path_factory):
+    """bf16, tied embeddings, q = 4; fp32, untied, q = 3 (pieces of 40960 entries); and a set whose fine-tunes all
+    kept the base's embedding (a frozen tensor: the merge copies the base)."""
+    sets = {}
+    root = tmp_path_factory.mktemp("chunked")
+    base = tiny_decoder("qwen2", tie=True, **SHAPE).to(torch.bfloat16)
+    sets["bf16_tied"] = save_with_finetunes(base, root / "bf16", q=4)
+    base = tiny_decoder("llama", tie=False, **SHAPE)
+    sets["fp32_untied"] = save_with_finetunes(base, root / "fp32", q=3)
+    b, models = save_with_finetunes(tiny_decoder("qwen2", tie=True, **SHAPE), root / "frozen", q=2)
+    embed = load_file(b / "model.safetensors")["model.embed_tokens.weight"]
+    for folder in models:
+        state = load_file(folder / "model.safetensors")
+        state["model.embed_tokens.weight"] = embed.clone()
+        save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    sets["frozen_embedding"] = (b, models)
+    return sets
+
+
+def _merge(paths, monkeypatch, chunked: bool, **kwargs) -> tuple[dict, list[str]]:
+    base, models = paths
+    used: list[str] = []
+
+    def spy(self, name, *args):
+        used.append(name)
+        return MERGE_IN_CHUNKS(self, name, *args)
+
+    monkeypatch.setattr(driver.TensorMerger, "_merge_in_chunks", spy)
+    monkeypatch.setattr(driver, "CHUNKED_MIN_NUMEL", 1 if chunked else 1 << 60)
+    monkeypatch.setattr(driver, "MERGE_CHUNK_NUMEL", 1)  # one elect_and_merge chunk per piece: many pieces
+    result = hf_mloss.merge(str(base), [str(m) for m in models], "ties", progress=False, **kwargs)
+    return result.model.state_dict(), used
+
+
+@pytest.mark.parametrize("which", ["bf16_tied", "fp32_untied", "frozen_embedding"])
+@pytest.mark.parametrize("kwargs", [dict(k=0.2, scope="tensor"), dict(k=0.2, scope="global"),
+                                    dict(k=0.3, convention="peft"), dict(k=0.2, convention="fusion_bench"),
+                                    dict(k=0.1, scope="tensor", lam=0.7, weights="ramp")],
+                         ids=["tensor", "global", "peft", "fusion_bench", "weights_lam"])
+def test_pieces_give_the_bits_of_the_whole_tensor_merge(decoder_sets, monkeypatch, which, kwargs) -> None:
+    paths = decoder_sets[which]
+    if kwargs.get("weights") == "ramp":
+        kwargs = dict(kwargs, weights=[0.5 + i for i in range(len(paths[1]))])
+    whole, used_whole = _merge(paths, monkeypatch, chunked=False, **kwargs)
+    pieces, used = _merge(paths, monkeypatch, chunked=True, **kwargs)
+    assert used_whole == [] and "model.embed_tokens.weight" in used
+    assert whole.keys() == pieces.keys()
+    assert [k for k in whole if not torch.equal(_bits(whole[k]), _bits(pieces[k]))] == []
+    if which == "frozen_embedding":  # no fine-tune changed it: the base's bits, whatever the method computes
+        base = load_file(paths[0] / "model.safetensors")["model.embed_tokens.weight"]
+        assert torch.equal(_bits(pieces["model.embed_tokens.weight"].to(base.dtype)), _bits(base))
+
+
+def test_mergekit_convention_merges_whole_tensors(decoder_sets, monkeypatch) -> None:
+    """mergekit keeps exactly floor(n·k) entries in argsort order, which needs the whole tensor at once."""
+    _, used = _merge(decoder_sets["bf16_tied"], monkeypatch, chunked=True, k=0.2, convention="mergekit")
+    assert used == []
+
+
+def test_non_finite_source_is_refused_with_its_count(decoder_sets, monkeypatch, tmp_path) -> None:
+    base, models = decoder_sets["bf16_tied"]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for file in models[0].iterdir():
+        (bad / file.name).write_bytes(file.read_bytes())
+    state = load_file(bad / "model.safetensors")
+    state["model.embed_tokens.weight"][2999, 5] = float("nan")
+    state["model.embed_tokens.weight"][7, 0] = float("inf")
+    save_file(state, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CorruptCheckpointError, match=r"embed_tokens.weight.*holds 2 non-finite"):
+        _merge((base, [bad, *models[1:]]), monkeypatch, chunked=True, k=0.2, scope="tensor")
+
+
+def test_checkpoint_store_reads_row_ranges(decoder_sets) -> None:
+    from transformers import AutoConfig
+
+    from hf_mloss.adapters.registry import adapter_for
+    from hf_mloss.loading.hub import ModelRef
+    from hf_mloss.loading.store import CheckpointStore
+
+    base, _ = decoder_sets["bf16_tied"]
+    store = CheckpointStore(ModelRef(path=str(base)), adapter_for(AutoConfig.from_pretrained(base)))
+    name = "model.embed_tokens.weight"
+    whole = store.get(name)
+    assert torch.equal(store.get_rows(name, 5, 1234), whole[5:1234])
+    assert torch.equal(store.get_rows(name, 2990, 3001), whole[2990:])
