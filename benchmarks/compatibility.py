@@ -609,7 +609,13 @@ def run_study(args: argparse.Namespace) -> None:
         study = Study(bench, args, log)
         record = {"suite": args.suite, "seeds": args.seeds, "models": study.names, "config": bench.info["config"],
                   "command": recorded_command(), "eval_images": args.eval_images, "num_samples": args.num_samples}
-        record["pairwise"] = pairwise_part(study, args)
+        if args.pairwise_from:  # (a) as an earlier run of the same study measured it (its record's JSON)
+            earlier = json.loads(Path(args.pairwise_from).read_text())
+            if earlier["models"] != study.names or earlier["num_samples"] != args.num_samples:
+                raise SystemExit(f"{args.pairwise_from} was measured on other fine-tunes or samples")
+            record["pairwise"], record["pairwise_from"] = earlier["pairwise"], earlier["command"]
+        else:
+            record["pairwise"] = pairwise_part(study, args)
         finish(record, load_start, start, args)  # (a) is written as soon as it is measured
         if not args.skip_regret:
             truncate(bench, args.regret_images)
@@ -736,6 +742,8 @@ def main(argv: list[str] | None = None) -> int:
     study.add_argument("--regret-replicates", type=int, default=None, help="replicates whose merges (b) uses (all)")
     study.add_argument("--regret-images", type=int, default=250, help="val/test images per task in (b)")
     study.add_argument("--skip-regret", action="store_true")
+    study.add_argument("--pairwise-from", type=Path, default=None,
+                       help="take (a) from an earlier record's JSON of the same study (then only (b) runs)")
     study.add_argument("--seed", type=int, default=0)
     study.add_argument("--threads", type=int, default=2)
     study.add_argument("--record", default=None, help="record name under benchmarks/results (default: from the suite)")
