@@ -647,6 +647,8 @@ def study_markdown(record: dict) -> str:
              f"layers {pw['layers'][0]} … {pw['layers'][-1]}: the fine-tuned blocks); {pw['num_subsets_scored']} "
              f"subsets scored in one compatibility() pass ({pw['compat_seconds']:.0f} s). Merges: uniform "
              f"average of the members; accuracy on {record['eval_images'] or 'all'} test samples per task.", "",
+             *([f"Part (a) taken from an earlier run of this study: `{record['pairwise_from']}`.", ""]
+               if "pairwise_from" in record else []),
              "## (a) Scores against merged accuracy", "",
              f"| observations | n | target | score | Spearman ρ | 95 % interval | permutation p | partial ρ given "
              f"{CONTROL} | its permutation p | same-task AUC |",
