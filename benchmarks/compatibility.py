@@ -366,11 +366,29 @@ def correlation_tables(study: Study, observations: dict, lookup, subset_perms, a
     return rows
 
 
-REGRET_METHODS = {
-    "task_arithmetic": ({}, {"lam": [0.2, 0.3, 0.5, 0.7, 1.0]}),
-    "ties": ({}, {"k": [0.2, 0.5, 0.8], "lam": [0.7, 1.0, 1.5]}),
-    "m_ties": ({"e": 0.1}, {"k": [0.2, 0.5, 0.8], "lam": [0.7, 1.0, 1.5]}),
-}
+REGRET_LABELS = ("task_arithmetic", "ties", "m_ties")
+"""The methods whose selection (b) judges, each as its suite runs it: the same fixed settings (TIES's budget rule,
+M-TIES's scored layers) and the same grid the suite searches on val labels, so the val choice is the suite's."""
+
+
+def regret_methods(bench, tasks: tuple[str, ...]) -> dict[str, tuple[str, dict, dict]]:
+    """label → (method, fixed parameters, grid) from the suite's own method specs for a merge of ``tasks`` (task
+    arithmetic's λ grid is scaled by 4 / the number of merged tasks, as the suite scales it)."""
+    import dataclasses
+
+    if hasattr(bench.cfg, "max_tokens"):  # the text suite
+        from benchmarks.suites.text import method_specs as text_specs
+
+        specs, _ = text_specs(dataclasses.replace(bench.cfg, tasks=tuple(tasks)), draws=0)
+    else:
+        from benchmarks.suites.run import method_specs
+
+        specs = method_specs(range(bench.cfg.frozen, bench.cfg.num_layers), "main", num_tasks=len(tasks),
+                             random_draws=0)
+    found = {s.label: (s.method, dict(s.params), dict(s.grid)) for s in specs if s.label in REGRET_LABELS}
+    return {label: found[label] for label in REGRET_LABELS if label in found}
+
+
 CRITERIA = ("mloss", "output (auto)", "entropy (auto)", "output (given)", "entropy (given)")
 
 
@@ -421,10 +439,12 @@ def instance_candidates(study: Study, instance, method: str, args: argparse.Name
     from hf_mloss.spec.selection import SelectionOptions
 
     seed, tasks, draw = instance
-    key = f"regret|{seed}|{','.join(tasks)}|{method}|{args.select_samples}" + (f"|draw{draw}" if draw else "")
+    name, fixed, grid = regret_methods(study.bench, tasks)[method]
+    described = json.dumps([name, fixed, grid], sort_keys=True, default=str)
+    key = (f"regret|{seed}|{','.join(tasks)}|{method}|{args.select_samples}" + (f"|draw{draw}" if draw else "")
+           + f"|{hashlib.sha1(described.encode()).hexdigest()[:8]}")
     if key in study.cache:
         return study.cache[key]
-    fixed, grid = REGRET_METHODS[method]
     rep = next(r for r in study.bench.replicates if r.seed == seed)
     shares = task_shares(study, tasks)
     data_seed = seed + 1000 * draw  # another draw: another order of the pool, so selection samples others
@@ -435,7 +455,7 @@ def instance_candidates(study: Study, instance, method: str, args: argparse.Name
     given = SelectionOptions(grid=grid, criterion="output", compare=("entropy",), heads=heads, share="given",
                              shares=shares, num_samples=args.select_samples)
     config = hf_mloss.MergeConfig.from_kwargs(str(study.bench.base_dir), [str(rep.finetuned[t]) for t in tasks],
-                                              method, data=pool, num_samples=len(pool), batch_size=32,
+                                              name, data=pool, num_samples=len(pool), batch_size=32,
                                               seed=data_seed, select=auto, **fixed)
     rows = []
     with open_inputs(config, needs_data=True, progress=False) as inputs:
@@ -464,28 +484,36 @@ def regret_part(study: Study, args: argparse.Namespace) -> dict:
     detail, table = [], []
     for instance in instances:
         study.log(f"regret instance: seed {instance[0]}, tasks {', '.join(instance[1])}, draw {instance[2]}")
-        for method in REGRET_METHODS:
+        for method, (name, fixed, grid) in regret_methods(study.bench, instance[1]).items():
             rows = instance_candidates(study, instance, method, args)
             detail.append({"seed": instance[0], "tasks": list(instance[1]), "draw": instance[2], "method": method,
-                           "candidates": rows})
-    for method in REGRET_METHODS:
-        runs = [d["candidates"] for d in detail if d["method"] == method]
+                           "params": fixed, "grid": grid, "candidates": rows})
+    methods = list(dict.fromkeys(d["method"] for d in detail))
+    for method in methods:
+        runs = [d for d in detail if d["method"] == method]
         choosers = {c: (lambda rows, c=c: min(rows, key=lambda r: r[c])) for c in CRITERIA}
         choosers["middle of the grid (no selection)"] = lambda rows: rows[(len(rows) - 1) // 2]
         choosers["oracle (best test)"] = lambda rows: max(rows, key=lambda r: r["test"])
         for name, choose in choosers.items():
-            regrets = [100 * (max(rows, key=lambda r: r["val"])["test"] - choose(rows)["test"]) for rows in runs]
-            agree = sum(choose(rows)["setting"] == max(rows, key=lambda r: r["val"])["setting"] for rows in runs)
-            edges = [grid_edge(choose(rows)["setting"], REGRET_METHODS[method][1]) for rows in runs]
+            regrets = [100 * (max(d["candidates"], key=lambda r: r["val"])["test"] - choose(d["candidates"])["test"])
+                       for d in runs]
+            agree = sum(choose(d["candidates"])["setting"] == max(d["candidates"], key=lambda r: r["val"])["setting"]
+                        for d in runs)
+            edges = [grid_edge(choose(d["candidates"])["setting"], d["grid"]) for d in runs]
             table.append({"method": method, "criterion": name, "mean_regret": sum(regrets) / len(regrets),
                           "max_regret": max(regrets), "min_regret": min(regrets), "agrees_with_val": agree,
                           "instances": len(runs), "regrets": regrets, "edges": edges,
                           "at_edge": sum(bool(e) for e in edges),
-                          "at_lowest_lam": sum("lam=min" in e.split(",") for e in edges)})
+                          "at_lowest_lam": sum("lam=min" in e.split(",") for e in edges),
+                          "at_highest_lam": sum("lam=max" in e.split(",") for e in edges)})
+    val_edges = {m: [grid_edge(max(d["candidates"], key=lambda r: r["val"])["setting"], d["grid"])
+                     for d in detail if d["method"] == m] for m in methods}
+    grids = {m: next(d["grid"] for d in detail if d["method"] == m and len(d["tasks"]) == len(study.bench.tasks))
+             for m in methods if any(d["method"] == m and len(d["tasks"]) == len(study.bench.tasks) for d in detail)}
     return {"instances": [{"seed": s, "tasks": list(t), "draw": d} for s, t, d in instances], "table": table,
-            "detail": detail, "draws": args.draws,
-            "grids": {m: g for m, (_, g) in REGRET_METHODS.items()}, "select_samples": args.select_samples,
-            "images": args.regret_images}
+            "detail": detail, "draws": args.draws, "val_choice_edges": val_edges,
+            "params": {m: next(d["params"] for d in detail if d["method"] == m) for m in methods},
+            "grids": grids, "select_samples": args.select_samples, "images": args.regret_images}
 
 
 # ------------------------------------------------------------------------------------------------- statistics
@@ -682,12 +710,20 @@ def regret_markdown(regret: dict) -> list[str]:
              f"first {regret.get('images') or 'all'} images per task. Grids: "
              + "; ".join(f"{m} {g}" for m, g in regret["grids"].items()) + ".", "",
              "| method | criterion | mean regret (points) | min … max | picks the val choice | at a grid edge | "
-             "at the lowest λ |", "|---|---|---|---|---|---|---|"]
+             "at the lowest λ | at the highest λ |", "|---|---|---|---|---|---|---|---|"]
     for row in regret["table"]:
         n = row["instances"]
         lines.append(f"| {row['method']} | {row['criterion']} | {row['mean_regret']:+.2f} | {row['min_regret']:+.2f} … "
                      f"{row['max_regret']:+.2f} | {row['agrees_with_val']}/{n} | {row.get('at_edge', '—')}/{n} | "
-                     f"{row.get('at_lowest_lam', '—')}/{n} |")
+                     f"{row.get('at_lowest_lam', '—')}/{n} | {row.get('at_highest_lam', '—')}/{n} |")
+    if "val_choice_edges" in regret:
+        lines += ["", "Where the val-label choice itself sits: " + "; ".join(
+            f"{m} {sum(bool(e) for e in edges)}/{len(edges)} at a grid edge"
+            + (f" ({', '.join(sorted(set(e for e in edges if e)))})" if any(edges) else "")
+            for m, edges in regret["val_choice_edges"].items()) + "."]
+    if "params" in regret:
+        lines += ["", "Fixed settings, as the suite runs them: " + "; ".join(
+            f"{m} {p}" for m, p in regret["params"].items()) + "."]
     lines += ["", "Regret = test accuracy (mean over the merged tasks) of the candidate chosen on val labels − that of "
               "the candidate the criterion chooses; negative = better than val. `auto`: each image compared with the "
               "expert it moves most (label-free); `given`: each expert on its own task's unlabeled images."]

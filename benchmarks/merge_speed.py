@@ -946,9 +946,28 @@ def inputs_description(plan: Plan) -> dict:
                      "data": "uniform random token ids, full attention mask"}
 
 
+def portable(value, roots: dict[str, str]):
+    """``value`` (a record: dicts, lists, strings) with every path under one of ``roots`` (folder → its name in
+    records: ``"."`` for this tree) rewritten, so a committed record names no machine's folders."""
+    if isinstance(value, dict):
+        return {k: portable(v, roots) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [portable(v, roots) for v in value]
+    if isinstance(value, str):
+        for root, name in sorted(roots.items(), key=lambda item: -len(item[0])):
+            value = value.replace(root + "/", "" if name == "." else name + "/")
+            value = value.replace(root, name)
+    return value
+
+
 def write_results(plan: Plan, payload: dict) -> None:
     json_path = plan.results_dir / f"merge_speed_{plan.tag}.json"
     md_path = plan.results_dir / f"merge_speed_{plan.tag}.md"
+    roots = {str(REPO): "."}
+    if plan.args.reference:
+        roots[str(Path(plan.args.reference).resolve())] = "REFERENCE"
+        roots[plan.args.reference] = "REFERENCE"
+    payload = portable(json.loads(json.dumps(payload, default=str)), roots)
     json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     md_path.write_text(render_markdown(payload))
     _log(f"wrote {json_path} and {md_path}")

@@ -11,7 +11,20 @@ import pytest
 import torch
 from scipy.stats import rankdata
 
-from benchmarks.compatibility import grid_edge, partial_spearman, permutation_p, shuffled_pool, spearman
+from types import SimpleNamespace
+
+from benchmarks import compatibility
+from benchmarks.compatibility import (
+    grid_edge,
+    partial_spearman,
+    permutation_p,
+    regret_methods,
+    regret_part,
+    shuffled_pool,
+    spearman,
+)
+from benchmarks.suites.real import RealConfig
+from benchmarks.suites.text import TextConfig
 
 
 def closed_form_partial(x, y, z) -> float:
@@ -68,3 +81,35 @@ def test_shuffled_pool_keeps_every_sample_once_for_images_and_text() -> None:
     texts = [["a", "b"], ["c"], ["d", "e", "f"]]
     mixed = shuffled_pool(texts, seed=4)
     assert sorted(mixed) == list("abcdef") and mixed == shuffled_pool(texts, seed=4)
+
+
+def test_regret_judges_each_method_as_its_suite_runs_it() -> None:
+    image = regret_methods(SimpleNamespace(cfg=RealConfig(frozen=10)), ("a", "b", "c", "d"))
+    assert image["ties"][0] == "ties" and image["ties"][1] == {"scope": "global", "budget": "changed"}
+    assert image["ties"][2] == {"k": [0.2], "lam": [1.6, 2.0, 2.4, 2.8, 3.2, 3.6]}
+    assert image["m_ties"][1]["layers"] == [10, 11] and image["m_ties"][1]["e"] == 0.1
+    assert image["task_arithmetic"][2] == {"lam": [0.5, 0.65, 0.8, 0.95, 1.1, 1.25]}
+    pair = regret_methods(SimpleNamespace(cfg=RealConfig(frozen=10)), ("a", "b"))
+    assert pair["task_arithmetic"][2] == {"lam": [1.0, 1.3, 1.6, 1.9, 2.2, 2.5]}  # scaled by 4 / 2 merged tasks
+    text = regret_methods(SimpleNamespace(cfg=TextConfig()), tuple("abcdef"))
+    assert text["ties"][1] == {"scope": "tensor"} and text["m_ties"][1]["layers"] == [3, 4, 5]
+    assert text["ties"][2] == text["m_ties"][2] == {"k": [0.2], "lam": [1.0, 1.5, 2.0, 2.5, 3.0]}
+
+
+def test_regret_is_the_test_accuracy_lost_against_the_val_choice(monkeypatch) -> None:
+    candidates = {  # val picks lam 2.4 (test .60); mloss picks lam 1.6, the grid's lowest (test .50); the middle is 2.4
+        m: [{"setting": {"k": 0.2, "lam": lam}, "val": val, "test": test, **{c: lam for c in compatibility.CRITERIA}}
+            for lam, val, test in ((1.6, 0.5, 0.5), (2.4, 0.7, 0.6), (3.6, 0.6, 0.65))]
+        for m in ("task_arithmetic", "ties", "m_ties")}
+    monkeypatch.setattr(compatibility, "instance_candidates", lambda study, instance, method, args: candidates[method])
+    study = SimpleNamespace(bench=SimpleNamespace(cfg=RealConfig(frozen=10), tasks=["a", "b"],
+                                                  replicates=[SimpleNamespace(seed=0)]), log=lambda *_: None)
+    args = SimpleNamespace(seed=0, regret_replicates=1, regret_subsets=0, draws=2, select_samples=8, regret_images=None)
+    out = regret_part(study, args)
+    assert len(out["instances"]) == 2 and len(out["detail"]) == 6
+    rows = {(r["method"], r["criterion"]): r for r in out["table"]}
+    assert rows["ties", "mloss"]["regrets"] == pytest.approx([10.0, 10.0])
+    assert rows["ties", "mloss"]["at_lowest_lam"] == 2 and rows["ties", "mloss"]["agrees_with_val"] == 0
+    assert rows["ties", "middle of the grid (no selection)"]["mean_regret"] == pytest.approx(0.0)
+    assert rows["ties", "oracle (best test)"]["mean_regret"] == pytest.approx(-5.0)
+    assert out["val_choice_edges"]["ties"] == ["", ""]

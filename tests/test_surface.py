@@ -249,3 +249,18 @@ def test_reading_images_shows_one_bar_that_quiet_silences(image_folder, capsys):
     assert "Reading images" in capsys.readouterr().err
     load_pixel_values(str(image_folder), tiny_processor(), num_samples=4, progress=False)
     assert "Reading images" not in capsys.readouterr().err
+
+
+def test_committed_records_name_no_machine_folders():
+    """Benchmark records are shared: their commands and paths are relative to the tree (or named, as the reference
+    tree of a side-by-side run), never one machine's absolute folders."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks.merge_speed import portable
+
+    record = {"cwd": "/x/tree", "runs": [{"log": "/x/tree/benchmarks/.cache/r.log", "pythonpath": "/y/old"}]}
+    assert portable(record, {"/x/tree": ".", "/y/old": "REFERENCE"}) == {
+        "cwd": ".", "runs": [{"log": "benchmarks/.cache/r.log", "pythonpath": "REFERENCE"}]}
+    absolute = re.compile(r"(?<![\w.])/(?:home|root|tmp|work|Users|mnt)/")
+    offenders = [p.name for p in sorted((REPO / "benchmarks" / "results").iterdir())
+                 if p.suffix in (".json", ".md") and absolute.search(p.read_text())]
+    assert not offenders, f"records with machine folders: {offenders}"
