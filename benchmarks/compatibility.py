@@ -641,7 +641,8 @@ def run_study(args: argparse.Namespace) -> None:
             earlier = json.loads(Path(args.pairwise_from).read_text())
             if earlier["models"] != study.names or earlier["num_samples"] != args.num_samples:
                 raise SystemExit(f"{args.pairwise_from} was measured on other fine-tunes or samples")
-            record["pairwise"], record["pairwise_from"] = earlier["pairwise"], earlier["command"]
+            # the run that measured (a), also when ``earlier`` took it from another run in turn
+            record["pairwise"], record["pairwise_from"] = earlier["pairwise"], earlier.get("pairwise_from", earlier["command"])
         else:
             record["pairwise"] = pairwise_part(study, args)
         finish(record, load_start, start, args)  # (a) is written as soon as it is measured
