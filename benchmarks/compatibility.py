@@ -229,9 +229,15 @@ class Study:
                 "norm_acc": sum(merge_acc[t] / self.own[p] for p, t in members) / len(subset),
                 "ens_gap": sum(ens_acc[t] - merge_acc[t] for _, t in members) / len(subset),
                 "merge_acc": merge_acc, "ens_acc": ens_acc}
-            self.cache_file.parent.mkdir(parents=True, exist_ok=True)
-            self.cache_file.write_text(json.dumps(self.cache))
+            self.save_cache()
         return self.cache[key]
+
+    def save_cache(self) -> None:
+        """Write the measured accuracies and candidates (atomically: a stopped run leaves the previous file)."""
+        self.cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.cache_file.with_name(f".{self.cache_file.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(self.cache))
+        os.replace(tmp, self.cache_file)
 
 
 def study_subsets(q: int, args: argparse.Namespace) -> tuple[list[tuple[int, ...]], list[list[int]]]:
@@ -474,7 +480,7 @@ def instance_candidates(study: Study, instance, method: str, args: argparse.Name
             study.log(f"  {method} {setting}: val {100 * accuracy['val']:.2f} test {100 * accuracy['test']:.2f} "
                       + " ".join(f"{k} {v:.4g}" for k, v in values.items()))
     study.cache[key] = rows
-    study.cache_file.write_text(json.dumps(study.cache))
+    study.save_cache()
     return rows
 
 
