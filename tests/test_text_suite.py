@@ -57,7 +57,7 @@ def test_cutting_helpers():
     assert T.roff_text(roff) == "ls - list directory contents -a more text"
 
 
-@pytest.mark.parametrize("name", ["licence", "isocodes", "fortune", "code"])
+@pytest.mark.parametrize("name", ["licence", "isocodes", "fortune", "code", "glossary"])
 def test_shipped_task_builders_on_small_slices(name):
     task = T.TASKS[name]
     if T.missing_sources([name]):
@@ -69,6 +69,61 @@ def test_shipped_task_builders_on_small_slices(name):
     assert not set(splits["train"].source_names) & set(splits["test"].source_names)
 
 
+def dictd_files(folder, name: str, entries: list[tuple[str, str]]) -> None:
+    """A dictd dictionary as dictd ships it: ``NAME.dict.dz`` (gzip) and ``NAME.index`` (headword, base-64 offset
+    and length), with the ``00-database-*`` entries every dictd database carries."""
+    import gzip
+
+    def b64(n: int) -> str:
+        digits = ""
+        while True:
+            n, r = divmod(n, 64)
+            digits = T._B64[r] + digits
+            if n == 0:
+                return digits
+
+    data, index = b"", []
+    for head, text in [("00-database-short", "a test dictionary\n"), *entries]:
+        raw = text.encode()
+        index.append(f"{head}\t{b64(len(data))}\t{b64(len(raw))}")
+        data += raw
+    (folder / f"{name}.dict.dz").write_bytes(gzip.compress(data))
+    (folder / f"{name}.index").write_text("\n".join(sorted(index)) + "\n")
+
+
+def test_glossary_reads_dictd_entries_without_what_names_them(monkeypatch, tmp_path):
+    assert T.dictd_number("A") == 0 and T.dictd_number("BA") == 64 and T.dictd_number("b/") == 27 * 64 + 63
+    dictd_files(tmp_path, "foldoc", [("barrel shifter", "barrel shifter\n\n   <hardware> A device that can shift a "
+                                      "{data word} by any number of bits. Barrel shifters are fast.\n")])
+    dictd_files(tmp_path, "gcide", [("Dilute", "Dilute \\Di*lute\"\\, v. t. [imp. & p. p. {Diluted}.]\n   1. To "
+                                     "make thinner by admixture.\n      [1913 Webster]\n")])
+    dictd_files(tmp_path, "devil", [("dawn", "DAWN, n.  The time when men of reason go to bed.\n")])
+    dictd_files(tmp_path, "vera", [("adc", "ADC\n       Adaptive Data Compression (MODEM)\n       \n")])
+    monkeypatch.setattr(T, "DICTD", tmp_path)
+    expected = "A device that can shift a data word by any number of bits. s are fast."  # headword blanked
+    assert T.read_glossary("foldoc") == [("foldoc:barrel shifter#18", [expected])]
+    assert T.read_glossary("gcide")[0][1] == ["1. To make thinner by admixture."]
+    assert T.read_glossary("devil")[0][1] == ["The time when men of reason go to bed."]
+    assert T.read_glossary("vera")[0][1] == ["Adaptive Data Compression (MODEM)"]
+
+
+def test_split_task_fills_a_short_class_only_when_asked():
+    task = synthetic_task("short", ("ab", "cd"), sources=12, per_source=8)
+    readers = {"ab": task.read("ab"), "cd": [(n, s[:3]) for n, s in task.read("cd")[:4]]}  # cd: 3 test snippets
+    sizes = {"exemplar": 2, "train": 10, "val": 4, "test": 16}
+    plain = T.split_task(task, sizes, readers=readers)["test"]
+    filled = T.split_task(task, sizes, readers=readers, fill=True)["test"]
+    assert np.bincount(plain.labels).tolist() == [8, 3] and np.bincount(filled.labels).tolist() == [13, 3]
+    assert X.TextConfig().key("n_train") != X.TextConfig(fill=True).key("n_train")
+    assert X.TextConfig().key("head_scale") == X.TextConfig(fill=True).key("head_scale")
+
+
+def test_class_quotas_fill_a_short_class_from_the_others():
+    assert T.class_quotas(500, [1000] * 8) == [63] * 4 + [62] * 4  # balanced when every class has enough
+    assert T.class_quotas(500, [50, 36, 2000, 2000]) == [50, 36, 207, 207]
+    assert T.class_quotas(10, [3, 3]) == [3, 3]  # the task has fewer than asked: all of it
+
+
 def test_missing_sources_says_how_to_install(monkeypatch, tmp_path):
     monkeypatch.setattr(T, "ISO", tmp_path)
     missing = T.missing_sources(["isocodes"])
@@ -78,16 +133,20 @@ def test_missing_sources_says_how_to_install(monkeypatch, tmp_path):
 
 def test_text_upper_equals_the_full_bert_forward(tmp_path):
     model, tokenizer = X.random_base(tmp_path)
-    batch = tokenizer(["a short one", "and a much longer sentence with more tokens"], padding="longest",
-                      return_tensors="pt")
+    batch = tokenizer(["and a much longer sentence with more tokens", "a short one", "one in the middle"],
+                      padding="longest", return_tensors="pt")
     mask = batch["attention_mask"].bool()
     assert not mask.all()  # padding present: the mask must matter
     with torch.no_grad():
         full = model(**batch).last_hidden_state
         expected = (full * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
         upper = X.TextUpper(model, 1)
-        got = X.pooled(upper, X.lower_hidden(model, batch["input_ids"], mask, 1), mask)
+        lower = X.lower_hidden(model, batch["input_ids"], mask, 1)
+        got = X.pooled(upper, lower, mask)
+        # batched by length (the short ones run at their own length), returned in the order given
+        in_pairs = X.pooled(upper, lower, mask, batch=2)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(in_pairs, expected, rtol=1e-5, atol=1e-5)
     # write_into puts the upper blocks back where they came from
     with torch.no_grad():
         for p in upper.parameters():

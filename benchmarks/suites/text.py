@@ -74,7 +74,7 @@ with the seed modulo it, so every draw (and M-TIES) sees the same unlabeled snip
 class TextConfig:
     """Everything that determines the suite (cache keys are derived from it)."""
 
-    tasks: tuple[str, ...] = tuple(T.TASKS)
+    tasks: tuple[str, ...] = T.SUITE_TASKS
     n_train: int = 800
     n_val: int = 500
     n_test: int = 500
@@ -94,12 +94,17 @@ class TextConfig:
     seeds: tuple[int, ...] = (0, 1, 2, 3)
     random_base: bool = False
     """A tiny randomly initialised BertModel with a character vocabulary instead of MiniLM (pipeline checks)."""
+    fill: bool = False
+    """Classes short of their share of a split are made up by the task's other classes
+    (:func:`~benchmarks.suites.text_tasks.class_quotas`)."""
 
     @property
     def num_layers(self) -> int:
         return 3 if self.random_base else 6
 
     def key(self, *names: str) -> str:
+        """A digest of the fields ``names`` (``fill`` joins every key when set, so the earlier keys stay)."""
+        names = (*names, "fill") if self.fill and "n_train" in names else names
         part = {k: v for k, v in dataclasses.asdict(self).items() if k in names}
         return hashlib.sha1(json.dumps(part, sort_keys=True).encode()).hexdigest()[:10]
 
@@ -155,8 +160,16 @@ class TextUpper(nn.Module):
 
 @torch.inference_mode()
 def pooled(upper: TextUpper, hidden: torch.Tensor, mask: torch.Tensor, *, batch: int = 256) -> torch.Tensor:
+    """Pooled features of every snippet, batched by length (short snippets are not run at the longest one's
+    length: padding changes no real token's output), in the order given."""
     upper.eval()
-    return torch.cat([upper(h, m) for h, m in zip(hidden.split(batch), mask.split(batch))])
+    order = torch.argsort(mask.sum(1), stable=True)
+    out = []
+    for i in order.split(batch):
+        length = int(mask[i].sum(1).max().clamp_min(1))  # the cached states are right-padded
+        out.append(upper(hidden[i, :length], mask[i, :length]))
+    out = torch.cat(out)
+    return torch.empty_like(out).index_copy_(0, order, out)
 
 
 def lower_drift(model, base, frozen: int) -> float:
@@ -233,7 +246,7 @@ def task_splits(cfg: TextConfig, task: str, folder: Path) -> dict[str, T.Split]:
         spec = T.TASKS[task]
         sizes = {"exemplar": cfg.shots * len(spec.classes), "train": cfg.n_train, "val": cfg.n_val,
                  "test": cfg.n_test}
-        splits = T.split_task(spec, sizes)
+        splits = T.split_task(spec, sizes, fill=cfg.fill)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         tmp.write_text(json.dumps({s: {"texts": v.texts, "labels": v.labels.tolist(), "sources": v.sources.tolist(),
