@@ -395,7 +395,8 @@ def regret_methods(bench, tasks: tuple[str, ...]) -> dict[str, tuple[str, dict, 
     return {label: found[label] for label in REGRET_LABELS if label in found}
 
 
-CRITERIA = ("mloss", "output (auto)", "entropy (auto)", "output (given)", "entropy (given)")
+CRITERIA = ("mloss", "output (auto)", "entropy (auto)", "disagreement (auto)", "output (given)", "entropy (given)",
+            "disagreement (given)")
 
 
 def regret_instances(study: Study, args: argparse.Namespace) -> list[tuple[int, tuple[str, ...], int]]:
@@ -446,7 +447,7 @@ def instance_candidates(study: Study, instance, method: str, args: argparse.Name
 
     seed, tasks, draw = instance
     name, fixed, grid = regret_methods(study.bench, tasks)[method]
-    described = json.dumps([name, fixed, grid], sort_keys=True, default=str)
+    described = json.dumps([name, fixed, grid, CRITERIA], sort_keys=True, default=str)
     key = (f"regret|{seed}|{','.join(tasks)}|{method}|{args.select_samples}" + (f"|draw{draw}" if draw else "")
            + f"|{hashlib.sha1(described.encode()).hexdigest()[:8]}")
     if key in study.cache:
@@ -456,10 +457,10 @@ def instance_candidates(study: Study, instance, method: str, args: argparse.Name
     data_seed = seed + 1000 * draw  # another draw: another order of the pool, so selection samples others
     pool = shuffled_pool(shares, data_seed)
     heads = [study.bench.heads[t] for t in tasks]
-    auto = SelectionOptions(grid=grid, criterion="mloss", compare=("output", "entropy"), heads=heads,
+    auto = SelectionOptions(grid=grid, criterion="mloss", compare=("output", "entropy", "disagreement"), heads=heads,
                             num_samples=args.select_samples)
-    given = SelectionOptions(grid=grid, criterion="output", compare=("entropy",), heads=heads, share="given",
-                             shares=shares, num_samples=args.select_samples)
+    given = SelectionOptions(grid=grid, criterion="output", compare=("entropy", "disagreement"), heads=heads,
+                             share="given", shares=shares, num_samples=args.select_samples)
     config = hf_mloss.MergeConfig.from_kwargs(str(study.bench.base_dir), [str(rep.finetuned[t]) for t in tasks],
                                               name, data=pool, num_samples=len(pool), batch_size=32,
                                               seed=data_seed, select=auto, **fixed)
@@ -733,7 +734,8 @@ def regret_markdown(regret: dict) -> list[str]:
             f"{m} {p}" for m, p in regret["params"].items()) + "."]
     lines += ["", "Regret = test accuracy (mean over the merged tasks) of the candidate chosen on val labels − that of "
               "the candidate the criterion chooses; negative = better than val. `auto`: each image compared with the "
-              "expert it moves most (label-free); `given`: each expert on its own task's unlabeled images."]
+              "expert it moves most (label-free); `given`: each expert on its own task's unlabeled images. "
+              "`disagreement`: how often the candidate's top class differs from the compared expert's."]
     return lines
 
 

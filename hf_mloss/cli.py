@@ -366,8 +366,9 @@ def _selection_parent() -> argparse.ArgumentParser:
     group.add_argument("--grid", metavar="PARAM=V1,V2,...", action="append", default=None,
                        help="Candidate values of one parameter, read as in a config file (1e-1 is a number; "
                             "PARAM=[V1,V2] works too). Repeat: every combination is a candidate (at most 1024).")
-    group.add_argument("--criterion", choices=("mloss", "output", "entropy"), default=None,
-                       help="What ranks the candidates (default output; entropy needs heads in the config).")
+    group.add_argument("--criterion", choices=("mloss", "output", "entropy", "disagreement"), default=None,
+                       help="What ranks the candidates (default output; entropy and disagreement need heads in the "
+                            "config, except for causal LMs).")
     group.add_argument("--select-samples", type=int, metavar="N", default=None,
                        help="Unlabeled images each candidate is scored on (default 32).")
     return parent

@@ -131,19 +131,22 @@ def test_heads_given_shares_kl_and_entropy(tiny_paths, loaded, pixels, tmp_path)
     heads = [torch.randn(3, 32, generator=generator) for _ in experts]
     shares = [pixels[0:3], pixels[3:6], pixels[6:8]]
     result = run(tiny_paths, "task_arithmetic", pixels, {"lam": [0.3, 0.6]}, criterion="entropy", heads=heads,
-                 select={"num_samples": 6, "share": "given", "shares": shares, "compare": ["output", "mloss"]})
+                 select={"num_samples": 6, "share": "given", "shares": shares,
+                         "compare": ["output", "mloss", "disagreement"]})
     base, models = tiny_paths
     for candidate in result.config.select.candidates:
         merged = hf_mloss.merge(base, models, "task_arithmetic", progress=False, **candidate["setting"]).model
-        kl, entropy = [], []
+        kl, entropy, differs = [], [], []
         for head, expert, share in zip(heads, experts, shares):
             x = share[:2]
             log_m = torch.log_softmax(pooled(merged, x) @ head.T, -1)
             log_e = torch.log_softmax(pooled(expert, x) @ head.T, -1)
             kl.append((log_e.exp() * (log_e - log_m)).sum(-1))
             entropy.append(-(log_m.exp() * log_m).sum(-1))
+            differs.append((log_m.argmax(-1) != log_e.argmax(-1)).float())
         assert candidate["output"] == pytest.approx(float(torch.cat(kl).mean()), rel=1e-4, abs=1e-7)
         assert candidate["entropy"] == pytest.approx(float(torch.cat(entropy).mean()), rel=1e-4)
+        assert candidate["disagreement"] == pytest.approx(float(torch.cat(differs).mean()), abs=1e-12)
     assert result.config.select.chosen == min(result.config.select.candidates, key=lambda c: c["entropy"])["setting"]
     assert "in_memory" in yaml.safe_dump(result.config.to_dict())
 

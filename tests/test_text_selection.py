@@ -124,7 +124,7 @@ def brute_pooled(merged, experts, base, seqs, share: str) -> float:
 @pytest.mark.parametrize("share", ["all", "auto"])
 def test_causal_lm_output_is_the_masked_next_token_kl(llama, share) -> None:
     seqs = sequences()
-    result = select(llama, padded(seqs), {"lam": [0.3, 0.8]}, share=share, compare=["entropy"])
+    result = select(llama, padded(seqs), {"lam": [0.3, 0.8]}, share=share, compare=["entropy", "disagreement"])
     base = AutoModelForCausalLM.from_pretrained(llama[0]).eval()
     experts = [AutoModelForCausalLM.from_pretrained(m).eval() for m in llama[1]]
     for candidate in result.config.select.candidates:
@@ -133,6 +133,10 @@ def test_causal_lm_output_is_the_masked_next_token_kl(llama, share) -> None:
         lp = [log_probs(merged, s) for s in seqs]
         entropy = sum(float(-(p.exp() * p).sum(-1).sum()) for p in lp) / sum(map(len, seqs))
         assert candidate["entropy"] == pytest.approx(entropy, abs=1e-5)
+        if share == "all":  # every (position, expert): how often the top next token differs from the expert's
+            top = [[log_probs(e, s).argmax(-1) for s in seqs] for e in experts]
+            differs = sum(int((t[x] != lp[x].argmax(-1)).sum()) for t in top for x in range(len(seqs)))
+            assert candidate["disagreement"] == pytest.approx(differs / (3 * sum(map(len, seqs))), abs=1e-9)
     if share == "all":  # every expert sees every position: the mean over experts of each one's mean KL
         merged = direct(llama, **result.config.select.candidates[0]["setting"])
         per_expert = [brute_causal(merged, [e], base, seqs, "all") for e in experts]
@@ -236,6 +240,8 @@ def test_refusals(llama, bert) -> None:
     error = hf_mloss.InvalidParameterError
     with pytest.raises(error, match=r"'entropy' needs one classification head.*'bert' model's output is the mean"):
         select(bert, data, {"lam": [0.5]}, criterion="entropy")
+    with pytest.raises(error, match=r"'disagreement' needs one classification head"):
+        select(bert, data, {"lam": [0.5]}, criterion="disagreement")
     with pytest.raises(error, match="causal LM, whose LM head is its own head"):
         select(llama, data, {"lam": [0.5]}, heads=[torch.zeros(2, 32)] * 3)
     with pytest.raises(hf_mloss.DataError, match="texts for text families"):

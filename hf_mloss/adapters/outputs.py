@@ -54,6 +54,11 @@ class OutputRule:
         """Per sample ``(Σ entropy, count)`` of the candidate's own distribution (rules that have one)."""
         raise NotImplementedError
 
+    def disagreement(self, reference: torch.Tensor, candidate: torch.Tensor, batch: Batch
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per sample ``(Σ top-1 disagreements, count)`` of the candidate with the reference (distributions)."""
+        raise NotImplementedError
+
     @property
     def has_distribution(self) -> bool:
         """Whether the outputs are distributions (``entropy`` without heads; heads do not apply)."""
@@ -85,6 +90,9 @@ class PooledFeatures(OutputRule):
 
     def entropy(self, candidate, batch):
         raise ValueError("pooled features are no distribution: the entropy needs classification heads")
+
+    def disagreement(self, reference, candidate, batch):
+        raise ValueError("pooled features have no top class: the disagreement needs classification heads")
 
 
 def first_token_pool(model: Any, batch: Batch) -> torch.Tensor:
@@ -144,3 +152,7 @@ class NextTokenDistribution(OutputRule):
         p = candidate.exp()
         value = -torch.where(p > 0, p * candidate, torch.zeros_like(p)).sum(-1)
         return self._per_sample(value, real_positions(batch, candidate))
+
+    def disagreement(self, reference, candidate, batch):
+        value = (reference.argmax(-1) != candidate.argmax(-1)).to(candidate.dtype)
+        return self._per_sample(value, real_positions(batch, reference))

@@ -6,11 +6,9 @@ families; texts for BERT-family encoders, LLaMA-family decoders and CLIP text to
 ``max_length`` as for scoring) and keeps the one with the lowest criterion (the first in grid order on ties). The
 ``num_samples`` samples are a seeded sample spread over the whole data sample (:func:`spread_sample`, seeded by the
 merge's ``seed``), not its first ones, so data ordered task by task is represented task by task. Padding never
-counts. Criteria, all "lower is better" (default ``"output"``: in
-``benchmarks/results/compatibility_study_real.md``, over 4 draws of the real image suite, its mean regret against
-choosing on val labels was +0.23 test points for TIES, +1.62 for M-TIES and +3.76 for task arithmetic, where
-``"entropy"`` lost +6.40 / +6.82 / +12.94 and the middle of the grid +6.46 / +5.64 / +4.40; the merged-prefix
-M-Loss grows with λ, so it favours weak merges; no such study exists for text yet):
+counts. Criteria, all "lower is better" (default ``"output"``; how much each loses against choosing on val labels,
+on the project's image and text suites, is in ``docs/benchmarks.md``, "Choosing λ and k without labels": no
+criterion is a promise; the merged-prefix M-Loss grows with λ, so it favours weak merges):
 
 * ``"mloss"``, the merged-prefix M-Loss: at every scored linear (CLIP: ``mlp.fc1``), with u the candidate's own
   input of that linear (its merged prefix), g = σ(W_m u + b_m) − Σ_p α_p σ(W_p u + b_p) (gated units:
@@ -25,6 +23,11 @@ M-Loss grows with λ, so it favours weak merges; no such study exists for text y
   real position t of sample x, KL(P_p(·|x≤t) ‖ P_m(·|x≤t)) of the next-token distributions, averaged over every
   real position of every (sample, expert) pair (with ``share="all"``: exactly the mean over experts of each
   expert's mean over positions).
+* ``"disagreement"``: the fraction of compared (sample, expert) pairs (causal LMs: real positions) where the
+  candidate's top class (token) differs from the expert's, the experts' own predictions serving as labels; needs
+  heads for encoders, as ``entropy``. Unlike a KL or an entropy, it does not grow because a stronger merge is more
+  confident, only when its answers change. Ties (it moves in steps of 1 / compared pairs) go to the first candidate
+  in grid order.
 * ``"entropy"`` (AdaMerging's criterion, the known baseline): encoders: the entropy of softmax(head_p(f_m(x))) on
   expert p's share, averaged; needs heads. Causal LMs: the LM head is the model's own head, so no heads are given:
   the entropy of the candidate's next-token distribution, averaged over real positions. It rewards confident
@@ -108,15 +111,20 @@ def spread_sample(samples: Any, n: int, seed: int) -> Any:
     return samples.select(index) if isinstance(samples, ModelInputs) else samples[index]
 
 
+OUTPUT_CRITERIA = {"output", "entropy", "disagreement"}
+"""The criteria read from the candidate's outputs on the compared samples."""
+
+
 def check_output_rule(rule: Any, options: SelectionOptions, adapter: Any) -> None:
     """Refuse, before any candidate is merged, criteria the family's outputs cannot give: ``entropy`` of pooled
     features without heads, heads on a causal LM (its LM head is its own head)."""
     family = getattr(adapter.full_config, "model_type", adapter.name)
-    if "entropy" in options.criteria and not options.heads and not rule.has_distribution:
-        raise InvalidParameterError(
-            f"criterion 'entropy' needs one classification head per model (heads=...): the {family!r} model's "
-            f"output is the {rule.description}, not a distribution. Pass heads=[...] (one per model), or use "
-            "criterion='output' or 'mloss', which need no heads.")
+    for name in ("entropy", "disagreement"):
+        if name in options.criteria and not options.heads and not rule.has_distribution:
+            raise InvalidParameterError(
+                f"criterion {name!r} needs one classification head per model (heads=...): the {family!r} model's "
+                f"output is the {rule.description}, not a distribution. Pass heads=[...] (one per model), or use "
+                "criterion='output' or 'mloss', which need no heads.")
     if options.heads and rule.has_distribution:
         raise InvalidParameterError(
             f"heads=... apply to pooled features; the {family!r} model is a causal LM, whose LM head is its own "
@@ -145,7 +153,7 @@ class CandidateEvaluator:
         self._targets: dict[int, Any] = {}
         self.start = unchanged_blocks(inputs)
         self.prefix = self._shared_prefix(tower) if "mloss" in options.criteria and self.start >= 0 else None
-        if {"output", "entropy"} & set(options.criteria):
+        if OUTPUT_CRITERIA & set(options.criteria):
             self.compared, self.owner, self.columns = self._shares(config, tower, token)
 
     @property
@@ -186,7 +194,7 @@ class CandidateEvaluator:
         out = {}
         if "mloss" in self.options.criteria:
             out["mloss"] = self.merged_prefix_mloss(tower)
-        if {"output", "entropy"} & set(self.options.criteria):
+        if OUTPUT_CRITERIA & set(self.options.criteria):
             out.update(self._output_criteria(tower))
         return {k: out[k] for k in self.options.criteria}
 
@@ -333,7 +341,7 @@ class CandidateEvaluator:
         its real positions)."""
         import torch
 
-        sums = {"output": [0.0, 0.0], "entropy": [0.0, 0.0]}
+        sums = {name: [0.0, 0.0] for name in OUTPUT_CRITERIA}
 
         def add(key: str, value: tuple[Any, Any]) -> None:
             sums[key][0] += float(value[0].double().sum())
@@ -347,6 +355,8 @@ class CandidateEvaluator:
                 experts = torch.full((hi - lo,), c) if self.owner is None else self.owner[lo:hi]
                 if self.heads is None:
                     add("output", self.rule.discrepancy(reference, merged, batch))
+                    if "disagreement" in self.options.criteria:
+                        add("disagreement", self.rule.disagreement(reference, merged, batch))
                     continue
                 for p in experts.unique().tolist():
                     rows = (experts == p).nonzero().flatten().to(merged.device)
@@ -357,6 +367,8 @@ class CandidateEvaluator:
                     add("output", (kl, torch.ones_like(kl)))
                     entropy = -(log_merged.exp() * log_merged).sum(-1)
                     add("entropy", (entropy, torch.ones_like(entropy)))
+                    differs = (log_merged.argmax(-1) != log_expert.argmax(-1)).double()
+                    add("disagreement", (differs, torch.ones_like(differs)))
             if self.heads is None and "entropy" in self.options.criteria:
                 add("entropy", self.rule.entropy(merged, batch))
         return {key: total / count for key, (total, count) in sums.items() if count}

@@ -17,7 +17,7 @@ from .._validation import check_keys, param, short, validate_fields
 from ..errors import InvalidParameterError
 from ..loading.heads import as_head
 
-CRITERIA = ("mloss", "output", "entropy")
+CRITERIA = ("mloss", "output", "entropy", "disagreement")
 SHARES = ("auto", "all", "given")
 MODES = ("unlabeled",)
 DEFAULT_SELECT_SAMPLES = 32
@@ -32,7 +32,8 @@ class SelectionOptions:
 
     criterion: str = param("output", "What ranks the candidates (lower is better): output (discrepancy with each "
                            "expert on its share; the default: measured closest to choosing on val labels), entropy "
-                           "(encoders: needs heads; causal LMs: their own next-token distribution), mloss "
+                           "(encoders: needs heads; causal LMs: their own next-token distribution), disagreement "
+                           "(how often the top class differs from each expert's: needs heads as entropy), mloss "
                            "(merged-prefix M-Loss; it grows with λ, so it favours weak merges).",
                            choices=CRITERIA)
     grid: dict[str, Any] = param(help="Parameter → list of values; every combination is a candidate.",
@@ -93,7 +94,7 @@ class SelectionOptions:
     def summary(self) -> str:
         """Plain text: every candidate's criteria values, the chosen one marked."""
         lines = [f"Label-free selection ({self.criterion}, lower is better; {self.num_samples} samples"
-                 + (f", shares {self.share}" if {"output", "entropy"} & set(self.criteria) else "") + ")"]
+                 + (f", shares {self.share}" if set(self.criteria) - {"mloss"} else "") + ")"]
         for candidate in self.candidates or []:
             mark = "*" if candidate["setting"] == self.chosen else " "
             setting = ", ".join(f"{k}={v}" for k, v in candidate["setting"].items())
