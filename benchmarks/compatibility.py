@@ -714,8 +714,9 @@ def regret_markdown(regret: dict) -> list[str]:
              f"Instances: {len(regret['instances'])} ("
              + "; ".join(f"seed {i['seed']}: {'+'.join(i['tasks'])}" for i in regret["instances"] if not i.get("draw"))
              + f"; each under {regret.get('draws', 1)} draw(s) of the unlabeled data"
-             + f"). Candidates scored on {regret['select_samples']} unlabeled images; val and test accuracy on the "
-             f"first {regret.get('images') or 'all'} images per task. Grids: "
+             + f"). Candidates scored on {regret['select_samples']} unlabeled samples; val and test accuracy on the "
+             f"first {regret.get('images') or 'all'} samples per task (fewer where a split has fewer). Grids (the "
+             "suite's own): "
              + "; ".join(f"{m} {g}" for m, g in regret["grids"].items()) + ".", "",
              "| method | criterion | mean regret (points) | min … max | picks the val choice | at a grid edge | "
              "at the lowest λ | at the highest λ |", "|---|---|---|---|---|---|---|---|"]
@@ -733,8 +734,8 @@ def regret_markdown(regret: dict) -> list[str]:
         lines += ["", "Fixed settings, as the suite runs them: " + "; ".join(
             f"{m} {p}" for m, p in regret["params"].items()) + "."]
     lines += ["", "Regret = test accuracy (mean over the merged tasks) of the candidate chosen on val labels − that of "
-              "the candidate the criterion chooses; negative = better than val. `auto`: each image compared with the "
-              "expert it moves most (label-free); `given`: each expert on its own task's unlabeled images. "
+              "the candidate the criterion chooses; negative = better than val. `auto`: each sample compared with the "
+              "expert it moves most (label-free); `given`: each expert on its own task's unlabeled samples. "
               "`disagreement`: how often the candidate's top class differs from the compared expert's."]
     return lines
 

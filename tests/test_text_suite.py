@@ -268,3 +268,22 @@ def test_replicate_results_are_cached_per_configuration_methods_and_seed(tmp_pat
     X.cached_replicate(cfg, tmp_path, Replicate(0, {}), specs[:-1], 128, run(0), log)
     X.cached_replicate(cfg, tmp_path, Replicate(0, {}), specs, 64, run(0), log)
     assert calls == [0, 1, 0, 0]
+
+
+def test_probe_measures_headroom_per_task_on_the_suite_data(tmp_path, monkeypatch):
+    """The G1 probe fine-tunes the named tasks on the cached train states the suite would train on and scores them
+    with the suite's heads on val (the same numbers the suite's own fine-tunes would give)."""
+    from benchmarks.suites import text_probe
+
+    monkeypatch.setitem(T.TASKS, "syn_a", synthetic_task("syn_a", ("ab", "cd", "ef"), sources=16))
+    monkeypatch.setitem(T.TASKS, "syn_b", synthetic_task("syn_b", ("xy", "zw"), sources=16))
+    changes = json.dumps({**{k: v for k, v in X.SMOKE_CHANGES.items() if k != "seeds"}, "tasks": ["syn_a", "syn_b"],
+                          "n_train": 48, "n_val": 24, "n_test": 24})
+    out = tmp_path / "probe.json"
+    text_probe.main(["--config", changes, "--finetune", '{"ft_steps": 4}', "--only", "syn_b", "--threads", "1",
+                     "--cache", str(tmp_path / "cache"), "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert set(result["tasks"]) == {"syn_b"} and set(result["pretrained"]) == {"syn_a", "syn_b"}
+    row = result["tasks"]["syn_b"]
+    assert row["headroom"] == pytest.approx(row["finetuned"] - row["pretrained"]) and len(row["losses"]) == 4
+    assert result["finetune"] == {"ft_steps": 4} and result["sizes"]["syn_b"]["val"]["snippets"] == 24

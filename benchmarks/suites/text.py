@@ -319,6 +319,8 @@ class TextBench:
     """task → source-item index of every test snippet."""
     scoring: list[str]
     info: dict
+    train: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=dict)
+    """task → (hidden states, token mask, labels) of its train split (what the fine-tunes were trained on)."""
 
     def __post_init__(self) -> None:
         from transformers import AutoModel
@@ -412,8 +414,9 @@ def build_text_suite(cfg: TextConfig, cache: Path, log: Log) -> TextBench:
         scoring += [texts[i] for i in sorted(picks.tolist())]
     hidden = {s: {t: (stored[t][f"{s}.hidden"], stored[t][f"{s}.mask"]) for t in cfg.tasks} for s in ("val", "test")}
     label_sets = {s: {t: labels[t][s] for t in cfg.tasks} for s in ("val", "test")}
+    train = {t: (stored[t]["train.hidden"], stored[t]["train.mask"], labels[t]["train"]) for t in cfg.tasks}
     return TextBench(cfg, base_dir, {t: heads[t] for t in cfg.tasks}, replicates, hidden, label_sets,
-                     {t: splits[t]["test"].sources for t in cfg.tasks}, scoring, info)
+                     {t: splits[t]["test"].sources for t in cfg.tasks}, scoring, info, train)
 
 
 # ------------------------------------------------------------------------------------------------------------
