@@ -728,7 +728,7 @@ def regret_markdown(regret: dict) -> list[str]:
     if "val_choice_edges" in regret:
         lines += ["", "Where the val-label choice itself sits: " + "; ".join(
             f"{m} {sum(bool(e) for e in edges)}/{len(edges)} at a grid edge"
-            + (f" ({', '.join(sorted(set(e for e in edges if e)))})" if any(edges) else "")
+            + (f" ({', '.join(sorted({e for e in edges if e}))})" if any(edges) else "")
             for m, edges in regret["val_choice_edges"].items()) + "."]
     if "params" in regret:
         lines += ["", "Fixed settings, as the suite runs them: " + "; ".join(

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import itertools
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from scipy.stats import rankdata
-
-from types import SimpleNamespace
 
 from benchmarks import compatibility
 from benchmarks.compatibility import (

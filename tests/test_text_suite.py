@@ -93,10 +93,11 @@ def dictd_files(folder, name: str, entries: list[tuple[str, str]]) -> None:
 
 def test_glossary_reads_dictd_entries_without_what_names_them(monkeypatch, tmp_path):
     assert T.dictd_number("A") == 0 and T.dictd_number("BA") == 64 and T.dictd_number("b/") == 27 * 64 + 63
-    dictd_files(tmp_path, "foldoc", [("barrel shifter", "barrel shifter\n\n   <hardware> A device that can shift a "
-                                      "{data word} by any number of bits. Barrel shifters are fast.\n")])
-    dictd_files(tmp_path, "gcide", [("Dilute", "Dilute \\Di*lute\"\\, v. t. [imp. & p. p. {Diluted}.]\n   1. To "
-                                     "make thinner by admixture.\n      [1913 Webster]\n")])
+    foldoc = ("barrel shifter\n\n   <hardware> A device that can shift a {data word} by any number of bits. "
+              "Barrel shifters are fast.\n")
+    gcide = "Dilute \\Di*lute\"\\, v. t. [imp. & p. p. {Diluted}.]\n   1. To make thinner by admixture.\n      [1913 Webster]\n"
+    dictd_files(tmp_path, "foldoc", [("barrel shifter", foldoc)])
+    dictd_files(tmp_path, "gcide", [("Dilute", gcide)])
     dictd_files(tmp_path, "devil", [("dawn", "DAWN, n.  The time when men of reason go to bed.\n")])
     dictd_files(tmp_path, "vera", [("adc", "ADC\n       Adaptive Data Compression (MODEM)\n       \n")])
     monkeypatch.setattr(T, "DICTD", tmp_path)
@@ -287,3 +288,5 @@ def test_probe_measures_headroom_per_task_on_the_suite_data(tmp_path, monkeypatc
     row = result["tasks"]["syn_b"]
     assert row["headroom"] == pytest.approx(row["finetuned"] - row["pretrained"]) and len(row["losses"]) == 4
     assert result["finetune"] == {"ft_steps": 4} and result["sizes"]["syn_b"]["val"]["snippets"] == 24
+    table = out.with_suffix(".md").read_text()
+    assert f"| syn_b | 24 | {row['pretrained']:.1f} | {row['finetuned']:.1f} |" in table and "--cache" not in table

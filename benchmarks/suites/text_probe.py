@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -51,6 +53,24 @@ def probe(cfg: X.TextConfig, finetune: dict, only: list[str] | None, cache: Path
             "sizes": bench.info["sizes"]}
 
 
+def markdown(result: dict, command: str) -> str:
+    """The probe as a table: per task, pretrained heads and fine-tuned val accuracy, the difference (G1 averages
+    it over the suite's tasks and asks ≥ 30), the last fifth's training loss and the wall time."""
+    cfg, rows = result["config"], result["tasks"]
+    lines = [f"# Text headroom probe (G1), {len(rows)} of {len(result['pretrained'])} tasks fine-tuned", "",
+             (f"Command: `{command}`. Configuration: tasks {', '.join(cfg['tasks'])}; {cfg['n_train']} train / "
+              f"{cfg['n_val']} val snippets per task, ≤ {cfg['max_tokens']} tokens, lower {cfg['frozen']} blocks "
+              f"frozen; fine-tuning changes {result['finetune']}; one seed per task (from its name)."), "",
+             "| task | val snippets | pretrained heads | fine-tuned | headroom | last loss | wall s |",
+             "|---|---|---|---|---|---|---|"]
+    for task, row in rows.items():
+        lines.append(f"| {task} | {result['sizes'][task]['val']['snippets']} | {row['pretrained']:.1f} | "
+                     f"{row['finetuned']:.1f} | {row['headroom']:+.1f} | {row['losses'][-1]:.3f} | {row['wall_s']:.0f} |")
+    mean = sum(r["headroom"] for r in rows.values()) / len(rows)
+    lines += ["", f"Mean headroom over the fine-tuned tasks: {mean:+.1f} points (G1 needs ≥ +30 over all tasks)."]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.suites.__main__ import default_cache
 
@@ -70,7 +90,12 @@ def main(argv: list[str] | None = None) -> int:
         result = probe(X.TextConfig(**changes), json.loads(args.finetune),
                        args.only.split(",") if args.only else None, args.cache or default_cache(),
                        Log(True, "text probe"))
+    from benchmarks.suites.__main__ import record_args
+
+    command = "python -m benchmarks.suites.text_probe " + shlex.join(record_args(argv if argv is not None else sys.argv[1:]))
+    result["command"] = command
     args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(result, command))
     return 0
 
 
