@@ -15,10 +15,11 @@ text suite ``text``: 6 tasks × 4 seeds)
   acc(merge, task_p) / acc(θ_p, task_p)) and the ensemble − merge gap; Spearman ρ with a model-level bootstrap
   interval (pairs) or a delete-one-model jackknife interval (subsets), and a permutation test that permutes model
   identities (Mantel: the scores of every permuted pair / subset are computed, the accuracies stay);
-* (b) label-free selection: per instance (a replicate's 8-task merge, and random 4-task merges) and method (task
-  arithmetic, TIES, M-TIES), every candidate of the grid is built as ``select="unlabeled"`` builds it, scored by
-  every criterion and evaluated on val and test; regret = test accuracy of the val-chosen candidate − that of the
-  criterion's choice.
+* (b) label-free selection: per instance (a replicate's all-task merge, random 4-task merges, each under
+  ``--draws`` draws of the unlabeled data) and method (task arithmetic, TIES, M-TIES, each with the settings and
+  the grid its suite searches on val: :func:`regret_methods`), every candidate is built as ``select="unlabeled"``
+  builds it, scored by every criterion and evaluated on val and test; regret = test accuracy of the val-chosen
+  candidate − that of the criterion's choice, beside the middle of the grid and the grid edge each choice sits on.
 
 Examples::
 
