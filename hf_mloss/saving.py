@@ -379,14 +379,22 @@ def _alive(pid: int) -> bool:
     return True
 
 
+_HOLD = {"depth": 0, "pending": None}
+"""Held sections open in the main thread, and the SIGTERM that arrived during one (raised when the last closes)."""
+
+
 @contextlib.contextmanager
 def _sigterm_raises() -> Iterator[None]:
-    """Turn SIGTERM into an exception in the block, so ``finally`` clauses run (the default handler kills)."""
+    """Turn SIGTERM into an exception in the block, so ``finally`` clauses run (the default handler kills); inside
+    a :func:`_sigterm_held` section the exception waits for the section's end."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum, frame):
+        if _HOLD["depth"]:
+            _HOLD["pending"] = signum
+            return
         raise SystemExit(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, handler)
@@ -398,16 +406,21 @@ def _sigterm_raises() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _sigterm_held() -> Iterator[None]:
-    """Block SIGTERM in the block (it stays pending and is delivered when the block ends), so that creating or
-    removing a temporary folder is never cut in the middle."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+    """Hold SIGTERM in the block (it is raised when the block ends), so that creating or removing a temporary
+    folder is never cut in the middle. Python runs signal handlers in the main thread whichever thread the kernel
+    delivered the signal to, so the hold is kept there (a per-thread signal mask would miss a signal delivered to
+    another thread, such as a BLAS or I/O worker)."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    _HOLD["depth"] += 1
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        _HOLD["depth"] -= 1
+        signum, _HOLD["pending"] = (_HOLD["pending"], None) if not _HOLD["depth"] else (None, _HOLD["pending"])
+        if signum is not None:
+            raise SystemExit(128 + signum)
 
 
 def write_manifest(folder: Path) -> None:

@@ -970,6 +970,35 @@ SAVE_FOREVER = textwrap.dedent("""
 """)
 
 
+def test_a_sigterm_inside_a_held_section_is_raised_when_the_section_ends():
+    """Whichever thread the kernel hands a SIGTERM to, Python runs the handler in the main thread: the hold lives
+    there, so creating or removing a temporary folder is never cut in the middle (a per-thread mask was not enough:
+    a signal delivered to a worker thread raised inside ``mkdtemp`` and left the folder behind)."""
+    import threading
+
+    from hf_mloss import saving
+
+    steps, go = [], threading.Event()
+
+    def worker():  # started before the section, so the signal mask of the section does not cover it
+        go.wait()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    sender = threading.Thread(target=worker)
+    sender.start()
+    with pytest.raises(SystemExit) as caught, saving._sigterm_raises():
+        with saving._sigterm_held():
+            go.set()
+            sender.join()
+            for _ in range(1000):  # bytecodes run: the handler has had every chance to run here
+                steps.append(1)
+            with saving._sigterm_held():  # nested: only the outermost section's end raises
+                steps.append(2)
+            steps.append(3)
+        steps.append(4)  # never reached
+    assert caught.value.code == 128 + signal.SIGTERM and steps[-2:] == [2, 3] and 4 not in steps
+
+
 def test_sigterm_during_save_leaves_no_temporary_folder(project):
     target = project.root / "target"
     for delay in (0.05, 0.4):
