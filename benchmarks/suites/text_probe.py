@@ -25,12 +25,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.suites import text as X
-from benchmarks.suites.protocol import pretrained_scores
+from benchmarks.suites.protocol import accuracy, pretrained_scores
 from benchmarks.suites.training import Log, torch_threads
-
-
-def accuracy(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    return float((scores.argmax(-1) == labels).float().mean())
 
 
 def probe(cfg: X.TextConfig, finetune: dict, only: list[str] | None, cache: Path, log: Log) -> dict:

@@ -116,8 +116,8 @@ OUTPUT_CRITERIA = {"output", "entropy", "disagreement"}
 
 
 def check_output_rule(rule: Any, options: SelectionOptions, adapter: Any) -> None:
-    """Refuse, before any candidate is merged, criteria the family's outputs cannot give: ``entropy`` of pooled
-    features without heads, heads on a causal LM (its LM head is its own head)."""
+    """Refuse, before any candidate is merged, criteria the family's outputs cannot give: ``entropy`` or
+    ``disagreement`` of pooled features without heads, heads on a causal LM (its LM head is its own head)."""
     family = getattr(adapter.full_config, "model_type", adapter.name)
     for name in ("entropy", "disagreement"):
         if name in options.criteria and not options.heads and not rule.has_distribution:
