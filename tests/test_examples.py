@@ -38,7 +38,7 @@ def test_clip_vit_b32_8tasks_config():
     assert config.base.model == "openai/clip-vit-base-patch32"
     assert [m.model for m in config.models] == [f"tanganke/clip-vit-base-patch32_{t}" for t in TASKS]
     assert all(m.weight is None and m.revision is None for m in config.models)
-    assert config.method == "m_ties" and config.parameters == {"k": 0.8, "e": 0.1}
+    assert config.method == "m_ties" and config.parameters == {"k": 0.2, "e": 0.1}
     assert config.data.id == "tanganke/dtd" and config.data.split == "train" and config.data.num_samples == 128
     assert config.score.prefix == "own"
 

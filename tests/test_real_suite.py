@@ -13,12 +13,11 @@ import pytest
 import torch
 from transformers import Dinov2Config, Dinov2Model
 
-from hf_mloss.merging.evaluation import ensemble_scores
 from benchmarks.suites import domains as D
 from benchmarks.suites.__main__ import QUICK_CHANGES, real_config, record_args
 from benchmarks.suites.frozen import Upper, lower_drift, lower_hidden, pooled
 from benchmarks.suites.gates import all_pass, compute_gates
-from benchmarks.suites.protocol import MethodSpec, ReplicateResult, check_grids, kept_changed_fraction
+from benchmarks.suites.protocol import MethodSpec, ReplicateResult, check_grids
 from benchmarks.suites.real import interpolate
 from benchmarks.suites.report import (
     CONTROLS,
@@ -36,6 +35,7 @@ from benchmarks.suites.report import (
 )
 from benchmarks.suites.run import method_specs
 from benchmarks.suites.stats import Difference, holm, item_bootstrap, paired_bootstrap, paired_difference, replicate_t
+from hf_mloss.merging.evaluation import ensemble_scores
 
 
 @pytest.fixture(scope="module")
@@ -254,11 +254,12 @@ def test_gates_pass_and_fail_on_their_rules():
                           test_size=500)
     assert [g.passed for g in gates] == [True] * 6, [g.line() for g in gates]
     assert "ensemble − average = +15.00" in gates[2].value and all_pass(gates)
-    assert gates[5].value == "ensemble (probabilities) − best merge (ties) = +9.00" and not gates[5].blocking
+    assert gates[5].value.startswith("ensemble (probabilities) − best merge (ties) = +9.00 (t 95 % [+9.00, +9.00]")
+    assert not gates[5].blocking
     bad = [_result(s, 0.60, 0.80, 0.55, 0.50, 0.51, 0.52, 0.3, -0.05) for s in (0,)]
     gates = compute_gates(bad, data_free=["task_arithmetic", "ties"], tasks=["a", "b", "c", "d"], val_size=200,
                           test_size=500)
-    assert [g.passed for g in gates] == [False] * 5 + [True], [g.line() for g in gates]
+    assert [g.passed for g in gates] == [False] * 6, [g.line() for g in gates]  # G6: +3.00, no interval
     three = compute_gates(good[:3], data_free=["task_arithmetic", "ties"], tasks=["a", "b", "c", "d"],
                           val_size=500, test_size=500)
     assert "G5 statistics FAIL: 3 fine-tuning replicates" in three[4].line()  # ≥ 4 replicates
@@ -414,16 +415,6 @@ def test_grid_check_marks_edges_losses_and_the_parabola_optimum():
     assert row["step"] == 0.5 and row["loss"] == [[10.0, 5.0], [5.0, None]]
     # parabola through (0.5, 0.5), (1, 0.6), (1.5, 0.55): vertex at 1 + 0.5 · (0.05 / (2 · 0.15)) = 1.0833
     assert row["vertex"][0] == pytest.approx(1.083, abs=1e-3) and row["vertex"][1] is None
-
-
-def test_kept_changed_fraction_by_hand():
-    """Two fine-tunes of a 10-entry trained part in a model of 100 entries: 5 and 10 entries changed. k = 0.2 over
-    all entries keeps floor(20) ≥ every changed entry (fraction 1); over the changed ones floor(0.2·c)/c."""
-    base = {"w": torch.zeros(10)}
-    tuned = {"a": {"w": torch.tensor([1.0, 2, 3, 4, 5, 0, 0, 0, 0, 0])}, "b": {"w": torch.arange(1.0, 11)}}
-    assert kept_changed_fraction(base, tuned, 0.2, "all", 100) == pytest.approx(1.0)
-    assert kept_changed_fraction(base, tuned, 0.2, "changed", 100) == pytest.approx((1 / 5 + 2 / 10) / 2)
-    assert kept_changed_fraction(base, tuned, 0.05, "all", 100) == pytest.approx((5 / 5 + 5 / 10) / 2)
 
 
 def test_source_items_leave_the_images_unchanged():

@@ -4,7 +4,6 @@ of the whole pipeline on a tiny random BERT and two synthetic tasks (no packages
 from __future__ import annotations
 
 import json
-import math
 
 import numpy as np
 import pytest
@@ -156,49 +155,13 @@ def test_text_upper_equals_the_full_bert_forward(tmp_path):
     assert torch.equal(moved.encoder.layer[2].output.dense.bias, upper.blocks[1].output.dense.bias)
 
 
-def test_source_bootstrap_resamples_source_items_not_snippets():
-    # one task, 2 replicates; method a is right on source 0's 10 snippets and wrong on source 1's 10, b the reverse
-    sources = {"t": np.repeat([0, 1], 10)}
-    a = {(r, "t"): np.repeat([True, False], 10) for r in (0, 1)}
-    b = {(r, "t"): np.repeat([False, True], 10) for r in (0, 1)}
-    low, high = X.source_bootstrap(a, b, sources, draws=4000)
-    # only 2 source items: a draw holds both copies of one of them a quarter of the time each: ±100 reachable
-    assert low == pytest.approx(-100) and high == pytest.approx(100)
-    same = {(r, "t"): np.ones(20, bool) for r in (0, 1)}
-    assert X.source_bootstrap(same, b, sources) == pytest.approx((0.0, 100.0))
-
-
-def test_paired_differences_t_interval_and_holm():
-    from scipy import stats
-
-    def result(seed, acc_a, acc_b):
-        r = X.ReplicateResult(seed=seed)
-        n = 100
-        r.correct = {"a": {"t": np.arange(n) < acc_a * n}, "b": {"t": np.arange(n) < acc_b * n},
-                     "c": {"t": np.arange(n) < acc_b * n}}
-        return r
-
-    results = [result(0, 0.6, 0.5), result(1, 0.7, 0.5), result(2, 0.65, 0.5)]
-    sources = {"t": np.arange(100)}
-    d_ab, d_cb = X.paired_differences(results, [("a", "b"), ("c", "b")], sources, draws=500)
-    per = np.array([10.0, 20.0, 15.0])
-    se = per.std(ddof=1) / math.sqrt(3)
-    assert d_ab.mean == pytest.approx(15.0)
-    assert d_ab.t_low == pytest.approx(15 - stats.t.ppf(0.975, 2) * se)
-    p = 2 * stats.t.sf(15 / se, 2)
-    assert d_ab.p == pytest.approx(p)
-    assert math.isnan(d_cb.p) and d_cb.verdict == "not separated"  # no spread: no p-value
-    assert d_ab.p_holm == pytest.approx(min(1.0, 2 * p))  # the smallest of 2 p-values × 2; the undefined one counts as 1
-    assert d_cb.p_holm == 1.0
-
-
 def test_m_ties_rows_reported_not_run_without_a_bert_adapter(monkeypatch):
     cfg = X.TextConfig(tasks=("licence", "isocodes"))
     monkeypatch.setattr(X, "mloss_text_support", lambda: "no scored BERT-family adapter registered")
     specs, not_run = X.method_specs(cfg)
     assert not any(s.method == "m_ties" for s in specs)
     assert set(not_run) >= {"m_ties", "m_ties (e=0)", "m_ties (random ranks, draw 2)", "m_ties (inverted ranks)",
-                            "m_ties (uniform k−e/2)"}
+                            "m_ties (budget-matched uniform)"}
     assert all("BERT" in reason for reason in not_run.values())
 
     monkeypatch.setattr(X, "mloss_text_support", lambda: None)  # a scored BERT family (hf_mloss.adapters.bert)
@@ -207,7 +170,7 @@ def test_m_ties_rows_reported_not_run_without_a_bert_adapter(monkeypatch):
     assert {"m_ties", "m_ties (e=0)", "m_ties (random ranks, draw 0)", "m_ties (random ranks, draw 2)"} <= set(family)
     assert family["m_ties"].params["layers"] == [3, 4, 5]
     assert X.draw_of("m_ties (random ranks, draw 2)") == 2
-    for label in ("m_ties (inverted ranks)", "m_ties (uniform k−e/2)"):  # controls m_ties cannot express yet
+    for label in ("m_ties (inverted ranks)", "m_ties (budget-matched uniform)"):  # controls m_ties cannot express yet
         assert label in family or "rank" in not_run[label]
 
 
@@ -222,12 +185,17 @@ def test_smoke_run_of_the_whole_pipeline(tmp_path, monkeypatch):
     record = json.loads((tmp_path / "out" / "results.json").read_text())
     assert {"average", "task_arithmetic", "ties", "dare_ties", "tsv_m", "iso_c"} <= set(record["summary"])
     assert record["gates"][-1]["name"] == "G6 premise"
-    assert record["premise"].startswith("M-Loss premise")
-    for fractions in record["ties_kept_fraction"].values():
-        assert all(0 < f <= 1 for f in fractions)
+    # the image suite's statistics and report: Holm families, the tuned-scale ensemble, trims counted on weights
+    assert {d["family"] for d in record["differences"]} <= {"M-Loss claim", "methods"}
+    assert all(d["t_level"] is None or d["t_level"] >= 0.95 for d in record["differences"])
+    assert "ensemble (probabilities, tuned scale)" in record["summary"]
+    assert all(r["ensemble_scale"]["chosen"] in (5.0, 20.0) for r in record["replicates"])
+    trims = [r["trim"] for r in record["replicates"]]
+    trimming = {"ties", "dare_ties"} | {label for label in record["summary"] if label.startswith("m_ties")}
+    assert all(set(t) == trimming and all(0 < f <= 1 for f in t.values()) for t in trims)
     assert record["sizes"]["syn_a"]["test"] == {"snippets": 24, "source_items": 9}  # 3 of 16 per class
     md = (tmp_path / "out" / "results.md").read_text()
-    assert "| ties |" in md and "Grid edge check" in md
+    assert "| ties |" in md and "Edge check" in md and "## Paired differences" in md
     # the experts are save_pretrained folders (+ tokenizer) whose frozen blocks equal the base's
     bench = out["bench"]
     assert {text.split()[0] for text in bench.scoring} == {"ab", "cd", "ef", "xy", "zw"}  # every class, both tasks

@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                        threads=args.threads, num_samples=args.num_samples, name=args.suite, command=command,
                        grid="smoke" if args.suite == "text-smoke" else "main", svd=args.svd)
     else:
+        from benchmarks.suites.protocol import ENSEMBLE_SCALES
         from benchmarks.suites.run import method_specs, run_suite
 
         cfg = real_config(args.suite, args.seeds, args.head_scale)
@@ -138,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         specs = method_specs(range(cfg.frozen, cfg.num_layers), grid, num_tasks=len(cfg.tasks), svd=args.svd,
                              random_draws=1 if grid == "quick" else 3)
         run_suite(cfg, specs, cache=args.cache or default_cache(), out=out, threads=args.threads,
-                  num_samples=args.num_samples, name=args.suite, command=command)
+                  num_samples=args.num_samples, name=args.suite, command=command,
+                  ensemble_scales=ENSEMBLE_SCALES["main" if grid == "full" else grid])
     print((out / "results.md").read_text())
     if args.table:
         args.table.parent.mkdir(parents=True, exist_ok=True)

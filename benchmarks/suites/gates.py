@@ -4,15 +4,19 @@
 * **G2 disentanglement**: the mean change of a task's accuracy when one foreign task vector is added
   (θ₀ + τ_t + τ_p vs θ₀ + τ_t) ≥ −3 points, and no task where the ensemble (probabilities) is below the pretrained
   heads.
-* **G3 method spread**: best data-free merge − average ≥ 3 points; the merge-vs-ensemble gap (ensemble − average;
-  CLIP ViT-B/32, 8 tasks: +12.7) is reported beside it, not gated.
+* **G3 method spread**: best data-free merge − average ≥ 3 points; the merge-vs-ensemble gap (ensemble − average)
+  is reported beside it, not gated.
 * **G4 scaling**: task arithmetic's chosen λ ≥ 2/q in every replicate, and task arithmetic − average ≥ 1.5 points.
 * **G5 statistics**: ≥ 4 fine-tuning replicates (``min_replicates``: a t interval over replicates needs a few degrees
   of freedom) and ≥ 500 val and test images per task; a difference is a ranking only when both its intervals
   (replicate t, item bootstrap) exclude 0.
-* **G6 premise** (reported, not blocking): ensemble (probabilities) − the best merge on val > 0. M-Loss measures how
-  far a merge's activations fall from the ensemble's; where no merge falls short of the ensemble, "M-Loss premise
-  absent" is printed: M-TIES's comparisons then test its trimming rule, not the premise.
+* **G6 premise** (reported, not blocking): the ensemble − the best merge on val ≥ 3 points, with the 95 % t interval
+  over the replicates' differences excluding 0. The ensemble is the probability ensemble at its own tuned head scale
+  where the protocol tuned one (:data:`~benchmarks.suites.protocol.TUNED_ENSEMBLE`), else at the heads' scale; the
+  best merge is the merge row with the highest val mean, each merge at its own tuned setting. M-Loss measures how
+  far a merge's activations fall from the ensemble's; where the ensemble is not clearly above every merge, "M-Loss
+  premise absent" is printed: M-TIES's comparisons then test its trimming rule, not the premise. (In the M-Loss
+  paper's setting, CLIP ViT-B/32 on 8 tasks, the ensemble is 78.56 against TIES's 72.42.)
 
 Every gate is computed on the checkpoints the merges use (no rescaling between experts and merges). All numbers are
 means over replicates of unweighted task means, in points.
@@ -25,9 +29,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks.suites.protocol import ReplicateResult
+from benchmarks.suites.protocol import TUNED_ENSEMBLE, ReplicateResult
+from benchmarks.suites.stats import replicate_t
 
 DATA_FREE_EXCLUDED = ("average",)
+PREMISE_MARGIN = 3.0
+"""G6: the ensemble must beat the best merge by this many val points (and its t interval exclude 0)."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,32 @@ def val_mean(results: Sequence[ReplicateResult], label: str) -> float:
     return 100 * float(np.mean([np.mean(list(row.values())) for row in rows]))
 
 
+def val_means(results: Sequence[ReplicateResult], label: str) -> list[float]:
+    """Each replicate's val task-mean of a reference row or a method, in points."""
+    rows = [r.reference[label]["val"] if label in r.reference else r.methods[label]["val"] for r in results]
+    return [100 * float(np.mean(list(row.values()))) for row in rows]
+
+
+def ensemble_row(results: Sequence[ReplicateResult]) -> str:
+    """The ensemble G6 compares with: the tuned-scale probability ensemble where the protocol has it."""
+    return TUNED_ENSEMBLE if TUNED_ENSEMBLE in results[0].reference else "ensemble (probabilities)"
+
+
+def premise_gate(results: Sequence[ReplicateResult], merges: Sequence[str]) -> Gate:
+    """G6 (see the module docstring): ensemble − best merge on val, per replicate, its mean and 95 % t interval."""
+    ensemble = ensemble_row(results)
+    top = max(merges, key=lambda label: val_mean(results, label))
+    per = [e - m for e, m in zip(val_means(results, ensemble), val_means(results, top))]
+    mean = float(np.mean(per))
+    low, high, _ = replicate_t(tuple(per), 0.95)
+    passed = mean >= PREMISE_MARGIN and low is not None and low > 0
+    interval = "no t interval (1 replicate)" if low is None else f"t 95 % [{low:+.2f}, {high:+.2f}]"
+    return Gate("G6 premise", passed,
+                f"{ensemble} − best merge ({top}) = {mean:+.2f} ({interval}; per replicate "
+                + ", ".join(f"{v:+.2f}" for v in per) + ")" + ("" if passed else f": {PREMISE_ABSENT}"),
+                f"≥ +{PREMISE_MARGIN:g} with the t interval above 0", blocking=False)
+
+
 def val_task_mean(results: Sequence[ReplicateResult], label: str, task: str) -> float:
     return 100 * float(np.mean([r.reference[label]["val"][task] for r in results]))
 
@@ -79,13 +112,11 @@ def compute_gates(results: Sequence[ReplicateResult], *, data_free: Sequence[str
                                                                                            worst)
     best = max(data_free, key=lambda label: val_mean(results, label))
     spread = val_mean(results, best) - avg
-    ens_gap = val_mean(results, "ensemble (probabilities)") - avg
+    ens_gap = val_mean(results, ensemble_row(results)) - avg
     q = len(tasks)
     lams = [r.methods["task_arithmetic"]["chosen"].get("lam") for r in results]
     ta_gain = val_mean(results, "task_arithmetic") - avg
     merges = list(merges) or [*data_free, "average"]
-    top = max(merges, key=lambda label: val_mean(results, label))
-    premise = val_mean(results, "ensemble (probabilities)") - val_mean(results, top)
     return [
         Gate("G1 headroom", own - pre >= 30, f"fine-tuned {own:.2f} − pretrained heads {pre:.2f} = {own - pre:+.2f}",
              "≥ +30"),
@@ -93,15 +124,13 @@ def compute_gates(results: Sequence[ReplicateResult], *, data_free: Sequence[str
              f"one foreign task vector {foreign:+.2f} on average; lowest ensemble − pretrained heads {worst_gap:+.2f} "
              f"({worst})", "≥ −3 and ≥ 0 on every task"),
         Gate("G3 method spread", spread >= 3,
-             f"best data-free merge ({best}) − average = {spread:+.2f}; ensemble − average = {ens_gap:+.2f} "
-             "(CLIP ViT-B/32: +12.7)", "spread ≥ +3"),
+             f"best data-free merge ({best}) − average = {spread:+.2f}; ensemble − average = {ens_gap:+.2f}",
+             "spread ≥ +3"),
         Gate("G4 scaling", all(lam is not None and lam >= 2 / q for lam in lams) and ta_gain >= 1.5,
              f"task arithmetic λ chosen {lams} (2/q = {2 / q:.2f}); task arithmetic − average = {ta_gain:+.2f}",
              "λ ≥ 2/q in every replicate and ≥ +1.5"),
         Gate("G5 statistics", len(results) >= min_replicates and min(val_size, test_size) >= 500,
              f"{len(results)} fine-tuning replicates, {val_size} val / {test_size} test images per task",
              f"≥ {min_replicates} replicates, ≥ 500 images per task and split"),
-        Gate("G6 premise", premise > 0,
-             f"ensemble (probabilities) − best merge ({top}) = {premise:+.2f}"
-             + ("" if premise > 0 else f": {PREMISE_ABSENT}"), "> 0", blocking=False),
+        premise_gate(results, merges),
     ]  # fmt: skip

@@ -4,10 +4,17 @@ A *bench* holds the tasks, their frozen heads, and one or more *replicates* (ind
 fine-tunes, one per fine-tuning seed). Per replicate the protocol measures
 
 * the reference rows: pretrained heads, each fine-tune on its own task, and the ensembles of the q fine-tunes
-  (mean of the heads' probabilities — the M-Loss paper's baseline — and mean of the pooled features);
+  (mean of the heads' probabilities — the M-Loss paper's baseline — and mean of the pooled features). With
+  ``ensemble_scales`` the probability ensemble also gets its own val search, like every merge: the heads' logit
+  scale (how sharp each member's probabilities are, the one knob a mean of probabilities depends on) is chosen on val
+  from that grid and the chosen scale evaluated on test (:data:`TUNED_ENSEMBLE`). A single model's accuracy does not
+  depend on the scale (argmax of s · cosine), nor does the feature ensemble's, so the chosen value holds for every
+  row of the table;
 * disentanglement: each task's accuracy with one foreign task vector added (θ₀ + τ_t + τ_p vs θ₀ + τ_t);
 * every method: each setting of its grid merged through :func:`hf_mloss.merge` and scored on val; the best one
-  (first in grid order on ties) evaluated on test, where the per-image correctness is kept for paired statistics.
+  (first in grid order on ties) evaluated on test, where the per-image correctness is kept for paired statistics;
+  for the trimming methods (:data:`TRIMMING`), how many of the entries the fine-tunes changed the chosen merge
+  changes, counted on its weights (:func:`changed_fraction`).
 
 Every method — ablations included — is searched on a grid of the same size (winner's curse: an ablation that
 reuses the setting chosen for the method it controls is handicapped). Methods that use data (M-TIES) get the
@@ -16,9 +23,11 @@ same unlabeled images in every setting, drawn per replicate.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import itertools
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,11 +36,18 @@ import numpy as np
 import torch
 
 import hf_mloss
-
 from hf_mloss.merging.evaluation import ensemble_scores
 
 State = dict[str, torch.Tensor]
 SPLITS = ("val", "test")
+TUNED_ENSEMBLE = "ensemble (probabilities, tuned scale)"
+"""The probability ensemble at the head scale chosen on val (a row only when the protocol runs with
+``ensemble_scales``)."""
+ENSEMBLE_SCALES = {"main": (2.0, 5.0, 10.0, 20.0, 50.0, 100.0), "quick": (5.0, 10.0, 20.0, 50.0), "smoke": (5.0, 20.0)}
+"""The heads' logit scales the probability ensemble is tuned on, as many as the merges' settings on each grid: from
+nearly logit averaging (2) to CLIP's scale (100), geometric."""
+TRIMMING = ("ties", "m_ties", "dare_ties")
+"""Methods whose chosen merge gets its kept fraction measured (:func:`changed_fraction`)."""
 
 
 class Head(Protocol):
@@ -117,13 +133,18 @@ class ReplicateResult:
     correct: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     """label → task → bool per test image (reference rows and methods)."""
     trim: dict[str, float] = field(default_factory=dict)
-    """TIES label → fraction of the entries the fine-tunes changed that its chosen trim keeps (mean over tasks)."""
+    """Trimming method's label → of the entries some fine-tune changed, the fraction its chosen merge changes (counted
+    on the merged weights: :func:`changed_fraction`)."""
+    ensemble_scale: dict[str, Any] = field(default_factory=dict)
+    """With tuned ensemble scales: {"chosen": scale, "val_grid": [{"scale", "val_mean"}, ...]}."""
 
 
 def reference_rows(bench: Bench, pretrained: dict[str, dict[str, torch.Tensor]], tuned: dict[str, State],
-                   out: ReplicateResult) -> None:
+                   out: ReplicateResult, ensemble_scales: Sequence[float] = ()) -> None:
     """Pretrained heads (``pretrained``: split → task → scores, the same for every replicate), each fine-tune on its
-    own task, and both ensembles, on val and test."""
+    own task, and both ensembles, on val and test; with ``ensemble_scales``, also :data:`TUNED_ENSEMBLE` (the scale
+    chosen on val, first in grid order on ties, recorded in ``out.ensemble_scale``)."""
+    chosen = None
     for split in SPLITS:
         labels = bench.labels(split)
         member = {p: bench.features(state, split) for p, state in tuned.items()}  # q full passes
@@ -135,10 +156,28 @@ def reference_rows(bench: Bench, pretrained: dict[str, dict[str, torch.Tensor]],
             "ensemble (features)": {t: ensemble_scores([member[p][t] for p in tuned], bench.heads[t], "features")
                                     for t in bench.tasks},
         }
+        if ensemble_scales:
+            if chosen is None:  # val comes first: the search
+                grid = [{"scale": s, "val_mean": float(np.mean([
+                    accuracy(probability_ensemble(bench, member, t, s), labels[t]) for t in bench.tasks]))}
+                    for s in ensemble_scales]
+                chosen = max(grid, key=lambda g: g["val_mean"])["scale"]  # first of the best
+                out.ensemble_scale = {"chosen": chosen, "val_grid": grid}
+            rows[TUNED_ENSEMBLE] = {t: probability_ensemble(bench, member, t, chosen) for t in bench.tasks}
         for label, scores in rows.items():
             out.reference.setdefault(label, {})[split] = {t: accuracy(s, labels[t]) for t, s in scores.items()}
             if split == "test":
                 out.correct[label] = {t: correct(s, labels[t]) for t, s in scores.items()}
+
+
+def probability_ensemble(bench: Bench, member: Mapping[str, Mapping[str, torch.Tensor]], task: str,
+                         scale: float) -> torch.Tensor:
+    """The mean of the members' class probabilities on ``task`` with its head's logit scale set to ``scale``."""
+    head = bench.heads[task]
+    if not dataclasses.is_dataclass(head) or not hasattr(head, "scale"):
+        raise TypeError(f"the head of task {task!r} has no logit scale to tune ({type(head).__name__})")
+    return ensemble_scores([member[p][task] for p in member], dataclasses.replace(head, scale=scale),
+                           "probabilities")
 
 
 def foreign_effects(bench: Bench, base: State, tuned: dict[str, State], out: ReplicateResult) -> None:
@@ -158,8 +197,9 @@ def evaluate_state(bench: Bench, state: State, split: str) -> dict[str, torch.Te
 
 
 def run_method(bench: Bench, replicate: Replicate, spec: MethodSpec, out: ReplicateResult, *,
-               num_samples: int, log: Callable[[str], None]) -> None:
-    """Tune ``spec`` on val (every setting of its grid), then evaluate the chosen setting on test."""
+               num_samples: int, log: Callable[[str], None]) -> State:
+    """Tune ``spec`` on val (every setting of its grid), then evaluate the chosen setting on test; returns the
+    chosen merge's evaluated weights."""
     needs_data = hf_mloss.methods.get_method(spec.method).needs_data
     data = bench.scoring_data(replicate.seed) if needs_data else None
     models = [str(replicate.finetuned[t]) for t in bench.tasks]
@@ -195,6 +235,18 @@ def run_method(bench: Bench, replicate: Replicate, spec: MethodSpec, out: Replic
     test_mean = 100 * np.mean(list(out.methods[spec.label]["test"].values()))
     log(f"  {spec.label:<28} val {100 * mean:6.2f}  test {test_mean:6.2f}  {setting}  "
         f"(merge {merge_s:.0f} s, eval {eval_s:.0f} s)")
+    return state
+
+
+def code_version() -> str:
+    """A short hash of the code a replicate's numbers depend on (the ``hf_mloss`` package and these suites), for
+    cache keys: a cached result is reused only by the code that measured it."""
+    digest = hashlib.sha1()
+    for root in (Path(hf_mloss.__file__).parent, Path(__file__).parent):
+        for path in sorted(root.rglob("*.py")):
+            digest.update(f"{path.relative_to(root.parent)}\0".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:10]
 
 
 def pretrained_scores(bench: Bench) -> dict[str, dict[str, torch.Tensor]]:
@@ -204,38 +256,37 @@ def pretrained_scores(bench: Bench) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def run_replicate(bench: Bench, replicate: Replicate, specs: Sequence[MethodSpec], *, num_samples: int = 128,
-                  pretrained: dict[str, dict[str, torch.Tensor]] | None = None,
+                  pretrained: dict[str, dict[str, torch.Tensor]] | None = None, ensemble_scales: Sequence[float] = (),
                   log: Callable[[str], None] = print) -> ReplicateResult:
     """The whole protocol on one replicate (see the module docstring); ``pretrained``: :func:`pretrained_scores`,
-    computed here when not given."""
+    computed here when not given; ``ensemble_scales``: the grid the probability ensemble's head scale is tuned on
+    (:data:`ENSEMBLE_SCALES`; none: no tuned ensemble row)."""
     out = ReplicateResult(seed=replicate.seed)
     base = bench.load_state(bench.base_dir)
     tuned = {t: bench.load_state(replicate.finetuned[t]) for t in bench.tasks}
     start = time.perf_counter()
-    reference_rows(bench, pretrained or pretrained_scores(bench), tuned, out)
+    reference_rows(bench, pretrained or pretrained_scores(bench), tuned, out, ensemble_scales)
     foreign_effects(bench, base, tuned, out)
     means = {label: 100 * np.mean(list(r["val"].values())) for label, r in out.reference.items()}
+    scale = f"; ensemble scale {out.ensemble_scale['chosen']:g}" if out.ensemble_scale else ""
     log(f"replicate {replicate.seed}: " + ", ".join(f"{k} {v:.2f}" for k, v in means.items())
-        + f" (val; {time.perf_counter() - start:.0f} s)")
+        + f" (val{scale}; {time.perf_counter() - start:.0f} s)")
     for spec in specs:
-        run_method(bench, replicate, spec, out, num_samples=num_samples, log=log)
-        if spec.method == "ties":
-            chosen = out.methods[spec.label]["params"]
-            out.trim[spec.label] = kept_changed_fraction(base, tuned, chosen.get("k", 0.2),
-                                                         chosen.get("budget", "all"),
-                                                         out.methods[spec.label]["total_numel"])
-            log(f"  {spec.label}: keeps {100 * out.trim[spec.label]:.1f} % of the entries the fine-tunes changed")
+        state = run_method(bench, replicate, spec, out, num_samples=num_samples, log=log)
+        if spec.method in TRIMMING:
+            out.trim[spec.label] = changed_fraction(base, tuned.values(), state)
+            log(f"  {spec.label}: changes {100 * out.trim[spec.label]:.1f} % of the entries the fine-tunes changed")
     return out
 
 
-def kept_changed_fraction(base: State, tuned: Mapping[str, State], k: float, budget: str, total: int) -> float:
-    """The fraction of the entries each fine-tune changed (τ ≠ 0) that a global TIES trim at ``k`` keeps, mean over
-    the fine-tunes: it keeps floor(k·N) of the largest |τ|, N the model's ``total`` entries (``budget="all"``) or the
-    c changed ones (``"changed"``), so min(c, floor(k·N)) / c (exact up to equal magnitudes at the threshold).
-    ``base`` and ``tuned`` may hold only the trained part: every entry outside it is unchanged."""
-    fractions = []
-    for state in tuned.values():
-        changed = sum(int(torch.count_nonzero(state[key] - base[key])) for key in state)
-        budget_n = total if budget == "all" else changed
-        fractions.append(min(changed, int(budget_n * k)) / changed if changed else 0.0)
-    return float(np.mean(fractions))
+def changed_fraction(base: State, tuned: Iterable[State], merged: State) -> float:
+    """Of the entries some fine-tune changed (τ_p ≠ 0 for some p), the fraction the merge changed (merged ≠ base),
+    counted on the weights: what a trim kept, after sign election and the union over the fine-tunes. ``base``,
+    ``tuned`` and ``merged`` may hold only the trained part (every other entry is unchanged everywhere)."""
+    tuned = list(tuned)
+    changed = kept = 0
+    for key, b in base.items():
+        moved = torch.stack([state[key] != b for state in tuned]).any(0)
+        changed += int(moved.sum())
+        kept += int(((merged[key] != b) & moved).sum())
+    return kept / changed if changed else 0.0

