@@ -190,8 +190,11 @@ class Study:
         self.models = [(rep.seed, t, str(rep.finetuned[t])) for rep in bench.replicates for t in bench.tasks]
         self.names = [f"{t}/s{seed}" for seed, t, _ in self.models]
         self.states = [bench.load_state(Path(folder)) for _, _, folder in self.models]
-        # keyed by the suite's configuration and its fine-tunes' folders: another build starts afresh
-        built = hashlib.sha1(json.dumps([bench.info["config"], [m[2] for m in self.models]],
+        # keyed by the suite's configuration, its fine-tunes' folders and the code: another build, or code that
+        # would measure differently, starts afresh
+        from benchmarks.suites.protocol import code_version
+
+        built = hashlib.sha1(json.dumps([bench.info["config"], [m[2] for m in self.models], code_version()],
                                         sort_keys=True).encode()).hexdigest()[:10]
         self.cache_file = args.cache / f"study-{args.suite}" / f"accuracy-{built}.json"
         self.cache = json.loads(self.cache_file.read_text()) if self.cache_file.exists() else {}
