@@ -97,10 +97,13 @@ def differentiable_outputs(rule: Any, model: Any, batch: dict[str, torch.Tensor]
     next-token log-probabilities."""
     from ..adapters.outputs import NextTokenDistribution, PooledFeatures
 
+    def widened(x: torch.Tensor) -> torch.Tensor:  # float32 at least (float64 stays: gradient checks)
+        return x.to(torch.promote_types(x.dtype, torch.float32))
+
     if isinstance(rule, PooledFeatures):
-        return rule.pool(model, batch).float()
+        return widened(rule.pool(model, batch))
     if isinstance(rule, NextTokenDistribution):
-        return torch.log_softmax(rule.logits(model, batch).float(), dim=-1)
+        return torch.log_softmax(widened(rule.logits(model, batch)), dim=-1)
     raise InvalidParameterError(f"A learned merge reads outputs through PooledFeatures or NextTokenDistribution; "
                                 f"this family's rule is {type(rule).__name__}.")
 
@@ -139,7 +142,7 @@ class Entropy(Objective):
             return _position_mean(values, batch, torch.arange(len(merged)))
 
         def term(p: int, rows: torch.Tensor) -> torch.Tensor:  # AdaMerging's code: −Σ p·log(p + 1e-8)
-            probs = torch.softmax(inputs.heads[p](merged[rows.to(merged.device)]).float(), -1)
+            probs = torch.softmax(inputs.heads[p](merged[rows.to(merged.device)]).to(merged.dtype), -1)
             return -(probs * torch.log(probs + ENTROPY_EPS)).sum(-1).mean()
 
         return per_share(owner, len(inputs.alpha), len(merged), term)
@@ -156,8 +159,8 @@ class OutputGap(Objective):
 
         def term(p: int, rows: torch.Tensor) -> torch.Tensor:
             rows = rows.to(merged.device)
-            log_m = torch.log_softmax(inputs.heads[p](merged[rows]).float(), -1)
-            log_e = torch.log_softmax(inputs.heads[p](experts[p][rows]).float(), -1)
+            log_m = torch.log_softmax(inputs.heads[p](merged[rows]).to(merged.dtype), -1)
+            log_e = torch.log_softmax(inputs.heads[p](experts[p][rows]).to(merged.dtype), -1)
             return (log_e.exp() * (log_e - log_m)).sum(-1).mean()
 
         return per_share(owner, len(inputs.alpha), len(merged), term)
@@ -176,7 +179,7 @@ class Disagreement(Objective):
                 nll = -merged[rows].gather(-1, labels).squeeze(-1)
                 return _position_mean(nll, {k: v[rows] for k, v in batch.items()}, torch.arange(len(rows)))
             labels = inputs.heads[p](experts[p][rows]).argmax(-1)
-            return torch.nn.functional.cross_entropy(inputs.heads[p](merged[rows]).float(), labels)
+            return torch.nn.functional.cross_entropy(inputs.heads[p](merged[rows]).to(merged.dtype), labels)
 
         return per_share(owner, len(inputs.alpha), len(merged), term)
 

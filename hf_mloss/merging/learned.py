@@ -8,7 +8,7 @@ output rule; the experts' outputs it compares with (and the routing of samples t
 training, batch by batch.
 
 Data: at most ``max_samples`` of the run's samples (a seeded spread, :func:`~hf_mloss.merging.selection.
-spread_sample`), shuffled once with the run's seed and cut into batches of ``batch_size``; each epoch visits the
+spread_sample`), shuffled once with the run's seed and cut into batches of the run's ``batch_size``; each epoch visits the
 batches in a new seeded order (:func:`batch_schedule`). Adam (β = 0.9, 0.999, ε = 1e-8) on the coefficients,
 initialised at ``init``. Peak memory (RSS; CUDA when on a GPU) and seconds per step are measured and go to the card.
 """
@@ -197,7 +197,7 @@ def _learn(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: 
     if inputs.model_inputs is None:
         raise InvalidParameterError("A learned merge needs unlabeled data (data=...).")
     pool = spread_sample(inputs.model_inputs, params.max_samples, config.seed)
-    index_batches = sample_batches(len(pool), params.batch_size, config.seed)
+    index_batches = sample_batches(len(pool), config.batch_size, config.seed)
     batches = [_batch(pool, index, device) for index in index_batches]
     alpha = (inputs.alpha / inputs.alpha.sum()).float().to(device)
     setup = ObjectiveInputs(rule=rule, heads=heads, alpha=alpha, eps=config.scoring_options().eps)

@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 GRANULARITIES = ("layer", "block", "task")
 SHARES = ("auto", "all")
 MAX_STEPS = 100_000
-MAX_BATCH = 4096
 MAX_SAMPLES = 1_000_000
 COEFFICIENT_STATE = "coefficients"
 """``MergeContext.state`` key: ``(groups, values)``, the group of each tensor name and the ``[G, q]`` coefficients."""
@@ -51,7 +50,6 @@ class AdaMergingParams(MethodParams):
     init: float = param(0.3, "Initial value of every coefficient (the paper's 0.3).", low=-10.0, high=10.0)
     steps: int = param(100, "Adam steps.", low=1, high=MAX_STEPS)
     lr: float = param(1e-3, "Adam learning rate.", low=0.0, high=1.0, low_open=True)
-    batch_size: int = param(16, "Unlabeled samples per step.", low=1, high=MAX_BATCH)
     max_samples: int = param(256, "At most this many of the data's samples are used (a seeded spread over them).",
                              low=1, high=MAX_SAMPLES)
     share: str = param("auto", "With heads (and for disagreement): which expert each sample is compared with: auto "
