@@ -59,8 +59,8 @@ def records(monkeypatch) -> list[learned.LearnRecord]:
 
 def _run(tiny_paths, data, **kwargs):
     base, models = tiny_paths
-    options = dict(method="adamerging", data=data, progress=False, steps=1, batch_size=BATCH, max_samples=SAMPLES)
-    options.update(kwargs)
+    options = {"method": "adamerging", "data": data, "progress": False, "steps": 1, "batch_size": BATCH,
+               "max_samples": SAMPLES, **kwargs}
     return hf_mloss.merge(base, models, options.pop("method"), **options)
 
 
