@@ -336,3 +336,24 @@ def test_refuses_heads_where_the_objective_reads_no_classes(tiny_paths, pixels, 
         _run(tiny_paths, pixels, heads=heads, objective="mloss")
     with pytest.raises(InvalidParameterError, match="got 2 for 3 models"):
         _run(tiny_paths, pixels, heads=heads[:2], objective="entropy")
+
+
+def test_dinov2_with_the_suites_prototype_heads(tmp_path):
+    """The suites' call: a DINOv2 encoder, frozen prototype heads (objects with ``.logits``), pixel tensors."""
+    from transformers import Dinov2Config, Dinov2Model
+
+    from benchmarks.suites.training import TaskHead
+    from examples.tiny import save_with_finetunes
+
+    torch.manual_seed(0)
+    config = Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, mlp_ratio=2, image_size=32,
+                          patch_size=8)
+    base, models = save_with_finetunes(Dinov2Model(config).eval(), tmp_path, 2)
+    heads = [TaskHead(weight=torch.nn.functional.normalize(torch.randn(4, 32), dim=-1), scale=10.0) for _ in models]
+    pixels = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    result = hf_mloss.merge(str(base), [str(m) for m in models], "adamerging", data=pixels, heads=heads,
+                            objective="entropy", steps=3, batch_size=4, lr=1e-2, progress=False)
+    assert isinstance(result.model, Dinov2Model)
+    values = torch.tensor([row[1:] for row in result.config.parameters["coefficients"]])
+    assert values.shape[1] == 2 and not torch.allclose(values, torch.full_like(values, 0.3))
+    assert "Coefficients learned on unlabeled data: 3 Adam steps" in result.method_description
