@@ -258,6 +258,8 @@ def test_recipe_reruns_bit_for_bit_without_training_and_relearn_trains_again(tin
                                                                             tmp_path, monkeypatch):
     first = _run(tiny_paths, str(image_folder), heads=heads, objective="entropy", steps=2)
     first.save_pretrained(tmp_path / "merged")
+    card = (tmp_path / "merged" / "README.md").read_text()
+    assert "39 groups x 3 models (learned; in hf_mloss_config.yaml)" in card and "s per step, peak RSS" in card
     config = MergeConfig.from_pretrained(tmp_path / "merged")
     assert config.parameters["heads"] == [{"in_memory": "Linear"}] * 3
     calls = []
@@ -329,6 +331,11 @@ def test_causal_lm_objectives_need_no_heads(tmp_path):
 def test_refusals(tiny_paths, pixels, kwargs, match):
     with pytest.raises(InvalidParameterError, match=match):
         _run(tiny_paths, pixels, **kwargs)
+
+
+def test_refuses_selection(tiny_paths, pixels):
+    with pytest.raises(InvalidParameterError, match="learns its coefficients"):
+        _run(tiny_paths, pixels, select="unlabeled", grid={"init": [0.2, 0.3]})
 
 
 def test_refuses_heads_where_the_objective_reads_no_classes(tiny_paths, pixels, heads):

@@ -15,6 +15,7 @@ initialised at ``init``. Peak memory (RSS; CUDA when on a GPU) and seconds per s
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -168,8 +169,8 @@ def learn_and_merge(config: MergeConfig, inputs: RunInputs, merger: TensorMerger
     parameters = {k: v for k, v in config.parameters.items() if k != "relearn"}
     parameters["coefficients"] = coefficient_rows(labels, values)
     if params.heads:
-        parameters["heads"] = [h if isinstance(h, str) else h if isinstance(h, dict) else
-                               {"in_memory": type(h).__name__} for h in params.heads]
+        parameters["heads"] = [os.fspath(h) if isinstance(h, (str, os.PathLike)) else h if isinstance(h, dict)
+                               else {"in_memory": type(h).__name__} for h in params.heads]
     recorded_config = config.replace(parameters=parameters)
     ctx.params = recorded_config.method_params()
     return recorded_config, record
