@@ -57,13 +57,24 @@ def build(folder: Path, layers: int, q: int) -> tuple[Path, list[Path]]:
 
 
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak RSS: the larger of ru_maxrss and /proc VmHWM (they agree when the parent stayed small)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return max(peak, int(line.split()[1]) / 1024)
+    except OSError:
+        pass
+    return peak
 
 
-def child(job: str, folder: Path, q: int, batch: int, steps: int) -> dict:
+def child(job: str, folder: Path, q: int, batch: int, steps: int, layers: int) -> dict:
     import torch
 
     sys.path.insert(0, str(HERE.parent))
+    if job == "build":
+        build(folder, layers, q)
+        return {"job": job, "threads": torch.get_num_threads()}
     base_dir, models = folder / "base", [folder / f"ft{i}" for i in range(q)]
     pixels = torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(0))
     if job == "forward":
@@ -109,7 +120,7 @@ def child(job: str, folder: Path, q: int, batch: int, steps: int) -> dict:
 def run_child(job: str, args: argparse.Namespace, folder: Path) -> dict:
     load = os.getloadavg()[0]
     cmd = [sys.executable, __file__, "--child", job, "--folder", str(folder), "--q", str(args.q), "--batch",
-           str(args.batch), "--steps", str(args.steps)]
+           str(args.batch), "--steps", str(args.steps), "--layers", str(args.layers)]
     env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if proc.returncode:
@@ -130,16 +141,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--folder", type=Path)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child, args.folder, args.q, args.batch, args.steps)))
+        print(json.dumps(child(args.child, args.folder, args.q, args.batch, args.steps, args.layers)))
         return
-    import torch
-
+    # The parent never imports torch nor holds a model: a child's ru_maxrss starts at its parent's peak RSS.
     folder = CACHE / f"b32-{args.layers}L-q{args.q}"
-    build(folder, args.layers, args.q)
+    threads = run_child("build", args, folder)["threads"]
     rows = [run_child("forward", args, folder)] + [run_child(f"adamerging:{o}", args, folder) for o in OBJECTIVES]
     forward = rows[0]["seconds"]
     lines = [(f"Learned merges on a ViT-B/32-shaped CLIP vision tower cut to {args.layers} blocks, q={args.q}, "
-              f"batch {args.batch}, {args.steps} steps, {torch.get_num_threads()} threads, CPU"), "",
+              f"batch {args.batch}, {args.steps} steps, {threads} threads, CPU"), "",
              "| job | s per step | × one forward of the q models | peak RSS (MB) | load avg before |", "|---|---|---|---|---|",
              (f"| forward of the q models (no grad) | {forward:.3f} | 1.00 | {rows[0]['peak_rss_mb']:.0f} | "
               f"{rows[0]['load_average_before']} |")]
@@ -150,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     print(table)
     report = {"command": "python benchmarks/learned_speed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "layers": args.layers, "q": args.q, "batch": args.batch, "steps": args.steps,
-              "threads": torch.get_num_threads(), "device": "cpu", "rows": rows}
+              "threads": threads, "device": "cpu", "rows": rows}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"learned_speed_{args.tag}.json").write_text(json.dumps(report, indent=1) + "\n")
     (RESULTS / f"learned_speed_{args.tag}.md").write_text(table + "\n")

@@ -364,3 +364,21 @@ def test_dinov2_with_the_suites_prototype_heads(tmp_path):
     values = torch.tensor([row[1:] for row in result.config.parameters["coefficients"]])
     assert values.shape[1] == 2 and not torch.allclose(values, torch.full_like(values, 0.3))
     assert "Coefficients learned on unlabeled data: 3 Adam steps" in result.method_description
+
+
+def test_yaml_recipe_with_head_files(tiny_paths, image_folder, heads, tmp_path):
+    """A recipe file names its heads as safetensors files (`weight`, `bias`); they are recorded as given."""
+    from safetensors.torch import save_file
+
+    files = []
+    for i, head in enumerate(heads):
+        files.append(str(tmp_path / f"head{i}.safetensors"))
+        save_file({"weight": head.weight.contiguous(), "bias": head.bias.contiguous()}, files[-1])
+    base, models = tiny_paths
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"base: {base}\nmodels: {models}\nmethod: adamerging\ndata: {image_folder}\nbatch_size: 4\n"
+                      f"parameters: {{objective: entropy, steps: 2, max_samples: 8, heads: {files}}}\n")
+    from_files = hf_mloss.run(MergeConfig.from_yaml(recipe), progress=False)
+    from_modules = _run(tiny_paths, str(image_folder), heads=heads, objective="entropy", steps=2)
+    assert from_files.config.parameters["heads"] == files
+    assert from_files.config.parameters["coefficients"] == from_modules.config.parameters["coefficients"]

@@ -421,4 +421,4 @@ def test_layer_wise_adamerging_matches_fusion_bench(tiny_paths, tmp_path):
     determined = torch.tensor([not c.endswith("k_proj.bias") for c in columns])
     assert int((~determined).sum()) == 2  # one per block of the tiny CLIP
     diff = (learned - theirs).abs()[:, determined]
-    assert float(diff.max()) < 2e-5, float(diff.max())
+    assert float(diff.max()) < 1e-5, float(diff.max())  # measured: 1.6e-6, the coefficients moved up to 0.038
