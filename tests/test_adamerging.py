@@ -186,10 +186,10 @@ def test_gradients_match_finite_differences(loaded, pixels, heads, objective):
     taus = {k: torch.stack([e.state_dict()[k].double() - loaded[0].state_dict()[k].double() for e in experts])
             for k in names}
     bases = {k: v.detach().clone() for k, v in base.named_parameters()}
-    group = {k: (0 if ".layers.0." in k else 1 if ".layers.1." in k else 2) for k in names}
+    group = {k: (0 if ".layers.1." in k else 1) for k in names}
     rule = learned_rule(base)
     forward = learned._Forward(base, lambda model, batch: differentiable_outputs(rule, model, batch))
-    batch = {"pixel_values": pixels[:3].double()}
+    batch = {"pixel_values": pixels[:2].double()}
     double_heads = [torch.nn.Linear(32, 5).double().requires_grad_(False) for _ in heads]
     for mine, theirs in zip(double_heads, heads):
         mine.load_state_dict(theirs.state_dict())
@@ -208,17 +208,18 @@ def test_gradients_match_finite_differences(loaded, pixels, heads, objective):
                 activation=layer.mlp.activation_fn)
             handles += stack.hooks(layer.mlp.fc1, None)
             setup.units.append(stack)
-    owner = torch.tensor([0, 2, 1])
+    owner = torch.tensor([0, 2])
 
     def value(coefficients: torch.Tensor) -> torch.Tensor:
         params = {f"tower.{k}": combine(bases[k], taus[k], coefficients[group[k]]) for k in names}
         merged = torch.func.functional_call(forward, params, (batch,))
         return get_objective(objective).value(setup, merged, batch, outputs, owner)
 
-    coefficients = torch.full((3, 3), 0.3, dtype=torch.float64) + 0.05 * torch.randn(
-        3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    try:
-        assert torch.autograd.gradcheck(value, (coefficients.requires_grad_(),), eps=1e-6, atol=1e-6, rtol=1e-4)
+    coefficients = torch.full((2, 3), 0.3, dtype=torch.float64) + 0.05 * torch.randn(
+        2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    try:  # central differences of every coefficient against autograd's gradient
+        assert torch.autograd.gradcheck(value, (coefficients.requires_grad_(),), eps=1e-6, atol=1e-6, rtol=1e-4,
+                                        check_undefined_grad=False)
     finally:
         for handle in handles:
             handle.remove()
