@@ -123,10 +123,24 @@ def merge(base: Any, models: Sequence[Any], method: str = "ties", *, data: Any =
         ```
     """
     run_options = _split_runtime(options)
+    if heads is not None and select is None and _takes_heads(method):  # a learned merge's heads (adamerging)
+        options["heads"], heads = heads, None
     selection = selection_options(select, grid=grid, criterion=criterion, heads=heads)
     config = MergeConfig.from_kwargs(base, models, method, data=data, text_data=text_data, select=selection,
                                      **options)
     return run(config, **run_options)
+
+
+def _takes_heads(method: str) -> bool:
+    """Whether ``method`` is a registered method with a ``heads`` parameter (a learned merge's objective)."""
+    import dataclasses
+
+    from .methods import get_method
+
+    try:
+        return "heads" in {f.name for f in dataclasses.fields(get_method(method).params_class)}
+    except KeyError:  # an unknown method is refused, with its hint, by the config
+        return False
 
 
 def score(base: Any, models: Sequence[Any], data: Any = None, *, text_data: Any = None, prefix: str = "own",

@@ -384,6 +384,16 @@ PARAMETER_VALUES = {
     "gamma": st.sampled_from([0.0, 0.01, 0.1]),
     "normalize": st.booleans(),
     "filter_wise": st.booleans(),
+    "granularity": st.sampled_from(["layer", "block", "task"]),
+    "objective": st.sampled_from(["entropy", "output_gap", "disagreement", "mloss"]),
+    "init": st.floats(-1, 1, allow_nan=False),
+    "steps": st.integers(1, 1000),
+    "lr": st.sampled_from([1e-4, 1e-3, 0.1]),
+    "max_samples": st.integers(1, 4096),
+    "share": st.sampled_from(["auto", "all"]),
+    "heads": st.none(),
+    "coefficients": st.none() | st.just([["all", 0.25, -0.5]]),
+    "relearn": st.booleans(),
 }
 METHOD_VALUES = {("breadcrumbs", "rescale"): st.sampled_from(["none", "l1"]),
                  ("breadcrumbs_ties", "rescale"): st.sampled_from(["none", "l1"])}

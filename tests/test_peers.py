@@ -372,3 +372,53 @@ def test_mergekit_slices_match(sliced_paths, tmp_path, recipe):
     diff = _decoder_max_diff(result, run)
     print(f"{recipe}: max |hf_mloss - mergekit| = {diff:.3g}")
     assert diff < 1e-6
+
+
+def test_layer_wise_adamerging_matches_fusion_bench(tiny_paths, tmp_path):
+    """fusion-bench's CLIP layer-wise AdaMerging (its merged model, init 0.3, entropy loss, Adam, loop) and
+    ``adamerging`` on the same tiny CLIP, zero-shot heads, batches and steps learn the same coefficients."""
+    from safetensors.torch import save_file
+
+    from hf_mloss.merging.learned import batch_schedule, sample_batches
+
+    base, models = tiny_paths
+    steps, batch, lr = 4, 4, 1e-2
+    generator = torch.Generator().manual_seed(3)
+    pixels = torch.randn(2 * batch, 3, 32, 32, generator=generator)
+    projection = torch.randn(16, 32, generator=generator) / 32**0.5
+    texts = [torch.nn.functional.normalize(torch.randn(5, 16, generator=generator), dim=-1) for _ in models]
+    scale = torch.tensor(100.0)
+
+    def zero_shot(text):
+        def logits(features):
+            embeds = features @ projection.T
+            return (text @ (embeds / embeds.norm(p=2, dim=-1, keepdim=True)).T * scale).T
+        return logits
+
+    index = sample_batches(len(pixels), batch, 0)
+    order = batch_schedule(len(index), steps, 0)
+    save_file({f"batch.{s}": pixels[index[b]].contiguous() for s, b in enumerate(order)}, str(tmp_path / "data.st"))
+    save_file({"projection": projection, "logit_scale_exp": scale, **{f"text.{i}": t for i, t in enumerate(texts)}},
+              str(tmp_path / "heads.st"))
+    try:
+        theirs, columns = peers.run_fusion_bench_adamerging(base, models, tmp_path / "fusion_bench",
+                                                            data=tmp_path / "data.st", heads=tmp_path / "heads.st",
+                                                            steps=steps, lr=lr, init=0.3)
+    except peers.PeerUnavailable as err:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"fusion_bench not installable here: {err}")
+    ours = hf_mloss.merge(base, models, "adamerging", data=pixels, heads=[zero_shot(t) for t in texts],
+                          objective="entropy", share="all", steps=steps, batch_size=batch, lr=lr, init=0.3,
+                          max_samples=len(pixels), progress=False)
+    rows = {row[0]: row[1:] for row in ours.config.parameters["coefficients"]}
+    assert len(rows) == len(columns)
+    learned = torch.tensor([rows[c.removeprefix("vision_model.")] for c in columns]).T  # [q, tensors]
+    assert not torch.allclose(learned, torch.full_like(learned, 0.3), atol=1e-3)  # training moved them
+    # The attention key bias adds the same amount to every score of a query, which the softmax ignores: its
+    # coefficients' gradient is 0 in exact arithmetic and float32 noise in both libraries, which Adam normalises
+    # into steps of ±lr. Every other coefficient must agree within float32 rounding.
+    determined = torch.tensor([not c.endswith("k_proj.bias") for c in columns])
+    assert int((~determined).sum()) == 2  # one per block of the tiny CLIP
+    diff = (learned - theirs).abs()[:, determined]
+    assert float(diff.max()) < 1e-5, float(diff.max())  # measured: 1.6e-6, the coefficients moved up to 0.038

@@ -43,6 +43,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -59,6 +60,7 @@ __all__ = [
     "PeerUnavailable",
     "fusion_bench_threshold",
     "mergekit_config",
+    "run_fusion_bench_adamerging",
     "run_peer_merge",
     "run_peer_ties",
 ]
@@ -69,6 +71,7 @@ MERGEKIT_RECIPE_METHODS = ("slerp", "model_stock", "breadcrumbs", "breadcrumbs_t
 MERGEKIT_METHODS += MERGEKIT_RECIPE_METHODS
 FUSION_BENCH_METHODS = ("ties", "task_arithmetic", "tsv_m", "iso_c", "iso_cts")
 CHILD_SCRIPT = Path(__file__).resolve().with_name("_fusion_bench_child.py")
+ADAMERGING_CHILD_SCRIPT = Path(__file__).resolve().with_name("_fusion_bench_adamerging_child.py")
 DEFAULT_TIMEOUT = 1800.0
 
 
@@ -336,6 +339,33 @@ def run_peer_merge(
     if not run.weight_files:
         raise PeerError(f"{key} wrote no safetensors file in {out_dir}; log tail:\n{_log_tail(log_path)}")
     return run
+
+
+def run_fusion_bench_adamerging(base_dir: str | Path, model_dirs: Sequence[str | Path], out_dir: str | Path, *,
+                                data: str | Path, heads: str | Path, steps: int, lr: float = 1e-3,
+                                init: float = 0.3, timeout: float = DEFAULT_TIMEOUT) -> tuple[Any, list[str]]:
+    """fusion-bench's CLIP layer-wise AdaMerging (``CLIPLayerWiseAdaMergingAlgorithm``) on local CLIP vision
+    checkpoints, with given zero-shot heads and test batches (see ``_fusion_bench_adamerging_child.py`` for the
+    files): returns its learned ``merge_weight`` [q, tensors] and the parameter name of each column."""
+    from safetensors.torch import load_file
+
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec = {"base_dir": str(Path(base_dir).resolve()), "model_dirs": [str(Path(p).resolve()) for p in model_dirs],
+            "out_dir": str(out_dir), "data": str(Path(data).resolve()), "heads": str(Path(heads).resolve()),
+            "steps": int(steps), "lr": float(lr), "init": float(init)}
+    spec_path = out_dir / "peer_spec.json"
+    spec_path.write_text(json.dumps(spec, indent=2) + "\n")
+    python = ensure_env("fusion_bench")
+    if python is None:
+        raise PeerUnavailable("fusion_bench venv is not available (see the message above)")
+    log_path = out_dir / "peer_run.log"
+    rc, _, _ = _run_child([str(python), str(ADAMERGING_CHILD_SCRIPT), str(spec_path)], _child_env(python), log_path,
+                          timeout)
+    if rc != 0:
+        raise PeerError(f"fusion_bench adamerging exited with {rc}; log tail:\n{_log_tail(log_path)}")
+    columns = json.loads((out_dir / "adamerging.json").read_text())["columns"]
+    return load_file(str(out_dir / "merging_weights.safetensors"))["merge_weight"], columns
 
 
 def run_mergekit_yaml(config: dict, out_dir: str | Path, *, seed: int = 0,

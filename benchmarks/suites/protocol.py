@@ -92,6 +92,9 @@ class MethodSpec:
     """Tuned on val: the cartesian product, in this order."""
     seed_offset: int = 0
     """Added to the replicate's seed for the merge (one draw of a random control per offset)."""
+    heads: bool = False
+    """Pass the bench's frozen heads (one per task, in task order) to the merge: a learned merge's objective
+    (``adamerging`` with ``entropy``, ``disagreement`` or ``output_gap``) reads class outputs through them."""
 
     def settings(self) -> list[dict[str, Any]]:
         keys = list(self.grid)
@@ -209,9 +212,10 @@ def run_method(bench: Bench, replicate: Replicate, spec: MethodSpec, out: Replic
     grid = []
     for setting in spec.settings():
         start = time.perf_counter()
+        heads = {"heads": [bench.heads[t] for t in bench.tasks]} if spec.heads else {}
         merged = hf_mloss.merge(str(bench.base_dir), models, spec.method, seed=replicate.seed + spec.seed_offset,
                                 progress=False, data=data, num_samples=num_samples, batch_size=64, **spec.params,
-                                **setting)
+                                **setting, **heads)
         total = sum(v.numel() for v in merged.model.state_dict().values() if v.is_floating_point())
         state = bench.state_of(merged.model)
         merge_s += time.perf_counter() - start

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["GapSums", "StackedTarget", "block_shape", "gap_block", "inplace_activation", "node_gap", "reduce_sums"]
+__all__ = ["GapSums", "StackedTarget", "block_shape", "gap_block", "inplace_activation", "node_gap", "reduce_sums",
+           "unit_gap"]
 
 BLOCK_ELEMENTS = 1 << 21
 """Pre-activation values per block of positions on a CPU when ``h`` is given whole (8 MB of float32; measured on
@@ -67,6 +68,22 @@ def node_gap(h: torch.Tensor, alpha: torch.Tensor, activation: Callable) -> tupl
     alpha = alpha.to(h)
     merged = activation(torch.matmul(alpha, h))
     return merged - torch.matmul(alpha, activation(h)), merged
+
+
+def unit_gap(h: torch.Tensor, mix: torch.Tensor, activation: Callable, merged: torch.Tensor, *,
+             up: torch.Tensor | None = None, merged_up: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gap_block`'s ``(g, μ)`` for one merge (a row ``mix`` ``[q]``) whose own pre-activations ``merged``
+    (``[positions, nodes]``; gated: ``merged_up``) are not A·h, without in-place operations, so gradients flow into
+    the merge (a learned merge's objective, :mod:`hf_mloss.engine.objectives`): g = σ(m) − Σ_p α_p σ(h_p) (gated:
+    σ(m)·m_up − Σ_p α_p σ(h_p)·up_p), μ = σ(m) (gated: σ(m)·m_up); ``h``, ``up``: ``[positions, q, nodes]``."""
+    mix = mix.to(h)
+    mu = activation(merged)
+    experts = activation(h)
+    if up is not None:
+        mu = mu * merged_up
+        experts = experts * up
+    return mu - torch.einsum("q,pqn->pn", mix, experts), mu
 
 
 def inplace_activation(activation: Callable) -> tuple[float, Callable[[torch.Tensor], torch.Tensor]]:

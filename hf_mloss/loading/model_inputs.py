@@ -145,3 +145,20 @@ def as_model_inputs(value: Any) -> ModelInputs | None:
             ({"input_ids", "pixel_values"} & set(value)):
         return ModelInputs(value)
     return None
+
+
+def spread_sample(samples: Any, n: int, seed: int) -> Any:
+    """``n`` of ``samples`` (images, or token ids as :class:`~hf_mloss.loading.model_inputs.ModelInputs`) spread
+    over the whole set, in their order: systematic sampling with a seeded random start, index ⌊(i + u)·N/n⌋ for
+    i < n, u ~ U[0, 1). Every run of ≥ N/n consecutive samples gets at least one, so a data set ordered task by task
+    gives every task its share (the first ``n`` would show only the first tasks); all of them when ``n`` ≥ N."""
+    import torch
+
+    if isinstance(samples, ModelInputs) and samples.modality == "image":
+        samples = samples["pixel_values"]  # the images as one tensor, as before
+    total = len(samples)
+    if n >= total:
+        return samples
+    u = torch.rand((), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    index = ((torch.arange(n, dtype=torch.float64) + u) * (total / n)).floor().long().clamp_(max=total - 1)
+    return samples.select(index) if isinstance(samples, ModelInputs) else samples[index]

@@ -76,7 +76,7 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
         merger = TensorMerger(inputs, method, ctx, model, workers,  # every merged tensor: a whole model's too
                               tensor_params=tensor_params)
         outside = outside_tower_names(inputs, merger.names)
-        report = None
+        report, learned = None, None
         if config.select is not None:
             if select_and_merge is None:
                 raise InvalidParameterError("This config selects its parameters (select: ...); run it with "
@@ -85,6 +85,14 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
             merger.names = [n for n in merger.names if n not in set(outside)]  # equal to the base's: kept as is
             config, report = select_and_merge(config.replace(select=config.select.recorded()), inputs, merger, tower,
                                               progress=progress, token=token)
+            params = merger.ctx.params
+        elif getattr(method, "learned", False):  # coefficients trained on the data (hf_mloss.merging.learned)
+            from .learned import learn_and_merge
+
+            refuse_changed_outside(inputs, outside, f"{method.pretty_name}")
+            merger.names = [n for n in merger.names if n not in set(outside)]  # equal to the base's: kept as is
+            config, learned = learn_and_merge(config, inputs, merger, tower, method,
+                                              changed=changed_names(inputs, merger.names), progress=progress)
             params = merger.ctx.params
         elif method.needs_data:
             report = merge_layerwise(config, inputs, merger, model, method, progress=progress)
@@ -102,8 +110,11 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
                                                                       out_dtype)
         record = recorded_config(config, given)
         description = method.describe(params)
-        if (outside or inputs.towers) and method.needs_data and config.select is None:
+        if (outside or inputs.towers) and method.needs_data and config.select is None and learned is None \
+                and not getattr(method, "learned", False):
             description += " " + outside_rule_note(inputs, method, params, merger.names)
+        if learned is not None:
+            description += ". " + learned.describe()
         if lora is not None:  # the adapter as written: its combination, and the rank an SVD used
             record.combination, record.lora_rank = lora.combination, lora.rank if lora.combination == "svd" else None
         record.resolved_parameters = tensor_params.record(merger.names) if tensor_params else None

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidParameterError
 from ..loading.heads import as_head
+from ..loading.model_inputs import spread_sample
 from ..spec.selection import (
     SelectionOptions,
 )
@@ -90,25 +91,6 @@ def unchanged_blocks(inputs: RunInputs) -> int:
             if any(not torch.equal(s.get(name).to(base.dtype), base) for s in inputs.sources):
                 return stage
     return adapter.num_layers
-
-
-def spread_sample(samples: Any, n: int, seed: int) -> Any:
-    """``n`` of ``samples`` (images, or token ids as :class:`~hf_mloss.loading.model_inputs.ModelInputs`) spread
-    over the whole set, in their order: systematic sampling with a seeded random start, index ⌊(i + u)·N/n⌋ for
-    i < n, u ~ U[0, 1). Every run of ≥ N/n consecutive samples gets at least one, so a data set ordered task by task
-    gives every task its share (the first ``n`` would show only the first tasks); all of them when ``n`` ≥ N."""
-    import torch
-
-    from ..loading.model_inputs import ModelInputs
-
-    if isinstance(samples, ModelInputs) and samples.modality == "image":
-        samples = samples["pixel_values"]  # the images as one tensor, as before
-    total = len(samples)
-    if n >= total:
-        return samples
-    u = torch.rand((), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    index = ((torch.arange(n, dtype=torch.float64) + u) * (total / n)).floor().long().clamp_(max=total - 1)
-    return samples.select(index) if isinstance(samples, ModelInputs) else samples[index]
 
 
 OUTPUT_CRITERIA = {"output", "entropy", "disagreement"}

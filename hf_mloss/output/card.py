@@ -121,6 +121,12 @@ def shown_parameters(params: Any) -> dict[str, Any]:
     left out, and TIES's ``scope`` resolved from its convention (``None`` means ``global`` for ``hf_mloss``)."""
     resolved = {"scope": params.resolved_scope} if hasattr(params, "resolved_scope") else {}
     shown = {k: resolved.get(k, v) for k, v in params.to_dict().items()}
+    if shown.get("coefficients"):  # a learned merge's coefficients: one row per tensor group, in the recipe
+        rows = shown["coefficients"]
+        shown["coefficients"] = f"{len(rows)} groups x {len(rows[0]) - 1} models (learned; in hf_mloss_config.yaml)"
+    if shown.get("heads"):
+        shown["heads"] = [h if isinstance(h, str) else type(h).__name__ if not isinstance(h, dict) else
+                          f"{h.get('in_memory', 'head')} (from Python)" for h in shown["heads"]]
     return {k: v for k, v in shown.items() if v is not None}
 
 

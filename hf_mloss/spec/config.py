@@ -333,6 +333,9 @@ class MergeConfig:
                                         "combination='svd' only.")
 
     def _validate_selection(self, method: MergeMethod) -> None:
+        if getattr(method, "learned", False):
+            raise InvalidParameterError(f"Method {method.name!r} learns its coefficients on the data itself; "
+                                        "label-free selection (select=...) does not apply: drop select.")
         if self.data is None:
             raise DataError("Label-free selection scores every candidate on unlabeled data and no data was given: "
                             "pass data=... (images for image families: a Hub dataset id, a local image folder or "

@@ -1,0 +1,191 @@
+"""AdaMerging and AdaMerging++: task-arithmetic coefficients learned on unlabeled data.
+
+θ = θ₀ + Σ_p λ_{p,g} τ_p, one coefficient per task p and group g of tensors: ``granularity="layer"`` (every tensor
+its own group: the paper's and fusion-bench's "layer-wise", one coefficient per parameter tensor), ``"block"`` (the
+embeddings, each transformer block, the tail) or ``"task"`` (one per task). The coefficients start at ``init`` (0.3,
+the paper's) and are trained with Adam to minimise an objective on unlabeled batches
+(:mod:`hf_mloss.engine.objectives`; the training loop: :mod:`hf_mloss.merging.learned`). AdaMerging++
+(``adamerging_ties``) learns them over TIES-processed task vectors: each τ_p trimmed to its top ``k`` magnitudes
+(one threshold over the whole model), then only the entries whose sign agrees with the elected sign of Σ_p α_p τ̂_p
+kept.
+
+The learned coefficients are recorded in the recipe (``coefficients``: one row ``[group, λ_1, …, λ_q]`` per group):
+a re-run merges from them without training, bit for bit; ``relearn=True`` trains again. This module holds the
+parameters and the merge formula (:func:`combine`, shared by the training's functional merge and the saved merge,
+so both give the same bits); it imports no training code.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .._validation import param
+from ..errors import InvalidParameterError
+from .base import MergeContext, MergeMethod, MethodParams
+from .registry import register_merge_method
+
+if TYPE_CHECKING:
+    import torch
+
+GRANULARITIES = ("layer", "block", "task")
+SHARES = ("auto", "all")
+MAX_STEPS = 100_000
+MAX_SAMPLES = 1_000_000
+COEFFICIENT_STATE = "coefficients"
+"""``MergeContext.state`` key: ``(groups, values)``, the group of each tensor name and the ``[G, q]`` coefficients."""
+
+
+@dataclass(frozen=True)
+class AdaMergingParams(MethodParams):
+    granularity: str = param("layer", "One coefficient per task and: layer (each parameter tensor, as the paper and "
+                             "fusion-bench), block (embeddings, each transformer block, the tail) or task.",
+                             choices=GRANULARITIES)
+    objective: str = param("entropy", "What the coefficients minimise on unlabeled data: entropy (the papers'; "
+                           "encoders need heads), output_gap (the merge's outputs against the fine-tunes'), "
+                           "disagreement (cross-entropy against each routed expert's top class / next token) or "
+                           "mloss (summed normalised layer M-Loss along the merged prefix).")
+    init: float = param(0.3, "Initial value of every coefficient (the paper's 0.3).", low=-10.0, high=10.0)
+    steps: int = param(100, "Adam steps.", low=1, high=MAX_STEPS)
+    lr: float = param(1e-3, "Adam learning rate.", low=0.0, high=1.0, low_open=True)
+    max_samples: int = param(256, "At most this many of the data's samples are used (a seeded spread over them).",
+                             low=1, high=MAX_SAMPLES)
+    share: str = param("auto", "With heads (and for disagreement): which expert each sample is compared with: auto "
+                       "(label-free routing, as selection) or all (every sample with every expert).",
+                       choices=SHARES)
+    heads: tuple[Any, ...] | None = param(None, "Encoders: one classification head per model (safetensors files holding "
+                                    "`weight` [classes, features] and `bias`, or, from Python, modules/callables).")
+    coefficients: tuple[tuple[Any, ...], ...] | None = param(None, "Recorded: the learned coefficients, one row [group, λ_1, "
+                                                 "…, λ_q] per group; a re-run merges from them without training.")
+    relearn: bool = param(False, "Train again even when coefficients are recorded.")
+
+    def check(self) -> None:
+        from ..engine.objectives import get_objective
+
+        get_objective(self.objective)  # an unknown name is refused with the registered ones
+        if self.coefficients is not None:
+            parse_coefficients(self.coefficients)
+        for i, head in enumerate(self.heads or ()):
+            if isinstance(head, Mapping) and "in_memory" in head and not (self.coefficients and not self.relearn):
+                raise InvalidParameterError(
+                    f"heads[{i}] was passed from Python ({head['in_memory']}) when this recipe was written; a run "
+                    "that trains needs it: pass the heads again (heads=[...]), or re-run with the recorded "
+                    "coefficients (relearn: false).")
+
+    @property
+    def learns(self) -> bool:
+        """Whether a run trains (no recorded coefficients, or ``relearn``)."""
+        return self.coefficients is None or self.relearn
+
+
+@dataclass(frozen=True)
+class AdaMergingTiesParams(AdaMergingParams):
+    k: float = param(0.2, "TIES keep fraction of each task vector (one threshold over the whole model).", low=0.0,
+                     high=1.0, low_open=True, hint="k is the fraction of each task vector that is KEPT.")
+
+
+def parse_coefficients(rows: Sequence[Any]) -> tuple[list[str], list[list[float]]]:
+    """``(groups, values)`` of recorded rows ``[group, λ_1, …, λ_q]``; refuses malformed rows."""
+    groups, values = [], []
+    for i, row in enumerate(rows):
+        if (not isinstance(row, (list, tuple)) or len(row) < 2 or not isinstance(row[0], str)
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                           for v in row[1:])):
+            raise InvalidParameterError(f"coefficients[{i}] must be [group name, λ_1, ..., λ_q] with finite numbers, "
+                                        f"got {str(row)[:80]!r}.")
+        if len(row) != len(rows[0]):
+            raise InvalidParameterError(f"coefficients[{i}] has {len(row) - 1} values, coefficients[0] "
+                                        f"{len(rows[0]) - 1}: every row holds one per model.")
+        groups.append(row[0])
+        values.append([float(v) for v in row[1:]])
+    if len(set(groups)) != len(groups):
+        raise InvalidParameterError("coefficients name a group twice.")
+    return groups, values
+
+
+def group_of(name: str, stage: int, num_layers: int, granularity: str) -> str:
+    """The coefficient group of tensor ``name`` (in stage ``stage``: -1 embeddings, blocks, ``num_layers`` the
+    tail)."""
+    if granularity == "layer":
+        return name
+    if granularity == "task":
+        return "all"
+    return "embeddings" if stage < 0 else "tail" if stage >= num_layers else f"block.{stage}"
+
+
+def combine(base: torch.Tensor, taus: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
+    """θ₀ + Σ_p λ_p τ_p for stacked task vectors ``taus`` ``[q, ...]`` and ``coefficients`` ``[q]``: the one
+    formula of the training's functional merge and of the saved merge (the same operations, the same bits)."""
+    shape = (-1,) + (1,) * (taus.dim() - 1)
+    return base + (coefficients.reshape(shape) * taus).sum(0)
+
+
+class AdaMerging(MergeMethod):
+    """AdaMerging: task-arithmetic coefficients per task and layer, learned on unlabeled data."""
+
+    name = "adamerging"
+    pretty_name = "AdaMerging"
+    reference = "Yang et al., AdaMerging: Adaptive Model Merging for Multi-Task Learning, ICLR 2024"
+    reference_url = "https://arxiv.org/abs/2310.02575"
+    params_class = AdaMergingParams
+    needs_data = True
+    learned = True
+    """The driver trains the coefficients (:mod:`hf_mloss.merging.learned`), then merges tensor by tensor."""
+    zero_delta_is_base = True
+    default_weight = "one"
+
+    def task_vectors(self, name: str, base: torch.Tensor, sources: list[torch.Tensor], ctx: MergeContext
+                     ) -> torch.Tensor:
+        """The stacked ``[q, ...]`` task vectors the coefficients scale."""
+        import torch
+
+        return torch.stack(sources).sub_(base)
+
+    def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
+        groups, values = ctx.state[COEFFICIENT_STATE]
+        if name not in groups:
+            raise InvalidParameterError(f"No learned coefficient for {name!r}: the recorded coefficients do not fit "
+                                        "these models (pass relearn=True).")
+        return combine(base, self.task_vectors(name, base, sources, ctx), values[groups[name]].to(base))
+
+    def describe(self, params: MethodParams) -> str:
+        return (f"{self.pretty_name} ({self.reference}): {params.granularity}-wise coefficients learned with the "
+                f"{params.objective!r} objective")
+
+
+class AdaMergingTies(AdaMerging):
+    """AdaMerging++: the coefficients scale TIES-trimmed, sign-elected task vectors."""
+
+    name = "adamerging_ties"
+    pretty_name = "AdaMerging++"
+    params_class = AdaMergingTiesParams
+
+    def prepare(self, ctx: MergeContext, visit) -> None:
+        from .ties import global_thresholds
+
+        ctx.state["thresholds"] = global_thresholds(ctx, visit, ctx.params.k)
+
+    def task_vectors(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
+        import torch
+
+        from .ops import trim_by_threshold_
+
+        taus = torch.stack(sources).sub_(base)
+        for tau, threshold in zip(taus, ctx.state["thresholds"]):
+            trim_by_threshold_(tau, threshold)
+        weights = ctx.weights.to(taus).reshape((-1,) + (1,) * (taus.dim() - 1))
+        elected = torch.sign((weights * taus).sum(0))
+        elected[elected == 0] = 1
+        return taus.mul_(torch.sign(taus) == elected)
+
+
+def coefficient_rows(groups: Mapping[str, int], values: torch.Tensor) -> list[list[Any]]:
+    """Recorded rows ``[group, λ_1, …, λ_q]`` (float32 values as Python floats: exact after a YAML round trip)."""
+    names = sorted(groups, key=groups.get)
+    return [[name, *[float(v) for v in values[groups[name]].float().tolist()]] for name in names]
+
+
+register_merge_method(AdaMerging())
+register_merge_method(AdaMergingTies())
