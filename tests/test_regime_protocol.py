@@ -124,3 +124,33 @@ def test_code_version_changes_with_the_code(tmp_path, monkeypatch):
     changed = code_version()
     (fake / "protocol.py").write_text("x = 2\n")
     assert code_version() not in (changed, first)
+
+
+def test_lever_map_grids_cover_the_same_multiples_of_the_trained_task_vector():
+    """At wise w a checkpoint holds w·τ; the map's grids are divided by w / 0.65, so λ·w is the same at every
+    lever, and task arithmetic's also by q / 4."""
+    from benchmarks.suites.regime import lever_specs
+
+    def grids(q, wise):
+        return {s.label: [lam * wise for lam in s.grid.get("lam", [])] for s in lever_specs(q, wise)}
+
+    for q in (4, 8):
+        at_065, at_1 = grids(q, 0.65), grids(q, 1.0)
+        for label in ("task_arithmetic", "ties"):
+            assert at_1[label] == pytest.approx(at_065[label], rel=5e-3)  # grids are rounded to 3 decimals
+    assert grids(8, 1.0)["task_arithmetic"] == pytest.approx([v / 2 for v in grids(4, 1.0)["task_arithmetic"]],
+                                                            rel=5e-3)  # grids are rounded to 3 decimals
+    ties = next(s for s in lever_specs(4, 1.0) if s.label == "ties")
+    assert ties.params == {"scope": "global", "budget": "changed", "k": 0.2} and len(ties.settings()) == 6
+
+
+def test_lever_map_table_states_g6_per_lever():
+    from benchmarks.suites.regime import markdown
+
+    row = {"q": 4, "wise": 1.0, "pretrained heads": 40.0, "fine-tuned (own task)": 85.0, "foreign": -1.5,
+           "ensemble (probabilities)": 60.0, TUNED_ENSEMBLE: 66.0, "average": 55.0, "task_arithmetic": 70.0,
+           "ties": 71.0, "best_merge": "ties", "g6_heads_scale": -11.0, "g6_tuned": -5.0, "ensemble_scale": [5.0],
+           "edges": ["ties: lam=1.04"], "test": {"ties": 70.5}}
+    text = markdown([row], "cmd", (0,), "2 CPU cores", 12.0)
+    assert "| 4 | 1 | 40.00 | 85.00 | -1.50 | 60.00 | 66.00 (5) | 55.00 | 70.00 | 71.00 | ties | -11.00 | **-5.00** |" in text
+    assert "q 4, wise 1: ties: lam=1.04" in text and "one seed gives no interval" in text

@@ -111,6 +111,24 @@ def markdown(rows: Sequence[dict], command: str, seeds: Sequence[int], machine: 
     return "\n".join(lines) + "\n"
 
 
+def write(rows: Sequence[dict], table: Path | None, command: str, seeds: Sequence[int], load: tuple,
+          threads: int, seconds: float) -> str:
+    """The map so far as Markdown (returned), and to ``table``.md / .json when given (rewritten after every lever,
+    so a long run that is stopped keeps what it measured)."""
+    import torch
+
+    machine = (f"{os.cpu_count()} CPU cores, {threads} torch threads, torch {torch.__version__}, load average "
+               f"{load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
+    text = markdown(rows, command, seeds, machine, seconds)
+    if table:
+        table.parent.mkdir(parents=True, exist_ok=True)
+        table.with_suffix(".md").write_text(text)
+        table.with_suffix(".json").write_text(json.dumps(
+            {"command": command, "machine": machine, "seconds": round(seconds, 1), "seeds": list(seeds),
+             "rows": rows}, indent=1, default=float) + "\n")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch  # after pin_kernels (see ``benchmarks.suites.__main__``)
 
@@ -141,17 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                 r = rows[-1]
                 log(f"q {r['q']}, wise {wise:g}: G6 at scale 20 {r['g6_heads_scale']:+.2f}, tuned "
                     f"{r['g6_tuned']:+.2f} (best merge {r['best_merge']})")
-    seconds = time.perf_counter() - start
-    machine = (f"{os.cpu_count()} CPU cores, {args.threads} torch threads, torch {torch.__version__}, load average "
-               f"{load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
-    text = markdown(rows, command, seeds, machine, seconds)
+                text = write(rows, args.table, command, seeds, load, args.threads, time.perf_counter() - start)
     print(text)
-    if args.table:
-        args.table.parent.mkdir(parents=True, exist_ok=True)
-        args.table.with_suffix(".md").write_text(text)
-        args.table.with_suffix(".json").write_text(json.dumps(
-            {"command": command, "machine": machine, "seconds": round(seconds, 1), "seeds": list(seeds),
-             "rows": rows}, indent=1, default=float) + "\n")
     return 0
 
 
