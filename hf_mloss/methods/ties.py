@@ -68,6 +68,13 @@ class TiesParams(MethodParams):
     budget: str = param("all", "Global scope: what k is a fraction of: all (every entry of the model, the original "
                         "definition) or changed (the entries a fine-tune changed, τ ≠ 0; for partly frozen "
                         "fine-tunes, whose unchanged zeros would otherwise fill the budget).", choices=BUDGETS)
+    normalize: bool = param(True, "Divide the agreeing entries by their weights' sum (the disjoint mean of TIES; "
+                            "false: their plain sum, mergekit normalize: false).")
+
+    @property
+    def divide_by(self) -> str:
+        """What the disjoint merge divides by: the convention's divisor, or nothing without ``normalize``."""
+        return self.rules.divide_by if self.normalize else "none"
 
     @property
     def rules(self) -> TiesConvention:
@@ -128,7 +135,7 @@ class Ties(MergeMethod):
         taus = torch.stack(sources).sub_(base)
         for i, tau in enumerate(taus):
             self.trim_(name, tau, i, ctx)
-        merged = elect_and_merge(taus, ctx.weights, elect=params.rules.elect, divide_by=params.rules.divide_by,
+        merged = elect_and_merge(taus, ctx.weights, elect=params.rules.elect, divide_by=params.divide_by,
                                  zero_positive=ctx.state.get("zero_positive", True))
         return base + params.lam * merged
 
@@ -156,7 +163,7 @@ class Ties(MergeMethod):
         taus = torch.stack(sources).sub_(base)
         for tau, threshold in zip(taus, thresholds):
             trim_by_threshold_(tau, threshold)
-        merged = elect_and_merge(taus, ctx.weights, elect=params.rules.elect, divide_by=params.rules.divide_by,
+        merged = elect_and_merge(taus, ctx.weights, elect=params.rules.elect, divide_by=params.divide_by,
                                  zero_positive=ctx.state.get("zero_positive", True))
         return base + params.lam * merged
 

@@ -44,6 +44,9 @@ TOP_LEVEL = ("merge_method", "base_model", "models", "slices", "parameters", "dt
              "tokenizer_source", "tokenizer", "chat_template", "name")
 IGNORED = ("tokenizer_source", "tokenizer", "chat_template", "name")
 """Keys about text models' tokenizers (and labels): only their no-op values are accepted (see _check_tokenizer)."""
+NORMALIZE_DEFAULTS = {"linear": True, "task_arithmetic": False, "ties": True, "dare_ties": False,
+                      "dare_linear": False}
+"""mergekit 0.1.5's ``normalize`` default per method (``dare_ties`` sums the agreeing deltas unless told otherwise)."""
 DEFAULT_DENSITY = 1.0
 """mergekit's default ``density`` for a model that gives none (generalized task arithmetic methods, 0.1.5)."""
 
@@ -73,20 +76,21 @@ def from_mergekit(config: Mapping[str, Any]) -> dict[str, Any]:
     if method in RECIPE_METHODS:
         return _recipe_config(config, method)
     global_params = _mapping(config.get("parameters"), "parameters")
-    models, weights, densities = _models(config.get("models"))
+    base = None
     if config.get("base_model"):
         base = _model_entry(config["base_model"], "base_model")
         if method == "linear":
             raise ConfigError("mergekit `linear` with a base_model averages the base in too; list it under `models` "
                               "with its weight instead (hf_mloss then averages exactly those models).")
-    elif method == "linear":
-        base = dict(models[0])  # an average needs no base: the first model only provides the architecture
-    else:
+    elif method != "linear":
         raise ConfigError(f"The mergekit config has no base_model; `{method}` merges fine-tunes of one base: add "
                           "`base_model: org/name`.")
+    models, weights, densities = _models(config.get("models"), skip=base)
+    if base is None:
+        base = dict(models[0])  # an average needs no base: the first model only provides the architecture
     _check_lora_bases(base, models)
     out: dict[str, Any] = {"base": base, "models": models, "method": METHODS[method]}
-    normalize = global_params.pop("normalize", method in ("linear", "ties"))
+    normalize = global_params.pop("normalize", NORMALIZE_DEFAULTS[method])
     lam = global_params.pop("lambda", 1.0)
     if not isinstance(normalize, bool):
         raise ConfigError(f"mergekit parameters.normalize must be true or false, got {short(normalize)}.")
@@ -94,9 +98,9 @@ def from_mergekit(config: Mapping[str, Any]) -> dict[str, Any]:
     if global_params:
         raise ConfigError(f"mergekit parameters {sorted(global_params)} have no hf_mloss equivalent.")
     parameters: dict[str, Any] = {}
-    if method in ("ties", "dare_ties", "linear") and not normalize:
-        raise ConfigError(f"mergekit `{method}` with normalize: false (a plain sum) has no hf_mloss equivalent; "
-                          "use normalize: true, or task_arithmetic for a weighted sum.")
+    if method == "linear" and not normalize:
+        raise ConfigError("mergekit `linear` with normalize: false (a plain weighted sum of the models) has no "
+                          "hf_mloss equivalent; use normalize: true, or task_arithmetic for a weighted sum of deltas.")
     if normalize and abs(sum(weights)) < 1e-8:
         raise ConfigError(f"mergekit parameters.normalize: true divides by the sum of the models' weights, which is "
                           f"{sum(weights):g}; give weights that do not sum to 0.")
@@ -106,15 +110,18 @@ def from_mergekit(config: Mapping[str, Any]) -> dict[str, Any]:
     if method != "linear":
         parameters["lam"] = lam
     if method == "ties":
-        parameters.update(k=_one_density(densities), convention="mergekit")
+        parameters.update(k=_one_density(densities), convention="mergekit", normalize=normalize)
     elif method.startswith("dare"):
-        parameters.update(p=_one_density(densities), rescale="l1")
+        parameters.update(p=_one_density(densities), rescale="l1", normalize=normalize)
     elif any(d is not None for d in densities):
         raise ConfigError(f"mergekit `{method}` takes no density.")
     return _finish(out, parameters, models, weights, config)
 
 
-def _models(entries: Any) -> tuple[list[dict[str, Any]], list[float], list[float | None]]:
+def _models(entries: Any, *, skip: dict[str, Any] | None = None
+            ) -> tuple[list[dict[str, Any]], list[float], list[float | None]]:
+    """Models, weights and densities of a ``models`` list; an entry naming ``skip`` (the base_model) is left out, as
+    mergekit merges the base as the base only and resolves no per-model parameter for it."""
     if not isinstance(entries, list) or not entries:
         raise ConfigError("The mergekit config needs a non-empty `models` list (slices are not supported).")
     models, weights, densities = [], [], []
@@ -122,6 +129,8 @@ def _models(entries: Any) -> tuple[list[dict[str, Any]], list[float], list[float
         if not isinstance(entry, Mapping) or "model" not in entry:
             raise ConfigError(f"models[{i}] must be a mapping with `model` (and optional `parameters`), got "
                               f"{short(entry)}.")
+        if skip is not None and _model_entry(entry["model"], f"models[{i}].model") == skip:
+            continue
         params = _mapping(entry.get("parameters"), f"models[{i}].parameters")
         if "weight" not in params:
             raise ConfigError(f"models[{i}].parameters.weight is missing; mergekit requires a weight on every model "
@@ -138,6 +147,8 @@ def _models(entries: Any) -> tuple[list[dict[str, Any]], list[float], list[float
         models.append(_model_entry(entry["model"], f"models[{i}].model"))
         weights.append(float(weight))
         densities.append(None if density is None else density if is_schedule(density) else float(density))
+    if not models:
+        raise ConfigError("mergekit `models` lists only the base_model; list the models to merge into it.")
     return models, weights, densities
 
 
