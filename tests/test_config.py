@@ -384,6 +384,10 @@ PARAMETER_VALUES = {
     "gamma": st.sampled_from([0.0, 0.01, 0.1]),
     "normalize": st.booleans(),
     "filter_wise": st.booleans(),
+    "select_topk": st.sampled_from([0.0, 0.3, 1.0]),
+    "task_vectors": st.booleans(),
+    "flatten": st.booleans(),
+    "row_wise": st.booleans(),
 }
 METHOD_VALUES = {("breadcrumbs", "rescale"): st.sampled_from(["none", "l1"]),
                  ("breadcrumbs_ties", "rescale"): st.sampled_from(["none", "l1"])}

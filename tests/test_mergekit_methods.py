@@ -111,3 +111,95 @@ def test_the_hand_references_follow_the_rule():
         agree = [i for i in range(2) if math.copysign(1.0, weighted[i][j]) == sign and weighted[i][j] != 0]
         assert sum(weighted[i][j] for i in agree) == pytest.approx(DISJOINT_SUM[j])
         assert sum(weighted[i][j] for i in agree) / sum(w[i] for i in agree) == pytest.approx(DISJOINT_MEAN[j])
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# SCE on hand-computed tensors
+# --------------------------------------------------------------------------------------------------------------------
+# τ₁ = [1, −2, 0, 4], τ₂ = [3, 2, 0, −4]. Energies (mean squares) 21/4 and 29/4 → weights 0.42, 0.58. Σ τ = [4, 0, 0, 0]
+# elects + everywhere (0 counts as +): entry 0 both agree (0.42·1 + 0.58·3 over 1), entry 1 only τ₂ (2), entry 2
+# nobody (0 / 1e-6 = 0), entry 3 only τ₁ (4).
+SCE_TAUS = [T([1.0, -2.0, 0.0, 4.0]), T([3.0, 2.0, 0.0, -4.0])]
+
+
+@pytest.mark.parametrize(("select_topk", "expected"), [
+    (1.0, [0.42 * 1 + 0.58 * 3, 2.0, 0.0, 4.0]),
+    # variances over the models [1, 4, 0, 16]: 3 are non-zero, floor(3·0.5) = 1 kept (entry 3); the masked task
+    # vectors [0, 0, 0, ±4] have equal energies, Σ = 0 elects +, so τ₁'s 4 is kept alone
+    (0.5, [0.0, 0.0, 0.0, 4.0]),
+    (0.0, [0.0, 0.0, 0.0, 0.0]),
+])
+def test_sce_selects_calculates_and_erases(select_topk, expected):
+    base = T([1.0, 2.0, 3.0, 4.0])
+    out = merge_one("sce", base, [base + t for t in SCE_TAUS], [0.5, 0.5], select_topk=select_topk)
+    assert close(out - base, expected, atol=1e-6)
+
+
+def test_sce_gives_equal_weights_to_vanishing_task_vectors_and_refuses_weights():
+    base = torch.zeros(3)
+    tiny = [T([1e-4, -1e-4, 0.0]), T([2e-4, 1e-4, 0.0])]  # energies below 1e-6 in total: uniform weights
+    assert close(merge_one("sce", base, tiny, [1.0, 1.0]), [1.5e-4, 1e-4, 0.0], atol=1e-10)  # energy weights would give 1.71e-4
+    with pytest.raises(Exception, match="sce takes no weights"):
+        merge_one("sce", base, tiny, [1.0, 2.0])
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# NuSLERP on known angles
+# --------------------------------------------------------------------------------------------------------------------
+R = math.sqrt(0.5)
+
+
+@pytest.mark.parametrize(("tau1", "tau2", "weights", "params", "expected"), [
+    ([1.0, 0.0], [0.0, 1.0], [1.0, 1.0], {}, [R, R]),  # Ω = π/2, t = 0.5
+    ([1.0, 0.0], [0.0, 1.0], [1.0, 3.0], {}, [math.sin(math.pi / 8), math.sin(3 * math.pi / 8)]),  # t = 0.75
+    ([2.0, 0.0], [0.0, 1.0], [1.0, 1.0], {}, [2 * R, R]),  # the coefficients apply to the vectors as they are
+    ([1.0, 1.0], [2.0, 2.0], [3.0, 1.0], {}, [1.25, 1.25]),  # parallel: linear, t = 0.25
+    ([1.0, 0.0], [0.0, 1.0], [1.0, -1.0], {}, [R, R]),  # weights summing to 0: t = 0.5
+])
+def test_nuslerp_interpolates_task_vectors_on_the_sphere(tau1, tau2, weights, params, expected):
+    base = T([5.0, -5.0])
+    out = merge_one("nuslerp", base, [base + T(tau1), base + T(tau2)], weights, **params)
+    assert close(out - base, expected)
+
+
+def test_nuslerp_per_row_per_column_and_without_base():
+    base = torch.zeros(2, 2)
+    a, b = T([[1.0, 0.0], [1.0, 0.0]]), T([[0.0, 1.0], [2.0, 0.0]])
+    # rows: row 0 orthogonal (Ω = π/2), row 1 parallel (linear)
+    assert close(merge_one("nuslerp", base, [a, b], [1.0, 1.0], flatten=False), [[R, R], [1.5, 0.0]])
+    # columns: column 0 [1, 1] vs [0, 2] at Ω = π/4; column 1 [0, 0] vs [1, 0] (a zero vector: cos 0, Ω = π/2)
+    s = math.sin(math.pi / 8) / math.sin(math.pi / 4)
+    assert close(merge_one("nuslerp", base, [a, b], [1.0, 1.0], flatten=False, row_wise=True),
+                 [[s, R], [3 * s, 0.0]])
+    # without a base the models themselves are interpolated (the base only gives the architecture)
+    far = T([7.0, 7.0])
+    assert close(merge_one("nuslerp", far, [T([1.0, 0.0]), T([0.0, 1.0])], [1.0, 1.0], task_vectors=False), [R, R])
+    with pytest.raises(Exception, match="exactly two models"):
+        merge_one("nuslerp", far, [far, far, far], [1.0, 1.0, 1.0])
+
+
+def test_mergekit_sce_and_nuslerp_recipes_map(tiny_paths):
+    base, models = tiny_paths
+    config = MergeConfig.from_dict({"merge_method": "sce", "base_model": base, "parameters": {"select_topk": 0.3},
+                                    "models": [{"model": base}] + [{"model": m} for m in models]})
+    assert (config.method, config.parameters, len(config.models)) == ("sce", {"select_topk": 0.3}, 3)
+    assert MergeConfig.from_dict({"merge_method": "sce", "base_model": base, "models": [
+        {"model": m} for m in models]}).parameters == {"select_topk": 1.0}  # mergekit's default
+    with pytest.raises(ConfigError, match=r"parameters \['weight'\] have no hf_mloss equivalent"):
+        MergeConfig.from_dict({"merge_method": "sce", "base_model": base,
+                               "models": [{"model": m, "parameters": {"weight": 1.0}} for m in models]})
+    entries = [{"model": base}, {"model": models[0], "parameters": {"weight": 0.3}},
+               {"model": models[1], "parameters": {"weight": 0.7}}]
+    config = MergeConfig.from_dict({"merge_method": "nuslerp", "base_model": base, "models": entries})
+    assert config.parameters == {"task_vectors": True, "flatten": True, "row_wise": False}
+    assert config.weights == [0.3, 0.7] and config.base.model == base
+    config = MergeConfig.from_dict({"merge_method": "nuslerp", "models": entries[1:],
+                                    "parameters": {"nuslerp_flatten": False, "nuslerp_row_wise": True}})
+    assert config.parameters == {"task_vectors": False, "flatten": False, "row_wise": True}
+    assert config.base.model == models[0] and [m.model for m in config.models] == models[:2]
+    for bad, message in [(entries[:2], "exactly two models"),
+                         ([{"model": models[0]}, entries[2]], r"models\[0\].parameters.weight is missing"),
+                         ([{"model": models[0], "parameters": {"weight": 1, "density": 0.5}}, entries[2]],
+                          r"\['density'\] have no hf_mloss equivalent")]:
+        with pytest.raises(ConfigError, match=message):
+            MergeConfig.from_dict({"merge_method": "nuslerp", "base_model": base, "models": bad})

@@ -36,10 +36,11 @@ from .schedule import ParamSchedule, is_schedule
 
 METHODS = {"linear": "average", "task_arithmetic": "task_arithmetic", "ties": "ties", "dare_ties": "dare_ties",
            "dare_linear": "dare_linear"}
-RECIPE_METHODS = ("slerp", "model_stock", "breadcrumbs", "breadcrumbs_ties", "della", "della_linear")
+RECIPE_METHODS = ("slerp", "model_stock", "breadcrumbs", "breadcrumbs_ties", "della", "della_linear", "sce")
 """mergekit methods with the same name and semantics here (mapped by :func:`_recipe_config`)."""
 METHODS.update({name: name for name in RECIPE_METHODS})
 METHODS["passthrough"] = "passthrough"  # with slices only (hf_mloss.spec.slices)
+METHODS["nuslerp"] = "nuslerp"  # base_model optional (see _nuslerp_config)
 TOP_LEVEL = ("merge_method", "base_model", "models", "slices", "parameters", "dtype", "out_dtype",
              "tokenizer_source", "tokenizer", "chat_template", "name")
 IGNORED = ("tokenizer_source", "tokenizer", "chat_template", "name")
@@ -75,6 +76,8 @@ def from_mergekit(config: Mapping[str, Any]) -> dict[str, Any]:
                           "to stack layers (hf_mloss maps passthrough with slices only).")
     if method in RECIPE_METHODS:
         return _recipe_config(config, method)
+    if method == "nuslerp":
+        return _nuslerp_config(config)
     global_params = _mapping(config.get("parameters"), "parameters")
     base = None
     if config.get("base_model"):
@@ -217,7 +220,7 @@ def _one_density(given: list[float | None]) -> float:
     return densities[0]
 
 
-RECIPE_SHARED = {"slerp": ("t",), "model_stock": ("filter_wise",)}
+RECIPE_SHARED = {"slerp": ("t",), "model_stock": ("filter_wise",), "sce": ("select_topk", "int8_mask")}
 """Per method, the mergekit parameters read from the top-level ``parameters`` only (mergekit's shared scope)."""
 TASK_VECTOR_SHARED = ("lambda", "normalize", "rescale", "int8_mask")
 PER_MODEL = {"breadcrumbs": {"density": ("k", 1.0), "gamma": ("gamma", 0.01)},
@@ -293,6 +296,11 @@ def _recipe_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
     elif method == "model_stock":
         parameters["filter_wise"] = _check_flag(_layered([global_params.get("filter_wise")], False),
                                                 "parameters.filter_wise")
+    elif method == "sce":
+        topk = _layered([global_params.get("select_topk")], 1.0)
+        _check_number(topk, "parameters.select_topk", schedule=True)
+        parameters["select_topk"] = _map_values(topk, float)
+        _check_flag(global_params.get("int8_mask", False), "parameters.int8_mask")  # storage only: same values
     else:
         for key, (ours, _) in per_model.items():
             if any(v != values[key][0] for v in values[key]):
@@ -309,6 +317,57 @@ def _recipe_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
         parameters["rescale"] = _map_values(rescale, lambda on: "l1" if on else "none")
         _check_flag(global_params.get("int8_mask", False), "parameters.int8_mask")  # storage only: same values
     return _finish(out, parameters, models, weights, config)  # slerp, model_stock: no weights
+
+
+NUSLERP_SHARED = {"nuslerp_flatten": ("flatten", True), "nuslerp_row_wise": ("row_wise", False)}
+"""mergekit ``nuslerp``'s shared parameters → (hf_mloss name, mergekit default)."""
+
+
+def _nuslerp_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The hf_mloss config of a mergekit ``nuslerp`` config: two models and their weights (t = w₂ / (w₁ + w₂)).
+
+    With a ``base_model`` their task vectors are interpolated (the base listed under ``models`` is skipped, as in
+    mergekit); without, the models themselves, the first giving the architecture.
+    """
+    global_params = _mapping(config.get("parameters"), "parameters")
+    unknown = sorted(set(global_params) - {*NUSLERP_SHARED, "weight"})
+    if unknown:
+        raise ConfigError(f"mergekit `nuslerp` has no parameter(s) {unknown} hf_mloss can map; it reads "
+                          f"{sorted({*NUSLERP_SHARED, 'weight'})}.")
+    base = _model_entry(config["base_model"], "base_model") if config.get("base_model") else None
+    entries = config.get("models")
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError("The mergekit config needs a non-empty `models` list.")
+    models, weights = [], []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, Mapping) or "model" not in entry or set(entry) - {"model", "parameters"}:
+            raise ConfigError(f"models[{i}] must be a mapping with `model` (and optional `parameters`), got "
+                              f"{short(entry)}.")
+        model = _model_entry(entry["model"], f"models[{i}].model")
+        if model == base:
+            continue
+        params = _mapping(entry.get("parameters"), f"models[{i}].parameters")
+        if set(params) - {"weight"}:
+            raise ConfigError(f"models[{i}].parameters {sorted(set(params) - {'weight'})} have no hf_mloss "
+                              "equivalent for mergekit `nuslerp` (per-model parameters: weight).")
+        weight = params.get("weight", global_params.get("weight"))
+        if weight is None:
+            raise ConfigError(f"models[{i}].parameters.weight is missing; mergekit `nuslerp` sets t from the two "
+                              "models' weights (e.g. parameters: {weight: 0.5}).")
+        _check_number(weight, f"models[{i}].parameters.weight")
+        models.append(model)
+        weights.append(float(weight))
+    if len(models) != 2:
+        raise ConfigError(f"mergekit `nuslerp` interpolates exactly two models besides the base_model, got "
+                          f"{len(models)}.")
+    if "lora_of" in (base or {}) or any("lora_of" in m for m in models):
+        _check_lora_bases(base or dict(models[0]), models)
+    parameters: dict[str, Any] = {"task_vectors": base is not None}
+    for key, (ours, default) in NUSLERP_SHARED.items():
+        parameters[ours] = _check_flag(_layered([global_params.get(key)], default), f"parameters.{key}")
+    out: dict[str, Any] = {"base": base or {k: v for k, v in models[0].items() if k != "lora_of"}, "models": models,
+                           "method": "nuslerp"}
+    return _finish(out, parameters, models, weights, config)
 
 
 def _finish(out: dict[str, Any], parameters: dict[str, Any], models: list[dict[str, Any]], weights: list[float],
