@@ -203,3 +203,112 @@ def test_mergekit_sce_and_nuslerp_recipes_map(tiny_paths):
                           r"\['density'\] have no hf_mloss equivalent")]:
         with pytest.raises(ConfigError, match=message):
             MergeConfig.from_dict({"merge_method": "nuslerp", "base_model": base, "models": bad})
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Multi-SLERP, Karcher mean, NearSwap, RAM / RAM+, Arcee Fusion on hand-computed tensors
+# --------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("taus", "weights", "expected"), [
+    ([[1.0, 0.0], [0.0, 1.0]], [1.0, 1.0], [R, R]),
+    # weights 1/4, 3/4: the weighted mean direction is [1, 3]/√10 and the weighted tangents cancel there exactly
+    ([[1.0, 0.0], [0.0, 1.0]], [1.0, 3.0], [1 / math.sqrt(10), 3 / math.sqrt(10)]),
+    # three orthogonal directions, norms 2, 1, 1: the centre direction scaled by the mean norm 4/3
+    ([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]], [1.0, 1.0, 1.0], [4 / (3 * math.sqrt(3))] * 3),
+])
+def test_multislerp_interpolates_around_the_weighted_mean_direction(taus, weights, expected):
+    base = torch.full((len(taus[0]),), 3.0)
+    out = merge_one("multislerp", base, [base + T(t) for t in taus], weights)
+    assert close(out - base, expected)
+
+
+def test_multislerp_edge_cases():
+    base = T([1.0, 1.0])
+    # antipodal with equal weights: the weighted mean is 0, two vectors fall back to the linear mix
+    assert close(merge_one("multislerp", base, [base + T([1.0, 0.0]), base - T([1.0, 0.0])], [1.0, 1.0]), [1.0, 1.0])
+    with pytest.raises(Exception, match="weighted directions"):
+        merge_one("multislerp", torch.zeros(1), [T([1.0]), T([-1.0]), T([0.0])], [1.0, 1.0, 1.0])
+    # a tensor nobody changed is the base's; without a base the models themselves are interpolated
+    assert torch.equal(merge_one("multislerp", base, [base.clone()] * 3, [1.0, 1.0, 1.0]), base)
+    assert close(merge_one("multislerp", T([9.0, 9.0]), [T([1.0, 0.0]), T([0.0, 1.0])], [1.0, 1.0],
+                           task_vectors=False), [R, R])
+
+
+def test_karcher_mean_of_directions_scaled_by_the_mean_norm():
+    zero = torch.zeros(2)
+    # symmetric pair, norms 2 and 1: the direction halfway, times (2 + 1) / 2
+    assert close(merge_one("karcher", zero, [T([2.0, 0.0]), T([0.0, 1.0])], [1.0, 1.0]), [1.5 * R, 1.5 * R])
+    # angles 0, 0, π/2 on the circle: the Riemannian mean is at the mean angle π/6 (not the chordal mean's atan(1/2))
+    out = merge_one("karcher", zero, [T([1.0, 0.0]), T([1.0, 0.0]), T([0.0, 1.0])], [1.0, 1.0, 1.0])
+    assert close(out, [math.cos(math.pi / 6), math.sin(math.pi / 6)], atol=1e-5)
+    # all-zero tensors stay zero; a zero model leaves the direction but counts in the norm
+    assert torch.equal(merge_one("karcher", zero, [zero, zero], [1.0, 1.0]), zero)
+    assert close(merge_one("karcher", zero, [T([3.0, 0.0]), zero], [1.0, 1.0]), [1.5, 0.0])
+
+
+def test_nearswap_takes_close_values_and_damps_far_ones():
+    base = torch.zeros(3)
+    out = merge_one("nearswap", base, [T([0.5e-4, 1e-3, -2e-3])], [1.0], t=1e-3)
+    assert close(out, [0.5e-4, 1e-3, -1e-3], atol=1e-9)  # weights 1, 1 and 1e-3 / 2e-3
+    with pytest.raises(Exception, match="nearswap needs t"):
+        merge_one("nearswap", base, [base], [1.0])
+
+
+@pytest.mark.parametrize(("method", "params", "expected"), [
+    # entry 0 both changed (mean 2), entries 1, 2 only τ₁, entry 3 nobody (|τ| ≤ epsilon)
+    ("ram", {}, [2.0, 2.0, 5.0, 0.0]),
+    # τ₁: 1 shared and 2 unique changed entries, ρ = 0.5 < alpha → its unique entries × (1 + 0.1·0.5)
+    ("ramplus_tl", {"r": 0.1, "alpha": 0.8}, [2.0, 2.1, 5.25, 0.0]),
+    ("ramplus_tl", {"r": 0.1, "alpha": 0.2}, [2.0, 2.04, 5.1, 0.0]),  # ρ capped at alpha
+])
+def test_ram_sums_unique_changes_and_averages_shared_ones(method, params, expected):
+    base = T([1.0, 1.0, 1.0, 1.0])
+    taus = [T([1.0, 2.0, 5.0, 1e-6]), T([3.0, 0.0, 0.0, -1e-6])]
+    out = merge_one(method, base, [base + t for t in taus], [1.0, 1.0], **params)
+    assert close(out - base, expected, atol=1e-5)
+
+
+def test_arcee_fusion_keeps_changes_above_the_outlier_threshold():
+    base = torch.zeros(1, 4)
+    other = T([[1.0, 0.0, 0.0, 0.1]])
+    # one row: importance KL·[1, 0, 0, 0.1]; sorted, Q1 = 0 (index 0), median = 0 (index 1), Q3 = 0.1·KL (index 2),
+    # threshold 0.15·KL: only the first entry reaches it
+    assert close(merge_one("arcee_fusion", base, [other], [1.0]), [[1.0, 0.0, 0.0, 0.0]])
+    # a second, unchanged row (KL 0) makes the quartiles 0: every importance reaches the threshold 0
+    base2, other2 = torch.zeros(2, 4), torch.cat([other, torch.zeros(1, 4)])
+    assert close(merge_one("arcee_fusion", base2, [other2], [1.0]), other2)
+
+
+def test_mergekit_shared_parameter_recipes_map(tiny_paths):
+    base, models = tiny_paths
+
+    def mk(method, entries, shared=None, with_base=True):
+        return MergeConfig.from_dict({"merge_method": method, **({"base_model": base} if with_base else {}),
+                                      "models": entries, "parameters": shared or {}})
+
+    plain = [{"model": m} for m in models]
+    config = mk("multislerp", [{"model": base}] + [{"model": m, "parameters": {"weight": w}}
+                                                   for m, w in zip(models, [1, 2, 3])], {"eps": 1e-6})
+    assert config.parameters == {"task_vectors": True, "normalize_weights": True, "eps": 1e-6}
+    assert config.weights == [1, 2, 3] and [m.model for m in config.models] == models
+    assert mk("multislerp", plain, {"weight": 0.5}, with_base=False).parameters["task_vectors"] is False
+    # karcher averages the base_model in as one more model (mergekit adds it to the inputs)
+    config = mk("karcher", plain[:2], {"max_iter": 20})
+    assert [m.model for m in config.models] == [*models[:2], base] and config.parameters == {"max_iter": 20,
+                                                                                            "tol": 1e-5}
+    assert [m.model for m in mk("karcher", plain, with_base=False).models] == models
+    assert mk("nearswap", [{"model": base}, plain[0]], {"t": 1e-4}).parameters == {"t": 1e-4}
+    assert mk("arcee_fusion", plain[:1]).parameters == {}
+    assert mk("ram", plain).parameters == {"epsilon": 1e-5}
+    assert mk("ramplus_tl", plain, {"r": 0.2}).parameters == {"r": 0.2, "alpha": 0.2, "epsilon": 1e-5}
+    for method, entries, shared, message in [
+            ("nearswap", plain[:1], {}, r"needs `parameters: \{t: \.\.\.\}`"),
+            ("nearswap", plain[:2], {"t": 0.1}, "exactly 1 other model"),
+            ("arcee_fusion", plain[:2], {}, "exactly 1 other model"),
+            ("ram", plain, {"density": 0.5}, r"no parameter\(s\) \['density'\]"),
+            ("ram", [{"model": models[0], "parameters": {"weight": 1.0}}], {}, r"\['weight'\] have no hf_mloss"),
+            ("ram", [{"model": models[0], "parameters": {"epsilon": 0.1}}], {}, "shared: give it under the top"),
+            ("multislerp", plain, {}, r"models\[0\].parameters.weight is missing")]:
+        with pytest.raises(ConfigError, match=message):
+            mk(method, entries, shared)
+    with pytest.raises(ConfigError, match="needs a `base_model`"):
+        mk("ram", plain, with_base=False)

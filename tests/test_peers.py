@@ -372,3 +372,61 @@ def test_mergekit_slices_match(sliced_paths, tmp_path, recipe):
     diff = _decoder_max_diff(result, run)
     print(f"{recipe}: max |hf_mloss - mergekit| = {diff:.3g}")
     assert diff < 1e-6
+
+
+# Round 2: the YAML everyone copies (the base under `models`), normalize defaults, SCE and NuSLERP -------------------
+# Each case runs on one decoder family (Llama, Qwen2, Mistral in turn) to keep the peer runs few.
+_ROUND2_FAMILIES: dict[str, tuple[str, list[str]]] = {}
+
+
+def _round2_paths(family: str, tmp_path_factory) -> tuple[str, list[str]]:
+    from examples.tiny import save_with_finetunes, tiny_decoder, word_tokenizer
+
+    if family not in _ROUND2_FAMILIES:
+        base_dir, models = save_with_finetunes(tiny_decoder(family), tmp_path_factory.mktemp(f"round2-{family}"), 3,
+                                               tokenizer=word_tokenizer())
+        _ROUND2_FAMILIES[family] = (str(base_dir), [str(m) for m in models])
+    return _ROUND2_FAMILIES[family]
+
+
+def _copied(method: str, base: str, models: list[str], shared: dict, per_model: list[dict]) -> dict:
+    """A recipe as mergekit's README writes it: the base first under `models`, with no parameters."""
+    return {"merge_method": method, "base_model": base, "dtype": "float32", "parameters": shared,
+            "models": [{"model": base}] + [{"model": m, **({"parameters": p} if p else {})}
+                                            for m, p in zip(models, per_model)]}
+
+
+ROUND2 = {
+    "ties-copied": ("llama", lambda b, m: _copied("ties", b, m, {"lambda": 0.9}, [
+        {"weight": 1.0, "density": 0.4}, {"weight": 0.5, "density": 0.4}, {"weight": 2.0, "density": 0.4}])),
+    "ties-normalize-false": ("qwen2", lambda b, m: _copied("ties", b, m, {"normalize": False}, [
+        {"weight": 1.0, "density": 0.5}, {"weight": 0.5, "density": 0.5}, {"weight": 2.0, "density": 0.5}])),
+    # density 1: no random mask, so the combine mergekit applies by default (the disjoint sum) is compared exactly
+    "dare_ties-default": ("mistral", lambda b, m: _copied("dare_ties", b, m, {"lambda": 0.8}, [
+        {"weight": 1.0, "density": 1.0}, {"weight": 0.5, "density": 1.0}, {"weight": 2.0, "density": 1.0}])),
+    "sce": ("llama", lambda b, m: _copied("sce", b, m, {}, [{}, {}, {}])),
+    "sce-select": ("qwen2", lambda b, m: _copied("sce", b, m, {"select_topk": 0.4}, [{}, {}, {}])),
+    "nuslerp": ("mistral", lambda b, m: _copied("nuslerp", b, m[:2], {}, [{"weight": 0.3}, {"weight": 0.9}])),
+    "nuslerp-no-base-rows": ("llama", lambda b, m: {
+        "merge_method": "nuslerp", "dtype": "float32",
+        "parameters": {"nuslerp_flatten": False, "nuslerp_row_wise": True},
+        "models": [{"model": m[0], "parameters": {"weight": 1.0}}, {"model": m[1], "parameters": {"weight": 0.4}}]}),
+}
+
+
+@pytest.mark.parametrize("recipe", list(ROUND2))
+def test_mergekit_round2_recipes_match(tmp_path_factory, tmp_path, recipe):
+    """mergekit-yaml and hf_mloss run the same YAML on the same tiny decoder: equal within 1e-6 in float32."""
+    family, make = ROUND2[recipe]
+    base, models = _round2_paths(family, tmp_path_factory)
+    try:
+        run = peers.run_mergekit_yaml(make(base, models), tmp_path / "mergekit")
+    except peers.PeerUnavailable as err:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"mergekit not installable here: {err}")
+    result = hf_mloss.run(MergeConfig.from_yaml(run.out_dir / "peer_config.yml"), progress=False)
+    assert type(result.model).__name__.endswith("ForCausalLM")
+    diff = _decoder_max_diff(result, run)
+    print(f"{recipe} ({family}): max |hf_mloss - mergekit| = {diff:.3g}")
+    assert diff < 1e-6

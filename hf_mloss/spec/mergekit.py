@@ -41,6 +41,21 @@ RECIPE_METHODS = ("slerp", "model_stock", "breadcrumbs", "breadcrumbs_ties", "de
 METHODS.update({name: name for name in RECIPE_METHODS})
 METHODS["passthrough"] = "passthrough"  # with slices only (hf_mloss.spec.slices)
 METHODS["nuslerp"] = "nuslerp"  # base_model optional (see _nuslerp_config)
+REQUIRED = object()
+"""A shared parameter mergekit gives no default (the config must set it)."""
+SHARED_METHODS: dict[str, dict[str, Any]] = {
+    # base: "optional" (task vectors when given), "required", or "input" (mergekit averages the base in as a model)
+    "multislerp": {"base": "optional", "weight": True,
+                   "shared": {"normalize_weights": (True, bool), "eps": (1e-8, float)}},
+    "karcher": {"base": "input", "weight": False, "shared": {"max_iter": (10, int), "tol": (1e-5, float)}},
+    "nearswap": {"base": "required", "weight": False, "count": 1, "shared": {"t": (REQUIRED, float)}},
+    "arcee_fusion": {"base": "required", "weight": False, "count": 1, "shared": {}},
+    "ram": {"base": "required", "weight": False, "shared": {"epsilon": (1e-5, float)}},
+    "ramplus_tl": {"base": "required", "weight": False,
+                   "shared": {"r": (0.1, float), "alpha": (0.2, float), "epsilon": (1e-5, float)}},
+}
+"""mergekit methods whose parameters are all shared (top-level ``parameters``, same names here), plus ``weight``."""
+METHODS.update({name: name for name in SHARED_METHODS})
 TOP_LEVEL = ("merge_method", "base_model", "models", "slices", "parameters", "dtype", "out_dtype",
              "tokenizer_source", "tokenizer", "chat_template", "name")
 IGNORED = ("tokenizer_source", "tokenizer", "chat_template", "name")
@@ -78,6 +93,8 @@ def from_mergekit(config: Mapping[str, Any]) -> dict[str, Any]:
         return _recipe_config(config, method)
     if method == "nuslerp":
         return _nuslerp_config(config)
+    if method in SHARED_METHODS:
+        return _shared_config(config, method)
     global_params = _mapping(config.get("parameters"), "parameters")
     base = None
     if config.get("base_model"):
@@ -367,6 +384,71 @@ def _nuslerp_config(config: Mapping[str, Any]) -> dict[str, Any]:
         parameters[ours] = _check_flag(_layered([global_params.get(key)], default), f"parameters.{key}")
     out: dict[str, Any] = {"base": base or {k: v for k, v in models[0].items() if k != "lora_of"}, "models": models,
                            "method": "nuslerp"}
+    return _finish(out, parameters, models, weights, config)
+
+
+def _shared_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
+    """The hf_mloss config of a mergekit method from :data:`SHARED_METHODS` (multislerp, karcher, nearswap,
+    arcee_fusion, ram, ramplus_tl): the shared parameters under the same names with mergekit's defaults, the
+    ``weight`` of each model where the method takes one, the base as mergekit treats it."""
+    spec = SHARED_METHODS[method]
+    takes = sorted([*spec["shared"], *(["weight"] if spec["weight"] else [])])
+    global_params = _mapping(config.get("parameters"), "parameters")
+    unknown = sorted(set(global_params) - set(takes))
+    if unknown:
+        raise ConfigError(f"mergekit `{method}` has no parameter(s) {unknown} hf_mloss can map; it reads {takes}.")
+    base = _model_entry(config["base_model"], "base_model") if config.get("base_model") else None
+    if base is None and spec["base"] == "required":
+        raise ConfigError(f"mergekit `{method}` needs a `base_model`; add `base_model: org/name`.")
+    entries = config.get("models")
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError("The mergekit config needs a non-empty `models` list.")
+    models, weights = [], []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, Mapping) or "model" not in entry or set(entry) - {"model", "parameters"}:
+            raise ConfigError(f"models[{i}] must be a mapping with `model` (and optional `parameters`), got "
+                              f"{short(entry)}.")
+        model = _model_entry(entry["model"], f"models[{i}].model")
+        if "lora_of" in model:
+            raise ConfigError(f"models[{i}]: a LoRA adapter has no hf_mloss equivalent for mergekit `{method}`; "
+                              "merge it into its model first.")
+        params = _mapping(entry.get("parameters"), f"models[{i}].parameters")
+        if model == base and spec["base"] != "input":
+            continue
+        extra = sorted(set(params) - ({"weight"} if spec["weight"] else set()))
+        if extra:
+            where = " (shared: give it under the top-level `parameters`)" if set(extra) & set(spec["shared"]) else ""
+            raise ConfigError(f"models[{i}].parameters {extra} have no hf_mloss equivalent for mergekit `{method}`"
+                              f"{where}; per-model parameters: {['weight'] if spec['weight'] else 'none'}.")
+        if spec["weight"]:
+            weight = params.get("weight", global_params.get("weight"))
+            if weight is None:
+                raise ConfigError(f"models[{i}].parameters.weight is missing; mergekit `{method}` requires a weight "
+                                  "on every model (e.g. parameters: {weight: 1.0}).")
+            _check_number(weight, f"models[{i}].parameters.weight")
+            weights.append(float(weight))
+        models.append(model)
+    if spec["base"] == "input" and base is not None and base not in models:
+        models.append(base)  # mergekit adds the base_model to the inputs, where this method averages it in
+    if "count" in spec and len(models) != spec["count"]:
+        raise ConfigError(f"mergekit `{method}` takes the base_model and exactly {spec['count']} other model(s), "
+                          f"got {len(models)}.")
+    if not models:
+        raise ConfigError(f"mergekit `{method}` lists no model besides the base_model.")
+    parameters: dict[str, Any] = {}
+    if method == "multislerp":
+        parameters["task_vectors"] = base is not None
+    for key, (default, kind) in spec["shared"].items():
+        value = _layered([global_params.get(key)], default)
+        if value is REQUIRED:
+            raise ConfigError(f"mergekit `{method}` needs `parameters: {{{key}: ...}}` (it has no default).")
+        if kind is bool:
+            parameters[key] = _check_flag(value, f"parameters.{key}")
+        else:
+            _check_number(value, f"parameters.{key}", schedule=True)
+            parameters[key] = _map_values(value, kind)
+    # no base_model: the first model gives the architecture only
+    out: dict[str, Any] = {"base": base or dict(models[0]), "models": models, "method": method}
     return _finish(out, parameters, models, weights, config)
 
 
