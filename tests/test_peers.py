@@ -411,6 +411,14 @@ ROUND2 = {
         "merge_method": "nuslerp", "dtype": "float32",
         "parameters": {"nuslerp_flatten": False, "nuslerp_row_wise": True},
         "models": [{"model": m[0], "parameters": {"weight": 1.0}}, {"model": m[1], "parameters": {"weight": 0.4}}]}),
+    "multislerp": ("qwen2", lambda b, m: _copied("multislerp", b, m, {}, [{"weight": 1.0}, {"weight": 0.5},
+                                                                         {"weight": 2.0}])),
+    "karcher": ("mistral", lambda b, m: {"merge_method": "karcher", "dtype": "float32", "base_model": b,
+                                         "models": [{"model": x} for x in m]}),
+    "nearswap": ("llama", lambda b, m: _copied("nearswap", b, m[:1], {"t": 0.01}, [{}])),
+    "arcee_fusion": ("qwen2", lambda b, m: _copied("arcee_fusion", b, m[:1], {}, [{}])),
+    "ram": ("mistral", lambda b, m: _copied("ram", b, m, {"epsilon": 0.01}, [{}, {}, {}])),
+    "ramplus_tl": ("llama", lambda b, m: _copied("ramplus_tl", b, m, {"epsilon": 0.01, "r": 0.5}, [{}, {}, {}])),
 }
 
 
@@ -430,3 +438,7 @@ def test_mergekit_round2_recipes_match(tmp_path_factory, tmp_path, recipe):
     diff = _decoder_max_diff(result, run)
     print(f"{recipe} ({family}): max |hf_mloss - mergekit| = {diff:.3g}")
     assert diff < 1e-6
+    # and the merge is not trivial: mergekit's output moved away from the first input (the base, or the first model)
+    first = load_file(os.path.join(base if "base_model" in make(base, models) else models[0], "model.safetensors"))
+    theirs = run.state_dict()
+    assert max(float((theirs[k].float() - first[k].float()).abs().max()) for k in theirs if k in first) > 1e-4
