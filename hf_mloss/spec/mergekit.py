@@ -4,15 +4,22 @@
 |---|---|
 | ``linear`` (``normalize: true``, no ``base_model``) | ``average`` of the models with their ``weight`` |
 | ``task_arithmetic`` | ``task_arithmetic``, ``lam`` = ``lambda`` (mergekit's default 1), weights as given (÷ Σw with ``normalize``) |
-| ``ties`` (``normalize: true``) | ``ties``, ``convention: mergekit``, ``k`` = ``density`` (one value for all models), ``lam`` = ``lambda`` |
-| ``dare_ties`` (``normalize: true``) / ``dare_linear`` | ``dare_ties`` / ``dare_linear``, ``p`` = ``density``, ``rescale: l1`` (mergekit's masks are drawn from another random stream) |
+| ``ties`` | ``ties``, ``convention: mergekit``, ``k`` = ``density`` (one value for all models), ``lam`` = ``lambda``, ``normalize`` (default true) |
+| ``dare_ties`` / ``dare_linear`` | ``dare_ties`` / ``dare_linear``, ``p`` = ``density``, ``rescale: l1``, ``normalize`` (mergekit's default false for both; mergekit's masks are drawn from another random stream) |
 | ``slerp`` (``base_model`` + one other model) | ``slerp``, ``t`` = ``t`` |
 | ``model_stock`` | ``model_stock``, ``filter_wise`` = ``filter_wise`` |
 | ``breadcrumbs`` / ``breadcrumbs_ties`` | same names, ``k`` = ``density``, ``gamma``, ``lam`` = ``lambda``, ``normalize``, ``rescale: l1`` for ``rescale: true`` |
 | ``passthrough`` with ``slices`` | ``passthrough`` with ``slices`` (one source per slice; no ``scale``) |
 | ``della`` / ``della_linear`` | same names, ``k`` = ``density``, ``e`` = ``epsilon``, ``lam``, ``normalize``, ``rescale: l1``/``none`` (masks from another random stream) |
+| ``sce`` | ``sce``, ``select_topk`` (no weights) |
+| ``nuslerp`` (two models, ``base_model`` optional) | ``nuslerp``, the two ``weight``s, ``flatten`` = ``nuslerp_flatten``, ``row_wise`` = ``nuslerp_row_wise``, ``task_vectors`` = whether a ``base_model`` is given |
+| ``multislerp`` (``base_model`` optional) | ``multislerp``, ``weight``s, ``normalize_weights``, ``eps``, ``task_vectors`` as for ``nuslerp`` |
+| ``karcher`` | ``karcher`` of the models and, when given, the ``base_model`` (mergekit averages it in), ``max_iter``, ``tol`` |
+| ``nearswap`` / ``arcee_fusion`` (the base plus one model) | same names, ``t`` (required) / no parameters |
+| ``ram`` / ``ramplus_tl`` | same names, ``epsilon`` / ``r``, ``alpha``, ``epsilon`` (no weights) |
 
-``base_model`` becomes ``base`` (``org/name@revision`` is split), ``out_dtype`` (else ``dtype``) becomes ``dtype``; the
+``base_model`` becomes ``base`` (``org/name@revision`` is split; listed under ``models`` too, with or without
+parameters, it is the base only, as in mergekit), ``out_dtype`` (else ``dtype``) becomes ``dtype``; the
 arithmetic runs in float32 either way. Per-model parameters default as mergekit 0.1.5 defines them: ``density`` 1.0
 (keep everything) where a model omits it, ``weight`` required on every model. Method parameters may be gradients or
 filter lists, as in mergekit (see :mod:`hf_mloss.spec.schedule`); model weights are one number each.
