@@ -312,3 +312,68 @@ def test_mergekit_shared_parameter_recipes_map(tiny_paths):
             mk(method, entries, shared)
     with pytest.raises(ConfigError, match="needs a `base_model`"):
         mk("ram", plain, with_base=False)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Per-model parameters: densities that differ, weights that vary over the model
+# --------------------------------------------------------------------------------------------------------------------
+def test_ties_trims_each_model_at_its_own_density():
+    """τ₁ = [4, −3, 2, 1] at k 0.5 keeps [4, −3, 0, 0]; τ₂ = [−1, 2, 3, −5] at k 0.25 keeps max(1, 1) entry: −5.
+    The elected signs (+, −, +, −) leave [4, −3, 0, −5]; at one shared k 0.5 τ₂ would keep 3 at entry 2."""
+    m = get_method("ties")
+    base = torch.zeros(4)
+    sources = [T([4.0, -3.0, 2.0, 1.0]), T([-1.0, 2.0, 3.0, -5.0])]
+    ctx = MergeContext(params=m.make_params(k=0.5, convention="mergekit"), weights=T([1.0, 1.0]),
+                       model_params=[{"k": 0.5}, {"k": 0.25}])
+    assert close(m.merge_tensor("w", base, sources, ctx), [4.0, -3.0, 0.0, -5.0])
+    ctx.model_params = None
+    assert close(m.merge_tensor("w", base, sources, ctx), [4.0, -3.0, 3.0, -5.0])
+    assert m.chunk_keep_counts(4, MergeContext(params=m.make_params(k=0.5, convention="mergekit"), weights=T(
+        [1.0, 1.0]), model_params=[{"k": 0.5}, {"k": 0.25}])) is None  # exact k: whole tensors only
+
+
+def test_per_model_weight_gradients_are_resolved_per_tensor(tiny_paths):
+    """mergekit task_arithmetic with model 0's weight a gradient [1, 0] over the 2 blocks (block 0 at x = 0, block 1
+    at x = 1, tensors outside the blocks at x = 0) and model 1's weight a filter list (mlp 2, else 0.5)."""
+    from safetensors.torch import load_file
+
+    import hf_mloss
+
+    base, models = tiny_paths
+    config = MergeConfig.from_dict({
+        "merge_method": "task_arithmetic", "base_model": base, "dtype": "float32", "models": [
+            {"model": base},
+            {"model": models[0], "parameters": {"weight": [1.0, 0.0]}},
+            {"model": models[1], "parameters": {"weight": [{"filter": "mlp", "value": 2.0}, {"value": 0.5}]}}]})
+    assert config.models[0].parameters == {"weight": [1.0, 0.0]} and config.models[0].weight is None
+    result = hf_mloss.run(config, progress=False)
+    states = [load_file(f"{path}/model.safetensors") for path in (base, *models[:2])]
+    merged = result.model.state_dict()
+    expected_weights = {"encoder.layers.0.mlp.fc1.weight": (1.0, 2.0), "encoder.layers.1.mlp.fc1.weight": (0.0, 2.0),
+                        "encoder.layers.1.self_attn.q_proj.weight": (0.0, 0.5), "post_layernorm.weight": (1.0, 0.5),
+                        "embeddings.patch_embedding.weight": (1.0, 0.5)}
+    for name, (w0, w1) in expected_weights.items():
+        key = next(k for k in states[0] if k.endswith(name))
+        theta0, theta1, theta2 = (s[key].double() for s in states)
+        expected = theta0 + w0 * (theta1 - theta0) + w1 * (theta2 - theta0)
+        assert torch.allclose(merged[name].double(), expected, atol=1e-6, rtol=0), name
+    resolved = result.config.resolved_parameters
+    assert resolved["encoder.layers.1.mlp.fc1.weight"] == {"models[0].weight": 0.0, "models[1].weight": 2.0}
+
+
+def test_per_model_parameters_are_checked_before_any_work(tiny_paths):
+    base, models = tiny_paths
+
+    def config(method, parameters, shared=None):
+        return MergeConfig.from_dict({"base": base, "method": method, "parameters": shared or {},
+                                      "models": [{"model": m, "weight": 1.0, "parameters": parameters} for m in models]})
+
+    assert config("ties", {"k": 0.3}, {"scope": "tensor"}).models[0].parameters == {"k": 0.3}
+    for method, parameters, shared, message in [
+            ("ties", {"p": 0.3}, None, r"\['p'\]: method 'ties' reads \['weight', 'k'\] per model"),
+            ("ties", {"k": 1.5}, {"scope": "tensor"}, "k names 1.5"),
+            ("ties", {"k": 0.3}, None, "per-model values need scope: tensor"),
+            ("slerp", {"t": 0.3}, None, "reads no parameter per model"),
+            ("ties", {"weight": 2.0}, {"scope": "tensor"}, "both `weight` and `parameters.weight`")]:
+        with pytest.raises(Exception, match=message):
+            config(method, parameters, shared)

@@ -419,6 +419,16 @@ ROUND2 = {
     "arcee_fusion": ("qwen2", lambda b, m: _copied("arcee_fusion", b, m[:1], {}, [{}])),
     "ram": ("mistral", lambda b, m: _copied("ram", b, m, {"epsilon": 0.01}, [{}, {}, {}])),
     "ramplus_tl": ("llama", lambda b, m: _copied("ramplus_tl", b, m, {"epsilon": 0.01, "r": 0.5}, [{}, {}, {}])),
+    # per-model parameter forms: densities that differ (one a gradient), weights as a gradient and a filter list
+    "ties-per-model": ("mistral", lambda b, m: _copied("ties", b, m, {"lambda": 0.9}, [
+        {"weight": [1.0, 0.2], "density": 0.3}, {"weight": [{"filter": "mlp", "value": 2.0}, {"value": 0.5}],
+                                                 "density": [0.9, 0.5]}, {"weight": 1.0, "density": 0.6}])),
+    "breadcrumbs-per-model": ("qwen2", lambda b, m: _copied("breadcrumbs_ties", b, m, {"normalize": True}, [
+        {"weight": 1.0, "density": 0.5, "gamma": 0.1}, {"weight": [0.3, 1.2], "density": 0.8},
+        {"weight": 0.7, "density": 0.4, "gamma": [0.0, 0.2]}])),
+    "task_arithmetic-weight-gradients": ("llama", lambda b, m: _copied("task_arithmetic", b, m, {"lambda": 0.7}, [
+        {"weight": [1.0, 0.0]}, {"weight": [0.0, 1.0]}, {"weight": [{"filter": "self_attn", "value": 0.4},
+                                                              {"value": 0.1}]}])),
 }
 
 

@@ -32,6 +32,7 @@ class Dare(MergeMethod):
                  "Lunch, ICML 2024")
     reference_url = "https://arxiv.org/abs/2311.03099"
     params_class = DareParams
+    per_model_params = ("weight", "p")
     zero_delta_is_base = True
 
     def __init__(self, name: str, combine: str) -> None:
@@ -45,7 +46,8 @@ class Dare(MergeMethod):
         from .ops import dare_drop, elect_and_merge
 
         params: DareParams = ctx.params
-        taus = [dare_drop(t - base, params.p, ctx.generator(name, i, base.device), rescale=params.rescale)
+        taus = [dare_drop(t - base, ctx.model_value(i, "p"), ctx.generator(name, i, base.device),
+                          rescale=params.rescale)
                 for i, t in enumerate(sources)]
         normalize = self.combine == "ties" if params.normalize is None else params.normalize
         if self.combine == "ties":

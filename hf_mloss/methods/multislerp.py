@@ -39,6 +39,7 @@ class MultiSlerp(MergeMethod):
     reference = "Goddard, Multi-SLERP (blog post)"
     reference_url = "https://goddard.blog/posts/multislerp-wow-what-a-cool-idea"
     params_class = MultiSlerpParams
+    per_model_params = ("weight",)
 
     def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
         import torch

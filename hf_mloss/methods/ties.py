@@ -91,6 +91,7 @@ class Ties(MergeMethod):
     reference = "Yadav et al., TIES-Merging: Resolving Interference When Merging Models, NeurIPS 2023"
     reference_url = "https://arxiv.org/abs/2306.01708"
     params_class = TiesParams
+    per_model_params = ("weight", "k")
     zero_delta_is_base = True
 
     def prepare(self, ctx: MergeContext, visit) -> None:
@@ -118,11 +119,11 @@ class Ties(MergeMethod):
         params: TiesParams = ctx.params
         if params.resolved_scope == "global":
             return trim_by_threshold_(tau, ctx.state["thresholds"][index])
-        rules = params.rules
+        rules, keep = params.rules, ctx.model_value(index, "k")
         if rules.exact_k:
-            m = keep_count(tau.numel(), params.k, min_keep=rules.min_keep, extra=rules.extra_keep)
+            m = keep_count(tau.numel(), keep, min_keep=rules.min_keep, extra=rules.extra_keep)
             return tau.copy_(trim_exact(tau, m))
-        return trim_tensor_(tau, params.k, min_keep=rules.min_keep, extra=rules.extra_keep)
+        return trim_tensor_(tau, keep, min_keep=rules.min_keep, extra=rules.extra_keep)
 
     def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
         import torch
@@ -149,7 +150,8 @@ class Ties(MergeMethod):
         rules = params.rules
         if rules.exact_k:
             return None  # argsort order at ties: needs the whole tensor
-        return [keep_count(numel, params.k, min_keep=rules.min_keep, extra=rules.extra_keep)] * len(ctx.weights)
+        return [keep_count(numel, ctx.model_value(i, "k"), min_keep=rules.min_keep, extra=rules.extra_keep)
+                for i in range(len(ctx.weights))]
 
     def merge_chunk(self, name, base, sources, ctx: MergeContext, thresholds: list[float]) -> torch.Tensor:
         import torch

@@ -22,7 +22,8 @@
 parameters, it is the base only, as in mergekit), ``out_dtype`` (else ``dtype``) becomes ``dtype``; the
 arithmetic runs in float32 either way. Per-model parameters default as mergekit 0.1.5 defines them: ``density`` 1.0
 (keep everything) where a model omits it, ``weight`` required on every model. Method parameters may be gradients or
-filter lists, as in mergekit (see :mod:`hf_mloss.spec.schedule`); model weights are one number each.
+filter lists, as in mergekit (see :mod:`hf_mloss.spec.schedule`); so may per-model weights and densities, which
+may differ between the models (they become the models' own ``parameters``, resolved per model and tensor).
 ``tokenizer_source: base`` (or none) is accepted: the base's processor is copied; other tokenizer sources and
 ``tokenizer:`` sections merge vocabularies, which hf_mloss cannot do yet. ``base+adapter`` entries (and
 ``{model: ..., lora: ...}``) name a PEFT LoRA adapter of the base (:mod:`hf_mloss.loading.lora`). ``slices`` with
@@ -128,7 +129,12 @@ def from_mergekit(config: Mapping[str, Any]) -> dict[str, Any]:
     if method == "linear" and not normalize:
         raise ConfigError("mergekit `linear` with normalize: false (a plain weighted sum of the models) has no "
                           "hf_mloss equivalent; use normalize: true, or task_arithmetic for a weighted sum of deltas.")
-    if normalize and abs(sum(weights)) < 1e-8:
+    scheduled = [i for i, w in enumerate(weights) if is_schedule(w)]
+    if scheduled and method in ("linear", "task_arithmetic") and normalize:
+        raise ConfigError(f"models[{scheduled[0]}].parameters.weight varies over the model and mergekit `{method}` "
+                          "divides by the weights' sum per tensor (normalize), which hf_mloss does only for one weight "
+                          "per model; give numbers, or normalize: false (task_arithmetic).")
+    if normalize and not scheduled and abs(sum(weights)) < 1e-8:
         raise ConfigError(f"mergekit parameters.normalize: true divides by the sum of the models' weights, which is "
                           f"{sum(weights):g}; give weights that do not sum to 0.")
     if method == "task_arithmetic" and normalize:
@@ -136,11 +142,12 @@ def from_mergekit(config: Mapping[str, Any]) -> dict[str, Any]:
         weights = [w / total for w in weights]
     if method != "linear":
         parameters["lam"] = lam
+    densities = [DEFAULT_DENSITY if d is None else d for d in densities]  # mergekit's default for a model without
     if method == "ties":
-        parameters.update(k=_one_density(densities), convention="mergekit", normalize=normalize)
+        parameters.update(k=_shared_or_per_model(densities, "k", models), convention="mergekit", normalize=normalize)
     elif method.startswith("dare"):
-        parameters.update(p=_one_density(densities), rescale="l1", normalize=normalize)
-    elif any(d is not None for d in densities):
+        parameters.update(p=_shared_or_per_model(densities, "p", models), rescale="l1", normalize=normalize)
+    elif any(d != DEFAULT_DENSITY for d in densities):
         raise ConfigError(f"mergekit `{method}` takes no density.")
     return _finish(out, parameters, models, weights, config)
 
@@ -168,11 +175,11 @@ def _models(entries: Any, *, skip: dict[str, Any] | None = None
         if params or set(entry) - {"model", "parameters"}:
             raise ConfigError(f"models[{i}]: only `parameters.weight` and `parameters.density` have hf_mloss "
                               f"equivalents, got {sorted(params) or sorted(set(entry) - {'model', 'parameters'})}.")
-        _check_number(weight, f"models[{i}].parameters.weight")
+        weight = _model_weight(weight, f"models[{i}].parameters.weight")
         if density is not None:
             _check_number(density, f"models[{i}].parameters.density", schedule=True)
         models.append(_model_entry(entry["model"], f"models[{i}].model"))
-        weights.append(float(weight))
+        weights.append(weight)
         densities.append(None if density is None else density if is_schedule(density) else float(density))
     if not models:
         raise ConfigError("mergekit `models` lists only the base_model; list the models to merge into it.")
@@ -237,11 +244,26 @@ def _check_lora_bases(base: dict[str, Any], models: list[dict[str, Any]]) -> Non
                 "adapter into its model first.")
 
 
-def _one_density(given: list[float | None]) -> float:
-    densities = [DEFAULT_DENSITY if d is None else d for d in given]  # mergekit's default for a model without one
-    if any(d != densities[0] for d in densities):
-        raise ConfigError(f"Per-model densities {densities} differ; hf_mloss uses one keep fraction for all models.")
-    return densities[0]
+def _shared_or_per_model(values: list[Any], ours: str, models: list[dict[str, Any]]) -> Any:
+    """One value for every model (returned, the shared parameter), or each model's own in ``models[i].parameters``
+    (mergekit resolves per-model parameters per model and tensor); then the shared value is the first model's."""
+    if all(repr(v) == repr(values[0]) for v in values):
+        return values[0]
+    for entry, value in zip(models, values):
+        entry.setdefault("parameters", {})[ours] = value
+    return values[0]
+
+
+def _model_weight(value: Any, where: str) -> Any:
+    """A per-model weight: a number, or a gradient / filter list that gives every tensor a value (mergekit fails on
+    a tensor where none does)."""
+    _check_number(value, where, schedule=True)
+    if not is_schedule(value):
+        return float(value)
+    if all(f is not None for f, _ in ParamSchedule.parse(value, where).entries):
+        raise ConfigError(f"{where}: mergekit needs a weight for every tensor and these filters may leave some "
+                          "without one (mergekit then fails); end the list with a `{value: ...}` entry without filter.")
+    return _map_values(value, float)
 
 
 RECIPE_SHARED = {"slerp": ("t",), "model_stock": ("filter_wise",), "sce": ("select_topk", "int8_mask")}
@@ -299,10 +321,11 @@ def _recipe_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
                 if value is None:
                     raise ConfigError(f"models[{i}].parameters.weight is missing; mergekit requires a weight on "
                                       "every model (e.g. parameters: {weight: 1.0}).")
-            else:
-                value = _layered([params.get(key), global_params.get(key)], per_model[key][1])
-            _check_number(value, f"models[{i}].parameters.{key}", schedule=key != "weight")
-            (weights if key == "weight" else values[key]).append(value if is_schedule(value) else float(value))
+                weights.append(_model_weight(value, f"models[{i}].parameters.weight"))
+                continue
+            value = _layered([params.get(key), global_params.get(key)], per_model[key][1])
+            _check_number(value, f"models[{i}].parameters.{key}", schedule=True)
+            values[key].append(value if is_schedule(value) else float(value))
         models.append(model)
     _check_model_count(method, len(models))
     out: dict[str, Any] = {"base": base, "models": models, "method": method}
@@ -327,10 +350,7 @@ def _recipe_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
         _check_flag(global_params.get("int8_mask", False), "parameters.int8_mask")  # storage only: same values
     else:
         for key, (ours, _) in per_model.items():
-            if any(v != values[key][0] for v in values[key]):
-                raise ConfigError(f"Per-model {key} values {values[key]} differ; hf_mloss uses one value for all "
-                                  "models.")
-            parameters[ours] = values[key][0]
+            parameters[ours] = _shared_or_per_model(values[key], ours, models)
         normalize, rescale = DEFAULTS[method]
         lam = _layered([global_params.get("lambda")], 1.0)
         _check_number(lam, "parameters.lambda", schedule=True)
@@ -463,7 +483,10 @@ def _finish(out: dict[str, Any], parameters: dict[str, Any], models: list[dict[s
             config: Mapping[str, Any]) -> dict[str, Any]:
     """The hf_mloss config: the models' weights, the method parameters and the dtype (``out_dtype``, else ``dtype``)."""
     for entry, weight in zip(models, weights):
-        entry["weight"] = weight
+        if is_schedule(weight):  # a gradient / filter list: resolved per tensor (models[i].parameters.weight)
+            entry.setdefault("parameters", {})["weight"] = weight
+        else:
+            entry["weight"] = weight
     out["parameters"] = parameters
     dtype = config.get("out_dtype") or config.get("dtype")
     if dtype is not None:

@@ -188,20 +188,48 @@ class TensorParameters:
     """A method's parameters per tensor, from the config's scalars and schedules; records each resolution."""
 
     def __init__(self, method: MergeMethod, parameters: Mapping[str, Any], adapter: ModelAdapter,
-                 positions: Mapping[str, float] | None = None) -> None:
+                 positions: Mapping[str, float] | None = None,
+                 model_parameters: list[Mapping[str, Any] | None] | None = None) -> None:
         self.method, self.adapter = method, adapter
         self.positions = positions  # per tensor, where it sits on a gradient (slices: over its slice)
         self.scalars, self.schedules = split_parameters(method, parameters)
+        self.model_schedules = [{k: ParamSchedule.parse(v, f"models[{i}].parameters.{k}") for k, v in (p or {}).items()}
+                                for i, p in enumerate(model_parameters or [])]
+        if not any(self.model_schedules):
+            self.model_schedules = []
         self.resolved: dict[str, dict[str, Any]] = {}
         self._cache: dict[tuple, MethodParams] = {}
 
     def __bool__(self) -> bool:
-        return bool(self.schedules)
+        return bool(self.schedules) or bool(self.model_schedules)
+
+    def _position(self, name: str) -> float:
+        return (self.positions[name] if self.positions is not None and name in self.positions else
+                layer_position(self.adapter.stage_of(name), self.adapter.num_layers))
+
+    def for_models(self, name: str, weights: list[float]) -> tuple[list[float], list[dict[str, Any]]] | None:
+        """Tensor ``name``'s weights and per-model parameter values (``None`` without per-model parameters).
+
+        A per-model value whose filters match nothing here leaves the model at ``weights[i]`` / the shared value.
+        """
+        if not self.model_schedules:
+            return None
+        x = self._position(name)
+        weights, values = list(weights), []
+        for i, schedules in enumerate(self.model_schedules):
+            own = {k: v for k, s in schedules.items() if (v := s.resolve(name, x)) is not None}
+            if "weight" in own:
+                weights[i] = float(own.pop("weight"))
+            values.append(own)
+            record = self.resolved.setdefault(name, {})
+            record.update({f"models[{i}].{k}": v for k, v in own.items()})
+            if "weight" in schedules:
+                record[f"models[{i}].weight"] = weights[i]
+        return weights, values
 
     def for_tensor(self, name: str) -> MethodParams:
         """The parameters of tensor ``name`` (validated; the values are recorded in :attr:`resolved`)."""
-        x = (self.positions[name] if self.positions is not None and name in self.positions else
-             layer_position(self.adapter.stage_of(name), self.adapter.num_layers))
+        x = self._position(name)
         values = {k: s.resolve(name, x) for k, s in self.schedules.items()}
         values = {k: v for k, v in values.items() if v is not None}
         key = tuple(sorted(values.items()))
@@ -211,7 +239,7 @@ class TensorParameters:
             except InvalidParameterError as err:
                 raise InvalidParameterError(f"At tensor {name!r} the schedules give {values}: {err}") from None
         params = self._cache[key]
-        self.resolved[name] = {k: getattr(params, k) for k in self.schedules}
+        self.resolved.setdefault(name, {}).update({k: getattr(params, k) for k in self.schedules})
         return params
 
     def record(self, names: list[str]) -> dict[str, dict[str, Any]]:
