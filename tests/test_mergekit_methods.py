@@ -377,3 +377,60 @@ def test_per_model_parameters_are_checked_before_any_work(tiny_paths):
             ("ties", {"weight": 2.0}, {"scope": "tensor"}, "both `weight` and `parameters.weight`")]:
         with pytest.raises(Exception, match=message):
             config(method, parameters, shared)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Per-slice parameters
+# --------------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def deep_decoder(tmp_path_factory):
+    from examples.tiny import save_with_finetunes, tiny_decoder, word_tokenizer
+
+    base, models = save_with_finetunes(tiny_decoder("llama", num_hidden_layers=4), tmp_path_factory.mktemp("deep"),
+                                       2, tokenizer=word_tokenizer())
+    return str(base), [str(m) for m in models]
+
+
+def sliced_task_arithmetic(base, models, first: dict, second: dict) -> dict:
+    def piece(lo, hi, parameters):
+        return {"sources": [{"model": m, "layer_range": [lo, hi], **({"parameters": {"weight": 1.0}} if m != base
+                                                                      else {})} for m in (base, *models)],
+                **({"parameters": parameters} if parameters else {})}
+
+    return {"merge_method": "task_arithmetic", "base_model": base, "parameters": {"lambda": 0.5}, "dtype": "float32",
+            "slices": [piece(0, 2, first), piece(2, 4, second)]}
+
+
+def test_per_slice_lambda_scales_each_slices_layers(deep_decoder):
+    """λ 2 in the first slice (and for the embeddings before it), the top-level 0.5 in the second (and the final norm
+    and head after it): θ₀ + λ(τ₁ + τ₂) per tensor."""
+    from safetensors.torch import load_file
+
+    import hf_mloss
+
+    base, models = deep_decoder
+    config = MergeConfig.from_dict(sliced_task_arithmetic(base, models, {"lambda": 2.0}, {}))
+    assert config.slices[0]["parameters"] == {"lam": 2.0} and "parameters" not in config.slices[1]
+    merged = hf_mloss.run(config, progress=False).model.state_dict()
+    states = [load_file(f"{p}/model.safetensors") for p in (base, *models)]
+    for name, lam in [("model.embed_tokens.weight", 2.0), ("model.layers.1.mlp.up_proj.weight", 2.0),
+                      ("model.layers.2.self_attn.q_proj.weight", 0.5), ("model.norm.weight", 0.5),
+                      ("lm_head.weight", 0.5)]:
+        theta0, theta1, theta2 = (s[name].double() for s in states)
+        expected = theta0 + lam * ((theta1 - theta0) + (theta2 - theta0))
+        assert torch.allclose(merged[name].double(), expected, atol=1e-6, rtol=0), name
+
+
+def test_per_slice_parameters_map_and_refusals(deep_decoder):
+    base, models = deep_decoder
+    ramp = [{"filter": "mlp", "value": [0.0, 1.0]}]
+    config = MergeConfig.from_dict(sliced_task_arithmetic(base, models, {}, {"lambda": ramp}))
+    assert config.slices[1]["parameters"] == {"lam": [{"filter": "mlp", "value": [0.0, 1.0]}, {"value": 0.5}]}
+    for bad, message in [({"density": 0.5}, r"\['density'\] are per-model parameters"),
+                         ({"lambda": "big"}, "slices\\[0\\].parameters"),
+                         ({"gamma": 0.1}, "slices\\[0\\].parameters")]:
+        with pytest.raises(ConfigError, match=message):
+            MergeConfig.from_dict(sliced_task_arithmetic(base, models, bad, {}))
+    with pytest.raises(Exception, match="must be a mapping of the method's parameters"):
+        MergeConfig.from_dict({"base": base, "models": models, "method": "passthrough", "slices": [
+            {"sources": [{"model": 0, "layer_range": [0, 2]}], "parameters": {"t": 1}}]})

@@ -74,7 +74,9 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
         ctx = MergeContext(params=params, weights=inputs.alpha.to(inputs.device, torch.float32), seed=config.seed)
         tensor_params = TensorParameters(method, config.parameters, inputs.adapter,
                                          slice_plan.positions if slice_plan else None,
-                                         [m.parameters for m in config.models])
+                                         [m.parameters for m in config.models],
+                                         (slice_plan.slice_of, [e.get("parameters") for e in config.slices])
+                                         if slice_plan else None)
         merger = TensorMerger(inputs, method, ctx, model, workers,  # every merged tensor: a whole model's too
                               tensor_params=tensor_params)
         outside = outside_tower_names(inputs, merger.names)

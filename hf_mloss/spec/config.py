@@ -330,6 +330,14 @@ class MergeConfig:
             raise InvalidParameterError(f"slices work with data-free methods and output='auto' (got method "
                                         f"{method.name!r}, output={self.output!r}{', select' if self.select else ''}).")
         self.slices = check_slices(_plain(self.slices), method.name, 1 + len(self.models))
+        for s, entry in enumerate(self.slices):
+            if "parameters" not in entry:
+                continue
+            try:
+                scalar_parameters(method, {**self.parameters, **entry["parameters"]})
+                check_schedules(method, {**self.parameters, **entry["parameters"]}, selecting=False)
+            except InvalidParameterError as err:
+                raise InvalidParameterError(f"slices[{s}].parameters: {err}") from None
 
     def _validate_adapter_output(self) -> None:
         from ..loading.lora import LINEAR_METHODS

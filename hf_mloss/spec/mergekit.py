@@ -576,14 +576,16 @@ def _sliced_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
     params: dict[str, Any] = {}
     raw: dict[str, Any] = {}  # the model as the config spells it
     plain: list[list[tuple[str, Any]]] = []
+    slice_params: list[dict[str, Any]] = []
     for s, entry in enumerate(slices):
         if not isinstance(entry, Mapping) or not isinstance(entry.get("sources"), list) or not entry["sources"]:
             raise ConfigError(f"mergekit slices[{s}] must be {{sources: [{{model: ..., layer_range: [a, b]}}]}}, got "
                               f"{short(entry)}.")
-        extra = sorted(set(entry) - {"sources"})
+        extra = sorted(set(entry) - {"sources", "parameters"})
         if extra:
-            raise ConfigError(f"mergekit slices[{s}] keys {extra} (per-slice parameters or base_model) have no "
-                              "hf_mloss equivalent; give parameters at the top level or per source.")
+            raise ConfigError(f"mergekit slices[{s}] keys {extra} (a per-slice base_model) have no hf_mloss "
+                              "equivalent; give the base_model at the top level.")
+        slice_params.append(_mapping(entry.get("parameters"), f"slices[{s}].parameters"))
         row = []
         for k, source in enumerate(entry["sources"]):
             where = f"slices[{s}].sources[{k}]"
@@ -624,6 +626,7 @@ def _sliced_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
         flat["models"] = [{"model": raw[k], **({"parameters": params[k]} if params[k] is not None else {})}
                           for k in keys]
         out = from_mergekit(flat)
+        overrides = [_slice_parameters(flat, given, out["parameters"], s) for s, given in enumerate(slice_params)]
         index = {}
         for i, m in enumerate([out["base"], *out["models"]]):
             plain_model = {k: v for k, v in m.items() if k in ("model", "revision")}
@@ -631,6 +634,49 @@ def _sliced_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
         if method == "linear":  # the sources are the models; the base only gives the architecture
             index.update({repr(sorted({k: v for k, v in m.items() if k in ("model", "revision")}.items())): i + 1
                           for i, m in enumerate(out["models"])})
+    if method == "passthrough" and any(slice_params):
+        raise ConfigError("mergekit passthrough parameters (scale) have no hf_mloss equivalent; remove them.")
     out["slices"] = [{"sources": [{"model": index[key], "layer_range": bounds} for key, bounds in row]}
                      for row in plain]
+    if method != "passthrough":
+        for entry, own in zip(out["slices"], overrides):
+            if own:
+                entry["parameters"] = own
     return out
+
+
+PER_MODEL_KEYS = ("weight", "density", "gamma", "epsilon")
+"""mergekit parameters resolved per model: a slice's value would be each model's fallback (not mapped yet)."""
+
+
+def _slice_parameters(flat: dict[str, Any], given: dict[str, Any], top: dict[str, Any], s: int) -> dict[str, Any]:
+    """The hf_mloss parameters slice ``s`` sets: mergekit reads a slice's ``parameters`` before the top-level ones,
+    a filter list that matches no tensor falling through to them; those that differ from ``top`` are returned."""
+    if not given:
+        return {}
+    per_model = sorted(set(given) & set(PER_MODEL_KEYS))
+    if per_model:
+        raise ConfigError(f"mergekit slices[{s}].parameters {per_model} are per-model parameters; a slice-wide "
+                          "value of them has no hf_mloss equivalent yet: give them per source or at the top level.")
+    top_level = dict(flat.get("parameters") or {})
+    combined = {**top_level}
+    for key, value in given.items():
+        combined[key] = _fall_through(value, top_level.get(key))
+    try:
+        mapped = from_mergekit({**flat, "parameters": combined})["parameters"]
+    except ConfigError as err:
+        raise ConfigError(f"mergekit slices[{s}].parameters: {err}") from None
+    return {k: v for k, v in mapped.items() if repr(v) != repr(top.get(k))}
+
+
+def _fall_through(value: Any, below: Any) -> Any:
+    """A slice's value with the top-level one as the fallback of its filters (mergekit's scope order)."""
+    if below is None or not is_schedule(value) or isinstance(value, list) and value and \
+            not all(isinstance(v, Mapping) for v in value):
+        return value  # a scalar or gradient always matches
+    entries = [value] if isinstance(value, Mapping) else list(value)
+    if any(e.get("filter") in (None, "*") for e in entries):
+        return entries
+    lower = [below] if isinstance(below, Mapping) else below if isinstance(below, list) and below and \
+        all(isinstance(v, Mapping) for v in below) else [{"value": below}]
+    return entries + list(lower)

@@ -189,10 +189,22 @@ class TensorParameters:
 
     def __init__(self, method: MergeMethod, parameters: Mapping[str, Any], adapter: ModelAdapter,
                  positions: Mapping[str, float] | None = None,
-                 model_parameters: list[Mapping[str, Any] | None] | None = None) -> None:
+                 model_parameters: list[Mapping[str, Any] | None] | None = None,
+                 slice_parameters: tuple[Mapping[str, int], list[Mapping[str, Any] | None]] | None = None) -> None:
         self.method, self.adapter = method, adapter
         self.positions = positions  # per tensor, where it sits on a gradient (slices: over its slice)
         self.scalars, self.schedules = split_parameters(method, parameters)
+        # per slice (slices with their own parameters): those replace the top-level ones for the slice's tensors
+        self.slice_of: Mapping[str, int] = {}
+        self.per_slice: dict[int, tuple[dict[str, Any], dict[str, ParamSchedule]]] = {}
+        if slice_parameters is not None:
+            self.slice_of, given = slice_parameters
+            self.per_slice = {i: split_parameters(method, {**parameters, **p}) for i, p in enumerate(given) if p}
+            defaults = method.make_params(**self.scalars)
+            for p in given:  # every parameter a slice sets is recorded per tensor (elsewhere: its top-level value)
+                for k in p or {}:
+                    if k not in self.schedules:
+                        self.schedules[k] = ParamSchedule(((None, getattr(defaults, k)),))
         self.model_schedules = [{k: ParamSchedule.parse(v, f"models[{i}].parameters.{k}") for k, v in (p or {}).items()}
                                 for i, p in enumerate(model_parameters or [])]
         if not any(self.model_schedules):
@@ -230,12 +242,14 @@ class TensorParameters:
     def for_tensor(self, name: str) -> MethodParams:
         """The parameters of tensor ``name`` (validated; the values are recorded in :attr:`resolved`)."""
         x = self._position(name)
-        values = {k: s.resolve(name, x) for k, s in self.schedules.items()}
+        scalars, schedules = self.per_slice.get(self.slice_of.get(name, -1), (self.scalars, self.schedules))
+        values = {k: s.resolve(name, x) for k, s in schedules.items()}
         values = {k: v for k, v in values.items() if v is not None}
-        key = tuple(sorted(values.items()))
+        key = tuple(sorted({**scalars, **values}.items(), key=lambda kv: kv[0]))
+        key = tuple((k, repr(v)) for k, v in key)
         if key not in self._cache:
             try:
-                self._cache[key] = self.method.make_params(**self.scalars, **values)
+                self._cache[key] = self.method.make_params(**{**scalars, **values})
             except InvalidParameterError as err:
                 raise InvalidParameterError(f"At tensor {name!r} the schedules give {values}: {err}") from None
         params = self._cache[key]
