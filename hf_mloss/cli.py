@@ -279,7 +279,7 @@ def methods_command(args: argparse.Namespace) -> int:
         entries.append({
             "name": name, "pretty_name": method.pretty_name, "reference": method.reference,
             "reference_url": method.reference_url, "needs_data": method.needs_data,
-            "default_weight": method.default_weight,
+            "default_weight": method.default_weight, "per_model": list(method.per_model_params),
             "parameters": {k: list(v) if isinstance(v, tuple) else v for k, (v, _) in fields.items()},
             "help": {k: text for k, (_, text) in fields.items()},
         })  # fmt: skip
@@ -296,6 +296,8 @@ def methods_command(args: argparse.Namespace) -> int:
             lines.append(f"{pad}{reference}")
         params = ", ".join(f"{k}={v!r}" for k, v in e["parameters"].items()) or "none"
         lines.append(f"{pad}parameters: {params}")
+        if e["per_model"]:
+            lines.append(f"{pad}per model (models[i].parameters): {', '.join(e['per_model'])}")
         blocks.append("\n".join(lines))
     print("\n\n".join(blocks))
     return 0

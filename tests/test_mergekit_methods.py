@@ -434,3 +434,12 @@ def test_per_slice_parameters_map_and_refusals(deep_decoder):
     with pytest.raises(Exception, match="must be a mapping of the method's parameters"):
         MergeConfig.from_dict({"base": base, "models": models, "method": "passthrough", "slices": [
             {"sources": [{"model": 0, "layer_range": [0, 2]}], "parameters": {"t": 1}}]})
+
+
+def test_methods_lists_the_per_model_parameters(capsys):
+    from hf_mloss.cli import main
+
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    assert "per model (models[i].parameters): weight, k\n" in out  # ties
+    assert "per model (models[i].parameters): weight, k, e\n" in out  # della
