@@ -443,3 +443,46 @@ def test_methods_lists_the_per_model_parameters(capsys):
     out = capsys.readouterr().out
     assert "per model (models[i].parameters): weight, k\n" in out  # ties
     assert "per model (models[i].parameters): weight, k, e\n" in out  # della
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Iso-C / Iso-CTS on rank-deficient sums: only the numerically non-zero spectrum is flattened
+# --------------------------------------------------------------------------------------------------------------------
+def low_rank_tasks(q: int = 3, size: int = 24, rank: int = 2, seed: int = 0) -> torch.Tensor:
+    """q task matrices B_p A_p of rank ``rank`` (what a LoRA fine-tune's task vector is), float32."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randn(size, rank, generator=g) @ torch.randn(rank, size, generator=g)
+                        for _ in range(q)])
+
+
+def test_iso_c_flattens_only_the_sums_range():
+    """The sum of 3 rank-2 matrices has rank 6: the merge is σ̄·U₆V₆ᵀ with σ̄ the mean of those 6 singular values
+    (computed here in float64), not 24 directions with 18 of rounding noise raised to a smaller σ̄."""
+    from hf_mloss.methods.iso import iso_c_matrix
+
+    taus = low_rank_tasks()
+    u, s, vh = torch.linalg.svd(taus.sum(0).double())
+    expected = (u[:, :6] * s[:6].mean()) @ vh[:6]
+    merged = iso_c_matrix(taus.sum(0))
+    assert torch.allclose(merged.double(), expected, atol=1e-4 * float(s[:6].mean()), rtol=0)
+    spectrum = torch.linalg.svdvals(merged.double())
+    assert torch.allclose(spectrum[:6], s[:6].mean().expand(6), rtol=1e-4) and spectrum[6] < 1e-4 * spectrum[0]
+    # a full-rank sum keeps every direction (the flat spectrum of the paper)
+    full = torch.randn(24, 24, generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(torch.linalg.svdvals(iso_c_matrix(full)), torch.linalg.svdvals(full).mean().expand(24),
+                          rtol=1e-4)
+
+
+def test_iso_cts_keeps_no_noise_direction_of_a_rank_deficient_sum():
+    from hf_mloss.methods.iso import iso_cts_matrix
+
+    taus = low_rank_tasks()
+    merged = iso_cts_matrix(taus, 0.8)
+    spectrum = torch.linalg.svdvals(merged.double())
+    rank = int((spectrum > 1e-4 * spectrum[0]).sum())
+    assert rank <= 6  # the tasks span 6 directions; nothing else is raised
+    # every kept direction lies in the tasks' column space
+    u = torch.linalg.svd(torch.cat(list(taus), 1).double())[0][:, :6]
+    assert torch.allclose(u @ (u.T @ merged.double()), merged.double(), atol=1e-4 * float(spectrum[0]))
+    # with the rank-deficient part dropped the kept spectrum is flat
+    assert torch.allclose(spectrum[:rank], spectrum[0].expand(rank), rtol=1e-3)
