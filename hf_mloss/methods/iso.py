@@ -16,8 +16,8 @@ the mean task vector, as the authors' code and fusion_bench. Every 2-D tensor, e
 matrix. **Rank-deficient matrices** (task vectors of LoRA-derived models, a frozen block's rows): only the numerically
 non-zero spectrum is flattened. Singular values at or below ``max(m, n)·eps·σ_max`` (rounding noise) are dropped with
 their directions, and σ̄ is the mean of the others, so the merge spans the sum's range (Iso-C) or the kept subspaces
-(Iso-CTS) and nothing else. Flattening all of them, as fusion-bench does, raises whichever noise directions the SVD
-solver returns to σ̄. A full-rank matrix keeps every direction: the result is the one fusion-bench computes.
+(Iso-CTS) and nothing else; flattening all of them would raise whichever noise directions the SVD solver returns to
+σ̄. A full-rank matrix keeps every direction (the result fusion-bench computes, tests/test_peers.py).
 
 λ (the paper's α) is chosen on held-out data in the paper; 1.0 is fusion_bench's default. σ̄ grows with the number
 and size of the task vectors, and the best λ can lie far above TIES's, so grids should reach well beyond 1.
