@@ -379,14 +379,15 @@ def test_mergekit_slices_match(sliced_paths, tmp_path, recipe):
 _ROUND2_FAMILIES: dict[str, tuple[str, list[str]]] = {}
 
 
-def _round2_paths(family: str, tmp_path_factory) -> tuple[str, list[str]]:
+def _round2_paths(family: str, tmp_path_factory, layers: int = 2) -> tuple[str, list[str]]:
     from examples.tiny import save_with_finetunes, tiny_decoder, word_tokenizer
 
-    if family not in _ROUND2_FAMILIES:
-        base_dir, models = save_with_finetunes(tiny_decoder(family), tmp_path_factory.mktemp(f"round2-{family}"), 3,
-                                               tokenizer=word_tokenizer())
-        _ROUND2_FAMILIES[family] = (str(base_dir), [str(m) for m in models])
-    return _ROUND2_FAMILIES[family]
+    key = f"{family}-{layers}"
+    if key not in _ROUND2_FAMILIES:
+        base_dir, models = save_with_finetunes(tiny_decoder(family, num_hidden_layers=layers),
+                                               tmp_path_factory.mktemp(f"round2-{key}"), 3, tokenizer=word_tokenizer())
+        _ROUND2_FAMILIES[key] = (str(base_dir), [str(m) for m in models])
+    return _ROUND2_FAMILIES[key]
 
 
 def _copied(method: str, base: str, models: list[str], shared: dict, per_model: list[dict]) -> dict:
@@ -474,11 +475,11 @@ def _per_slice_recipes(a: str, b: str, c: str) -> dict[str, dict]:
     }
 
 
-@pytest.mark.parametrize("recipe", list(_per_slice_recipes("a", "b", "c")))
-def test_mergekit_per_slice_parameters_match(sliced_paths, tmp_path, recipe):
+@pytest.mark.parametrize(("recipe", "family"), [("slerp-per-slice", "llama"), ("ties-per-slice", "mistral")])
+def test_mergekit_per_slice_parameters_match(tmp_path_factory, tmp_path, recipe, family):
     """A slice's `parameters` come before the top-level ones for its layers (embeddings: the first slice's; final
     norm and head: the last slice's), in mergekit-yaml and hf_mloss alike."""
-    base, (ft1, ft2) = sliced_paths
+    base, (ft1, ft2, _) = _round2_paths(family, tmp_path_factory, layers=4)
     config = _per_slice_recipes(base, ft1, ft2)[recipe]
     try:
         run = peers.run_mergekit_yaml(config, tmp_path / "mergekit")
