@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"# SVD merges against a float64 reference (hidden {args.hidden}, {args.layers} layers, q = {args.q})",
              "", f"Command: `{record['command']}`", "",
              "Deviation of a matrix: max |x − ref| / max |ref − θ₀|. Both libraries compute in float32.", "",
-             "| method | matrices | hf_mloss max | hf_mloss median | fusion-bench max | fusion-bench median | "
-             "hf_mloss closer on | max abs(hf_mloss − fusion-bench) |", "|---|---|---|---|---|---|---|---|"]
+             ("| method | matrices | hf_mloss max | hf_mloss median | fusion-bench max | fusion-bench median | "
+              "hf_mloss closer on | max abs(hf_mloss − fusion-bench) |"), "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['method']} | {r['matrices']} | {r['hf_mloss_max']:.2e} | {r['hf_mloss_median']:.2e} | "
                      f"{r['fusion_bench_max']:.2e} | {r['fusion_bench_median']:.2e} | "
