@@ -29,8 +29,9 @@ may differ between the models (they become the models' own ``parameters``, resol
 ``{model: ..., lora: ...}``) name a PEFT LoRA adapter of the base (:mod:`hf_mloss.loading.lora`). ``slices`` with
 ``sources`` and ``layer_range`` map to hf_mloss's ``slices`` (:mod:`hf_mloss.spec.slices`): ``passthrough`` stacks (one
 source per slice) and slices merged by one of the methods above (the same models in every slice, per-model parameters
-the same in every slice; a slice's own ``parameters`` come before the top-level ones for its layers). Anything else (other methods) and any malformed shape (a list where one name or a mapping
-belongs) is refused in one line naming the key.
+the same in every slice; a slice's own ``parameters`` come before the top-level ones for its layers). Anything else
+(other methods) and any malformed shape (a list where one name or a mapping belongs) is refused in one line naming
+the key.
 """
 
 from __future__ import annotations
