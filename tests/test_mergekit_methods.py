@@ -332,7 +332,7 @@ def test_ties_trims_each_model_at_its_own_density():
         [1.0, 1.0]), model_params=[{"k": 0.5}, {"k": 0.25}])) is None  # exact k: whole tensors only
 
 
-def test_per_model_weight_gradients_are_resolved_per_tensor(tiny_paths):
+def test_per_model_weight_gradients_are_resolved_per_tensor(tiny_paths, tmp_path):
     """mergekit task_arithmetic with model 0's weight a gradient [1, 0] over the 2 blocks (block 0 at x = 0, block 1
     at x = 1, tensors outside the blocks at x = 0) and model 1's weight a filter list (mlp 2, else 0.5)."""
     from safetensors.torch import load_file
@@ -359,6 +359,9 @@ def test_per_model_weight_gradients_are_resolved_per_tensor(tiny_paths):
         assert torch.allclose(merged[name].double(), expected, atol=1e-6, rtol=0), name
     resolved = result.config.resolved_parameters
     assert resolved["encoder.layers.1.mlp.fc1.weight"] == {"models[0].weight": 0.0, "models[1].weight": 2.0}
+    # the card does not print one number for a weight that varies
+    card = (result.save_pretrained(tmp_path / "merged") / "README.md").read_text()
+    assert card.count("| varies over the model |") == 2, card
 
 
 def test_per_model_parameters_are_checked_before_any_work(tiny_paths):
