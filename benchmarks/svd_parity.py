@@ -110,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
                          "fusion_bench_max": max(dev_theirs.values()), "fusion_bench_median": statistics.median(
                              dev_theirs.values()),
                          "hf_mloss_closer_on": closer, "max_abs_between": between})
-    record = {"command": " ".join([sys.executable, *sys.argv]), "args": vars(args), "rows": rows,
-              "machine": platform.platform(), "torch": torch.__version__, "wall_s": round(time.time() - started, 1)}
+    record = {"command": " ".join(["python", "benchmarks/svd_parity.py", *sys.argv[1:]]), "args": vars(args),
+              "rows": rows, "machine": platform.platform(), "torch": torch.__version__,
+              "wall_s": round(time.time() - started, 1)}
     suffix = f"_{args.tag}" if args.tag else ""
     out = ROOT / "benchmarks" / "results" / f"svd_parity{suffix}"
     out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
