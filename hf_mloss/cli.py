@@ -55,7 +55,7 @@ def merge_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
 
 def merge_command(args: argparse.Namespace) -> int:
     from .api import run
-    from .output.card import shown_parameters
+    from .output.card import model_specs, shown_parameters, weight_text
     from .spec.config import MergeConfig
     from .distributed import describe_device, is_main_process, main_process_only
     from .output.push import check_repo_id
@@ -83,8 +83,8 @@ def merge_command(args: argparse.Namespace) -> int:
     method = config.merge_method()
     lines = [f"Merged {len(result.models)} models with {method.pretty_name} ({result.method})",
              f"  base:       {result.base.name}",
-             "  models:     " + ", ".join(f"{r.name} (weight {w:.4g})"
-                                          for r, w in zip(result.models, result.weights, strict=True)),
+             "  models:     " + ", ".join(f"{r.name} (weight {weight_text(w, spec)})" for r, w, spec in
+                                          zip(result.models, result.weights, model_specs(result), strict=True)),
              "  parameters: " + (", ".join(f"{k}={v!r}" for k, v in
                                            shown_parameters(result.config.method_params()).items()) or "none"),
              f"  device:     {result.device}"]
@@ -279,7 +279,7 @@ def methods_command(args: argparse.Namespace) -> int:
         entries.append({
             "name": name, "pretty_name": method.pretty_name, "reference": method.reference,
             "reference_url": method.reference_url, "needs_data": method.needs_data,
-            "default_weight": method.default_weight,
+            "default_weight": method.default_weight, "per_model": list(method.per_model_params),
             "parameters": {k: list(v) if isinstance(v, tuple) else v for k, (v, _) in fields.items()},
             "help": {k: text for k, (_, text) in fields.items()},
         })  # fmt: skip
@@ -296,6 +296,8 @@ def methods_command(args: argparse.Namespace) -> int:
             lines.append(f"{pad}{reference}")
         params = ", ".join(f"{k}={v!r}" for k, v in e["parameters"].items()) or "none"
         lines.append(f"{pad}parameters: {params}")
+        if e["per_model"]:
+            lines.append(f"{pad}per model (models[i].parameters): {', '.join(e['per_model'])}")
         blocks.append("\n".join(lines))
     print("\n\n".join(blocks))
     return 0

@@ -394,6 +394,16 @@ PARAMETER_VALUES = {
     "heads": st.none(),
     "coefficients": st.none() | st.just([["all", 0.25, -0.5]]),
     "relearn": st.booleans(),
+    "select_topk": st.sampled_from([0.0, 0.3, 1.0]),
+    "task_vectors": st.booleans(),
+    "flatten": st.booleans(),
+    "row_wise": st.booleans(),
+    "normalize_weights": st.booleans(),
+    "max_iter": st.integers(0, 20),
+    "tol": st.sampled_from([1e-6, 1e-5]),
+    "epsilon": st.sampled_from([1e-6, 1e-5]),
+    "r": st.sampled_from([0.0, 0.1]),
+    "alpha": st.sampled_from([0.2, 0.5]),
 }
 METHOD_VALUES = {("breadcrumbs", "rescale"): st.sampled_from(["none", "l1"]),
                  ("breadcrumbs_ties", "rescale"): st.sampled_from(["none", "l1"])}

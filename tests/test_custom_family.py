@@ -315,8 +315,10 @@ def test_every_data_free_method_merges_and_reloads(family, method, tmp_path, rec
     from transformers import AutoTokenizer
 
     base, models = family
-    chosen = models[:1] if method == "slerp" else models  # SLERP: the base and exactly one model
-    result = hf_mloss.merge(base, chosen, method, progress=False)
+    # SLERP, NearSwap, Arcee Fusion: the base and exactly one model; NuSLERP: exactly two
+    chosen = models[:1] if method in ("slerp", "nearswap", "arcee_fusion") else models[:2] if method == "nuslerp" \
+        else models
+    result = hf_mloss.merge(base, chosen, method, progress=False, **({"t": 1e-3} if method == "nearswap" else {}))
     assert isinstance(result.model, GatedTestModel)
     folder = result.save_pretrained(tmp_path / "merged")
     reloaded = GatedTestModel.from_pretrained(folder).eval()

@@ -422,3 +422,122 @@ def test_layer_wise_adamerging_matches_fusion_bench(tiny_paths, tmp_path):
     assert int((~determined).sum()) == 2  # one per block of the tiny CLIP
     diff = (learned - theirs).abs()[:, determined]
     assert float(diff.max()) < 1e-5, float(diff.max())  # measured: 1.6e-6, the coefficients moved up to 0.038
+# Round 2: the YAML everyone copies (the base under `models`), normalize defaults, SCE and NuSLERP -------------------
+# Each case runs on one decoder family (Llama, Qwen2, Mistral in turn) to keep the peer runs few.
+_ROUND2_FAMILIES: dict[str, tuple[str, list[str]]] = {}
+
+
+def _round2_paths(family: str, tmp_path_factory, layers: int = 2) -> tuple[str, list[str]]:
+    from examples.tiny import save_with_finetunes, tiny_decoder, word_tokenizer
+
+    key = f"{family}-{layers}"
+    if key not in _ROUND2_FAMILIES:
+        base_dir, models = save_with_finetunes(tiny_decoder(family, num_hidden_layers=layers),
+                                               tmp_path_factory.mktemp(f"round2-{key}"), 3, tokenizer=word_tokenizer())
+        _ROUND2_FAMILIES[key] = (str(base_dir), [str(m) for m in models])
+    return _ROUND2_FAMILIES[key]
+
+
+def _copied(method: str, base: str, models: list[str], shared: dict, per_model: list[dict]) -> dict:
+    """A recipe as mergekit's README writes it: the base first under `models`, with no parameters."""
+    return {"merge_method": method, "base_model": base, "dtype": "float32", "parameters": shared,
+            "models": [{"model": base}] + [{"model": m, **({"parameters": p} if p else {})}
+                                            for m, p in zip(models, per_model)]}
+
+
+ROUND2 = {
+    "ties-copied": ("llama", lambda b, m: _copied("ties", b, m, {"lambda": 0.9}, [
+        {"weight": 1.0, "density": 0.4}, {"weight": 0.5, "density": 0.4}, {"weight": 2.0, "density": 0.4}])),
+    "ties-normalize-false": ("qwen2", lambda b, m: _copied("ties", b, m, {"normalize": False}, [
+        {"weight": 1.0, "density": 0.5}, {"weight": 0.5, "density": 0.5}, {"weight": 2.0, "density": 0.5}])),
+    # density 1: no random mask, so the combine mergekit applies by default (the disjoint sum) is compared exactly
+    "dare_ties-default": ("mistral", lambda b, m: _copied("dare_ties", b, m, {"lambda": 0.8}, [
+        {"weight": 1.0, "density": 1.0}, {"weight": 0.5, "density": 1.0}, {"weight": 2.0, "density": 1.0}])),
+    "sce": ("llama", lambda b, m: _copied("sce", b, m, {}, [{}, {}, {}])),
+    "sce-select": ("qwen2", lambda b, m: _copied("sce", b, m, {"select_topk": 0.4}, [{}, {}, {}])),
+    "nuslerp": ("mistral", lambda b, m: _copied("nuslerp", b, m[:2], {}, [{"weight": 0.3}, {"weight": 0.9}])),
+    "nuslerp-no-base-rows": ("llama", lambda b, m: {
+        "merge_method": "nuslerp", "dtype": "float32",
+        "parameters": {"nuslerp_flatten": False, "nuslerp_row_wise": True},
+        "models": [{"model": m[0], "parameters": {"weight": 1.0}}, {"model": m[1], "parameters": {"weight": 0.4}}]}),
+    "multislerp": ("qwen2", lambda b, m: _copied("multislerp", b, m, {}, [{"weight": 1.0}, {"weight": 0.5},
+                                                                         {"weight": 2.0}])),
+    "karcher": ("mistral", lambda b, m: {"merge_method": "karcher", "dtype": "float32", "base_model": b,
+                                         "models": [{"model": x} for x in m]}),
+    "nearswap": ("llama", lambda b, m: _copied("nearswap", b, m[:1], {"t": 0.01}, [{}])),
+    "arcee_fusion": ("qwen2", lambda b, m: _copied("arcee_fusion", b, m[:1], {}, [{}])),
+    "ram": ("mistral", lambda b, m: _copied("ram", b, m, {"epsilon": 0.01}, [{}, {}, {}])),
+    "ramplus_tl": ("llama", lambda b, m: _copied("ramplus_tl", b, m, {"epsilon": 0.01, "r": 0.5}, [{}, {}, {}])),
+    # per-model parameter forms: densities that differ (one a gradient), weights as a gradient and a filter list
+    "ties-per-model": ("mistral", lambda b, m: _copied("ties", b, m, {"lambda": 0.9}, [
+        {"weight": [1.0, 0.2], "density": 0.3}, {"weight": [{"filter": "mlp", "value": 2.0}, {"value": 0.5}],
+                                                 "density": [0.9, 0.5]}, {"weight": 1.0, "density": 0.6}])),
+    "breadcrumbs-per-model": ("qwen2", lambda b, m: _copied("breadcrumbs_ties", b, m, {"normalize": True}, [
+        {"weight": 1.0, "density": 0.5, "gamma": 0.1}, {"weight": [0.3, 1.2], "density": 0.8},
+        {"weight": 0.7, "density": 0.4, "gamma": [0.0, 0.2]}])),
+    "task_arithmetic-weight-gradients": ("llama", lambda b, m: _copied("task_arithmetic", b, m, {"lambda": 0.7}, [
+        {"weight": [1.0, 0.0]}, {"weight": [0.0, 1.0]}, {"weight": [{"filter": "self_attn", "value": 0.4},
+                                                              {"value": 0.1}]}])),
+}
+
+
+@pytest.mark.parametrize("recipe", list(ROUND2))
+def test_mergekit_round2_recipes_match(tmp_path_factory, tmp_path, recipe):
+    """mergekit-yaml and hf_mloss run the same YAML on the same tiny decoder: equal within 1e-6 in float32."""
+    family, make = ROUND2[recipe]
+    base, models = _round2_paths(family, tmp_path_factory)
+    try:
+        run = peers.run_mergekit_yaml(make(base, models), tmp_path / "mergekit")
+    except peers.PeerUnavailable as err:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"mergekit not installable here: {err}")
+    result = hf_mloss.run(MergeConfig.from_yaml(run.out_dir / "peer_config.yml"), progress=False)
+    assert type(result.model).__name__.endswith("ForCausalLM")
+    diff = _decoder_max_diff(result, run)
+    print(f"{recipe} ({family}): max |hf_mloss - mergekit| = {diff:.3g}")
+    assert diff < 1e-6
+    # and the merge is not trivial: mergekit's output moved away from the first input (the base, or the first model)
+    first = load_file(os.path.join(base if "base_model" in make(base, models) else models[0], "model.safetensors"))
+    theirs = run.state_dict()
+    assert max(float((theirs[k].float() - first[k].float()).abs().max()) for k in theirs if k in first) > 1e-4
+
+
+def _per_slice_recipes(a: str, b: str, c: str) -> dict[str, dict]:
+    def pair(lo, hi, parameters, *models):
+        return {"sources": [{"model": m, "layer_range": [lo, hi]} for m in models], "parameters": parameters}
+
+    mlp_ramp = [{"filter": "mlp", "value": [0.0, 1.0]}]  # no catch-all: other tensors fall through to the top level
+    return {
+        "slerp-per-slice": {"slices": [pair(0, 2, {"t": 0.9}, a, b), pair(2, 4, {"t": mlp_ramp}, a, b)],
+                            "merge_method": "slerp", "base_model": a, "parameters": {"t": 0.3}, "dtype": "float32"},
+        "ties-per-slice": {"slices": [
+            {"sources": [{"model": a, "layer_range": [0, 2]},
+                         {"model": b, "layer_range": [0, 2], "parameters": {"weight": 1.0, "density": 0.4}},
+                         {"model": c, "layer_range": [0, 2], "parameters": {"weight": 0.5, "density": 0.7}}],
+             "parameters": {"lambda": 1.5, "normalize": False}},
+            {"sources": [{"model": a, "layer_range": [2, 4]},
+                         {"model": b, "layer_range": [2, 4], "parameters": {"weight": 1.0, "density": 0.4}},
+                         {"model": c, "layer_range": [2, 4], "parameters": {"weight": 0.5, "density": 0.7}}]}],
+            "merge_method": "ties", "base_model": a, "parameters": {"lambda": 0.8}, "dtype": "float32"},
+    }
+
+
+@pytest.mark.parametrize(("recipe", "family"), [("slerp-per-slice", "llama"), ("ties-per-slice", "mistral")])
+def test_mergekit_per_slice_parameters_match(tmp_path_factory, tmp_path, recipe, family):
+    """A slice's `parameters` come before the top-level ones for its layers (embeddings: the first slice's; final
+    norm and head: the last slice's), in mergekit-yaml and hf_mloss alike."""
+    base, (ft1, ft2, _) = _round2_paths(family, tmp_path_factory, layers=4)
+    config = _per_slice_recipes(base, ft1, ft2)[recipe]
+    try:
+        run = peers.run_mergekit_yaml(config, tmp_path / "mergekit")
+    except peers.PeerUnavailable as err:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"mergekit not installable here: {err}")
+    result = hf_mloss.run(MergeConfig.from_yaml(run.out_dir / "peer_config.yml"), progress=False)
+    assert any("parameters" in s for s in result.config.slices)
+    assert len({str(v) for v in result.config.resolved_parameters.values()}) > 1  # the values differ by slice
+    diff = _decoder_max_diff(result, run)
+    print(f"{recipe}: max |hf_mloss - mergekit| = {diff:.3g}")
+    assert diff < 1e-6

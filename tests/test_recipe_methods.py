@@ -455,13 +455,14 @@ REFUSED = [
     (lambda b, m: {"merge_method": "della", "models": [{"model": m[0]}]}, "needs a `base_model`"),
     (lambda b, m: mk("della", b, [{"model": m[0]}], {"gamma": 0.1}), "has no parameter 'gamma'"),
     (lambda b, m: mk("della", b, [{"model": m[0], "parameters": {"density": 0.5, "weight": 1.0}},
-                                  {"model": m[1], "parameters": {"density": 0.4, "weight": 1.0}}]),
-     r"Per-model density values \[0.5, 0.4\] differ"),
+                                  {"model": m[1], "parameters": {"density": 0.1, "weight": 1.0}}]),
+     r"models\[1\].parameters.k names 0.1: k ± e must lie in \(0, 1\)"),
     (lambda b, m: mk("breadcrumbs", b, [{"model": m[0], "parameters": {"weight": 1.0}}], {"normalize": "yes"}),
      "parameters.normalize must be true or false"),
     (lambda b, m: mk("breadcrumbs", b, [{"model": m[0]}]), r"models\[0\].parameters.weight is missing"),
-    (lambda b, m: mk("breadcrumbs_ties", b, [{"model": m[0], "parameters": {"weight": [1, 0]}}]),
-     "must be one number"),
+    (lambda b, m: mk("breadcrumbs_ties", b, [{"model": m[0], "parameters": {"weight": [{"filter": "mlp",
+                                                                                    "value": 1}]}}]),
+     "end the list with a `{value: ...}` entry without filter"),
     (lambda b, m: mk("model_stock", b, [{"model": b}, {"model": m[0]}]), "at least 2 models besides"),
     (lambda b, m: mk("model_stock", b, [{"model": m[0], "parameters": {"weight": 1}}, {"model": m[1]}]),
      r"parameters \['weight'\] have no hf_mloss equivalent"),
@@ -593,13 +594,14 @@ def test_mergekit_gradients_and_filters_map(tiny_paths) -> None:
     config = MergeConfig.from_dict(mk("breadcrumbs", base, entries, {"rescale": [{"filter": "mlp", "value": True},
                                                                                 {"value": False}]}))
     assert config.parameters["rescale"] == [{"filter": "mlp", "value": "l1"}, {"value": "none"}]
+    # per-model values that differ, and weights that vary over the model: each model's own parameters
     differing = [{"model": models[0], "parameters": {"density": [0.2, 0.8], "weight": 1.0}},
-                 {"model": models[1], "parameters": {"density": [0.2, 0.9], "weight": 1.0}}]
-    with pytest.raises(ConfigError, match="differ"):
-        MergeConfig.from_dict(mk("della", base, differing))
-    with pytest.raises(ConfigError, match="models\\[0\\].parameters.weight must be one number"):
-        MergeConfig.from_dict(mk("ties", base, [{"model": models[0], "parameters": {"weight": [1, 0.5],
-                                                                                    "density": 0.5}}]))
+                 {"model": models[1], "parameters": {"density": [0.2, 0.7], "weight": 1.0}}]
+    config = MergeConfig.from_dict(mk("della", base, differing))
+    assert [m.parameters for m in config.models] == [{"k": [0.2, 0.8]}, {"k": [0.2, 0.7]}]
+    config = MergeConfig.from_dict(mk("ties", base, [{"model": models[0], "parameters": {"weight": [1, 0.5],
+                                                                                         "density": 0.5}}]))
+    assert config.models[0].parameters == {"weight": [1.0, 0.5]} and config.models[0].weight is None
 
 
 def test_mergekit_unmatched_filters_fall_through_its_scopes(tiny_paths) -> None:

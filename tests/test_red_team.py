@@ -782,8 +782,9 @@ def _params(i: int, **params) -> Callable[[dict], list]:
 
 
 MERGEKIT = [
-    Case("mergekit_density_omitted_on_one_model_is_1", mergekit(models=_params(1, weight=1.0)), ConfigError,
-         ("densities [0.5, 1.0] differ",)),
+    Case("mergekit_density_omitted_on_one_model_is_1", mergekit(models=_params(1, weight=1.0)), None,
+         check=lambda p, config: [m.parameters for m in config.models] == [{"k": 0.5}, {"k": 1.0}] or
+         pytest.fail(str([m.parameters for m in config.models]))),
     Case("mergekit_density_omitted_everywhere_keeps_all", mergekit(models=lambda c: [
         {"model": m["model"], "parameters": {"weight": 1.0}} for m in c["models"]]), None,
          check=lambda p, config: config.parameters["k"] == 1.0 or pytest.fail(str(config.parameters))),

@@ -198,12 +198,13 @@ def test_mergekit_yaml_is_mapped_to_our_config(tiny_paths, tmp_path):
         "parameters": {"normalize": True, "lambda": 0.7}, "dtype": "float32",
     }))  # fmt: skip
     config = MergeConfig.from_yaml(path)
-    assert config.method == "ties" and config.parameters == {"lam": 0.7, "k": 0.3, "convention": "mergekit"}
+    assert config.method == "ties" and config.parameters == {"lam": 0.7, "k": 0.3, "convention": "mergekit",
+                                                      "normalize": True}
     assert [m.weight for m in config.models] == [1, 0.5, 2] and config.dtype == "float32"
-    for bad, message in [({"merge_method": "nuslerp"}, "not one hf_mloss shares"),
-                         ({"parameters": {"normalize": False}}, "normalize: false"),
-                         ({"models": [{"model": models[0], "parameters": {"density": 0.2, "weight": [0, 1]}}]},
-                          "must be one number"),
+    for bad, message in [({"merge_method": "frankenmerge"}, "not one hf_mloss shares"),
+                         ({"parameters": {"normalize": "no"}}, "normalize must be true or false"),
+                         ({"models": [{"model": models[0], "parameters": {"density": 0.2, "weight": "heavy"}}]},
+                          "must be a number, a gradient or a filter list"),
                          ({"slices": []}, "both `models` and `slices`")]:
         path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), **bad}))
         with pytest.raises(hf_mloss.ConfigError, match=message):

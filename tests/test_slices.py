@@ -256,7 +256,7 @@ def test_passthrough_without_slices_and_slices_with_models_are_refused(llama):
     with pytest.raises(ConfigError, match="both `models` and `slices`"):
         MergeConfig.from_dict({"models": [{"model": a}], "merge_method": "passthrough",
                                "slices": [{"sources": [{"model": a, "layer_range": [0, 2]}]}]})
-    with pytest.raises(ConfigError, match="per-slice parameters"):
+    with pytest.raises(ConfigError, match=r"passthrough parameters \(scale\)"):
         MergeConfig.from_dict({"slices": [{"sources": [{"model": a, "layer_range": [0, 2]}], "parameters": {"t": 1}}],
                                "merge_method": "passthrough"})
     with pytest.raises(ConfigError, match="scale"):

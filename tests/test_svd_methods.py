@@ -291,7 +291,9 @@ def check_against_reference(result, base_dir, model_dirs, method: str, params: d
         expected = theta0.double().numpy() + params["lam"] * tau
         ours = merged[name] if name in merged else merged[name.removeprefix("vision_model.")]
         diff = np.abs(ours.double().numpy() - expected).max()
-        assert diff < 1e-5 * max(1.0, np.abs(expected).max()), (name, diff)
+        # float32 SVDs sit up to ~3e-5 of the merged change from float64 (benchmarks/results/svd_parity*.md)
+        change = np.abs(expected - theta0.double().numpy()).max()
+        assert diff < max(1e-4 * change, 1e-7 * max(1.0, np.abs(expected).max())), (name, diff, change)
     return matrices
 
 

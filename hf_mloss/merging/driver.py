@@ -11,6 +11,7 @@ is merged while the M-Loss scorer walks the blocks.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -72,7 +73,10 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
         tower = inputs.adapter.tower(model)
         ctx = MergeContext(params=params, weights=inputs.alpha.to(inputs.device, torch.float32), seed=config.seed)
         tensor_params = TensorParameters(method, config.parameters, inputs.adapter,
-                                         slice_plan.positions if slice_plan else None)
+                                         slice_plan.positions if slice_plan else None,
+                                         [m.parameters for m in config.models],
+                                         (slice_plan.slice_of, [e.get("parameters") for e in config.slices])
+                                         if slice_plan else None)
         merger = TensorMerger(inputs, method, ctx, model, workers,  # every merged tensor: a whole model's too
                               tensor_params=tensor_params)
         outside = outside_tower_names(inputs, merger.names)
@@ -234,6 +238,10 @@ class TensorMerger:
 
     def _merge_one(self, name: str) -> str:
         ctx = replace_params(self.ctx, self.tensor_params.for_tensor(name)) if self.tensor_params else self.ctx
+        per_model = self.tensor_params.for_models(name, self.ctx.weights.tolist()) if self.tensor_params else None
+        if per_model is not None:  # per-model weights and parameters, resolved for this tensor
+            weights = torch.tensor(per_model[0], dtype=torch.float32, device=self.ctx.weights.device)
+            ctx = dataclasses.replace(ctx, weights=weights, model_params=per_model[1])
         counts = self._chunk_counts(name, ctx)
         if counts is not None:
             self._merge_in_chunks(name, ctx, counts)

@@ -68,6 +68,14 @@ class MergeContext:
     weights: torch.Tensor
     seed: int = 0
     state: dict[str, Any] = field(default_factory=dict)
+    model_params: list[dict[str, Any]] | None = None
+    """Per source, the values of this tensor's per-model parameters (``k``, ``p``...) that replace ``params``'s."""
+
+    def model_value(self, index: int, name: str) -> Any:
+        """Parameter ``name`` of source ``index`` for this tensor: its per-model value, else the shared one."""
+        if self.model_params is not None and name in self.model_params[index]:
+            return self.model_params[index][name]
+        return getattr(self.params, name)
 
     def generator(self, name: str, source_index: int, device: torch.device | str = "cpu") -> torch.Generator:
         """A private generator for (tensor, source): reproducible and independent of visiting order."""
@@ -137,6 +145,10 @@ class MergeMethod:
     needs_data: ClassVar[bool] = False
     default_weight: ClassVar[str] = "uniform"
     """``"uniform"``: α_p = 1/q when the caller gives no weights; ``"one"``: α_p = 1 (task arithmetic)."""
+    per_model_params: ClassVar[tuple[str, ...]] = ()
+    """Parameters a model may set for itself (``models[i].parameters``, mergekit's per-model scope): ``weight`` when
+    the merge reads the weights per tensor, and the method parameters it reads with :meth:`MergeContext.model_value`.
+    """
     zero_delta_is_base: ClassVar[bool] = False
     """The merge is θ₀ + f(τ_1, …, τ_q) with f(0, …, 0) = 0 exactly: a tensor that no source changed is copied from
     the base without calling :meth:`merge_tensor` (frozen parts of fine-tunes: embeddings, lower blocks)."""

@@ -49,6 +49,7 @@ class Breadcrumbs(MergeMethod):
                  "ECCV 2024")
     reference_url = "https://arxiv.org/abs/2312.06795"
     params_class = BreadcrumbsParams
+    per_model_params = ("weight", "k", "gamma")
     zero_delta_is_base = True
     default_weight = "one"
 
@@ -59,7 +60,8 @@ class Breadcrumbs(MergeMethod):
 
     def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
         params: BreadcrumbsParams = ctx.params
-        taus = [drop_outliers(t - base, params.k, params.gamma, rescale=params.rescale) for t in sources]
+        taus = [drop_outliers(t - base, ctx.model_value(i, "k"), ctx.model_value(i, "gamma"), rescale=params.rescale)
+                for i, t in enumerate(sources)]
         return base + combine_task_vectors(taus, ctx.weights, consensus=self.consensus, normalize=params.normalize,
                                            lam=params.lam)
 

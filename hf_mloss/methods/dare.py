@@ -20,6 +20,9 @@ class DareParams(MethodParams):
     lam: float = param(1.0, "λ: θ = θ₀ + λ·τ_merged.")
     rescale: str = param("inverse", "Survivors × 1/p (inverse: DARE paper, fusion-bench, PEFT) or L1-matched per "
                          "tensor (l1: mergekit).", choices=("inverse", "l1"))
+    normalize: bool | None = param(None, "Divide by the (agreeing) weights' sum; default: on for dare_ties (the "
+                                   "disjoint mean), off for dare_linear (a weighted sum). mergekit's default is off "
+                                   "for both.")
 
 
 class Dare(MergeMethod):
@@ -29,6 +32,7 @@ class Dare(MergeMethod):
                  "Lunch, ICML 2024")
     reference_url = "https://arxiv.org/abs/2311.03099"
     params_class = DareParams
+    per_model_params = ("weight", "p")
     zero_delta_is_base = True
 
     def __init__(self, name: str, combine: str) -> None:
@@ -38,13 +42,18 @@ class Dare(MergeMethod):
         self.default_weight = "uniform" if combine == "ties" else "one"
 
     def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
+        from .breadcrumbs import combine_task_vectors
         from .ops import dare_drop, elect_and_merge
 
         params: DareParams = ctx.params
-        taus = [dare_drop(t - base, params.p, ctx.generator(name, i, base.device), rescale=params.rescale)
+        taus = [dare_drop(t - base, ctx.model_value(i, "p"), ctx.generator(name, i, base.device),
+                          rescale=params.rescale)
                 for i, t in enumerate(sources)]
+        normalize = self.combine == "ties" if params.normalize is None else params.normalize
         if self.combine == "ties":
-            merged = elect_and_merge(taus, ctx.weights)
+            merged = elect_and_merge(taus, ctx.weights, divide_by="weights" if normalize else "none")
+        elif normalize:
+            merged = combine_task_vectors(taus, ctx.weights, consensus=False, normalize=True, lam=1.0)
         else:
             merged = sum(a * t for a, t in zip(ctx.weights.tolist(), taus))
         return base + params.lam * merged

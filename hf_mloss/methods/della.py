@@ -87,6 +87,7 @@ class Della(MergeMethod):
     reference = ("Deep, Bhardwaj & Poria, DELLA-Merging: Reducing Interference in Model Merging through "
                  "Magnitude-Based Sampling, arXiv 2024")
     reference_url = "https://arxiv.org/abs/2406.11617"
+    per_model_params = ("weight", "k", "e")
     zero_delta_is_base = True
     default_weight = "one"
 
@@ -98,7 +99,8 @@ class Della(MergeMethod):
 
     def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
         params: DellaParams = ctx.params
-        taus = [magprune(t - base, params.k, params.e, ctx.generator(name, i, base.device), rescale=params.rescale)
+        taus = [magprune(t - base, ctx.model_value(i, "k"), ctx.model_value(i, "e"), ctx.generator(name, i, base.device),
+                         rescale=params.rescale)
                 for i, t in enumerate(sources)]
         return base + combine_task_vectors(taus, ctx.weights, consensus=self.consensus, normalize=params.normalize,
                                            lam=params.lam)

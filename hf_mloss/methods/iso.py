@@ -13,8 +13,11 @@ Per layer matrix, with Δ = Σ_p α_p τ_p (α_p = 1 by default, the paper's tas
 
 Not a matrix (biases, norms, 4-D convolution kernels such as ViT's patch embedding): θ = θ₀ + λ·(1/q)·Σ_p α_p τ_p,
 the mean task vector, as the authors' code and fusion_bench. Every 2-D tensor, embedding tables included, is a
-matrix. The flat spectrum assumes a full-rank sum (true of full fine-tunes): for a rank-deficient Δ the directions
-outside its range, raised to σ̄ like the others, are whichever the SVD solver returns.
+matrix. **Rank-deficient matrices** (task vectors of LoRA-derived models, a frozen block's rows): only the numerically
+non-zero spectrum is flattened. Singular values at or below ``max(m, n)·eps·σ_max`` (rounding noise) are dropped with
+their directions, and σ̄ is the mean of the others, so the merge spans the sum's range (Iso-C) or the kept subspaces
+(Iso-CTS) and nothing else; flattening all of them would raise whichever noise directions the SVD solver returns to
+σ̄. A full-rank matrix keeps every direction (the result fusion-bench computes, tests/test_peers.py).
 
 λ (the paper's α) is chosen on held-out data in the paper; 1.0 is fusion_bench's default. σ̄ grows with the number
 and size of the task vectors, and the best λ can lie far above TIES's, so grids should reach well beyond 1.
@@ -90,10 +93,17 @@ class IsoCts(_Isotropic):
 
 
 def iso_c_matrix(delta: torch.Tensor) -> torch.Tensor:
-    """σ̄·U Vᵀ for ``delta = U Σ Vᵀ``, σ̄ the mean singular value."""
-    from .svd_ops import svd
+    """σ̄·U Vᵀ for ``delta = U Σ Vᵀ`` over its numerically non-zero spectrum, σ̄ the mean singular value there."""
+    import torch
+
+    from .svd_ops import numerical_rank, svd
 
     u, s, vh = svd(delta)
+    rank = int(numerical_rank(s, delta.shape))
+    if rank == 0:
+        return torch.zeros_like(delta)
+    if rank < len(s):
+        u, s, vh = u[:, :rank], s[:rank], vh[:rank]
     return (u * s.mean()) @ vh
 
 
@@ -108,7 +118,7 @@ def iso_cts_matrix(taus: torch.Tensor, common_space_fraction: float) -> torch.Te
     """Iso-CTS merge of the ``[q, m, n]`` task matrices ``taus``."""
     import torch
 
-    from .svd_ops import nonzero_tasks, polar_factor, svd
+    from .svd_ops import nonzero_tasks, numerical_rank, polar_factor, svd
 
     active = nonzero_tasks(taus)
     if len(active) == 0:
@@ -116,16 +126,25 @@ def iso_cts_matrix(taus: torch.Tensor, common_space_fraction: float) -> torch.Te
     taus = taus[active] if len(active) < len(taus) else taus  # an unchanged task has no subspace of its own
     q, m, n = taus.shape
     common, per_task = subspace_sizes(min(m, n), q, common_space_fraction)
-    u, s, vh = svd(taus.sum(0))
     if per_task == 0:
-        return (u * s.mean()) @ vh
+        return iso_c_matrix(taus.sum(0))
+    u, s, vh = svd(taus.sum(0))
     u_c = u[:, :common]
     specific = taus - u_c @ (u_c.T @ taus)  # each task off the common subspace (batched)
     u_t, s_t, vh_t = svd(specific)
     u_all = torch.cat([u_t[:, :, :per_task].transpose(0, 1).reshape(m, q * per_task), u_c], 1)
     vh_all = torch.cat([vh_t[:, :per_task, :].reshape(q * per_task, n), vh[:common]], 0)
-    sigma = torch.cat([s_t[:, :per_task].reshape(-1), s[:common]]).mean()
-    return (polar_factor(u_all) * sigma) @ polar_factor(vh_all)
+    sigmas = torch.cat([s_t[:, :per_task].reshape(-1), s[:common]])
+    # numerically zero directions (rank-deficient sums and projections) are dropped, not raised to σ̄
+    # (a projected task's σ are measured against the task's own size: what remains of it off the subspace can be noise)
+    task_rank = numerical_rank(s_t, (m, n), scale=torch.linalg.matrix_norm(taus))
+    kept = torch.cat([(torch.arange(per_task, device=s.device) < task_rank.unsqueeze(-1)).reshape(-1),
+                      torch.arange(common, device=s.device) < numerical_rank(s, (m, n))])
+    if not bool(kept.all()):
+        if not bool(kept.any()):
+            return torch.zeros_like(taus[0])
+        u_all, vh_all, sigmas = u_all[:, kept], vh_all[kept], sigmas[kept]
+    return (polar_factor(u_all) * sigmas.mean()) @ polar_factor(vh_all)
 
 
 register_merge_method(IsoC())

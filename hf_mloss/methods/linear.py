@@ -26,6 +26,7 @@ class Average(MergeMethod):
     reference = "Wortsman et al., Model soups, ICML 2022"
     reference_url = "https://arxiv.org/abs/2203.05482"
     params_class = AverageParams
+    per_model_params = ("weight",)
 
     def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
         alpha = ctx.weights / ctx.weights.sum()
@@ -45,6 +46,7 @@ class TaskArithmetic(MergeMethod):
     reference = "Ilharco et al., Editing models with task arithmetic, ICLR 2023"
     reference_url = "https://arxiv.org/abs/2212.04089"
     params_class = TaskArithmeticParams
+    per_model_params = ("weight",)
     zero_delta_is_base = True
     default_weight = "one"
 

@@ -67,3 +67,14 @@ def polar_factor(matrix: torch.Tensor) -> torch.Tensor:
 def nonzero_tasks(taus: torch.Tensor) -> torch.Tensor:
     """Indices of the tasks whose matrix is not exactly zero (an untouched layer has no singular vectors to keep)."""
     return torch.nonzero(taus.flatten(1).abs().amax(1) > 0).flatten()
+
+
+def numerical_rank(singular_values: torch.Tensor, shape: tuple[int, ...], scale: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """How many of the (descending) ``singular_values`` of a matrix of ``shape`` are numerically non-zero: above
+    ``max(m, n)·eps·scale``, ``scale`` σ_max by default (the usual matrix-rank tolerance). A matrix computed from
+    others (a projection) gives their size as ``scale``: its own σ_max may be rounding noise. Batched over leading
+    dimensions (``scale`` one value per matrix)."""
+    eps = torch.finfo(singular_values.dtype).eps
+    scale = singular_values[..., :1] if scale is None else scale.reshape(*singular_values.shape[:-1], 1)
+    return (singular_values > max(shape[-2:]) * eps * scale).sum(-1)

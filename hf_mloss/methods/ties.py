@@ -68,6 +68,13 @@ class TiesParams(MethodParams):
     budget: str = param("all", "Global scope: what k is a fraction of: all (every entry of the model, the original "
                         "definition) or changed (the entries a fine-tune changed, τ ≠ 0; for partly frozen "
                         "fine-tunes, whose unchanged zeros would otherwise fill the budget).", choices=BUDGETS)
+    normalize: bool = param(True, "Divide the agreeing entries by their weights' sum (the disjoint mean of TIES; "
+                            "false: their plain sum, mergekit normalize: false).")
+
+    @property
+    def divide_by(self) -> str:
+        """What the disjoint merge divides by: the convention's divisor, or nothing without ``normalize``."""
+        return self.rules.divide_by if self.normalize else "none"
 
     @property
     def rules(self) -> TiesConvention:
@@ -84,6 +91,7 @@ class Ties(MergeMethod):
     reference = "Yadav et al., TIES-Merging: Resolving Interference When Merging Models, NeurIPS 2023"
     reference_url = "https://arxiv.org/abs/2306.01708"
     params_class = TiesParams
+    per_model_params = ("weight", "k")
     zero_delta_is_base = True
 
     def prepare(self, ctx: MergeContext, visit) -> None:
@@ -111,11 +119,11 @@ class Ties(MergeMethod):
         params: TiesParams = ctx.params
         if params.resolved_scope == "global":
             return trim_by_threshold_(tau, ctx.state["thresholds"][index])
-        rules = params.rules
+        rules, keep = params.rules, ctx.model_value(index, "k")
         if rules.exact_k:
-            m = keep_count(tau.numel(), params.k, min_keep=rules.min_keep, extra=rules.extra_keep)
+            m = keep_count(tau.numel(), keep, min_keep=rules.min_keep, extra=rules.extra_keep)
             return tau.copy_(trim_exact(tau, m))
-        return trim_tensor_(tau, params.k, min_keep=rules.min_keep, extra=rules.extra_keep)
+        return trim_tensor_(tau, keep, min_keep=rules.min_keep, extra=rules.extra_keep)
 
     def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
         import torch
@@ -128,7 +136,7 @@ class Ties(MergeMethod):
         taus = torch.stack(sources).sub_(base)
         for i, tau in enumerate(taus):
             self.trim_(name, tau, i, ctx)
-        merged = elect_and_merge(taus, ctx.weights, elect=params.rules.elect, divide_by=params.rules.divide_by,
+        merged = elect_and_merge(taus, ctx.weights, elect=params.rules.elect, divide_by=params.divide_by,
                                  zero_positive=ctx.state.get("zero_positive", True))
         return base + params.lam * merged
 
@@ -142,7 +150,8 @@ class Ties(MergeMethod):
         rules = params.rules
         if rules.exact_k:
             return None  # argsort order at ties: needs the whole tensor
-        return [keep_count(numel, params.k, min_keep=rules.min_keep, extra=rules.extra_keep)] * len(ctx.weights)
+        return [keep_count(numel, ctx.model_value(i, "k"), min_keep=rules.min_keep, extra=rules.extra_keep)
+                for i in range(len(ctx.weights))]
 
     def merge_chunk(self, name, base, sources, ctx: MergeContext, thresholds: list[float]) -> torch.Tensor:
         import torch
@@ -156,7 +165,7 @@ class Ties(MergeMethod):
         taus = torch.stack(sources).sub_(base)
         for tau, threshold in zip(taus, thresholds):
             trim_by_threshold_(tau, threshold)
-        merged = elect_and_merge(taus, ctx.weights, elect=params.rules.elect, divide_by=params.rules.divide_by,
+        merged = elect_and_merge(taus, ctx.weights, elect=params.rules.elect, divide_by=params.divide_by,
                                  zero_positive=ctx.state.get("zero_positive", True))
         return base + params.lam * merged
 

@@ -219,8 +219,9 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
         base_name=result.base.name,
         base_revision=result.base.revision,
         base_file=_weights_source(result.base),
-        models=[{"name": r.name, "revision": r.revision, "weight": w, "file": _weights_source(r)}
-                for r, w in zip(result.models, result.weights)],
+        models=[{"name": r.name, "revision": r.revision, "weight": w, "file": _weights_source(r),
+                 "weight_text": weight_text(w, spec)}
+                for r, w, spec in zip(result.models, result.weights, model_specs(result))],
         parameters=shown,
         seed=result.config.seed,
         seeded=uses_seed(result.config),
@@ -240,3 +241,19 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
         base_hint=result.base.repo_id or "path/to/base",
         repo_hint="path/or/repo-id",
     )
+
+
+def model_specs(result: Any) -> list[Any]:
+    """The config's model entries beside ``result.models`` (``None`` where the config has none)."""
+    specs = list(getattr(result.config, "models", None) or [])
+    return specs if len(specs) == len(result.models) else [None] * len(result.models)
+
+
+def weight_text(weight: float, spec: Any) -> str:
+    """A model's weight as cards and summaries show it; weights and parameters of its own that vary over the model
+    (mergekit gradients and filter lists) are named, their values being in the recipe."""
+    own = dict(getattr(spec, "parameters", None) or {})
+    text = "varies over the model" if "weight" in own and getattr(spec, "weight", None) is None else f"{weight:.4g}"
+    rest = ", ".join(f"{k}={v}" for k, v in own.items() if k != "weight")
+    return f"{text} (own: {rest})" if rest else text
+

@@ -45,7 +45,7 @@ from ..errors import (
     looks_like_secret,
 )
 from .options import ScoringOptions
-from .schedule import check_schedules, scalar_parameters
+from .schedule import ParamSchedule, check_schedules, scalar_parameters, split_parameters
 from .selection import SelectionOptions, check_selection
 
 if TYPE_CHECKING:
@@ -77,9 +77,15 @@ class ModelSpec:
     weights_file: str | None = param(None, "The weights file that was read (recorded), e.g. model.safetensors.")
     weights_ref: str | None = param(None, "The pull-request ref the weights came from (recorded), e.g. refs/pr/1 "
                                     "for the Hub's safetensors-conversion bot.")
+    parameters: dict[str, Any] | None = param(None, "This model's own values of the method's per-model parameters "
+                                              "(weight, k, p, gamma, e; see `hf-mloss methods`): a number, a gradient "
+                                              "or a filter list each, used instead of the shared value for this model "
+                                              "(mergekit's per-model parameters).")
 
     def __post_init__(self) -> None:
         validate_fields(self)
+        if self.parameters is not None:
+            self.parameters = _plain(dict(self.parameters)) or None
         if isinstance(self.model, os.PathLike):
             self.model = os.fspath(self.model)
         if isinstance(self.model, str):
@@ -106,10 +112,19 @@ class ModelSpec:
             out: dict[str, Any] = {IN_MEMORY: str(name)}
         else:
             out = {"model": _relative(self.model, root) if self.is_local else self.model}
-        for key in ("revision", "weight", "fingerprint", "weights_file", "weights_ref"):
+        for key in ("revision", "weight", "fingerprint", "weights_file", "weights_ref", "parameters"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out
+
+    @property
+    def run_weight(self) -> float | None:
+        """The model's weight for the run as a whole: ``weight``, else the first value of a per-model ``weight``
+        schedule (each tensor then gets its own, :class:`~hf_mloss.spec.schedule.TensorParameters`)."""
+        if self.weight is not None or not self.parameters or "weight" not in self.parameters:
+            return self.weight
+        value = ParamSchedule.parse(self.parameters["weight"], "parameters.weight").leaves()[0]
+        return float(value)
 
 
 @dataclass
@@ -279,6 +294,7 @@ class MergeConfig:
             check_schedules(method, self.parameters, selecting=self.select is not None)
         except InvalidParameterError as err:
             raise InvalidParameterError(f"Invalid parameters for method {self.method!r}: {err}") from None
+        self._validate_model_parameters(method)
         self._validate_text_data(method)
         if method.needs_data and self.data is None and self.text_data is None:
             raise DataError(
@@ -314,6 +330,14 @@ class MergeConfig:
             raise InvalidParameterError(f"slices work with data-free methods and output='auto' (got method "
                                         f"{method.name!r}, output={self.output!r}{', select' if self.select else ''}).")
         self.slices = check_slices(_plain(self.slices), method.name, 1 + len(self.models))
+        for s, entry in enumerate(self.slices):
+            if "parameters" not in entry:
+                continue
+            try:
+                scalar_parameters(method, {**self.parameters, **entry["parameters"]})
+                check_schedules(method, {**self.parameters, **entry["parameters"]}, selecting=False)
+            except InvalidParameterError as err:
+                raise InvalidParameterError(f"slices[{s}].parameters: {err}") from None
 
     def _validate_adapter_output(self) -> None:
         from ..loading.lora import LINEAR_METHODS
@@ -346,16 +370,58 @@ class MergeConfig:
             DataSpec.parse(share)
 
     def _validate_weights(self) -> None:
-        given = [m.weight is not None for m in self.models]
+        given = [m.run_weight is not None for m in self.models]
         if any(given) and not all(given):
             missing = [f"models[{i}]" for i, g in enumerate(given) if not g]
             raise InvalidParameterError(f"Give a weight to every model or to none (the default is uniform); "
                                         f"{', '.join(missing)} {'has' if len(missing) == 1 else 'have'} no weight.")
-        if self.models and all(given) and sum(m.weight for m in self.models) <= 0:
+        if any(m.weight is None and m.parameters and "weight" in m.parameters for m in self.models):
+            return  # weights that vary over the model: their sums are per tensor
+        if self.models and all(given) and sum(m.run_weight for m in self.models) <= 0:
             raise InvalidParameterError("The models' weights must not all be 0.")
-        if all(given) and not math.isfinite(sum(m.weight for m in self.models)):
-            raise InvalidParameterError(f"weights {[m.weight for m in self.models]} sum to infinity (they overflow "
-                                        "once added or normalised); scale them all down by the same factor.")
+        if all(given) and not math.isfinite(sum(m.run_weight for m in self.models)):
+            raise InvalidParameterError(f"weights {[m.run_weight for m in self.models]} sum to infinity (they "
+                                        "overflow once added or normalised); scale them all down by the same factor.")
+
+    def _validate_model_parameters(self, method: MergeMethod) -> None:
+        """Per-model parameters: names the method reads per model, values its rules accept, in runs that honour them."""
+        if self.base.parameters:
+            raise InvalidParameterError("base.parameters: the base has no per-model parameters; they belong to the "
+                                        "fine-tuned models.")
+        given = [(i, m.parameters) for i, m in enumerate(self.models) if m.parameters]
+        if not given:
+            return
+        allowed = method.per_model_params
+        if method.needs_data or self.select is not None or not allowed:
+            why = ("is data-guided" if method.needs_data else "selects one value per parameter" if self.select
+                   is not None else "reads no parameter per model")
+            raise InvalidParameterError(f"models[{given[0][0]}].parameters: method {self.method!r} {why}; give the "
+                                        "parameters once under `parameters` (and weights as `weight`).")
+        scalars, schedules = split_parameters(method, self.parameters)
+        firsts = {k: s.leaves()[0] for k, s in schedules.items()}
+        for i, values in given:
+            where = f"models[{i}].parameters"
+            unknown = sorted(set(values) - set(allowed))
+            if unknown:
+                raise InvalidParameterError(f"{where} {unknown}: method {self.method!r} reads {list(allowed)} per "
+                                            "model.")
+            if "weight" in values and self.models[i].weight is not None:
+                raise InvalidParameterError(f"models[{i}] has both `weight` and `parameters.weight`; give one.")
+            parsed = {k: ParamSchedule.parse(v, f"{where}.{k}") for k, v in values.items()}
+            own = {k: s.leaves()[0] for k, s in parsed.items() if k != "weight"}
+            for key, schedule in parsed.items():
+                for leaf in schedule.leaves():
+                    if key == "weight":
+                        if isinstance(leaf, bool) or not isinstance(leaf, (int, float)) or not math.isfinite(leaf):
+                            raise InvalidParameterError(f"{where}.weight names {leaf!r}: weights are numbers.")
+                        continue
+                    try:
+                        params = method.make_params(**{**scalars, **firsts, **own, key: leaf})
+                    except InvalidParameterError as err:
+                        raise InvalidParameterError(f"{where}.{key} names {leaf!r}: {err}") from None
+                    if getattr(params, "resolved_scope", "tensor") == "global":
+                        raise InvalidParameterError(f"{where}.{key}: per-model values need scope: tensor (a global "
+                                                    "trim has one threshold per task vector over the whole model).")
 
     def merge_method(self) -> MergeMethod:
         from ..methods import get_method
@@ -371,7 +437,7 @@ class MergeConfig:
 
     @property
     def weights(self) -> list[float] | None:
-        return [m.weight for m in self.models] if self.models and self.models[0].weight is not None else None
+        return [m.run_weight for m in self.models] if self.models and self.models[0].run_weight is not None else None
 
     def input_paths(self) -> list[str]:
         """Every local path this run reads: base, models, processor, data, selection heads and shares (an output

@@ -4,25 +4,34 @@
 |---|---|
 | ``linear`` (``normalize: true``, no ``base_model``) | ``average`` of the models with their ``weight`` |
 | ``task_arithmetic`` | ``task_arithmetic``, ``lam`` = ``lambda`` (mergekit's default 1), weights as given (÷ Σw with ``normalize``) |
-| ``ties`` (``normalize: true``) | ``ties``, ``convention: mergekit``, ``k`` = ``density`` (one value for all models), ``lam`` = ``lambda`` |
-| ``dare_ties`` (``normalize: true``) / ``dare_linear`` | ``dare_ties`` / ``dare_linear``, ``p`` = ``density``, ``rescale: l1`` (mergekit's masks are drawn from another random stream) |
+| ``ties`` | ``ties``, ``convention: mergekit``, ``k`` = ``density`` (one value for all models), ``lam`` = ``lambda``, ``normalize`` (default true) |
+| ``dare_ties`` / ``dare_linear`` | ``dare_ties`` / ``dare_linear``, ``p`` = ``density``, ``rescale: l1``, ``normalize`` (mergekit's default false for both; mergekit's masks are drawn from another random stream) |
 | ``slerp`` (``base_model`` + one other model) | ``slerp``, ``t`` = ``t`` |
 | ``model_stock`` | ``model_stock``, ``filter_wise`` = ``filter_wise`` |
 | ``breadcrumbs`` / ``breadcrumbs_ties`` | same names, ``k`` = ``density``, ``gamma``, ``lam`` = ``lambda``, ``normalize``, ``rescale: l1`` for ``rescale: true`` |
 | ``passthrough`` with ``slices`` | ``passthrough`` with ``slices`` (one source per slice; no ``scale``) |
 | ``della`` / ``della_linear`` | same names, ``k`` = ``density``, ``e`` = ``epsilon``, ``lam``, ``normalize``, ``rescale: l1``/``none`` (masks from another random stream) |
+| ``sce`` | ``sce``, ``select_topk`` (no weights) |
+| ``nuslerp`` (two models, ``base_model`` optional) | ``nuslerp``, the two ``weight``s, ``flatten`` = ``nuslerp_flatten``, ``row_wise`` = ``nuslerp_row_wise``, ``task_vectors`` = whether a ``base_model`` is given |
+| ``multislerp`` (``base_model`` optional) | ``multislerp``, ``weight``s, ``normalize_weights``, ``eps``, ``task_vectors`` as for ``nuslerp`` |
+| ``karcher`` | ``karcher`` of the models and, when given, the ``base_model`` (mergekit averages it in), ``max_iter``, ``tol`` |
+| ``nearswap`` / ``arcee_fusion`` (the base plus one model) | same names, ``t`` (required) / no parameters |
+| ``ram`` / ``ramplus_tl`` | same names, ``epsilon`` / ``r``, ``alpha``, ``epsilon`` (no weights) |
 
-``base_model`` becomes ``base`` (``org/name@revision`` is split), ``out_dtype`` (else ``dtype``) becomes ``dtype``; the
+``base_model`` becomes ``base`` (``org/name@revision`` is split; listed under ``models`` too, with or without
+parameters, it is the base only, as in mergekit), ``out_dtype`` (else ``dtype``) becomes ``dtype``; the
 arithmetic runs in float32 either way. Per-model parameters default as mergekit 0.1.5 defines them: ``density`` 1.0
 (keep everything) where a model omits it, ``weight`` required on every model. Method parameters may be gradients or
-filter lists, as in mergekit (see :mod:`hf_mloss.spec.schedule`); model weights are one number each.
+filter lists, as in mergekit (see :mod:`hf_mloss.spec.schedule`); so may per-model weights and densities, which
+may differ between the models (they become the models' own ``parameters``, resolved per model and tensor).
 ``tokenizer_source: base`` (or none) is accepted: the base's processor is copied; other tokenizer sources and
 ``tokenizer:`` sections merge vocabularies, which hf_mloss cannot do yet. ``base+adapter`` entries (and
 ``{model: ..., lora: ...}``) name a PEFT LoRA adapter of the base (:mod:`hf_mloss.loading.lora`). ``slices`` with
 ``sources`` and ``layer_range`` map to hf_mloss's ``slices`` (:mod:`hf_mloss.spec.slices`): ``passthrough`` stacks (one
 source per slice) and slices merged by one of the methods above (the same models in every slice, per-model parameters
-the same in every slice). Anything else (other methods) and any malformed shape (a list where one name or a mapping
-belongs) is refused in one line naming the key.
+the same in every slice; a slice's own ``parameters`` come before the top-level ones for its layers). Anything else
+(other methods) and any malformed shape (a list where one name or a mapping belongs) is refused in one line naming
+the key.
 """
 
 from __future__ import annotations
@@ -36,14 +45,33 @@ from .schedule import ParamSchedule, is_schedule
 
 METHODS = {"linear": "average", "task_arithmetic": "task_arithmetic", "ties": "ties", "dare_ties": "dare_ties",
            "dare_linear": "dare_linear"}
-RECIPE_METHODS = ("slerp", "model_stock", "breadcrumbs", "breadcrumbs_ties", "della", "della_linear")
+RECIPE_METHODS = ("slerp", "model_stock", "breadcrumbs", "breadcrumbs_ties", "della", "della_linear", "sce")
 """mergekit methods with the same name and semantics here (mapped by :func:`_recipe_config`)."""
 METHODS.update({name: name for name in RECIPE_METHODS})
 METHODS["passthrough"] = "passthrough"  # with slices only (hf_mloss.spec.slices)
+METHODS["nuslerp"] = "nuslerp"  # base_model optional (see _nuslerp_config)
+REQUIRED = object()
+"""A shared parameter mergekit gives no default (the config must set it)."""
+SHARED_METHODS: dict[str, dict[str, Any]] = {
+    # base: "optional" (task vectors when given), "required", or "input" (mergekit averages the base in as a model)
+    "multislerp": {"base": "optional", "weight": True,
+                   "shared": {"normalize_weights": (True, bool), "eps": (1e-8, float)}},
+    "karcher": {"base": "input", "weight": False, "shared": {"max_iter": (10, int), "tol": (1e-5, float)}},
+    "nearswap": {"base": "required", "weight": False, "count": 1, "shared": {"t": (REQUIRED, float)}},
+    "arcee_fusion": {"base": "required", "weight": False, "count": 1, "shared": {}},
+    "ram": {"base": "required", "weight": False, "shared": {"epsilon": (1e-5, float)}},
+    "ramplus_tl": {"base": "required", "weight": False,
+                   "shared": {"r": (0.1, float), "alpha": (0.2, float), "epsilon": (1e-5, float)}},
+}
+"""mergekit methods whose parameters are all shared (top-level ``parameters``, same names here), plus ``weight``."""
+METHODS.update({name: name for name in SHARED_METHODS})
 TOP_LEVEL = ("merge_method", "base_model", "models", "slices", "parameters", "dtype", "out_dtype",
              "tokenizer_source", "tokenizer", "chat_template", "name")
 IGNORED = ("tokenizer_source", "tokenizer", "chat_template", "name")
 """Keys about text models' tokenizers (and labels): only their no-op values are accepted (see _check_tokenizer)."""
+NORMALIZE_DEFAULTS = {"linear": True, "task_arithmetic": False, "ties": True, "dare_ties": False,
+                      "dare_linear": False}
+"""mergekit 0.1.5's ``normalize`` default per method (``dare_ties`` sums the agreeing deltas unless told otherwise)."""
 DEFAULT_DENSITY = 1.0
 """mergekit's default ``density`` for a model that gives none (generalized task arithmetic methods, 0.1.5)."""
 
@@ -72,21 +100,26 @@ def from_mergekit(config: Mapping[str, Any]) -> dict[str, Any]:
                           "to stack layers (hf_mloss maps passthrough with slices only).")
     if method in RECIPE_METHODS:
         return _recipe_config(config, method)
+    if method == "nuslerp":
+        return _nuslerp_config(config)
+    if method in SHARED_METHODS:
+        return _shared_config(config, method)
     global_params = _mapping(config.get("parameters"), "parameters")
-    models, weights, densities = _models(config.get("models"))
+    base = None
     if config.get("base_model"):
         base = _model_entry(config["base_model"], "base_model")
         if method == "linear":
             raise ConfigError("mergekit `linear` with a base_model averages the base in too; list it under `models` "
                               "with its weight instead (hf_mloss then averages exactly those models).")
-    elif method == "linear":
-        base = dict(models[0])  # an average needs no base: the first model only provides the architecture
-    else:
+    elif method != "linear":
         raise ConfigError(f"The mergekit config has no base_model; `{method}` merges fine-tunes of one base: add "
                           "`base_model: org/name`.")
+    models, weights, densities = _models(config.get("models"), skip=base)
+    if base is None:
+        base = dict(models[0])  # an average needs no base: the first model only provides the architecture
     _check_lora_bases(base, models)
     out: dict[str, Any] = {"base": base, "models": models, "method": METHODS[method]}
-    normalize = global_params.pop("normalize", method in ("linear", "ties"))
+    normalize = global_params.pop("normalize", NORMALIZE_DEFAULTS[method])
     lam = global_params.pop("lambda", 1.0)
     if not isinstance(normalize, bool):
         raise ConfigError(f"mergekit parameters.normalize must be true or false, got {short(normalize)}.")
@@ -94,10 +127,15 @@ def from_mergekit(config: Mapping[str, Any]) -> dict[str, Any]:
     if global_params:
         raise ConfigError(f"mergekit parameters {sorted(global_params)} have no hf_mloss equivalent.")
     parameters: dict[str, Any] = {}
-    if method in ("ties", "dare_ties", "linear") and not normalize:
-        raise ConfigError(f"mergekit `{method}` with normalize: false (a plain sum) has no hf_mloss equivalent; "
-                          "use normalize: true, or task_arithmetic for a weighted sum.")
-    if normalize and abs(sum(weights)) < 1e-8:
+    if method == "linear" and not normalize:
+        raise ConfigError("mergekit `linear` with normalize: false (a plain weighted sum of the models) has no "
+                          "hf_mloss equivalent; use normalize: true, or task_arithmetic for a weighted sum of deltas.")
+    scheduled = [i for i, w in enumerate(weights) if is_schedule(w)]
+    if scheduled and method in ("linear", "task_arithmetic") and normalize:
+        raise ConfigError(f"models[{scheduled[0]}].parameters.weight varies over the model and mergekit `{method}` "
+                          "divides by the weights' sum per tensor (normalize), which hf_mloss does only for one weight "
+                          "per model; give numbers, or normalize: false (task_arithmetic).")
+    if normalize and not scheduled and abs(sum(weights)) < 1e-8:
         raise ConfigError(f"mergekit parameters.normalize: true divides by the sum of the models' weights, which is "
                           f"{sum(weights):g}; give weights that do not sum to 0.")
     if method == "task_arithmetic" and normalize:
@@ -105,16 +143,20 @@ def from_mergekit(config: Mapping[str, Any]) -> dict[str, Any]:
         weights = [w / total for w in weights]
     if method != "linear":
         parameters["lam"] = lam
+    densities = [DEFAULT_DENSITY if d is None else d for d in densities]  # mergekit's default for a model without
     if method == "ties":
-        parameters.update(k=_one_density(densities), convention="mergekit")
+        parameters.update(k=_shared_or_per_model(densities, "k", models), convention="mergekit", normalize=normalize)
     elif method.startswith("dare"):
-        parameters.update(p=_one_density(densities), rescale="l1")
-    elif any(d is not None for d in densities):
+        parameters.update(p=_shared_or_per_model(densities, "p", models), rescale="l1", normalize=normalize)
+    elif any(d != DEFAULT_DENSITY for d in densities):
         raise ConfigError(f"mergekit `{method}` takes no density.")
     return _finish(out, parameters, models, weights, config)
 
 
-def _models(entries: Any) -> tuple[list[dict[str, Any]], list[float], list[float | None]]:
+def _models(entries: Any, *, skip: dict[str, Any] | None = None
+            ) -> tuple[list[dict[str, Any]], list[float], list[float | None]]:
+    """Models, weights and densities of a ``models`` list; an entry naming ``skip`` (the base_model) is left out, as
+    mergekit merges the base as the base only and resolves no per-model parameter for it."""
     if not isinstance(entries, list) or not entries:
         raise ConfigError("The mergekit config needs a non-empty `models` list (slices are not supported).")
     models, weights, densities = [], [], []
@@ -122,6 +164,8 @@ def _models(entries: Any) -> tuple[list[dict[str, Any]], list[float], list[float
         if not isinstance(entry, Mapping) or "model" not in entry:
             raise ConfigError(f"models[{i}] must be a mapping with `model` (and optional `parameters`), got "
                               f"{short(entry)}.")
+        if skip is not None and _model_entry(entry["model"], f"models[{i}].model") == skip:
+            continue
         params = _mapping(entry.get("parameters"), f"models[{i}].parameters")
         if "weight" not in params:
             raise ConfigError(f"models[{i}].parameters.weight is missing; mergekit requires a weight on every model "
@@ -132,12 +176,14 @@ def _models(entries: Any) -> tuple[list[dict[str, Any]], list[float], list[float
         if params or set(entry) - {"model", "parameters"}:
             raise ConfigError(f"models[{i}]: only `parameters.weight` and `parameters.density` have hf_mloss "
                               f"equivalents, got {sorted(params) or sorted(set(entry) - {'model', 'parameters'})}.")
-        _check_number(weight, f"models[{i}].parameters.weight")
+        weight = _model_weight(weight, f"models[{i}].parameters.weight")
         if density is not None:
             _check_number(density, f"models[{i}].parameters.density", schedule=True)
         models.append(_model_entry(entry["model"], f"models[{i}].model"))
-        weights.append(float(weight))
+        weights.append(weight)
         densities.append(None if density is None else density if is_schedule(density) else float(density))
+    if not models:
+        raise ConfigError("mergekit `models` lists only the base_model; list the models to merge into it.")
     return models, weights, densities
 
 
@@ -199,14 +245,29 @@ def _check_lora_bases(base: dict[str, Any], models: list[dict[str, Any]]) -> Non
                 "adapter into its model first.")
 
 
-def _one_density(given: list[float | None]) -> float:
-    densities = [DEFAULT_DENSITY if d is None else d for d in given]  # mergekit's default for a model without one
-    if any(d != densities[0] for d in densities):
-        raise ConfigError(f"Per-model densities {densities} differ; hf_mloss uses one keep fraction for all models.")
-    return densities[0]
+def _shared_or_per_model(values: list[Any], ours: str, models: list[dict[str, Any]]) -> Any:
+    """One value for every model (returned, the shared parameter), or each model's own in ``models[i].parameters``
+    (mergekit resolves per-model parameters per model and tensor); then the shared value is the first model's."""
+    if all(repr(v) == repr(values[0]) for v in values):
+        return values[0]
+    for entry, value in zip(models, values):
+        entry.setdefault("parameters", {})[ours] = value
+    return values[0]
 
 
-RECIPE_SHARED = {"slerp": ("t",), "model_stock": ("filter_wise",)}
+def _model_weight(value: Any, where: str) -> Any:
+    """A per-model weight: a number, or a gradient / filter list that gives every tensor a value (mergekit fails on
+    a tensor where none does)."""
+    _check_number(value, where, schedule=True)
+    if not is_schedule(value):
+        return float(value)
+    if all(f is not None for f, _ in ParamSchedule.parse(value, where).entries):
+        raise ConfigError(f"{where}: mergekit needs a weight for every tensor and these filters may leave some "
+                          "without one (mergekit then fails); end the list with a `{value: ...}` entry without filter.")
+    return _map_values(value, float)
+
+
+RECIPE_SHARED = {"slerp": ("t",), "model_stock": ("filter_wise",), "sce": ("select_topk", "int8_mask")}
 """Per method, the mergekit parameters read from the top-level ``parameters`` only (mergekit's shared scope)."""
 TASK_VECTOR_SHARED = ("lambda", "normalize", "rescale", "int8_mask")
 PER_MODEL = {"breadcrumbs": {"density": ("k", 1.0), "gamma": ("gamma", 0.01)},
@@ -261,10 +322,11 @@ def _recipe_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
                 if value is None:
                     raise ConfigError(f"models[{i}].parameters.weight is missing; mergekit requires a weight on "
                                       "every model (e.g. parameters: {weight: 1.0}).")
-            else:
-                value = _layered([params.get(key), global_params.get(key)], per_model[key][1])
-            _check_number(value, f"models[{i}].parameters.{key}", schedule=key != "weight")
-            (weights if key == "weight" else values[key]).append(value if is_schedule(value) else float(value))
+                weights.append(_model_weight(value, f"models[{i}].parameters.weight"))
+                continue
+            value = _layered([params.get(key), global_params.get(key)], per_model[key][1])
+            _check_number(value, f"models[{i}].parameters.{key}", schedule=True)
+            values[key].append(value if is_schedule(value) else float(value))
         models.append(model)
     _check_model_count(method, len(models))
     out: dict[str, Any] = {"base": base, "models": models, "method": method}
@@ -282,12 +344,14 @@ def _recipe_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
     elif method == "model_stock":
         parameters["filter_wise"] = _check_flag(_layered([global_params.get("filter_wise")], False),
                                                 "parameters.filter_wise")
+    elif method == "sce":
+        topk = _layered([global_params.get("select_topk")], 1.0)
+        _check_number(topk, "parameters.select_topk", schedule=True)
+        parameters["select_topk"] = _map_values(topk, float)
+        _check_flag(global_params.get("int8_mask", False), "parameters.int8_mask")  # storage only: same values
     else:
         for key, (ours, _) in per_model.items():
-            if any(v != values[key][0] for v in values[key]):
-                raise ConfigError(f"Per-model {key} values {values[key]} differ; hf_mloss uses one value for all "
-                                  "models.")
-            parameters[ours] = values[key][0]
+            parameters[ours] = _shared_or_per_model(values[key], ours, models)
         normalize, rescale = DEFAULTS[method]
         lam = _layered([global_params.get("lambda")], 1.0)
         _check_number(lam, "parameters.lambda", schedule=True)
@@ -300,11 +364,130 @@ def _recipe_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
     return _finish(out, parameters, models, weights, config)  # slerp, model_stock: no weights
 
 
+NUSLERP_SHARED = {"nuslerp_flatten": ("flatten", True), "nuslerp_row_wise": ("row_wise", False)}
+"""mergekit ``nuslerp``'s shared parameters → (hf_mloss name, mergekit default)."""
+
+
+def _nuslerp_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The hf_mloss config of a mergekit ``nuslerp`` config: two models and their weights (t = w₂ / (w₁ + w₂)).
+
+    With a ``base_model`` their task vectors are interpolated (the base listed under ``models`` is skipped, as in
+    mergekit); without, the models themselves, the first giving the architecture.
+    """
+    global_params = _mapping(config.get("parameters"), "parameters")
+    unknown = sorted(set(global_params) - {*NUSLERP_SHARED, "weight"})
+    if unknown:
+        raise ConfigError(f"mergekit `nuslerp` has no parameter(s) {unknown} hf_mloss can map; it reads "
+                          f"{sorted({*NUSLERP_SHARED, 'weight'})}.")
+    base = _model_entry(config["base_model"], "base_model") if config.get("base_model") else None
+    entries = config.get("models")
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError("The mergekit config needs a non-empty `models` list.")
+    models, weights = [], []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, Mapping) or "model" not in entry or set(entry) - {"model", "parameters"}:
+            raise ConfigError(f"models[{i}] must be a mapping with `model` (and optional `parameters`), got "
+                              f"{short(entry)}.")
+        model = _model_entry(entry["model"], f"models[{i}].model")
+        if model == base:
+            continue
+        params = _mapping(entry.get("parameters"), f"models[{i}].parameters")
+        if set(params) - {"weight"}:
+            raise ConfigError(f"models[{i}].parameters {sorted(set(params) - {'weight'})} have no hf_mloss "
+                              "equivalent for mergekit `nuslerp` (per-model parameters: weight).")
+        weight = params.get("weight", global_params.get("weight"))
+        if weight is None:
+            raise ConfigError(f"models[{i}].parameters.weight is missing; mergekit `nuslerp` sets t from the two "
+                              "models' weights (e.g. parameters: {weight: 0.5}).")
+        _check_number(weight, f"models[{i}].parameters.weight")
+        models.append(model)
+        weights.append(float(weight))
+    if len(models) != 2:
+        raise ConfigError(f"mergekit `nuslerp` interpolates exactly two models besides the base_model, got "
+                          f"{len(models)}.")
+    if "lora_of" in (base or {}) or any("lora_of" in m for m in models):
+        _check_lora_bases(base or dict(models[0]), models)
+    parameters: dict[str, Any] = {"task_vectors": base is not None}
+    for key, (ours, default) in NUSLERP_SHARED.items():
+        parameters[ours] = _check_flag(_layered([global_params.get(key)], default), f"parameters.{key}")
+    out: dict[str, Any] = {"base": base or {k: v for k, v in models[0].items() if k != "lora_of"}, "models": models,
+                           "method": "nuslerp"}
+    return _finish(out, parameters, models, weights, config)
+
+
+def _shared_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
+    """The hf_mloss config of a mergekit method from :data:`SHARED_METHODS` (multislerp, karcher, nearswap,
+    arcee_fusion, ram, ramplus_tl): the shared parameters under the same names with mergekit's defaults, the
+    ``weight`` of each model where the method takes one, the base as mergekit treats it."""
+    spec = SHARED_METHODS[method]
+    takes = sorted([*spec["shared"], *(["weight"] if spec["weight"] else [])])
+    global_params = _mapping(config.get("parameters"), "parameters")
+    unknown = sorted(set(global_params) - set(takes))
+    if unknown:
+        raise ConfigError(f"mergekit `{method}` has no parameter(s) {unknown} hf_mloss can map; it reads {takes}.")
+    base = _model_entry(config["base_model"], "base_model") if config.get("base_model") else None
+    if base is None and spec["base"] == "required":
+        raise ConfigError(f"mergekit `{method}` needs a `base_model`; add `base_model: org/name`.")
+    entries = config.get("models")
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError("The mergekit config needs a non-empty `models` list.")
+    models, weights = [], []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, Mapping) or "model" not in entry or set(entry) - {"model", "parameters"}:
+            raise ConfigError(f"models[{i}] must be a mapping with `model` (and optional `parameters`), got "
+                              f"{short(entry)}.")
+        model = _model_entry(entry["model"], f"models[{i}].model")
+        if "lora_of" in model:
+            raise ConfigError(f"models[{i}]: a LoRA adapter has no hf_mloss equivalent for mergekit `{method}`; "
+                              "merge it into its model first.")
+        params = _mapping(entry.get("parameters"), f"models[{i}].parameters")
+        if model == base and spec["base"] != "input":
+            continue
+        extra = sorted(set(params) - ({"weight"} if spec["weight"] else set()))
+        if extra:
+            where = " (shared: give it under the top-level `parameters`)" if set(extra) & set(spec["shared"]) else ""
+            raise ConfigError(f"models[{i}].parameters {extra} have no hf_mloss equivalent for mergekit `{method}`"
+                              f"{where}; per-model parameters: {['weight'] if spec['weight'] else 'none'}.")
+        if spec["weight"]:
+            weight = params.get("weight", global_params.get("weight"))
+            if weight is None:
+                raise ConfigError(f"models[{i}].parameters.weight is missing; mergekit `{method}` requires a weight "
+                                  "on every model (e.g. parameters: {weight: 1.0}).")
+            _check_number(weight, f"models[{i}].parameters.weight")
+            weights.append(float(weight))
+        models.append(model)
+    if spec["base"] == "input" and base is not None and base not in models:
+        models.append(base)  # mergekit adds the base_model to the inputs, where this method averages it in
+    if "count" in spec and len(models) != spec["count"]:
+        raise ConfigError(f"mergekit `{method}` takes the base_model and exactly {spec['count']} other model(s), "
+                          f"got {len(models)}.")
+    if not models:
+        raise ConfigError(f"mergekit `{method}` lists no model besides the base_model.")
+    parameters: dict[str, Any] = {}
+    if method == "multislerp":
+        parameters["task_vectors"] = base is not None
+    for key, (default, kind) in spec["shared"].items():
+        value = _layered([global_params.get(key)], default)
+        if value is REQUIRED:
+            raise ConfigError(f"mergekit `{method}` needs `parameters: {{{key}: ...}}` (it has no default).")
+        if kind is bool:
+            parameters[key] = _check_flag(value, f"parameters.{key}")
+        else:
+            _check_number(value, f"parameters.{key}", schedule=True)
+            parameters[key] = _map_values(value, kind)
+    # no base_model: the first model gives the architecture only
+    out: dict[str, Any] = {"base": base or dict(models[0]), "models": models, "method": method}
+    return _finish(out, parameters, models, weights, config)
+
+
 def _finish(out: dict[str, Any], parameters: dict[str, Any], models: list[dict[str, Any]], weights: list[float],
             config: Mapping[str, Any]) -> dict[str, Any]:
     """The hf_mloss config: the models' weights, the method parameters and the dtype (``out_dtype``, else ``dtype``)."""
     for entry, weight in zip(models, weights):
-        entry["weight"] = weight
+        if is_schedule(weight):  # a gradient / filter list: resolved per tensor (models[i].parameters.weight)
+            entry.setdefault("parameters", {})["weight"] = weight
+        else:
+            entry["weight"] = weight
     out["parameters"] = parameters
     dtype = config.get("out_dtype") or config.get("dtype")
     if dtype is not None:
@@ -394,14 +577,16 @@ def _sliced_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
     params: dict[str, Any] = {}
     raw: dict[str, Any] = {}  # the model as the config spells it
     plain: list[list[tuple[str, Any]]] = []
+    slice_params: list[dict[str, Any]] = []
     for s, entry in enumerate(slices):
         if not isinstance(entry, Mapping) or not isinstance(entry.get("sources"), list) or not entry["sources"]:
             raise ConfigError(f"mergekit slices[{s}] must be {{sources: [{{model: ..., layer_range: [a, b]}}]}}, got "
                               f"{short(entry)}.")
-        extra = sorted(set(entry) - {"sources"})
+        extra = sorted(set(entry) - {"sources", "parameters"})
         if extra:
-            raise ConfigError(f"mergekit slices[{s}] keys {extra} (per-slice parameters or base_model) have no "
-                              "hf_mloss equivalent; give parameters at the top level or per source.")
+            raise ConfigError(f"mergekit slices[{s}] keys {extra} (a per-slice base_model) have no hf_mloss "
+                              "equivalent; give the base_model at the top level.")
+        slice_params.append(_mapping(entry.get("parameters"), f"slices[{s}].parameters"))
         row = []
         for k, source in enumerate(entry["sources"]):
             where = f"slices[{s}].sources[{k}]"
@@ -442,6 +627,7 @@ def _sliced_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
         flat["models"] = [{"model": raw[k], **({"parameters": params[k]} if params[k] is not None else {})}
                           for k in keys]
         out = from_mergekit(flat)
+        overrides = [_slice_parameters(flat, given, out["parameters"], s) for s, given in enumerate(slice_params)]
         index = {}
         for i, m in enumerate([out["base"], *out["models"]]):
             plain_model = {k: v for k, v in m.items() if k in ("model", "revision")}
@@ -449,6 +635,49 @@ def _sliced_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
         if method == "linear":  # the sources are the models; the base only gives the architecture
             index.update({repr(sorted({k: v for k, v in m.items() if k in ("model", "revision")}.items())): i + 1
                           for i, m in enumerate(out["models"])})
+    if method == "passthrough" and any(slice_params):
+        raise ConfigError("mergekit passthrough parameters (scale) have no hf_mloss equivalent; remove them.")
     out["slices"] = [{"sources": [{"model": index[key], "layer_range": bounds} for key, bounds in row]}
                      for row in plain]
+    if method != "passthrough":
+        for entry, own in zip(out["slices"], overrides):
+            if own:
+                entry["parameters"] = own
     return out
+
+
+PER_MODEL_KEYS = ("weight", "density", "gamma", "epsilon")
+"""mergekit parameters resolved per model: a slice's value would be each model's fallback (not mapped yet)."""
+
+
+def _slice_parameters(flat: dict[str, Any], given: dict[str, Any], top: dict[str, Any], s: int) -> dict[str, Any]:
+    """The hf_mloss parameters slice ``s`` sets: mergekit reads a slice's ``parameters`` before the top-level ones,
+    a filter list that matches no tensor falling through to them; those that differ from ``top`` are returned."""
+    if not given:
+        return {}
+    per_model = sorted(set(given) & set(PER_MODEL_KEYS))
+    if per_model:
+        raise ConfigError(f"mergekit slices[{s}].parameters {per_model} are per-model parameters; a slice-wide "
+                          "value of them has no hf_mloss equivalent yet: give them per source or at the top level.")
+    top_level = dict(flat.get("parameters") or {})
+    combined = {**top_level}
+    for key, value in given.items():
+        combined[key] = _fall_through(value, top_level.get(key))
+    try:
+        mapped = from_mergekit({**flat, "parameters": combined})["parameters"]
+    except ConfigError as err:
+        raise ConfigError(f"mergekit slices[{s}].parameters: {err}") from None
+    return {k: v for k, v in mapped.items() if repr(v) != repr(top.get(k))}
+
+
+def _fall_through(value: Any, below: Any) -> Any:
+    """A slice's value with the top-level one as the fallback of its filters (mergekit's scope order)."""
+    if below is None or not is_schedule(value) or isinstance(value, list) and value and \
+            not all(isinstance(v, Mapping) for v in value):
+        return value  # a scalar or gradient always matches
+    entries = [value] if isinstance(value, Mapping) else list(value)
+    if any(e.get("filter") in (None, "*") for e in entries):
+        return entries
+    lower = [below] if isinstance(below, Mapping) else below if isinstance(below, list) and below and \
+        all(isinstance(v, Mapping) for v in below) else [{"value": below}]
+    return entries + list(lower)

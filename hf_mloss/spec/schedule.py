@@ -188,30 +188,72 @@ class TensorParameters:
     """A method's parameters per tensor, from the config's scalars and schedules; records each resolution."""
 
     def __init__(self, method: MergeMethod, parameters: Mapping[str, Any], adapter: ModelAdapter,
-                 positions: Mapping[str, float] | None = None) -> None:
+                 positions: Mapping[str, float] | None = None,
+                 model_parameters: list[Mapping[str, Any] | None] | None = None,
+                 slice_parameters: tuple[Mapping[str, int], list[Mapping[str, Any] | None]] | None = None) -> None:
         self.method, self.adapter = method, adapter
         self.positions = positions  # per tensor, where it sits on a gradient (slices: over its slice)
         self.scalars, self.schedules = split_parameters(method, parameters)
+        # per slice (slices with their own parameters): those replace the top-level ones for the slice's tensors
+        self.slice_of: Mapping[str, int] = {}
+        self.per_slice: dict[int, tuple[dict[str, Any], dict[str, ParamSchedule]]] = {}
+        if slice_parameters is not None:
+            self.slice_of, given = slice_parameters
+            self.per_slice = {i: split_parameters(method, {**parameters, **p}) for i, p in enumerate(given) if p}
+            defaults = method.make_params(**self.scalars)
+            for p in given:  # every parameter a slice sets is recorded per tensor (elsewhere: its top-level value)
+                for k in p or {}:
+                    if k not in self.schedules:
+                        self.schedules[k] = ParamSchedule(((None, getattr(defaults, k)),))
+        self.model_schedules = [{k: ParamSchedule.parse(v, f"models[{i}].parameters.{k}") for k, v in (p or {}).items()}
+                                for i, p in enumerate(model_parameters or [])]
+        if not any(self.model_schedules):
+            self.model_schedules = []
         self.resolved: dict[str, dict[str, Any]] = {}
         self._cache: dict[tuple, MethodParams] = {}
 
     def __bool__(self) -> bool:
-        return bool(self.schedules)
+        return bool(self.schedules) or bool(self.model_schedules)
+
+    def _position(self, name: str) -> float:
+        return (self.positions[name] if self.positions is not None and name in self.positions else
+                layer_position(self.adapter.stage_of(name), self.adapter.num_layers))
+
+    def for_models(self, name: str, weights: list[float]) -> tuple[list[float], list[dict[str, Any]]] | None:
+        """Tensor ``name``'s weights and per-model parameter values (``None`` without per-model parameters).
+
+        A per-model value whose filters match nothing here leaves the model at ``weights[i]`` / the shared value.
+        """
+        if not self.model_schedules:
+            return None
+        x = self._position(name)
+        weights, values = list(weights), []
+        for i, schedules in enumerate(self.model_schedules):
+            own = {k: v for k, s in schedules.items() if (v := s.resolve(name, x)) is not None}
+            if "weight" in own:
+                weights[i] = float(own.pop("weight"))
+            values.append(own)
+            record = self.resolved.setdefault(name, {})
+            record.update({f"models[{i}].{k}": v for k, v in own.items()})
+            if "weight" in schedules:
+                record[f"models[{i}].weight"] = weights[i]
+        return weights, values
 
     def for_tensor(self, name: str) -> MethodParams:
         """The parameters of tensor ``name`` (validated; the values are recorded in :attr:`resolved`)."""
-        x = (self.positions[name] if self.positions is not None and name in self.positions else
-             layer_position(self.adapter.stage_of(name), self.adapter.num_layers))
-        values = {k: s.resolve(name, x) for k, s in self.schedules.items()}
+        x = self._position(name)
+        scalars, schedules = self.per_slice.get(self.slice_of.get(name, -1), (self.scalars, self.schedules))
+        values = {k: s.resolve(name, x) for k, s in schedules.items()}
         values = {k: v for k, v in values.items() if v is not None}
-        key = tuple(sorted(values.items()))
+        key = tuple(sorted({**scalars, **values}.items(), key=lambda kv: kv[0]))
+        key = tuple((k, repr(v)) for k, v in key)
         if key not in self._cache:
             try:
-                self._cache[key] = self.method.make_params(**self.scalars, **values)
+                self._cache[key] = self.method.make_params(**{**scalars, **values})
             except InvalidParameterError as err:
                 raise InvalidParameterError(f"At tensor {name!r} the schedules give {values}: {err}") from None
         params = self._cache[key]
-        self.resolved[name] = {k: getattr(params, k) for k in self.schedules}
+        self.resolved.setdefault(name, {}).update({k: getattr(params, k) for k in self.schedules})
         return params
 
     def record(self, names: list[str]) -> dict[str, dict[str, Any]]:

@@ -10,7 +10,8 @@ into ``[base, *models]`` (0 = the base). The output's blocks are the slices' blo
 * any other data-free method: each slice lists every model once (the base too, except for ``average``), with ranges of
   one length; output block ``j`` merges the sources' blocks ``start_i + offset``. A gradient runs over each slice on
   its own (block ``offset`` of ``n`` sits at ``offset/(n − 1)``, ``1`` when ``n = 1``), as mergekit computes it;
-  tensors outside the blocks sit at 0.
+  tensors outside the blocks sit at 0. A slice's ``parameters`` replace the top-level ones for its blocks (tensors
+  before the blocks take the first slice's, those after them the last slice's, as in mergekit).
 
 :class:`SlicePlan` maps each output tensor name to the input tensor it reads per model; :func:`apply_slices` turns a
 run's inputs into sliced ones (stores that read the mapped tensors lazily) and builds the output model.
@@ -49,10 +50,13 @@ def check_slices(slices: Any, method: str, num_inputs: int) -> list[dict[str, An
     out = []
     for s, entry in enumerate(slices):
         where = f"slices[{s}]"
-        if not isinstance(entry, Mapping) or set(entry) != {"sources"} or not isinstance(entry["sources"], list) \
-                or not entry["sources"]:
+        if not isinstance(entry, Mapping) or not {"sources"} <= set(entry) <= {"sources", "parameters"} or \
+                not isinstance(entry["sources"], list) or not entry["sources"]:
             raise InvalidParameterError(f"{where} must be {{sources: [{{model: i, layer_range: [start, end]}}, ...]}} "
-                                        f"(nothing else), got {short(entry)}.")
+                                        f"(and optional parameters), got {short(entry)}.")
+        if "parameters" in entry and (method == "passthrough" or not isinstance(entry["parameters"], Mapping)):
+            raise InvalidParameterError(f"{where}.parameters must be a mapping of the method's parameters (a slice "
+                                        f"merged by a method), got {short(entry['parameters'])} with {method}.")
         sources = []
         for k, source in enumerate(entry["sources"]):
             at = f"{where}.sources[{k}]"
@@ -84,7 +88,8 @@ def check_slices(slices: Any, method: str, num_inputs: int) -> list[dict[str, An
                 raise InvalidParameterError(
                     f"{where}: a {method} slice lists every model once (model indices {sorted(needed)}, 0 = base), "
                     f"got {models}; hf_mloss merges the same models in every slice.")
-        out.append({"sources": sources})
+        out.append({"sources": sources, **({"parameters": dict(entry["parameters"])} if entry.get("parameters")
+                                           else {})})
     return out
 
 
@@ -105,6 +110,9 @@ class SlicePlan:
     """Output name → where it sits on a gradient (see the module docstring)."""
     layer_of: dict[int, tuple[int, int]]
     """Output block → (input index, input block) of its first source (for per-block config settings)."""
+    slice_of: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Output name → the slice whose ``parameters`` it takes (tensors before the blocks: the first slice; after: the
+    last, as mergekit reads them)."""
 
     @classmethod
     def build(cls, slices: list[dict[str, Any]], method: str, adapter: ModelAdapter,
@@ -135,14 +143,16 @@ class SlicePlan:
         passthrough = method == "passthrough"
         reads: dict[str, list[tuple[int, str]]] = {}
         positions: dict[str, float] = {}
+        slice_of: dict[str, int] = {}
         first, last = slices[0]["sources"][0]["model"], slices[-1]["sources"][0]["model"]
         for name in outside:  # mergekit: before the blocks from the first slice's models, after them from the last's
             donor = first if adapter.is_embedding(name) else last
             reads[name] = [(donor, name)] if passthrough else [(i, name) for i in range(num_inputs)]
             positions[name] = 0.0
+            slice_of[name] = 0 if adapter.is_embedding(name) else len(slices) - 1
         layer_of: dict[int, tuple[int, int]] = {}
         out_layer = 0
-        for entry in slices:
+        for index, entry in enumerate(slices):
             sources = entry["sources"]
             lead = sources[0]
             length = lead["layer_range"][1] - lead["layer_range"][0]
@@ -158,8 +168,9 @@ class SlicePlan:
                     inputs = [lead["model"]] if passthrough else range(num_inputs)
                     reads[out_name] = [(i, _renumber(name, match, starts[i] + offset)) for i in inputs]
                     positions[out_name] = offset / (length - 1) if length > 1 else 1.0
+                    slice_of[out_name] = index
                 out_layer += 1
-        return cls(num_layers=out_layer, reads=reads, positions=positions, layer_of=layer_of)
+        return cls(num_layers=out_layer, reads=reads, positions=positions, layer_of=layer_of, slice_of=slice_of)
 
 
 class SlicedStore(TensorStore):
