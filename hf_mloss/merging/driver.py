@@ -56,7 +56,7 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
     with open_inputs(config, device=device, token=token, needs_data=needs_data, progress=progress,
                      whole_model=config.output in ("auto", "adapter") and not scored_part_only) as inputs, \
             cpu_workers(inputs.device) as workers:
-        from ..loading.lora import build_adapter_output, plan_adapter_output
+        from ..output.adapter import build_adapter_output, plan_adapter_output
 
         adapter_plan = plan_adapter_output(config, inputs)  # output="adapter": refused here, before any work
         # the inputs as given (a passthrough reads every model through its sliced base): recorded and carded

@@ -55,7 +55,7 @@ def card_data(result: CardSource) -> ModelCardData:
     ] or None
     lora = getattr(result, "lora", None)
     if lora is not None:  # a PEFT adapter: PEFT's metadata (library_name: peft, base_model: the base's Hub id)
-        from ..loading.lora import card_metadata
+        from .adapter import card_metadata
 
         meta = card_metadata(result)
     return ModelCardData(

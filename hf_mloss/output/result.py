@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from ..adapters import ModelAdapter
     from ..loading.data import DataInfo
     from ..loading.hub import ModelRef
-    from ..loading.lora import LoraOutput
+    from .adapter import LoraOutput
     from .report import MLossReport
 
 
