@@ -194,6 +194,7 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
     elif whole_model and whole[0] and any(whole[1:]):
         check_outside_unchanged(adapter, resolved, whole)
     check_vocabularies(resolved)
+    check_tying(adapter, resolved)
     stores: list[TensorStore] = []
     try:
         for ref, loaded, _ in resolved:
@@ -363,6 +364,33 @@ def check_outside_unchanged(adapter: ModelAdapter, resolved, whole: list[bool]) 
     finally:
         for store in opened:
             store.close()
+
+
+def check_tying(adapter: ModelAdapter, resolved) -> None:
+    """Refuse a fine-tune that unties what the base ties (``lm_head`` from the input embeddings).
+
+    transformers reads such a fine-tune's own trained ``lm_head`` (its config says ``tie_word_embeddings: false``),
+    while a merge written in the base's class ties it to the merged embeddings again: the fine-tune's head would be
+    dropped without a word. The reverse (an untied base, a tied fine-tune) is refused by the tensor check, as the
+    fine-tune's checkpoint lacks the head.
+
+    Raises:
+        IncompatibleCheckpointsError: naming the fine-tune, the tied tensors and how to untie the base.
+    """
+    tied = adapter.tied_names() if hasattr(adapter, "tied_names") else frozenset()
+    if not tied:
+        return
+    base_ref = resolved[0][0]
+    for ref, _, model_config in resolved[1:]:
+        if getattr(model_config, "tie_word_embeddings", True) is not False:
+            continue
+        raise IncompatibleCheckpointsError(
+            f"{ref.name!r} has its own {sorted(tied)[:2]} (tie_word_embeddings=false in its config.json) but the base "
+            f"{base_ref.name!r} ties them to the input embeddings. transformers uses that fine-tune's trained "
+            "head, and a merge saved as the base ties it to the merged embeddings again, dropping it. Untie the base "
+            "and merge onto that: load it, set model.config.tie_word_embeddings = False, give it its own head "
+            "(model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.clone())) and "
+            "save_pretrained it.")
 
 
 _TOKENIZER_FILE = "tokenizer.json"

@@ -532,6 +532,23 @@ def _adapter_folder(model: str, revision: str | None, token) -> tuple[str | None
     return (folder, model) if (Path(folder) / ADAPTER_CONFIG).is_file() else (None, None)
 
 
+def declared_base_folder(model: Any) -> str | None:
+    """The local folder an adapter folder's ``base_model_name_or_path`` names (the output guard protects it), or
+    None: not an adapter folder, a Hub id, or unreadable (the run then refuses it with the reason)."""
+    try:
+        config = json.loads((Path(os.fspath(model)).expanduser() / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    except (OSError, TypeError, ValueError):
+        return None
+    declared = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+    if not isinstance(declared, str) or not declared:
+        return None
+    try:
+        folder = Path(declared).expanduser()
+        return str(folder) if folder.is_dir() else None
+    except (OSError, ValueError):
+        return None
+
+
 def check_base(declared: str | None, base: ModelRef, adapter_name: str) -> None:
     """The adapter's ``base_model_name_or_path`` must name the run's base; an empty one takes the run's base.
 
