@@ -7,9 +7,15 @@ trained biases, and the base's tensor for everything else. No full model is ever
 
 Exactly what ``PeftModel.merge_and_unload()`` computes is read. Supported: LoRA (any ranks, ``lora_alpha`` /
 ``use_rslora``, ``rank_pattern`` / ``alpha_pattern``), DoRA on linear layers, LoRA on embeddings and convolutions,
-``fan_in_fan_out``, ``modules_to_save`` and trained biases (``bias="all"`` / ``"lora_only"``), and IA³ (per-feature
-scales). Every other adapter kind or option is refused with the reason (:data:`REFUSED_TYPES`,
-:func:`check_adapter_config`), never approximated.
+``modules_to_save`` and trained biases (``bias="all"`` / ``"lora_only"``), and IA³ (per-feature scales). Every other
+adapter kind or option is refused with the reason (:data:`REFUSED_TYPES`, :func:`check_adapter_config`), never
+approximated, and so is a config value PEFT could not use (a word for ``r``, an invalid regex).
+
+The config is read as PEFT reads it: only the modules PEFT would wrap get their factors applied (``target_modules``,
+``exclude_modules``, ``layers_to_transform`` / ``layers_pattern``, with PEFT's matching rules); factors the file
+holds for other modules are ignored with a warning, as PEFT's loading ignores them. The layout of ΔW follows the
+layer's class, as PEFT's does: ``nn.Linear`` ``[out, in]`` (``fan_in_fan_out: true`` is ignored with a warning),
+transformers' ``Conv1D`` (GPT-2) ``[in, out]`` whatever ``fan_in_fan_out`` says.
 
 Out: ``output="adapter"`` is :mod:`hf_mloss.output.adapter`.
 
@@ -19,11 +25,13 @@ Which base an adapter belongs to: ``base_model_name_or_path`` of its ``adapter_c
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import re
 import threading
+import warnings
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -125,6 +133,10 @@ class LoraAdapter:
         config = ref.adapter_config
         self.fan_in_fan_out = bool(config.get("fan_in_fan_out"))
         self.use_dora = bool(config.get("use_dora"))
+        self._conv1d, self._output_embedding = _layer_kinds(family)
+        self.untargeted: list[str] = []
+        """Modules whose factors the file holds but PEFT would not wrap (not in ``target_modules``...): ignored."""
+        self._flipped: list[str] = []
         self.modules: dict[str, LoraModule] = {}
         self.copies: dict[str, str] = {}
         """Canonical name -> key of a tensor saved in full (``modules_to_save``, trained biases)."""
@@ -171,6 +183,16 @@ class LoraAdapter:
                 "its own folder (PeftModel.save_pretrained(..., selected_adapters=[name])).")
         for module, roles in factors.items():
             self._add_module(module, roles, base)
+        if self.untargeted:
+            warnings.warn(
+                f"{ref.name!r} holds LoRA factors of {len(self.untargeted)} module(s) that its adapter_config.json does "
+                f"not target (target_modules / exclude_modules / layers_to_transform), e.g. {self.untargeted[:2]}; "
+                "PEFT ignores them when it loads the adapter, and so does hf_mloss.", stacklevel=2)
+        if self._flipped:
+            warnings.warn(
+                f"{ref.name!r}: fan_in_fan_out={self.fan_in_fan_out} does not fit {self._flipped[:2]} "
+                f"({'nn.Linear' if self.fan_in_fan_out else 'Conv1D'} layers); PEFT sets it to "
+                f"{not self.fan_in_fan_out} for them, and so does hf_mloss.", stacklevel=2)
         if not self.modules and not self.copies:
             raise CorruptCheckpointError(
                 f"{ref.name!r} adapts nothing of the {family.name} model: none of its {len(shapes)} tensor(s) names a "
@@ -196,11 +218,22 @@ class LoraAdapter:
         if name is None:
             self.ignored.extend(roles.values())
             return
-        self._check_in_base(name, f"{path}.weight", base)
         a_shape, b_shape = tuple(self._read.shapes[a_key]), tuple(self._read.shapes[b_key])
-        target = tuple(base.shapes[name])
         kind = "embedding" if embedding else "conv" if len(a_shape) == 4 else "linear"
-        rank = a_shape[0]
+        if not peft_targets(self.ref.adapter_config, path, linear=kind == "linear",
+                            output_embedding=name == self._output_embedding):
+            self.untargeted.append(path)
+            return
+        self._check_in_base(name, f"{path}.weight", base)
+        target = tuple(base.shapes[name])
+        rank = a_shape[0] if a_shape else 0
+        if rank < 1:
+            raise CorruptCheckpointError(
+                f"{self.ref.name!r}: the LoRA A factor of {path!r} has shape {a_shape}, rank 0; the adapter file is "
+                "damaged or was saved untrained. Save the adapter again.")
+        fan_in_fan_out = name in self._conv1d  # as PEFT: the layer's class decides, not the config
+        if kind == "linear" and fan_in_fan_out != self.fan_in_fan_out:
+            self._flipped.append(path)
         if kind == "embedding":
             expected = (a_shape[1], b_shape[0])  # ΔW = (B·A)ᵀ
         elif kind == "conv":
@@ -210,7 +243,7 @@ class LoraAdapter:
                     "reads convolution LoRA with a 1x1 B (as PEFT trains it) only.")
             expected = (b_shape[0], *a_shape[1:])
         else:
-            expected = (a_shape[1], b_shape[0]) if self.fan_in_fan_out else (b_shape[0], a_shape[1])
+            expected = (a_shape[1], b_shape[0]) if fan_in_fan_out else (b_shape[0], a_shape[1])
         if len(b_shape) < 2 or b_shape[1] != rank or expected != target:
             raise IncompatibleCheckpointsError(
                 f"{self.ref.name!r}: the LoRA factors of {path!r} (A {a_shape}, B {b_shape}) do not form a ΔW of the "
@@ -228,12 +261,12 @@ class LoraAdapter:
             raise CorruptCheckpointError(
                 f"{self.ref.name!r}: module {path!r} {'lacks' if self.use_dora else 'has'} a DoRA magnitude while "
                 f"use_dora={self.use_dora}; the config and the weights do not belong together.")
-        if magnitude is not None and (kind != "linear" or self.fan_in_fan_out):
+        if magnitude is not None and (kind != "linear" or fan_in_fan_out):
             raise UnsupportedModelError(
-                f"{self.ref.name!r}: DoRA on {path!r} ({kind}{', fan_in_fan_out' if self.fan_in_fan_out else ''}) is "
+                f"{self.ref.name!r}: DoRA on {path!r} ({kind}{', Conv1D' if fan_in_fan_out else ''}) is "
                 "not read; hf_mloss reads DoRA on nn.Linear layers only. Merge it with merge_and_unload() first.")
         self.modules[name] = LoraModule(name=name, module=path, kind=kind, a_key=a_key, b_key=b_key, scale=scale,
-                                        rank=rank, fan_in_fan_out=self.fan_in_fan_out and kind == "linear",
+                                        rank=rank, fan_in_fan_out=fan_in_fan_out and kind == "linear",
                                         magnitude_key=magnitude)
 
     # ------------------------------------------------------------------------------------------- math
@@ -444,6 +477,75 @@ def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
     return default
 
 
+def _layer_kinds(family: ModelAdapter) -> tuple[frozenset[str], str | None]:
+    """(canonical weight names of transformers ``Conv1D`` layers, the output embeddings' weight name) of the family's
+    model, read from a meta-device instance (no memory)."""
+    model_class = getattr(family, "merged_class", None) or getattr(family, "model_class", None)
+    config = getattr(family, "merged_config", None) or getattr(family, "config", None)
+    if model_class is None or config is None:
+        return frozenset(), None
+    conv1d, output = _raw_layer_kinds(model_class, config.to_json_string(use_diff=False))
+    names = frozenset(n for n in map(family.canonical_key, conv1d) if n is not None)
+    return names, family.canonical_key(output) if output else None
+
+
+@functools.lru_cache(maxsize=16)
+def _raw_layer_kinds(model_class: type, config_json: str) -> tuple[frozenset[str], str | None]:
+    from transformers.pytorch_utils import Conv1D
+
+    config = model_class.config_class.from_dict(json.loads(config_json))
+    with torch.device("meta"):
+        model = model_class(config)
+    conv1d = frozenset(f"{name}.weight" for name, module in model.named_modules() if isinstance(module, Conv1D))
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    output_name = next((f"{name}.weight" for name, module in model.named_modules() if module is output), None) \
+        if output is not None else None
+    return conv1d, output_name
+
+
+def peft_targets(config: dict[str, Any], key: str, *, linear: bool = True, output_embedding: bool = False) -> bool:
+    """Whether PEFT wraps the module ``key`` (its path in the model PEFT wrapped) with this adapter's LoRA layer:
+    PEFT's ``check_target_module_exists`` rules (``exclude_modules``, ``modules_to_save``, ``target_modules`` as a
+    regex or a list of names or name suffixes, ``layers_to_transform`` / ``layers_pattern``), and ``"all-linear"``
+    as every linear layer but the output embeddings."""
+    exclude = config.get("exclude_modules")
+    if exclude:
+        if isinstance(exclude, str):
+            if re.fullmatch(exclude, key):
+                return False
+        elif key in exclude or any(key.endswith(f".{e}") for e in exclude):
+            return False
+    saved = config.get("modules_to_save")
+    if saved and any(re.match(rf"(^|.*\.){m}($|\..*)", key) for m in saved):
+        return False
+    targets = config.get("target_modules")
+    if targets is None:
+        return True  # not saved by PEFT (it always writes the resolved list): every factor in the file is read
+    if isinstance(targets, str):
+        if targets.lower() == "all-linear":
+            return linear and not output_embedding
+        return re.fullmatch(targets, key) is not None
+    if key in targets:
+        return True
+    if not any(key.endswith(f".{t}") for t in targets):
+        return False
+    layers, patterns = config.get("layers_to_transform"), config.get("layers_pattern")
+    if layers is None or (isinstance(layers, list) and not layers):
+        return True
+    if not patterns:
+        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
+    else:
+        match = None
+        for pattern in [patterns] if isinstance(patterns, str) else patterns:
+            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", key)
+            if match is not None:
+                break
+    if match is None:
+        return False
+    index = int(match.group("idx"))
+    return index == layers if isinstance(layers, int) else index in layers
+
+
 # ============================================================================================= finding adapters
 def check_adapter_config(config: Any, name: str) -> dict[str, Any]:
     """Refuse, with the reason, every adapter hf_mloss cannot read exactly (see the module docstring).
@@ -455,6 +557,8 @@ def check_adapter_config(config: Any, name: str) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise CorruptCheckpointError(f"{ADAPTER_CONFIG} of {name!r} is not a JSON object.")
     peft_type = str(config.get("peft_type", "")).upper()
+    if peft_type in ("LORA", "IA3"):
+        _check_common_values(config, name)
     if peft_type == "IA3":
         if config.get("fan_in_fan_out"):
             raise UnsupportedModelError(f"{name!r} is an IA³ adapter with fan_in_fan_out=True, which hf_mloss does "
@@ -470,6 +574,7 @@ def check_adapter_config(config: Any, name: str) -> dict[str, Any]:
             raise UnsupportedModelError(
                 f"{name!r} uses {reason}, which hf_mloss does not read exactly. Merge it with PEFT's "
                 "merge_and_unload() and pass the merged model instead.")
+    _check_lora_values(config, name)
     init = config.get("init_lora_weights", True)
     if isinstance(init, str) and init.lower().startswith(_WEIGHT_CHANGING_INITS):
         raise UnsupportedModelError(
@@ -477,6 +582,97 @@ def check_adapter_config(config: Any, name: str) -> dict[str, Any]:
             "training: the adapter alone is not the fine-tune's task vector. Convert it to plain LoRA when saving "
             "(save_pretrained(..., path_initial_model_for_weight_conversion=...)) and pass the converted adapter.")
     return config
+
+
+MAX_ALPHA = 1e6
+"""Largest ``|lora_alpha|`` read (trained adapters use up to a few thousand): beyond it ΔW overflows float32."""
+
+
+def _bad_value(name: str, option: str, value: Any, expected: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{ADAPTER_CONFIG} of {name!r}: {option} is {str(value)[:80]!r} "
+                                  f"({type(value).__name__}); PEFT expects {expected}. Fix the file or save the "
+                                  "adapter again.")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_regex(name: str, option: str, pattern: Any, template: str = "{}") -> None:
+    if not isinstance(pattern, str):
+        raise _bad_value(name, option, pattern, "a string")
+    try:
+        re.compile(template.format(pattern))
+    except re.error as err:
+        raise CorruptCheckpointError(f"{ADAPTER_CONFIG} of {name!r}: {option} {pattern[:80]!r} is not a valid "
+                                     f"regular expression ({err}); PEFT cannot use it either.") from None
+
+
+def _check_names(name: str, option: str, value: Any, *, regex: bool = True) -> None:
+    """``None``, a regex string or a list of module names (PEFT's ``target_modules`` / ``exclude_modules``)."""
+    if value is None:
+        return
+    if isinstance(value, str):
+        if regex:
+            _check_regex(name, option, value)
+        return
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise _bad_value(name, option, value, "a list of module names or a regular expression")
+
+
+def _check_common_values(config: dict[str, Any], name: str) -> None:
+    declared = config.get("base_model_name_or_path")
+    if declared is not None and not isinstance(declared, str):
+        raise _bad_value(name, "base_model_name_or_path", declared, "a Hub id or a folder path (a string)")
+    for option in ("target_modules", "exclude_modules"):
+        _check_names(name, option, config.get(option))
+    saved = config.get("modules_to_save")
+    if saved is not None:
+        if not isinstance(saved, (list, tuple)):
+            raise _bad_value(name, "modules_to_save", saved, "a list of module names")
+        for module in saved:
+            _check_regex(name, "modules_to_save", module, r"(^|.*\.){}($|\..*)")
+    for option in ("fan_in_fan_out", "use_rslora", "use_dora"):
+        if config.get(option) is not None and not isinstance(config.get(option), bool):
+            raise _bad_value(name, option, config.get(option), "true or false")
+
+
+def _check_lora_values(config: dict[str, Any], name: str) -> None:
+    """Refuse LoRA config values PEFT could not use, before any tensor is read (PEFT's own checks included)."""
+    rank = config.get("r")
+    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 1):
+        raise _bad_value(name, "r", rank, "a positive integer (the LoRA rank)")
+    alpha = config.get("lora_alpha")
+    if alpha is not None and (not _is_number(alpha) or not math.isfinite(alpha) or abs(alpha) > MAX_ALPHA):
+        raise _bad_value(name, "lora_alpha", alpha, f"a finite number (at most {MAX_ALPHA:g} in size here: a "
+                             "larger scale overflows the weights)")
+    for option, positive_int in (("rank_pattern", True), ("alpha_pattern", False)):
+        patterns = config.get(option)
+        if patterns is None:
+            continue
+        if not isinstance(patterns, dict):
+            raise _bad_value(name, option, patterns, "a mapping of module-name patterns to values")
+        for key, value in patterns.items():
+            _check_regex(name, f"{option} key", key, r"(.*\.)?({})$")
+            if positive_int and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise _bad_value(name, f"{option}[{key!r}]", value, "a positive integer (a rank)")
+            if not positive_int and (not _is_number(value) or not math.isfinite(value) or abs(value) > MAX_ALPHA):
+                raise _bad_value(name, f"{option}[{key!r}]", value, "a finite number (an alpha)")
+    layers, patterns = config.get("layers_to_transform"), config.get("layers_pattern")
+    if layers is not None:
+        items = [layers] if isinstance(layers, int) else layers
+        if not isinstance(items, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                  for i in items):
+            raise _bad_value(name, "layers_to_transform", layers, "a layer index or a list of them")
+    if patterns is not None and not (isinstance(patterns, str) or (isinstance(patterns, list) and all(
+            isinstance(p, str) for p in patterns))):
+        raise _bad_value(name, "layers_pattern", patterns, "a name or a list of names")
+    if isinstance(config.get("target_modules"), str) and (layers is not None or patterns is not None):
+        raise CorruptCheckpointError(f"{ADAPTER_CONFIG} of {name!r}: layers_to_transform / layers_pattern cannot be "
+                                     "used with a regular-expression target_modules; PEFT refuses this config too.")
+    if patterns and layers is None:
+        raise CorruptCheckpointError(f"{ADAPTER_CONFIG} of {name!r}: layers_pattern is set without "
+                                     "layers_to_transform; PEFT refuses this config too.")
 
 
 def resolve_lora(spec: ModelSpec, base: tuple[ModelRef, Any, Any] | None, token: str | bool | None
