@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import warnings
 from pathlib import Path
 
@@ -19,8 +20,11 @@ import yaml
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import hf_mloss
-from hf_mloss import CorruptCheckpointError, IncompatibleCheckpointsError, InvalidParameterError, OutputExistsError
+from hf_mloss import CorruptCheckpointError, IncompatibleCheckpointsError, InvalidParameterError
 from hf_mloss.cli import main
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fake_hub import fake_hub  # noqa: E402,F401  (fixture re-export)
 
 peft = pytest.importorskip("peft")
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
@@ -251,5 +255,140 @@ def test_zero_rank_factors_are_named(llama, tmp_path):
     tensors = {k: (v[:0] if "lora_A" in k else v[:, :0]) for k, v in load_file(file).items()}
     save_file(tensors, file)
     _edit(adapter, r=0)  # as the file says: rank 0 (a ZeroDivisionError before)
-    with pytest.raises(CorruptCheckpointError, match="r is 0"):
+    with pytest.raises(CorruptCheckpointError, match="r is '0'"):
         hf_mloss.merge(str(base), [str(adapter)], "task_arithmetic", progress=False)
+
+
+# ============================================================================================ Medium: one clear line
+def _copy_with(folder: Path, out: Path, **tensors) -> Path:
+    """A copy of a saved model with some tensors replaced (names with dots as keys)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, out)
+    state = load_file(out / "model.safetensors")
+    for name, fill in tensors.items():
+        state[name] = torch.full_like(state[name], fill) if isinstance(fill, float) else fill(state[name])
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+UP = "model.layers.0.mlp.up_proj.weight"
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "bogus", "factor": 2.0}, "linear"], ids=["unknown_type", "a_string"])
+def test_junk_rope_scaling_in_the_base_is_named(llama, tmp_path, rope):
+    _, base, fine = llama
+    junk = tmp_path / "junk"
+    shutil.copytree(base, junk)
+    config = json.loads((junk / "config.json").read_text())
+    config["rope_scaling"] = rope
+    (junk / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CorruptCheckpointError, match=r"config.json of 'junk'"):
+        hf_mloss.merge(str(junk), [str(fine)], "task_arithmetic", progress=False)
+
+
+@pytest.mark.parametrize("method", ["tsv_m", "iso_c", "iso_cts"])
+def test_svd_methods_report_an_overflowing_task_vector_as_every_method_does(llama, tmp_path, method):
+    """Finite weights whose difference overflows float32: the clean non-finite error, not LAPACK's."""
+    _, base, fine = llama
+    low = _copy_with(base, tmp_path / "low", **{UP: -3e38})
+    high = _copy_with(fine, tmp_path / "high", **{UP: 3e38})
+    with pytest.raises(InvalidParameterError, match=rf"non-finite values in '{UP}'"):
+        hf_mloss.merge(str(low), [str(high), str(fine)], method, progress=False)
+
+
+def test_nan_in_the_base_is_reported_as_the_base_s(llama, tmp_path):
+    _, base, fine = llama
+
+    def poison(t):
+        t = t.clone()
+        t[0, 0] = float("nan")
+        return t
+
+    bad = _copy_with(base, tmp_path / "bad_base", **{UP: poison})
+    with pytest.raises(CorruptCheckpointError, match=rf"'{UP}' of the base 'bad_base' holds 1 non-finite"):
+        hf_mloss.merge(str(bad), [str(fine)], "ties", progress=False)
+
+
+def test_hf_mloss_threads_of_thousands_of_digits_is_the_machine_s_cores(monkeypatch):
+    from hf_mloss.parallel import env_threads, machine_cores
+
+    monkeypatch.setenv("HF_MLOSS_THREADS", "9" * 5000)
+    assert env_threads() == machine_cores()
+    monkeypatch.setenv("HF_MLOSS_THREADS", "0" * 5000)
+    with pytest.raises(InvalidParameterError, match="HF_MLOSS_THREADS"):
+        env_threads()
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc'"),
+    ({"WORLD_SIZE": "9" * 5000}, "WORLD_SIZE="),
+    ({"WORLD_SIZE": "2", "RANK": "0"}, "MASTER_ADDR, MASTER_PORT are not set"),
+    ({"WORLD_SIZE": "2", "RANK": "x", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, "RANK='x'"),
+    ({"WORLD_SIZE": "2", "RANK": "5", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, "RANK=5 is not below"),
+])
+def test_launch_variables_are_named_in_one_line(llama, tmp_path, monkeypatch, capsys, env, words):
+    _, base, fine = llama
+    for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["merge", str(_config(tmp_path, base, [fine])), str(tmp_path / "out"), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hf-mloss: error:") and words in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_merged_adapter_folder_can_be_pushed(llama, tmp_path, fake_hub):
+    from hf_mloss.output.push import push_folder
+
+    _, base, _ = llama
+    adapters = [str(_adapter(base, tmp_path / f"adapter{i}", seed=i)) for i in range(2)]
+    result = hf_mloss.merge(str(base), adapters, "task_arithmetic", output="adapter", progress=False)
+    folder = result.save_pretrained(tmp_path / "merged_adapter")
+    push_folder(folder, "tester/merged-adapter")
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(fake_hub.commits[-1].files)
+
+
+def test_della_with_k_below_one_on_a_model_holding_a_0d_tensor(tmp_path):
+    """A whole CLIPModel holds logit_scale, a 0-D tensor: kept or dropped as one entry, as any other."""
+    from examples.tiny import make_base, make_finetune, save_clip_model
+
+    vision = make_base(seed=0)
+    base = save_clip_model(vision, tmp_path / "base")
+    models = [save_clip_model(make_finetune(vision, seed=i), tmp_path / f"ft{i}", seed=0) for i in range(2)]
+    for i, folder in enumerate(models):
+        _copy_with(folder, tmp_path / f"scaled{i}", logit_scale=lambda t, i=i: t + 0.5 * (i + 1))
+    result = hf_mloss.merge(str(base), [str(tmp_path / f"scaled{i}") for i in range(2)], "della", k=0.5, e=0.1,
+                            seed=0, progress=False)
+    assert result.model.logit_scale.dim() == 0 and torch.isfinite(result.model.logit_scale)
+
+
+def test_bert_without_its_pooler_is_merged_with_a_note(tmp_path):
+    """BertModel(add_pooling_layer=False) saves (as *ForMaskedLM / *ForTokenClassification do) lack the pooler
+    that the config's class has: every input lacks it, transformers initialises it, the rest is merged."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=40)
+    base = BertModel(config, add_pooling_layer=False)
+    base.save_pretrained(tmp_path / "base")
+    states = []
+    for i in range(2):
+        fine = _finetune(BertModel(config, add_pooling_layer=False), seed=i)
+        fine.load_state_dict({k: v + 0.01 * (i + 1) for k, v in base.state_dict().items()})
+        fine.save_pretrained(tmp_path / f"ft{i}")
+        states.append(fine.state_dict())
+    with pytest.warns(UserWarning, match=r"Every input lacks 2 tensor\(s\).*pooler.dense"):
+        result = hf_mloss.merge(str(tmp_path / "base"), [str(tmp_path / f"ft{i}") for i in range(2)], "average",
+                                progress=False)
+    key = "encoder.layer.1.attention.self.query.weight"
+    assert torch.allclose(result.model.state_dict()[key], (states[0][key] + states[1][key]) / 2, atol=1e-6)
+    assert "pooler.dense" in result.method_description
+    # a fine-tune that holds the pooler the base lacks is still refused: not every input lacks it
+    full = BertModel(config)
+    full.load_state_dict(states[0], strict=False)
+    full.save_pretrained(tmp_path / "with_pooler")
+    with pytest.raises(IncompatibleCheckpointsError, match="pooler"):
+        hf_mloss.merge(str(tmp_path / "base"), [str(tmp_path / "with_pooler")], "average", progress=False)

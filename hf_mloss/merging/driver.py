@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -104,6 +105,9 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
         description = method.describe(params)
         if (outside or inputs.towers) and method.needs_data and config.select is None:
             description += " " + outside_rule_note(inputs, method, params, merger.names)
+        for note in inputs.notes:
+            warnings.warn(note, stacklevel=2)
+            description += " " + note
         if lora is not None:  # the adapter as written: its combination, and the rank an SVD used
             record.combination, record.lora_rank = lora.combination, lora.rank if lora.combination == "svd" else None
         record.resolved_parameters = tensor_params.record(merger.names) if tensor_params else None
@@ -194,6 +198,8 @@ class TensorMerger:
 
     def read(self, name: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
         base = self.targets[name].float() if name not in self.done else self.inputs.base.get_float(name, self.device)
+        if not torch.isfinite(base.sum()) and not torch.isfinite(base).all():
+            self._refuse_non_finite(name, self.inputs.base, base)
         sources = []
         for store in self.inputs.sources:
             tensor = store.get_float(name, self.device)
@@ -274,12 +280,18 @@ class TensorMerger:
                 if not torch.isfinite(tensor.sum()) and not torch.isfinite(tensor).all():
                     self._refuse_non_finite(name, store)
                 sources.append(tensor)
-            yield piece, target[piece].float(), sources
+            base = target[piece].float()
+            if not torch.isfinite(base.sum()) and not torch.isfinite(base).all():
+                self._refuse_non_finite(name, self.inputs.base, self.targets[name])
+            yield piece, base, sources
 
-    def _refuse_non_finite(self, name: str, store) -> None:
-        bad = int((~torch.isfinite(store.get(name).float())).sum())
+    def _refuse_non_finite(self, name: str, store, tensor: torch.Tensor | None = None) -> None:
+        """Name the checkpoint (the base included) whose ``name`` holds NaN/Inf, before anything is merged."""
+        tensor = store.get(name) if tensor is None else tensor
+        bad = int((~torch.isfinite(tensor.float())).sum())
+        which = "the base " if store is self.inputs.base else ""
         raise CorruptCheckpointError(
-            f"{name!r} of {store.ref.name!r} holds {bad} non-finite value(s) (NaN/Inf); a merge would spread "
+            f"{name!r} of {which}{store.ref.name!r} holds {bad} non-finite value(s) (NaN/Inf); a merge would spread "
             "them. Fix or exclude that checkpoint.")
 
     def _merge_in_chunks(self, name: str, ctx: MergeContext, counts: list[int]) -> None:
