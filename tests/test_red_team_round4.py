@@ -392,3 +392,62 @@ def test_bert_without_its_pooler_is_merged_with_a_note(tmp_path):
     full.save_pretrained(tmp_path / "with_pooler")
     with pytest.raises(IncompatibleCheckpointsError, match="pooler"):
         hf_mloss.merge(str(tmp_path / "base"), [str(tmp_path / "with_pooler")], "average", progress=False)
+
+
+# ============================================================================================ Low
+def test_lora_rank_is_clamped_to_the_layers_rank(llama, tmp_path):
+    from safetensors import safe_open
+
+    _, base, _ = llama
+    adapters = [str(_adapter(base, tmp_path / f"adapter{i}", seed=i)) for i in range(2)]
+    with pytest.warns(UserWarning, match="lora_rank=4096 exceeds the rank of every adapted layer"):
+        result = hf_mloss.merge(str(base), adapters, "ties", output="adapter", combination="svd", lora_rank=4096,
+                                progress=False)
+    assert result.lora.rank == 16  # q_proj / v_proj are 16 x 16
+    folder = result.save_pretrained(tmp_path / "merged")
+    with safe_open(folder / "adapter_model.safetensors", "pt") as handle:
+        assert max(handle.get_slice(k).get_shape()[0] for k in handle.keys() if "lora_A" in k) == 16
+
+
+def test_slerp_t_outside_0_1_warns(llama):
+    _, base, fine = llama
+    with pytest.warns(UserWarning, match=r"slerp t=1.5 lies outside \[0, 1\]"):
+        hf_mloss.merge(str(base), [str(fine)], "slerp", t=1.5, weights=None, progress=False)
+
+
+def test_free_space_check_counts_the_layers_a_passthrough_stacks(llama, tmp_path, monkeypatch, capsys):
+    import collections
+
+    _, base, _ = llama
+    size = (base / "model.safetensors").stat().st_size
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr("hf_mloss.saving.shutil.disk_usage", lambda path: usage(10 * size, 8 * size, 2 * size))
+    monkeypatch.setattr("hf_mloss.api.run", lambda *a, **k: pytest.fail("merged before checking the free space"))
+    config = tmp_path / "stack.yaml"
+    config.write_text(yaml.safe_dump({"base": str(base), "models": [], "method": "passthrough", "slices": [
+        {"sources": [{"model": 0, "layer_range": [0, 2]}]} for _ in range(3)]}))  # 6 layers of a 2-layer base
+    assert main(["merge", str(config), str(tmp_path / "out"), "-q"]) == 2
+    assert "Not enough free space" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_auto_map_of_the_base_is_left_out_and_said(llama, tmp_path):
+    _, base, fine = llama
+    custom = tmp_path / "custom_base"
+    shutil.copytree(base, custom)
+    config = json.loads((custom / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomLlama"}
+    (custom / "config.json").write_text(json.dumps(config))
+    with pytest.warns(UserWarning, match="auto_map"):
+        result = hf_mloss.merge(str(custom), [str(fine)], "task_arithmetic", progress=False)
+    folder = result.save_pretrained(tmp_path / "merged")
+    assert "auto_map" not in json.loads((folder / "config.json").read_text())
+    assert "auto_map" in (folder / "README.md").read_text()
+    LlamaForCausalLM.from_pretrained(folder)  # loads with the transformers class
+
+
+def test_float8_tensors_are_refused_by_name(llama, tmp_path):
+    _, base, fine = llama
+    quantised = _copy_with(fine, tmp_path / "fp8", **{UP: lambda t: t.to(torch.float8_e4m3fn)})
+    with pytest.raises(hf_mloss.UnsupportedModelError, match=rf"'fp8' holds 1 float8 tensor\(s\) \(e.g. '{UP}'"):
+        hf_mloss.merge(str(base), [str(quantised)], "ties", progress=False)

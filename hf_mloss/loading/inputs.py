@@ -206,6 +206,7 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
             opener = getattr(ref, "open_store", None)  # a LoRA adapter, read over the base (hf_mloss.loading.lora)
             stores.append(opener(adapter, stores[0]) if opener else ModuleStore(loaded, adapter, ref)
                           if loaded is not None else CheckpointStore(ref, adapter))
+        check_no_float8(stores)
         uninitialised = check_config_matches_tensors(adapter, stores[0], stores[1:])
         for store in stores[1:]:
             check_compatible(stores[0], store)
@@ -552,6 +553,28 @@ def check_config_matches_tensors(adapter: ModelAdapter, base: TensorStore,
     raise IncompatibleCheckpointsError(
         f"config.json of {base.ref.name!r} does not match its weights: {'; '.join(parts)}. The config and the "
         "weights do not belong together.")
+
+
+_FLOAT8 = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                                                   "float8_e8m0fnu") if hasattr(torch, name))
+
+
+def check_no_float8(stores: list[TensorStore]) -> None:
+    """Refuse float8 tensors (``F8_E4M3``, ``F8_E5M2``): a quantised checkpoint's values mean nothing without their
+    scales, and hf_mloss does not dequantise.
+
+    Raises:
+        UnsupportedModelError: naming the checkpoint, a tensor and what to do.
+    """
+    from ..errors import UnsupportedModelError
+
+    for store in stores:
+        found = [n for n, dtype in store.dtypes.items() if dtype in _FLOAT8]
+        if found:
+            raise UnsupportedModelError(
+                f"{store.ref.name!r} holds {len(found)} float8 tensor(s) (e.g. {found[0]!r}, "
+                f"{store.dtypes[found[0]]}): a quantised checkpoint, which hf_mloss does not merge. Load it with "
+                "transformers in bfloat16 or float32 (dequantised), save_pretrained it, and merge that.")
 
 
 def uninitialised_note(names: list[str]) -> str:

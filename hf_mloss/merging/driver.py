@@ -70,6 +70,10 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
             output = inputs.scoring_output() if scored_part_only else "auto" if adapter_plan else config.output
             model = inputs.load_output_model(output, progress=progress,
                                              dtype=working_dtype(config, inputs, needs_data=needs_data))
+        if getattr(model.config, "auto_map", None):  # code the merged folder would not ship: dropped, and said
+            del model.config.auto_map
+            inputs.notes.append("The base's config.json names custom code (auto_map), which is not copied: the "
+                                "merge's config.json leaves auto_map out and loads with the transformers class.")
         tower = inputs.adapter.tower(model)
         ctx = MergeContext(params=params, weights=inputs.alpha.to(inputs.device, torch.float32), seed=config.seed)
         tensor_params = TensorParameters(method, config.parameters, inputs.adapter,

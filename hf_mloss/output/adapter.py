@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -143,6 +144,13 @@ def plan_adapter_output(config: MergeConfig, inputs: RunInputs) -> AdapterPlan |
         rank = max(sum(l.modules[n].rank for l in adapters if n in l.modules) for n in targets) if targets else 1
     else:
         rank = config.lora_rank or max((m.rank for l in adapters for m in l.modules.values()), default=1)
+        full = max((min(inputs.base.shapes[n][-2:]) for n in targets), default=rank)  # the layers' largest rank
+        if rank > full:
+            if config.lora_rank:
+                warnings.warn(f"lora_rank={rank} exceeds the rank of every adapted layer (at most {full}); the "
+                              f"adapter is written with rank {full}, which already holds each merged ΔW exactly.",
+                              stacklevel=2)
+            rank = full
     return AdapterPlan(targets=targets, copies=copies, adapters=adapters, combination=combination, rank=rank)
 
 
