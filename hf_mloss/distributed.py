@@ -29,8 +29,9 @@ def distributed_state() -> Any:
     ``debug_launcher``), else ``None``."""
     from accelerate import PartialState
 
+    world = check_launch_environment()  # the launch variables, named in one line when malformed
     if not getattr(PartialState, "_shared_state", None):  # not initialised yet (by us, accelerate or the user)
-        if check_launch_environment() <= 1:
+        if world <= 1:
             return None
         # accelerate makes a CPU-only job (gloo) multi-process only when asked for the CPU
         PartialState(cpu=not torch.cuda.is_available())

@@ -451,3 +451,25 @@ def test_float8_tensors_are_refused_by_name(llama, tmp_path):
     quantised = _copy_with(fine, tmp_path / "fp8", **{UP: lambda t: t.to(torch.float8_e4m3fn)})
     with pytest.raises(hf_mloss.UnsupportedModelError, match=rf"'fp8' holds 1 float8 tensor\(s\) \(e.g. '{UP}'"):
         hf_mloss.merge(str(base), [str(quantised)], "ties", progress=False)
+
+
+# ============================================================================================ adapter outputs at PEFT's cost
+@pytest.mark.parametrize("combination", ["cat", "svd"])
+def test_linear_adapter_output_reads_only_the_adapted_modules_factors(llama, tmp_path, monkeypatch, combination):
+    """As PEFT's add_weighted_adapter: no base tensor is read for a linear merge of LoRA adapters; the merged model
+    (result.model) is built only when asked for, and equals the full-model merge."""
+    from hf_mloss.loading.store import CheckpointStore
+
+    _, base, _ = llama
+    adapters = [str(_adapter(base, tmp_path / f"adapter{i}", seed=i)) for i in range(2)]
+    reads: list[str] = []
+    real_get = CheckpointStore.get
+    monkeypatch.setattr(CheckpointStore, "get", lambda self, name: (reads.append(name), real_get(self, name))[1])
+    result = hf_mloss.merge(str(base), adapters, "task_arithmetic", weights=[0.7, 0.4], output="adapter",
+                            combination=combination, lora_rank=4 if combination == "svd" else None, progress=False)
+    folder = result.save_pretrained(tmp_path / "merged")
+    assert reads == []  # neither the merge nor the save read a tensor of the base
+    assert (folder / "adapter_model.safetensors").is_file() and "LlamaForCausalLM" in (folder / "README.md").read_text()
+    full = hf_mloss.merge(str(base), adapters, "task_arithmetic", weights=[0.7, 0.4], progress=False)
+    _assert_same({k: v.float() for k, v in result.model.state_dict().items()},
+                 {k: v.float() for k, v in full.model.state_dict().items()})

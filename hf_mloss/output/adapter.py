@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,9 @@ class LoraOutput:
     rank: int
     errors: dict[str, float] = field(default_factory=dict)
     """Module path -> ‖ΔW − B·A‖_F / ‖ΔW‖_F of the written factors."""
+    model_class: str = ""
+    """The class of the base the adapter applies to (for the card, without building the merged model)."""
+    dtype: str = ""
 
     def save(self, folder: Path) -> None:
         from safetensors.torch import save_file
@@ -93,6 +97,8 @@ class AdapterPlan:
     adapters: list[LoraAdapter]
     combination: str
     rank: int
+    linear: bool = False
+    """A linear method of plain LoRA inputs: the merge is B_cat·A_cat exactly (:func:`build_linear_adapter_output`)."""
 
 
 def plan_adapter_output(config: MergeConfig, inputs: RunInputs) -> AdapterPlan | None:
@@ -151,19 +157,25 @@ def plan_adapter_output(config: MergeConfig, inputs: RunInputs) -> AdapterPlan |
                               f"adapter is written with rank {full}, which already holds each merged ΔW exactly.",
                               stacklevel=2)
             rank = full
-    return AdapterPlan(targets=targets, copies=copies, adapters=adapters, combination=combination, rank=rank)
+    linear = config.method in LINEAR_METHODS and not any(lora.use_dora for lora in adapters)
+    return AdapterPlan(targets=targets, copies=copies, adapters=adapters, combination=combination, rank=rank,
+                       linear=linear)
 
 
 @torch.no_grad()
 def build_adapter_output(plan: AdapterPlan, config: MergeConfig, inputs: RunInputs, merged: dict[str, torch.Tensor],
-                         dtype: torch.dtype) -> LoraOutput:
+                         dtype: torch.dtype, *, zero_delta_is_base: bool = False) -> LoraOutput:
     """Factor the merged task vectors into one LoRA adapter (``merged``: canonical name -> merged float32 tensor).
+
+    ``zero_delta_is_base``: the method keeps a tensor that no input changed (every LoRA input holds the base's values
+    outside its adapted modules and full copies), so only the adapted modules are compared and factored.
 
     Raises:
         InvalidParameterError: the merge changed a tensor no adapter touches (it cannot be written as an adapter).
     """
-    changed = [n for n in inputs.names if n in merged and n not in plan.targets and n not in plan.copies
-               and not _same(merged[n], inputs.base.get_float(n))]
+    changed = [] if zero_delta_is_base else [
+        n for n in inputs.names if n in merged and n not in plan.targets and n not in plan.copies
+        and not _same(merged[n], inputs.base.get_float(n))]
     if changed:
         raise InvalidParameterError(
             f"The merge changed {len(changed)} tensor(s) no input adapter touches (e.g. {changed[:2]}); they cannot be "
@@ -191,9 +203,65 @@ def build_adapter_output(plan: AdapterPlan, config: MergeConfig, inputs: RunInpu
         a, b = _pad(a, b, plan.rank)
         tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = a.to(dtype)
         tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = b.to(dtype)
+    return _output(plan, inputs, tensors, errors, {name: merged[name] for name in plan.copies}, dtype)
+
+
+@torch.no_grad()
+def build_linear_adapter_output(plan: AdapterPlan, config: MergeConfig, inputs: RunInputs,
+                                merge_copy: Callable[[str], torch.Tensor], dtype: torch.dtype
+                                ) -> tuple[LoraOutput, dict[str, tuple[torch.Tensor, torch.Tensor]],
+                                           dict[str, torch.Tensor]]:
+    """The adapter of a linear merge (``plan.linear``) from the inputs' factors alone, as PEFT's
+    ``add_weighted_adapter`` builds it: B_cat·A_cat (the method's coefficients folded into B) is the merged ΔW
+    exactly, so only the adapted modules' factors and the full copies (``merge_copy(name)``: their merged value) are
+    read; no model is loaded and no other tensor is read or compared.
+
+    Returns:
+        The adapter, the exact float32 factors ``{name: (A_cat, B_cat)}`` and the merged copies (from which
+        :class:`~hf_mloss.output.result.MergeResult` builds the merged model when it is asked for).
+
+    Raises:
+        InvalidParameterError: the weighted factors, or the ΔW they form, are not finite in float32 or in ``dtype``.
+    """
+    coefficients = _linear_coefficients(config, inputs)
+    tensors: dict[str, torch.Tensor] = {}
+    errors: dict[str, float] = {}
+    exact: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, module in plan.targets.items():
+        a, b = _cat_factors(plan, name, coefficients)
+        _check_finite_product(name, a, b)
+        exact[name] = (a, b)
+        error = 0.0
+        if plan.combination == "svd":
+            a, b, error = _factored_svd(a, b, plan.rank)
+        errors[module] = error
+        a, b = _pad(a, b, plan.rank)
+        tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = a.to(dtype)
+        tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = b.to(dtype)
+    copies = {name: merge_copy(name) for name in plan.copies}
+    for name, tensor in [*copies.items(), *((n, t) for n, t in tensors.items())]:
+        if not torch.isfinite(tensor.to(dtype)).all():
+            raise InvalidParameterError(f"The merge produced non-finite values in {name!r} (in {dtype}). Nothing was "
+                                        "written; use smaller lam/weights.")
+    return _output(plan, inputs, tensors, errors, copies, dtype), exact, copies
+
+
+def _check_finite_product(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    """Refuse factors whose product B·A overflows float32 (a bound first; the product only when it may)."""
+    bound = float(b.abs().max()) * float(a.abs().max()) * a.shape[0] if a.numel() and b.numel() else 0.0
+    if math.isfinite(bound) and bound < 1e38:
+        return
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all() and torch.isfinite(b @ a).all()):
+        raise InvalidParameterError(f"The merge produced non-finite values in {name!r} (max |x| overflows float32). "
+                                    "Nothing was written; use smaller lam/weights.")
+
+
+def _output(plan: AdapterPlan, inputs: RunInputs, tensors: dict[str, torch.Tensor], errors: dict[str, float],
+            copies: dict[str, torch.Tensor], dtype: torch.dtype) -> LoraOutput:
+    """The :class:`LoraOutput`: the written factors, the full copies and PEFT's ``adapter_config.json``."""
     saved_modules = sorted(set(plan.copies.values()))
     for name, module in plan.copies.items():
-        tensors[f"{PEFT_PREFIX}{module}.{name.rsplit('.', 1)[1]}"] = merged[name].to(dtype)
+        tensors[f"{PEFT_PREFIX}{module}.{name.rsplit('.', 1)[1]}"] = copies[name].to(dtype)
     base = inputs.base.ref
     adapter_config = {
         "peft_type": "LORA", "task_type": None, "r": plan.rank, "lora_alpha": plan.rank, "use_rslora": False,
@@ -203,7 +271,9 @@ def build_adapter_output(plan: AdapterPlan, config: MergeConfig, inputs: RunInpu
         "alpha_pattern": {}, "layers_to_transform": None, "layers_pattern": None,
     }
     return LoraOutput(tensors=tensors, config=adapter_config, combination=plan.combination, rank=plan.rank,
-                      errors=errors if plan.combination == "svd" else {})
+                      errors=errors if plan.combination == "svd" else {},
+                      model_class=inputs.adapter.output_class("auto").__name__,
+                      dtype=str(dtype).replace("torch.", ""))
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

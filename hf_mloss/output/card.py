@@ -43,7 +43,8 @@ class CardSource(Protocol):
 def card_data(result: CardSource) -> ModelCardData:
     """YAML metadata: Hub ids only in ``base_model`` (local paths never leak), merge relation, tags, license."""
     hub_ids = [ref.repo_id for ref in [result.base, *result.models] if ref.repo_id]
-    meta = result.adapter.card_metadata(result.model)
+    lora = getattr(result, "lora", None)
+    meta = result.adapter.card_metadata(result.model) if lora is None else {}
     info = result.data_info.to_dict() if result.data_info is not None else {}
     towers = getattr(result.report, "towers", None) or {}  # a whole model's towers, each on its own data
     infos = [info, *(tower.get("data") or {} for tower in towers.values())]
@@ -53,7 +54,6 @@ def card_data(result: CardSource) -> ModelCardData:
                    metric_value=float(value))
         for task, value in result.eval_results.items()
     ] or None
-    lora = getattr(result, "lora", None)
     if lora is not None:  # a PEFT adapter: PEFT's metadata (library_name: peft, base_model: the base's Hub id)
         from .adapter import card_metadata
 
@@ -194,7 +194,8 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
         shown["slices"] = "; ".join(describe_slices(result.config.slices, names))
     compatibility = getattr(result, "compatibility", None)
     template = resources.files("hf_mloss").joinpath("templates", TEMPLATE).read_text(encoding="utf-8")
-    model_class = type(result.model).__name__
+    lora = getattr(result, "lora", None)  # an adapter: its class and dtype, without building the merged model
+    model_class = lora.model_class if lora is not None and lora.model_class else type(result.model).__name__
     metadata = card_data(result)
     return ModelCard.from_template(
         metadata,
@@ -220,7 +221,8 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
         seeded=uses_seed(result.config),
         rerun_blocker=rerun_blocker(result.config),
         device=getattr(result, "device", ""),
-        dtype=str(next(result.model.parameters()).dtype).replace("torch.", ""),
+        dtype=lora.dtype if lora is not None and lora.dtype else
+        str(next(result.model.parameters()).dtype).replace("torch.", ""),
         data={**result.data_info.to_dict(), **result.data_info.sample_stats()} if result.data_info else None,
         eval_rows=[{"task": t, "value": v} for t, v in result.eval_results.items()],
         report=report,
