@@ -6,6 +6,7 @@ does not depend on :mod:`hf_mloss.output.result`.
 
 from __future__ import annotations
 
+import functools
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -197,9 +198,9 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
     lora = getattr(result, "lora", None)  # an adapter: its class and dtype, without building the merged model
     model_class = lora.model_class if lora is not None and lora.model_class else type(result.model).__name__
     metadata = card_data(result)
-    return ModelCard.from_template(
+    return render_card(
         metadata,
-        template_str=template,
+        template,
         title=card_title(result, model_class),
         num_models=len(result.models),
         sliced_layers=result.model.config.get_text_config().num_hidden_layers
@@ -236,3 +237,18 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
         base_hint=result.base.repo_id or "path/to/base",
         repo_hint="path/or/repo-id",
     )
+
+
+def render_card(metadata: ModelCardData, template: str, **values: Any) -> ModelCard:
+    """``ModelCard.from_template(metadata, template_str=template, **values)``, with the template compiled once per
+    process (jinja compiles a template string on every call: ~0.35 s of every save on a busy 2-core machine)."""
+    kwargs = metadata.to_dict().copy()
+    kwargs.update(values)
+    return ModelCard(_compiled_template(template).render(card_data=metadata.to_yaml(), **kwargs))
+
+
+@functools.lru_cache(maxsize=4)
+def _compiled_template(template: str) -> Any:
+    import jinja2
+
+    return jinja2.Template(template)
