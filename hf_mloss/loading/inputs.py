@@ -407,9 +407,9 @@ def check_tying(adapter: ModelAdapter, resolved) -> None:
     tied = adapter.tied_names() if hasattr(adapter, "tied_names") else frozenset()
     if not tied:
         return
-    base_ref = resolved[0][0]
+    base_ref, base_flags = resolved[0][0], _tie_flags(resolved[0][2])
     for ref, _, model_config in resolved[1:]:
-        if getattr(model_config, "tie_word_embeddings", True) is not False:
+        if not any(flag is False and base is not False for flag, base in zip(_tie_flags(model_config), base_flags)):
             continue
         raise IncompatibleCheckpointsError(
             f"{ref.name!r} has its own {sorted(tied)[:2]} (tie_word_embeddings=false in its config.json) but the base "
@@ -418,6 +418,12 @@ def check_tying(adapter: ModelAdapter, resolved) -> None:
             "and merge onto that: load it, set model.config.tie_word_embeddings = False, give it its own head "
             "(model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.clone())) and "
             "save_pretrained it.")
+
+
+def _tie_flags(config: Any) -> tuple[Any, Any]:
+    """``tie_word_embeddings`` of a config and of its text config (a multimodal model may tie in either)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(config, "tie_word_embeddings", None), getattr(text, "tie_word_embeddings", None)
 
 
 _TOKENIZER_FILE = "tokenizer.json"
