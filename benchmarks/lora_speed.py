@@ -335,7 +335,9 @@ def render_warm(report: dict) -> str:
              "Each job is its own process: an untimed warm-up run, then the timed runs (median). hf_mloss: "
              "`merge(..., output=\"adapter\")` + `save_pretrained`, from the folders. PEFT: `add_weighted_adapter` + "
              "`save_pretrained` on a model with the adapters already loaded (`load`: that loading, once, not in the "
-             "timed runs). `load avg` is the 1-minute load average when the job started (the cores are shared).", "",
+             "timed runs). hf_mloss's runs after the first reuse the base's content fingerprint (cached in the process while "
+             "its files are unchanged). `load avg` is the 1-minute load average when the job started (the cores are "
+             "shared).", "",
              "| combination | hf_mloss wall (s) | PEFT wall (s) | hf_mloss / PEFT | PEFT load (s) | hf_mloss peak RSS (MB) "
              "| PEFT peak RSS (MB) | load avg |", "|---|---|---|---|---|---|---|---|"]
     for combination in ("cat", "svd"):
