@@ -106,11 +106,32 @@ def merge_command(args: argparse.Namespace) -> int:
 
 
 def _estimated_size(config) -> int:
-    """Bytes of the base's weight files when it is a local folder (the merge is about that size), else 0."""
+    """Bytes of the base's weight files when it is a local folder (the merge is about that size), else 0; a recipe
+    with ``slices`` scales it by its output layers over the base's (a passthrough that stacks layers grows)."""
     if not config.base.is_local:
         return 0
     folder = Path(config.base.model).expanduser()
-    return sum(p.stat().st_size for p in folder.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
+    size = sum(p.stat().st_size for p in folder.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
+    slices = getattr(config, "slices", None)
+    if slices:
+        try:
+            base_layers = _num_layers(json.loads((folder / "config.json").read_text(encoding="utf-8")))
+            out_layers = sum(s["sources"][0]["layer_range"][1] - s["sources"][0]["layer_range"][0] for s in slices)
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            return size
+        if base_layers:
+            size = int(size * max(1.0, out_layers / base_layers))
+    return size
+
+
+def _num_layers(config: Any) -> int | None:
+    """The block count of a config.json (its text config's, for a multimodal one)."""
+    if not isinstance(config, dict):
+        return None
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        if isinstance(config.get(key), int) and config[key] > 0:
+            return config[key]
+    return _num_layers(config.get("text_config"))
 
 
 # ------------------------------------------------------------------------------------------------------- score

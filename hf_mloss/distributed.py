@@ -29,13 +29,54 @@ def distributed_state() -> Any:
     ``debug_launcher``), else ``None``."""
     from accelerate import PartialState
 
+    world = check_launch_environment()  # the launch variables, named in one line when malformed
     if not getattr(PartialState, "_shared_state", None):  # not initialised yet (by us, accelerate or the user)
-        if int(os.environ.get("WORLD_SIZE", "1") or "1") <= 1:
+        if world <= 1:
             return None
         # accelerate makes a CPU-only job (gloo) multi-process only when asked for the CPU
         PartialState(cpu=not torch.cuda.is_available())
     state = PartialState()
     return state if state.num_processes > 1 else None
+
+
+def _env_index(name: str, *, minimum: int) -> int | None:
+    """An integer launch variable, parsed strictly (ASCII digits); None when unset or empty."""
+    from .errors import InvalidParameterError
+
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return None
+    text = raw.strip()
+    if not (text.isascii() and text.isdigit()) or len(text.lstrip("0")) > 6 or int(text) < minimum:
+        raise InvalidParameterError(f"{name}={raw[:20]!r} is not a valid process count/index (a whole number >= "
+                                    f"{minimum}, as torchrun and accelerate launch set it); unset it to run as one "
+                                    "process.")
+    return int(text)
+
+
+def check_launch_environment() -> int:
+    """The job's process count from ``WORLD_SIZE`` (1 when unset), checked with the variables a multi-process job
+    needs (``RANK`` below it, ``MASTER_ADDR`` / ``MASTER_PORT``, unless a process group already exists).
+
+    Raises:
+        InvalidParameterError: naming the variable that is malformed or missing.
+    """
+    from .errors import InvalidParameterError
+
+    world = _env_index("WORLD_SIZE", minimum=1) or 1
+    if world <= 1 or (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return world
+    rank = _env_index("RANK", minimum=0)
+    missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name, "").strip()]
+    if missing:
+        raise InvalidParameterError(f"WORLD_SIZE={world} asks for a job of {world} processes, but {', '.join(missing)} "
+                                    f"{'is' if len(missing) == 1 else 'are'} not set. Launch with torchrun or "
+                                    "accelerate launch (they set them all), or unset WORLD_SIZE to run as one process.")
+    if rank is not None and rank >= world:
+        raise InvalidParameterError(f"RANK={rank} is not below WORLD_SIZE={world}; launch with torchrun or accelerate "
+                                    "launch, or unset WORLD_SIZE to run as one process.")
+    _env_index("MASTER_PORT", minimum=1)
+    return world
 
 
 def is_main_process() -> bool:

@@ -176,10 +176,11 @@ def env_threads() -> int | None:
     if raw is None or not raw.strip():
         return None
     text = raw.strip()
-    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+    if not (text.isascii() and text.isdigit()) or not text.lstrip("0"):
         raise InvalidParameterError(f"HF_MLOSS_THREADS={raw[:20]!r} must be a whole number of threads >= 1 (ASCII "
                                     "digits, e.g. HF_MLOSS_THREADS=2); unset it to use the idle cores.")
-    return min(int(text), machine_cores())
+    digits = text.lstrip("0")  # thousands of digits: more than any machine has (int() would refuse the string)
+    return machine_cores() if len(digits) > 9 else min(int(digits), machine_cores())
 
 
 @contextlib.contextmanager

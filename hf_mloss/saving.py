@@ -9,7 +9,9 @@ target and renamed into place.
   only way to replace one; a kill leaves the previous file or the new one).
 * :func:`check_output_dir` refuses, before anything is computed, an output folder that overlaps an input (the
   models, the data, the config file), a symbolic link, a path under a file, an unwritable or too-full filesystem,
-  and an existing non-empty folder unless ``overwrite``.
+  and an existing non-empty folder unless ``overwrite``; even with ``overwrite``, a folder hf_mloss did not write
+  (no ``hf_mloss_files.json``, or files and folders that it does not list, e.g. ``.git/``) is refused, naming them
+  (:func:`check_replaceable`); an empty folder is fine.
 * :func:`atomic_folder` writes into a hidden temporary sibling (``.hf_mloss-tmp-<pid>-…``) and renames it into place
   at the end: the folder appears complete or not at all. An existing folder is replaced only at that final rename,
   and only with ``overwrite``. The temporary folder is removed on every exit path (exceptions, Ctrl-C, SIGTERM);
@@ -85,6 +87,7 @@ def check_output_dir(target: str | os.PathLike[str], *, overwrite: bool = False,
         if any(target.iterdir()) and not overwrite:
             raise OutputExistsError(f"Output folder {str(target)!r} already exists and is not empty; pass "
                                     "overwrite=True (CLI: --overwrite) to replace it, or choose another folder.")
+        check_replaceable(target)
     if not parent.is_dir():
         raise InvalidParameterError(f"Output folder {str(target)!r} cannot be created: {str(parent)!r} is a file.")
     _probe_writable(target, parent)
@@ -290,6 +293,7 @@ def _rename_into_place(tmp: Path, target: Path, *, overwrite: bool) -> None:
     if any(target.iterdir()) and not overwrite:
         raise OutputExistsError(f"Output folder {str(target)!r} already exists and is not empty; pass overwrite=True "
                                 "(CLI: --overwrite) to replace it.")
+    check_replaceable(target)
     if _exchange(tmp, target):  # one atomic swap: at every instant the old folder or the new one is in place
         return  # the old folder is now at ``tmp``, which the caller removes
     backup = target.parent / f"{TMP_PREFIX}{os.getpid()}-old-{secrets.token_hex(6)}"
@@ -421,6 +425,50 @@ def _sigterm_held() -> Iterator[None]:
         signum, _HOLD["pending"] = (_HOLD["pending"], None) if not _HOLD["depth"] else (None, _HOLD["pending"])
         if signum is not None:
             raise SystemExit(128 + signum)
+
+
+def check_replaceable(target: Path) -> None:
+    """``overwrite`` replaces only a folder hf_mloss wrote: an empty one, or one whose every file and subfolder its
+    :data:`MANIFEST_NAME` lists (a file's content may have changed, e.g. an edited card; nothing may be added).
+
+    Raises:
+        OutputExistsError: naming what was found (no manifest: the folder's first entries; else the entries the
+            manifest does not list, such as ``.git/`` or a user's notes).
+    """
+    entries = sorted(target.iterdir())
+    if not entries:
+        return
+    try:
+        listed = set(read_manifest(target))
+    except (OSError, ValueError, KeyError, TypeError):
+        listed = None
+    if listed is None:
+        raise OutputExistsError(
+            f"Output folder {str(target)!r} was not written by hf_mloss (it has no valid {MANIFEST_NAME}) and holds "
+            f"{_describe_entries(target, entries)}; overwrite replaces only a folder hf_mloss wrote. Nothing was "
+            "changed: choose another folder, or move that one away yourself.")
+    owned_dirs = {parent.as_posix() for name in listed for parent in Path(name).parents if parent != Path(".")}
+    unknown = []
+    for root, dirs, files in os.walk(target):
+        for name in [*dirs, *files]:
+            path = Path(root) / name
+            relative = path.relative_to(target).as_posix()
+            is_dir = path.is_dir() and not path.is_symlink()
+            if relative == MANIFEST_NAME or (relative in owned_dirs if is_dir else relative in listed):
+                continue
+            unknown.append(path)
+        dirs[:] = [d for d in dirs if (Path(root) / d).relative_to(target).as_posix() in owned_dirs]
+    if unknown:
+        raise OutputExistsError(
+            f"Output folder {str(target)!r} holds {_describe_entries(target, unknown)}, which hf_mloss did not write "
+            f"(not in its {MANIFEST_NAME}); overwrite replaces only what hf_mloss wrote. Nothing was changed: move "
+            "those away, or choose another folder.")
+
+
+def _describe_entries(folder: Path, paths: list[Path], shown: int = 5) -> str:
+    names = [p.relative_to(folder).as_posix() + ("/" if p.is_dir() and not p.is_symlink() else "") for p in paths]
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(repr(n) for n in names[:shown]) + more
 
 
 def write_manifest(folder: Path) -> None:

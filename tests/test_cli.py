@@ -117,8 +117,13 @@ def test_overwrite(ties_config, tmp_path, capsys, tiny_paths):
     assert err.startswith("hf-mloss: error: Output folder") and "--overwrite" in err and "Traceback" not in err
     assert sorted(p.name for p in out_dir.iterdir()) == ["keep.txt"]  # untouched
 
-    assert main(["merge", str(ties_config), str(out_dir), "-q", "--overwrite"]) == 0
-    assert not (out_dir / "keep.txt").exists() and (out_dir / "model.safetensors").exists()
+    assert main(["merge", str(ties_config), str(out_dir), "-q", "--overwrite"]) == 2  # not a folder hf_mloss wrote
+    assert "'keep.txt'" in capsys.readouterr().err
+    assert sorted(p.name for p in out_dir.iterdir()) == ["keep.txt"]
+    (out_dir / "keep.txt").unlink()
+    assert main(["merge", str(ties_config), str(out_dir), "-q"]) == 0
+    assert main(["merge", str(ties_config), str(out_dir), "-q", "--overwrite"]) == 0  # its own output: replaced
+    assert (out_dir / "model.safetensors").exists()
 
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -612,10 +612,12 @@ def config_intact(name: str, content: dict) -> Callable[[Project, object], None]
 
 
 def _linked_report_folder(p: Project, *extra: str) -> int:
-    """A report folder whose compatibility.md links to a file outside it: the link is never written through."""
+    """A report folder (as hf_mloss lists it) whose compatibility.md links to a file outside it: the link is never
+    written through."""
     (p.root / "victim.txt").write_text("precious")
     (p.root / "compat").mkdir()
     (p.root / "compat" / "compatibility.md").symlink_to(p.root / "victim.txt")
+    (p.root / "compat" / "hf_mloss_files.json").write_text(json.dumps({"files": {"compatibility.md": 8}}))
     p.outputs.update({"compat", "victim.txt"})
     return score_cli("--pairwise", "--out", "{root}/compat", *extra)(p)
 
@@ -1021,6 +1023,7 @@ KILLED_MID_OVERWRITE = textwrap.dedent("""
     result = hf_mloss.merge(base, [ft], "average", progress=False)
     result.save_pretrained(target)
     (open(os.path.join(target, "first.txt"), "w").write("first"))
+    saving.write_manifest(__import__("pathlib").Path(target))  # listed: the folder stays hf_mloss's own
     real_rename, real_exchange = os.rename, getattr(saving, "_exchange", None)
 
     def rename(src, dst):  # SIGKILL right after the old folder moved to its backup

@@ -81,8 +81,13 @@ def test_existing_folder_is_refused_then_replaced_atomically(tmp_path, tiny_path
     with pytest.raises(hf_mloss.OutputExistsError, match="overwrite=True"):
         result.save_pretrained(target)
     assert (target / "keep.txt").read_text() == "user file"
+    with pytest.raises(hf_mloss.OutputExistsError, match="keep.txt"):  # not a folder hf_mloss wrote
+        result.save_pretrained(target, overwrite=True)
+    (target / "keep.txt").unlink()
+    result.save_pretrained(target)
+    (target / "README.md").write_text("edited card")  # a listed file edited: still hf_mloss's own folder
     result.save_pretrained(target, overwrite=True)
-    assert not (target / "keep.txt").exists() and (target / "model.safetensors").exists()
+    assert (target / "model.safetensors").exists() and (target / "README.md").read_text() != "edited card"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary or backup folder left behind
 
 

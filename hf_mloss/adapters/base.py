@@ -168,14 +168,16 @@ class ModelAdapter(ABC):
         return container[0] if output == "auto" and container else self.model_class
 
     def load_output_model(self, path: str, output: str, *, dtype: torch.dtype | None = None,
-                          **kwargs: Any) -> PreTrainedModel:
-        """The model the merge is written into, loaded from the base's folder (see :meth:`output_class`)."""
+                          allow_missing: frozenset[str] = frozenset(), **kwargs: Any) -> PreTrainedModel:
+        """The model the merge is written into, loaded from the base's folder (see :meth:`output_class`).
+        ``allow_missing``: canonical names every input lacks, which transformers initialises (a BERT pooler)."""
         from ..errors import IncompatibleCheckpointsError
 
         cls = self.output_class(output)
         model, info = cls.from_pretrained(path, dtype=dtype or "auto", trust_remote_code=False,
                                           output_loading_info=True, **kwargs)
-        broken = [*info.get("missing_keys", ()), *[k for k, *_ in info.get("mismatched_keys", ())]]
+        broken = [*(k for k in info.get("missing_keys", ()) if self.canonical_key(k) not in allow_missing),
+                  *[k for k, *_ in info.get("mismatched_keys", ())]]
         if broken:
             raise IncompatibleCheckpointsError(
                 f"{cls.__name__} from {path!r} would be incomplete: {len(broken)} tensor(s) are missing from the "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +62,10 @@ class RunInputs:
     tower_inputs: dict[str, ModelInputs] = field(default_factory=dict)
     """Scoring samples of those towers, by tower attribute (``"text_model"``: the tokenised ``text_data``)."""
     tower_data_info: dict[str, DataInfo] = field(default_factory=dict)
+    uninitialised: list[str] = field(default_factory=list)
+    """Tensors every input lacks, which transformers initialises (see :func:`check_config_matches_tensors`)."""
+    notes: list[str] = field(default_factory=list)
+    """What the run says about its inputs on the card (tensors every input lacks, initialised by transformers)."""
 
     @property
     def refs(self) -> list[ModelRef]:
@@ -137,7 +142,8 @@ class RunInputs:
                 model = copy.deepcopy(self.adapter.tower(self.base_model))
         else:
             with quiet_transformers(True):  # one bar per stage, ours: not transformers' "Loading weights"
-                model = self.adapter.load_output_model(self.base.ref.path, output, dtype=dtype)
+                model = self.adapter.load_output_model(self.base.ref.path, output, dtype=dtype,
+                                                       allow_missing=frozenset(self.uninitialised))
         return model.to(device=self.device, dtype=dtype).eval()
 
     def close(self) -> None:
@@ -170,15 +176,14 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
     ``CLIPModel`` repos), merge every tensor of them, not only the tower's (see
     :func:`hf_mloss.adapters.whole_model_adapter`).
     """
-    from ..adapters import adapter_for
 
     device = resolve_device(device)
     specs = [config.base, *config.models]
     resolved = [_resolve(config.base, token)]
     resolved += [_resolve(spec, token, base=resolved[0]) for spec in config.models]
-    adapter = adapter_for(resolved[0][2])
+    adapter = _adapter_of(resolved[0])
     for (ref, _, model_config), spec in zip(resolved[1:], config.models):
-        other = adapter_for(model_config)
+        other = _adapter_of((ref, None, model_config))
         if other.name != adapter.name:
             raise IncompatibleCheckpointsError(
                 f"{ref.name!r} is a {model_config.model_type!r} model ({other.name} adapter) but the base is "
@@ -194,13 +199,15 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
     elif whole_model and whole[0] and any(whole[1:]):
         check_outside_unchanged(adapter, resolved, whole)
     check_vocabularies(resolved)
+    check_tying(adapter, resolved)
     stores: list[TensorStore] = []
     try:
         for ref, loaded, _ in resolved:
             opener = getattr(ref, "open_store", None)  # a LoRA adapter, read over the base (hf_mloss.loading.lora)
             stores.append(opener(adapter, stores[0]) if opener else ModuleStore(loaded, adapter, ref)
                           if loaded is not None else CheckpointStore(ref, adapter))
-        check_config_matches_tensors(adapter, stores[0])
+        check_no_float8(stores)
+        uninitialised = check_config_matches_tensors(adapter, stores[0], stores[1:])
         for store in stores[1:]:
             check_compatible(stores[0], store)
         fingerprints = _verify_fingerprints(specs, resolved, progress=progress)
@@ -208,6 +215,9 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
         inputs = RunInputs(adapter=adapter, base=stores[0], sources=stores[1:], base_model=resolved[0][1],
                            names=float_names(stores[0]), alpha=resolve_weights(config, method.default_weight),
                            device=device, fingerprints=fingerprints, towers=towers)
+        if uninitialised:
+            inputs.uninitialised = uninitialised
+            inputs.notes.append(uninitialised_note(uninitialised))
         _check_layers(config, adapter, towers)
         if needs_data and config.data is not None:
             _load_data(inputs, config, resolved[0][0], token, progress=progress)
@@ -217,6 +227,24 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
     finally:
         for store in stores:
             store.close()
+
+
+def _adapter_of(entry) -> ModelAdapter:
+    """The family adapter of a resolved input; a config transformers loads but cannot build a model from (a junk
+    ``rope_scaling``, an unknown ``rope_type``) is named as that input's, not raised from inside transformers."""
+    from ..adapters import adapter_for
+    from ..errors import CorruptCheckpointError, HfMLossError
+
+    ref, _, model_config = entry
+    try:
+        return adapter_for(model_config)
+    except HfMLossError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
+        message = " ".join(f"{type(err).__name__}: {err}".split())[:300]
+        raise CorruptCheckpointError(f"The config.json of {ref.name!r} does not describe a model transformers can "
+                                     f"build ({message}); fix that field (e.g. rope_scaling) or save the model "
+                                     "again.") from None
 
 
 def _resolve(spec: ModelSpec, token, base=None):
@@ -248,7 +276,7 @@ def _resolve(spec: ModelSpec, token, base=None):
         return lora
     try:
         model_config = AutoConfig.from_pretrained(ref.path, trust_remote_code=False)
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except Exception as err:  # noqa: BLE001 - transformers' config validation raises its own error classes too
         message = " ".join(str(err).split())[:300]
         raise CorruptCheckpointError(f"Cannot read the config.json of {ref.name!r}: {message}") from None
     return ref, None, model_config
@@ -365,6 +393,39 @@ def check_outside_unchanged(adapter: ModelAdapter, resolved, whole: list[bool]) 
             store.close()
 
 
+def check_tying(adapter: ModelAdapter, resolved) -> None:
+    """Refuse a fine-tune that unties what the base ties (``lm_head`` from the input embeddings).
+
+    transformers reads such a fine-tune's own trained ``lm_head`` (its config says ``tie_word_embeddings: false``),
+    while a merge written in the base's class ties it to the merged embeddings again: the fine-tune's head would be
+    dropped without a word. The reverse (an untied base, a tied fine-tune) is refused by the tensor check, as the
+    fine-tune's checkpoint lacks the head.
+
+    Raises:
+        IncompatibleCheckpointsError: naming the fine-tune, the tied tensors and how to untie the base.
+    """
+    tied = adapter.tied_names() if hasattr(adapter, "tied_names") else frozenset()
+    if not tied:
+        return
+    base_ref, base_flags = resolved[0][0], _tie_flags(resolved[0][2])
+    for ref, _, model_config in resolved[1:]:
+        if not any(flag is False and base is not False for flag, base in zip(_tie_flags(model_config), base_flags)):
+            continue
+        raise IncompatibleCheckpointsError(
+            f"{ref.name!r} has its own {sorted(tied)[:2]} (tie_word_embeddings=false in its config.json) but the base "
+            f"{base_ref.name!r} ties them to the input embeddings. transformers uses that fine-tune's trained "
+            "head, and a merge saved as the base ties it to the merged embeddings again, dropping it. Untie the base "
+            "and merge onto that: load it, set model.config.tie_word_embeddings = False, give it its own head "
+            "(model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.clone())) and "
+            "save_pretrained it.")
+
+
+def _tie_flags(config: Any) -> tuple[Any, Any]:
+    """``tie_word_embeddings`` of a config and of its text config (a multimodal model may tie in either)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(config, "tie_word_embeddings", None), getattr(text, "tie_word_embeddings", None)
+
+
 _TOKENIZER_FILE = "tokenizer.json"
 
 
@@ -463,9 +524,15 @@ def _is_vocabulary(name: str) -> bool:
                      "shared", "decoder") for p in parts) or "vocab" in name
 
 
-def check_config_matches_tensors(adapter: ModelAdapter, base: TensorStore) -> None:
+def check_config_matches_tensors(adapter: ModelAdapter, base: TensorStore,
+                                 sources: list[TensorStore] = ()) -> list[str]:
     """The base's config must describe its weights: a config with more blocks (or other sizes) than the tensors would
     give a model whose missing parts are randomly initialised, one with fewer would silently drop blocks.
+
+    One case is accepted: tensors outside the numbered blocks (a BERT pooler, which ``*ForMaskedLM`` and
+    ``*ForTokenClassification`` saves and ``add_pooling_layer=False`` models lack) that *every* input lacks.
+    transformers initialises them at random when it loads any of the inputs; the merge does the same and says so.
+    Returns those names (empty otherwise).
 
     Raises:
         IncompatibleCheckpointsError: naming the first tensors that are missing, extra or of another shape.
@@ -476,7 +543,10 @@ def check_config_matches_tensors(adapter: ModelAdapter, base: TensorStore) -> No
     extra = [n for n in held if n not in expected]
     wrong = [n for n in expected if n in held and held[n] != expected[n]]
     if not (missing or extra or wrong):
-        return
+        return []
+    if missing and not (extra or wrong) and not any(re.search(r"\.\d+\.", n) for n in missing) and \
+            not any(n in store.shapes for store in sources for n in missing):
+        return missing
     parts = []
     if missing:
         parts.append(f"the weights lack {len(missing)} tensor(s) the config implies (e.g. {missing[:2]}), which would "
@@ -489,6 +559,35 @@ def check_config_matches_tensors(adapter: ModelAdapter, base: TensorStore) -> No
     raise IncompatibleCheckpointsError(
         f"config.json of {base.ref.name!r} does not match its weights: {'; '.join(parts)}. The config and the "
         "weights do not belong together.")
+
+
+_FLOAT8 = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                                                   "float8_e8m0fnu") if hasattr(torch, name))
+
+
+def check_no_float8(stores: list[TensorStore]) -> None:
+    """Refuse float8 tensors (``F8_E4M3``, ``F8_E5M2``): a quantised checkpoint's values mean nothing without their
+    scales, and hf_mloss does not dequantise.
+
+    Raises:
+        UnsupportedModelError: naming the checkpoint, a tensor and what to do.
+    """
+    from ..errors import UnsupportedModelError
+
+    for store in stores:
+        found = [n for n, dtype in store.dtypes.items() if dtype in _FLOAT8]
+        if found:
+            raise UnsupportedModelError(
+                f"{store.ref.name!r} holds {len(found)} float8 tensor(s) (e.g. {found[0]!r}, "
+                f"{store.dtypes[found[0]]}): a quantised checkpoint, which hf_mloss does not merge. Load it with "
+                "transformers in bfloat16 or float32 (dequantised), save_pretrained it, and merge that.")
+
+
+def uninitialised_note(names: list[str]) -> str:
+    """The card's note on tensors no input holds (see :func:`check_config_matches_tensors`)."""
+    return (f"Every input lacks {len(names)} tensor(s) its config implies ({', '.join(names[:4])}"
+            f"{', ...' if len(names) > 4 else ''}); transformers initialises them at random when it loads any of "
+            "the inputs, and the merged model holds such freshly initialised values there (they were not merged).")
 
 
 def resolve_weights(config: MergeConfig, default: str) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""PEFT LoRA adapters in and out: merge adapters as users train them, write a merged adapter.
+"""PEFT LoRA adapters in: merge adapters as users train them (writing one is :mod:`hf_mloss.output.adapter`).
 
 In: a PEFT LoRA folder (``adapter_config.json`` + ``adapter_model.safetensors``) or Hub repo is accepted wherever a
 model is. It is read as a lazy :class:`LoraStore` over the run's base: ``get(name)`` returns ``W₀ + ΔW`` for an
@@ -7,14 +7,17 @@ trained biases, and the base's tensor for everything else. No full model is ever
 
 Exactly what ``PeftModel.merge_and_unload()`` computes is read. Supported: LoRA (any ranks, ``lora_alpha`` /
 ``use_rslora``, ``rank_pattern`` / ``alpha_pattern``), DoRA on linear layers, LoRA on embeddings and convolutions,
-``fan_in_fan_out``, ``modules_to_save`` and trained biases (``bias="all"`` / ``"lora_only"``), and IA³ (per-feature
-scales). Every other adapter kind or option is refused with the reason (:data:`REFUSED_TYPES`,
-:func:`check_adapter_config`), never approximated.
+``modules_to_save`` and trained biases (``bias="all"`` / ``"lora_only"``), and IA³ (per-feature scales). Every other
+adapter kind or option is refused with the reason (:data:`REFUSED_TYPES`, :func:`check_adapter_config`), never
+approximated, and so is a config value PEFT could not use (a word for ``r``, an invalid regex).
 
-Out: ``output="adapter"`` writes the merge as a LoRA adapter that ``PeftModel.from_pretrained(base, folder)`` loads:
-``combination="cat"`` stacks the inputs' factors (the method's weights folded into B, ranks summed): exact for linear
-methods; ``combination="svd"`` writes the rank-r truncated SVD of each merged ΔW and records its relative Frobenius
-error per tensor.
+The config is read as PEFT reads it: only the modules PEFT would wrap get their factors applied (``target_modules``,
+``exclude_modules``, ``layers_to_transform`` / ``layers_pattern``, with PEFT's matching rules); factors the file
+holds for other modules are ignored with a warning, as PEFT's loading ignores them. The layout of ΔW follows the
+layer's class, as PEFT's does: ``nn.Linear`` ``[out, in]`` (``fan_in_fan_out: true`` is ignored with a warning),
+transformers' ``Conv1D`` (GPT-2) ``[in, out]`` whatever ``fan_in_fan_out`` says.
+
+Out: ``output="adapter"`` is :mod:`hf_mloss.output.adapter`.
 
 Which base an adapter belongs to: ``base_model_name_or_path`` of its ``adapter_config.json`` must name the run's base
 (see :func:`check_base`), or be empty, in which case the run's base is taken.
@@ -22,11 +25,13 @@ Which base an adapter belongs to: ``base_model_name_or_path`` of its ``adapter_c
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import re
 import threading
+import warnings
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -41,8 +46,7 @@ from .store import TensorStore
 
 if TYPE_CHECKING:
     from ..adapters import ModelAdapter
-    from ..spec.config import MergeConfig, ModelSpec
-    from .inputs import RunInputs
+    from ..spec.config import ModelSpec
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_SAFETENSORS = "adapter_model.safetensors"
@@ -129,6 +133,10 @@ class LoraAdapter:
         config = ref.adapter_config
         self.fan_in_fan_out = bool(config.get("fan_in_fan_out"))
         self.use_dora = bool(config.get("use_dora"))
+        self._conv1d, self._output_embedding = _layer_kinds(family)
+        self.untargeted: list[str] = []
+        """Modules whose factors the file holds but PEFT would not wrap (not in ``target_modules``...): ignored."""
+        self._flipped: list[str] = []
         self.modules: dict[str, LoraModule] = {}
         self.copies: dict[str, str] = {}
         """Canonical name -> key of a tensor saved in full (``modules_to_save``, trained biases)."""
@@ -175,6 +183,16 @@ class LoraAdapter:
                 "its own folder (PeftModel.save_pretrained(..., selected_adapters=[name])).")
         for module, roles in factors.items():
             self._add_module(module, roles, base)
+        if self.untargeted:
+            warnings.warn(
+                f"{ref.name!r} holds LoRA factors of {len(self.untargeted)} module(s) that its adapter_config.json does "
+                f"not target (target_modules / exclude_modules / layers_to_transform), e.g. {self.untargeted[:2]}; "
+                "PEFT ignores them when it loads the adapter, and so does hf_mloss.", stacklevel=2)
+        if self._flipped:
+            warnings.warn(
+                f"{ref.name!r}: fan_in_fan_out={self.fan_in_fan_out} does not fit {self._flipped[:2]} "
+                f"({'nn.Linear' if self.fan_in_fan_out else 'Conv1D'} layers); PEFT sets it to "
+                f"{not self.fan_in_fan_out} for them, and so does hf_mloss.", stacklevel=2)
         if not self.modules and not self.copies:
             raise CorruptCheckpointError(
                 f"{ref.name!r} adapts nothing of the {family.name} model: none of its {len(shapes)} tensor(s) names a "
@@ -200,11 +218,22 @@ class LoraAdapter:
         if name is None:
             self.ignored.extend(roles.values())
             return
-        self._check_in_base(name, f"{path}.weight", base)
         a_shape, b_shape = tuple(self._read.shapes[a_key]), tuple(self._read.shapes[b_key])
-        target = tuple(base.shapes[name])
         kind = "embedding" if embedding else "conv" if len(a_shape) == 4 else "linear"
-        rank = a_shape[0]
+        if not peft_targets(self.ref.adapter_config, path, linear=kind == "linear",
+                            output_embedding=name == self._output_embedding):
+            self.untargeted.append(path)
+            return
+        self._check_in_base(name, f"{path}.weight", base)
+        target = tuple(base.shapes[name])
+        rank = a_shape[0] if a_shape else 0
+        if rank < 1:
+            raise CorruptCheckpointError(
+                f"{self.ref.name!r}: the LoRA A factor of {path!r} has shape {a_shape}, rank 0; the adapter file is "
+                "damaged or was saved untrained. Save the adapter again.")
+        fan_in_fan_out = name in self._conv1d  # as PEFT: the layer's class decides, not the config
+        if kind == "linear" and fan_in_fan_out != self.fan_in_fan_out:
+            self._flipped.append(path)
         if kind == "embedding":
             expected = (a_shape[1], b_shape[0])  # ΔW = (B·A)ᵀ
         elif kind == "conv":
@@ -214,7 +243,7 @@ class LoraAdapter:
                     "reads convolution LoRA with a 1x1 B (as PEFT trains it) only.")
             expected = (b_shape[0], *a_shape[1:])
         else:
-            expected = (a_shape[1], b_shape[0]) if self.fan_in_fan_out else (b_shape[0], a_shape[1])
+            expected = (a_shape[1], b_shape[0]) if fan_in_fan_out else (b_shape[0], a_shape[1])
         if len(b_shape) < 2 or b_shape[1] != rank or expected != target:
             raise IncompatibleCheckpointsError(
                 f"{self.ref.name!r}: the LoRA factors of {path!r} (A {a_shape}, B {b_shape}) do not form a ΔW of the "
@@ -232,12 +261,12 @@ class LoraAdapter:
             raise CorruptCheckpointError(
                 f"{self.ref.name!r}: module {path!r} {'lacks' if self.use_dora else 'has'} a DoRA magnitude while "
                 f"use_dora={self.use_dora}; the config and the weights do not belong together.")
-        if magnitude is not None and (kind != "linear" or self.fan_in_fan_out):
+        if magnitude is not None and (kind != "linear" or fan_in_fan_out):
             raise UnsupportedModelError(
-                f"{self.ref.name!r}: DoRA on {path!r} ({kind}{', fan_in_fan_out' if self.fan_in_fan_out else ''}) is "
+                f"{self.ref.name!r}: DoRA on {path!r} ({kind}{', Conv1D' if fan_in_fan_out else ''}) is "
                 "not read; hf_mloss reads DoRA on nn.Linear layers only. Merge it with merge_and_unload() first.")
         self.modules[name] = LoraModule(name=name, module=path, kind=kind, a_key=a_key, b_key=b_key, scale=scale,
-                                        rank=rank, fan_in_fan_out=self.fan_in_fan_out and kind == "linear",
+                                        rank=rank, fan_in_fan_out=fan_in_fan_out and kind == "linear",
                                         magnitude_key=magnitude)
 
     # ------------------------------------------------------------------------------------------- math
@@ -448,6 +477,75 @@ def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
     return default
 
 
+def _layer_kinds(family: ModelAdapter) -> tuple[frozenset[str], str | None]:
+    """(canonical weight names of transformers ``Conv1D`` layers, the output embeddings' weight name) of the family's
+    model, read from a meta-device instance (no memory)."""
+    model_class = getattr(family, "merged_class", None) or getattr(family, "model_class", None)
+    config = getattr(family, "merged_config", None) or getattr(family, "config", None)
+    if model_class is None or config is None:
+        return frozenset(), None
+    conv1d, output = _raw_layer_kinds(model_class, config.to_json_string(use_diff=False))
+    names = frozenset(n for n in map(family.canonical_key, conv1d) if n is not None)
+    return names, family.canonical_key(output) if output else None
+
+
+@functools.lru_cache(maxsize=16)
+def _raw_layer_kinds(model_class: type, config_json: str) -> tuple[frozenset[str], str | None]:
+    from transformers.pytorch_utils import Conv1D
+
+    config = model_class.config_class.from_dict(json.loads(config_json))
+    with torch.device("meta"):
+        model = model_class(config)
+    conv1d = frozenset(f"{name}.weight" for name, module in model.named_modules() if isinstance(module, Conv1D))
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    output_name = next((f"{name}.weight" for name, module in model.named_modules() if module is output), None) \
+        if output is not None else None
+    return conv1d, output_name
+
+
+def peft_targets(config: dict[str, Any], key: str, *, linear: bool = True, output_embedding: bool = False) -> bool:
+    """Whether PEFT wraps the module ``key`` (its path in the model PEFT wrapped) with this adapter's LoRA layer:
+    PEFT's ``check_target_module_exists`` rules (``exclude_modules``, ``modules_to_save``, ``target_modules`` as a
+    regex or a list of names or name suffixes, ``layers_to_transform`` / ``layers_pattern``), and ``"all-linear"``
+    as every linear layer but the output embeddings."""
+    exclude = config.get("exclude_modules")
+    if exclude:
+        if isinstance(exclude, str):
+            if re.fullmatch(exclude, key):
+                return False
+        elif key in exclude or any(key.endswith(f".{e}") for e in exclude):
+            return False
+    saved = config.get("modules_to_save")
+    if saved and any(re.match(rf"(^|.*\.){m}($|\..*)", key) for m in saved):
+        return False
+    targets = config.get("target_modules")
+    if targets is None:
+        return True  # not saved by PEFT (it always writes the resolved list): every factor in the file is read
+    if isinstance(targets, str):
+        if targets.lower() == "all-linear":
+            return linear and not output_embedding
+        return re.fullmatch(targets, key) is not None
+    if key in targets:
+        return True
+    if not any(key.endswith(f".{t}") for t in targets):
+        return False
+    layers, patterns = config.get("layers_to_transform"), config.get("layers_pattern")
+    if layers is None or (isinstance(layers, list) and not layers):
+        return True
+    if not patterns:
+        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
+    else:
+        match = None
+        for pattern in [patterns] if isinstance(patterns, str) else patterns:
+            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", key)
+            if match is not None:
+                break
+    if match is None:
+        return False
+    index = int(match.group("idx"))
+    return index == layers if isinstance(layers, int) else index in layers
+
+
 # ============================================================================================= finding adapters
 def check_adapter_config(config: Any, name: str) -> dict[str, Any]:
     """Refuse, with the reason, every adapter hf_mloss cannot read exactly (see the module docstring).
@@ -459,6 +557,8 @@ def check_adapter_config(config: Any, name: str) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise CorruptCheckpointError(f"{ADAPTER_CONFIG} of {name!r} is not a JSON object.")
     peft_type = str(config.get("peft_type", "")).upper()
+    if peft_type in ("LORA", "IA3"):
+        _check_common_values(config, name)
     if peft_type == "IA3":
         if config.get("fan_in_fan_out"):
             raise UnsupportedModelError(f"{name!r} is an IA³ adapter with fan_in_fan_out=True, which hf_mloss does "
@@ -474,6 +574,7 @@ def check_adapter_config(config: Any, name: str) -> dict[str, Any]:
             raise UnsupportedModelError(
                 f"{name!r} uses {reason}, which hf_mloss does not read exactly. Merge it with PEFT's "
                 "merge_and_unload() and pass the merged model instead.")
+    _check_lora_values(config, name)
     init = config.get("init_lora_weights", True)
     if isinstance(init, str) and init.lower().startswith(_WEIGHT_CHANGING_INITS):
         raise UnsupportedModelError(
@@ -481,6 +582,97 @@ def check_adapter_config(config: Any, name: str) -> dict[str, Any]:
             "training: the adapter alone is not the fine-tune's task vector. Convert it to plain LoRA when saving "
             "(save_pretrained(..., path_initial_model_for_weight_conversion=...)) and pass the converted adapter.")
     return config
+
+
+MAX_ALPHA = 1e6
+"""Largest ``|lora_alpha|`` read (trained adapters use up to a few thousand): beyond it ΔW overflows float32."""
+
+
+def _bad_value(name: str, option: str, value: Any, expected: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{ADAPTER_CONFIG} of {name!r}: {option} is {str(value)[:80]!r} "
+                                  f"({type(value).__name__}); PEFT expects {expected}. Fix the file or save the "
+                                  "adapter again.")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_regex(name: str, option: str, pattern: Any, template: str = "{}") -> None:
+    if not isinstance(pattern, str):
+        raise _bad_value(name, option, pattern, "a string")
+    try:
+        re.compile(template.format(pattern))
+    except re.error as err:
+        raise CorruptCheckpointError(f"{ADAPTER_CONFIG} of {name!r}: {option} {pattern[:80]!r} is not a valid "
+                                     f"regular expression ({err}); PEFT cannot use it either.") from None
+
+
+def _check_names(name: str, option: str, value: Any, *, regex: bool = True) -> None:
+    """``None``, a regex string or a list of module names (PEFT's ``target_modules`` / ``exclude_modules``)."""
+    if value is None:
+        return
+    if isinstance(value, str):
+        if regex:
+            _check_regex(name, option, value)
+        return
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise _bad_value(name, option, value, "a list of module names or a regular expression")
+
+
+def _check_common_values(config: dict[str, Any], name: str) -> None:
+    declared = config.get("base_model_name_or_path")
+    if declared is not None and not isinstance(declared, str):
+        raise _bad_value(name, "base_model_name_or_path", declared, "a Hub id or a folder path (a string)")
+    for option in ("target_modules", "exclude_modules"):
+        _check_names(name, option, config.get(option))
+    saved = config.get("modules_to_save")
+    if saved is not None:
+        if not isinstance(saved, (list, tuple)):
+            raise _bad_value(name, "modules_to_save", saved, "a list of module names")
+        for module in saved:
+            _check_regex(name, "modules_to_save", module, r"(^|.*\.){}($|\..*)")
+    for option in ("fan_in_fan_out", "use_rslora", "use_dora"):
+        if config.get(option) is not None and not isinstance(config.get(option), bool):
+            raise _bad_value(name, option, config.get(option), "true or false")
+
+
+def _check_lora_values(config: dict[str, Any], name: str) -> None:
+    """Refuse LoRA config values PEFT could not use, before any tensor is read (PEFT's own checks included)."""
+    rank = config.get("r")
+    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 1):
+        raise _bad_value(name, "r", rank, "a positive integer (the LoRA rank)")
+    alpha = config.get("lora_alpha")
+    if alpha is not None and (not _is_number(alpha) or not math.isfinite(alpha) or abs(alpha) > MAX_ALPHA):
+        raise _bad_value(name, "lora_alpha", alpha, f"a finite number (at most {MAX_ALPHA:g} in size here: a "
+                             "larger scale overflows the weights)")
+    for option, positive_int in (("rank_pattern", True), ("alpha_pattern", False)):
+        patterns = config.get(option)
+        if patterns is None:
+            continue
+        if not isinstance(patterns, dict):
+            raise _bad_value(name, option, patterns, "a mapping of module-name patterns to values")
+        for key, value in patterns.items():
+            _check_regex(name, f"{option} key", key, r"(.*\.)?({})$")
+            if positive_int and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise _bad_value(name, f"{option}[{key!r}]", value, "a positive integer (a rank)")
+            if not positive_int and (not _is_number(value) or not math.isfinite(value) or abs(value) > MAX_ALPHA):
+                raise _bad_value(name, f"{option}[{key!r}]", value, "a finite number (an alpha)")
+    layers, patterns = config.get("layers_to_transform"), config.get("layers_pattern")
+    if layers is not None:
+        items = [layers] if isinstance(layers, int) else layers
+        if not isinstance(items, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                  for i in items):
+            raise _bad_value(name, "layers_to_transform", layers, "a layer index or a list of them")
+    if patterns is not None and not (isinstance(patterns, str) or (isinstance(patterns, list) and all(
+            isinstance(p, str) for p in patterns))):
+        raise _bad_value(name, "layers_pattern", patterns, "a name or a list of names")
+    if isinstance(config.get("target_modules"), str) and (layers is not None or patterns is not None):
+        raise CorruptCheckpointError(f"{ADAPTER_CONFIG} of {name!r}: layers_to_transform / layers_pattern cannot be "
+                                     "used with a regular-expression target_modules; PEFT refuses this config too.")
+    if patterns and layers is None:
+        raise CorruptCheckpointError(f"{ADAPTER_CONFIG} of {name!r}: layers_pattern is set without "
+                                     "layers_to_transform; PEFT refuses this config too.")
 
 
 def resolve_lora(spec: ModelSpec, base: tuple[ModelRef, Any, Any] | None, token: str | bool | None
@@ -536,6 +728,23 @@ def _adapter_folder(model: str, revision: str | None, token) -> tuple[str | None
     return (folder, model) if (Path(folder) / ADAPTER_CONFIG).is_file() else (None, None)
 
 
+def declared_base_folder(model: Any) -> str | None:
+    """The local folder an adapter folder's ``base_model_name_or_path`` names (the output guard protects it), or
+    None: not an adapter folder, a Hub id, or unreadable (the run then refuses it with the reason)."""
+    try:
+        config = json.loads((Path(os.fspath(model)).expanduser() / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    except (OSError, TypeError, ValueError):
+        return None
+    declared = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+    if not isinstance(declared, str) or not declared:
+        return None
+    try:
+        folder = Path(declared).expanduser()
+        return str(folder) if folder.is_dir() else None
+    except (OSError, ValueError):
+        return None
+
+
 def check_base(declared: str | None, base: ModelRef, adapter_name: str) -> None:
     """The adapter's ``base_model_name_or_path`` must name the run's base; an empty one takes the run's base.
 
@@ -566,233 +775,3 @@ def check_base(declared: str | None, base: ModelRef, adapter_name: str) -> None:
         f"LoRA adapter {adapter_name!r} was trained on {declared!r} (base_model_name_or_path in its {ADAPTER_CONFIG}) "
         f"but the base of this merge is {base.repo_id or base.path!r}. Pass base={declared!r}, or, if both are the "
         f"same weights saved elsewhere, set base_model_name_or_path in {ADAPTER_CONFIG} to the base you pass.")
-
-
-# ============================================================================================= writing an adapter
-@dataclass
-class LoraOutput:
-    """A merged LoRA adapter, ready to save: PEFT-named tensors, its ``adapter_config.json`` and the SVD errors."""
-
-    tensors: dict[str, torch.Tensor]
-    config: dict[str, Any]
-    combination: str
-    rank: int
-    errors: dict[str, float] = field(default_factory=dict)
-    """Module path -> ‖ΔW − B·A‖_F / ‖ΔW‖_F of the written factors."""
-
-    def save(self, folder: Path) -> None:
-        from safetensors.torch import save_file
-
-        save_file({k: v.contiguous() for k, v in self.tensors.items()}, str(folder / ADAPTER_SAFETENSORS),
-                  metadata={"format": "pt"})
-        (folder / ADAPTER_CONFIG).write_text(json.dumps(self.config, indent=2, sort_keys=True) + "\n")
-        (folder / "hf_mloss_lora.json").write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-
-    def to_dict(self) -> dict[str, Any]:
-        values = list(self.errors.values())
-        return {"combination": self.combination, "rank": self.rank,
-                "max_relative_error": max(values, default=0.0),
-                "mean_relative_error": sum(values) / len(values) if values else 0.0,
-                "relative_errors": self.errors}
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
-    def card_section(self) -> str:
-        """Markdown for the model card: what was written, and what the factorisation lost."""
-        modules = len(self.config["target_modules"])
-        lines = [f"A PEFT LoRA adapter of rank {self.rank} on {modules} module(s), written with "
-                 f"`combination=\"{self.combination}\"`."]
-        if self.combination == "cat":
-            lines.append("The inputs' factors are stacked with the merge weights folded into B: the adapter is the "
-                         "merge exactly (up to float32 round-off).")
-        else:
-            info = self.to_dict()
-            lines.append(f"Each merged ΔW is replaced by its rank-{self.rank} truncated SVD. Relative Frobenius error "
-                         f"‖ΔW − B·A‖/‖ΔW‖: mean {info['mean_relative_error']:.4f}, max "
-                         f"{info['max_relative_error']:.4f} (every tensor's in `hf_mloss_lora.json`).")
-            worst = sorted(self.errors.items(), key=lambda item: -item[1])[:5]
-            if worst:
-                lines += ["", "| module | relative error |", "|---|---|"]
-                lines += [f"| `{module}` | {error:.4f} |" for module, error in worst]
-        return "\n".join(lines)
-
-
-@dataclass
-class AdapterPlan:
-    """What ``output="adapter"`` will write, checked before the merge runs."""
-
-    targets: dict[str, str]
-    """Canonical name -> PEFT module path of every weight an input adapter changes."""
-    copies: dict[str, str]
-    """Canonical name -> PEFT module path of tensors saved in full (``modules_to_save``)."""
-    adapters: list[LoraAdapter]
-    combination: str
-    rank: int
-
-
-def plan_adapter_output(config: MergeConfig, inputs: RunInputs) -> AdapterPlan | None:
-    """For ``output="adapter"``: refuse, before any work, inputs that cannot give an adapter; else the plan.
-
-    Raises:
-        InvalidParameterError: an input is a full model, a target is not a plain linear, a full copy sits on a LoRA
-            target, or ``cat`` meets DoRA inputs.
-    """
-    if config.output != "adapter":
-        return None
-    stores = inputs.sources
-    full = [s.ref.name for s in stores if not isinstance(s, LoraStore)]
-    if full:
-        raise InvalidParameterError(
-            f"output='adapter' writes a LoRA adapter from LoRA adapter inputs, but {full} "
-            f"{'is a full model' if len(full) == 1 else 'are full models'}. Pass adapters only, or write a full "
-            "model (output='auto').")
-    adapters = [s.lora for s in stores]
-    ia3 = [lora.ref.name for lora in adapters if isinstance(lora, Ia3Adapter)]
-    if ia3:
-        raise InvalidParameterError(f"output='adapter' writes a LoRA adapter; {ia3} are IA³ adapters, whose scaled "
-                                    "weights are not low-rank updates. Write a full model (output='auto') instead.")
-    targets: dict[str, str] = {}
-    copies: dict[str, str] = {}
-    for lora in adapters:
-        for name, module in lora.modules.items():
-            if module.kind != "linear" or module.fan_in_fan_out:
-                raise InvalidParameterError(
-                    f"output='adapter' writes LoRA on linear layers; {lora.ref.name!r} adapts {module.module!r} "
-                    f"({module.kind}{', fan_in_fan_out' if module.fan_in_fan_out else ''}). Write a full model "
-                    "(output='auto') instead.")
-            if targets.setdefault(name, module.module) != module.module:
-                raise InvalidParameterError(
-                    f"The adapters name {name!r} differently ({targets[name]!r} and {module.module!r}); they were "
-                    "trained on different model classes. Write a full model (output='auto') instead.")
-        for name, module in lora.copy_modules.items():
-            copies.setdefault(name, module)
-    clash = sorted({copies[n] for n in copies} & {m for m in targets.values()})
-    if clash:
-        raise InvalidParameterError(
-            f"Inputs save full copies of {clash} (modules_to_save or bias='all'/'lora_only') that other inputs adapt "
-            "with LoRA; one PEFT adapter cannot hold both. Write a full model (output='auto') instead.")
-    combination = config.combination or ("cat" if config.method in LINEAR_METHODS else "svd")
-    if combination == "cat" and any(lora.use_dora for lora in adapters):
-        raise InvalidParameterError("combination='cat' stacks LoRA factors, and DoRA inputs are not low-rank updates "
-                                    "of the base; use combination='svd' (with lora_rank=...).")
-    if combination == "cat":
-        rank = max(sum(l.modules[n].rank for l in adapters if n in l.modules) for n in targets) if targets else 1
-    else:
-        rank = config.lora_rank or max((m.rank for l in adapters for m in l.modules.values()), default=1)
-    return AdapterPlan(targets=targets, copies=copies, adapters=adapters, combination=combination, rank=rank)
-
-
-@torch.no_grad()
-def build_adapter_output(plan: AdapterPlan, config: MergeConfig, inputs: RunInputs, merged: dict[str, torch.Tensor],
-                         dtype: torch.dtype) -> LoraOutput:
-    """Factor the merged task vectors into one LoRA adapter (``merged``: canonical name -> merged float32 tensor).
-
-    Raises:
-        InvalidParameterError: the merge changed a tensor no adapter touches (it cannot be written as an adapter).
-    """
-    changed = [n for n in inputs.names if n in merged and n not in plan.targets and n not in plan.copies
-               and not _same(merged[n], inputs.base.get_float(n))]
-    if changed:
-        raise InvalidParameterError(
-            f"The merge changed {len(changed)} tensor(s) no input adapter touches (e.g. {changed[:2]}); they cannot be "
-            "written as a LoRA adapter. Write a full model (output='auto') instead.")
-    tensors: dict[str, torch.Tensor] = {}
-    errors: dict[str, float] = {}
-    # A linear merge of LoRA inputs is B_cat·A_cat exactly: "cat" writes those factors, and "svd" factors them
-    # through two thin QRs (no dense SVD of an out × in matrix). Other merges are factored from the dense ΔW.
-    factored = config.method in LINEAR_METHODS and not any(lora.use_dora for lora in plan.adapters)
-    coefficients = _linear_coefficients(config, inputs) if factored else None
-    for name, module in plan.targets.items():
-        delta = merged[name].float() - inputs.base.get_float(name)
-        if coefficients is not None:
-            a, b = _cat_factors(plan, name, coefficients)
-            mismatch = _relative_error(delta, b @ a)
-            if mismatch > 1e-3:
-                raise RuntimeError(f"The stacked LoRA factors do not reproduce the merge of {name!r} (relative error "
-                                   f"{mismatch:.2e}); please report this.")
-            error = 0.0
-            if plan.combination == "svd":
-                a, b, error = _factored_svd(a, b, plan.rank)
-        else:
-            a, b, error = _svd_factors(delta, plan.rank)
-        errors[module] = error
-        a, b = _pad(a, b, plan.rank)
-        tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = a.to(dtype)
-        tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = b.to(dtype)
-    saved_modules = sorted(set(plan.copies.values()))
-    for name, module in plan.copies.items():
-        tensors[f"{PEFT_PREFIX}{module}.{name.rsplit('.', 1)[1]}"] = merged[name].to(dtype)
-    base = inputs.base.ref
-    adapter_config = {
-        "peft_type": "LORA", "task_type": None, "r": plan.rank, "lora_alpha": plan.rank, "use_rslora": False,
-        "use_dora": False, "target_modules": sorted(plan.targets.values()), "modules_to_save": saved_modules or None,
-        "base_model_name_or_path": base.repo_id, "revision": None, "bias": "none", "fan_in_fan_out": False,
-        "lora_dropout": 0.0, "inference_mode": True, "init_lora_weights": True, "rank_pattern": {},
-        "alpha_pattern": {}, "layers_to_transform": None, "layers_pattern": None,
-    }
-    return LoraOutput(tensors=tensors, config=adapter_config, combination=plan.combination, rank=plan.rank,
-                      errors=errors if plan.combination == "svd" else {})
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    scale = float(b.abs().max()) if b.numel() else 0.0
-    return bool((a.float() - b).abs().max() <= 1e-6 * max(scale, 1e-12)) if a.numel() else True
-
-
-def _linear_coefficients(config: MergeConfig, inputs: RunInputs) -> list[float]:
-    """c_p such that the merged task vector is Σ_p c_p·τ_p (task arithmetic: λ·α_p; averaging: α_p / Σα)."""
-    alpha = inputs.alpha.tolist()
-    if config.method == "average":
-        return [a / sum(alpha) for a in alpha]
-    return [config.method_params().lam * a for a in alpha]
-
-
-def _cat_factors(plan: AdapterPlan, name: str, coefficients: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
-    a_parts, b_parts = [], []
-    for lora, c in zip(plan.adapters, coefficients):
-        if name in lora.modules:
-            a, b = lora.factors(name)
-            a_parts.append(a)
-            b_parts.append(b * c)
-    return torch.cat(a_parts, dim=0), torch.cat(b_parts, dim=1)
-
-
-def _svd_factors(delta: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """The rank-``rank`` truncated SVD of ``delta`` as (A, B) with B·A ≈ ΔW, and its relative Frobenius error."""
-    u, s, vh = torch.linalg.svd(delta, full_matrices=False)
-    r = min(rank, s.numel())
-    total = float(s.pow(2).sum())
-    error = math.sqrt(max(float(s[r:].pow(2).sum()), 0.0) / total) if total > 0 else 0.0
-    return vh[:r].contiguous(), (u[:, :r] * s[:r]).contiguous(), error
-
-
-def _factored_svd(a: torch.Tensor, b: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """The truncated SVD of B·A from its factors: B = Q_b R_b, Aᵀ = Q_a R_a, SVD of the small R_b R_aᵀ."""
-    q_b, r_b = torch.linalg.qr(b)
-    q_a, r_a = torch.linalg.qr(a.T)
-    u, s, vh = torch.linalg.svd(r_b @ r_a.T, full_matrices=False)
-    r = min(rank, s.numel())
-    total = float(s.pow(2).sum())
-    error = math.sqrt(max(float(s[r:].pow(2).sum()), 0.0) / total) if total > 0 else 0.0
-    return (vh[:r] @ q_a.T).contiguous(), ((q_b @ u[:, :r]) * s[:r]).contiguous(), error
-
-
-def _pad(a: torch.Tensor, b: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero rows of A / columns of B up to ``rank`` (one rank for every module; the product is unchanged)."""
-    missing = rank - a.shape[0]
-    if missing > 0:
-        a = torch.cat([a, a.new_zeros(missing, a.shape[1])])
-        b = torch.cat([b, b.new_zeros(b.shape[0], missing)], dim=1)
-    return a, b
-
-
-def _relative_error(reference: torch.Tensor, approximation: torch.Tensor) -> float:
-    norm = float(torch.linalg.norm(reference))
-    return float(torch.linalg.norm(reference - approximation)) / norm if norm > 0 else 0.0
-
-
-def card_metadata(result: Any) -> dict[str, Any]:
-    """PEFT's card metadata for an adapter output: ``library_name: peft``, ``base_model`` (a Hub id, never a path)."""
-    return {"library_name": "peft", "base_model": result.base.repo_id, "base_model_relation": "adapter",
-            "pipeline_tag": None, "tags": ["lora", "peft"]}

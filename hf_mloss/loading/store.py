@@ -31,6 +31,9 @@ _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
+    # float8 is read only to be refused by name (hf_mloss.loading.inputs.check_no_float8), never merged
+    **{code: getattr(torch, name) for code, name in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"))
+       if hasattr(torch, name)},
 }  # fmt: skip
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +28,7 @@ from ..methods import LayerwiseRun, MergeContext, MergeMethod
 from ..parallel import Workers, cpu_workers
 from ..parallel import active as active_workers
 from ..output.result import MergeResult
-from ..spec.schedule import TensorParameters, replace_params
+from ..spec.schedule import TensorParameters, replace_params, split_parameters
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -57,9 +58,12 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
     with open_inputs(config, device=device, token=token, needs_data=needs_data, progress=progress,
                      whole_model=config.output in ("auto", "adapter") and not scored_part_only) as inputs, \
             cpu_workers(inputs.device) as workers:
-        from ..loading.lora import build_adapter_output, plan_adapter_output
+        from ..output.adapter import build_adapter_output, plan_adapter_output
 
         adapter_plan = plan_adapter_output(config, inputs)  # output="adapter": refused here, before any work
+        if adapter_plan is not None and adapter_plan.linear and config.slices is None and not needs_data \
+                and not scored_part_only and not split_parameters(method, config.parameters)[1]:
+            return adapter_from_factors(config, inputs, method, params, adapter_plan)
         # the inputs as given (a passthrough reads every model through its sliced base): recorded and carded
         slice_plan, given = None, inputs
         if config.slices is not None:  # output blocks re-stacked from layer ranges (hf_mloss.spec.slices)
@@ -70,6 +74,10 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
             output = inputs.scoring_output() if scored_part_only else "auto" if adapter_plan else config.output
             model = inputs.load_output_model(output, progress=progress,
                                              dtype=working_dtype(config, inputs, needs_data=needs_data))
+        if getattr(model.config, "auto_map", None):  # code the merged folder would not ship: dropped, and said
+            del model.config.auto_map
+            inputs.notes.append("The base's config.json names custom code (auto_map), which is not copied: the "
+                                "merge's config.json leaves auto_map out and loads with the transformers class.")
         tower = inputs.adapter.tower(model)
         ctx = MergeContext(params=params, weights=inputs.alpha.to(inputs.device, torch.float32), seed=config.seed)
         tensor_params = TensorParameters(method, config.parameters, inputs.adapter,
@@ -110,8 +118,8 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
                                               (inputs.alpha / inputs.alpha.sum()).tolist())
         out_dtype = as_dtype(config.dtype) if config.dtype else stored_dtype(inputs)
         model = finalize(model, merger, out_dtype)
-        lora = None if adapter_plan is None else build_adapter_output(adapter_plan, config, inputs, merger.targets,
-                                                                      out_dtype)
+        lora = None if adapter_plan is None else build_adapter_output(
+            adapter_plan, config, inputs, merger.targets, out_dtype, zero_delta_is_base=method.zero_delta_is_base)
         record = recorded_config(config, given)
         description = method.describe(params)
         if (outside or inputs.towers) and method.needs_data and config.select is None and learned is None \
@@ -119,12 +127,77 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
             description += " " + outside_rule_note(inputs, method, params, merger.names)
         if learned is not None:
             description += ". " + learned.describe()
+        for note in inputs.notes:
+            warnings.warn(note, stacklevel=2)
+            description += " " + note
         if lora is not None:  # the adapter as written: its combination, and the rank an SVD used
             record.combination, record.lora_rank = lora.combination, lora.rank if lora.combination == "svd" else None
         record.resolved_parameters = tensor_params.record(merger.names) if tensor_params else None
         return MergeResult(model=model, config=record, report=report, base=inputs.base.ref, models=given.refs,
                            adapter=inputs.adapter, data_info=inputs.data_info, method_description=description,
                            lora=lora, device=describe_device(inputs.device))
+
+
+@torch.no_grad()
+def adapter_from_factors(config: MergeConfig, inputs: RunInputs, method: MergeMethod, params: Any,
+                         plan: Any) -> MergeResult:
+    """``output="adapter"`` of a linear method over plain LoRA inputs, at the cost of PEFT's
+    ``add_weighted_adapter``: the adapter is built from the adapted modules' factors alone (and the merged full
+    copies); the merged model is built only if :attr:`MergeResult.model` is read (base + B_cat·A_cat, the same merge
+    up to float32 round-off)."""
+    from ..output.adapter import build_linear_adapter_output
+
+    ctx = MergeContext(params=params, weights=inputs.alpha.to(inputs.device, torch.float32), seed=config.seed)
+    out_dtype = as_dtype(config.dtype) if config.dtype else stored_dtype(inputs)
+
+    def merge_copy(name: str) -> torch.Tensor:
+        base = inputs.base.get_float(name, inputs.device)
+        sources = [s.get_float(name, inputs.device) for s in inputs.sources]
+        for store, tensor in [(inputs.base, base), *zip(inputs.sources, sources)]:
+            if not torch.isfinite(tensor).all():
+                raise CorruptCheckpointError(f"{name!r} of {store.ref.name!r} holds non-finite value(s) (NaN/Inf); a "
+                                             "merge would spread them. Fix or exclude that checkpoint.")
+        return method.merge_tensor(name, base, sources, ctx).float()
+
+    lora, exact, copies = build_linear_adapter_output(plan, config, inputs, merge_copy, out_dtype)
+    record = recorded_config(config, inputs)
+    record.combination, record.lora_rank = lora.combination, lora.rank if lora.combination == "svd" else None
+    tensor_params = TensorParameters(method, config.parameters, inputs.adapter)
+    record.resolved_parameters = tensor_params.record(inputs.names) if tensor_params else None
+    description = method.describe(params)
+    for note in inputs.notes:
+        warnings.warn(note, stacklevel=3)
+        description += " " + note
+    from ..output.report import MLossReport
+
+    report = MLossReport.not_computed(config.method, [r.name for r in inputs.refs],
+                                      (inputs.alpha / inputs.alpha.sum()).tolist())
+    adapter, base_path, base_model = inputs.adapter, inputs.base.ref.path, inputs.base_model
+    allow_missing, device = frozenset(inputs.uninitialised), inputs.device
+
+    def load_merged_model() -> PreTrainedModel:
+        from .._logging import quiet_transformers
+
+        if base_model is not None:
+            model = copy.deepcopy(base_model)
+        else:
+            with quiet_transformers(True):
+                model = adapter.load_output_model(base_path, "auto", dtype=torch.float32, allow_missing=allow_missing)
+        model = model.to(device=device, dtype=torch.float32).eval()
+        if getattr(model.config, "auto_map", None):
+            del model.config.auto_map
+        targets = {name: v for k, v in model.state_dict().items()  # as TensorMerger: a whole model's names too
+                   if (name := adapter.canonical_key(k)) is not None}
+        with torch.no_grad():
+            for name, (a, b) in exact.items():
+                targets[name].add_(b @ a)
+            for name, tensor in copies.items():
+                targets[name].copy_(tensor)
+        return model.to(out_dtype).eval()
+
+    return MergeResult(model=None, config=record, report=report, base=inputs.base.ref, models=inputs.refs,
+                       adapter=inputs.adapter, data_info=inputs.data_info, method_description=description,
+                       lora=lora, device=describe_device(inputs.device), model_loader=load_merged_model)
 
 
 def outside_tower_names(inputs: RunInputs, names: Sequence[str]) -> list[str]:
@@ -209,6 +282,8 @@ class TensorMerger:
 
     def read(self, name: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
         base = self.targets[name].float() if name not in self.done else self.inputs.base.get_float(name, self.device)
+        if not torch.isfinite(base.sum()) and not torch.isfinite(base).all():
+            self._refuse_non_finite(name, self.inputs.base, base)
         sources = []
         for store in self.inputs.sources:
             tensor = store.get_float(name, self.device)
@@ -293,12 +368,18 @@ class TensorMerger:
                 if not torch.isfinite(tensor.sum()) and not torch.isfinite(tensor).all():
                     self._refuse_non_finite(name, store)
                 sources.append(tensor)
-            yield piece, target[piece].float(), sources
+            base = target[piece].float()
+            if not torch.isfinite(base.sum()) and not torch.isfinite(base).all():
+                self._refuse_non_finite(name, self.inputs.base, self.targets[name])
+            yield piece, base, sources
 
-    def _refuse_non_finite(self, name: str, store) -> None:
-        bad = int((~torch.isfinite(store.get(name).float())).sum())
+    def _refuse_non_finite(self, name: str, store, tensor: torch.Tensor | None = None) -> None:
+        """Name the checkpoint (the base included) whose ``name`` holds NaN/Inf, before anything is merged."""
+        tensor = store.get(name) if tensor is None else tensor
+        bad = int((~torch.isfinite(tensor.float())).sum())
+        which = "the base " if store is self.inputs.base else ""
         raise CorruptCheckpointError(
-            f"{name!r} of {store.ref.name!r} holds {bad} non-finite value(s) (NaN/Inf); a merge would spread "
+            f"{name!r} of {which}{store.ref.name!r} holds {bad} non-finite value(s) (NaN/Inf); a merge would spread "
             "them. Fix or exclude that checkpoint.")
 
     def _merge_in_chunks(self, name: str, ctx: MergeContext, counts: list[int]) -> None:

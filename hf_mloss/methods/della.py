@@ -70,7 +70,7 @@ def magprune(tau: torch.Tensor, keep: float, spread: float, generator: torch.Gen
 
     if keep >= 1:
         return tau
-    rows = tau if tau.dim() >= 2 else tau.unsqueeze(0)
+    rows = tau if tau.dim() >= 2 else tau.reshape(1, -1)  # a vector is one row; a 0-D tensor one entry
     probs = keep_probabilities(rows.abs(), keep, spread)
     kept_mask = torch.rand(probs.shape, generator=generator, device=tau.device) < probs
     kept = (rows * kept_mask).reshape(tau.shape)

@@ -60,10 +60,11 @@ class _Isotropic(MergeMethod):
     default_weight = "one"
 
     def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
-        from .svd_ops import is_matrix, mean_task_vector, weighted_task_vectors
+        from .svd_ops import is_finite, is_matrix, mean_task_vector, weighted_task_vectors
 
         taus = weighted_task_vectors(base, sources, ctx.weights)
-        merged = self.merge_matrix(taus, ctx.params) if is_matrix(base) else mean_task_vector(taus)
+        merged = self.merge_matrix(taus, ctx.params) if is_matrix(base) and is_finite(taus) else \
+            mean_task_vector(taus)
         return base + ctx.params.lam * merged
 
     def merge_matrix(self, taus: torch.Tensor, params: MethodParams) -> torch.Tensor:

@@ -9,6 +9,8 @@ is then 0: a zero bias interpolates with ``sin(tπ/2)``, exactly as mergekit com
 
 from __future__ import annotations
 
+import warnings
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -51,7 +53,12 @@ class Slerp(MergeMethod):
                                         "drop the weight and set t.")
 
     def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
-        return slerp(ctx.params.t, base, sources[0])
+        t = ctx.params.t
+        if not 0 <= t <= 1 and not ctx.state.get("slerp_warned"):
+            ctx.state["slerp_warned"] = True  # once per run (t may vary per tensor with gradients)
+            warnings.warn(f"slerp t={t} lies outside [0, 1]: the merge extrapolates beyond the two models (as "
+                          "mergekit does). Use t in [0, 1] to interpolate between them.", stacklevel=2)
+        return slerp(t, base, sources[0])
 
 
 def slerp(t: float, v0: torch.Tensor, v1: torch.Tensor, *, dot_threshold: float = DOT_THRESHOLD,

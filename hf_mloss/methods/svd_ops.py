@@ -14,6 +14,13 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+def is_finite(taus: torch.Tensor) -> bool:
+    """Whether the task vectors are finite (finite weights can still differ by more than float32 holds): a
+    non-finite stack is not factored (LAPACK would fail on it) but averaged, so the merge reports the overflow as every
+    method does (:func:`hf_mloss.merging.driver.finalize`)."""
+    return bool(torch.isfinite(taus.sum()) or torch.isfinite(taus).all())
+
+
 def is_matrix(tensor: torch.Tensor) -> bool:
     """A layer matrix for the SVD-based merges: any 2-D tensor (linear weights, embedding tables, projections).
 
@@ -41,8 +48,15 @@ def svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
     LAPACK's divide-and-conquer solver can fail to converge in float32 on matrices with many clustered singular
     values (a task matrix projected off a 616-dimensional common subspace, rank <= 152 of 768, failed so on random
-    ViT-B/32-shaped task vectors); such a call is repeated in float64 and the factors rounded back.
+    ViT-B/32-shaped task vectors); such a call is repeated in float64 and the factors rounded back. A non-finite
+    matrix gives NaN factors (LAPACK would fail on it), so the merge reports the overflow as every method does.
     """
+    if not is_finite(matrix):  # a sum of finite task matrices can overflow: NaN factors, reported as an overflow
+        *batch, m, n = matrix.shape
+        k = min(m, n)
+        nan = float("nan")
+        return (matrix.new_full((*batch, m, k), nan), matrix.new_full((*batch, k), nan),
+                matrix.new_full((*batch, k, n), nan))
     try:
         return torch.linalg.svd(matrix, full_matrices=False)
     except torch.linalg.LinAlgError:

@@ -57,11 +57,11 @@ class TsvMerge(MergeMethod):
         check_fraction(ctx.params.fraction, len(ctx.weights))
 
     def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
-        from .svd_ops import is_matrix, mean_task_vector, weighted_task_vectors
+        from .svd_ops import is_finite, is_matrix, mean_task_vector, weighted_task_vectors
 
         params: TsvParams = ctx.params
         taus = weighted_task_vectors(base, sources, ctx.weights)
-        merged = tsv_merge_matrix(taus, params.fraction) if is_matrix(base) else None
+        merged = tsv_merge_matrix(taus, params.fraction) if is_matrix(base) and is_finite(taus) else None
         if merged is None:
             merged = mean_task_vector(taus)
         return base + params.lam * merged

@@ -50,8 +50,10 @@ def files_to_push(folder: Path) -> list[Path]:
                             f"bytes, {size} when saved); save the merge again.")
         files.append(path)
     files.append(folder / MANIFEST_NAME)
-    if not any(p.suffix == ".safetensors" for p in files) or not (folder / "config.json").is_file():
-        raise PushError(f"{str(folder)!r} has no safetensors weights or no config.json: it is not a saved merge.")
+    described = (folder / "config.json").is_file() or (folder / "adapter_config.json").is_file()  # a model, an adapter
+    if not any(p.suffix == ".safetensors" for p in files) or not described:
+        raise PushError(f"{str(folder)!r} has no safetensors weights or no config.json (adapter_config.json for a "
+                        "merged adapter): it is not a saved merge.")
     return files
 
 

@@ -6,6 +6,7 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from ..adapters import ModelAdapter
     from ..loading.data import DataInfo
     from ..loading.hub import ModelRef
-    from ..loading.lora import LoraOutput
+    from .adapter import LoraOutput
     from .report import MLossReport
 
 
@@ -51,6 +52,9 @@ class MergeResult:
     model it was factored from)."""
     device: str = ""
     """Where the merge was computed (``cpu``, ``cuda:0 (NVIDIA ...)``, ``mps``), as the card records it."""
+    model_loader: Callable[[], PreTrainedModel] | None = field(default=None, repr=False, compare=False)
+    """Builds :attr:`model` on first access (an adapter output written from the inputs' factors alone, whose
+    merged model nothing else needs: the base loaded and ΔW = B·A added, once)."""
 
     @property
     def method(self) -> str:
@@ -239,6 +243,22 @@ class MergeResult:
     def __repr__(self) -> str:
         return (f"MergeResult(method={self.method!r}, base={self.base.name!r}, models={[m.name for m in self.models]}, "
                 f"params={self.config.parameters})")
+
+
+def _get_model(self: MergeResult) -> PreTrainedModel:
+    model = self.__dict__.get("_model")
+    if model is None and self.__dict__.get("model_loader") is not None:
+        model = self.__dict__["_model"] = self.model_loader()
+        self.model_loader = None
+    return model
+
+
+def _set_model(self: MergeResult, value: PreTrainedModel | None) -> None:
+    self.__dict__["_model"] = value
+
+
+MergeResult.model = property(_get_model, _set_model, doc="The merged model (built on first access for an adapter "
+                             "output written from its factors).")  # type: ignore[assignment]
 
 
 __all__ = ["MERGE_CONFIG_NAME", "MergeResult"]

@@ -440,9 +440,12 @@ class MergeConfig:
         return [m.run_weight for m in self.models] if self.models and self.models[0].run_weight is not None else None
 
     def input_paths(self) -> list[str]:
-        """Every local path this run reads: base, models, processor, data, selection heads and shares (an output
-        must not be any of them, inside one or hold one)."""
+        """Every local path this run reads: base, models, processor, data, selection heads and shares, and the
+        local base folder a LoRA adapter names (an output must not be any of them, inside one or hold one)."""
         paths: list[Any] = [spec.model for spec in [self.base, *self.models] if spec.is_local]
+        from ..loading.lora import declared_base_folder
+
+        paths += [f for spec in self.models if spec.is_local and (f := declared_base_folder(spec.model)) is not None]
         if isinstance(self.processor, (str, os.PathLike)) and looks_local(os.fspath(self.processor)):
             paths.append(self.processor)
         for spec in (self.data, self.text_data):
