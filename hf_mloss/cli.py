@@ -153,8 +153,9 @@ def score_command(args: argparse.Namespace) -> int:
     main = is_main_process()  # every process scores its share; the main one prints and writes the reduced result
     show = not args.quiet and main
     if config.data is None and config.text_data is None:  # fail now, not after downloading the models
-        raise InvalidParameterError("Scoring needs unlabeled images and the config has no `data`: add e.g. `data: "
-                                    "{id: tanganke/dtd, split: train, num_samples: 128}` or `data: {path: ./images}`.")
+        raise InvalidParameterError("Scoring needs unlabeled data (images, or texts for text families) and the config "
+                                    "has no `data`: add e.g. `data: {id: tanganke/dtd, split: train, num_samples: 128}`, "
+                                    "`data: {path: ./images}` or `data: {path: prompts.txt}`.")
     if not args.pairwise and (args.subsets or args.output_gap or args.no_baselines or args.out):
         raise InvalidParameterError("--subsets, --output-gap, --no-baselines and --out belong to the compatibility "
                                     "report: add --pairwise.")
@@ -370,7 +371,8 @@ def _selection_parent() -> argparse.ArgumentParser:
                        help="What ranks the candidates (default output; entropy and disagreement need heads in the "
                             "config, except for causal LMs).")
     group.add_argument("--select-samples", type=int, metavar="N", default=None,
-                       help="Unlabeled images each candidate is scored on (default 32).")
+                       help="Unlabeled samples (images, or texts for text families) each candidate is scored on "
+                            "(default 32).")
     return parent
 
 

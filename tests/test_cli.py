@@ -224,7 +224,7 @@ def test_score_without_data_fails_before_loading(ties_config, monkeypatch, capsy
     monkeypatch.setattr(hf_mloss, "score", lambda *a, **k: pytest.fail("scored without data"))
     assert main(["score", str(ties_config)]) == 2
     err = capsys.readouterr().err
-    assert "Scoring needs unlabeled images" in err and "data:" in err
+    assert "Scoring needs unlabeled data" in err and "data:" in err
 
 
 # ------------------------------------------------------------------------------------------------------ push

@@ -49,8 +49,8 @@ def test_readme_quick_start_runs(tmp_path):
     site.mkdir()
     (site / "hf_mloss").symlink_to(REPO / "hf_mloss", target_is_directory=True)
     env = {**os.environ, "PYTHONPATH": str(site)}
-    check = subprocess.run([sys.executable, "-c", "import hf_mloss, importlib.util as u; print(hf_mloss.__file__, "
-                            "u.find_spec('examples'))"], cwd=tmp_path, capture_output=True, text=True, env=env,
+    where = "import hf_mloss, importlib.util as u; print(hf_mloss.__file__, u.find_spec('examples'))"
+    check = subprocess.run([sys.executable, "-c", where], cwd=tmp_path, capture_output=True, text=True, env=env,
                            check=True)
     assert check.stdout.startswith(str(site / "hf_mloss")) and check.stdout.rstrip().endswith("None"), check.stdout
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env,
@@ -231,6 +231,29 @@ def test_card_nits(tiny_paths, image_folder, tmp_path):
     assert "author    = {Wang, Tiantong and" in card
     usage = card.split("## How to use")[1]
     assert usage.index('image = Image.open("photo.jpg")') < usage.index("images=image")
+
+
+def test_a_text_family_speaks_of_texts_not_images(tmp_path, capsys):
+    """Card, re-run error, report reading and CLI help name a text family's samples texts."""
+    from examples import tiny
+
+    from hf_mloss import ConfigError, MergeConfig
+
+    base, models = tiny.save_with_finetunes(tiny.tiny_decoder("llama"), tmp_path / "llama", 2,
+                                            tokenizer=tiny.word_tokenizer(64))
+    texts = [" ".join(f"w{(i * 7 + j) % 60}" for j in range(6 + i % 5)) for i in range(12)]
+    result = hf_mloss.merge(base, models, "m_ties", data=texts, num_samples=8, batch_size=4, progress=False)
+    card = (result.save_pretrained(tmp_path / "merged") / "README.md").read_text()
+    assert "image" not in card.lower(), [line for line in card.splitlines() if "image" in line.lower()]
+    assert ", 8 texts (" in card and "M-Loss measures, on unlabeled texts" in card
+    assert "the scoring texts were passed from Python" in card and "a re-run needs the same texts" in card
+    assert "image" not in result.report.reading().lower()
+    with pytest.raises(ConfigError) as err:
+        MergeConfig.from_yaml(tmp_path / "merged" / "hf_mloss_config.yaml")
+    assert "pass the same texts again" in str(err.value) and "image" not in str(err.value).lower()
+    assert main(["merge", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "Unlabeled samples (images, or texts for text families) each candidate is scored on" in help_text
 
 
 def test_evaluate_is_exported():

@@ -137,15 +137,16 @@ def card_title(result: CardSource, model_class: str) -> str:
     return f"{get_method(result.config.method).pretty_name} merge of {len(result.models)} fine-tunes of {base}"
 
 
-def rerun_blocker(config: MergeConfig) -> str | None:
-    """Why the recorded recipe cannot re-run as written (objects passed from Python), else ``None``."""
+def rerun_blocker(config: MergeConfig, unit: str = "images") -> str | None:
+    """Why the recorded recipe cannot re-run as written (objects passed from Python), else ``None``; ``unit`` names
+    the scoring samples (``images``, ``texts``)."""
     if any(spec.is_loaded for spec in [config.base, *config.models]):
         return ("a model was passed as a loaded Python object (recorded as `in_memory`): replace it with its Hub id "
                 "or folder in the YAML to re-run")
     if config.data is not None and config.data.objects is not None:
-        return ("the scoring images were passed from Python (recorded as `in_memory`, with their content hash when "
-                "they were a tensor): a re-run needs the same images, given as `data: {id: ...}` or `{path: ...}` or "
-                "passed again to `hf_mloss.merge(..., data=...)`")
+        return (f"the scoring {unit} were passed from Python (recorded as `in_memory`, with their content hash when "
+                f"one could be taken): a re-run needs the same {unit}, given as `data: {{id: ...}}` or "
+                "`{path: ...}` or passed again to `hf_mloss.merge(..., data=...)`")
     text = getattr(config, "text_data", None)
     if text is not None and text.objects is not None:
         return ("the text tower's scoring texts were passed from Python (recorded as `in_memory` with their content "
@@ -171,7 +172,7 @@ def tower_lines(report: Any) -> list[str]:
 
 
 def uses_seed(config: MergeConfig) -> bool:
-    """Whether the seed changes the result: random masks (DARE), or a sample of the scoring images."""
+    """Whether the seed changes the result: random masks (DARE), or a sample of the scoring data."""
     return ("dare" in config.method or config.data is not None or getattr(config, "text_data", None) is not None
             or config.select is not None)
 
@@ -196,6 +197,8 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
     template = resources.files("hf_mloss").joinpath("templates", TEMPLATE).read_text(encoding="utf-8")
     model_class = type(result.model).__name__
     metadata = card_data(result)
+    modality = getattr(result.adapter, "modality", "image")
+    unit = "texts" if modality == "text" else "images"  # what the scoring samples are, in every sentence
     return ModelCard.from_template(
         metadata,
         template_str=template,
@@ -218,17 +221,18 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
         parameters=shown,
         seed=result.config.seed,
         seeded=uses_seed(result.config),
-        rerun_blocker=rerun_blocker(result.config),
+        rerun_blocker=rerun_blocker(result.config, unit),
         device=getattr(result, "device", ""),
         dtype=str(next(result.model.parameters()).dtype).replace("torch.", ""),
         data={**result.data_info.to_dict(), **result.data_info.sample_stats()} if result.data_info else None,
+        data_unit=unit,
         eval_rows=[{"task": t, "value": v} for t, v in result.eval_results.items()],
         report=report,
         towers=tower_lines(report),
         mloss_rows=rows,
         has_keep=any("keep_mean" in r for r in rows),
         heatmap=heatmap,
-        selection=selection_rows(result.config, getattr(result.adapter, "modality", "image")),
+        selection=selection_rows(result.config, modality),
         compatibility=compatibility.card_section() if compatibility is not None else None,
         lora=getattr(result, "lora", None) and result.lora.card_section(),
         base_hint=result.base.repo_id or "path/to/base",
