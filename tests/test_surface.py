@@ -256,6 +256,22 @@ def test_a_text_family_speaks_of_texts_not_images(tmp_path, capsys):
     assert "Unlabeled samples (images, or texts for text families) each candidate is scored on" in help_text
 
 
+def test_max_length_above_the_position_limit_is_lowered_with_a_warning(tmp_path):
+    """The README's `max_length=128` on a model with 64 positions: texts are cut at 64 tokens, with a warning."""
+    from examples import tiny
+
+    base, models = tiny.save_with_finetunes(tiny.tiny_decoder("llama"), tmp_path / "llama", 2,
+                                            tokenizer=tiny.word_tokenizer(64))
+    texts = [" ".join(f"w{(i + j) % 60}" for j in range(100)) for i in range(4)]  # 100 words, 64 positions
+    with pytest.warns(UserWarning, match=r"max_length=128 but the base embeds 64 positions .* cut at 64 tokens"):
+        report = hf_mloss.score(base, models, data=texts, max_length=128, num_samples=4, progress=False)
+    assert report.num_samples == 4 and report.num_positions == 4 * 64
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # within the limit: no warning, texts cut where asked
+        assert hf_mloss.score(base, models, data=texts, max_length=32, num_samples=4,
+                              progress=False).num_positions == 4 * 32
+
+
 def test_evaluate_is_exported():
     assert hf_mloss.evaluate is hf_mloss.merging.evaluation.evaluate and "evaluate" in hf_mloss.__all__
     assert hf_mloss.EvalResult(accuracy={"a": 0.5, "b": 1.0}).mean == 0.75
