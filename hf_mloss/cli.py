@@ -56,6 +56,7 @@ def merge_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
 def merge_command(args: argparse.Namespace) -> int:
     from .api import run
     from .output.card import shown_parameters
+    from .spec.schedule import described_schedules
     from .spec.config import MergeConfig
     from .distributed import describe_device, is_main_process, main_process_only
     from .output.push import check_repo_id
@@ -81,12 +82,14 @@ def merge_command(args: argparse.Namespace) -> int:
         saved = result.save_pretrained(out_dir, overwrite=args.overwrite, push_to_hub=bool(args.push_to_hub),
                                        repo_id=args.push_to_hub, **push_kwargs)
     method = config.merge_method()
-    lines = [f"Merged {len(result.models)} models with {method.pretty_name} ({result.method})",
+    count = f"{len(result.models)} model{'' if len(result.models) == 1 else 's'}"
+    shown = {**shown_parameters(result.config.method_params()),  # values that vary over the model, as given
+             **described_schedules(method, result.config.parameters)}
+    lines = [f"Merged {count} with {method.pretty_name} ({result.method})",
              f"  base:       {result.base.name}",
              "  models:     " + ", ".join(f"{r.name} (weight {w:.4g})"
                                           for r, w in zip(result.models, result.weights, strict=True)),
-             "  parameters: " + (", ".join(f"{k}={v!r}" for k, v in
-                                           shown_parameters(result.config.method_params()).items()) or "none"),
+             "  parameters: " + (", ".join(f"{k}={v!r}" for k, v in shown.items()) or "none"),
              f"  device:     {result.device}"]
     if result.data_info is not None:
         info = result.data_info
