@@ -83,7 +83,7 @@ def merge_command(args: argparse.Namespace) -> int:
                                        repo_id=args.push_to_hub, **push_kwargs)
     method = config.merge_method()
     count = f"{len(result.models)} model{'' if len(result.models) == 1 else 's'}"
-    shown = {**shown_parameters(result.config.method_params()),  # values that vary over the model, as given
+    shown = {**shown_parameters(result.config.method_params(), len(result.models)),  # values that vary over the model, as given
              **described_schedules(method, result.config.parameters)}
     lines = [f"Merged {count} with {method.pretty_name} ({result.method})",
              f"  base:       {result.base.name}",
@@ -273,13 +273,8 @@ def methods_command(args: argparse.Namespace) -> int:
     entries = []
     for name in list_methods():
         method = MERGE_METHODS[name]
-        fields = field_help(method.params_class)
-        try:  # defaults as the card shows them: TIES's scope resolved from its default convention
-            resolved = method.params_class()
-            if hasattr(resolved, "resolved_scope") and "scope" in fields:
-                fields["scope"] = (resolved.resolved_scope, fields["scope"][1])
-        except TypeError:  # a method whose parameters have no defaults
-            pass
+        fields = field_help(method.params_class)  # defaults as the card shows them (TIES's scope resolved...)
+        fields = {k: (default, fields[k][1]) for k, default in method.params_class.shown_defaults().items()}
         entries.append({
             "name": name, "pretty_name": method.pretty_name, "reference": method.reference,
             "reference_url": method.reference_url, "needs_data": method.needs_data,

@@ -137,6 +137,21 @@ def test_one_default_per_parameter(capsys, ties_config_path):
     assert "scope='global'" in printed and "None" not in printed.split("parameters:")[1].splitlines()[0]
     card = (ties_config_path.parent / "out" / "README.md").read_text()
     assert "| `scope` | `global` |" in card
+    # an unknown parameter's error lists the defaults as the listing does
+    with pytest.raises(hf_mloss.InvalidParameterError, match=r"scope \(default 'global'\)"):
+        hf_mloss.merge("base", ["a", "b"], "ties", scop="tensor")
+    tsv_line = listing.split("\ntsv_m ")[1].split("\n\n")[0]
+    assert "fraction='1/q'" in tsv_line
+
+
+def test_tsv_m_card_gives_the_fraction_it_used(tiny_paths, tmp_path):
+    base, models = tiny_paths
+    card = (hf_mloss.merge(base, models, "tsv_m", progress=False).save_pretrained(tmp_path / "default")
+            / "README.md").read_text()
+    assert "| `fraction` | `1/q = 0.3333` |" in card
+    card = (hf_mloss.merge(base, models, "tsv_m", fraction=0.25, progress=False).save_pretrained(tmp_path / "set")
+            / "README.md").read_text()
+    assert "| `fraction` | `0.25` |" in card
 
 
 @pytest.fixture
