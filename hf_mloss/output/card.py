@@ -50,7 +50,7 @@ def card_data(result: CardSource) -> ModelCardData:
     datasets = list(dict.fromkeys(i["id"] for i in infos if i.get("source") == "hub" and i.get("id"))) or None
     eval_results = [
         EvalResult(task_type="image-classification", dataset_type=task, dataset_name=task, metric_type="accuracy",
-                   metric_value=float(value))
+                   metric_value=round(float(value), 6))  # float32 accuracies print as 0.5699999928474426
         for task, value in result.eval_results.items()
     ] or None
     lora = getattr(result, "lora", None)
@@ -58,9 +58,11 @@ def card_data(result: CardSource) -> ModelCardData:
         from ..loading.lora import card_metadata
 
         meta = card_metadata(result)
+    base_model = meta["base_model"] if lora is not None else hub_ids or None
     return ModelCardData(
-        base_model=meta["base_model"] if lora is not None else hub_ids or None,
-        base_model_relation="adapter" if lora is not None else "merge",
+        base_model=base_model,
+        # the Hub reads the relation as the model's relation to its `base_model`: none without one (local inputs)
+        base_model_relation=("adapter" if lora is not None else "merge") if base_model else None,
         library_name=meta["library_name"],
         pipeline_tag=meta["pipeline_tag"],
         license=base_license(result.base.path),
@@ -116,10 +118,11 @@ def selection_rows(config: MergeConfig, modality: str = "image") -> dict[str, An
             "chosen": ", ".join(f"{k}={v}" for k, v in (select.chosen or {}).items())}
 
 
-def shown_parameters(params: Any) -> dict[str, Any]:
-    """A method's parameters as every surface shows them (card, CLI, ``hf-mloss methods``): unset optional ones
-    left out, and TIES's ``scope`` resolved from its convention (``None`` means ``global`` for ``hf_mloss``)."""
-    resolved = {"scope": params.resolved_scope} if hasattr(params, "resolved_scope") else {}
+def shown_parameters(params: Any, q: int | None = None) -> dict[str, Any]:
+    """A method's parameters as every surface shows them (card, CLI, ``hf-mloss methods``): a ``None`` that stands
+    for a value resolved (TIES's ``scope`` from its convention, TSV-M's ``fraction`` as 1/q for ``q`` models), other
+    unset optional ones left out."""
+    resolved = params.resolved_defaults(q) if hasattr(params, "resolved_defaults") else {}
     shown = {k: resolved.get(k, v) for k, v in params.to_dict().items()}
     return {k: v for k, v in shown.items() if v is not None}
 
@@ -185,7 +188,7 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
     """
     report = result.report
     rows = report.summary_rows() if report is not None else []
-    shown = shown_parameters(result.config.method_params())
+    shown = shown_parameters(result.config.method_params(), len(result.models))
     # values that vary over the model (gradients, filter lists), as given
     shown.update(described_schedules(result.config.merge_method(), result.config.parameters))
     if getattr(result.config, "slices", None):  # output blocks taken from layer ranges of the inputs
