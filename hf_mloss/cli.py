@@ -273,8 +273,9 @@ def methods_command(args: argparse.Namespace) -> int:
     entries = []
     for name in list_methods():
         method = MERGE_METHODS[name]
-        fields = field_help(method.params_class)  # defaults as the card shows them (TIES's scope resolved...)
-        fields = {k: (default, fields[k][1]) for k, default in method.params_class.shown_defaults().items()}
+        # defaults as the card shows them: a None that stands for a value resolved (TIES's scope, TSV-M's fraction)
+        helps = field_help(method.params_class)
+        fields = {k: (default, helps[k][1]) for k, default in method.params_class.shown_defaults().items()}
         entries.append({
             "name": name, "pretty_name": method.pretty_name, "reference": method.reference,
             "reference_url": method.reference_url, "needs_data": method.needs_data,
