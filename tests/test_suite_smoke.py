@@ -43,7 +43,7 @@ def test_real_smoke_end_to_end(tmp_path, capsys):
     printed = captured.out
     # every stage that runs longer than a few seconds on the real suite shows a bar or a line while it runs
     for stage in ("texture train: frozen blocks", "exemplar: frozen blocks", "fine-tune shapes (seed 1)",
-                  "foreign task vectors", "ties (2 settings)", "frozen heads: exemplars",
+                  "foreign task vectors", "fine-tunes on val", "pretrained heads", "ties (2 settings)", "frozen heads: exemplars",
                   "the fine-tunes, their ensembles", "paired differences", "the M-TIES merge of replicate 0"):
         assert stage in captured.err, stage
     record = gated_record(printed, table, replicates=2)

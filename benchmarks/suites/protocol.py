@@ -127,7 +127,8 @@ def reference_rows(bench: Bench, pretrained: dict[str, dict[str, torch.Tensor]],
     own task, and both ensembles, on val and test."""
     for split in SPLITS:
         labels = bench.labels(split)
-        member = {p: bench.features(state, split) for p, state in tuned.items()}  # q full passes
+        member = {p: bench.features(state, split)  # q full passes
+                  for p, state in progress(tuned.items(), f"fine-tunes on {split}", total=len(tuned))}
         rows = {
             "pretrained heads": pretrained[split],
             "fine-tuned (own task)": {t: bench.heads[t].logits(member[t][t]) for t in bench.tasks},
@@ -202,7 +203,7 @@ def run_method(bench: Bench, replicate: Replicate, spec: MethodSpec, out: Replic
 def pretrained_scores(bench: Bench) -> dict[str, dict[str, torch.Tensor]]:
     """The base model's scores under every task's head: split → task → scores (shared by all replicates)."""
     base = bench.load_state(bench.base_dir)
-    return {split: evaluate_state(bench, base, split) for split in SPLITS}
+    return {split: evaluate_state(bench, base, split) for split in progress(SPLITS, "pretrained heads")}
 
 
 def run_replicate(bench: Bench, replicate: Replicate, specs: Sequence[MethodSpec], *, num_samples: int = 128,
