@@ -65,9 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-samples", type=int, default=64, help="unlabeled images for M-Loss")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="hf_mloss_demo_") as work:  # the inputs go when the demo ends
+        return run_demo(args, Path(work))
 
-    work = Path(tempfile.mkdtemp(prefix="hf_mloss_demo_"))
-    print(f"Building a base and {args.q} fine-tuned CLIP vision towers in {work} ...")
+
+def run_demo(args: argparse.Namespace, work: Path) -> int:
+    """Build the inputs in ``work``, compare the merges, save the M-TIES merge to ``args.out``."""
+    print(f"Building a base and {args.q} fine-tuned CLIP vision towers in {work} (removed at the end) ...")
     base = make_base(args.seed, **DEMO_CONFIG)
     base_dir = save_model(base, work / "base")
     finetunes = [make_finetune(base, args.seed * 100 + i, scale=2e-2) for i in range(args.q)]

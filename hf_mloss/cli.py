@@ -56,6 +56,7 @@ def merge_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
 def merge_command(args: argparse.Namespace) -> int:
     from .api import run
     from .output.card import model_specs, shown_parameters, weight_text
+    from .spec.schedule import described_schedules
     from .spec.config import MergeConfig
     from .distributed import describe_device, is_main_process, main_process_only
     from .output.push import check_repo_id
@@ -81,12 +82,14 @@ def merge_command(args: argparse.Namespace) -> int:
         saved = result.save_pretrained(out_dir, overwrite=args.overwrite, push_to_hub=bool(args.push_to_hub),
                                        repo_id=args.push_to_hub, **push_kwargs)
     method = config.merge_method()
-    lines = [f"Merged {len(result.models)} models with {method.pretty_name} ({result.method})",
+    count = f"{len(result.models)} model{'' if len(result.models) == 1 else 's'}"
+    shown = {**shown_parameters(result.config.method_params(), len(result.models)),  # values that vary over the model, as given
+             **described_schedules(method, result.config.parameters)}
+    lines = [f"Merged {count} with {method.pretty_name} ({result.method})",
              f"  base:       {result.base.name}",
              "  models:     " + ", ".join(f"{r.name} (weight {weight_text(w, spec)})" for r, w, spec in
                                           zip(result.models, result.weights, model_specs(result), strict=True)),
-             "  parameters: " + (", ".join(f"{k}={v!r}" for k, v in
-                                           shown_parameters(result.config.method_params()).items()) or "none"),
+             "  parameters: " + (", ".join(f"{k}={v!r}" for k, v in shown.items()) or "none"),
              f"  device:     {result.device}"]
     if result.data_info is not None:
         info = result.data_info
@@ -174,8 +177,9 @@ def score_command(args: argparse.Namespace) -> int:
     main = is_main_process()  # every process scores its share; the main one prints and writes the reduced result
     show = not args.quiet and main
     if config.data is None and config.text_data is None:  # fail now, not after downloading the models
-        raise InvalidParameterError("Scoring needs unlabeled images and the config has no `data`: add e.g. `data: "
-                                    "{id: tanganke/dtd, split: train, num_samples: 128}` or `data: {path: ./images}`.")
+        raise InvalidParameterError("Scoring needs unlabeled data (images, or texts for text families) and the config "
+                                    "has no `data`: add e.g. `data: {id: tanganke/dtd, split: train, num_samples: 128}`, "
+                                    "`data: {path: ./images}` or `data: {path: prompts.txt}`.")
     if not args.pairwise and (args.subsets or args.output_gap or args.no_baselines or args.out):
         raise InvalidParameterError("--subsets, --output-gap, --no-baselines and --out belong to the compatibility "
                                     "report: add --pairwise.")
@@ -290,13 +294,9 @@ def methods_command(args: argparse.Namespace) -> int:
     entries = []
     for name in list_methods():
         method = MERGE_METHODS[name]
-        fields = field_help(method.params_class)
-        try:  # defaults as the card shows them: TIES's scope resolved from its default convention
-            resolved = method.params_class()
-            if hasattr(resolved, "resolved_scope") and "scope" in fields:
-                fields["scope"] = (resolved.resolved_scope, fields["scope"][1])
-        except TypeError:  # a method whose parameters have no defaults
-            pass
+        # defaults as the card shows them: a None that stands for a value resolved (TIES's scope, TSV-M's fraction)
+        helps = field_help(method.params_class)
+        fields = {k: (default, helps[k][1]) for k, default in method.params_class.shown_defaults().items()}
         entries.append({
             "name": name, "pretty_name": method.pretty_name, "reference": method.reference,
             "reference_url": method.reference_url, "needs_data": method.needs_data,
@@ -393,7 +393,8 @@ def _selection_parent() -> argparse.ArgumentParser:
                        help="What ranks the candidates (default output; entropy and disagreement need heads in the "
                             "config, except for causal LMs).")
     group.add_argument("--select-samples", type=int, metavar="N", default=None,
-                       help="Unlabeled images each candidate is scored on (default 32).")
+                       help="Unlabeled samples (images, or texts for text families) each candidate is scored on "
+                            "(default 32).")
     return parent
 
 

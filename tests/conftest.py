@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -48,7 +49,42 @@ def image_folder(tmp_path_factory) -> Path:
 # them from the package index: they run when the environments exist (`python benchmarks/peers/setup_envs.py`, once,
 # into $HF_MLOSS_PEER_ENVS or benchmarks/.cache/peer-envs) and are skipped with that command otherwise. CI (`CI`
 # set) builds them first and requires them; HF_MLOSS_BUILD_PEER_ENVS=1 lets a test build a missing one.
+#
+# Two layers: `ensure_env` itself is wrapped for the whole session (any test, whatever its name, that asks for a
+# missing environment is skipped before anything is created), and a test whose name names its peer is skipped before
+# its fixtures are built (a fast path only).
 _PEERS_BY_TEST = {"mergekit": ("mergekit",), "fusion_bench": ("fusion_bench",), "both_peers": ("mergekit", "fusion_bench")}
+
+
+def _may_build_peer_envs() -> bool:
+    return bool(os.environ.get("CI")) or os.environ.get("HF_MLOSS_BUILD_PEER_ENVS") == "1"
+
+
+def _missing_envs_reason(missing, root) -> str:
+    return (f"peer environment(s) {', '.join(missing)} not built in {root}: run `python "
+            f"benchmarks/peers/setup_envs.py {' '.join(missing)}` once (needs the package index), or set "
+            "HF_MLOSS_PEER_ENVS to where they were built")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    try:
+        from benchmarks.peers import setup_envs
+    except ImportError:
+        return  # not run from the repository root: the peer tests skip themselves
+    build = setup_envs.ensure_env
+    if getattr(build, "offline_guard", False):
+        return
+
+    @functools.wraps(build)
+    def ensure_env_or_skip(name: str, *args, **kwargs):
+        """`ensure_env` under the test command: an environment that is not built skips the test, never builds."""
+        key = setup_envs.normalize_peer(name)
+        if not _may_build_peer_envs() and (kwargs.get("force") or setup_envs.env_info(key) is None):
+            pytest.skip(_missing_envs_reason([key], setup_envs.envs_root()))
+        return build(name, *args, **kwargs)
+
+    ensure_env_or_skip.offline_guard = True
+    setup_envs.ensure_env = ensure_env_or_skip
 
 
 def _peers_needed(item: pytest.Item) -> tuple[str, ...]:
@@ -59,7 +95,7 @@ def _peers_needed(item: pytest.Item) -> tuple[str, ...]:
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     needed = _peers_needed(item)
-    if not needed or os.environ.get("CI") or os.environ.get("HF_MLOSS_BUILD_PEER_ENVS") == "1":
+    if not needed or _may_build_peer_envs():
         return
     try:
         from benchmarks.peers import setup_envs
@@ -67,6 +103,4 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         return  # not run from the repository root: the test module skips itself
     missing = [name for name in needed if setup_envs.env_info(name) is None]
     if missing:
-        pytest.skip(f"peer environment(s) {', '.join(missing)} not built in {setup_envs.envs_root()}: run `python "
-                    f"benchmarks/peers/setup_envs.py {' '.join(missing)}` once (needs the package index), or set "
-                    "HF_MLOSS_PEER_ENVS to where they were built")
+        pytest.skip(_missing_envs_reason(missing, setup_envs.envs_root()))

@@ -229,7 +229,7 @@ def test_score_without_data_fails_before_loading(ties_config, monkeypatch, capsy
     monkeypatch.setattr(hf_mloss, "score", lambda *a, **k: pytest.fail("scored without data"))
     assert main(["score", str(ties_config)]) == 2
     err = capsys.readouterr().err
-    assert "Scoring needs unlabeled images" in err and "data:" in err
+    assert "Scoring needs unlabeled data" in err and "data:" in err
 
 
 # ------------------------------------------------------------------------------------------------------ push
@@ -319,3 +319,15 @@ def test_output_modes_follow_the_umask(ties_config, tmp_path, umask, folder_mode
     files = [p for p in out.rglob("*") if p.is_file()]
     assert "model.safetensors" in {p.name for p in files}
     assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in files} == {p.name: oct(file_mode) for p in files}
+
+
+def test_merge_summary_shows_schedules_as_given_and_counts_models(tmp_path, tiny_paths, capsys):
+    """SLERP with a per-filter t: the printed summary gives the filter list (not the default t=0.5) and counts
+    "1 model"."""
+    base, models = tiny_paths
+    config = write_config(tmp_path / "slerp.yaml", base=base, models=models[:1], method="slerp",
+                          parameters={"t": [{"filter": "self_attn", "value": 0.2}, {"value": 0.7}]})
+    assert main(["merge", str(config), str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out
+    assert "Merged 1 model with SLERP (spherical linear interpolation) (slerp)" in printed
+    assert "parameters: t='self_attn: 0.2; elsewhere: 0.7'" in printed and "t=0.5" not in printed

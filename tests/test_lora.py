@@ -208,6 +208,9 @@ def test_average_cat_adapter_is_exact(lora_setup, tmp_path):
     result = hf_mloss.merge(str(base_dir), [str(a) for a in adapters], "average", output="adapter", progress=False)
     assert result.lora.combination == "cat"
     folder = result.save_pretrained(tmp_path / "avg")
+    # a local base is named by its folder, as PEFT does for a base loaded from one (not null)
+    written = json.loads((folder / "adapter_config.json").read_text())
+    assert written["base_model_name_or_path"] == str(Path(base_dir).resolve())
     reference = hf_mloss.merge(str(base_dir), [str(f) for f in full], "average", progress=False)
     assert_close_states(load_written_adapter(base_dir, folder), _state(reference))
 

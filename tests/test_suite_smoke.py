@@ -39,7 +39,13 @@ def test_real_smoke_end_to_end(tmp_path, capsys):
     out, table = tmp_path / "out", tmp_path / "record" / "smoke_suite"
     assert main(["real-smoke", "--cache", str(tmp_path / "cache"), "--out", str(out), "--table", str(table),
                  "--threads", "1"]) == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
+    # every stage that runs longer than a few seconds on the real suite shows a bar or a line while it runs
+    for stage in ("texture train: frozen blocks", "exemplar: frozen blocks", "fine-tune shapes (seed 1)",
+                  "foreign task vectors", "fine-tunes on val", "pretrained heads", "ties (2 settings)", "frozen heads: exemplars",
+                  "the fine-tunes, their ensembles", "paired differences", "the M-TIES merge of replicate 0"):
+        assert stage in captured.err, stage
     record = gated_record(printed, table, replicates=2)
     assert "--table" in record["command"]
     assert "--out" not in record["command"] and "--cache" not in record["command"]  # no machine folder in the record

@@ -28,7 +28,7 @@ def readme_block(heading: str, language: str = "python") -> str:
 # ----------------------------------------------------------------------------------------------------- README
 def test_readme_leads_with_the_two_commands_and_stays_short():
     text = (REPO / "README.md").read_text()
-    assert len(text.splitlines()) <= 250
+    assert len(text.splitlines()) <= 265
     commands = text.split("```bash\n")[1].split("```")[0].splitlines()
     assert commands[0].endswith("python -m benchmarks.suites real-quick")
     assert commands[1].startswith('pip install torch==2.13.0 -e ".[test]" && python -m pytest')
@@ -41,11 +41,20 @@ def test_readme_leads_with_the_two_commands_and_stays_short():
 
 
 def test_readme_quick_start_runs(tmp_path):
+    """The quick start runs where the package is installed: from a folder outside the clone, with only the package
+    importable (the clone's examples/ and benchmarks/ are not on the path, as after `pip install`)."""
     code = readme_block("Quick start")
-    assert len([line for line in code.splitlines() if line.strip()]) <= 5
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    assert len([line for line in code.splitlines() if line.strip()]) <= 12
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "hf_mloss").symlink_to(REPO / "hf_mloss", target_is_directory=True)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    where = "import hf_mloss, importlib.util as u; print(hf_mloss.__file__, u.find_spec('examples'))"
+    check = subprocess.run([sys.executable, "-c", where], cwd=tmp_path, capture_output=True, text=True, env=env,
+                           check=True)
+    assert check.stdout.startswith(str(site / "hf_mloss")) and check.stdout.rstrip().endswith("None"), check.stdout
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env,
-                          timeout=300)
+                          timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (tmp_path / "merged" / "model.safetensors").is_file()
     # the CLI equivalent the README gives
@@ -128,6 +137,21 @@ def test_one_default_per_parameter(capsys, ties_config_path):
     assert "scope='global'" in printed and "None" not in printed.split("parameters:")[1].splitlines()[0]
     card = (ties_config_path.parent / "out" / "README.md").read_text()
     assert "| `scope` | `global` |" in card
+    # an unknown parameter's error lists the defaults as the listing does
+    with pytest.raises(hf_mloss.InvalidParameterError, match=r"scope \(default 'global'\)"):
+        hf_mloss.merge("base", ["a", "b"], "ties", scop="tensor")
+    tsv_line = listing.split("\ntsv_m ")[1].split("\n\n")[0]
+    assert "fraction='1/q'" in tsv_line
+
+
+def test_tsv_m_card_gives_the_fraction_it_used(tiny_paths, tmp_path):
+    base, models = tiny_paths
+    card = (hf_mloss.merge(base, models, "tsv_m", progress=False).save_pretrained(tmp_path / "default")
+            / "README.md").read_text()
+    assert "| `fraction` | `1/q = 0.3333` |" in card
+    card = (hf_mloss.merge(base, models, "tsv_m", fraction=0.25, progress=False).save_pretrained(tmp_path / "set")
+            / "README.md").read_text()
+    assert "| `fraction` | `0.25` |" in card
 
 
 @pytest.fixture
@@ -222,6 +246,45 @@ def test_card_nits(tiny_paths, image_folder, tmp_path):
     assert "author    = {Wang, Tiantong and" in card
     usage = card.split("## How to use")[1]
     assert usage.index('image = Image.open("photo.jpg")') < usage.index("images=image")
+
+
+def test_a_text_family_speaks_of_texts_not_images(tmp_path, capsys):
+    """Card, re-run error, report reading and CLI help name a text family's samples texts."""
+    from examples import tiny
+
+    from hf_mloss import ConfigError, MergeConfig
+
+    base, models = tiny.save_with_finetunes(tiny.tiny_decoder("llama"), tmp_path / "llama", 2,
+                                            tokenizer=tiny.word_tokenizer(64))
+    texts = [" ".join(f"w{(i * 7 + j) % 60}" for j in range(6 + i % 5)) for i in range(12)]
+    result = hf_mloss.merge(base, models, "m_ties", data=texts, num_samples=8, batch_size=4, progress=False)
+    card = (result.save_pretrained(tmp_path / "merged") / "README.md").read_text()
+    assert "image" not in card.lower(), [line for line in card.splitlines() if "image" in line.lower()]
+    assert ", 8 texts (" in card and "M-Loss measures, on unlabeled texts" in card
+    assert "the scoring texts were passed from Python" in card and "a re-run needs the same texts" in card
+    assert "image" not in result.report.reading().lower()
+    with pytest.raises(ConfigError) as err:
+        MergeConfig.from_yaml(tmp_path / "merged" / "hf_mloss_config.yaml")
+    assert "pass the same texts again" in str(err.value) and "image" not in str(err.value).lower()
+    assert main(["merge", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "Unlabeled samples (images, or texts for text families) each candidate is scored on" in help_text
+
+
+def test_max_length_above_the_position_limit_is_lowered_with_a_warning(tmp_path):
+    """The README's `max_length=128` on a model with 64 positions: texts are cut at 64 tokens, with a warning."""
+    from examples import tiny
+
+    base, models = tiny.save_with_finetunes(tiny.tiny_decoder("llama"), tmp_path / "llama", 2,
+                                            tokenizer=tiny.word_tokenizer(64))
+    texts = [" ".join(f"w{(i + j) % 60}" for j in range(100)) for i in range(4)]  # 100 words, 64 positions
+    with pytest.warns(UserWarning, match=r"max_length=128 but the base embeds 64 positions .* cut at 64 tokens"):
+        report = hf_mloss.score(base, models, data=texts, max_length=128, num_samples=4, progress=False)
+    assert report.num_samples == 4 and report.num_positions == 4 * 64
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # within the limit: no warning, texts cut where asked
+        assert hf_mloss.score(base, models, data=texts, max_length=32, num_samples=4,
+                              progress=False).num_positions == 4 * 32
 
 
 def test_evaluate_is_exported():

@@ -258,3 +258,14 @@ def test_probe_measures_headroom_per_task_on_the_suite_data(tmp_path, monkeypatc
     assert result["finetune"] == {"ft_steps": 4} and result["sizes"]["syn_b"]["val"]["snippets"] == 24
     table = out.with_suffix(".md").read_text()
     assert f"| syn_b | 24 | {row['pretrained']:.1f} | {row['finetuned']:.1f} |" in table and "--cache" not in table
+
+
+def test_a_missing_source_names_the_apt_packages_of_its_task(monkeypatch, tmp_path):
+    """A test skipped for a missing Debian package says which `apt-get install` brings it, not the whole list."""
+    assert set(T.TASK_PACKAGES) == set(T.TASKS)
+    assert set(" ".join(T.TASK_PACKAGES.values()).split()) - {"base-files"} == set(T.INSTALL.split()[2:])
+    monkeypatch.setattr(T, "FORTUNES", tmp_path / "fortunes")
+    monkeypatch.setattr(T, "DICTD", tmp_path / "dictd")
+    assert T.missing_sources(["fortune"])[0].endswith("(task 'fortune'; install with: apt-get install fortunes)")
+    assert T.missing_sources(["glossary"])[0].endswith(
+        "install with: apt-get install dict-devil dict-foldoc dict-gcide dict-jargon dict-vera)")

@@ -48,9 +48,11 @@ from typing import Any
 import yaml
 
 try:  # imported as benchmarks.peers.run_peer
-    from benchmarks.peers.setup_envs import ensure_env, normalize_peer, venv_bin
+    from benchmarks.peers import setup_envs
+    from benchmarks.peers.setup_envs import normalize_peer, venv_bin
 except ImportError:  # run as a script from benchmarks/peers/
-    from setup_envs import ensure_env, normalize_peer, venv_bin  # type: ignore[no-redef]
+    import setup_envs  # type: ignore[no-redef]
+    from setup_envs import normalize_peer, venv_bin  # type: ignore[no-redef]
 
 __all__ = [
     "FUSION_BENCH_METHODS",
@@ -326,7 +328,7 @@ def run_peer_merge(
         cmd = [str(venv_bin(key)), str(CHILD_SCRIPT), str(spec_path)]
 
     # Inputs are validated above, before any (slow) install.
-    python = ensure_env(key)
+    python = setup_envs.ensure_env(key)
     if python is None:
         raise PeerUnavailable(f"{key} venv is not available (see the message above)")
     env = _child_env(python)
@@ -380,7 +382,7 @@ def run_mergekit_yaml(config: dict, out_dir: str | Path, *, seed: int = 0,
     log_path = out_dir / "peer_run.log"
     cfg_path = out_dir / "peer_config.yml"
     cfg_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    python = ensure_env("mergekit")
+    python = setup_envs.ensure_env("mergekit")
     if python is None:
         raise PeerUnavailable("mergekit venv is not available (see the message above)")
     for stale in out_dir.glob("*.safetensors"):

@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="add the SVD-based merges to the compared methods (image suites: tsv_m, iso_c, iso_cts; text: "
                         "tsv_m, iso_c)")
     args = parser.parse_args(argv)
+    print(f"suite {args.suite}: loading torch, transformers and the suite ...", file=sys.stderr, flush=True)
     out = args.out or Path(f"hf_mloss_{args.suite.replace('-', '_')}_suite")
     start = time.perf_counter()
     command = "python -m benchmarks.suites " + " ".join(record_args(argv if argv is not None else sys.argv[1:]))

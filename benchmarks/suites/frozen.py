@@ -18,11 +18,16 @@ from transformers import Dinov2Model
 
 
 @torch.inference_mode()
-def lower_hidden(model: Dinov2Model, pixels: torch.Tensor, frozen: int, *, batch: int = 128) -> torch.Tensor:
-    """Hidden states after the embeddings and the first ``frozen`` blocks: float32 ``[N, tokens, hidden]``."""
+def lower_hidden(model: Dinov2Model, pixels: torch.Tensor, frozen: int, *, batch: int = 128,
+                 desc: str | None = None) -> torch.Tensor:
+    """Hidden states after the embeddings and the first ``frozen`` blocks: float32 ``[N, tokens, hidden]``
+    (``desc``: a progress bar over the batches, so named)."""
+    from benchmarks.suites.training import progress
+
     model.eval()
     out = []
-    for chunk in pixels.split(batch):
+    chunks = pixels.split(batch)
+    for chunk in progress(chunks, desc or "", enabled=desc is not None):
         hidden = model.embeddings(chunk)
         for block in model.encoder.layer[:frozen]:
             hidden = block(hidden)

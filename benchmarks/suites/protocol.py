@@ -36,6 +36,8 @@ import numpy as np
 import torch
 
 import hf_mloss
+
+from benchmarks.suites.training import progress
 from hf_mloss.merging.evaluation import ensemble_scores
 
 State = dict[str, torch.Tensor]
@@ -150,7 +152,8 @@ def reference_rows(bench: Bench, pretrained: dict[str, dict[str, torch.Tensor]],
     chosen = None
     for split in SPLITS:
         labels = bench.labels(split)
-        member = {p: bench.features(state, split) for p, state in tuned.items()}  # q full passes
+        member = {p: bench.features(state, split)  # q full passes
+                  for p, state in progress(tuned.items(), f"fine-tunes on {split}", total=len(tuned))}
         rows = {
             "pretrained heads": pretrained[split],
             "fine-tuned (own task)": {t: bench.heads[t].logits(member[t][t]) for t in bench.tasks},
@@ -186,13 +189,12 @@ def probability_ensemble(bench: Bench, member: Mapping[str, Mapping[str, torch.T
 def foreign_effects(bench: Bench, base: State, tuned: dict[str, State], out: ReplicateResult) -> None:
     """Val accuracy of θ₀ + τ_t + τ_p minus that of θ₀ + τ_t on task t, for every ordered pair t ≠ p."""
     labels = bench.labels("val")
-    for t in bench.tasks:
+    pairs = [(t, p) for t in bench.tasks for p in bench.tasks if p != t]
+    for t, p in progress(pairs, "foreign task vectors"):
         own = out.reference["fine-tuned (own task)"]["val"][t]
-        for p in bench.tasks:
-            if p != t:
-                state = combine([tuned[t], tuned[p], base], [1.0, 1.0, -1.0])
-                scores = bench.heads[t].logits(bench.features(state, "val", [t])[t])
-                out.foreign[f"{t}+{p}"] = accuracy(scores, labels[t]) - own
+        state = combine([tuned[t], tuned[p], base], [1.0, 1.0, -1.0])
+        scores = bench.heads[t].logits(bench.features(state, "val", [t])[t])
+        out.foreign[f"{t}+{p}"] = accuracy(scores, labels[t]) - own
 
 
 def evaluate_state(bench: Bench, state: State, split: str) -> dict[str, torch.Tensor]:
@@ -210,7 +212,9 @@ def run_method(bench: Bench, replicate: Replicate, spec: MethodSpec, out: Replic
     merge_s = eval_s = 0.0
     best = None
     grid = []
-    for setting in spec.settings():
+    settings = spec.settings()
+    for setting in progress(settings, f"{spec.label} ({len(settings)} settings)",
+                            enabled=len(settings) > 1 and getattr(log, "enabled", True)):
         start = time.perf_counter()
         heads = {"heads": [bench.heads[t] for t in bench.tasks]} if spec.heads else {}
         merged = hf_mloss.merge(str(bench.base_dir), models, spec.method, seed=replicate.seed + spec.seed_offset,
@@ -256,7 +260,7 @@ def code_version() -> str:
 def pretrained_scores(bench: Bench) -> dict[str, dict[str, torch.Tensor]]:
     """The base model's scores under every task's head: split → task → scores (shared by all replicates)."""
     base = bench.load_state(bench.base_dir)
-    return {split: evaluate_state(bench, base, split) for split in SPLITS}
+    return {split: evaluate_state(bench, base, split) for split in progress(SPLITS, "pretrained heads")}
 
 
 def run_replicate(bench: Bench, replicate: Replicate, specs: Sequence[MethodSpec], *, num_samples: int = 128,
@@ -269,6 +273,7 @@ def run_replicate(bench: Bench, replicate: Replicate, specs: Sequence[MethodSpec
     base = bench.load_state(bench.base_dir)
     tuned = {t: bench.load_state(replicate.finetuned[t]) for t in bench.tasks}
     start = time.perf_counter()
+    log(f"replicate {replicate.seed}: the fine-tunes, their ensembles and foreign task vectors on val and test")
     reference_rows(bench, pretrained or pretrained_scores(bench), tuned, out, ensemble_scales)
     foreign_effects(bench, base, tuned, out)
     means = {label: 100 * np.mean(list(r["val"].values())) for label, r in out.reference.items()}

@@ -42,7 +42,7 @@ from transformers import Dinov2Config, Dinov2Model
 from benchmarks.suites import domains as D
 from benchmarks.suites.frozen import Upper, lower_drift, lower_hidden, pooled
 from benchmarks.suites.protocol import Replicate, State
-from benchmarks.suites.training import Log, TaskHead, atomic_dir, load_heads, lr_lambda, save_heads, stage
+from benchmarks.suites.training import Log, TaskHead, atomic_dir, load_heads, lr_lambda, progress, save_heads, stage
 
 VERSION = "r2"
 """Bumped whenever a change alters the data, the models or the heads."""
@@ -147,7 +147,8 @@ def encode_split(cfg: RealConfig, task: str, split: str, n: int, base: Dinov2Mod
     train split, the pixels of the first ``scoring_per_task`` images, for data-guided merges)."""
     images, labels = D.DOMAINS[task].generate(D.domain_rng(0, task, split), n, split)
     pixels = to_pixels(images)
-    out = {f"{split}.hidden": lower_hidden(base, pixels, cfg.frozen), f"{split}.labels": torch.from_numpy(labels)}
+    out = {f"{split}.hidden": lower_hidden(base, pixels, cfg.frozen, desc=f"{task} {split}: frozen blocks"),
+           f"{split}.labels": torch.from_numpy(labels)}
     if split == "train":
         out["scoring.pixels"] = pixels[: cfg.scoring_per_task].contiguous()
     return out
@@ -179,9 +180,10 @@ def fit_heads(cfg: RealConfig, upper: Upper, exemplars: dict[str, tuple[torch.Te
 
 
 def finetune_upper(cfg: RealConfig, upper: Upper, head: TaskHead, hidden: torch.Tensor, labels: torch.Tensor,
-                   seed: int) -> tuple[Upper, list[float]]:
+                   seed: int, desc: str | None = None) -> tuple[Upper, list[float]]:
     """Train a copy of ``upper`` against the frozen ``head`` on cached hidden states (AdamW, warm-up + cosine,
-    gradient clipping at 1); returns it in eval mode and the mean loss of each fifth of the steps."""
+    gradient clipping at 1); returns it in eval mode and the mean loss of each fifth of the steps (``desc``: a
+    progress bar over the steps, so named)."""
     torch.manual_seed(seed)
     model = copy.deepcopy(upper).train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.ft_lr, weight_decay=cfg.ft_weight_decay)
@@ -189,7 +191,7 @@ def finetune_upper(cfg: RealConfig, upper: Upper, head: TaskHead, hidden: torch.
     gen = torch.Generator().manual_seed(seed)
     losses, chunk = [], []
     every = max(1, math.ceil(cfg.ft_steps / 5))
-    for step in range(cfg.ft_steps):
+    for step in progress(range(cfg.ft_steps), desc or "", enabled=desc is not None):
         idx = torch.randint(len(hidden), (cfg.ft_batch,), generator=gen)
         loss = F.cross_entropy(head.logits(model(hidden[idx])), labels[idx])
         opt.zero_grad(set_to_none=True)
@@ -266,6 +268,8 @@ def build_real_suite(cfg: RealConfig, cache: Path, log: Log) -> RealBench:
             stored[task] = cached_tensors(data_dir / f"{task}.safetensors", lambda task=task: {
                 k: v for split, n in sizes.items() for k, v in encode_split(cfg, task, split, n, base).items()})
         log(f"data + frozen blocks: {task} ({info['timings'][f'data/{task}']['wall_s']:.0f} s)")
+    if not (level / f"heads-{cfg.key('shots', 'head_scale', 'head_domains')}" / "heads.json").exists():
+        log(f"frozen heads: exemplars of {len(cfg.head_domains)} domains through the frozen blocks")
     heads = build_heads(cfg, base, level, info)
     ft_key = cfg.key("shots", "head_scale", "head_domains", "n_train", "ft_steps", "ft_batch", "ft_lr",
                      "ft_weight_decay", "warmup")
@@ -316,7 +320,8 @@ def finetune_all(cfg: RealConfig, seed: int, base: Dinov2Model, upper: Upper, he
             continue
         with stage(info, f"finetune/seed{seed}/{task}"):
             tuned, losses = finetune_upper(cfg, upper, heads[task], *train[task],
-                                           seed=1000 * seed + zlib.crc32(task.encode()) % 1000)
+                                           seed=1000 * seed + zlib.crc32(task.encode()) % 1000,
+                                           desc=f"fine-tune {task} (seed {seed})")
             model = tuned.write_into(copy.deepcopy(base))
             with atomic_dir(folder) as tmp:
                 save_model(model, tmp)

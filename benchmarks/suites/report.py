@@ -210,53 +210,18 @@ def trim_lines(results: Sequence[ReplicateResult]) -> list[str]:
     return lines
 
 
-def ordering_verdict(diffs: dict[tuple[str, str], Difference], results: Sequence[ReplicateResult] = ()
-                     ) -> list[str]:
-    """One line per adjacent pair of :func:`ordering`: whether the higher one is above, by its paired interval; where
-    it is not, and ``results`` are given, the likely reason with the measurements behind it (:func:`why_not`)."""
+def ordering_verdict(diffs: dict[tuple[str, str], Difference]) -> list[str]:
+    """One line per adjacent pair of :func:`ordering`: whether the higher one is above, by its paired interval. No
+    reason is guessed for a step that does not appear: "not separated" says the intervals (few replicates give wide
+    ones), not that the two are equal."""
     lines = []
     for lo, hi in itertools.pairwise(ordering([label for pair in diffs for label in pair])):
         d = diffs.get((hi, lo))
         if d is None:
             continue
         holds = {"higher": "holds", "lower": "reversed", "not separated": "not separated"}[d.verdict]
-        line = f"{lo} < {hi}: {holds} ({hi} − {lo} = {d.mean:+.2f}; {interval_text(d)})"
-        reason = why_not(lo, hi, results) if d.verdict != "higher" and results else None
-        lines.append(f"{line}. Likely why: {reason}" if reason else line)
+        lines.append(f"{lo} < {hi}: {holds} ({hi} − {lo} = {d.mean:+.2f}; {interval_text(d)})")
     return lines
-
-
-def why_not(lo: str, hi: str, results: Sequence[ReplicateResult]) -> str | None:
-    """What the measurements say about a step of the literature's ordering that does not appear (val numbers)."""
-    q = len(results[0].reference["pretrained heads"]["val"])
-    lams = [r.methods["task_arithmetic"]["chosen"].get("lam") for r in results if "task_arithmetic" in r.methods]
-    lam = f"λ {', '.join(f'{v:g}' for v in lams)} vs 1/q = {1 / q:.3g}" if lams else "its λ"
-    foreign = 100 * float(np.mean([v for r in results for v in r.foreign.values()]))
-    one_foreign = f"adding one foreign task vector changes a task by {foreign:+.2f} points on average, G2"
-    if (lo, hi) == ("average", "task_arithmetic"):
-        return (f"task arithmetic is the average at λ = 1/q; it chose {lam}, so scaling the task vectors up gains "
-                f"little here ({one_foreign}).")
-    if (lo, hi) == ("task_arithmetic", "ties"):
-        if foreign >= -3:
-            return (f"TIES adds trimming and sign election to task arithmetic, to resolve interference between task "
-                    f"vectors; {one_foreign}, so there is little interference for them to resolve.")
-        return (f"{one_foreign}: the task vectors interfere in function, and TIES's trimming and sign election, "
-                "which act on the weights one coordinate at a time, do not resolve it here.")
-    if (lo, hi) == ("ties", "ensemble (probabilities)"):
-        gap = split_mean(results, "ensemble (probabilities)", "val") - split_mean(results, "average", "val")
-        close = (f"the ensemble weighs every member's probabilities by 1/q, and ensemble − average is {gap:+.2f} "
-                 "points on val (CLIP ViT-B/32: +12.7)")
-        if foreign >= -3:
-            return (f"{close}; {one_foreign}. With small, disentangled task vectors the models are nearly linear "
-                    f"in their weights, so averaging outputs behaves like averaging weights, while task arithmetic "
-                    f"({lam}) and TIES apply the task vectors at a larger scale, which no average of the members' "
-                    "outputs can do.")
-        return (f"{close}; {one_foreign}, so on each task the q − 1 members fine-tuned elsewhere are as far off as "
-                "the merges are, and the ensemble dilutes the one member that knows the task.")
-    if (lo, hi) == ("ensemble (probabilities)", "fine-tuned (own task)"):
-        return (f"on each task, q − 1 = {q - 1} of the ensemble's members were fine-tuned on other tasks; here they "
-                "do not pull it below the member fine-tuned on the task itself.")
-    return None
 
 
 def _params(results: Sequence[ReplicateResult], label: str) -> str:
@@ -339,7 +304,7 @@ def differences_section(diffs: dict[tuple[str, str], Difference], passed: bool,
         lines.append(f"| {a} − {b} | {d.family or '-'} | {d.mean:+.2f} | [{d.low:+.2f}, {d.high:+.2f}] | {t} | {p} | "
                      f"{reps} | {mark(d.verdict)} |")
     lines += ["", "## The literature's ordering (average < task arithmetic < TIES < ensemble < individual)", ""]
-    lines += [f"- {line}" if passed else f"- {line} (not ranked)" for line in ordering_verdict(diffs, results)]
+    lines += [f"- {line}" if passed else f"- {line} (not ranked)" for line in ordering_verdict(diffs)]
     return lines
 
 
@@ -359,7 +324,7 @@ def to_json(results: Sequence[ReplicateResult], gates: Sequence[Gate], diffs: di
         "summary": {label: {"val": split_mean(results, label, "val"), "test": split_mean(results, label, "test"),
                             "test_per_task": task_means(results, label, "test")} for label in labels},
         "differences": [{"a": a, "b": b, **d.to_dict()} for (a, b), d in diffs.items()],
-        "ordering": ordering_verdict(diffs, results),
+        "ordering": ordering_verdict(diffs),
         "replicates": [{"seed": r.seed, "reference": r.reference, "foreign": r.foreign, "methods": r.methods,
                         "trim": r.trim, "ensemble_scale": r.ensemble_scale} for r in results],
     }  # fmt: skip
@@ -386,7 +351,7 @@ def render(json_path: Path) -> None:
     md_path = json_path.with_suffix(".md")
     header = record.get("header") or md_path.read_text().split("## Gates (val)")[0].rstrip("\n").split("\n")
     results, gates, diffs = from_json(record)
-    record["header"], record["ordering"] = header, ordering_verdict(diffs, results)
+    record["header"], record["ordering"] = header, ordering_verdict(diffs)
     premise = next((g.passed for g in gates if g.name.startswith("G6")), True)
     if any(("m_ties", c) in diffs for c in CONTROLS):
         record["claim"] = claim_verdict(diffs, all_pass(gates), premise)

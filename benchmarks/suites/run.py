@@ -136,6 +136,7 @@ def run_suite(cfg: RealConfig, specs: Sequence[MethodSpec], *, cache: Path, out:
     title = f"# Suite `{name}`: {model} at {D.SIZE} px, {len(cfg.tasks)} tasks × {len(cfg.seeds)} replicates"
     write_results(out, results, gates, diffs, [title, "", describe(cfg, bench.base.config.num_hidden_layers, extra)],
                   extra)
+    log(f"writing {out / 'results.md'} and the M-TIES merge of replicate {bench.replicates[0].seed}")
     save_m_ties(bench, results[0], out / "m_ties_merge", num_samples)
     return {"results": results, "gates": gates, "diffs": diffs, "extra": extra}
 
@@ -157,6 +158,7 @@ def judge(bench: Bench, specs: Sequence[MethodSpec], results: list[ReplicateResu
           ) -> tuple[list[ReplicateResult], list[Gate], dict]:
     """The paired differences and the gates of measured replicates: one statistics path for every suite."""
     labels = [*results[0].reference, *results[0].methods]
+    log("paired differences (bootstrap over replicates and test items) and the regime gates")
     diffs = comparisons(results, default_pairs(labels), items=getattr(bench, "test_items", None))
     data_free = [s.label for s in specs if s.method != "average"
                  and not hf_mloss.methods.get_method(s.method).needs_data]

@@ -44,6 +44,13 @@ INSTALL = ("apt-get install wamerican wngerman wfrench wspanish witalian wdutch 
            "iso-codes manpages manpages-dev libpython3.11-stdlib perl-modules-5.36 libc6-dev cmake-data "
            "bash-completion tcl8.6 tk8.6 dict-devil dict-foldoc dict-gcide dict-jargon dict-vera")
 """The Debian packages the tasks read (Debian 12 names)."""
+TASK_PACKAGES = {
+    "words": "wamerican wngerman wfrench wspanish witalian wdutch wswedish wportuguese",
+    "code": "libpython3.11-stdlib perl-modules-5.36 libc6-dev cmake-data bash-completion tcl8.6 tk8.6",
+    "mansection": "manpages manpages-dev", "licence": "base-files", "fortune": "fortunes", "fortune8": "fortunes",
+    "isocodes": "iso-codes", "glossary": "dict-devil dict-foldoc dict-gcide dict-jargon dict-vera",
+}
+"""The packages of :data:`INSTALL` each task reads, for a message that names only what that task lacks."""
 
 SPLITS = ("exemplar", "train", "val", "test")
 SHARES = (0.1, 0.5, 0.2, 0.2)
@@ -284,7 +291,8 @@ def missing_sources(tasks: list[str]) -> list[str]:
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         return [f"unknown text task(s) {unknown}; available: {sorted(TASKS)}"]
-    return [f"{p} (task {t!r}; install with: {INSTALL})" for t in tasks for p in paths[t] if not p.exists()]
+    return [f"{p} (task {t!r}; install with: apt-get install {TASK_PACKAGES[t]})" for t in tasks for p in paths[t]
+            if not p.exists()]
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 
@@ -77,6 +78,13 @@ class Log:
     def __call__(self, message: str) -> None:
         if self.enabled:
             print(f"[{self.name} {time.perf_counter() - self.start:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def progress(iterable: Iterable, desc: str, *, total: int | None = None, enabled: bool = True) -> Iterable:
+    """A transient progress bar on stderr for a stage that can run longer than a few seconds (the suites print a line
+    when a stage ends; the bar shows the stage is moving meanwhile and disappears when it ends)."""
+    return tqdm(iterable, desc=desc, total=total, leave=False, file=sys.stderr, mininterval=1.0, dynamic_ncols=True,
+                disable=not enabled)
 
 
 def default_threads() -> int:

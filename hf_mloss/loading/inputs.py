@@ -682,8 +682,10 @@ def _text_config(adapter: ModelAdapter) -> Any:
 
 
 def check_max_length(adapter: ModelAdapter, max_length: int | None) -> int | None:
-    """``max_length`` within the positions the model embeds: a ``max_length`` given above them is refused, the
-    default is lowered to them (the sequences would otherwise index past the position embeddings)."""
+    """``max_length`` within the positions the model embeds: the default, or a ``max_length`` given above them, is
+    lowered to them (the sequences would otherwise index past the position embeddings); a given one lowered warns."""
+    import warnings
+
     from .data import DEFAULT_MAX_LENGTH
 
     positions = getattr(_text_config(adapter), "max_position_embeddings", None)
@@ -692,9 +694,9 @@ def check_max_length(adapter: ModelAdapter, max_length: int | None) -> int | Non
     if max_length is None:
         return min(DEFAULT_MAX_LENGTH, positions)
     if max_length > positions:
-        raise InvalidParameterError(
-            f"max_length={max_length} but the base embeds {positions} positions (max_position_embeddings); longer "
-            f"sequences cannot run through it. Pass max_length={positions} or less.")
+        warnings.warn(f"max_length={max_length} but the base embeds {positions} positions (max_position_embeddings): "
+                      f"texts are cut at {positions} tokens instead.", UserWarning, stacklevel=2)
+        return positions
     return max_length
 
 

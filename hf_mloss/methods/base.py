@@ -49,10 +49,27 @@ class MethodParams:
         for key in kwargs:
             if key not in names:
                 hint = did_you_mean(key, names, {a: t for a, t in PARAMETER_ALIASES.items() if t in names})
-                valid = ", ".join(f"{n} (default {d!r})" for n, (d, _) in field_help(cls).items()) or "none"
+                valid = ", ".join(f"{n} (default {d!r})" for n, d in cls.shown_defaults().items()) or "none"
                 raise InvalidParameterError(f"Unknown parameter {key!r}{hint} for method {method!r}; valid "
                                             f"parameters: {valid}.")
         return cls(**kwargs)
+
+    def resolved_defaults(self, q: int | None = None) -> dict[str, Any]:
+        """What a parameter left at ``None`` stands for, as every surface (card, CLI, ``hf-mloss methods``, errors)
+        shows it: TIES's ``scope`` resolved from its convention, TSV-M's ``fraction`` as 1/q (``q``: the number of
+        models, when known)."""
+        return {}
+
+    @classmethod
+    def shown_defaults(cls) -> dict[str, Any]:
+        """Every parameter's default as the surfaces show it (``None`` defaults resolved where they stand for a
+        value)."""
+        defaults = {name: default for name, (default, _) in field_help(cls).items()}
+        try:
+            resolved = cls().resolved_defaults()
+        except (TypeError, ValueError):  # parameters without defaults, or defaults that only hold together
+            resolved = {}
+        return {name: resolved.get(name, default) for name, default in defaults.items()}
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (tuples as lists), as written to configs."""

@@ -6,7 +6,7 @@ Peers differ in small conventions; ``convention=`` reproduces each of them exact
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .._validation import param
 from .registry import register_merge_method
@@ -83,6 +83,9 @@ class TiesParams(MethodParams):
     @property
     def resolved_scope(self) -> str:
         return self.scope or self.rules.scope
+
+    def resolved_defaults(self, q: int | None = None) -> dict[str, Any]:
+        return {"scope": self.resolved_scope}
 
 
 class Ties(MergeMethod):

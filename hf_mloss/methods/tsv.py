@@ -23,7 +23,7 @@ Weights α_p scale each task vector before the SVDs (fusion_bench's per-model ``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .._validation import param
 from ..errors import InvalidParameterError
@@ -40,6 +40,11 @@ class TsvParams(MethodParams):
     fraction: float | None = param(None, "Share of each task matrix's rank kept before merging; default 1/q (the "
                                    "paper). At most 1/q, so that the q bases fit in the rank.",
                                    low=0.0, high=1.0, low_open=True)
+
+    def resolved_defaults(self, q: int | None = None) -> dict[str, Any]:
+        if self.fraction is not None:
+            return {}
+        return {"fraction": "1/q" if q is None else f"1/q = {1 / q:.4g}"}
 
 
 class TsvMerge(MergeMethod):

@@ -266,7 +266,8 @@ def _output(plan: AdapterPlan, inputs: RunInputs, tensors: dict[str, torch.Tenso
     adapter_config = {
         "peft_type": "LORA", "task_type": None, "r": plan.rank, "lora_alpha": plan.rank, "use_rslora": False,
         "use_dora": False, "target_modules": sorted(plan.targets.values()), "modules_to_save": saved_modules or None,
-        "base_model_name_or_path": base.repo_id, "revision": None, "bias": "none", "fan_in_fan_out": False,
+        "base_model_name_or_path": base.repo_id or (str(Path(base.path).resolve()) if base.path else None),
+        "revision": None, "bias": "none", "fan_in_fan_out": False,
         "lora_dropout": 0.0, "inference_mode": True, "init_lora_weights": True, "rank_pattern": {},
         "alpha_pattern": {}, "layers_to_transform": None, "layers_pattern": None,
     }

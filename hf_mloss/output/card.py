@@ -52,16 +52,18 @@ def card_data(result: CardSource) -> ModelCardData:
     datasets = list(dict.fromkeys(i["id"] for i in infos if i.get("source") == "hub" and i.get("id"))) or None
     eval_results = [
         EvalResult(task_type="image-classification", dataset_type=task, dataset_name=task, metric_type="accuracy",
-                   metric_value=float(value))
+                   metric_value=round(float(value), 6))  # float32 accuracies print as 0.5699999928474426
         for task, value in result.eval_results.items()
     ] or None
     if lora is not None:  # a PEFT adapter: PEFT's metadata (library_name: peft, base_model: the base's Hub id)
         from .adapter import card_metadata
 
         meta = card_metadata(result)
+    base_model = meta["base_model"] if lora is not None else hub_ids or None
     return ModelCardData(
-        base_model=meta["base_model"] if lora is not None else hub_ids or None,
-        base_model_relation="adapter" if lora is not None else "merge",
+        base_model=base_model,
+        # the Hub reads the relation as the model's relation to its `base_model`: none without one (local inputs)
+        base_model_relation=("adapter" if lora is not None else "merge") if base_model else None,
         library_name=meta["library_name"],
         pipeline_tag=meta["pipeline_tag"],
         license=base_license(result.base.path),
@@ -117,10 +119,11 @@ def selection_rows(config: MergeConfig, modality: str = "image") -> dict[str, An
             "chosen": ", ".join(f"{k}={v}" for k, v in (select.chosen or {}).items())}
 
 
-def shown_parameters(params: Any) -> dict[str, Any]:
-    """A method's parameters as every surface shows them (card, CLI, ``hf-mloss methods``): unset optional ones
-    left out, and TIES's ``scope`` resolved from its convention (``None`` means ``global`` for ``hf_mloss``)."""
-    resolved = {"scope": params.resolved_scope} if hasattr(params, "resolved_scope") else {}
+def shown_parameters(params: Any, q: int | None = None) -> dict[str, Any]:
+    """A method's parameters as every surface shows them (card, CLI, ``hf-mloss methods``): a ``None`` that stands
+    for a value resolved (TIES's ``scope`` from its convention, TSV-M's ``fraction`` as 1/q for ``q`` models), other
+    unset optional ones left out."""
+    resolved = params.resolved_defaults(q) if hasattr(params, "resolved_defaults") else {}
     shown = {k: resolved.get(k, v) for k, v in params.to_dict().items()}
     if shown.get("coefficients"):  # a learned merge's coefficients: one row per tensor group, in the recipe
         rows = shown["coefficients"]
@@ -144,15 +147,16 @@ def card_title(result: CardSource, model_class: str) -> str:
     return f"{get_method(result.config.method).pretty_name} merge of {len(result.models)} fine-tunes of {base}"
 
 
-def rerun_blocker(config: MergeConfig) -> str | None:
-    """Why the recorded recipe cannot re-run as written (objects passed from Python), else ``None``."""
+def rerun_blocker(config: MergeConfig, unit: str = "images") -> str | None:
+    """Why the recorded recipe cannot re-run as written (objects passed from Python), else ``None``; ``unit`` names
+    the scoring samples (``images``, ``texts``)."""
     if any(spec.is_loaded for spec in [config.base, *config.models]):
         return ("a model was passed as a loaded Python object (recorded as `in_memory`): replace it with its Hub id "
                 "or folder in the YAML to re-run")
     if config.data is not None and config.data.objects is not None:
-        return ("the scoring images were passed from Python (recorded as `in_memory`, with their content hash when "
-                "they were a tensor): a re-run needs the same images, given as `data: {id: ...}` or `{path: ...}` or "
-                "passed again to `hf_mloss.merge(..., data=...)`")
+        return (f"the scoring {unit} were passed from Python (recorded as `in_memory`, with their content hash when "
+                f"one could be taken): a re-run needs the same {unit}, given as `data: {{id: ...}}` or "
+                "`{path: ...}` or passed again to `hf_mloss.merge(..., data=...)`")
     text = getattr(config, "text_data", None)
     if text is not None and text.objects is not None:
         return ("the text tower's scoring texts were passed from Python (recorded as `in_memory` with their content "
@@ -178,7 +182,7 @@ def tower_lines(report: Any) -> list[str]:
 
 
 def uses_seed(config: MergeConfig) -> bool:
-    """Whether the seed changes the result: random masks (DARE), or a sample of the scoring images."""
+    """Whether the seed changes the result: random masks (DARE), or a sample of the scoring data."""
     return ("dare" in config.method or config.data is not None or getattr(config, "text_data", None) is not None
             or config.select is not None)
 
@@ -191,7 +195,7 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
     """
     report = result.report
     rows = report.summary_rows() if report is not None else []
-    shown = shown_parameters(result.config.method_params())
+    shown = shown_parameters(result.config.method_params(), len(result.models))
     # values that vary over the model (gradients, filter lists), as given
     shown.update(described_schedules(result.config.merge_method(), result.config.parameters))
     if getattr(result.config, "slices", None):  # output blocks taken from layer ranges of the inputs
@@ -204,6 +208,8 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
     lora = getattr(result, "lora", None)  # an adapter: its class and dtype, without building the merged model
     model_class = lora.model_class if lora is not None and lora.model_class else type(result.model).__name__
     metadata = card_data(result)
+    modality = getattr(result.adapter, "modality", "image")
+    unit = "texts" if modality == "text" else "images"  # what the scoring samples are, in every sentence
     return render_card(
         metadata,
         template,
@@ -227,18 +233,19 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
         parameters=shown,
         seed=result.config.seed,
         seeded=uses_seed(result.config),
-        rerun_blocker=rerun_blocker(result.config),
+        rerun_blocker=rerun_blocker(result.config, unit),
         device=getattr(result, "device", ""),
         dtype=lora.dtype if lora is not None and lora.dtype else
         str(next(result.model.parameters()).dtype).replace("torch.", ""),
         data={**result.data_info.to_dict(), **result.data_info.sample_stats()} if result.data_info else None,
+        data_unit=unit,
         eval_rows=[{"task": t, "value": v} for t, v in result.eval_results.items()],
         report=report,
         towers=tower_lines(report),
         mloss_rows=rows,
         has_keep=any("keep_mean" in r for r in rows),
         heatmap=heatmap,
-        selection=selection_rows(result.config, getattr(result.adapter, "modality", "image")),
+        selection=selection_rows(result.config, modality),
         compatibility=compatibility.card_section() if compatibility is not None else None,
         lora=getattr(result, "lora", None) and result.lora.card_section(),
         base_hint=result.base.repo_id or "path/to/base",

@@ -60,7 +60,7 @@ class MLossReport:
     ‖g‖₂ and ``layer_normalized[name]`` of ‖g‖₂ / (‖σ(Σα h)‖₂ + ε). The per-position ratios are heavy-tailed where
     σ(Σα h) ≈ 0, so ``layer_ratio`` / ``node_ratio`` also give the ratio of sums Σ‖g‖₂ / Σ‖σ(Σα h)‖₂ (and
     Σ|g_i| / Σ|σ(Σα h_i)|). ``keep_ratios`` (M-TIES only) holds the row keep ratios the merge used; ``data`` where
-    the scoring images came from. The weights α are normalised (α / Σα).
+    the scoring data came from. The weights α are normalised (α / Σα).
     """
 
     node: dict[str, torch.Tensor]
@@ -94,7 +94,8 @@ class MLossReport:
         """The report of a merge that measured no M-Loss (a data-free method): no layers, a note saying how to
         measure it, so ``result.report.summary()`` works for every merge."""
         note = (f"No M-Loss was computed: {method} merges without data. To measure how well these {len(models)} "
-                "models merge, score them on unlabeled images: hf_mloss.score(base, models, data=...) or "
+                "models merge, score them on unlabeled data (images, or texts for text families): "
+                "hf_mloss.score(base, models, data=...) or "
                 "`hf-mloss score CONFIG.yaml` (with a `data:` section); `score --pairwise` ranks every pair.")
         return cls(node={}, node_normalized={}, layer={}, layer_normalized={}, prefix="", reduction="",
                    activation="", eps=0.0, num_samples=0, num_positions=0, models=list(models),
@@ -169,7 +170,7 @@ class MLossReport:
                  "norm (ratio of sums)." if ratios else "")
         return ("Reading: lower is better; 0 means the merge behaves exactly like the ensemble of the models at that "
                 f"layer.{scale} Values grow with q (as 1 − Σα²) and differ between prefixes (own, the default of score, usually reads far higher than "
-                "merged on the same models): compare only reports with the same prefix, q and images, e.g. with `hf-mloss score "
+                "merged on the same models): compare only reports with the same prefix, q and data, e.g. with `hf-mloss score "
                 "--pairwise` (median pair).")
 
     def __str__(self) -> str:

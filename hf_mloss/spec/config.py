@@ -190,8 +190,10 @@ class DataSpec:
         if self.objects is not None:
             out: dict[str, Any] = {IN_MEMORY: type(self.objects).__name__}
             digest = _content_hash(self.objects)
-            if digest is not None:  # a re-run needs the same images: this says whether given ones are the same
+            if digest is not None:  # a re-run needs the same data: this says whether given ones are the same
                 out["content"] = digest
+            if _holds_text(self.objects):  # so the re-run error can ask for the same texts, not images
+                out["samples"] = "texts"
         elif self.path is not None:
             out = {"path": _relative(self.path, root)}
         else:
@@ -221,7 +223,7 @@ class MergeConfig:
     models: list[ModelSpec] = param(help="The fine-tuned models to merge.")
     method: str = param("ties", "Registered merge method (hf-mloss methods).")
     parameters: dict[str, Any] = param(help="The method's parameters.", default_factory=dict)
-    data: DataSpec | None = param(None, "Unlabeled images (data-guided methods and scoring).")
+    data: DataSpec | None = param(None, "Unlabeled images or texts (data-guided methods and scoring).")
     text_data: DataSpec | None = param(None, "Unlabeled text for the text tower of a whole two-tower model (a "
                                        "CLIPModel): the text tower is then scored too (strings, text file(s), folder "
                                        "or a datasets text split, as `data` takes for text families).")
@@ -762,9 +764,11 @@ def _parse_data(entry: Any, root: Path | None, key: str = "data") -> DataSpec:
     entry = dict(entry)
     if IN_MEMORY in entry:
         content = f" (content {entry['content']})" if entry.get("content") else ""
+        where = ("a text file or folder of texts" if entry.get("samples") == "texts" else
+                 "a local image folder, or a text file")
         raise ConfigError(f"data was passed from Python ({short(entry[IN_MEMORY])}{content}) when this config was "
-                          "written; replace the data section with `id` (a Hub dataset id) or `path` (a local image "
-                          "folder), or pass the same images to hf_mloss.merge(..., data=...).")
+                          f"written; replace the data section with `id` (a Hub dataset id) or `path` ({where}), or "
+                          f"pass the same {entry.get('samples', 'data')} again to hf_mloss.merge(..., data=...).")
     names = [f.name for f in dataclasses.fields(DataSpec) if f.name != "objects"]
     check_keys(entry, names, "key in data", error=ConfigError)
     values = dict(entry)
@@ -912,6 +916,18 @@ def _spread(specs: list[ModelSpec], key: str, values: Any, *, per_model_hint: st
 
 def _is_array(value: Any) -> bool:
     return hasattr(value, "tolist") and hasattr(value, "shape")
+
+
+def _holds_text(objects: Any) -> bool:
+    """Whether data passed from Python are texts: strings, or token ids (tokenised inputs without pixels)."""
+    import torch
+
+    from ..loading.model_inputs import as_model_inputs
+
+    if isinstance(objects, (list, tuple)) and objects and all(isinstance(x, str) for x in objects):
+        return True
+    given = as_model_inputs(objects) if not isinstance(objects, torch.Tensor) else None
+    return given is not None and "input_ids" in given and "pixel_values" not in given
 
 
 def _content_hash(objects: Any) -> str | None:
