@@ -140,6 +140,8 @@ class ReplicateResult:
     trim: dict[str, float] = field(default_factory=dict)
     """Trimming method's label → of the entries some fine-tune changed, the fraction its chosen merge changes (counted
     on the merged weights: :func:`changed_fraction`)."""
+    trim_counted: str = "merged weights"
+    """How ``trim`` was counted: on the merged weights (this code), or by the budget rule (records made before)."""
     ensemble_scale: dict[str, Any] = field(default_factory=dict)
     """With tuned ensemble scales: {"chosen": scale, "val_grid": [{"scale", "val_mean"}, ...]}."""
 

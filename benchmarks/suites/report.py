@@ -205,8 +205,13 @@ def trim_lines(results: Sequence[ReplicateResult]) -> list[str]:
     for label in labels:
         params = _params(results, label)
         values = [100 * r.trim[label] for r in results if label in r.trim]
-        lines.append(f"{label} ({params}) changes {np.mean(values):.1f} % of the entries some fine-tune changed, "
-                     f"counted on the merged weights (per replicate: {', '.join(f'{v:.1f}' for v in values)}).")
+        per = ", ".join(f"{v:.1f}" for v in values)
+        if results[0].trim_counted == "merged weights":
+            lines.append(f"{label} ({params}) changes {np.mean(values):.1f} % of the entries some fine-tune changed, "
+                         f"counted on the merged weights (per replicate: {per}).")
+        else:  # records made before the count: what the budget rule keeps of each fine-tune's changed entries
+            lines.append(f"{label} ({params}) keeps {np.mean(values):.1f} % of each fine-tune's changed entries by "
+                         f"its budget rule, not counted on the merged weights (per replicate: {per}).")
     return lines
 
 
@@ -326,14 +331,16 @@ def to_json(results: Sequence[ReplicateResult], gates: Sequence[Gate], diffs: di
         "differences": [{"a": a, "b": b, **d.to_dict()} for (a, b), d in diffs.items()],
         "ordering": ordering_verdict(diffs),
         "replicates": [{"seed": r.seed, "reference": r.reference, "foreign": r.foreign, "methods": r.methods,
-                        "trim": r.trim, "ensemble_scale": r.ensemble_scale} for r in results],
+                        "trim": r.trim, "trim_counted": r.trim_counted, "ensemble_scale": r.ensemble_scale}
+                       for r in results],
     }  # fmt: skip
 
 
 def from_json(record: dict[str, Any]) -> tuple[list[ReplicateResult], list[Gate], dict[tuple[str, str], Difference]]:
     """The replicates (without per-image correctness), gates and differences of a results record (:func:`to_json`)."""
     results = [ReplicateResult(seed=r["seed"], reference=r["reference"], foreign=r["foreign"], methods=r["methods"],
-                               trim=r.get("trim", {}), ensemble_scale=r.get("ensemble_scale", {}))
+                               trim=r.get("trim", {}), trim_counted=r.get("trim_counted", "budget rule"),
+                               ensemble_scale=r.get("ensemble_scale", {}))
                for r in record["replicates"]]
     gates = [Gate(**g) for g in record["gates"]]
     fields = set(Difference.__dataclass_fields__)
