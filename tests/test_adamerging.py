@@ -383,3 +383,11 @@ def test_yaml_recipe_with_head_files(tiny_paths, image_folder, heads, tmp_path):
     from_modules = _run(tiny_paths, str(image_folder), heads=heads, objective="entropy", steps=2)
     assert from_files.config.parameters["heads"] == files
     assert from_files.config.parameters["coefficients"] == from_modules.config.parameters["coefficients"]
+
+
+def test_the_builtin_objective_names_are_the_registered_ones():
+    """`hf-mloss methods` checks a default objective without importing the registry (which imports torch)."""
+    from hf_mloss.engine.objectives import OBJECTIVES
+    from hf_mloss.methods.adamerging import BUILTIN_OBJECTIVES
+
+    assert set(BUILTIN_OBJECTIVES) <= set(OBJECTIVES)

@@ -358,7 +358,7 @@ def run_fusion_bench_adamerging(base_dir: str | Path, model_dirs: Sequence[str |
             "steps": int(steps), "lr": float(lr), "init": float(init)}
     spec_path = out_dir / "peer_spec.json"
     spec_path.write_text(json.dumps(spec, indent=2) + "\n")
-    python = ensure_env("fusion_bench")
+    python = setup_envs.ensure_env("fusion_bench")
     if python is None:
         raise PeerUnavailable("fusion_bench venv is not available (see the message above)")
     log_path = out_dir / "peer_run.log"

@@ -37,21 +37,28 @@ from benchmarks.suites.__main__ import QUICK_TASKS, default_cache, pin_kernels, 
 MERGES = ("average", "task_arithmetic", "ties")
 
 
-def lever_specs(num_tasks: int, wise: float) -> list:
+TIES_LAMS = (1.6, 2.0, 2.4, 2.8, 3.2, 3.6)
+"""The TIES family's λ grid of the image suite, per unit of a checkpoint interpolated at wise 0.65."""
+
+
+def lever_specs(num_tasks: int, wise: float, ties_lams: Sequence[float] = TIES_LAMS) -> list:
     """Average, task arithmetic and global TIES (k = 0.2 of the changed entries), on the suite's 6-setting grids
     written for 4 tasks at wise 0.65, rescaled to ``num_tasks`` (task arithmetic: 4 / q) and to ``wise`` (0.65 /
-    wise), so each grid covers the same multiples of the trained task vectors at every lever."""
+    wise), so each grid covers the same multiples of the trained task vectors at every lever; ``ties_lams``: another
+    TIES grid in the same unit (as many settings), where the suite's puts the choice at an end."""
     from benchmarks.suites.protocol import MethodSpec
 
     unit = 0.65 / wise
     ta = [round(lam * 4 / num_tasks * unit, 3) for lam in (0.5, 0.65, 0.8, 0.95, 1.1, 1.25)]
-    ties = [round(lam * unit, 3) for lam in (1.6, 2.0, 2.4, 2.8, 3.2, 3.6)]
+    if len(ties_lams) != len(TIES_LAMS):
+        raise ValueError(f"the TIES grid needs {len(TIES_LAMS)} settings, as every other method's: {ties_lams}")
+    ties = [round(lam * unit, 3) for lam in ties_lams]
     return [MethodSpec("average", "average"),
             MethodSpec("task_arithmetic", "task_arithmetic", grid={"lam": ta}),
             MethodSpec("ties", "ties", {"scope": "global", "budget": "changed", "k": 0.2}, {"lam": ties})]
 
 
-def measure(cfg, cache: Path, log) -> dict:
+def measure(cfg, cache: Path, log, ties_lams: Sequence[float] = TIES_LAMS) -> dict:
     """One lever setting (a :class:`~benchmarks.suites.real.RealConfig`): the suite's reference rows, tuned ensemble
     and merges on every seed of ``cfg``."""
     from benchmarks.suites.gates import val_mean
@@ -59,7 +66,7 @@ def measure(cfg, cache: Path, log) -> dict:
     from benchmarks.suites.real import build_real_suite
 
     bench = build_real_suite(cfg, cache, log)
-    specs = lever_specs(len(cfg.tasks), cfg.wise)
+    specs = lever_specs(len(cfg.tasks), cfg.wise, ties_lams)
     pretrained = pretrained_scores(bench)
     results = [run_replicate(bench, rep, specs, pretrained=pretrained, ensemble_scales=ENSEMBLE_SCALES["main"],
                              log=log) for rep in bench.replicates]
@@ -141,10 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", default="quick,all", help="task sets: quick (the main job's 4), all (8)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cache", type=Path, default=None)
+    parser.add_argument("--ties-lams", default=",".join(f"{v:g}" for v in TIES_LAMS),
+                        help="TIES's λ grid per unit of a wise-0.65 checkpoint (6 values; default: the suite's)")
     parser.add_argument("--table", type=Path, default=None, help="write TABLE.md / TABLE.json")
     args = parser.parse_args(argv)
     argv = argv if argv is not None else sys.argv[1:]
-    command = "python -m benchmarks.suites.regime " + " ".join(record_args(argv))
+    command = "python -m benchmarks.suites.regime " + " ".join(record_args(argv, ("--cache", "--table")))
     seeds = tuple(int(s) for s in args.seeds.split(","))
     task_sets = {"quick": QUICK_TASKS, "all": RealConfig().tasks}
     log = Log(True, "regime")
@@ -155,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.tasks.split(","):
             for wise in (float(w) for w in args.wise.split(",")):
                 cfg = dataclasses.replace(RealConfig(), tasks=tuple(task_sets[name]), wise=wise, seeds=seeds)
-                rows.append(measure(cfg, args.cache or default_cache(), log))
+                rows.append(measure(cfg, args.cache or default_cache(), log,
+                                    tuple(float(v) for v in args.ties_lams.split(","))))
                 r = rows[-1]
                 log(f"q {r['q']}, wise {wise:g}: G6 at scale 20 {r['g6_heads_scale']:+.2f}, tuned "
                     f"{r['g6_tuned']:+.2f} (best merge {r['best_merge']})")

@@ -151,14 +151,14 @@ def run_protocol(bench: Bench, specs: Sequence[MethodSpec], *, num_samples: int 
     results = [run_replicate(bench, rep, specs, num_samples=num_samples, pretrained=pretrained,
                              ensemble_scales=ensemble_scales, log=log)
                for rep in bench.replicates]
-    return judge(bench, specs, results, min_replicates=min_replicates)
+    return judge(bench, specs, results, min_replicates=min_replicates, log=log)
 
 
-def judge(bench: Bench, specs: Sequence[MethodSpec], results: list[ReplicateResult], *, min_replicates: int = 4
-          ) -> tuple[list[ReplicateResult], list[Gate], dict]:
+def judge(bench: Bench, specs: Sequence[MethodSpec], results: list[ReplicateResult], *, min_replicates: int = 4,
+          log=print) -> tuple[list[ReplicateResult], list[Gate], dict]:
     """The paired differences and the gates of measured replicates: one statistics path for every suite."""
     labels = [*results[0].reference, *results[0].methods]
-    log("paired differences (bootstrap over replicates and test items) and the regime gates")
+    log("paired differences (bootstrap over test items, replicate t intervals) and the regime gates")
     diffs = comparisons(results, default_pairs(labels), items=getattr(bench, "test_items", None))
     data_free = [s.label for s in specs if s.method != "average"
                  and not hf_mloss.methods.get_method(s.method).needs_data]

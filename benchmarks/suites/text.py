@@ -551,7 +551,7 @@ def run_text_suite(cfg: TextConfig, *, cache: Path, out: Path, threads: int = 2,
         results = [cached_replicate(cfg, cache, rep, specs, num_samples, lambda rep=rep: run_replicate(
             bench, rep, specs, num_samples=num_samples, pretrained=pretrained, ensemble_scales=scales, log=log), log)
             for rep in bench.replicates]
-    results, gates, diffs = judge(bench, specs, results)
+    results, gates, diffs = judge(bench, specs, results, log=log)
     premise = next(g for g in gates if g.name == "G6 premise")
     log(premise.line())
     total = time.perf_counter() - start

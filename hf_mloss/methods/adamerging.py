@@ -38,6 +38,10 @@ COEFFICIENT_STATE = "coefficients"
 """``MergeContext.state`` key: ``(groups, values)``, the group of each tensor name and the ``[G, q]`` coefficients."""
 
 
+BUILTIN_OBJECTIVES = ("entropy", "output_gap", "disagreement", "mloss")
+"""The objectives :mod:`hf_mloss.engine.objectives` registers itself (checked without importing it)."""
+
+
 @dataclass(frozen=True)
 class AdaMergingParams(MethodParams):
     granularity: str = param("layer", "One coefficient per task and: layer (each parameter tensor, as the paper and "
@@ -62,9 +66,10 @@ class AdaMergingParams(MethodParams):
     relearn: bool = param(False, "Train again even when coefficients are recorded.")
 
     def check(self) -> None:
-        from ..engine.objectives import get_objective
+        if self.objective not in BUILTIN_OBJECTIVES:  # the registry imports torch: `hf-mloss methods` must not
+            from ..engine.objectives import get_objective
 
-        get_objective(self.objective)  # an unknown name is refused with the registered ones
+            get_objective(self.objective)  # an unknown name is refused with the registered ones
         if self.coefficients is not None:
             parse_coefficients(self.coefficients)
         for i, head in enumerate(self.heads or ()):
