@@ -18,6 +18,16 @@ pytestmark = pytest.mark.peers
 peers = pytest.importorskip("benchmarks.peers.run_peer", reason="run from the repository root")
 
 
+def _mergekit_yaml_or_skip(config, out_dir):
+    """``mergekit-yaml`` on ``config`` in its side environment; skipped where it cannot be installed (failed in CI)."""
+    try:
+        return peers.run_mergekit_yaml(config, out_dir)
+    except peers.PeerUnavailable as err:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"mergekit not installable here: {err}")
+
+
 def _peer_state(run) -> dict[str, torch.Tensor]:
     return load_file(str(run.model_path))
 
@@ -359,12 +369,7 @@ def test_mergekit_slices_match(sliced_paths, tmp_path, recipe):
 
     base, (ft1, ft2) = sliced_paths
     config = _sliced_recipes(base, ft1, ft2)[recipe]
-    try:
-        run = peers.run_mergekit_yaml(config, tmp_path / "mergekit")
-    except peers.PeerUnavailable as err:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"mergekit not installable here: {err}")
+    run = _mergekit_yaml_or_skip(config, tmp_path / "mergekit")
     result = hf_mloss.run(MergeConfig.from_yaml(run.out_dir / "peer_config.yml"), progress=False)
     theirs = json.loads((run.out_dir / "config.json").read_text())
     assert result.model.config.num_hidden_layers == theirs["num_hidden_layers"]
@@ -486,12 +491,7 @@ def test_mergekit_round2_recipes_match(tmp_path_factory, tmp_path, recipe):
     """mergekit-yaml and hf_mloss run the same YAML on the same tiny decoder: equal within 1e-6 in float32."""
     family, make = ROUND2[recipe]
     base, models = _round2_paths(family, tmp_path_factory)
-    try:
-        run = peers.run_mergekit_yaml(make(base, models), tmp_path / "mergekit")
-    except peers.PeerUnavailable as err:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"mergekit not installable here: {err}")
+    run = _mergekit_yaml_or_skip(make(base, models), tmp_path / "mergekit")
     result = hf_mloss.run(MergeConfig.from_yaml(run.out_dir / "peer_config.yml"), progress=False)
     assert type(result.model).__name__.endswith("ForCausalLM")
     diff = _decoder_max_diff(result, run)
@@ -529,12 +529,7 @@ def test_mergekit_per_slice_parameters_match(tmp_path_factory, tmp_path, recipe,
     norm and head: the last slice's), in mergekit-yaml and hf_mloss alike."""
     base, (ft1, ft2, _) = _round2_paths(family, tmp_path_factory, layers=4)
     config = _per_slice_recipes(base, ft1, ft2)[recipe]
-    try:
-        run = peers.run_mergekit_yaml(config, tmp_path / "mergekit")
-    except peers.PeerUnavailable as err:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"mergekit not installable here: {err}")
+    run = _mergekit_yaml_or_skip(config, tmp_path / "mergekit")
     result = hf_mloss.run(MergeConfig.from_yaml(run.out_dir / "peer_config.yml"), progress=False)
     assert any("parameters" in s for s in result.config.slices)
     assert len({str(v) for v in result.config.resolved_parameters.values()}) > 1  # the values differ by slice
