@@ -152,5 +152,5 @@ def test_lever_map_table_states_g6_per_lever():
            "ties": 71.0, "best_merge": "ties", "g6_heads_scale": -11.0, "g6_tuned": -5.0, "ensemble_scale": [5.0],
            "edges": ["ties: lam=1.04"], "test": {"ties": 70.5}}
     text = markdown([row], "cmd", (0,), "2 CPU cores", 12.0)
-    assert "| 4 | 1 | 40.00 | 85.00 | -1.50 | 60.00 | 66.00 (5) | 55.00 | 70.00 | 71.00 | ties | -11.00 | **-5.00** |" in text
+    assert "| 4 | 1 | 2 | 180 | 40.00 | 85.00 | -1.50 | 60.00 | 66.00 (5) | 55.00 | 70.00 | 71.00 | ties | -11.00 | **-5.00** |" in text
     assert "q 4, wise 1: ties: lam=1.04" in text and "one seed gives no interval" in text

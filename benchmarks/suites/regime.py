@@ -11,6 +11,8 @@ each tuned on its own grid. The levers:
   re-inflates an interpolated checkpoint by its choice of grid.
 * the tasks: q = 4 (the main job's cut) or all 8 domains (more tasks, more interference).
 * the ensemble's head scale: the heads' own (20) or tuned on val.
+* interference: more trained blocks (``--frozen 8`` trains the upper 4 instead of 2) and more fine-tuning steps
+  (``--steps``); each builds its own data cache / fine-tunes.
 
 Everything else is the suite's protocol (:func:`benchmarks.suites.protocol.run_replicate`), so the rows equal the
 suite's on the same fine-tunes. With one fine-tuning seed the map has no t interval: it says where to look, and the
@@ -70,7 +72,8 @@ def measure(cfg, cache: Path, log, ties_lams: Sequence[float] = TIES_LAMS) -> di
     pretrained = pretrained_scores(bench)
     results = [run_replicate(bench, rep, specs, pretrained=pretrained, ensemble_scales=ENSEMBLE_SCALES["main"],
                              log=log) for rep in bench.replicates]
-    row: dict = {"tasks": list(cfg.tasks), "q": len(cfg.tasks), "wise": cfg.wise}
+    row: dict = {"tasks": list(cfg.tasks), "q": len(cfg.tasks), "wise": cfg.wise, "trained_blocks": 12 - cfg.frozen,
+                 "steps": cfg.ft_steps}
     ensembles = ("ensemble (probabilities)", TUNED_ENSEMBLE)
     for label in ("pretrained heads", "fine-tuned (own task)", *ensembles, *MERGES):
         row[label] = val_mean(results, label)
@@ -96,18 +99,20 @@ def markdown(rows: Sequence[dict], command: str, seeds: Sequence[int], machine: 
     from benchmarks.suites.protocol import TUNED_ENSEMBLE
 
     lines = ["# Where the ensemble beats the merges: the premise gate (G6) against each lever", "",
-             (f"Command: `{command}`. {machine}. {seconds:.0f} s. Image suite (DINOv2-S at 98 px, upper 2 blocks "
-              f"trained, 180 steps × 32, heads at cosine × 20), fine-tuning seed(s) {list(seeds)}; every number is "
+             (f"Command: `{command}`. {machine}. {seconds:.0f} s. Image suite (DINOv2-S at 98 px, the upper blocks "
+              f"trained for the steps (batch 32) of each row, heads at cosine × 20), fine-tuning seed(s) "
+              f"{list(seeds)}; every number is "
               "val accuracy (%), each merge at its own setting chosen on val; G6 = ensemble − best merge (the gate "
               "asks ≥ +3 with a replicate t interval above 0: one seed gives no interval, so this map says where "
               "to look, not whether G6 passes)."), "",
-             ("| q | wise | pretrained | fine-tuned (own) | one foreign τ | ensemble (scale 20) | ensemble (tuned: "
+             ("| q | wise | trained blocks | steps | pretrained | fine-tuned (own) | one foreign τ | ensemble (scale 20) | ensemble (tuned: "
               "scale) | average | task arithmetic | TIES | best merge | G6 at scale 20 | G6 tuned |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         scale = ", ".join(f"{s:g}" for s in r["ensemble_scale"])
         lines.append(
-            f"| {r['q']} | {r['wise']:g} | {r['pretrained heads']:.2f} | {r['fine-tuned (own task)']:.2f} | "
+            f"| {r['q']} | {r['wise']:g} | {r.get('trained_blocks', 2)} | {r.get('steps', 180)} | "
+            f"{r['pretrained heads']:.2f} | {r['fine-tuned (own task)']:.2f} | "
             f"{r['foreign']:+.2f} | {r['ensemble (probabilities)']:.2f} | {r[TUNED_ENSEMBLE]:.2f} ({scale}) | "
             f"{r['average']:.2f} | {r['task_arithmetic']:.2f} | {r['ties']:.2f} | {r['best_merge']} | "
             f"{r['g6_heads_scale']:+.2f} | **{r['g6_tuned']:+.2f}** |")
@@ -146,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0", help="fine-tuning seeds, comma-separated (default 0)")
     parser.add_argument("--wise", default="0.65,1.0", help="interpolation factors to map (comma-separated)")
     parser.add_argument("--tasks", default="quick,all", help="task sets: quick (the main job's 4), all (8)")
+    parser.add_argument("--frozen", default="10",
+                        help="lower blocks frozen, comma-separated (10: the suite's upper 2 trained; 8: upper 4)")
+    parser.add_argument("--steps", default="180", help="fine-tuning steps, comma-separated (default the suite's 180)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cache", type=Path, default=None)
     parser.add_argument("--ties-lams", default=",".join(f"{v:g}" for v in TIES_LAMS),
@@ -161,15 +169,17 @@ def main(argv: list[str] | None = None) -> int:
     torch.use_deterministic_algorithms(True)
     rows = []
     with torch_threads(args.threads):
-        for name in args.tasks.split(","):
-            for wise in (float(w) for w in args.wise.split(",")):
-                cfg = dataclasses.replace(RealConfig(), tasks=tuple(task_sets[name]), wise=wise, seeds=seeds)
-                rows.append(measure(cfg, args.cache or default_cache(), log,
-                                    tuple(float(v) for v in args.ties_lams.split(","))))
-                r = rows[-1]
-                log(f"q {r['q']}, wise {wise:g}: G6 at scale 20 {r['g6_heads_scale']:+.2f}, tuned "
-                    f"{r['g6_tuned']:+.2f} (best merge {r['best_merge']})")
-                text = write(rows, args.table, command, seeds, load, args.threads, time.perf_counter() - start)
+        levers = [(name, float(wise), int(frozen), int(steps)) for frozen in args.frozen.split(",")
+                  for steps in args.steps.split(",") for name in args.tasks.split(",") for wise in args.wise.split(",")]
+        for name, wise, frozen, steps in levers:
+            cfg = dataclasses.replace(RealConfig(), tasks=tuple(task_sets[name]), wise=wise, seeds=seeds,
+                                      frozen=frozen, ft_steps=steps)
+            rows.append(measure(cfg, args.cache or default_cache(), log,
+                                tuple(float(v) for v in args.ties_lams.split(","))))
+            r = rows[-1]
+            log(f"q {r['q']}, wise {wise:g}, {12 - frozen} trained blocks, {steps} steps: G6 at scale 20 "
+                f"{r['g6_heads_scale']:+.2f}, tuned {r['g6_tuned']:+.2f} (best merge {r['best_merge']})")
+            text = write(rows, args.table, command, seeds, load, args.threads, time.perf_counter() - start)
     print(text)
     return 0
 
