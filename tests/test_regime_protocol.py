@@ -154,3 +154,35 @@ def test_lever_map_table_states_g6_per_lever():
     text = markdown([row], "cmd", (0,), "2 CPU cores", 12.0)
     assert "| 4 | 1 | 2 | 180 | 40.00 | 85.00 | -1.50 | 60.00 | 66.00 (5) | 55.00 | 70.00 | 71.00 | ties | -11.00 | **-5.00** |" in text
     assert "q 4, wise 1: ties: lam=1.04" in text and "one seed gives no interval" in text
+
+
+def test_learned_probe_compares_three_kinds_of_rows_on_equal_grids():
+    """Val-tuned rows search as many settings as each other, in units of the trained task vector; defaults and
+    learned rows search none; only the objectives that read class outputs get the heads."""
+    from benchmarks.suites.learned import OBJECTIVES, kind, learned_specs
+    from benchmarks.suites.protocol import check_grids
+
+    specs = learned_specs(8, 1.0, steps=5, lr=1e-3, batch=16)
+    assert check_grids(specs) == 6
+    kinds = {s.label: kind(s.label) for s in specs}
+    assert sum(k == "val-tuned" for k in kinds.values()) == 5 and sum(k == "default" for k in kinds.values()) == 5
+    learned = [s for s in specs if kinds[s.label] == "learned"]
+    assert [s.params["objective"] for s in learned] == [*OBJECTIVES, "entropy"]
+    assert all(s.heads is (s.params["objective"] != "mloss") for s in learned)
+    assert all(s.params["batch_size"] == 16 and s.params["steps"] == 5 and not s.grid for s in learned)
+    tsv = next(s for s in specs if s.label == "tsv_m (val-tuned)")
+    assert tsv.grid["lam"] == pytest.approx([v * 0.65 for v in (1.0, 1.5, 2.0, 2.5, 3.0, 4.0)], abs=1e-3)
+    assert all(not s.grid and not s.params.get("lam") for s in specs if kinds[s.label] == "default")
+
+
+def test_learned_probe_table_states_the_goal_against_both_baselines():
+    from benchmarks.suites.learned import markdown
+
+    rows = {"task_arithmetic (val-tuned)": {"kind": "val-tuned", "val": 70.0, "test": 69.0, "chosen": [{"lam": 0.5}]},
+            "tsv_m (default)": {"kind": "default", "val": 66.0, "test": 65.0},
+            "adamerging (entropy)": {"kind": "learned", "val": 69.0, "test": 68.5}}
+    record = {"q": 8, "wise": 1.0, "trained_blocks": 2, "seeds": [0], "num_samples": 128, "rows": rows,
+              "best_tuned": "task_arithmetic (val-tuned)", "best_default": "tsv_m (default)"}
+    text = markdown(record, "cmd", "2 CPU cores", 1.0)
+    assert "| adamerging (entropy) | learned | 69.00 | 68.50 | -0.50 | +3.50 |  |  |" in text
+    assert "goal: within 1: met" in text and "goal: above: met" in text

@@ -219,9 +219,9 @@ def run_method(bench: Bench, replicate: Replicate, spec: MethodSpec, out: Replic
                             enabled=len(settings) > 1 and getattr(log, "enabled", True)):
         start = time.perf_counter()
         heads = {"heads": [bench.heads[t] for t in bench.tasks]} if spec.heads else {}
+        options = {"batch_size": 64, **spec.params, **setting, **heads}  # a learned merge may set its own batch
         merged = hf_mloss.merge(str(bench.base_dir), models, spec.method, seed=replicate.seed + spec.seed_offset,
-                                progress=False, data=data, num_samples=num_samples, batch_size=64, **spec.params,
-                                **setting, **heads)
+                                progress=False, data=data, num_samples=num_samples, **options)
         total = sum(v.numel() for v in merged.model.state_dict().values() if v.is_floating_point())
         state = bench.state_of(merged.model)
         merge_s += time.perf_counter() - start

@@ -72,7 +72,8 @@ def measure(cfg, cache: Path, log, ties_lams: Sequence[float] = TIES_LAMS) -> di
     pretrained = pretrained_scores(bench)
     results = [run_replicate(bench, rep, specs, pretrained=pretrained, ensemble_scales=ENSEMBLE_SCALES["main"],
                              log=log) for rep in bench.replicates]
-    row: dict = {"tasks": list(cfg.tasks), "q": len(cfg.tasks), "wise": cfg.wise, "trained_blocks": 12 - cfg.frozen,
+    row: dict = {"tasks": list(cfg.tasks), "q": len(cfg.tasks), "wise": cfg.wise,
+                 "trained_blocks": cfg.num_layers - cfg.frozen,
                  "steps": cfg.ft_steps}
     ensembles = ("ensemble (probabilities)", TUNED_ENSEMBLE)
     for label in ("pretrained heads", "fine-tuned (own task)", *ensembles, *MERGES):
