@@ -151,6 +151,22 @@ def test_tokens_section_overrides_the_fallback_adds_tokens_and_pads(inputs):
         assert close(state[name][67:], state[name][:67].mean(0).expand(5, -1))
 
 
+def test_passthrough_gives_a_token_its_model_lacks_zeros(inputs):
+    """A passthrough reads each tensor from one model (embeddings: the first slice's, head: the last slice's), so a
+    token that model lacks has no row to take: zeros, as mergekit writes them."""
+    _, (a_dir, b_dir, _) = inputs
+    config = MergeConfig.from_dict({"merge_method": "passthrough", "dtype": "float32", "tokenizer_source": "union",
+                                    "slices": [{"sources": [{"model": a_dir, "layer_range": [0, 2]}]},
+                                               {"sources": [{"model": b_dir, "layer_range": [1, 2]}]}]})
+    merged = hf_mloss.run(config, progress=False)
+    state, vocab = merged.model.state_dict(), merged.tokenizer.get_vocab()
+    a, b = rows(a_dir), rows(b_dir)
+    assert torch.equal(state[EMBED][vocab["<|im_start|>"]], a[EMBED]["<|im_start|>"])
+    assert torch.equal(state[EMBED][vocab["apple"]], a[EMBED]["apple"])
+    assert torch.equal(state[HEAD][vocab["apple"]], b[HEAD]["apple"])
+    assert torch.equal(state[HEAD][vocab["<|im_start|>"]], torch.zeros(32))  # B lacks it
+
+
 def test_tied_embeddings_stay_tied(tmp_path):
     from examples.tiny import save_finetune_with_tokens, tiny_decoder, word_tokenizer
 

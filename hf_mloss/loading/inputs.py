@@ -250,7 +250,7 @@ def _merged_vocabulary(config: MergeConfig, adapter: ModelAdapter, stores: list[
     base_is_reference = not any((m.model, m.revision) == (config.base.model, config.base.revision)
                                 for m in config.models)  # no mergekit base_model: the base is one of the models
     plan = plan_for_run(config.tokenizer_source, stores, adapter, base_is_reference=base_is_reference,
-                        loaded=[loaded is not None for _, loaded, _ in resolved])
+                        isolated=config.method == "passthrough", loaded=[loaded is not None for _, loaded, _ in resolved])
     if plan is None:
         return stores, adapter, None
     from ..adapters import adapter_for
@@ -479,9 +479,9 @@ def check_vocabularies(resolved) -> None:
         raise IncompatibleCheckpointsError(
             f"The tokenizer of {ref.name!r} has {len(moved)} token(s) that the base {base_ref.name!r} lacks or "
             f"numbers differently (e.g. {examples}): added tokens. Their embedding rows have no counterpart in the "
-            "base, and hf_mloss never pads or re-aligns rows silently. Merge fine-tunes that kept the base's "
-            "tokenizer, or give the base the same tokens (tokenizer.add_tokens(...), "
-            "model.resize_token_embeddings(len(tokenizer)), save both) and merge onto that base.")
+            "base, and hf_mloss never pads or re-aligns rows silently. Pass tokenizer_source='union' (YAML: "
+            "tokenizer_source: union) to merge the vocabularies and align the rows as mergekit does, or merge "
+            "fine-tunes that kept the base's tokenizer.")
 
 
 def float_names(store: TensorStore) -> list[str]:
@@ -513,9 +513,9 @@ def check_compatible(base: TensorStore, other: TensorStore) -> None:
                     f"{name!r} has {base.shapes[name][0]} rows in the base {base.ref.name!r} but "
                     f"{other.shapes[name][0]} in {other.ref.name!r}: the vocabularies differ (added tokens or another "
                     "tokenizer). Rows of different vocabularies do not line up, and hf_mloss never pads them "
-                    "silently. Merge fine-tunes that share the base's vocabulary, or resize the base to the "
-                    "fine-tunes' tokenizer (model.resize_token_embeddings(len(tokenizer)), save it with that "
-                    "tokenizer) and merge onto that base.")
+                    "silently. Pass tokenizer_source='union' (YAML: tokenizer_source: union; every model saved with "
+                    "its tokenizer) to merge the vocabularies and align the rows, or merge fine-tunes that share the "
+                    "base's vocabulary.")
             raise IncompatibleCheckpointsError(
                 f"{name!r} has shape {base.shapes[name]} in {base.ref.name!r} but {other.shapes[name]} in "
                 f"{other.ref.name!r}. All models merged together must share one architecture.")

@@ -372,11 +372,13 @@ def _load_tokenizer(path: str | None, name: str, why: str) -> Any:
 
 
 def build_vocabulary(options: VocabularyOptions, stores: list[TensorStore], adapter: ModelAdapter, *,
-                     base_is_reference: bool) -> VocabularyPlan:
+                     base_is_reference: bool, isolated: bool = False) -> VocabularyPlan:
     """The output tokenizer of ``options`` and each input's row alignment (``stores``: the inputs, base first).
 
     ``base_is_reference``: the base is the model the merge starts from (mergekit's ``base_model``), whose row a model
     lacking a token takes before the other models' mean; False when the base is only one of the merged models.
+    ``isolated``: each output tensor is one input's (``passthrough``), so a token that input lacks has no other row
+    to take: zeros, as in mergekit (a ``tokens`` source must then be ``{kind: zero}``).
 
     Raises:
         IncompatibleCheckpointsError: a tokenizer that cannot be loaded or does not fit its model's rows.
@@ -421,6 +423,21 @@ def build_vocabulary(options: VocabularyOptions, stores: list[TensorStore], adap
     for token_id, token in enumerate(tokens_by_id):
         rule = options.tokens.get(token)
         present = [i for i in members if own[i][token_id] >= 0]
+        if isolated:
+            if rule is not None and rule.source not in (None, ZERO):
+                raise InvalidParameterError(f"tokenizer_source.tokens[{token!r}]: a passthrough takes each tensor "
+                                            "from one model, so a token's row cannot come from another (mergekit "
+                                            "fails on it); use source: {kind: zero} or drop the entry.")
+            if rule is not None and rule.force:
+                for table in own:
+                    table[token_id] = -1
+            elif not any(table[token_id] < 0 for table in own):
+                continue
+            elif rule is not None and rule.source is None:
+                raise InvalidParameterError(f"tokenizer_source.tokens[{token!r}] has no source, and a model lacks the "
+                                            "token: use source: {kind: zero}.")
+            fills[token_id] = (ZERO, [])
+            continue
         if rule is None:
             if len(present) == len(members):
                 continue
@@ -503,7 +520,7 @@ __all__ = ["AlignedStore", "TokenRule", "VocabularyOptions", "VocabularyPlan", "
 
 
 def plan_for_run(value: Any, stores: list[TensorStore], adapter: ModelAdapter, *, base_is_reference: bool,
-                 loaded: Sequence[bool] = ()) -> VocabularyPlan | None:
+                 isolated: bool = False, loaded: Sequence[bool] = ()) -> VocabularyPlan | None:
     """The vocabulary plan of a run's ``tokenizer_source`` (None: the inputs are read as they are).
 
     ``tokenizer_source: base`` with no ``tokens`` or padding is the base's vocabulary as it is where the model has
@@ -535,7 +552,7 @@ def plan_for_run(value: Any, stores: list[TensorStore], adapter: ModelAdapter, *
             if base_vocab is not None and max(base_vocab.values(), default=-1) + 1 == rows and \
                     all(tokenizer_file_vocab(s.ref.path) in (None, base_vocab) for s in stores[1:]):
                 return None  # every model has the base's rows and tokens: the base's vocabulary as it is
-    return build_vocabulary(options, stores, adapter, base_is_reference=base_is_reference)
+    return build_vocabulary(options, stores, adapter, base_is_reference=base_is_reference, isolated=isolated)
 
 
 TOKENIZER_FILE = "tokenizer.json"
