@@ -196,6 +196,9 @@ def test_bad_vocabulary_inputs_are_refused_before_any_write(inputs, tmp_path):
     with pytest.raises(ConfigError, match="not one of the merge's models"):
         MergeConfig.from_dict({"merge_method": "ties", "base_model": base, "tokenizer": {"tokens": {
             "x": {"source": "./elsewhere"}}}, "models": [{"model": models[0], "parameters": {"weight": 1.0}}]})
+    loaded = AutoModelForCausalLM.from_pretrained(models[0])
+    with pytest.raises(InvalidParameterError, match="is a loaded model; pass model folders"):
+        hf_mloss.merge(base, [loaded, models[1]], "ties", tokenizer_source="union", progress=False)
     no_tokenizer = tmp_path / "no-tokenizer"
     AutoModelForCausalLM.from_pretrained(models[1]).save_pretrained(no_tokenizer)
     recipe = tmp_path / "recipe.yml"

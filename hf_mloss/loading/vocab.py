@@ -206,6 +206,10 @@ class VocabularyPlan:
     """Per input: whether its rows are the output's as they are (no read is then re-mapped)."""
     added: list[str] = dataclasses.field(default_factory=list)
     """The tokens the output has beyond the base's tokenizer (said on the card)."""
+    _stores: list[TensorStore] = dataclasses.field(default_factory=list, repr=False)
+    """The inputs as opened (set by :meth:`wrap`): the fallback rows are read from them."""
+    _dtypes: dict[str, torch.dtype] = dataclasses.field(default_factory=dict, repr=False)
+    """Each vocabulary tensor's dtype, promoted over the inputs (as mergekit aligns them)."""
     _defaults: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, repr=False)
     _pad_rows: dict[tuple[int, str], torch.Tensor] = dataclasses.field(default_factory=dict, repr=False)
 
