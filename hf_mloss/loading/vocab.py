@@ -15,7 +15,8 @@ Each input's vocabulary-indexed tensors (input embeddings, LM head and its bias)
 :class:`AlignedStore` with one row per output token, so the merge method sees equal shapes. A model that has the
 token gives its own row; a model that lacks it gets mergekit's fallback, the same for every such model: the row of
 the only model that has it, else the base's row (when the base is a reference the merge starts from, not merely one
-of the averaged models), else the mean of the rows of the models that have it; zeros if no model has it. The
+of the averaged models), else the mean of the rows of the models that have it; zeros if no model has it (in a
+``passthrough``, which reads each tensor from one model, zeros wherever that model lacks the token). The
 ``tokens`` section overrides that fallback per token (``source``: a model, ``{kind: model_token, model, token |
 token_id}`` or ``{kind: zero}``; ``force: true`` gives it to every model, even those that have the token) and adds
 the tokens it names to the vocabulary. ``pad_to_multiple_of`` rounds the row count up; each model's extra rows hold
