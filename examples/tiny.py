@@ -186,3 +186,28 @@ def save_with_finetunes(base, root: str | Path, q: int = 3, *, tokenizer=None, f
             chosen.save_pretrained(folder)
         folders.append(folder)
     return folders[0], folders[1:]
+
+
+def save_finetune_with_tokens(base, folder: str | Path, seed: int, *, tokens: tuple[str, ...] = (),
+                              special: tuple[str, ...] = (), words: int | None = None) -> Path:
+    """Save a perturbed fine-tune of the tiny decoder ``base`` whose tokenizer (``word_tokenizer``) adds ``tokens``
+    and ``special`` tokens (a chat template's), its embedding and untied head grown by one seeded random row per new
+    token, as ``resize_token_embeddings`` + training leave them; ``words``: a word vocabulary of that size instead of
+    the base's (fewer tokens: the model's rows shrink with it)."""
+    import copy
+
+    tuned = perturbed(base, seed)
+    tuned.config = copy.deepcopy(base.config)
+    tokenizer = word_tokenizer(words or base.config.vocab_size, extra_tokens=tokens)
+    if special:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(special)})
+    old = base.config.vocab_size if words is None else min(words, base.config.vocab_size)
+    tuned.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    generator = torch.Generator().manual_seed(2000 + seed)
+    with torch.no_grad():
+        for weights in {id(w): w for w in (tuned.get_input_embeddings().weight,
+                                           tuned.get_output_embeddings().weight)}.values():
+            weights[old:] = torch.randn(weights[old:].shape, generator=generator)
+    tuned.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return Path(folder)

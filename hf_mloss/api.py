@@ -104,9 +104,12 @@ def merge(base: Any, models: Sequence[Any], method: str = "ties", *, data: Any =
         **options: the shared :class:`RunOptions` (``weights``, ``num_samples``, ``device``...); config fields
             ``dtype`` (of the merged model, default the base's; arithmetic runs in float32) and ``output``
             (``"auto"``: the base's class; ``"tower"``: only the merged tower; ``"adapter"``: a PEFT LoRA adapter,
-            with ``combination`` and ``lora_rank``, see :mod:`hf_mloss.output.adapter`); and the method's parameters (``k``,
-            ``e``, ``lam``, ``p``, ``t``, ``scope``, ``layers``...), which data-free methods may vary over the model
-            as in mergekit (``k=[0.2, 0.8]``, filter lists; see :mod:`hf_mloss.spec.schedule`).
+            with ``combination`` and ``lora_rank``, see :mod:`hf_mloss.output.adapter`), ``tokenizer_source``
+            (text models whose fine-tunes added tokens: ``"union"``, ``"base"`` or a model; the rows are aligned as
+            mergekit aligns them and the merged tokenizer is saved, see :mod:`hf_mloss.loading.vocab`); and the
+            method's parameters (``k``, ``e``, ``lam``, ``p``, ``t``, ``scope``, ``layers``...), which data-free
+            methods may vary over the model as in mergekit (``k=[0.2, 0.8]``, filter lists; see
+            :mod:`hf_mloss.spec.schedule`).
 
     Returns:
         A :class:`~hf_mloss.MergeResult`: ``.model`` (the merged model), ``.config`` (the recorded recipe),

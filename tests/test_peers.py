@@ -536,3 +536,61 @@ def test_mergekit_per_slice_parameters_match(tmp_path_factory, tmp_path, recipe,
     diff = _decoder_max_diff(result, run)
     print(f"{recipe}: max |hf_mloss - mergekit| = {diff:.3g}")
     assert diff < 1e-6
+
+
+# Vocabulary union: fine-tunes that each added different tokens -------------------------------------------------------
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_vocab_union_matches_mergekit(tmp_path_factory, tmp_path, family):
+    """`tokenizer_source: union` over a fine-tune that added a chat token, one that added two words and one that kept
+    the base's vocabulary: the same tokens, every row equal to mergekit's (by token), the same greedy generation.
+    Mistral's recipe uses the `tokenizer:` section instead: per-token sources, a forced row, an added token, padding.
+
+    mergekit numbers the new tokens of different models in the iteration order of a set of models, which changes
+    with PYTHONHASHSEED; hf_mloss takes the models in the config's order. The base's tokens keep their ids in both."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from examples.tiny import save_finetune_with_tokens, tiny_decoder, word_tokenizer
+
+    root = tmp_path_factory.mktemp(f"vocab-{family}")
+    base = tiny_decoder(family)
+    base.save_pretrained(root / "base")
+    word_tokenizer().save_pretrained(root / "base")
+    models = [str(save_finetune_with_tokens(base, root / "chat", 0, special=("<|im_start|>",))),
+              str(save_finetune_with_tokens(base, root / "words", 1, tokens=("apple", "pear"))),
+              str(save_finetune_with_tokens(base, root / "plain", 2))]
+    recipe = {"merge_method": "ties", "base_model": str(root / "base"), "dtype": "float32",
+              "tokenizer_source": "union", "parameters": {"lambda": 0.9},
+              "models": [{"model": m, "parameters": {"weight": w, "density": d}}
+                         for m, w, d in zip(models, [1.0, 0.5, 2.0], [0.5, 0.7, 0.4])]}
+    if family == "mistral":
+        del recipe["tokenizer_source"]
+        recipe["tokenizer"] = {"source": "union", "pad_to_multiple_of": 8, "tokens": {
+            "<|im_start|>": {"source": {"kind": "zero"}},
+            "pear": {"source": {"kind": "model_token", "model": models[0], "token": "w5"}, "force": True},
+            "apple": {"source": models[1]}, "<|new|>": {"source": {"kind": "zero"}}}}
+    run = _mergekit_yaml_or_skip(recipe, tmp_path / "mergekit")
+    result = hf_mloss.run(MergeConfig.from_yaml(run.out_dir / "peer_config.yml"), progress=False)
+    folder = result.save_pretrained(tmp_path / "ours")
+    ours, theirs = AutoTokenizer.from_pretrained(folder), AutoTokenizer.from_pretrained(run.out_dir)
+    ours_vocab, their_vocab = ours.get_vocab(), theirs.get_vocab()
+    size = 67 + (family == "mistral")
+    assert set(ours_vocab) == set(their_vocab) and len(ours_vocab) == size
+    assert all(ours_vocab[t] == their_vocab[t] for t in word_tokenizer().get_vocab())
+    assert {t.content: t.special for t in ours.added_tokens_decoder.values()} == \
+        {t.content: t.special for t in theirs.added_tokens_decoder.values()}
+    rows = 72 if family == "mistral" else size
+    order = torch.tensor([their_vocab[t] for t in sorted(ours_vocab, key=ours_vocab.get)] + list(range(size, rows)))
+    state, peer = result.model.state_dict(), run.state_dict()
+    tied = set(getattr(result.model, "all_tied_weights_keys", None) or ())
+    diff = max(float((state[k] - (peer[k][order] if state[k].shape[0] == rows else peer[k]).float()).abs().max())
+               for k in state if k not in tied and state[k].is_floating_point())
+    print(f"vocabulary union ({family}): max |hf_mloss - mergekit| = {diff:.3g}")
+    assert diff < 1e-6
+    generated = []
+    for path, tokenizer in ((folder, ours), (run.out_dir, theirs)):
+        model = AutoModelForCausalLM.from_pretrained(path)
+        assert model.config.vocab_size == rows
+        ids = tokenizer("<|im_start|> w3 apple w9 pear", return_tensors="pt")["input_ids"]
+        out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        generated.append(tokenizer.convert_ids_to_tokens(out[0]))
+    assert generated[0] == generated[1] and generated[0][0] == "<|im_start|>"

@@ -804,10 +804,15 @@ MERGEKIT = [
          ("normalize", "sum of the models' weights")),
     Case("mergekit_normalize_not_a_bool", mergekit(parameters={"normalize": "yes please"}), ConfigError,
          ("normalize must be true or false",)),
-    Case("mergekit_tokenizer_source_union", mergekit(tokenizer_source="union"), ConfigError,
-         ("tokenizer_source", "vocabularies cannot be merged yet")),
+    Case("mergekit_tokenizer_source_union", mergekit(tokenizer_source="union"), None,
+         check=lambda p, config: config.tokenizer_source == "union" or pytest.fail(str(config.tokenizer_source))),
     Case("mergekit_tokenizer_section", mergekit(tokenizer={"source": "union", "tokens": {"<x>": {"source": "./ft0"}}}),
-         ConfigError, ("tokenizer", "vocabularies cannot be merged yet")),
+         None, check=lambda p, config: config.tokenizer_source["tokens"] == {"<x>": {"source": 1}} or pytest.fail(
+             str(config.tokenizer_source))),
+    Case("mergekit_tokenizer_source_unknown_model", mergekit(tokenizer_source="./elsewhere"), ConfigError,
+         ("tokenizer_source", "not one of the merge's models")),
+    Case("mergekit_tokenizer_source_and_section", mergekit(tokenizer_source="union", tokenizer={"source": "base"}),
+         ConfigError, ("both tokenizer_source and tokenizer",)),
     Case("mergekit_tokenizer_source_base_is_accepted", mergekit(tokenizer_source="base"), None,
          check=lambda p, config: config.parameters["k"] == 0.5 or pytest.fail(str(config.parameters))),
 ]

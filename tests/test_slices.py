@@ -265,17 +265,19 @@ def test_passthrough_without_slices_and_slices_with_models_are_refused(llama):
                                "merge_method": "passthrough"})
 
 
-@pytest.mark.parametrize("source", ["union", "model:org/other"])
-def test_vocabulary_merges_are_refused_and_base_accepted(llama, source):
+def test_vocabulary_sources_of_sliced_recipes(llama):
+    """tokenizer_source maps for sliced recipes too (passthrough included); a model outside the merge is refused."""
     a, b, _ = llama
     recipe = {"slices": [{"sources": [{"model": a, "layer_range": [0, 4]}, {"model": b, "layer_range": [0, 4]}]}],
               "merge_method": "slerp", "base_model": a, "parameters": {"t": 0.5}}
     assert MergeConfig.from_dict({**recipe, "tokenizer_source": "base"}).slices
-    with pytest.raises(ConfigError, match="vocabularies cannot be merged yet"):
-        MergeConfig.from_dict({**recipe, "tokenizer_source": source})
-    with pytest.raises(ConfigError, match="vocabularies cannot be merged yet"):
-        MergeConfig.from_dict({**recipe, "merge_method": "passthrough", "tokenizer_source": source,
-                               "slices": [{"sources": recipe["slices"][0]["sources"][:1]}]})
+    assert MergeConfig.from_dict({**recipe, "tokenizer_source": "union"}).tokenizer_source == "union"
+    assert MergeConfig.from_dict({**recipe, "tokenizer_source": f"model:{b}"}).tokenizer_source == 1
+    passthrough = {"merge_method": "passthrough", "slices": [{"sources": recipe["slices"][0]["sources"][:1]}]}
+    assert MergeConfig.from_dict({**passthrough, "tokenizer_source": "union"}).tokenizer_source == "union"
+    for config in (recipe, passthrough):
+        with pytest.raises(ConfigError, match="not one of the merge's models"):
+            MergeConfig.from_dict({**config, "tokenizer_source": "model:org/other"})
 
 
 def test_a_slice_free_config_records_no_slices(llama):

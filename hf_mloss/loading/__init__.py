@@ -1,2 +1,3 @@
 """The input side: Hub and local checkpoints (hub), lazy tensor stores (store), LoRA adapters read as
-checkpoints (lora), unlabeled data as model inputs (data), and a run's opened inputs (inputs)."""
+checkpoints (lora), merged vocabularies (vocab), unlabeled data as model inputs (data), and a run's opened inputs
+(inputs)."""

@@ -24,6 +24,7 @@ from ..errors import DataError, IncompatibleCheckpointsError, InvalidParameterEr
 from .._logging import quiet_transformers
 from .hub import ModelRef, fingerprint_folder, resolve_model
 from .store import CheckpointStore, ModuleStore, TensorStore
+from .vocab import tokenizer_file_vocab
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from ..spec.config import MergeConfig, ModelSpec
     from .data import DataInfo
     from .model_inputs import ModelInputs
+    from .vocab import VocabularyPlan
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -66,6 +68,8 @@ class RunInputs:
     """Tensors every input lacks, which transformers initialises (see :func:`check_config_matches_tensors`)."""
     notes: list[str] = field(default_factory=list)
     """What the run says about its inputs on the card (tensors every input lacks, initialised by transformers)."""
+    vocabulary: VocabularyPlan | None = None
+    """The merged vocabulary (``tokenizer_source``): its tokenizer, and the rows the stores read aligned to it."""
 
     @property
     def refs(self) -> list[ModelRef]:
@@ -144,7 +148,10 @@ class RunInputs:
             with quiet_transformers(True):  # one bar per stage, ours: not transformers' "Loading weights"
                 model = self.adapter.load_output_model(self.base.ref.path, output, dtype=dtype,
                                                        allow_missing=frozenset(self.uninitialised))
-        return model.to(device=self.device, dtype=dtype).eval()
+        model = model.to(device=self.device, dtype=dtype).eval()
+        if self.vocabulary is not None:  # the output vocabulary's rows, the base's side of them
+            self.vocabulary.fit_model(model, self.adapter, self.base)
+        return model
 
     def close(self) -> None:
         for store in [self.base, *self.sources]:
@@ -198,7 +205,8 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
         adapter = whole_model_adapter(adapter)
     elif whole_model and whole[0] and any(whole[1:]):
         check_outside_unchanged(adapter, resolved, whole)
-    check_vocabularies(resolved)
+    if getattr(config, "tokenizer_source", None) is None:  # else the vocabularies are merged (loading.vocab)
+        check_vocabularies(resolved)
     check_tying(adapter, resolved)
     stores: list[TensorStore] = []
     try:
@@ -208,6 +216,9 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
                           if loaded is not None else CheckpointStore(ref, adapter))
         check_no_float8(stores)
         uninitialised = check_config_matches_tensors(adapter, stores[0], stores[1:])
+        vocabulary = None
+        if getattr(config, "tokenizer_source", None) is not None:
+            stores, adapter, vocabulary = _merged_vocabulary(config, adapter, stores, resolved)
         for store in stores[1:]:
             check_compatible(stores[0], store)
         fingerprints = _verify_fingerprints(specs, resolved, progress=progress)
@@ -215,6 +226,7 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
         inputs = RunInputs(adapter=adapter, base=stores[0], sources=stores[1:], base_model=resolved[0][1],
                            names=float_names(stores[0]), alpha=resolve_weights(config, method.default_weight),
                            device=device, fingerprints=fingerprints, towers=towers)
+        inputs.vocabulary = vocabulary
         if uninitialised:
             inputs.uninitialised = uninitialised
             inputs.notes.append(uninitialised_note(uninitialised))
@@ -227,6 +239,26 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
     finally:
         for store in stores:
             store.close()
+
+
+def _merged_vocabulary(config: MergeConfig, adapter: ModelAdapter, stores: list[TensorStore], resolved
+                       ) -> tuple[list[TensorStore], ModelAdapter, VocabularyPlan | None]:
+    """The stores read through the merged vocabulary of ``config.tokenizer_source``, the adapter of the output's
+    config (its ``vocab_size``), and the plan (None where the base's vocabulary is kept as it is)."""
+    from .vocab import plan_for_run
+
+    base_is_reference = not any((m.model, m.revision) == (config.base.model, config.base.revision)
+                                for m in config.models)  # no mergekit base_model: the base is one of the models
+    plan = plan_for_run(config.tokenizer_source, stores, adapter, base_is_reference=base_is_reference,
+                        isolated=config.method == "passthrough", loaded=[loaded is not None for _, loaded, _ in resolved])
+    if plan is None:
+        return stores, adapter, None
+    from ..adapters import adapter_for
+
+    output_config = copy.deepcopy(adapter.config)
+    text = output_config.get_text_config() if hasattr(output_config, "get_text_config") else output_config
+    text.vocab_size = plan.size
+    return plan.wrap(stores), adapter_for(output_config), plan
 
 
 def _adapter_of(entry) -> ModelAdapter:
@@ -426,9 +458,6 @@ def _tie_flags(config: Any) -> tuple[Any, Any]:
     return getattr(config, "tie_word_embeddings", None), getattr(text, "tie_word_embeddings", None)
 
 
-_TOKENIZER_FILE = "tokenizer.json"
-
-
 def check_vocabularies(resolved) -> None:
     """Refuse fine-tunes whose tokenizer has tokens the base's lacks, or ids the base's gives to other tokens (added
     tokens): their embedding rows do not line up with the base's, even where the row counts happen to agree.
@@ -436,11 +465,11 @@ def check_vocabularies(resolved) -> None:
     Compared where both folders hold a ``tokenizer.json`` (the fast-tokenizer file every current tokenizer saves).
     """
     base_ref = resolved[0][0]
-    base_vocab = _tokenizer_vocab(base_ref.path)
+    base_vocab = tokenizer_file_vocab(base_ref.path)
     if base_vocab is None:
         return
     for ref, _, _ in resolved[1:]:
-        vocab = _tokenizer_vocab(ref.path)
+        vocab = tokenizer_file_vocab(ref.path)
         if vocab is None or vocab == base_vocab:
             continue
         moved = sorted((token, i) for token, i in vocab.items() if base_vocab.get(token) != i)
@@ -450,30 +479,9 @@ def check_vocabularies(resolved) -> None:
         raise IncompatibleCheckpointsError(
             f"The tokenizer of {ref.name!r} has {len(moved)} token(s) that the base {base_ref.name!r} lacks or "
             f"numbers differently (e.g. {examples}): added tokens. Their embedding rows have no counterpart in the "
-            "base, and hf_mloss never pads or re-aligns rows silently. Merge fine-tunes that kept the base's "
-            "tokenizer, or give the base the same tokens (tokenizer.add_tokens(...), "
-            "model.resize_token_embeddings(len(tokenizer)), save both) and merge onto that base.")
-
-
-def _tokenizer_vocab(path: str | None) -> dict[str, int] | None:
-    """token -> id of a folder's ``tokenizer.json`` (model vocabulary + added tokens), or None."""
-    import json
-
-    file = Path(path) / _TOKENIZER_FILE if path else None
-    if file is None or not file.is_file():
-        return None
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-        model_vocab = (data.get("model") or {}).get("vocab") or {}
-        if isinstance(model_vocab, list):  # Unigram: [[piece, score], ...]
-            vocab = {entry[0]: i for i, entry in enumerate(model_vocab)}
-        else:
-            vocab = {str(token): int(i) for token, i in model_vocab.items()}
-        for added in data.get("added_tokens") or []:
-            vocab[str(added["content"])] = int(added["id"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
-        return None  # not a file this check understands: the tensor shapes are still checked
-    return vocab
+            "base, and hf_mloss never pads or re-aligns rows silently. Pass tokenizer_source='union' (YAML: "
+            "tokenizer_source: union) to merge the vocabularies and align the rows as mergekit does, or merge "
+            "fine-tunes that kept the base's tokenizer.")
 
 
 def float_names(store: TensorStore) -> list[str]:
@@ -505,9 +513,9 @@ def check_compatible(base: TensorStore, other: TensorStore) -> None:
                     f"{name!r} has {base.shapes[name][0]} rows in the base {base.ref.name!r} but "
                     f"{other.shapes[name][0]} in {other.ref.name!r}: the vocabularies differ (added tokens or another "
                     "tokenizer). Rows of different vocabularies do not line up, and hf_mloss never pads them "
-                    "silently. Merge fine-tunes that share the base's vocabulary, or resize the base to the "
-                    "fine-tunes' tokenizer (model.resize_token_embeddings(len(tokenizer)), save it with that "
-                    "tokenizer) and merge onto that base.")
+                    "silently. Pass tokenizer_source='union' (YAML: tokenizer_source: union; every model saved with "
+                    "its tokenizer) to merge the vocabularies and align the rows, or merge fine-tunes that share the "
+                    "base's vocabulary.")
             raise IncompatibleCheckpointsError(
                 f"{name!r} has shape {base.shapes[name]} in {base.ref.name!r} but {other.shapes[name]} in "
                 f"{other.ref.name!r}. All models merged together must share one architecture.")

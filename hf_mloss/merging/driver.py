@@ -133,9 +133,13 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
         if lora is not None:  # the adapter as written: its combination, and the rank an SVD used
             record.combination, record.lora_rank = lora.combination, lora.rank if lora.combination == "svd" else None
         record.resolved_parameters = tensor_params.record(merger.names) if tensor_params else None
+        vocabulary = given.vocabulary
+        if vocabulary is not None:
+            description += " " + vocabulary.describe()
         return MergeResult(model=model, config=record, report=report, base=inputs.base.ref, models=given.refs,
                            adapter=inputs.adapter, data_info=inputs.data_info, method_description=description,
-                           lora=lora, device=describe_device(inputs.device))
+                           lora=lora, device=describe_device(inputs.device),
+                           tokenizer=vocabulary.tokenizer if vocabulary is not None else None)
 
 
 @torch.no_grad()

@@ -52,6 +52,8 @@ class MergeResult:
     model it was factored from)."""
     device: str = ""
     """Where the merge was computed (``cpu``, ``cuda:0 (NVIDIA ...)``, ``mps``), as the card records it."""
+    tokenizer: Any = None
+    """The merged vocabulary's tokenizer (``tokenizer_source``), saved beside the weights instead of the base's."""
     model_loader: Callable[[], PreTrainedModel] | None = field(default=None, repr=False, compare=False)
     """Builds :attr:`model` on first access (an adapter output written from the inputs' factors alone, whose
     merged model nothing else needs: the base loaded and ΔW = B·A added, once)."""
@@ -187,6 +189,9 @@ class MergeResult:
     def _save_processor(self, folder: Path) -> None:
         """Copy the base's processor beside the weights: with its tokenizer when the output is a whole model (a
         CLIPModel needs both for zero-shot classification), else the image processor (or the one given)."""
+        if self.tokenizer is not None:  # a merged vocabulary: its tokenizer numbers the rows of the weights
+            self.tokenizer.save_pretrained(folder)
+            return
         source = self.config.processor
         if source is not None and not isinstance(source, (str, os.PathLike)):
             source.save_pretrained(folder)

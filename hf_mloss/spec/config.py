@@ -246,6 +246,11 @@ class MergeConfig:
                                             "grid, ... (see hf_mloss.merging.selection).")
     slices: Any = param(None, "Output layers from layer ranges of the inputs: [{sources: [{model: i, layer_range: "
                         "[start, end]}]}], model an index into [base, *models] (see hf_mloss.spec.slices).")
+    tokenizer_source: Any = param(None, "The merge's vocabulary (text models): union (the base's tokens plus every "
+                                  "token the models added), base, or a model (its index into [base, *models] or "
+                                  "its name), or {source, tokens, pad_to_multiple_of} as mergekit's tokenizer: "
+                                  "section; embedding and LM-head rows are aligned to it (hf_mloss.loading.vocab). "
+                                  "Default: the base's, which every model must share.")
     hf_mloss_version: str | None = param(None, "Version that wrote the config.")
     resolved_parameters: dict[str, Any] | None = param(None, "Recorded by a run whose parameters vary over the model: "
                                                         "each tensor's values (not read back).")
@@ -307,6 +312,21 @@ class MergeConfig:
             self._validate_selection(method)
         self._validate_adapter_output()
         self._validate_slices(method)
+        self._validate_tokenizer_source(method)
+
+    def _validate_tokenizer_source(self, method: MergeMethod) -> None:
+        if self.tokenizer_source is None:
+            return
+        from ..loading.vocab import VocabularyOptions
+
+        names = [None if spec.is_loaded else spec.model for spec in [self.base, *self.models]]
+        options = VocabularyOptions.parse(_plain(self.tokenizer_source), names)
+        if method.needs_data or self.select is not None or self.output != "auto":
+            raise InvalidParameterError(f"tokenizer_source aligns the vocabularies of a data-free merge written as a "
+                                        f"whole model (output='auto'); got method {method.name!r}, output="
+                                        f"{self.output!r}{', select' if self.select else ''}. Drop tokenizer_source, "
+                                        "or merge data-free.")
+        self.tokenizer_source = options.to_plain()
 
     def _validate_text_data(self, method: MergeMethod) -> None:
         if self.text_data is None:
@@ -624,6 +644,8 @@ class MergeConfig:
             out["select"] = _selection_to_dict(self.select, base)
         if self.slices is not None:
             out["slices"] = _plain(self.slices)
+        if self.tokenizer_source is not None:
+            out["tokenizer_source"] = _plain(self.tokenizer_source)
         if self.resolved_parameters:
             out["resolved_parameters"] = self.resolved_parameters
         return out
@@ -841,8 +863,11 @@ def _refuse_tokens(value: Any, where: str) -> None:
     like one (``hf_...``, ``HF_TOKEN=...``); the value itself is never echoed."""
     if isinstance(value, Mapping):
         for key, item in value.items():
-            if isinstance(key, str) and (key.lower() in TOKEN_KEYS or looks_like_secret(key)):
-                name = f"{where}{key}" if key.lower() in TOKEN_KEYS else f"{where.rstrip('.') or 'a top-level'} key"
+            # a vocabulary section's `token` is a token of the vocabulary (mergekit's model_token source)
+            named = isinstance(key, str) and key.lower() in TOKEN_KEYS and not (key == "token" and where.startswith(("tokenizer.",
+                                                                                            "tokenizer_source.")))
+            if isinstance(key, str) and (named or looks_like_secret(key)):
+                name = f"{where}{key}" if named else f"{where.rstrip('.') or 'a top-level'} key"
                 raise ConfigError(f"{name} (a credential) is refused; {TOKEN_HINT}")
             _refuse_tokens(item, f"{where}{key}.")
     elif isinstance(value, list):

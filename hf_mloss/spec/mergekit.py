@@ -24,8 +24,9 @@ arithmetic runs in float32 either way. Per-model parameters default as mergekit 
 (keep everything) where a model omits it, ``weight`` required on every model. Method parameters may be gradients or
 filter lists, as in mergekit (see :mod:`hf_mloss.spec.schedule`); so may per-model weights and densities, which
 may differ between the models (they become the models' own ``parameters``, resolved per model and tensor).
-``tokenizer_source: base`` (or none) is accepted: the base's processor is copied; other tokenizer sources and
-``tokenizer:`` sections merge vocabularies, which hf_mloss cannot do yet. ``base+adapter`` entries (and
+``tokenizer_source`` (``union``, ``base`` or a model) and the ``tokenizer:`` section (``source``, ``tokens``,
+``pad_to_multiple_of``) become ``tokenizer_source``, the models they name as indices into ``[base, *models]``
+(:mod:`hf_mloss.loading.vocab` builds the vocabulary and aligns the rows as mergekit does). ``base+adapter`` entries (and
 ``{model: ..., lora: ...}``) name a PEFT LoRA adapter of the base (:mod:`hf_mloss.loading.lora`). ``slices`` with
 ``sources`` and ``layer_range`` map to hf_mloss's ``slices`` (:mod:`hf_mloss.spec.slices`): ``passthrough`` stacks (one
 source per slice) and slices merged by one of the methods above (the same models in every slice, per-model parameters
@@ -67,8 +68,8 @@ SHARED_METHODS: dict[str, dict[str, Any]] = {
 METHODS.update({name: name for name in SHARED_METHODS})
 TOP_LEVEL = ("merge_method", "base_model", "models", "slices", "parameters", "dtype", "out_dtype",
              "tokenizer_source", "tokenizer", "chat_template", "name")
-IGNORED = ("tokenizer_source", "tokenizer", "chat_template", "name")
-"""Keys about text models' tokenizers (and labels): only their no-op values are accepted (see _check_tokenizer)."""
+IGNORED = ("chat_template", "name")
+"""Keys hf_mloss reads and ignores (the merged tokenizer keeps the template its source has)."""
 NORMALIZE_DEFAULTS = {"linear": True, "task_arithmetic": False, "ties": True, "dare_ties": False,
                       "dare_linear": False}
 """mergekit 0.1.5's ``normalize`` default per method (``dare_ties`` sums the agreeing deltas unless told otherwise)."""
@@ -82,6 +83,14 @@ def from_mergekit(config: Mapping[str, Any]) -> dict[str, Any]:
     Raises:
         ConfigError: an option with no hf_mloss equivalent (the message names it).
     """
+    out = _from_mergekit(config)
+    vocabulary = _vocabulary(config, out)
+    if vocabulary is not None:
+        out["tokenizer_source"] = vocabulary
+    return out
+
+
+def _from_mergekit(config: Mapping[str, Any]) -> dict[str, Any]:
     unknown = [k for k in config if k not in TOP_LEVEL]
     if unknown:
         raise ConfigError(f"mergekit config key(s) {unknown} have no hf_mloss equivalent (hf_mloss reads "
@@ -197,16 +206,56 @@ def _mapping(value: Any, where: str) -> dict[str, Any]:
 
 
 def _check_tokenizer(config: Mapping[str, Any]) -> None:
-    """Accept the tokenizer options that keep the base's (what a vision merge does); refuse vocabulary merges."""
-    source = config.get("tokenizer_source")
-    tokenizer = config.get("tokenizer")
-    if isinstance(tokenizer, Mapping) and set(tokenizer) <= {"source"}:
-        source, tokenizer = tokenizer.get("source", source), None
-    for key, value in (("tokenizer_source", source), ("tokenizer", tokenizer)):
-        if value is not None and value != "base":
-            raise ConfigError(f"mergekit {key}: {short(value, 40)} merges or swaps vocabularies, which hf_mloss "
-                              "cannot do yet (vocabularies cannot be merged yet); remove it or use "
-                              "tokenizer_source: base (the base's processor is copied).")
+    """mergekit refuses ``tokenizer_source`` and a ``tokenizer:`` section together; so does hf_mloss."""
+    if config.get("tokenizer_source") is not None and config.get("tokenizer") is not None:
+        raise ConfigError("The mergekit config has both tokenizer_source and tokenizer; give one of them (mergekit "
+                          "refuses both too): tokenizer: {source: ..., tokens: ...} holds what tokenizer_source says.")
+
+
+def _vocabulary(config: Mapping[str, Any], out: Mapping[str, Any]) -> Any:
+    """hf_mloss's ``tokenizer_source`` for mergekit's ``tokenizer_source`` or ``tokenizer:`` section (None without
+    either), the models it names as indices into ``[base, *models]`` (see :mod:`hf_mloss.loading.vocab`)."""
+    source, section = config.get("tokenizer_source"), config.get("tokenizer")
+    if source is None and section is None:
+        return None
+    inputs = [{k: v for k, v in m.items() if k in ("model", "revision")} for m in [out["base"], *out["models"]]]
+
+    def index(value: Any, where: str) -> int:
+        if isinstance(value, str):
+            value = value.removeprefix("model:")  # older mergekit's spelling of a model source
+        entry = _model_entry(value, where) if isinstance(value, (str, Mapping)) else None
+        plain = None if entry is None else {k: v for k, v in entry.items() if k in ("model", "revision")}
+        if plain not in inputs:
+            raise ConfigError(f"mergekit {where}: {short(value, 60)} is not one of the merge's models "
+                              f"({[m['model'] for m in inputs][:4]}); name the base_model or a model it merges.")
+        return inputs.index(plain)
+
+    if section is None:
+        return source if source in ("union", "base") else index(source, "tokenizer_source")
+    if not isinstance(section, Mapping) or set(section) - {"source", "tokens", "pad_to_multiple_of"}:
+        raise ConfigError(f"mergekit tokenizer must be a mapping of source, tokens and pad_to_multiple_of, got "
+                          f"{short(section)}.")
+    value: dict[str, Any] = {"source": section.get("source") or "union"}  # mergekit's default source: union
+    if value["source"] not in ("union", "base"):
+        value["source"] = index(value["source"], "tokenizer.source")
+    tokens = section.get("tokens")
+    if tokens:
+        if not isinstance(tokens, Mapping):
+            raise ConfigError(f"mergekit tokenizer.tokens must map tokens to {{source: ..., force: ...}}, got "
+                              f"{short(tokens)}.")
+        value["tokens"] = {}
+        for token, entry in tokens.items():
+            entry = dict(entry) if isinstance(entry, Mapping) else entry
+            where = f"tokenizer.tokens[{token!r}].source"
+            if isinstance(entry, dict) and isinstance(entry.get("source"), str):
+                entry["source"] = index(entry["source"], where)
+            elif isinstance(entry, dict) and isinstance(entry.get("source"), Mapping) and \
+                    entry["source"].get("kind") == "model_token":
+                entry["source"] = {**entry["source"], "model": index(entry["source"].get("model"), f"{where}.model")}
+            value["tokens"][token] = entry
+    if section.get("pad_to_multiple_of") is not None:
+        value["pad_to_multiple_of"] = section["pad_to_multiple_of"]
+    return value
 
 
 def _model_entry(value: Any, where: str) -> dict[str, Any]:
