@@ -11,8 +11,9 @@ kept.
 
 The learned coefficients are recorded in the recipe (``coefficients``: one row ``[group, λ_1, …, λ_q]`` per group):
 a re-run merges from them without training, bit for bit; ``relearn=True`` trains again. This module holds the
-parameters and the merge formula (:func:`combine`, shared by the training's functional merge and the saved merge,
-so both give the same bits); it imports no training code.
+parameters, the merge formula (:func:`combine`, shared by the training's functional merge and the saved merge,
+so both give the same bits) and what the training loop asks of every learned method (:class:`LearnedMethod`,
+:class:`LearnedParams`: also AdaRank's, :mod:`hf_mloss.methods.adarank`); it imports no training code.
 """
 
 from __future__ import annotations
@@ -155,6 +156,8 @@ class TrainedLayout:
     """How many learned quantities the card reports (coefficient groups, component masks)."""
     title: str = "Coefficients"
     what: str = "coefficient groups"
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Per tensor, what the method needs to record its values (adarank: whose components each slot holds)."""
 
 
 class LearnedMethod(MergeMethod):
