@@ -1,16 +1,28 @@
-"""Learned merges: train a method's coefficients on unlabeled batches, then merge tensor by tensor from them.
+"""Learned merges: train a method's values on unlabeled batches, then merge tensor by tensor from them.
 
-The merge is formed functionally: the q task vectors of every changed tensor are stacked once (``[q, ...]``), and
-each step calls the model through :func:`torch.func.functional_call` with θ₀ + Σ_p λ_{p,g} τ_p
-(:func:`hf_mloss.methods.adamerging.combine`), so no copy of the model is made per step and the gradient reaches
-the coefficients λ. The objective (:mod:`hf_mloss.engine.objectives`) reads the merge's outputs through the family's
-output rule; the experts' outputs it compares with (and the routing of samples to experts) are computed once, before
-training, batch by batch.
+The loop serves every :class:`~hf_mloss.methods.adamerging.LearnedMethod`: AdaMerging's coefficients λ, AdaRank's
+component masks (:mod:`hf_mloss.methods.adarank`). The merge is formed functionally: what each changed tensor's merge
+needs is computed once (AdaMerging: the q task vectors stacked ``[q, ...]``; AdaRank: the SVD factors the data-free
+merge keeps), and each step calls the model through :func:`torch.func.functional_call` with the merged tensors as a
+function of the trained values (θ₀ + Σ_p λ_{p,g} τ_p, :func:`hf_mloss.methods.adamerging.combine`), so no copy of the
+model is made per step and the gradient reaches the trained values. The objective (:mod:`hf_mloss.engine.objectives`)
+reads the merge's outputs through the family's output rule; the experts' outputs it compares with (and the routing of
+samples to experts) are computed once, before training, batch by batch.
 
 Data: at most ``max_samples`` of the run's samples (a seeded spread, :func:`~hf_mloss.merging.selection.
 spread_sample`), shuffled once with the run's seed and cut into batches of the run's ``batch_size``; each epoch visits the
-batches in a new seeded order (:func:`batch_schedule`). Adam (β = 0.9, 0.999, ε = 1e-8) on the coefficients,
-initialised at ``init``. Peak memory (RSS; CUDA when on a GPU) and seconds per step are measured and go to the card.
+batches in a new seeded order (:func:`batch_schedule`). Adam (β = 0.9, 0.999, ε = 1e-8) on the trained values,
+starting where the method says. Peak memory (RSS; CUDA when on a GPU) and seconds per step are measured and go to
+the card.
+
+Processes (``torchrun``, ``accelerate launch``): every process holds the same values and visits the same batches;
+each step, process r takes rows r, r + W, … of the step's batch, and the gradients, each weighted by its process's
+share of the rows, are summed across the processes (one all-reduce, :func:`hf_mloss.engine.kernel.reduce_sums`), so
+every process takes the same Adam step. For an objective that is a mean over samples (``entropy`` / ``output_gap`` /
+``disagreement`` with heads and ``share="all"``, ``mloss`` on equally long inputs) this is the single process's
+gradient up to float rounding; for the others (ratios of sums, routed shares, means over padded positions) it is the
+rows-weighted mean of the shares' gradients, as data-parallel training computes it. The routing normalises each
+expert's moves by its mean over every process's samples. The main process writes the result.
 """
 
 from __future__ import annotations
@@ -219,9 +231,6 @@ def _learn(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: 
                                                     (batches[b],))
                 loss = objective.value(setup, merged, batches[b], None if experts is None else experts[b],
                                        None if owners is None else owners[b])
-                if not torch.isfinite(loss.detach()):
-                    raise InvalidParameterError(f"The {params.objective} objective became {float(loss.detach())} "
-                                                f"at step {len(trace) + 1}; lower lr (now {params.lr}).")
                 loss.backward()
                 if trained.grad is None:  # the objective does not reach the trained values on this batch
                     trained.grad = torch.zeros_like(trained)
@@ -230,6 +239,9 @@ def _learn(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: 
                 grad, value = reduce_sums(trained.grad, loss.detach().reshape(1) * weights[b])
                 trained.grad.copy_(grad)
                 loss = value[0]
+            if not torch.isfinite(loss.detach()):  # after the reduction: every process stops together
+                raise InvalidParameterError(f"The {params.objective} objective became {float(loss.detach())} at "
+                                            f"step {len(trace) + 1}; lower lr (now {params.lr}).")
             optimizer.step()
             trace.append(float(loss.detach()))
             bar.set_postfix({params.objective: f"{trace[-1]:.4g}"})
