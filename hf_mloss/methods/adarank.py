@@ -38,6 +38,9 @@ from .tsv import TsvParams
 if TYPE_CHECKING:
     import torch
 
+PART_STATE = "components"
+"""``MergeContext.state`` key: the components the training factored, by tensor name, reused once by the saved merge
+(the same bits as factoring again, at half the SVDs)."""
 MASK_STATE = "masks"
 """``MergeContext.state`` key: tensor name → the dropped component indices of each model (TSV-M) or of the sum."""
 REFERENCE = ("Lee et al., AdaRank: Adaptive Rank Pruning for Enhanced Model Merging, ICLR 2026 (arXiv 2503.22178)")
@@ -46,6 +49,9 @@ REFERENCE_URL = "https://arxiv.org/abs/2503.22178"
 
 @dataclass(frozen=True)
 class AdaRankParams(LearnedParams):
+    lr: float = param(1e-2, "Adam learning rate (AdaRank's 1e-3 over 10 000 steps; Adam moves a logit by about lr per "
+                      "step, so at 1e-3 no mask could cross 0 from 0.1 within the default 100 steps).", low=0.0,
+                      high=1.0, low_open=True)
     mask_init: float = param(0.1, "Initial logit of every component's mask (AdaRank's 0.1): above 0, so every "
                              "component the data-free merge keeps starts kept.", low=0.0, high=100.0, low_open=True)
     temperature: float = param(10.0, "The backward pass follows sigmoid(logit / temperature) (AdaRank's 10).",
@@ -137,7 +143,9 @@ class _AdaRank(LearnedMethod):
         return mean_task_vector(taus)
 
     def functional_part(self, name, base, sources, ctx):
-        return self._split(name, base, sources, ctx)
+        part = self._split(name, base, sources, ctx)
+        ctx.state.setdefault(PART_STATE, {})[name] = part
+        return part
 
     def layout(self, parts, adapter, ctx):
         import torch
@@ -200,7 +208,9 @@ class _AdaRank(LearnedMethod):
     def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
         import torch
 
-        part = self._split(name, base, sources, ctx)
+        part = ctx.state.get(PART_STATE, {}).pop(name, None)
+        if part is None:
+            part = self._split(name, base, sources, ctx)
         dropped = ctx.state[MASK_STATE].get(name)
         if not isinstance(part, Components):
             if dropped and any(dropped):
