@@ -43,7 +43,7 @@ PART_STATE = "components"
 (the same bits as factoring again, at half the SVDs)."""
 MASK_STATE = "masks"
 """``MergeContext.state`` key: tensor name → the dropped component indices of each model (TSV-M) or of the sum."""
-REFERENCE = ("Lee et al., AdaRank: Adaptive Rank Pruning for Enhanced Model Merging, ICLR 2026 (arXiv 2503.22178)")
+REFERENCE = "Lee et al., AdaRank: Adaptive Rank Pruning for Enhanced Model Merging, ICLR 2026 (arXiv 2503.22178)"
 REFERENCE_URL = "https://arxiv.org/abs/2503.22178"
 
 
