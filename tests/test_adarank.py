@@ -75,6 +75,34 @@ def test_all_kept_components_are_the_data_free_matrices_bit_for_bit(zero_task):
     torch.testing.assert_close(masked_matrix(tsv, mask), tsv_merge_matrix(taus, None) - term, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("method", ["adarank_tsv", "adarank_iso"])
+def test_the_saved_merge_from_recorded_masks_is_the_functional_merge_bit_for_bit(method):
+    """Random logits: the training's merged tensor, the masks it records, and the merge from those records."""
+    from hf_mloss.methods.adarank import MASK_STATE
+
+    g = torch.Generator().manual_seed(4)
+    base = torch.randn(12, 9, generator=g)
+    sources = [base + 0.1 * torch.randn(12, 9, generator=g) for _ in range(3)]
+    sources[1] = base.clone()  # model 1 left the matrix unchanged: no components of its own
+    rule = get_method(method)
+    params = rule.make_params(objective="output_gap")
+    ctx = MergeContext(params=params, weights=torch.ones(3))
+    part = rule.functional_part("w", base, sources, ctx)
+    layout = rule.layout({"w": part}, None, ctx)
+    logits = torch.randn(layout.count, generator=g)
+    functional = rule.functional_tensor(base, part, logits, params)
+    recorded = rule.use_trained(ctx, layout, logits)["masks"]
+    (name, *rows), = recorded
+    assert name == "w" and len(rows) == (3 if method == "adarank_tsv" else 1)
+    assert sum(len(r) for r in rows) == int((logits <= 0).sum()) > 0
+    if method == "adarank_tsv":
+        assert rows[1] == []
+    fresh = MergeContext(params=rule.make_params(objective="output_gap", masks=recorded), weights=torch.ones(3))
+    rule.use_recorded(fresh, ["w"], None, 3)
+    assert fresh.state[MASK_STATE] == {"w": rows}
+    assert torch.equal(rule.merge_tensor("w", base, sources, fresh), functional)
+
+
 @pytest.mark.parametrize(("method", "reference"), PAIRS)
 def test_recorded_empty_masks_and_the_first_step_are_the_data_free_merge(tiny_paths, pixels, records, method,
                                                                         reference):
