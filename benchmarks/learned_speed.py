@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Learned-merge cost: seconds per AdaMerging step and peak memory, against one forward pass of the q models.
+"""Learned-merge cost: seconds per training step and peak memory, against one forward pass of the q models.
 
 What it does, in ONE invocation:
 
@@ -9,9 +9,10 @@ What it does, in ONE invocation:
 2. Runs each job in its own child process (peak RSS is per job):
    * ``forward``: the q fine-tunes loaded, one forward each on a batch of ``--batch`` images (no gradient; the median
      of 3 repeats after a warm-up): the reference cost.
-   * ``adamerging:<objective>``: ``hf_mloss.merge(..., "adamerging", objective=..., steps=--steps)`` on the same
-     images; seconds per step as the method measures it (functional merge, forward, backward, Adam), and the whole
-     merge's wall time.
+   * ``<method>:<objective>`` (``--jobs``; default the three ``adamerging`` objectives):
+     ``hf_mloss.merge(..., method, objective=..., steps=--steps)`` on the same images (``adamerging``,
+     ``adarank_tsv``, ``adarank_iso``...); seconds per step as the method measures it (functional merge, forward,
+     backward, Adam), and the whole merge's wall time (AdaRank's: its SVDs included).
 3. Prints a table and writes ``benchmarks/results/learned_speed_<tag>.json`` (and ``.md``) with the load average
    before each job and the command.
 
@@ -19,6 +20,8 @@ Usage::
 
     python benchmarks/learned_speed.py --tag cpu                       # defaults below
     python benchmarks/learned_speed.py --layers 12 --q 8 --tag b32_cpu  # the full ViT-B/32 shape (needs ~6 GB)
+    python benchmarks/learned_speed.py --tag adarank_cpu --jobs adamerging:output_gap adarank_tsv:output_gap \
+        adarank_iso:output_gap
 
 Internal: ``python benchmarks/learned_speed.py --child JOB ...`` runs one job (used by the parent).
 """
@@ -103,13 +106,13 @@ def child(job: str, folder: Path, q: int, batch: int, steps: int, layers: int) -
         return out
 
     learned._learn = spy
-    objective = job.split(":")[1]
+    method, objective = job.split(":")
     heads = None
     if objective == "entropy":
         torch.manual_seed(0)
         heads = [torch.nn.Linear(768, 10).requires_grad_(False) for _ in models]
     start = time.perf_counter()
-    hf_mloss.merge(str(base_dir), [str(m) for m in models], "adamerging", data=pixels, objective=objective,
+    hf_mloss.merge(str(base_dir), [str(m) for m in models], method, data=pixels, objective=objective,
                    heads=heads, steps=steps, batch_size=batch, max_samples=batch, progress=False)
     wall = time.perf_counter() - start
     record = seen[0]
@@ -137,6 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--tag", default="cpu")
+    parser.add_argument("--jobs", nargs="+", default=[f"adamerging:{o}" for o in OBJECTIVES],
+                        help="learned jobs, METHOD:OBJECTIVE")
     parser.add_argument("--child")
     parser.add_argument("--folder", type=Path)
     args = parser.parse_args(argv)
@@ -146,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     # The parent never imports torch nor holds a model: a child's ru_maxrss starts at its parent's peak RSS.
     folder = CACHE / f"b32-{args.layers}L-q{args.q}"
     threads = run_child("build", args, folder)["threads"]
-    rows = [run_child("forward", args, folder)] + [run_child(f"adamerging:{o}", args, folder) for o in OBJECTIVES]
+    rows = [run_child("forward", args, folder)] + [run_child(job, args, folder) for job in args.jobs]
     forward = rows[0]["seconds"]
     lines = [(f"Learned merges on a ViT-B/32-shaped CLIP vision tower cut to {args.layers} blocks, q={args.q}, "
               f"batch {args.batch}, {args.steps} steps, {threads} threads, CPU"), "",

@@ -231,3 +231,37 @@ def test_torchrun_merge_push_to_hub_makes_one_commit(tmp_path, tiny_paths, image
     assert len(fake_hub.commits) == 1, fake_hub.commits
     assert "model.safetensors" in fake_hub.commits[0].files
     assert proc.stdout.count("Pushed to the Hub repo tester/merged") == 1
+
+
+def test_torchrun_learned_merge_splits_each_batch_and_learns_the_single_process_values(tmp_path, tiny_paths,
+                                                                                      image_folder):
+    """Each process trains on its rows of every batch; the gradients, weighted by rows and summed across the
+    processes, are the single process's (the mloss objective is a mean over equally many positions per sample).
+    ``adarank_tsv`` trains through the same loop (one launch here: each costs ~25 s on 2 cores)."""
+    import yaml
+
+    base, models = tiny_paths
+    method, parameters = "adamerging", {"objective": "mloss", "steps": 3, "lr": 0.05, "max_samples": 8}
+    config = tmp_path / f"{method}.yaml"
+    config.write_text(yaml.safe_dump({"base": base, "models": models, "method": method, "parameters": parameters,
+                                      "data": {"path": str(image_folder), "num_samples": 8}, "batch_size": 4},
+                                     sort_keys=False))
+    out = tmp_path / "merged"
+    proc = torchrun(["merge", str(config), str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("Saved to") == 1, proc.stdout
+    single = hf_mloss.run(hf_mloss.MergeConfig.from_yaml(config), device="cpu", progress=False)
+    recorded = hf_mloss.MergeConfig.from_pretrained(out).parameters
+    card = (out / "README.md").read_text()
+    assert "each step's batch split over 2 processes" in card
+    trace = single.method_description.split("learned on unlabeled data: ")[1].split(";")[0]
+    assert trace in card  # the same objective values, first and last step (4 significant digits)
+    theirs = {row[0]: row[1:] for row in single.config.parameters["coefficients"]}
+    assert any(abs(v - 0.3) > 1e-3 for row in theirs.values() for v in row)  # training moved them
+    for row in recorded["coefficients"]:  # moved by up to lr·steps = 0.15; float32 rounding, amplified by Adam
+        assert row[1:] == pytest.approx(theirs[row[0]], abs=5e-5), row[0]
+    from transformers import CLIPVisionModel
+
+    merged = CLIPVisionModel.from_pretrained(out)
+    for name, tensor in single.model.state_dict().items():
+        torch.testing.assert_close(merged.state_dict()[name], tensor, rtol=1e-5, atol=1e-6)

@@ -1,16 +1,28 @@
-"""Learned merges: train a method's coefficients on unlabeled batches, then merge tensor by tensor from them.
+"""Learned merges: train a method's values on unlabeled batches, then merge tensor by tensor from them.
 
-The merge is formed functionally: the q task vectors of every changed tensor are stacked once (``[q, ...]``), and
-each step calls the model through :func:`torch.func.functional_call` with θ₀ + Σ_p λ_{p,g} τ_p
-(:func:`hf_mloss.methods.adamerging.combine`), so no copy of the model is made per step and the gradient reaches
-the coefficients λ. The objective (:mod:`hf_mloss.engine.objectives`) reads the merge's outputs through the family's
-output rule; the experts' outputs it compares with (and the routing of samples to experts) are computed once, before
-training, batch by batch.
+The loop serves every :class:`~hf_mloss.methods.adamerging.LearnedMethod`: AdaMerging's coefficients λ, AdaRank's
+component masks (:mod:`hf_mloss.methods.adarank`). The merge is formed functionally: what each changed tensor's merge
+needs is computed once (AdaMerging: the q task vectors stacked ``[q, ...]``; AdaRank: the SVD factors the data-free
+merge keeps), and each step calls the model through :func:`torch.func.functional_call` with the merged tensors as a
+function of the trained values (θ₀ + Σ_p λ_{p,g} τ_p, :func:`hf_mloss.methods.adamerging.combine`), so no copy of the
+model is made per step and the gradient reaches the trained values. The objective (:mod:`hf_mloss.engine.objectives`)
+reads the merge's outputs through the family's output rule; the experts' outputs it compares with (and the routing of
+samples to experts) are computed once, before training, batch by batch.
 
 Data: at most ``max_samples`` of the run's samples (a seeded spread, :func:`~hf_mloss.merging.selection.
 spread_sample`), shuffled once with the run's seed and cut into batches of the run's ``batch_size``; each epoch visits the
-batches in a new seeded order (:func:`batch_schedule`). Adam (β = 0.9, 0.999, ε = 1e-8) on the coefficients,
-initialised at ``init``. Peak memory (RSS; CUDA when on a GPU) and seconds per step are measured and go to the card.
+batches in a new seeded order (:func:`batch_schedule`). Adam (β = 0.9, 0.999, ε = 1e-8) on the trained values,
+starting where the method says. Peak memory (RSS; CUDA when on a GPU) and seconds per step are measured and go to
+the card.
+
+Processes (``torchrun``, ``accelerate launch``): every process holds the same values and visits the same batches;
+each step, process r takes rows r, r + W, … of the step's batch, and the gradients, each weighted by its process's
+share of the rows, are summed across the processes (one all-reduce, :func:`hf_mloss.engine.kernel.reduce_sums`), so
+every process takes the same Adam step. For an objective that is a mean over samples (``entropy`` / ``output_gap`` /
+``disagreement`` with heads and ``share="all"``, ``mloss`` on equally long inputs) this is the single process's
+gradient up to float rounding; for the others (ratios of sums, routed shares, means over padded positions) it is the
+rows-weighted mean of the shares' gradients, as data-parallel training computes it. The routing normalises each
+expert's moves by its mean over every process's samples. The main process writes the result.
 """
 
 from __future__ import annotations
@@ -30,7 +42,7 @@ from ..loading.heads import as_head
 
 if TYPE_CHECKING:
     from ..loading.inputs import RunInputs
-    from ..methods import MergeMethod
+    from ..methods.adamerging import LearnedMethod
     from ..spec.config import MergeConfig
     from .driver import TensorMerger
 
@@ -48,12 +60,16 @@ class LearnRecord:
     peak_rss_mb: float
     peak_cuda_mb: float | None = None
     trace: list[float] = field(default_factory=list)
+    title: str = "Coefficients"
+    what: str = "coefficient groups"
+    processes: int = 1
 
     def describe(self) -> str:
         cuda = f", peak CUDA memory {self.peak_cuda_mb:.0f} MB" if self.peak_cuda_mb is not None else ""
-        return (f"Coefficients learned on unlabeled data: {self.steps} Adam steps, {self.groups} coefficient groups, "
-                f"{self.objective} {self.first:.4g} -> {self.last:.4g}; {self.seconds_per_step:.3g} s per step, peak "
-                f"RSS {self.peak_rss_mb:.0f} MB{cuda}.")
+        split = f", each step's batch split over {self.processes} processes" if self.processes > 1 else ""
+        return (f"{self.title} learned on unlabeled data: {self.steps} Adam steps, {self.groups} {self.what}, "
+                f"{self.objective} {self.first:.4g} -> {self.last:.4g}{split}; {self.seconds_per_step:.3g} s per "
+                f"step, peak RSS {self.peak_rss_mb:.0f} MB{cuda}.")
 
 
 def batch_schedule(num_batches: int, steps: int, seed: int) -> list[int]:
@@ -83,37 +99,39 @@ class _Forward(nn.Module):
 
 
 class FunctionalMerge:
-    """The tower's forward with merged weights θ₀ + Σ_p λ_{p,g} τ_p, the task vectors stacked once."""
+    """The tower's forward with merged weights as a function of the trained values: θ₀ and each changed tensor's
+    :meth:`~hf_mloss.methods.adamerging.LearnedMethod.functional_part` (stacked task vectors, SVD factors) kept
+    once, the merged tensors formed by the method's :meth:`~hf_mloss.methods.adamerging.LearnedMethod.
+    functional_tensor` at every step."""
 
-    def __init__(self, merger: TensorMerger, method: MergeMethod, tower: nn.Module, names: Sequence[str],
-                 groups: dict[str, int]) -> None:
+    def __init__(self, merger: TensorMerger, method: LearnedMethod, tower: nn.Module, names: Sequence[str]) -> None:
         ctx = merger.ctx
-        self.groups, self.names = groups, list(names)
+        self.method, self.params, self.names = method, ctx.params, list(names)
         self.bases: dict[str, torch.Tensor] = {}
-        self.taus: dict[str, torch.Tensor] = {}
+        self.parts: dict[str, Any] = {}
         for name in self.names:
             base, sources = merger.read(name)
             self.bases[name] = base.detach().clone()
-            self.taus[name] = method.task_vectors(name, base, sources, ctx)
+            self.parts[name] = method.functional_part(name, base, sources, ctx)
         pointer = {t.data_ptr(): name for name, t in merger.targets.items()}
         self.keys: dict[str, list[str]] = {}
         for key, tensor in [*tower.named_parameters(remove_duplicate=False),
                             *tower.named_buffers(remove_duplicate=False)]:
             name = pointer.get(tensor.data_ptr())
-            if name in self.taus:
+            if name in self.parts:
                 self.keys.setdefault(name, []).append(f"tower.{key}")
         missing = [n for n in self.names if n not in self.keys]
         if missing:
             raise InvalidParameterError(f"Cannot find {missing[:3]} among the scored tower's parameters; a learned "
                                         "merge trains the tower the data reaches (pass output='tower').")
 
-    def parameters(self, coefficients: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The merged tensors for ``coefficients`` ``[G, q]``, by the wrapper's parameter names."""
-        from ..methods.adamerging import combine
-
+    def parameters(self, trained: torch.Tensor, slots: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The merged tensors for the ``trained`` values, by the wrapper's parameter names."""
         out = {}
         for name in self.names:
-            merged = combine(self.bases[name], self.taus[name], coefficients[self.groups[name]])
+            slot = slots.get(name)
+            merged = self.method.functional_tensor(self.bases[name], self.parts[name],
+                                                   None if slot is None else trained[slot], self.params)
             for key in self.keys[name]:
                 out[key] = merged
         return out
@@ -124,50 +142,24 @@ class FunctionalMerge:
         return {key: store.get_float(name, merger.device) for name in self.names for key in self.keys[name]}
 
 
-def coefficient_groups(names: Sequence[str], adapter: Any, granularity: str) -> tuple[dict[str, int], dict[str, int]]:
-    """``(label → index, tensor name → index)`` of the coefficient groups, in the order of ``names``."""
-    from ..methods.adamerging import group_of
-
-    labels: dict[str, int] = {}
-    of: dict[str, int] = {}
-    for name in names:
-        label = group_of(name, adapter.stage_of(name), adapter.num_layers, granularity)
-        of[name] = labels.setdefault(label, len(labels))
-    return labels, of
-
-
 def learn_and_merge(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: nn.Module,
-                    method: MergeMethod, *, changed: Sequence[str], progress: bool
+                    method: LearnedMethod, *, changed: Sequence[str], progress: bool
                     ) -> tuple[MergeConfig, LearnRecord | None]:
-    """Learn the coefficients (or read the recorded ones), merge every tensor from them into ``merger``'s model,
-    and return the config as it ran (the coefficients recorded) with what training measured (``None`` when the
-    recorded coefficients were used)."""
-    from ..methods.adamerging import COEFFICIENT_STATE, coefficient_rows, parse_coefficients
-
+    """Learn the method's values (or read the recorded ones), merge every tensor from them into ``merger``'s model,
+    and return the config as it ran (the learned values recorded) with what training measured (``None`` when the
+    recorded values were used)."""
     ctx = merger.ctx
     params = ctx.params
-    q = len(inputs.sources)
-    labels, of = coefficient_groups(changed, inputs.adapter, params.granularity)
     record = None
     if params.learns:
-        values, record = _learn(config, inputs, merger, tower, method, changed, labels, of, progress=progress)
+        recorded, record = _learn(config, inputs, merger, tower, method, changed, progress=progress)
     else:
-        recorded, rows = parse_coefficients(params.coefficients)
-        if set(recorded) != set(labels) or len(rows[0]) != q:
-            extra = sorted(set(recorded) - set(labels))[:3]
-            lacking = sorted(set(labels) - set(recorded))[:3]
-            raise InvalidParameterError(
-                f"The recorded coefficients do not fit these models ({len(rows[0])} values per group for {q} models; "
-                f"groups not merged here: {extra}; groups without a coefficient: {lacking}). Pass relearn=True to "
-                "train them again.")
-        position = {label: i for i, label in enumerate(recorded)}
-        values = torch.tensor([rows[position[label]] for label in sorted(labels, key=labels.get)],
-                              dtype=torch.float32)
+        method.use_recorded(ctx, changed, inputs.adapter, len(inputs.sources))
         method.prepare(ctx, merger.visit)
-    ctx.state[COEFFICIENT_STATE] = (of, values.detach().to(merger.device, torch.float32))
+        recorded = {}
     merger.merge(merger.names, progress=progress, desc=f"Merging ({config.method})")
     parameters = {k: v for k, v in config.parameters.items() if k != "relearn"}
-    parameters["coefficients"] = coefficient_rows(labels, values)
+    parameters.update(recorded)
     if params.heads:
         parameters["heads"] = [os.fspath(h) if isinstance(h, (str, os.PathLike)) else h if isinstance(h, dict)
                                else {"in_memory": type(h).__name__} for h in params.heads]
@@ -176,10 +168,10 @@ def learn_and_merge(config: MergeConfig, inputs: RunInputs, merger: TensorMerger
     return recorded_config, record
 
 
-def _learn(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: nn.Module, method: MergeMethod,
-           changed: Sequence[str], labels: dict[str, int], of: dict[str, int], *, progress: bool
-           ) -> tuple[torch.Tensor, LearnRecord]:
-    """Train the ``[G, q]`` coefficients (see the module docstring)."""
+def _learn(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: nn.Module, method: LearnedMethod,
+           changed: Sequence[str], *, progress: bool) -> tuple[dict[str, Any], LearnRecord]:
+    """Train the method's values (see the module docstring); returns the recipe parameters that record them."""
+    from ..engine.kernel import reduce_sums
     from ..engine.objectives import ObjectiveInputs, differentiable_outputs, get_objective
     from ..loading.model_inputs import spread_sample
 
@@ -197,16 +189,23 @@ def _learn(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: 
         raise InvalidParameterError("No model differs from the base: there is nothing to learn.")
     if inputs.model_inputs is None:
         raise InvalidParameterError("A learned merge needs unlabeled data (data=...).")
+    rank, world = _process()
     pool = spread_sample(inputs.model_inputs, params.max_samples, config.seed)
     index_batches = sample_batches(len(pool), config.batch_size, config.seed)
-    batches = [_batch(pool, index, device) for index in index_batches]
+    shares = [index[rank::world] for index in index_batches]  # this process's rows of every batch
+    weights = [len(share) / len(index) for share, index in zip(shares, index_batches)]
+    batches = [_batch(pool, share, device) if len(share) else None for share in shares]
     alpha = (inputs.alpha / inputs.alpha.sum()).float().to(device)
     setup = ObjectiveInputs(rule=rule, heads=heads, alpha=alpha, eps=config.scoring_options().eps)
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     method.prepare(merger.ctx, merger.visit)
-    functional = FunctionalMerge(merger, method, tower, changed, of)
+    functional = FunctionalMerge(merger, method, tower, changed)
+    layout = method.layout(functional.parts, adapter, merger.ctx)
+    if not any(slot is not None for slot in layout.slots.values()):
+        raise InvalidParameterError(f"{method.pretty_name} has nothing to learn in these models: none of the "
+                                    "tensors they change has a learned value (e.g. no matrix).")
     forward = _Forward(tower, lambda model, batch: differentiable_outputs(rule, model, batch))
     routed = params.share == "auto" and (heads is not None or objective.name == "disagreement")
     experts, owners = _references(merger, functional, forward, batches, rule,
@@ -214,8 +213,8 @@ def _learn(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: 
     handles = []
     if objective.name == "mloss":
         setup.units, handles = _unit_stacks(config, inputs, tower, device)
-    coefficients = nn.Parameter(torch.full((len(labels), q), params.init, dtype=torch.float32, device=device))
-    optimizer = torch.optim.Adam([coefficients], lr=params.lr)
+    trained = nn.Parameter(layout.initial.to(device, torch.float32))
+    optimizer = torch.optim.Adam([trained], lr=params.lr)
     schedule = batch_schedule(len(batches), params.steps, config.seed)
     trace: list[float] = []
     tower.eval()
@@ -224,13 +223,25 @@ def _learn(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: 
     try:
         for b in bar:
             optimizer.zero_grad(set_to_none=True)
-            merged = torch.func.functional_call(forward, functional.parameters(coefficients), (batches[b],))
-            loss = objective.value(setup, merged, batches[b], None if experts is None else experts[b],
-                                   None if owners is None else owners[b])
-            if not torch.isfinite(loss.detach()):
-                raise InvalidParameterError(f"The {params.objective} objective became {float(loss.detach())} at step "
-                                            f"{len(trace) + 1}; lower lr (now {params.lr}).")
-            loss.backward()
+            if batches[b] is None:  # a batch smaller than the job: this process holds none of its rows
+                loss = torch.zeros((), device=device)
+                trained.grad = torch.zeros_like(trained)
+            else:
+                merged = torch.func.functional_call(forward, functional.parameters(trained, layout.slots),
+                                                    (batches[b],))
+                loss = objective.value(setup, merged, batches[b], None if experts is None else experts[b],
+                                       None if owners is None else owners[b])
+                loss.backward()
+                if trained.grad is None:  # the objective does not reach the trained values on this batch
+                    trained.grad = torch.zeros_like(trained)
+            if world > 1:  # the step's gradient: the processes' shares, weighted by their rows, summed
+                trained.grad.mul_(weights[b])
+                grad, value = reduce_sums(trained.grad, loss.detach().reshape(1) * weights[b])
+                trained.grad.copy_(grad)
+                loss = value[0]
+            if not torch.isfinite(loss.detach()):  # after the reduction: every process stops together
+                raise InvalidParameterError(f"The {params.objective} objective became {float(loss.detach())} at "
+                                            f"step {len(trace) + 1}; lower lr (now {params.lr}).")
             optimizer.step()
             trace.append(float(loss.detach()))
             bar.set_postfix({params.objective: f"{trace[-1]:.4g}"})
@@ -239,11 +250,19 @@ def _learn(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: 
         for handle in handles:
             handle.remove()
     seconds = (time.perf_counter() - train_start) / max(1, len(trace))
-    record = LearnRecord(objective=params.objective, steps=len(trace), groups=len(labels), first=trace[0],
+    record = LearnRecord(objective=params.objective, steps=len(trace), groups=layout.count, first=trace[0],
                          last=trace[-1], seconds_per_step=seconds, peak_rss_mb=peak_rss_mb(),
                          peak_cuda_mb=torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"
-                         else None, trace=trace)
-    return coefficients.detach(), record
+                         else None, trace=trace, title=layout.title, what=layout.what, processes=world)
+    return method.use_trained(merger.ctx, layout, trained.detach()), record
+
+
+def _process() -> tuple[int, int]:
+    """``(rank, number of processes)`` of this job (``(0, 1)`` in a single process)."""
+    from ..distributed import distributed_state
+
+    state = distributed_state()
+    return (0, 1) if state is None else (state.process_index, state.num_processes)
 
 
 def peak_rss_mb() -> float:
@@ -274,17 +293,30 @@ def _references(merger: TensorMerger, functional: FunctionalMerge, forward: nn.M
     if not keep and not route:
         return None, None
     q = len(merger.inputs.sources)
-    outputs = [[torch.func.functional_call(forward, functional.expert_parameters(merger, p), (batch,))
-                for batch in batches] for p in range(q)]
+    held = [b for b, batch in enumerate(batches) if batch is not None]  # this process's rows of each batch
+    outputs = [{b: torch.func.functional_call(forward, functional.expert_parameters(merger, p), (batches[b],))
+                for b in held} for p in range(q)]
     owners = None
     if route:
+        from ..engine.kernel import reduce_sums
+
         base = {key: functional.bases[name] for name in functional.names for key in functional.keys[name]}
-        base_out = [torch.func.functional_call(forward, base, (batch,)) for batch in batches]
-        move = torch.stack([torch.cat([rule.move(b, o, batch) for b, o, batch in zip(base_out, outputs[p], batches)])
-                            for p in range(q)])
-        owner = (move / move.mean(1, keepdim=True).clamp_min(1e-12)).argmax(0).cpu()
-        owners = list(owner.split([len(next(iter(batch.values()))) for batch in batches]))
-    experts = [[outputs[p][b] for p in range(q)] for b in range(len(batches))] if keep else None
+        base_out = {b: torch.func.functional_call(forward, base, (batches[b],)) for b in held}
+        moves = [torch.cat([rule.move(base_out[b], outputs[p][b], batches[b]) for b in held]) if held
+                 else torch.zeros(0, device=merger.device) for p in range(q)]
+        move = torch.stack(moves)
+        mean = move.mean(1, keepdim=True)  # each expert's mean move over every sample of the job
+        if _process()[1] > 1:  # the processes' sums reduced
+            total, count = reduce_sums(move.sum(1), torch.tensor([move.shape[1]], dtype=move.dtype,
+                                                                 device=move.device))
+            mean = (total / count.clamp_min(1)).unsqueeze(1)
+        owner = (move / mean.clamp_min(1e-12)).argmax(0).cpu()
+        sizes = [len(next(iter(batches[b].values()))) for b in held]
+        owners = [None] * len(batches)
+        for b, rows in zip(held, owner.split(sizes)):
+            owners[b] = rows
+    experts = [[outputs[p][b] for p in range(q)] if b in outputs[0] else None
+               for b in range(len(batches))] if keep else None
     return experts, owners
 
 
@@ -317,5 +349,5 @@ def _unit_stacks(config: MergeConfig, inputs: RunInputs, tower: nn.Module, devic
     return stacks, handles
 
 
-__all__ = ["FunctionalMerge", "LearnRecord", "batch_schedule", "coefficient_groups", "learn_and_merge",
+__all__ = ["FunctionalMerge", "LearnRecord", "batch_schedule", "learn_and_merge",
            "sample_batches"]

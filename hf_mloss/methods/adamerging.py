@@ -11,16 +11,17 @@ kept.
 
 The learned coefficients are recorded in the recipe (``coefficients``: one row ``[group, λ_1, …, λ_q]`` per group):
 a re-run merges from them without training, bit for bit; ``relearn=True`` trains again. This module holds the
-parameters and the merge formula (:func:`combine`, shared by the training's functional merge and the saved merge,
-so both give the same bits); it imports no training code.
+parameters, the merge formula (:func:`combine`, shared by the training's functional merge and the saved merge,
+so both give the same bits) and what the training loop asks of every learned method (:class:`LearnedMethod`,
+:class:`LearnedParams`: also AdaRank's, :mod:`hf_mloss.methods.adarank`); it imports no training code.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .._validation import param
 from ..errors import InvalidParameterError
@@ -43,15 +44,13 @@ BUILTIN_OBJECTIVES = ("entropy", "output_gap", "disagreement", "mloss")
 
 
 @dataclass(frozen=True)
-class AdaMergingParams(MethodParams):
-    granularity: str = param("layer", "One coefficient per task and: layer (each parameter tensor, as the paper and "
-                             "fusion-bench), block (embeddings, each transformer block, the tail) or task.",
-                             choices=GRANULARITIES)
-    objective: str = param("entropy", "What the coefficients minimise on unlabeled data: entropy (the papers'; "
+class LearnedParams(MethodParams):
+    """The training options every learned merge shares (the loop: :mod:`hf_mloss.merging.learned`)."""
+
+    objective: str = param("entropy", "What the learned parameters minimise on unlabeled data: entropy (the papers'; "
                            "encoders need heads), output_gap (the merge's outputs against the fine-tunes'), "
                            "disagreement (cross-entropy against each routed expert's top class / next token) or "
                            "mloss (summed normalised layer M-Loss along the merged prefix).")
-    init: float = param(0.3, "Initial value of every coefficient (the paper's 0.3).", low=-10.0, high=10.0)
     steps: int = param(100, "Adam steps.", low=1, high=MAX_STEPS)
     lr: float = param(1e-3, "Adam learning rate.", low=0.0, high=1.0, low_open=True)
     max_samples: int = param(256, "At most this many of the data's samples are used (a seeded spread over them).",
@@ -61,28 +60,44 @@ class AdaMergingParams(MethodParams):
                        choices=SHARES)
     heads: tuple[Any, ...] | None = param(None, "Encoders: one classification head per model (safetensors files holding "
                                     "`weight` [classes, features] and `bias`, or, from Python, modules/callables).")
-    coefficients: tuple[tuple[Any, ...], ...] | None = param(None, "Recorded: the learned coefficients, one row [group, λ_1, "
-                                                 "…, λ_q] per group; a re-run merges from them without training.")
-    relearn: bool = param(False, "Train again even when coefficients are recorded.")
+    relearn: bool = param(False, "Train again even when the learned values are recorded.")
+
+    RECORDED: ClassVar[str] = ""
+    """The parameter that holds the learned values once recorded (``coefficients``, ``masks``)."""
 
     def check(self) -> None:
         if self.objective not in BUILTIN_OBJECTIVES:  # the registry imports torch: `hf-mloss methods` must not
             from ..engine.objectives import get_objective
 
             get_objective(self.objective)  # an unknown name is refused with the registered ones
-        if self.coefficients is not None:
-            parse_coefficients(self.coefficients)
         for i, head in enumerate(self.heads or ()):
-            if isinstance(head, Mapping) and "in_memory" in head and not (self.coefficients and not self.relearn):
+            if isinstance(head, Mapping) and "in_memory" in head and self.learns:
                 raise InvalidParameterError(
                     f"heads[{i}] was passed from Python ({head['in_memory']}) when this recipe was written; a run "
                     "that trains needs it: pass the heads again (heads=[...]), or re-run with the recorded "
-                    "coefficients (relearn: false).")
+                    f"{self.RECORDED} (relearn: false).")
 
     @property
     def learns(self) -> bool:
-        """Whether a run trains (no recorded coefficients, or ``relearn``)."""
-        return self.coefficients is None or self.relearn
+        """Whether a run trains (nothing recorded, or ``relearn``)."""
+        return getattr(self, self.RECORDED) is None or self.relearn
+
+
+@dataclass(frozen=True)
+class AdaMergingParams(LearnedParams):
+    granularity: str = param("layer", "One coefficient per task and: layer (each parameter tensor, as the paper and "
+                             "fusion-bench), block (embeddings, each transformer block, the tail) or task.",
+                             choices=GRANULARITIES)
+    init: float = param(0.3, "Initial value of every coefficient (the paper's 0.3).", low=-10.0, high=10.0)
+    coefficients: tuple[tuple[Any, ...], ...] | None = param(None, "Recorded: the learned coefficients, one row [group, λ_1, "
+                                                 "…, λ_q] per group; a re-run merges from them without training.")
+
+    RECORDED: ClassVar[str] = "coefficients"
+
+    def check(self) -> None:
+        super().check()
+        if self.coefficients is not None:
+            parse_coefficients(self.coefficients)
 
 
 @dataclass(frozen=True)
@@ -127,7 +142,73 @@ def combine(base: torch.Tensor, taus: torch.Tensor, coefficients: torch.Tensor) 
     return base + (coefficients.reshape(shape) * taus).sum(0)
 
 
-class AdaMerging(MergeMethod):
+@dataclass
+class TrainedLayout:
+    """Where each trained tensor's values lie in the one tensor the training optimises, and where they start."""
+
+    slots: dict[str, Any]
+    """Tensor name → its index into the trained tensor (a row of coefficients, a slice of mask logits); ``None``
+    for a tensor whose merge has nothing to learn (it is fixed)."""
+    initial: torch.Tensor
+    labels: list[str] = field(default_factory=list)
+    """adamerging: the coefficient groups, in row order."""
+    count: int = 0
+    """How many learned quantities the card reports (coefficient groups, component masks)."""
+    title: str = "Coefficients"
+    what: str = "coefficient groups"
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Per tensor, what the method needs to record its values (adarank: whose components each slot holds)."""
+
+
+class LearnedMethod(MergeMethod):
+    """A merge whose parameters are trained on unlabeled data.
+
+    The driver hands it to :mod:`hf_mloss.merging.learned`, which keeps one :meth:`functional_part` per changed
+    tensor, optimises one tensor of values laid out by :meth:`layout` through :meth:`functional_tensor` (the merged
+    tensor as a differentiable function of its values), then stores the learned values with :meth:`use_trained`
+    (or the recorded ones with :meth:`use_recorded`) and merges tensor by tensor with :meth:`merge_tensor`, which
+    applies the same formula: the functional merge and the saved one hold the same bits.
+    """
+
+    needs_data = True
+    learned = True
+    zero_delta_is_base = True
+    default_weight = "one"
+
+    def functional_part(self, name: str, base: torch.Tensor, sources: list[torch.Tensor], ctx: MergeContext) -> Any:
+        """What the functional merge of tensor ``name`` keeps for the whole training (besides θ₀)."""
+        raise NotImplementedError
+
+    def layout(self, parts: Mapping[str, Any], adapter: Any, ctx: MergeContext) -> TrainedLayout:
+        """The trained tensor's layout over the tensors of ``parts`` and its initial values."""
+        raise NotImplementedError
+
+    def functional_tensor(self, base: torch.Tensor, part: Any, values: torch.Tensor | None, params: Any
+                          ) -> torch.Tensor:
+        """The merged tensor for its trained ``values`` (``trained[slot]``; ``None`` for a fixed tensor)."""
+        raise NotImplementedError
+
+    def use_trained(self, ctx: MergeContext, layout: TrainedLayout, trained: torch.Tensor) -> dict[str, Any]:
+        """Keep the learned values for :meth:`merge_tensor`; return the recipe parameters that record them."""
+        raise NotImplementedError
+
+    def use_recorded(self, ctx: MergeContext, names: Sequence[str], adapter: Any, q: int) -> None:
+        """Keep the recipe's recorded values for :meth:`merge_tensor`, refusing values that do not fit the models
+        (before any merge)."""
+        raise NotImplementedError
+
+
+def coefficient_groups(names: Sequence[str], adapter: Any, granularity: str) -> tuple[dict[str, int], dict[str, int]]:
+    """``(label → index, tensor name → index)`` of the coefficient groups, in the order of ``names``."""
+    labels: dict[str, int] = {}
+    of: dict[str, int] = {}
+    for name in names:
+        label = group_of(name, adapter.stage_of(name), adapter.num_layers, granularity)
+        of[name] = labels.setdefault(label, len(labels))
+    return labels, of
+
+
+class AdaMerging(LearnedMethod):
     """AdaMerging: task-arithmetic coefficients per task and layer, learned on unlabeled data."""
 
     name = "adamerging"
@@ -135,11 +216,6 @@ class AdaMerging(MergeMethod):
     reference = "Yang et al., AdaMerging: Adaptive Model Merging for Multi-Task Learning, ICLR 2024"
     reference_url = "https://arxiv.org/abs/2310.02575"
     params_class = AdaMergingParams
-    needs_data = True
-    learned = True
-    """The driver trains the coefficients (:mod:`hf_mloss.merging.learned`), then merges tensor by tensor."""
-    zero_delta_is_base = True
-    default_weight = "one"
 
     def task_vectors(self, name: str, base: torch.Tensor, sources: list[torch.Tensor], ctx: MergeContext
                      ) -> torch.Tensor:
@@ -147,6 +223,42 @@ class AdaMerging(MergeMethod):
         import torch
 
         return torch.stack(sources).sub_(base)
+
+    def functional_part(self, name, base, sources, ctx):
+        return self.task_vectors(name, base, sources, ctx)
+
+    def layout(self, parts, adapter, ctx):
+        import torch
+
+        labels, of = coefficient_groups(list(parts), adapter, ctx.params.granularity)
+        q = len(ctx.weights)
+        initial = torch.full((len(labels), q), ctx.params.init, dtype=torch.float32)
+        return TrainedLayout(slots=of, initial=initial, labels=sorted(labels, key=labels.get), count=len(labels))
+
+    def functional_tensor(self, base, part, values, params):
+        return combine(base, part, values)
+
+    def use_trained(self, ctx, layout, trained):
+        values = trained.detach().float()
+        ctx.state[COEFFICIENT_STATE] = (layout.slots, values)
+        return {"coefficients": coefficient_rows({label: i for i, label in enumerate(layout.labels)}, values)}
+
+    def use_recorded(self, ctx, names, adapter, q):
+        import torch
+
+        labels, of = coefficient_groups(names, adapter, ctx.params.granularity)
+        recorded, rows = parse_coefficients(ctx.params.coefficients)
+        if set(recorded) != set(labels) or len(rows[0]) != q:
+            extra = sorted(set(recorded) - set(labels))[:3]
+            lacking = sorted(set(labels) - set(recorded))[:3]
+            raise InvalidParameterError(
+                f"The recorded coefficients do not fit these models ({len(rows[0])} values per group for {q} models; "
+                f"groups not merged here: {extra}; groups without a coefficient: {lacking}). Pass relearn=True to "
+                "train them again.")
+        position = {label: i for i, label in enumerate(recorded)}
+        values = torch.tensor([rows[position[label]] for label in sorted(labels, key=labels.get)],
+                              dtype=torch.float32)
+        ctx.state[COEFFICIENT_STATE] = (of, values)
 
     def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
         groups, values = ctx.state[COEFFICIENT_STATE]

@@ -97,15 +97,25 @@ def iso_c_matrix(delta: torch.Tensor) -> torch.Tensor:
     """σ̄·U Vᵀ for ``delta = U Σ Vᵀ`` over its numerically non-zero spectrum, σ̄ the mean singular value there."""
     import torch
 
+    components = iso_c_components(delta)
+    if components is None:
+        return torch.zeros_like(delta)
+    u, mean, vh = components
+    return (u * mean) @ vh
+
+
+def iso_c_components(delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(U, σ̄, Vᵀ)``: the numerically non-zero singular vectors of ``delta`` and the mean of their singular values
+    (Iso-C's merge is ``(U * σ̄) @ Vᵀ``; AdaRank's masks scale σ̄ per component); None when ``delta`` is zero."""
     from .svd_ops import numerical_rank, svd
 
     u, s, vh = svd(delta)
     rank = int(numerical_rank(s, delta.shape))
     if rank == 0:
-        return torch.zeros_like(delta)
+        return None
     if rank < len(s):
         u, s, vh = u[:, :rank], s[:rank], vh[:rank]
-    return (u * s.mean()) @ vh
+    return u, s.mean(), vh
 
 
 def subspace_sizes(rank: int, q: int, common_space_fraction: float) -> tuple[int, int]:

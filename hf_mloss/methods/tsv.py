@@ -84,11 +84,24 @@ def tsv_merge_matrix(taus: torch.Tensor, fraction: float | None) -> torch.Tensor
     """U⊥ Σ V⊥ᵀ of the ``[q, m, n]`` task matrices ``taus``; None when no component is kept (k = 0)."""
     import torch
 
+    components = tsv_components(taus, fraction)
+    if components is None or isinstance(components, int):
+        return None if components is None else torch.zeros_like(taus[0])
+    left, sigmas, right, _ = components
+    return (left * sigmas) @ right
+
+
+def tsv_components(taus: torch.Tensor, fraction: float | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]] | int | None:
+    """The kept components of TSV-M's merge of the ``[q, m, n]`` task matrices ``taus``: ``(U⊥, Σ, V⊥ᵀ, tasks)``
+    with the merge ``(U⊥ * Σ) @ V⊥ᵀ``, Σ the k kept singular values of each task that changed the matrix, task by
+    task (``tasks``: their indices, k components each); ``0`` when no task changed the matrix (the merge is zero),
+    ``None`` when no component is kept (k = 0: the caller takes the mean). AdaRank's masks scale these Σ."""
     from .svd_ops import nonzero_tasks, polar_factor, svd
 
     active = nonzero_tasks(taus)
     if len(active) == 0:
-        return torch.zeros_like(taus[0])
+        return 0
     taus = taus[active] if len(active) < len(taus) else taus
     q, m, n = taus.shape
     k = int(min(m, n) * (fraction if fraction is not None else 1 / q))
@@ -98,7 +111,7 @@ def tsv_merge_matrix(taus: torch.Tensor, fraction: float | None) -> torch.Tensor
     u_cat = u[:, :, :k].transpose(0, 1).reshape(m, q * k)  # columns task by task
     s_cat = s[:, :k].reshape(q * k)
     vh_cat = vh[:, :k, :].reshape(q * k, n)
-    return (polar_factor(u_cat) * s_cat) @ polar_factor(vh_cat)
+    return polar_factor(u_cat), s_cat, polar_factor(vh_cat), active.tolist()
 
 
 register_merge_method(TsvMerge())

@@ -128,6 +128,11 @@ def shown_parameters(params: Any, q: int | None = None) -> dict[str, Any]:
     if shown.get("coefficients"):  # a learned merge's coefficients: one row per tensor group, in the recipe
         rows = shown["coefficients"]
         shown["coefficients"] = f"{len(rows)} groups x {len(rows[0]) - 1} models (learned; in hf_mloss_config.yaml)"
+    if isinstance(shown.get("masks"), (list, tuple)):  # AdaRank's learned masks: the components they drop
+        rows = shown["masks"]
+        dropped = sum(len(d) for row in rows for d in row[1:])
+        shown["masks"] = (f"{dropped} components dropped in {len(rows)} matrices (learned; in hf_mloss_config.yaml)"
+                          if rows else "no component dropped (learned)")
     if shown.get("heads"):
         shown["heads"] = [h if isinstance(h, str) else type(h).__name__ if not isinstance(h, dict) else
                           f"{h.get('in_memory', 'head')} (from Python)" for h in shown["heads"]]

@@ -1,0 +1,296 @@
+"""AdaRank over the SVD merges: masks over the singular components TSV-M and Iso-C keep, learned on unlabeled data.
+
+TSV-M merges each layer matrix as (U⊥ * Σ) @ V⊥ᵀ, Σ the top k singular values of each task's matrix, task by task
+(:func:`~hf_mloss.methods.tsv.tsv_components`); Iso-C as (U * σ̄) @ Vᵀ over the summed task matrix's non-zero
+spectrum (:func:`~hf_mloss.methods.iso.iso_c_components`). ``adarank_tsv`` / ``adarank_iso`` give every one of
+those components a mask m ∈ {0, 1} and merge θ = θ₀ + λ·(U⊥ * (Σ ⊙ m)) @ V⊥ᵀ (resp. (U * (σ̄·m)) @ Vᵀ): one mask per
+component, per task (TSV-M; Iso-C's components belong to the sum of the task matrices, so there is one mask per
+component of that sum) and per layer matrix. The factors are computed once; only the masks are trained.
+
+As AdaRank (Lee et al.), each mask is a logit l with m = 1[l > 0] in the forward pass and the gradient of
+sigmoid(l / T) in the backward pass (straight-through), l starting at ``mask_init`` (0.1) and T = ``temperature``
+(10), the authors' defaults. Every component starts kept, so the first step's merge IS the data-free merge (m ≡ 1
+reproduces ``tsv_m`` / ``iso_c`` bit for bit), and training can only drop components the data-free merge keeps (TSV-M
+keeps no more than the q bases fit in the layer's rank). Unlike the authors' code, the task coefficients are not
+learned alongside (λ stays the data-free method's), and the mask acts on TSV-M's / Iso-C's components rather than on
+each raw task vector's full spectrum. Tensors that are not matrices take the data-free rule (the mean task vector).
+
+The recipe records the learned masks as the components they drop (``masks``: one row per matrix that drops any,
+``[tensor, dropped indices of model 1, …, of model q]``, indices into that model's kept components in descending
+singular value; ``adarank_iso``: ``[tensor, dropped indices]``); a re-run merges from them without training, bit for
+bit, ``relearn=True`` trains again. The training loop is :mod:`hf_mloss.merging.learned`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from .._validation import param
+from ..errors import InvalidParameterError
+from .adamerging import LearnedMethod, LearnedParams, TrainedLayout
+from .base import MergeContext, MethodParams
+from .iso import IsoCParams
+from .registry import register_merge_method
+from .tsv import TsvParams
+
+if TYPE_CHECKING:
+    import torch
+
+PART_STATE = "components"
+"""``MergeContext.state`` key: the components the training factored, by tensor name, reused once by the saved merge
+(the same bits as factoring again, at half the SVDs)."""
+MASK_STATE = "masks"
+"""``MergeContext.state`` key: tensor name → the dropped component indices of each model (TSV-M) or of the sum."""
+REFERENCE = "Lee et al., AdaRank: Adaptive Rank Pruning for Enhanced Model Merging, ICLR 2026 (arXiv 2503.22178)"
+REFERENCE_URL = "https://arxiv.org/abs/2503.22178"
+
+
+@dataclass(frozen=True)
+class AdaRankParams(LearnedParams):
+    lr: float = param(1e-2, "Adam learning rate (AdaRank's 1e-3 over 10 000 steps; Adam moves a logit by about lr per "
+                      "step, so at 1e-3 no mask could cross 0 from 0.1 within the default 100 steps).", low=0.0,
+                      high=1.0, low_open=True)
+    mask_init: float = param(0.1, "Initial logit of every component's mask (AdaRank's 0.1): above 0, so every "
+                             "component the data-free merge keeps starts kept.", low=0.0, high=100.0, low_open=True)
+    temperature: float = param(10.0, "The backward pass follows sigmoid(logit / temperature) (AdaRank's 10).",
+                               low=0.0, high=1e4, low_open=True)
+    masks: tuple[tuple[Any, ...], ...] | None = param(
+        None, "Recorded: the components the learned masks drop, one row [tensor, dropped indices of model 1, ..., of "
+        "model q] per matrix that drops any (adarank_iso: [tensor, dropped indices]); a re-run merges from them "
+        "without training.")
+
+    RECORDED: ClassVar[str] = "masks"
+
+    def check(self) -> None:
+        super().check()
+        if self.masks is not None:
+            parse_masks(self.masks)
+
+
+@dataclass(frozen=True)
+class AdaRankTsvParams(AdaRankParams, TsvParams):
+    pass
+
+
+@dataclass(frozen=True)
+class AdaRankIsoParams(AdaRankParams, IsoCParams):
+    pass
+
+
+def parse_masks(rows: Sequence[Any]) -> dict[str, list[list[int]]]:
+    """Tensor name → dropped indices per row of recorded ``[tensor, [i, ...], ...]`` rows; refuses malformed ones."""
+    out: dict[str, list[list[int]]] = {}
+    for i, row in enumerate(rows):
+        if (not isinstance(row, (list, tuple)) or len(row) < 2 or not isinstance(row[0], str)
+                or not all(isinstance(d, (list, tuple)) and all(isinstance(j, int) and not isinstance(j, bool)
+                                                                and j >= 0 for j in d) for d in row[1:])):
+            raise InvalidParameterError(f"masks[{i}] must be [tensor name, [dropped component indices], ...] with "
+                                        f"indices >= 0, got {str(row)[:80]!r}.")
+        if row[0] in out:
+            raise InvalidParameterError(f"masks name {row[0]!r} twice.")
+        out[row[0]] = [sorted(set(d)) for d in row[1:]]
+    return out
+
+
+@dataclass
+class Components:
+    """One matrix's kept singular components: the merge is ``(left * (scale * m)) @ right`` for masks ``m``."""
+
+    left: torch.Tensor
+    scale: torch.Tensor
+    """TSV-M: the kept singular values Σ ``[c]``; Iso-C: σ̄ (a scalar)."""
+    right: torch.Tensor
+    rows: list[tuple[int, int, int]]
+    """``(model or -1 for the sum, first component, count)`` of each recorded row of masks."""
+
+    @property
+    def count(self) -> int:
+        return self.left.shape[1]
+
+
+def masked_matrix(components: Components, mask: torch.Tensor) -> torch.Tensor:
+    """``(left * (scale * mask)) @ right``: the one formula of the training's functional merge and of the saved
+    merge; ``mask`` ≡ 1 gives the data-free merge's bits (``scale * 1`` is ``scale``)."""
+    return (components.left * (components.scale * mask)) @ components.right
+
+
+def straight_through(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """1[logit > 0] exactly in the forward pass, the gradient of sigmoid(logit / T) in the backward pass."""
+    import torch
+
+    soft = torch.sigmoid(logits / temperature)
+    return (logits > 0).to(logits.dtype) + (soft - soft.detach())
+
+
+class _AdaRank(LearnedMethod):
+    reference = REFERENCE
+    reference_url = REFERENCE_URL
+    base_name: ClassVar[str]
+
+    def components(self, taus: torch.Tensor, params: MethodParams) -> Components | torch.Tensor:
+        """The matrix's maskable components, or the fixed (unscaled) merged task matrix when it has none."""
+        raise NotImplementedError
+
+    def _split(self, name: str, base: torch.Tensor, sources: list[torch.Tensor], ctx: MergeContext
+               ) -> Components | torch.Tensor:
+        from .svd_ops import is_finite, is_matrix, mean_task_vector, weighted_task_vectors
+
+        taus = weighted_task_vectors(base, sources, ctx.weights)
+        if is_matrix(base) and is_finite(taus):
+            return self.components(taus, ctx.params)
+        return mean_task_vector(taus)
+
+    def functional_part(self, name, base, sources, ctx):
+        part = self._split(name, base, sources, ctx)
+        ctx.state.setdefault(PART_STATE, {})[name] = part
+        return part
+
+    def layout(self, parts, adapter, ctx):
+        import torch
+
+        slots: dict[str, Any] = {}
+        rows: dict[str, list[tuple[int, int, int]]] = {}
+        start = 0
+        for name, part in parts.items():
+            if isinstance(part, Components):
+                slots[name], rows[name] = slice(start, start + part.count), part.rows
+                start += part.count
+            else:
+                slots[name] = None
+        return TrainedLayout(slots=slots, initial=torch.full((start,), ctx.params.mask_init, dtype=torch.float32),
+                             count=start, title="Component masks", what=f"component masks ({self.base_name})",
+                             meta=rows)
+
+    def functional_tensor(self, base, part, values, params):
+        if values is None:
+            return base + params.lam * part
+        return base + params.lam * masked_matrix(part, straight_through(values, params.temperature))
+
+    def use_trained(self, ctx, layout, trained):
+        recorded, state = [], {}
+        for name, slot in layout.slots.items():
+            if slot is None:
+                continue
+            dropped = (trained[slot] <= 0).nonzero().flatten().tolist()
+            if dropped:
+                rows = self._rows(name, ctx, layout, dropped)
+                recorded.append([name, *rows])
+                state[name] = rows
+        ctx.state[MASK_STATE] = state
+        return {"masks": recorded}
+
+    def _rows(self, name: str, ctx: MergeContext, layout: TrainedLayout, dropped: list[int]) -> list[list[int]]:
+        """The recorded rows of a matrix's dropped components (flat indices into its components)."""
+        rows = layout.meta[name]
+        out = [[] for _ in range(self.recorded_rows(len(ctx.weights)))]
+        for model, first, count in rows:
+            out[max(model, 0)] = [i - first for i in dropped if first <= i < first + count]
+        return out
+
+    def recorded_rows(self, q: int) -> int:
+        """How many lists of dropped indices a recorded row holds."""
+        raise NotImplementedError
+
+    def use_recorded(self, ctx, names, adapter, q):
+        recorded = parse_masks(ctx.params.masks)
+        unknown = sorted(set(recorded) - set(names))
+        if unknown:
+            raise InvalidParameterError(f"The recorded masks name tensors these models do not change ({unknown[:3]}); "
+                                        "pass relearn=True to train them again.")
+        wrong = [n for n, rows in recorded.items() if len(rows) != self.recorded_rows(q)]
+        if wrong:
+            raise InvalidParameterError(f"The recorded masks of {wrong[0]!r} hold {len(recorded[wrong[0]])} lists, "
+                                        f"{self.recorded_rows(q)} expected for {q} models; pass relearn=True.")
+        ctx.state[MASK_STATE] = recorded
+
+    def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
+        import torch
+
+        part = ctx.state.get(PART_STATE, {}).pop(name, None)
+        if part is None:
+            part = self._split(name, base, sources, ctx)
+        dropped = ctx.state[MASK_STATE].get(name)
+        if not isinstance(part, Components):
+            if dropped and any(dropped):
+                raise InvalidParameterError(f"The recorded masks drop components of {name!r}, which has none here; "
+                                            "pass relearn=True.")
+            return base + ctx.params.lam * part
+        mask = torch.ones(part.count, dtype=part.left.dtype, device=part.left.device)
+        for model, first, count in part.rows:
+            indices = dropped[max(model, 0)] if dropped else []
+            if indices and indices[-1] >= count:
+                raise InvalidParameterError(f"The recorded masks of {name!r} drop component {indices[-1]} of "
+                                            f"{'the sum' if model < 0 else f'model {model}'}, which keeps {count}; "
+                                            "pass relearn=True.")
+            mask[[first + i for i in indices]] = 0
+        if dropped:
+            held = {max(model, 0) for model, _, _ in part.rows}
+            stray = [i for i, d in enumerate(dropped) if d and i not in held]
+            if stray:
+                raise InvalidParameterError(f"The recorded masks drop components of model {stray[0]} in {name!r}, "
+                                            "which that model does not change; pass relearn=True.")
+        return base + ctx.params.lam * masked_matrix(part, mask)
+
+    def describe(self, params: MethodParams) -> str:
+        return (f"AdaRank ({self.reference}) over {self.base_name}: masks over its singular components learned with "
+                f"the {params.objective!r} objective")
+
+
+class AdaRankTsv(_AdaRank):
+    """AdaRank over TSV-M: a mask per kept singular component of each task's matrix."""
+
+    name = "adarank_tsv"
+    pretty_name = "AdaRank (TSV-M components)"
+    params_class = AdaRankTsvParams
+    base_name = "TSV-M"
+
+    def prepare(self, ctx: MergeContext, visit) -> None:
+        from .tsv import check_fraction
+
+        check_fraction(ctx.params.fraction, len(ctx.weights))
+
+    def components(self, taus, params):
+        import torch
+
+        from .tsv import tsv_components
+
+        found = tsv_components(taus, params.fraction)
+        if found is None:  # k = 0: the mean task vector, as tsv_m
+            return taus.mean(0)
+        if isinstance(found, int):  # no task changed the matrix
+            return torch.zeros_like(taus[0])
+        left, sigmas, right, tasks = found
+        k = len(sigmas) // len(tasks)
+        return Components(left, sigmas, right, [(t, i * k, k) for i, t in enumerate(tasks)])
+
+    def recorded_rows(self, q: int) -> int:
+        return q
+
+
+class AdaRankIso(_AdaRank):
+    """AdaRank over Iso-C: a mask per singular component of the summed task matrix."""
+
+    name = "adarank_iso"
+    pretty_name = "AdaRank (Iso-C components)"
+    params_class = AdaRankIsoParams
+    base_name = "Iso-C"
+
+    def components(self, taus, params):
+        import torch
+
+        from .iso import iso_c_components
+
+        found = iso_c_components(taus.sum(0))
+        if found is None:
+            return torch.zeros_like(taus[0])
+        u, mean, vh = found
+        return Components(u, mean, vh, [(-1, 0, u.shape[1])])
+
+    def recorded_rows(self, q: int) -> int:
+        return 1
+
+
+register_merge_method(AdaRankTsv())
+register_merge_method(AdaRankIso())

@@ -1,0 +1,214 @@
+"""AdaRank over TSV-M / Iso-C (learned singular-component masks): masks ≡ 1 give the data-free merges bit for bit,
+gradients through the masks against finite differences, the recipe re-run bit for bit, a learned merge that lowers
+its objective, and refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import CLIPVisionModel
+
+import hf_mloss
+from hf_mloss import MergeConfig
+from hf_mloss.engine.objectives import ObjectiveInputs, differentiable_outputs, get_objective
+from hf_mloss.errors import InvalidParameterError
+from hf_mloss.loading.model_inputs import spread_sample
+from hf_mloss.merging import learned
+from hf_mloss.methods import get_method
+from hf_mloss.methods.adarank import Components, masked_matrix, straight_through
+from hf_mloss.methods.base import MergeContext
+from hf_mloss.methods.iso import iso_c_matrix
+from hf_mloss.methods.tsv import tsv_merge_matrix
+
+SEED, SAMPLES, BATCH = 0, 8, 4
+PAIRS = [("adarank_tsv", "tsv_m"), ("adarank_iso", "iso_c")]
+
+
+@pytest.fixture(scope="module")
+def pixels() -> torch.Tensor:
+    return torch.randn(SAMPLES, 3, 32, 32, generator=torch.Generator().manual_seed(5))
+
+
+@pytest.fixture
+def records(monkeypatch) -> list[learned.LearnRecord]:
+    seen = []
+    original = learned._learn
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        seen.append(out[1])
+        return out
+
+    monkeypatch.setattr(learned, "_learn", spy)
+    return seen
+
+
+def _run(tiny_paths, data, method="adarank_tsv", **kwargs):
+    base, models = tiny_paths
+    options = {"data": data, "progress": False, "steps": 1, "batch_size": BATCH, "max_samples": SAMPLES,
+               "objective": "output_gap", **kwargs}
+    return hf_mloss.merge(base, models, method, **options)
+
+
+def _components(method: str, taus: torch.Tensor, **params) -> Components | torch.Tensor:
+    ctx = MergeContext(params=get_method(method).make_params(**params), weights=torch.ones(len(taus)))
+    return get_method(method).components(taus, ctx.params)
+
+
+# ------------------------------------------------------------------------------------ masks ≡ 1 = the data-free merge
+@pytest.mark.parametrize("zero_task", [False, True])
+def test_all_kept_components_are_the_data_free_matrices_bit_for_bit(zero_task):
+    g = torch.Generator().manual_seed(3)
+    taus = torch.randn(3, 12, 9, generator=g)
+    if zero_task:  # a task that left the matrix unchanged has no components (no mask row of its own)
+        taus[1] = 0
+    tsv = _components("adarank_tsv", taus)
+    active = [0, 2] if zero_task else [0, 1, 2]  # k = floor(rank / tasks that changed it) = 9 // 2 or 9 // 3
+    assert tsv.rows == [(t, i * (9 // len(active)), 9 // len(active)) for i, t in enumerate(active)]
+    assert torch.equal(masked_matrix(tsv, torch.ones(tsv.count)), tsv_merge_matrix(taus, None))
+    iso = _components("adarank_iso", taus)
+    assert torch.equal(masked_matrix(iso, torch.ones(iso.count)), iso_c_matrix(taus.sum(0)))
+    # a dropped component removes exactly its rank-one term
+    mask = torch.ones(tsv.count)
+    mask[4] = 0
+    term = torch.outer(tsv.left[:, 4], tsv.right[4]) * tsv.scale[4]
+    torch.testing.assert_close(masked_matrix(tsv, mask), tsv_merge_matrix(taus, None) - term, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["adarank_tsv", "adarank_iso"])
+def test_the_saved_merge_from_recorded_masks_is_the_functional_merge_bit_for_bit(method):
+    """Random logits: the training's merged tensor, the masks it records, and the merge from those records."""
+    from hf_mloss.methods.adarank import MASK_STATE
+
+    g = torch.Generator().manual_seed(4)
+    base = torch.randn(12, 9, generator=g)
+    sources = [base + 0.1 * torch.randn(12, 9, generator=g) for _ in range(3)]
+    sources[1] = base.clone()  # model 1 left the matrix unchanged: no components of its own
+    rule = get_method(method)
+    params = rule.make_params(objective="output_gap")
+    ctx = MergeContext(params=params, weights=torch.ones(3))
+    part = rule.functional_part("w", base, sources, ctx)
+    layout = rule.layout({"w": part}, None, ctx)
+    logits = torch.randn(layout.count, generator=g)
+    functional = rule.functional_tensor(base, part, logits, params)
+    recorded = rule.use_trained(ctx, layout, logits)["masks"]
+    (name, *rows), = recorded
+    assert name == "w" and len(rows) == (3 if method == "adarank_tsv" else 1)
+    assert sum(len(r) for r in rows) == int((logits <= 0).sum()) > 0
+    if method == "adarank_tsv":
+        assert rows[1] == []
+    fresh = MergeContext(params=rule.make_params(objective="output_gap", masks=recorded), weights=torch.ones(3))
+    rule.use_recorded(fresh, ["w"], None, 3)
+    assert fresh.state[MASK_STATE] == {"w": rows}
+    assert torch.equal(rule.merge_tensor("w", base, sources, fresh), functional)
+
+
+@pytest.mark.parametrize(("method", "reference"), PAIRS)
+def test_recorded_empty_masks_and_the_first_step_are_the_data_free_merge(tiny_paths, pixels, records, method,
+                                                                        reference):
+    base, models = tiny_paths
+    data_free = hf_mloss.merge(base, models, reference, progress=False)
+    kept = _run(tiny_paths, pixels, method, masks=[])
+    assert records == []  # recorded masks: no training
+    for key, value in data_free.model.state_dict().items():
+        assert torch.equal(value, kept.model.state_dict()[key]), key
+    # the functional merge at the initial logits (every component kept) is the data-free model: same objective
+    _run(tiny_paths, pixels, method)
+    pool = spread_sample(pixels, SAMPLES, SEED)
+    batches = learned.sample_batches(len(pool), BATCH, SEED)
+    batch = pool[batches[learned.batch_schedule(len(batches), 1, SEED)[0]]]
+    experts = [CLIPVisionModel.from_pretrained(m).eval() for m in models]
+    with torch.no_grad():
+        merged = data_free.model(pixel_values=batch).pooler_output.double()
+        ensemble = sum(e(pixel_values=batch).pooler_output.double() for e in experts) / 3
+    expected = float((merged - ensemble).norm(dim=-1).sum() / ensemble.norm(dim=-1).sum())
+    assert records[0].trace[0] == pytest.approx(expected, rel=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------- gradients
+def test_gradients_through_the_masks_match_finite_differences(tiny_paths, pixels):
+    """d objective / d m (the continuous mask of every component of a matrix) by autograd through
+    functional_call, against central differences in float64; the logits get it times sigmoid'(l/T)/T."""
+    from hf_mloss.adapters.registry import adapter_for
+
+    base_path, models = tiny_paths
+    base = CLIPVisionModel.from_pretrained(base_path).double().eval()
+    experts = [CLIPVisionModel.from_pretrained(m).double().eval() for m in models]
+    state = base.state_dict()
+    names = ["encoder.layers.1.mlp.fc1.weight"]
+    parts = {n: _components("adarank_tsv", torch.stack([e.state_dict()[n] - state[n] for e in experts]),
+                            fraction=0.125) for n in names}  # 4 components per task: 12 masks
+    sizes = [parts[n].count for n in names]
+    rule = adapter_for(base.config).output_rule(base)
+    forward = learned._Forward(base, lambda model, batch: differentiable_outputs(rule, model, batch))
+    batch = {"pixel_values": pixels[:2].double()}
+    with torch.no_grad():
+        outputs = [torch.func.functional_call(forward, {f"tower.{k}": v for k, v in e.state_dict().items()},
+                                              (batch,)) for e in experts]
+    setup = ObjectiveInputs(rule=rule, heads=None, alpha=torch.full((3,), 1 / 3, dtype=torch.float64))
+
+    def value(mask: torch.Tensor) -> torch.Tensor:
+        params = {f"tower.{n}": state[n] + masked_matrix(parts[n], m) for n, m in zip(names, mask.split(sizes))}
+        merged = torch.func.functional_call(forward, params, (batch,))
+        return get_objective("output_gap").value(setup, merged, batch, outputs, None)
+
+    mask = torch.ones(sum(sizes), dtype=torch.float64)
+    mask[::3] = 0.0  # some components dropped: the gradient is taken at a hard mask, as in training
+    assert torch.autograd.gradcheck(value, (mask.clone().requires_grad_(),), eps=1e-6, atol=1e-7, rtol=1e-4)
+
+    logits = torch.where(mask > 0, 0.3, -0.2).double().requires_grad_()
+    hard = straight_through(logits, 10.0)
+    assert torch.equal(hard.detach(), mask)  # the forward pass is exactly the hard mask
+    value(hard).backward()
+    m = mask.clone().requires_grad_()
+    value(m).backward()
+    slope = torch.sigmoid(logits.detach() / 10) * (1 - torch.sigmoid(logits.detach() / 10)) / 10
+    torch.testing.assert_close(logits.grad, m.grad * slope, rtol=1e-10, atol=1e-14)
+
+
+# ------------------------------------------------------------------------------------------ training and the recipe
+def test_learned_masks_lower_the_objective_and_the_recipe_reruns_bit_for_bit(tiny_paths, image_folder, records,
+                                                                              tmp_path):
+    first = _run(tiny_paths, str(image_folder), "adarank_tsv", steps=12, lr=0.05)
+    trace = records[0].trace
+    assert trace[-1] < trace[0] and min(trace) < 0.8 * trace[0]  # the masks moved the merge towards the ensemble
+    masks = first.config.parameters["masks"]
+    assert masks and all(len(row) == 4 for row in masks)  # [tensor, dropped of each of the 3 models]
+    assert "Component masks learned on unlabeled data: 12 Adam steps" in first.method_description
+    first.save_pretrained(tmp_path / "merged")
+    card = (tmp_path / "merged" / "README.md").read_text()
+    dropped = sum(len(d) for row in masks for d in row[1:])
+    assert f"{dropped} components dropped in {len(masks)} matrices" in card and "peak RSS" in card
+
+    config = MergeConfig.from_pretrained(tmp_path / "merged")
+    again = hf_mloss.run(config, progress=False)
+    assert len(records) == 1  # no training
+    for key, value in first.model.state_dict().items():
+        assert torch.equal(value, again.model.state_dict()[key]), key
+    relearned = hf_mloss.run(config.replace(parameters={**config.parameters, "relearn": True}), progress=False)
+    assert len(records) == 2 and relearned.config.parameters["masks"] == masks  # same data and seed
+    assert "relearn" not in relearned.config.parameters
+
+
+def test_iso_learns_one_mask_per_component_of_the_sum(tiny_paths, pixels, records):
+    result = _run(tiny_paths, pixels, "adarank_iso", steps=12, lr=0.05)
+    assert records[0].trace[-1] < records[0].trace[0]
+    masks = result.config.parameters["masks"]
+    assert masks and all(len(row) == 2 for row in masks)
+
+
+# ----------------------------------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"masks": [["x", [1, "a"]]]}, r"masks\[0\]"),
+    ({"masks": [["x", [1]], ["x", [2]]]}, "twice"),
+    ({"masks": [["nope.weight", [0], [], []]]}, "do not change"),
+    ({"masks": [["encoder.layers.0.mlp.fc1.weight", [0]]]}, "1 lists, 3 expected"),
+    ({"masks": [["encoder.layers.0.mlp.fc1.weight", [99], [], []]]}, "drop component 99 of model 0"),
+    ({"fraction": 0.5}, "at most 1/q"),
+    ({"mask_init": 0.0}, "mask_init"),
+    ({"temperature": -1.0}, "temperature"),
+    ({"objective": "entropy"}, "needs one classification head per model"),
+])
+def test_refusals(tiny_paths, pixels, kwargs, match):
+    with pytest.raises(InvalidParameterError, match=match):
+        _run(tiny_paths, pixels, **kwargs)
