@@ -159,7 +159,7 @@ def test_lever_map_table_states_g6_per_lever():
 def test_learned_probe_compares_three_kinds_of_rows_on_equal_grids():
     """Val-tuned rows search as many settings as each other, in units of the trained task vector; defaults and
     learned rows search none; only the objectives that read class outputs get the heads."""
-    from benchmarks.suites.learned import OBJECTIVES, kind, learned_specs
+    from benchmarks.suites.learned import LEARNED, kind, learned_specs
     from benchmarks.suites.protocol import check_grids
 
     specs = learned_specs(8, 1.0, steps=5, lr=1e-3, batch=16)
@@ -167,7 +167,7 @@ def test_learned_probe_compares_three_kinds_of_rows_on_equal_grids():
     kinds = {s.label: kind(s.label) for s in specs}
     assert sum(k == "val-tuned" for k in kinds.values()) == 5 and sum(k == "default" for k in kinds.values()) == 5
     learned = [s for s in specs if kinds[s.label] == "learned"]
-    assert [s.params["objective"] for s in learned] == [*OBJECTIVES, "entropy"]
+    assert [(s.method, s.params["objective"]) for s in learned] == list(LEARNED)
     assert all(s.heads is (s.params["objective"] != "mloss") for s in learned)
     assert all(s.params["batch_size"] == 16 and s.params["steps"] == 5 and not s.grid for s in learned)
     tsv = next(s for s in specs if s.label == "tsv_m (val-tuned)")

@@ -38,9 +38,14 @@ SVD_GRIDS = {"tsv_m": (1.0, 1.5, 2.0, 2.5, 3.0, 4.0), "iso_c": (2.0, 3.0, 4.5, 6
 """The image suite's SVD grids (``benchmarks.suites.run.method_specs``), per unit of a wise-0.65 checkpoint."""
 
 
-def learned_specs(num_tasks: int, wise: float, *, steps: int, lr: float, batch: int,
-                  objectives: Sequence[str] = OBJECTIVES, ties_lams: Sequence[float] | None = None) -> list:
-    """The three kinds of rows (see the module docstring), labels prefixed by their kind."""
+LEARNED = (*(("adamerging", o) for o in OBJECTIVES), ("adamerging_ties", "entropy"))
+"""The learned rows by default: ``(method, objective)``."""
+
+
+def learned_specs(num_tasks: int, wise: float, *, steps: int, lr: float | None, batch: int,
+                  learned: Sequence[tuple[str, str]] = LEARNED, ties_lams: Sequence[float] | None = None) -> list:
+    """The three kinds of rows (see the module docstring), labels suffixed by their kind; ``lr`` None: each
+    learned method's default."""
     from benchmarks.suites.protocol import MethodSpec
     from benchmarks.suites.regime import TIES_LAMS, lever_specs
 
@@ -52,11 +57,11 @@ def learned_specs(num_tasks: int, wise: float, *, steps: int, lr: float, batch: 
     specs = [dataclasses.replace(tuned[m], label=f"{m} (val-tuned)") for m in TUNED]
     defaults = {"ties": {"scope": "global", "budget": "changed", "k": 0.2}}
     specs += [MethodSpec(f"{m} (default)", m, defaults.get(m, {})) for m in TUNED]
-    train = {"steps": steps, "lr": lr, "batch_size": batch, "granularity": "layer"}
-    specs += [MethodSpec(f"adamerging ({objective})", "adamerging", {**train, "objective": objective},
-                         heads=objective != "mloss") for objective in objectives]
-    specs.append(MethodSpec("adamerging_ties (entropy)", "adamerging_ties", {**train, "objective": "entropy"},
-                            heads=True))
+    train = {"steps": steps, "batch_size": batch, **({"lr": lr} if lr is not None else {})}
+    for method, objective in learned:
+        extra = {"granularity": "layer"} if method == "adamerging" else {}
+        specs.append(MethodSpec(f"{method} ({objective})", method, {**train, **extra, "objective": objective},
+                                heads=objective != "mloss"))
     return specs
 
 
@@ -64,23 +69,34 @@ def kind(label: str) -> str:
     return "val-tuned" if label.endswith("(val-tuned)") else "default" if label.endswith("(default)") else "learned"
 
 
-def measure(cfg, cache: Path, log, specs: Sequence, num_samples: int) -> dict:
-    """Every row of ``specs`` on every seed of ``cfg``: val and test means (%), chosen settings, merge seconds."""
+def measure(cfg, cache: Path, log, specs: Sequence, num_samples: int, earlier: dict | None = None) -> dict:
+    """Every row of ``specs`` on every seed of ``cfg``: val and test means (%), chosen settings, merge seconds.
+    ``earlier``: a record of the same suite (q, wise, trained blocks, seeds, samples) whose rows are kept; only
+    ``specs``' learned rows run."""
     from benchmarks.suites.gates import val_mean
     from benchmarks.suites.protocol import ENSEMBLE_SCALES, TUNED_ENSEMBLE, pretrained_scores, run_replicate
     from benchmarks.suites.real import build_real_suite
 
+    same = {"q": len(cfg.tasks), "wise": cfg.wise, "trained_blocks": cfg.num_layers - cfg.frozen,
+            "seeds": list(cfg.seeds), "num_samples": num_samples}
+    if earlier is not None:
+        differs = {k: (earlier.get(k), v) for k, v in same.items() if earlier.get(k) != v}
+        if differs:
+            raise ValueError(f"the earlier record is of another suite (earlier, now): {differs}")
+        specs = [s for s in specs if kind(s.label) == "learned"]
     bench = build_real_suite(cfg, cache, log)
-    pretrained = pretrained_scores(bench)
+    pretrained = pretrained_scores(bench) if earlier is None else None
     results = [run_replicate(bench, rep, specs, pretrained=pretrained, ensemble_scales=ENSEMBLE_SCALES["main"],
-                             num_samples=num_samples, log=log) for rep in bench.replicates]
+                             num_samples=num_samples, log=log, references=earlier is None)
+               for rep in bench.replicates]
 
     def test_mean(label: str) -> float:
         return 100 * float(np.mean([np.mean(list(
             (r.reference[label] if label in r.reference else r.methods[label])["test"].values())) for r in results]))
 
-    rows = {}
-    for label in ("fine-tuned (own task)", "ensemble (probabilities)", TUNED_ENSEMBLE, *(s.label for s in specs)):
+    rows = dict((earlier or {}).get("rows", {}))  # an earlier row of the same label is measured again
+    references = () if earlier else ("fine-tuned (own task)", "ensemble (probabilities)", TUNED_ENSEMBLE)
+    for label in (*references, *(s.label for s in specs)):
         rows[label] = {"kind": kind(label) if label in {s.label for s in specs} else "reference",
                        "val": val_mean(results, label), "test": test_mean(label)}
         if label in results[0].methods:
@@ -91,11 +107,9 @@ def measure(cfg, cache: Path, log, specs: Sequence, num_samples: int) -> dict:
                                                            for r in results)
     best_tuned = max((k for k, v in rows.items() if v["kind"] == "val-tuned"), key=lambda k: rows[k]["val"])
     best_default = max((k for k, v in rows.items() if v["kind"] == "default"), key=lambda k: rows[k]["test"])
-    return {"tasks": list(cfg.tasks), "q": len(cfg.tasks), "wise": cfg.wise,
-                 "trained_blocks": cfg.num_layers - cfg.frozen,
-            "seeds": list(cfg.seeds), "num_samples": num_samples, "rows": rows, "best_tuned": best_tuned,
-            "best_default": best_default,
-            "ensemble_scale": [r.ensemble_scale["chosen"] for r in results]}
+    scales = earlier["ensemble_scale"] if earlier else [r.ensemble_scale["chosen"] for r in results]
+    return {"tasks": list(cfg.tasks), **same, "rows": rows, "best_tuned": best_tuned, "best_default": best_default,
+            "ensemble_scale": scales, **({"baselines_from": earlier["command"]} if earlier else {})}
 
 
 def markdown(record: dict, command: str, machine: str, seconds: float) -> str:
@@ -108,6 +122,8 @@ def markdown(record: dict, command: str, machine: str, seconds: float) -> str:
               "labels; `default` rows are each method at its documented default; `learned` rows used no label. "
               f"Best val-tuned merge: {tuned} (test {rows[tuned]['test']:.2f}); best data-free default: {default} "
               f"(test {rows[default]['test']:.2f})."), "",
+             *([(f"Rows not run by this command come from the record of `{record['baselines_from']}` (same "
+                 f"fine-tunes, same protocol)."), ""] if record.get("baselines_from") else []),
              "| row | kind | val | test | test − best val-tuned | test − best default | chosen | merge s |",
              "|---|---|---|---|---|---|---|---|"]
     for label, r in rows.items():
@@ -139,10 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", default="all", choices=("quick", "all"))
     parser.add_argument("--frozen", type=int, default=10)
     parser.add_argument("--steps", type=int, default=100, help="Adam steps of each learned merge")
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=None, help="Adam's learning rate (default: each method's)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--num-samples", type=int, default=128, help="unlabeled images the learned merges train on")
-    parser.add_argument("--objectives", default=",".join(OBJECTIVES))
+    parser.add_argument("--learned", default=",".join(f"{m}:{o}" for m, o in LEARNED),
+                        help="the learned rows, METHOD:OBJECTIVE comma-separated")
+    parser.add_argument("--baselines-from", type=Path, default=None,
+                        help="an earlier record (JSON) of the same suite: keep its other rows, run the learned ones")
     parser.add_argument("--ties-lams", default=None, help="TIES's λ grid per unit of a wise-0.65 checkpoint")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cache", type=Path, default=None)
@@ -155,12 +174,13 @@ def main(argv: list[str] | None = None) -> int:
                               seeds=tuple(int(s) for s in args.seeds.split(",")))
     ties = tuple(float(v) for v in args.ties_lams.split(",")) if args.ties_lams else None
     specs = learned_specs(len(tasks), args.wise, steps=args.steps, lr=args.lr, batch=args.batch,
-                          objectives=args.objectives.split(","), ties_lams=ties)
+                          learned=[tuple(item.split(":")) for item in args.learned.split(",")], ties_lams=ties)
+    earlier = json.loads(args.baselines_from.read_text()) if args.baselines_from else None
     log = Log(True, "learned")
     start, load = time.perf_counter(), os.getloadavg()
     torch.use_deterministic_algorithms(True)
     with torch_threads(args.threads):
-        record = measure(cfg, args.cache or default_cache(), log, specs, args.num_samples)
+        record = measure(cfg, args.cache or default_cache(), log, specs, args.num_samples, earlier)
     machine = (f"{os.cpu_count()} CPU cores, {args.threads} torch threads, torch {torch.__version__}, load average "
                f"{load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
     seconds = time.perf_counter() - start

@@ -267,14 +267,19 @@ def pretrained_scores(bench: Bench) -> dict[str, dict[str, torch.Tensor]]:
 
 def run_replicate(bench: Bench, replicate: Replicate, specs: Sequence[MethodSpec], *, num_samples: int = 128,
                   pretrained: dict[str, dict[str, torch.Tensor]] | None = None, ensemble_scales: Sequence[float] = (),
-                  log: Callable[[str], None] = print) -> ReplicateResult:
+                  log: Callable[[str], None] = print, references: bool = True) -> ReplicateResult:
     """The whole protocol on one replicate (see the module docstring); ``pretrained``: :func:`pretrained_scores`,
     computed here when not given; ``ensemble_scales``: the grid the probability ensemble's head scale is tuned on
-    (:data:`ENSEMBLE_SCALES`; none: no tuned ensemble row)."""
+    (:data:`ENSEMBLE_SCALES`; none: no tuned ensemble row); ``references=False``: the methods only (their rows
+    beside reference rows measured by an earlier run on the same fine-tunes)."""
     out = ReplicateResult(seed=replicate.seed)
     base = bench.load_state(bench.base_dir)
     tuned = {t: bench.load_state(replicate.finetuned[t]) for t in bench.tasks}
     start = time.perf_counter()
+    if not references:
+        for spec in specs:
+            run_method(bench, replicate, spec, out, num_samples=num_samples, log=log)
+        return out
     log(f"replicate {replicate.seed}: the fine-tunes, their ensembles and foreign task vectors on val and test")
     reference_rows(bench, pretrained or pretrained_scores(bench), tuned, out, ensemble_scales)
     foreign_effects(bench, base, tuned, out)
