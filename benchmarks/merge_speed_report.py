@@ -11,6 +11,7 @@ TARGETS = {
     "ties_tensor_vs_mergekit_wall": 0.2,
     "ties_tensor_vs_mergekit_rss": 0.5,
     "m_ties_vs_mergekit_wall": 0.5,
+    "tsv_m_vs_mergekit_wall": 0.25,
     "m_ties_vs_floor": 1.25,
     "score_vs_floor": 1.2,
     "compatibility_vs_score_own": 1.5,
@@ -20,7 +21,7 @@ TARGETS = {
 DECODER_TARGETS = {"ties_tensor_vs_mergekit_wall": 0.5}
 """The targets set otherwise for decoder shapes (data-free merges of a bf16 LLM against mergekit)."""
 HF_NAMES = ("ties_tensor", "ties_tensor_mk", "ties_global", "dare", "task_arithmetic", "m_ties", "m_ties_bf16",
-            "select_m_ties", "ties_global_fb")
+            "select_m_ties", "ties_global_fb", "tsv_m", "iso_c", "iso_cts")
 MEASURE_RUNS = ("forward", "score", "score_bf16", "score_own", "compatibility")
 DESCRIPTIONS = {
     "forward": "plain CLIPVisionModel forward (fp32, inference_mode); inner = fastest pass (default threads or 1)",
@@ -37,6 +38,9 @@ DESCRIPTIONS = {
     "m_ties_bf16": "hf_mloss m_ties, same, compute_dtype=bfloat16 (scoring in bf16)",
     "select_m_ties": "hf_mloss m_ties, select='unlabeled' over k × λ = 3 × 3 (e=0.1)",
     "ties_global_fb": "hf_mloss ties, global, convention fusion_bench",
+    "tsv_m": "hf_mloss tsv_m (top ⌊r/q⌋ components per task, λ=1)",
+    "iso_c": "hf_mloss iso_c (λ=1)",
+    "iso_cts": "hf_mloss iso_cts (λ=1)",
     "mergekit_ties": "mergekit-yaml ties (density 0.2, normalize)",
     "mergekit_1t_ties": "mergekit-yaml ties, OMP_NUM_THREADS=1",
     "fusion_bench_ties": "fusion-bench TiesMergingAlgorithm (dis-mean)",
@@ -93,6 +97,9 @@ def mergekit_ratios(ratios: Ratios, runs: dict, q: int, targets: dict = TARGETS)
     if _ok(mt):
         ratios.add("m_ties_vs_mergekit_wall", mt["wall_s"], mk["wall_s"], TARGETS["m_ties_vs_mergekit_wall"], wall)
         ratios.add("m_ties_vs_mergekit_cpu", mt["cpu_s"], mk["cpu_s"], None, f"process CPU (user+sys); {CPU_NOTE}")
+    if _ok(runs.get("tsv_m")):
+        ratios.add("tsv_m_vs_mergekit_wall", runs["tsv_m"]["wall_s"], mk["wall_s"], TARGETS["tsv_m_vs_mergekit_wall"],
+                   wall + "; TSV-M against mergekit's TIES")
     if _ok(runs.get("m_ties_bf16")):
         ratios.add("m_ties_bf16_vs_mergekit_wall", runs["m_ties_bf16"]["wall_s"], mk["wall_s"], None,
                    "process wall; M-TIES with compute_dtype=bfloat16 scoring (merge arithmetic stays fp32)")
