@@ -615,7 +615,7 @@ def run_compatibility(config: MergeConfig, *, subsets: Sequence[Sequence[int | s
         names = [r.name for r in inputs.refs]
         aliases = {m.model: i for i, m in enumerate(config.models) if isinstance(m.model, str)}
         chosen = standard_subsets(len(names), parse_subsets(subsets, names, aliases), leave_one_out=leave_one_out)
-        model = inputs.load_scoring_model(progress=progress)
+        model = inputs.load_scoring_model(progress=progress, streamed=True)  # the blocks come from the sources
         setup = make_setup(inputs, model, options, config, progress=progress)
         weights = inputs.alpha / inputs.alpha.sum()
         start = time.perf_counter()

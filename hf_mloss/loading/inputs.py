@@ -128,9 +128,48 @@ class RunInputs:
         else the model itself (``"auto"``: a family without towers, e.g. a causal LM)."""
         return "tower" if self.adapter.containers else "auto"
 
-    def load_scoring_model(self, *, progress: bool = True) -> PreTrainedModel:
-        """The model whose blocks a scoring pass walks, in float32 on the run's device."""
+    def load_scoring_model(self, *, progress: bool = True, streamed: bool = False) -> PreTrainedModel:
+        """The model whose blocks a scoring pass walks, in float32 on the run's device.
+
+        ``streamed``: the blocks' parameters stay on the ``meta`` device (no memory) and everything else (embeddings,
+        final norm, buffers) is read from the base; the walks (:mod:`hf_mloss.engine.walk`) fill a block from the
+        lazy stores when they reach it and empty it after, so a scoring pass holds one block of the base instead of
+        the whole model. Falls back to the whole model where that cannot be done exactly (a model passed in memory,
+        a block with buffers, a tensor the base's file lacks)."""
+        if streamed and self.base_model is None:
+            model = self._scoring_skeleton()
+            if model is not None:
+                return model
         return self.adapter.tower(self.load_output_model(self.scoring_output(), progress=progress))
+
+    def _scoring_skeleton(self) -> PreTrainedModel | None:
+        """The scoring model with its blocks on ``meta`` (see :meth:`load_scoring_model`), or ``None``."""
+        from accelerate import init_empty_weights
+        from accelerate.utils import set_module_tensor_to_device
+
+        adapter = self.adapter
+        cls = adapter.output_class(self.scoring_output())
+        config = adapter.config if cls is adapter.model_class else adapter.full_config
+        with quiet_transformers(True), init_empty_weights():  # parameters on meta, buffers computed as usual
+            model = cls(config)
+        model = adapter.tower(model).eval()
+        blocks = adapter.layers(model)
+        if any(len(list(block.buffers())) for block in blocks):
+            return None
+        for key, tensor in model.state_dict(keep_vars=True).items():
+            name = adapter.canonical_key(key)
+            if not tensor.is_meta or (name is not None and 0 <= adapter.stage_of(name) < adapter.num_layers):
+                continue
+            if name is None or name not in self.base:
+                continue  # tied to another tensor (lm_head), tied below, else refused below
+            set_module_tensor_to_device(model, key, self.device, value=self.base.get(name), dtype=torch.float32)
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()
+        for key, tensor in model.state_dict(keep_vars=True).items():
+            name = adapter.canonical_key(key)
+            if tensor.is_meta and not (name is not None and 0 <= adapter.stage_of(name) < adapter.num_layers):
+                return None
+        return model.eval()  # what is not on meta was put on the run's device above
 
     def load_output_model(self, output: str, *, progress: bool = True,
                           dtype: torch.dtype = torch.float32) -> PreTrainedModel:
