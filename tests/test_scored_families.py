@@ -845,3 +845,33 @@ def test_a_streamed_scoring_model_gives_the_numbers_of_the_whole_one(gated_setup
         compat_streamed = hf_mloss.compatibility(str(base), [str(m) for m in models], texts, progress=False)
         for metric, values in compat_whole.values.items():
             assert torch.equal(compat_streamed.values[metric], values), metric
+
+
+def test_a_large_base_filled_from_its_store_merges_as_from_pretrained(gated_setup, monkeypatch, tmp_path):
+    """Above STREAMED_LOAD_MIN_BYTES the merge container is built on meta and filled tensor by tensor from the base's
+    lazy store instead of ``from_pretrained`` (which maps the file beside the float32 copy): the same M-TIES merge
+    and the same saved files."""
+    from hf_mloss.loading import inputs as inputs_module
+
+    base, models = gated_setup
+    texts = [" ".join(f"w{i - 4}" for i in seq) for seq in SEQUENCES]
+    built, real = [], inputs_module.RunInputs._streamed_output_model
+
+    def spy(self, output, dtype):
+        model = real(self, output, dtype)
+        built.append(model)
+        return model
+
+    monkeypatch.setattr(inputs_module.RunInputs, "_streamed_output_model", spy)
+    ordinary = hf_mloss.merge(str(base), [str(m) for m in models], "m_ties", data=texts, progress=False)
+    assert built == [None]  # a tiny base: from_pretrained
+    monkeypatch.setattr(inputs_module, "STREAMED_LOAD_MIN_BYTES", 0)
+    streamed = hf_mloss.merge(str(base), [str(m) for m in models], "m_ties", data=texts, progress=False)
+    assert built[-1] is not None
+    a, b = ordinary.model.state_dict(), streamed.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ordinary.save_pretrained(tmp_path / "a")
+    streamed.save_pretrained(tmp_path / "b")
+    for name in ("config.json", "generation_config.json"):
+        if (tmp_path / "a" / name).is_file() or (tmp_path / "b" / name).is_file():
+            assert (tmp_path / "a" / name).read_text() == (tmp_path / "b" / name).read_text(), name
