@@ -344,7 +344,7 @@ class TensorMerger:
         if (name in self.done or target.dim() == 0 or not target.is_contiguous()
                 or target.numel() * len(self.inputs.sources) < CHUNKED_MIN_NUMEL):
             return None
-        return self.method.chunk_keep_counts(target.numel(), ctx)
+        return self.method.chunk_keep_counts(target.numel(), ctx, name=name)
 
     def _chunks(self, name: str) -> Iterator[tuple[slice, torch.Tensor, list[torch.Tensor]]]:
         """``(piece, base, sources)`` over consecutive flat pieces of ``name``: float32, the sources checked finite.
