@@ -176,3 +176,24 @@ def test_checkpoint_store_reads_row_ranges(decoder_sets) -> None:
     whole = store.get(name)
     assert torch.equal(store.get_rows(name, 5, 1234), whole[5:1234])
     assert torch.equal(store.get_rows(name, 2990, 3001), whole[2990:])
+
+
+def test_finalize_drops_the_mergers_float32_references_before_the_cast(decoder_sets) -> None:
+    """The cast to the output dtype frees each float32 tensor as its copy is made: the merger's references are
+    dropped first (kept for an adapter output, which still reads them); the overflow check reads max |x| without
+    an |x| copy and gives the same value."""
+    from types import SimpleNamespace
+
+    for keep in (False, True):
+        model = torch.nn.Linear(3, 2)
+        with torch.no_grad():
+            model.weight.copy_(torch.tensor([[1.0, -7.5, 2.0], [0.5, 3.0, -1.0]]))
+        targets = {"weight": model.weight.data, "bias": model.bias.data}
+        merger = SimpleNamespace(names=list(targets), targets=dict(targets), checked=set(targets),
+                                 ctx=SimpleNamespace(params=None))
+        out = driver.finalize(model, merger, torch.bfloat16, keep_targets=keep)
+        assert out.weight.dtype == torch.bfloat16
+        assert (merger.targets == targets) if keep else merger.targets == {}
+    tensor = torch.tensor([[0.25, -9.0], [4.0, 1.0]])
+    assert driver._largest_magnitude(tensor) == float(tensor.abs().max()) == 9.0
+    assert driver._largest_magnitude(torch.empty(0)) == 0.0
