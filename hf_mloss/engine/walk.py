@@ -132,8 +132,13 @@ def shared_walk(setup: WalkSetup, states: Sequence[BatchState], layers: Sequence
             return residual, u, state.context, fn(u, state.context) if fn is not None else None
 
         halves = _run(pool, to_target, states)
-        if fn is not None and collect is not None:
-            collect(layer, [half[3] for half in halves])
+        measured = fn is not None and collect is not None
+        results = [half[3] for half in halves]
+        halves = [(*half[:3], None) for half in halves]
+        del to_target, fn  # the measurement (q sources' stacked weights) is freed before collect merges the block
+        if measured:
+            collect(layer, results)
+        del results
         if layer < last:
             def from_target(half: tuple, block: nn.Module = block) -> BatchState:
                 residual, u, context, _ = half
@@ -141,7 +146,6 @@ def shared_walk(setup: WalkSetup, states: Sequence[BatchState], layers: Sequence
                     return BatchState(adapter.forward_from_target(block, residual, u, context), context)
 
             states = _run(pool, from_target, halves)
-        del fn
         if streamed:
             release_block(block)
     return list(states)
