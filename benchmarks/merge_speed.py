@@ -317,7 +317,8 @@ class RssGuard:
     def _kill_children(self, total_mb: float) -> None:
         for top in self.me.children(recursive=False):
             try:
-                cmd = " ".join(top.cmdline()[:4])
+                argv = top.cmdline()[:4]
+                cmd = " ".join([Path(argv[0]).name, *argv[1:]]) if argv else str(top.pid)  # no machine folder
                 os.killpg(top.pid, signal.SIGKILL)
             except (self.psutil.NoSuchProcess, ProcessLookupError, PermissionError):
                 continue
