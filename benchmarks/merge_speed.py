@@ -528,7 +528,9 @@ def ensure_models_streamed(root: Path, config, dtype, q: int, seed: int, common:
         config.dtype = dtype  # as published (the weights' storage dtype)
         config.save_pretrained(folder)
         if role < 0:
-            def produce(name, shapes=dict((n, s) for n, s, _ in entries)):
+            shapes = {n: s for n, s, _ in entries}
+
+            def produce(name):
                 return _stream_base_tensor(name, shapes[name], dtype, config.initializer_range, seed)
             write_safetensors_streamed(folder / "model.safetensors", entries, produce)
         else:
