@@ -12,7 +12,9 @@ What it does (every timed run is its own child process, so wall time, CPU time a
    * ``forward``: plain fp32 ``CLIPVisionModel`` forward passes of the base over the images, under
      ``torch.inference_mode``, alternating torch's default thread count and one thread. F is the fastest pass.
    * ``score`` / ``score_bf16`` / ``score_own``: ``hf_mloss.score`` with ``prefix="base"`` in fp32 / bf16, and
-     ``prefix="own"`` (the reference for the compatibility report). The floor of the base-prefix scorer is (1 + q/3)·F.
+     ``prefix="own"`` (the reference for the compatibility report). The floor of the base-prefix scorer is
+     (1 + q·share)·F, share = the multiply-adds of one source's scored projection(s) over a block's (1/3 for CLIP's
+     fc1; 2·d·f over the block for a gated decoder, whose gap needs gate and up: 0.585 for Qwen2.5-0.5B).
    * hf_mloss merges (``ties_tensor``, ``ties_tensor_mk``, ``ties_global``, ``dare``, ``task_arithmetic``,
      ``m_ties``, ``m_ties_bf16``; the SVD-based ``tsv_m``, ``iso_c``, ``iso_cts`` only when named in ``--methods``),
      label-free selection (``select_m_ties``: M-TIES over a 3 × 3 (k, λ) grid) and the
@@ -87,11 +89,16 @@ SHAPES: dict[str, dict] = {
     "qwen2.5-0.5b": dict(family="qwen2", dtype="bfloat16", vocab_size=151936, hidden_size=896, intermediate_size=4864,
                          num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                          max_position_embeddings=32768, tie_word_embeddings=True),
+    # Qwen2.5-1.5B: 1.54 B parameters (tied embeddings), 3.09 GB in bf16, 6.2 GB in float32: q + 1 = 5 float32 copies
+    # (~31 GB) do not fit this benchmark's 24 GB machine. Its checkpoints are written tensor by tensor (``stream``).
+    "qwen2.5-1.5b": dict(family="qwen2", dtype="bfloat16", stream=True, vocab_size=151936, hidden_size=1536,
+                         intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         max_position_embeddings=32768, tie_word_embeddings=True),
     "qwen-tiny": dict(family="qwen2", dtype="bfloat16", vocab_size=512, hidden_size=64, intermediate_size=256,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                       tie_word_embeddings=True),
 }
-SHAPE_META = ("family", "dtype")
+SHAPE_META = ("family", "dtype", "stream")
 """Keys of a shape that describe how it is built, not its config."""
 
 
@@ -310,7 +317,8 @@ class RssGuard:
     def _kill_children(self, total_mb: float) -> None:
         for top in self.me.children(recursive=False):
             try:
-                cmd = " ".join(top.cmdline()[:4])
+                argv = top.cmdline()[:4]
+                cmd = " ".join([Path(argv[0]).name, *argv[1:]]) if argv else str(top.pid)  # no machine folder
                 os.killpg(top.pid, signal.SIGKILL)
             except (self.psutil.NoSuchProcess, ProcessLookupError, PermissionError):
                 continue
@@ -450,6 +458,94 @@ def _fill_finetune(ft, base, index: int, seed: int) -> None:
             tensor.copy_(b + scale * torch.randn(b.shape, generator=gen))
 
 
+def _tensor_generator(seed: int, role: int, name: str):
+    """A generator seeded by (seed, role, tensor name): every tensor of a streamed checkpoint is drawn on its own."""
+    import hashlib
+
+    import torch
+
+    digest = int.from_bytes(hashlib.sha256(f"{seed}/{role}/{name}".encode()).digest()[:7], "little")
+    return torch.Generator().manual_seed(digest)
+
+
+def _stream_base_tensor(name: str, shape: tuple, dtype, std: float, seed: int):
+    """One tensor of the streamed base, initialised as transformers initialises a Qwen2 model: N(0, std) for linear
+    and embedding weights, ones for RMSNorm weights, zeros for biases."""
+    import torch
+
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=dtype)
+    if name.endswith(".bias"):
+        return torch.zeros(shape, dtype=dtype)
+    return (std * torch.randn(shape, generator=_tensor_generator(seed, -1, name))).to(dtype)
+
+
+def write_safetensors_streamed(path: Path, entries: list[tuple[str, tuple, object]], produce) -> None:
+    """Write a safetensors file tensor by tensor: the header from ``entries`` (name, shape, dtype), then each
+    ``produce(name)``'s bytes in order, so only one tensor is ever in memory."""
+    import torch
+
+    codes = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape, dtype in entries:
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": codes[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as handle:
+        handle.write(len(raw).to_bytes(8, "little") + raw)
+        for name, shape, dtype in entries:
+            tensor = produce(name).to(dtype).contiguous()
+            if tuple(tensor.shape) != tuple(shape):
+                raise ValueError(f"{name}: produced shape {tuple(tensor.shape)}, expected {tuple(shape)}")
+            handle.write(tensor.view(torch.uint8).numpy().tobytes())
+    tmp.replace(path)
+
+
+def ensure_models_streamed(root: Path, config, dtype, q: int, seed: int, common: dict) -> list[str]:
+    """The base and q fine-tunes of a large shape, each written tensor by tensor (one tensor in memory at a time):
+    the base as transformers would initialise it, fine-tune i = base + ``1e-3·s·randn`` per tensor (s log-uniform
+    in TV_SPREAD), as :func:`_fill_finetune` but drawn per tensor name."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):  # names and shapes only
+        meta = AutoModelForCausalLM.from_config(config)
+    skip = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    entries = [(k, tuple(v.shape), dtype) for k, v in meta.state_dict().items() if k not in skip]
+    created, base_dir = [], root / "base"
+    lo, hi = math.log(TV_SPREAD[0]), math.log(TV_SPREAD[1])
+    for role, folder in [(-1, base_dir), *((i, root / f"ft{i}") for i in range(q))]:
+        manifest = common | {"role": "base" if role < 0 else f"ft{role}", "streamed": True}
+        if _model_ok(folder, manifest):
+            continue
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True)
+        config.dtype = dtype  # as published (the weights' storage dtype)
+        config.save_pretrained(folder)
+        if role < 0:
+            shapes = {n: s for n, s, _ in entries}
+
+            def produce(name):
+                return _stream_base_tensor(name, shapes[name], dtype, config.initializer_range, seed)
+            write_safetensors_streamed(folder / "model.safetensors", entries, produce)
+        else:
+            with safe_open(str(base_dir / "model.safetensors"), "pt") as base:
+                def produce(name, role=role, base=base):
+                    gen = _tensor_generator(seed, role, name)
+                    scale = TV_STD * math.exp(lo + (hi - lo) * float(torch.rand((), generator=gen)))
+                    b = base.get_tensor(name)
+                    return b.float().add_(torch.randn(b.shape, generator=gen), alpha=scale)
+                write_safetensors_streamed(folder / "model.safetensors", entries, produce)
+        (folder / "bench_manifest.json").write_text(json.dumps(manifest, indent=2))
+        created.append(manifest["role"])
+    return created
+
+
 def ensure_models(cache: Path, shape: str, layers: int | None, q: int, seed: int = 0) -> tuple[Path, list[Path], dict]:
     """Create (or reuse) the base and q fine-tunes; fine-tune i depends only on (base, i), so q can grow."""
     import torch
@@ -465,7 +561,9 @@ def ensure_models(cache: Path, shape: str, layers: int | None, q: int, seed: int
               | {"num_hidden_layers": config.num_hidden_layers}, "seed": seed, "tv_std": TV_STD,
               "tv_spread": list(TV_SPREAD), "dtype": str(dtype)}
     t0, created, base, ft = time.perf_counter(), [], None, None
-    if not _model_ok(base_dir, common | {"role": "base"}):
+    if SHAPES[shape].get("stream"):
+        created = ensure_models_streamed(root, config, dtype, q, seed, common)
+    elif not _model_ok(base_dir, common | {"role": "base"}):
         torch.manual_seed(seed)
         base = model_class.from_config(config).to(dtype).eval() if is_decoder(shape) else \
             model_class(config).eval()
@@ -473,7 +571,7 @@ def ensure_models(cache: Path, shape: str, layers: int | None, q: int, seed: int
         created.append("base")
     dirs = [root / f"ft{i}" for i in range(q)]
     for i, folder in enumerate(dirs):
-        if _model_ok(folder, common | {"role": f"ft{i}"}):
+        if SHAPES[shape].get("stream") or _model_ok(folder, common | {"role": f"ft{i}"}):
             continue
         base = base or model_class.from_pretrained(base_dir, dtype=dtype).eval()
         ft = ft or (model_class.from_config(config).to(dtype).eval() if is_decoder(shape) else

@@ -11,6 +11,7 @@ TARGETS = {
     "ties_tensor_vs_mergekit_wall": 0.2,
     "ties_tensor_vs_mergekit_rss": 0.5,
     "m_ties_vs_mergekit_wall": 0.5,
+    "tsv_m_vs_mergekit_wall": 0.25,
     "m_ties_vs_floor": 1.25,
     "score_vs_floor": 1.2,
     "compatibility_vs_score_own": 1.5,
@@ -20,7 +21,7 @@ TARGETS = {
 DECODER_TARGETS = {"ties_tensor_vs_mergekit_wall": 0.5}
 """The targets set otherwise for decoder shapes (data-free merges of a bf16 LLM against mergekit)."""
 HF_NAMES = ("ties_tensor", "ties_tensor_mk", "ties_global", "dare", "task_arithmetic", "m_ties", "m_ties_bf16",
-            "select_m_ties", "ties_global_fb")
+            "select_m_ties", "ties_global_fb", "tsv_m", "iso_c", "iso_cts")
 MEASURE_RUNS = ("forward", "score", "score_bf16", "score_own", "compatibility")
 DESCRIPTIONS = {
     "forward": "plain CLIPVisionModel forward (fp32, inference_mode); inner = fastest pass (default threads or 1)",
@@ -37,6 +38,9 @@ DESCRIPTIONS = {
     "m_ties_bf16": "hf_mloss m_ties, same, compute_dtype=bfloat16 (scoring in bf16)",
     "select_m_ties": "hf_mloss m_ties, select='unlabeled' over k × λ = 3 × 3 (e=0.1)",
     "ties_global_fb": "hf_mloss ties, global, convention fusion_bench",
+    "tsv_m": "hf_mloss tsv_m (top ⌊r/q⌋ components per task, λ=1)",
+    "iso_c": "hf_mloss iso_c (λ=1)",
+    "iso_cts": "hf_mloss iso_cts (λ=1)",
     "mergekit_ties": "mergekit-yaml ties (density 0.2, normalize)",
     "mergekit_1t_ties": "mergekit-yaml ties, OMP_NUM_THREADS=1",
     "fusion_bench_ties": "fusion-bench TiesMergingAlgorithm (dis-mean)",
@@ -67,16 +71,39 @@ class Ratios(dict):
                      "meets_target": (value <= target) if target is not None else None}
 
 
-def floor_figures(runs: dict, q: int) -> dict:
-    """F (fastest plain forward), the scoring floor (1 + q/3)·F, and their CPU-time versions."""
+def scored_share(p: dict) -> float:
+    """Multiply-adds of the q-source part of the base-prefix scorer per source, as a share of one block's: the
+    scored linear(s) of each source over its linear layers (attention scores and norms left out: at 128 tokens
+    ~1.5 % of a decoder block).
+
+    A CLIP block (MLP d → f → d, f = 4d): fc1 is d·f of 4d² + 2·d·f = 1/3. A gated decoder block (Qwen2, Llama): the
+    gap needs each source's gate AND up projections, 2·d·f of d·(2d + 2·kv·h) + 3·d·f; for Qwen2.5-0.5B
+    (d 896, f 4864, 2 KV heads of 64) that is 0.585, not 1/3 (the floor was (1 + q/3)·F before).
+    """
+    config = (p.get("models") or {}).get("config") or {}
+    d, f = config.get("hidden_size"), config.get("intermediate_size")
+    if not d or not f:
+        return 1 / 3
+    if not is_decoder(p):
+        return d * f / (4 * d * d + 2 * d * f)
+    head = d // config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or config["num_attention_heads"]
+    return 2 * d * f / (d * (2 * d + 2 * kv * head) + 3 * d * f)
+
+
+def floor_figures(runs: dict, q: int, share: float = 1 / 3) -> dict:
+    """F (fastest plain forward), the scoring floor (1 + q·share)·F (``share``: :func:`scored_share`), and their
+    CPU-time versions."""
     fwd = runs.get("forward")
     if not _ok(fwd):
         return {}
     child = fwd["child"]
     default = [p["wall_s"] for p in child.get("passes", []) if p.get("threads") == child.get("torch_threads")]
+    forwards = 1 + q * share
     return {"forward_s": child["inner_s"], "forward_threads": child.get("inner_threads"),
-            "forward_default_threads_s": min(default) if default else None, "floor_forwards": 1 + q / 3,
-            "score_floor_s": (1 + q / 3) * child["inner_s"], "score_floor_cpu_s": (1 + q / 3) * child["inner_cpu_s"]}
+            "forward_default_threads_s": min(default) if default else None, "floor_forwards": forwards,
+            "scored_share": share, "score_floor_s": forwards * child["inner_s"],
+            "score_floor_cpu_s": forwards * child["inner_cpu_s"], "score_floor_q3_s": (1 + q / 3) * child["inner_s"]}
 
 
 def mergekit_ratios(ratios: Ratios, runs: dict, q: int, targets: dict = TARGETS) -> None:
@@ -93,6 +120,9 @@ def mergekit_ratios(ratios: Ratios, runs: dict, q: int, targets: dict = TARGETS)
     if _ok(mt):
         ratios.add("m_ties_vs_mergekit_wall", mt["wall_s"], mk["wall_s"], TARGETS["m_ties_vs_mergekit_wall"], wall)
         ratios.add("m_ties_vs_mergekit_cpu", mt["cpu_s"], mk["cpu_s"], None, f"process CPU (user+sys); {CPU_NOTE}")
+    if _ok(runs.get("tsv_m")):
+        ratios.add("tsv_m_vs_mergekit_wall", runs["tsv_m"]["wall_s"], mk["wall_s"], TARGETS["tsv_m_vs_mergekit_wall"],
+                   wall + "; TSV-M against mergekit's TIES")
     if _ok(runs.get("m_ties_bf16")):
         ratios.add("m_ties_bf16_vs_mergekit_wall", runs["m_ties_bf16"]["wall_s"], mk["wall_s"], None,
                    "process wall; M-TIES with compute_dtype=bfloat16 scoring (merge arithmetic stays fp32)")
@@ -110,16 +140,19 @@ def floor_ratios(ratios: Ratios, runs: dict, floor: dict) -> None:
     tt, mt = runs.get("ties_tensor"), runs.get("m_ties")
     if _ok(mt) and _ok(tt):
         ratios.add("m_ties_vs_floor", _inner(mt), floor["score_floor_s"] + _inner(tt), TARGETS["m_ties_vs_floor"],
-                   "inner merge() times: M-TIES / ((1 + q/3)·F + per-tensor TIES merge())")
+                   "inner merge() times: M-TIES / ((1 + q·share)·F + per-tensor TIES merge())")
         ratios.add("m_ties_vs_floor_wall", mt["wall_s"], floor["score_floor_s"] + tt["wall_s"], None,
-                   "process walls: M-TIES / ((1 + q/3)·F + per-tensor TIES process)")
+                   "process walls: M-TIES / ((1 + q·share)·F + per-tensor TIES process)")
         ratios.add("m_ties_vs_floor_cpu", _inner_cpu(mt), floor["score_floor_cpu_s"] + _inner_cpu(tt), None,
                    f"inner CPU times; {CPU_NOTE}")
     for name in ("score", "score_bf16"):
         if _ok(runs.get(name)):
             ratios.add(f"{name}_vs_floor", _inner(runs[name]), floor["score_floor_s"],
                        TARGETS["score_vs_floor"] if name == "score" else None,
-                       "inner score() time (incl. loading the base) / (1 + q/3)·F")
+                       "inner score() time (incl. loading the base) / (1 + q·share)·F")
+            if abs(floor.get("scored_share", 1 / 3) - 1 / 3) > 1e-9:
+                ratios.add(f"{name}_vs_floor_q3", _inner(runs[name]), floor["score_floor_q3_s"], None,
+                           "the same against the earlier floor (1 + q/3)·F, which counts one projection per source")
             ratios.add(f"{name}_vs_floor_cpu", _inner_cpu(runs[name]), floor["score_floor_cpu_s"], None,
                        f"inner CPU times; {CPU_NOTE}")
 
@@ -178,7 +211,7 @@ def summarize_repeat(repeat: dict, payload: dict) -> dict:
 
 def _summarize_runs(runs: dict, payload: dict) -> dict:
     q, model_mb = payload["q"], payload["models"]["model_bytes"] / 1e6
-    floor = floor_figures(runs, q)
+    floor = floor_figures(runs, q, scored_share(payload))
     ratios = Ratios()
     mergekit_ratios(ratios, runs, q, TARGETS | DECODER_TARGETS if is_decoder(payload) else TARGETS)
     floor_ratios(ratios, runs, floor)
@@ -344,8 +377,10 @@ def forward_line(rep: dict, summary: dict, p: dict) -> list[str]:
     what = (f"sequences of {p['inputs']['seq_len']} tokens (bare decoder, fp32, no lm_head)" if is_decoder(p) else
             "images")
     return [f"Forward F = {summary['forward_s']:.2f} s for {p['num_samples']} {what}, the fastest pass (passes: "
-            f"{passes}; attention {fwd['child'].get('attn_implementation')}). Scoring floor (1 + q/3)·F = "
-            f"{summary['floor_forwards']:.2f} × F = {summary['score_floor_s']:.1f} s.", ""]
+            f"{passes}; attention {fwd['child'].get('attn_implementation')}). Scoring floor (1 + q·share)·F = "
+            f"{summary['floor_forwards']:.2f} × F = {summary['score_floor_s']:.1f} s, share = "
+            f"{summary.get('scored_share', 1 / 3):.3f}: the multiply-adds of each source's scored projection(s) over "
+            "a block's (1/3 for a CLIP block's fc1; a gated decoder's gap needs gate and up).", ""]
 
 
 def ratio_lines(summary: dict) -> list[str]:

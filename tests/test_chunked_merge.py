@@ -111,6 +111,38 @@ def test_pieces_give_the_bits_of_the_whole_tensor_merge(decoder_sets, monkeypatc
         assert torch.equal(_bits(pieces["model.embed_tokens.weight"].to(base.dtype)), _bits(base))
 
 
+@pytest.mark.parametrize("method", ["m_ties", "m_dare"])
+def test_m_ties_merges_tensors_outside_its_node_groups_in_pieces(decoder_sets, monkeypatch, method) -> None:
+    """M-TIES trims every tensor outside its scored node groups per tensor at k, as TIES: a large one (an LLM's
+    embedding) is merged in pieces with the same bits; the node-group members (trimmed row by row) stay whole, and
+    M-DARE (random drops over the whole tensor) never takes the piecewise path."""
+    base, models = decoder_sets["bf16_tied"]
+    ids = torch.randint(0, SHAPE["vocab_size"], (4, 12), generator=torch.Generator().manual_seed(3))
+    data = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    used: list[str] = []
+
+    def spy(self, name, *args):
+        used.append(name)
+        return MERGE_IN_CHUNKS(self, name, *args)
+
+    def run(chunked: bool) -> dict:
+        monkeypatch.setattr(driver.TensorMerger, "_merge_in_chunks", spy)
+        monkeypatch.setattr(driver, "CHUNKED_MIN_NUMEL", 1 if chunked else 1 << 60)
+        monkeypatch.setattr(driver, "MERGE_CHUNK_NUMEL", 1)
+        return hf_mloss.merge(str(base), [str(m) for m in models], method, data=data, progress=False,
+                              seed=0).model.state_dict()
+
+    whole = run(False)
+    assert used == []
+    pieces = run(True)
+    assert [k for k in whole if not torch.equal(_bits(whole[k]), _bits(pieces[k]))] == []
+    if method == "m_dare":
+        assert used == []
+    else:
+        assert "model.embed_tokens.weight" in used
+        assert not any("gate_proj" in n or "up_proj" in n or "down_proj" in n for n in used)  # the node groups
+
+
 def test_mergekit_convention_merges_whole_tensors(decoder_sets, monkeypatch) -> None:
     """mergekit keeps exactly floor(n·k) entries in argsort order, which needs the whole tensor at once."""
     _, used = _merge(decoder_sets["bf16_tied"], monkeypatch, chunked=True, k=0.2, convention="mergekit")
@@ -144,3 +176,24 @@ def test_checkpoint_store_reads_row_ranges(decoder_sets) -> None:
     whole = store.get(name)
     assert torch.equal(store.get_rows(name, 5, 1234), whole[5:1234])
     assert torch.equal(store.get_rows(name, 2990, 3001), whole[2990:])
+
+
+def test_finalize_drops_the_mergers_float32_references_before_the_cast(decoder_sets) -> None:
+    """The cast to the output dtype frees each float32 tensor as its copy is made: the merger's references are
+    dropped first (kept for an adapter output, which still reads them); the overflow check reads max |x| without
+    an |x| copy and gives the same value."""
+    from types import SimpleNamespace
+
+    for keep in (False, True):
+        model = torch.nn.Linear(3, 2)
+        with torch.no_grad():
+            model.weight.copy_(torch.tensor([[1.0, -7.5, 2.0], [0.5, 3.0, -1.0]]))
+        targets = {"weight": model.weight.data, "bias": model.bias.data}
+        merger = SimpleNamespace(names=list(targets), targets=dict(targets), checked=set(targets),
+                                 ctx=SimpleNamespace(params=None))
+        out = driver.finalize(model, merger, torch.bfloat16, keep_targets=keep)
+        assert out.weight.dtype == torch.bfloat16
+        assert (merger.targets == targets) if keep else merger.targets == {}
+    tensor = torch.tensor([[0.25, -9.0], [4.0, 1.0]])
+    assert driver._largest_magnitude(tensor) == float(tensor.abs().max()) == 9.0
+    assert driver._largest_magnitude(torch.empty(0)) == 0.0

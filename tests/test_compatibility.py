@@ -297,6 +297,27 @@ def test_sign_conflicts_count_exactly_the_entries_the_ties_trim_keeps(four) -> N
     assert torch.equal(stats["overlap"], overlap) and torch.equal(stats["conflict"], conflict)
 
 
+def test_baselines_streamed_in_row_pieces_equal_the_whole_tensor_ones(four, monkeypatch) -> None:
+    """Every tensor read in pieces of a few rows (as an LLM's embedding is): the same trim thresholds, hence the same
+    overlap and conflict counts, and the same Gram sums up to summation order."""
+    from hf_mloss.engine import compatibility as compat
+    from hf_mloss.loading.inputs import open_inputs
+
+    base, models = four
+    config = hf_mloss.MergeConfig.from_kwargs(base, models)
+    with open_inputs(config, needs_data=False, progress=False) as inputs:
+        whole = compat.task_vector_statistics(inputs, k=0.3)
+        pieces = []
+        real_pieces = compat._task_vector_pieces
+        monkeypatch.setattr(compat, "_task_vector_pieces", lambda *a: (pieces.append(a[1]), real_pieces(*a))[1])
+        monkeypatch.setattr(compat, "STREAM_MIN_NUMEL", 1)
+        monkeypatch.setattr(compat, "STREAM_PIECE_NUMEL", 40)
+        streamed = compat.task_vector_statistics(inputs, k=0.3)
+    assert set(pieces) == {n for n in inputs.names if inputs.base.shapes[n]}  # every tensor with rows, in pieces
+    assert torch.equal(streamed["overlap"], whole["overlap"]) and torch.equal(streamed["conflict"], whole["conflict"])
+    torch.testing.assert_close(streamed["gram"], whole["gram"], rtol=1e-5, atol=1e-9)
+
+
 def test_model_card_embeds_the_report(four, pixels, report, tmp_path) -> None:
     base, models = four
     result = hf_mloss.merge(base, models, "ties", progress=False)

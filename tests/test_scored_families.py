@@ -810,3 +810,68 @@ def test_the_siglip_reference_matches_the_adapter_walk(tmp_path):
         name = adapter.target_name(layer)
         assert ref[name]["positions"] == 5 * 4 and float(ref[name]["abs"].min()) > 0
         torch.testing.assert_close(gap.abs().mean(0), ref[name]["abs"], rtol=1e-6, atol=1e-10)
+
+
+@pytest.mark.parametrize("prefix", ["base", "own"])
+def test_a_streamed_scoring_model_gives_the_numbers_of_the_whole_one(gated_setup, prefix, monkeypatch):
+    """score() walks a model whose blocks stay on the meta device, filled from the lazy stores block by block (the
+    base for a shared walk, each source for the own walk) and emptied after: the same report, bit for bit, as the
+    whole base model; the compatibility report too."""
+    from hf_mloss.loading.inputs import RunInputs
+
+    base, models = gated_setup
+    texts = [" ".join(f"w{i - 4}" for i in seq) for seq in SEQUENCES]
+    built, real = [], RunInputs._scoring_skeleton
+
+    def spy(self):
+        model = real(self)
+        built.append(model)
+        return model
+
+    monkeypatch.setattr(RunInputs, "_scoring_skeleton", spy)
+    streamed = hf_mloss.score(str(base), [str(m) for m in models], data=texts, prefix=prefix, progress=False)
+    assert built and built[0] is not None
+    blocks = built[0].model.layers
+    assert all(p.is_meta for block in blocks for p in block.parameters())  # emptied again after the walk
+    assert not built[0].model.embed_tokens.weight.is_meta
+    monkeypatch.setattr(RunInputs, "_scoring_skeleton", lambda self: None)  # the whole base model instead
+    whole = hf_mloss.score(str(base), [str(m) for m in models], data=texts, prefix=prefix, progress=False)
+    for name in whole.node:
+        assert torch.equal(streamed.node[name], whole.node[name]), name
+        assert streamed.layer[name] == whole.layer[name]
+    if prefix == "own":
+        compat_whole = hf_mloss.compatibility(str(base), [str(m) for m in models], texts, progress=False)
+        monkeypatch.setattr(RunInputs, "_scoring_skeleton", real)
+        compat_streamed = hf_mloss.compatibility(str(base), [str(m) for m in models], texts, progress=False)
+        for metric, values in compat_whole.values.items():
+            assert torch.equal(compat_streamed.values[metric], values), metric
+
+
+def test_a_large_base_filled_from_its_store_merges_as_from_pretrained(gated_setup, monkeypatch, tmp_path):
+    """Above STREAMED_LOAD_MIN_BYTES the merge container is built on meta and filled tensor by tensor from the base's
+    lazy store instead of ``from_pretrained`` (which maps the file beside the float32 copy): the same M-TIES merge
+    and the same saved files."""
+    from hf_mloss.loading import inputs as inputs_module
+
+    base, models = gated_setup
+    texts = [" ".join(f"w{i - 4}" for i in seq) for seq in SEQUENCES]
+    built, real = [], inputs_module.RunInputs._streamed_output_model
+
+    def spy(self, output, dtype):
+        model = real(self, output, dtype)
+        built.append(model)
+        return model
+
+    monkeypatch.setattr(inputs_module.RunInputs, "_streamed_output_model", spy)
+    ordinary = hf_mloss.merge(str(base), [str(m) for m in models], "m_ties", data=texts, progress=False)
+    assert built == [None]  # a tiny base: from_pretrained
+    monkeypatch.setattr(inputs_module, "STREAMED_LOAD_MIN_BYTES", 0)
+    streamed = hf_mloss.merge(str(base), [str(m) for m in models], "m_ties", data=texts, progress=False)
+    assert built[-1] is not None
+    a, b = ordinary.model.state_dict(), streamed.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ordinary.save_pretrained(tmp_path / "a")
+    streamed.save_pretrained(tmp_path / "b")
+    for name in ("config.json", "generation_config.json"):
+        if (tmp_path / "a" / name).is_file() or (tmp_path / "b" / name).is_file():
+            assert (tmp_path / "a" / name).read_text() == (tmp_path / "b" / name).read_text(), name

@@ -126,6 +126,80 @@ def test_tsv_m_matrix_too_small_for_a_component_takes_the_mean() -> None:
     torch.testing.assert_close(merge_tensor("tsv_m", base, taus, lam=2.0), base + 2.0 * sum(taus) / 3)
 
 
+def _tsv_full_svd_float64(taus: torch.Tensor) -> torch.Tensor:
+    """TSV-M from full float64 SVDs (every component computed, then truncated): the exact reference."""
+    q, m, n = taus.shape
+    k = min(m, n) // q
+    u, s, vh = torch.linalg.svd(taus.double(), full_matrices=False)
+
+    def polar(a: torch.Tensor) -> torch.Tensor:
+        p, _, qh = torch.linalg.svd(a, full_matrices=False)
+        return p @ qh
+
+    u_cat, vh_cat = u[:, :, :k].transpose(0, 1).reshape(m, q * k), vh[:, :k].reshape(q * k, n)
+    return (polar(u_cat) * s[:, :k].reshape(-1)) @ polar(vh_cat)
+
+
+@pytest.mark.parametrize("spectrum", ["decaying", "flat"])
+@pytest.mark.parametrize("shape", [(48, 64), (64, 48), (56, 56)])
+def test_tsv_m_computing_only_the_kept_components_stays_within_1e5_of_full_svds(spectrum, shape) -> None:
+    """TSV-M factors only each task's top k components (the float64 Gram route of ``leading_svd``); its merge is
+    within 1e-5 (relative, Frobenius) of the one from full float64 SVDs, on a decaying spectrum and on a flat one
+    (Gaussian task vectors: σ_k and σ_k+1 nearly equal, where a randomised SVD would not converge)."""
+    g = torch.Generator().manual_seed(21)
+    q, (m, n) = 4, shape
+    if spectrum == "flat":
+        taus = 1e-3 * torch.randn(q, m, n, generator=g)
+    else:
+        r = min(m, n)
+        left = torch.linalg.qr(torch.randn(q, m, r, generator=g, dtype=torch.float64))[0]
+        right = torch.linalg.qr(torch.randn(q, n, r, generator=g, dtype=torch.float64))[0]
+        taus = ((left * torch.exp(-torch.arange(r) / 6.0)) @ right.transpose(1, 2)).float()
+    merged, exact = tsv_merge_matrix(taus.clone(), None), _tsv_full_svd_float64(taus)
+    assert float((merged.double() - exact).norm() / exact.norm()) < 1e-5
+
+
+def test_leading_svd_is_the_truncated_svd_and_falls_back_to_it_below_rank_k(monkeypatch) -> None:
+    """The leading k triplets equal the full SVD's (up to each pair's sign); a task whose rank is below k (its
+    kept directions are then arbitrary) sends the batch through the full SVD, as before."""
+    from hf_mloss.methods import svd_ops
+
+    g = torch.Generator().manual_seed(5)
+    taus = torch.randn(3, 20, 30, generator=g)
+    u, s, vh = svd_ops.leading_svd(taus, 6)
+    fu, fs, fvh = torch.linalg.svd(taus.double(), full_matrices=False)
+    torch.testing.assert_close(s.double(), fs[:, :6], atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close((u * s[:, None]) @ vh, ((fu[:, :, :6] * fs[:, None, :6]) @ fvh[:, :6]).float(),
+                               atol=1e-5, rtol=0)
+    calls = []
+    real_svd = svd_ops.svd
+    monkeypatch.setattr(svd_ops, "svd", lambda m: calls.append(m.shape) or real_svd(m))
+    svd_ops.leading_svd(taus, 6)
+    assert calls == []  # well conditioned: the Gram route only
+    low_rank = taus.clone()
+    low_rank[1] = torch.randn(20, 2, generator=g) @ torch.randn(2, 30, generator=g)  # rank 2 < k = 6
+    u, s, vh = svd_ops.leading_svd(low_rank, 6)
+    assert calls == [(3, 20, 30)]
+    ru, rs, rvh = real_svd(low_rank)
+    torch.testing.assert_close((u, s, vh), (ru[..., :6], rs[..., :6], rvh[..., :6, :]))
+
+
+def test_polar_factor_from_the_gram_matrix_equals_the_svd_one_and_falls_back_when_singular() -> None:
+    """U·(UᵀU)^(-1/2) equals P·Qᵀ of the SVD on a well-conditioned matrix (tall and wide); a rank-deficient one
+    goes through the SVD (the inverse root does not exist) and still gives orthonormal columns."""
+    from hf_mloss.methods import svd_ops
+
+    g = torch.Generator().manual_seed(8)
+    for shape in [(30, 12), (12, 30)]:
+        a = torch.randn(*shape, generator=g)
+        torch.testing.assert_close(svd_ops.polar_factor(a), svd_ops._svd_polar_factor(a.double()).float(),
+                                   atol=2e-6, rtol=0)
+    singular = torch.randn(30, 3, generator=g) @ torch.randn(3, 12, generator=g)  # rank 3 of 12
+    polar = svd_ops.polar_factor(singular)
+    torch.testing.assert_close(polar, svd_ops._svd_polar_factor(singular))
+    assert torch.isfinite(polar).all()
+
+
 # ---------------------------------------------------------------------------------------------------- Iso-C by hand
 def test_iso_c_flattens_the_spectrum_of_the_sum() -> None:
     """Δ = τ1 + τ2 = U diag(6, 2, 1, 1) Vᵀ → σ̄ U Vᵀ with σ̄ = 2.5, however the sum is split between the tasks."""

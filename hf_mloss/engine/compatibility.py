@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,32 +167,89 @@ def subset_mloss(setup: ScoringSetup, subsets: Sequence[tuple[int, ...]], weight
 
 
 # ------------------------------------------------------------------------------------------------ baselines
+STREAM_MIN_NUMEL = 1 << 25
+"""A tensor whose q task vectors hold at least this many entries in all is read in row pieces for the baselines
+(an LLM's embedding: q float32 copies and their masks would otherwise be the run's peak)."""
+STREAM_PIECE_NUMEL = 1 << 22
+"""Entries of one such piece per task vector: 16 MB of float32."""
+
+
 @torch.inference_mode()
 def task_vector_statistics(inputs: RunInputs, *, k: float = 0.2) -> dict[str, torch.Tensor]:
     """Pairwise statistics of the task vectors τ_p = θ_p − θ₀, streamed one tensor at a time (``[q, q]`` each).
 
     ``gram``: ⟨τ_i, τ_j⟩ over every float tensor. ``conflict`` / ``overlap``: among the entries that both per-tensor
     top-``k`` trims keep (TIES' trim, with the threshold of :func:`hf_mloss.methods.ops.magnitude_threshold`), those
-    whose signs differ / all of them.
+    whose signs differ / all of them. A large tensor (:data:`STREAM_MIN_NUMEL`) is read in pieces of rows, its
+    per-task thresholds found over the whole tensor first (:func:`hf_mloss.methods.ops.streamed_thresholds`), so
+    that no q whole copies are held: the same thresholds and counts, the Gram sums added piece by piece.
     """
     from ..methods.ops import keep_count, magnitude_threshold
 
     q = len(inputs.sources)
     out = {key: torch.zeros(q, q, dtype=torch.float64) for key in ("gram", "conflict", "overlap")}
     for name in inputs.names:
-        base = inputs.base.get_float(name, inputs.device)
-        taus = torch.stack([s.get_float(name, inputs.device) for s in inputs.sources]).sub_(base).reshape(q, -1)
-        out["gram"] += (taus @ taus.T).double().cpu()
-        magnitude = taus.abs()
-        count = keep_count(magnitude.shape[1], k)  # the floor(n·k)-th largest, as the trim keeps
-        threshold = torch.tensor([[magnitude_threshold(row, count)] for row in magnitude], device=magnitude.device)
-        kept = (magnitude >= threshold) & (magnitude > 0)
-        signed = torch.sign(taus).mul_(kept)  # ±1 where kept, 0 elsewhere
-        kept = kept.float()
-        overlap = kept @ kept.T
-        out["overlap"] += overlap.double().cpu()
-        out["conflict"] += ((overlap - signed @ signed.T) / 2).double().cpu()  # agree − conflict = ⟨s_i, s_j⟩
+        numel = math.prod(inputs.base.shapes[name])
+        count = keep_count(numel, k)  # the floor(n·k)-th largest, as the trim keeps
+        if numel * q >= STREAM_MIN_NUMEL and len(inputs.base.shapes[name]) > 0:
+            pieces = lambda name=name: _task_vector_pieces(inputs, name)
+            thresholds = _streamed_thresholds(pieces, q, count, numel)
+        else:
+            taus = _task_vectors(inputs, name, slice(None))
+            thresholds = [magnitude_threshold(row.abs(), count) for row in taus]
+            pieces = lambda taus=taus: iter([taus])
+        threshold = torch.tensor(thresholds, dtype=torch.float32, device=inputs.device)[:, None]
+        for taus in pieces():
+            _add_pair_statistics(out, taus, threshold)
     return out
+
+
+def _task_vectors(inputs: RunInputs, name: str, rows: slice) -> torch.Tensor:
+    """``[q, entries]`` float32 task vectors of rows ``rows`` of tensor ``name`` (all rows: ``slice(None)``)."""
+    q = len(inputs.sources)
+    if rows == slice(None):
+        base = inputs.base.get_float(name, inputs.device)
+        return torch.stack([s.get_float(name, inputs.device) for s in inputs.sources]).sub_(base).reshape(q, -1)
+    read = lambda store: store.get_rows(name, rows.start, rows.stop).to(inputs.device, torch.float32)
+    base = read(inputs.base)
+    return torch.stack([read(s) for s in inputs.sources]).sub_(base).reshape(q, -1)
+
+
+def _task_vector_pieces(inputs: RunInputs, name: str):
+    """The ``[q, entries]`` task vectors of tensor ``name``, piece by piece (consecutive row ranges)."""
+    shape = inputs.base.shapes[name]
+    per_row = max(1, math.prod(shape[1:]))
+    step = max(1, STREAM_PIECE_NUMEL // per_row)
+    for start in range(0, shape[0], step):
+        yield _task_vectors(inputs, name, slice(start, min(start + step, shape[0])))
+
+
+def _streamed_thresholds(pieces, q: int, count: int, numel: int) -> list[float]:
+    """Per task, the ``count``-th largest |τ| over the whole tensor, read piece by piece."""
+    from ..methods.ops import sample_positions, streamed_thresholds
+
+    positions, samples, start = sample_positions(numel), [[] for _ in range(q)], 0
+    for taus in pieces():
+        stop = start + taus.shape[1]
+        at = positions[(positions >= start) & (positions < stop)] - start
+        for kept, tau in zip(samples, taus):
+            kept.append(tau[at.to(tau.device)].abs().cpu())
+        start = stop
+    return streamed_thresholds(lambda: (list(taus) for taus in pieces()), [count] * q, numel,
+                               [torch.cat(kept) for kept in samples])
+
+
+def _add_pair_statistics(out: dict[str, torch.Tensor], taus: torch.Tensor, threshold: torch.Tensor) -> None:
+    """Add one piece's ⟨τ_i, τ_j⟩ and the trim overlap / sign conflict counts (``threshold``: ``[q, 1]``)."""
+    out["gram"] += (taus @ taus.T).double().cpu()
+    magnitude = taus.abs()
+    kept = (magnitude >= threshold) & (magnitude > 0)
+    del magnitude
+    signed = torch.sign(taus).mul_(kept)  # ±1 where kept, 0 elsewhere
+    kept = kept.float()
+    overlap = kept @ kept.T
+    out["overlap"] += overlap.double().cpu()
+    out["conflict"] += ((overlap - signed @ signed.T) / 2).double().cpu()  # agree − conflict = ⟨s_i, s_j⟩
 
 
 def weight_baselines(stats: dict[str, torch.Tensor], subsets: Sequence[tuple[int, ...]]) -> dict[str, list[float]]:
@@ -557,7 +615,7 @@ def run_compatibility(config: MergeConfig, *, subsets: Sequence[Sequence[int | s
         names = [r.name for r in inputs.refs]
         aliases = {m.model: i for i, m in enumerate(config.models) if isinstance(m.model, str)}
         chosen = standard_subsets(len(names), parse_subsets(subsets, names, aliases), leave_one_out=leave_one_out)
-        model = inputs.load_scoring_model(progress=progress)
+        model = inputs.load_scoring_model(progress=progress, streamed=True)  # the blocks come from the sources
         setup = make_setup(inputs, model, options, config, progress=progress)
         weights = inputs.alpha / inputs.alpha.sum()
         start = time.perf_counter()

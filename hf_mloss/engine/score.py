@@ -116,6 +116,8 @@ class ScoringSetup:
     num_samples: int = 0
     workers: Workers | None = None
     """Where the batches of a shared-prefix pass run (default: the run's pool, see :mod:`hf_mloss.parallel`)."""
+    base_store: TensorStore | None = None
+    """The base's lazy store: where the blocks of a streamed scoring model are filled from."""
 
     @property
     def pool(self) -> Workers:
@@ -248,7 +250,7 @@ def make_setup(inputs: RunInputs, model: PreTrainedModel, options: ScoringOption
         batches=shard_batches(samples, config.batch_size), activation=activation,
         activation_name=activation_name, reduction=options.reduction, eps=options.eps, layers=options.layers,
         device=inputs.device, compute_dtype=resolve_compute_dtype(as_dtype(config.compute_dtype), inputs.device),
-        progress=progress, prefix=options.prefix, num_samples=len(samples),
+        progress=progress, prefix=options.prefix, num_samples=len(samples), base_store=inputs.base,
     )
 
 
@@ -307,7 +309,7 @@ def score_config(config: MergeConfig, *, device: Any = None, token: str | bool |
     with open_inputs(config, device=device, token=token, needs_data=True, progress=progress) as inputs, \
             cpu_workers(inputs.device):
         if not inputs.towers:
-            model = inputs.load_scoring_model(progress=progress)
+            model = inputs.load_scoring_model(progress=progress, streamed=True)  # one block of the base at a time
             setup = make_setup(inputs, model, options, config, progress=progress)
             results = score_shared_prefix(setup) if options.prefix == "base" else score_own_prefix(setup)
             return build_report(setup, results, models=[r.name for r in inputs.refs], data_info=inputs.data_info)

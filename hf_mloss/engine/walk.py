@@ -7,6 +7,10 @@ handed to a measurement. Used by scoring, M-TIES, the compatibility report and l
 * :func:`own_walk`: every source runs its own forward (the paper's definition); one copy of ONE block per source is
   in memory at a time, and the measurement gets the q stacked pre-activations of the unit.
 
+A *streamed* scoring model (:meth:`hf_mloss.loading.inputs.RunInputs.load_scoring_model` with ``streamed=True``)
+keeps its blocks on the ``meta`` device: the shared walk fills a block with the base's weights when it reaches it
+and empties it after, the own walk fills its q copies from the sources, so the base is never held whole.
+
 Every batch carries the :class:`~hf_mloss.adapters.base.BlockContext` its adapter's ``embed`` returned to every
 ``forward_to_target`` / ``forward_from_target``; its ``mask`` tells the kernel which positions count.
 """
@@ -24,7 +28,8 @@ from torch import nn
 
 from ..adapters import EMBEDDING_STAGE, BlockContext, ModelAdapter
 
-__all__ = ["BatchState", "UnitInputs", "as_batch", "embed_batches", "load_block", "own_walk", "shared_walk"]
+__all__ = ["BatchState", "UnitInputs", "as_batch", "embed_batches", "is_streamed", "load_block", "own_walk",
+           "release_block", "shared_walk"]
 
 
 def as_batch(batch: Mapping[str, torch.Tensor] | torch.Tensor) -> dict[str, torch.Tensor]:
@@ -46,6 +51,7 @@ class WalkSetup(Protocol):
     sources: Sequence[Any]
     batches: Sequence[Any]
     device: Any
+    base_store: Any
 
     def autocast(self) -> contextlib.AbstractContextManager: ...
 
@@ -115,6 +121,9 @@ def shared_walk(setup: WalkSetup, states: Sequence[BatchState], layers: Sequence
         if last is None or layer > last:
             continue
         block = blocks[layer]
+        streamed = is_streamed(block)
+        if streamed:  # a streamed scoring model (blocks on meta): this block's base weights, for this block only
+            load_block(block, setup.base_store, adapter.layer_prefix(layer), setup.device, materialise=True)
         fn = measure(layer) if measure is not None else None
 
         def to_target(state: BatchState, block: nn.Module = block, fn: Callable | None = fn) -> tuple:
@@ -123,8 +132,13 @@ def shared_walk(setup: WalkSetup, states: Sequence[BatchState], layers: Sequence
             return residual, u, state.context, fn(u, state.context) if fn is not None else None
 
         halves = _run(pool, to_target, states)
-        if fn is not None and collect is not None:
-            collect(layer, [half[3] for half in halves])
+        measured = fn is not None and collect is not None
+        results = [half[3] for half in halves]
+        halves = [(*half[:3], None) for half in halves]
+        del to_target, fn  # the measurement (q sources' stacked weights) is freed before collect merges the block
+        if measured:
+            collect(layer, results)
+        del results
         if layer < last:
             def from_target(half: tuple, block: nn.Module = block) -> BatchState:
                 residual, u, context, _ = half
@@ -132,12 +146,27 @@ def shared_walk(setup: WalkSetup, states: Sequence[BatchState], layers: Sequence
                     return BatchState(adapter.forward_from_target(block, residual, u, context), context)
 
             states = _run(pool, from_target, halves)
-        del fn
+        if streamed:
+            release_block(block)
     return list(states)
 
 
-def load_block(module: nn.Module, store: Any, prefix: str, device: Any) -> None:
-    """Fill a copy of one block with a source's weights; every parameter must come from the source."""
+def is_streamed(block: nn.Module) -> bool:
+    """Whether ``block`` belongs to a streamed scoring model: its parameters are on ``meta`` until a walk fills it."""
+    return any(p.is_meta for p in block.parameters())
+
+
+def release_block(block: nn.Module) -> None:
+    """Put a filled block of a streamed model back on ``meta`` (its memory returns)."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    for name, _ in list(block.named_parameters()):
+        set_module_tensor_to_device(block, name, "meta")
+
+
+def load_block(module: nn.Module, store: Any, prefix: str, device: Any, *, materialise: bool = False) -> None:
+    """Fill a copy of one block with a source's weights; every parameter must come from the source.
+    ``materialise``: the block's parameters are on ``meta`` (a streamed model) and are replaced, not copied into."""
     expected = dict(module.state_dict())
     parameters = dict(module.named_parameters())
     missing = [prefix + key for key in expected if prefix + key not in store and key in parameters]
@@ -145,7 +174,7 @@ def load_block(module: nn.Module, store: Any, prefix: str, device: Any) -> None:
         raise KeyError(f"{store.ref.name!r} has no tensor {missing[0]!r}: the adapter's names do not match the block.")
     state = {key: store.get(prefix + key).to(device=device, dtype=value.dtype)
              for key, value in expected.items() if prefix + key in store}
-    module.load_state_dict(state, strict=False)
+    module.load_state_dict(state, strict=False, assign=materialise)
 
 
 def _own_embeddings(setup: WalkSetup) -> list[list[BatchState]]:
@@ -178,10 +207,10 @@ def own_walk(setup: WalkSetup, scored: Sequence[int], visit: Callable[[int, Unit
     blocks = adapter.layers(setup.model)
     last = max(scored)
     for layer in range(last + 1):
-        copies = []
+        copies, streamed = [], is_streamed(blocks[layer])
         for store in setup.sources:
             block = copy.deepcopy(blocks[layer])
-            load_block(block, store, adapter.layer_prefix(layer), setup.device)
+            load_block(block, store, adapter.layer_prefix(layer), setup.device, materialise=streamed)
             copies.append(block)
         for b in range(len(setup.batches)):
             gates, ups = [], []

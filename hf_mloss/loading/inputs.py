@@ -132,9 +132,78 @@ class RunInputs:
         else the model itself (``"auto"``: a family without towers, e.g. a causal LM)."""
         return "tower" if self.adapter.containers else "auto"
 
-    def load_scoring_model(self, *, progress: bool = True) -> PreTrainedModel:
-        """The model whose blocks a scoring pass walks, in float32 on the run's device."""
+    def load_scoring_model(self, *, progress: bool = True, streamed: bool = False) -> PreTrainedModel:
+        """The model whose blocks a scoring pass walks, in float32 on the run's device.
+
+        ``streamed``: the blocks' parameters stay on the ``meta`` device (no memory) and everything else (embeddings,
+        final norm, buffers) is read from the base; the walks (:mod:`hf_mloss.engine.walk`) fill a block from the
+        lazy stores when they reach it and empty it after, so a scoring pass holds one block of the base instead of
+        the whole model. Falls back to the whole model where that cannot be done exactly (a model passed in memory,
+        a block with buffers, a tensor the base's file lacks)."""
+        if streamed and self.base_model is None:
+            model = self._scoring_skeleton()
+            if model is not None:
+                return model
         return self.adapter.tower(self.load_output_model(self.scoring_output(), progress=progress))
+
+    def _scoring_skeleton(self) -> PreTrainedModel | None:
+        """The scoring model with its blocks on ``meta`` (see :meth:`load_scoring_model`), or ``None``."""
+        model = self._from_store(self.scoring_output(), torch.float32, blocks_on_meta=True)
+        return None if model is None else self.adapter.tower(model)
+
+    def _from_store(self, output: str, dtype: torch.dtype, *, blocks_on_meta: bool) -> PreTrainedModel | None:
+        """The ``output`` model built on ``meta`` (accelerate's ``init_empty_weights``) and filled one tensor at a
+        time from the base's lazy store in ``dtype`` (``blocks_on_meta``: the blocks' parameters left on meta), so
+        the checkpoint is never mapped or held beside the model; ``None`` where the store cannot fill it exactly
+        (a block with buffers, a tensor the file lacks)."""
+        from accelerate import init_empty_weights
+        from accelerate.utils import set_module_tensor_to_device
+
+        adapter = self.adapter
+        cls = adapter.output_class(output)
+        config = adapter.config if cls is adapter.model_class else adapter.full_config
+        with quiet_transformers(True), init_empty_weights():  # parameters on meta, buffers computed as usual
+            model = cls(config)
+        tower = adapter.tower(model)
+        if blocks_on_meta and any(len(list(block.buffers())) for block in adapter.layers(tower)):
+            return None
+
+        def in_block(name: str | None) -> bool:
+            return blocks_on_meta and name is not None and 0 <= adapter.stage_of(name) < adapter.num_layers
+
+        for key, tensor in tower.state_dict(keep_vars=True).items():
+            name = adapter.canonical_key(key)
+            if not tensor.is_meta or in_block(name) or name is None or name not in self.base:
+                continue  # tied to another tensor (lm_head): tied below, else refused below
+            set_module_tensor_to_device(tower, key, self.device, value=self.base.get(name), dtype=dtype)
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()
+        state = model.state_dict(keep_vars=True)
+        if any(t.is_meta and not in_block(adapter.canonical_key(k)) for k, t in state.items()):
+            return None
+        return model.eval()  # what is not on meta was put on the run's device above
+
+    def _streamed_output_model(self, output: str, dtype: torch.dtype) -> PreTrainedModel | None:
+        """:meth:`load_output_model` for a large base (float32 size at least :data:`STREAMED_LOAD_MIN_BYTES`) read
+        from safetensors: filled tensor by tensor from the lazy store, so its peak is the model itself (loading it
+        with ``from_pretrained`` maps the checkpoint beside the float32 copy: a 1.5 B bf16 model peaked at 9 GB)."""
+        import math
+
+        if self.base_model is not None or getattr(self.base, "is_pickle", True) or self.uninitialised:
+            return None
+        size = sum(math.prod(shape) for shape in self.base.shapes.values()) * torch.finfo(dtype).bits // 8
+        if size < STREAMED_LOAD_MIN_BYTES:
+            return None
+        model = self._from_store(output, dtype, blocks_on_meta=False)
+        if model is None:
+            return None
+        path = Path(self.base.ref.path)
+        model.config._name_or_path = str(path)
+        if getattr(model, "generation_config", None) is not None and (path / "generation_config.json").is_file():
+            from transformers import GenerationConfig
+
+            model.generation_config = GenerationConfig.from_pretrained(path)
+        return model
 
     def load_output_model(self, output: str, *, progress: bool = True,
                           dtype: torch.dtype = torch.float32) -> PreTrainedModel:
@@ -144,7 +213,7 @@ class RunInputs:
             model = copy.deepcopy(self.base_model)
             if output == "tower":
                 model = copy.deepcopy(self.adapter.tower(self.base_model))
-        else:
+        elif (model := self._streamed_output_model(output, dtype)) is None:
             with quiet_transformers(True):  # one bar per stage, ours: not transformers' "Loading weights"
                 model = self.adapter.load_output_model(self.base.ref.path, output, dtype=dtype,
                                                        allow_missing=frozenset(self.uninitialised))
@@ -156,6 +225,10 @@ class RunInputs:
     def close(self) -> None:
         for store in [self.base, *self.sources]:
             store.close()
+
+
+STREAMED_LOAD_MIN_BYTES = 1 << 31
+"""A base at least this large in the working dtype is filled from its lazy store instead of ``from_pretrained``."""
 
 
 @dataclass

@@ -181,13 +181,14 @@ class MergeMethod:
                      ) -> torch.Tensor:
         raise NotImplementedError
 
-    def chunk_keep_counts(self, numel: int, ctx: MergeContext) -> list[int] | None:
+    def chunk_keep_counts(self, numel: int, ctx: MergeContext, name: str | None = None) -> list[int] | None:
         """Whether a tensor of ``numel`` entries may be merged in flat chunks (what :meth:`merge_chunk` needs).
 
         A method whose merge is element-wise once each task vector's magnitude threshold over the whole tensor is
         known returns, per source, how many entries of ``|τ_i|`` that threshold keeps (an empty list when it needs
         no per-tensor threshold). The driver then merges a large tensor (a 151936 × 896 embedding) chunk by chunk,
-        never holding q float32 copies of it. ``None`` (the default): the tensor is merged whole.
+        never holding q float32 copies of it. ``None`` (the default): the tensor is merged whole. ``name``: the
+        tensor's canonical name, for a method whose rule differs between tensors.
         """
         return None
 

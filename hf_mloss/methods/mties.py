@@ -261,6 +261,26 @@ class MTies(MergeMethod):
 
         return trim_tensor_(tau, ctx.params.k)
 
+    def chunk_keep_counts(self, numel: int, ctx: MergeContext, name: str | None = None) -> list[int] | None:
+        """A tensor outside the scored node groups (an LLM's embedding) is trimmed per tensor at k, as TIES: it may
+        be merged in pieces (the driver's chunked path, the same bits). A group member is trimmed slice by slice:
+        whole."""
+        from .ops import keep_count
+
+        if name is None or name in ctx.state.get(GROUP_STATE, {}):
+            return None
+        return [keep_count(numel, ctx.params.k)] * len(ctx.weights)
+
+    def merge_chunk(self, name, base, sources, ctx: MergeContext, thresholds: list[float]) -> torch.Tensor:
+        import torch
+
+        from .ops import elect_and_merge, trim_by_threshold_
+
+        taus = torch.stack(sources).sub_(base)
+        for tau, threshold in zip(taus, thresholds):  # |τ| >= its whole-tensor threshold, as trim_other_ keeps
+            trim_by_threshold_(tau, threshold)
+        return base + ctx.params.lam * elect_and_merge(taus, ctx.weights)
+
     def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
         import torch
 
@@ -295,6 +315,9 @@ class MDare(MTies):
     pretty_name = "M-DARE"
     params_class = MDareParams
     uniform_keep_is_tensor_trim = False
+
+    def chunk_keep_counts(self, numel: int, ctx: MergeContext, name: str | None = None) -> list[int] | None:
+        return None  # DARE's random drops are drawn over the whole tensor
 
     def trim_other_(self, name, tau, index, ctx: MergeContext) -> torch.Tensor:
         from .ops import dare_drop

@@ -144,7 +144,7 @@ class Ties(MergeMethod):
         return base + params.lam * merged
 
 
-    def chunk_keep_counts(self, numel: int, ctx: MergeContext) -> list[int] | None:
+    def chunk_keep_counts(self, numel: int, ctx: MergeContext, name: str | None = None) -> list[int] | None:
         from .ops import keep_count
 
         params: TiesParams = ctx.params

@@ -3,8 +3,9 @@ tasks' singular bases, recombine.
 
 For a layer matrix with task matrices Δ_p = α_p·τ_p (q tasks that changed it, rank r = min(m, n)):
 
-1. Δ_p = U_p Σ_p V_pᵀ (one batched SVD over the q tasks); keep the top k = floor(r·fraction) components of each
-   (fraction 1/q by default, as the paper: the q truncated bases then fit in the layer's rank);
+1. Δ_p = U_p Σ_p V_pᵀ; keep the top k = floor(r·fraction) components of each (fraction 1/q by default, as the
+   paper: the q truncated bases then fit in the layer's rank). Only those are computed
+   (:func:`~hf_mloss.methods.svd_ops.leading_svd`, batched over the q tasks);
 2. concatenate U = [U_1,k … U_q,k], Σ = diag(Σ_1,k … Σ_q,k), V = [V_1,k … V_q,k];
 3. replace U and V by their orthogonal polar factors U⊥ = P_U Q_Uᵀ, V⊥ = P_V Q_Vᵀ (thin SVDs of U and V: the
    orthonormal bases nearest to them, orthogonal Procrustes), which removes the interference between the tasks'
@@ -97,7 +98,7 @@ def tsv_components(taus: torch.Tensor, fraction: float | None
     with the merge ``(U⊥ * Σ) @ V⊥ᵀ``, Σ the k kept singular values of each task that changed the matrix, task by
     task (``tasks``: their indices, k components each); ``0`` when no task changed the matrix (the merge is zero),
     ``None`` when no component is kept (k = 0: the caller takes the mean). AdaRank's masks scale these Σ."""
-    from .svd_ops import nonzero_tasks, polar_factor, svd
+    from .svd_ops import leading_svd, nonzero_tasks, polar_factor
 
     active = nonzero_tasks(taus)
     if len(active) == 0:
@@ -107,10 +108,10 @@ def tsv_components(taus: torch.Tensor, fraction: float | None
     k = int(min(m, n) * (fraction if fraction is not None else 1 / q))
     if k == 0:
         return None
-    u, s, vh = svd(taus)  # one batched SVD: [q, m, r], [q, r], [q, r, n]
-    u_cat = u[:, :, :k].transpose(0, 1).reshape(m, q * k)  # columns task by task
-    s_cat = s[:, :k].reshape(q * k)
-    vh_cat = vh[:, :k, :].reshape(q * k, n)
+    u, s, vh = leading_svd(taus, k)  # only the kept components, batched: [q, m, k], [q, k], [q, k, n]
+    u_cat = u.transpose(0, 1).reshape(m, q * k)  # columns task by task
+    s_cat = s.reshape(q * k)
+    vh_cat = vh.reshape(q * k, n)
     return polar_factor(u_cat), s_cat, polar_factor(vh_cat), active.tolist()
 
 
