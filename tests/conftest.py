@@ -104,3 +104,20 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     missing = [name for name in needed if setup_envs.env_info(name) is None]
     if missing:
         pytest.skip(_missing_envs_reason(missing, setup_envs.envs_root()))
+
+
+@pytest.fixture
+def records(monkeypatch) -> list:
+    """What each learned merge's training run measured (its ``LearnRecord``: the objective trace), in run order."""
+    from hf_mloss.merging import learned
+
+    seen = []
+    original = learned._learn
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        seen.append(out[1])
+        return out
+
+    monkeypatch.setattr(learned, "_learn", spy)
+    return seen

@@ -42,21 +42,6 @@ def loaded(tiny_paths):
             [CLIPVisionModel.from_pretrained(m).eval() for m in models])
 
 
-@pytest.fixture
-def records(monkeypatch) -> list[learned.LearnRecord]:
-    """What each training run measured (its objective trace)."""
-    seen = []
-    original = learned._learn
-
-    def spy(*args, **kwargs):
-        out = original(*args, **kwargs)
-        seen.append(out[1])
-        return out
-
-    monkeypatch.setattr(learned, "_learn", spy)
-    return seen
-
-
 def _run(tiny_paths, data, **kwargs):
     base, models = tiny_paths
     options = {"method": "adamerging", "data": data, "progress": False, "steps": 1, "batch_size": BATCH,

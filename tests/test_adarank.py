@@ -29,20 +29,6 @@ def pixels() -> torch.Tensor:
     return torch.randn(SAMPLES, 3, 32, 32, generator=torch.Generator().manual_seed(5))
 
 
-@pytest.fixture
-def records(monkeypatch) -> list[learned.LearnRecord]:
-    seen = []
-    original = learned._learn
-
-    def spy(*args, **kwargs):
-        out = original(*args, **kwargs)
-        seen.append(out[1])
-        return out
-
-    monkeypatch.setattr(learned, "_learn", spy)
-    return seen
-
-
 def _run(tiny_paths, data, method="adarank_tsv", **kwargs):
     base, models = tiny_paths
     options = {"data": data, "progress": False, "steps": 1, "batch_size": BATCH, "max_samples": SAMPLES,
