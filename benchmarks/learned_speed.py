@@ -20,6 +20,7 @@ Usage::
 
     python benchmarks/learned_speed.py --tag cpu                       # defaults below
     python benchmarks/learned_speed.py --layers 12 --q 8 --tag b32_cpu  # the full ViT-B/32 shape (needs ~6 GB)
+    python benchmarks/learned_speed.py --layers 12 --q 8 --device cuda --tag b32_cuda  # on a GPU
     python benchmarks/learned_speed.py --tag adarank_cpu --jobs adamerging:output_gap adarank_tsv:output_gap \
         adarank_iso:output_gap
 
@@ -71,7 +72,7 @@ def peak_rss_mb() -> float:
     return peak
 
 
-def child(job: str, folder: Path, q: int, batch: int, steps: int, layers: int) -> dict:
+def child(job: str, folder: Path, q: int, batch: int, steps: int, layers: int, device: str = "cpu") -> dict:
     import torch
 
     sys.path.insert(0, str(HERE.parent))
@@ -83,17 +84,22 @@ def child(job: str, folder: Path, q: int, batch: int, steps: int, layers: int) -
     if job == "forward":
         from transformers import CLIPVisionModel
 
-        experts = [CLIPVisionModel.from_pretrained(m).eval() for m in models]
+        experts = [CLIPVisionModel.from_pretrained(m).eval().to(device) for m in models]
+        pixels = pixels.to(device)
         with torch.no_grad():
             for e in experts:  # warm-up
                 e(pixel_values=pixels)
             times = []
             for _ in range(3):
+                _sync(device)
                 start = time.perf_counter()
                 for e in experts:
                     e(pixel_values=pixels)
+                _sync(device)
                 times.append(time.perf_counter() - start)
-        return {"job": job, "seconds": sorted(times)[1], "repeats_s": times, "peak_rss_mb": peak_rss_mb()}
+        cuda = torch.cuda.max_memory_allocated() / 2**20 if device.startswith("cuda") else None
+        return {"job": job, "seconds": sorted(times)[1], "repeats_s": times, "peak_rss_mb": peak_rss_mb(),
+                "peak_cuda_mb": cuda, "gpu": torch.cuda.get_device_name(0) if cuda is not None else None}
     import hf_mloss
     from hf_mloss.merging import learned
 
@@ -113,18 +119,26 @@ def child(job: str, folder: Path, q: int, batch: int, steps: int, layers: int) -
         heads = [torch.nn.Linear(768, 10).requires_grad_(False) for _ in models]
     start = time.perf_counter()
     hf_mloss.merge(str(base_dir), [str(m) for m in models], method, data=pixels, objective=objective,
-                   heads=heads, steps=steps, batch_size=batch, max_samples=batch, progress=False)
+                   heads=heads, steps=steps, batch_size=batch, max_samples=batch, progress=False, device=device)
     wall = time.perf_counter() - start
     record = seen[0]
     return {"job": job, "seconds_per_step": record.seconds_per_step, "merge_wall_s": wall, "steps": record.steps,
-            "peak_rss_mb": record.peak_rss_mb, "objective_first": record.first, "objective_last": record.last}
+            "peak_rss_mb": record.peak_rss_mb, "peak_cuda_mb": record.peak_cuda_mb, "objective_first": record.first,
+            "objective_last": record.last}
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def run_child(job: str, args: argparse.Namespace, folder: Path) -> dict:
     load = os.getloadavg()[0]
     cmd = [sys.executable, __file__, "--child", job, "--folder", str(folder), "--q", str(args.q), "--batch",
-           str(args.batch), "--steps", str(args.steps), "--layers", str(args.layers)]
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+           str(args.batch), "--steps", str(args.steps), "--layers", str(args.layers), "--device", args.device]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if proc.returncode:
         raise SystemExit(f"{job} failed:\n{proc.stderr[-3000:]}")
@@ -142,30 +156,33 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tag", default="cpu")
     parser.add_argument("--jobs", nargs="+", default=[f"adamerging:{o}" for o in OBJECTIVES],
                         help="learned jobs, METHOD:OBJECTIVE")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--child")
     parser.add_argument("--folder", type=Path)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child, args.folder, args.q, args.batch, args.steps, args.layers)))
+        print(json.dumps(child(args.child, args.folder, args.q, args.batch, args.steps, args.layers, args.device)))
         return
     # The parent never imports torch nor holds a model: a child's ru_maxrss starts at its parent's peak RSS.
     folder = CACHE / f"b32-{args.layers}L-q{args.q}"
     threads = run_child("build", args, folder)["threads"]
     rows = [run_child("forward", args, folder)] + [run_child(job, args, folder) for job in args.jobs]
-    forward = rows[0]["seconds"]
+    forward, cuda = rows[0]["seconds"], args.device.startswith("cuda")
+    where = f"{args.device} ({rows[0].get('gpu')})" if cuda else "CPU"
     lines = [(f"Learned merges on a ViT-B/32-shaped CLIP vision tower cut to {args.layers} blocks, q={args.q}, "
-              f"batch {args.batch}, {args.steps} steps, {threads} threads, CPU"), "",
-             "| job | s per step | × one forward of the q models | peak RSS (MB) | load avg before |", "|---|---|---|---|---|",
-             (f"| forward of the q models (no grad) | {forward:.3f} | 1.00 | {rows[0]['peak_rss_mb']:.0f} | "
-              f"{rows[0]['load_average_before']} |")]
-    for row in rows[1:]:
-        lines.append(f"| {row['job']} | {row['seconds_per_step']:.3f} | {row['seconds_per_step'] / forward:.2f} | "
-                     f"{row['peak_rss_mb']:.0f} | {row['load_average_before']} |")
+              f"batch {args.batch}, {args.steps} steps, {threads} threads, {where}"), "",
+             "| job | s per step | × one forward of the q models | peak RSS (MB) | load avg before |"
+             + (" peak CUDA (MB) |" if cuda else ""), "|---|---|---|---|---|" + ("---|" if cuda else "")]
+    for i, row in enumerate(rows):
+        seconds = row["seconds"] if i == 0 else row["seconds_per_step"]
+        name = "forward of the q models (no grad)" if i == 0 else row["job"]
+        lines.append(f"| {name} | {seconds:.3f} | {seconds / forward:.2f} | {row['peak_rss_mb']:.0f} | "
+                     f"{row['load_average_before']} |" + (f" {row['peak_cuda_mb']:.0f} |" if cuda else ""))
     table = "\n".join(lines)
     print(table)
     report = {"command": "python benchmarks/learned_speed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "layers": args.layers, "q": args.q, "batch": args.batch, "steps": args.steps,
-              "threads": threads, "device": "cpu", "rows": rows}
+              "threads": threads, "device": args.device, "rows": rows}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"learned_speed_{args.tag}.json").write_text(json.dumps(report, indent=1) + "\n")
     (RESULTS / f"learned_speed_{args.tag}.md").write_text(table + "\n")

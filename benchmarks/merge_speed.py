@@ -133,8 +133,9 @@ SCORE_RUNS: dict[str, dict] = {
     "score_own": dict(prefix="own", compute_dtype="float32"),
 }
 DATA_METHODS = ("m_ties", "m_dare")
-ALL_RUNS = ("forward", *SCORE_RUNS, *HF_RUNS, "compatibility")
-DEFAULT_RUNS = tuple(n for n in ALL_RUNS if n not in ("score_own", "compatibility", "select_m_ties", *SVD_RUNS))
+ALL_RUNS = ("forward", "read", *SCORE_RUNS, *HF_RUNS, "compatibility")
+DEFAULT_RUNS = tuple(n for n in ALL_RUNS
+                     if n not in ("read", "score_own", "compatibility", "select_m_ties", *SVD_RUNS))
 PEERS = ("mergekit", "fusion_bench")
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni", "avx_vnni")
 
@@ -180,7 +181,7 @@ def child_main(spec_path: str) -> int:
     info: dict = {"import_s": time.perf_counter() - t0, "vmrss_after_import_mb": _proc_status_mb("VmRSS"),
                   "torch_threads": torch.get_num_threads(), "loadavg_start": os.getloadavg()}
     pixels = load_data(spec["data"], spec["num_samples"]) if spec.get("data") else None
-    runner = {"forward": child_forward, "score": child_score, "merge": child_merge,
+    runner = {"forward": child_forward, "read": child_read, "score": child_score, "merge": child_merge,
               "compatibility": child_compatibility}[spec["kind"]]
     runner(spec, pixels, info)
     if spec["device"].startswith("cuda"):
@@ -233,6 +234,28 @@ def child_forward(spec: dict, pixels, info: dict) -> None:
             passes.append({"threads": threads, "wall_s": time.perf_counter() - ts, "cpu_s": time.process_time() - cs})
     best = min(passes, key=lambda p: p["wall_s"])
     info.update(passes=passes, inner_s=best["wall_s"], inner_cpu_s=best["cpu_s"], inner_threads=best["threads"])
+
+
+def child_read(spec: dict, pixels, info: dict) -> None:
+    """The I/O floor: every tensor of the base and the q fine-tunes read from their safetensors files onto the
+    device, as stored (no dtype conversion). Two passes; the faster counts (the second reads the page cache)."""
+    from safetensors import safe_open
+
+    folders = [spec["base"], *spec["models"]]
+    files = [f for d in folders for f in sorted(Path(d).glob("*.safetensors"))]
+    nbytes = sum(f.stat().st_size for f in files)
+    passes = []
+    for _ in range(2):
+        ts, cs = time.perf_counter(), time.process_time()
+        for f in files:
+            with safe_open(str(f), framework="pt", device="cpu") as handle:
+                for key in handle.keys():
+                    handle.get_tensor(key).to(spec["device"])
+        _sync(spec["device"])
+        passes.append({"wall_s": time.perf_counter() - ts, "cpu_s": time.process_time() - cs})
+    best = min(passes, key=lambda p: p["wall_s"])
+    info.update(passes=passes, bytes_read=nbytes, read_gb_per_s=nbytes / best["wall_s"] / 1e9,
+                inner_s=best["wall_s"], inner_cpu_s=best["cpu_s"])
 
 
 def child_score(spec: dict, pixels, info: dict) -> None:
@@ -816,6 +839,8 @@ def hf_spec(plan: Plan, name: str, repeat: int, reference: bool = False) -> dict
         spec["pythonpath"] = str(Path(plan.args.reference).resolve())
     if name == "forward":
         return spec | dict(kind="forward", data=str(plan.images), repeats=plan.args.forward_repeats)
+    if name == "read":
+        return spec | dict(kind="read")
     if name in SCORE_RUNS:
         return spec | dict(kind="score", data=str(plan.images), out=str(plan.work / f"{name}.r{repeat}.mloss.pt"),
                            **SCORE_RUNS[name])
@@ -947,7 +972,7 @@ def run_repeat(plan: Plan, repeat: int) -> dict:
     started = os.getloadavg()
     for name in plan.runs:
         record(name, run_hf(plan, name, repeat))
-        if plan.args.reference and name != "forward":  # side by side: this tree, then the reference tree
+        if plan.args.reference and name not in ("forward", "read"):  # side by side: this tree, then the reference tree
             record(f"{name}{REFERENCE_SUFFIX}", run_hf(plan, name, repeat, reference=True))
     run_peers(plan, repeat, record)
     for res in results.values():

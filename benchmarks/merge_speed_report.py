@@ -22,8 +22,9 @@ DECODER_TARGETS = {"ties_tensor_vs_mergekit_wall": 0.5}
 """The targets set otherwise for decoder shapes (data-free merges of a bf16 LLM against mergekit)."""
 HF_NAMES = ("ties_tensor", "ties_tensor_mk", "ties_global", "dare", "task_arithmetic", "m_ties", "m_ties_bf16",
             "select_m_ties", "ties_global_fb", "tsv_m", "iso_c", "iso_cts")
-MEASURE_RUNS = ("forward", "score", "score_bf16", "score_own", "compatibility")
+MEASURE_RUNS = ("forward", "read", "score", "score_bf16", "score_own", "compatibility")
 DESCRIPTIONS = {
+    "read": "every tensor of base + q fine-tunes read onto the device as stored (safetensors); inner = faster pass",
     "forward": "plain CLIPVisionModel forward (fp32, inference_mode); inner = fastest pass (default threads or 1)",
     "score": "hf_mloss.score(prefix='base'), fp32",
     "score_bf16": "hf_mloss.score(prefix='base'), compute_dtype=bfloat16",
@@ -157,6 +158,32 @@ def floor_ratios(ratios: Ratios, runs: dict, floor: dict) -> None:
                        f"inner CPU times; {CPU_NOTE}")
 
 
+IO_FLOOR_RUNS = ("score", "score_own", "compatibility", "ties_tensor", "task_arithmetic", "m_ties", "tsv_m", "iso_c",
+                 "iso_cts")
+
+
+def io_floor_ratios(ratios: Ratios, runs: dict, floor: dict, q: int) -> None:
+    """Each run's inner time against the I/O floor (the ``read`` run: bytes of base + q checkpoints ÷ the measured
+    read-onto-device rate) plus, for the data-guided runs, the compute floor (1 + q·share)·F: the two serial floors
+    a run cannot go below without overlapping reading and computing (q·F for the own-prefix walks; informational,
+    no target)."""
+    read = runs.get("read")
+    if not _ok(read):
+        return
+    io_s = _inner(read)
+    for name in IO_FLOOR_RUNS:
+        if not _ok(runs.get(name)):
+            continue
+        compute, what = 0.0, "read"
+        if floor and name in ("score", "m_ties"):
+            compute, what = floor["score_floor_s"], "read + (1 + q·share)·F"
+        elif floor and name in ("score_own", "compatibility"):  # q own forwards
+            compute, what = q * floor["forward_s"], "read + q·F"
+        ratios.add(f"{name}_vs_io_floor", _inner(runs[name]), io_s + compute, None,
+                   f"inner time / ({what}); read = {read['child']['bytes_read'] / 1e9:.2f} GB at "
+                   f"{read['child']['read_gb_per_s']:.2f} GB/s")
+
+
 def workload_ratios(ratios: Ratios, runs: dict) -> None:
     """bf16 vs fp32, compatibility vs score(own), selection vs one M-TIES merge, hf_mloss vs fusion-bench."""
     if _ok(runs.get("score")) and _ok(runs.get("score_bf16")):
@@ -215,6 +242,7 @@ def _summarize_runs(runs: dict, payload: dict) -> dict:
     ratios = Ratios()
     mergekit_ratios(ratios, runs, q, TARGETS | DECODER_TARGETS if is_decoder(payload) else TARGETS)
     floor_ratios(ratios, runs, floor)
+    io_floor_ratios(ratios, runs, floor, q)
     workload_ratios(ratios, runs)
     mt = runs.get("m_ties")
     if payload["shape"] == "l14" and payload["layers_override"] is None and _ok(mt):
@@ -351,21 +379,24 @@ def targets_lines(p: dict) -> list[str]:
 
 def runs_table_lines(rep: dict, p: dict) -> list[str]:
     q, model_mb = p["q"], p["models"]["model_bytes"] / 1e6
+    cuda = str(p.get("device", "cpu")).startswith("cuda")
     lines = ["| run | library / method | tasks | wall s | inner s | CPU s | CPU/wall | peak RSS MB | RSS / (2 × model) "
-             "| others' cores |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| others' cores |" + (" peak CUDA MB |" if cuda else ""),
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if cuda else "")]
     for name, res in rep["runs"].items():
         label, tasks = DESCRIPTIONS.get(name, name), res.get("tasks", q)
         if name == "forward" and is_decoder(p):
             label = "plain bare-decoder forward (AutoModel, fp32, inference_mode, no lm_head); inner = fastest pass"
         if "skipped" in res or "error" in res:
             what = f"skipped: {res['skipped']}" if "skipped" in res else f"FAILED: {res['error'][:200]!r}"
-            lines.append(f"| {name} | {label} | {tasks} | {what} | | | | | | |")
+            lines.append(f"| {name} | {label} | {tasks} | {what} | | | | | | |" + (" |" if cuda else ""))
             continue
         rel = res["max_rss_mb"] / (2 * model_mb) if name not in MEASURE_RUNS else None
         others = res.get("contention", {}).get("other_cores")
         lines.append(f"| {name} | {label} | {'—' if name == 'forward' else tasks} | {_fmt(res['wall_s'])} | "
                      f"{_fmt(_inner(res))} | {_fmt(res['cpu_s'])} | {_fmt(res['cpu_s'] / res['wall_s'], 2)} | "
-                     f"{res['max_rss_mb']:.0f} | {_fmt(rel, 2) if rel is not None else ''} | {_fmt(others, 2)} |")
+                     f"{res['max_rss_mb']:.0f} | {_fmt(rel, 2) if rel is not None else ''} | {_fmt(others, 2)} |"
+                     + (f" {_fmt(res.get('child', {}).get('cuda_max_allocated_mb'), 0)} |" if cuda else ""))
     return lines + [""]
 
 
