@@ -181,7 +181,10 @@ class RunInputs:
         state = model.state_dict(keep_vars=True)
         if any(t.is_meta and not in_block(adapter.canonical_key(k)) for k, t in state.items()):
             return None
-        return model.eval()  # what is not on meta was put on the run's device above
+        for name, buffer in list(model.named_buffers()):  # buffers built in __init__ (CLIP's position_ids) stay
+            if not buffer.is_meta and buffer.device != self.device:  # on the CPU under init_empty_weights
+                set_module_tensor_to_device(model, name, self.device, value=buffer)
+        return model.eval()  # what is not on meta is on the run's device now
 
     def _streamed_output_model(self, output: str, dtype: torch.dtype) -> PreTrainedModel | None:
         """:meth:`load_output_model` for a large base (float32 size at least :data:`STREAMED_LOAD_MIN_BYTES`) read

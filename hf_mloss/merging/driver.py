@@ -194,7 +194,7 @@ def adapter_from_factors(config: MergeConfig, inputs: RunInputs, method: MergeMe
                    if (name := adapter.canonical_key(k)) is not None}
         with torch.no_grad():
             for name, (a, b) in exact.items():
-                targets[name].add_(b @ a)
+                targets[name].add_((b @ a).to(targets[name].device))  # factors are read on the CPU
             for name, tensor in copies.items():
                 targets[name].copy_(tensor)
         return model.to(out_dtype).eval()

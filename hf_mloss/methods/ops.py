@@ -388,8 +388,8 @@ def streamed_thresholds(chunks, counts: Sequence[int], numel: int, samples: Sequ
     for i in active:
         q = 1.0 - counts[i] / numel
         margin = 5.0 * (q * (1.0 - q) / samples[i].numel()) ** 0.5
-        bounds[i] = torch.quantile(samples[i].float(), torch.tensor([max(q - margin, 0.0), min(q + margin, 1.0)])
-                                   ).tolist()
+        levels = torch.tensor([max(q - margin, 0.0), min(q + margin, 1.0)], device=samples[i].device)
+        bounds[i] = torch.quantile(samples[i].float(), levels).tolist()  # levels on the sample's device (CUDA)
     above, inside = dict.fromkeys(active, 0), {i: [] for i in active}
     for taus in chunks():
         for i in active:

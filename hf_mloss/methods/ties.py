@@ -106,14 +106,14 @@ class Ties(MergeMethod):
         ctx.state["thresholds"] = global_thresholds(ctx, visit, params.k, extra=params.rules.extra_keep,
                                                     budget=params.budget)
         if params.rules.majority_zero_sign:
-            balance = torch.zeros((), dtype=torch.float64)
+            balance = [0.0]  # a Python float: the visited tensors live on the run's device
 
             def count_signs(name, base, sources):
                 trimmed = sum(self.trim_(name, t - base, i, ctx) for i, t in enumerate(sources))
-                balance.add_(torch.sign(trimmed).sum(dtype=torch.float64))
+                balance[0] += float(torch.sign(trimmed).sum(dtype=torch.float64))
 
             visit(count_signs)  # a third streaming pass, only for this convention
-            ctx.state["zero_positive"] = bool(balance > 0)
+            ctx.state["zero_positive"] = balance[0] > 0
 
     def trim_(self, name: str, tau: torch.Tensor, index: int, ctx: MergeContext) -> torch.Tensor:
         """Trim source ``index``'s task vector ``tau`` in place (returns it)."""

@@ -175,7 +175,7 @@ def build_adapter_output(plan: AdapterPlan, config: MergeConfig, inputs: RunInpu
     """
     changed = [] if zero_delta_is_base else [
         n for n in inputs.names if n in merged and n not in plan.targets and n not in plan.copies
-        and not _same(merged[n], inputs.base.get_float(n))]
+        and not _same(merged[n], inputs.base.get_float(n, merged[n].device))]
     if changed:
         raise InvalidParameterError(
             f"The merge changed {len(changed)} tensor(s) no input adapter touches (e.g. {changed[:2]}); they cannot be "
@@ -187,10 +187,10 @@ def build_adapter_output(plan: AdapterPlan, config: MergeConfig, inputs: RunInpu
     factored = config.method in LINEAR_METHODS and not any(lora.use_dora for lora in plan.adapters)
     coefficients = _linear_coefficients(config, inputs) if factored else None
     for name, module in plan.targets.items():
-        delta = merged[name].float() - inputs.base.get_float(name)
+        delta = merged[name].float() - inputs.base.get_float(name, merged[name].device)
         if coefficients is not None:
             a, b = _cat_factors(plan, name, coefficients)
-            mismatch = _relative_error(delta, b @ a)
+            mismatch = _relative_error(delta, (b @ a).to(delta.device))
             if mismatch > 1e-3:
                 raise RuntimeError(f"The stacked LoRA factors do not reproduce the merge of {name!r} (relative error "
                                    f"{mismatch:.2e}); please report this.")
