@@ -144,6 +144,54 @@ def test_lever_map_grids_cover_the_same_multiples_of_the_trained_task_vector():
     assert ties.params == {"scope": "global", "budget": "changed", "k": 0.2} and len(ties.settings()) == 6
 
 
+def test_lever_map_svd_rows_use_the_suite_grids_in_the_same_unit():
+    from benchmarks.suites.regime import SVD_GRIDS, lever_specs
+
+    specs = {s.label: s for s in lever_specs(8, 1.0, svd=True)}
+    assert list(specs) == ["average", "task_arithmetic", "ties", "tsv_m", "iso_c", "iso_cts"]
+    assert specs["tsv_m"].grid["lam"] == [round(v * 0.65, 3) for v in SVD_GRIDS["tsv_m"]]
+    assert specs["iso_cts"].grid == specs["iso_c"].grid and len(specs["iso_c"].settings()) == 6
+    assert [s.label for s in lever_specs(8, 1.0)] == ["average", "task_arithmetic", "ties"]
+
+
+def test_lever_map_table_gives_g6_per_seed_with_its_interval():
+    from benchmarks.suites.regime import markdown
+
+    gate = {"value": "ensemble − best merge (iso_cts) = -12.00 (t 95 % [-14.00, -10.00]; per replicate -11.00, -13.00)"}
+    row = {"q": 8, "wise": 1.0, "trained_blocks": 4, "pretrained heads": 40.0, "fine-tuned (own task)": 85.0,
+           "foreign": -1.5, "ensemble (probabilities)": 60.0, TUNED_ENSEMBLE: 66.0, "average": 55.0,
+           "task_arithmetic": 70.0, "ties": 71.0, "tsv_m": 77.0, "iso_c": 76.0, "iso_cts": 78.0,
+           "best_merge": "iso_cts", "g6_heads_scale": -18.0, "g6_tuned": -12.0, "ensemble_scale": [5.0, 5.0],
+           "edges": [], "test": {}, "g6_gate": gate, "g6_gate_without_svd": {"value": "… = -5.00 (…)"}}
+    text = markdown([row], "cmd", (0, 1), "2 CPU cores", 12.0)
+    assert "| 8 | 1 | 4 | 180 | 77.00 | 76.00 | 78.00 | iso_cts | **-12.00** |" in text
+    assert "- q 8, wise 1, 4 trained blocks: " + gate["value"] in text
+    assert "- q 8, wise 1, 4 trained blocks, without the SVD merges: … = -5.00 (…)" in text
+    assert "66.00 (5) |" in text  # the tuned scale, once when every seed chose it
+
+
+def test_replicate_results_are_cached_by_description_code_and_seed(tmp_path, monkeypatch):
+    from benchmarks.suites import protocol
+
+    calls = []
+
+    def run(seed):
+        def measure():
+            calls.append(seed)
+            return ReplicateResult(seed=seed, trim={"ties": seed / 10})
+        return measure
+
+    def cached(described, seed):
+        return protocol.cached_replicate(described, tmp_path, seed, run(seed), lambda message: None)
+
+    assert cached(["a"], 0).trim == cached(["a"], 0).trim == {"ties": 0.0} and calls == [0]
+    cached(["a"], 1)
+    cached(["b"], 0)
+    monkeypatch.setattr(protocol, "code_version", lambda: "other code")
+    cached(["a"], 0)
+    assert calls == [0, 1, 0, 0]
+
+
 def test_lever_map_table_states_g6_per_lever():
     from benchmarks.suites.regime import markdown
 

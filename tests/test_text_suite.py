@@ -230,12 +230,12 @@ def test_replicate_results_are_cached_per_configuration_methods_and_seed(tmp_pat
         return measure
 
     log = Log(False, "test")
-    first = X.cached_replicate(cfg, tmp_path, Replicate(0, {}), specs, 128, run(0), log)
-    again = X.cached_replicate(cfg, tmp_path, Replicate(0, {}), specs, 128, run(0), log)
+    first = X.cached_text_replicate(cfg, tmp_path, Replicate(0, {}), specs, 128, run(0), log)
+    again = X.cached_text_replicate(cfg, tmp_path, Replicate(0, {}), specs, 128, run(0), log)
     assert calls == [0] and again.trim == first.trim == {"ties": 0.25}
-    X.cached_replicate(cfg, tmp_path, Replicate(1, {}), specs, 128, run(1), log)
-    X.cached_replicate(cfg, tmp_path, Replicate(0, {}), specs[:-1], 128, run(0), log)
-    X.cached_replicate(cfg, tmp_path, Replicate(0, {}), specs, 64, run(0), log)
+    X.cached_text_replicate(cfg, tmp_path, Replicate(1, {}), specs, 128, run(1), log)
+    X.cached_text_replicate(cfg, tmp_path, Replicate(0, {}), specs[:-1], 128, run(0), log)
+    X.cached_text_replicate(cfg, tmp_path, Replicate(0, {}), specs, 64, run(0), log)
     assert calls == [0, 1, 0, 0]
 
 

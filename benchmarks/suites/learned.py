@@ -34,8 +34,6 @@ from benchmarks.suites.__main__ import QUICK_TASKS, default_cache, pin_kernels, 
 
 OBJECTIVES = ("entropy", "output_gap", "disagreement", "mloss")
 TUNED = ("task_arithmetic", "ties", "tsv_m", "iso_c", "iso_cts")
-SVD_GRIDS = {"tsv_m": (1.0, 1.5, 2.0, 2.5, 3.0, 4.0), "iso_c": (2.0, 3.0, 4.5, 6.0, 8.0, 11.0)}
-"""The image suite's SVD grids (``benchmarks.suites.run.method_specs``), per unit of a wise-0.65 checkpoint."""
 
 
 LEARNED = (*(("adamerging", o) for o in OBJECTIVES), ("adamerging_ties", "entropy"))
@@ -49,11 +47,7 @@ def learned_specs(num_tasks: int, wise: float, *, steps: int, lr: float | None, 
     from benchmarks.suites.protocol import MethodSpec
     from benchmarks.suites.regime import TIES_LAMS, lever_specs
 
-    unit = 0.65 / wise
-    tuned = {s.label: s for s in lever_specs(num_tasks, wise, ties_lams or TIES_LAMS) if s.grid}
-    for name, grid in SVD_GRIDS.items():
-        tuned[name] = MethodSpec(name, name, grid={"lam": [round(v * unit, 3) for v in grid]})
-    tuned["iso_cts"] = MethodSpec("iso_cts", "iso_cts", grid=dict(tuned["iso_c"].grid))
+    tuned = {s.label: s for s in lever_specs(num_tasks, wise, ties_lams or TIES_LAMS, svd=True) if s.grid}
     specs = [dataclasses.replace(tuned[m], label=f"{m} (val-tuned)") for m in TUNED]
     defaults = {"ties": {"scope": "global", "budget": "changed", "k": 0.2}}
     specs += [MethodSpec(f"{m} (default)", m, defaults.get(m, {})) for m in TUNED]

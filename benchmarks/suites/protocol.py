@@ -248,6 +248,28 @@ def run_method(bench: Bench, replicate: Replicate, spec: MethodSpec, out: Replic
     return state
 
 
+def cached_replicate(described: Any, folder: Path, seed: int, run: Callable[[], ReplicateResult],
+                     log: Callable[[str], None]) -> ReplicateResult:
+    """One replicate's protocol results (``run()``), cached under ``folder`` by ``described`` (the configuration
+    without its seeds, the compared methods, whatever else its numbers depend on), the code version and the seed: a
+    run with more replicates, or one stopped half-way, reuses every replicate already measured."""
+    import json
+    import os
+    import pickle
+
+    key = json.dumps([described, code_version()], sort_keys=True, default=str)
+    path = Path(folder) / hashlib.sha1(key.encode()).hexdigest()[:10] / f"seed{seed}.pkl"
+    if path.exists():
+        log(f"replicate {seed}: protocol results from the cache ({path.parent.name})")
+        return pickle.loads(path.read_bytes())
+    result = run()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(pickle.dumps(result))
+    os.replace(tmp, path)
+    return result
+
+
 def code_version() -> str:
     """A short hash of the code a replicate's numbers depend on (the ``hf_mloss`` package and these suites), for
     cache keys: a cached result is reused only by the code that measured it."""

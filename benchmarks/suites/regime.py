@@ -37,17 +37,22 @@ import numpy as np
 from benchmarks.suites.__main__ import QUICK_TASKS, default_cache, pin_kernels, record_args
 
 MERGES = ("average", "task_arithmetic", "ties")
+SVD_MERGES = ("tsv_m", "iso_c", "iso_cts")
+SVD_GRIDS = {"tsv_m": (1.0, 1.5, 2.0, 2.5, 3.0, 4.0), "iso_c": (2.0, 3.0, 4.5, 6.0, 8.0, 11.0)}
+"""The image suite's SVD grids (``benchmarks.suites.run.method_specs``), per unit of a wise-0.65 checkpoint; Iso-CTS
+shares Iso-C's."""
 
 
 TIES_LAMS = (1.6, 2.0, 2.4, 2.8, 3.2, 3.6)
 """The TIES family's λ grid of the image suite, per unit of a checkpoint interpolated at wise 0.65."""
 
 
-def lever_specs(num_tasks: int, wise: float, ties_lams: Sequence[float] = TIES_LAMS) -> list:
+def lever_specs(num_tasks: int, wise: float, ties_lams: Sequence[float] = TIES_LAMS, *, svd: bool = False) -> list:
     """Average, task arithmetic and global TIES (k = 0.2 of the changed entries), on the suite's 6-setting grids
     written for 4 tasks at wise 0.65, rescaled to ``num_tasks`` (task arithmetic: 4 / q) and to ``wise`` (0.65 /
     wise), so each grid covers the same multiples of the trained task vectors at every lever; ``ties_lams``: another
-    TIES grid in the same unit (as many settings), where the suite's puts the choice at an end."""
+    TIES grid in the same unit (as many settings), where the suite's puts the choice at an end. ``svd``: TSV-M, Iso-C
+    and Iso-CTS too, each on its 6-setting grid in the same unit."""
     from benchmarks.suites.protocol import MethodSpec
 
     unit = 0.65 / wise
@@ -55,44 +60,63 @@ def lever_specs(num_tasks: int, wise: float, ties_lams: Sequence[float] = TIES_L
     if len(ties_lams) != len(TIES_LAMS):
         raise ValueError(f"the TIES grid needs {len(TIES_LAMS)} settings, as every other method's: {ties_lams}")
     ties = [round(lam * unit, 3) for lam in ties_lams]
-    return [MethodSpec("average", "average"),
-            MethodSpec("task_arithmetic", "task_arithmetic", grid={"lam": ta}),
-            MethodSpec("ties", "ties", {"scope": "global", "budget": "changed", "k": 0.2}, {"lam": ties})]
+    specs = [MethodSpec("average", "average"),
+             MethodSpec("task_arithmetic", "task_arithmetic", grid={"lam": ta}),
+             MethodSpec("ties", "ties", {"scope": "global", "budget": "changed", "k": 0.2}, {"lam": ties})]
+    if svd:
+        grids = {**SVD_GRIDS, "iso_cts": SVD_GRIDS["iso_c"]}
+        specs += [MethodSpec(name, name, grid={"lam": [round(v * unit, 3) for v in grids[name]]}) for name in SVD_MERGES]
+    return specs
 
 
-def measure(cfg, cache: Path, log, ties_lams: Sequence[float] = TIES_LAMS) -> dict:
+def measure(cfg, cache: Path, log, ties_lams: Sequence[float] = TIES_LAMS, *, svd: bool = False) -> dict:
     """One lever setting (a :class:`~benchmarks.suites.real.RealConfig`): the suite's reference rows, tuned ensemble
-    and merges on every seed of ``cfg``."""
-    from benchmarks.suites.gates import val_mean
-    from benchmarks.suites.protocol import ENSEMBLE_SCALES, TUNED_ENSEMBLE, pretrained_scores, run_replicate
+    and merges on every seed of ``cfg``; G6 per seed with its t interval (:func:`benchmarks.suites.gates.premise_gate`)
+    where there are several."""
+    from benchmarks.suites.gates import premise_gate, val_mean, val_means
+    from benchmarks.suites.protocol import (
+        ENSEMBLE_SCALES,
+        TUNED_ENSEMBLE,
+        cached_replicate,
+        pretrained_scores,
+        run_replicate,
+    )
     from benchmarks.suites.real import build_real_suite
 
     bench = build_real_suite(cfg, cache, log)
-    specs = lever_specs(len(cfg.tasks), cfg.wise, ties_lams)
+    specs = lever_specs(len(cfg.tasks), cfg.wise, ties_lams, svd=svd)
+    merges = (*MERGES, *SVD_MERGES) if svd else MERGES
     pretrained = pretrained_scores(bench)
-    results = [run_replicate(bench, rep, specs, pretrained=pretrained, ensemble_scales=ENSEMBLE_SCALES["main"],
-                             log=log) for rep in bench.replicates]
+    described = [dataclasses.asdict(cfg) | {"seeds": None}, [dataclasses.asdict(s) for s in specs],
+                 ENSEMBLE_SCALES["main"]]
+    results = [cached_replicate(described, Path(cache) / "regime-results", rep.seed, lambda rep=rep: run_replicate(
+        bench, rep, specs, pretrained=pretrained, ensemble_scales=ENSEMBLE_SCALES["main"], log=log), log)
+        for rep in bench.replicates]  # a run with more seeds, or a stopped one, reuses the seeds measured
     row: dict = {"tasks": list(cfg.tasks), "q": len(cfg.tasks), "wise": cfg.wise,
                  "trained_blocks": cfg.num_layers - cfg.frozen,
                  "steps": cfg.ft_steps}
     ensembles = ("ensemble (probabilities)", TUNED_ENSEMBLE)
-    for label in ("pretrained heads", "fine-tuned (own task)", *ensembles, *MERGES):
+    for label in ("pretrained heads", "fine-tuned (own task)", *ensembles, *merges):
         row[label] = val_mean(results, label)
+        row.setdefault("per_seed", {})[label] = val_means(results, label)
     row["foreign"] = 100 * float(np.mean([v for r in results for v in r.foreign.values()]))
     row["ensemble_scale"] = [r.ensemble_scale["chosen"] for r in results]
     row["ensemble_grid"] = [r.ensemble_scale["val_grid"] for r in results]
-    row["chosen"] = {m: [r.methods[m]["chosen"] for r in results] for m in MERGES}
-    row["edges"] = [f"{m}: {name}={value}" for r in results for m in MERGES
+    row["chosen"] = {m: [r.methods[m]["chosen"] for r in results] for m in merges}
+    row["edges"] = [f"{m}: {name}={value}" for r in results for m in merges
                     for name, value in r.methods[m]["chosen"].items()
                     if value in (min(g["setting"][name] for g in r.methods[m]["val_grid"]),
                                  max(g["setting"][name] for g in r.methods[m]["val_grid"]))]
-    best = max(MERGES, key=lambda m: row[m])
+    best = max(merges, key=lambda m: row[m])
     row["best_merge"] = best
     row["g6_heads_scale"] = row["ensemble (probabilities)"] - row[best]
     row["g6_tuned"] = row[TUNED_ENSEMBLE] - row[best]
+    row["g6_gate"] = premise_gate(results, merges).to_dict()
+    if svd:  # G6 against the merges the earlier maps had, beside the one against every merge
+        row["g6_gate_without_svd"] = premise_gate(results, MERGES).to_dict()
     row["test"] = {label: 100 * float(np.mean([np.mean(list(
         (r.reference[label] if label in r.reference else r.methods[label])["test"].values())) for r in results]))
-        for label in ("fine-tuned (own task)", *ensembles, *MERGES)}
+        for label in ("fine-tuned (own task)", *ensembles, *merges)}
     return row
 
 
@@ -110,13 +134,30 @@ def markdown(rows: Sequence[dict], command: str, seeds: Sequence[int], machine: 
               "scale) | average | task arithmetic | TIES | best merge | G6 at scale 20 | G6 tuned |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        scale = ", ".join(f"{s:g}" for s in r["ensemble_scale"])
+        scale = ", ".join(f"{s:g}" for s in sorted(set(r["ensemble_scale"])))
         lines.append(
             f"| {r['q']} | {r['wise']:g} | {r.get('trained_blocks', 2)} | {r.get('steps', 180)} | "
             f"{r['pretrained heads']:.2f} | {r['fine-tuned (own task)']:.2f} | "
             f"{r['foreign']:+.2f} | {r['ensemble (probabilities)']:.2f} | {r[TUNED_ENSEMBLE]:.2f} ({scale}) | "
             f"{r['average']:.2f} | {r['task_arithmetic']:.2f} | {r['ties']:.2f} | {r['best_merge']} | "
             f"{r['g6_heads_scale']:+.2f} | **{r['g6_tuned']:+.2f}** |")
+    svd_rows = [r for r in rows if "tsv_m" in r]
+    if svd_rows:
+        lines += ["", "The SVD merges on the same fine-tunes (val, each at its own setting chosen on val):", "",
+                  "| q | wise | trained blocks | steps | TSV-M | Iso-C | Iso-CTS | best merge | G6 tuned |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['q']} | {r['wise']:g} | {r.get('trained_blocks', 2)} | {r.get('steps', 180)} | "
+                  f"{r['tsv_m']:.2f} | {r['iso_c']:.2f} | {r['iso_cts']:.2f} | {r['best_merge']} | "
+                  f"**{r['g6_tuned']:+.2f}** |" for r in svd_rows]
+    gates = [r for r in rows if r.get("g6_gate")]
+    if gates:
+        lines += ["", "G6 per fine-tuning seed, with its replicate t interval (the gate: ≥ +3 with the interval above 0):",
+                  ""]
+        for r in gates:
+            where = f"q {r['q']}, wise {r['wise']:g}, {r.get('trained_blocks', 2)} trained blocks"
+            lines.append(f"- {where}: {r['g6_gate']['value']}")
+            if r.get("g6_gate_without_svd"):
+                lines.append(f"- {where}, without the SVD merges: {r['g6_gate_without_svd']['value']}")
     edges = [f"q {r['q']}, wise {r['wise']:g}: " + "; ".join(r["edges"]) for r in rows if r["edges"]]
     lines += ["", "Chosen settings at an end of their grid: " + (" · ".join(edges) if edges else "none") + "."]
     lines += ["", "Test accuracy (%) of the same rows: " + " · ".join(
@@ -159,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", type=Path, default=None)
     parser.add_argument("--ties-lams", default=",".join(f"{v:g}" for v in TIES_LAMS),
                         help="TIES's λ grid per unit of a wise-0.65 checkpoint (6 values; default: the suite's)")
+    parser.add_argument("--svd", action="store_true", help="TSV-M, Iso-C and Iso-CTS among the merges (val-tuned)")
     parser.add_argument("--table", type=Path, default=None, help="write TABLE.md / TABLE.json")
     args = parser.parse_args(argv)
     argv = argv if argv is not None else sys.argv[1:]
@@ -176,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = dataclasses.replace(RealConfig(), tasks=tuple(task_sets[name]), wise=wise, seeds=seeds,
                                       frozen=frozen, ft_steps=steps)
             rows.append(measure(cfg, args.cache or default_cache(), log,
-                                tuple(float(v) for v in args.ties_lams.split(","))))
+                                tuple(float(v) for v in args.ties_lams.split(",")), svd=args.svd))
             r = rows[-1]
             log(f"q {r['q']}, wise {wise:g}, {12 - frozen} trained blocks, {steps} steps: G6 at scale 20 "
                 f"{r['g6_heads_scale']:+.2f}, tuned {r['g6_tuned']:+.2f} (best merge {r['best_merge']})")

@@ -53,8 +53,8 @@ from benchmarks.suites.protocol import (
     Replicate,
     ReplicateResult,
     State,
+    cached_replicate,
     check_grids,
-    code_version,
     pretrained_scores,
     run_replicate,
 )
@@ -497,25 +497,11 @@ def draw_of(label: str) -> int:
     return int(label.rsplit("draw ", 1)[1].rstrip(")")) if "draw " in label else 0
 
 
-def cached_replicate(cfg: TextConfig, cache: Path, replicate: Replicate, specs: Sequence[MethodSpec],
-                     num_samples: int, run, log) -> ReplicateResult:
-    """One replicate's protocol results, cached under the configuration, the compared methods and the seed: a run
-    with more replicates, or one stopped half-way, reuses every replicate already measured."""
-    import pickle
-
-    described = json.dumps([dataclasses.asdict(cfg) | {"seeds": None}, num_samples,
-                            [dataclasses.asdict(spec) for spec in specs], code_version()], sort_keys=True, default=str)
-    folder = Path(cache) / VERSION / "results" / hashlib.sha1(described.encode()).hexdigest()[:10]
-    path = folder / f"seed{replicate.seed}.pkl"
-    if path.exists():
-        log(f"replicate {replicate.seed}: protocol results from the cache ({path.parent.name})")
-        return pickle.loads(path.read_bytes())
-    result = run()
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(pickle.dumps(result))
-    os.replace(tmp, path)
-    return result
+def cached_text_replicate(cfg: TextConfig, cache: Path, replicate: Replicate, specs: Sequence[MethodSpec],
+                          num_samples: int, run, log) -> ReplicateResult:
+    """:func:`~benchmarks.suites.protocol.cached_replicate` under the text configuration and its compared methods."""
+    described = [dataclasses.asdict(cfg) | {"seeds": None}, num_samples, [dataclasses.asdict(s) for s in specs]]
+    return cached_replicate(described, Path(cache) / VERSION / "results", replicate.seed, run, log)
 
 
 def run_text_suite(cfg: TextConfig, *, cache: Path, out: Path, threads: int = 2, num_samples: int = 128,
@@ -548,7 +534,7 @@ def run_text_suite(cfg: TextConfig, *, cache: Path, out: Path, threads: int = 2,
             log(f"  {label}: not run: {reason}")
         pretrained = pretrained_scores(bench)
         scales = ENSEMBLE_SCALES["smoke" if grid == "smoke" else "main"][:check_grids(specs)]
-        results = [cached_replicate(cfg, cache, rep, specs, num_samples, lambda rep=rep: run_replicate(
+        results = [cached_text_replicate(cfg, cache, rep, specs, num_samples, lambda rep=rep: run_replicate(
             bench, rep, specs, num_samples=num_samples, pretrained=pretrained, ensemble_scales=scales, log=log), log)
             for rep in bench.replicates]
     results, gates, diffs = judge(bench, specs, results, log=log)

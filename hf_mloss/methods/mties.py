@@ -288,6 +288,7 @@ class MTies(MergeMethod):
 
         member = ctx.state.get(GROUP_STATE, {}).get(name)
         taus = torch.stack(sources).sub_(base)  # one [q, ...] buffer trimmed in place, as in TIES
+        sources.clear()  # the caller's list: its q float32 copies go now, not after the merge (a worker's peak)
         if member is None:
             for i, tau in enumerate(taus):
                 self.trim_other_(name, tau, i, ctx)
@@ -305,7 +306,9 @@ class MTies(MergeMethod):
                 trim_slices_(tau, member.keep, member.dim, thresholds=None if kept is None else kept[i])
             if kept is not None:
                 ctx.state.setdefault(THRESHOLD_STATE, {})[name] = kept
-        return base + ctx.params.lam * elect_and_merge(taus, ctx.weights)
+        merged = elect_and_merge(taus, ctx.weights)
+        del taus
+        return merged.mul_(ctx.params.lam).add_(base)  # = base + λ·merged, bit for bit, with no temporaries
 
 
 class MDare(MTies):
