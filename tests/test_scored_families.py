@@ -777,6 +777,27 @@ def brute_force_image_mloss(models: list, pixel_values: torch.Tensor, *, eps: fl
     return out
 
 
+def test_the_own_walk_computes_each_sources_gate_and_up_once(gated_setup, monkeypatch):
+    """A scored block's gate and up products serve both the gap and the rest of the source's forward: per source,
+    scored block and batch, one product each (not a second inside the MLP)."""
+    base, models = gated_setup
+    config = transformers.AutoConfig.from_pretrained(base)
+    shape = (config.intermediate_size, config.hidden_size)
+    assert shape[0] != shape[1]  # no other projection of the block has the gate's shape
+    calls, forward = [], torch.nn.Linear.forward
+
+    def counting(self, x):
+        calls.append(tuple(self.weight.shape) == shape)
+        return forward(self, x)
+
+    monkeypatch.setattr(torch.nn.Linear, "forward", counting)
+    texts = [" ".join(f"w{i - 4}" for i in seq) for seq in SEQUENCES]
+    hf_mloss.score(str(base), [str(m) for m in models], data=texts, prefix="own", batch_size=len(texts),
+                   progress=False)
+    layers = config.num_hidden_layers
+    assert sum(calls) == len(models) * layers * 2  # gate + up, once each per source and scored block
+
+
 def test_score_own_prefix_equals_the_brute_force_siglip_mloss(tmp_path):
     torch.manual_seed(0)
     base_dir, models = testing.save_with_finetunes(_siglip().eval(), tmp_path, 2, scale=5e-2,

@@ -218,13 +218,17 @@ def own_walk(setup: WalkSetup, scored: Sequence[int], visit: Callable[[int, Unit
                 state = states[p][b]
                 with setup.autocast():
                     residual, u = adapter.forward_to_target(block, state.hidden, state.context)
+                    computed = {}
                     if layer in scored:
-                        gates.append(block.get_submodule(unit.gate)(u).float())
+                        for path in filter(None, (unit.gate, unit.up)):
+                            computed[path] = block.get_submodule(path)(u)
+                        gates.append(computed[unit.gate].float())
                         if unit.up is not None:
-                            ups.append(block.get_submodule(unit.up)(u).float())
+                            ups.append(computed[unit.up].float())
                     if layer < last:
-                        states[p][b] = BatchState(adapter.forward_from_target(block, residual, u, state.context),
-                                                  state.context)
+                        with _reusing(block, u, computed):  # the rest of the block: gate / up not computed twice
+                            hidden = adapter.forward_from_target(block, residual, u, state.context)
+                        states[p][b] = BatchState(hidden, state.context)
             if gates:
                 mask = states[0][b].context.mask
                 visit(layer, UnitInputs(gates, ups or None, mask.reshape(-1) if mask is not None else None))
@@ -233,6 +237,37 @@ def own_walk(setup: WalkSetup, scored: Sequence[int], visit: Callable[[int, Unit
         if progress is not None:
             progress.update(1)
         del copies
+
+
+class _Computed(nn.Module):
+    """Stands in for a block's submodule whose output on ``given`` is already known: a copy of that output for
+    ``given`` itself (the same tensor object), the submodule's own forward for any other input."""
+
+    def __init__(self, module: nn.Module, given: torch.Tensor, output: torch.Tensor) -> None:
+        super().__init__()
+        self.module, self.given, self.output = module, given, output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output.clone() if x is self.given else self.module(x)  # a copy: an in-place activation is safe
+
+
+@contextlib.contextmanager
+def _reusing(block: nn.Module, given: torch.Tensor, computed: Mapping[str, torch.Tensor]):
+    """Within the block, each submodule at a path of ``computed`` returns its computed output on ``given``: the own
+    walk's scored pre-activations (a gated MLP's gate and up, a ViT's fc1) serve the rest of the forward too, the
+    same values without a second product per source."""
+    swapped = []
+    for path, output in computed.items():
+        parent_path, _, child = path.rpartition(".")
+        parent = block.get_submodule(parent_path)
+        module = getattr(parent, child)
+        setattr(parent, child, _Computed(module, given, output))
+        swapped.append((parent, child, module))
+    try:
+        yield
+    finally:
+        for parent, child, module in swapped:
+            setattr(parent, child, module)
 
 
 def _stacked(pre: list[torch.Tensor], sources_first: bool) -> torch.Tensor:
