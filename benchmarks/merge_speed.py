@@ -787,6 +787,14 @@ class Plan:
     models: list[Path] = field(default_factory=list)
     images: Path | None = None
     models_info: dict = field(default_factory=dict)
+    deadline: float | None = None
+    """``time.monotonic()`` after which no run starts (``--budget``); None: no limit."""
+
+    def run_timeout(self) -> float:
+        """A run's timeout: ``--timeout``, cut to what is left of ``--budget``."""
+        if self.deadline is None:
+            return self.args.timeout
+        return max(0.0, min(self.args.timeout, self.deadline - time.monotonic()))
 
     @property
     def outs(self) -> Path:
@@ -813,7 +821,8 @@ def make_plan(args) -> Plan:
     (work / "out").mkdir(parents=True, exist_ok=True)
     results_dir = Path(args.results_dir).resolve()
     results_dir.mkdir(parents=True, exist_ok=True)
-    return Plan(args=args, runs=runs, peers=peers, tag=tag, work=work, results_dir=results_dir)
+    deadline = time.monotonic() + args.budget if args.budget else None
+    return Plan(args=args, runs=runs, peers=peers, tag=tag, work=work, results_dir=results_dir, deadline=deadline)
 
 
 def create_inputs(plan: Plan) -> None:
@@ -864,7 +873,10 @@ def measured(fn, *a, **kw) -> dict:
 def run_hf(plan: Plan, name: str, repeat: int, reference: bool = False) -> dict:
     spec = hf_spec(plan, name, repeat, reference)
     _log(f"[run {repeat + 1}] {name}{REFERENCE_SUFFIX if reference else ''} ...")
-    res = measured(run_child, spec, plan.work, plan.args.timeout)
+    timeout = plan.run_timeout()
+    res = measured(run_child, spec, plan.work, timeout)
+    if "error" in res and timeout < plan.args.timeout and res["error"].startswith("timed out"):
+        res["error"] += f" (stopped by --budget {plan.args.budget:g} s, not by --timeout)"
     res["spec"] = {k: v for k, v in spec.items() if k not in ("models", "result")}
     return res
 
@@ -971,6 +983,9 @@ def run_repeat(plan: Plan, repeat: int) -> dict:
 
     started = os.getloadavg()
     for name in plan.runs:
+        if plan.run_timeout() < 1:  # --budget spent: the record still gets written, with what ran
+            record(name, {"name": name, "skipped": f"not started: the --budget of {plan.args.budget:g} s was spent"})
+            continue
         record(name, run_hf(plan, name, repeat))
         if plan.args.reference and name not in ("forward", "read"):  # side by side: this tree, then the reference tree
             record(f"{name}{REFERENCE_SUFFIX}", run_hf(plan, name, repeat, reference=True))
@@ -1121,6 +1136,9 @@ def parse_args(argv=None):
     ap.add_argument("--rss-limit-gb", type=float, default=20.0,
                     help="kill any run whose process tree exceeds this RSS")
     ap.add_argument("--timeout", type=float, default=3600.0, help="per run, seconds")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="wall seconds for the invocation, creating the inputs included: no run starts after it, each run's timeout is cut to what is left, "
+                         "and the results are written with the runs that did not start marked skipped")
     ap.add_argument("--cache", default=str(DEFAULT_CACHE), help="where models, images and run outputs live")
     ap.add_argument("--results-dir", default=str(DEFAULT_RESULTS))
     ap.add_argument("--tag", default=None, help="results file suffix (default: <shape>_<device>; b32: <device>)")

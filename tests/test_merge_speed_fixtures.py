@@ -1,5 +1,5 @@
-"""The merge-speed benchmark's pieces that decide its numbers: the scoring floor's share of a block, and the
-checkpoints of the large shapes written tensor by tensor."""
+"""The merge-speed benchmark's pieces that decide its numbers: the scoring floor's share of a block, the
+checkpoints of the large shapes written tensor by tensor, and the wall budget that bounds a run to a fixed time slot."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import merge_speed
 from merge_speed import write_safetensors_streamed
 from merge_speed_report import scored_share
 
@@ -43,3 +44,30 @@ def test_streamed_safetensors_file_reads_back_as_written(tmp_path) -> None:
     with pytest.raises(ValueError, match="expected"):
         write_safetensors_streamed(tmp_path / "bad.safetensors", [("a", (4, 5), torch.float32)],
                                    lambda name: torch.zeros(3, 5))
+
+
+def test_budget_cuts_timeouts_and_skips_runs_once_spent(tmp_path, monkeypatch) -> None:
+    """``--budget``: each run's timeout is what is left of it; once spent, the remaining runs are recorded as not
+    started (so the results are still written) instead of being run or lost."""
+    args = merge_speed.parse_args(["--shape", "tiny", "--skip-peers", "--methods", "read,ties_tensor,m_ties",
+                                   "--timeout", "100", "--budget", "30", "--cache", str(tmp_path),
+                                   "--results-dir", str(tmp_path / "res")])
+    plan = merge_speed.make_plan(args)
+    assert 28 < plan.run_timeout() <= 30
+    started = []
+
+    def fake_run(plan, name, repeat, reference=False):
+        started.append(name)
+        plan.deadline -= 40  # this run used up the budget
+        return {"name": name, "wall_s": 1.0, "cpu_s": 1.0, "max_rss_mb": 1.0}
+
+    monkeypatch.setattr(merge_speed, "run_hf", fake_run)
+    monkeypatch.setattr(merge_speed, "run_checks", lambda *a: {})
+    repeat = merge_speed.run_repeat(plan, 0)
+    assert started == ["read"]
+    assert plan.run_timeout() == 0
+    assert repeat["runs"]["read"]["wall_s"] == 1.0
+    for name in ("ties_tensor", "m_ties"):
+        assert repeat["runs"][name]["skipped"].startswith("not started: the --budget of 30 s was spent")
+    plan.deadline = None
+    assert plan.run_timeout() == 100
