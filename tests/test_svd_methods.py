@@ -159,6 +159,61 @@ def test_tsv_m_computing_only_the_kept_components_stays_within_1e5_of_full_svds(
     assert float((merged.double() - exact).norm() / exact.norm()) < 1e-5
 
 
+def _iso_full_svd_float64(taus: torch.Tensor, fraction: float | None) -> torch.Tensor:
+    """Iso-C (``fraction`` None) or Iso-CTS written with float64 full SVDs and an explicit projection: the reference
+    the Gram route is checked against."""
+    taus = taus.double()
+    q, m, n = taus.shape
+
+    def polar(a):
+        p, _, qh = torch.linalg.svd(a, full_matrices=False)
+        return p @ qh
+
+    u, s, vh = torch.linalg.svd(taus.sum(0), full_matrices=False)
+    if fraction is None:
+        return (u * s.mean()) @ vh
+    common, per_task = subspace_sizes(min(m, n), q, fraction)
+    u_c = u[:, :common]
+    ut, st, vht = torch.linalg.svd(taus - u_c @ (u_c.T @ taus), full_matrices=False)
+    u_all = torch.cat([ut[:, :, :per_task].transpose(0, 1).reshape(m, -1), u_c], 1)
+    vh_all = torch.cat([vht[:, :per_task].reshape(-1, n), vh[:common]], 0)
+    return (polar(u_all) * torch.cat([st[:, :per_task].reshape(-1), s[:common]]).mean()) @ polar(vh_all)
+
+
+@pytest.mark.parametrize("shape", [(40, 60), (60, 40), (50, 50)])
+def test_iso_merges_from_gram_eigenpairs_match_full_float64_svds(shape, monkeypatch) -> None:
+    """Iso-C and Iso-CTS factor no full SVD (Iso-C: the Gram eigenpairs of the sum; Iso-CTS: the common subspace's
+    top triplets, then, for m ≤ n, each task in the complement's (m − k)-dimensional coordinates): their merges
+    stay within 1e-5 of the same algorithm written with float64 full SVDs, wide, tall and square."""
+    from hf_mloss.methods import svd_ops
+    from hf_mloss.methods.iso import iso_c_matrix
+
+    g = torch.Generator().manual_seed(31)
+    taus = 1e-2 * torch.randn(4, *shape, generator=g)
+    calls = []
+    real_svd = svd_ops.svd
+    monkeypatch.setattr(svd_ops, "svd", lambda m: calls.append(m.shape) or real_svd(m))
+    for merged, exact in [(iso_c_matrix(taus.sum(0)), _iso_full_svd_float64(taus, None)),
+                          (iso_cts_matrix(taus, 0.8), _iso_full_svd_float64(taus, 0.8)),
+                          (iso_cts_matrix(taus, 0.5), _iso_full_svd_float64(taus, 0.5))]:
+        assert float((merged.double() - exact).norm() / exact.norm()) < 1e-5
+    assert calls == []
+
+
+def test_leading_svd_and_rest_gives_an_orthonormal_complement() -> None:
+    """``rest`` completes the top-k left singular vectors to an orthonormal basis (so a projection off them is
+    ``rest @ restᵀ``), from the Gram route and from the SVD fallback alike; none for a tall matrix."""
+    from hf_mloss.methods import svd_ops
+
+    g = torch.Generator().manual_seed(9)
+    for matrix in [torch.randn(12, 30, generator=g),
+                   torch.randn(12, 2, generator=g) @ torch.randn(2, 30, generator=g)]:  # rank 2 < k: the SVD route
+        u, s, vh, rest = svd_ops.leading_svd_and_rest(matrix, 5)
+        basis = torch.cat([u, rest], 1).double()
+        torch.testing.assert_close(basis.T @ basis, torch.eye(12, dtype=torch.float64), atol=1e-5, rtol=0)
+    assert svd_ops.leading_svd_and_rest(torch.randn(30, 12, generator=g), 5)[3] is None
+
+
 def test_leading_svd_is_the_truncated_svd_and_falls_back_to_it_below_rank_k(monkeypatch) -> None:
     """The leading k triplets equal the full SVD's (up to each pair's sign); a task whose rank is below k (its
     kept directions are then arbitrary) sends the batch through the full SVD, as before."""
@@ -471,6 +526,7 @@ def test_an_svd_that_fails_to_converge_in_float32_is_repeated_in_float64(monkeyp
 
     g = torch.Generator().manual_seed(12)
     taus = torch.randn(3, 12, 10, generator=g)
+    monkeypatch.setattr(svd_ops, "GRAM_MIN_RATIO", 2.0)  # no matrix passes: every factorisation takes the SVD
     expected = iso_cts_matrix(taus, 0.5), tsv_merge_matrix(taus, None)
     real_svd, calls = torch.linalg.svd, []
 

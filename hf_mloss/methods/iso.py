@@ -19,6 +19,12 @@ their directions, and σ̄ is the mean of the others, so the merge spans the sum
 (Iso-CTS) and nothing else; flattening all of them would raise whichever noise directions the SVD solver returns to
 σ̄. A full-rank matrix keeps every direction (the result fusion-bench computes, tests/test_peers.py).
 
+**Computation.** No full SVD where the factors are well conditioned: Iso-C's σ̄ and U Vᵀ come from the float64
+eigendecomposition of the sum's smaller Gram matrix; Iso-CTS factors only what it keeps (the common subspace's top k
+triplets, then each task's top s, for m ≤ n in the (m − k)-dimensional coordinates of the common subspace's
+complement). The SVD stays the fallback (:mod:`.svd_ops`). On ViT-B/32-shaped random task vectors both merges land
+within 2e-6 (relative) of the algorithm written with float64 SVDs, where the float32 SVD route was 2e-6 to 5e-5 off.
+
 λ (the paper's α) is chosen on held-out data in the paper; 1.0 is fusion_bench's default. σ̄ grows with the number
 and size of the task vectors, and the best λ can lie far above TIES's, so grids should reach well beyond 1.
 """
@@ -107,14 +113,11 @@ def iso_c_matrix(delta: torch.Tensor) -> torch.Tensor:
 def iso_c_components(delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``(U, σ̄, Vᵀ)``: the numerically non-zero singular vectors of ``delta`` and the mean of their singular values
     (Iso-C's merge is ``(U * σ̄) @ Vᵀ``; AdaRank's masks scale σ̄ per component); None when ``delta`` is zero."""
-    from .svd_ops import numerical_rank, svd
+    from .svd_ops import nonzero_svd
 
-    u, s, vh = svd(delta)
-    rank = int(numerical_rank(s, delta.shape))
-    if rank == 0:
+    u, s, vh = nonzero_svd(delta)
+    if len(s) == 0:
         return None
-    if rank < len(s):
-        u, s, vh = u[:, :rank], s[:rank], vh[:rank]
     return u, s.mean(), vh
 
 
@@ -129,7 +132,7 @@ def iso_cts_matrix(taus: torch.Tensor, common_space_fraction: float) -> torch.Te
     """Iso-CTS merge of the ``[q, m, n]`` task matrices ``taus``."""
     import torch
 
-    from .svd_ops import nonzero_tasks, numerical_rank, polar_factor, svd
+    from .svd_ops import leading_svd, leading_svd_and_rest, nonzero_tasks, numerical_rank, polar_factor
 
     active = nonzero_tasks(taus)
     if len(active) == 0:
@@ -139,13 +142,17 @@ def iso_cts_matrix(taus: torch.Tensor, common_space_fraction: float) -> torch.Te
     common, per_task = subspace_sizes(min(m, n), q, common_space_fraction)
     if per_task == 0:
         return iso_c_matrix(taus.sum(0))
-    u, s, vh = svd(taus.sum(0))
-    u_c = u[:, :common]
-    specific = taus - u_c @ (u_c.T @ taus)  # each task off the common subspace (batched)
-    u_t, s_t, vh_t = svd(specific)
-    u_all = torch.cat([u_t[:, :, :per_task].transpose(0, 1).reshape(m, q * per_task), u_c], 1)
-    vh_all = torch.cat([vh_t[:, :per_task, :].reshape(q * per_task, n), vh[:common]], 0)
-    sigmas = torch.cat([s_t[:, :per_task].reshape(-1), s[:common]])
+    # only the kept singular triplets are computed (leading_svd); the rank tests below look at no other σ
+    u_c, s, vh, rest = leading_svd_and_rest(taus.sum(0), common)
+    if rest is None:
+        specific = taus - u_c @ (u_c.T @ taus)  # each task off the common subspace (batched)
+        u_t, s_t, vh_t = leading_svd(specific, per_task)
+    else:  # the same, factored in the complement's coordinates: (m − k) × n matrices instead of m × n
+        u_t, s_t, vh_t = leading_svd(rest.T @ taus, per_task)
+        u_t = rest @ u_t
+    u_all = torch.cat([u_t.transpose(0, 1).reshape(m, q * per_task), u_c], 1)
+    vh_all = torch.cat([vh_t.reshape(q * per_task, n), vh], 0)
+    sigmas = torch.cat([s_t.reshape(-1), s])
     # numerically zero directions (rank-deficient sums and projections) are dropped, not raised to σ̄
     # (a projected task's σ are measured against the task's own size: what remains of it off the subspace can be noise)
     task_rank = numerical_rank(s_t, (m, n), scale=torch.linalg.matrix_norm(taus))

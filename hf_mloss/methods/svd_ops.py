@@ -99,14 +99,25 @@ def leading_svd(matrix: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     A randomised SVD (``torch.svd_lowrank``) was measured too and is not used: on flat spectra (random task
     vectors: σ_k and σ_k+1 nearly equal) its subspace converges too slowly to stay within 1e-5 of the full SVD.
     """
-    if k <= 0 or not is_finite(matrix):
-        u, s, vh = svd(matrix)
-        return u[..., :k], s[..., :k], vh[..., :k, :]
-    values, vectors, left = _gram_eigh(matrix)
+    if k <= 0:
+        *batch, m, n = matrix.shape
+        return matrix.new_zeros((*batch, m, 0)), matrix.new_zeros((*batch, 0)), matrix.new_zeros((*batch, 0, n))
+    if is_finite(matrix):
+        values, vectors, left = _gram_eigh(matrix)
+        leading = _leading_from_gram(matrix, values, vectors, left, k)
+        if leading is not None:
+            return leading
+    u, s, vh = svd(matrix)
+    return u[..., :k], s[..., :k], vh[..., :k, :]
+
+
+def _leading_from_gram(matrix: torch.Tensor, values: torch.Tensor, vectors: torch.Tensor, left: bool, k: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The top ``k`` singular triplets of ``matrix`` (in its dtype) from its Gram eigenpairs (:func:`_gram_eigh`);
+    None where some matrix's λ_k is below :data:`GRAM_MIN_RATIO`·λ_1 (the caller takes the SVD)."""
     top = values[..., :k]
     if not bool((top[..., -1:] >= GRAM_MIN_RATIO * top[..., :1]).all()) or not bool((top[..., :1] > 0).all()):
-        u, s, vh = svd(matrix)
-        return u[..., :k], s[..., :k], vh[..., :k, :]
+        return None
     sigma = top.sqrt()
     kept = vectors[..., :k]  # [..., r, k]
     a = matrix.double()
@@ -116,6 +127,43 @@ def leading_svd(matrix: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
         u, vh = (a @ kept) / sigma[..., None, :], kept.transpose(-1, -2)
     dtype = matrix.dtype
     return u.to(dtype), sigma.to(dtype), vh.to(dtype)
+
+
+def leading_svd_and_rest(matrix: torch.Tensor, k: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`leading_svd` of one ``m × n`` matrix, and, for m ≤ n, an orthonormal basis ``[m, m − k]`` of the
+    complement of its top-k left singular vectors (the other eigenvectors of the left Gram matrix, or the SVD's
+    other left vectors): a matrix projected off the top-k subspace, (I − U_k U_kᵀ)·X, is ``rest @ (restᵀ X)``, so
+    its factorisation shrinks to the (m − k) × n coordinates. ``rest`` is None for m > n (it would be the larger
+    side's complement)."""
+    m, n = matrix.shape
+    if k <= 0 or m > n:
+        return (*leading_svd(matrix, k), None)
+    if is_finite(matrix):
+        values, vectors, left = _gram_eigh(matrix)
+        leading = _leading_from_gram(matrix, values, vectors, left, k)
+        if leading is not None:
+            return (*leading, vectors[:, k:].to(matrix.dtype))
+    u, s, vh = svd(matrix)  # thin: m ≤ n, so U is square and its last m − k columns span the complement
+    return u[:, :k], s[:k], vh[:k], u[:, k:]
+
+
+def nonzero_svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The singular triplets of one matrix above :func:`numerical_rank`'s tolerance (its numerically non-zero
+    spectrum; rounding-noise directions dropped), from the float64 Gram route of :func:`leading_svd` where it is
+    well conditioned at that rank (any rank the tolerance keeps, for float32 inputs), else from the SVD."""
+    if is_finite(matrix) and matrix.numel():
+        values, vectors, left = _gram_eigh(matrix)
+        sigma = values.clamp_min(0).sqrt().to(matrix.dtype)
+        rank = int(numerical_rank(sigma, matrix.shape)) if bool(sigma[0] > 0) else 0
+        if rank == 0:
+            return leading_svd(matrix, 0)
+        leading = _leading_from_gram(matrix, values, vectors, left, rank)
+        if leading is not None:
+            return leading
+    u, s, vh = svd(matrix)
+    rank = int(numerical_rank(s, matrix.shape))
+    return u[:, :rank], s[:rank], vh[:rank]
 
 
 def polar_factor(matrix: torch.Tensor) -> torch.Tensor:
