@@ -34,6 +34,7 @@ Writes ``benchmarks/results/compatibility_<part>.md`` / ``.json``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -443,15 +444,27 @@ def grid_edge(setting: dict, grid: dict) -> str:
                     if len(values) > 1 and setting[axis] in (min(values), max(values)))
 
 
+def documented_default(method: str, grid: dict) -> dict:
+    """The setting a user gets without choosing: ``method``'s documented default for every axis of ``grid`` (the
+    label-free baseline the grid's middle is not: the suites' grids were centred on earlier labelled optima)."""
+    from hf_mloss.methods import get_method
+
+    defaults = get_method(method).params_class().to_dict()
+    return {axis: defaults[axis] for axis in grid}
+
+
 def instance_candidates(study: Study, instance, method: str, args: argparse.Namespace) -> list[dict]:
-    """Every candidate of ``method``'s grid on one instance: all criteria, val and test accuracy (cached)."""
+    """Every candidate of ``method``'s grid on one instance: all criteria, val and test accuracy (cached); and the
+    method's documented default (:func:`documented_default`), flagged, evaluated on its own where it is not in the
+    grid (``outside_grid``: no criterion or val choice can pick it)."""
     from hf_mloss.loading.inputs import open_inputs
     from hf_mloss.merging.selection import CandidateBuilder, CandidateEvaluator, iterate_candidates
     from hf_mloss.spec.selection import SelectionOptions
 
     seed, tasks, draw = instance
     name, fixed, grid = regret_methods(study.bench, tasks)[method]
-    described = json.dumps([name, fixed, grid, CRITERIA], sort_keys=True, default=str)
+    default = documented_default(name, grid)
+    described = json.dumps([name, fixed, grid, CRITERIA, default], sort_keys=True, default=str)
     key = (f"regret|{seed}|{','.join(tasks)}|{method}|{args.select_samples}" + (f"|draw{draw}" if draw else "")
            + f"|{hashlib.sha1(described.encode()).hexdigest()[:8]}")
     if key in study.cache:
@@ -481,9 +494,18 @@ def instance_candidates(study: Study, instance, method: str, args: argparse.Name
             state = study.bench.state_of(tower)
             accuracy = {split: float(sum(study.accuracy(f, t, split) for t, f in study.bench.features(
                 state, split, list(tasks)).items()) / len(tasks)) for split in ("val", "test")}
-            rows.append({"setting": setting, **values, **accuracy})
+            rows.append({"setting": setting, **values, **accuracy, "documented_default": setting == default})
             study.log(f"  {method} {setting}: val {100 * accuracy['val']:.2f} test {100 * accuracy['test']:.2f} "
                       + " ".join(f"{k} {v:.4g}" for k, v in values.items()))
+        if default not in [row["setting"] for row in rows]:  # outside the grid: built and evaluated, never chosen
+            only = dataclasses.replace(auto, grid={axis: [value] for axis, value in default.items()})
+            for setting, _, _ in iterate_candidates(builder, only):
+                state = study.bench.state_of(tower)
+                accuracy = {split: float(sum(study.accuracy(f, t, split) for t, f in study.bench.features(
+                    state, split, list(tasks)).items()) / len(tasks)) for split in ("val", "test")}
+                rows.append({"setting": setting, **accuracy, "documented_default": True, "outside_grid": True})
+                study.log(f"  {method} {setting} (documented default, outside the grid): "
+                          f"val {100 * accuracy['val']:.2f} test {100 * accuracy['test']:.2f}")
     study.cache[key] = rows
     study.save_cache()
     return rows
@@ -497,24 +519,30 @@ def regret_part(study: Study, args: argparse.Namespace) -> dict:
         study.log(f"regret instance: seed {instance[0]}, tasks {', '.join(instance[1])}, draw {instance[2]}")
         for method, (name, fixed, grid) in regret_methods(study.bench, instance[1]).items():
             rows = instance_candidates(study, instance, method, args)
+            default = next((r for r in rows if r.get("documented_default")), None)
             detail.append({"seed": instance[0], "tasks": list(instance[1]), "draw": instance[2], "method": method,
-                           "params": fixed, "grid": grid, "candidates": rows})
+                           "params": fixed, "grid": grid, "candidates": [r for r in rows if not r.get("outside_grid")],
+                           "default": default})
     methods = list(dict.fromkeys(d["method"] for d in detail))
     for method in methods:
         runs = [d for d in detail if d["method"] == method]
         choosers = {c: (lambda rows, c=c: min(rows, key=lambda r: r[c])) for c in CRITERIA}
         choosers["middle of the grid (no selection)"] = lambda rows: rows[(len(rows) - 1) // 2]
         choosers["oracle (best test)"] = lambda rows: max(rows, key=lambda r: r["test"])
+        if all(d.get("default") for d in runs):  # the label-free baseline a user has: no grid, no selection
+            choosers["documented default (no selection)"] = "default"
         for name, choose in choosers.items():
-            regrets = [100 * (max(d["candidates"], key=lambda r: r["val"])["test"] - choose(d["candidates"])["test"])
-                       for d in runs]
-            agree = sum(choose(d["candidates"])["setting"] == max(d["candidates"], key=lambda r: r["val"])["setting"]
-                        for d in runs)
-            edges = [grid_edge(choose(d["candidates"])["setting"], d["grid"]) for d in runs]
+            picked = [d["default"] if choose == "default" else choose(d["candidates"]) for d in runs]
+            regrets = [100 * (max(d["candidates"], key=lambda r: r["val"])["test"] - pick["test"])
+                       for d, pick in zip(runs, picked)]
+            agree = sum(pick["setting"] == max(d["candidates"], key=lambda r: r["val"])["setting"]
+                        for d, pick in zip(runs, picked))
+            edges = [grid_edge(pick["setting"], d["grid"]) if not pick.get("outside_grid") else "outside"
+                     for d, pick in zip(runs, picked)]
             table.append({"method": method, "criterion": name, "mean_regret": sum(regrets) / len(regrets),
                           "max_regret": max(regrets), "min_regret": min(regrets), "agrees_with_val": agree,
                           "instances": len(runs), "regrets": regrets, "edges": edges,
-                          "at_edge": sum(bool(e) for e in edges),
+                          "at_edge": sum(bool(e) and e != "outside" for e in edges),
                           "at_lowest_lam": sum("lam=min" in e.split(",") for e in edges),
                           "at_highest_lam": sum("lam=max" in e.split(",") for e in edges)})
     val_edges = {m: [grid_edge(max(d["candidates"], key=lambda r: r["val"])["setting"], d["grid"])

@@ -187,9 +187,28 @@ def test_replicate_results_are_cached_by_description_code_and_seed(tmp_path, mon
     assert cached(["a"], 0).trim == cached(["a"], 0).trim == {"ties": 0.0} and calls == [0]
     cached(["a"], 1)
     cached(["b"], 0)
+    first = protocol.code_version()
     monkeypatch.setattr(protocol, "code_version", lambda: "other code")
     cached(["a"], 0)
     assert calls == [0, 1, 0, 0]
+    # another tree may reuse what a named code version measured (its record says so), and nothing else
+    reused = protocol.cached_replicate(["a"], tmp_path, 1, run(1), lambda message: None, version=first)
+    assert reused.trim == {"ties": 0.1} and calls == [0, 1, 0, 0]
+
+
+def test_lever_map_mties_rows_are_the_suite_family_on_the_ties_grid():
+    from benchmarks.suites.regime import lever_specs
+    from benchmarks.suites.report import CONTROLS, RANDOM
+
+    specs = {s.label: s for s in lever_specs(8, 1.0, svd=True, mties_layers=[8, 9, 10, 11])}
+    family = [label for label in specs if label.startswith("m_ties")]
+    assert family[0] == "m_ties" and "m_ties (e=0)" in family and len(family) == 7
+    assert {c for c in CONTROLS if c != RANDOM} <= set(family)
+    assert sum(label.startswith(RANDOM[:-1] + ", draw") for label in family) == 3
+    for label in family:
+        assert specs[label].grid == {"k": [0.2], "lam": specs["ties"].grid["lam"]}
+        assert specs[label].params["layers"] == [8, 9, 10, 11]
+    assert [s.label for s in lever_specs(8, 1.0, svd=True)] == [l for l in specs if l not in family]
 
 
 def test_lever_map_table_states_g6_per_lever():

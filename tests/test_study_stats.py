@@ -100,6 +100,10 @@ def test_regret_is_the_test_accuracy_lost_against_the_val_choice(monkeypatch) ->
         m: [{"setting": {"k": 0.2, "lam": lam}, "val": val, "test": test, **{c: lam for c in compatibility.CRITERIA}}
             for lam, val, test in ((1.6, 0.5, 0.5), (2.4, 0.7, 0.6), (3.6, 0.6, 0.65))]
         for m in ("task_arithmetic", "ties", "m_ties")}
+    # the documented default (λ = 1) lies outside the grid: evaluated (best val of all), never chosen by val or criteria
+    for rows in candidates.values():
+        rows.append({"setting": {"k": 0.2, "lam": 1.0}, "val": 0.9, "test": 0.45, "documented_default": True,
+                     "outside_grid": True})
     monkeypatch.setattr(compatibility, "instance_candidates", lambda study, instance, method, args: candidates[method])
     study = SimpleNamespace(bench=SimpleNamespace(cfg=RealConfig(frozen=10), tasks=["a", "b"],
                                                   replicates=[SimpleNamespace(seed=0)]), log=lambda *_: None)
@@ -112,3 +116,12 @@ def test_regret_is_the_test_accuracy_lost_against_the_val_choice(monkeypatch) ->
     assert rows["ties", "middle of the grid (no selection)"]["mean_regret"] == pytest.approx(0.0)
     assert rows["ties", "oracle (best test)"]["mean_regret"] == pytest.approx(-5.0)
     assert out["val_choice_edges"]["ties"] == ["", ""]
+    default = rows["ties", "documented default (no selection)"]
+    assert default["regrets"] == pytest.approx([15.0, 15.0]) and default["edges"] == ["outside", "outside"]
+    assert default["at_edge"] == 0 and default["agrees_with_val"] == 0
+
+
+def test_documented_default_is_the_library_default_on_every_grid_axis() -> None:
+    assert compatibility.documented_default("ties", {"k": [0.2], "lam": [1.6, 2.0]}) == {"k": 0.2, "lam": 1.0}
+    assert compatibility.documented_default("task_arithmetic", {"lam": [0.5, 0.65]}) == {"lam": 0.3}
+    assert compatibility.documented_default("m_ties", {"k": [0.2], "lam": [1.0]}) == {"k": 0.2, "lam": 1.0}

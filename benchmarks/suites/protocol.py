@@ -249,15 +249,16 @@ def run_method(bench: Bench, replicate: Replicate, spec: MethodSpec, out: Replic
 
 
 def cached_replicate(described: Any, folder: Path, seed: int, run: Callable[[], ReplicateResult],
-                     log: Callable[[str], None]) -> ReplicateResult:
+                     log: Callable[[str], None], *, version: str | None = None) -> ReplicateResult:
     """One replicate's protocol results (``run()``), cached under ``folder`` by ``described`` (the configuration
     without its seeds, the compared methods, whatever else its numbers depend on), the code version and the seed: a
-    run with more replicates, or one stopped half-way, reuses every replicate already measured."""
+    run with more replicates, or one stopped half-way, reuses every replicate already measured. ``version``: the
+    :func:`code_version` whose results to reuse instead of this tree's (a record made from them must say so)."""
     import json
     import os
     import pickle
 
-    key = json.dumps([described, code_version()], sort_keys=True, default=str)
+    key = json.dumps([described, version or code_version()], sort_keys=True, default=str)
     path = Path(folder) / hashlib.sha1(key.encode()).hexdigest()[:10] / f"seed{seed}.pkl"
     if path.exists():
         log(f"replicate {seed}: protocol results from the cache ({path.parent.name})")

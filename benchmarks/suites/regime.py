@@ -47,13 +47,17 @@ TIES_LAMS = (1.6, 2.0, 2.4, 2.8, 3.2, 3.6)
 """The TIES family's λ grid of the image suite, per unit of a checkpoint interpolated at wise 0.65."""
 
 
-def lever_specs(num_tasks: int, wise: float, ties_lams: Sequence[float] = TIES_LAMS, *, svd: bool = False) -> list:
+def lever_specs(num_tasks: int, wise: float, ties_lams: Sequence[float] = TIES_LAMS, *, svd: bool = False,
+                mties_layers: Sequence[int] | None = None) -> list:
     """Average, task arithmetic and global TIES (k = 0.2 of the changed entries), on the suite's 6-setting grids
     written for 4 tasks at wise 0.65, rescaled to ``num_tasks`` (task arithmetic: 4 / q) and to ``wise`` (0.65 /
     wise), so each grid covers the same multiples of the trained task vectors at every lever; ``ties_lams``: another
     TIES grid in the same unit (as many settings), where the suite's puts the choice at an end. ``svd``: TSV-M, Iso-C
-    and Iso-CTS too, each on its 6-setting grid in the same unit."""
+    and Iso-CTS too, each on its 6-setting grid in the same unit. ``mties_layers``: M-TIES scoring those blocks and
+    its controls (e = 0, three random-rank draws, inverted ranks, budget-matched uniform; as the suite defines them,
+    :func:`benchmarks.suites.run.method_specs`) on TIES's grid."""
     from benchmarks.suites.protocol import MethodSpec
+    from benchmarks.suites.run import method_specs
 
     unit = 0.65 / wise
     ta = [round(lam * 4 / num_tasks * unit, 3) for lam in (0.5, 0.65, 0.8, 0.95, 1.1, 1.25)]
@@ -66,35 +70,48 @@ def lever_specs(num_tasks: int, wise: float, ties_lams: Sequence[float] = TIES_L
     if svd:
         grids = {**SVD_GRIDS, "iso_cts": SVD_GRIDS["iso_c"]}
         specs += [MethodSpec(name, name, grid={"lam": [round(v * unit, 3) for v in grids[name]]}) for name in SVD_MERGES]
+    if mties_layers:
+        family = [spec for spec in method_specs(mties_layers, "main", num_tasks=num_tasks, random_draws=3)
+                  if spec.method == "m_ties"]
+        specs += [dataclasses.replace(spec, grid={"k": [0.2], "lam": ties}) for spec in family]
     return specs
 
 
-def measure(cfg, cache: Path, log, ties_lams: Sequence[float] = TIES_LAMS, *, svd: bool = False) -> dict:
+def measure(cfg, cache: Path, log, ties_lams: Sequence[float] = TIES_LAMS, *, svd: bool = False,
+            mties: bool = False, version: str | None = None, report: Path | None = None) -> dict:
     """One lever setting (a :class:`~benchmarks.suites.real.RealConfig`): the suite's reference rows, tuned ensemble
     and merges on every seed of ``cfg``; G6 per seed with its t interval (:func:`benchmarks.suites.gates.premise_gate`)
-    where there are several."""
+    where there are several. ``mties``: M-TIES and its controls too (see :func:`lever_specs`); ``version``: reuse
+    the replicates another code version measured (:func:`~benchmarks.suites.protocol.cached_replicate`);
+    ``report``: every verdict of the suite's protocol on this lever (gates G1-G6, the paired differences with item
+    bootstrap and Holm-adjusted replicate t intervals, M-TIES against its controls where measured), written as
+    ``report``/results.md and results.json."""
     from benchmarks.suites.gates import premise_gate, val_mean, val_means
     from benchmarks.suites.protocol import (
         ENSEMBLE_SCALES,
         TUNED_ENSEMBLE,
         cached_replicate,
+        code_version,
         pretrained_scores,
         run_replicate,
     )
     from benchmarks.suites.real import build_real_suite
 
     bench = build_real_suite(cfg, cache, log)
-    specs = lever_specs(len(cfg.tasks), cfg.wise, ties_lams, svd=svd)
+    specs = lever_specs(len(cfg.tasks), cfg.wise, ties_lams, svd=svd,
+                        mties_layers=list(range(cfg.frozen, cfg.num_layers)) if mties else None)
     merges = (*MERGES, *SVD_MERGES) if svd else MERGES
     pretrained = pretrained_scores(bench)
     described = [dataclasses.asdict(cfg) | {"seeds": None}, [dataclasses.asdict(s) for s in specs],
                  ENSEMBLE_SCALES["main"]]
     results = [cached_replicate(described, Path(cache) / "regime-results", rep.seed, lambda rep=rep: run_replicate(
-        bench, rep, specs, pretrained=pretrained, ensemble_scales=ENSEMBLE_SCALES["main"], log=log), log)
-        for rep in bench.replicates]  # a run with more seeds, or a stopped one, reuses the seeds measured
+        bench, rep, specs, pretrained=pretrained, ensemble_scales=ENSEMBLE_SCALES["main"], log=log), log,
+        version=version) for rep in bench.replicates]  # a run with more seeds, or a stopped one, reuses the seeds measured
+    if report is not None:
+        verdicts(bench, specs, results, report, version or code_version(), log)
     row: dict = {"tasks": list(cfg.tasks), "q": len(cfg.tasks), "wise": cfg.wise,
                  "trained_blocks": cfg.num_layers - cfg.frozen,
-                 "steps": cfg.ft_steps}
+                 "steps": cfg.ft_steps, "code_version": version or code_version()}
     ensembles = ("ensemble (probabilities)", TUNED_ENSEMBLE)
     for label in ("pretrained heads", "fine-tuned (own task)", *ensembles, *merges):
         row[label] = val_mean(results, label)
@@ -120,6 +137,21 @@ def measure(cfg, cache: Path, log, ties_lams: Sequence[float] = TIES_LAMS, *, sv
     return row
 
 
+def verdicts(bench, specs: Sequence, results: Sequence, out: Path, version: str, log) -> None:
+    """The suite protocol's verdicts on one lever's replicates (:func:`benchmarks.suites.run.judge`: gates, paired
+    differences, the M-TIES claim), written to ``out``/results.md and results.json by the suite's own report."""
+    from benchmarks.suites.run import judge, write_results
+
+    results, gates, diffs = judge(bench, specs, list(results), log=log)
+    header = [f"# Every verdict of the suite protocol on one lever: q {len(bench.tasks)}, wise {bench.cfg.wise:g}, "
+              f"{bench.cfg.num_layers - bench.cfg.frozen} trained blocks, {len(results)} fine-tuning replicates", "",
+              f"Replicates measured by code version {version} (`benchmarks.suites.protocol.code_version`); merges "
+              "and grids: `benchmarks.suites.regime.lever_specs` (written in units of the trained task vectors)."]
+    write_results(out, results, gates, diffs, header, {"code_version": version, "seeds": list(bench.cfg.seeds),
+                                                       "specs": [dataclasses.asdict(s) for s in specs]})
+    log(f"verdicts written to {out}/results.md")
+
+
 def markdown(rows: Sequence[dict], command: str, seeds: Sequence[int], machine: str, seconds: float) -> str:
     from benchmarks.suites.protocol import TUNED_ENSEMBLE
 
@@ -133,6 +165,9 @@ def markdown(rows: Sequence[dict], command: str, seeds: Sequence[int], machine: 
              ("| q | wise | trained blocks | steps | pretrained | fine-tuned (own) | one foreign τ | ensemble (scale 20) | ensemble (tuned: "
               "scale) | average | task arithmetic | TIES | best merge | G6 at scale 20 | G6 tuned |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    versions = sorted({r["code_version"] for r in rows if r.get("code_version")})
+    if versions:
+        lines[2] += f" Protocol results measured by code version {', '.join(versions)}."
     for r in rows:
         scale = ", ".join(f"{s:g}" for s in sorted(set(r["ensemble_scale"])))
         lines.append(
@@ -202,9 +237,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="TIES's λ grid per unit of a wise-0.65 checkpoint (6 values; default: the suite's)")
     parser.add_argument("--svd", action="store_true", help="TSV-M, Iso-C and Iso-CTS among the merges (val-tuned)")
     parser.add_argument("--table", type=Path, default=None, help="write TABLE.md / TABLE.json")
+    parser.add_argument("--mties", action="store_true",
+                        help="M-TIES (scoring the trained blocks) and its controls among the merges, on TIES's grid")
+    parser.add_argument("--report", type=Path, default=None,
+                        help="write every verdict of the suite protocol per lever under REPORT/<lever>/results.md")
+    parser.add_argument("--code-version", default=None,
+                        help="reuse the replicates that code version measured (10 hex digits; default this tree's)")
     args = parser.parse_args(argv)
     argv = argv if argv is not None else sys.argv[1:]
-    command = "python -m benchmarks.suites.regime " + " ".join(record_args(argv, ("--cache", "--table")))
+    command = "python -m benchmarks.suites.regime " + " ".join(record_args(argv, ("--cache", "--table", "--report")))
     seeds = tuple(int(s) for s in args.seeds.split(","))
     task_sets = {"quick": QUICK_TASKS, "all": RealConfig().tasks}
     log = Log(True, "regime")
@@ -217,8 +258,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, wise, frozen, steps in levers:
             cfg = dataclasses.replace(RealConfig(), tasks=tuple(task_sets[name]), wise=wise, seeds=seeds,
                                       frozen=frozen, ft_steps=steps)
+            lever = f"q{len(cfg.tasks)}_wise{wise:g}_blocks{cfg.num_layers - frozen}_steps{steps}"
             rows.append(measure(cfg, args.cache or default_cache(), log,
-                                tuple(float(v) for v in args.ties_lams.split(",")), svd=args.svd))
+                                tuple(float(v) for v in args.ties_lams.split(",")), svd=args.svd, mties=args.mties,
+                                version=args.code_version, report=args.report / lever if args.report else None))
             r = rows[-1]
             log(f"q {r['q']}, wise {wise:g}, {12 - frozen} trained blocks, {steps} steps: G6 at scale 20 "
                 f"{r['g6_heads_scale']:+.2f}, tuned {r['g6_tuned']:+.2f} (best merge {r['best_merge']})")
