@@ -89,6 +89,72 @@ def test_the_saved_merge_from_recorded_masks_is_the_functional_merge_bit_for_bit
     assert torch.equal(rule.merge_tensor("w", base, sources, fresh), functional)
 
 
+@pytest.mark.parametrize("method", ["adarank_tsv", "adarank_iso"])
+def test_learned_coefficients_scale_their_components_and_the_recorded_ones_merge_bit_for_bit(method):
+    """learn_lam: each matrix's slot holds its masks then its λ (TSV-M: one per model, Iso-C: one), starting at
+    lam; the merged matrix is θ₀ + Σ_c λ(c)·m_c·σ_c u_c v_cᵀ by hand; a bias learns one λ; the recorded masks and
+    coefficients merge to the training's bits."""
+    from hf_mloss.methods.adarank import LAM_STATE
+
+    g = torch.Generator().manual_seed(6)
+    base, bias = torch.randn(12, 9, generator=g), torch.randn(12, generator=g)
+    sources = [base + 0.1 * torch.randn(12, 9, generator=g) for _ in range(3)]
+    biases = [bias + 0.1 * torch.randn(12, generator=g) for _ in range(3)]
+    rule = get_method(method)
+    params = rule.make_params(objective="output_gap", learn_lam=True, lam=0.7)
+    ctx = MergeContext(params=params, weights=torch.ones(3))
+    parts = {"w": rule.functional_part("w", base, sources, ctx), "b": rule.functional_part("b", bias, biases, ctx)}
+    layout = rule.layout(parts, None, ctx)
+    part, lams = parts["w"], 3 if method == "adarank_tsv" else 1
+    assert layout.slots["w"] == slice(0, part.count + lams) and layout.slots["b"] == slice(part.count + lams,
+                                                                                         part.count + lams + 1)
+    assert torch.equal(layout.initial[part.count:], torch.full((lams + 1,), 0.7))
+    values = torch.cat([torch.randn(part.count, generator=g), torch.tensor([0.5, 1.5, 2.5][:lams] + [1.25])])
+    functional = {n: rule.functional_tensor(b, parts[n], values[layout.slots[n]], params)
+                  for n, b in (("w", base), ("b", bias))}
+    kept = (values[:part.count] > 0).float()
+    owner = [max(model, 0) for model, _, count in part.rows for _ in range(count)]
+    by_hand = base + sum(values[part.count + owner[c]] * kept[c] * (part.scale if part.scale.dim() == 0
+                                                                    else part.scale[c])
+                         * torch.outer(part.left[:, c], part.right[c]) for c in range(part.count))
+    torch.testing.assert_close(functional["w"], by_hand, atol=1e-5, rtol=0)
+    torch.testing.assert_close(functional["b"], bias + 1.25 * torch.stack(biases).sub(bias).mean(0))
+    recorded = rule.use_trained(ctx, layout, values)
+    assert recorded["coefficients"] == [["w", *values[part.count:part.count + lams].tolist()], ["b", 1.25]]
+    fresh = MergeContext(params=rule.make_params(objective="output_gap", learn_lam=True, **recorded),
+                         weights=torch.ones(3))
+    assert not fresh.params.learns
+    rule.use_recorded(fresh, ["w", "b"], None, 3)
+    assert set(fresh.state[LAM_STATE]) == {"w", "b"}
+    assert torch.equal(rule.merge_tensor("w", base, sources, fresh), functional["w"])
+    assert torch.equal(rule.merge_tensor("b", bias, biases, fresh), functional["b"])
+    with pytest.raises(InvalidParameterError, match="do not fit these models"):
+        rule.use_recorded(fresh, ["w", "b", "c"], None, 3)
+    wrong = MergeContext(params=rule.make_params(objective="output_gap", learn_lam=True, masks=recorded["masks"],
+                                                 coefficients=[["w", 1.0, 2.0, 3.0, 4.0], ["b", 1.0]]),
+                         weights=torch.ones(3))
+    rule.use_recorded(wrong, ["w", "b"], None, 3)
+    with pytest.raises(InvalidParameterError, match="4 values"):
+        rule.merge_tensor("w", base, sources, wrong)
+
+
+def test_learned_coefficients_can_raise_the_merge_and_rerun_bit_for_bit(tiny_paths, image_folder, records):
+    """A learn_lam run records a λ for every changed tensor, moves them off lam, and its recipe re-runs without
+    training to the same bits; coefficients without learn_lam are refused."""
+    first = _run(tiny_paths, str(image_folder), "adarank_tsv", steps=12, lr=0.05, learn_lam=True)
+    assert records[0].trace[-1] < records[0].trace[0]
+    coefficients = first.config.parameters["coefficients"]
+    changed = {n for n, v in first.model.state_dict().items()}
+    assert coefficients and {row[0] for row in coefficients} <= changed
+    assert any(v != 1.0 for row in coefficients for v in row[1:])
+    again = hf_mloss.run(first.config, progress=False)
+    assert len(records) == 1  # recorded masks and coefficients: no training
+    for key, value in first.model.state_dict().items():
+        assert torch.equal(value, again.model.state_dict()[key]), key
+    with pytest.raises(InvalidParameterError, match="learn_lam=True"):
+        _run(tiny_paths, str(image_folder), "adarank_tsv", coefficients=coefficients)
+
+
 @pytest.mark.parametrize(("method", "reference"), PAIRS)
 def test_recorded_empty_masks_and_the_first_step_are_the_data_free_merge(tiny_paths, pixels, records, method,
                                                                         reference):

@@ -15,10 +15,17 @@ keeps no more than the q bases fit in the layer's rank). Unlike the authors' cod
 learned alongside (λ stays the data-free method's), and the mask acts on TSV-M's / Iso-C's components rather than on
 each raw task vector's full spectrum. Tensors that are not matrices take the data-free rule (the mean task vector).
 
+``learn_lam=True`` learns the coefficients too, as the authors do: θ = θ₀ + (U⊥ * (Σ ⊙ m ⊙ λ)) @ V⊥ᵀ with one λ per
+layer matrix and task (TSV-M: it scales that task's components; Iso-C: one per matrix, its components being the
+sum's), and θ = θ₀ + λ·τ̄ with one λ per other changed tensor (AdaMerging's layer-wise coefficients). Every λ starts
+at ``lam``, so the first step is still the data-free merge; unlike the masks, λ can raise a merge above the
+data-free scale, which a mask alone (dropping components) cannot.
+
 The recipe records the learned masks as the components they drop (``masks``: one row per matrix that drops any,
 ``[tensor, dropped indices of model 1, …, of model q]``, indices into that model's kept components in descending
-singular value; ``adarank_iso``: ``[tensor, dropped indices]``); a re-run merges from them without training, bit for
-bit, ``relearn=True`` trains again. The training loop is :mod:`hf_mloss.merging.learned`.
+singular value; ``adarank_iso``: ``[tensor, dropped indices]``) and, with ``learn_lam``, the coefficients
+(``coefficients``: one row per changed tensor, ``[tensor, λ_1, …, λ_q]`` for a TSV-M matrix, ``[tensor, λ]``
+otherwise); a re-run merges from them without training, bit for bit, ``relearn=True`` trains again. The training loop is :mod:`hf_mloss.merging.learned`.
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ PART_STATE = "components"
 (the same bits as factoring again, at half the SVDs)."""
 MASK_STATE = "masks"
 """``MergeContext.state`` key: tensor name → the dropped component indices of each model (TSV-M) or of the sum."""
+LAM_STATE = "lams"
+"""``MergeContext.state`` key (``learn_lam``): tensor name → its coefficients."""
 REFERENCE = "Lee et al., AdaRank: Adaptive Rank Pruning for Enhanced Model Merging, ICLR 2026 (arXiv 2503.22178)"
 REFERENCE_URL = "https://arxiv.org/abs/2503.22178"
 
@@ -61,12 +70,28 @@ class AdaRankParams(LearnedParams):
         "model q] per matrix that drops any (adarank_iso: [tensor, dropped indices]); a re-run merges from them "
         "without training.")
 
+    learn_lam: bool = param(False, "Also learn the coefficients λ (one per layer matrix and task, one per other "
+                            "changed tensor), starting at lam, as the authors do; default: λ stays lam.")
+    coefficients: tuple[tuple[Any, ...], ...] | None = param(
+        None, "Recorded with learn_lam: the learned λ, one row [tensor, λ_1, ..., λ_q] per TSV-M matrix and "
+        "[tensor, λ] per other changed tensor; a re-run merges from them without training.")
+
     RECORDED: ClassVar[str] = "masks"
 
     def check(self) -> None:
         super().check()
         if self.masks is not None:
             parse_masks(self.masks)
+        if self.coefficients is not None:
+            if not self.learn_lam:
+                raise InvalidParameterError("coefficients are recorded by learn_lam=True runs; pass learn_lam=True "
+                                            "with them (or drop them).")
+            parse_lams(self.coefficients)
+
+    @property
+    def learns(self) -> bool:
+        """Whether a run trains: nothing recorded (masks, and the coefficients when ``learn_lam``), or ``relearn``."""
+        return super().learns or (self.learn_lam and self.coefficients is None)
 
 
 @dataclass(frozen=True)
@@ -94,6 +119,23 @@ def parse_masks(rows: Sequence[Any]) -> dict[str, list[list[int]]]:
     return out
 
 
+def parse_lams(rows: Sequence[Any]) -> dict[str, list[float]]:
+    """Tensor name → its recorded coefficients, from ``[tensor, λ, ...]`` rows; refuses malformed ones."""
+    import math
+
+    out: dict[str, list[float]] = {}
+    for i, row in enumerate(rows):
+        if (not isinstance(row, (list, tuple)) or len(row) < 2 or not isinstance(row[0], str)
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                           for v in row[1:])):
+            raise InvalidParameterError(f"coefficients[{i}] must be [tensor name, λ, ...] with finite numbers, got "
+                                        f"{str(row)[:80]!r}.")
+        if row[0] in out:
+            raise InvalidParameterError(f"coefficients name {row[0]!r} twice.")
+        out[row[0]] = [float(v) for v in row[1:]]
+    return out
+
+
 @dataclass
 class Components:
     """One matrix's kept singular components: the merge is ``(left * (scale * m)) @ right`` for masks ``m``."""
@@ -108,6 +150,16 @@ class Components:
     @property
     def count(self) -> int:
         return self.left.shape[1]
+
+
+def component_coefficients(components: Components, lams: torch.Tensor) -> torch.Tensor:
+    """Each component's λ from one λ per model (TSV-M: ``lams[p]`` for model p's components) or one for the sum
+    (Iso-C: ``lams[0]``); a gather, so the training's gradient reaches ``lams``."""
+    import torch
+
+    index = torch.cat([torch.full((count,), max(model, 0), dtype=torch.long, device=lams.device)
+                       for model, _, count in components.rows])
+    return lams[index]
 
 
 def masked_matrix(components: Components, mask: torch.Tensor) -> torch.Tensor:
@@ -150,36 +202,58 @@ class _AdaRank(LearnedMethod):
     def layout(self, parts, adapter, ctx):
         import torch
 
+        params, q = ctx.params, len(ctx.weights)
         slots: dict[str, Any] = {}
         rows: dict[str, list[tuple[int, int, int]]] = {}
-        start = 0
+        initial, start, masks = [], 0, 0
         for name, part in parts.items():
-            if isinstance(part, Components):
-                slots[name], rows[name] = slice(start, start + part.count), part.rows
-                start += part.count
-            else:
+            lams = (self.lams_per_matrix(q) if isinstance(part, Components) else 1) if params.learn_lam else 0
+            count = part.count if isinstance(part, Components) else 0
+            if count + lams == 0:
                 slots[name] = None
-        return TrainedLayout(slots=slots, initial=torch.full((start,), ctx.params.mask_init, dtype=torch.float32),
-                             count=start, title="Component masks", what=f"component masks ({self.base_name})",
-                             meta=rows)
+                continue
+            slots[name] = slice(start, start + count + lams)
+            if isinstance(part, Components):
+                rows[name] = part.rows
+            initial += [torch.full((count,), params.mask_init), torch.full((lams,), params.lam)]
+            start, masks = start + count + lams, masks + count
+        what = f"component masks ({self.base_name})" + (" and coefficients λ" if params.learn_lam else "")
+        return TrainedLayout(slots=slots, initial=torch.cat(initial).float() if initial else torch.zeros(0),
+                             count=masks, title="Component masks", what=what, meta=rows)
+
+    def lams_per_matrix(self, q: int) -> int:
+        """How many coefficients a layer matrix learns with ``learn_lam``."""
+        raise NotImplementedError
 
     def functional_tensor(self, base, part, values, params):
         if values is None:
             return base + params.lam * part
-        return base + params.lam * masked_matrix(part, straight_through(values, params.temperature))
+        if not isinstance(part, Components):  # learn_lam: one λ for the tensor
+            return base + values[0] * part
+        mask = straight_through(values[:part.count], params.temperature)
+        if params.learn_lam:
+            return base + masked_matrix(part, mask * component_coefficients(part, values[part.count:]))
+        return base + params.lam * masked_matrix(part, mask)
 
     def use_trained(self, ctx, layout, trained):
-        recorded, state = [], {}
+        recorded, state, lams = [], {}, {}
         for name, slot in layout.slots.items():
             if slot is None:
                 continue
-            dropped = (trained[slot] <= 0).nonzero().flatten().tolist()
+            values = trained[slot]
+            count = sum(count for _, _, count in layout.meta.get(name, ()))
+            if ctx.params.learn_lam:
+                lams[name] = values[count:].tolist()
+            dropped = (values[:count] <= 0).nonzero().flatten().tolist()
             if dropped:
                 rows = self._rows(name, ctx, layout, dropped)
                 recorded.append([name, *rows])
                 state[name] = rows
         ctx.state[MASK_STATE] = state
-        return {"masks": recorded}
+        if not ctx.params.learn_lam:
+            return {"masks": recorded}
+        ctx.state[LAM_STATE] = lams
+        return {"masks": recorded, "coefficients": [[name, *values] for name, values in lams.items()]}
 
     def _rows(self, name: str, ctx: MergeContext, layout: TrainedLayout, dropped: list[int]) -> list[list[int]]:
         """The recorded rows of a matrix's dropped components (flat indices into its components)."""
@@ -204,6 +278,15 @@ class _AdaRank(LearnedMethod):
             raise InvalidParameterError(f"The recorded masks of {wrong[0]!r} hold {len(recorded[wrong[0]])} lists, "
                                         f"{self.recorded_rows(q)} expected for {q} models; pass relearn=True.")
         ctx.state[MASK_STATE] = recorded
+        if ctx.params.learn_lam:
+            lams = parse_lams(ctx.params.coefficients)
+            missing, unknown = sorted(set(names) - set(lams)), sorted(set(lams) - set(names))
+            if missing or unknown:
+                raise InvalidParameterError(
+                    f"The recorded coefficients do not fit these models: {len(missing)} changed tensors have none "
+                    f"({missing[:2]}), {len(unknown)} name tensors they do not change ({unknown[:2]}); pass "
+                    "relearn=True to train them again.")
+            ctx.state[LAM_STATE] = lams
 
     def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
         import torch
@@ -212,11 +295,12 @@ class _AdaRank(LearnedMethod):
         if part is None:
             part = self._split(name, base, sources, ctx)
         dropped = ctx.state[MASK_STATE].get(name)
+        lams = self._lams(name, part, ctx)
         if not isinstance(part, Components):
             if dropped and any(dropped):
                 raise InvalidParameterError(f"The recorded masks drop components of {name!r}, which has none here; "
                                             "pass relearn=True.")
-            return base + ctx.params.lam * part
+            return base + (lams[0] if lams is not None else ctx.params.lam) * part
         mask = torch.ones(part.count, dtype=part.left.dtype, device=part.left.device)
         for model, first, count in part.rows:
             indices = dropped[max(model, 0)] if dropped else []
@@ -231,11 +315,29 @@ class _AdaRank(LearnedMethod):
             if stray:
                 raise InvalidParameterError(f"The recorded masks drop components of model {stray[0]} in {name!r}, "
                                             "which that model does not change; pass relearn=True.")
+        if lams is not None:
+            return base + masked_matrix(part, mask * component_coefficients(part, lams))
         return base + ctx.params.lam * masked_matrix(part, mask)
 
+    def _lams(self, name: str, part: Any, ctx: MergeContext) -> torch.Tensor | None:
+        """The learned or recorded coefficients of tensor ``name`` (None without ``learn_lam``), checked against
+        what the tensor learns."""
+        import torch
+
+        if not ctx.params.learn_lam:
+            return None
+        values = ctx.state[LAM_STATE].get(name)
+        expected = self.lams_per_matrix(len(ctx.weights)) if isinstance(part, Components) else 1
+        if values is None or len(values) != expected:
+            raise InvalidParameterError(f"The recorded coefficients of {name!r} hold "
+                                        f"{0 if values is None else len(values)} values, {expected} expected here; "
+                                        "pass relearn=True.")
+        device = part.left.device if isinstance(part, Components) else part.device
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
     def describe(self, params: MethodParams) -> str:
-        return (f"AdaRank ({self.reference}) over {self.base_name}: masks over its singular components learned with "
-                f"the {params.objective!r} objective")
+        learned = "masks over its singular components" + (" and coefficients λ" if params.learn_lam else "")
+        return f"AdaRank ({self.reference}) over {self.base_name}: {learned} learned with the {params.objective!r} objective"
 
 
 class AdaRankTsv(_AdaRank):
@@ -268,6 +370,9 @@ class AdaRankTsv(_AdaRank):
     def recorded_rows(self, q: int) -> int:
         return q
 
+    def lams_per_matrix(self, q: int) -> int:
+        return q
+
 
 class AdaRankIso(_AdaRank):
     """AdaRank over Iso-C: a mask per singular component of the summed task matrix."""
@@ -289,6 +394,9 @@ class AdaRankIso(_AdaRank):
         return Components(u, mean, vh, [(-1, 0, u.shape[1])])
 
     def recorded_rows(self, q: int) -> int:
+        return 1
+
+    def lams_per_matrix(self, q: int) -> int:
         return 1
 
 
