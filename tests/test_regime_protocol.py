@@ -240,6 +240,11 @@ def test_learned_probe_compares_three_kinds_of_rows_on_equal_grids():
     tsv = next(s for s in specs if s.label == "tsv_m (val-tuned)")
     assert tsv.grid["lam"] == pytest.approx([v * 0.65 for v in (1.0, 1.5, 2.0, 2.5, 3.0, 4.0)], abs=1e-3)
     assert all(not s.grid and not s.params.get("lam") for s in specs if kinds[s.label] == "default")
+    row, = [s for s in learned_specs(8, 1.0, steps=5, lr=None, batch=16, learned=[("adarank_tsv+lam", "disagreement")])
+            if kind(s.label) == "learned"]
+    assert (row.label, row.method, row.params["learn_lam"]) == ("adarank_tsv+lam (disagreement)", "adarank_tsv", True)
+    with pytest.raises(ValueError, match="unknown learned row"):
+        learned_specs(8, 1.0, steps=5, lr=None, batch=16, learned=[("adamerging+lam", "entropy")])
 
 
 def test_learned_probe_table_states_the_goal_against_both_baselines():

@@ -52,9 +52,12 @@ def learned_specs(num_tasks: int, wise: float, *, steps: int, lr: float | None, 
     defaults = {"ties": {"scope": "global", "budget": "changed", "k": 0.2}}
     specs += [MethodSpec(f"{m} (default)", m, defaults.get(m, {})) for m in TUNED]
     train = {"steps": steps, "batch_size": batch, **({"lr": lr} if lr is not None else {})}
-    for method, objective in learned:
-        extra = {"granularity": "layer"} if method == "adamerging" else {}
-        specs.append(MethodSpec(f"{method} ({objective})", method, {**train, **extra, "objective": objective},
+    for name, objective in learned:
+        method, _, flag = name.partition("+")  # adarank_tsv+lam: AdaRank learning λ with its masks
+        if flag not in ("", "lam") or (flag and not method.startswith("adarank")):
+            raise ValueError(f"unknown learned row {name!r}: METHOD or adarank_*+lam")
+        extra = {"granularity": "layer"} if method == "adamerging" else {"learn_lam": True} if flag else {}
+        specs.append(MethodSpec(f"{name} ({objective})", method, {**train, **extra, "objective": objective},
                                 heads=objective != "mloss"))
     return specs
 
@@ -153,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--num-samples", type=int, default=128, help="unlabeled images the learned merges train on")
     parser.add_argument("--learned", default=",".join(f"{m}:{o}" for m, o in LEARNED),
-                        help="the learned rows, METHOD:OBJECTIVE comma-separated")
+                        help="the learned rows, METHOD:OBJECTIVE comma-separated (adarank_tsv+lam: λ learned too)")
     parser.add_argument("--baselines-from", type=Path, default=None,
                         help="an earlier record (JSON) of the same suite: keep its other rows, run the learned ones")
     parser.add_argument("--ties-lams", default=None, help="TIES's λ grid per unit of a wise-0.65 checkpoint")
