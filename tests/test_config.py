@@ -395,6 +395,7 @@ PARAMETER_VALUES = {
     "coefficients": st.none() | st.just([["all", 0.25, -0.5]]),
     "relearn": st.booleans(),
     "mask_init": st.sampled_from([0.1, 1.0]),
+    "learn_lam": st.booleans(),
     "temperature": st.sampled_from([1.0, 10.0]),
     "masks": st.none() | st.just([["encoder.layers.0.mlp.fc1.weight", [0, 3], []]]),
     "select_topk": st.sampled_from([0.0, 0.3, 1.0]),
@@ -409,7 +410,9 @@ PARAMETER_VALUES = {
     "alpha": st.sampled_from([0.2, 0.5]),
 }
 METHOD_VALUES = {("breadcrumbs", "rescale"): st.sampled_from(["none", "l1"]),
-                 ("breadcrumbs_ties", "rescale"): st.sampled_from(["none", "l1"])}
+                 ("breadcrumbs_ties", "rescale"): st.sampled_from(["none", "l1"]),
+                 # AdaRank's coefficients go with learn_lam=True only (tests/test_adarank.py covers them)
+                 ("adarank_tsv", "coefficients"): st.none(), ("adarank_iso", "coefficients"): st.none()}
 
 
 @st.composite
