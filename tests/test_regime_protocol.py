@@ -3,6 +3,7 @@ kept fraction counted on merged weights, one test per pair, and result caches ke
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -258,3 +259,33 @@ def test_learned_probe_table_states_the_goal_against_both_baselines():
     text = markdown(record, "cmd", "2 CPU cores", 1.0)
     assert "| adamerging (entropy) | learned | 69.00 | 68.50 | -0.50 | +3.50 |  |  |" in text
     assert "goal: within 1: met" in text and "goal: above: met" in text
+
+
+def test_a_methods_only_run_joins_the_replicate_it_was_measured_on():
+    from benchmarks.suites.protocol import ReplicateResult
+
+    rows = ReplicateResult(seed=2, reference={"fine-tuned (own task)": {}}, methods={"ties": {"val": {"a": 0.5}}},
+                           correct={"ties": {"a": np.array([True])}}, trim={"ties": 0.2})
+    family = ReplicateResult(seed=2, methods={"m_ties": {"val": {"a": 0.6}}},
+                             correct={"m_ties": {"a": np.array([False])}}, trim={"m_ties": 0.18})
+    rows.add_methods(family)
+    assert set(rows.methods) == {"ties", "m_ties"} and rows.trim == {"ties": 0.2, "m_ties": 0.18}
+    assert rows.correct["m_ties"]["a"].tolist() == [False] and "fine-tuned (own task)" in rows.reference
+    with pytest.raises(ValueError, match="already has rows"):
+        rows.add_methods(family)
+    with pytest.raises(ValueError, match="replicate 3 cannot join replicate 2"):
+        rows.add_methods(ReplicateResult(seed=3))
+
+
+def test_lever_map_table_lists_the_mties_family_with_its_choices():
+    from benchmarks.suites.regime import markdown
+
+    row = {"q": 8, "wise": 1.0, "trained_blocks": 4, "steps": 180, "pretrained heads": 40.0,
+           "fine-tuned (own task)": 83.0, "foreign": -3.0, "ensemble (probabilities)": 60.0,
+           TUNED_ENSEMBLE: 65.0, "average": 50.0, "task_arithmetic": 65.0, "ties": 70.0,
+           "best_merge": "ties", "g6_heads_scale": -10.0, "g6_tuned": -5.0, "ensemble_scale": [5.0], "edges": [],
+           "test": {}, "code_version": "aaaaaaaaaa", "mties_code_version": "bbbbbbbbbb",
+           "mties_family": {"m_ties": {"val": 71.25, "test": 70.5, "chosen": [{"k": 0.2, "lam": 1.04}]}}}
+    text = markdown([row], "cmd", [0], "machine", 1.0)
+    assert "| 8 | 1 | 4 | m_ties | 71.25 | 70.50 | 1.04 |" in text
+    assert "aaaaaaaaaa, bbbbbbbbbb" in text

@@ -145,6 +145,18 @@ class ReplicateResult:
     ensemble_scale: dict[str, Any] = field(default_factory=dict)
     """With tuned ensemble scales: {"chosen": scale, "val_grid": [{"scale", "val_mean"}, ...]}."""
 
+    def add_methods(self, other: ReplicateResult) -> None:
+        """Take ``other``'s method rows (a methods-only run on the same fine-tunes, ``run_replicate(...,
+        references=False)``) beside this result's: a compared family added later without re-running the rest."""
+        if other.seed != self.seed:
+            raise ValueError(f"method rows of replicate {other.seed} cannot join replicate {self.seed}")
+        clash = sorted(set(other.methods) & set(self.methods))
+        if clash:
+            raise ValueError(f"replicate {self.seed} already has rows {clash}")
+        self.methods.update(other.methods)
+        self.correct.update({label: other.correct[label] for label in other.methods})
+        self.trim.update(other.trim)
+
 
 def reference_rows(bench: Bench, pretrained: dict[str, dict[str, torch.Tensor]], tuned: dict[str, State],
                    out: ReplicateResult, ensemble_scales: Sequence[float] = ()) -> None:
@@ -299,17 +311,14 @@ def run_replicate(bench: Bench, replicate: Replicate, specs: Sequence[MethodSpec
     base = bench.load_state(bench.base_dir)
     tuned = {t: bench.load_state(replicate.finetuned[t]) for t in bench.tasks}
     start = time.perf_counter()
-    if not references:
-        for spec in specs:
-            run_method(bench, replicate, spec, out, num_samples=num_samples, log=log)
-        return out
-    log(f"replicate {replicate.seed}: the fine-tunes, their ensembles and foreign task vectors on val and test")
-    reference_rows(bench, pretrained or pretrained_scores(bench), tuned, out, ensemble_scales)
-    foreign_effects(bench, base, tuned, out)
-    means = {label: 100 * np.mean(list(r["val"].values())) for label, r in out.reference.items()}
-    scale = f"; ensemble scale {out.ensemble_scale['chosen']:g}" if out.ensemble_scale else ""
-    log(f"replicate {replicate.seed}: " + ", ".join(f"{k} {v:.2f}" for k, v in means.items())
-        + f" (val{scale}; {time.perf_counter() - start:.0f} s)")
+    if references:
+        log(f"replicate {replicate.seed}: the fine-tunes, their ensembles and foreign task vectors on val and test")
+        reference_rows(bench, pretrained or pretrained_scores(bench), tuned, out, ensemble_scales)
+        foreign_effects(bench, base, tuned, out)
+        means = {label: 100 * np.mean(list(r["val"].values())) for label, r in out.reference.items()}
+        scale = f"; ensemble scale {out.ensemble_scale['chosen']:g}" if out.ensemble_scale else ""
+        log(f"replicate {replicate.seed}: " + ", ".join(f"{k} {v:.2f}" for k, v in means.items())
+            + f" (val{scale}; {time.perf_counter() - start:.0f} s)")
     for spec in specs:
         state = run_method(bench, replicate, spec, out, num_samples=num_samples, log=log)
         if spec.method in TRIMMING:

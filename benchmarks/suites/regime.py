@@ -78,11 +78,13 @@ def lever_specs(num_tasks: int, wise: float, ties_lams: Sequence[float] = TIES_L
 
 
 def measure(cfg, cache: Path, log, ties_lams: Sequence[float] = TIES_LAMS, *, svd: bool = False,
-            mties: bool = False, version: str | None = None, report: Path | None = None) -> dict:
+            mties: bool = False, version: str | None = None, mties_version: str | None = None,
+            report: Path | None = None) -> dict:
     """One lever setting (a :class:`~benchmarks.suites.real.RealConfig`): the suite's reference rows, tuned ensemble
     and merges on every seed of ``cfg``; G6 per seed with its t interval (:func:`benchmarks.suites.gates.premise_gate`)
-    where there are several. ``mties``: M-TIES and its controls too (see :func:`lever_specs`); ``version``: reuse
-    the replicates another code version measured (:func:`~benchmarks.suites.protocol.cached_replicate`);
+    where there are several. ``mties``: M-TIES and its controls too (see :func:`lever_specs`), measured and cached
+    as a methods-only run beside the other rows; ``version`` / ``mties_version``: reuse the replicates (the other rows
+    / the M-TIES family) another code version measured (:func:`~benchmarks.suites.protocol.cached_replicate`);
     ``report``: every verdict of the suite's protocol on this lever (gates G1-G6, the paired differences with item
     bootstrap and Holm-adjusted replicate t intervals, M-TIES against its controls where measured), written as
     ``report``/results.md and results.json."""
@@ -98,20 +100,28 @@ def measure(cfg, cache: Path, log, ties_lams: Sequence[float] = TIES_LAMS, *, sv
     from benchmarks.suites.real import build_real_suite
 
     bench = build_real_suite(cfg, cache, log)
-    specs = lever_specs(len(cfg.tasks), cfg.wise, ties_lams, svd=svd,
-                        mties_layers=list(range(cfg.frozen, cfg.num_layers)) if mties else None)
+    specs = lever_specs(len(cfg.tasks), cfg.wise, ties_lams, svd=svd)
+    family = lever_specs(len(cfg.tasks), cfg.wise, ties_lams, svd=svd,
+                         mties_layers=list(range(cfg.frozen, cfg.num_layers)))[len(specs):] if mties else []
     merges = (*MERGES, *SVD_MERGES) if svd else MERGES
     pretrained = pretrained_scores(bench)
+    folder = Path(cache) / "regime-results"
     described = [dataclasses.asdict(cfg) | {"seeds": None}, [dataclasses.asdict(s) for s in specs],
                  ENSEMBLE_SCALES["main"]]
-    results = [cached_replicate(described, Path(cache) / "regime-results", rep.seed, lambda rep=rep: run_replicate(
+    results = [cached_replicate(described, folder, rep.seed, lambda rep=rep: run_replicate(
         bench, rep, specs, pretrained=pretrained, ensemble_scales=ENSEMBLE_SCALES["main"], log=log), log,
         version=version) for rep in bench.replicates]  # a run with more seeds, or a stopped one, reuses the seeds measured
+    versions = {"code_version": version or code_version()}
+    if family:  # the M-TIES family as its own methods-only run on the same fine-tunes, cached apart from the rest
+        described = [described[0], [dataclasses.asdict(s) for s in family], "methods only"]
+        for result, rep in zip(results, bench.replicates):
+            result.add_methods(cached_replicate(described, folder, rep.seed, lambda rep=rep: run_replicate(
+                bench, rep, family, references=False, log=log), log, version=mties_version))
+        versions["mties_code_version"] = mties_version or code_version()
     if report is not None:
-        verdicts(bench, specs, results, report, version or code_version(), log)
+        verdicts(bench, [*specs, *family], results, report, versions, log)
     row: dict = {"tasks": list(cfg.tasks), "q": len(cfg.tasks), "wise": cfg.wise,
-                 "trained_blocks": cfg.num_layers - cfg.frozen,
-                 "steps": cfg.ft_steps, "code_version": version or code_version()}
+                 "trained_blocks": cfg.num_layers - cfg.frozen, "steps": cfg.ft_steps, **versions}
     ensembles = ("ensemble (probabilities)", TUNED_ENSEMBLE)
     for label in ("pretrained heads", "fine-tuned (own task)", *ensembles, *merges):
         row[label] = val_mean(results, label)
@@ -131,13 +141,17 @@ def measure(cfg, cache: Path, log, ties_lams: Sequence[float] = TIES_LAMS, *, sv
     row["g6_gate"] = premise_gate(results, merges).to_dict()
     if svd:  # G6 against the merges the earlier maps had, beside the one against every merge
         row["g6_gate_without_svd"] = premise_gate(results, MERGES).to_dict()
+    if family:  # val and test means of the M-TIES family, each at its own setting chosen on val
+        row["mties_family"] = {s.label: {"val": val_mean(results, s.label), "test": 100 * float(np.mean(
+            [np.mean(list(r.methods[s.label]["test"].values())) for r in results])),
+            "chosen": [r.methods[s.label]["chosen"] for r in results]} for s in family}
     row["test"] = {label: 100 * float(np.mean([np.mean(list(
         (r.reference[label] if label in r.reference else r.methods[label])["test"].values())) for r in results]))
         for label in ("fine-tuned (own task)", *ensembles, *merges)}
     return row
 
 
-def verdicts(bench, specs: Sequence, results: Sequence, out: Path, version: str, log) -> None:
+def verdicts(bench, specs: Sequence, results: Sequence, out: Path, versions: dict[str, str], log) -> None:
     """The suite protocol's verdicts on one lever's replicates (:func:`benchmarks.suites.run.judge`: gates, paired
     differences, the M-TIES claim), written to ``out``/results.md and results.json by the suite's own report."""
     from benchmarks.suites.run import judge, write_results
@@ -145,9 +159,11 @@ def verdicts(bench, specs: Sequence, results: Sequence, out: Path, version: str,
     results, gates, diffs = judge(bench, specs, list(results), log=log)
     header = [f"# Every verdict of the suite protocol on one lever: q {len(bench.tasks)}, wise {bench.cfg.wise:g}, "
               f"{bench.cfg.num_layers - bench.cfg.frozen} trained blocks, {len(results)} fine-tuning replicates", "",
-              f"Replicates measured by code version {version} (`benchmarks.suites.protocol.code_version`); merges "
-              "and grids: `benchmarks.suites.regime.lever_specs` (written in units of the trained task vectors)."]
-    write_results(out, results, gates, diffs, header, {"code_version": version, "seeds": list(bench.cfg.seeds),
+              f"Replicates measured by code version {versions['code_version']}"
+              + (f" (the M-TIES family: {versions['mties_code_version']})" if "mties_code_version" in versions else "")
+              + " (`benchmarks.suites.protocol.code_version`); merges and grids: `benchmarks.suites.regime.lever_specs`"
+              " (written in units of the trained task vectors)."]
+    write_results(out, results, gates, diffs, header, {**versions, "seeds": list(bench.cfg.seeds),
                                                        "specs": [dataclasses.asdict(s) for s in specs]})
     log(f"verdicts written to {out}/results.md")
 
@@ -165,7 +181,7 @@ def markdown(rows: Sequence[dict], command: str, seeds: Sequence[int], machine: 
              ("| q | wise | trained blocks | steps | pretrained | fine-tuned (own) | one foreign τ | ensemble (scale 20) | ensemble (tuned: "
               "scale) | average | task arithmetic | TIES | best merge | G6 at scale 20 | G6 tuned |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    versions = sorted({r["code_version"] for r in rows if r.get("code_version")})
+    versions = sorted({r[key] for r in rows for key in ("code_version", "mties_code_version") if r.get(key)})
     if versions:
         lines[2] += f" Protocol results measured by code version {', '.join(versions)}."
     for r in rows:
@@ -193,6 +209,13 @@ def markdown(rows: Sequence[dict], command: str, seeds: Sequence[int], machine: 
             lines.append(f"- {where}: {r['g6_gate']['value']}")
             if r.get("g6_gate_without_svd"):
                 lines.append(f"- {where}, without the SVD merges: {r['g6_gate_without_svd']['value']}")
+    family = [r for r in rows if r.get("mties_family")]
+    if family:
+        lines += ["", "M-TIES and its controls on TIES's λ grid (mean over seeds, each at its setting chosen on val):", "",
+                  "| q | wise | trained blocks | row | val | test | chosen λ per seed |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['q']} | {r['wise']:g} | {r.get('trained_blocks', 2)} | {label} | {m['val']:.2f} | "
+                  f"{m['test']:.2f} | {', '.join(format(c['lam'], 'g') for c in m['chosen'])} |"
+                  for r in family for label, m in r["mties_family"].items()]
     edges = [f"q {r['q']}, wise {r['wise']:g}: " + "; ".join(r["edges"]) for r in rows if r["edges"]]
     lines += ["", "Chosen settings at an end of their grid: " + (" · ".join(edges) if edges else "none") + "."]
     lines += ["", "Test accuracy (%) of the same rows: " + " · ".join(
@@ -243,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="write every verdict of the suite protocol per lever under REPORT/<lever>/results.md")
     parser.add_argument("--code-version", default=None,
                         help="reuse the replicates that code version measured (10 hex digits; default this tree's)")
+    parser.add_argument("--mties-code-version", default=None,
+                        help="reuse the M-TIES family's rows that code version measured (default this tree's)")
     args = parser.parse_args(argv)
     argv = argv if argv is not None else sys.argv[1:]
     command = "python -m benchmarks.suites.regime " + " ".join(record_args(argv, ("--cache", "--table", "--report")))
@@ -261,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             lever = f"q{len(cfg.tasks)}_wise{wise:g}_blocks{cfg.num_layers - frozen}_steps{steps}"
             rows.append(measure(cfg, args.cache or default_cache(), log,
                                 tuple(float(v) for v in args.ties_lams.split(",")), svd=args.svd, mties=args.mties,
-                                version=args.code_version, report=args.report / lever if args.report else None))
+                                version=args.code_version, mties_version=args.mties_code_version, report=args.report / lever if args.report else None))
             r = rows[-1]
             log(f"q {r['q']}, wise {wise:g}, {12 - frozen} trained blocks, {steps} steps: G6 at scale 20 "
                 f"{r['g6_heads_scale']:+.2f}, tuned {r['g6_tuned']:+.2f} (best merge {r['best_merge']})")
