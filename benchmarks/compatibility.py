@@ -8,7 +8,8 @@ baselines), and one M-TIES merge vs label-free selection over a 3×3 (k, λ) gri
 grid (task arithmetic). Wall and process CPU seconds, the load average before and after.
 
 ``study``: on a built suite with fine-tuning replicates (the image suite ``real-quick --seeds 4``: 4 tasks × 4 seeds; the
-text suite ``text``: 6 tasks × 4 seeds)
+text suite ``text``: 6 tasks × 4 seeds; ``real-regime``: the image suite at the regime map's lever, 8 tasks × 4 seeds,
+with the map's grids and the SVD merges in (b))
 
 * (a) every pair and random subsets of 3-6 fine-tunes: the M-Loss of each (one ``compatibility()`` pass) and the
   label-free baselines, against the normalised test accuracy of the subset's average merge (mean over members p of
@@ -382,11 +383,20 @@ REGRET_LABELS = ("task_arithmetic", "ties", "m_ties")
 M-TIES's scored layers) and the same grid the suite searches on val labels, so the val choice is the suite's."""
 
 
-def regret_methods(bench, tasks: tuple[str, ...]) -> dict[str, tuple[str, dict, dict]]:
+def regret_methods(bench, tasks: tuple[str, ...], suite: str = "") -> dict[str, tuple[str, dict, dict]]:
     """label → (method, fixed parameters, grid) from the suite's own method specs for a merge of ``tasks`` (task
-    arithmetic's λ grid is scaled by 4 / the number of merged tasks, as the suite scales it)."""
+    arithmetic's λ grid is scaled by 4 / the number of merged tasks, as the suite scales it). ``real-regime``: the
+    lever map's specs and grids (:func:`benchmarks.suites.regime.lever_specs`, in units of the trained task vectors),
+    the SVD merges included."""
     import dataclasses
 
+    if suite == "real-regime":
+        from benchmarks.suites.regime import REGIME_TIES_LAMS, SVD_MERGES, lever_specs
+
+        specs = lever_specs(len(tasks), bench.cfg.wise, REGIME_TIES_LAMS, svd=True,
+                            mties_layers=list(range(bench.cfg.frozen, bench.cfg.num_layers)))
+        found = {s.label: (s.method, dict(s.params), dict(s.grid)) for s in specs}
+        return {label: found[label] for label in (*REGRET_LABELS, *SVD_MERGES)}
     if hasattr(bench.cfg, "max_tokens"):  # the text suite
         from benchmarks.suites.text import method_specs as text_specs
 
@@ -462,7 +472,7 @@ def instance_candidates(study: Study, instance, method: str, args: argparse.Name
     from hf_mloss.spec.selection import SelectionOptions
 
     seed, tasks, draw = instance
-    name, fixed, grid = regret_methods(study.bench, tasks)[method]
+    name, fixed, grid = regret_methods(study.bench, tasks, args.suite)[method]
     default = documented_default(name, grid)
     described = json.dumps([name, fixed, grid, CRITERIA, default], sort_keys=True, default=str)
     key = (f"regret|{seed}|{','.join(tasks)}|{method}|{args.select_samples}" + (f"|draw{draw}" if draw else "")
@@ -517,7 +527,7 @@ def regret_part(study: Study, args: argparse.Namespace) -> dict:
     detail, table = [], []
     for instance in instances:
         study.log(f"regret instance: seed {instance[0]}, tasks {', '.join(instance[1])}, draw {instance[2]}")
-        for method, (name, fixed, grid) in regret_methods(study.bench, instance[1]).items():
+        for method, (name, fixed, grid) in regret_methods(study.bench, instance[1], args.suite).items():
             rows = instance_candidates(study, instance, method, args)
             default = next((r for r in rows if r.get("documented_default")), None)
             detail.append({"seed": instance[0], "tasks": list(instance[1]), "draw": instance[2], "method": method,
@@ -660,8 +670,10 @@ def load_bench(suite: str, seeds: int | None, cache: Path | None, log):
 
         return build_text_suite(text_config(suite, seeds), cache or default_cache(), log)
     from benchmarks.suites.real import build_real_suite
+    from benchmarks.suites.regime import regime_config
 
-    return build_real_suite(real_config(suite, seeds), cache or default_cache(), log)
+    cfg = regime_config(seeds) if suite == "real-regime" else real_config(suite, seeds)
+    return build_real_suite(cfg, cache or default_cache(), log)
 
 
 def run_study(args: argparse.Namespace) -> None:
@@ -805,8 +817,9 @@ def main(argv: list[str] | None = None) -> int:
     cost.add_argument("--threads", type=int, default=2)
     cost.set_defaults(func=run_cost)
     study = sub.add_parser("study", help="label-free scores vs merged accuracy, and selection regret, on a suite")
-    study.add_argument("--suite", choices=("real", "real-quick", "real-smoke", "text", "text-quick", "text-smoke"),
-                       default="real-quick")
+    study.add_argument("--suite", default="real-quick",
+                       choices=("real", "real-quick", "real-smoke", "real-regime", "text", "text-quick", "text-smoke"),
+                       help="real-regime: the image suite at the regime lever (8 tasks, wise 1.0, upper 4 blocks)")
     study.add_argument("--seeds", type=int, default=4, help="fine-tuning replicates of the suite (its cached build)")
     study.add_argument("--draws", type=int, default=2, help="draws of the unlabeled selection data per instance")
     study.add_argument("--suite-cache", type=Path, default=None, help="the suite's cache (default: its own)")

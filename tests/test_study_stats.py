@@ -95,6 +95,22 @@ def test_regret_judges_each_method_as_its_suite_runs_it() -> None:
     assert text["ties"][2] == text["m_ties"][2] == {"k": [0.2], "lam": [1.0, 1.5, 2.0, 2.5, 3.0]}
 
 
+def test_regret_at_the_regime_lever_uses_the_lever_map_grids() -> None:
+    from benchmarks.suites.regime import regime_config
+
+    cfg = regime_config(4)
+    assert (cfg.wise, cfg.frozen, len(cfg.tasks), cfg.seeds) == (1.0, 8, 8, (0, 1, 2, 3))
+    lever = regret_methods(SimpleNamespace(cfg=cfg), tuple("abcdefgh"), "real-regime")
+    assert list(lever) == ["task_arithmetic", "ties", "m_ties", "tsv_m", "iso_c", "iso_cts"]
+    # in units of the trained task vector: 0.65 × the wise-0.65 grid (0.8 ... 2.0)
+    assert lever["ties"][2] == {"lam": [0.52, 0.65, 0.78, 0.91, 1.04, 1.3]} and lever["ties"][1]["k"] == 0.2
+    assert lever["m_ties"][2] == {"k": [0.2], "lam": [0.52, 0.65, 0.78, 0.91, 1.04, 1.3]}
+    assert lever["m_ties"][1]["layers"] == [8, 9, 10, 11]
+    assert lever["tsv_m"][2] == {"lam": [0.65, 0.975, 1.3, 1.625, 1.95, 2.6]}
+    four = regret_methods(SimpleNamespace(cfg=cfg), ("a", "b", "c", "d"), "real-regime")
+    assert four["task_arithmetic"][2] == {"lam": [0.325, 0.423, 0.52, 0.617, 0.715, 0.812]}  # 8 / 4 × q = 8's
+
+
 def test_regret_is_the_test_accuracy_lost_against_the_val_choice(monkeypatch) -> None:
     candidates = {  # val picks lam 2.4 (test .60); mloss picks lam 1.6, the grid's lowest (test .50); the middle is 2.4
         m: [{"setting": {"k": 0.2, "lam": lam}, "val": val, "test": test, **{c: lam for c in compatibility.CRITERIA}}
@@ -107,7 +123,8 @@ def test_regret_is_the_test_accuracy_lost_against_the_val_choice(monkeypatch) ->
     monkeypatch.setattr(compatibility, "instance_candidates", lambda study, instance, method, args: candidates[method])
     study = SimpleNamespace(bench=SimpleNamespace(cfg=RealConfig(frozen=10), tasks=["a", "b"],
                                                   replicates=[SimpleNamespace(seed=0)]), log=lambda *_: None)
-    args = SimpleNamespace(seed=0, regret_replicates=1, regret_subsets=0, draws=2, select_samples=8, regret_images=None)
+    args = SimpleNamespace(seed=0, regret_replicates=1, regret_subsets=0, draws=2, select_samples=8, regret_images=None,
+                           suite="real-quick")
     out = regret_part(study, args)
     assert len(out["instances"]) == 2 and len(out["detail"]) == 6
     rows = {(r["method"], r["criterion"]): r for r in out["table"]}

@@ -47,6 +47,21 @@ TIES_LAMS = (1.6, 2.0, 2.4, 2.8, 3.2, 3.6)
 """The TIES family's λ grid of the image suite, per unit of a checkpoint interpolated at wise 0.65."""
 
 
+REGIME_TIES_LAMS = (0.8, 1.0, 1.2, 1.4, 1.6, 2.0)
+"""TIES's grid (per unit of a wise-0.65 checkpoint, as :data:`TIES_LAMS`) at :func:`regime_config`'s lever: the
+suite's own put TIES's choice at its lower end there."""
+
+
+def regime_config(seeds: int | None = None):
+    """The lever most favourable to the premise gate in the recorded map (``regime_levers_q8_blocks4_svd``): all 8
+    tasks, the fine-tunes at full strength (wise 1.0), the upper 4 blocks trained; ``seeds``: that many replicates
+    (default: the suite's)."""
+    from benchmarks.suites.real import RealConfig
+
+    cfg = dataclasses.replace(RealConfig(), wise=1.0, frozen=8)
+    return dataclasses.replace(cfg, seeds=tuple(range(seeds))) if seeds else cfg
+
+
 def lever_specs(num_tasks: int, wise: float, ties_lams: Sequence[float] = TIES_LAMS, *, svd: bool = False,
                 mties_layers: Sequence[int] | None = None) -> list:
     """Average, task arithmetic and global TIES (k = 0.2 of the changed entries), on the suite's 6-setting grids
