@@ -194,7 +194,12 @@ def test_replicate_results_are_cached_by_description_code_and_seed(tmp_path, mon
     assert calls == [0, 1, 0, 0]
     # another tree may reuse what a named code version measured (its record says so), and nothing else
     reused = protocol.cached_replicate(["a"], tmp_path, 1, run(1), lambda message: None, version=first)
-    assert reused.trim == {"ties": 0.1} and calls == [0, 1, 0, 0]
+    assert reused.trim == {"ties": 0.1} and calls == [0, 1, 0, 0] and reused.code_version == first
+    # a replicate the named version did not measure is measured by this code, and said to be
+    fresh = protocol.cached_replicate(["a"], tmp_path, 2, run(2), lambda message: None, version=first)
+    assert calls == [0, 1, 0, 0, 2] and fresh.code_version == "other code"
+    again = protocol.cached_replicate(["a"], tmp_path, 2, run(2), lambda message: None, version=first)
+    assert calls == [0, 1, 0, 0, 2] and again.code_version == "other code"
 
 
 def test_lever_map_mties_rows_are_the_suite_family_on_the_ties_grid():

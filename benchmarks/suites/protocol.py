@@ -140,6 +140,8 @@ class ReplicateResult:
     trim: dict[str, float] = field(default_factory=dict)
     """Trimming method's label → of the entries some fine-tune changed, the fraction its chosen merge changes (counted
     on the merged weights: :func:`changed_fraction`)."""
+    code_version: str = ""
+    """The :func:`code_version` that measured these rows (set by :func:`cached_replicate`)."""
     trim_counted: str = "merged weights"
     """How ``trim`` was counted: on the merged weights (this code), or by the budget rule (records made before)."""
     ensemble_scale: dict[str, Any] = field(default_factory=dict)
@@ -265,17 +267,29 @@ def cached_replicate(described: Any, folder: Path, seed: int, run: Callable[[], 
     """One replicate's protocol results (``run()``), cached under ``folder`` by ``described`` (the configuration
     without its seeds, the compared methods, whatever else its numbers depend on), the code version and the seed: a
     run with more replicates, or one stopped half-way, reuses every replicate already measured. ``version``: the
-    :func:`code_version` whose results to reuse instead of this tree's (a record made from them must say so)."""
+    :func:`code_version` whose results to reuse instead of this tree's (a record made from them must say so); a
+    replicate it did not measure is measured by this code and cached under this code's version. The result's
+    ``code_version`` says which code measured it."""
     import json
     import os
     import pickle
 
-    key = json.dumps([described, version or code_version()], sort_keys=True, default=str)
-    path = Path(folder) / hashlib.sha1(key.encode()).hexdigest()[:10] / f"seed{seed}.pkl"
-    if path.exists():
-        log(f"replicate {seed}: protocol results from the cache ({path.parent.name})")
-        return pickle.loads(path.read_bytes())
+    def location(measured_by: str) -> Path:
+        key = json.dumps([described, measured_by], sort_keys=True, default=str)
+        return Path(folder) / hashlib.sha1(key.encode()).hexdigest()[:10] / f"seed{seed}.pkl"
+
+    for measured_by in dict.fromkeys([version or code_version(), code_version()]):
+        path = location(measured_by)
+        if path.exists():
+            log(f"replicate {seed}: protocol results from the cache ({path.parent.name}, code version {measured_by})")
+            result = pickle.loads(path.read_bytes())
+            result.code_version = measured_by
+            return result
+    if version:
+        log(f"replicate {seed}: not measured by code version {version}; measuring it with this code")
     result = run()
+    result.code_version = code_version()
+    path = location(result.code_version)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_bytes(pickle.dumps(result))

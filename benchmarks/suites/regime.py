@@ -108,7 +108,6 @@ def measure(cfg, cache: Path, log, ties_lams: Sequence[float] = TIES_LAMS, *, sv
         ENSEMBLE_SCALES,
         TUNED_ENSEMBLE,
         cached_replicate,
-        code_version,
         pretrained_scores,
         run_replicate,
     )
@@ -126,13 +125,15 @@ def measure(cfg, cache: Path, log, ties_lams: Sequence[float] = TIES_LAMS, *, sv
     results = [cached_replicate(described, folder, rep.seed, lambda rep=rep: run_replicate(
         bench, rep, specs, pretrained=pretrained, ensemble_scales=ENSEMBLE_SCALES["main"], log=log), log,
         version=version) for rep in bench.replicates]  # a run with more seeds, or a stopped one, reuses the seeds measured
-    versions = {"code_version": version or code_version()}
+    versions = {"code_version": ", ".join(dict.fromkeys(r.code_version for r in results))}
     if family:  # the M-TIES family as its own methods-only run on the same fine-tunes, cached apart from the rest
         described = [described[0], [dataclasses.asdict(s) for s in family], "methods only"]
+        measured = []
         for result, rep in zip(results, bench.replicates):
-            result.add_methods(cached_replicate(described, folder, rep.seed, lambda rep=rep: run_replicate(
+            measured.append(cached_replicate(described, folder, rep.seed, lambda rep=rep: run_replicate(
                 bench, rep, family, references=False, log=log), log, version=mties_version))
-        versions["mties_code_version"] = mties_version or code_version()
+            result.add_methods(measured[-1])
+        versions["mties_code_version"] = ", ".join(dict.fromkeys(r.code_version for r in measured))
     if report is not None:
         verdicts(bench, [*specs, *family], results, report, versions, log)
     row: dict = {"tasks": list(cfg.tasks), "q": len(cfg.tasks), "wise": cfg.wise,
@@ -196,7 +197,8 @@ def markdown(rows: Sequence[dict], command: str, seeds: Sequence[int], machine: 
              ("| q | wise | trained blocks | steps | pretrained | fine-tuned (own) | one foreign τ | ensemble (scale 20) | ensemble (tuned: "
               "scale) | average | task arithmetic | TIES | best merge | G6 at scale 20 | G6 tuned |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    versions = sorted({r[key] for r in rows for key in ("code_version", "mties_code_version") if r.get(key)})
+    versions = list(dict.fromkeys(v.strip() for r in rows for key in ("code_version", "mties_code_version")
+                                  for v in r.get(key, "").split(",") if v.strip()))
     if versions:
         lines[2] += f" Protocol results measured by code version {', '.join(versions)}."
     for r in rows:
