@@ -15,6 +15,7 @@ The record states, per learned row, its test accuracy against the best val-tuned
 default (the issue's goal: within 1 point of the first, above the second).
 
     python -m benchmarks.suites.learned --seeds 0 --tasks all --wise 1.0 --table benchmarks/results/learned_regime_q8
+    python -m benchmarks.suites.learned --regime --seeds 0,1,2,3 --learned adarank_tsv+lam:output_gap  # intervals
 """
 
 from __future__ import annotations
@@ -109,6 +110,67 @@ def measure(cfg, cache: Path, log, specs: Sequence, num_samples: int, earlier: d
             "ensemble_scale": scales, **({"baselines_from": earlier["command"]} if earlier else {})}
 
 
+def measure_at_regime(cfg, cache: Path, log, specs: Sequence, version: str | None = None) -> dict:
+    """:func:`measure` on the regime lever's fine-tunes (``cfg``: :func:`benchmarks.suites.regime.regime_config`
+    with its seeds), its val-tuned rows taken from the lever map's cached replicates (the same protocol, grids and
+    fine-tunes; ``version``: the code version that measured them) and the other rows run as a methods-only run,
+    itself cached per seed. Beside the means: each learned row against the best val-tuned merge and the best
+    data-free default, paired on the same test images, with item-bootstrap and replicate t intervals (Holm within
+    the family of those comparisons)."""
+    from benchmarks.suites.gates import val_mean
+    from benchmarks.suites.protocol import TUNED_ENSEMBLE
+    from benchmarks.suites.real import build_real_suite
+    from benchmarks.suites.regime import REGIME_TIES_LAMS, lever_replicates, lever_specs
+    from benchmarks.suites.report import test_correct
+    from benchmarks.suites.stats import holm, paired_difference
+
+    bench = build_real_suite(cfg, cache, log)
+    tuned = lever_replicates(bench, cache, lever_specs(len(cfg.tasks), cfg.wise, REGIME_TIES_LAMS, svd=True), log,
+                             version=version)
+    others = [s for s in specs if kind(s.label) != "val-tuned"]
+    measured = lever_replicates(bench, cache, others, log, references=False)
+    for result, extra in zip(tuned, measured):
+        for m in TUNED:  # the lever map's rows, under this probe's labels
+            result.methods[f"{m} (val-tuned)"] = result.methods.pop(m)
+            result.correct[f"{m} (val-tuned)"] = result.correct.pop(m)
+        for label in [m for m in result.methods if kind(m) != "val-tuned"]:  # rows this probe does not compare
+            result.methods.pop(label)
+            result.correct.pop(label, None)
+        result.add_methods(extra)
+    results = tuned
+
+    def test_mean(label: str) -> float:
+        return 100 * float(np.mean([np.mean(list(
+            (r.reference[label] if label in r.reference else r.methods[label])["test"].values())) for r in results]))
+
+    rows: dict = {}
+    for label in ("fine-tuned (own task)", "ensemble (probabilities)", TUNED_ENSEMBLE,
+                  *(f"{m} (val-tuned)" for m in TUNED), *(s.label for s in others)):
+        rows[label] = {"kind": kind(label) if label in results[0].methods else "reference",
+                       "val": val_mean(results, label), "test": test_mean(label)}
+        if label in results[0].methods:
+            rows[label]["chosen"] = [r.methods[label]["chosen"] for r in results]
+            rows[label]["merge_seconds"] = [r.methods[label]["merge_seconds"] for r in results]
+            grid = [g["setting"] for g in results[0].methods[label]["val_grid"]]
+            rows[label]["at_edge"] = len(grid) > 1 and any(r.methods[label]["chosen"] in (grid[0], grid[-1])
+                                                           for r in results)
+    best_tuned = max((k for k, v in rows.items() if v["kind"] == "val-tuned"), key=lambda k: rows[k]["val"])
+    best_default = max((k for k, v in rows.items() if v["kind"] == "default"), key=lambda k: rows[k]["test"])
+    items = getattr(bench, "test_items", None)
+    diffs = {(a, b): paired_difference(test_correct(results, a), test_correct(results, b), items, seed=i,
+                                       family="learned")
+             for i, (a, b) in enumerate((label, base) for label, r in rows.items() if r["kind"] == "learned"
+                                        for base in (best_tuned, best_default))}
+    diffs = holm(diffs)
+    return {"tasks": list(cfg.tasks), "q": len(cfg.tasks), "wise": cfg.wise,
+            "trained_blocks": cfg.num_layers - cfg.frozen, "seeds": list(cfg.seeds), "num_samples": 128,
+            "rows": rows, "best_tuned": best_tuned, "best_default": best_default,
+            "ensemble_scale": [r.ensemble_scale["chosen"] for r in results],
+            "code_versions": {"val-tuned": sorted({r.code_version for r in tuned}),
+                              "other rows": sorted({r.code_version for r in measured})},
+            "differences": [{"a": a, "b": b, **d.to_dict()} for (a, b), d in diffs.items()]}
+
+
 def markdown(record: dict, command: str, machine: str, seconds: float) -> str:
     rows, tuned, default = record["rows"], record["best_tuned"], record["best_default"]
     lines = ["# Learned merges against val-tuned and data-free merges (image suite)", "",
@@ -131,12 +193,27 @@ def markdown(record: dict, command: str, machine: str, seconds: float) -> str:
                      f"{r['test'] - rows[tuned]['test']:+.2f} | {r['test'] - rows[default]['test']:+.2f} | "
                      f"{chosen} | {seconds} |")
     learned = [k for k, v in rows.items() if v["kind"] == "learned"]
+    if record.get("differences"):
+        lines += ["", (f"Paired differences on the test images, {len(record['seeds'])} fine-tuning replicates: the "
+                       "mean, its item-bootstrap 95 % interval and its replicate t interval at its Holm step "
+                       "(family: these comparisons); a difference is a ranking only where both exclude 0."), "",
+                  "| difference | mean | item bootstrap | replicate t (level) | per replicate | verdict |",
+                  "|---|---|---|---|---|---|"]
+        for d in record["differences"]:
+            t = (f"[{d['t_low']:+.2f}, {d['t_high']:+.2f}] ({100 * d['t_level']:.1f} %)"
+                 if d["t_low"] is not None else "n/a")
+            lines.append(f"| {d['a']} − {d['b']} | {d['mean']:+.2f} | [{d['low']:+.2f}, {d['high']:+.2f}] | {t} | "
+                         + ", ".join(f"{v:+.2f}" for v in d["per_replicate"]) + f" | {d['verdict']} |")
+        versions = record.get("code_versions", {})
+        lines += ["", "Measured by code versions: " + "; ".join(f"{k} {', '.join(v)}" for k, v in versions.items())
+                  + " (`benchmarks.suites.protocol.code_version`)."]
     if learned:
         best = max(learned, key=lambda k: rows[k]["test"])
         gap, over = rows[best]["test"] - rows[tuned]["test"], rows[best]["test"] - rows[default]["test"]
         lines += ["", (f"Best learned row: {best}, {gap:+.2f} test points from the best val-tuned merge (goal: within "
                        f"1: {'met' if gap >= -1 else 'not met'}) and {over:+.2f} from the best data-free default "
-                       f"(goal: above: {'met' if over > 0 else 'not met'}). One seed gives no interval.")]
+                       f"(goal: above: {'met' if over > 0 else 'not met'})."
+                       + (" One seed gives no interval." if len(record["seeds"]) < 2 else ""))]
     return "\n".join(lines) + "\n"
 
 
@@ -160,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baselines-from", type=Path, default=None,
                         help="an earlier record (JSON) of the same suite: keep its other rows, run the learned ones")
     parser.add_argument("--ties-lams", default=None, help="TIES's λ grid per unit of a wise-0.65 checkpoint")
+    parser.add_argument("--regime", action="store_true",
+                        help="the regime lever (8 tasks, wise 1.0, upper 4 blocks: regime.regime_config), its "
+                             "val-tuned rows from the lever map's cached replicates, paired intervals per learned row")
+    parser.add_argument("--code-version", default=None,
+                        help="with --regime: the code version whose lever-map replicates to reuse")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cache", type=Path, default=None)
     parser.add_argument("--table", type=Path, default=None, help="write TABLE.md / TABLE.json")
@@ -167,9 +249,16 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m benchmarks.suites.learned " + " ".join(
         record_args(argv if argv is not None else sys.argv[1:], ("--cache", "--table")))
     tasks = {"quick": QUICK_TASKS, "all": RealConfig().tasks}[args.tasks]
-    cfg = dataclasses.replace(RealConfig(), tasks=tuple(tasks), wise=args.wise, frozen=args.frozen,
-                              seeds=tuple(int(s) for s in args.seeds.split(",")))
+    seeds = tuple(int(s) for s in args.seeds.split(","))
+    cfg = dataclasses.replace(RealConfig(), tasks=tuple(tasks), wise=args.wise, frozen=args.frozen, seeds=seeds)
     ties = tuple(float(v) for v in args.ties_lams.split(",")) if args.ties_lams else None
+    if args.regime:
+        from benchmarks.suites.regime import REGIME_TIES_LAMS, regime_config
+
+        if args.baselines_from or args.num_samples != 128:
+            parser.error("--regime takes its baselines from the lever map (128 samples): no --baselines-from")
+        cfg, ties = dataclasses.replace(regime_config(), seeds=seeds), REGIME_TIES_LAMS
+        tasks = cfg.tasks
     specs = learned_specs(len(tasks), args.wise, steps=args.steps, lr=args.lr, batch=args.batch,
                           learned=[tuple(item.split(":")) for item in args.learned.split(",")], ties_lams=ties)
     earlier = json.loads(args.baselines_from.read_text()) if args.baselines_from else None
@@ -177,7 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     start, load = time.perf_counter(), os.getloadavg()
     torch.use_deterministic_algorithms(True)
     with torch_threads(args.threads):
-        record = measure(cfg, args.cache or default_cache(), log, specs, args.num_samples, earlier)
+        if args.regime:
+            record = measure_at_regime(cfg, args.cache or default_cache(), log, specs, args.code_version)
+        else:
+            record = measure(cfg, args.cache or default_cache(), log, specs, args.num_samples, earlier)
     machine = (f"{os.cpu_count()} CPU cores, {args.threads} torch threads, torch {torch.__version__}, load average "
                f"{load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
     seconds = time.perf_counter() - start

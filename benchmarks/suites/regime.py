@@ -104,13 +104,7 @@ def measure(cfg, cache: Path, log, ties_lams: Sequence[float] = TIES_LAMS, *, sv
     bootstrap and Holm-adjusted replicate t intervals, M-TIES against its controls where measured), written as
     ``report``/results.md and results.json."""
     from benchmarks.suites.gates import premise_gate, val_mean, val_means
-    from benchmarks.suites.protocol import (
-        ENSEMBLE_SCALES,
-        TUNED_ENSEMBLE,
-        cached_replicate,
-        pretrained_scores,
-        run_replicate,
-    )
+    from benchmarks.suites.protocol import TUNED_ENSEMBLE
     from benchmarks.suites.real import build_real_suite
 
     bench = build_real_suite(cfg, cache, log)
@@ -118,21 +112,12 @@ def measure(cfg, cache: Path, log, ties_lams: Sequence[float] = TIES_LAMS, *, sv
     family = lever_specs(len(cfg.tasks), cfg.wise, ties_lams, svd=svd,
                          mties_layers=list(range(cfg.frozen, cfg.num_layers)))[len(specs):] if mties else []
     merges = (*MERGES, *SVD_MERGES) if svd else MERGES
-    pretrained = pretrained_scores(bench)
-    folder = Path(cache) / "regime-results"
-    described = [dataclasses.asdict(cfg) | {"seeds": None}, [dataclasses.asdict(s) for s in specs],
-                 ENSEMBLE_SCALES["main"]]
-    results = [cached_replicate(described, folder, rep.seed, lambda rep=rep: run_replicate(
-        bench, rep, specs, pretrained=pretrained, ensemble_scales=ENSEMBLE_SCALES["main"], log=log), log,
-        version=version) for rep in bench.replicates]  # a run with more seeds, or a stopped one, reuses the seeds measured
+    results = lever_replicates(bench, Path(cache), specs, log, version=version)
     versions = {"code_version": ", ".join(dict.fromkeys(r.code_version for r in results))}
     if family:  # the M-TIES family as its own methods-only run on the same fine-tunes, cached apart from the rest
-        described = [described[0], [dataclasses.asdict(s) for s in family], "methods only"]
-        measured = []
-        for result, rep in zip(results, bench.replicates):
-            measured.append(cached_replicate(described, folder, rep.seed, lambda rep=rep: run_replicate(
-                bench, rep, family, references=False, log=log), log, version=mties_version))
-            result.add_methods(measured[-1])
+        measured = lever_replicates(bench, Path(cache), family, log, version=mties_version, references=False)
+        for result, extra in zip(results, measured):
+            result.add_methods(extra)
         versions["mties_code_version"] = ", ".join(dict.fromkeys(r.code_version for r in measured))
     if report is not None:
         verdicts(bench, [*specs, *family], results, report, versions, log)
@@ -165,6 +150,28 @@ def measure(cfg, cache: Path, log, ties_lams: Sequence[float] = TIES_LAMS, *, sv
         (r.reference[label] if label in r.reference else r.methods[label])["test"].values())) for r in results]))
         for label in ("fine-tuned (own task)", *ensembles, *merges)}
     return row
+
+
+def lever_replicates(bench, cache: Path, specs: Sequence, log, *, version: str | None = None,
+                     references: bool = True) -> list:
+    """Every replicate of ``bench`` under the suite's protocol with ``specs`` (reference rows and the tuned
+    ensemble too, unless ``references=False``: a methods-only run to join rows measured before), each cached under
+    ``cache``/regime-results by the suite's configuration, the specs and the code version (``version``: reuse what
+    that version measured), so a run with more seeds, or a stopped one, reuses the seeds measured."""
+    from benchmarks.suites.protocol import ENSEMBLE_SCALES, cached_replicate, pretrained_scores, run_replicate
+
+    described = [dataclasses.asdict(bench.cfg) | {"seeds": None}, [dataclasses.asdict(s) for s in specs],
+                 ENSEMBLE_SCALES["main"] if references else "methods only"]
+    pretrained = {}
+
+    def run(rep):
+        if references and not pretrained:
+            pretrained.update(pretrained_scores(bench))
+        return run_replicate(bench, rep, specs, pretrained=pretrained or None, log=log, references=references,
+                             ensemble_scales=ENSEMBLE_SCALES["main"] if references else ())
+
+    return [cached_replicate(described, Path(cache) / "regime-results", rep.seed, lambda rep=rep: run(rep), log,
+                             version=version) for rep in bench.replicates]
 
 
 def verdicts(bench, specs: Sequence, results: Sequence, out: Path, versions: dict[str, str], log) -> None:

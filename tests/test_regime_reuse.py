@@ -1,0 +1,54 @@
+"""The regime probes on the smoke suite: the lever map's M-TIES family joins its cached rows as a methods-only run,
+and the learned probe takes its val-tuned rows from the lever map's replicates, measured once, with paired
+intervals per learned row."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.suites import protocol
+from benchmarks.suites.__main__ import real_config
+from benchmarks.suites.regime import REGIME_TIES_LAMS, measure
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """The labels each protocol run measured, in order."""
+    runs: list[list[str]] = []
+    real = protocol.run_replicate
+
+    def run_replicate(bench, replicate, specs, **kwargs):
+        runs.append([s.label for s in specs])
+        return real(bench, replicate, specs, **kwargs)
+
+    monkeypatch.setattr(protocol, "run_replicate", run_replicate)
+    return runs
+
+
+def test_lever_rows_are_measured_once_and_reused(tmp_path, counted):
+    from benchmarks.suites.learned import learned_specs, markdown, measure_at_regime
+    from benchmarks.suites.training import Log
+
+    cfg = real_config("real-smoke", None)
+    log = Log(False, "test")
+    row = measure(cfg, tmp_path, log, REGIME_TIES_LAMS, svd=True)
+    assert len(counted) == 2 and "iso_cts" in counted[0] and not any("m_ties" in label for label in counted[0])
+    again = measure(cfg, tmp_path, log, REGIME_TIES_LAMS, svd=True, mties=True)  # only the M-TIES family runs
+    assert len(counted) == 4 and all(labels[0] == "m_ties" for labels in counted[2:])
+    assert again["tsv_m"] == row["tsv_m"] and again["code_version"] == row["code_version"]
+    assert set(again["mties_family"]) >= {"m_ties", "m_ties (inverted ranks)", "m_ties (budget-matched uniform)"}
+
+    specs = learned_specs(len(cfg.tasks), cfg.wise, steps=2, lr=None, batch=4, ties_lams=REGIME_TIES_LAMS,
+                          learned=[("adamerging", "output_gap")])
+    record = measure_at_regime(cfg, tmp_path, log, specs)
+    assert len(counted) == 6  # the val-tuned rows came from the lever map's cache
+    assert all(not any(label.endswith("(val-tuned)") for label in labels) for labels in counted[4:])
+    rows = record["rows"]
+    assert rows["tsv_m (val-tuned)"]["val"] == pytest.approx(row["tsv_m"])
+    assert {"adamerging (output_gap)", "tsv_m (default)"} <= set(rows) and "average" not in rows
+    pairs = {(d["a"], d["b"]) for d in record["differences"]}
+    assert pairs == {("adamerging (output_gap)", record["best_tuned"]),
+                     ("adamerging (output_gap)", record["best_default"])}
+    assert all(len(d["per_replicate"]) == 2 and d["t_low"] is not None for d in record["differences"])
+    text = markdown(record, "cmd", "machine", 1.0)
+    assert "| adamerging (output_gap) − " + record["best_tuned"] in text and "One seed" not in text
