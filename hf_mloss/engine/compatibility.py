@@ -242,12 +242,9 @@ def _streamed_thresholds(pieces, q: int, count: int, numel: int) -> list[float]:
 def _add_pair_statistics(out: dict[str, torch.Tensor], taus: torch.Tensor, threshold: torch.Tensor) -> None:
     """Add one piece's ⟨τ_i, τ_j⟩ and the trim overlap / sign conflict counts (``threshold``: ``[q, 1]``)."""
     out["gram"] += (taus @ taus.T).double().cpu()
-    magnitude = taus.abs()
-    kept = (magnitude >= threshold) & (magnitude > 0)
-    del magnitude
-    signed = torch.sign(taus).mul_(kept)  # ±1 where kept, 0 elsewhere
-    kept = kept.float()
-    overlap = kept @ kept.T
+    signed = torch.where(taus.abs() >= threshold, torch.sign(taus), 0.0)  # ±1 where kept (never a zero), 0 elsewhere
+    kept = signed.abs()
+    overlap = kept @ kept.T  # exact in float32: a tensor or piece holds < 2²⁴ entries per task (STREAM_*_NUMEL)
     out["overlap"] += overlap.double().cpu()
     out["conflict"] += ((overlap - signed @ signed.T) / 2).double().cpu()  # agree − conflict = ⟨s_i, s_j⟩
 
