@@ -258,8 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.baselines_from or args.num_samples != 128:
             parser.error("--regime takes its baselines from the lever map (128 samples): no --baselines-from")
         cfg, ties = dataclasses.replace(regime_config(), seeds=seeds), REGIME_TIES_LAMS
-        tasks = cfg.tasks
-    specs = learned_specs(len(tasks), args.wise, steps=args.steps, lr=args.lr, batch=args.batch,
+    specs = learned_specs(len(cfg.tasks), cfg.wise, steps=args.steps, lr=args.lr, batch=args.batch,
                           learned=[tuple(item.split(":")) for item in args.learned.split(",")], ties_lams=ties)
     earlier = json.loads(args.baselines_from.read_text()) if args.baselines_from else None
     log = Log(True, "learned")
