@@ -1098,14 +1098,20 @@ def portable(value, roots: dict[str, str]):
     return value
 
 
+def record_roots(args) -> dict[str, str]:
+    """The folders a record names by role instead (:func:`portable`): this tree ``"."``, a cache or results folder
+    outside it ``CACHE`` / ``out``, the side-by-side reference tree ``REFERENCE``."""
+    roots = {str(REPO): "."}
+    for folder, name in ((args.cache, "CACHE"), (args.results_dir, "out"), (args.reference, "REFERENCE")):
+        if folder and (name == "REFERENCE" or not Path(folder).resolve().is_relative_to(REPO)):
+            roots[str(Path(folder).resolve())] = roots[str(folder)] = name
+    return roots
+
+
 def write_results(plan: Plan, payload: dict) -> None:
     json_path = plan.results_dir / f"merge_speed_{plan.tag}.json"
     md_path = plan.results_dir / f"merge_speed_{plan.tag}.md"
-    roots = {str(REPO): "."}
-    if plan.args.reference:
-        roots[str(Path(plan.args.reference).resolve())] = "REFERENCE"
-        roots[plan.args.reference] = "REFERENCE"
-    payload = portable(json.loads(json.dumps(payload, default=str)), roots)
+    payload = portable(json.loads(json.dumps(payload, default=str)), record_roots(plan.args))
     json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     md_path.write_text(render_markdown(payload))
     _log(f"wrote {json_path} and {md_path}")

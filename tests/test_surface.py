@@ -3,6 +3,8 @@ their promises, warnings where something is not what was asked."""
 
 from __future__ import annotations
 
+import argparse
+
 import os
 import re
 import subprocess
@@ -319,11 +321,13 @@ def test_committed_records_name_no_machine_folders():
     """Benchmark records are shared: their commands and paths are relative to the tree (or named, as the reference
     tree of a side-by-side run), never one machine's absolute folders."""
     sys.path.insert(0, str(REPO))
-    from benchmarks.merge_speed import portable
+    from benchmarks.merge_speed import REPO as TREE, portable, record_roots
 
     record = {"cwd": "/x/tree", "runs": [{"log": "/x/tree/benchmarks/.cache/r.log", "pythonpath": "/y/old"}]}
     assert portable(record, {"/x/tree": ".", "/y/old": "REFERENCE"}) == {
         "cwd": ".", "runs": [{"log": "benchmarks/.cache/r.log", "pythonpath": "REFERENCE"}]}
+    args = argparse.Namespace(cache="/x/cache", results_dir=str(TREE / "benchmarks" / "results"), reference=None)
+    assert record_roots(args) == {str(TREE): ".", "/x/cache": "CACHE"}
     absolute = re.compile(r"(?<![\w.])/(?:home|root|tmp|work|Users|mnt)/")
     offenders = [p.name for p in sorted((REPO / "benchmarks" / "results").iterdir())
                  if p.suffix in (".json", ".md") and absolute.search(p.read_text())]
