@@ -294,3 +294,36 @@ def test_lever_map_table_lists_the_mties_family_with_its_choices():
     text = markdown([row], "cmd", [0], "machine", 1.0)
     assert "| 8 | 1 | 4 | m_ties | 71.25 | 70.50 | 1.04 |" in text
     assert "aaaaaaaaaa, bbbbbbbbbb" in text
+
+
+def test_a_stopped_replicate_resumes_after_its_last_measured_method(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from benchmarks.suites import protocol
+    from benchmarks.suites.protocol import MethodSpec
+
+    bench = SimpleNamespace(base_dir="base", tasks=["a"], load_state=lambda folder: {"w": torch.zeros(2)})
+    replicate = SimpleNamespace(seed=5, finetuned={"a": "ft"})
+    specs = [MethodSpec(name, "task_arithmetic") for name in ("first", "second", "third")]
+    measured, stop_at = [], {"second"}
+
+    def run_method(bench, replicate, spec, out, **kwargs):
+        if spec.label in stop_at:
+            raise KeyboardInterrupt  # the run is stopped while it measures "second"
+        measured.append(spec.label)
+        out.methods[spec.label] = {"val": {"a": len(measured)}}
+        out.correct[spec.label] = {"a": np.array([True])}
+        return {"w": torch.ones(2)}
+
+    monkeypatch.setattr(protocol, "run_method", run_method)
+    monkeypatch.setattr(protocol, "code_version", lambda: "code")
+    run = lambda partial: protocol.run_replicate(bench, replicate, specs, references=False, partial=partial,
+                                                 log=lambda message: None)
+    with pytest.raises(KeyboardInterrupt):
+        protocol.cached_replicate(["m"], tmp_path, 5, run, lambda message: None, resumable=True)
+    assert measured == ["first"] and len(list(tmp_path.rglob("seed5.partial.pkl"))) == 1
+    stop_at.clear()
+    result = protocol.cached_replicate(["m"], tmp_path, 5, run, lambda message: None, resumable=True)
+    assert measured == ["first", "second", "third"] and list(result.methods) == ["first", "second", "third"]
+    assert result.methods["first"]["val"] == {"a": 1} and result.code_version == "code"
+    assert not list(tmp_path.rglob("*.partial.pkl")) and len(list(tmp_path.rglob("seed5.pkl"))) == 1

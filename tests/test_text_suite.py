@@ -224,7 +224,8 @@ def test_replicate_results_are_cached_per_configuration_methods_and_seed(tmp_pat
     calls = []
 
     def run(seed):
-        def measure():
+        def measure(partial):  # where a stopped run's results so far go: beside the finished ones
+            assert partial.name == f"seed{seed}.partial.pkl" and partial.parent.parent == tmp_path / X.VERSION / "results"
             calls.append(seed)
             return ReplicateResult(seed=seed, trim={"ties": 0.25 + seed})
         return measure

@@ -262,14 +262,16 @@ def run_method(bench: Bench, replicate: Replicate, spec: MethodSpec, out: Replic
     return state
 
 
-def cached_replicate(described: Any, folder: Path, seed: int, run: Callable[[], ReplicateResult],
-                     log: Callable[[str], None], *, version: str | None = None) -> ReplicateResult:
+def cached_replicate(described: Any, folder: Path, seed: int, run: Callable[..., ReplicateResult],
+                     log: Callable[[str], None], *, version: str | None = None,
+                     resumable: bool = False) -> ReplicateResult:
     """One replicate's protocol results (``run()``), cached under ``folder`` by ``described`` (the configuration
     without its seeds, the compared methods, whatever else its numbers depend on), the code version and the seed: a
     run with more replicates, or one stopped half-way, reuses every replicate already measured. ``version``: the
     :func:`code_version` whose results to reuse instead of this tree's (a record made from them must say so); a
     replicate it did not measure is measured by this code and cached under this code's version. The result's
-    ``code_version`` says which code measured it."""
+    ``code_version`` says which code measured it. ``resumable``: ``run(partial)`` is given the file its result so
+    far goes to (:func:`run_replicate`'s ``partial``), beside the finished one, removed once that is written."""
     import json
     import os
     import pickle
@@ -287,13 +289,15 @@ def cached_replicate(described: Any, folder: Path, seed: int, run: Callable[[], 
             return result
     if version:
         log(f"replicate {seed}: not measured by code version {version}; measuring it with this code")
-    result = run()
+    path = location(code_version())
+    partial = path.with_name(f"seed{seed}.partial.pkl")
+    result = run(partial) if resumable else run()
     result.code_version = code_version()
-    path = location(result.code_version)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_bytes(pickle.dumps(result))
     os.replace(tmp, path)
+    partial.unlink(missing_ok=True)
     return result
 
 
@@ -316,16 +320,19 @@ def pretrained_scores(bench: Bench) -> dict[str, dict[str, torch.Tensor]]:
 
 def run_replicate(bench: Bench, replicate: Replicate, specs: Sequence[MethodSpec], *, num_samples: int = 128,
                   pretrained: dict[str, dict[str, torch.Tensor]] | None = None, ensemble_scales: Sequence[float] = (),
-                  log: Callable[[str], None] = print, references: bool = True) -> ReplicateResult:
+                  log: Callable[[str], None] = print, references: bool = True,
+                  partial: Path | None = None) -> ReplicateResult:
     """The whole protocol on one replicate (see the module docstring); ``pretrained``: :func:`pretrained_scores`,
     computed here when not given; ``ensemble_scales``: the grid the probability ensemble's head scale is tuned on
     (:data:`ENSEMBLE_SCALES`; none: no tuned ensemble row); ``references=False``: the methods only (their rows
-    beside reference rows measured by an earlier run on the same fine-tunes)."""
-    out = ReplicateResult(seed=replicate.seed)
+    beside reference rows measured by an earlier run on the same fine-tunes). ``partial``: a file the result so far
+    is written to after the reference rows and after each method, and resumed from (a stopped run loses at most the
+    method it was measuring; the caller keys the file as it keys the finished result)."""
+    out = _load_partial(partial, replicate.seed, log) if partial is not None else ReplicateResult(seed=replicate.seed)
     base = bench.load_state(bench.base_dir)
     tuned = {t: bench.load_state(replicate.finetuned[t]) for t in bench.tasks}
     start = time.perf_counter()
-    if references:
+    if references and not out.reference:
         log(f"replicate {replicate.seed}: the fine-tunes, their ensembles and foreign task vectors on val and test")
         reference_rows(bench, pretrained or pretrained_scores(bench), tuned, out, ensemble_scales)
         foreign_effects(bench, base, tuned, out)
@@ -333,12 +340,38 @@ def run_replicate(bench: Bench, replicate: Replicate, specs: Sequence[MethodSpec
         scale = f"; ensemble scale {out.ensemble_scale['chosen']:g}" if out.ensemble_scale else ""
         log(f"replicate {replicate.seed}: " + ", ".join(f"{k} {v:.2f}" for k, v in means.items())
             + f" (val{scale}; {time.perf_counter() - start:.0f} s)")
+        _save_partial(partial, out)
     for spec in specs:
+        if spec.label in out.methods:
+            continue
         state = run_method(bench, replicate, spec, out, num_samples=num_samples, log=log)
         if spec.method in TRIMMING:
             out.trim[spec.label] = changed_fraction(base, tuned.values(), state)
             log(f"  {spec.label}: changes {100 * out.trim[spec.label]:.1f} % of the entries the fine-tunes changed")
+        _save_partial(partial, out)
     return out
+
+
+def _load_partial(path: Path, seed: int, log: Callable[[str], None]) -> ReplicateResult:
+    import pickle
+
+    if not path.exists():
+        return ReplicateResult(seed=seed)
+    out = pickle.loads(path.read_bytes())
+    log(f"replicate {seed}: resuming after {len(out.methods)} measured methods ({path.name})")
+    return out
+
+
+def _save_partial(path: Path | None, out: ReplicateResult) -> None:
+    import os
+    import pickle
+
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_bytes(pickle.dumps(out))
+    os.replace(tmp, path)
 
 
 def changed_fraction(base: State, tuned: Iterable[State], merged: State) -> float:

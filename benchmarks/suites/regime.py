@@ -157,21 +157,23 @@ def lever_replicates(bench, cache: Path, specs: Sequence, log, *, version: str |
     """Every replicate of ``bench`` under the suite's protocol with ``specs`` (reference rows and the tuned
     ensemble too, unless ``references=False``: a methods-only run to join rows measured before), each cached under
     ``cache``/regime-results by the suite's configuration, the specs and the code version (``version``: reuse what
-    that version measured), so a run with more seeds, or a stopped one, reuses the seeds measured."""
+    that version measured), so a run with more seeds, or a stopped one, reuses the seeds measured (and a stopped
+    seed resumes after its last measured method)."""
     from benchmarks.suites.protocol import ENSEMBLE_SCALES, cached_replicate, pretrained_scores, run_replicate
 
     described = [dataclasses.asdict(bench.cfg) | {"seeds": None}, [dataclasses.asdict(s) for s in specs],
                  ENSEMBLE_SCALES["main"] if references else "methods only"]
     pretrained = {}
 
-    def run(rep):
+    def run(rep, partial):
         if references and not pretrained:
             pretrained.update(pretrained_scores(bench))
         return run_replicate(bench, rep, specs, pretrained=pretrained or None, log=log, references=references,
-                             ensemble_scales=ENSEMBLE_SCALES["main"] if references else ())
+                             ensemble_scales=ENSEMBLE_SCALES["main"] if references else (), partial=partial)
 
-    return [cached_replicate(described, Path(cache) / "regime-results", rep.seed, lambda rep=rep: run(rep), log,
-                             version=version) for rep in bench.replicates]
+    return [cached_replicate(described, Path(cache) / "regime-results", rep.seed,
+                             lambda partial, rep=rep: run(rep, partial), log, version=version, resumable=True)
+            for rep in bench.replicates]
 
 
 def verdicts(bench, specs: Sequence, results: Sequence, out: Path, versions: dict[str, str], log) -> None:

@@ -499,9 +499,10 @@ def draw_of(label: str) -> int:
 
 def cached_text_replicate(cfg: TextConfig, cache: Path, replicate: Replicate, specs: Sequence[MethodSpec],
                           num_samples: int, run, log) -> ReplicateResult:
-    """:func:`~benchmarks.suites.protocol.cached_replicate` under the text configuration and its compared methods."""
+    """:func:`~benchmarks.suites.protocol.cached_replicate` under the text configuration and its compared methods
+    (``run(partial)``: resumable after its last measured method)."""
     described = [dataclasses.asdict(cfg) | {"seeds": None}, num_samples, [dataclasses.asdict(s) for s in specs]]
-    return cached_replicate(described, Path(cache) / VERSION / "results", replicate.seed, run, log)
+    return cached_replicate(described, Path(cache) / VERSION / "results", replicate.seed, run, log, resumable=True)
 
 
 def run_text_suite(cfg: TextConfig, *, cache: Path, out: Path, threads: int = 2, num_samples: int = 128,
@@ -534,9 +535,9 @@ def run_text_suite(cfg: TextConfig, *, cache: Path, out: Path, threads: int = 2,
             log(f"  {label}: not run: {reason}")
         pretrained = pretrained_scores(bench)
         scales = ENSEMBLE_SCALES["smoke" if grid == "smoke" else "main"][:check_grids(specs)]
-        results = [cached_text_replicate(cfg, cache, rep, specs, num_samples, lambda rep=rep: run_replicate(
-            bench, rep, specs, num_samples=num_samples, pretrained=pretrained, ensemble_scales=scales, log=log), log)
-            for rep in bench.replicates]
+        results = [cached_text_replicate(cfg, cache, rep, specs, num_samples, lambda partial, rep=rep: run_replicate(
+            bench, rep, specs, num_samples=num_samples, pretrained=pretrained, ensemble_scales=scales, log=log,
+            partial=partial), log) for rep in bench.replicates]
     results, gates, diffs = judge(bench, specs, results, log=log)
     premise = next(g for g in gates if g.name == "G6 premise")
     log(premise.line())
