@@ -1104,7 +1104,7 @@ def record_roots(args) -> dict[str, str]:
     roots = {str(REPO): "."}
     for folder, name in ((args.cache, "CACHE"), (args.results_dir, "out"), (args.reference, "REFERENCE")):
         if folder and (name == "REFERENCE" or not Path(folder).resolve().is_relative_to(REPO)):
-            roots[str(Path(folder).resolve())] = roots[str(folder)] = name
+            roots[str(Path(folder).resolve())] = name  # absolute only: a relative "c" would rewrite every "c"
     return roots
 
 

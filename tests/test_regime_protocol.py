@@ -304,8 +304,15 @@ def test_a_stopped_replicate_resumes_after_its_last_measured_method(tmp_path, mo
 
     bench = SimpleNamespace(base_dir="base", tasks=["a"], load_state=lambda folder: {"w": torch.zeros(2)})
     replicate = SimpleNamespace(seed=5, finetuned={"a": "ft"})
-    specs = [MethodSpec(name, "task_arithmetic") for name in ("first", "second", "third")]
-    measured, stop_at = [], {"second"}
+    specs = [MethodSpec("first", "ties"), MethodSpec("second", "task_arithmetic"), MethodSpec("third", "ties")]
+    measured, stop_at, references = [], {"second"}, []
+
+    def reference_rows(bench, pretrained, tuned, out, scales):
+        references.append(1)
+        out.reference["fine-tuned (own task)"] = {"val": {"a": 0.9}}
+
+    monkeypatch.setattr(protocol, "reference_rows", reference_rows)
+    monkeypatch.setattr(protocol, "foreign_effects", lambda *args: None)
 
     def run_method(bench, replicate, spec, out, **kwargs):
         if spec.label in stop_at:
@@ -317,13 +324,26 @@ def test_a_stopped_replicate_resumes_after_its_last_measured_method(tmp_path, mo
 
     monkeypatch.setattr(protocol, "run_method", run_method)
     monkeypatch.setattr(protocol, "code_version", lambda: "code")
-    run = lambda partial: protocol.run_replicate(bench, replicate, specs, references=False, partial=partial,
+    run = lambda partial: protocol.run_replicate(bench, replicate, specs, pretrained={"val": {}}, partial=partial,
                                                  log=lambda message: None)
     with pytest.raises(KeyboardInterrupt):
         protocol.cached_replicate(["m"], tmp_path, 5, run, lambda message: None, resumable=True)
-    assert measured == ["first"] and len(list(tmp_path.rglob("seed5.partial.pkl"))) == 1
+    assert measured == ["first"] and len(list(tmp_path.rglob("seed5.partial.pkl"))) == 1 and references == [1]
     stop_at.clear()
     result = protocol.cached_replicate(["m"], tmp_path, 5, run, lambda message: None, resumable=True)
     assert measured == ["first", "second", "third"] and list(result.methods) == ["first", "second", "third"]
+    assert references == [1] and result.reference["fine-tuned (own task)"]["val"] == {"a": 0.9}  # not re-measured
     assert result.methods["first"]["val"] == {"a": 1} and result.code_version == "code"
+    assert set(result.trim) == {"first", "third"}  # the trim measured before the stop is kept
     assert not list(tmp_path.rglob("*.partial.pkl")) and len(list(tmp_path.rglob("seed5.pkl"))) == 1
+
+
+def test_replicate_cache_keys_stay_what_earlier_runs_wrote(tmp_path, monkeypatch):
+    """The key of a cached replicate is the first 10 hex digits of the SHA-1 of json.dumps([described, version]):
+    changing it would orphan every replicate measured so far."""
+    from benchmarks.suites import protocol
+
+    monkeypatch.setattr(protocol, "code_version", lambda: "e6f6690971")
+    protocol.cached_replicate(["lever", {"q": 8}], tmp_path, 0, lambda: protocol.ReplicateResult(seed=0),
+                              lambda message: None)
+    assert [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.pkl")] == ["34c8de2641/seed0.pkl"]

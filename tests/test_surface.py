@@ -328,6 +328,9 @@ def test_committed_records_name_no_machine_folders():
         "cwd": ".", "runs": [{"log": "benchmarks/.cache/r.log", "pythonpath": "REFERENCE"}]}
     args = argparse.Namespace(cache="/x/cache", results_dir=str(TREE / "benchmarks" / "results"), reference=None)
     assert record_roots(args) == {str(TREE): ".", "/x/cache": "CACHE"}
+    relative = record_roots(argparse.Namespace(cache="c", results_dir="out", reference=None))  # run outside the tree
+    assert "c" not in relative and portable({"text": "merge_speed records: cpu scale"}, relative) == {
+        "text": "merge_speed records: cpu scale"}
     absolute = re.compile(r"(?<![\w.])/(?:home|root|tmp|work|Users|mnt)/")
     offenders = [p.name for p in sorted((REPO / "benchmarks" / "results").iterdir())
                  if p.suffix in (".json", ".md") and absolute.search(p.read_text())]

@@ -131,11 +131,12 @@ def measure_at_regime(cfg, cache: Path, log, specs: Sequence, version: str | Non
     measured = lever_replicates(bench, cache, others, log, references=False)
     for result, extra in zip(tuned, measured):
         for m in TUNED:  # the lever map's rows, under this probe's labels
-            result.methods[f"{m} (val-tuned)"] = result.methods.pop(m)
-            result.correct[f"{m} (val-tuned)"] = result.correct.pop(m)
+            for rows in (result.methods, result.correct, result.trim):
+                if m in rows:
+                    rows[f"{m} (val-tuned)"] = rows.pop(m)
         for label in [m for m in result.methods if kind(m) != "val-tuned"]:  # rows this probe does not compare
-            result.methods.pop(label)
-            result.correct.pop(label, None)
+            for rows in (result.methods, result.correct, result.trim):
+                rows.pop(label, None)
         result.add_methods(extra)
     results = tuned
 
@@ -257,6 +258,12 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.baselines_from or args.num_samples != 128:
             parser.error("--regime takes its baselines from the lever map (128 samples): no --baselines-from")
+        given = [f"--{name.replace('_', '-')}" for name, default in (("ties_lams", None), ("frozen", 10),
+                 ("wise", 1.0), ("tasks", "all")) if getattr(args, name) != default]
+        if given:
+            parser.error(f"--regime fixes the lever (8 tasks, wise 1.0, upper 4 blocks, its TIES grid): drop {given}")
+    elif args.code_version:
+        parser.error("--code-version names the lever map's replicates: it needs --regime")
         cfg, ties = dataclasses.replace(regime_config(), seeds=seeds), REGIME_TIES_LAMS
     specs = learned_specs(len(cfg.tasks), cfg.wise, steps=args.steps, lr=args.lr, batch=args.batch,
                           learned=[tuple(item.split(":")) for item in args.learned.split(",")], ties_lams=ties)

@@ -276,11 +276,13 @@ def cached_replicate(described: Any, folder: Path, seed: int, run: Callable[...,
     import os
     import pickle
 
+    current = code_version()  # the code this process loaded (a tree edited during a long run changes nothing)
+
     def location(measured_by: str) -> Path:
         key = json.dumps([described, measured_by], sort_keys=True, default=str)
         return Path(folder) / hashlib.sha1(key.encode()).hexdigest()[:10] / f"seed{seed}.pkl"
 
-    for measured_by in dict.fromkeys([version or code_version(), code_version()]):
+    for measured_by in dict.fromkeys([version or current, current]):
         path = location(measured_by)
         if path.exists():
             log(f"replicate {seed}: protocol results from the cache ({path.parent.name}, code version {measured_by})")
@@ -289,10 +291,10 @@ def cached_replicate(described: Any, folder: Path, seed: int, run: Callable[...,
             return result
     if version:
         log(f"replicate {seed}: not measured by code version {version}; measuring it with this code")
-    path = location(code_version())
+    path = location(current)
     partial = path.with_name(f"seed{seed}.partial.pkl")
     result = run(partial) if resumable else run()
-    result.code_version = code_version()
+    result.code_version = current
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_bytes(pickle.dumps(result))
