@@ -52,3 +52,26 @@ def test_lever_rows_are_measured_once_and_reused(tmp_path, counted):
     assert all(len(d["per_replicate"]) == 2 and d["t_low"] is not None for d in record["differences"])
     text = markdown(record, "cmd", "machine", 1.0)
     assert "| adamerging (output_gap) − " + record["best_tuned"] in text and "One seed" not in text
+
+
+def test_learned_command_line_runs_at_the_regime_lever(monkeypatch, capsys):
+    import benchmarks.suites.learned as learned
+
+    seen = {}
+
+    def measure_at_regime(cfg, cache, log, specs, version=None):
+        seen.update(cfg=cfg, specs=specs, version=version)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(learned, "measure_at_regime", measure_at_regime)
+    with pytest.raises(SystemExit):
+        learned.main(["--regime", "--seeds", "0,1", "--learned", "adarank_tsv+lam:output_gap", "--code-version", "abc"])
+    assert (seen["cfg"].frozen, seen["cfg"].wise, len(seen["cfg"].tasks), seen["cfg"].seeds) == (8, 1.0, 8, (0, 1))
+    assert seen["version"] == "abc" and seen["specs"][1].grid == {"lam": [0.52, 0.65, 0.78, 0.91, 1.04, 1.3]}
+    for refused in (["--frozen", "9"], ["--ties-lams", "1,2,3,4,5,6"]):
+        with pytest.raises(SystemExit):
+            learned.main(["--regime", *refused])
+        assert "--regime fixes the lever" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        learned.main(["--code-version", "abc"])
+    assert "it needs --regime" in capsys.readouterr().err

@@ -262,9 +262,9 @@ def main(argv: list[str] | None = None) -> int:
                  ("wise", 1.0), ("tasks", "all")) if getattr(args, name) != default]
         if given:
             parser.error(f"--regime fixes the lever (8 tasks, wise 1.0, upper 4 blocks, its TIES grid): drop {given}")
+        cfg, ties = dataclasses.replace(regime_config(), seeds=seeds), REGIME_TIES_LAMS
     elif args.code_version:
         parser.error("--code-version names the lever map's replicates: it needs --regime")
-        cfg, ties = dataclasses.replace(regime_config(), seeds=seeds), REGIME_TIES_LAMS
     specs = learned_specs(len(cfg.tasks), cfg.wise, steps=args.steps, lr=args.lr, batch=args.batch,
                           learned=[tuple(item.split(":")) for item in args.learned.split(",")], ties_lams=ties)
     earlier = json.loads(args.baselines_from.read_text()) if args.baselines_from else None
