@@ -37,6 +37,9 @@ OBJECTIVES = ("entropy", "output_gap", "disagreement", "mloss")
 TUNED = ("task_arithmetic", "ties", "tsv_m", "iso_c", "iso_cts")
 
 
+REFERENCES = ("fine-tuned (own task)", "ensemble (probabilities)", "ensemble (probabilities, tuned scale)")
+"""The reference rows every record shows (the last one is :data:`benchmarks.suites.protocol.TUNED_ENSEMBLE`)."""
+
 LEARNED = (*(("adamerging", o) for o in OBJECTIVES), ("adamerging_ties", "entropy"))
 """The learned rows by default: ``(method, objective)``."""
 
@@ -71,8 +74,7 @@ def measure(cfg, cache: Path, log, specs: Sequence, num_samples: int, earlier: d
     """Every row of ``specs`` on every seed of ``cfg``: val and test means (%), chosen settings, merge seconds.
     ``earlier``: a record of the same suite (q, wise, trained blocks, seeds, samples) whose rows are kept; only
     ``specs``' learned rows run."""
-    from benchmarks.suites.gates import val_mean
-    from benchmarks.suites.protocol import ENSEMBLE_SCALES, TUNED_ENSEMBLE, pretrained_scores, run_replicate
+    from benchmarks.suites.protocol import ENSEMBLE_SCALES, pretrained_scores, run_replicate
     from benchmarks.suites.real import build_real_suite
 
     same = {"q": len(cfg.tasks), "wise": cfg.wise, "trained_blocks": cfg.num_layers - cfg.frozen,
@@ -88,23 +90,10 @@ def measure(cfg, cache: Path, log, specs: Sequence, num_samples: int, earlier: d
                              num_samples=num_samples, log=log, references=earlier is None)
                for rep in bench.replicates]
 
-    def test_mean(label: str) -> float:
-        return 100 * float(np.mean([np.mean(list(
-            (r.reference[label] if label in r.reference else r.methods[label])["test"].values())) for r in results]))
-
     rows = dict((earlier or {}).get("rows", {}))  # an earlier row of the same label is measured again
-    references = () if earlier else ("fine-tuned (own task)", "ensemble (probabilities)", TUNED_ENSEMBLE)
-    for label in (*references, *(s.label for s in specs)):
-        rows[label] = {"kind": kind(label) if label in {s.label for s in specs} else "reference",
-                       "val": val_mean(results, label), "test": test_mean(label)}
-        if label in results[0].methods:
-            rows[label]["chosen"] = [r.methods[label]["chosen"] for r in results]
-            rows[label]["merge_seconds"] = [r.methods[label]["merge_seconds"] for r in results]
-            grid = [g["setting"] for g in results[0].methods[label]["val_grid"]]
-            rows[label]["at_edge"] = len(grid) > 1 and any(r.methods[label]["chosen"] in (grid[0], grid[-1])
-                                                           for r in results)
-    best_tuned = max((k for k, v in rows.items() if v["kind"] == "val-tuned"), key=lambda k: rows[k]["val"])
-    best_default = max((k for k, v in rows.items() if v["kind"] == "default"), key=lambda k: rows[k]["test"])
+    references = () if earlier else REFERENCES
+    rows.update(summaries(results, (*references, *(s.label for s in specs))))
+    best_tuned, best_default = best_rows(rows)
     scales = earlier["ensemble_scale"] if earlier else [r.ensemble_scale["chosen"] for r in results]
     return {"tasks": list(cfg.tasks), **same, "rows": rows, "best_tuned": best_tuned, "best_default": best_default,
             "ensemble_scale": scales, **({"baselines_from": earlier["command"]} if earlier else {})}
@@ -117,8 +106,6 @@ def measure_at_regime(cfg, cache: Path, log, specs: Sequence, version: str | Non
     itself cached per seed. Beside the means: each learned row against the best val-tuned merge and the best
     data-free default, paired on the same test images, with item-bootstrap and replicate t intervals (Holm within
     the family of those comparisons)."""
-    from benchmarks.suites.gates import val_mean
-    from benchmarks.suites.protocol import TUNED_ENSEMBLE
     from benchmarks.suites.real import build_real_suite
     from benchmarks.suites.regime import REGIME_TIES_LAMS, lever_replicates, lever_specs
     from benchmarks.suites.report import test_correct
@@ -140,23 +127,8 @@ def measure_at_regime(cfg, cache: Path, log, specs: Sequence, version: str | Non
         result.add_methods(extra)
     results = tuned
 
-    def test_mean(label: str) -> float:
-        return 100 * float(np.mean([np.mean(list(
-            (r.reference[label] if label in r.reference else r.methods[label])["test"].values())) for r in results]))
-
-    rows: dict = {}
-    for label in ("fine-tuned (own task)", "ensemble (probabilities)", TUNED_ENSEMBLE,
-                  *(f"{m} (val-tuned)" for m in TUNED), *(s.label for s in others)):
-        rows[label] = {"kind": kind(label) if label in results[0].methods else "reference",
-                       "val": val_mean(results, label), "test": test_mean(label)}
-        if label in results[0].methods:
-            rows[label]["chosen"] = [r.methods[label]["chosen"] for r in results]
-            rows[label]["merge_seconds"] = [r.methods[label]["merge_seconds"] for r in results]
-            grid = [g["setting"] for g in results[0].methods[label]["val_grid"]]
-            rows[label]["at_edge"] = len(grid) > 1 and any(r.methods[label]["chosen"] in (grid[0], grid[-1])
-                                                           for r in results)
-    best_tuned = max((k for k, v in rows.items() if v["kind"] == "val-tuned"), key=lambda k: rows[k]["val"])
-    best_default = max((k for k, v in rows.items() if v["kind"] == "default"), key=lambda k: rows[k]["test"])
+    rows = summaries(results, (*REFERENCES, *(f"{m} (val-tuned)" for m in TUNED), *(s.label for s in others)))
+    best_tuned, best_default = best_rows(rows)
     items = getattr(bench, "test_items", None)
     diffs = {(a, b): paired_difference(test_correct(results, a), test_correct(results, b), items, seed=i,
                                        family="learned")
@@ -170,6 +142,33 @@ def measure_at_regime(cfg, cache: Path, log, specs: Sequence, version: str | Non
             "code_versions": {"val-tuned": sorted({r.code_version for r in tuned}),
                               "other rows": sorted({r.code_version for r in measured})},
             "differences": [{"a": a, "b": b, **d.to_dict()} for (a, b), d in diffs.items()]}
+
+
+def summaries(results: Sequence, labels: Sequence[str]) -> dict:
+    """Per row label: its kind (a method's, or ``reference``), val and test means (%) over the replicates, and for
+    methods the chosen settings, merge seconds and whether a choice sits at an end of the grid."""
+    from benchmarks.suites.gates import val_mean
+
+    rows = {}
+    for label in labels:
+        test = [np.mean(list((r.reference[label] if label in r.reference else r.methods[label])["test"].values()))
+                for r in results]
+        rows[label] = {"kind": kind(label) if label in results[0].methods else "reference",
+                       "val": val_mean(results, label), "test": 100 * float(np.mean(test))}
+        if label in results[0].methods:
+            rows[label]["chosen"] = [r.methods[label]["chosen"] for r in results]
+            rows[label]["merge_seconds"] = [r.methods[label]["merge_seconds"] for r in results]
+            grid = [g["setting"] for g in results[0].methods[label]["val_grid"]]
+            rows[label]["at_edge"] = len(grid) > 1 and any(r.methods[label]["chosen"] in (grid[0], grid[-1])
+                                                           for r in results)
+    return rows
+
+
+def best_rows(rows: dict) -> tuple[str, str]:
+    """The best val-tuned row (by val: what a user with labels would pick) and the best default (by test)."""
+    best_tuned = max((k for k, v in rows.items() if v["kind"] == "val-tuned"), key=lambda k: rows[k]["val"])
+    best_default = max((k for k, v in rows.items() if v["kind"] == "default"), key=lambda k: rows[k]["test"])
+    return best_tuned, best_default
 
 
 def markdown(record: dict, command: str, machine: str, seconds: float) -> str:
