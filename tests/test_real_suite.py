@@ -179,7 +179,7 @@ def test_quick_cut_is_the_full_suite_on_four_tasks():
     assert quick.head_domains == full.head_domains and quick.key("n_train", "n_val", "n_test") == full.key(
         "n_train", "n_val", "n_test")
     assert real_config("real-quick", 3).seeds == (0, 1, 2)
-    assert full.seeds == (0, 1, 2, 3) and quick.seeds == (0, 1)  # the full suite: ≥ 4 replicates (G5); the cut: 2
+    assert full.seeds == (0, 1, 2, 3) and quick.seeds == (0,)  # the full suite: ≥ 4 replicates (G5); the cut: 1
     scaled = real_config("real-quick", None, head_scale=100.0)
     assert scaled.head_scale == 100.0 and scaled.key("head_scale") != quick.key("head_scale")  # heads cached apart
     assert dataclasses.replace(scaled, head_scale=quick.head_scale) == quick
@@ -209,6 +209,16 @@ def test_method_list_holds_the_controls_on_one_grid():
     assert matched.grid == specs["m_ties"].grid
     assert check_grids(list(specs.values())) == 6
     assert set(CONTROLS) <= {*specs, RANDOM}
+
+
+def test_quick_grid_keeps_the_random_rank_control_only():
+    """The main job's grid: every method on 4 settings, and of M-TIES's controls the random-rank draw alone (the
+    M-Loss claim's control), 17 settings in all."""
+    specs = {s.label: s for s in method_specs(range(10, 12), "quick", num_tasks=4, random_draws=1)}
+    assert list(specs) == ["average", "task_arithmetic", "ties", "m_ties", f"{RANDOM[:-1]}, draw 1)"]
+    assert check_grids(list(specs.values())) == 4
+    assert sum(len(s.settings()) for s in specs.values()) == 17
+    assert specs[f"{RANDOM[:-1]}, draw 1)"].grid == specs["m_ties"].grid == specs["ties"].grid
 
 
 def test_grid_edges_flags_a_setting_chosen_at_an_end_of_its_grid():

@@ -272,8 +272,9 @@ def markdown(results: Sequence[ReplicateResult], gates: Sequence[Gate], diffs: d
         lines.append(f"| {label} | {params} | {split_mean(results, label, 'val'):.2f} | "
                      f"{split_mean(results, label, 'test'):.2f} | {cells} |")
     seeds = [r.seed for r in results]
-    note = (f"Val and test columns: means over {len(results)} fine-tuning replicates (seeds {seeds}) of the "
-            "unweighted task mean; task columns are test.")
+    over = (f"means over {len(results)} fine-tuning replicates (seeds {seeds}) of" if len(results) > 1
+            else f"one fine-tuning replicate (seed {seeds[0]}):")
+    note = f"Val and test columns: {over} the unweighted task mean; task columns are test."
     lines += ["", note]
     trims = trim_lines(results)
     if trims:
