@@ -74,7 +74,7 @@ def test_tiny_suite_fast_end_to_end(tmp_path, capsys):
     printed = capsys.readouterr().out
     # the same gated protocol as the real suite: one set of fine-tunes, so G5 fails and nothing is ranked
     record = gated_record(printed, table, replicates=1)
-    assert "G5 statistics FAIL: 1 fine-tuning replicates" in printed
+    assert "G5 statistics FAIL: 1 fine-tuning replicate," in printed
     assert len(record["replicates"][0]["foreign"]) == 8 * 7  # every ordered pair of tasks
     CLIPVisionModel.from_pretrained(out / "m_ties_merge")
     card = (out / "m_ties_merge" / "README.md").read_text()

@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", type=Path, default=None, help="artifact cache (default: under the HF cache)")
     parser.add_argument("--table", type=Path, default=None, help="also write the record to TABLE.md / TABLE.json")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (fixed: part of what a build is)")
-    parser.add_argument("--seeds", type=int, default=None, help="real suites: fine-tuning replicates (default 4)")
+    parser.add_argument("--seeds", type=int, default=None,
+                        help="real suites: fine-tuning replicates (default 4; real-quick: 1)")
     parser.add_argument("--head-scale", type=float, default=None,
                         help="real suites: the frozen heads' logit scale (default 20; CLIP's is 100)")
     parser.add_argument("--grid", choices=("quick", "main", "full"), default=None,

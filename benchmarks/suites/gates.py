@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks.suites.protocol import TUNED_ENSEMBLE, ReplicateResult
+from benchmarks.suites.protocol import TUNED_ENSEMBLE, ReplicateResult, replicates
 from benchmarks.suites.stats import replicate_t
 
 DATA_FREE_EXCLUDED = ("average",)
@@ -130,7 +130,7 @@ def compute_gates(results: Sequence[ReplicateResult], *, data_free: Sequence[str
              f"task arithmetic λ chosen {lams} (2/q = {2 / q:.2f}); task arithmetic − average = {ta_gain:+.2f}",
              "λ ≥ 2/q in every replicate and ≥ +1.5"),
         Gate("G5 statistics", len(results) >= min_replicates and min(val_size, test_size) >= 500,
-             f"{len(results)} fine-tuning replicate{'s' * (len(results) != 1)}, {val_size} val / {test_size} test images per task",
+             f"{replicates(len(results), 'fine-tuning')}, {val_size} val / {test_size} test images per task",
              f"≥ {min_replicates} replicates, ≥ 500 images per task and split"),
         premise_gate(results, merges),
     ]  # fmt: skip

@@ -52,6 +52,11 @@ TRIMMING = ("ties", "m_ties", "dare_ties")
 """Methods whose chosen merge gets its kept fraction measured (:func:`changed_fraction`)."""
 
 
+def replicates(n: int, kind: str = "") -> str:
+    """``n`` counted in words for tables and logs: "1 replicate", "4 fine-tuning replicates" (``kind``)."""
+    return f"{n} {kind + ' ' if kind else ''}replicate{'' if n == 1 else 's'}"
+
+
 class Head(Protocol):
     def logits(self, features: torch.Tensor) -> torch.Tensor: ...
 

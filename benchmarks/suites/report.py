@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.suites.gates import PREMISE_ABSENT, Gate, all_pass
-from benchmarks.suites.protocol import TUNED_ENSEMBLE, ReplicateResult
+from benchmarks.suites.protocol import TUNED_ENSEMBLE, ReplicateResult, replicates
 from benchmarks.suites.stats import Difference, Items, holm, paired_difference
 
 REFERENCE = ("pretrained heads", "fine-tuned (own task)", "ensemble (probabilities)", TUNED_ENSEMBLE,
@@ -272,9 +272,8 @@ def markdown(results: Sequence[ReplicateResult], gates: Sequence[Gate], diffs: d
         lines.append(f"| {label} | {params} | {split_mean(results, label, 'val'):.2f} | "
                      f"{split_mean(results, label, 'test'):.2f} | {cells} |")
     seeds = [r.seed for r in results]
-    over = (f"means over {len(results)} fine-tuning replicates (seeds {seeds}) of" if len(results) > 1
-            else f"one fine-tuning replicate (seed {seeds[0]}):")
-    note = f"Val and test columns: {over} the unweighted task mean; task columns are test."
+    note = (f"Val and test columns: the unweighted task mean, over {replicates(len(results), 'fine-tuning')} "
+            f"(seeds {seeds}); task columns are test.")
     lines += ["", note]
     trims = trim_lines(results)
     if trims:

