@@ -167,11 +167,22 @@ def subset_mloss(setup: ScoringSetup, subsets: Sequence[tuple[int, ...]], weight
 
 
 # ------------------------------------------------------------------------------------------------ baselines
-STREAM_MIN_NUMEL = 1 << 25
+STREAM_MIN_NUMEL = 1 << 26
 """A tensor whose q task vectors hold at least this many entries in all is read in row pieces for the baselines
-(an LLM's embedding: q float32 copies and their masks would otherwise be the run's peak)."""
+(an LLM's embedding: q float32 copies and their masks would otherwise be the run's peak). Below it a tensor is read
+once, whole, into one buffer reused from tensor to tensor (256 MB at most): a streamed tensor is read three times (a
+sample, the thresholds' bracket, the statistics)."""
 STREAM_PIECE_NUMEL = 1 << 22
 """Entries of one such piece per task vector: 16 MB of float32."""
+PAIR_CHUNK_BYTES = 1 << 24
+"""The trim masks and signs are made for this many bytes of task vectors at a time (all q together): temporaries
+small enough for the allocator to reuse instead of mapping fresh pages for each (page faults were a third of the
+baselines' time with whole-tensor masks)."""
+GRAM_CHUNK_NUMEL = 1 << 16
+"""Entries per task each float32 Gram product sums before the sums are added in float64. One product over a whole
+4 × 13.8 M task-vector matrix was off by 1.8e-3 of ‖τ_i‖‖τ_j‖ against float64 (pieces of 2²² entries: 3.9e-4, of
+2¹⁶: 2.4e-6), enough to swamp the cosine of two nearly orthogonal task vectors; the time is the same. It also keeps
+the overlap counts, float32 sums of 0/1 products, exact (below 2²⁴)."""
 
 
 @torch.inference_mode()
@@ -188,40 +199,50 @@ def task_vector_statistics(inputs: RunInputs, *, k: float = 0.2) -> dict[str, to
 
     q = len(inputs.sources)
     out = {key: torch.zeros(q, q, dtype=torch.float64) for key in ("gram", "conflict", "overlap")}
+    sizes = {name: math.prod(inputs.base.shapes[name]) for name in inputs.names}
+    streamed = {n for n, numel in sizes.items() if numel * q >= STREAM_MIN_NUMEL and inputs.base.shapes[n]}
+    whole = [numel for n, numel in sizes.items() if n not in streamed]
+    piece_sizes = [_piece_rows(inputs.base.shapes[n]) * sizes[n] // inputs.base.shapes[n][0] for n in streamed]
+    buffer = torch.empty(q * max(whole + piece_sizes, default=0), device=inputs.device, dtype=torch.float32)
+    magnitude = torch.empty(max(whole, default=0), device=inputs.device, dtype=torch.float32)
     for name in inputs.names:
-        numel = math.prod(inputs.base.shapes[name])
-        count = keep_count(numel, k)  # the floor(n·k)-th largest, as the trim keeps
-        if numel * q >= STREAM_MIN_NUMEL and len(inputs.base.shapes[name]) > 0:
-            pieces = lambda name=name: _task_vector_pieces(inputs, name)
-            thresholds = _streamed_thresholds(pieces, q, count, numel)
+        count = keep_count(sizes[name], k)  # the floor(n·k)-th largest, as the trim keeps
+        if name in streamed:
+            pieces = lambda name=name: _task_vector_pieces(inputs, name, buffer)
+            threshold = _streamed_thresholds(pieces, q, count, sizes[name])
+            for taus in pieces():
+                _add_pair_statistics(out, taus, threshold)
         else:
-            taus = _task_vectors(inputs, name, slice(None))
-            thresholds = [magnitude_threshold(row.abs(), count) for row in taus]
-            pieces = lambda taus=taus: iter([taus])
-        threshold = torch.tensor(thresholds, dtype=torch.float32, device=inputs.device)[:, None]
-        for taus in pieces():
+            taus = _task_vectors(inputs, name, slice(None), buffer)
+            threshold = [magnitude_threshold(torch.abs(tau, out=magnitude[: tau.numel()]), count) for tau in taus]
             _add_pair_statistics(out, taus, threshold)
     return out
 
 
-def _task_vectors(inputs: RunInputs, name: str, rows: slice) -> torch.Tensor:
-    """``[q, entries]`` float32 task vectors of rows ``rows`` of tensor ``name`` (all rows: ``slice(None)``)."""
-    q = len(inputs.sources)
-    if rows == slice(None):
-        base = inputs.base.get_float(name, inputs.device)
-        return torch.stack([s.get_float(name, inputs.device) for s in inputs.sources]).sub_(base).reshape(q, -1)
-    read = lambda store: store.get_rows(name, rows.start, rows.stop).to(inputs.device, torch.float32)
+def _task_vectors(inputs: RunInputs, name: str, rows: slice, buffer: torch.Tensor) -> torch.Tensor:
+    """``[q, entries]`` float32 task vectors of rows ``rows`` of tensor ``name`` (all rows: ``slice(None)``), each
+    source converted straight into its row of ``buffer`` (a view of it is returned: valid until the next call)."""
+    read = (lambda store: store.get(name)) if rows == slice(None) else (
+        lambda store: store.get_rows(name, rows.start, rows.stop))
     base = read(inputs.base)
-    return torch.stack([read(s) for s in inputs.sources]).sub_(base).reshape(q, -1)
+    taus = buffer[: len(inputs.sources) * base.numel()].view(len(inputs.sources), *base.shape)
+    for tau, store in zip(taus, inputs.sources):
+        tau.copy_(read(store))
+    return taus.sub_(base.to(inputs.device, torch.float32)).reshape(len(taus), -1)
 
 
-def _task_vector_pieces(inputs: RunInputs, name: str):
-    """The ``[q, entries]`` task vectors of tensor ``name``, piece by piece (consecutive row ranges)."""
+def _task_vector_pieces(inputs: RunInputs, name: str, buffer: torch.Tensor):
+    """The ``[q, entries]`` task vectors of tensor ``name``, piece by piece (consecutive row ranges), each in
+    ``buffer`` (a piece is overwritten by the next)."""
     shape = inputs.base.shapes[name]
-    per_row = max(1, math.prod(shape[1:]))
-    step = max(1, STREAM_PIECE_NUMEL // per_row)
+    step = _piece_rows(shape)
     for start in range(0, shape[0], step):
-        yield _task_vectors(inputs, name, slice(start, min(start + step, shape[0])))
+        yield _task_vectors(inputs, name, slice(start, min(start + step, shape[0])), buffer)
+
+
+def _piece_rows(shape: tuple[int, ...]) -> int:
+    """Rows of one streamed piece: :data:`STREAM_PIECE_NUMEL` entries per task, at least one row, at most all."""
+    return min(shape[0], max(1, STREAM_PIECE_NUMEL // max(1, math.prod(shape[1:]))))
 
 
 def _streamed_thresholds(pieces, q: int, count: int, numel: int) -> list[float]:
@@ -239,14 +260,24 @@ def _streamed_thresholds(pieces, q: int, count: int, numel: int) -> list[float]:
                                [torch.cat(kept) for kept in samples])
 
 
-def _add_pair_statistics(out: dict[str, torch.Tensor], taus: torch.Tensor, threshold: torch.Tensor) -> None:
-    """Add one piece's ⟨τ_i, τ_j⟩ and the trim overlap / sign conflict counts (``threshold``: ``[q, 1]``)."""
-    out["gram"] += (taus @ taus.T).double().cpu()
-    signed = torch.where(taus.abs() >= threshold, torch.sign(taus), 0.0)  # ±1 where kept (never a zero), 0 elsewhere
-    kept = signed.abs()
-    overlap = kept @ kept.T  # exact in float32: a tensor or piece holds < 2²⁴ entries per task (STREAM_*_NUMEL)
-    out["overlap"] += overlap.double().cpu()
-    out["conflict"] += ((overlap - signed @ signed.T) / 2).double().cpu()  # agree − conflict = ⟨s_i, s_j⟩
+def _add_pair_statistics(out: dict[str, torch.Tensor], taus: torch.Tensor, thresholds: list[float]) -> None:
+    """Add one piece's ⟨τ_i, τ_j⟩ and the trim overlap / sign conflict counts (``thresholds``: one per task). An
+    entry is kept where its magnitude reaches its task's threshold and is not zero (a zero has no sign)."""
+    q, device = taus.shape[0], taus.device
+    least = torch.finfo(torch.float32).smallest_normal * 2.0**-23  # the least positive float32
+    threshold = torch.tensor(thresholds, dtype=torch.float32, device=device).clamp_min(least)[:, None]
+    sums = torch.zeros(3, q, q, dtype=torch.float64, device=device)  # gram, overlap, ⟨signs⟩
+    chunk = max(GRAM_CHUNK_NUMEL, PAIR_CHUNK_BYTES // (4 * q)) // GRAM_CHUNK_NUMEL * GRAM_CHUNK_NUMEL
+    for part in taus.split(chunk, dim=1):
+        kept = (part.abs() >= threshold).float()
+        signed = torch.sign(part).mul_(kept)  # ±1 where kept, 0 elsewhere
+        for i, matrix in enumerate((part, kept, signed)):
+            for piece in matrix.split(GRAM_CHUNK_NUMEL, dim=1):
+                sums[i] += (piece @ piece.T).double()
+    gram, overlap, agreement = sums.cpu()
+    out["gram"] += gram
+    out["overlap"] += overlap
+    out["conflict"] += (overlap - agreement) / 2  # agree − conflict = ⟨s_i, s_j⟩
 
 
 def weight_baselines(stats: dict[str, torch.Tensor], subsets: Sequence[tuple[int, ...]]) -> dict[str, list[float]]:
