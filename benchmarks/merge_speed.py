@@ -293,9 +293,10 @@ def child_compatibility(spec: dict, pixels, info: dict) -> None:
     import hf_mloss  # noqa: F401  (the package, then its modules below)
 
     t1, c1 = time.perf_counter(), time.process_time()
-    hf_mloss.compatibility(spec["base"], spec["models"], pixels, num_samples=spec["num_samples"],
-                           batch_size=spec["batch_size"], device=spec["device"], progress=False)
+    report = hf_mloss.compatibility(spec["base"], spec["models"], pixels, num_samples=spec["num_samples"],
+                                    batch_size=spec["batch_size"], device=spec["device"], progress=False)
     info["inner_s"], info["inner_cpu_s"] = time.perf_counter() - t1, time.process_time() - c1
+    info["stages_s"] = dict(getattr(report, "timings", {}))  # the M-Loss walk and the task-vector baselines
 
 
 # ============================================================================================ parent side
