@@ -360,6 +360,15 @@ def reference_lines(p: dict) -> list[str]:
                          f"{ours['value']:.3f} / —" if ours else "—")
         target = next((s["ratios"][key]["target"] for s in per_repeat if key in s["ratios"]), None)
         lines.append(f"| {key} | {'≤ ' + str(target) if target is not None else ''} | " + " | ".join(cells) + " |")
+    runs = [r["runs"] for r in p["repeats"]]
+    for name in dict.fromkeys(n[: -len(REFERENCE_SUFFIX)] for rs in runs for n in rs if n.endswith(REFERENCE_SUFFIX)):
+        cells = []
+        for rs in runs:
+            ours, theirs = rs.get(name), rs.get(name + REFERENCE_SUFFIX)
+            ok = _ok(ours) and _ok(theirs) and _inner(ours) and _inner(theirs)
+            cells.append(f"{_inner(ours) / _inner(theirs):.3f} ({_inner(ours):.1f} / {_inner(theirs):.1f} s)" if ok
+                         else "—")
+        lines.append(f"| {name}: inner time | | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
@@ -384,14 +393,15 @@ def runs_table_lines(rep: dict, p: dict) -> list[str]:
              "| others' cores |" + (" peak CUDA MB |" if cuda else ""),
              "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if cuda else "")]
     for name, res in rep["runs"].items():
-        label, tasks = DESCRIPTIONS.get(name, name), res.get("tasks", q)
+        kind = name.removesuffix(REFERENCE_SUFFIX)  # a --reference tree's run is described as this tree's
+        label, tasks = DESCRIPTIONS.get(kind, name), res.get("tasks", q)
         if name == "forward" and is_decoder(p):
             label = "plain bare-decoder forward (AutoModel, fp32, inference_mode, no lm_head); inner = fastest pass"
         if "skipped" in res or "error" in res:
             what = f"skipped: {res['skipped']}" if "skipped" in res else f"FAILED: {res['error'][:200]!r}"
             lines.append(f"| {name} | {label} | {tasks} | {what} | | | | | | |" + (" |" if cuda else ""))
             continue
-        rel = res["max_rss_mb"] / (2 * model_mb) if name not in MEASURE_RUNS else None
+        rel = res["max_rss_mb"] / (2 * model_mb) if kind not in MEASURE_RUNS else None
         others = res.get("contention", {}).get("other_cores")
         lines.append(f"| {name} | {label} | {'—' if name == 'forward' else tasks} | {_fmt(res['wall_s'])} | "
                      f"{_fmt(_inner(res))} | {_fmt(res['cpu_s'])} | {_fmt(res['cpu_s'] / res['wall_s'], 2)} | "
@@ -426,10 +436,18 @@ def ratio_lines(summary: dict) -> list[str]:
     return lines + [""]
 
 
+def stage_lines(rep: dict) -> list[str]:
+    """The library's own stage times where a run reported them (``compatibility()``: its M-Loss walk and its
+    task-vector baselines), inside the inner time."""
+    lines = [f"- {name}: " + ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in res["child"]["stages_s"].items())
+             for name, res in rep["runs"].items() if _ok(res) and res.get("child", {}).get("stages_s")]
+    return (["Stages inside the inner time (the call's own timings):", "", *lines, ""]) if lines else []
+
+
 def repeat_lines(rep: dict, summary: dict, p: dict) -> list[str]:
     lines = [f"## Run {rep['repeat']}", "",
              f"Load average at its start {_load(rep['loadavg_start'])}, at its end {_load(rep['loadavg_end'])}.", ""]
-    return lines + runs_table_lines(rep, p) + forward_line(rep, summary, p) + ratio_lines(summary)
+    return lines + runs_table_lines(rep, p) + stage_lines(rep) + forward_line(rep, summary, p) + ratio_lines(summary)
 
 
 def rss_lines(p: dict) -> list[str]:
