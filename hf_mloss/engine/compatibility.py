@@ -209,13 +209,13 @@ def task_vector_statistics(inputs: RunInputs, *, k: float = 0.2) -> dict[str, to
         count = keep_count(sizes[name], k)  # the floor(n·k)-th largest, as the trim keeps
         if name in streamed:
             pieces = lambda name=name: _task_vector_pieces(inputs, name, buffer)
-            threshold = _streamed_thresholds(pieces, q, count, sizes[name])
+            thresholds = _streamed_thresholds(pieces, q, count, sizes[name])
             for taus in pieces():
-                _add_pair_statistics(out, taus, threshold)
+                _add_pair_statistics(out, taus, thresholds)
         else:
             taus = _task_vectors(inputs, name, slice(None), buffer)
-            threshold = [magnitude_threshold(torch.abs(tau, out=magnitude[: tau.numel()]), count) for tau in taus]
-            _add_pair_statistics(out, taus, threshold)
+            thresholds = [magnitude_threshold(torch.abs(tau, out=magnitude[: tau.numel()]), count) for tau in taus]
+            _add_pair_statistics(out, taus, thresholds)
     return out
 
 
