@@ -20,6 +20,9 @@ What it does (every timed run is its own child process, so wall time, CPU time a
      label-free selection (``select_m_ties``: M-TIES over a 3 × 3 (k, λ) grid) and the
      pairwise compatibility report (``compatibility``). Each merge is ``hf_mloss.merge(...)`` then
      ``save_pretrained``.
+   * ``svd_floor`` (only when named): a floor for exact TSV-M here, the q + 2 symmetric tridiagonal reductions
+     per matrix alone (``torch.linalg.eigvalsh``, float32 and float64, default threads and one), beside
+     mergekit's TIES wall (``svd_floor_vs_mergekit_wall``).
    * peers, through ``benchmarks/peers/run_peer.py``: ``mergekit-yaml`` TIES on all q tasks, and fusion-bench TIES
      on ``--fusion-bench-tasks`` tasks (default 4: 8 tasks need about 25 GB).
 3. Writes ``benchmarks/results/merge_speed_<tag>.json`` and ``.md``: every repeat's table and ratios (each with its
@@ -33,6 +36,7 @@ Examples::
     python benchmarks/merge_speed.py --shape l14 --layers 1 --skip-peers --methods forward,score,m_ties
     python benchmarks/merge_speed.py --methods ties_tensor,task_arithmetic,tsv_m,iso_c,iso_cts --peers mergekit \
         --repeats 1 --tag svd                                            # the SVD-based merges beside TIES
+    python benchmarks/merge_speed.py --methods tsv_m,svd_floor --peers mergekit --repeats 2   # TSV-M and its floor
     python benchmarks/merge_speed.py --shape qwen2.5-0.5b --q 4 --methods ties_tensor,ties_tensor_mk --peers mergekit
 
 Decoder shapes (``qwen2.5-0.5b``, ``qwen-tiny``) build a random ``Qwen2ForCausalLM`` in bf16 (tied embeddings) and
@@ -133,9 +137,11 @@ SCORE_RUNS: dict[str, dict] = {
     "score_own": dict(prefix="own", compute_dtype="float32"),
 }
 DATA_METHODS = ("m_ties", "m_dare")
-ALL_RUNS = ("forward", "read", *SCORE_RUNS, *HF_RUNS, "compatibility")
+FLOOR_RUNS = ("forward", "read", "svd_floor")
+"""Runs that time a lower bound (no hf_mloss call): shared by a --reference comparison, not run twice."""
+ALL_RUNS = ("forward", "read", "svd_floor", *SCORE_RUNS, *HF_RUNS, "compatibility")
 DEFAULT_RUNS = tuple(n for n in ALL_RUNS
-                     if n not in ("read", "score_own", "compatibility", "select_m_ties", *SVD_RUNS))
+                     if n not in ("read", "svd_floor", "score_own", "compatibility", "select_m_ties", *SVD_RUNS))
 PEERS = ("mergekit", "fusion_bench")
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni", "avx_vnni")
 
@@ -181,8 +187,8 @@ def child_main(spec_path: str) -> int:
     info: dict = {"import_s": time.perf_counter() - t0, "vmrss_after_import_mb": _proc_status_mb("VmRSS"),
                   "torch_threads": torch.get_num_threads(), "loadavg_start": os.getloadavg()}
     pixels = load_data(spec["data"], spec["num_samples"]) if spec.get("data") else None
-    runner = {"forward": child_forward, "read": child_read, "score": child_score, "merge": child_merge,
-              "compatibility": child_compatibility}[spec["kind"]]
+    runner = {"forward": child_forward, "read": child_read, "svd_floor": child_svd_floor, "score": child_score,
+              "merge": child_merge, "compatibility": child_compatibility}[spec["kind"]]
     runner(spec, pixels, info)
     if spec["device"].startswith("cuda"):
         info["cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
@@ -256,6 +262,67 @@ def child_read(spec: dict, pixels, info: dict) -> None:
     best = min(passes, key=lambda p: p["wall_s"])
     info.update(passes=passes, bytes_read=nbytes, read_gb_per_s=nbytes / best["wall_s"] / 1e9,
                 inner_s=best["wall_s"], inner_cpu_s=best["cpu_s"])
+
+
+def svd_floor_sizes(shapes: list[tuple[int, ...]], q: int) -> list[tuple[int, int]]:
+    """``(size, count)``: the symmetric eigenproblems an exact TSV-M of q tasks solves per matrix, in order.
+
+    Each 2-D tensor ``m × n`` (r = min(m, n), k = ⌊r/q⌋ kept per task; none where k = 0) takes q problems of size
+    r (each task's Gram matrix on its smaller side) and two for the polar factors of the concatenated bases
+    ``[m, q·k]`` and ``[q·k, n]`` (sizes min(m, q·k) and min(q·k, n)). An SVD route pays no less: the
+    bidiagonalisation of an m × n matrix (m ≥ n) takes 4mn² − 4n³/3 flops, at least the 4n³/3 of tridiagonalising
+    its n × n Gram matrix."""
+    sizes = []
+    for shape in shapes:
+        if len(shape) != 2:
+            continue
+        m, n = shape
+        k = min(m, n) // q
+        if k:
+            sizes += [(min(m, n), q), (min(m, q * k), 1), (min(q * k, n), 1)]
+    return sizes
+
+
+def child_svd_floor(spec: dict, pixels, info: dict) -> None:
+    """A floor for exact TSV-M on this machine: the symmetric tridiagonal reductions alone
+    (``torch.linalg.eigvalsh``: eigenvalues, no eigenvectors, no Gram products, no reading) of every eigenproblem
+    :func:`svd_floor_sizes` counts in the base checkpoint's matrices, on random symmetric matrices of those sizes
+    (the reduction's cost does not depend on the values). One pass per dtype (float64: what ``leading_svd`` uses
+    for its accuracy; float32: the cheapest dense route) and per thread count (torch's default and one: the
+    reduction is bound by memory bandwidth, and one thread can be faster); the fastest float32 pass counts."""
+    import torch
+    from safetensors import safe_open
+
+    device, default_threads, q = spec["device"], torch.get_num_threads(), len(spec["models"])
+    shapes = []
+    for file in sorted(Path(spec["base"]).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            shapes += [tuple(handle.get_slice(key).get_shape()) for key in handle.keys()]
+    sizes = svd_floor_sizes(shapes, q)
+    generator = torch.Generator().manual_seed(0)
+    passes = []
+    for dtype in (torch.float64, torch.float32):
+        stacks = {}
+        for size, count in sizes:
+            if (size, count) not in stacks:
+                a = torch.randn(size, size, generator=generator, dtype=torch.float64)
+                stacks[size, count] = (a + a.T).to(device, dtype).expand(count, size, size).contiguous()
+        for threads in [default_threads, 1] if device == "cpu" else [default_threads]:
+            torch.set_num_threads(threads)
+            torch.linalg.eigvalsh(stacks[sizes[0]])  # warm-up
+            _sync(device)
+            ts, cs = time.perf_counter(), time.process_time()
+            for key in sizes:
+                torch.linalg.eigvalsh(stacks[key])
+            _sync(device)
+            passes.append({"dtype": str(dtype).removeprefix("torch."), "threads": threads,
+                           "wall_s": time.perf_counter() - ts, "cpu_s": time.process_time() - cs})
+    torch.set_num_threads(default_threads)
+    best = min((p for p in passes if p["dtype"] == "float32"), key=lambda p: p["wall_s"])
+    info.update(passes=passes, problems=sum(count for _, count in sizes), matrices=len(sizes) // 3,
+                largest=max(size for size, _ in sizes), inner_s=best["wall_s"], inner_cpu_s=best["cpu_s"],
+                inner_threads=best["threads"],
+                float64_s=min(p["wall_s"] for p in passes if p["dtype"] == "float64"))
 
 
 def child_score(spec: dict, pixels, info: dict) -> None:
@@ -849,8 +916,8 @@ def hf_spec(plan: Plan, name: str, repeat: int, reference: bool = False) -> dict
         spec["pythonpath"] = str(Path(plan.args.reference).resolve())
     if name == "forward":
         return spec | dict(kind="forward", data=str(plan.images), repeats=plan.args.forward_repeats)
-    if name == "read":
-        return spec | dict(kind="read")
+    if name in ("read", "svd_floor"):
+        return spec | dict(kind=name)
     if name in SCORE_RUNS:
         return spec | dict(kind="score", data=str(plan.images), out=str(plan.work / f"{name}.r{repeat}.mloss.pt"),
                            **SCORE_RUNS[name])
@@ -988,7 +1055,7 @@ def run_repeat(plan: Plan, repeat: int) -> dict:
             record(name, {"name": name, "skipped": f"not started: the --budget of {plan.args.budget:g} s was spent"})
             continue
         record(name, run_hf(plan, name, repeat))
-        if plan.args.reference and name not in ("forward", "read"):  # side by side: this tree, then the reference tree
+        if plan.args.reference and name not in FLOOR_RUNS:  # side by side: this tree, then the reference tree
             record(f"{name}{REFERENCE_SUFFIX}", run_hf(plan, name, repeat, reference=True))
     run_peers(plan, repeat, record)
     for res in results.values():

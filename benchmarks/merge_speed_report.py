@@ -22,9 +22,11 @@ DECODER_TARGETS = {"ties_tensor_vs_mergekit_wall": 0.5}
 """The targets set otherwise for decoder shapes (data-free merges of a bf16 LLM against mergekit)."""
 HF_NAMES = ("ties_tensor", "ties_tensor_mk", "ties_global", "dare", "task_arithmetic", "m_ties", "m_ties_bf16",
             "select_m_ties", "ties_global_fb", "tsv_m", "iso_c", "iso_cts")
-MEASURE_RUNS = ("forward", "read", "score", "score_bf16", "score_own", "compatibility")
+MEASURE_RUNS = ("forward", "read", "svd_floor", "score", "score_bf16", "score_own", "compatibility")
 DESCRIPTIONS = {
     "read": "every tensor of base + q fine-tunes read onto the device as stored (safetensors); inner = faster pass",
+    "svd_floor": "exact TSV-M's floor here: its q + 2 symmetric tridiagonal reductions per matrix alone "
+                 "(eigvalsh of random matrices of those sizes); inner = fastest float32 pass",
     "forward": "plain CLIPVisionModel forward (fp32, inference_mode); inner = fastest pass (default threads or 1)",
     "score": "hf_mloss.score(prefix='base'), fp32",
     "score_bf16": "hf_mloss.score(prefix='base'), compute_dtype=bfloat16",
@@ -124,6 +126,11 @@ def mergekit_ratios(ratios: Ratios, runs: dict, q: int, targets: dict = TARGETS)
     if _ok(runs.get("tsv_m")):
         ratios.add("tsv_m_vs_mergekit_wall", runs["tsv_m"]["wall_s"], mk["wall_s"], TARGETS["tsv_m_vs_mergekit_wall"],
                    wall + "; TSV-M against mergekit's TIES")
+    if _ok(runs.get("svd_floor")):
+        ratios.add("svd_floor_vs_mergekit_wall", _inner(runs["svd_floor"]), mk["wall_s"], None,
+                   "the floor's inner time (no imports, reading, products or saving) / mergekit's process wall: "
+                   f"above {TARGETS['tsv_m_vs_mergekit_wall']}, no exact TSV-M through a dense eigensolver or SVD can "
+                   "meet tsv_m_vs_mergekit_wall here")
     if _ok(runs.get("m_ties_bf16")):
         ratios.add("m_ties_bf16_vs_mergekit_wall", runs["m_ties_bf16"]["wall_s"], mk["wall_s"], None,
                    "process wall; M-TIES with compute_dtype=bfloat16 scoring (merge arithmetic stays fp32)")
@@ -424,6 +431,19 @@ def forward_line(rep: dict, summary: dict, p: dict) -> list[str]:
             "a block's (1/3 for a CLIP block's fc1; a gated decoder's gap needs gate and up).", ""]
 
 
+def svd_floor_line(rep: dict) -> list[str]:
+    floor = rep["runs"].get("svd_floor")
+    if not _ok(floor):
+        return []
+    child = floor["child"]
+    passes = ", ".join(f"{x['dtype']} {x['wall_s']:.2f} s ({x['threads']} thr)" for x in child["passes"])
+    tsv = rep["runs"].get("tsv_m")
+    against = (f"; tsv_m's inner time is {_inner(tsv) / child['float64_s']:.2f}× the float64 floor"
+               if _ok(tsv) and _inner(tsv) else "")
+    return [f"TSV-M floor: {child['problems']} eigenproblems for {child['matrices']} matrices (largest "
+            f"{child['largest']} × {child['largest']}), tridiagonal reductions only: {passes}{against}.", ""]
+
+
 def ratio_lines(summary: dict) -> list[str]:
     if not summary["ratios"]:
         return []
@@ -447,7 +467,8 @@ def stage_lines(rep: dict) -> list[str]:
 def repeat_lines(rep: dict, summary: dict, p: dict) -> list[str]:
     lines = [f"## Run {rep['repeat']}", "",
              f"Load average at its start {_load(rep['loadavg_start'])}, at its end {_load(rep['loadavg_end'])}.", ""]
-    return lines + runs_table_lines(rep, p) + stage_lines(rep) + forward_line(rep, summary, p) + ratio_lines(summary)
+    return (lines + runs_table_lines(rep, p) + stage_lines(rep) + forward_line(rep, summary, p) + svd_floor_line(rep)
+            + ratio_lines(summary))
 
 
 def rss_lines(p: dict) -> list[str]:

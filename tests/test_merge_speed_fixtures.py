@@ -71,3 +71,44 @@ def test_budget_cuts_timeouts_and_skips_runs_once_spent(tmp_path, monkeypatch) -
         assert repeat["runs"][name]["skipped"].startswith("not started: the --budget of 30 s was spent")
     plan.deadline = None
     assert plan.run_timeout() == 100
+
+
+def test_svd_floor_counts_exact_tsv_m_eigenproblems() -> None:
+    """Per 2-D tensor m × n with k = ⌊min(m, n)/q⌋ > 0: q problems of size min(m, n), then the two polar factors'
+    min(m, q·k) and min(q·k, n). Vectors, 4-D kernels and matrices too thin to keep a component take none."""
+    shapes = [(768, 768), (3072, 768), (768, 3072), (50, 768), (768,), (768, 3, 32, 32), (5, 3)]
+    assert merge_speed.svd_floor_sizes(shapes, 8) == [
+        (768, 8), (768, 1), (768, 1),
+        (768, 8), (768, 1), (768, 1),
+        (768, 8), (768, 1), (768, 1),
+        (50, 8), (48, 1), (48, 1),  # k = 6: the concatenated bases have q·k = 48 columns
+    ]
+    assert merge_speed.svd_floor_sizes([(5, 3)], 4) == []
+
+
+def test_svd_floor_child_times_every_problem_and_reports_the_fastest_float32_pass(tmp_path) -> None:
+    """The child reads only the base's tensor shapes and times each dtype at the default thread count and one."""
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(24, 16), "b": torch.zeros(16), "e": torch.zeros(4, 16)}, tmp_path / "model.safetensors")
+    info: dict = {}
+    merge_speed.child_svd_floor({"device": "cpu", "base": str(tmp_path), "models": ["a", "b"]}, None, info)
+    assert info["problems"] == 2 * (2 + 2) and info["matrices"] == 2 and info["largest"] == 16
+    passes = info["passes"]
+    assert [p["dtype"] for p in passes] == ["float64"] * 2 + ["float32"] * 2
+    assert [p["threads"] for p in passes][1::2] == [1, 1]
+    assert info["inner_s"] == min(p["wall_s"] for p in passes if p["dtype"] == "float32")
+    assert info["float64_s"] == min(p["wall_s"] for p in passes if p["dtype"] == "float64")
+
+
+def test_svd_floor_ratio_against_mergekit_is_reported_beside_tsv_m() -> None:
+    from merge_speed_report import Ratios, mergekit_ratios
+
+    runs = {"mergekit_ties": {"wall_s": 80.0, "cpu_s": 150.0, "max_rss_mb": 4000.0, "tasks": 8},
+            "tsv_m": {"wall_s": 60.0, "cpu_s": 110.0, "max_rss_mb": 1000.0, "child": {"inner_s": 50.0}},
+            "svd_floor": {"wall_s": 40.0, "cpu_s": 70.0, "max_rss_mb": 400.0, "child": {"inner_s": 30.0}}}
+    ratios = Ratios()
+    mergekit_ratios(ratios, runs, 8)
+    assert dict(ratios)["tsv_m_vs_mergekit_wall"]["value"] == pytest.approx(0.75)
+    floor = dict(ratios)["svd_floor_vs_mergekit_wall"]
+    assert floor["value"] == pytest.approx(30.0 / 80.0) and floor["target"] is None
