@@ -1220,7 +1220,8 @@ def parse_args(argv=None):
     ap.add_argument("--reference", metavar="TREE", default=None,
                     help="another hf_mloss source tree (e.g. a git worktree of the previous main): every hf_mloss run "
                          "is repeated under it right after this tree's, and the report gives both trees' ratios")
-    ap.add_argument("--render", metavar="JSON", help="only re-write the Markdown of an existing results JSON")
+    ap.add_argument("--render", metavar="JSON",
+                    help="only re-derive the ratios of an existing results JSON and re-write it and its Markdown")
     return ap.parse_args(argv)
 
 
@@ -1229,8 +1230,11 @@ def main(argv=None) -> int:
     if args.child:
         return child_main(args.child)
     if args.render:
-        src = Path(args.render)
-        src.with_suffix(".md").write_text(render_markdown(json.loads(src.read_text())))
+        src = Path(args.render)  # the ratios are re-derived from the measurements by this tree's report code
+        payload = json.loads(src.read_text())
+        payload["summary"] = summarize_repeats(payload)
+        src.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+        src.with_suffix(".md").write_text(render_markdown(payload))
         return 0
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))

@@ -102,13 +102,20 @@ def test_svd_floor_child_times_every_problem_and_reports_the_fastest_float32_pas
 
 
 def test_svd_floor_ratio_against_mergekit_is_reported_beside_tsv_m() -> None:
+    """The floor's ratio adds tsv_m's time outside its merge (when it ran): the least wall an exact TSV-M could take."""
     from merge_speed_report import Ratios, mergekit_ratios
 
     runs = {"mergekit_ties": {"wall_s": 80.0, "cpu_s": 150.0, "max_rss_mb": 4000.0, "tasks": 8},
             "tsv_m": {"wall_s": 60.0, "cpu_s": 110.0, "max_rss_mb": 1000.0, "child": {"inner_s": 50.0}},
-            "svd_floor": {"wall_s": 40.0, "cpu_s": 70.0, "max_rss_mb": 400.0, "child": {"inner_s": 30.0}}}
+            "svd_floor": {"wall_s": 40.0, "cpu_s": 70.0, "max_rss_mb": 400.0,
+                          "child": {"inner_s": 30.0, "float64_s": 45.0}}}
     ratios = Ratios()
     mergekit_ratios(ratios, runs, 8)
     assert dict(ratios)["tsv_m_vs_mergekit_wall"]["value"] == pytest.approx(0.75)
-    floor = dict(ratios)["svd_floor_vs_mergekit_wall"]
-    assert floor["value"] == pytest.approx(30.0 / 80.0) and floor["target"] is None
+    floor = dict(ratios)["svd_floor_vs_mergekit_wall"]  # the reductions plus tsv_m's 10 s outside its merge
+    assert floor["value"] == pytest.approx((30.0 + 10.0) / 80.0) and floor["target"] is None
+    assert dict(ratios)["svd_floor_f64_vs_mergekit_wall"]["value"] == pytest.approx((45.0 + 10.0) / 80.0)
+    del runs["tsv_m"]
+    ratios = Ratios()
+    mergekit_ratios(ratios, runs, 8)
+    assert dict(ratios)["svd_floor_vs_mergekit_wall"]["value"] == pytest.approx(30.0 / 80.0)
