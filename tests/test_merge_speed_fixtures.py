@@ -119,3 +119,22 @@ def test_svd_floor_ratio_against_mergekit_is_reported_beside_tsv_m() -> None:
     ratios = Ratios()
     mergekit_ratios(ratios, runs, 8)
     assert dict(ratios)["svd_floor_vs_mergekit_wall"]["value"] == pytest.approx(30.0 / 80.0)
+
+
+def test_render_rederives_the_ratios_of_a_committed_record(tmp_path) -> None:
+    """``--render`` recomputes the summary from the measurements (here: a record whose summary was dropped) and
+    rewrites both files; the TSV-M floor's ratios come out as the record's notes quote them."""
+    import json
+    import shutil
+
+    record = tmp_path / "record.json"
+    shutil.copy(REPO / "benchmarks/results/merge_speed_scale_r5_b32-tsv-floor_cpu.json", record)
+    payload = json.loads(record.read_text())
+    payload.pop("summary")
+    record.write_text(json.dumps(payload))
+    assert merge_speed.main(["--render", str(record)]) == 0
+    summary = json.loads(record.read_text())["summary"]["ratios"]
+    values = [v["value"] for v in summary["svd_floor_vs_mergekit_wall"]["values"]]
+    assert values == [pytest.approx(0.246, abs=5e-4), pytest.approx(0.238, abs=5e-4)]
+    assert summary["tsv_m_vs_mergekit_wall"]["met"] == 0 and summary["tsv_m_vs_mergekit_wall"]["of"] == 2
+    assert "TSV-M floor: 730 eigenproblems for 73 matrices" in record.with_suffix(".md").read_text()
