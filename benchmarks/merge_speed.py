@@ -20,7 +20,7 @@ What it does (every timed run is its own child process, so wall time, CPU time a
      label-free selection (``select_m_ties``: M-TIES over a 3 × 3 (k, λ) grid) and the
      pairwise compatibility report (``compatibility``). Each merge is ``hf_mloss.merge(...)`` then
      ``save_pretrained``.
-   * ``svd_floor`` (only when named): a floor for exact TSV-M here, the q + 2 symmetric tridiagonal reductions
+   * ``svd_floor`` (only when named): a floor for exact TSV-M here, the q + 2 symmetric eigenvalue solves
      per matrix alone (``torch.linalg.eigvalsh``, float32 and float64, default threads and one), beside
      mergekit's TIES wall (``svd_floor_vs_mergekit_wall``).
    * peers, through ``benchmarks/peers/run_peer.py``: ``mergekit-yaml`` TIES on all q tasks, and fusion-bench TIES
@@ -269,9 +269,9 @@ def svd_floor_sizes(shapes: list[tuple[int, ...]], q: int) -> list[tuple[int, in
 
     Each 2-D tensor ``m × n`` (r = min(m, n), k = ⌊r/q⌋ kept per task; none where k = 0) takes q problems of size
     r (each task's Gram matrix on its smaller side) and two for the polar factors of the concatenated bases
-    ``[m, q·k]`` and ``[q·k, n]`` (sizes min(m, q·k) and min(q·k, n)). An SVD route pays no less: the
+    ``[m, q·k]`` and ``[q·k, n]`` (sizes min(m, q·k) and min(q·k, n)). An SVD route does no less work: the
     bidiagonalisation of an m × n matrix (m ≥ n) takes 4mn² − 4n³/3 flops, at least the 4n³/3 of tridiagonalising
-    its n × n Gram matrix."""
+    its n × n Gram matrix. (The two polar factors could also come from matrix iterations instead.)"""
     sizes = []
     for shape in shapes:
         if len(shape) != 2:
@@ -284,10 +284,10 @@ def svd_floor_sizes(shapes: list[tuple[int, ...]], q: int) -> list[tuple[int, in
 
 
 def child_svd_floor(spec: dict, pixels, info: dict) -> None:
-    """A floor for exact TSV-M on this machine: the symmetric tridiagonal reductions alone
-    (``torch.linalg.eigvalsh``: eigenvalues, no eigenvectors, no Gram products, no reading) of every eigenproblem
-    :func:`svd_floor_sizes` counts in the base checkpoint's matrices, on random symmetric matrices of those sizes
-    (the reduction's cost does not depend on the values). One pass per dtype (float64: what ``leading_svd`` uses
+    """A floor for exact TSV-M on this machine: the symmetric eigenvalue solves alone (``torch.linalg.eigvalsh``:
+    the tridiagonal reduction that dominates a dense eigensolve, then the eigenvalues; no eigenvectors, no Gram
+    products, no reading) of every eigenproblem :func:`svd_floor_sizes` counts in the base checkpoint's matrices,
+    on random symmetric matrices of those sizes (the reduction's cost does not depend on the values). One pass per dtype (float64: what ``leading_svd`` uses
     for its accuracy; float32: the cheapest dense route) and per thread count (torch's default and one: the
     reduction is bound by memory bandwidth, and one thread can be faster); the fastest float32 pass counts."""
     import torch
@@ -299,6 +299,8 @@ def child_svd_floor(spec: dict, pixels, info: dict) -> None:
         with safe_open(str(file), framework="pt") as handle:
             shapes += [tuple(handle.get_slice(key).get_shape()) for key in handle.keys()]
     sizes = svd_floor_sizes(shapes, q)
+    if not sizes:
+        raise ValueError(f"svd_floor: no 2-D tensor of the base keeps a component at q = {q} (TSV-M solves nothing)")
     generator = torch.Generator().manual_seed(0)
     passes = []
     for dtype in (torch.float64, torch.float32):

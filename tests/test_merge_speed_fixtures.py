@@ -99,6 +99,9 @@ def test_svd_floor_child_times_every_problem_and_reports_the_fastest_float32_pas
     assert [p["threads"] for p in passes][1::2] == [1, 1]
     assert info["inner_s"] == min(p["wall_s"] for p in passes if p["dtype"] == "float32")
     assert info["float64_s"] == min(p["wall_s"] for p in passes if p["dtype"] == "float64")
+    save_file({"b": torch.zeros(16), "thin": torch.zeros(16, 1)}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="no 2-D tensor of the base keeps a component"):
+        merge_speed.child_svd_floor({"device": "cpu", "base": str(tmp_path), "models": ["a", "b"]}, None, {})
 
 
 def test_svd_floor_ratio_against_mergekit_is_reported_beside_tsv_m() -> None:
