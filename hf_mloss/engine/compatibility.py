@@ -270,7 +270,7 @@ def _add_pair_statistics(out: dict[str, torch.Tensor], taus: torch.Tensor, thres
     chunk = max(GRAM_CHUNK_NUMEL, PAIR_CHUNK_BYTES // (4 * q)) // GRAM_CHUNK_NUMEL * GRAM_CHUNK_NUMEL
     for part in taus.split(chunk, dim=1):
         kept = (part.abs() >= threshold).float()
-        signed = torch.sign(part).mul_(kept)  # ±1 where kept, 0 elsewhere
+        signed = torch.copysign(kept, part)  # ±1 where kept, ±0 elsewhere: one pass, not sign() then a product
         for i, matrix in enumerate((part, kept, signed)):
             for piece in matrix.split(GRAM_CHUNK_NUMEL, dim=1):
                 sums[i] += (piece @ piece.T).double()
