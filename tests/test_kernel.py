@@ -29,6 +29,9 @@ class Store(dict):
     def get(self, name):
         return self[name]
 
+    def read_into(self, name, out):
+        return out.copy_(self[name])
+
 
 def units(gated: bool, seed: int = 0) -> list[nn.Module]:
     """q sources' units: ``gate`` (and ``up``) linears of the same shape."""

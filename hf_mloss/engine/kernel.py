@@ -237,14 +237,16 @@ class GapSums:
         One row (``score``): blocks of positions on ``h`` as it lies (:func:`gap_block`). Several rows (every
         subset of the compatibility report): :meth:`_add_rows`, one GEMM per chunk on the sources-first layout.
         """
-        if mask is not None:
+        spans = kept_spans(mask, h.shape[1] if sources_first else h.shape[0])
+        if spans is None:  # a scattered mask: its positions copied out once
             keep = mask.reshape(-1).to(h.device)
             h, up, merged, merged_up = (None if t is None else t[:, keep] if sources_first else t[keep]
                                         for t in (h, up, merged, merged_up))
+            spans = [(0, h.shape[1] if sources_first else h.shape[0])]
         scale, f = inplace_activation(activation)
         if mix.shape[0] > 1 and merged is None:
             self._add_rows(h if sources_first else h.transpose(0, 1),
-                           mix, scale, f, None if up is None else up if sources_first else up.transpose(0, 1))
+                           mix, scale, f, None if up is None else up if sources_first else up.transpose(0, 1), spans)
             return
         if sources_first:
             h, up = h.transpose(0, 1), None if up is None else up.transpose(0, 1)
@@ -252,16 +254,17 @@ class GapSums:
         rows, _ = block_shape(q, mix.shape[0], n, h.device)
         batch, eps = self.empty(), self.eps * scale  # |s·g|/(|s·μ|+s·ε) = |g|/(|μ|+ε)
         every = slice(None)
-        for start in range(0, h.shape[0], rows):
-            part = slice(start, start + rows)
-            g, mu = gap_block(h[part], mix, scale, f, up=_part(up, part), merged=_part(merged, part),
-                              merged_up=_part(merged_up, part))
-            batch.add_positions(*batch.add_block(g, mu, every, eps), eps=eps)
+        for first, last in spans:
+            for start in range(first, last, rows):
+                part = slice(start, min(start + rows, last))
+                g, mu = gap_block(h[part], mix, scale, f, up=_part(up, part), merged=_part(merged, part),
+                                  merged_up=_part(merged_up, part))
+                batch.add_positions(*batch.add_block(g, mu, every, eps), eps=eps)
         batch.unscale(scale)
         self.merge(batch)
 
     def _add_rows(self, h: torch.Tensor, mix: torch.Tensor, scale: float, f: Callable,
-                  up: torch.Tensor | None) -> None:
+                  up: torch.Tensor | None, spans: Sequence[tuple[int, int]]) -> None:
         """:meth:`add_preactivations` for m > 1 rows of A (``h``: ``[q, positions, nodes]``, overwritten): with H
         the ``[q, positions·nodes]`` layout of a
         chunk, one GEMM writes s·A·H into a reused buffer, f runs in place, one more GEMM with β = 1 subtracts
@@ -276,19 +279,21 @@ class GapSums:
             up = up.contiguous()
             activated.mul_(up)
         mix = mix.to(h)
-        m, positions = mix.shape[0], h.shape[1]
+        m = mix.shape[0]
         step, _ = block_shape(q, m, n, h.device, rows_of_a=True)
-        buffer = torch.empty(m, min(step, positions) * n, device=h.device)
+        longest = max((last - first for first, last in spans), default=0)
+        buffer = torch.empty(m, min(step, longest) * n, device=h.device)
         eps = self.eps * scale
-        for first in range(0, positions, step):
-            flat = scaled[:, first:first + step].reshape(q, -1)
+        chunks = [(start, min(start + step, last)) for first, last in spans for start in range(first, last, step)]
+        for start, stop in chunks:
+            flat = scaled[:, start:stop].reshape(q, -1)  # a view: rows of one source are contiguous
             count = flat.shape[1] // n
             gap = torch.mm(mix, flat, out=buffer[:, : count * n])  # s·A·h
             gap = f(gap)  # s·σ(A·h), in place
             if up is not None:
-                gap.mul_(torch.mm(mix, up[:, first:first + step].reshape(q, -1)))
+                gap.mul_(torch.mm(mix, up[:, start:stop].reshape(q, -1)))
             mu_norm = torch.linalg.vector_norm(gap.view(m, count, n), dim=-1)
-            gap.addmm_(mix, activated[:, first:first + step].reshape(q, -1), alpha=-1)  # − s·A·σ(h)
+            gap.addmm_(mix, activated[:, start:stop].reshape(q, -1), alpha=-1)  # − s·A·σ(h)
             norm = torch.linalg.vector_norm(gap.view(m, count, n), dim=-1)  # [rows of A, positions]
             self.layer[0] += norm.sum(1, dtype=torch.float64) / scale
             self.layer[1] += (norm / (mu_norm + eps)).sum(1, dtype=torch.float64)
@@ -297,7 +302,27 @@ class GapSums:
                 gap = gap.abs_() if self.reduction == "abs" else gap.square_()
                 self.node[0] += gap.view(m, count, n).sum(1, dtype=torch.float64) / (
                     scale if self.reduction == "abs" else scale**2)
-        self.layer[3] += positions
+        self.layer[3] += sum(last - first for first, last in spans)
+
+
+MAX_MASK_SPANS = 256
+"""A mask with more runs of kept positions than this is applied by copying the kept positions out (one copy of the
+pre-activations) instead of walking its runs as views (one small GEMM per run)."""
+
+
+def kept_spans(mask: torch.Tensor | None, positions: int) -> list[tuple[int, int]] | None:
+    """The runs of True in ``mask`` (``[positions]`` bool; ``None``: every position) as ``(start, stop)`` pairs, or
+    ``None`` when there are more than :data:`MAX_MASK_SPANS` of them. Padded batches have one run per sequence, and
+    walking the runs costs no copy: indexing with the mask copied a ``[q, positions, nodes]`` tensor (0.15-0.2 s
+    for 4 × 2048 × 8960), a tenth of the own walk's time on a Qwen2.5-1.5B-shaped decoder with every position kept."""
+    if mask is None:
+        return [(0, positions)]
+    keep = mask.reshape(-1).to("cpu", torch.int8)
+    edges = torch.diff(keep, prepend=keep.new_zeros(1), append=keep.new_zeros(1))
+    starts, stops = (edges == 1).nonzero().flatten(), (edges == -1).nonzero().flatten()
+    if len(starts) > MAX_MASK_SPANS:
+        return None
+    return list(zip(starts.tolist(), stops.tolist()))
 
 
 def _part(t: torch.Tensor | None, part: slice) -> torch.Tensor | None:

@@ -195,8 +195,8 @@ def score_own_prefix(setup: ScoringSetup) -> dict[str, MLossAccumulator]:
                                               device=setup.device)
         acc = current[layer]
         sums = acc.empty()
-        gate, up = inputs.stacked()
-        sums.add_preactivations(gate, mix, setup.activation, up=up, mask=inputs.mask)
+        gate, up = inputs.stacked(sources_first=True)
+        sums.add_preactivations(gate, mix, setup.activation, up=up, mask=inputs.mask, sources_first=True)
         acc.add_sums(sums)
 
     def done(layer: int) -> None:

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..adapters import EMBEDDING_STAGE, BlockContext, ModelAdapter
 
-__all__ = ["BatchState", "UnitInputs", "as_batch", "embed_batches", "is_streamed", "load_block", "own_walk",
+__all__ = ["BatchState", "BlockArena", "UnitInputs", "as_batch", "embed_batches", "is_streamed", "load_block", "own_walk",
            "release_block", "shared_walk"]
 
 
@@ -66,21 +66,22 @@ class BatchState:
 
 @dataclass
 class UnitInputs:
-    """One batch at a scored unit of the own-prefix walk: the q sources' pre-activations (``up``: gated units),
-    and the positions that count (``mask``, ``[positions]`` bool, or ``None``)."""
+    """One batch at a scored unit of the own-prefix walk: the q sources' float32 pre-activations, stacked as
+    ``[q, ..., nodes]`` (``up``: gated units), and the positions that count (``mask``, ``[positions]`` bool, or
+    ``None``)."""
 
-    gates: list[torch.Tensor]
-    ups: list[torch.Tensor] | None
+    gate: torch.Tensor
+    up: torch.Tensor | None
     mask: torch.Tensor | None
 
     @property
     def num_nodes(self) -> int:
-        return self.gates[0].shape[-1]
+        return self.gate.shape[-1]
 
     def stacked(self, *, sources_first: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(gate, up)`` pre-activations as ``[positions, q, nodes]`` (``sources_first``: ``[q, positions,
-        nodes]``, the layout of the kernel's several-row path)."""
-        return _stacked(self.gates, sources_first), _stacked(self.ups, sources_first) if self.ups else None
+        """``(gate, up)`` pre-activations as ``[q, positions, nodes]`` views with ``sources_first`` (the layout
+        the walk writes and the kernel reads without a copy), else as ``[positions, q, nodes]`` copies."""
+        return _stacked(self.gate, sources_first), _stacked(self.up, sources_first) if self.up is not None else None
 
 
 def embed_batches(setup: WalkSetup, model: Any, pool: Any = None) -> list[BatchState]:
@@ -164,17 +165,51 @@ def release_block(block: nn.Module) -> None:
         set_module_tensor_to_device(block, name, "meta")
 
 
-def load_block(module: nn.Module, store: Any, prefix: str, device: Any, *, materialise: bool = False) -> None:
+def load_block(module: nn.Module, store: Any, prefix: str, device: Any, *, materialise: bool = False,
+               arena: BlockArena | None = None) -> None:
     """Fill a copy of one block with a source's weights; every parameter must come from the source.
-    ``materialise``: the block's parameters are on ``meta`` (a streamed model) and are replaced, not copied into."""
+    ``materialise``: the block's parameters are on ``meta`` (a streamed model) and are replaced, not copied into
+    (into views of ``arena``'s memory when given, else fresh tensors)."""
     expected = dict(module.state_dict())
     parameters = dict(module.named_parameters())
     missing = [prefix + key for key in expected if prefix + key not in store and key in parameters]
     if missing:
         raise KeyError(f"{store.ref.name!r} has no tensor {missing[0]!r}: the adapter's names do not match the block.")
-    state = {key: store.get(prefix + key).to(device=device, dtype=value.dtype)
-             for key, value in expected.items() if prefix + key in store}
+    present = {key: value for key, value in expected.items() if prefix + key in store}
+    if materialise and arena is not None:
+        views = arena.views(present, device)
+        state = {key: store.read_into(prefix + key, view) for key, view in views.items()}
+    else:
+        state = {key: store.get(prefix + key).to(device=device, dtype=value.dtype) for key, value in present.items()}
     module.load_state_dict(state, strict=False, assign=materialise)
+
+
+class BlockArena:
+    """Memory reused by the walk for one block copy's weights from block to block.
+
+    Filling each block's q copies with fresh tensors mapped and page-faulted ~190 M new float32 values per block on
+    a Qwen2.5-1.5B-shaped decoder (q = 4); reading into the same memory each time (:meth:`TensorStore.read_into`)
+    does not. A block filled from the arena must be dropped before the arena fills the next one.
+    """
+
+    ALIGN = 64
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+
+    def views(self, like: Mapping[str, torch.Tensor], device: Any) -> dict[str, torch.Tensor]:
+        """One tensor per entry of ``like`` (its shape and dtype) on ``device``, all in the arena's memory."""
+        sizes = {key: -(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN for key, t in like.items()}
+        total, device = sum(sizes.values()), torch.device(device)
+        if self.buffer is None or self.buffer.numel() < total or self.buffer.device != device:
+            self.buffer = None  # the old memory returns before the new is taken
+            self.buffer = torch.empty(total, dtype=torch.uint8, device=device)
+        out, start = {}, 0
+        for key, t in like.items():
+            nbytes = t.numel() * t.element_size()
+            out[key] = self.buffer[start:start + nbytes].view(t.dtype).view(t.shape)
+            start += sizes[key]
+        return out
 
 
 def _own_embeddings(setup: WalkSetup) -> list[list[BatchState]]:
@@ -186,7 +221,7 @@ def _own_embeddings(setup: WalkSetup) -> list[list[BatchState]]:
     for store in setup.sources:
         for name in names:
             if name in state:
-                state[name].copy_(store.get(name))
+                store.read_into(name, state[name])
         out.append(embed_batches(setup, worker))
     return out
 
@@ -206,14 +241,15 @@ def own_walk(setup: WalkSetup, scored: Sequence[int], visit: Callable[[int, Unit
     states = _own_embeddings(setup)
     blocks = adapter.layers(setup.model)
     last = max(scored)
+    arenas = [BlockArena() for _ in setup.sources]
     for layer in range(last + 1):
         copies, streamed = [], is_streamed(blocks[layer])
-        for store in setup.sources:
+        for store, arena in zip(setup.sources, arenas):
             block = copy.deepcopy(blocks[layer])
-            load_block(block, store, adapter.layer_prefix(layer), setup.device, materialise=streamed)
+            load_block(block, store, adapter.layer_prefix(layer), setup.device, materialise=streamed, arena=arena)
             copies.append(block)
         for b in range(len(setup.batches)):
-            gates, ups = [], []
+            stacked: dict[str, torch.Tensor] = {}  # per path, [q, ..., nodes]: each source's output written in
             for p, block in enumerate(copies):
                 state = states[p][b]
                 with setup.autocast():
@@ -221,17 +257,18 @@ def own_walk(setup: WalkSetup, scored: Sequence[int], visit: Callable[[int, Unit
                     computed = {}
                     if layer in scored:
                         for path in filter(None, (unit.gate, unit.up)):
-                            computed[path] = block.get_submodule(path)(u)
-                        gates.append(computed[unit.gate].float())
-                        if unit.up is not None:
-                            ups.append(computed[unit.up].float())
+                            computed[path] = out = block.get_submodule(path)(u)
+                            if path not in stacked:
+                                stacked[path] = out.new_empty((len(copies), *out.shape), dtype=torch.float32)
+                            stacked[path][p].copy_(out)
                     if layer < last:
                         with _reusing(block, u, computed):  # the rest of the block: gate / up not computed twice
                             hidden = adapter.forward_from_target(block, residual, u, state.context)
                         states[p][b] = BatchState(hidden, state.context)
-            if gates:
+            if stacked:
                 mask = states[0][b].context.mask
-                visit(layer, UnitInputs(gates, ups or None, mask.reshape(-1) if mask is not None else None))
+                visit(layer, UnitInputs(stacked[unit.gate], stacked.get(unit.up) if unit.up else None,
+                                        mask.reshape(-1) if mask is not None else None))
         if layer in scored and done is not None:
             done(layer)
         if progress is not None:
@@ -240,15 +277,20 @@ def own_walk(setup: WalkSetup, scored: Sequence[int], visit: Callable[[int, Unit
 
 
 class _Computed(nn.Module):
-    """Stands in for a block's submodule whose output on ``given`` is already known: a copy of that output for
-    ``given`` itself (the same tensor object), the submodule's own forward for any other input."""
+    """Stands in for a block's submodule whose output on ``given`` is already known: that output, once, for
+    ``given`` itself (the same tensor object), the submodule's own forward otherwise. The output is handed over,
+    not copied: the walk has already written it into its stacked pre-activations, so an in-place activation after
+    it changes nothing the measurement reads, and a second call cannot see a changed tensor."""
 
     def __init__(self, module: nn.Module, given: torch.Tensor, output: torch.Tensor) -> None:
         super().__init__()
         self.module, self.given, self.output = module, given, output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.output.clone() if x is self.given else self.module(x)  # a copy: an in-place activation is safe
+        if x is self.given and self.output is not None:
+            output, self.output = self.output, None
+            return output
+        return self.module(x)
 
 
 @contextlib.contextmanager
@@ -270,9 +312,7 @@ def _reusing(block: nn.Module, given: torch.Tensor, computed: Mapping[str, torch
             setattr(parent, child, module)
 
 
-def _stacked(pre: list[torch.Tensor], sources_first: bool) -> torch.Tensor:
-    """q pre-activations ``[..., nodes]`` as ``[positions, q, nodes]`` (or ``[q, positions, nodes]``)."""
-    if sources_first:
-        return torch.stack(pre).reshape(len(pre), -1, pre[0].shape[-1])
-    h = torch.stack(pre, dim=-2)
-    return h.view(-1, *h.shape[-2:])
+def _stacked(pre: torch.Tensor, sources_first: bool) -> torch.Tensor:
+    """``[q, ..., nodes]`` pre-activations as ``[q, positions, nodes]`` (a view) or ``[positions, q, nodes]``."""
+    flat = pre.reshape(pre.shape[0], -1, pre.shape[-1])
+    return flat if sources_first else flat.transpose(0, 1).contiguous()

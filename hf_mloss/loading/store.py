@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import pickle
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -60,6 +62,11 @@ class TensorStore:
     def get_float(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
         """The tensor as float32 on ``device`` (merges compute in float32 whatever the stored dtype)."""
         return self.get(name).to(device=device, dtype=torch.float32)
+
+    def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        """Write the tensor into ``out`` (its shape; any dtype and device: converted on the way) and return ``out``.
+        Reusing ``out`` from tensor to tensor spares the fresh pages each :meth:`get` maps."""
+        return out.copy_(self.get(name))
 
     def close(self) -> None:
         pass
@@ -151,8 +158,36 @@ class CheckpointStore(TensorStore):
         shape, dtype = self.shapes[name], self.dtypes[name]
         start, stop = max(0, min(start, shape[0])), max(0, min(stop, shape[0]))
         rows = torch.empty((max(stop - start, 0), *shape[1:]), dtype=dtype)
+        self._pread(name, start, rows)
+        return rows
+
+    def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        """:meth:`TensorStore.read_into` without a fresh buffer: the bytes are pread straight into ``out`` where it
+        is a contiguous CPU tensor of the stored dtype, else through a reused staging buffer of at most
+        :data:`STAGING_BYTES`, rows at a time, converted into ``out`` while they are in cache."""
+        file, key = self._locations[name]
+        shape, dtype = self.shapes[name], self.dtypes[name]
+        if self.is_pickle or dtype is None or not shape or tuple(out.shape) != shape:
+            return super().read_into(name, out)
+        if out.dtype == dtype and out.device.type == "cpu" and out.is_contiguous():
+            self._pread(name, 0, out)
+            return out
+        row_bytes = max(1, math.prod(shape[1:]) * dtype.itemsize)
+        step = max(1, STAGING_BYTES // row_bytes)
+        staging = _staging(min(step, shape[0]) * row_bytes)
+        for start in range(0, shape[0], step):
+            rows = out[start:start + step]
+            piece = staging[: rows.shape[0] * row_bytes].view(dtype).view(rows.shape)
+            self._pread(name, start, piece)
+            rows.copy_(piece)
+        return out
+
+    def _pread(self, name: str, start: int, rows: torch.Tensor) -> None:
+        """Read rows ``start:start + len(rows)`` of tensor ``name`` into the contiguous CPU tensor ``rows``: nothing
+        else is read, nothing stays mapped."""
+        file, key = self._locations[name]
         offset = self._offsets[file][key] + start * rows[0:1].nbytes if rows.numel() else 0
-        try:  # pread those rows' bytes straight into the tensor: nothing else is read, nothing stays mapped
+        try:
             with open(file, "rb", buffering=0) as handle:
                 view, done = memoryview(rows.view(torch.uint8).numpy()).cast("B"), 0
                 while done < len(view):
@@ -162,7 +197,6 @@ class CheckpointStore(TensorStore):
                     done += got
         except OSError as err:
             raise CorruptCheckpointError(f"Cannot read tensor {name!r} from {file.name} of {self.ref.name!r}: {err}")
-        return rows
 
     def close(self) -> None:
         self._handles.clear()
@@ -191,6 +225,19 @@ class ModuleStore(TensorStore):
 
     def __repr__(self) -> str:
         return f"ModuleStore({self.ref.name!r}, tensors={len(self.shapes)})"
+
+
+STAGING_BYTES = 1 << 24
+"""Bytes of one staging piece of :meth:`CheckpointStore.read_into` (16 MB: rows of an LLM's embedding at a time)."""
+_STAGING = threading.local()
+
+
+def _staging(nbytes: int) -> torch.Tensor:
+    """This thread's reused staging buffer, grown to at least ``nbytes`` (a pool's workers read side by side)."""
+    buffer = getattr(_STAGING, "buffer", None)
+    if buffer is None or buffer.numel() < nbytes:
+        buffer = _STAGING.buffer = torch.empty(nbytes, dtype=torch.uint8)
+    return buffer
 
 
 def safetensors_offsets(file: Path) -> dict[str, int]:
