@@ -213,7 +213,7 @@ def task_vector_statistics(inputs: RunInputs, *, k: float = 0.2) -> dict[str, to
             for taus in pieces():
                 _add_pair_statistics(out, taus, thresholds)
         else:
-            taus = _task_vectors(inputs, name, slice(None), buffer)
+            taus = _whole_task_vectors(inputs, name, buffer, magnitude)
             thresholds = [magnitude_threshold(torch.abs(tau, out=magnitude[: tau.numel()]), count) for tau in taus]
             _add_pair_statistics(out, taus, thresholds)
     return out
@@ -229,6 +229,18 @@ def _task_vectors(inputs: RunInputs, name: str, rows: slice, buffer: torch.Tenso
     for tau, store in zip(taus, inputs.sources):
         tau.copy_(read(store))
     return taus.sub_(base.to(inputs.device, torch.float32)).reshape(len(taus), -1)
+
+
+def _whole_task_vectors(inputs: RunInputs, name: str, buffer: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """:func:`_task_vectors` of a whole tensor, every checkpoint read into reused memory (the base into ``scratch``,
+    free again when this returns): no fresh pages per tensor and source."""
+    shape = inputs.base.shapes[name]
+    numel = math.prod(shape)
+    base = inputs.base.read_into(name, scratch[:numel].view(shape))
+    taus = buffer[: len(inputs.sources) * numel].view(len(inputs.sources), *shape)
+    for tau, store in zip(taus, inputs.sources):
+        store.read_into(name, tau)
+    return taus.sub_(base).reshape(len(taus), -1)
 
 
 def _task_vector_pieces(inputs: RunInputs, name: str, buffer: torch.Tensor):
