@@ -18,8 +18,9 @@ TARGETS = {
     "select_m_ties_vs_m_ties": 3.0,
     "l14_m_ties_rss_gb": 4.0,
 }
-DECODER_TARGETS = {"ties_tensor_vs_mergekit_wall": 0.5}
-"""The targets set otherwise for decoder shapes (data-free merges of a bf16 LLM against mergekit)."""
+DECODER_TARGETS = {"ties_tensor_vs_mergekit_wall": 0.5, "compatibility_vs_own_floor": 1.3}
+"""The targets set otherwise, or only, for decoder shapes (data-free merges of a bf16 LLM against mergekit; the
+compatibility report against the q own forwards it must run)."""
 HF_NAMES = ("ties_tensor", "ties_tensor_mk", "ties_global", "dare", "task_arithmetic", "m_ties", "m_ties_bf16",
             "select_m_ties", "ties_global_fb", "tsv_m", "iso_c", "iso_cts")
 MEASURE_RUNS = ("forward", "read", "svd_floor", "score", "score_bf16", "score_own", "compatibility")
@@ -105,7 +106,7 @@ def floor_figures(runs: dict, q: int, share: float = 1 / 3) -> dict:
     forwards = 1 + q * share
     return {"forward_s": child["inner_s"], "forward_threads": child.get("inner_threads"),
             "forward_default_threads_s": min(default) if default else None, "floor_forwards": forwards,
-            "scored_share": share, "score_floor_s": forwards * child["inner_s"],
+            "scored_share": share, "score_floor_s": forwards * child["inner_s"], "own_floor_s": q * child["inner_s"],
             "score_floor_cpu_s": forwards * child["inner_cpu_s"], "score_floor_q3_s": (1 + q / 3) * child["inner_s"]}
 
 
@@ -157,9 +158,13 @@ def svd_floor_ratios(ratios: Ratios, floor: dict, tsv: dict | None, mk: dict, ta
                        "eigensolves alone rule out tsv_m_vs_mergekit_wall here")
 
 
-def floor_ratios(ratios: Ratios, runs: dict, floor: dict) -> None:
+def floor_ratios(ratios: Ratios, runs: dict, floor: dict, targets: dict = TARGETS) -> None:
     if not floor:
         return
+    for name in ("score_own", "compatibility"):  # the own-prefix walk runs q forwards: its FLOP floor is q·F
+        if _ok(runs.get(name)) and "own_floor_s" in floor:
+            ratios.add(f"{name}_vs_own_floor", _inner(runs[name]), floor["own_floor_s"],
+                       targets.get(f"{name}_vs_own_floor"), "inner time / q·F (the q own forwards)")
     tt, mt = runs.get("ties_tensor"), runs.get("m_ties")
     if _ok(mt) and _ok(tt):
         ratios.add("m_ties_vs_floor", _inner(mt), floor["score_floor_s"] + _inner(tt), TARGETS["m_ties_vs_floor"],
@@ -262,8 +267,9 @@ def _summarize_runs(runs: dict, payload: dict) -> dict:
     q, model_mb = payload["q"], payload["models"]["model_bytes"] / 1e6
     floor = floor_figures(runs, q, scored_share(payload))
     ratios = Ratios()
-    mergekit_ratios(ratios, runs, q, TARGETS | DECODER_TARGETS if is_decoder(payload) else TARGETS)
-    floor_ratios(ratios, runs, floor)
+    targets = TARGETS | DECODER_TARGETS if is_decoder(payload) else TARGETS
+    mergekit_ratios(ratios, runs, q, targets)
+    floor_ratios(ratios, runs, floor, targets)
     io_floor_ratios(ratios, runs, floor, q)
     workload_ratios(ratios, runs)
     mt = runs.get("m_ties")

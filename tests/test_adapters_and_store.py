@@ -56,6 +56,33 @@ def test_split_block_forward_equals_the_block(variants):
     assert adapter.activation() is not None and base.config.hidden_act == "quick_gelu"
 
 
+def test_read_into_reads_every_tensor_as_get_does(tmp_path, variants, monkeypatch):
+    """``read_into`` fills a caller's tensor with the stored values: in place for the stored dtype, converted
+    through staging pieces of a few rows otherwise (pieces of 64 bytes here), and through ``get`` for a pickle."""
+    from hf_mloss.loading import store as store_module
+
+    monkeypatch.setattr(store_module, "STAGING_BYTES", 64)
+    bf16 = save_model(make_base(0).to(torch.bfloat16), tmp_path / "bf16")
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    variants["fts"][1].config.save_pretrained(pickled)
+    torch.save(variants["fts"][1].state_dict(), pickled / "pytorch_model.bin")
+    adapter = adapter_for(variants["base"].config)
+    for folder in (bf16, pickled, variants["sharded"][1], variants["plain"][1]):
+        store = CheckpointStore(resolve_model(folder), adapter)
+        for name in store.keys():
+            want = store.get(name)
+            for dtype in (want.dtype, torch.float32, torch.float64):
+                out = torch.full(want.shape, float("nan"), dtype=dtype)
+                assert store.read_into(name, out) is out
+                torch.testing.assert_close(out, want.to(dtype), rtol=0, atol=0, msg=name)
+    assert store.dtypes["encoder.layers.0.mlp.fc1.weight"] == torch.float32
+    assert CheckpointStore(resolve_model(bf16), adapter).dtypes["encoder.layers.0.mlp.fc1.weight"] == torch.bfloat16
+    strided = torch.zeros(32, 64).t()  # fc1.weight is [64, 32]: a non-contiguous out is filled through staging
+    store.read_into("encoder.layers.0.mlp.fc1.weight", strided)
+    assert torch.equal(strided, store.get("encoder.layers.0.mlp.fc1.weight"))
+
+
 @pytest.mark.parametrize("layout", ["prefixed", "sharded", "clip"])
 def test_every_layout_reads_the_same_tensors(variants, layout):
     plain = CheckpointStore(resolve_model(variants["plain"][1]), adapter_for(variants["base"].config))

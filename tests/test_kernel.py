@@ -317,6 +317,85 @@ def test_the_walk_carries_the_context_and_the_mask_to_the_kernel(prefix):
         assert_sums_close(kernel_view(padded_sums[layer]), kernel_view(alone_sums[layer]))
 
 
+def test_kept_spans_are_the_runs_of_the_mask(monkeypatch):
+    from hf_mloss.engine import kernel
+
+    mask = torch.tensor([0, 1, 1, 0, 0, 1, 0, 1, 1, 1], dtype=torch.bool)
+    assert kernel.kept_spans(mask, 10) == [(1, 3), (5, 6), (7, 10)]
+    assert kernel.kept_spans(None, 7) == [(0, 7)]
+    assert kernel.kept_spans(torch.ones(4, dtype=torch.bool), 4) == [(0, 4)]
+    assert kernel.kept_spans(torch.zeros(4, dtype=torch.bool), 4) == []
+    monkeypatch.setattr(kernel, "MAX_MASK_SPANS", 2)
+    assert kernel.kept_spans(mask, 10) is None  # too scattered: the caller copies the kept positions out
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("gated", [False, True], ids=["element-wise", "gated"])
+def test_a_mask_walked_as_runs_equals_its_positions_copied_out(gated, rows, monkeypatch):
+    """Given pre-activations and a mask, the runs of kept positions (views, blocks cut at run ends) give the sums of
+    the kept positions taken out and passed without a mask, on both layouts; so does the copying fallback."""
+    from hf_mloss.engine import kernel
+
+    monkeypatch.setattr(kernel, "BLOCK_ELEMENTS", 3 * Q * N)  # blocks of 3 positions cross the runs' ends
+    monkeypatch.setattr(kernel, "ROWS_BLOCK_ELEMENTS", 4 * 3 * N)
+    generator = torch.Generator().manual_seed(11)
+    mix = torch.softmax(torch.randn(rows, Q, generator=generator), dim=1)
+    gate = torch.randn(Q, 29, N, generator=generator)
+    up = torch.randn(Q, 29, N, generator=generator) if gated else None
+    mask = torch.rand(29, generator=generator) > 0.4
+    assert len(kernel.kept_spans(mask, 29)) > 3
+
+    def sums(h, u, mask, sources_first):
+        out = GapSums(rows, N, per_node=rows == 1)
+        if not sources_first:
+            h, u = h.transpose(0, 1).contiguous(), None if u is None else u.transpose(0, 1).contiguous()
+        out.add_preactivations(h.clone(), mix, nn.SiLU(), up=None if u is None else u.clone(), mask=mask,
+                               sources_first=sources_first)
+        return out
+
+    want = sums(gate[:, mask], None if up is None else up[:, mask], None, True)
+    for sources_first in (True, False):
+        for limit in (kernel.MAX_MASK_SPANS, 0):  # runs as views; the copy of the kept positions
+            monkeypatch.setattr(kernel, "MAX_MASK_SPANS", limit)
+            got = sums(gate, up, mask, sources_first)
+            assert int(got.count) == int(mask.sum())
+            for row in range(rows):
+                assert_sums_close(kernel_view(got, row), kernel_view(want, row))
+
+
+def test_the_own_walk_measures_before_an_in_place_activation_runs():
+    """The own walk hands each source's gate output to the rest of its block without a copy (the measurement has
+    its own): a block whose activation overwrites its input gives the sums and the next block's inputs of one
+    that does not."""
+    models = [GatedBlocks(seed) for seed in range(Q)]
+    alpha = torch.tensor([0.2, 0.3, 0.5])
+    padded, _ = token_batches([4, 1, 6])
+
+    class InPlace(GatedAdapter):
+        def forward_from_target(self, block, residual, u, context=None):
+            mlp = block.mlp
+            return residual + mlp.down_proj(nn.functional.silu(mlp.gate_proj(u), inplace=True) * mlp.up_proj(u))
+
+    def run(adapter) -> dict[int, dict[str, torch.Tensor]]:
+        setup = Setup(GatedBlocks(0), models, [padded])
+        setup.adapter = adapter
+        out = {}
+
+        def visit(layer, inputs):
+            sums = GapSums(1, N)
+            gate, up = inputs.stacked(sources_first=True)
+            sums.add_preactivations(gate, alpha[None], nn.SiLU(), up=up, mask=inputs.mask, sources_first=True)
+            out[layer] = kernel_view(sums)
+
+        own_walk(setup, [0, 1], visit)
+        return out
+
+    plain, in_place = run(GatedAdapter()), run(InPlace())
+    for layer in (0, 1):
+        for key, value in plain[layer].items():
+            assert torch.equal(in_place[layer][key], value), (layer, key)
+
+
 def test_a_tensor_batch_is_a_batch_of_pixel_values():
     pixels = torch.zeros(2, 3, 4, 4)
     assert as_batch(pixels)["pixel_values"] is pixels

@@ -280,9 +280,13 @@ def _add_pair_statistics(out: dict[str, torch.Tensor], taus: torch.Tensor, thres
     threshold = torch.tensor(thresholds, dtype=torch.float32, device=device).clamp_min(least)[:, None]
     sums = torch.zeros(3, q, q, dtype=torch.float64, device=device)  # gram, overlap, ⟨signs⟩
     chunk = max(GRAM_CHUNK_NUMEL, PAIR_CHUNK_BYTES // (4 * q)) // GRAM_CHUNK_NUMEL * GRAM_CHUNK_NUMEL
+    # the masks as float 1/0 made in place in two reused buffers: a comparison with a bool result and its conversion
+    # to float took 6x as long (1.5 against 0.23 ms per [4, 2^18] on 2 threads) and mapped fresh pages per chunk
+    buffers = torch.empty(2, q, min(chunk, taus.shape[1]), dtype=taus.dtype, device=device)
     for part in taus.split(chunk, dim=1):
-        kept = (part.abs() >= threshold).float()
-        signed = torch.copysign(kept, part)  # ±1 where kept, ±0 elsewhere: one pass, not sign() then a product
+        kept, signed = (buffer[:, : part.shape[1]] for buffer in buffers)
+        torch.abs(part, out=kept).ge_(threshold)
+        torch.copysign(kept, part, out=signed)  # ±1 where kept, ±0 elsewhere: one pass, not sign() then a product
         for i, matrix in enumerate((part, kept, signed)):
             for piece in matrix.split(GRAM_CHUNK_NUMEL, dim=1):
                 sums[i] += (piece @ piece.T).double()
