@@ -14,7 +14,8 @@ What it does (every timed run is its own child process, so wall time, CPU time a
    * ``score`` / ``score_bf16`` / ``score_own``: ``hf_mloss.score`` with ``prefix="base"`` in fp32 / bf16, and
      ``prefix="own"`` (the reference for the compatibility report). The floor of the base-prefix scorer is
      (1 + q·share)·F, share = the multiply-adds of one source's scored projection(s) over a block's (1/3 for CLIP's
-     fc1; 2·d·f over the block for a gated decoder, whose gap needs gate and up: 0.585 for Qwen2.5-0.5B).
+     fc1; 2·d·f over the block for a gated decoder, whose gap needs gate and up: 0.585 for Qwen2.5-0.5B). The
+     own scorer and ``compatibility`` run q own forwards: their floor is q·F (``*_vs_own_floor``).
    * hf_mloss merges (``ties_tensor``, ``ties_tensor_mk``, ``ties_global``, ``dare``, ``task_arithmetic``,
      ``m_ties``, ``m_ties_bf16``; the SVD-based ``tsv_m``, ``iso_c``, ``iso_cts`` only when named in ``--methods``),
      label-free selection (``select_m_ties``: M-TIES over a 3 × 3 (k, λ) grid) and the

@@ -28,8 +28,8 @@ from torch import nn
 
 from ..adapters import EMBEDDING_STAGE, BlockContext, ModelAdapter
 
-__all__ = ["BatchState", "BlockArena", "UnitInputs", "as_batch", "embed_batches", "is_streamed", "load_block", "own_walk",
-           "release_block", "shared_walk"]
+__all__ = ["BatchState", "BlockArena", "UnitInputs", "as_batch", "embed_batches", "is_streamed", "load_block",
+           "own_walk", "release_block", "shared_walk"]
 
 
 def as_batch(batch: Mapping[str, torch.Tensor] | torch.Tensor) -> dict[str, torch.Tensor]:

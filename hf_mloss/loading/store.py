@@ -165,7 +165,6 @@ class CheckpointStore(TensorStore):
         """:meth:`TensorStore.read_into` without a fresh buffer: the bytes are pread straight into ``out`` where it
         is a contiguous CPU tensor of the stored dtype, else through a reused staging buffer of at most
         :data:`STAGING_BYTES`, rows at a time, converted into ``out`` while they are in cache."""
-        file, key = self._locations[name]
         shape, dtype = self.shapes[name], self.dtypes[name]
         if self.is_pickle or dtype is None or not shape or tuple(out.shape) != shape:
             return super().read_into(name, out)
