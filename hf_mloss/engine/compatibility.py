@@ -220,20 +220,18 @@ def task_vector_statistics(inputs: RunInputs, *, k: float = 0.2) -> dict[str, to
 
 
 def _task_vectors(inputs: RunInputs, name: str, rows: slice, buffer: torch.Tensor) -> torch.Tensor:
-    """``[q, entries]`` float32 task vectors of rows ``rows`` of tensor ``name`` (all rows: ``slice(None)``), each
-    source converted straight into its row of ``buffer`` (a view of it is returned: valid until the next call)."""
-    read = (lambda store: store.get(name)) if rows == slice(None) else (
-        lambda store: store.get_rows(name, rows.start, rows.stop))
-    base = read(inputs.base)
+    """``[q, entries]`` float32 task vectors of rows ``rows.start:rows.stop`` of tensor ``name``, each source
+    converted straight into its row of ``buffer`` (a view of it is returned: valid until the next call)."""
+    base = inputs.base.get_rows(name, rows.start, rows.stop)
     taus = buffer[: len(inputs.sources) * base.numel()].view(len(inputs.sources), *base.shape)
     for tau, store in zip(taus, inputs.sources):
-        tau.copy_(read(store))
+        tau.copy_(store.get_rows(name, rows.start, rows.stop))
     return taus.sub_(base.to(inputs.device, torch.float32)).reshape(len(taus), -1)
 
 
 def _whole_task_vectors(inputs: RunInputs, name: str, buffer: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """:func:`_task_vectors` of a whole tensor, every checkpoint read into reused memory (the base into ``scratch``,
-    free again when this returns): no fresh pages per tensor and source."""
+    """The ``[q, entries]`` task vectors of a whole tensor, every checkpoint read into reused memory (the base into
+    ``scratch``, free again when this returns): no fresh pages per tensor and source."""
     shape = inputs.base.shapes[name]
     numel = math.prod(shape)
     base = inputs.base.read_into(name, scratch[:numel].view(shape))
