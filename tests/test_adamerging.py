@@ -376,3 +376,22 @@ def test_the_builtin_objective_names_are_the_registered_ones():
     from hf_mloss.methods.adamerging import BUILTIN_OBJECTIVES
 
     assert set(BUILTIN_OBJECTIVES) <= set(OBJECTIVES)
+
+
+def test_a_registered_objective_is_accepted_without_the_methods_importing_the_registry():
+    """The registry (engine) tells the learned methods' parameters (methods, a layer below) each name it adds."""
+    from hf_mloss.engine.objectives import OBJECTIVES, Objective, register_objective
+    from hf_mloss.methods.adamerging import OBJECTIVE_NAMES, AdaMergingParams
+
+    with pytest.raises(InvalidParameterError, match="Unknown objective 'custom_gap'.*available"):
+        AdaMergingParams(objective="custom_gap")
+
+    class Custom(Objective):
+        name, description = "custom_gap", "a test objective"
+
+    register_objective(Custom())
+    try:
+        assert AdaMergingParams(objective="custom_gap").objective == "custom_gap"
+    finally:
+        OBJECTIVES.pop("custom_gap")
+        OBJECTIVE_NAMES.discard("custom_gap")

@@ -1,7 +1,8 @@
 """The package's shape: no import cycle, no import running back up the layers, and a wheel that holds the library only.
 
 The import graph is read from the source (every ``import``, at module level or inside a function, except those under
-``if TYPE_CHECKING:``), so a cycle hidden in a function body counts too.
+``if TYPE_CHECKING:``), so a cycle hidden in a function body counts too. It is checked twice: between modules, and
+between the top-level rooms (``hf_mloss.<subpackage or module>``), where no circle may close either.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hf_mloss"
 
-LAYERS = ["spec", "output", "engine", "merging", "api", "cli"]
+LAYERS = ["adapters", "loading", "methods", "spec", "output", "engine", "merging", "api", "cli"]
 """Folders (and top modules) from the bottom up: a module imports only its own layer and the layers below it.
-``loading`` sits below ``spec`` (a recipe's loaders read the Hub); the base utilities (errors, saving, ...) and the
-two registries (``adapters``, ``methods``, used by several layers) are outside the order."""
-LAYERS = ["loading", *LAYERS]
+``adapters`` (the family registry) is the lowest; ``loading`` reads the inputs; ``methods`` (the method registry and
+the tensor math) sits below the recipe that names a method (``spec``), the outputs that describe one, the engine that
+scores for one and the driver that runs one. The base utilities (errors, saving, parallel, ...) are below every
+layer: they import only each other (:data:`BASE`)."""
+BASE = ["errors", "saving", "distributed", "parallel", "_validation", "_yaml", "_logging", "_version"]
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
@@ -50,7 +53,11 @@ def import_graph() -> dict[str, set[str]]:
                     target = ".".join([*base, *([node.module] if node.module else [])])
                 else:
                     target = node.module or ""
-                candidates = [target, *(f"{target}.{alias.name}" for alias in node.names)]
+                submodules = [f"{target}.{alias.name}" for alias in node.names]
+                # `from .. import parallel` reads the submodule; the package's own namespace only when a name in it
+                # is not a submodule (the root package is imported first by any import of a submodule anyway)
+                own = target != "hf_mloss" or not all(m in modules for m in submodules)
+                candidates = [*([target] if own else []), *submodules]
             elif isinstance(node, ast.Import):
                 candidates = [alias.name for alias in node.names]
             else:
@@ -99,17 +106,44 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def layer(module: str) -> int | None:
+def room(module: str) -> str:
+    """The top-level room of a module: ``hf_mloss.engine.score`` → ``engine`` (the package itself: ``hf_mloss``)."""
     parts = module.split(".")
-    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else None
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def room_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph collapsed to rooms: room -> the other rooms its modules import."""
+    rooms: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        rooms.setdefault(room(module), set()).update(room(t) for t in targets if room(t) != room(module))
+    return rooms
+
+
+def layer(module: str) -> int | None:
+    name = room(module)
+    return -1 if name in BASE else LAYERS.index(name) if name in LAYERS else None
 
 
 def test_the_import_graph_has_no_cycle() -> None:
     assert cycles(import_graph()) == []
 
 
+def test_the_top_level_rooms_form_no_circle() -> None:
+    """No circle of rooms, however long: spec -> methods -> engine -> spec would be one, even through functions."""
+    assert cycles(room_graph(import_graph())) == []
+
+
 def test_cycle_detection_finds_a_cycle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_room_circles_are_found_through_modules_that_form_no_cycle() -> None:
+    # no module cycle (a.x -> b.y -> c.z -> a.w), but the rooms a -> b -> c -> a close a circle
+    graph = {"hf_mloss.a.x": {"hf_mloss.b.y"}, "hf_mloss.b.y": {"hf_mloss.c.z"}, "hf_mloss.c.z": {"hf_mloss.a.w"},
+             "hf_mloss.a.w": set(), "hf_mloss.errors": set()}
+    assert cycles(graph) == []
+    assert cycles(room_graph(graph)) == [["a", "b", "c"]]
 
 
 def test_no_import_runs_back_up_the_layers() -> None:
@@ -118,8 +152,13 @@ def test_no_import_runs_back_up_the_layers() -> None:
     assert upward == []
 
 
+def test_every_room_has_a_layer() -> None:  # a new room must be placed, or the checks above would skip it
+    rooms = {room(module) for module in import_graph()} - {"hf_mloss"}
+    assert sorted(rooms - set(LAYERS) - set(BASE)) == []
+
+
 def test_every_layer_folder_exists() -> None:  # a renamed folder must not empty the check above
-    assert all((PACKAGE / name).is_dir() or (PACKAGE / f"{name}.py").is_file() for name in LAYERS)
+    assert all((PACKAGE / name).is_dir() or (PACKAGE / f"{name}.py").is_file() for name in [*LAYERS, *BASE])
 
 
 def test_the_wheel_holds_the_library_only() -> None:

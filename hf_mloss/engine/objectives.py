@@ -78,9 +78,12 @@ ENTROPY_EPS = 1e-8
 
 def register_objective(objective: Objective) -> Objective:
     """Register an objective under ``objective.name`` (lowercase, unique)."""
+    from ..methods.adamerging import OBJECTIVE_NAMES
+
     if objective.name in OBJECTIVES:
         raise KeyError(f"An objective named {objective.name!r} is already registered.")
     OBJECTIVES[objective.name] = objective
+    OBJECTIVE_NAMES.add(objective.name)  # what a learned method's parameters accept (they never import this module)
     return objective
 
 

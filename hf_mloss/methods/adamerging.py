@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from .._validation import param
+from .._validation import did_you_mean, param
 from ..errors import InvalidParameterError
 from .base import MergeContext, MergeMethod, MethodParams
 from .registry import register_merge_method
@@ -40,7 +40,11 @@ COEFFICIENT_STATE = "coefficients"
 
 
 BUILTIN_OBJECTIVES = ("entropy", "output_gap", "disagreement", "mloss")
-"""The objectives :mod:`hf_mloss.engine.objectives` registers itself (checked without importing it)."""
+"""The objectives :mod:`hf_mloss.engine.objectives` registers itself."""
+OBJECTIVE_NAMES: set[str] = set(BUILTIN_OBJECTIVES)
+"""The objective names a learned merge accepts: the built-in ones and every one
+:func:`hf_mloss.engine.objectives.register_objective` adds (the registry, above the methods, tells them; a method
+never imports it, and checking a name imports no torch)."""
 
 
 @dataclass(frozen=True)
@@ -66,10 +70,10 @@ class LearnedParams(MethodParams):
     """The parameter that holds the learned values once recorded (``coefficients``, ``masks``)."""
 
     def check(self) -> None:
-        if self.objective not in BUILTIN_OBJECTIVES:  # the registry imports torch: `hf-mloss methods` must not
-            from ..engine.objectives import get_objective
-
-            get_objective(self.objective)  # an unknown name is refused with the registered ones
+        if self.objective not in OBJECTIVE_NAMES:
+            raise InvalidParameterError(f"Unknown objective {self.objective!r}"
+                                        f"{did_you_mean(self.objective, sorted(OBJECTIVE_NAMES))}; available: "
+                                        f"{sorted(OBJECTIVE_NAMES)}.")
         for i, head in enumerate(self.heads or ()):
             if isinstance(head, Mapping) and "in_memory" in head and self.learns:
                 raise InvalidParameterError(

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from .._validation import param
 from ..errors import InvalidParameterError
-from ..spec.options import PREFIXES, ScoringOptions
+from .scoring import PREFIXES, ScoringOptions
 from .registry import register_merge_method
 from .base import LayerHooks, LayerwiseRun, MergeContext, MergeMethod, MethodParams
 
