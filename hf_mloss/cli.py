@@ -63,6 +63,7 @@ def merge_command(args: argparse.Namespace) -> int:
     from .loading.inputs import resolve_device
     from .saving import check_output_dir
 
+    _check_environment()
     config = _with_text_data(_with_selection(MergeConfig.from_yaml(args.config), args), args)
     device = resolve_device(args.device)
     if args.push_to_hub:
@@ -172,6 +173,7 @@ def score_command(args: argparse.Namespace) -> int:
     from .distributed import describe_device, is_main_process
     from .loading.inputs import resolve_device
 
+    _check_environment()
     config = _with_text_data(_with_selection(MergeConfig.from_yaml(args.config), args), args)
     device = resolve_device(args.device)
     main = is_main_process()  # every process scores its share; the main one prints and writes the reduced result
@@ -373,6 +375,15 @@ def _close_process_group() -> None:
 
 
 # ----------------------------------------------------------------------------------------------------- helpers
+def _check_environment() -> None:
+    """The variables a run reads (``HF_MLOSS_THREADS``, the launch variables), checked before any work."""
+    from .distributed import check_launch_environment
+    from .parallel import env_threads
+
+    env_threads()
+    check_launch_environment()
+
+
 def _subparser(subparsers: Any, name: str, description: str, parents: Sequence[argparse.ArgumentParser] = ()):
     if subparsers is not None:
         return subparsers.add_parser(name, help=description.split(". ")[0].rstrip("."), description=description,

@@ -11,8 +11,8 @@ also waits for the GIL while the other worker is descheduled) and 18.5 s on 1 th
 So :func:`cpu_workers` first measures the idle cores (``/proc/stat`` over 50 ms, Linux) and runs with that many
 threads, at most ``torch.get_num_threads()``: with one, everything runs on the calling thread; with more, pieces go to
 worker threads that each run torch ops on one intra-op thread (no barriers inside ops). ``HF_MLOSS_THREADS=N`` fixes
-the number (ASCII digits only, clamped to the cores this process may use: more threads than cores only add
-contention). Results do not depend on it: each piece is computed by the same kernels whichever thread runs it, and
+the number (ASCII digits only, at most 65536, clamped to the cores this process may use: more threads than cores
+only add contention). Results do not depend on it: each piece is computed by the same kernels whichever thread runs it, and
 callers combine pieces in a fixed order.
 """
 
@@ -163,12 +163,16 @@ def machine_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+MAX_THREADS = 1 << 16
+"""The largest ``HF_MLOSS_THREADS`` accepted: more than any machine's cores; a longer number is a mistake."""
+
+
 def env_threads() -> int | None:
-    """``HF_MLOSS_THREADS`` parsed strictly (ASCII digits, at least 1) and clamped to :func:`machine_cores`; None
-    when unset.
+    """``HF_MLOSS_THREADS`` parsed strictly (ASCII digits, 1 to :data:`MAX_THREADS`) and clamped to
+    :func:`machine_cores`; None when unset.
 
     Raises:
-        InvalidParameterError: any other value (``'²'``, ``-1``, ``four``, ``0``).
+        InvalidParameterError: any other value (``'²'``, ``-1``, ``four``, ``0``, thousands of digits).
     """
     from .errors import InvalidParameterError
 
@@ -176,11 +180,13 @@ def env_threads() -> int | None:
     if raw is None or not raw.strip():
         return None
     text = raw.strip()
-    if not (text.isascii() and text.isdigit()) or not text.lstrip("0"):
-        raise InvalidParameterError(f"HF_MLOSS_THREADS={raw[:20]!r} must be a whole number of threads >= 1 (ASCII "
-                                    "digits, e.g. HF_MLOSS_THREADS=2); unset it to use the idle cores.")
-    digits = text.lstrip("0")  # thousands of digits: more than any machine has (int() would refuse the string)
-    return machine_cores() if len(digits) > 9 else min(int(digits), machine_cores())
+    digits = text.lstrip("0")  # checked by length first: int() refuses strings of thousands of digits
+    if not (text.isascii() and text.isdigit()) or not digits or len(digits) > 6 or int(digits) > MAX_THREADS:
+        shown = repr(raw[:20]) + (f" ({len(raw)} characters)" if len(raw) > 20 else "")
+        raise InvalidParameterError(f"HF_MLOSS_THREADS={shown} must be a whole number of threads from 1 to "
+                                    f"{MAX_THREADS} (ASCII digits, e.g. HF_MLOSS_THREADS=2; values above the cores "
+                                    "this process may use are clamped to them); unset it to use the idle cores.")
+    return min(int(digits), machine_cores())
 
 
 @contextlib.contextmanager

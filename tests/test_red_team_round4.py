@@ -310,14 +310,16 @@ def test_nan_in_the_base_is_reported_as_the_base_s(llama, tmp_path):
         hf_mloss.merge(str(bad), [str(fine)], "ties", progress=False)
 
 
-def test_hf_mloss_threads_of_thousands_of_digits_is_the_machine_s_cores(monkeypatch):
-    from hf_mloss.parallel import env_threads, machine_cores
+def test_hf_mloss_threads_of_thousands_of_digits_is_refused(monkeypatch):
+    """Round 5 (issue 57): thousands of digits are a mistake, not a request for the machine's cores."""
+    from hf_mloss.parallel import MAX_THREADS, env_threads, machine_cores
 
-    monkeypatch.setenv("HF_MLOSS_THREADS", "9" * 5000)
-    assert env_threads() == machine_cores()
-    monkeypatch.setenv("HF_MLOSS_THREADS", "0" * 5000)
-    with pytest.raises(InvalidParameterError, match="HF_MLOSS_THREADS"):
-        env_threads()
+    for value in ("9" * 5000, "0" * 5000, str(MAX_THREADS + 1)):
+        monkeypatch.setenv("HF_MLOSS_THREADS", value)
+        with pytest.raises(InvalidParameterError, match="HF_MLOSS_THREADS"):
+            env_threads()
+    monkeypatch.setenv("HF_MLOSS_THREADS", "0" * 5000 + "64")  # leading zeros: 64, clamped to the cores
+    assert env_threads() == min(64, machine_cores())
 
 
 @pytest.mark.parametrize("env, words", [

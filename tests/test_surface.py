@@ -274,15 +274,19 @@ def test_a_text_family_speaks_of_texts_not_images(tmp_path, capsys):
     assert "Unlabeled samples (images, or texts for text families) each candidate is scored on" in help_text
 
 
-def test_max_length_above_the_position_limit_is_lowered_with_a_warning(tmp_path):
-    """The README's `max_length=128` on a model with 64 positions: texts are cut at 64 tokens, with a warning."""
+def test_max_length_above_the_position_limit_is_refused_and_the_default_lowered(tmp_path):
+    """The README's `max_length=128` on a model with 64 positions is refused naming max_length (issue 57: a given
+    value past the positions is the user's to fix); left out, the default 128 is lowered to 64 without a word."""
     from examples import tiny
 
     base, models = tiny.save_with_finetunes(tiny.tiny_decoder("llama"), tmp_path / "llama", 2,
                                             tokenizer=tiny.word_tokenizer(64))
     texts = [" ".join(f"w{(i + j) % 60}" for j in range(100)) for i in range(4)]  # 100 words, 64 positions
-    with pytest.warns(UserWarning, match=r"max_length=128 but the base embeds 64 positions .* cut at 64 tokens"):
-        report = hf_mloss.score(base, models, data=texts, max_length=128, num_samples=4, progress=False)
+    with pytest.raises(hf_mloss.DataError, match=r"data.max_length=128 is past the 64 positions .* max_length <= 64"):
+        hf_mloss.score(base, models, data=texts, max_length=128, num_samples=4, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = hf_mloss.score(base, models, data=texts, num_samples=4, progress=False)
     assert report.num_samples == 4 and report.num_positions == 4 * 64
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # within the limit: no warning, texts cut where asked

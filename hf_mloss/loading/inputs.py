@@ -738,7 +738,8 @@ def load_text(adapter: ModelAdapter, data: Any, config: MergeConfig, inputs: Run
     from .data import DEFAULT_MAX_LENGTH, load_model_inputs
     from .model_inputs import as_model_inputs
 
-    max_length = check_max_length(adapter, data.max_length)
+    max_length = check_max_length(adapter, data.max_length,
+                                  where="text_data.max_length" if data is config.text_data else "data.max_length")
     ready = as_model_inputs(data.objects) is not None
     tokenizer = None if ready else resolve_tokenizer(config, inputs, base_ref, token)
     model_inputs, info = load_model_inputs(
@@ -765,11 +766,13 @@ def _text_config(adapter: ModelAdapter) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def check_max_length(adapter: ModelAdapter, max_length: int | None) -> int | None:
-    """``max_length`` within the positions the model embeds: the default, or a ``max_length`` given above them, is
-    lowered to them (the sequences would otherwise index past the position embeddings); a given one lowered warns."""
-    import warnings
+def check_max_length(adapter: ModelAdapter, max_length: int | None, *, where: str = "max_length") -> int | None:
+    """``max_length`` within the positions the model embeds (the sequences would otherwise index past the position
+    embeddings): the default is lowered to them; a given one above them is refused, naming ``where``.
 
+    Raises:
+        DataError: a given ``max_length`` past the model's positions.
+    """
     from .data import DEFAULT_MAX_LENGTH
 
     positions = getattr(_text_config(adapter), "max_position_embeddings", None)
@@ -778,9 +781,9 @@ def check_max_length(adapter: ModelAdapter, max_length: int | None) -> int | Non
     if max_length is None:
         return min(DEFAULT_MAX_LENGTH, positions)
     if max_length > positions:
-        warnings.warn(f"max_length={max_length} but the base embeds {positions} positions (max_position_embeddings): "
-                      f"texts are cut at {positions} tokens instead.", UserWarning, stacklevel=2)
-        return positions
+        raise DataError(f"{where}={max_length} is past the {positions} positions the base embeds "
+                        f"(max_position_embeddings): give {where.rpartition('.')[2]} <= {positions}, or leave it out "
+                        f"(the default, {DEFAULT_MAX_LENGTH}, is lowered to the model's limit).")
     return max_length
 
 

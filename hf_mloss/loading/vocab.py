@@ -19,8 +19,8 @@ of the averaged models), else the mean of the rows of the models that have it; z
 ``passthrough``, which reads each tensor from one model, zeros wherever that model lacks the token). The
 ``tokens`` section overrides that fallback per token (``source``: a model, ``{kind: model_token, model, token |
 token_id}`` or ``{kind: zero}``; ``force: true`` gives it to every model, even those that have the token) and adds
-the tokens it names to the vocabulary. ``pad_to_multiple_of`` rounds the row count up; each model's extra rows hold
-the mean of its aligned rows (mergekit's rule). The merged tokenizer is saved with the model, whose ``vocab_size``
+the tokens it names to the vocabulary. ``pad_to_multiple_of`` rounds the row count up (to at most twice the
+vocabulary); each model's extra rows hold the mean of its aligned rows (mergekit's rule). The merged tokenizer is saved with the model, whose ``vocab_size``
 is the new row count.
 """
 
@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 
 SOURCES = ("union", "base")
 ZERO = "zero"
+MAX_PAD_FACTOR = 2
+"""``pad_to_multiple_of`` may at most double the merged vocabulary's rows (padding is for alignment, 8 to 128)."""
 
 
 # ------------------------------------------------------------------------------------------------------ the options
@@ -464,6 +466,11 @@ def build_vocabulary(options: VocabularyOptions, stores: list[TensorStore], adap
     size = len(vocab)
     if options.pad_to_multiple_of and size % options.pad_to_multiple_of:
         size += options.pad_to_multiple_of - size % options.pad_to_multiple_of
+    if size > MAX_PAD_FACTOR * len(vocab):  # checked before any row is allocated
+        raise InvalidParameterError(
+            f"tokenizer_source.pad_to_multiple_of={options.pad_to_multiple_of} would give the embedding {size} rows "
+            f"for the {len(vocab)} tokens of the merged vocabulary; padding may at most double the rows (use a "
+            f"multiple such as 8, 64 or 128, at most {MAX_PAD_FACTOR * len(vocab)} here).")
     identity = [size == rows[i] and bool(torch.equal(own[i], torch.arange(len(vocab)))) for i in range(len(stores))]
     return VocabularyPlan(tokenizer=output, size=size, names=names, own=own, fills=dict(sorted(fills.items())),
                           identity=identity, added=[t for t in tokens_by_id if t not in base_vocab])

@@ -1,0 +1,88 @@
+"""Red team, round 5 (issue 57): the newest surfaces refuse cleanly, learned recipes re-run, mergekit's edge values.
+
+Each hostile input is run the way a user meets it (a YAML file through ``hf-mloss``, or a Python call) on tiny saved
+decoders (2 layers, width 32) or the tiny CLIP towers of the suite; a refusal is one line on stderr, exit status 2,
+and nothing written. Parity with ``mergekit-yaml`` for the mergekit rows is in ``test_peers.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hf_mloss.cli import main
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> tuple[str, list[str]]:
+    """A tiny Llama base (64 positions, 64 words) and two fine-tunes, each with its tokenizer."""
+    from examples.tiny import save_with_finetunes, tiny_decoder, word_tokenizer
+
+    base, models = save_with_finetunes(tiny_decoder("llama"), tmp_path_factory.mktemp("llama"), 2,
+                                       tokenizer=word_tokenizer())
+    return str(base), [str(m) for m in models]
+
+
+def _write(tmp: Path, config: dict, name: str = "recipe.yaml") -> Path:
+    path = tmp / name
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _refused(capsys, argv: list[str], *words: str) -> str:
+    """Run the CLI: exit 2, one line on stderr naming ``words``, no traceback."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hf-mloss: error:") and len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err
+    for word in words:
+        assert word in err, (word, err)
+    return err
+
+
+# ============================================================================================ environment
+def test_hf_mloss_threads_of_thousands_of_digits_exits_2_and_writes_nothing(llama, tmp_path, monkeypatch, capsys):
+    base, models = llama
+    recipe = _write(tmp_path, {"base": base, "models": models, "method": "task_arithmetic"})
+    monkeypatch.setenv("HF_MLOSS_THREADS", "1" * 5000)
+    _refused(capsys, ["merge", str(recipe), str(tmp_path / "out"), "-q"], "HF_MLOSS_THREADS", "5000 characters")
+    assert not (tmp_path / "out").exists()
+
+
+# ============================================================================================ vocabulary
+def test_a_huge_pad_to_multiple_of_is_refused_before_any_allocation(llama, tmp_path, capsys):
+    base, models = llama
+    recipe = _write(tmp_path, {"merge_method": "task_arithmetic", "base_model": base, "dtype": "float32",
+                               "tokenizer": {"source": "union", "pad_to_multiple_of": 1_000_000_000},
+                               "models": [{"model": m, "parameters": {"weight": 1.0}} for m in models]})
+    _refused(capsys, ["merge", str(recipe), str(tmp_path / "out"), "-q"], "pad_to_multiple_of=1000000000",
+             "64 tokens", "at most 128")
+    assert not (tmp_path / "out").exists()
+
+
+def test_pad_to_multiple_of_up_to_doubling_the_rows_is_accepted(llama):
+    import hf_mloss
+
+    base, models = llama
+    result = hf_mloss.merge(base, models, "task_arithmetic", lam=1.0, progress=False,
+                            tokenizer_source={"source": "union", "pad_to_multiple_of": 128})
+    assert result.model.get_input_embeddings().weight.shape[0] == 128  # 64 tokens, padded to twice as many
+
+
+# ============================================================================================ data
+@pytest.mark.parametrize(("value", "words"), [
+    (0, ("data.max_length", "[1, 1000000]", "got 0")),
+    (-5, ("data.max_length", "got -5")),
+    (2.5, ("data.max_length", "integer", "2.5")),
+    (1_000_000, ("data.max_length=1000000", "64 positions", "max_length <= 64")),
+])
+def test_max_length_out_of_range_exits_2(llama, tmp_path, capsys, value, words):
+    base, models = llama
+    texts = tmp_path / "prompts.txt"
+    texts.write_text("\n".join(" ".join(f"w{(i * 7 + j) % 60}" for j in range(6)) for i in range(8)))
+    recipe = _write(tmp_path, {"base": base, "models": models, "method": "ties",
+                               "data": {"path": str(texts), "num_samples": 8, "max_length": value}})
+    _refused(capsys, ["score", str(recipe), "-q", "--json", str(tmp_path / "report.json")], *words)
+    assert not (tmp_path / "report.json").exists()
