@@ -264,3 +264,47 @@ def test_iso_learns_one_mask_per_component_of_the_sum(tiny_paths, pixels, record
 def test_refusals(tiny_paths, pixels, kwargs, match):
     with pytest.raises(InvalidParameterError, match=match):
         _run(tiny_paths, pixels, **kwargs)
+
+
+# ------------------------------------------------------------------------- the steps that cannot drop a mask (issue 57)
+def test_the_data_free_steps_are_9_at_the_defaults_and_bound_torchs_adam():
+    """No gradient sequence moves a value farther in n Adam steps than lr·Σ_{t≤n} adam_step_bound(t): checked on
+    torch's Adam with constant gradients, a burst after silence, the Cauchy–Schwarz maximiser (gradients growing as
+    (β₂/β₁)^i) and random ones."""
+    import math
+
+    from hf_mloss.methods.adarank import adam_step_bound, data_free_steps
+
+    assert data_free_steps(0.1, 1e-2) == 9 and data_free_steps(0.1, 1e-3) == 70
+    assert adam_step_bound(1) == 1.0 and 9.12 < sum(adam_step_bound(t) for t in range(1, 10)) < 9.13
+    generator = torch.Generator().manual_seed(0)
+    sequences = {"constant": [1.0] * 12, "burst": [0.0] * 8 + [1e3] * 4,
+                 "maximiser": [(0.999 / 0.9) ** i for i in range(12)],
+                 "random": torch.randn(12, generator=generator).abs().tolist()}
+    for name, grads in sequences.items():
+        value = torch.nn.Parameter(torch.zeros((), dtype=torch.float64))
+        optimizer = torch.optim.Adam([value], lr=1e-2)
+        reach = 0.0
+        for t, g in enumerate(grads, 1):
+            value.grad = torch.tensor(-g, dtype=torch.float64)  # every step pushes the same way
+            optimizer.step()
+            reach += adam_step_bound(t)
+            assert float(value.detach()) <= 1e-2 * reach * (1 + 1e-12), (name, t)
+        assert name != "constant" or math.isclose(float(value.detach()), 0.12, rel_tol=1e-6)
+
+
+def test_nine_steps_at_the_defaults_are_the_data_free_merge_and_say_so(tiny_paths, pixels, records):
+    """The documented boundary: at lr 1e-2 and mask_init 0.1, 9 steps cannot drop a component (the merge is
+    TSV-M's, bit for bit, and a warning says so); 10 steps may, and do not warn."""
+    base, models = tiny_paths
+    with pytest.warns(UserWarning, match=r"adarank_tsv: in steps=9 at lr=0.01 no mask can leave mask_init=0.1"):
+        nine = _run(tiny_paths, pixels, "adarank_tsv", steps=9, lr=1e-2)
+    assert nine.config.parameters["masks"] == [] and len(records[0].trace) == 9
+    data_free = hf_mloss.merge(base, models, "tsv_m", progress=False)
+    for key, value in data_free.model.state_dict().items():
+        assert torch.equal(value, nine.model.state_dict()[key]), key
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="adarank")
+        _run(tiny_paths, pixels, "adarank_tsv", steps=10, lr=1e-2)

@@ -59,8 +59,9 @@ REFERENCE_URL = "https://arxiv.org/abs/2503.22178"
 @dataclass(frozen=True)
 class AdaRankParams(LearnedParams):
     lr: float = param(1e-2, "Adam learning rate (AdaRank's 1e-3 over 10 000 steps; Adam moves a logit by about lr per "
-                      "step, so at 1e-3 no mask could cross 0 from 0.1 within the default 100 steps).", low=0.0,
-                      high=1.0, low_open=True)
+                      "step, so at 1e-3 a mask needs about 100 steps to cross 0 from 0.1, the whole default run). At "
+                      "1e-2 no mask can drop within the first 9 steps (data_free_steps).", low=0.0, high=1.0,
+                      low_open=True)
     mask_init: float = param(0.1, "Initial logit of every component's mask (AdaRank's 0.1): above 0, so every "
                              "component the data-free merge keeps starts kept.", low=0.0, high=100.0, low_open=True)
     temperature: float = param(10.0, "The backward pass follows sigmoid(logit / temperature) (AdaRank's 10).",
@@ -102,6 +103,43 @@ class AdaRankTsvParams(AdaRankParams, TsvParams):
 @dataclass(frozen=True)
 class AdaRankIsoParams(AdaRankParams, IsoCParams):
     pass
+
+
+ADAM_BETAS = (0.9, 0.999)
+"""The Adam moments the training uses (torch's defaults)."""
+
+
+def adam_step_bound(t: int, betas: tuple[float, float] = ADAM_BETAS) -> float:
+    """The most Adam's step ``t`` can move one value, in units of lr, whatever its gradients.
+
+    The step is lr·m̂_t / (√v̂_t + ε), m̂_t = Σ_i a_i g_i and v̂_t = Σ_i b_i g_i² weighing the gradients so far
+    (a_i = (1−β₁)β₁^(t−i) / (1−β₁^t), b_i the same with β₂); by Cauchy–Schwarz it is at most lr·√(Σ_i a_i² / b_i),
+    a geometric sum (ε only shortens it). Exactly 1 at the first step, slightly above 1 at the next ones (1.035 at
+    the 9th), which is why the steps that cannot flip a mask are not simply mask_init / lr.
+    """
+    import math
+
+    beta1, beta2 = betas
+    ratio = beta1 * beta1 / beta2
+    return math.sqrt((1 - beta1) ** 2 * (1 - beta2 ** t) * (1 - ratio ** t)
+                     / ((1 - beta1 ** t) ** 2 * (1 - beta2) * (1 - ratio)))
+
+
+def data_free_steps(mask_init: float, lr: float, *, limit: int = 100_000) -> int:
+    """How many Adam steps leave every mask kept whatever the data: the largest n with lr·Σ_{t≤n}
+    :func:`adam_step_bound` (t) below ``mask_init`` (less a margin of 1e-4 of it for float32 rounding), at most
+    ``limit``.
+
+    A mask keeps its component while its logit is above 0 (m = 1[l > 0]); the logit starts at ``mask_init``. At the
+    defaults (mask_init 0.1, lr 1e-2) this is 9 (9 steps reach at most 9.12·lr): a run of at most 9 steps is the
+    data-free merge bit for bit, and the 10th step may bring a logit to 0, which drops its component.
+    """
+    reach, budget = 0.0, mask_init * (1 - 1e-4) / lr
+    for t in range(1, limit + 1):
+        reach += adam_step_bound(t)
+        if reach >= budget:
+            return t - 1
+    return limit
 
 
 def parse_masks(rows: Sequence[Any]) -> dict[str, list[list[int]]]:
@@ -200,9 +238,17 @@ class _AdaRank(LearnedMethod):
         return part
 
     def layout(self, parts, adapter, ctx):
+        import warnings
+
         import torch
 
         params, q = ctx.params, len(ctx.weights)
+        still = data_free_steps(params.mask_init, params.lr)
+        if params.steps <= still and not params.learn_lam:
+            warnings.warn(f"{self.name}: in steps={params.steps} at lr={params.lr} no mask can leave "
+                          f"mask_init={params.mask_init} for 0 (Adam moves a logit by about lr per step), so the merge "
+                          f"is the data-free {self.base_name} one; give more than {still} steps or a larger lr to "
+                          "let the data drop components.", UserWarning, stacklevel=2)
         slots: dict[str, Any] = {}
         rows: dict[str, list[tuple[int, int, int]]] = {}
         initial, start, masks = [], 0, 0
