@@ -283,7 +283,7 @@ def test_bad_node_groups_are_refused(narrow, groups, message) -> None:
 
 def test_groups_are_deferred_until_their_scores(narrow, monkeypatch) -> None:
     """Before its scores, a block merges everything but its group; then the 2-D members, then the 1-D ones."""
-    from hf_mloss.merging.driver import DriverRun
+    from hf_mloss.merging.stages import DriverRun
 
     calls: list[list[str]] = []
     original = DriverRun.merge

@@ -77,6 +77,7 @@ MERGEKIT_METHODS += MERGEKIT_RECIPE_METHODS
 FUSION_BENCH_METHODS = ("ties", "task_arithmetic", "tsv_m", "iso_c", "iso_cts")
 CHILD_SCRIPT = Path(__file__).resolve().with_name("_fusion_bench_child.py")
 ADAMERGING_CHILD_SCRIPT = Path(__file__).resolve().with_name("_fusion_bench_adamerging_child.py")
+REGMEAN_CHILD_SCRIPT = Path(__file__).resolve().with_name("_fusion_bench_regmean_child.py")
 MERGEKIT_WORKER_SCRIPT = Path(__file__).resolve().with_name("_mergekit_worker.py")
 DEFAULT_TIMEOUT = 1800.0
 
@@ -436,6 +437,33 @@ def run_fusion_bench_adamerging(base_dir: str | Path, model_dirs: Sequence[str |
         raise PeerError(f"fusion_bench adamerging exited with {rc}; log tail:\n{_log_tail(log_path)}")
     columns = json.loads((out_dir / "adamerging.json").read_text())["columns"]
     return load_file(str(out_dir / "merging_weights.safetensors"))["merge_weight"], columns
+
+
+def run_fusion_bench_regmean(method: str, base_dir: str | Path, model_dirs: Sequence[str | Path], out_dir: str | Path,
+                             *, data: str | Path, batch_size: int, reduce_non_diagonal_ratio: float = 0.95,
+                             timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
+    """fusion-bench's CLIP RegMean / RegMean++ (``method``: ``regmean`` | ``regmean_plusplus``) on local CLIP vision
+    checkpoints, every model given the pixels of ``data`` (a safetensors file with ``pixels``; see
+    ``_fusion_bench_regmean_child.py``): returns the merged ``state_dict``."""
+    from safetensors.torch import load_file
+
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec = {"method": method, "base_dir": str(Path(base_dir).resolve()),
+            "model_dirs": [str(Path(p).resolve()) for p in model_dirs], "out_dir": str(out_dir),
+            "data": str(Path(data).resolve()), "batch_size": int(batch_size),
+            "reduce_non_diagonal_ratio": float(reduce_non_diagonal_ratio)}
+    spec_path = out_dir / "peer_spec.json"
+    spec_path.write_text(json.dumps(spec, indent=2) + "\n")
+    python = setup_envs.ensure_env("fusion_bench")
+    if python is None:
+        raise PeerUnavailable("fusion_bench venv is not available (see the message above)")
+    log_path = out_dir / "peer_run.log"
+    rc, _, _ = _run_child([str(python), str(REGMEAN_CHILD_SCRIPT), str(spec_path)], _child_env(python), log_path,
+                          timeout)
+    if rc != 0:
+        raise PeerError(f"fusion_bench {method} exited with {rc}; log tail:\n{_log_tail(log_path)}")
+    return load_file(str(out_dir / "model.safetensors"))
 
 
 def run_mergekit_yaml(config: dict, out_dir: str | Path, *, seed: int = 0,

@@ -157,7 +157,7 @@ def load_pixel_values(
             import warnings
 
             warnings.warn(f"Asked for {num_samples} scoring images; {info.id or info.source!r} has only "
-                          f"{len(pixels)} usable ones, so M-Loss is measured on {len(pixels)}.", UserWarning,
+                          f"{len(pixels)} usable ones, so {len(pixels)} are used.", UserWarning,
                           stacklevel=2)
     if len(pixels) < min_samples:
         raise DataError(
@@ -609,7 +609,7 @@ def load_token_ids(
             import warnings
 
             warnings.warn(f"Asked for {num_samples} scoring texts; {info.id or info.source!r} has only {len(inputs)} "
-                          f"usable ones, so M-Loss is measured on {len(inputs)}.", UserWarning, stacklevel=2)
+                          f"usable ones, so {len(inputs)} are used.", UserWarning, stacklevel=2)
     if len(inputs) < min_samples:
         raise DataError(
             f"Only {len(inputs)} usable text(s) were read from {info.id or info.source!r} (split {info.split!r}, "

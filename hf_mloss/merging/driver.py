@@ -24,10 +24,11 @@ from ..spec.config import MergeConfig
 from ..distributed import describe_device
 from ..errors import CorruptCheckpointError, InvalidParameterError
 from ..loading.inputs import RunInputs, ScoredTower, as_dtype, open_inputs
-from ..methods import LayerwiseRun, MergeContext, MergeMethod
+from ..methods import MergeContext, MergeMethod
 from ..parallel import Workers, cpu_workers
 from ..parallel import active as active_workers
 from ..output.result import MergeResult
+from .stages import DriverRun
 from ..spec.schedule import TensorParameters, replace_params, split_parameters
 
 if TYPE_CHECKING:
@@ -106,6 +107,10 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
             config, learned = learn_and_merge(config, inputs, merger, tower, method,
                                               changed=changed_names(inputs, merger.names), progress=progress)
             params = merger.ctx.params
+        elif getattr(method, "gram_prefix", None):  # RegMean: linears solved from their inputs' Gram matrices
+            from .regmean import merge_regmean
+
+            merge_regmean(config, inputs, merger, model, method, progress=progress)
         elif method.needs_data:
             report = merge_layerwise(config, inputs, merger, model, method, progress=progress)
         else:
@@ -235,22 +240,19 @@ def refuse_changed_outside(inputs: RunInputs, outside: Sequence[str], what: str)
 
 def data_free_rule(method: MergeMethod, params: Any, lead: str = "") -> str:
     """How a data-guided method merges a tensor no scoring data reaches: ``"trimmed at k=0.2 (data-free)"``."""
-    if method.name == "m_dare":
-        return f"{lead}DARE at p={params.p} (data-free)"
-    return f"{lead}trimmed at k={params.k} (data-free)"
+    return f"{lead}{method.data_free_rule(params, short=True)}"
 
 
 def outside_rule_note(inputs: RunInputs, method: MergeMethod, params: Any, names: Sequence[str]) -> str:
     """The card's sentences on each tower of a whole model and on the tensors no scoring data reaches."""
     from ..output.report import tower_label
 
-    rule = (f"DARE (keep probability p={params.p}, survivors x 1/p)" if method.name == "m_dare" else
-            f"TIES (per-tensor trim at k={params.k}, sign election, disjoint mean)")
+    rule = method.data_free_rule(params)
     scored = inputs.scored_attributes()
     lines, unscored = [], []
     for attribute, modality in inputs.tower_modalities().items():
         if attribute in scored:
-            lines.append(f"{tower_label(attribute)}: scored on {modality} data (M-Loss node keep ratios)")
+            lines.append(f"{tower_label(attribute)}: scored on {modality} data ({method.data_use})")
         else:
             lines.append(f"{tower_label(attribute)}: no {modality} data, {data_free_rule(method, params)}")
             unscored.append(tower_label(attribute))
@@ -265,7 +267,7 @@ def outside_rule_note(inputs: RunInputs, method: MergeMethod, params: Any, names
     changed = len(changed_names(inputs, unreached))
     return (f"{'; '.join(lines)}. The {len(unreached)} tensors no scoring data reaches ("
             f"{''.join(f'{label}, ' for label in unscored)}projections, logit scale; {changed} changed by the "
-            f"fine-tunes) were merged by the method's data-free rule, {rule}, with lam={params.lam}.")
+            f"fine-tunes) were merged by the method's data-free rule, {rule}.")
 
 
 class TensorMerger:
@@ -427,37 +429,6 @@ class TensorMerger:
             self.checked.add(name)
             if target.dtype != torch.float32:
                 check_fits(name, peak, target.dtype)  # the model holds the rounded values; the merge fails here
-
-
-class DriverRun(LayerwiseRun):
-    """The driver's side of a data-guided merge: what :class:`~hf_mloss.methods.LayerHooks` may ask for."""
-
-    def __init__(self, merger: TensorMerger, *, adapter: Any = None, names: Sequence[str] | None = None) -> None:
-        """``adapter`` / ``names``: one tower of a whole model (its walking adapter and its tensors); default: the
-        run's adapter and every merged tensor."""
-        self.merger = merger
-        self.ctx, self.device = merger.ctx, merger.device
-        self.adapter = adapter if adapter is not None else merger.inputs.adapter
-        self.names = list(merger.names if names is None else names)
-        self.records: dict[str, dict[str, torch.Tensor]] = {}
-        self.stages: dict[int, list[str]] = {}
-        for name in self.names:
-            self.stages.setdefault(self.adapter.stage_of(name), []).append(name)
-
-    def stage_names(self, stage: int) -> list[str]:
-        return list(self.stages.get(stage, []))
-
-    def merge(self, names: list[str]) -> None:
-        self.merger.merge(names)
-
-    def merge_remaining(self) -> None:
-        self.merger.merge(self.names)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.merger.inputs.base.shapes[name])
-
-    def record(self, kind: str, target: str, values: torch.Tensor) -> None:
-        self.records.setdefault(kind, {})[target] = values
 
 
 def merge_layerwise(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: PreTrainedModel,

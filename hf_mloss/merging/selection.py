@@ -63,6 +63,7 @@ from ..loading.model_inputs import spread_sample
 from ..spec.selection import (
     SelectionOptions,
 )
+from .stages import unchanged_blocks
 
 if TYPE_CHECKING:
 
@@ -74,25 +75,6 @@ if TYPE_CHECKING:
 
 
 # ----------------------------------------------------------------------------------------------- criteria
-def unchanged_blocks(inputs: RunInputs) -> int:
-    """How many leading blocks (after identical embeddings) every source holds exactly as the base: every candidate
-    merge shares them too, so their output is computed once. -1 when the embeddings already differ."""
-    import torch
-
-    from ..adapters import EMBEDDING_STAGE
-
-    adapter = inputs.adapter
-    by_stage: dict[int, list[str]] = {}
-    for name in inputs.names:
-        by_stage.setdefault(adapter.stage_of(name), []).append(name)
-    for stage in [EMBEDDING_STAGE, *range(adapter.num_layers)]:
-        for name in by_stage.get(stage, []):
-            base = inputs.base.get(name)
-            if any(not torch.equal(s.get(name).to(base.dtype), base) for s in inputs.sources):
-                return stage
-    return adapter.num_layers
-
-
 OUTPUT_CRITERIA = {"output", "entropy", "disagreement"}
 """The criteria read from the candidate's outputs on the compared samples."""
 
@@ -400,7 +382,7 @@ def replay_layerwise(merger: TensorMerger, method: Any, scores: Mapping[int, Any
     """Run a data-guided method's hooks with recorded per-layer scores instead of a scoring pass, in the order a
     merged-prefix pass calls them: the merge it produces is the one those scores give, at a tensor merge's cost."""
     from ..adapters import EMBEDDING_STAGE
-    from .driver import DriverRun
+    from .stages import DriverRun
 
     run = DriverRun(merger)
     hooks = method.layer_hooks(run)

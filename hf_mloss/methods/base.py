@@ -206,5 +206,13 @@ class MergeMethod:
         """The hooks that merge while the scorer walks the blocks (data-guided methods only)."""
         raise NotImplementedError(f"method {self.name!r} is data-free: it has no layer hooks")
 
+    data_use: ClassVar[str] = ""
+    """A data-guided method: what the data sets, in the card's words (``"M-Loss node keep ratios"``)."""
+
+    def data_free_rule(self, params: MethodParams, *, short: bool = False) -> str:
+        """How a data-guided method merges a tensor no scoring data reaches (a tower given no data), in the card's
+        words; ``short``: a few words (``"trimmed at k=0.2 (data-free)"``)."""
+        return "data-free" if short else "the method's data-free rule"
+
     def describe(self, params: MethodParams) -> str:
         return f"{self.pretty_name} ({self.reference})"

@@ -252,8 +252,15 @@ class MTies(MergeMethod):
     needs_data = True
     uniform_keep_is_tensor_trim = True
 
+    data_use = "M-Loss node keep ratios"
+
     def layer_hooks(self, run: LayerwiseRun) -> LayerHooks:
         return MTiesHooks(run, self.uniform_keep_is_tensor_trim)
+
+    def data_free_rule(self, params, *, short: bool = False) -> str:
+        if short:
+            return f"trimmed at k={params.k} (data-free)"
+        return f"TIES (per-tensor trim at k={params.k}, sign election, disjoint mean), with lam={params.lam}"
 
     def trim_other_(self, name: str, tau: torch.Tensor, index: int, ctx: MergeContext) -> torch.Tensor:
         """Trim, in place, a task vector tensor outside the scored node groups."""
@@ -321,6 +328,11 @@ class MDare(MTies):
 
     def chunk_keep_counts(self, numel: int, ctx: MergeContext, name: str | None = None) -> list[int] | None:
         return None  # DARE's random drops are drawn over the whole tensor
+
+    def data_free_rule(self, params, *, short: bool = False) -> str:
+        if short:
+            return f"DARE at p={params.p} (data-free)"
+        return f"DARE (keep probability p={params.p}, survivors x 1/p), with lam={params.lam}"
 
     def trim_other_(self, name, tau, index, ctx: MergeContext) -> torch.Tensor:
         from .ops import dare_drop

@@ -1,0 +1,73 @@
+"""The RegMean driver: walk each scored tower, solve every block's linears from their Grams, average the rest.
+
+The method (:mod:`hf_mloss.methods.regmean`) says which prefix feeds the Grams; the walks are
+:func:`~hf_mloss.engine.gram.own_gram_walk` (RegMean) and :func:`~hf_mloss.engine.gram.merged_gram_walk`
+(RegMean++). A block's solved weights go to the method through ``MergeContext.state`` and are written by the merger
+(its finiteness and dtype checks included) as soon as the block is solved, so no more than one block's Grams and
+solutions are held. Tensors no walk reaches (a whole CLIPModel's tower without data, projections) are averaged.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any
+
+from .stages import DriverRun, unchanged_blocks
+
+if TYPE_CHECKING:
+    from ..loading.inputs import RunInputs, ScoredTower
+    from ..methods import MergeMethod
+    from ..spec.config import MergeConfig
+    from .driver import TensorMerger
+
+
+def merge_regmean(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model: Any, method: MergeMethod, *,
+                  progress: bool) -> None:
+    """Merge every tensor of ``merger`` by RegMean's rules (see the module docstring)."""
+    for tower in inputs.scored_towers(model):
+        _merge_tower(config, inputs, merger, tower, method, progress=progress)
+    merger.merge(merger.names)  # whatever no walk reached: averaged
+
+
+def _merge_tower(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: ScoredTower,
+                 method: MergeMethod, *, progress: bool) -> None:
+    from tqdm.auto import tqdm
+
+    from ..engine.gram import merged_gram_walk, own_gram_walk
+    from ..engine.score import make_setup
+    from ..methods.regmean import SOLUTIONS
+
+    adapter = tower.adapter
+    merged = set(merger.names)
+    run = DriverRun(merger, adapter=adapter, names=None if tower.names is None else
+                    [n for n in tower.names if n in merged])
+    solutions = merger.ctx.state.setdefault(SOLUTIONS, {})
+    alpha = (inputs.alpha / inputs.alpha.sum()).tolist()
+    ratio = merger.ctx.params.reduce_non_diagonal_ratio
+    start = unchanged_blocks(inputs, adapter, run.names)
+    options = config.scoring_options()
+    own = method.gram_prefix == "own"
+    # RegMean walks a scratch copy (it holds each model's blocks in turn); RegMean++ the model being merged
+    setup = make_setup(inputs, copy.deepcopy(tower.module) if own else tower.module, options, config,
+                       progress=progress, tower=tower)
+
+    def solved(layer: int, weights: dict[str, Any] | None) -> None:
+        prefix = adapter.layer_prefix(layer)
+        for path, weight in (weights or {}).items():
+            name = f"{prefix}{path}.weight"
+            if name in merged:
+                solutions[name] = weight
+        if own:
+            run.merge(run.stage_names(layer))
+
+    bar = tqdm(total=adapter.num_layers, desc=f"{method.pretty_name} (Gram matrices)", unit="layer",
+               disable=not progress)
+    try:
+        if own:
+            own_gram_walk(setup, alpha, ratio, start, solved, progress=bar)
+        else:
+            merged_gram_walk(setup, alpha, ratio, start, solved, lambda stage: run.merge(run.stage_names(stage)),
+                             progress=bar)
+    finally:
+        bar.close()
+    run.merge_remaining()

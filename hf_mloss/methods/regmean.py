@@ -1,0 +1,96 @@
+"""RegMean and RegMean++: each linear layer merged in closed form from the Gram matrices of its inputs.
+
+For a linear layer with weights W_p (``[out, in]``) in the q models and G_p = X_pᵀX_p / n the Gram matrix of its
+inputs over the n counted positions (every real token of every sample; padding never counts), RegMean (Jin et al.,
+ICLR 2023) chooses the W that minimises Σ_p α_p ‖X_p W_pᵀ − X_p Wᵀ‖², i.e.
+
+    W* = ((Σ_p α_p G'_p)⁻¹ Σ_p α_p G'_p W_pᵀ)ᵀ,   G'_p = r·G_p + (1 − r)·diag(G_p)
+
+with the off-diagonal entries shrunk by ``reduce_non_diagonal_ratio`` r (fusion-bench's CLIP default 0.95; r = 1 is the
+plain least-squares merge, r = 0 a diagonal, per-input-feature weighted average). α is normalised (uniform by
+default); fusion-bench weighs the models equally. Every other tensor (biases, norms, embeddings, heads) is the
+weighted average Σ_p α_p θ_p, as fusion-bench merges them.
+
+Where X_p comes from is the prefix: RegMean runs every model on its own forward (``own``); RegMean++ (Nguyen et al.,
+TMLR 2026) feeds each model's block l the output of the *merged* blocks before it (``merged``), block by block, so each
+block is solved for the inputs the merged model really gives it. The walk that records the Grams and the solve live in
+:mod:`hf_mloss.engine.gram` and :mod:`hf_mloss.merging.regmean`; this module holds the parameters and the rule for
+each tensor.
+
+Differences from fusion-bench 0.2.33, on purpose: one unlabeled set serves every model (fusion-bench gives each model
+its own task's training images; pass the same set to it to compare), Grams are summed in float64 and the system is
+solved in float64 (fusion-bench: float32 ``inverse``), and RegMean++ averages the final norm after the last block as
+RegMean does (fusion-bench's RegMean++ keeps the pretrained one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from .._validation import param
+from .base import MergeContext, MergeMethod, MethodParams
+from .registry import register_merge_method
+
+if TYPE_CHECKING:
+    import torch
+
+SOLUTIONS = "regmean_solutions"
+"""``MergeContext.state`` key: canonical weight name → its closed-form merge, filled block by block by the walk."""
+
+
+@dataclass(frozen=True)
+class RegMeanParams(MethodParams):
+    reduce_non_diagonal_ratio: float = param(
+        0.95, "r: the Gram matrices' off-diagonal entries are multiplied by r (1: plain least squares; 0: a "
+        "per-input-feature weighted average). fusion-bench's CLIP default.", low=0.0, high=1.0)
+
+
+class RegMean(MergeMethod):
+    """RegMean: every linear layer of the scored blocks in closed form from its inputs' Gram matrices (own prefix)."""
+
+    name = "regmean"
+    pretty_name = "RegMean"
+    reference = "Jin et al., Dataless Knowledge Fusion by Merging Weights of Language Models, ICLR 2023"
+    reference_url = "https://arxiv.org/abs/2212.09849"
+    params_class = RegMeanParams
+    needs_data = True
+    data_use = "Gram matrices of every linear layer's inputs"
+    gram_prefix: ClassVar[str] = "own"
+    """Where each block's inputs come from: every model's own forward (``own``) or the merged blocks before it."""
+
+    def merge_tensor(self, name: str, base: torch.Tensor, sources: list[torch.Tensor], ctx: MergeContext
+                     ) -> torch.Tensor:
+        import torch
+
+        solved = ctx.state.get(SOLUTIONS, {}).pop(name, None)
+        if solved is not None:
+            return solved.to(base)
+        if all(s is sources[0] or torch.equal(s, sources[0]) for s in sources[1:]):
+            return sources[0].clone()  # no model differs from the others here (a frozen part): kept exactly
+        alpha = ctx.weights / ctx.weights.sum()
+        return sum(a * t for a, t in zip(alpha.tolist(), sources))
+
+    def data_free_rule(self, params: MethodParams, *, short: bool = False) -> str:
+        return "averaged (data-free)" if short else "the weighted average of the models"
+
+    def describe(self, params: MethodParams) -> str:
+        prefix = "each model's own forward" if self.gram_prefix == "own" else "the merged blocks before each block"
+        return (f"{self.pretty_name} ({self.reference}): every linear layer of the blocks solved from the Gram "
+                f"matrices of its inputs on the unlabeled data ({prefix}), off-diagonal entries × "
+                f"{params.reduce_non_diagonal_ratio:g}; every other tensor averaged")
+
+
+class RegMeanPlusPlus(RegMean):
+    """RegMean++: as RegMean, each block's inputs taken from the merged blocks before it."""
+
+    name = "regmean_plusplus"
+    pretty_name = "RegMean++"
+    reference = ("Nguyen et al., RegMean++: Enhancing Effectiveness and Generalization of Regression Mean for Model "
+                 "Merging, TMLR 2026")
+    reference_url = "https://arxiv.org/abs/2508.03121"
+    gram_prefix = "merged"
+
+
+register_merge_method(RegMean())
+register_merge_method(RegMeanPlusPlus())
