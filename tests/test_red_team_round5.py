@@ -86,3 +86,84 @@ def test_max_length_out_of_range_exits_2(llama, tmp_path, capsys, value, words):
                                "data": {"path": str(texts), "num_samples": 8, "max_length": value}})
     _refused(capsys, ["score", str(recipe), "-q", "--json", str(tmp_path / "report.json")], *words)
     assert not (tmp_path / "report.json").exists()
+
+
+# ============================================================================================ learned merges: heads
+def _learned(tiny_paths, data, **kwargs):
+    import hf_mloss
+
+    base, models = tiny_paths
+    options = {"data": data, "progress": False, "steps": 1, "batch_size": 4, "max_samples": 8,
+               "objective": "entropy", **kwargs}
+    return hf_mloss.merge(base, models, options.pop("method", "adamerging"), **options)
+
+
+@pytest.fixture(scope="module")
+def pixels():
+    import torch
+
+    return torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(5))
+
+
+@pytest.mark.parametrize("method", ["adamerging", "adarank_tsv"])
+def test_python_heads_of_the_wrong_width_are_refused_before_training(tiny_paths, pixels, records, method):
+    import torch
+
+    from hf_mloss import InvalidParameterError
+
+    heads = [torch.nn.Linear(16, 5) for _ in range(3)]  # the tiny towers pool 32 features
+    with pytest.raises(InvalidParameterError, match=r"heads\[0\] \(Linear\) reads 16 features, but the tower's "
+                                                    r"pooled output has 32"):
+        _learned(tiny_paths, pixels, heads=heads, method=method)
+    assert records == []  # no training started
+
+    def narrow(features):  # a callable that declares no width: asked to read the tower's width
+        return features @ torch.ones(16, 5)
+
+    with pytest.raises(InvalidParameterError, match=r"heads\[0\] \(function\) cannot read the tower's 32 pooled"):
+        _learned(tiny_paths, pixels, heads=[narrow] * 3, method=method)
+    with pytest.raises(InvalidParameterError, match=r"heads\[1\] \(Linear\) gives NaN or Inf logits"):
+        bad = [torch.nn.Linear(32, 5) for _ in range(3)]
+        with torch.no_grad():
+            bad[1].weight[0, 0] = float("nan")
+        _learned(tiny_paths, pixels, heads=bad, method=method)
+
+
+def _head_file(folder: Path, name: str, **tensors) -> str:
+    from safetensors.torch import save_file
+
+    path = folder / f"{name}.safetensors"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    return str(path)
+
+
+def _head_cases(folder: Path) -> dict[str, tuple[list[str], tuple[str, ...]]]:
+    import torch
+
+    good = _head_file(folder, "good", weight=torch.randn(5, 32), bias=torch.zeros(5))
+    nan = torch.randn(5, 32)
+    nan[2, 3] = float("nan")
+    return {
+        "narrow": ([_head_file(folder, "narrow", weight=torch.randn(5, 16))] + [good] * 2,
+                   ("heads[0]", "narrow.safetensors", "reads 16 features", "has 32")),
+        "one_d": ([good, _head_file(folder, "flat", weight=torch.randn(32))] + [good],
+                  ("heads[1]", "flat.safetensors", "[classes, features]", "shape [32]")),
+        "bias_7": ([good] * 2 + [_head_file(folder, "bias7", weight=torch.randn(5, 32), bias=torch.zeros(7))],
+                   ("heads[2]", "bias7.safetensors", "one float per class (5", "shape [7]")),
+        "no_weight": ([_head_file(folder, "noweight", w=torch.randn(5, 32))] + [good] * 2,
+                      ("heads[0]", "noweight.safetensors", "needs `weight`")),
+        "nan": ([good, _head_file(folder, "nan", weight=nan)] + [good],
+                ("heads[1]", "nan.safetensors", "NaN or Inf")),
+    }
+
+
+@pytest.mark.parametrize("case", ["narrow", "one_d", "bias_7", "no_weight", "nan"])
+def test_a_recipes_bad_head_files_exit_2_naming_the_file(tiny_paths, image_folder, tmp_path, capsys, case):
+    base, models = tiny_paths
+    files, words = _head_cases(tmp_path)[case]
+    recipe = _write(tmp_path, {"base": base, "models": models, "method": "adamerging", "batch_size": 4,
+                               "data": {"path": str(image_folder), "num_samples": 8},
+                               "parameters": {"objective": "entropy", "steps": 1, "max_samples": 8, "heads": files}})
+    err = _refused(capsys, ["merge", str(recipe), str(tmp_path / "out"), "-q"], *words)
+    assert "select.heads" not in err
+    assert not (tmp_path / "out").exists()

@@ -38,7 +38,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..errors import InvalidParameterError
-from ..loading.heads import as_head
+from ..loading.heads import as_head, check_heads
 
 if TYPE_CHECKING:
     from ..loading.inputs import RunInputs
@@ -183,7 +183,7 @@ def _learn(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: 
     if params.heads is not None and len(params.heads) != q:
         raise InvalidParameterError(f"heads: got {len(params.heads)} for {q} models; give one per model, in the "
                                     "order of `models`.")
-    heads = [as_head(h, i) for i, h in enumerate(params.heads)] if params.heads else None
+    heads = [as_head(h, i, "heads") for i, h in enumerate(params.heads)] if params.heads else None
     objective.check(rule, heads, family)
     if not changed:
         raise InvalidParameterError("No model differs from the base: there is nothing to learn.")
@@ -197,6 +197,11 @@ def _learn(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: 
     batches = [_batch(pool, share, device) if len(share) else None for share in shares]
     alpha = (inputs.alpha / inputs.alpha.sum()).float().to(device)
     setup = ObjectiveInputs(rule=rule, heads=heads, alpha=alpha, eps=config.scoring_options().eps)
+    held = next((batch for batch in batches if batch is not None), None)
+    if heads is not None and held is not None:  # each head reads the tower's pooled width, before any training
+        with torch.no_grad():
+            width = differentiable_outputs(rule, tower, held).shape[-1]
+        check_heads(heads, params.heads, width, "heads", device=device)
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
