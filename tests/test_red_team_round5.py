@@ -167,3 +167,36 @@ def test_a_recipes_bad_head_files_exit_2_naming_the_file(tiny_paths, image_folde
     err = _refused(capsys, ["merge", str(recipe), str(tmp_path / "out"), "-q"], *words)
     assert "select.heads" not in err
     assert not (tmp_path / "out").exists()
+
+
+# ============================================================================================ learned merges: re-runs
+@pytest.mark.parametrize(("method", "options"), [("adamerging", {"steps": 2}),
+                                                 ("adarank_tsv", {"steps": 12, "lr": 0.05})])
+def test_a_learned_recipe_trained_on_python_data_reruns_without_data(tiny_paths, pixels, records, tmp_path, capsys,
+                                                                      method, options):
+    """The recorded coefficients / masks are all a re-run needs: data passed from Python (recorded as in_memory) or
+    deleted from the recipe is not asked for, nothing trains, and the weights are the same bits."""
+    import torch
+
+    import hf_mloss
+    from hf_mloss import DataError, MergeConfig
+
+    first = _learned(tiny_paths, pixels, method=method, objective="output_gap", **options)
+    recorded = first.config.parameters["coefficients" if method == "adamerging" else "masks"]
+    assert recorded and len(records) == 1
+    folder = first.save_pretrained(tmp_path / "merged")
+    assert "cannot re-run" not in (folder / "README.md").read_text()
+    saved = yaml.safe_load((folder / "hf_mloss_config.yaml").read_text())
+    assert "in_memory" in saved["data"]  # the recipe still says what the values were learned on
+
+    config = MergeConfig.from_pretrained(folder)
+    assert config.data is None and config.replays_recorded()
+    deleted = MergeConfig.from_dict({k: v for k, v in saved.items() if k != "data"}, base_dir=folder)
+    for again in (hf_mloss.run(config, progress=False), hf_mloss.run(deleted, progress=False)):
+        for key, value in first.model.state_dict().items():
+            assert torch.equal(value, again.model.state_dict()[key]), key
+    assert len(records) == 1  # no training
+    assert main(["merge", str(folder / "hf_mloss_config.yaml"), str(tmp_path / "again"), "-q"]) == 0
+    assert len(records) == 1
+    with pytest.raises(DataError, match="no data was given"):  # training again needs the data
+        config.replace(parameters={**config.parameters, "relearn": True})

@@ -158,12 +158,13 @@ def rerun_blocker(config: MergeConfig, unit: str = "images") -> str | None:
     if any(spec.is_loaded for spec in [config.base, *config.models]):
         return ("a model was passed as a loaded Python object (recorded as `in_memory`): replace it with its Hub id "
                 "or folder in the YAML to re-run")
-    if config.data is not None and config.data.objects is not None:
+    replays = config.replays_recorded()  # a learned merge's recorded values: a re-run never reads the data
+    if config.data is not None and config.data.objects is not None and not replays:
         return (f"the scoring {unit} were passed from Python (recorded as `in_memory`, with their content hash when "
                 f"one could be taken): a re-run needs the same {unit}, given as `data: {{id: ...}}` or "
                 "`{path: ...}` or passed again to `hf_mloss.merge(..., data=...)`")
     text = getattr(config, "text_data", None)
-    if text is not None and text.objects is not None:
+    if text is not None and text.objects is not None and not replays:
         return ("the text tower's scoring texts were passed from Python (recorded as `in_memory` with their content "
                 "hash): a re-run needs the same texts, given as `text_data: {path: ...}` (a text file or folder) or "
                 "`{id: ...}`, or passed again to `hf_mloss.merge(..., text_data=...)`")

@@ -303,7 +303,7 @@ class MergeConfig:
             raise InvalidParameterError(f"Invalid parameters for method {self.method!r}: {err}") from None
         self._validate_model_parameters(method)
         self._validate_text_data(method)
-        if method.needs_data and self.data is None and self.text_data is None:
+        if method.needs_data and self.data is None and self.text_data is None and not self.replays_recorded():
             raise DataError(
                 f"Method {self.method!r} is data-guided and no data was given: pass data=... (a Hub dataset id such "
                 "as tanganke/dtd, a local image folder, a datasets object or a list of images; ~128 unlabeled images "
@@ -454,6 +454,11 @@ class MergeConfig:
         """The method's validated parameters (defaults filled in; per-layer/per-tensor values at their default)."""
         return scalar_parameters(self.merge_method(), self.parameters)
 
+    def replays_recorded(self) -> bool:
+        """Whether this run merges from learned values its recipe records (AdaMerging's ``coefficients``, AdaRank's
+        ``masks``) without training: its data is then never read, so it may be absent."""
+        return _replays_recorded(self.method, self.parameters)
+
     def scoring_options(self) -> ScoringOptions:
         return self.score or ScoringOptions()
 
@@ -559,9 +564,13 @@ class MergeConfig:
         values = dict(config)
         values["base"] = _parse_model(config["base"], "base", root)
         values["models"] = [_parse_model(m, f"models[{i}]", root) for i, m in enumerate(config["models"])]
-        if config.get("data") is not None:
+        replays = _replays_recorded(config.get("method", "ties"), config.get("parameters"))
+        for key in ("data", "text_data"):  # data passed from Python that a replay of recorded values never reads
+            if isinstance(config.get(key), Mapping) and IN_MEMORY in config[key] and replays:
+                values.pop(key)
+        if values.get("data") is not None:
             values["data"] = _parse_data(config["data"], root)
-        if config.get("text_data") is not None:
+        if values.get("text_data") is not None:
             values["text_data"] = _parse_data(config["text_data"], root, key="text_data")
         if config.get("score") is not None:
             values["score"] = _build(ScoringOptions, _mapping(config["score"], "score"), "score.")
@@ -689,6 +698,20 @@ class MergeConfig:
 
 
 # ------------------------------------------------------------------------------------------------- parsing
+def _replays_recorded(method_name: Any, parameters: Any) -> bool:
+    """Whether a learned method merges from values its parameters record, without training (never raises: an
+    invalid method or parameter is refused by the config's own checks)."""
+    from ..methods import get_method
+
+    try:
+        method = get_method(method_name)
+        if not getattr(method, "learned", False) or not isinstance(parameters, Mapping):
+            return False
+        return not scalar_parameters(method, _plain(dict(parameters))).learns
+    except (HfMLossError, TypeError):
+        return False
+
+
 def _as_model_spec(value: Any, where: str) -> ModelSpec:
     if isinstance(value, ModelSpec):
         return value
