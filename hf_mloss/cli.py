@@ -118,24 +118,16 @@ def _estimated_size(config) -> int:
     size = sum(p.stat().st_size for p in folder.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
     slices = getattr(config, "slices", None)
     if slices:
+        from .spec.slices import num_layers_of
+
         try:
-            base_layers = _num_layers(json.loads((folder / "config.json").read_text(encoding="utf-8")))
+            base_layers = num_layers_of(json.loads((folder / "config.json").read_text(encoding="utf-8")))
             out_layers = sum(s["sources"][0]["layer_range"][1] - s["sources"][0]["layer_range"][0] for s in slices)
         except (OSError, ValueError, KeyError, IndexError, TypeError):
             return size
         if base_layers:
             size = int(size * max(1.0, out_layers / base_layers))
     return size
-
-
-def _num_layers(config: Any) -> int | None:
-    """The block count of a config.json (its text config's, for a multimodal one)."""
-    if not isinstance(config, dict):
-        return None
-    for key in ("num_hidden_layers", "n_layer", "num_layers"):
-        if isinstance(config.get(key), int) and config[key] > 0:
-            return config[key]
-    return _num_layers(config.get("text_config"))
 
 
 # ------------------------------------------------------------------------------------------------------- score

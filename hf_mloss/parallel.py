@@ -11,7 +11,7 @@ also waits for the GIL while the other worker is descheduled) and 18.5 s on 1 th
 So :func:`cpu_workers` first measures the idle cores (``/proc/stat`` over 50 ms, Linux) and runs with that many
 threads, at most ``torch.get_num_threads()``: with one, everything runs on the calling thread; with more, pieces go to
 worker threads that each run torch ops on one intra-op thread (no barriers inside ops). ``HF_MLOSS_THREADS=N`` fixes
-the number (ASCII digits only, at most 65536, clamped to the cores this process may use: more threads than cores
+the number (ASCII digits only, at most 1000000, clamped to the cores this process may use: more threads than cores
 only add contention). Results do not depend on it: each piece is computed by the same kernels whichever thread runs it, and
 callers combine pieces in a fixed order.
 """
@@ -163,8 +163,9 @@ def machine_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-MAX_THREADS = 1 << 16
-"""The largest ``HF_MLOSS_THREADS`` accepted: more than any machine's cores; a longer number is a mistake."""
+MAX_THREADS = 1_000_000
+"""The largest ``HF_MLOSS_THREADS`` accepted (clamped to the cores, like any value above them); a longer number,
+thousands of digits, is a mistake."""
 
 
 def env_threads() -> int | None:
@@ -181,7 +182,7 @@ def env_threads() -> int | None:
         return None
     text = raw.strip()
     digits = text.lstrip("0")  # checked by length first: int() refuses strings of thousands of digits
-    if not (text.isascii() and text.isdigit()) or not digits or len(digits) > 6 or int(digits) > MAX_THREADS:
+    if not (text.isascii() and text.isdigit()) or not digits or len(digits) > 7 or int(digits) > MAX_THREADS:
         shown = repr(raw[:20]) + (f" ({len(raw)} characters)" if len(raw) > 20 else "")
         raise InvalidParameterError(f"HF_MLOSS_THREADS={shown} must be a whole number of threads from 1 to "
                                     f"{MAX_THREADS} (ASCII digits, e.g. HF_MLOSS_THREADS=2; values above the cores "

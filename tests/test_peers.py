@@ -627,3 +627,60 @@ def test_regmean_matches_fusion_bench(tiny_paths, tmp_path, method):
         error = float((ours[key] - value).norm() / value.norm().clamp_min(1e-30))
         assert error < 1e-5, (key, error)
 
+
+
+# Round 5 (issue 57): mergekit's edge values ------------------------------------------------------------------------
+# nearswap's t as a gradient and a filter list, task negation (negative weights), a ties model without density
+# (mergekit's default 1.0: kept whole), slerp's t outside [0, 1] (extrapolated, as mergekit does, with a warning).
+ROUND5 = {
+    "nearswap-t-gradient": ("llama", 2, lambda b, m: _copied("nearswap", b, m[:1], {"t": [0.0001, 0.05]}, [{}])),
+    "nearswap-t-filters": ("qwen2", 2, lambda b, m: _copied("nearswap", b, m[:1], {"t": [
+        {"filter": "mlp", "value": 0.05}, {"filter": "self_attn", "value": [0.0001, 0.02]}, {"value": 0.001}]}, [{}])),
+    "task_arithmetic-negation": ("mistral", 2, lambda b, m: _copied("task_arithmetic", b, m[:1], {},
+                                                                    [{"weight": -1.0}])),
+    "task_arithmetic-negation-pair": ("llama", 2, lambda b, m: _copied("task_arithmetic", b, m[:2], {"lambda": 0.8},
+                                                                       [{"weight": -1.0}, {"weight": 1.0}])),
+    "ties-density-on-one-model": ("qwen2", 2, lambda b, m: {
+        "merge_method": "ties", "base_model": b, "dtype": "float32",
+        "models": [{"model": m[0], "parameters": {"weight": 1.0, "density": 0.5}},
+                   {"model": m[1], "parameters": {"weight": 1.0}}]}),
+    "slerp-t-above-1": ("mistral", 2, lambda b, m: _copied("slerp", b, m[:1], {"t": 1.5}, [{}])),
+    "slerp-t-below-0": ("llama", 2, lambda b, m: _copied("slerp", b, m[:1], {"t": -1.0}, [{}])),
+    "slerp-t-gradient-past-1": ("qwen2", 4, lambda b, m: _copied("slerp", b, m[:1], {"t": [0, 2.5, 1]}, [{}])),
+}
+
+
+@pytest.mark.parametrize("recipe", list(ROUND5))
+def test_mergekit_round5_edge_values_match(tmp_path_factory, tmp_path, recipe):
+    """mergekit-yaml and hf_mloss run the same YAML on the same tiny decoder: equal within 1e-6 in float32."""
+    import warnings
+
+    family, layers, make = ROUND5[recipe]
+    base, models = _round2_paths(family, tmp_path_factory, layers=layers)
+    run = _mergekit_yaml_or_skip(make(base, models), tmp_path / "mergekit")
+    config = MergeConfig.from_yaml(run.out_dir / "peer_config.yml")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = hf_mloss.run(config, progress=False)
+    diff = _decoder_max_diff(result, run)
+    print(f"{recipe} ({family}): max |hf_mloss - mergekit| = {diff:.3g}")
+    assert diff < 1e-6
+    extrapolates = [str(w.message) for w in caught if "outside [0, 1]" in str(w.message)]
+    assert bool(extrapolates) == recipe.startswith("slerp"), extrapolates
+    if recipe.startswith("nearswap"):
+        assert len({str(v) for v in result.config.resolved_parameters.values()}) > 1  # t resolved per tensor
+    if recipe == "ties-density-on-one-model":  # the model without density is kept whole (mergekit's 1.0)
+        assert [m.parameters for m in config.models] == [{"k": 0.5}, {"k": 1.0}]
+
+
+def test_task_negation_and_a_nearswap_gradient_from_python_match_mergekit(tmp_path_factory, tmp_path):
+    """The Python spellings (weights=[-1, 1], t=[...]) give mergekit-yaml's weights."""
+    base, models = _round2_paths("llama", tmp_path_factory)
+    cases = [("task_arithmetic", models[:2], {"weights": [-1, 1], "lam": 0.8},
+              _copied("task_arithmetic", base, models[:2], {"lambda": 0.8}, [{"weight": -1.0}, {"weight": 1.0}])),
+             ("nearswap", models[:1], {"t": [0.0001, 0.05]},
+              _copied("nearswap", base, models[:1], {"t": [0.0001, 0.05]}, [{}]))]
+    for method, chosen, kwargs, recipe in cases:
+        run = _mergekit_yaml_or_skip(recipe, tmp_path / method)
+        result = hf_mloss.merge(base, chosen, method, dtype="float32", progress=False, **kwargs)
+        assert _decoder_max_diff(result, run) < 1e-6, method

@@ -200,3 +200,88 @@ def test_a_learned_recipe_trained_on_python_data_reruns_without_data(tiny_paths,
     assert len(records) == 1
     with pytest.raises(DataError, match="no data was given"):  # training again needs the data
         config.replace(parameters={**config.parameters, "relearn": True})
+
+
+# ============================================================================================ mergekit's edge values
+@pytest.fixture(scope="module")
+def deep_llama(tmp_path_factory) -> tuple[str, list[str]]:
+    """A tiny Llama with 4 blocks, so that a 3-point gradient reaches between its points (x = 1/3, 2/3)."""
+    from examples.tiny import save_with_finetunes, tiny_decoder, word_tokenizer
+
+    base, models = save_with_finetunes(tiny_decoder("llama", num_hidden_layers=4), tmp_path_factory.mktemp("deep"),
+                                       1, tokenizer=word_tokenizer())
+    return str(base), [str(m) for m in models]
+
+
+def test_nearswap_t_as_a_gradient_or_filter_list_is_resolved_per_tensor(llama, tmp_path, capsys):
+    import hf_mloss
+    from hf_mloss import InvalidParameterError
+
+    base, models = llama
+    for t in ([0.0001, 0.05], [{"filter": "mlp", "value": 0.05}, {"value": 0.0001}]):
+        result = hf_mloss.merge(base, models[:1], "nearswap", t=t, progress=False)
+        resolved = {v["t"] for v in result.config.resolved_parameters.values()}
+        assert resolved == {0.0001, 0.05}
+    with pytest.raises(InvalidParameterError, match="nearswap needs t, the distance"):
+        hf_mloss.merge(base, models[:1], "nearswap", progress=False)
+    with pytest.raises(InvalidParameterError, match=r"nearswap needs t for '.*'.*end it with a \{value: ...\}"):
+        hf_mloss.merge(base, models[:1], "nearswap", t=[{"filter": "mlp", "value": 0.05}], progress=False)
+    recipe = _write(tmp_path, {"merge_method": "nearswap", "base_model": base, "dtype": "float32",
+                               "parameters": {"t": [{"filter": "mlp", "value": 0.05}]},
+                               "models": [{"model": base}, {"model": models[0]}]})
+    _refused(capsys, ["merge", str(recipe), str(tmp_path / "out"), "-q"], "nearswap", "needs t for every tensor")
+    assert not (tmp_path / "out").exists()
+
+
+def test_negative_weights_negate_tasks_in_task_arithmetic_in_every_spelling(llama, tmp_path, capsys):
+    import torch
+
+    import hf_mloss
+    from hf_mloss import InvalidParameterError
+
+    base, models = llama
+    negated = hf_mloss.merge(base, models, "task_arithmetic", weights=[-1, 1], lam=1.0, progress=False)
+    listed = hf_mloss.MergeConfig.from_dict({"base": base, "method": "task_arithmetic", "parameters": {"lam": 1.0},
+                                             "models": [{"model": models[0], "parameters": {"weight": [-1.0]}},
+                                                        {"model": models[1], "parameters": {"weight": [1.0]}}]})
+    theta = [hf_mloss.merge(base, [m], "task_arithmetic", weights=[1], lam=1.0, progress=False).model.state_dict()
+             for m in models]
+    zero = hf_mloss.merge(base, models[:1], "task_arithmetic", lam=0.0, progress=False).model.state_dict()
+    for key, value in hf_mloss.run(listed, progress=False).model.state_dict().items():
+        assert torch.equal(value, negated.model.state_dict()[key]), key
+        expected = zero[key] - (theta[0][key] - zero[key]) + (theta[1][key] - zero[key])
+        assert torch.allclose(value, expected, atol=1e-6), key
+    recipe = _write(tmp_path, {"merge_method": "task_arithmetic", "base_model": base, "dtype": "float32",
+                               "models": [{"model": models[0], "parameters": {"weight": -1.0}}]})
+    assert main(["merge", str(recipe), str(tmp_path / "negated"), "-q"]) == 0
+    capsys.readouterr()
+    for weights in ([1.0, -0.5], [{"weight": [-1.0]}, {"weight": [1.0]}]):  # ties: neither spelling
+        with pytest.raises(hf_mloss.HfMLossError, match=r"models\[\d\]\.weight is -.*task_arithmetic.*'ties' needs"):
+            if isinstance(weights[0], dict):
+                hf_mloss.MergeConfig.from_dict({"base": base, "method": "ties", "parameters": {"scope": "tensor",
+                                                                                                "convention": "mergekit"},
+                                                "models": [{"model": m, "parameters": w}
+                                                           for m, w in zip(models, weights)]})
+            else:
+                hf_mloss.merge(base, models, "ties", weights=weights, progress=False)
+    with pytest.raises(InvalidParameterError, match="must not all be 0"):
+        hf_mloss.merge(base, models, "task_arithmetic", weights=[0, 0], progress=False)
+
+
+@pytest.mark.parametrize("bounds", [[1, 5], [2, 0], [-1, 2], [0, 1.5]])
+def test_passthrough_layer_ranges_beyond_the_model_exit_2_naming_its_layers(llama, tmp_path, capsys, bounds):
+    base, models = llama
+    recipe = _write(tmp_path, {"merge_method": "passthrough", "dtype": "float32",
+                               "slices": [{"sources": [{"model": models[0], "layer_range": bounds}]}]})
+    err = _refused(capsys, ["merge", str(recipe), str(tmp_path / "out"), "-q"], "layer_range", "has 2 layers")
+    assert "free space" not in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("t", "seen"), [(1.5, "t=1.5"), (-1, "t=-1"), ([0, 2.5, 1], "t=1.66")])
+def test_slerp_t_outside_0_1_extrapolates_with_a_warning_naming_t(deep_llama, t, seen):
+    import hf_mloss
+
+    base, models = deep_llama
+    with pytest.warns(UserWarning, match=rf"slerp {seen}.* lies outside \[0, 1\]: the merge extrapolates"):
+        hf_mloss.merge(base, models, "slerp", t=t, progress=False)

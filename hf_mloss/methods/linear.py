@@ -49,6 +49,8 @@ class TaskArithmetic(MergeMethod):
     per_model_params = ("weight",)
     zero_delta_is_base = True
     default_weight = "one"
+    signed_weights = True
+    """Weights may be negative (task negation: θ₀ − λτ forgets what τ taught), as in the paper and mergekit."""
 
     def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
         delta = sum(a * (t - base) for a, t in zip(ctx.weights.tolist(), sources))

@@ -37,16 +37,19 @@ class NearSwap(MergeMethod):
     reference_url = "https://huggingface.co/alchemonaut/QuartetAnemoi-70B-t0.0001"
     params_class = NearSwapParams
     zero_delta_is_base = True  # θ₁ = θ₀: w·θ₀ + (1 − w)·θ₀ with w = 1 is θ₀
+    required_parameters = {"t": "the distance up to which the other model's values are taken (e.g. t=0.0001)"}
+    """Parameters without a default a config must give: a number, a gradient or a filter list (checked when the
+    config is built; resolved per tensor like any parameter)."""
 
     def prepare(self, ctx: MergeContext, visit) -> None:
-        if ctx.params.t is None:
-            raise InvalidParameterError("nearswap needs t, the distance up to which the other model's values are "
-                                        "taken (e.g. t=0.0001).")
         if len(ctx.weights) != 1:
             raise InvalidParameterError(f"nearswap takes the base and exactly one other model, got {len(ctx.weights)} "
                                         "models.")
 
     def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
+        if ctx.params.t is None:  # given as a filter list that no entry of matches this tensor
+            raise InvalidParameterError(f"nearswap needs t for {name!r}, {self.required_parameters['t']}; the filter "
+                                        "list for t gives this tensor none: end it with a {value: ...} entry.")
         other = sources[0]
         weight = (ctx.params.t / (base - other).abs().clamp(min=DIFF_FLOOR)).clamp(min=0, max=1)
         return weight * other + (1 - weight) * base

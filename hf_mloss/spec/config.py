@@ -69,7 +69,8 @@ class ModelSpec:
     """One model of a merge: a Hub id, a local folder or a loaded ``PreTrainedModel``."""
 
     model: Any = param(help="Hub id (org/name), local folder written by save_pretrained, or a loaded model.")
-    weight: float | None = param(None, "α of this fine-tune (give all or none).", low=0.0)
+    weight: float | None = param(None, "α of this fine-tune (give all or none; negative only for task_arithmetic: "
+                                 "task negation).")
     revision: str | None = param(None, "Hub branch, tag or commit (Hub ids only).",
                                  hint="(quote it in YAML if it looks like a number)")
     fingerprint: str | None = param(None, "Content fingerprint of a local folder's weights (recorded; a re-run "
@@ -301,6 +302,7 @@ class MergeConfig:
             check_schedules(method, self.parameters, selecting=self.select is not None)
         except InvalidParameterError as err:
             raise InvalidParameterError(f"Invalid parameters for method {self.method!r}: {err}") from None
+        self._validate_required_parameters(method)
         self._validate_model_parameters(method)
         self._validate_text_data(method)
         if method.needs_data and self.data is None and self.text_data is None and not self.replays_recorded():
@@ -313,6 +315,16 @@ class MergeConfig:
         self._validate_adapter_output()
         self._validate_slices(method)
         self._validate_tokenizer_source(method)
+
+    def _validate_required_parameters(self, method: MergeMethod) -> None:
+        """A parameter the method has no default for (nearswap's ``t``) is given: at the top level, or in every
+        slice's own parameters."""
+        for name, what in getattr(method, "required_parameters", {}).items():
+            sliced = bool(self.slices) and all(isinstance(e, Mapping) and (e.get("parameters") or {}).get(name)
+                                               is not None for e in self.slices)
+            if self.parameters.get(name) is None and not sliced:
+                raise InvalidParameterError(f"{method.name} needs {name}, {what}: a number, a gradient over the "
+                                            "layers or a filter list.")
 
     def _validate_tokenizer_source(self, method: MergeMethod) -> None:
         if self.tokenizer_source is None:
@@ -351,7 +363,9 @@ class MergeConfig:
         if method.needs_data or self.select is not None or self.output != "auto":
             raise InvalidParameterError(f"slices work with data-free methods and output='auto' (got method "
                                         f"{method.name!r}, output={self.output!r}{', select' if self.select else ''}).")
-        self.slices = check_slices(_plain(self.slices), method.name, 1 + len(self.models))
+        specs = [self.base, *self.models]
+        self.slices = check_slices(_plain(self.slices), method.name, len(specs), [_layer_count(m) for m in specs],
+                                   [_short_name(m) for m in specs])
         for s, entry in enumerate(self.slices):
             if "parameters" not in entry:
                 continue
@@ -397,10 +411,23 @@ class MergeConfig:
             missing = [f"models[{i}]" for i, g in enumerate(given) if not g]
             raise InvalidParameterError(f"Give a weight to every model or to none (the default is uniform); "
                                         f"{', '.join(missing)} {'has' if len(missing) == 1 else 'have'} no weight.")
+        negative = [(i, w) for i, m in enumerate(self.models) for w in _weight_values(m) if w < 0]
+        signed = negative and getattr(self.merge_method(), "signed_weights", False)
+        if negative and not signed:
+            i, w = negative[0]
+            from ..methods import MERGE_METHODS
+
+            takers = sorted(n for n, m in MERGE_METHODS.items() if getattr(m, "signed_weights", False))
+            raise InvalidParameterError(f"models[{i}].weight is {w}: a negative weight (task negation) is taken by "
+                                        f"{', '.join(takers)}, which adds the weighted task vectors as they are; "
+                                        f"method {self.method!r} needs weights >= 0.")
         if any(m.weight is None and m.parameters and "weight" in m.parameters for m in self.models):
             return  # weights that vary over the model: their sums are per tensor
-        if self.models and all(given) and sum(m.run_weight for m in self.models) <= 0:
-            raise InvalidParameterError("The models' weights must not all be 0.")
+        total = sum(m.run_weight for m in self.models) if self.models and all(given) else None
+        if total is not None and (total <= 0 if not signed else all(m.run_weight == 0 for m in self.models)):
+            raise InvalidParameterError("The models' weights must not all be 0." if not negative else
+                                        f"The models' weights sum to {total:g}; method {self.method!r} needs a "
+                                        "positive sum.")
         if all(given) and not math.isfinite(sum(m.run_weight for m in self.models)):
             raise InvalidParameterError(f"weights {[m.run_weight for m in self.models]} sum to infinity (they "
                                         "overflow once added or normalised); scale them all down by the same factor.")
@@ -698,6 +725,42 @@ class MergeConfig:
 
 
 # ------------------------------------------------------------------------------------------------- parsing
+def _layer_count(spec: ModelSpec) -> int | None:
+    """A model's block count where it is known without loading it: a loaded model's config, a local folder's
+    config.json (Hub models: checked once resolved)."""
+    import json
+
+    from .slices import num_layers_of
+
+    if spec.is_loaded:
+        config = getattr(spec.model, "config", None)
+        return num_layers_of(config.to_dict()) if hasattr(config, "to_dict") else None
+    if not spec.is_local:
+        return None
+    try:
+        return num_layers_of(json.loads((expand(spec.model) / "config.json").read_text(encoding="utf-8")))
+    except (OSError, ValueError):
+        return None
+
+
+def _short_name(spec: ModelSpec) -> str:
+    """A model's name in messages: its folder's or repo's last part."""
+    return "" if spec.is_loaded else os.path.basename(os.path.normpath(str(spec.model)))
+
+
+def _weight_values(spec: ModelSpec) -> list[float]:
+    """Every weight a model gives: its ``weight``, or each value of its per-model ``weight`` schedule."""
+    if spec.weight is not None:
+        return [spec.weight]
+    if spec.parameters and "weight" in spec.parameters:
+        try:
+            leaves = ParamSchedule.parse(spec.parameters["weight"], "parameters.weight").leaves()
+        except InvalidParameterError:
+            return []  # refused with its own message by the per-model checks
+        return [float(v) for v in leaves if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return []
+
+
 def _replays_recorded(method_name: Any, parameters: Any) -> bool:
     """Whether a learned method merges from values its parameters record, without training (never raises: an
     invalid method or parameter is refused by the config's own checks)."""

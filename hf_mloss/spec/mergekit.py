@@ -519,6 +519,10 @@ def _shared_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
         value = _layered([global_params.get(key)], default)
         if value is REQUIRED:
             raise ConfigError(f"mergekit `{method}` needs `parameters: {{{key}: ...}}` (it has no default).")
+        if isinstance(value, list) and any(isinstance(e, Mapping) and e.get("value") is REQUIRED for e in value):
+            raise ConfigError(f"mergekit `{method}` needs {key} for every tensor and these filters may leave some "
+                              "without one (mergekit then fails); end the list with a `{value: ...}` entry without "
+                              "filter.")
         if kind is bool:
             parameters[key] = _check_flag(value, f"parameters.{key}")
         else:

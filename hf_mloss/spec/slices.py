@@ -38,11 +38,25 @@ if TYPE_CHECKING:
     from ..loading.inputs import RunInputs
 
 
-def check_slices(slices: Any, method: str, num_inputs: int) -> list[dict[str, Any]]:
-    """Validate the shape of ``slices`` (no model needed) and return it as plain data.
+def num_layers_of(config: Any) -> int | None:
+    """The block count of a config.json's content (its text config's, for a multimodal one); ``None`` if unknown."""
+    if not isinstance(config, Mapping):
+        return None
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return num_layers_of(config.get("text_config"))
+
+
+def check_slices(slices: Any, method: str, num_inputs: int, layer_counts: list[int | None] | None = None,
+                 names: list[str] | None = None) -> list[dict[str, Any]]:
+    """Validate the shape of ``slices`` and return it as plain data; ``layer_counts`` (per input, base first, where
+    known before loading: local folders' config.json) bounds each ``layer_range`` by its model's blocks.
 
     Raises:
-        InvalidParameterError: naming the slice and source at fault and how to fix it.
+        InvalidParameterError: naming the slice and source at fault, the model's layer count when known, and how
+            to fix it.
     """
     if not isinstance(slices, list) or not slices:
         raise InvalidParameterError(f"slices must be a non-empty list of {{sources: [{{model: i, layer_range: "
@@ -67,10 +81,20 @@ def check_slices(slices: Any, method: str, num_inputs: int) -> list[dict[str, An
             if isinstance(model, bool) or not isinstance(model, int) or not 0 <= model < num_inputs:
                 raise InvalidParameterError(f"{at}.model must be an index into [base, *models] (0 = base, "
                                             f"0..{num_inputs - 1}), got {short(model)}.")
+            count = layer_counts[model] if layer_counts is not None else None
+            if count is not None:
+                name = f" {names[model]!r}" if names is not None and names[model] else ""
+                has = f"model {model}{name} has {count} layer{'s' if count != 1 else ''}, indices 0..{count - 1}"
             if not (isinstance(bounds, (list, tuple)) and len(bounds) == 2 and all(
                     isinstance(b, int) and not isinstance(b, bool) for b in bounds) and 0 <= bounds[0] < bounds[1]):
-                raise InvalidParameterError(f"{at}.layer_range must be [start, end] with 0 <= start < end (end "
-                                            f"excluded), got {short(bounds)}.")
+                if count is None:
+                    raise InvalidParameterError(f"{at}.layer_range must be [start, end] with 0 <= start < end (end "
+                                                f"excluded), got {short(bounds)}.")
+                raise InvalidParameterError(f"{at}.layer_range must be [start, end] with whole numbers 0 <= start < "
+                                            f"end <= {count} ({has}; end excluded), got {short(bounds)}.")
+            if count is not None and bounds[1] > count:
+                raise InvalidParameterError(f"{at}.layer_range {short(bounds)} runs past the model's layers ({has}; "
+                                            f"end excluded): use an end <= {count}.")
             sources.append({"model": model, "layer_range": [int(bounds[0]), int(bounds[1])]})
         lengths = {s_["layer_range"][1] - s_["layer_range"][0] for s_ in sources}
         models = [s_["model"] for s_ in sources]
