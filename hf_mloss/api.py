@@ -246,12 +246,14 @@ def run(config: MergeConfig | str | os.PathLike[str], *, device: Any = None, tok
         >>> hf_mloss.run("me/clip-vit-b32-8tasks-mties")        # re-run a published merge, bit for bit
         ```
     """
+    from .merging.auto import choose_and_merge
     from .merging.driver import run_merge
     from .merging.selection import select_and_merge
 
     config = as_config(config, token=token)
     config.validate()
-    return run_merge(config, device=device, token=token, progress=progress, select_and_merge=select_and_merge)
+    return run_merge(config, device=device, token=token, progress=progress, select_and_merge=select_and_merge,
+                     choose_method=choose_and_merge)
 
 
 def run_score(config: MergeConfig | str | os.PathLike[str], *, device: Any = None, token: str | bool | None = None,

@@ -129,3 +129,15 @@ def test_golden_demo_card(tmp_path, monkeypatch):
     strip = lambda s: re.sub(r"\d+\.\d+e[+-]\d+", "<num>", s)  # noqa: E731
     assert strip(fresh) == strip(golden)
     assert _numbers(fresh) == pytest.approx(_numbers(golden), rel=1e-3)
+
+
+def test_citations_name_only_what_was_used(tiny_paths, image_folder, tmp_path):
+    """A data-free merge's card cites its method, not M-Loss; an M-TIES card cites M-Loss with its paper's link."""
+    base, models = tiny_paths
+    hf_mloss.merge(base, models, "ties", progress=False).save_pretrained(tmp_path / "ties")
+    card = (tmp_path / "ties" / "README.md").read_text()
+    assert "TIES-Merging" in card and "mloss2026" not in card and "M-Loss" not in card
+    hf_mloss.merge(base, models, "m_ties", data=str(image_folder), num_samples=8,
+                   progress=False).save_pretrained(tmp_path / "m_ties")
+    card = (tmp_path / "m_ties" / "README.md").read_text()
+    assert "@inproceedings{mloss2026" in card and "https://arxiv.org/abs/2602.08564" in card

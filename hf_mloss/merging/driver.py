@@ -45,17 +45,20 @@ MERGE_CHUNK_NUMEL = 1 << 22
 
 def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | None = None, progress: bool = True,
               select_and_merge: Callable[..., tuple[MergeConfig, MLossReport]] | None = None,
+              choose_method: Callable[..., tuple[MergeConfig, MLossReport | None]] | None = None,
               scored_part_only: bool = False) -> MergeResult:
     """Run a validated config (see :func:`hf_mloss.run`).
 
     ``select_and_merge`` runs a config's label-free selection (:func:`hf_mloss.merging.selection.select_and_merge`, which
-    drives this module's merger): the caller passes it, so the driver does not depend on the selection built on it.
-    ``scored_part_only``: merge only the model a scoring pass runs (a whole CLIPModel's vision tower; the model itself
-    for a family without towers), for the merged-prefix M-Loss of ``score(prefix="merged")``.
+    drives this module's merger) and ``choose_method`` the choice among methods of ``method="auto"``
+    (:func:`hf_mloss.merging.auto.choose_and_merge`): the caller passes them, so the driver does not depend on the
+    searches built on it. ``scored_part_only``: merge only the model a scoring pass runs (a whole CLIPModel's vision
+    tower; the model itself for a family without towers), for the merged-prefix M-Loss of ``score(prefix="merged")``.
     """
     method = config.merge_method()
     params = config.method_params()
-    needs_data = method.needs_data or config.select is not None
+    needs_data = method.needs_data or config.select is not None or (
+        hasattr(method, "uses_data") and config.data is not None and method.uses_data(params))
     with open_inputs(config, device=device, token=token, needs_data=needs_data, progress=progress,
                      whole_model=config.output in ("auto", "adapter") and not scored_part_only) as inputs, \
             cpu_workers(inputs.device) as workers:
@@ -99,6 +102,13 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
             config, report = select_and_merge(config.replace(select=config.select.recorded()), inputs, merger, tower,
                                               progress=progress, token=token)
             params = merger.ctx.params
+        elif getattr(method, "chooses_method", False):  # method="auto": the merge chosen among methods
+            if choose_method is None:
+                raise InvalidParameterError("method='auto' chooses among merges; run it with hf_mloss.run(config).")
+            refuse_changed_outside(inputs, outside, "method='auto'")
+            merger.names = [n for n in merger.names if n not in set(outside)]  # equal to the base's: kept as is
+            config, report = choose_method(config, inputs, merger, model, progress=progress, token=token)
+            params = merger.ctx.params
         elif getattr(method, "learned", False):  # coefficients trained on the data (hf_mloss.merging.learned)
             from .learned import learn_and_merge
 
@@ -107,15 +117,8 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
             config, learned = learn_and_merge(config, inputs, merger, tower, method,
                                               changed=changed_names(inputs, merger.names), progress=progress)
             params = merger.ctx.params
-        elif getattr(method, "gram_prefix", None):  # RegMean: linears solved from their inputs' Gram matrices
-            from .regmean import merge_regmean
-
-            merge_regmean(config, inputs, merger, model, method, progress=progress)
-        elif method.needs_data:
-            report = merge_layerwise(config, inputs, merger, model, method, progress=progress)
         else:
-            method.prepare(ctx, merger.visit)
-            merger.merge(merger.names, progress=progress, desc=f"Merging ({config.method})")
+            report = merge_by_method(config, inputs, merger, model, method, progress=progress)
         if report is None:  # data-free: a report that says so, so `result.report.summary()` always works
             from ..output.report import MLossReport
 
@@ -145,6 +148,23 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
                            adapter=inputs.adapter, data_info=inputs.data_info, method_description=description,
                            lora=lora, device=describe_device(inputs.device),
                            tokenizer=vocabulary.tokenizer if vocabulary is not None else None)
+
+
+def merge_by_method(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model: PreTrainedModel,
+                    method: MergeMethod, *, progress: bool) -> MLossReport | None:
+    """Merge every tensor of ``merger`` by ``method``'s own rule: tensor by tensor (data-free), block by block through
+    its hooks while the scorer walks (M-TIES; returns the M-Loss report it used), or from the Gram matrices of every
+    linear's inputs (RegMean)."""
+    if getattr(method, "gram_prefix", None):  # RegMean: linears solved from their inputs' Gram matrices
+        from .regmean import merge_regmean
+
+        merge_regmean(config, inputs, merger, model, method, progress=progress)
+        return None
+    if method.needs_data:
+        return merge_layerwise(config, inputs, merger, model, method, progress=progress)
+    method.prepare(merger.ctx, merger.visit)
+    merger.merge(merger.names, progress=progress, desc=f"Merging ({config.method})")
+    return None
 
 
 @torch.no_grad()

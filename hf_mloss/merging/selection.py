@@ -103,7 +103,7 @@ class CandidateEvaluator:
                  progress: bool = True, token: Any = None) -> None:
         from ..engine.score import resolve_activation
 
-        self.inputs, self.options, self.adapter = inputs, options, inputs.adapter
+        self.inputs, self.options, self.adapter, self.config = inputs, options, inputs.adapter, config
         self.device, self.batch_size = inputs.device, config.batch_size
         self.sample = spread_sample(inputs.model_inputs, options.num_samples, config.seed)
         self.alpha = (inputs.alpha / inputs.alpha.sum()).float().to(self.device)
@@ -199,6 +199,40 @@ class CandidateEvaluator:
             shared_walk(self, states, list(range(first, self.changed[-1] + 1)), measure=measure, collect=collect,
                         model=tower)
         return total / len(self.scored)
+
+    def mloss_report(self, tower: Any, *, models: Sequence[str]) -> MLossReport:
+        """The node and layer M-Loss of the merge held by ``tower`` against its experts on its own inputs (prefix
+        "merged": at every scored unit, the merge's activation minus the ensemble of the experts' activations on the
+        merge's input u), over the selection samples: a diagnostic of how far the merge is from the ensemble."""
+        import torch
+
+        from ..engine.score import MLossAccumulator, build_report, make_setup
+        from ..engine.walk import embed_batches, shared_walk
+
+        unit, blocks = self.adapter.unit, self.adapter.layers(tower)
+        results: dict[str, Any] = {}
+
+        def measure(layer: int) -> Any:
+            target, block = self._target(layer), blocks[layer]
+            gate = block.get_submodule(unit.gate)
+            up = block.get_submodule(unit.up) if unit.up else None
+            own = (lambda rows: gate(rows)) if up is None else (lambda rows: (gate(rows), up(rows)))
+            return lambda u, context: target.sums(u, mask=context.mask, per_node=True, merged=own)
+
+        def collect(layer: int, sums: list[Any]) -> None:
+            acc = MLossAccumulator(sums[0].node.shape[-1], device=self.device)
+            for part in sums:
+                acc.add_sums(part)
+            acc.reduce_across_processes()
+            results[self.adapter.target_name(layer)] = acc
+
+        with torch.inference_mode():
+            states = embed_batches(self, tower)
+            shared_walk(self, states, list(range(self.scored[-1] + 1)) if self.scored else [], measure=measure,
+                        collect=collect, model=tower)
+        setup = make_setup(self.inputs, tower, self.config.scoring_options(), self.config, progress=False)
+        setup.prefix, setup.num_samples = "merged", len(self.sample)
+        return build_report(setup, results, models=list(models), data_info=self.inputs.data_info)
 
     def _holds_base_prefix(self, tower: Any) -> bool:
         """Whether the candidate kept the base's embeddings and blocks before ``start`` (every built-in method
@@ -445,10 +479,17 @@ class CandidateBuilder:
         config = self.config.replace(parameters={**self.config.parameters, **setting, **self._lam(lam)}, select=None)
         method, params = config.merge_method(), config.method_params()
         self.write(None, 1.0)
-        ctx = MergeContext(params=params, weights=self.inputs.alpha.to(self.inputs.device, torch.float32),
+        from ..loading.inputs import resolve_weights
+
+        weights = resolve_weights(config, method.default_weight)  # the candidate's own default (auto: per method)
+        ctx = MergeContext(params=params, weights=weights.to(self.inputs.device, torch.float32),
                            seed=config.seed)
         merger = TensorMerger(self.inputs, method, ctx, self.tower)
-        if method.needs_data and live:
+        if getattr(method, "gram_prefix", None):  # RegMean: no λ, no scores to replay
+            from .regmean import merge_regmean
+
+            merge_regmean(config, self.inputs, merger, self.tower, method, progress=False)
+        elif method.needs_data and live:
             self.report = merge_layerwise(config, self.inputs, merger, self.tower, method, progress=False)
             self.scores = recorded_scores(self.report, self.inputs.adapter)
         elif method.needs_data:

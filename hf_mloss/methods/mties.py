@@ -245,8 +245,9 @@ class MTies(MergeMethod):
 
     name = "m_ties"
     pretty_name = "M-TIES"
-    reference = "M-Loss: Quantifying Model Merging Compatibility with Limited Unlabeled Data, AAAI 2026"
-    reference_url = ""
+    reference = ("Wang et al., M-Loss: Quantifying Model Merging Compatibility with Limited Unlabeled Data, "
+                 "AAAI 2026")
+    reference_url = "https://arxiv.org/abs/2602.08564"
     params_class = MTiesParams
     zero_delta_is_base = True
     needs_data = True

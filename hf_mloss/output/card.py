@@ -85,10 +85,13 @@ def base_license(folder: str | None) -> str | None:
         return None
 
 
-def method_papers(method_name: str) -> list[dict[str, str]]:
-    """The papers a method builds on (its own first): TIES for M-TIES, DARE for M-DARE, ..."""
+def method_papers(method_name: str, chosen: str | None = None) -> list[dict[str, str]]:
+    """The papers a method builds on (its own first): TIES for M-TIES, DARE for M-DARE, ...; ``auto``: the method it
+    chose (``chosen``)."""
     from ..methods import get_method
 
+    if method_name == "auto" and chosen:
+        return method_papers(chosen)
     names = {"m_ties": ["m_ties", "ties"], "m_dare": ["m_ties", "dare_ties"]}.get(method_name, [method_name])
     papers = []
     for name in names:
@@ -119,6 +122,32 @@ def selection_rows(config: MergeConfig, modality: str = "image") -> dict[str, An
             "chosen": ", ".join(f"{k}={v}" for k, v in (select.chosen or {}).items())}
 
 
+def auto_rows(config: MergeConfig) -> dict[str, Any] | None:
+    """``method="auto"``'s record for the card: every candidate's method, setting and criterion value, the choice."""
+    if config.method != "auto":
+        return None
+    params = config.method_params()
+    chosen = params.chosen or {}
+    rows = [{"method": c["method"], "setting": ", ".join(f"{k}={v}" for k, v in c["setting"].items()) or "-",
+             "value": c.get(params.criterion),
+             "chosen": c["method"] == chosen.get("method") and c["setting"] == chosen.get("parameters")}
+            for c in params.scored or []]
+    return {"criterion": params.criterion, "num_samples": params.compare_samples, "share": params.share, "rows": rows,
+            "chosen": chosen.get("method"), "chosen_setting": ", ".join(
+                f"{k}={v}" for k, v in (chosen.get("parameters") or {}).items()), "why": chosen.get("why"),
+            "heads": bool(params.heads)}
+
+
+def uses_mloss(result: CardSource) -> bool:
+    """Whether the merge used or reports M-Loss (its paper is then cited): an M-Loss-guided method, a measured
+    report, or an embedded compatibility report."""
+    from ..methods.mties import MTies
+
+    report = result.report
+    return (isinstance(result.config.merge_method(), MTies) or (report is not None and report.computed)
+            or getattr(result, "compatibility", None) is not None)
+
+
 def shown_parameters(params: Any, q: int | None = None) -> dict[str, Any]:
     """A method's parameters as every surface shows them (card, CLI, ``hf-mloss methods``): a ``None`` that stands
     for a value resolved (TIES's ``scope`` from its convention, TSV-M's ``fraction`` as 1/q for ``q`` models), other
@@ -133,6 +162,14 @@ def shown_parameters(params: Any, q: int | None = None) -> dict[str, Any]:
         dropped = sum(len(d) for row in rows for d in row[1:])
         shown["masks"] = (f"{dropped} components dropped in {len(rows)} matrices (learned; in hf_mloss_config.yaml)"
                           if rows else "no component dropped (learned)")
+    if isinstance(shown.get("scored"), list):  # auto's candidates: in the recipe, and in the card's table
+        shown["scored"] = f"{len(shown['scored'])} candidates (in hf_mloss_config.yaml and the table below)"
+    if isinstance(shown.get("chosen"), dict):
+        chosen = shown["chosen"]
+        setting = ", ".join(f"{k}={v}" for k, v in (chosen.get("parameters") or {}).items())
+        shown["chosen"] = f"{chosen.get('method')}" + (f" ({setting})" if setting else "")
+    if "candidates" in shown and shown["candidates"] is None and "chosen" in shown:
+        shown["candidates"] = "default (tsv_m, iso_cts, ties, task_arithmetic on λ grids; regmean_plusplus)"
     if shown.get("heads"):
         shown["heads"] = [h if isinstance(h, str) else type(h).__name__ if not isinstance(h, dict) else
                           f"{h.get('in_memory', 'head')} (from Python)" for h in shown["heads"]]
@@ -228,7 +265,10 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
         pipeline_tag=metadata.pipeline_tag,
         text_usage=TEXT_USAGE.get(metadata.pipeline_tag),
         method=result.config.method,
-        papers=method_papers(result.config.method),
+        papers=method_papers(result.config.method, (getattr(result.config.method_params(), "chosen", None)
+                                                     or {}).get("method")),
+        cite_mloss=uses_mloss(result),
+        auto=auto_rows(result.config),
         method_description=result.method_description,
         base_name=result.base.name,
         base_revision=result.base.revision,

@@ -132,7 +132,8 @@ def split_parameters(method: MergeMethod, parameters: Mapping[str, Any]
                      ) -> tuple[dict[str, Any], dict[str, ParamSchedule]]:
     """``(scalars, schedules)``: the parameters that are one value, and the parsed gradients / filter lists.
 
-    A parameter whose own type is a list (M-TIES ``layers``) is a value, never a schedule.
+    A parameter whose own type is a list, a mapping or anything (M-TIES ``layers``, auto's ``candidates``) is a
+    value, never a schedule.
     """
     listed = _list_fields(method)
     scheduled = {k for k, v in parameters.items() if is_schedule(v) and k not in listed}
@@ -145,7 +146,7 @@ def _list_fields(method: MergeMethod) -> set[str]:
     out = set()
     for name, hint in hints.items():
         members = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-        if any(typing.get_origin(m) in (tuple, list) or m in (tuple, list) for m in members):
+        if any(typing.get_origin(m) in (tuple, list, dict) or m in (tuple, list, dict, typing.Any) for m in members):
             out.add(name)
     return out
 

@@ -1,0 +1,159 @@
+"""``method="auto"``: every candidate merge scored without labels, the best one written (see
+:mod:`hf_mloss.methods.auto` for what is compared and recorded).
+
+The search reuses label-free selection's parts (:mod:`hf_mloss.merging.selection`): one :class:`CandidateBuilder`
+merges each candidate's direction τ (at λ = 1) into a scratch copy of the model and writes θ₀ + λ·τ for each λ; one
+:class:`CandidateEvaluator` holds the experts' outputs on the selection samples, computed once for every candidate.
+So the work is one merge per candidate method (and per setting of its other parameters), one forward pass of the
+selection samples per candidate, and the experts' forwards once.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from ..errors import InvalidParameterError
+
+if TYPE_CHECKING:
+    from ..loading.inputs import RunInputs
+    from ..output.report import MLossReport
+    from ..spec.config import MergeConfig
+    from .driver import TensorMerger
+
+
+def choose_and_merge(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model: Any, *,
+                     progress: bool = True, token: Any = None) -> tuple[MergeConfig, MLossReport | None]:
+    """Choose the merge (or take the recorded choice), write it into ``merger``'s model, and return the config as it
+    ran (the choice and every candidate's values recorded) with the chosen merge's M-Loss report, if measured."""
+    from ..methods.auto import FALLBACK
+
+    params = merger.ctx.params
+    if not params.chooses:
+        chosen = dict(params.chosen)
+        return config, _merge_chosen(config, inputs, merger, model, chosen, progress=progress)
+    if inputs.model_inputs is None:  # nothing to compare the candidates on
+        chosen = {"method": FALLBACK[0], "parameters": dict(FALLBACK[1]),
+                  "why": "no data was given: TSV-M at its default λ, without a label-free comparison"}
+        _merge_chosen(config, inputs, merger, model, chosen, progress=progress)
+        return _recorded(config, merger, chosen, []), None
+    chosen, scored, report = _search(config, inputs, merger, model, progress=progress, token=token)
+    return _recorded(config, merger, chosen, scored), report
+
+
+def _search(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model: Any, *, progress: bool,
+            token: Any) -> tuple[dict[str, Any], list[dict[str, Any]], MLossReport]:
+    from tqdm.auto import tqdm
+
+    from ..methods import get_method
+    from ..methods.auto import _settings, candidate_grids, thinned
+    from ..spec.selection import SelectionOptions
+    from .selection import CandidateBuilder, CandidateEvaluator, warn_grid_edge
+
+    params = merger.ctx.params
+    tower = inputs.adapter.tower(model)
+    defaults = {name: get_method(name).make_params().to_dict() for name in candidate_grids(params.candidates)}
+    grids = thinned(candidate_grids(params.candidates), params.budget, defaults)
+    options = SelectionOptions(criterion=params.criterion, grid={"candidate": list(grids)},
+                               num_samples=params.compare_samples, share=params.share,
+                               heads=list(params.heads) if params.heads else None)
+    builder = CandidateBuilder(config, inputs, copy.deepcopy(tower), merger.names)
+    evaluator = CandidateEvaluator(config, inputs, options, builder.tower, progress=progress, token=token)
+    total = sum(len(_settings(grid)) for grid in grids.values())
+    bar = tqdm(total=total, desc=f"auto ({params.criterion})", unit="candidate", disable=not progress)
+    scored: list[dict[str, Any]] = []
+    best = None
+    try:
+        for name, grid in grids.items():
+            has_lam = "lam" in defaults[name]
+            lams = grid.get("lam", [None]) if has_lam else [None]
+            for fixed in _settings({k: v for k, v in grid.items() if k != "lam"}):
+                builder.config = config.replace(method=name, parameters=dict(fixed), select=None)
+                builder.scores = builder.report = None
+                tau = builder.task_vector(fixed, 1.0, live=True)
+                for lam in lams:
+                    if lam is not None:  # θ₀ + λ·τ; a method without λ holds its own merge already
+                        builder.write(tau, lam)
+                    values = evaluator.evaluate(builder.tower)
+                    setting = {**fixed, **({"lam": lam} if lam is not None else {})}
+                    if not all(math.isfinite(v) for v in values.values()):
+                        raise InvalidParameterError(
+                            f"candidates: {name} {setting} scores {values} (not finite: its merge overflows). "
+                            "Nothing was chosen or written; remove it from the candidates.")
+                    scored.append({"method": name, "setting": setting, **values})
+                    if best is None or values[params.criterion] < best[0]:
+                        held = tau if lam is not None else {n: builder.state[n].clone() for n in builder.names}
+                        best = (values[params.criterion], name, setting, held, lam)
+                    bar.update(1)
+    finally:
+        bar.close()
+    _, name, setting, held, lam = best
+    warn_grid_edge(grids[name], setting, params.criterion)
+    for into in (None, merger.targets):  # the scratch copy (for its M-Loss), then the model
+        _write(builder, held, lam, into)
+    report = evaluator.mloss_report(builder.tower, models=[r.name for r in inputs.refs])
+    merger.done.update(merger.names)
+    return {"method": name, "parameters": setting}, scored, report
+
+
+def _write(builder: Any, held: Mapping[str, Any], lam: float | None, into: Mapping[str, Any] | None) -> None:
+    """The chosen candidate into ``into`` (the builder's scratch copy by default): θ₀ + λ·τ, or, for a method
+    without λ, its merged tensors as they are."""
+    import torch
+
+    if lam is not None:
+        builder.write(held, lam, into=into)
+        return
+    target = builder.state if into is None else into
+    with torch.no_grad():
+        for name in builder.names:
+            target[name].copy_(held[name])
+
+
+def _merge_chosen(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model: Any,
+                  chosen: Mapping[str, Any], *, progress: bool) -> MLossReport | None:
+    """Merge the chosen method with its recorded parameters into ``merger``'s model, by that method's own rule."""
+    import torch
+
+    from ..loading.inputs import resolve_weights
+    from ..methods import MergeContext, get_method
+    from .driver import TensorMerger, merge_by_method
+
+    method = get_method(chosen["method"])
+    parameters = dict(chosen.get("parameters") or {})
+    chosen_config = config.replace(method=method.name, parameters=parameters, select=None)
+    if "lam" in parameters and "why" not in chosen:  # as the search wrote it: θ₀ + λ·τ, τ at λ = 1 (same bits)
+        from .selection import CandidateBuilder
+
+        fixed = {k: v for k, v in parameters.items() if k != "lam"}
+        builder = CandidateBuilder(chosen_config.replace(parameters=fixed), inputs,
+                                   copy.deepcopy(inputs.adapter.tower(model)), merger.names)
+        builder.write(builder.task_vector(fixed, 1.0, live=True), parameters["lam"], into=merger.targets)
+        merger.done.update(merger.names)
+        return builder.report
+    weights = resolve_weights(chosen_config, method.default_weight)  # that method's own default weighting
+    ctx = MergeContext(params=chosen_config.method_params(), weights=weights.to(inputs.device, torch.float32),
+                       seed=config.seed)
+    inner = TensorMerger(inputs, method, ctx, model, merger.workers)
+    inner.names = list(merger.names)
+    report = merge_by_method(chosen_config, inputs, inner, model, method, progress=progress)
+    merger.done.update(inner.done)
+    merger.checked.update(inner.checked)
+    return report
+
+
+def _recorded(config: MergeConfig, merger: TensorMerger, chosen: dict[str, Any],
+              scored: list[dict[str, Any]]) -> MergeConfig:
+    """The config as it ran: the choice and every candidate recorded (heads passed from Python named, not kept)."""
+    parameters = {k: v for k, v in config.parameters.items() if k != "reselect"}
+    parameters.update(chosen=chosen, scored=scored)
+    heads = merger.ctx.params.heads
+    if heads:
+        parameters["heads"] = [os.fspath(h) if isinstance(h, (str, os.PathLike)) else h if isinstance(h, dict)
+                               else {"in_memory": type(h).__name__} for h in heads]
+    recorded = config.replace(parameters=parameters)
+    merger.ctx.params = recorded.method_params()
+    return recorded

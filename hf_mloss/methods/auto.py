@@ -1,0 +1,189 @@
+"""``method="auto"``: choose the merge without labels, among several methods and their λ.
+
+Every candidate method is merged once per setting of its other parameters (its direction τ, at λ = 1); each λ of
+its grid is then θ₀ + λ·τ, which costs one forward pass of the selection samples and no merge. Every candidate is
+scored by one criterion (``output`` by default: the discrepancy with each expert on the samples routed to it, read
+through the family's output rule; :mod:`hf_mloss.merging.selection`) and the lowest wins. The experts' outputs are
+computed once for all candidates. The card and the recipe record every candidate's value, the choice, and the chosen
+merge's per-layer M-Loss as a diagnostic (how far it is from the ensemble, not a predictor of its accuracy).
+
+Without data there is nothing to compare: the merge is TSV-M at λ = 1 (the default of the method that needs no
+tuning most often in the records), and the card says so. A recorded choice re-runs directly, bit for bit
+(``reselect=True`` chooses again). The search itself lives in :mod:`hf_mloss.merging.auto`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .._validation import param, short
+from ..errors import InvalidParameterError
+from .base import MergeContext, MergeMethod, MethodParams
+from .registry import register_merge_method
+
+DEFAULT_CANDIDATES: dict[str, dict[str, list[Any]]] = {
+    "tsv_m": {"lam": [0.5, 0.75, 1.0, 1.25, 1.5, 2.0]},
+    "iso_cts": {"lam": [0.5, 1.0, 1.5, 2.0, 3.0, 4.0]},
+    "ties": {"lam": [0.5, 0.75, 1.0, 1.25, 1.5, 2.0]},
+    "task_arithmetic": {"lam": [0.1, 0.2, 0.3, 0.5, 0.7, 1.0]},
+    "regmean_plusplus": {},
+}
+"""The candidates and their grids when ``candidates`` is not given: fixed before any suite measured ``auto``; each
+grid holds its method's default λ. The SVD merges led the records' val-tuned rows; TIES and task arithmetic are the
+classics; RegMean++ is the closed-form merge that uses the same unlabeled data."""
+FALLBACK = ("tsv_m", {"lam": 1.0})
+"""The merge without data."""
+CRITERIA = ("output", "disagreement", "entropy", "mloss")
+MAX_AUTO_CANDIDATES = 256
+
+
+@dataclass(frozen=True)
+class AutoParams(MethodParams):
+    candidates: Any = param(None, "The methods to choose among: a list of names (each on its default grid, "
+                            "hf_mloss.methods.auto.DEFAULT_CANDIDATES, or its default parameters), or a mapping "
+                            "name -> grid ({'tsv_m': {'lam': [0.8, 1, 1.2]}, 'ties': {'k': [0.2], 'lam': [1]}}). "
+                            "Default: TSV-M, Iso-CTS, TIES and task arithmetic on λ grids, and RegMean++.")
+    criterion: str = param("output", "What ranks the candidates, lower is better (see hf_mloss.merging.selection): "
+                           "output (the records' best label-free criterion), disagreement, entropy, mloss.",
+                           choices=CRITERIA)
+    compare_samples: int = param(32, "Unlabeled samples each candidate is compared on (a seeded spread over the data).",
+                             low=1, high=1_000_000)
+    share: str = param("auto", "Which samples compare a candidate with which expert: auto (label-free routing) or "
+                       "all.", choices=("auto", "all"))
+    heads: tuple[Any, ...] | None = param(None, "Encoders: one classification head per model (safetensors files "
+                                          "holding `weight` and `bias`, or, from Python, modules/callables); the "
+                                          "output criterion then compares class distributions, not features.")
+    budget: int | None = param(None, "At most this many candidates are scored: each grid is thinned evenly, its "
+                               "default λ kept (default: all).", low=1, high=MAX_AUTO_CANDIDATES)
+    reselect: bool = param(False, "Choose again even when the choice is recorded.")
+    chosen: dict[str, Any] | None = param(None, "Recorded: the chosen method and its parameters ({method, "
+                                          "parameters}).")
+    scored: list[Any] | None = param(None, "Recorded: every candidate's method, setting and criterion values.")
+
+    def check(self) -> None:
+        candidate_grids(self.candidates)
+        for i, head in enumerate(self.heads or ()):
+            if isinstance(head, Mapping) and "in_memory" in head and self.chooses:
+                raise InvalidParameterError(
+                    f"heads[{i}] was passed from Python ({head['in_memory']}) when this recipe was written; a run "
+                    "that chooses again needs it: pass the heads again (heads=[...]), or re-run the recorded choice "
+                    "(reselect: false).")
+        if self.chosen is not None:
+            if not isinstance(self.chosen, Mapping) or not isinstance(self.chosen.get("method"), str) or not \
+                    isinstance(self.chosen.get("parameters", {}), Mapping):
+                raise InvalidParameterError(f"chosen must be {{method: name, parameters: {{...}}}}, got "
+                                            f"{short(self.chosen)}.")
+
+    @property
+    def chooses(self) -> bool:
+        """Whether a run searches (nothing recorded, or ``reselect``)."""
+        return self.chosen is None or self.reselect
+
+
+def candidate_grids(candidates: Any) -> dict[str, dict[str, list[Any]]]:
+    """``candidates`` as ``{method: grid}`` (names resolved, each grid checked against its method), refusing
+    unknown methods, malformed grids, methods that are themselves a search and more than
+    :data:`MAX_AUTO_CANDIDATES` candidates."""
+    from .registry import get_method
+
+    if candidates is None:
+        candidates = DEFAULT_CANDIDATES
+    if isinstance(candidates, str) or not isinstance(candidates, (Sequence, Mapping)) or not candidates:
+        raise InvalidParameterError(f"candidates must be a non-empty list of method names or a mapping name -> grid, "
+                                    f"got {short(candidates)}.")
+    if not isinstance(candidates, Mapping):
+        candidates = {name: DEFAULT_CANDIDATES.get(name, {}) if isinstance(name, str) else name
+                      for name in candidates}
+    out: dict[str, dict[str, list[Any]]] = {}
+    for name, grid in candidates.items():
+        method = get_method(name)
+        if getattr(method, "chooses_method", False) or getattr(method, "learned", False):
+            raise InvalidParameterError(f"candidates: {name!r} cannot be a candidate of auto (it is itself a search "
+                                        "or a learned merge).")
+        if grid is None:
+            grid = {}
+        if not isinstance(grid, Mapping) or any(isinstance(v, (str, bytes)) or not isinstance(v, Sequence) or not v
+                                                for v in grid.values()):
+            raise InvalidParameterError(f"candidates[{name!r}] must be a grid {{parameter: [values, ...]}}, got "
+                                        f"{short(grid)}.")
+        grid = {key: list(values) for key, values in grid.items()}
+        for setting in _settings(grid):
+            try:
+                method.make_params(**setting)
+            except InvalidParameterError as err:
+                raise InvalidParameterError(f"candidates[{name!r}]: the setting {setting} is invalid: {err}") from None
+        out[method.name] = grid
+    total = sum(len(_settings(grid)) for grid in out.values())
+    if total > MAX_AUTO_CANDIDATES:
+        raise InvalidParameterError(f"auto has {total} candidates; the limit is {MAX_AUTO_CANDIDATES} (each is a "
+                                    "scoring pass). Use shorter grids or budget=.")
+    return out
+
+
+def _settings(grid: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
+    import itertools
+
+    keys = list(grid)
+    return [dict(zip(keys, values)) for values in itertools.product(*grid.values())] or [{}]
+
+
+def thinned(grids: Mapping[str, Mapping[str, list[Any]]], budget: int | None,
+            defaults: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, list[Any]]]:
+    """The grids cut so that at most ``budget`` candidates remain: every method keeps at least one setting, the λ
+    axes are thinned evenly (ends first) keeping each method's default λ. Without ``budget``: the grids as given."""
+    grids = {name: {k: list(v) for k, v in grid.items()} for name, grid in grids.items()}
+    if budget is None:
+        return grids
+    if budget < len(grids):
+        raise InvalidParameterError(f"budget={budget} is below the number of candidate methods ({len(grids)}): "
+                                    "each needs one setting at least. Raise budget or pass fewer candidates.")
+
+    def count() -> int:
+        return sum(len(_settings(grid)) for grid in grids.values())
+
+    while count() > budget:
+        name = max(grids, key=lambda n: len(grids[n].get("lam", [])))
+        lams = grids[name].get("lam", [])
+        if len(lams) <= 1:  # nothing left to thin on λ: cut the largest other axis
+            name, key = max(((n, k) for n, g in grids.items() for k in g if len(g[k]) > 1),
+                            key=lambda nk: len(grids[nk[0]][nk[1]]), default=(None, None))
+            if name is None:
+                break
+            grids[name][key] = grids[name][key][:-1]
+            continue
+        default = defaults.get(name, {}).get("lam")
+        # drop the value farthest from the default (every other value kept spread around it)
+        drop = max((v for v in lams if v != default), key=lambda v: abs(v - (default if default is not None else 0)))
+        grids[name]["lam"] = [v for v in lams if v != drop]
+    return grids
+
+
+class Auto(MergeMethod):
+    """auto: the merge chosen without labels among several methods (see the module docstring)."""
+
+    name = "auto"
+    pretty_name = "auto"
+    reference = "label-free choice among merges (hf_mloss)"
+    reference_url = ""
+    params_class = AutoParams
+    chooses_method = True
+
+    def uses_data(self, params: MethodParams) -> bool:
+        """Whether a run reads the data when it is given: to choose, or to re-run a chosen merge that needs it."""
+        from .registry import get_method
+
+        return params.chooses or get_method(params.chosen["method"]).needs_data
+
+    def merge_tensor(self, name: str, base: Any, sources: list[Any], ctx: MergeContext) -> Any:
+        raise InvalidParameterError("auto merges through the method it chose (hf_mloss.merging.auto).")
+
+    def describe(self, params: MethodParams) -> str:
+        chosen = params.chosen or {}
+        setting = ", ".join(f"{k}={v}" for k, v in (chosen.get("parameters") or {}).items())
+        return f"auto (label-free choice among merges): {chosen.get('method', '?')}" + (f" ({setting})" if setting
+                                                                                         else "")
+
+
+register_merge_method(Auto())
