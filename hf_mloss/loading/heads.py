@@ -1,8 +1,9 @@
 """Classification heads (label-free selection, learned merges): files, tensors or callables, as ``features -> logits``.
 
 A head is checked before it is used: a file or tensor must hold ``weight`` [classes, features] and an optional
-``bias`` [classes], finite; :func:`check_heads` then asks every head to read the tower's pooled width, so a head of
-another width is refused naming both widths, before any work it would otherwise break.
+``bias`` [classes], finite; :func:`check_heads` then asks every head to read the tower's pooled features of one
+batch, so a head of another width is refused naming both widths, and one giving NaN naming the head, before the
+training it would otherwise break.
 """
 
 from __future__ import annotations
@@ -106,12 +107,11 @@ def head_width(head: Any, given: Any) -> int | None:
     return None
 
 
-def check_heads(heads: Sequence[Any], given: Sequence[Any], width: int, where: str = "heads", *,
-                device: Any = "cpu") -> None:
-    """Every head reads ``width`` features (the tower's pooled output) and gives finite logits [samples, classes].
+def check_heads(heads: Sequence[Any], given: Sequence[Any], features: Any, where: str = "heads") -> None:
+    """Every head reads the tower's pooled ``features`` [samples, width] (of one batch, on the run's device) and
+    gives finite logits [samples, classes].
 
-    ``heads``: the callables of :func:`as_head`; ``given``: what the user passed (named in errors); ``device``: where
-    the run computes (a head is asked to read zeros there, as it will read the features).
+    ``heads``: the callables of :func:`as_head`; ``given``: what the user passed (named in errors).
 
     Raises:
         InvalidParameterError: naming the head, its width and the tower's.
@@ -120,6 +120,7 @@ def check_heads(heads: Sequence[Any], given: Sequence[Any], width: int, where: s
 
     import torch
 
+    width = int(features.shape[-1])
     for i, (head, raw) in enumerate(zip(heads, given)):
         name = f"{where}[{i}] ({repr(os.fspath(raw)) if isinstance(raw, (str, os.PathLike)) else type(raw).__name__})"
         declared = head_width(head, raw)
@@ -127,17 +128,18 @@ def check_heads(heads: Sequence[Any], given: Sequence[Any], width: int, where: s
             raise InvalidParameterError(f"{name} reads {declared} features, but the tower's pooled output has "
                                         f"{width}: give one head per model of width {width} (weight [classes, "
                                         f"{width}]).")
-        probe = torch.zeros(2, width, device=device)
         try:
             with torch.no_grad():
-                logits = head(probe)
+                logits = head(features)
         except Exception as err:  # noqa: BLE001 - any callable: its own error says why it cannot read the features
             reason = " ".join(str(err).split())[:160] or type(err).__name__
             raise InvalidParameterError(f"{name} cannot read the tower's {width} pooled features ({reason}); give "
                                         f"one head per model of width {width}.") from None
-        if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[0] != 2:
+        samples = len(features)
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[0] != samples:
             shape = list(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
             raise InvalidParameterError(f"{name} must map [samples, {width}] features to [samples, classes] logits, "
-                                        f"got {shape}.")
+                                        f"got {shape} for {samples} samples.")
         if not bool(torch.isfinite(logits).all()):
-            raise InvalidParameterError(f"{name} gives NaN or Inf logits: its weights are not finite.")
+            raise InvalidParameterError(f"{name} gives NaN or Inf logits on the tower's features: its weights are "
+                                        "not finite.")

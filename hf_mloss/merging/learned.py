@@ -198,10 +198,9 @@ def _learn(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: 
     alpha = (inputs.alpha / inputs.alpha.sum()).float().to(device)
     setup = ObjectiveInputs(rule=rule, heads=heads, alpha=alpha, eps=config.scoring_options().eps)
     held = next((batch for batch in batches if batch is not None), None)
-    if heads is not None and held is not None:  # each head reads the tower's pooled width, before any training
+    if heads is not None and held is not None:  # each head reads the tower's pooled features, before any training
         with torch.no_grad():
-            width = differentiable_outputs(rule, tower, held).shape[-1]
-        check_heads(heads, params.heads, width, "heads", device=device)
+            check_heads(heads, params.heads, differentiable_outputs(rule, tower, held), "heads")
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
