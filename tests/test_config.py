@@ -441,6 +441,8 @@ def valid_configs(draw) -> dict:
         else:
             models.append({k: v for k, v in {"model": model_id, "weight": weight, "revision": revision}.items()
                            if v is not None})
+    if method == "nearswap" and "t" not in parameters:  # t has no default (mergekit's): a recipe gives it
+        parameters["t"] = draw(st.sampled_from([1e-4, 0.01]))
     config = {"base": draw(HUB_ID), "models": models, "method": method, "parameters": parameters}
     if method == "passthrough":  # it stacks layer ranges: one input per slice (hf_mloss.spec.slices)
         config["slices"] = [{"sources": [{"model": i, "layer_range": [0, draw(st.integers(1, 4))]}]}

@@ -393,8 +393,9 @@ def test_open_inputs_of_a_text_family_refuses_what_cannot_run(text_family, llama
         with pytest.raises(error, match=match), open_text(base_folder, models, data, **kwargs):
             pass
 
-    with pytest.warns(UserWarning, match="max_length=100 but the base embeds 64 positions"), \
-            open_text(base, models, SENTENCES, max_length=100) as inputs:  # lowered to the positions, not refused
+    refused(DataError, r"data.max_length=100 is past the 64 positions the base embeds .*max_length <= 64", base,
+            SENTENCES, max_length=100)  # a given max_length past the positions (issue 57); the default is lowered
+    with open_text(base, models, SENTENCES) as inputs:
         assert inputs.model_inputs["input_ids"].shape[1] <= 64
     refused(DataError, r"The llama \('llama'\) family is scored on text.*folder of images", base,
             str(image_folder / "train" / "class1"))
