@@ -66,6 +66,40 @@ def _missing_envs_reason(missing, root) -> str:
             "HF_MLOSS_PEER_ENVS to where they were built")
 
 
+# ------------------------------------------------------------------------------------------------------ the tiers
+# `python -m pytest` (the README's command) runs the default tier: everything but the tests marked `slow` (other
+# processes, whole suites, kill and signal tests) and `peers` (side environments). `--tier slow` runs only those;
+# `--tier all` runs everything. CI runs the default tier, then `--tier slow`.
+TIERS = ("default", "slow", "all")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--tier", choices=TIERS, default="default",
+                     help="default: the quick tier (the README's command); slow: only the tests marked slow or peers "
+                          "(processes, suites, peer parity); all: every test")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tier = config.getoption("--tier")
+    if tier == "all":
+        return
+    kept, dropped = [], []
+    for item in items:
+        slow = item.get_closest_marker("slow") is not None or item.get_closest_marker("peers") is not None
+        (kept if slow == (tier == "slow") else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    tier = config.getoption("--tier")
+    return {"default": "tier default: the slow and peer tests are left out (run them with --tier slow, or "
+                       "everything with --tier all)",
+            "slow": "tier slow: only the tests marked slow or peers",
+            "all": "tier all: every test"}[tier]
+
+
 def pytest_configure(config: pytest.Config) -> None:
     try:
         from benchmarks.peers import setup_envs

@@ -287,6 +287,7 @@ def test_every_command_has_help():
         assert info.value.code == 0
 
 
+@pytest.mark.slow
 def test_console_script(tmp_path):
     """The installed `hf-mloss` entry point: a listing, and a user error without a traceback."""
     script = console_script()

@@ -44,6 +44,7 @@ WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefix", ["base", "own"])
 def test_two_processes_agree_with_one(tmp_path, tiny_paths, image_folder, prefix):
     from hf_mloss.loading.data import load_pixel_values
@@ -171,6 +172,7 @@ def two_process_config(tmp_path, tiny_paths, image_folder, method: str, **parame
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ties", "m_ties"])
 def test_torchrun_merge_writes_one_folder(tmp_path, tiny_paths, image_folder, method):
     from transformers import CLIPVisionModel
@@ -193,6 +195,7 @@ def test_torchrun_merge_writes_one_folder(tmp_path, tiny_paths, image_folder, me
             assert row["mloss"] == pytest.approx(single.report.layer[name], rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["regmean", "regmean_plusplus"])
 def test_torchrun_regmean_sums_the_processes_grams(tmp_path, tiny_paths, image_folder, method, monkeypatch):
     """Each process walks its share of the images; the Gram sums, reduced before the solve, give the single
@@ -211,6 +214,7 @@ def test_torchrun_regmean_sums_the_processes_grams(tmp_path, tiny_paths, image_f
         assert error < 1e-6, (name, error)
 
 
+@pytest.mark.slow
 def test_torchrun_score_pairwise_writes_once(tmp_path, tiny_paths, image_folder):
     config = two_process_config(tmp_path, tiny_paths, image_folder, "m_ties", k=0.5)
     out = tmp_path / "compat"
@@ -241,6 +245,7 @@ def _close_json(a, b, where: str = "") -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_torchrun_merge_push_to_hub_makes_one_commit(tmp_path, tiny_paths, image_folder, fake_hub):
     config = two_process_config(tmp_path, tiny_paths, image_folder, "ties", k=0.5)
     env = {"HF_ENDPOINT": fake_hub.url, "HF_HUB_OFFLINE": "0", "HF_TOKEN": "hf_test_token"}
@@ -251,6 +256,7 @@ def test_torchrun_merge_push_to_hub_makes_one_commit(tmp_path, tiny_paths, image
     assert proc.stdout.count("Pushed to the Hub repo tester/merged") == 1
 
 
+@pytest.mark.slow
 def test_torchrun_learned_merge_splits_each_batch_and_learns_the_single_process_values(tmp_path, tiny_paths,
                                                                                       image_folder):
     """Each process trains on its rows of every batch; the gradients, weighted by rows and summed across the

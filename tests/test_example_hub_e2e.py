@@ -21,6 +21,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from hub_replicas import BASE_ID, DTD_CLASSES, FINETUNE_IDS, replica_hub, replica_server, replicas  # noqa: E402,F401
 
+pytestmark = pytest.mark.slow  # the example end to end against the fake Hub: the slow tier
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "merge_clip_vit_b32_8tasks.yaml"
 PUSHED = "tester/clip-vit-b32-8tasks-mties"

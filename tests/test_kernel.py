@@ -430,6 +430,7 @@ WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_two_processes_reduce_to_the_single_process_sums(tmp_path):
     """Each of 2 gloo processes sums its share of the positions; reduce_sums gives the sums of the whole."""
     out = tmp_path / "reduced.pt"

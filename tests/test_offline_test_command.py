@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # runs the peer tests in a child pytest: the slow tier
 
 # Loaded into the child pytest with -p: every connection to an address other than loopback is recorded and refused.
 _NO_NETWORK_PLUGIN = '''
@@ -53,7 +54,8 @@ def test_the_test_command_builds_no_peer_environment_and_stays_offline(tmp_path)
                HF_HUB_OFFLINE="1", OFFLINE_TEST_NETWORK_LOG=str(network_log),
                PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO), env.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                           "-p", "no_network_plugin", "--basetemp", str(tmp_path / "pytest"), "tests/test_peers.py"],
+                           "-p", "no_network_plugin", "--basetemp", str(tmp_path / "pytest"), "--tier", "all",
+                           "tests/test_peers.py"],
                           check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]

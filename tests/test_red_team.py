@@ -1007,6 +1007,7 @@ def test_a_sigterm_inside_a_held_section_is_raised_when_the_section_ends():
     assert caught.value.code == 128 + signal.SIGTERM and steps[-2:] == [2, 3] and 4 not in steps
 
 
+@pytest.mark.slow
 def test_sigterm_during_save_leaves_no_temporary_folder(project):
     target = project.root / "target"
     for delay in (0.05, 0.4):
@@ -1049,6 +1050,7 @@ KILLED_MID_OVERWRITE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["backup", "exchange"])
 def test_kill_9_during_overwrite_keeps_the_previous_or_the_new_folder(project, where):
     """SIGKILL between moving the old folder away and renaming the new one in: the next save (or check) in the
@@ -1163,6 +1165,7 @@ PROMPT_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_answering_yes_to_a_prompt_never_runs_code(project):
     """Piping `yes` into the CLI: nothing may prompt, so nothing reads it and no code runs."""
     _custom_code_folder(project, project.models[0], "evil_yes")

@@ -10,6 +10,8 @@ from benchmarks.suites import protocol
 from benchmarks.suites.__main__ import real_config
 from benchmarks.suites.regime import REGIME_TIES_LAMS, measure
 
+pytestmark = pytest.mark.slow  # whole suites on the smoke build: the slow tier
+
 
 @pytest.fixture
 def counted(monkeypatch):

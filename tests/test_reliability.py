@@ -101,6 +101,7 @@ KILL_WRITER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_kill_9_mid_write_leaves_no_or_a_complete_folder(tmp_path, tiny_paths):
     from transformers import CLIPVisionModel
 

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from transformers import CLIPVisionModel, Dinov2Model
 
 from benchmarks.suites.__main__ import main
 from benchmarks.suites.report import render
+
+pytestmark = pytest.mark.slow  # builds the suites from nothing: the slow tier
 
 
 def gated_record(printed: str, table, replicates: int) -> dict:

@@ -174,6 +174,7 @@ def test_m_ties_rows_reported_not_run_without_a_bert_adapter(monkeypatch):
         assert label in family or "rank" in not_run[label]
 
 
+@pytest.mark.slow
 def test_smoke_run_of_the_whole_pipeline(tmp_path, monkeypatch):
     monkeypatch.setitem(T.TASKS, "syn_a", synthetic_task("syn_a", ("ab", "cd", "ef"), sources=16))
     monkeypatch.setitem(T.TASKS, "syn_b", synthetic_task("syn_b", ("xy", "zw"), sources=16))

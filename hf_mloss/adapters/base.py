@@ -78,6 +78,11 @@ class ModelAdapter(ABC):
     (CLIP: ``"clip" -> (CLIPModel, "vision_model", "zero-shot-image-classification")``)."""
     checkpoint_prefix: ClassVar[str] = ""
     """Prefix of the tower's keys in the saved file, chosen so every transformers version loads it."""
+    key_bias: ClassVar[str | None] = None
+    """The bias of a block's attention key projection (relative to the block prefix) where the scores are
+    softmax(q·k) with no rotary position applied to k: changing it shifts every score of a query by the same amount,
+    which the softmax ignores, so nothing downstream depends on it (its gradient is exactly zero). ``None``: no such
+    tensor (rotary decoders, unknown families)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """``unit`` and ``target_suffix`` name the same linear: a subclass may set either."""
@@ -128,6 +133,14 @@ class ModelAdapter(ABC):
     def target_name(self, layer: int) -> str:
         """Canonical module name of the scored linear of block ``layer``."""
         return f"{self.layer_prefix(layer)}{self.target_suffix}"
+
+    def gradient_free(self, name: str) -> bool:
+        """Whether no output depends on canonical tensor ``name`` (a block's :attr:`key_bias`): a learned merge has
+        nothing to learn there."""
+        if self.key_bias is None:
+            return False
+        stage = self.stage_of(name)
+        return 0 <= stage < self.num_layers and name == f"{self.layer_prefix(stage)}{self.key_bias}"
 
     def target_names(self) -> list[str]:
         return [self.target_name(layer) for layer in range(self.num_layers)]

@@ -65,6 +65,7 @@ class BertAdapter(GenericAdapter):
     fallback = False
 
     name = "bert"
+    key_bias = "attention.self.key.bias"
     model_types = ("bert", "roberta", "xlm-roberta")
     layer_pattern = re.compile(r"encoder\.layer\.(\d+)\.")
     unit: ClassVar[ScoredUnit] = ScoredUnit(gate="intermediate.dense", down="output.dense")

@@ -29,6 +29,7 @@ class CLIPTextAdapter(ModelAdapter):
     """
 
     name = "clip_text"
+    key_bias = "self_attn.k_proj.bias"
     model_types = ("clip_text_model",)
     model_class = CLIPTextModel
     layer_pattern = re.compile(r"encoder\.layers\.(\d+)\.")

@@ -25,6 +25,7 @@ class CLIPVisionAdapter(ModelAdapter):
     """
 
     name = "clip_vision"
+    key_bias = "self_attn.k_proj.bias"
     model_types = ("clip_vision_model", "clip")
     model_class = CLIPVisionModel
     layer_pattern = re.compile(r"encoder\.layers\.(\d+)\.")

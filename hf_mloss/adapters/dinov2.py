@@ -39,6 +39,7 @@ class Dinov2Adapter(ModelAdapter):
     """
 
     name = "dinov2"
+    key_bias = "attention.k_proj.bias"
     model_types = ("dinov2",)
     model_class = Dinov2Model
     layer_pattern = re.compile(r"encoder\.layer\.(\d+)\.")

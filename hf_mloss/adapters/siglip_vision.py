@@ -27,6 +27,7 @@ class SiglipVisionAdapter(ModelAdapter):
     """
 
     name = "siglip_vision"
+    key_bias = "self_attn.k_proj.bias"
     model_types = ("siglip_vision_model", "siglip")
     model_class = SiglipVisionModel
     layer_pattern = re.compile(r"encoder\.layers\.(\d+)\.")

@@ -51,6 +51,7 @@ class ViTAdapter(ModelAdapter):
     """
 
     name = "vit"
+    key_bias = "attention.k_proj.bias"
     model_types = ("vit",)
     model_class = ViTModel
     layer_pattern = re.compile(r"layers\.(\d+)\.")

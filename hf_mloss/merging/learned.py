@@ -63,13 +63,19 @@ class LearnRecord:
     title: str = "Coefficients"
     what: str = "coefficient groups"
     processes: int = 1
+    fixed: list[str] = field(default_factory=list)
+    """Tensors whose learned values were kept at their start: no output depends on them (:func:`fixed_slots`)."""
 
     def describe(self) -> str:
         cuda = f", peak CUDA memory {self.peak_cuda_mb:.0f} MB" if self.peak_cuda_mb is not None else ""
         split = f", each step's batch split over {self.processes} processes" if self.processes > 1 else ""
+        fixed = (f" The values of {len(self.fixed)} tensor(s) were not trained and keep their initial value: "
+                 f"{', '.join(self.fixed[:4])}{', ...' if len(self.fixed) > 4 else ''} (attention key biases: a "
+                 "shift every score of a query shares, which the softmax ignores, so their gradient is exactly "
+                 "zero)." if self.fixed else "")
         return (f"{self.title} learned on unlabeled data: {self.steps} Adam steps, {self.groups} {self.what}, "
                 f"{self.objective} {self.first:.4g} -> {self.last:.4g}{split}; {self.seconds_per_step:.3g} s per "
-                f"step, peak RSS {self.peak_rss_mb:.0f} MB{cuda}.")
+                f"step, peak RSS {self.peak_rss_mb:.0f} MB{cuda}.{fixed}")
 
 
 def batch_schedule(num_batches: int, steps: int, seed: int) -> list[int]:
@@ -217,6 +223,7 @@ def _learn(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: 
     handles = []
     if objective.name == "mloss":
         setup.units, handles = _unit_stacks(config, inputs, tower, device)
+    fixed = fixed_slots(layout.slots, adapter)  # values no output depends on: kept where they start
     trained = nn.Parameter(layout.initial.to(device, torch.float32))
     optimizer = torch.optim.Adam([trained], lr=params.lr)
     schedule = batch_schedule(len(batches), params.steps, config.seed)
@@ -238,6 +245,8 @@ def _learn(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: 
                 loss.backward()
                 if trained.grad is None:  # the objective does not reach the trained values on this batch
                     trained.grad = torch.zeros_like(trained)
+            for slot in fixed:  # exactly 0, not float noise that Adam would turn into steps of ±lr
+                trained.grad[slot] = 0
             if world > 1:  # the step's gradient: the processes' shares, weighted by their rows, summed
                 trained.grad.mul_(weights[b])
                 grad, value = reduce_sums(trained.grad, loss.detach().reshape(1) * weights[b])
@@ -257,8 +266,30 @@ def _learn(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: 
     record = LearnRecord(objective=params.objective, steps=len(trace), groups=layout.count, first=trace[0],
                          last=trace[-1], seconds_per_step=seconds, peak_rss_mb=peak_rss_mb(),
                          peak_cuda_mb=torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"
-                         else None, trace=trace, title=layout.title, what=layout.what, processes=world)
+                         else None, trace=trace, title=layout.title, what=layout.what, processes=world,
+                         fixed=sorted(name for name, slot in layout.slots.items()
+                                      if slot is not None and any(slot == f for f in fixed)))
     return method.use_trained(merger.ctx, layout, trained.detach()), record
+
+
+def fixed_slots(slots: dict[str, Any], adapter: Any) -> list[Any]:
+    """The slots of the trained values that only tensors no output depends on read (a block's attention key bias,
+    :meth:`~hf_mloss.adapters.ModelAdapter.gradient_free`): their gradient is exactly zero, and float rounding
+    turns it into noise that Adam normalises into steps of ±lr, a value that depends on the CPU's kernels. They are
+    not trained."""
+    readers: dict[Any, list[str]] = {}
+    for name, slot in slots.items():
+        if slot is not None:
+            readers.setdefault(_slot_key(slot), []).append(name)
+    out = []
+    for names in readers.values():
+        if all(adapter.gradient_free(name) for name in names):
+            out.append(slots[names[0]])
+    return out
+
+
+def _slot_key(slot: Any) -> Any:
+    return (slot.start, slot.stop, slot.step) if isinstance(slot, slice) else slot
 
 
 def _process() -> tuple[int, int]:
