@@ -108,12 +108,21 @@ class MethodSpec:
         return [dict(zip(keys, values)) for values in itertools.product(*self.grid.values())] or [{}]
 
 
-def check_grids(specs: Sequence[MethodSpec]) -> int:
-    """All tuned methods must search the same number of settings; returns it."""
+def check_grids(specs: Sequence[MethodSpec], families: Sequence[Sequence[str]] | None = None) -> int:
+    """All tuned methods must search the same number of settings; returns it. ``families``: groups of labels that
+    must each share one size (a two-parameter family, λ × k, beside the one-parameter methods on λ); returns the
+    largest."""
     sizes = {s.label: len(s.settings()) for s in specs if s.grid}
-    if len(set(sizes.values())) > 1:
-        raise ValueError(f"unequal grid sizes (each method must be tuned on as many settings): {sizes}")
-    return next(iter(sizes.values()), 1)
+    groups = [list(sizes)] if families is None else [[label for label in family if label in sizes]
+                                                     for family in families]
+    loose = sorted(set(sizes) - {label for group in groups for label in group})
+    if loose:
+        raise ValueError(f"tuned methods in no family of equal grids: {loose}")
+    for group in groups:
+        if len({sizes[label] for label in group}) > 1:
+            raise ValueError(f"unequal grid sizes (each method of a family must be tuned on as many settings): "
+                             f"{ {label: sizes[label] for label in group} }")
+    return max(sizes.values(), default=1)
 
 
 def accuracy(scores: torch.Tensor, labels: torch.Tensor) -> float:

@@ -152,6 +152,124 @@ def measure(cfg, cache: Path, log, ties_lams: Sequence[float] = TIES_LAMS, *, sv
     return row
 
 
+# ------------------------------------------------------------------------------------------ round 5: the design
+R5_LAMS = (0.3, 0.45, 0.6, 0.8, 1.0, 1.3)
+"""The TIES family's λ (TIES, DARE-TIES, M-TIES and its controls), in units of the checkpoints as saved (at wise 1.0
+the trained task vectors): holds the default 1, and reaches below the 0.39 where TIES chose at 1440 steps (seed 0)."""
+R5_GRIDS = {
+    "task_arithmetic": {"lam": [0.05, 0.075, 0.11, 0.17, 0.3, 0.45]},
+    "ties": {"k": [0.1, 0.2, 0.4], "lam": list(R5_LAMS)},
+    "dare_ties": {"p": [0.2, 0.4, 0.7], "lam": list(R5_LAMS)},
+    "m_ties": {"k": [0.2, 0.3, 0.45], "lam": list(R5_LAMS)},
+    "tsv_m": {"lam": [0.5, 0.75, 1.0, 1.5, 2.0, 3.0]},
+    "iso_c": {"lam": [1.0, 1.5, 2.25, 3.4, 5.0, 7.5]},
+}
+"""Round 5's grids, fixed before any round-5 lever was measured; each holds its method's default (task arithmetic
+0.3, TIES k 0.2 and λ 1, DARE p 0.7, M-TIES k 0.2, the SVD merges λ 1). The TIES family (TIES, DARE-TIES, M-TIES and
+its controls) searches λ × k (or p): 18 settings each; the one-parameter merges 6 λ each (Iso-CTS shares Iso-C's)."""
+R5_E = (0.1, 0.15)
+"""M-TIES's spread: the paper's 0.1 and one wider value (e < k on every k of its grid)."""
+R5_PARTS = ("base", "mties", "data", "learned")
+"""The parts of a round-5 lever, each measured and cached on its own (so a part can run in another process, or
+later, without re-running the others): the reference rows and data-free merges; the M-TIES family; the merges that
+use the unlabeled data in closed form or by choice (RegMean, RegMean++, ``auto``); the learned merges."""
+R5_LEARNED = (("adamerging", "entropy"), ("adamerging", "output_gap"), ("adamerging", "disagreement"),
+              ("adamerging", "mloss"), ("adarank_tsv+lam", "output_gap"), ("adarank_tsv+lam", "entropy"))
+"""The learned rows (method, objective) of the ``learned`` part."""
+
+
+def round5_specs(part: str, trained: Sequence[int], *, learned: Sequence[tuple[str, str]] = R5_LEARNED,
+                 steps: int = 100, smoke: bool = False) -> list:
+    """The specs of one part of round 5's design (see :data:`R5_PARTS`, :data:`R5_GRIDS`). The M-TIES family: M-TIES
+    at e = 0.1 and 0.15, and its controls at e = 0.1 on the same λ × k grid (e = 0: per-tensor TIES at k; random
+    ranks, one draw; inverted ranks; the budget-matched uniform trim), scoring the ``trained`` blocks. ``smoke``:
+    two values per axis and 2 training steps (the pipeline, not the numbers)."""
+    from benchmarks.suites.protocol import MethodSpec, check_grids
+
+    g = {name: {k: list(v)[:2] if smoke else list(v) for k, v in grid.items()} for name, grid in R5_GRIDS.items()}
+    steps = 2 if smoke else steps
+    if part == "base":
+        specs = [MethodSpec("average", "average"),
+                 MethodSpec("task_arithmetic", "task_arithmetic", grid=g["task_arithmetic"]),
+                 MethodSpec("ties", "ties", {"scope": "global", "budget": "changed"}, g["ties"]),
+                 MethodSpec("dare_ties", "dare_ties", grid=g["dare_ties"]),
+                 MethodSpec("tsv_m", "tsv_m", grid=g["tsv_m"]),
+                 MethodSpec("iso_c", "iso_c", grid=g["iso_c"]),
+                 MethodSpec("iso_cts", "iso_cts", grid=g["iso_c"])]
+        check_grids(specs, families=[("ties", "dare_ties"), ("task_arithmetic", "tsv_m", "iso_c", "iso_cts")])
+        return specs
+    if part == "mties":
+        base = {"e": R5_E[0], "layers": list(trained)}
+        specs = [MethodSpec("m_ties", "m_ties", dict(base), g["m_ties"]),
+                 MethodSpec(f"m_ties (e={R5_E[1]:g})", "m_ties", {**base, "e": R5_E[1]}, g["m_ties"]),
+                 MethodSpec("m_ties (e=0)", "m_ties", {**base, "e": 0.0}, g["m_ties"]),
+                 MethodSpec("m_ties (random ranks, draw 1)", "m_ties", {**base, "rank": "random"}, g["m_ties"],
+                            seed_offset=1000),
+                 MethodSpec("m_ties (inverted ranks)", "m_ties", {**base, "rank": "inverted"}, g["m_ties"]),
+                 MethodSpec("m_ties (budget-matched uniform)", "m_ties", {**base, "rank": "uniform"}, g["m_ties"])]
+        check_grids(specs)
+        return specs
+    if part == "data":
+        return [MethodSpec("regmean", "regmean"), MethodSpec("regmean_plusplus", "regmean_plusplus"),
+                MethodSpec("auto", "auto", heads=True)]
+    if part == "learned":
+        specs = []
+        for name, objective in learned:
+            method, _, flag = name.partition("+")
+            extra = {"granularity": "layer"} if method == "adamerging" else {"learn_lam": True} if flag else {}
+            specs.append(MethodSpec(f"{name} ({objective})", method, {"steps": steps, "batch_size": 16, **extra,
+                                                                      "objective": objective},
+                                    heads=objective != "mloss"))
+        return specs
+    raise ValueError(f"unknown part {part!r}: one of {R5_PARTS}")
+
+
+def measure_round5(cfg, cache: Path, log, parts: Sequence[str], *, version: str | None = None,
+                   report: Path | None = None, learned: Sequence[tuple[str, str]] = R5_LEARNED,
+                   smoke: bool = False) -> dict:
+    """One lever under round 5's design: each part of ``parts`` measured (or read from the cache) on every seed of
+    ``cfg``, the first part with the reference rows ("base" must be among them), the others as methods-only runs
+    joined beside it; then :func:`measure`'s row (G6 against every merge and against the TIES family) and, with
+    ``report``, every verdict of the suite protocol."""
+    from benchmarks.suites.gates import TIES_FAMILY, premise_gate, val_mean, val_means
+    from benchmarks.suites.protocol import TUNED_ENSEMBLE
+    from benchmarks.suites.real import build_real_suite
+
+    if parts[0] != "base":
+        raise ValueError(f"the first part carries the reference rows: 'base', got {parts[0]!r}")
+    bench = build_real_suite(cfg, cache, log)
+    trained = list(range(cfg.frozen, cfg.num_layers))
+    specs = {part: round5_specs(part, trained, learned=learned, smoke=smoke) for part in parts}
+    results = lever_replicates(bench, Path(cache), specs["base"], log, version=version)
+    versions = {"base": sorted({r.code_version for r in results})}
+    for part in parts[1:]:
+        measured = lever_replicates(bench, Path(cache), specs[part], log, version=version, references=False)
+        for result, extra in zip(results, measured):
+            result.add_methods(extra)
+        versions[part] = sorted({r.code_version for r in measured})
+    merges = [s.label for part in parts for s in specs[part]]
+    if report is not None:
+        header_versions = {"code_version": ", ".join(dict.fromkeys(v for vs in versions.values() for v in vs))}
+        verdicts(bench, [s for part in parts for s in specs[part]], results, report, header_versions, log,
+                 design="r5")
+    family = [m for m in TIES_FAMILY if m in merges]
+    row: dict = {"tasks": list(cfg.tasks), "q": len(cfg.tasks), "wise": cfg.wise, "design": "r5",
+                 "trained_blocks": cfg.num_layers - cfg.frozen, "steps": cfg.ft_steps, "parts": list(parts),
+                 "code_versions": versions}
+    for label in ("pretrained heads", "fine-tuned (own task)", "ensemble (probabilities)", TUNED_ENSEMBLE, *merges):
+        row[label] = val_mean(results, label)
+        row.setdefault("per_seed", {})[label] = val_means(results, label)
+    row["foreign"] = 100 * float(np.mean([v for r in results for v in r.foreign.values()]))
+    row["ensemble_scale"] = [r.ensemble_scale["chosen"] for r in results]
+    row["chosen"] = {m: [r.methods[m]["chosen"] for r in results] for m in merges}
+    row["g6_gate"] = premise_gate(results, merges).to_dict()
+    row["g6_gate_ties_family"] = premise_gate(results, family, "TIES family").to_dict()
+    row["test"] = {label: 100 * float(np.mean([np.mean(list(
+        (r.reference[label] if label in r.reference else r.methods[label])["test"].values())) for r in results]))
+        for label in ("fine-tuned (own task)", "ensemble (probabilities)", TUNED_ENSEMBLE, *merges)}
+    return row
+
+
 def lever_replicates(bench, cache: Path, specs: Sequence, log, *, version: str | None = None,
                      references: bool = True) -> list:
     """Every replicate of ``bench`` under the suite's protocol with ``specs`` (reference rows and the tuned
@@ -176,18 +294,22 @@ def lever_replicates(bench, cache: Path, specs: Sequence, log, *, version: str |
             for rep in bench.replicates]
 
 
-def verdicts(bench, specs: Sequence, results: Sequence, out: Path, versions: dict[str, str], log) -> None:
+def verdicts(bench, specs: Sequence, results: Sequence, out: Path, versions: dict[str, str], log, *,
+             design: str = "r4") -> None:
     """The suite protocol's verdicts on one lever's replicates (:func:`benchmarks.suites.run.judge`: gates, paired
     differences, the M-TIES claim), written to ``out``/results.md and results.json by the suite's own report."""
     from benchmarks.suites.run import judge, write_results
 
     results, gates, diffs = judge(bench, specs, list(results), log=log)
+    grids = ("`benchmarks.suites.regime.lever_specs` (written in units of the trained task vectors)" if design == "r4"
+             else "`benchmarks.suites.regime.round5_specs` (`R5_GRIDS`, in units of the checkpoints as saved; the "
+                  "TIES family on λ × k or p, 18 settings each, the one-parameter merges on 6 λ each)")
     header = [f"# Every verdict of the suite protocol on one lever: q {len(bench.tasks)}, wise {bench.cfg.wise:g}, "
-              f"{bench.cfg.num_layers - bench.cfg.frozen} trained blocks, {len(results)} fine-tuning replicates", "",
+              f"{bench.cfg.num_layers - bench.cfg.frozen} trained blocks, {bench.cfg.ft_steps} fine-tuning steps, "
+              f"{len(results)} fine-tuning replicates", "",
               f"Replicates measured by code version {versions['code_version']}"
               + (f" (the M-TIES family: {versions['mties_code_version']})" if "mties_code_version" in versions else "")
-              + " (`benchmarks.suites.protocol.code_version`); merges and grids: `benchmarks.suites.regime.lever_specs`"
-              " (written in units of the trained task vectors)."]
+              + f" (`benchmarks.suites.protocol.code_version`); merges and grids: {grids}."]
     write_results(out, results, gates, diffs, header, {**versions, "seeds": list(bench.cfg.seeds),
                                                        "specs": [dataclasses.asdict(s) for s in specs]})
     log(f"verdicts written to {out}/results.md")
@@ -267,6 +389,46 @@ def write(rows: Sequence[dict], table: Path | None, command: str, seeds: Sequenc
     return text
 
 
+def write_r5(rows: Sequence[dict], table: Path | None, command: str, seeds: Sequence[int], load: tuple,
+             threads: int, seconds: float) -> str:
+    """Round 5's lever table (val and test of every row, G6 against every merge and against the TIES family) as
+    Markdown (returned), and to ``table``.md / .json when given."""
+    import torch
+
+    from benchmarks.suites.protocol import TUNED_ENSEMBLE
+
+    machine = (f"{os.cpu_count()} CPU cores, {threads} torch threads, torch {torch.__version__}, load average "
+               f"{load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
+    lines = ["# Round 5's design at each lever: every row, and G6 against the merges", "",
+             (f"Command: `{command}`. {machine}. {seconds:.0f} s. Image suite (DINOv2-S at 98 px), fine-tuning "
+              f"seed(s) {list(seeds)}; accuracy in %, each merge at its own setting chosen on val "
+              "(`benchmarks.suites.regime.R5_GRIDS`, in units of the checkpoints as saved). Code versions per part: "
+              + "; ".join(f"{r['steps']} steps: " + ", ".join(f"{p} {'/'.join(v)}" for p, v in
+                                                               r["code_versions"].items()) for r in rows) + ".")]
+    for r in rows:
+        lines += ["", f"## q {r['q']}, wise {r['wise']:g}, {r['trained_blocks']} trained blocks, {r['steps']} steps",
+                  "", f"- one foreign task vector: {r['foreign']:+.2f} (val, mean over task pairs and seeds)",
+                  f"- G6 against every merge: {r['g6_gate']['value']}",
+                  f"- G6 against the TIES family: {r['g6_gate_ties_family']['value']}", "",
+                  "| row | val | test | chosen on val (per seed) |", "|---|---|---|---|"]
+        for label in ("pretrained heads", "fine-tuned (own task)", "ensemble (probabilities)", TUNED_ENSEMBLE):
+            test = r["test"].get(label)
+            lines.append(f"| {label} | {r[label]:.2f} | {'-' if test is None else f'{test:.2f}'} | "
+                         + (", ".join(f"scale {v:g}" for v in r["ensemble_scale"]) if label == TUNED_ENSEMBLE
+                            else "-") + " |")
+        for label, chosen in r["chosen"].items():
+            setting = "; ".join(", ".join(f"{k}={v}" for k, v in c.items()) or "-" for c in chosen)
+            lines.append(f"| {label} | {r[label]:.2f} | {r['test'][label]:.2f} | {setting} |")
+    text = "\n".join(lines) + "\n"
+    if table:
+        table.parent.mkdir(parents=True, exist_ok=True)
+        table.with_suffix(".md").write_text(text)
+        table.with_suffix(".json").write_text(json.dumps(
+            {"command": command, "machine": machine, "seconds": round(seconds, 1), "seeds": list(seeds),
+             "rows": rows}, indent=1, default=float) + "\n")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch  # after pin_kernels (see ``benchmarks.suites.__main__``)
 
@@ -294,6 +456,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="reuse the replicates that code version measured (10 hex digits; default this tree's)")
     parser.add_argument("--mties-code-version", default=None,
                         help="reuse the M-TIES family's rows that code version measured (default this tree's)")
+    parser.add_argument("--design", default="r4", choices=("r4", "r5"),
+                        help="r5: round 5's grids (checkpoint units, the TIES family on λ × k) and parts")
+    parser.add_argument("--parts", default=",".join(R5_PARTS),
+                        help=f"r5: the parts to measure, base first (default all: {','.join(R5_PARTS)})")
+    parser.add_argument("--learned", default=",".join(f"{m}:{o}" for m, o in R5_LEARNED),
+                        help="r5: the learned part's rows, METHOD:OBJECTIVE comma-separated")
     args = parser.parse_args(argv)
     argv = argv if argv is not None else sys.argv[1:]
     command = "python -m benchmarks.suites.regime " + " ".join(record_args(argv, ("--cache", "--table", "--report")))
@@ -310,6 +478,15 @@ def main(argv: list[str] | None = None) -> int:
             cfg = dataclasses.replace(RealConfig(), tasks=tuple(task_sets[name]), wise=wise, seeds=seeds,
                                       frozen=frozen, ft_steps=steps)
             lever = f"q{len(cfg.tasks)}_wise{wise:g}_blocks{cfg.num_layers - frozen}_steps{steps}"
+            if args.design == "r5":
+                rows.append(measure_round5(cfg, args.cache or default_cache(), log, args.parts.split(","),
+                                           version=args.code_version, report=args.report / lever if args.report
+                                           else None, learned=[tuple(item.split(":")) for item in
+                                                               args.learned.split(",")]))
+                r = rows[-1]
+                log(f"{lever}: G6 {r['g6_gate']['value']}; TIES family: {r['g6_gate_ties_family']['value']}")
+                text = write_r5(rows, args.table, command, seeds, load, args.threads, time.perf_counter() - start)
+                continue
             rows.append(measure(cfg, args.cache or default_cache(), log,
                                 tuple(float(v) for v in args.ties_lams.split(",")), svd=args.svd, mties=args.mties,
                                 version=args.code_version, mties_version=args.mties_code_version, report=args.report / lever if args.report else None))

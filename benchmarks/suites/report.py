@@ -34,6 +34,8 @@ RANDOM = "m_ties (random ranks)"
 CONTROLS = (RANDOM, "m_ties (inverted ranks)", "m_ties (budget-matched uniform)")
 """M-TIES's controls: "M-Loss helps" only if M-TIES is above all three, both intervals excluding 0."""
 CLAIM, OTHERS = "M-Loss claim", "methods"
+E0 = "m_ties (e=0)"
+"""M-TIES without the spread (per-tensor TIES at k): in the claim's family beside the three controls and TIES."""
 
 
 def draws_of(labels: Sequence[str], label: str) -> list[str]:
@@ -76,7 +78,9 @@ def ordering(labels: Sequence[str]) -> tuple[str, ...]:
 
 
 def family_of(a: str, b: str) -> str:
-    return CLAIM if a == "m_ties" and b in CONTROLS else OTHERS
+    """The Holm family of a comparison: M-TIES against its three controls, its e = 0 control and TIES (the M-Loss
+    claim and what M-TIES is compared with in its paper), or every other comparison."""
+    return CLAIM if a == "m_ties" and b in (*CONTROLS, E0, "ties") else OTHERS
 
 
 def comparisons(results: Sequence[ReplicateResult], pairs: Sequence[tuple[str, str]], *, draws: int = 2000,

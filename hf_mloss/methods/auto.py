@@ -26,13 +26,14 @@ from .registry import register_merge_method
 DEFAULT_CANDIDATES: dict[str, dict[str, list[Any]]] = {
     "tsv_m": {"lam": [0.5, 0.75, 1.0, 1.25, 1.5, 2.0]},
     "iso_cts": {"lam": [0.5, 1.0, 1.5, 2.0, 3.0, 4.0]},
-    "ties": {"lam": [0.5, 0.75, 1.0, 1.25, 1.5, 2.0]},
+    "ties": {"budget": ["changed"], "lam": [0.5, 0.75, 1.0, 1.25, 1.5, 2.0]},
     "task_arithmetic": {"lam": [0.1, 0.2, 0.3, 0.5, 0.7, 1.0]},
     "regmean_plusplus": {},
 }
 """The candidates and their grids when ``candidates`` is not given: fixed before any suite measured ``auto``; each
 grid holds its method's default λ. The SVD merges led the records' val-tuned rows; TIES and task arithmetic are the
-classics; RegMean++ is the closed-form merge that uses the same unlabeled data."""
+classics (TIES keeps k of the entries each fine-tune changed, so fine-tunes of a few blocks are trimmed too);
+RegMean++ is the closed-form merge that uses the same unlabeled data."""
 FALLBACK = ("tsv_m", {"lam": 1.0})
 """The merge without data."""
 CRITERIA = ("output", "disagreement", "entropy", "mloss")
