@@ -110,6 +110,12 @@ class ModelAdapter(ABC):
     def canonical_key(self, key: str) -> str | None:
         """Canonical name of a checkpoint key, or ``None`` if the tensor is not part of the merged model."""
 
+    def checkpoint_key(self, key: str) -> tuple[str | None, str | None]:
+        """``(canonical name, fusing pattern)`` of a checkpoint key: the pattern (transformers' converter source
+        pattern) when the key is one of several tensors transformers fuses into one parameter on load (MoE experts),
+        else ``None``."""
+        return self.canonical_key(key), None
+
     @property
     def num_layers(self) -> int:
         """Number of transformer blocks."""

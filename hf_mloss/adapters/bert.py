@@ -88,7 +88,8 @@ class BertAdapter(GenericAdapter):
 
     # ----------------------------------------------------------------- names
     def canonical_key(self, key: str) -> str | None:
-        name = base_class_key(super().canonical_key(key), self._prefix, self._strip, _ENCODER_ROOTS)
+        name = super().canonical_key(key)
+        name = None if name is None else base_class_key(name, self._prefix, self._strip, _ENCODER_ROOTS)
         return name if name in self._known else None
 
     def is_embedding(self, name: str) -> bool:

@@ -3,8 +3,9 @@
 :class:`GenericAdapter` is registered last and matches every ``model_type`` transformers builds without remote code
 (Llama, Mistral, Qwen2, BERT, GPT-2...). The data-free methods (average, task arithmetic, TIES, DARE) need nothing
 model-specific besides the tensor names, the class the merge is written as and the tokenizer or processor saved
-beside it; this adapter gives exactly that. Names are the checkpoint keys (after transformers' own renames for the
-``model_type``, if any); tied tensors (``lm_head.weight`` tied to the input embeddings) are merged once, through the
+beside it; this adapter gives exactly that. Names are the loaded model's parameter names: a checkpoint is read
+through transformers' own conversion (:mod:`.layout`: renames, prefixes, MoE experts fused into one tensor per
+layer), as ``from_pretrained`` reads it; tied tensors (``lm_head.weight`` tied to the input embeddings) are merged once, through the
 tensor they are tied to, and the merge is saved with ``save_pretrained`` so it stays tied. It offers no M-Loss
 scoring: data-guided methods, ``score()`` and ``compatibility()`` refuse it with the reason.
 
@@ -90,27 +91,6 @@ def pipeline_tag_for(model_class: type[PreTrainedModel]) -> str:
     return "image-feature-extraction" if vision else "feature-extraction"
 
 
-def checkpoint_renames(model_type: str) -> list[tuple[re.Pattern[str], str]]:
-    """transformers' key renames for ``model_type`` (checkpoint spelling -> module names).
-
-    Raises:
-        UnsupportedModelError: the model type's checkpoints hold tensors that transformers fuses or splits on load
-            (MoE experts...): they do not line up one to one with the model's tensors.
-    """
-    from transformers import conversion_mapping
-
-    transforms = conversion_mapping.get_checkpoint_conversion_mapping(model_type) or []
-    renames = []
-    for transform in transforms:
-        if type(transform).__name__ != "WeightRenaming":
-            raise UnsupportedModelError(
-                f"model_type={model_type!r}: transformers converts some of its checkpoint tensors on load "
-                f"({list(transform.source_patterns)[:2]} -> {list(transform.target_patterns)[:1]}), so they do not "
-                "line up one to one with the model's tensors; hf_mloss does not merge this family yet.")
-        renames.append((re.compile(transform.source_patterns[0]), transform.target_patterns[0]))
-    return renames
-
-
 @functools.lru_cache(maxsize=16)
 def _meta_state(model_class: type[PreTrainedModel], config_json: str) -> tuple[dict[str, tuple[int, ...]],
                                                                                frozenset[str], frozenset[str]]:
@@ -145,9 +125,12 @@ class GenericAdapter(ModelAdapter):
     """The merge is written with the model's own ``save_pretrained`` (tied tensors saved once, generation config)."""
 
     def __init__(self, config: PretrainedConfig) -> None:
+        from .layout import checkpoint_layout
+
         super().__init__(config)
         self.model_class = resolve_model_class(config)
-        self._renames = checkpoint_renames(config.model_type)
+        self.layout = checkpoint_layout(self.model_class, config)
+        """transformers' own key map of the class (renames, prefixes, fused MoE experts)."""
 
     @classmethod
     def matches(cls, config: PretrainedConfig) -> bool:
@@ -165,9 +148,12 @@ class GenericAdapter(ModelAdapter):
         return int(getattr(text, "num_hidden_layers", 0) or 0)
 
     def canonical_key(self, key: str) -> str | None:
-        for pattern, target in self._renames:
-            key = pattern.sub(target, key)
-        return key
+        """The loaded model's name of a checkpoint key, as ``from_pretrained`` maps it (``None``: a tensor the class
+        does not load, which transformers leaves out too)."""
+        return self.layout.name(key)
+
+    def checkpoint_key(self, key: str) -> tuple[str | None, str | None]:
+        return self.layout.lookup(key)
 
     def is_embedding(self, name: str) -> bool:
         return "embed" in name or any(part in ("wte", "wpe") for part in name.split("."))

@@ -127,7 +127,8 @@ class LlamaAdapter(GenericAdapter):
 
     # ----------------------------------------------------------------- names
     def canonical_key(self, key: str) -> str | None:
-        return base_class_key(super().canonical_key(key), self._prefix, self._strip, _DECODER_ROOTS)
+        name = super().canonical_key(key)
+        return None if name is None else base_class_key(name, self._prefix, self._strip, _DECODER_ROOTS)
 
     def is_embedding(self, name: str) -> bool:
         return name.startswith(f"{self._prefix}embed_tokens.")

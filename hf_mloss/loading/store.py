@@ -101,8 +101,11 @@ class CheckpointStore(TensorStore):
                 f"{SAFETENSORS_INDEX}, or {PICKLE_SINGLE} / {PICKLE_INDEX}."
             )
         self.is_pickle = weights.is_pickle
+        self._fused: dict[str, list[tuple[Path, str]]] = {}
+        """A parameter transformers fuses from several checkpoint tensors (MoE experts) → those tensors."""
         for file in weights.files:
             self._index_file(file)
+        self._index_fused()
         if not self.shapes:
             raise CorruptCheckpointError(
                 f"{ref.name!r} holds no tensors of a {adapter.name} model (checked {len(weights.files)} weight "
@@ -120,12 +123,29 @@ class CheckpointStore(TensorStore):
         else:
             entries = self._index_safetensors(file)
         for key, (shape, dtype) in entries.items():
-            name = self.adapter.canonical_key(key)
+            name, fused = self.adapter.checkpoint_key(key)
             if name is None or name in self._unsaved:
+                continue
+            if fused is not None:  # one of the tensors of a fused parameter: assembled when it is read
+                self._fused.setdefault(name, []).append((file, key))
+                self.dtypes[name] = dtype
                 continue
             self._locations[name] = (file, key)
             self.shapes[name] = shape
             self.dtypes[name] = dtype
+
+    def _index_fused(self) -> None:
+        """Shapes of the fused parameters (the loaded model's), once every shard is indexed; a parameter of several
+        dtypes is refused."""
+        if not self._fused:
+            return
+        layout = self.adapter.layout
+        for name, parts in self._fused.items():
+            kinds = {self._entry_dtype(file, key) for file, key in parts}
+            if len(kinds) > 1:
+                raise CorruptCheckpointError(f"{self.ref.name!r}: the tensors fused into {name!r} have several dtypes "
+                                             f"({sorted(map(str, kinds))}).")
+            self.shapes[name] = layout.shapes[name]
 
     def _index_safetensors(self, file: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
         try:
@@ -141,8 +161,24 @@ class CheckpointStore(TensorStore):
         self._offsets[file] = safetensors_offsets(file)
         return entries
 
+    def _entry_dtype(self, file: Path, key: str) -> torch.dtype | None:
+        if self.is_pickle:
+            return self._pickle_states[file][key].dtype
+        return _DTYPES.get(self._handles[file].get_slice(key).get_dtype())
+
+    def _read_key(self, file: Path, key: str, name: str) -> torch.Tensor:
+        if self.is_pickle:
+            return self._pickle_states[file][key].clone()
+        try:
+            return self._handles[file].get_tensor(key)
+        except (SafetensorError, OSError) as err:
+            raise CorruptCheckpointError(f"Cannot read tensor {name!r} from {file.name} of {self.ref.name!r}: {err}")
+
     # ------------------------------------------------------------------ reading
     def get(self, name: str) -> torch.Tensor:
+        if name in self._fused:  # MoE experts: the per-expert tensors, fused as transformers fuses them
+            parts = [(key, self._read_key(file, key, name)) for file, key in self._fused[name]]
+            return self.adapter.layout.assemble(name, parts)
         file, key = self._locations[name]
         if self.is_pickle:
             return self._pickle_states[file][key].clone()  # a fresh buffer, never the shared mapped one
@@ -152,6 +188,8 @@ class CheckpointStore(TensorStore):
             raise CorruptCheckpointError(f"Cannot read tensor {name!r} from {file.name} of {self.ref.name!r}: {err}")
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        if name in self._fused:
+            return self.get(name)[start:stop]
         file, key = self._locations[name]
         if self.is_pickle:
             return self._pickle_states[file][key][start:stop].clone()
@@ -166,7 +204,7 @@ class CheckpointStore(TensorStore):
         is a contiguous CPU tensor of the stored dtype, else through a reused staging buffer of at most
         :data:`STAGING_BYTES`, rows at a time, converted into ``out`` while they are in cache."""
         shape, dtype = self.shapes[name], self.dtypes[name]
-        if self.is_pickle or dtype is None or not shape or tuple(out.shape) != shape:
+        if self.is_pickle or dtype is None or not shape or tuple(out.shape) != shape or name in self._fused:
             return super().read_into(name, out)
         if out.dtype == dtype and out.device.type == "cpu" and out.is_contiguous():
             self._pread(name, 0, out)
