@@ -54,17 +54,16 @@ def merge_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
 
 
 def merge_command(args: argparse.Namespace) -> int:
+    config = _read_config(args)  # a missing model folder is named in a second, before torch is imported
     from .api import run
     from .output.card import model_specs, shown_parameters, weight_text
     from .spec.schedule import described_schedules
-    from .spec.config import MergeConfig
     from .distributed import describe_device, is_main_process, main_process_only
     from .output.push import check_repo_id
     from .loading.inputs import resolve_device
     from .saving import check_output_dir
 
     _check_environment()
-    config = _with_text_data(_with_selection(MergeConfig.from_yaml(args.config), args), args)
     device = resolve_device(args.device)
     if args.push_to_hub:
         check_repo_id(args.push_to_hub)
@@ -160,13 +159,12 @@ def score_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
 
 
 def score_command(args: argparse.Namespace) -> int:
+    config = _read_config(args)
     from .api import run, run_score
-    from .spec.config import MergeConfig
     from .distributed import describe_device, is_main_process
     from .loading.inputs import resolve_device
 
     _check_environment()
-    config = _with_text_data(_with_selection(MergeConfig.from_yaml(args.config), args), args)
     device = resolve_device(args.device)
     main = is_main_process()  # every process scores its share; the main one prints and writes the reduced result
     show = not args.quiet and main
@@ -367,6 +365,14 @@ def _close_process_group() -> None:
 
 
 # ----------------------------------------------------------------------------------------------------- helpers
+def _read_config(args: argparse.Namespace) -> Any:
+    """The command's config with its flags applied, read and checked (no network, no torch import) before any
+    device is chosen or printed."""
+    from .spec.config import MergeConfig
+
+    return _with_text_data(_with_selection(MergeConfig.from_yaml(args.config), args), args)
+
+
 def _check_environment() -> None:
     """The variables a run reads (``HF_MLOSS_THREADS``, the launch variables), checked before any work."""
     from .distributed import check_launch_environment

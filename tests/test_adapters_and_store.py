@@ -177,7 +177,7 @@ def test_a_family_without_scoring_is_merged_data_free_and_refused_for_scoring(tm
 
 
 def test_missing_local_path_vs_hub_id(tmp_path):
-    with pytest.raises(hf_mloss.CheckpointNotFoundError, match="Local path .* does not exist"):
+    with pytest.raises(hf_mloss.CheckpointNotFoundError, match="neither a folder nor a Hub id: it is written as a local path, and .* does not exist"):
         resolve_model(str(tmp_path / "nope"))
     with pytest.raises(hf_mloss.CheckpointNotFoundError, match="not in the local Hub cache"):
         resolve_model("hf-mloss-tests/not-cached")

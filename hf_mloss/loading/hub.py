@@ -142,21 +142,68 @@ def resolve_model(
         CorruptCheckpointError: the repo holds no weights in a format hf_mloss reads.
     """
     ref = os.fspath(ref)
-    path = Path(ref).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise CheckpointNotFoundError(
-                f"{ref!r} is a file; hf_mloss expects a model folder holding config.json and the weights "
-                "(as written by save_pretrained)."
-            )
+    if problem := missing_model(ref, cache_dir=cache_dir):
+        raise CheckpointNotFoundError(problem)
+    path = expand(ref)
+    if path.is_dir():
         weights = find_weights(path, allow_pickle=allow_pickle)
         return ModelRef(path=str(path.resolve()), weights_file=weights.entry.name if weights else None)
-    if ref.startswith((".", "/", "~")) or not _REPO_ID.match(ref):
-        raise CheckpointNotFoundError(
-            f"Local path {ref!r} does not exist (and it is not a valid Hub repo id such as 'org/name'). "
-            "Check the path."
-        )
+    if not _REPO_ID.match(ref):
+        raise CheckpointNotFoundError(f"{ref!r} is neither a folder nor a Hub id ('org/name'). Check the path.")
     return _download(ref, revision=revision, token=token, cache_dir=cache_dir, allow_pickle=allow_pickle)
+
+
+def missing_model(value: str, root: str | os.PathLike[str] | None = None, *, cache_dir=None) -> str | None:
+    """Why ``value`` names no model, without asking the Hub; None when it is a folder or reads as a Hub id.
+
+    A value reads as a local path when it is written as one (``./``, ``/``, ``~``), is not spelled like a Hub id, or
+    is spelled ``org/name`` while ``org`` is a folder here (``tiny_models/nope`` beside ``tiny_models/``) and the Hub
+    cache holds no ``org/name``: such a typo is named at once, not reported as a Hub model that cannot be downloaded.
+    ``root`` is the folder relative paths resolve against (a config file's; default: the working folder).
+    """
+    path = expand(value)
+    full = path if path.is_absolute() or root is None else Path(root) / path
+    shown = os.path.abspath(full)
+    if full.is_dir():
+        return None
+    if full.exists():
+        return (f"{value!r} is a file, not a model folder: hf_mloss expects a folder holding config.json and the "
+                "weights, as save_pretrained writes it.")
+    first, hub = (Path(value).parts or ("",))[0], ""
+    if value.startswith((".", "/", "~", "\\")) or os.path.isabs(value):
+        what, why = "a Hub id", "it is written as a local path"
+    elif "/" in value.replace("/", "", 1) or not is_repo_id(value):
+        what, why = "a Hub id", "it is not spelled like one ('name' or 'org/name'), so it reads as a local path"
+    elif "/" in value and (Path(root or ".") / first).is_dir() and not hub_cached(value, cache_dir):
+        where = "here" if root is None else f"in {os.path.abspath(root)}"
+        what, why = "a cached Hub id", f"it reads as a local path ({first!r} is a folder {where})"
+        hub = f" (a Hub model of that name is read once it is in the Hub cache: hf download {value})"
+    else:
+        return None
+    return (f"{value!r} is neither a folder nor {what}: {why}, and {shown} does not exist. "
+            f"{_close_folder(full, value)}Check the path{hub}.")
+
+
+def _close_folder(path: Path, value: str) -> str:
+    """``Did you mean '<sibling>'? `` (spelled as ``value``) when the parent of ``path`` holds a folder with a close
+    name, else ''."""
+    import difflib
+
+    try:
+        siblings = sorted(p.name for p in path.parent.iterdir() if p.is_dir()) if path.parent.is_dir() else []
+    except OSError:
+        return ""
+    match = difflib.get_close_matches(path.name, siblings, n=1)
+    return f"Did you mean {os.path.join(os.path.dirname(value), match[0])!r}? " if match else ""
+
+
+def hub_cached(repo_id: str, cache_dir: str | os.PathLike[str] | None = None) -> bool:
+    """Whether the Hub cache holds a snapshot of the model repo ``repo_id`` (a look at the folder, no network)."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    folder = Path(cache_dir or constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model")
+    return (folder / "snapshots").is_dir()
 
 
 def _download(repo_id: str, *, revision, token, cache_dir, allow_pickle: bool) -> ModelRef:
@@ -247,8 +294,8 @@ def _snapshot(repo_id: str, revision: str | None, patterns: list[str], *, token,
     except LocalEntryNotFoundError as err:
         raise CheckpointNotFoundError(
             f"Hub model {repo_id!r} (revision {revision or 'main'}) is not in the local Hub cache and "
-            f"{hub_failure(err, token)}. Download it once with network access, or pass a local folder instead.") \
-            from None
+            f"{hub_failure(err, token)}; nor is it a local folder here. Download it once with network access, or "
+            "pass a local folder instead.") from None
     except HfHubHTTPError as err:
         raise CheckpointNotFoundError(f"Cannot download Hub model {repo_id!r} (revision {revision or 'main'}): "
                                       f"{hub_failure(err, token)}.") from None

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._validation import check_keys, param, short, validate_fields
-from ..loading.hub import expand, is_repo_id, looks_local
+from ..loading.hub import expand, is_repo_id, looks_local, missing_model
 from ..errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -283,10 +283,8 @@ class MergeConfig:
             raise InvalidParameterError("base.weight: the base has no weight; weights belong to the fine-tuned models.")
         for i, spec in enumerate([self.base, *self.models]):
             where = "base" if i == 0 else f"models[{i - 1}]"
-            if spec.is_local and not expand(spec.model).is_dir():
-                kind = "is a file, not a model folder" if expand(spec.model).exists() else "does not exist"
-                raise CheckpointNotFoundError(f"{where}: local path {spec.model!r} {kind} (relative paths in a config "
-                                            "resolve against the config file's folder).")
+            if not spec.is_loaded and (problem := missing_model(spec.model)):
+                raise CheckpointNotFoundError(f"{where}: {problem}")
         self._validate_weights()
         if isinstance(self.processor, os.PathLike):
             self.processor = os.fspath(self.processor)
@@ -805,6 +803,10 @@ def _parse_model(entry: Any, where: str, root: Path | None) -> ModelSpec:
     if isinstance(values["model"], str):
         if not values["model"].strip():
             raise ConfigError(f"{where}.model must be a Hub id or a local folder, got ''.")
+        if root is not None and (problem := missing_model(values["model"], root)):  # said with the config's folder
+            relative = "" if expand(values["model"]).is_absolute() else \
+                f" Relative paths in this config resolve against its folder, {str(root)!r}."
+            raise ConfigError(f"{where}: {problem}{relative}")
         values["model"] = _resolve_model_path(values["model"], root)
     return _build(ModelSpec, values, f"{where}.")
 
