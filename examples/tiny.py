@@ -145,11 +145,13 @@ def word_tokenizer(vocab_size: int = 64, extra_tokens: tuple[str, ...] = ()):
 
 
 def tiny_decoder(family: str = "llama", *, seed: int = 0, tie: bool = False, **overrides):
-    """A tiny random ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` (hidden 32, 2 blocks)."""
+    """A tiny random ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM``
+    (hidden 32, 2 blocks)."""
     import transformers
 
-    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
-    config = getattr(transformers, f"{names[family]}Config")(**{**TINY_DECODER, "tie_word_embeddings": tie,
+    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+    head = {"head_dim": TINY_DECODER["hidden_size"] // TINY_DECODER["num_attention_heads"]} if family == "qwen3" else {}
+    config = getattr(transformers, f"{names[family]}Config")(**{**TINY_DECODER, **head, "tie_word_embeddings": tie,
                                                                  **overrides})
     torch.manual_seed(seed)
     return getattr(transformers, f"{names[family]}ForCausalLM")(config).eval()

@@ -51,12 +51,14 @@ _EXPORTS = {
     "run": "api",
     "run_score": "api",
     "RunOptions": "api",
+    "build_moe": "moe",
+    "MoEConfig": "moe",
     "evaluate": "merging.evaluation",
     "evaluate_ensemble": "merging.evaluation",
     "EvalResult": "merging.evaluation",
 }
 
-_SUBMODULES = {"adapters", "api", "cli", "distributed", "engine", "errors", "loading", "merging", "methods", "output", "parallel", "saving", "spec"}
+_SUBMODULES = {"adapters", "api", "cli", "distributed", "engine", "errors", "loading", "merging", "methods", "moe", "output", "parallel", "saving", "spec"}
 
 __all__ = [
     "CheckpointNotFoundError",
@@ -71,6 +73,7 @@ __all__ = [
     "MLossReport",
     "MergeConfig",
     "MergeResult",
+    "MoEConfig",
     "OutputExistsError",
     "PushError",
     "RunOptions",
@@ -80,6 +83,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsupportedModelError",
     "__version__",
+    "build_moe",
     "evaluate",
     "evaluate_ensemble",
     "list_adapters",
@@ -131,6 +135,7 @@ if TYPE_CHECKING:
     )
     from .api import RunOptions, compatibility, merge, run, run_score, score
     from .methods import list_methods, register_merge_method
+    from .moe import MoEConfig, build_moe
     from .output.report import MLossReport
     from .output.result import MergeResult
     from .spec.selection import SelectionOptions

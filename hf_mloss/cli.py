@@ -6,6 +6,8 @@ hf-mloss merge CONFIG.yaml OUT_DIR [--push-to-hub REPO] [--private] [--overwrite
 hf-mloss score CONFIG.yaml [--json OUT] [--per-row] [--overwrite] [--device DEVICE] [--quiet]
               [--pairwise [--subsets I,J,...] [--output-gap] [--no-baselines] [--out DIR]]
               [--select unlabeled --grid PARAM=V1,V2,...]   (print every candidate's criteria, write nothing)
+hf-mloss moe CONFIG.yaml OUT_DIR [--overwrite] [--device DEVICE] [--quiet] [--no-mloss]
+             [--i-understand-this-is-not-useful-without-training]   (mergekit-moe's YAML: an MoE from dense fine-tunes)
 hf-mloss push OUT_DIR REPO [--private] [--revision REV] [--create-pr] [--commit-message MSG] [--quiet]
 hf-mloss methods [--json]
 ```
@@ -269,6 +271,45 @@ def push_command(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------------------------------------- moe
+def moe_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
+    description = ("Build a mixture of experts (Mixtral, Qwen2-MoE or Qwen3-MoE) from dense fine-tunes of one base, "
+                   "from mergekit-moe's YAML, and write a Hub-ready folder (safetensors, config, tokenizer, model card, "
+                   "hf_mloss_moe.yaml and the routing report).")
+    parser = _subparser(subparsers, "moe", description, parents=[_quiet_parent()])
+    parser.add_argument("config", metavar="CONFIG.yaml", help="mergekit-moe's config (base_model, experts, gate_mode...).")
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="Folder to write the MoE to.")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="Replace OUT_DIR if it exists and is not empty (only once the new folder is complete).")
+    parser.add_argument("--device", default=None, help=DEVICE_HELP)
+    parser.add_argument("--no-mloss", action="store_true", help="Skip each expert pair's M-Loss on the prompts.")
+    parser.add_argument("--i-understand-this-is-not-useful-without-training", dest="allow_identical",
+                        action="store_true", help="Accept experts that are all one model (mergekit-moe's flag).")
+    if subparsers is not None:
+        parser.set_defaults(func=moe_command)
+    return parser
+
+
+def moe_command(args: argparse.Namespace) -> int:
+    from .moe.config import MoEConfig
+
+    config = MoEConfig.from_yaml(args.config, **({"allow_identical_experts": True} if args.allow_identical else {}))
+    from .distributed import describe_device
+    from .loading.inputs import resolve_device
+    from .moe import build_moe
+
+    _check_environment()
+    device = resolve_device(args.device)
+    show = not args.quiet
+    if show:
+        print(f"Computing on {describe_device(device)}", flush=True)
+    with _progress_bars(show):
+        result = build_moe(config, args.out_dir, overwrite=args.overwrite, device=device, progress=show,
+                           mloss=not args.no_mloss)
+    print(result.summary())
+    return 0
+
+
 # ----------------------------------------------------------------------------------------------------- methods
 def methods_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     description = "List the registered merge methods with their reference, parameters and defaults."
@@ -317,7 +358,8 @@ def methods_command(args: argparse.Namespace) -> int:
 
 
 # -------------------------------------------------------------------------------------------------------- main
-COMMANDS = (merge_command_parser, score_command_parser, push_command_parser, methods_command_parser)
+COMMANDS = (merge_command_parser, score_command_parser, moe_command_parser, push_command_parser,
+            methods_command_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hf_mloss"
 
-LAYERS = ["adapters", "loading", "methods", "spec", "output", "engine", "merging", "api", "cli"]
+LAYERS = ["adapters", "loading", "methods", "spec", "output", "engine", "merging", "api", "moe", "cli"]
 """Folders (and top modules) from the bottom up: a module imports only its own layer and the layers below it.
 ``adapters`` (the family registry) is the lowest; ``loading`` reads the inputs; ``methods`` (the method registry and
 the tensor math) sits below the recipe that names a method (``spec``), the outputs that describe one, the engine that

@@ -1,0 +1,102 @@
+"""Router rows from prompts, as mergekit-moe computes them (``gate_mode``), one ``[layers, gates, hidden]`` tensor.
+
+* ``hidden`` / ``hidden_last``: the base model, in bfloat16, reads each expert's prompts (the base's BOS written
+  before each, left padded); a layer's row is the mean over the prompts of the last token's hidden state at that
+  layer's input (the residual stream before its first norm), the negative prompts' mean subtracted, L2-normalised.
+  ``hidden_avg`` averages over all positions instead (padding included, as mergekit does).
+* ``cheap_embed``: the same from the token embeddings, in float32 (one row repeated over the layers).
+* ``random``: standard normal rows; ``uniform_random``: U(-1/√H, 1/√H); drawn from the config's ``seed``.
+
+The arithmetic (dtypes, order of sums, normalisation) is mergekit's, so the rows agree with ``mergekit-moe``'s; the
+gates are the experts' rows in order, then the shared expert's (Qwen2-MoE's ``shared_expert_gate``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import DataError
+from .config import ExpertSpec
+
+
+def prompt_tokenizer(tokenizer: Any) -> Any:
+    """The base's tokenizer as mergekit-moe reads prompts with it: left padding, BOS as the pad token (else EOS)."""
+    tokenizer.padding_side = "left"
+    if tokenizer.bos_token_id is not None:
+        tokenizer.pad_token_id = tokenizer.bos_token_id
+    elif tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def encode(tokenizer: Any, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` of ``prompts``, each written after the BOS token (no chat template)."""
+    batch = tokenizer([(tokenizer.bos_token or "") + p for p in prompts], return_tensors="pt", padding=True,
+                      add_special_tokens=False)
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+
+def random_gates(mode: str, layers: int, gates: int, hidden: int, generator: torch.Generator) -> torch.Tensor:
+    """``random`` or ``uniform_random`` rows: the first draws of the seeded stream (noise comes after)."""
+    if mode == "random":
+        return torch.randn((layers, gates, hidden), generator=generator)
+    scale = math.sqrt(1.0 / hidden)
+    return torch.rand((layers, gates, hidden), generator=generator) * 2 * scale - scale
+
+
+def prompt_gates(gates: Sequence[ExpertSpec], represent: Callable[[Sequence[str]], torch.Tensor], *,
+                 progress: bool = False) -> torch.Tensor:
+    """``[layers, gates, hidden]``: each gate's positive prompts' representation minus its negative prompts',
+    normalised per layer (``represent`` maps prompts to ``[layers, hidden]``)."""
+    from tqdm.auto import tqdm
+
+    rows = []
+    for gate in tqdm(gates, desc="Router rows from prompts", unit="expert", disable=not progress):
+        vector = represent(gate.positive_prompts)
+        if gate.negative_prompts:
+            vector = vector - represent(gate.negative_prompts)
+        vector = vector / vector.norm(p=2, dim=-1, keepdim=True).clamp(min=1e-8)
+        rows.append(vector)
+    return torch.stack(rows, dim=0).permute(1, 0, 2)
+
+
+def hidden_representation(model: Any, tokenizer: Any, *, average: bool) -> Callable[[Sequence[str]], torch.Tensor]:
+    """Prompts → ``[layers, hidden]``: the mean over prompts of each decoder layer's input at the last position
+    (``average``: the mean over all positions), in the model's dtype."""
+    def represent(prompts: Sequence[str]) -> torch.Tensor:
+        batch = {k: v.to(model.device) for k, v in encode(tokenizer, prompts).items()}
+        with torch.no_grad():
+            output = model(**batch, output_hidden_states=True, return_dict=True)
+        states = torch.stack(output.hidden_states[:-1])  # [layers, prompts, positions, hidden]: each layer's input
+        states = states.sum(dim=2) / states.shape[2] if average else states[:, :, -1, :]
+        return (states.sum(dim=1) / states.shape[1]).cpu()
+
+    return represent
+
+
+def embedding_representation(embeddings: torch.Tensor, tokenizer: Any, layers: int
+                             ) -> Callable[[Sequence[str]], torch.Tensor]:
+    """Prompts → ``[layers, hidden]``: the normalised sum of the token embeddings of every real token, in float32."""
+    table = embeddings.float()
+
+    def represent(prompts: Sequence[str]) -> torch.Tensor:
+        batch = encode(tokenizer, prompts)
+        ids = batch["input_ids"]
+        if int(ids.max()) >= table.shape[0]:
+            raise DataError(f"The base's tokenizer gives token id {int(ids.max())} for the prompts but "
+                            f"model.embed_tokens has {table.shape[0]} rows: the tokenizer does not match the model.")
+        summed = (table[ids] * batch["attention_mask"].unsqueeze(-1)).sum(dim=1).sum(dim=0, keepdim=True)
+        summed = summed / summed.norm(dim=-1, keepdim=True).clamp(min=1e-8)
+        return summed.repeat(layers, 1)
+
+    return represent
+
+
+def degenerate_layers(gates: torch.Tensor, threshold: float = 5.0) -> list[int]:
+    """Layers whose router rows are nearly dependent (condition number above ``threshold``, mergekit's test): some
+    experts will be hard to tell apart there."""
+    return [layer for layer in range(gates.shape[0]) if float(torch.linalg.cond(gates[layer].float())) > threshold]

@@ -1,0 +1,192 @@
+"""Where the built MoE routes each expert's own prompts, layer by layer: a dead or dominant expert shows before the
+model is published (mergekit-moe only warns when router rows are nearly dependent).
+
+The MoE itself, as ``from_pretrained`` loads it, reads every expert's positive prompts (BOS written first, as for
+the router rows; positions counted from each prompt's first token, so padding changes nothing). At each layer the
+router's input (the output of ``post_attention_layernorm``) is multiplied by the router, and the top
+``experts_per_token`` softmax weights, renormalised, are the token's routing weights, as the MoE block applies them.
+A prompt's weights are the mean over its tokens (the BOS left out); its *pick* is the expert with the largest one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class RoutingReport:
+    """Routing of the experts' own prompts through the built MoE.
+
+    Attributes:
+        experts: the experts' labels, in router order.
+        prompts: every positive prompt read, and ``owners[p]``: the expert whose prompt it is.
+        weights: ``[prompts, layers, experts]`` mean routing weight of each prompt's tokens.
+        selected: ``[layers, experts]`` tokens (of all prompts) whose top-k holds the expert.
+        top_k: experts per token.
+    """
+
+    experts: list[str]
+    prompts: list[str]
+    owners: list[int]
+    weights: torch.Tensor
+    selected: torch.Tensor
+    top_k: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.weights.shape[1])
+
+    def picks(self) -> torch.Tensor:
+        """``[prompts, layers]``: the expert each prompt sends the most weight to."""
+        return self.weights.argmax(dim=-1)
+
+    def shares(self) -> torch.Tensor:
+        """``[experts (whose prompts), layers, experts (routed to)]``: mean routing weight of each expert's prompts."""
+        owners = torch.tensor(self.owners)
+        return torch.stack([self.weights[owners == i].mean(dim=0) for i in range(len(self.experts))])
+
+    def own_share(self) -> torch.Tensor:
+        """``[experts, layers]``: the share of each expert's own prompts routed to it (the diagonal of
+        :meth:`shares`); ``1/experts`` is what a router that cannot tell the prompts apart gives."""
+        shares = self.shares()
+        return torch.stack([shares[i, :, i] for i in range(len(self.experts))])
+
+    def own_picks(self) -> torch.Tensor:
+        """``[experts, layers]``: the fraction of each expert's prompts that pick it."""
+        owners, picks = torch.tensor(self.owners), self.picks()
+        return torch.stack([(picks[owners == i] == i).float().mean(dim=0) for i in range(len(self.experts))])
+
+    def dead(self) -> dict[int, list[int]]:
+        """Layer → experts no token of any prompt was routed to."""
+        out = {}
+        for layer in range(self.num_layers):
+            idle = [e for e in range(len(self.experts)) if int(self.selected[layer, e]) == 0]
+            if idle:
+                out[layer] = idle
+        return out
+
+    def dominant(self) -> dict[int, int]:
+        """Layer → the expert every prompt picks (when the prompts belong to two experts or more)."""
+        if len(set(self.owners)) < 2:
+            return {}
+        picks = self.picks()
+        return {layer: int(picks[0, layer]) for layer in range(self.num_layers)
+                if bool((picks[:, layer] == picks[0, layer]).all())}
+
+    def warnings(self) -> list[str]:
+        """One line per dead or dominant expert, and per expert whose own prompts mostly pick another one."""
+        lines = [f"expert {e} ({self.experts[e]}) gets no token at layer(s) {_layers(ls)}"
+                 for e, ls in _by_expert(self.dead()).items()]
+        lines += [f"expert {e} ({self.experts[e]}) is every prompt's pick at layer(s) {_layers(ls)}"
+                  for e, ls in _by_expert({k: [v] for k, v in self.dominant().items()}).items()]
+        own = self.own_picks()
+        for e in range(len(self.experts)):
+            lost = [layer for layer in range(self.num_layers) if float(own[e, layer]) < 0.5]
+            if lost and len(lost) > self.num_layers // 2:
+                lines.append(f"expert {e} ({self.experts[e]}): most of its own prompts pick another expert at "
+                             f"{len(lost)} of {self.num_layers} layers")
+        return lines
+
+    def summary(self) -> str:
+        """The per-layer share of each expert's own prompts routed to it, and the warnings."""
+        layers = self.num_layers
+        width = max(len(label) for label in self.experts) + 6
+        own, picked = self.own_share(), self.own_picks()
+        head = "  ".join(f"L{layer:<5}" for layer in range(layers))
+        lines = [f"Routing of each expert's own prompts (share of their routing weight sent to it; uniform would be "
+                 f"{1 / len(self.experts):.2f}; top-{self.top_k}):",
+                 f"  {'expert':<{width}}{head}   own prompts picking it (mean over layers)"]
+        for e, label in enumerate(self.experts):
+            row = "  ".join(f"{float(own[e, layer]):<6.2f}" for layer in range(layers))
+            lines.append(f"  {f'{e}: {label}':<{width}}{row}   {float(picked[e].mean()):.0%}")
+        warnings = self.warnings()
+        lines += [f"  warning: {w}" for w in warnings] or ["  no dead or dominant expert"]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"experts": self.experts, "top_k": self.top_k, "num_layers": self.num_layers,
+                "own_share": _rounded(self.own_share()), "own_picks": _rounded(self.own_picks()),
+                "shares": _rounded(self.shares()), "selected_tokens": self.selected.tolist(),
+                "prompts": [{"text": p, "expert": o, "picks": picks, "weights": _rounded(w)}
+                            for p, o, picks, w in zip(self.prompts, self.owners, self.picks().tolist(),
+                                                      self.weights, strict=True)],
+                "dead": {str(k): v for k, v in self.dead().items()},
+                "dominant": {str(k): v for k, v in self.dominant().items()},
+                "warnings": self.warnings(), "notes": self.notes}
+
+
+def _rounded(tensor: torch.Tensor) -> Any:
+    return ((tensor.double() * 1e6).round() / 1e6).tolist()
+
+
+def _by_expert(per_layer: dict[int, list[int]]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for layer, experts in per_layer.items():
+        for e in experts:
+            out.setdefault(e, []).append(layer)
+    return out
+
+
+def _layers(layers: list[int]) -> str:
+    return ", ".join(str(layer) for layer in layers)
+
+
+def route_prompts(model: Any, tokenizer: Any, prompts: Sequence[str], owners: Sequence[int], labels: list[str], *,
+                  top_k: int, normalize: bool = True, batch_size: int = 16, progress: bool = False) -> RoutingReport:
+    """Run ``prompts`` through the MoE ``model`` and record the routing of every real token (see the module)."""
+    from tqdm.auto import tqdm
+
+    from .gates import encode
+
+    layers = list(model.model.layers)
+    routers = [_router_weight(layer) for layer in layers]
+    captured: dict[int, torch.Tensor] = {}
+    handles = [layer.post_attention_layernorm.register_forward_hook(
+        lambda module, args, output, i=i: captured.__setitem__(i, output)) for i, layer in enumerate(layers)]
+    weights = torch.zeros(len(prompts), len(layers), len(labels), dtype=torch.float64)
+    selected = torch.zeros(len(layers), len(labels), dtype=torch.long)
+    skip_bos = tokenizer.bos_token is not None
+    try:
+        starts = range(0, len(prompts), batch_size)
+        for start in tqdm(starts, desc="Routing the prompts through the MoE", unit="batch", disable=not progress):
+            batch = {k: v.to(model.device) for k, v in encode(tokenizer, prompts[start:start + batch_size]).items()}
+            mask = batch["attention_mask"]
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            with torch.no_grad():
+                model(**batch, position_ids=positions, use_cache=False)
+                _record(captured, routers, mask, positions, skip_bos, top_k, normalize, weights[start:], selected)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return RoutingReport(experts=labels, prompts=list(prompts), owners=list(owners), weights=weights,
+                         selected=selected, top_k=top_k)
+
+
+def _record(captured: dict[int, torch.Tensor], routers: list[torch.Tensor], mask: torch.Tensor,
+            positions: torch.Tensor, skip_bos: bool, top_k: int, normalize: bool, weights: torch.Tensor,
+            selected: torch.Tensor) -> None:
+    """One batch's routing weights (into ``weights[:batch]``) and token counts per expert (into ``selected``)."""
+    real = mask.bool() & (positions > 0) if skip_bos else mask.bool()  # the BOS: the same in every prompt
+    for i, router in enumerate(routers):
+        probs = torch.softmax(torch.nn.functional.linear(captured[i], router).float(), dim=-1)
+        top, index = probs.topk(top_k, dim=-1)
+        if normalize:
+            top = top / top.sum(dim=-1, keepdim=True)
+        routed = torch.zeros_like(probs).scatter_(-1, index, top) * real.unsqueeze(-1)
+        chosen = torch.zeros_like(probs).scatter_(-1, index, torch.ones_like(top)) * real.unsqueeze(-1)
+        selected[i] += chosen.sum(dim=(0, 1)).long().cpu()
+        per_prompt = routed.sum(dim=1) / real.sum(dim=1, keepdim=True).clamp(min=1)
+        weights[: len(per_prompt), i] = per_prompt.double().cpu()
+
+
+def _router_weight(layer: Any) -> torch.Tensor:
+    """The router matrix ``[experts, hidden]`` of a decoder layer (``mlp.gate``, or Mixtral's older
+    ``block_sparse_moe.gate``)."""
+    block = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe")
+    return block.gate.weight

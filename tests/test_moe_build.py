@@ -1,0 +1,398 @@
+"""``hf-mloss moe`` / ``hf_mloss.build_moe``: mergekit-moe's YAML read and checked (every refusal before anything is
+written), the output folder (weights that load with nothing missing, tokenizer, card, recipe, routing report), the
+router rows against a direct computation, and the routing report against transformers' own router logits. Parity
+with ``mergekit-moe`` itself is in ``tests/test_peers.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import hf_mloss
+from hf_mloss import (CheckpointNotFoundError, ConfigError, HfMLossError, IncompatibleCheckpointsError,
+                      OutputExistsError, UnsupportedModelError)
+from hf_mloss.cli import main
+from hf_mloss.moe import MoEConfig, RoutingReport, build_moe
+
+PROMPTS = [["w1 w2 w3", "w4 w5"], ["w10 w11 w12"], ["w20 w21 w22"]]
+
+
+def char_tokenizer():
+    """A byte-level BPE tokenizer over ``w`` and digits: transformers 5 reads a Qwen2 model's tokenizer as
+    ``Qwen2Tokenizer`` whatever the folder says, which keeps these tokens (a word-level vocabulary it would drop)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3}
+    for char in ["w", "Ġ", *"0123456789"]:
+        vocab[char] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+
+
+def _family(root: Path, family: str, q: int = 3, **overrides) -> tuple[str, list[str]]:
+    from examples.tiny import save_with_finetunes, tiny_decoder, word_tokenizer
+
+    tokenizer = char_tokenizer() if family == "qwen2" else word_tokenizer()
+    base, models = save_with_finetunes(tiny_decoder(family, **overrides), root / family, q, tokenizer=tokenizer)
+    return str(base), [str(m) for m in models]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> tuple[str, list[str]]:
+    return _family(tmp_path_factory.mktemp("moe"), "llama")
+
+
+@pytest.fixture(scope="module")
+def odd_models(tmp_path_factory) -> dict[str, str]:
+    """Dense models that cannot be experts of the tiny Llama, or bases that cannot make an MoE."""
+    from examples.tiny import tiny_decoder, word_tokenizer
+
+    root = tmp_path_factory.mktemp("odd")
+    out = {}
+    for name, model in [("wide", tiny_decoder("llama", intermediate_size=48)), ("mistral", tiny_decoder("mistral")),
+                        ("biased", tiny_decoder("llama", attention_bias=True)), ("untokenized", tiny_decoder("llama"))]:
+        model.save_pretrained(root / name)
+        if name != "untokenized":
+            word_tokenizer().save_pretrained(root / name)
+        out[name] = str(root / name)
+    out["qwen2"], out["qwen2_experts"] = (lambda b, m: (b, m))(*_family(root, "qwen2", 2))
+    out["qwen3"], out["qwen3_experts"] = (lambda b, m: (b, m))(*_family(root, "qwen3", 2))
+    return out
+
+
+def _config(base: str, models: list[str], **top) -> dict:
+    experts = [{"source_model": m, "positive_prompts": list(PROMPTS[i % 3])} for i, m in enumerate(models)]
+    return {"base_model": base, "experts": experts, **top}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The YAML and mergekit-moe's checks: refused when the config is built, before anything is read
+# --------------------------------------------------------------------------------------------------------------------
+def _expert(model: str = "/m/a", **values) -> dict:
+    return {"source_model": model, **values}
+
+
+REFUSED = {
+    "experts_per_token 0": ({"experts_per_token": 0}, "experts_per_token must be an integer >= 1"),
+    "fewer experts than per token": ({"experts_per_token": 3}, "experts_per_token is 3"),
+    "no positive prompts": ({"experts": [_expert("/m/a", positive_prompts=["x"]), _expert("/m/b")]},
+                            "experts[1] (b) has no positive_prompts"),
+    "identical prompts": ({"experts": [_expert("/m/a", positive_prompts=["x"]), _expert("/m/b", positive_prompts=["y"]),
+                                       _expert("/m/c", positive_prompts=["x"])], "experts_per_token": 2},
+                          "experts[0] and experts[2] have identical positive_prompts"),
+    "one model": ({"experts": [_expert("/m/a", positive_prompts=["x"]), _expert("/m/a", positive_prompts=["y"])]},
+                  "allow_identical_experts"),
+    "one expert": ({"experts": [_expert("/m/a", positive_prompts=["x"])], "experts_per_token": 1},
+                   "experts lists one expert"),
+    "typo": ({"expert_per_token": 2}, "did you mean 'experts_per_token'"),
+    "expert typo": ({"experts": [_expert("/m/a", positive_prompt=["x"]), _expert("/m/b")]},
+                    "did you mean 'positive_prompts'"),
+    "gate mode": ({"gate_mode": "hiden"}, "did you mean 'hidden'"),
+    "dtype": ({"dtype": "int64"}, "dtype 'int64' is not one of"),
+    "lora": ({"experts": [_expert("/m/a+/m/lora", positive_prompts=["x"]), _expert("/m/b", positive_prompts=["y"])]},
+             "merge the adapter into its model first"),
+    "two shared": ({"shared_experts": [_expert("/m/a"), _expert("/m/b")]}, "Qwen2-MoE"),
+    "prompts as a string": ({"experts": [_expert("/m/a", positive_prompts="x"), _expert("/m/b")]},
+                            "experts[0].positive_prompts must be a list of strings"),
+    "empty prompt": ({"experts": [_expert("/m/a", positive_prompts=[" "]), _expert("/m/b")]},
+                     "positive_prompts[0] must be a non-empty string"),
+    "noise": ({"experts": [_expert("/m/a", positive_prompts=["x"], noise_scale=float("nan")), _expert("/m/b")]},
+              "noise_scale must be a finite number"),
+    "no base": ({"base_model": None}, "base_model"),
+    "a merge config": ({"merge_method": "ties"}, "hf-mloss merge"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_mergekit_moe_checks_refuse_the_config_naming_the_option(case):
+    changes, message = REFUSED[case]
+    content = {"base_model": "/m/base", "experts": [_expert("/m/a", positive_prompts=["x"]),
+                                                     _expert("/m/b", positive_prompts=["y"])], **changes}
+    content = {k: v for k, v in content.items() if v is not None}
+    with pytest.raises(ConfigError, match=re.escape(message)) as info:
+        MoEConfig.from_dict(content)
+    assert isinstance(info.value, HfMLossError) and isinstance(info.value, ValueError)
+    assert "\n" not in str(info.value)
+
+
+def test_random_gates_need_no_prompts_and_may_repeat_one_model():
+    """mergekit exempts gate_mode random from every prompt check, and from the one on identical models."""
+    config = MoEConfig.from_dict({"base_model": "/m/base", "gate_mode": "random",
+                                  "experts": [_expert("/m/a"), _expert("/m/a")]})
+    assert config.experts[0].positive_prompts == () and not config.uses_prompts
+    same = MoEConfig.from_dict({"base_model": "/m/base", "allow_identical_experts": True,
+                                "experts": [_expert("/m/a", positive_prompts=["x"]),
+                                            _expert("/m/a", positive_prompts=["y"])]})
+    assert same.allow_identical_experts
+
+
+def test_yaml_paths_revisions_and_the_recipe_round_trip(tmp_path):
+    path = tmp_path / "moe.yml"
+    path.write_text(yaml.safe_dump({"base_model": "./base", "dtype": "torch.bfloat16", "experts": [
+        {"source_model": "org/a@abc123", "positive_prompts": ["x"]},
+        {"source_model": "./b", "positive_prompts": ["y"], "negative_prompts": ["z"], "noise_scale": 0.1}]}))
+    config = MoEConfig.from_yaml(path)
+    assert config.base_model == str(tmp_path / "base") and config.dtype == "bfloat16"
+    assert (config.experts[0].source_model, config.experts[0].revision) == ("org/a", "abc123")
+    assert config.experts[1].negative_prompts == ("z",) and config.draws_random
+    assert str(path) in config.input_paths()
+    again = MoEConfig.from_dict(yaml.safe_load(config.to_yaml(root=tmp_path)), base_dir=tmp_path)
+    assert again == config
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Refusals that need the models: before anything is computed, and nothing is written
+# --------------------------------------------------------------------------------------------------------------------
+def _refused(config: dict, tmp_path: Path, error: type[Exception], message: str) -> None:
+    out = tmp_path / "out"
+    with pytest.raises(error, match=message) as info:
+        build_moe(config, out, progress=False, mloss=False)
+    assert isinstance(info.value, HfMLossError)
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".hf_mloss-tmp")]
+
+
+def test_architectures_that_cannot_hold_the_experts_are_refused(llama, odd_models, tmp_path):
+    base, models = llama
+    shared = [{"source_model": models[0], "positive_prompts": ["w40 w41"]}]
+    _refused(_config(base, models[:2], shared_experts=shared, architecture="mixtral"), tmp_path,
+             UnsupportedModelError, "Mixtral: it holds no shared expert")
+    _refused(_config(odd_models["qwen2"], odd_models["qwen2_experts"]), tmp_path, UnsupportedModelError,
+             r"Qwen2-MoE: it needs exactly one shared expert")
+    _refused(_config(odd_models["qwen3"], odd_models["qwen3_experts"],
+                     shared_experts=[{"source_model": odd_models["qwen3_experts"][0], "positive_prompts": ["w7"]}]),
+             tmp_path, UnsupportedModelError, "Qwen3-MoE: it holds no shared expert")
+    _refused(_config(base, models[:2], shared_experts=[{"source_model": models[0]}]), tmp_path,
+             UnsupportedModelError, "DeepSeek MoE")
+    _refused(_config(base, models[:2], architecture="deepseek"), tmp_path, ConfigError, "remote code")
+    _refused(_config(base, models[:2], architecture="olmoe"), tmp_path, ConfigError, "names no MoE output")
+    _refused(_config(base, [models[0], odd_models["mistral"]]), tmp_path, UnsupportedModelError,
+             "must be of one family")
+
+
+def test_experts_unlike_the_base_are_refused(llama, odd_models, tmp_path):
+    base, models = llama
+    _refused(_config(base, [models[0], odd_models["wide"]]), tmp_path, IncompatibleCheckpointsError,
+             r"experts\[1\] \(wide\) has intermediate_size 48 but base_model has 64")
+    _refused(_config(odd_models["biased"], models[:2]), tmp_path, UnsupportedModelError,
+             r"8 tensor\(s\) a Mixtral has no place for, e.g. model.layers.0.self_attn.k_proj.bias")
+    _refused(_config(odd_models["untokenized"], models[:2]), tmp_path, CheckpointNotFoundError, "no tokenizer")
+    _refused(_config(base, [models[0], str(Path(base).parent / "missing")]), tmp_path, CheckpointNotFoundError,
+             "does not exist")
+
+
+def test_an_existing_folder_is_refused_before_any_work(llama, tmp_path):
+    base, models = llama
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(OutputExistsError):
+        build_moe(_config(base, models[:2]), out, progress=False)
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_the_cli_prints_one_line_and_exits_2_on_bad_input(llama, tmp_path, capsys):
+    base, models = llama
+    path = tmp_path / "moe.yml"
+    path.write_text(yaml.safe_dump(_config(base, models[:2], experts_per_token=5)))
+    assert main(["moe", str(path), str(tmp_path / "out"), "-q"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("hf-mloss: error:") and "experts_per_token" in err and "\n" not in err
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The output: a folder that loads, generates, re-runs, with its card and routing report
+# --------------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def built(llama, tmp_path_factory):
+    """A Mixtral from 3 Llama fine-tunes (hidden gates, noise and residual scaling on one expert)."""
+    base, models = llama
+    config = _config(base, models)
+    config["experts"][1]["negative_prompts"] = ["w1 w2"]
+    config["experts"][2].update(noise_scale=0.01, residual_scale=0.5)
+    out = tmp_path_factory.mktemp("built") / "moe"
+    return config, build_moe(config, out, progress=False)
+
+
+def test_the_folder_loads_with_nothing_missing_and_generates(built):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralForCausalLM
+
+    _, result = built
+    names = {p.name for p in result.path.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md", "hf_mloss_moe.yaml", "routing.json",
+            "hf_mloss_files.json", "generation_config.json"} <= names
+    model, info = AutoModelForCausalLM.from_pretrained(result.path, output_loading_info=True)
+    assert isinstance(model, MixtralForCausalLM)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    assert (model.config.num_local_experts, model.config.num_experts_per_tok) == (3, 2)
+    tokenizer = AutoTokenizer.from_pretrained(result.path)
+    ids = tokenizer("<s>w1 w2", add_special_tokens=False, return_tensors="pt")
+    assert model.generate(**ids, max_new_tokens=4, do_sample=False).shape == (1, ids["input_ids"].shape[1] + 4)
+
+
+def test_experts_are_the_fine_tunes_mlps_with_noise_and_residual_scale(built, llama):
+    from safetensors.torch import load_file
+
+    config, result = built
+    _, models = llama
+    ours = load_file(str(result.path / "model.safetensors"))
+    first = load_file(str(Path(models[0]) / "model.safetensors"))
+    third = load_file(str(Path(models[2]) / "model.safetensors"))
+    for proj, short in [("gate_proj", "w1"), ("down_proj", "w2"), ("up_proj", "w3")]:
+        name = f"model.layers.1.mlp.{proj}.weight"
+        assert torch.equal(ours[f"model.layers.1.block_sparse_moe.experts.0.{short}.weight"], first[name])
+    generator = torch.Generator().manual_seed(0)  # mergekit's order: per layer, per expert gate, down, up
+    for layer in range(2):
+        for proj, short in [("gate_proj", "w1"), ("down_proj", "w2"), ("up_proj", "w3")]:
+            source = third[f"model.layers.{layer}.mlp.{proj}.weight"]
+            expected = source + torch.randn(source.shape, generator=generator) * 0.01
+            expected = expected * 0.5 if proj == "down_proj" else expected
+            assert torch.equal(ours[f"model.layers.{layer}.block_sparse_moe.experts.2.{short}.weight"], expected)
+
+
+def test_router_rows_are_each_layers_input_at_the_last_token(built, llama):
+    """``hidden``: the base in bfloat16, each prompt after BOS, the input of every decoder layer at the last token,
+    averaged over the prompts, the negative prompts' mean subtracted, normalised."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config, result = built
+    base, _ = llama
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16).eval()
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    inputs: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_pre_hook(lambda m, args, kwargs, i=i: inputs.__setitem__(i, args[0] if args else
+                                                                                        kwargs["hidden_states"]),
+                                        with_kwargs=True)
+
+    def mean_last(prompts):
+        rows = []
+        for prompt in prompts:  # one at a time: no padding at all
+            model(**tokenizer("<s>" + prompt, add_special_tokens=False, return_tensors="pt"))
+            rows.append(torch.stack([inputs[i][0, -1].float() for i in range(2)]))
+        return torch.stack(rows).mean(dim=0)
+
+    ours = load_file(str(result.path / "model.safetensors"))
+    for e, expert in enumerate(config["experts"]):
+        vector = mean_last(expert["positive_prompts"])
+        if expert.get("negative_prompts"):
+            vector = vector - mean_last(expert["negative_prompts"])
+        vector = vector / vector.norm(dim=-1, keepdim=True)
+        for layer in range(2):
+            row = ours[f"model.layers.{layer}.block_sparse_moe.gate.weight"][e]
+            assert torch.nn.functional.cosine_similarity(row, vector[layer], dim=0) > 0.99, (e, layer)
+
+
+def test_the_routing_report_follows_transformers_router_logits(built):
+    """Each prompt's routing weights equal the ones computed from the router logits the model itself returns."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config, result = built
+    report = result.routing
+    model = AutoModelForCausalLM.from_pretrained(result.path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(result.path)
+    for p, prompt in enumerate(report.prompts):
+        ids = tokenizer("<s>" + prompt, add_special_tokens=False, return_tensors="pt")
+        with torch.no_grad():
+            logits = model(**ids, output_router_logits=True).router_logits
+        for layer, layer_logits in enumerate(logits):
+            probs = torch.softmax(layer_logits.float(), dim=-1)[1:]  # the BOS left out
+            top, index = probs.topk(2, dim=-1)
+            weights = torch.zeros_like(probs).scatter_(-1, index, top / top.sum(-1, keepdim=True)).mean(dim=0)
+            torch.testing.assert_close(report.weights[p, layer].float(), weights, atol=1e-6, rtol=0)
+    assert report.owners == [0, 0, 1, 2] and report.shares().shape == (3, 2, 3)
+    saved = json.loads((result.path / "routing.json").read_text())
+    torch.testing.assert_close(torch.tensor(saved["own_share"]), report.own_share().float(), atol=1e-6, rtol=0)
+
+
+def test_the_routing_report_names_dead_and_dominant_experts():
+    weights = torch.zeros(4, 2, 3, dtype=torch.float64)
+    weights[:, 0, 0] = 1.0  # layer 0: every prompt picks expert 0, expert 2 gets nothing
+    weights[:2, 1, 0], weights[2:, 1, 1] = 1.0, 1.0  # layer 1: prompts of expert 1 (2, 3) pick it
+    selected = torch.tensor([[9, 3, 0], [4, 4, 1]])
+    report = RoutingReport(experts=["a", "b", "c"], prompts=["p0", "p1", "p2", "p3"], owners=[0, 0, 1, 2],
+                           weights=weights, selected=selected, top_k=1)
+    assert report.dead() == {0: [2]} and report.dominant() == {0: 0}
+    assert report.picks().tolist() == [[0, 0], [0, 0], [0, 1], [0, 1]]
+    assert report.own_share()[:, 1].tolist() == [1.0, 1.0, 0.0]
+    warnings = report.warnings()
+    assert any("expert 2 (c) gets no token at layer(s) 0" in w for w in warnings)
+    assert any("expert 0 (a) is every prompt's pick at layer(s) 0" in w for w in warnings)
+    assert any("expert 2 (c): most of its own prompts pick another expert" in w for w in warnings)
+    assert "warning: expert 2 (c) gets no token" in report.summary()
+
+
+def test_the_card_records_experts_routing_and_mloss(built):
+    config, result = built
+    card = (result.path / "README.md").read_text()
+    assert "a Mixtral of 3 experts" in card and "MixtralForCausalLM" in card
+    assert "| 2 | ft3 | - | w20 w21 w22 | - | 0.01 | 0.5 |" in card
+    assert "| 1 | ft2 | - | w10 w11 w12 | w1 w2 | - | - |" in card
+    assert "## Routing of the experts' own prompts" in card and "| w10 w11 w12 | 1 |" in card
+    assert result.mloss is not None and set(result.mloss) == {(0, 1), (0, 2), (1, 2)}
+    assert all(v > 0 for v in result.mloss.values())
+    assert "| 0: ft1 | 1: ft2 |" in card and "mloss2026" in card
+    assert "hf-mloss moe\nhf_mloss_moe.yaml OUT_DIR" in card
+    assert "Routing of each expert's own prompts" in result.summary()
+
+
+def test_the_recipe_rebuilds_the_same_weights(built, tmp_path):
+    from safetensors.torch import load_file
+
+    _, result = built
+    again = build_moe(result.path / "hf_mloss_moe.yaml", tmp_path / "again", progress=False, mloss=False)
+    first, second = (load_file(str(p / "model.safetensors")) for p in (result.path, again.path))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_random_gates_without_prompts_and_a_sharded_qwen2_moe(llama, tmp_path):
+    """gate_mode random reads no prompt (the card says why nothing was routed or measured); a Qwen2-MoE from Llama
+    experts gets zero attention biases, the shared expert and its gate; small shards get an index."""
+    from transformers import AutoModelForCausalLM, Qwen2MoeForCausalLM
+
+    base, models = llama
+    config = {"base_model": base, "gate_mode": "random", "seed": 3, "architecture": "qwen",
+              "experts": [{"source_model": m} for m in models[:2]], "shared_experts": [{"source_model": models[2]}]}
+    result = build_moe(config, tmp_path / "q", progress=False, max_shard_size=100_000)
+    assert result.routing is None and result.mloss is None and "no prompts" in result.mloss_note
+    assert (result.path / "model.safetensors.index.json").is_file()
+    card = (result.path / "README.md").read_text()
+    assert "No expert has prompts" in card and "Not measured: the config has no prompts" in card
+    model, info = AutoModelForCausalLM.from_pretrained(result.path, output_loading_info=True)
+    assert isinstance(model, Qwen2MoeForCausalLM) and not info["missing_keys"] and not info["unexpected_keys"]
+    layer = model.model.layers[0]
+    assert torch.equal(layer.self_attn.q_proj.bias, torch.zeros_like(layer.self_attn.q_proj.bias))
+    expected = torch.randn((2, 3, 32), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(layer.mlp.gate.weight, expected[0, :2]) and torch.equal(layer.mlp.shared_expert_gate.weight,
+                                                                              expected[0, 2:])
+    other = build_moe({**config, "seed": 4}, tmp_path / "q4", progress=False, mloss=False)
+    assert not torch.equal(AutoModelForCausalLM.from_pretrained(other.path).model.layers[0].mlp.gate.weight,
+                           layer.mlp.gate.weight)
+
+
+def test_the_cli_builds_and_prints_the_routing_report(llama, tmp_path, capsys):
+    base, models = llama
+    path = tmp_path / "moe.yml"
+    path.write_text(yaml.safe_dump(_config(base, models[:2], gate_mode="cheap_embed", dtype="bfloat16")))
+    assert main(["moe", str(path), str(tmp_path / "out"), "-q", "--no-mloss"]) == 0
+    out = capsys.readouterr().out
+    assert "Built a Mixtral (MixtralForCausalLM) of 2 experts" in out and "Routing of each expert's own prompts" in out
+    assert "M-Loss not measured: not asked for" in out
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert main(["moe", str(path), str(tmp_path / "out"), "-q", "--no-mloss"]) == 2  # exists: --overwrite
+    assert main(["moe", str(path), str(tmp_path / "out"), "-q", "--no-mloss", "--overwrite"]) == 0
+
+
+def test_hf_mloss_exports_build_moe():
+    assert hf_mloss.build_moe is build_moe and hf_mloss.MoEConfig is MoEConfig
