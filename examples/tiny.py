@@ -144,6 +144,21 @@ def word_tokenizer(vocab_size: int = 64, extra_tokens: tuple[str, ...] = ()):
     return tokenizer
 
 
+def char_tokenizer():
+    """A byte-level BPE tokenizer over ``w`` and the digits (no merges: one token per character) built in-process:
+    transformers 5 reads a Qwen2 model's tokenizer as ``Qwen2Tokenizer`` whatever its folder says, which drops the
+    words of :func:`word_tokenizer` but keeps these tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3, **{c: 4 + i for i, c in enumerate(["w", "Ġ", *"0123456789"])}}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+
+
 def tiny_decoder(family: str = "llama", *, seed: int = 0, tie: bool = False, **overrides):
     """A tiny random ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM``
     (hidden 32, 2 blocks)."""

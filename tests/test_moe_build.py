@@ -23,24 +23,8 @@ from hf_mloss.moe import MoEConfig, RoutingReport, build_moe
 PROMPTS = [["w1 w2 w3", "w4 w5"], ["w10 w11 w12"], ["w20 w21 w22"]]
 
 
-def char_tokenizer():
-    """A byte-level BPE tokenizer over ``w`` and digits: transformers 5 reads a Qwen2 model's tokenizer as
-    ``Qwen2Tokenizer`` whatever the folder says, which keeps these tokens (a word-level vocabulary it would drop)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3}
-    for char in ["w", "Ġ", *"0123456789"]:
-        vocab[char] = len(vocab)
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>")
-
-
 def _family(root: Path, family: str, q: int = 3, **overrides) -> tuple[str, list[str]]:
-    from examples.tiny import save_with_finetunes, tiny_decoder, word_tokenizer
+    from examples.tiny import char_tokenizer, save_with_finetunes, tiny_decoder, word_tokenizer
 
     tokenizer = char_tokenizer() if family == "qwen2" else word_tokenizer()
     base, models = save_with_finetunes(tiny_decoder(family, **overrides), root / family, q, tokenizer=tokenizer)

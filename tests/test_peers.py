@@ -684,3 +684,134 @@ def test_task_negation_and_a_nearswap_gradient_from_python_match_mergekit(tmp_pa
         run = _mergekit_yaml_or_skip(recipe, tmp_path / method)
         result = hf_mloss.merge(base, chosen, method, dtype="float32", progress=False, **kwargs)
         assert _decoder_max_diff(result, run) < 1e-6, method
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# hf-mloss moe against mergekit-moe: an MoE from dense fine-tunes, from the same YAML file
+# --------------------------------------------------------------------------------------------------------------------
+MOE_FAMILIES = {"llama": "MixtralForCausalLM", "qwen2": "Qwen2MoeForCausalLM", "qwen3": "Qwen3MoeForCausalLM",
+                "llama-shared": "Qwen2MoeForCausalLM"}
+MOE_LEGACY_KEYS = {"torch_dtype", "rope_theta", "num_experts"}
+"""Keys hf_mloss adds to config.json for transformers 4.x (mergekit writes 5.x's names only)."""
+_MOE_FAMILIES: dict[str, tuple[str, list[str]]] = {}
+
+
+def _moe_family(family: str, tmp_path_factory) -> tuple[str, list[str]]:
+    from examples.tiny import char_tokenizer, save_with_finetunes, tiny_decoder, word_tokenizer
+
+    name = family.removesuffix("-shared")
+    if name not in _MOE_FAMILIES:
+        tokenizer = char_tokenizer() if name == "qwen2" else word_tokenizer()  # see char_tokenizer
+        base, models = save_with_finetunes(tiny_decoder(name), tmp_path_factory.mktemp(f"moe-{name}"), 3,
+                                           tokenizer=tokenizer)
+        _MOE_FAMILIES[name] = (str(base), [str(m) for m in models])
+    return _MOE_FAMILIES[name]
+
+
+def _moe_recipe(family: str, mode: str, base: str, models: list[str]) -> dict:
+    """Three experts (negative prompts on one, noise and residual scale on another); a prompted shared expert with
+    its own noise for Qwen2-MoE; seed 7 for hf_mloss (mergekit ignores the key and gets --random-seed 7)."""
+    recipe = {"base_model": base, "gate_mode": mode, "dtype": "float32", "experts_per_token": 2, "seed": 7,
+              "experts": [{"source_model": models[0], "positive_prompts": ["w1 w2 w3", "w4 w5"]},
+                          {"source_model": models[1], "positive_prompts": ["w10 w11 w12"],
+                           "negative_prompts": ["w1 w2"]},
+                          {"source_model": models[2], "positive_prompts": ["w20 w21 w22"], "noise_scale": 0.01,
+                           "residual_scale": 0.5}]}
+    if family in ("qwen2", "llama-shared"):
+        recipe["shared_experts"] = [{"source_model": models[0], "positive_prompts": ["w30 w31 w32"],
+                                     "noise_scale": 0.02, "residual_scale": 0.3}]
+        recipe["architecture"] = "qwen"
+    return recipe
+
+
+def _mergekit_moe_or_skip(recipe: dict, out_dir):
+    try:
+        return peers.run_mergekit_moe(recipe, out_dir, seed=7)
+    except peers.PeerUnavailable as err:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"mergekit not installable here: {err}")
+
+
+@pytest.mark.parametrize("mode", ["hidden", "cheap_embed", "random"])
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_hf_mloss_moe_matches_mergekit_moe(tmp_path_factory, tmp_path, family, mode):
+    """The same YAML through ``mergekit-moe`` and ``hf-mloss moe``: router rows within 1e-5 relative (bfloat16
+    hidden states for ``hidden``, as mergekit computes them), experts, shared expert and every other tensor exact
+    (noise drawn in mergekit's order from the same seed), the same config and the same greedy generations."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_mloss.cli import main
+
+    base, models = _moe_family(family, tmp_path_factory)
+    run = _mergekit_moe_or_skip(_moe_recipe(family, mode, base, models), tmp_path / "mergekit")
+    out = tmp_path / "hf_mloss"
+    assert main(["moe", str(run.out_dir.parent / "peer_config.yml"), str(out), "-q", "--no-mloss"]) == 0
+    theirs = AutoModelForCausalLM.from_pretrained(run.out_dir).eval()
+    ours, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    ours.eval()
+    assert type(ours).__name__ == type(theirs).__name__ == MOE_FAMILIES[family]
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    a, b = ours.state_dict(), theirs.state_dict()
+    assert a.keys() == b.keys()
+    routers = [k for k in a if k.endswith(("mlp.gate.weight", "shared_expert_gate.weight"))]
+    assert len(routers) == 2 * (2 if "qwen2_moe" in ours.config.model_type else 1)
+    worst = 0.0
+    for key in routers:
+        relative = (a[key] - b[key]).norm(dim=-1) / b[key].norm(dim=-1).clamp(min=1e-12)
+        worst = max(worst, float(relative.max()))
+    unequal = [k for k in a if k not in routers and not torch.equal(a[k], b[k])]
+    print(f"moe {family} {mode}: router rows max relative difference {worst:.3g}, unequal tensors {unequal}")
+    assert worst <= 1e-5 and unequal == []
+    mine, peer = (json.loads((p / "config.json").read_text()) for p in (out, run.out_dir))
+    assert {k for k in mine.keys() | peer.keys() if mine.get(k) != peer.get(k)} <= MOE_LEGACY_KEYS
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    batch = tokenizer(["<s>w1 w2 w3", "<s>w20 w21 w5"], add_special_tokens=False, padding=True, return_tensors="pt")
+    greedy = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
+    assert torch.equal(ours.generate(**batch, **greedy), theirs.generate(**batch, **greedy))
+
+
+def test_hf_mloss_moe_outputs_load_in_transformers_4(tmp_path_factory, tmp_path):
+    """Experts are written in the per-expert layout transformers' save_pretrained writes, so transformers 4.57 loads
+    every output with nothing missing and generates what 5.x does (mergekit-moe writes 5.x's fused experts, which
+    4.57 reads as missing and initialises at random)."""
+    import json
+    import subprocess
+
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.peers import setup_envs
+    from hf_mloss.moe import build_moe
+
+    python = setup_envs.ensure_env("transformers_4")
+    if python is None:
+        pytest.skip("transformers 4.57 environment not available")
+    folders = {}
+    for family in ("llama", "qwen2", "qwen3"):
+        base, models = _moe_family(family, tmp_path_factory)
+        folders[family] = str(build_moe(_moe_recipe(family, "random", base, models), tmp_path / family,
+                                        progress=False, mloss=False).path)
+    ids = [[1, 5, 6, 7], [1, 6, 7, 8]]
+    child = ("import json, sys, torch, transformers\n"
+             "out = {}\n"
+             "for name, path in json.loads(sys.argv[1]).items():\n"
+             "    model, info = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)\n"
+             "    ids = torch.tensor(json.loads(sys.argv[2]))\n"
+             "    tokens = model.eval().generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,"
+             " do_sample=False)\n"
+             "    out[name] = {'missing': info['missing_keys'], 'tokens': tokens.tolist()}\n"
+             "print(json.dumps(out))\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    proc = subprocess.run([str(setup_envs.venv_bin("transformers_4")), "-c", child, json.dumps(folders),
+                           json.dumps(ids)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    for family, path in folders.items():
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        batch = torch.tensor(ids)
+        here = model.generate(input_ids=batch, attention_mask=torch.ones_like(batch), max_new_tokens=8,
+                              do_sample=False)
+        assert loaded[family]["missing"] == [], family
+        assert loaded[family]["tokens"] == here.tolist(), family

@@ -66,6 +66,7 @@ __all__ = [
     "mergekit_config",
     "one_mergekit_process",
     "run_fusion_bench_adamerging",
+    "run_mergekit_moe",
     "run_peer_merge",
     "run_peer_ties",
 ]
@@ -258,11 +259,12 @@ class MergekitWorker:
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
 
-    def run(self, python: Path, env: dict[str, str], argv: list[str], log_path: Path, timeout: float) -> int:
+    def run(self, python: Path, env: dict[str, str], argv: list[str], log_path: Path, timeout: float,
+            command: str = "mergekit-yaml") -> int:
         if self.proc is None or self.proc.poll() is not None:
             self.proc = subprocess.Popen([str(python), str(MERGEKIT_WORKER_SCRIPT)], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, env=env, text=True, start_new_session=True)
-        self.proc.stdin.write(json.dumps({"argv": argv, "log": str(log_path)}) + "\n")
+        self.proc.stdin.write(json.dumps({"argv": argv, "log": str(log_path), "command": command}) + "\n")
         self.proc.stdin.flush()
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         line = self.proc.stdout.readline() if ready else ""
@@ -301,13 +303,14 @@ def one_mergekit_process():
 
 
 def _run_mergekit(cmd: list[str], python: Path, log_path: Path, timeout: float) -> tuple[int, float, float]:
-    """``mergekit-yaml`` (``cmd``) as :func:`_run_child` runs it, or through the open worker (RSS then NaN)."""
+    """``mergekit-yaml`` or ``mergekit-moe`` (``cmd``) as :func:`_run_child` runs it, or through the open worker
+    (RSS then NaN)."""
     env = _child_env(python)
     if _MERGEKIT_WORKER is None:
         return _run_child(cmd, env, log_path, timeout)
     log_path.write_text(f"$ {' '.join(cmd)}  (in one long-lived mergekit process)\n")
     start = time.perf_counter()
-    rc = _MERGEKIT_WORKER.run(python, env, cmd[1:], log_path, timeout)
+    rc = _MERGEKIT_WORKER.run(python, env, cmd[1:], log_path, timeout, command=Path(cmd[0]).name)
     return rc, time.perf_counter() - start, float("nan")
 
 
@@ -492,6 +495,40 @@ def run_mergekit_yaml(config: dict, out_dir: str | Path, *, seed: int = 0,
     run = PeerRun("mergekit", method, out_dir, round(wall, 3), round(rss, 1), log_path)
     if not run.weight_files:
         raise PeerError(f"mergekit wrote no safetensors file in {out_dir}; log tail:\n{_log_tail(log_path)}")
+    return run
+
+
+def run_mergekit_moe(config: dict, out_dir: str | Path, *, seed: int = 0, device: str = "cpu",
+                     allow_identical: bool = False, timeout: float = DEFAULT_TIMEOUT) -> PeerRun:
+    """Run ``mergekit-moe`` on a raw mergekit-moe config dict (base_model, experts with prompts, gate_mode...),
+    written to ``out_dir/peer_config.yml``; the MoE lands in ``out_dir/moe`` (mergekit-moe refuses nothing there,
+    so the folder is emptied first). ``seed`` is mergekit's ``--random-seed`` (random gates and noise).
+
+    Raises PeerUnavailable if the venv cannot be installed, PeerError on failure.
+    """
+    import shutil
+
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_path = out_dir / "peer_run.log"
+    cfg_path = out_dir / "peer_config.yml"
+    cfg_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    python = setup_envs.ensure_env("mergekit")
+    if python is None:
+        raise PeerUnavailable("mergekit venv is not available (see the message above)")
+    model_dir = out_dir / "moe"
+    shutil.rmtree(model_dir, ignore_errors=True)
+    cmd = [str(venv_bin("mergekit", "mergekit-moe")), str(cfg_path), str(model_dir), "--random-seed", str(seed),
+           "--device", device]
+    if allow_identical:
+        cmd.append("--i-understand-this-is-not-useful-without-training")
+    rc, wall, rss = _run_mergekit(cmd, python, log_path, timeout)
+    if rc != 0:
+        raise PeerError(f"mergekit-moe exited with {rc}; log tail:\n{_log_tail(log_path)}")
+    run = PeerRun("mergekit", f"moe-{config.get('gate_mode', 'hidden')}", model_dir, round(wall, 3), round(rss, 1),
+                  log_path)
+    if not run.weight_files:
+        raise PeerError(f"mergekit-moe wrote no safetensors file in {model_dir}; log tail:\n{_log_tail(log_path)}")
     return run
 
 
