@@ -272,15 +272,25 @@ def test_other_model_types_and_towers_are_refused(tmp_path):
         hf_mloss.merge(str(base), [str(models[0])], "average", output="tower", progress=False)
 
 
+def save_encoder_decoder(root: Path) -> tuple[Path, list[Path]]:
+    """A tiny T5: an encoder-decoder, which has no M-Loss scoring (GPT-2 and the other MLP decoders do)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    base = T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=2, num_heads=4,
+                                               d_kv=8, decoder_start_token_id=0, pad_token_id=3)).eval()
+    return testing.save_with_finetunes(base, root, 2, tokenizer=word_tokenizer())
+
+
 def test_scoring_a_family_without_scoring_is_refused_clearly(tmp_path, image_folder):
-    base, models = save_family(tmp_path / "in", "gpt2", q=2)
+    base, models = save_encoder_decoder(tmp_path / "in")
     paths = [str(m) for m in models]
     for call in (lambda: hf_mloss.merge(str(base), paths, "m_ties", data=str(image_folder), progress=False),
                  lambda: hf_mloss.score(str(base), paths, data=str(image_folder), progress=False),
                  lambda: hf_mloss.merge(str(base), paths, "ties", data=str(image_folder), select="unlabeled",
                                         grid={"k": [0.2, 0.5]}, progress=False)):
         with pytest.raises(hf_mloss.UnsupportedModelError,
-                           match="scoring is not available yet for model_type='gpt2'.*data-free methods work"):
+                           match="scoring is not available yet for model_type='t5'.*data-free methods work"):
             call()
 
 
@@ -407,8 +417,8 @@ def test_loaded_models_merge_like_their_folders(tmp_path):
 
 
 def test_compatibility_of_a_family_without_scoring_is_refused(tmp_path, image_folder):
-    base, models = save_family(tmp_path / "in", "gpt2", q=2)
-    with pytest.raises(hf_mloss.UnsupportedModelError, match="'gpt2'.*data-free methods work"):
+    base, models = save_encoder_decoder(tmp_path / "in")
+    with pytest.raises(hf_mloss.UnsupportedModelError, match="'t5'.*data-free methods work"):
         hf_mloss.compatibility(str(base), [str(m) for m in models], data=str(image_folder), progress=False)
 
 

@@ -8,6 +8,7 @@ from .clip_text import CLIPTextAdapter
 from .clip_vision import CLIPVisionAdapter
 from .dinov2 import Dinov2Adapter
 from .generic import GenericAdapter, whole_model_adapter
+from .hooked import HookedAdapter
 from .llama import LlamaAdapter
 from .registry import ADAPTERS, adapter_for, list_adapters, register_adapter
 from .siglip_vision import SiglipVisionAdapter
@@ -20,8 +21,9 @@ register_adapter(SiglipVisionAdapter)
 register_adapter(BertAdapter)
 register_adapter(LlamaAdapter)
 register_adapter(CLIPTextAdapter)
+register_adapter(HookedAdapter)  # any text model of a recognised MLP shape: after the dedicated families
 register_adapter(GenericAdapter)  # matches any transformers model_type: tried last
 
 __all__ = ["ADAPTERS", "EMBEDDING_STAGE", "BertAdapter", "BlockContext", "CLIPTextAdapter", "CLIPVisionAdapter",
-           "Dinov2Adapter", "GenericAdapter", "LlamaAdapter", "ModelAdapter", "ScoredUnit", "SiglipVisionAdapter",
+           "Dinov2Adapter", "GenericAdapter", "HookedAdapter", "LlamaAdapter", "ModelAdapter", "ScoredUnit", "SiglipVisionAdapter",
            "ViTAdapter", "adapter_for", "list_adapters", "register_adapter", "whole_model_adapter"]

@@ -45,6 +45,33 @@ class ScoredUnit:
     down: str | None = None
     """The linear that reads the unit, whose COLUMN i belongs to node i (``"mlp.down_proj"``); ``None``: its
     columns are not part of the node groups."""
+    fused: bool = False
+    """``gate`` computes both halves of a gated unit in one linear, ``[f's input | the multiplier]`` along its
+    outputs (Phi-3's ``gate_up_proj``, ModernBERT's ``Wi``: ``a, b = out.chunk(2, -1)``, node i is f(a_i)·b_i)."""
+    transposed: bool = False
+    """The unit's linears store their weight as ``[in, out]`` (GPT-2's ``Conv1D``), not ``nn.Linear``'s
+    ``[out, in]``: node i is column i of ``gate`` and row i of ``down``."""
+
+    @property
+    def gated(self) -> bool:
+        """Whether a node is f(gate_i)·up_i (separate linears, or the halves of a fused one)."""
+        return self.up is not None or self.fused
+
+    def split(self, gate: torch.Tensor, up: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(gate, up)`` pre-activations from the outputs of the unit's linears (a fused linear's halves)."""
+        if self.fused:
+            first, second = gate.chunk(2, dim=-1)
+            return first, second
+        return gate, up
+
+    def rows(self, tensor: torch.Tensor | None) -> list[torch.Tensor | None]:
+        """A weight (``[nodes, in]`` after un-transposing) or bias of the gate linear, as ``[gate rows, up rows]``
+        for a fused unit, else ``[rows]``."""
+        if tensor is None:
+            return [None, None] if self.fused else [None]
+        if self.transposed and tensor.dim() == 2:
+            tensor = tensor.T
+        return list(tensor.chunk(2, dim=0)) if self.fused else [tensor]
 
 
 class ModelAdapter(ABC):
@@ -154,13 +181,16 @@ class ModelAdapter(ABC):
     def node_groups(self, layer: int) -> list[tuple[str, int]]:
         """``(canonical tensor name, dim)`` pairs whose slice i belongs to node i of block ``layer``'s unit: dim 0 a
         row (a 1-D tensor: entry i), dim 1 a column. By default from :attr:`unit`: the gate's weight rows and bias
-        entries, the up linear's rows (and bias entries), the down linear's weight columns; tensors the model does
-        not have (no bias) are left out. CLIP: ``[("encoder.layers.3.mlp.fc1.weight", 0), (".. .bias", 0)]``."""
+        entries, the up linear's rows (and bias entries), the down linear's weight columns (transposed weights:
+        columns and rows swapped); tensors the model does not have (no bias) are left out. A fused unit's gate
+        tensor holds 2 slices per node (i and n + i). CLIP: ``[("encoder.layers.3.mlp.fc1.weight", 0), (".. .bias",
+        0)]``."""
         prefix, unit, names = self.layer_prefix(layer), self.unit, self._tensor_names
-        pairs = [(f"{prefix}{linear}.{kind}", 0) for linear in (unit.gate, unit.up) if linear
-                 for kind in ("weight", "bias")]
+        rows, columns = (1, 0) if unit.transposed else (0, 1)
+        pairs = [(f"{prefix}{linear}.{kind}", rows if kind == "weight" else 0) for linear in (unit.gate, unit.up)
+                 if linear for kind in ("weight", "bias")]
         if unit.down:
-            pairs.append((f"{prefix}{unit.down}.weight", 1))
+            pairs.append((f"{prefix}{unit.down}.weight", columns))
         return [(name, dim) for name, dim in pairs if name in names]
 
     @functools.cached_property
@@ -242,7 +272,16 @@ class ModelAdapter(ABC):
         """The element-wise activation that follows the scored linear, read from the model itself."""
         from transformers.activations import ACT2FN
 
-        return ACT2FN[self.config.hidden_act]
+        return ACT2FN[self.activation_name()]
+
+    def activation_name(self) -> str:
+        """The activation's name as the config spells it (``hidden_act``; Gemma's ``hidden_activation``, GPT-2's
+        ``activation_function``), for reports and cards."""
+        for key in ("hidden_activation", "hidden_act", "activation_function"):
+            value = getattr(self.config, key, None)
+            if isinstance(value, str):
+                return value
+        return "unknown"
 
     @abstractmethod
     def embed(self, model: PreTrainedModel, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, BlockContext]:

@@ -48,7 +48,9 @@ def scoring_unavailable(model_type: str | None, what: str = "M-Loss scoring") ->
 
     scored = sorted(t for cls in ADAPTERS.values() if getattr(cls, "scorable", True) for t in cls.model_types)
     return (f"{what} needs a scored model family, and scoring is not available yet for model_type={model_type!r} "
-            f"(scored families: {scored}). The data-free methods work on any transformers model: "
+            f"(scored: {scored}, and any text decoder or encoder whose blocks hold a common MLP shape: gated "
+            "gate/up/down, fused gate_up, fc1/fc2 and their GPT-2, GPT-J and GPT-NeoX spellings; not encoder-"
+            "decoders, multimodal or mixture-of-experts models). The data-free methods work on any transformers model: "
             f"{', '.join(DATA_FREE_METHODS)} (e.g. hf_mloss.merge(base, models, 'ties', k=0.2)).")
 
 

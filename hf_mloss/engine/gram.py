@@ -33,9 +33,17 @@ from .walk import BatchState, BlockArena, WalkSetup, _own_embeddings, embed_batc
 __all__ = ["BlockRegression", "GramRecorder", "block_linears", "gram_dtypes", "merged_gram_walk", "own_gram_walk"]
 
 
-def block_linears(block: nn.Module) -> dict[str, nn.Linear]:
-    """The ``nn.Linear`` modules of one block, by their path in it (``self_attn.q_proj``)."""
-    return {path: module for path, module in block.named_modules() if isinstance(module, nn.Linear)}
+def block_linears(block: nn.Module) -> dict[str, nn.Module]:
+    """The linear layers of one block, by their path in it (``self_attn.q_proj``): ``nn.Linear`` and GPT-2's
+    ``Conv1D`` (its weight stored ``[in, out]``)."""
+    from transformers.pytorch_utils import Conv1D
+
+    return {path: module for path, module in block.named_modules() if isinstance(module, (nn.Linear, Conv1D))}
+
+
+def _weight(module: nn.Module) -> torch.Tensor:
+    """A linear layer's weight as ``[out, in]`` (a ``Conv1D``'s transposed)."""
+    return module.weight if isinstance(module, nn.Linear) else module.weight.T
 
 
 def gram_dtypes(device: torch.device | str) -> tuple[torch.dtype, torch.dtype]:
@@ -100,11 +108,14 @@ class BlockRegression:
         """Linear path → S (linears that share their input share it)."""
         self.targets: dict[str, torch.Tensor] = {}
         """Linear path → B (``[in, out]``, float64)."""
+        self.transposed: set[str] = set()
+        """The paths of ``Conv1D`` layers (weights stored ``[in, out]``)."""
 
     @torch.no_grad()
     def fold(self, grams: dict[str, torch.Tensor], linears: dict[str, nn.Linear], alpha: float) -> None:
         """Add one model's Grams, with that model's linear weights ``linears``, at weight ``alpha``."""
         sums_of: dict[int, torch.Tensor] = {}
+        self.transposed |= {path for path in grams if not isinstance(linears[path], nn.Linear)}
         for path, gram in grams.items():
             key = id(gram)
             if key not in sums_of:
@@ -116,7 +127,7 @@ class BlockRegression:
             self.gram_sums.setdefault(path, sums_of[key])
             dtype = gram_dtypes(gram.device)[0]  # float64 on a CPU: the sums of two processes add up to one's
             reduced = self._reduced(gram).to(dtype)
-            product = (reduced @ linears[path].weight.detach().to(dtype).T).to(gram.dtype)
+            product = (reduced @ _weight(linears[path]).detach().to(dtype).T).to(gram.dtype)
             if path not in self.targets:
                 self.targets[path] = torch.zeros_like(product)
             self.targets[path].add_(product, alpha=alpha)
@@ -138,14 +149,16 @@ class BlockRegression:
 
     @torch.no_grad()
     def solve(self) -> dict[str, torch.Tensor]:
-        """Linear path → merged weight ``[out, in]``, W* = ((r·S + (1 − r)·diag(S))⁻¹ B)ᵀ (in the sums' dtype)."""
+        """Linear path → merged weight in its module's layout (``[out, in]``; a ``Conv1D``'s ``[in, out]``),
+        W* = ((r·S + (1 − r)·diag(S))⁻¹ B)ᵀ (in the sums' dtype)."""
         out: dict[str, torch.Tensor] = {}
         solvers: dict[int, _Solver] = {}
         for path, target in self.targets.items():
             gram = self.gram_sums[path]
             if id(gram) not in solvers:
                 solvers[id(gram)] = _Solver(self._reduced(gram))
-            out[path] = solvers[id(gram)](target).T
+            solved = solvers[id(gram)](target)  # [in, out]
+            out[path] = solved if path in self.transposed else solved.T
         return out
 
 

@@ -341,15 +341,29 @@ class StackedTarget:
 
     def __init__(self, sources: Sequence[Any], gate: str, *, mix: torch.Tensor, activation: Callable,
                  up: str | None = None, reduction: str = "abs", eps: float = 1e-4, device: Any = "cpu",
-                 compute_dtype: torch.dtype = torch.float32) -> None:
+                 compute_dtype: torch.dtype = torch.float32, fused: bool = False, transposed: bool = False) -> None:
+        """``gate`` / ``up``: the unit's linears (module names); ``fused``: ``gate`` holds both halves of a gated
+        unit; ``transposed``: weights stored ``[in, out]`` (see :class:`~hf_mloss.adapters.ScoredUnit`)."""
         self.q, self.mix, self.reduction, self.eps = len(sources), mix.reshape(-1, len(sources)), reduction, eps
-        self.gated, self.device = up is not None, device
+        self.gated, self.device = up is not None or fused, device
         self.scale, self.activation = inplace_activation(activation)
+
+        def read(store: Any, name: str) -> list[torch.Tensor | None]:
+            if name not in store:
+                return [None, None] if fused else [None]
+            tensor = store.get_float(name, device)
+            if transposed and tensor.dim() == 2:
+                tensor = tensor.T.contiguous()
+            return list(tensor.chunk(2, dim=0)) if fused else [tensor]
+
         names = [gate] if up is None else [gate, up]
-        weights = [[s.get_float(f"{name}.weight", device) for s in sources] for name in names]
-        has_bias = [f"{name}.bias" in sources[0] for name in names]
-        biases = [[s.get_float(f"{name}.bias", device) if bias else torch.zeros(w.shape[0], device=device)
-                   for s, w in zip(sources, ws)] for name, bias, ws in zip(names, has_bias, weights)]
+        weights = [list(w) for w in zip(*[[part for name in names for part in read(s, f"{name}.weight")]
+                                          for s in sources])]
+        raw = [list(b) for b in zip(*[[part for name in names for part in read(s, f"{name}.bias")]
+                                      for s in sources])]
+        has_bias = [bs[0] is not None for bs in raw]
+        biases = [[b if b is not None else torch.zeros(w.shape[0], device=device) for b, w in zip(bs, ws)]
+                  for bs, ws in zip(raw, weights)]
         self.num_nodes = weights[0][0].shape[0]
         self.rows, nodes = block_shape(self.q, self.mix.shape[0], self.num_nodes, device, stacked_gemm=True)
         self.blocks = [(a, min(a + nodes, self.num_nodes)) for a in range(0, self.num_nodes, nodes)]

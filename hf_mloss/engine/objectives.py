@@ -199,11 +199,17 @@ class ScoredUnitStack:
     up_bias: torch.Tensor | None = None
     activation: Callable[[torch.Tensor], torch.Tensor] = torch.nn.functional.gelu
     captured: dict[str, torch.Tensor] = field(default_factory=dict)
+    fused: bool = False
+    """The gate linear's output holds both halves of the gated unit (:class:`~hf_mloss.adapters.ScoredUnit`)."""
 
     def hooks(self, gate: torch.nn.Module, up: torch.nn.Module | None) -> list[Any]:
         """Forward hooks that keep the unit's input and the merge's pre-activations of each call."""
         def keep_gate(module, args, output):
-            self.captured["u"], self.captured["gate"] = args[0], output
+            self.captured["u"] = args[0]
+            if self.fused:
+                self.captured["gate"], self.captured["up"] = output.chunk(2, dim=-1)
+            else:
+                self.captured["gate"] = output
 
         def keep_up(module, args, output):
             self.captured["up"] = output

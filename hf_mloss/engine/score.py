@@ -138,6 +138,7 @@ def stacked_target(setup: ScoringSetup, layer: int) -> StackedTarget:
     adapter = setup.adapter
     prefix, unit = adapter.layer_prefix(layer), adapter.unit
     return StackedTarget(setup.sources, adapter.target_name(layer), up=f"{prefix}{unit.up}" if unit.up else None,
+                         fused=unit.fused, transposed=unit.transposed,
                          mix=setup.alpha[None], activation=setup.activation, reduction=setup.reduction, eps=setup.eps,
                          device=setup.device, compute_dtype=setup.compute_dtype)
 
@@ -284,7 +285,7 @@ def resolve_activation(adapter: ModelAdapter, activation: str | None) -> tuple[C
     from transformers.activations import ACT2FN
 
     if activation is None:
-        return adapter.activation(), adapter.config.hidden_act
+        return adapter.activation(), adapter.activation_name()
     return ACT2FN[activation], activation
 
 

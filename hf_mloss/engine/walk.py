@@ -249,7 +249,7 @@ def own_walk(setup: WalkSetup, scored: Sequence[int], visit: Callable[[int, Unit
             load_block(block, store, adapter.layer_prefix(layer), setup.device, materialise=streamed, arena=arena)
             copies.append(block)
         for b in range(len(setup.batches)):
-            stacked: dict[str, torch.Tensor] = {}  # per path, [q, ..., nodes]: each source's output written in
+            stacked: dict[str, torch.Tensor] = {}  # gate / up: [q, ..., nodes], each source's output written in
             for p, block in enumerate(copies):
                 state = states[p][b]
                 with setup.autocast():
@@ -257,17 +257,21 @@ def own_walk(setup: WalkSetup, scored: Sequence[int], visit: Callable[[int, Unit
                     computed = {}
                     if layer in scored:
                         for path in filter(None, (unit.gate, unit.up)):
-                            computed[path] = out = block.get_submodule(path)(u)
-                            if path not in stacked:
-                                stacked[path] = out.new_empty((len(copies), *out.shape), dtype=torch.float32)
-                            stacked[path][p].copy_(out)
+                            computed[path] = block.get_submodule(path)(u)
+                        outputs = unit.split(computed[unit.gate], computed.get(unit.up) if unit.up else None)
+                        for role, out in zip(("gate", "up"), outputs):
+                            if out is None:
+                                continue
+                            if role not in stacked:
+                                stacked[role] = out.new_empty((len(copies), *out.shape), dtype=torch.float32)
+                            stacked[role][p].copy_(out)
                     if layer < last:
                         with _reusing(block, u, computed):  # the rest of the block: gate / up not computed twice
                             hidden = adapter.forward_from_target(block, residual, u, state.context)
                         states[p][b] = BatchState(hidden, state.context)
             if stacked:
                 mask = states[0][b].context.mask
-                visit(layer, UnitInputs(stacked[unit.gate], stacked.get(unit.up) if unit.up else None,
+                visit(layer, UnitInputs(stacked["gate"], stacked.get("up"),
                                         mask.reshape(-1) if mask is not None else None))
         if layer in scored and done is not None:
             done(layer)

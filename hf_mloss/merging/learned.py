@@ -369,15 +369,19 @@ def _unit_stacks(config: MergeConfig, inputs: RunInputs, tower: nn.Module, devic
     for layer in layers:
         prefix = adapter.layer_prefix(layer)
 
-        def stacked(module: str, suffix: str, prefix: str = prefix) -> torch.Tensor | None:
+        def stacked(module: str, suffix: str, prefix: str = prefix) -> list[torch.Tensor | None]:
+            """The sources' rows of a unit linear, stacked ``[q, ...]`` (a fused one: its gate and up halves)."""
             key = f"{prefix}{module}.{suffix}"
             if key not in inputs.base:
-                return None
-            return torch.stack([s.get_float(key, device) for s in sources])
+                return unit.rows(None)
+            return [torch.stack(parts) for parts in zip(*[unit.rows(s.get_float(key, device)) for s in sources])]
 
-        stack = ScoredUnitStack(weight=stacked(unit.gate, "weight"), bias=stacked(unit.gate, "bias"),
-                                up_weight=stacked(unit.up, "weight") if unit.up else None,
-                                up_bias=stacked(unit.up, "bias") if unit.up else None, activation=activation)
+        gate_w, up_w = (stacked(unit.gate, "weight") + [None])[:2]
+        gate_b, up_b = (stacked(unit.gate, "bias") + [None])[:2]
+        if unit.up:
+            up_w, up_b = stacked(unit.up, "weight")[0], stacked(unit.up, "bias")[0]
+        stack = ScoredUnitStack(weight=gate_w, bias=gate_b, up_weight=up_w, up_bias=up_b, activation=activation,
+                                fused=unit.fused)
         block = blocks[layer]
         handles += stack.hooks(block.get_submodule(unit.gate), block.get_submodule(unit.up) if unit.up else None)
         stacks.append(stack)

@@ -181,7 +181,8 @@ class CandidateEvaluator:
             target, block = self._target(layer), blocks[layer]
             gate = block.get_submodule(unit.gate)
             up = block.get_submodule(unit.up) if unit.up else None
-            own = (lambda rows: gate(rows)) if up is None else (lambda rows: (gate(rows), up(rows)))
+            own = (lambda rows: gate(rows)) if not unit.gated else (
+                lambda rows: unit.split(gate(rows), up(rows) if up is not None else None))
             return lambda u, context: target.sums(u, mask=context.mask, per_node=False, merged=own)
 
         def collect(layer: int, sums: list[Any]) -> None:
@@ -216,7 +217,8 @@ class CandidateEvaluator:
             target, block = self._target(layer), blocks[layer]
             gate = block.get_submodule(unit.gate)
             up = block.get_submodule(unit.up) if unit.up else None
-            own = (lambda rows: gate(rows)) if up is None else (lambda rows: (gate(rows), up(rows)))
+            own = (lambda rows: gate(rows)) if not unit.gated else (
+                lambda rows: unit.split(gate(rows), up(rows) if up is not None else None))
             return lambda u, context: target.sums(u, mask=context.mask, per_node=True, merged=own)
 
         def collect(layer: int, sums: list[Any]) -> None:
@@ -251,6 +253,7 @@ class CandidateEvaluator:
             prefix, unit = self.adapter.layer_prefix(layer), self.adapter.unit
             self._targets[layer] = StackedTarget(
                 self.inputs.sources, self.adapter.target_name(layer), up=f"{prefix}{unit.up}" if unit.up else None,
+                fused=unit.fused, transposed=unit.transposed,
                 mix=self.alpha[None], activation=self.activation, device=self.device)
         return self._targets[layer]
 

@@ -213,12 +213,14 @@ class MTiesHooks(LayerHooks):
         slices = [(name, dim) for name, dim, ndim in members if ndim == 2]
         entries = [name for name, _, ndim in members if ndim == 1]
         anchor, anchor_dim = slices[0]
+        tiles = {}
         for name, dim, _ in members:
             size = self.run.shape(name)[dim]
-            if size != keep.numel():
+            if size % keep.numel():
                 raise InvalidParameterError(
                     f"{type(self.run.adapter).__name__}.node_groups({layer}) puts {name!r} (dim {dim}: {size} "
                     f"slices) in the group of {target!r}, which has {keep.numel()} nodes.")
+            tiles[name] = size // keep.numel()  # a fused gate-and-up tensor: node i owns slices i and n + i
         # With e = 0 every node keeps k: the per-tensor trim of every group tensor then makes the control equal
         # per-tensor TIES exactly (M-TIES; M-DARE trims its groups at the uniform keep ratio instead).
         grouped = self.params.e > 0 or not self.uniform_keep_is_tensor_trim
@@ -226,12 +228,13 @@ class MTiesHooks(LayerHooks):
         keep = keep.to(self.run.device)
         length = self.run.shape(anchor)[1 - anchor_dim]
         for name, dim, ndim in members:
+            own = keep.repeat(tiles[name])
             if not grouped:
                 state.pop(name, None)
             elif ndim == 1:
-                state[name] = GroupMember(keep, dim, anchor=anchor, anchor_length=length)
+                state[name] = GroupMember(own, dim, anchor=anchor, anchor_length=length)
             else:
-                state[name] = GroupMember(keep, dim, keeps_thresholds=name == anchor and bool(entries))
+                state[name] = GroupMember(own, dim, keeps_thresholds=name == anchor and bool(entries))
         self.run.merge([name for name, _ in slices])
         self.run.merge(entries)  # after the anchor: they are trimmed against its thresholds
         ctx.state.get(THRESHOLD_STATE, {}).pop(anchor, None)
