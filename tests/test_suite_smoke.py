@@ -51,6 +51,11 @@ def test_real_smoke_end_to_end(tmp_path, capsys):
         assert stage in captured.err, stage
     record = gated_record(printed, table, replicates=2)
     assert "--table" in record["command"]
+    # one total: the record's, in results.md and on the console's last lines, then the cache and how to free it
+    total = f"{record['timings']['total_s']:.0f} s"
+    assert f"total {total} (the whole command)" in printed and f"\nTotal {total}. Results: " in printed
+    assert printed.splitlines()[-1].startswith(f"Cache: {tmp_path / 'cache'}, ")
+    assert printed.splitlines()[-1].endswith(f"To free it: rm -rf {tmp_path / 'cache'}")
     assert "--out" not in record["command"] and "--cache" not in record["command"]  # no machine folder in the record
     assert "G5 statistics FAIL" in printed  # 48 val images per task
     # the paired differences are still measured and shown, each marked as no ranking

@@ -18,14 +18,17 @@
   the same protocol and gates.
 
 Writes ``results.md`` / ``results.json`` and the M-TIES merge (a Hub-ready folder) under ``--out``; with
-``--table PATH`` also ``PATH.md`` / ``PATH.json`` (the committed record).
+``--table PATH`` also ``PATH.md`` / ``PATH.json`` (the committed record). Prints the table, then the total time (the
+record's: the whole command, one number in both) and the cache folder with its size and the command that frees it.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -121,21 +124,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--svd", action="store_true",
                         help="add the SVD-based merges to the compared methods (image suites: tsv_m, iso_c, iso_cts; text: "
                         "tsv_m, iso_c)")
+    start = time.perf_counter()  # the record's total and the printed one: the whole command, torch's import too
     args = parser.parse_args(argv)
     print(f"suite {args.suite}: loading torch, transformers and the suite ...", file=sys.stderr, flush=True)
     out = args.out or Path(f"hf_mloss_{args.suite.replace('-', '_')}_suite")
-    start = time.perf_counter()
     command = "python -m benchmarks.suites " + " ".join(record_args(argv if argv is not None else sys.argv[1:]))
     if args.suite == "tiny":
         from benchmarks.suites.tiny import main as tiny_main
 
-        tiny_main(args, out, command)
+        tiny_main(args, out, command, start=start)
     elif args.suite.startswith("text"):
         from benchmarks.suites.text import run_text_suite, text_config
 
         run_text_suite(text_config(args.suite, args.seeds), cache=args.cache or default_cache(), out=out,
                        threads=args.threads, num_samples=args.num_samples, name=args.suite, command=command,
-                       grid="smoke" if args.suite == "text-smoke" else "main", svd=args.svd)
+                       grid="smoke" if args.suite == "text-smoke" else "main", svd=args.svd, start=start)
     else:
         from benchmarks.suites.protocol import ENSEMBLE_SCALES
         from benchmarks.suites.run import method_specs, run_suite
@@ -146,15 +149,59 @@ def main(argv: list[str] | None = None) -> int:
                              random_draws=1 if grid == "quick" else 3)
         run_suite(cfg, specs, cache=args.cache or default_cache(), out=out, threads=args.threads,
                   num_samples=args.num_samples, name=args.suite, command=command,
-                  ensemble_scales=ENSEMBLE_SCALES["main" if grid == "full" else grid])
+                  ensemble_scales=ENSEMBLE_SCALES["main" if grid == "full" else grid], start=start)
     print((out / "results.md").read_text())
     if args.table:
         args.table.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(out / "results.md", args.table.with_suffix(".md"))
         shutil.copyfile(out / "results.json", args.table.with_suffix(".json"))
     merge_note = "" if args.suite.startswith("text") else f"; M-TIES merge (Hub-ready): {out / 'm_ties_merge'}"
-    print(f"Total {time.perf_counter() - start:.0f} s. Results: {out / 'results.md'}, {out / 'results.json'}{merge_note}")
+    total = json.loads((out / "results.json").read_text())["timings"]["total_s"]  # the record's, to the second
+    print(f"Total {total:.0f} s. Results: {out / 'results.md'}, {out / 'results.json'}{merge_note}")
+    print(cache_note(suite_cache(args)))
     return 0
+
+
+def suite_cache(args: argparse.Namespace) -> Path:
+    """The cache folder the command used: ``--cache``, else the suite's default."""
+    if args.cache is not None:
+        return args.cache
+    if args.suite == "tiny":
+        from benchmarks.suites.tiny import default_cache as tiny_cache
+
+        return tiny_cache()
+    return default_cache()
+
+
+def cache_note(cache: Path) -> str:
+    """Where the suites' cache is, its size and the command that clears it (the next run rebuilds what it needs)."""
+    return (f"Cache: {cache}, {size_text(folder_bytes(cache))} (the data, heads and fine-tunes a re-run reuses). "
+            f"To free it: rm -rf {shlex.quote(str(cache))}")
+
+
+def folder_bytes(folder: Path) -> int:
+    """Bytes of the files under ``folder`` (each file once, links not followed; 0 when it does not exist)."""
+    import stat
+
+    seen, total = set(), 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            try:
+                info = os.lstat(os.path.join(root, name))
+            except OSError:
+                continue
+            if stat.S_ISREG(info.st_mode) and (info.st_dev, info.st_ino) not in seen:
+                seen.add((info.st_dev, info.st_ino))
+                total += info.st_size
+    return total
+
+
+def size_text(size: int) -> str:
+    """``size`` bytes as people read them: 1.5 GB, 12 MB, 300 kB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}" if size < 10 * scale else f"{size / scale:.0f} {unit}"
+    return f"{size} bytes"
 
 
 def pin_kernels() -> None:

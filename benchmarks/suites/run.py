@@ -112,21 +112,28 @@ def check_sources(cfg: RealConfig) -> None:
 
 def run_suite(cfg: RealConfig, specs: Sequence[MethodSpec], *, cache: Path, out: Path, threads: int = 2,
               num_samples: int = 128, name: str = "real", command: str = "", ensemble_scales: Sequence[float] = (),
-              log: Log | None = None) -> dict:
-    """Build + protocol + gates + report; writes ``out``/results.md, results.json and the M-TIES merge;
-    ``ensemble_scales``: the probability ensemble's head-scale grid (none: the heads' own scale only)."""
-    log = log or Log(True, f"suite {name}")
+              log: Log | None = None, start: float | None = None) -> dict:
+    """Build + protocol + gates + report; writes the M-TIES merge, then ``out``/results.md and results.json;
+    ``ensemble_scales``: the probability ensemble's head-scale grid (none: the heads' own scale only); ``start``:
+    when the command started (``time.perf_counter()``, before torch was imported), so that the record's total is
+    the whole run's, the one the command line prints (default: now)."""
+    if log is None:
+        log = Log(True, f"suite {name}")
+        log.start = log.start if start is None else start  # the log's clock is the record's: the command's
     check_sources(cfg)
     transformers.utils.logging.disable_progress_bar()
     torch.use_deterministic_algorithms(True)
-    start, cpu_start, load = time.perf_counter(), time.process_time(), os.getloadavg()
+    begin, cpu_start, load = time.perf_counter(), time.process_time(), os.getloadavg()
     with torch_threads(threads):
         bench = build_real_suite(cfg, cache, log)
-        built = time.perf_counter() - start
+        built = time.perf_counter() - begin
         log(f"suite ready in {built:.0f} s: {replicates(len(cfg.seeds))} × {len(cfg.tasks)} fine-tunes")
         results, gates, diffs = run_protocol(bench, specs, num_samples=num_samples, ensemble_scales=ensemble_scales,
                                              log=log)
-    total = time.perf_counter() - start
+    log(f"writing the M-TIES merge of replicate {bench.replicates[0].seed}, {out / 'results.md'} and results.json")
+    out.mkdir(parents=True, exist_ok=True)
+    save_m_ties(bench, results[0], out / "m_ties_merge", num_samples)
+    total = time.perf_counter() - (begin if start is None else start)
     extra = {"suite": name, "command": command, "config": bench.info["config"],
              "machine": machine(threads, load, os.getloadavg()),
              "timings": {"build_s": round(built, 1), "total_s": round(total, 1),
@@ -137,8 +144,6 @@ def run_suite(cfg: RealConfig, specs: Sequence[MethodSpec], *, cache: Path, out:
     title = f"# Suite `{name}`: {model} at {D.SIZE} px, {len(cfg.tasks)} tasks × {replicates(len(cfg.seeds))}"
     write_results(out, results, gates, diffs, [title, "", describe(cfg, bench.base.config.num_hidden_layers, extra)],
                   extra)
-    log(f"writing {out / 'results.md'} and the M-TIES merge of replicate {bench.replicates[0].seed}")
-    save_m_ties(bench, results[0], out / "m_ties_merge", num_samples)
     return {"results": results, "gates": gates, "diffs": diffs, "extra": extra}
 
 
@@ -214,7 +219,7 @@ def describe(cfg: RealConfig, layers: int, extra: dict) -> str:
     return (f"Command: `{extra['command']}`. Machine: {m['cpus']} CPU cores ({m['processor']}){paths}, torch "
             f"{m['torch']}, transformers {m['transformers']}, {m['threads']} torch threads, load average {m['load_start'][0]} at "
             f"the start, {m['load_end'][0]} at the end. Time: build {t['build_s']:.0f} s, total {t['total_s']:.0f} "
-            f"s{resources(t)}. Setup: lower {cfg.frozen} blocks frozen (cached), upper {layers - cfg.frozen} + final norm trained "
+            f"s (the whole command){resources(t)}. Setup: lower {cfg.frozen} blocks frozen (cached), upper {layers - cfg.frozen} + final norm trained "
             f"({cfg.ft_steps} AdamW steps × {cfg.ft_batch}, lr {cfg.ft_lr:g}, weight decay {cfg.ft_weight_decay:g}), "
             f"each fine-tune saved as θ₀ + {cfg.wise:g} · (θ − θ₀) (WiSE-FT interpolation of the checkpoint; the "
             "experts, ensembles, gates and merges all use these checkpoints, no λ rescaled); "

@@ -508,13 +508,16 @@ def cached_text_replicate(cfg: TextConfig, cache: Path, replicate: Replicate, sp
 
 def run_text_suite(cfg: TextConfig, *, cache: Path, out: Path, threads: int = 2, num_samples: int = 128,
                    name: str = "text", command: str = "", grid: str = "main", svd: bool = False,
-                   log: Log | None = None) -> dict:
-    """Build + protocol + gates + report; writes ``out``/results.md and results.json."""
+                   log: Log | None = None, start: float | None = None) -> dict:
+    """Build + protocol + gates + report; writes ``out``/results.md and results.json; ``start``: when the command
+    started (``time.perf_counter()``), so that the record's total is the one the command line prints (default: now)."""
     import transformers
 
     from benchmarks.suites.run import judge, machine, write_results
 
-    log = log or Log(True, f"suite {name}")
+    if log is None:
+        log = Log(True, f"suite {name}")
+        log.start = log.start if start is None else start  # the log's clock is the record's: the command's
     missing = T.missing_sources(list(cfg.tasks))
     if not cfg.random_base:
         try:
@@ -526,11 +529,11 @@ def run_text_suite(cfg: TextConfig, *, cache: Path, out: Path, threads: int = 2,
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     torch.use_deterministic_algorithms(True)
-    start, cpu_start, load = time.perf_counter(), time.process_time(), os.getloadavg()
+    begin, cpu_start, load = time.perf_counter(), time.process_time(), os.getloadavg()
     specs, not_run = method_specs(cfg, grid, svd=svd)
     with torch_threads(threads):
         bench = build_text_suite(cfg, cache, log)
-        built = time.perf_counter() - start
+        built = time.perf_counter() - begin
         log(f"suite ready in {built:.0f} s: {replicates(len(cfg.seeds))} × {len(cfg.tasks)} fine-tunes")
         for label, reason in not_run.items():
             log(f"  {label}: not run: {reason}")
@@ -542,7 +545,7 @@ def run_text_suite(cfg: TextConfig, *, cache: Path, out: Path, threads: int = 2,
     results, gates, diffs = judge(bench, specs, results, log=log)
     premise = next(g for g in gates if g.name == "G6 premise")
     log(premise.line())
-    total = time.perf_counter() - start
+    total = time.perf_counter() - (begin if start is None else start)
     extra = {"suite": name, "command": command, "config": bench.info["config"],
              "machine": machine(threads, load, os.getloadavg()),
              "timings": {"build_s": round(built, 1), "total_s": round(total, 1),
@@ -553,7 +556,8 @@ def run_text_suite(cfg: TextConfig, *, cache: Path, out: Path, threads: int = 2,
     header = [f"# Suite `{name}`: {model}, {len(cfg.tasks)} text tasks × {replicates(len(cfg.seeds))}", "",
               f"Command: `{command}`. Machine: {m['cpus']} CPU cores ({m['processor']}), torch {m['torch']}, "
               f"transformers {m['transformers']}, {threads} torch threads, load average {m['load_start'][0]} at the "
-              f"start, {m['load_end'][0]} at the end. Time: build {built:.0f} s, total {total:.0f} s "
+              f"start, {m['load_end'][0]} at the end. Time: build {built:.0f} s, total "
+              f"{extra['timings']['total_s']:.0f} s "
               f"({extra['timings']['cpu_s']:.0f} CPU-s over the {threads} threads). Setup: lower "
               f"{cfg.frozen} blocks + embeddings frozen (cached), upper {cfg.num_layers - cfg.frozen} trained "
               f"({cfg.ft_steps} AdamW steps × {cfg.ft_batch}, lr {cfg.ft_lr:g}); experts and merges at the same "

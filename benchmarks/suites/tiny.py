@@ -402,14 +402,17 @@ class TinyBench:
         return self.suite.unlabeled[order[:num_samples]]
 
 
-def main(args, out: Path, command: str = "") -> None:
-    """``python -m benchmarks.suites tiny``: build (or load) the tiny suite, run the gated protocol, write results."""
+def main(args, out: Path, command: str = "", start: float | None = None) -> None:
+    """``python -m benchmarks.suites tiny``: build (or load) the tiny suite, run the gated protocol, write the M-TIES
+    merge and the results; ``start``: when the command started, so that the record's total is the one it prints."""
     from benchmarks.suites.run import machine, method_specs, run_protocol, save_m_ties, write_results
 
-    start, load = time.perf_counter(), os.getloadavg()
+    begin, load = time.perf_counter(), os.getloadavg()
+    start = begin if start is None else start
     suite = build_tiny_suite(args.cache, fast=args.fast)
     log = Log(True, "suite tiny")
-    built = time.perf_counter() - start
+    log.start = start  # the log's clock is the record's: the command's
+    built = time.perf_counter() - begin
     log(f"suite ready in {built:.0f} s: {len(suite.finetuned)} fine-tuned CLIP vision towers")
     torch.use_deterministic_algorithms(True)
     with torch_threads(args.threads):
@@ -418,6 +421,8 @@ def main(args, out: Path, command: str = "") -> None:
         specs = method_specs(range(bench.model.config.num_hidden_layers), "smoke" if args.fast else "main",
                              num_tasks=4)
         results, gates, diffs = run_protocol(bench, specs, num_samples=args.num_samples, log=log)
+        out.mkdir(parents=True, exist_ok=True)
+        save_m_ties(bench, results[0], out / "m_ties_merge", args.num_samples)
         extra = {"suite": "tiny", "command": command, "config": suite.info["config"],
                  "machine": machine(args.threads, load, os.getloadavg()),
                  "timings": {"build_s": round(built, 1), "total_s": round(time.perf_counter() - start, 1)}}
@@ -431,4 +436,3 @@ def main(args, out: Path, command: str = "") -> None:
                  "test images per task at most (fewer where a task's sources run out).")
         header = [title, "", setup]
         write_results(out, results, gates, diffs, header, extra)
-        save_m_ties(bench, results[0], out / "m_ties_merge", args.num_samples)
