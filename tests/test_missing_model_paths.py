@@ -100,6 +100,7 @@ def test_an_absolute_path_in_a_config_is_not_explained_as_relative(project, caps
     assert "it is written as a local path" in err and "Relative paths" not in err
 
 
+@pytest.mark.slow  # another process
 def test_cli_refuses_before_importing_torch(project):
     """The check is fast: it runs before torch, transformers and the device are touched."""
     (project / "merge.yaml").write_text("base: tiny_models/base\nmodels: [tiny_models/nope, tiny_models/ft1]\n")

@@ -146,7 +146,7 @@ def compute_gates(results: Sequence[ReplicateResult], *, data_free: Sequence[str
              "λ ≥ 2/q in every replicate and ≥ +1.5"),
         Gate("G5 statistics", len(results) >= min_replicates and min(val_size, test_size) >= 500,
              f"{replicates(len(results), 'fine-tuning')}, {val_size} val / {test_size} test images per task",
-             f"≥ {min_replicates} replicates, ≥ 500 images per task and split"),
+             f"≥ {replicates(min_replicates)}, ≥ 500 images per task and split"),
         premise_gate(results, merges),
         *extra,
     ]  # fmt: skip

@@ -172,6 +172,8 @@ def best_rows(rows: dict) -> tuple[str, str]:
 
 
 def markdown(record: dict, command: str, machine: str, seconds: float) -> str:
+    from benchmarks.suites.protocol import replicates
+
     rows, tuned, default = record["rows"], record["best_tuned"], record["best_default"]
     lines = ["# Learned merges against val-tuned and data-free merges (image suite)", "",
              (f"Command: `{command}`. {machine}. {seconds:.0f} s. Image suite (DINOv2-S at 98 px), q = {record['q']} "
@@ -194,7 +196,8 @@ def markdown(record: dict, command: str, machine: str, seconds: float) -> str:
                      f"{chosen} | {seconds} |")
     learned = [k for k, v in rows.items() if v["kind"] == "learned"]
     if record.get("differences"):
-        lines += ["", (f"Paired differences on the test images, {len(record['seeds'])} fine-tuning replicates: the "
+        count = replicates(len(record["seeds"]), "fine-tuning")
+        lines += ["", (f"Paired differences on the test images, {count}: the "
                        "mean, its item-bootstrap 95 % interval and its replicate t interval at its Holm step "
                        "(family: these comparisons); a difference is a ranking only where both exclude 0."), "",
                   "| difference | mean | item bootstrap | replicate t (level) | per replicate | verdict |",

@@ -298,6 +298,7 @@ def verdicts(bench, specs: Sequence, results: Sequence, out: Path, versions: dic
              design: str = "r4") -> None:
     """The suite protocol's verdicts on one lever's replicates (:func:`benchmarks.suites.run.judge`: gates, paired
     differences, the M-TIES claim), written to ``out``/results.md and results.json by the suite's own report."""
+    from benchmarks.suites.protocol import replicates
     from benchmarks.suites.run import judge, write_results
 
     results, gates, diffs = judge(bench, specs, list(results), log=log)
@@ -306,7 +307,7 @@ def verdicts(bench, specs: Sequence, results: Sequence, out: Path, versions: dic
                   "TIES family on λ × k or p, 18 settings each, the one-parameter merges on 6 λ each)")
     header = [f"# Every verdict of the suite protocol on one lever: q {len(bench.tasks)}, wise {bench.cfg.wise:g}, "
               f"{bench.cfg.num_layers - bench.cfg.frozen} trained blocks, {bench.cfg.ft_steps} fine-tuning steps, "
-              f"{len(results)} fine-tuning replicates", "",
+              f"{replicates(len(results), 'fine-tuning')}", "",
               f"Replicates measured by code version {versions['code_version']}"
               + (f" (the M-TIES family: {versions['mties_code_version']})" if "mties_code_version" in versions else "")
               + f" (`benchmarks.suites.protocol.code_version`); merges and grids: {grids}."]

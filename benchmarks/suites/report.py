@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -354,13 +355,24 @@ def from_json(record: dict[str, Any]) -> tuple[list[ReplicateResult], list[Gate]
     return results, gates, diffs
 
 
+def counted(text: str) -> str:
+    """``text`` with every count of replicates worded as :func:`~benchmarks.suites.protocol.replicates` words it
+    ("1 replicate", "4 fine-tuning replicates"): records written before it said "1 replicates" in their stored
+    header and gate values, which :func:`render` keeps as text."""
+    return re.sub(r"\b(\d+) (fine-tuning )?replicates?\b", lambda m: replicates(int(m[1]), (m[2] or "").strip()),
+                  text)
+
+
 def render(json_path: Path) -> None:
     """Rewrite a results record's Markdown (beside it) and its derived fields with this version of the report, from
-    its JSON: no number is recomputed. The header is the record's, or that of the Markdown it replaces."""
+    its JSON: no number is recomputed. The header is the record's, or that of the Markdown it replaces; stored text
+    (the header, the gates' values and rules) gets its counts worded anew (:func:`counted`)."""
     json_path = Path(json_path)
     record = json.loads(json_path.read_text())
     md_path = json_path.with_suffix(".md")
     header = record.get("header") or md_path.read_text().split("## Gates (val)")[0].rstrip("\n").split("\n")
+    header = [counted(line) for line in header]
+    record["gates"] = [{**g, "value": counted(g["value"]), "rule": counted(g["rule"])} for g in record["gates"]]
     results, gates, diffs = from_json(record)
     record["header"], record["ordering"] = header, ordering_verdict(diffs)
     premise = next((g.passed for g in gates if g.name.startswith("G6")), True)
