@@ -689,23 +689,23 @@ def test_task_negation_and_a_nearswap_gradient_from_python_match_mergekit(tmp_pa
 # --------------------------------------------------------------------------------------------------------------------
 # hf-mloss moe against mergekit-moe: an MoE from dense fine-tunes, from the same YAML file
 # --------------------------------------------------------------------------------------------------------------------
-MOE_FAMILIES = {"llama": "MixtralForCausalLM", "qwen2": "Qwen2MoeForCausalLM", "qwen3": "Qwen3MoeForCausalLM",
+MOE_BUILD_FAMILIES = {"llama": "MixtralForCausalLM", "qwen2": "Qwen2MoeForCausalLM", "qwen3": "Qwen3MoeForCausalLM",
                 "llama-shared": "Qwen2MoeForCausalLM"}
-MOE_LEGACY_KEYS = {"torch_dtype", "rope_theta", "num_experts"}
+MOE_BUILD_LEGACY_KEYS = {"torch_dtype", "rope_theta", "num_experts"}
 """Keys hf_mloss adds to config.json for transformers 4.x (mergekit writes 5.x's names only)."""
-_MOE_FAMILIES: dict[str, tuple[str, list[str]]] = {}
+_MOE_BUILD_INPUTS: dict[str, tuple[str, list[str]]] = {}
 
 
 def _moe_family(family: str, tmp_path_factory) -> tuple[str, list[str]]:
     from examples.tiny import char_tokenizer, save_with_finetunes, tiny_decoder, word_tokenizer
 
     name = family.removesuffix("-shared")
-    if name not in _MOE_FAMILIES:
+    if name not in _MOE_BUILD_INPUTS:
         tokenizer = char_tokenizer() if name == "qwen2" else word_tokenizer()  # see char_tokenizer
         base, models = save_with_finetunes(tiny_decoder(name), tmp_path_factory.mktemp(f"moe-{name}"), 3,
                                            tokenizer=tokenizer)
-        _MOE_FAMILIES[name] = (str(base), [str(m) for m in models])
-    return _MOE_FAMILIES[name]
+        _MOE_BUILD_INPUTS[name] = (str(base), [str(m) for m in models])
+    return _MOE_BUILD_INPUTS[name]
 
 
 def _moe_recipe(family: str, mode: str, base: str, models: list[str]) -> dict:
@@ -734,7 +734,7 @@ def _mergekit_moe_or_skip(recipe: dict, out_dir):
 
 
 @pytest.mark.parametrize("mode", ["hidden", "cheap_embed", "random"])
-@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+@pytest.mark.parametrize("family", list(MOE_BUILD_FAMILIES))
 def test_hf_mloss_moe_matches_mergekit_moe(tmp_path_factory, tmp_path, family, mode):
     """The same YAML through ``mergekit-moe`` and ``hf-mloss moe``: router rows within 1e-5 relative (bfloat16
     hidden states for ``hidden``, as mergekit computes them), experts, shared expert and every other tensor exact
@@ -752,7 +752,7 @@ def test_hf_mloss_moe_matches_mergekit_moe(tmp_path_factory, tmp_path, family, m
     theirs = AutoModelForCausalLM.from_pretrained(run.out_dir).eval()
     ours, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     ours.eval()
-    assert type(ours).__name__ == type(theirs).__name__ == MOE_FAMILIES[family]
+    assert type(ours).__name__ == type(theirs).__name__ == MOE_BUILD_FAMILIES[family]
     assert not info["missing_keys"] and not info["unexpected_keys"]
     a, b = ours.state_dict(), theirs.state_dict()
     assert a.keys() == b.keys()
@@ -766,7 +766,7 @@ def test_hf_mloss_moe_matches_mergekit_moe(tmp_path_factory, tmp_path, family, m
     print(f"moe {family} {mode}: router rows max relative difference {worst:.3g}, unequal tensors {unequal}")
     assert worst <= 1e-5 and unequal == []
     mine, peer = (json.loads((p / "config.json").read_text()) for p in (out, run.out_dir))
-    assert {k for k in mine.keys() | peer.keys() if mine.get(k) != peer.get(k)} <= MOE_LEGACY_KEYS
+    assert {k for k in mine.keys() | peer.keys() if mine.get(k) != peer.get(k)} <= MOE_BUILD_LEGACY_KEYS
     tokenizer = AutoTokenizer.from_pretrained(out)
     batch = tokenizer(["<s>w1 w2 w3", "<s>w20 w21 w5"], add_special_tokens=False, padding=True, return_tensors="pt")
     greedy = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
