@@ -151,7 +151,8 @@ def char_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3, **{c: 4 + i for i, c in enumerate(["w", "Ġ", *"0123456789"])}}
+    chars = ["w", "Ġ", *"0123456789"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3, **{c: 4 + i for i, c in enumerate(chars)}}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -165,7 +166,9 @@ def tiny_decoder(family: str = "llama", *, seed: int = 0, tie: bool = False, **o
     import transformers
 
     names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
-    head = {"head_dim": TINY_DECODER["hidden_size"] // TINY_DECODER["num_attention_heads"]} if family == "qwen3" else {}
+    head = {}
+    if family == "qwen3":  # Qwen3's head_dim defaults to 128
+        head["head_dim"] = TINY_DECODER["hidden_size"] // TINY_DECODER["num_attention_heads"]
     config = getattr(transformers, f"{names[family]}Config")(**{**TINY_DECODER, **head, "tie_word_embeddings": tie,
                                                                  **overrides})
     torch.manual_seed(seed)

@@ -274,10 +274,11 @@ def push_command(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------------------- moe
 def moe_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     description = ("Build a mixture of experts (Mixtral, Qwen2-MoE or Qwen3-MoE) from dense fine-tunes of one base, "
-                   "from mergekit-moe's YAML, and write a Hub-ready folder (safetensors, config, tokenizer, model card, "
-                   "hf_mloss_moe.yaml and the routing report).")
+                   "from mergekit-moe's YAML, and write a Hub-ready folder (safetensors, config, tokenizer, model "
+                   "card, hf_mloss_moe.yaml and the routing report).")
     parser = _subparser(subparsers, "moe", description, parents=[_quiet_parent()])
-    parser.add_argument("config", metavar="CONFIG.yaml", help="mergekit-moe's config (base_model, experts, gate_mode...).")
+    parser.add_argument("config", metavar="CONFIG.yaml",
+                        help="mergekit-moe's config (base_model, experts, gate_mode...).")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="Folder to write the MoE to.")
     parser.add_argument("--overwrite", action="store_true",
                         help="Replace OUT_DIR if it exists and is not empty (only once the new folder is complete).")

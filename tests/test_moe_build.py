@@ -44,7 +44,8 @@ def odd_models(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("odd")
     out = {}
     for name, model in [("wide", tiny_decoder("llama", intermediate_size=48)), ("mistral", tiny_decoder("mistral")),
-                        ("biased", tiny_decoder("llama", attention_bias=True)), ("untokenized", tiny_decoder("llama"))]:
+                        ("biased", tiny_decoder("llama", attention_bias=True)),
+                        ("untokenized", tiny_decoder("llama"))]:
         model.save_pretrained(root / name)
         if name != "untokenized":
             word_tokenizer().save_pretrained(root / name)
@@ -71,7 +72,8 @@ REFUSED = {
     "fewer experts than per token": ({"experts_per_token": 3}, "experts_per_token is 3"),
     "no positive prompts": ({"experts": [_expert("/m/a", positive_prompts=["x"]), _expert("/m/b")]},
                             "experts[1] (b) has no positive_prompts"),
-    "identical prompts": ({"experts": [_expert("/m/a", positive_prompts=["x"]), _expert("/m/b", positive_prompts=["y"]),
+    "identical prompts": ({"experts": [_expert("/m/a", positive_prompts=["x"]),
+                                       _expert("/m/b", positive_prompts=["y"]),
                                        _expert("/m/c", positive_prompts=["x"])], "experts_per_token": 2},
                           "experts[0] and experts[2] have identical positive_prompts"),
     "one model": ({"experts": [_expert("/m/a", positive_prompts=["x"]), _expert("/m/a", positive_prompts=["y"])]},

@@ -2,7 +2,7 @@
 
 ```yaml
 base_model: org/llama-base          # donor of attention, norms, embeddings, config and tokenizer
-gate_mode: hidden                   # hidden (default) | cheap_embed | random | uniform_random (| hidden_avg, hidden_last)
+gate_mode: hidden                   # hidden (default) | cheap_embed | random | uniform_random | hidden_avg
 dtype: bfloat16                     # of the output (default: the base's)
 experts_per_token: 2
 experts:
@@ -14,7 +14,7 @@ experts:
   - source_model: org/llama-code
     positive_prompts: ["def f(x):"]
 shared_experts: []                  # one, for Qwen2-MoE output only
-architecture: mixtral               # optional: mixtral | qwen (Qwen2-MoE) | qwen3 (Qwen3-MoE), a prefix as mergekit reads it
+architecture: mixtral               # optional: mixtral | qwen (Qwen2-MoE) | qwen3 (Qwen3-MoE), a name prefix
 seed: 0                             # hf_mloss: the random draws of gate_mode random / uniform_random and noise_scale
 ```
 
@@ -217,9 +217,11 @@ def check_config(config: MoEConfig) -> None:
     if isinstance(config.seed, bool) or not isinstance(config.seed, int) or config.seed < 0:
         raise ConfigError(f"seed must be a non-negative integer, got {short(config.seed)}.")
     if not isinstance(config.allow_identical_experts, bool):
-        raise ConfigError(f"allow_identical_experts must be true or false, got {short(config.allow_identical_experts)}.")
+        raise ConfigError("allow_identical_experts must be true or false, got "
+                          f"{short(config.allow_identical_experts)}.")
     if config.architecture is not None and (not isinstance(config.architecture, str) or not config.architecture):
-        raise ConfigError(f"architecture must be a name such as mixtral, qwen or qwen3, got {short(config.architecture)}.")
+        raise ConfigError("architecture must be a name such as mixtral, qwen or qwen3, got "
+                          f"{short(config.architecture)}.")
     if len(config.shared_experts) > 1:
         raise ConfigError(f"shared_experts lists {len(config.shared_experts)} experts; Qwen2-MoE, the one output "
                           "with a shared expert, holds exactly one.")

@@ -194,8 +194,9 @@ def _check_tokenizer(base: ModelRef) -> None:
     try:
         tokenizer = AutoTokenizer.from_pretrained(base.path)
     except (OSError, ValueError, TypeError, KeyError) as err:
-        raise CheckpointNotFoundError(f"base_model {base.name!r} has no tokenizer that loads ({' '.join(str(err).split())[:160]}): "
-                                      "the prompts are read with it and the MoE is saved with it.") from None
+        reason = " ".join(str(err).split())[:160]
+        raise CheckpointNotFoundError(f"base_model {base.name!r} has no tokenizer that loads ({reason}): the prompts "
+                                      "are read with it and the MoE is saved with it.") from None
     if tokenizer.bos_token is None and tokenizer.eos_token is None and tokenizer.pad_token is None:
         raise UnsupportedModelError(f"base_model {base.name!r}'s tokenizer has no BOS, EOS or pad token to pad the "
                                     "prompts with.")
