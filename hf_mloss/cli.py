@@ -298,8 +298,10 @@ def moe_command(args: argparse.Namespace) -> int:
     from .distributed import describe_device
     from .loading.inputs import resolve_device
     from .moe import build_moe
+    from .saving import check_output_dir
 
     _check_environment()
+    check_output_dir(args.out_dir, overwrite=args.overwrite, protected=config.input_paths())  # before any output
     device = resolve_device(args.device)
     show = not args.quiet
     if show:

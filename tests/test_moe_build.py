@@ -194,6 +194,10 @@ def test_the_cli_prints_one_line_and_exits_2_on_bad_input(llama, tmp_path, capsy
     err = capsys.readouterr().err.strip()
     assert err.startswith("hf-mloss: error:") and "experts_per_token" in err and "\n" not in err
     assert not (tmp_path / "out").exists()
+    path.write_text(yaml.safe_dump(_config(base, models[:2])))
+    assert main(["moe", str(path), models[0]]) == 2  # an input as the output: refused before anything is printed
+    captured = capsys.readouterr()
+    assert captured.out == "" and "overlaps an input" in captured.err
 
 
 # --------------------------------------------------------------------------------------------------------------------
