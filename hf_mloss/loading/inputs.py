@@ -115,9 +115,9 @@ class RunInputs:
         if self.towers:
             out.update({view.tower_attribute: view.modality for view in self.towers})
         else:
-            from ..adapters.generic import other_towers
+            from .classes import whole_model_towers
 
-            out.update({view.tower_attribute: view.modality for view in other_towers(self.adapter)})
+            out.update({view.tower_attribute: view.modality for view in whole_model_towers(self.adapter)})
         return out
 
     def scored_attributes(self) -> set[str]:
@@ -130,6 +130,8 @@ class RunInputs:
     def scoring_output(self) -> str:
         """The ``output`` a scoring pass loads its model as: the tower of a whole model (a CLIPModel's vision tower),
         else the model itself (``"auto"``: a family without towers, e.g. a causal LM)."""
+        if getattr(self.adapter, "kept_class", None) is not None:
+            return "auto"  # the base's class around the encoder (a ViTForImageClassification), as saved
         return "tower" if self.adapter.containers else "auto"
 
     def load_scoring_model(self, *, progress: bool = True, streamed: bool = False) -> PreTrainedModel:
@@ -272,15 +274,24 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
                 f"{ref.name!r} is a {model_config.model_type!r} model ({other.name} adapter) but the base is "
                 f"{resolved[0][2].model_type!r} ({adapter.name}); all models must share one architecture.")
     check_family(config, adapter, resolved, needs_data=needs_data)
-    whole = [getattr(c, "model_type", None) in adapter.containers for _, _, c in resolved]
-    towers = check_text_data(config, adapter, resolved, whole)
+    from .classes import differing_heads, holds_whole, kept_class_adapter
+
+    kept, class_note = kept_class_adapter(adapter, resolved[0][2])  # a ViTForImageClassification base: its class
+    whole = [holds_whole(kept, c) for _, _, c in resolved]
+    towers = check_text_data(config, kept, resolved, whole)
     whole_model = whole_model or bool(towers)
-    if whole_model and all(whole):
+    if not whole_model:
+        class_note = None  # the encoder alone (output="tower", scoring) is the family's class, as asked
+    elif all(whole):
         from ..adapters import whole_model_adapter
 
-        adapter = whole_model_adapter(adapter)
-    elif whole_model and whole[0] and any(whole[1:]):
-        check_outside_unchanged(adapter, resolved, whole)
+        adapter = whole_model_adapter(kept)
+    elif whole[0] and kept is not adapter and not any(whole[1:]):
+        adapter = kept
+        class_note = (f"The fine-tunes hold the {adapter.model_class.__name__} only: the merge is written as the "
+                      f"base's {adapter.kept_class.__name__}, with the base's head.")
+    elif whole[0] and any(whole[1:]):
+        check_outside_unchanged(kept, resolved, whole)
     if getattr(config, "tokenizer_source", None) is None:  # else the vocabularies are merged (loading.vocab)
         check_vocabularies(resolved)
     check_tying(adapter, resolved)
@@ -295,14 +306,17 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
         vocabulary = None
         if getattr(config, "tokenizer_source", None) is not None:
             stores, adapter, vocabulary = _merged_vocabulary(config, adapter, stores, resolved)
+        heads, head_note = differing_heads(adapter, stores[0], stores[1:])  # another number of labels: the base's
         for store in stores[1:]:
-            check_compatible(stores[0], store)
+            check_compatible(stores[0], store, skip=frozenset(heads))
         fingerprints = _verify_fingerprints(specs, resolved, progress=progress)
         method = config.merge_method()
         inputs = RunInputs(adapter=adapter, base=stores[0], sources=stores[1:], base_model=resolved[0][1],
-                           names=float_names(stores[0]), alpha=resolve_weights(config, method.default_weight),
-                           device=device, fingerprints=fingerprints, towers=towers)
+                           names=[n for n in float_names(stores[0]) if n not in set(heads)],
+                           alpha=resolve_weights(config, method.default_weight), device=device,
+                           fingerprints=fingerprints, towers=towers)
         inputs.vocabulary = vocabulary
+        inputs.notes += [note for note in (class_note, head_note) if note]
         if uninitialised:
             inputs.uninitialised = uninitialised
             inputs.notes.append(uninitialised_note(uninitialised))
@@ -424,14 +438,18 @@ def check_family(config: MergeConfig, adapter: ModelAdapter, resolved, *, needs_
     from ..errors import UnsupportedModelError
 
     base_type = getattr(resolved[0][2], "model_type", None)
-    if needs_data and not getattr(adapter, "scorable", True):
-        from ..adapters.generic import scoring_unavailable
+    if needs_data:
+        from .classes import refuse_vision_language
 
         method = config.merge_method()
         what = (f"Method {config.method!r}" if method.needs_data else
                 "Label-free selection (select=...)" if getattr(config, "select", None) is not None else
                 "Scoring (score(), compatibility())")
-        raise UnsupportedModelError(scoring_unavailable(base_type, what))
+        refuse_vision_language(resolved[0][2], what)
+        if not getattr(adapter, "scorable", True):
+            from ..adapters.generic import scoring_unavailable
+
+            raise UnsupportedModelError(scoring_unavailable(base_type, what))
     if adapter.name != "generic":
         return
     if getattr(config, "output", "auto") == "tower":
@@ -454,10 +472,10 @@ def check_text_data(config: MergeConfig, adapter: ModelAdapter, resolved, whole:
     """
     if getattr(config, "text_data", None) is None:
         return []
-    from ..adapters.generic import other_towers
+    from .classes import whole_model_towers
 
     base_type = getattr(resolved[0][2], "model_type", None)
-    texts = [view for view in other_towers(adapter) if getattr(view, "modality", "image") == "text"] \
+    texts = [view for view in whole_model_towers(adapter) if getattr(view, "modality", "image") == "text"] \
         if whole[0] else []
     if not texts:
         raise InvalidParameterError(
@@ -564,11 +582,12 @@ def float_names(store: TensorStore) -> list[str]:
     return [n for n in store.keys() if store.dtypes[n] is not None and store.dtypes[n].is_floating_point]
 
 
-def check_compatible(base: TensorStore, other: TensorStore) -> None:
+def check_compatible(base: TensorStore, other: TensorStore, *, skip: frozenset[str] = frozenset()) -> None:
     """Raise :class:`IncompatibleCheckpointsError` unless ``other`` has the base's float tensors and shapes.
 
     Non-float tensors (buffers such as ``position_ids``, which older checkpoints persist and newer ones do not) are
-    taken from the base and never merged, so they may be absent from either side.
+    taken from the base and never merged, so they may be absent from either side; so are the ``skip`` tensors (a
+    classification head of another shape, taken from the base).
     """
     base_float, other_float = set(float_names(base)), set(float_names(other))
     missing = [n for n in float_names(base) if n not in other_float]
@@ -583,7 +602,7 @@ def check_compatible(base: TensorStore, other: TensorStore) -> None:
             f"{other.ref.name!r} does not match the base {base.ref.name!r}: {'; '.join(parts)}. "
             "All models merged together must share one architecture.")
     for name in float_names(base):
-        if base.shapes[name] != other.shapes[name]:
+        if base.shapes[name] != other.shapes[name] and name not in skip:
             if _rows_differ(base.shapes[name], other.shapes[name]) and _is_vocabulary(name):
                 raise IncompatibleCheckpointsError(
                     f"{name!r} has {base.shapes[name][0]} rows in the base {base.ref.name!r} but "
@@ -717,9 +736,9 @@ def _load_data(inputs: RunInputs, config: MergeConfig, base_ref: ModelRef, token
                 seed=config.seed, split=data.split, image_column=data.image_column, revision=data.revision,
                 progress=progress)
         except DataError as err:
-            from ..adapters.generic import other_towers
+            from .classes import whole_model_towers
 
-            if "text" not in str(err) or not any(v.modality == "text" for v in other_towers(inputs.adapter)):
+            if "text" not in str(err) or not any(v.modality == "text" for v in whole_model_towers(inputs.adapter)):
                 raise
             raise DataError(f"{err} For the text tower of this whole {inputs.adapter.full_config.model_type!r} "
                             "model, pass the text as text_data=... (both towers are then scored).") from None

@@ -252,10 +252,12 @@ def refuse_changed_outside(inputs: RunInputs, outside: Sequence[str], what: str)
     """Refuse a run that would keep the base's values of tensors the fine-tunes changed outside the scored tower."""
     changed = changed_names(inputs, outside)
     if changed:
+        tower = f"{inputs.adapter.model_class.__name__} encoder" if getattr(inputs.adapter, "kept_class", None) \
+            else "vision tower"
         raise InvalidParameterError(
-            f"{what} works on the vision tower, but the fine-tunes also changed {len(changed)} tensor(s) outside it "
+            f"{what} works on the {tower}, but the fine-tunes also changed {len(changed)} tensor(s) outside it "
             f"(e.g. {changed[:3]}), which would silently keep the base's values. Pass output='tower' to merge and "
-            "save the vision tower only, or merge the whole model without select=.")
+            f"save the {tower} only, or merge the whole model without select=.")
 
 
 def data_free_rule(method: MergeMethod, params: Any, lead: str = "") -> str:
@@ -285,8 +287,9 @@ def outside_rule_note(inputs: RunInputs, method: MergeMethod, params: Any, names
 
     unreached = [n for n in names if not reached(n)]
     changed = len(changed_names(inputs, unreached))
+    rest = getattr(inputs.adapter, "head_label", None) or "projections, logit scale"  # a kept class: its head
     return (f"{'; '.join(lines)}. The {len(unreached)} tensors no scoring data reaches ("
-            f"{''.join(f'{label}, ' for label in unscored)}projections, logit scale; {changed} changed by the "
+            f"{''.join(f'{label}, ' for label in unscored)}{rest}; {changed} changed by the "
             f"fine-tunes) were merged by the method's data-free rule, {rule}.")
 
 
