@@ -202,6 +202,11 @@ class RunInputs:
         model = self._from_store(output, dtype, blocks_on_meta=False)
         if model is None:
             return None
+        layout = getattr(self.adapter, "layout", None)
+        if layout is not None and getattr(self.base, "checkpoint_keys", None):  # saved back in the base's layout,
+            from ..adapters.layout import write_layout  # as from_pretrained would have recorded it
+
+            write_layout(model, self.base.checkpoint_keys, layout)
         path = Path(self.base.ref.path)
         model.config._name_or_path = str(path)
         if getattr(model, "generation_config", None) is not None and (path / "generation_config.json").is_file():

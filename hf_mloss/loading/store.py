@@ -103,6 +103,8 @@ class CheckpointStore(TensorStore):
         self.is_pickle = weights.is_pickle
         self._fused: dict[str, list[tuple[Path, str]]] = {}
         """A parameter transformers fuses from several checkpoint tensors (MoE experts) → those tensors."""
+        self.checkpoint_keys: list[str] = []
+        """Every key of the weight files as written (the checkpoint's layout, which a merge is saved back in)."""
         for file in weights.files:
             self._index_file(file)
         self._index_fused()
@@ -122,6 +124,7 @@ class CheckpointStore(TensorStore):
             entries = {key: (tuple(t.shape), t.dtype) for key, t in state.items()}
         else:
             entries = self._index_safetensors(file)
+        self.checkpoint_keys += entries
         for key, (shape, dtype) in entries.items():
             name, fused = self.adapter.checkpoint_key(key)
             if name is None or name in self._unsaved:

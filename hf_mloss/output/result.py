@@ -171,7 +171,7 @@ class MergeResult:
         if self.lora is not None:  # a PEFT adapter: adapter_model.safetensors + adapter_config.json
             self.lora.save(folder)
         else:
-            save_weights(self.model, self.adapter, folder, max_shard_size=max_shard_size)
+            save_weights(self.model, self.adapter, folder, max_shard_size=max_shard_size, base_path=self.base.path)
             self._save_processor(folder)
         # local paths in the saved config are relative to where the folder ends up (absolute without one)
         if final is None:
