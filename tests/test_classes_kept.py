@@ -232,3 +232,17 @@ def test_the_tower_output_is_still_the_bare_encoder(tmp_path):
     root, models = testing.save_with_finetunes(base, tmp_path, 2)
     result = hf_mloss.merge(str(root), [str(m) for m in models], "ties", output="tower", progress=False)
     assert type(result.model) is transformers.ViTModel
+
+
+def test_learned_merges_and_selection_refuse_a_changed_head_naming_output_tower(tmp_path):
+    """They learn on the encoder only; the fine-tunes' changed head would silently keep the base's values."""
+    torch.manual_seed(0)
+    root, models = testing.save_with_finetunes(_vit(3).eval(), tmp_path, 2)
+    paths = [str(m) for m in models]
+    for call in (lambda: hf_mloss.merge(str(root), paths, "adamerging", data=PIXELS, objective="output_gap",
+                                        steps=1, progress=False),
+                 lambda: hf_mloss.merge(str(root), paths, "ties", data=PIXELS, select="unlabeled",
+                                        grid={"k": [0.2, 0.5]}, progress=False)):
+        with pytest.raises(hf_mloss.InvalidParameterError,
+                           match=r"ViTModel encoder.*\['classifier.bias', 'classifier.weight'\].*output='tower'"):
+            call()
