@@ -162,6 +162,14 @@ def test_the_merge_keeps_the_bases_config_file(hub_layout):
     assert written == {**HUB_CONFIGS[hub_layout["name"]], "torch_dtype": "float32"}
 
 
+def test_the_kept_config_file_says_the_merges_dtype(hub_layout, tmp_path):
+    result = hf_mloss.merge(hub_layout["base"], hub_layout["fts"], "average", dtype="bfloat16", progress=False)
+    result.save_pretrained(tmp_path / "merged")
+    written = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert written == {**HUB_CONFIGS[hub_layout["name"]], "torch_dtype": "bfloat16"}
+    assert _load(hub_layout["name"], tmp_path / "merged").dtype == torch.bfloat16
+
+
 def test_a_large_base_filled_from_its_store_is_written_in_the_bases_layout(hub_layout, monkeypatch, tmp_path):
     """The streamed load (a base of 2 GiB or more) builds the model from the lazy store, not from_pretrained: the
     base's layout is recorded on it (LLaVA keeps ``vision_tower.vision_model.*``)."""
