@@ -130,6 +130,9 @@ HF_RUNS: dict[str, tuple[str, dict]] = {
     "tsv_m": ("tsv_m", dict(lam=1.0)),  # per matrix: q batched SVDs + 2 polar SVDs
     "iso_c": ("iso_c", dict(lam=1.0)),  # per matrix: 1 SVD of the sum
     "iso_cts": ("iso_cts", dict(lam=1.0)),  # per matrix: 1 SVD + q batched SVDs + 2 polar SVDs
+    "regmean": ("regmean", {}),  # Gram matrices of every linear's inputs, own prefix, on the shape's data
+    "regmean_plusplus": ("regmean_plusplus", {}),  # the same on the merged prefix
+    "auto": ("auto", {}),  # the label-free choice among its default candidates (output criterion, no heads)
 }
 SVD_RUNS = ("tsv_m", "iso_c", "iso_cts")
 SCORE_RUNS: dict[str, dict] = {
@@ -137,12 +140,13 @@ SCORE_RUNS: dict[str, dict] = {
     "score_bf16": dict(prefix="base", compute_dtype="bfloat16"),
     "score_own": dict(prefix="own", compute_dtype="float32"),
 }
-DATA_METHODS = ("m_ties", "m_dare")
+DATA_METHODS = ("m_ties", "m_dare", "regmean", "regmean_plusplus", "auto")
 FLOOR_RUNS = ("forward", "read", "svd_floor")
 """Runs that time a lower bound (no hf_mloss call): shared by a --reference comparison, not run twice."""
 ALL_RUNS = ("forward", "read", "svd_floor", *SCORE_RUNS, *HF_RUNS, "compatibility")
 DEFAULT_RUNS = tuple(n for n in ALL_RUNS
-                     if n not in ("read", "svd_floor", "score_own", "compatibility", "select_m_ties", *SVD_RUNS))
+                     if n not in ("read", "svd_floor", "score_own", "compatibility", "select_m_ties", *SVD_RUNS,
+                                  "regmean", "regmean_plusplus", "auto"))
 PEERS = ("mergekit", "fusion_bench")
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni", "avx_vnni")
 

@@ -17,12 +17,15 @@ TARGETS = {
     "compatibility_vs_score_own": 1.5,
     "select_m_ties_vs_m_ties": 3.0,
     "l14_m_ties_rss_gb": 4.0,
+    "regmean_plusplus_vs_score_own": 1.3,
+    "regmean_plusplus_rss_vs_score_own": 1.25,
+    "auto_vs_slowest_candidate": 3.0,
 }
 DECODER_TARGETS = {"ties_tensor_vs_mergekit_wall": 0.5, "compatibility_vs_own_floor": 1.3}
 """The targets set otherwise, or only, for decoder shapes (data-free merges of a bf16 LLM against mergekit; the
 compatibility report against the q own forwards it must run)."""
 HF_NAMES = ("ties_tensor", "ties_tensor_mk", "ties_global", "dare", "task_arithmetic", "m_ties", "m_ties_bf16",
-            "select_m_ties", "ties_global_fb", "tsv_m", "iso_c", "iso_cts")
+            "select_m_ties", "ties_global_fb", "tsv_m", "iso_c", "iso_cts", "regmean", "regmean_plusplus", "auto")
 MEASURE_RUNS = ("forward", "read", "svd_floor", "score", "score_bf16", "score_own", "compatibility")
 DESCRIPTIONS = {
     "read": "every tensor of base + q fine-tunes read onto the device as stored (safetensors); inner = faster pass",
@@ -45,6 +48,9 @@ DESCRIPTIONS = {
     "tsv_m": "hf_mloss tsv_m (top ⌊r/q⌋ components per task, λ=1)",
     "iso_c": "hf_mloss iso_c (λ=1)",
     "iso_cts": "hf_mloss iso_cts (λ=1)",
+    "regmean": "hf_mloss regmean (Gram matrices of every linear's inputs, own prefix)",
+    "regmean_plusplus": "hf_mloss regmean_plusplus (the same on the merged prefix)",
+    "auto": "hf_mloss auto (default candidates: TSV-M, Iso-CTS, TIES, TA on 6 λ each, RegMean++; output criterion)",
     "mergekit_ties": "mergekit-yaml ties (density 0.2, normalize)",
     "mergekit_1t_ties": "mergekit-yaml ties, OMP_NUM_THREADS=1",
     "fusion_bench_ties": "fusion-bench TiesMergingAlgorithm (dis-mean)",
@@ -222,6 +228,19 @@ def workload_ratios(ratios: Ratios, runs: dict) -> None:
     if _ok(runs.get("select_m_ties")) and _ok(runs.get("m_ties")):
         ratios.add("select_m_ties_vs_m_ties", _inner(runs["select_m_ties"]), _inner(runs["m_ties"]),
                    TARGETS["select_m_ties_vs_m_ties"], "inner: 3 × 3 label-free selection / one M-TIES merge()")
+    own, plus = runs.get("score_own"), runs.get("regmean_plusplus")
+    if _ok(own) and _ok(plus):
+        ratios.add("regmean_plusplus_vs_score_own", _inner(plus), _inner(own), TARGETS["regmean_plusplus_vs_score_own"],
+                   "inner: regmean_plusplus merge() / score(prefix='own') of all q")
+        ratios.add("regmean_plusplus_rss_vs_score_own", plus["max_rss_mb"], own["max_rss_mb"],
+                   TARGETS["regmean_plusplus_rss_vs_score_own"], "peak RSS of the two processes")
+    candidates = [name for name in ("tsv_m", "iso_cts", "ties_global", "task_arithmetic", "regmean_plusplus")
+                  if _ok(runs.get(name))]
+    if _ok(runs.get("auto")) and candidates:
+        slowest = max(candidates, key=lambda name: _inner(runs[name]))
+        ratios.add("auto_vs_slowest_candidate", _inner(runs["auto"]), _inner(runs[slowest]),
+                   TARGETS["auto_vs_slowest_candidate"],
+                   f"inner: auto merge() / the slowest single candidate merge() ({slowest}; of {', '.join(candidates)})")
     fb, tg = runs.get("fusion_bench_ties"), runs.get("ties_global_fb")
     if _ok(fb) and _ok(tg):
         ratios.add("ties_global_fb_vs_fusion_bench_wall", tg["wall_s"], fb["wall_s"], None,
