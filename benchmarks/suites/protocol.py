@@ -235,7 +235,8 @@ def run_method(bench: Bench, replicate: Replicate, spec: MethodSpec, out: Replic
                num_samples: int, log: Callable[[str], None]) -> State:
     """Tune ``spec`` on val (every setting of its grid), then evaluate the chosen setting on test; returns the
     chosen merge's evaluated weights."""
-    needs_data = hf_mloss.methods.get_method(spec.method).needs_data
+    method = hf_mloss.methods.get_method(spec.method)
+    needs_data = method.needs_data or getattr(method, "chooses_method", False)  # auto compares on the data
     data = bench.scoring_data(replicate.seed) if needs_data else None
     models = [str(replicate.finetuned[t]) for t in bench.tasks]
     labels = {split: bench.labels(split) for split in SPLITS}
@@ -257,7 +258,8 @@ def run_method(bench: Bench, replicate: Replicate, spec: MethodSpec, out: Replic
         val = {t: accuracy(s, labels["val"][t]) for t, s in evaluate_state(bench, state, "val").items()}
         eval_s += time.perf_counter() - start
         mean = float(np.mean(list(val.values())))
-        grid.append({"setting": setting, "val_mean": mean})
+        choice = merged.config.parameters.get("chosen")  # auto: the merge it chose without labels
+        grid.append({"setting": setting, "val_mean": mean, **({"auto_chose": choice} if choice else {})})
         if best is None or mean > best[0]:
             best = (mean, setting, val, state)
     mean, setting, val, state = best
