@@ -7,6 +7,7 @@ from .bert import BertAdapter
 from .clip_text import CLIPTextAdapter
 from .clip_vision import CLIPVisionAdapter
 from .dinov2 import Dinov2Adapter
+from .experts import MoeAdapter
 from .generic import GenericAdapter, whole_model_adapter
 from .hooked import HookedAdapter
 from .llama import LlamaAdapter
@@ -21,9 +22,10 @@ register_adapter(SiglipVisionAdapter)
 register_adapter(BertAdapter)
 register_adapter(LlamaAdapter)
 register_adapter(CLIPTextAdapter)
+register_adapter(MoeAdapter)  # Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE: M-Loss per expert
 register_adapter(HookedAdapter)  # any text model of a recognised MLP shape: after the dedicated families
 register_adapter(GenericAdapter)  # matches any transformers model_type: tried last
 
 __all__ = ["ADAPTERS", "EMBEDDING_STAGE", "BertAdapter", "BlockContext", "CLIPTextAdapter", "CLIPVisionAdapter",
-           "Dinov2Adapter", "GenericAdapter", "HookedAdapter", "LlamaAdapter", "ModelAdapter", "ScoredUnit", "SiglipVisionAdapter",
-           "ViTAdapter", "adapter_for", "list_adapters", "register_adapter", "whole_model_adapter"]
+           "Dinov2Adapter", "GenericAdapter", "HookedAdapter", "LlamaAdapter", "ModelAdapter", "MoeAdapter", "ScoredUnit",
+           "SiglipVisionAdapter", "ViTAdapter", "adapter_for", "list_adapters", "register_adapter", "whole_model_adapter"]

@@ -184,7 +184,9 @@ class ModelAdapter(ABC):
         entries, the up linear's rows (and bias entries), the down linear's weight columns (transposed weights:
         columns and rows swapped); tensors the model does not have (no bias) are left out. A fused unit's gate
         tensor holds 2 slices per node (i and n + i). CLIP: ``[("encoder.layers.3.mlp.fc1.weight", 0), (".. .bias",
-        0)]``."""
+        0)]``. A unit of several gated MLPs (an MoE block, :mod:`.experts`) gives each member a third entry, the
+        ``(start, stop)`` span of the block's node vector it holds, and may name 3-D fused experts ``[E, ...]`` with
+        dim 1 or 2 (the slices within each expert; expert e holds nodes start + e·n .. start + (e + 1)·n)."""
         prefix, unit, names = self.layer_prefix(layer), self.unit, self._tensor_names
         rows, columns = (1, 0) if unit.transposed else (0, 1)
         pairs = [(f"{prefix}{linear}.{kind}", rows if kind == "weight" else 0) for linear in (unit.gate, unit.up)

@@ -52,7 +52,8 @@ def scoring_unavailable(model_type: str | None, what: str = "M-Loss scoring") ->
     return (f"{what} needs a scored model family, and scoring is not available yet for model_type={model_type!r} "
             f"(scored: {scored}, and any text decoder or encoder whose blocks hold a common MLP shape: gated "
             "gate/up/down, fused gate_up, fc1/fc2 and their GPT-2, GPT-J and GPT-NeoX spellings; not encoder-"
-            "decoders, multimodal or mixture-of-experts models). The data-free methods work on any transformers model: "
+            "decoders, multimodal models or other mixture-of-experts models). The data-free methods work on any "
+            "transformers model: "
             f"{', '.join(DATA_FREE_METHODS)} (e.g. hf_mloss.merge(base, models, 'ties', k=0.2)).")
 
 

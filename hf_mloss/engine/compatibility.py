@@ -130,6 +130,7 @@ def subset_mloss(setup: ScoringSetup, subsets: Sequence[tuple[int, ...]], weight
     """
     from tqdm.auto import tqdm
 
+    from .experts import ExpertSums, own_expert_walk
     from .kernel import GapSums
     from .walk import UnitInputs, own_walk
 
@@ -151,10 +152,17 @@ def subset_mloss(setup: ScoringSetup, subsets: Sequence[tuple[int, ...]], weight
     def done(layer: int) -> None:
         acc = current.pop(layer)
         acc.reduce_across_processes()
-        per_layer[layer] = subset_scores(acc)
+        per_layer[layer] = acc.subset_scores() if isinstance(acc, ExpertSums) else subset_scores(acc)
         bar.update(1)
 
-    own_walk(setup, layers, visit, done)
+    if getattr(setup.adapter, "experts", False):  # MoE blocks: per expert, weighted by each subset's routing
+        def block_done(layer: int, sums: ExpertSums) -> None:
+            current[layer] = sums
+            done(layer)
+
+        own_expert_walk(setup, layers, matrix, block_done, per_node=per_node)
+    else:
+        own_walk(setup, layers, visit, done)
     bar.close()
     metrics = [*METRICS, "node_mloss"] if per_node else list(METRICS)
     out: dict[str, Any] = {m: torch.stack([per_layer[layer][m] for layer in layers], dim=1) for m in metrics}

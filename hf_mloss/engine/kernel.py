@@ -264,6 +264,44 @@ class GapSums:
         batch.unscale(scale)
         self.merge(batch)
 
+    def add_weighted(self, h: torch.Tensor, mix: torch.Tensor, activation: Callable, weights: torch.Tensor, *,
+                     up: torch.Tensor | None = None, merged: torch.Tensor | None = None,
+                     merged_up: torch.Tensor | None = None) -> None:
+        """Add the gaps of pre-activations ``h`` (``[positions, q, nodes]``; overwritten; gated: ``up``) for the
+        rows of ``mix``, position t of row r weighted by ``weights[t, r]`` (``[positions, m]``, ≥ 0): every sum is
+        Σ_t w·(its term), and the count Σ_t w, so the means are weighted means (an MoE expert's tokens weighted by
+        their routing weights, :mod:`hf_mloss.engine.experts`). Only the given positions count: no mask."""
+        scale, f = inplace_activation(activation)
+        q, n = h.shape[-2:]
+        rows, _ = block_shape(q, mix.shape[0], n, h.device)
+        batch, eps = self.empty(), self.eps * scale
+        for start in range(0, h.shape[0], rows):
+            part = slice(start, min(start + rows, h.shape[0]))
+            g, mu = gap_block(h[part], mix, scale, f, up=_part(up, part), merged=_part(merged, part),
+                              merged_up=_part(merged_up, part))
+            batch._add_weighted_block(g, mu, weights[part].to(g), eps)
+        batch.unscale(scale)
+        self.merge(batch)
+
+    def _add_weighted_block(self, g: torch.Tensor, mu: torch.Tensor, w: torch.Tensor, eps: float) -> None:
+        """:meth:`add_block` and :meth:`add_positions` of one block of (scaled) gaps ``g`` and merged activations
+        ``mu`` (``[positions, m, nodes]``) with position weights ``w`` (``[positions, m]``)."""
+        norm, mu_norm = g.square().sum(-1).sqrt_(), mu.square().sum(-1).sqrt_()
+        if self.per_node:
+            node, wide = self.node, w.unsqueeze(-1)
+            magnitude, mu_magnitude = g.abs(), mu.abs_()
+            if self.reduction == "abs":
+                node[0] += (magnitude * wide).sum(0, dtype=torch.float64)
+            else:
+                node[0] += (g.square() * wide).sum(0, dtype=torch.float64)
+                node[3] += (magnitude * wide).sum(0, dtype=torch.float64)
+            node[2] += (mu_magnitude * wide).sum(0, dtype=torch.float64)
+            node[1] += (magnitude.div_(mu_magnitude.add_(eps)).mul_(wide)).sum(0, dtype=torch.float64)
+        self.layer[0] += (norm * w).sum(0, dtype=torch.float64)
+        self.layer[1] += (norm / (mu_norm + eps) * w).sum(0, dtype=torch.float64)
+        self.layer[2] += (mu_norm * w).sum(0, dtype=torch.float64)
+        self.layer[3] += w.sum(0, dtype=torch.float64)
+
     def _add_rows(self, h: torch.Tensor, mix: torch.Tensor, scale: float, f: Callable,
                   up: torch.Tensor | None, spans: Sequence[tuple[int, int]]) -> None:
         """:meth:`add_preactivations` for m > 1 rows of A (``h``: ``[q, positions, nodes]``, overwritten): with H

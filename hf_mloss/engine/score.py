@@ -26,6 +26,7 @@ from transformers import PreTrainedModel
 
 from ..adapters import EMBEDDING_STAGE, ModelAdapter
 from ..spec.config import MergeConfig
+from .experts import ExpertSums, ExpertTarget, own_expert_walk
 from .kernel import GapSums, StackedTarget, inplace_activation, node_gap  # noqa: F401  (kept importable from here)
 from ..methods.base import LayerHooks
 from ..spec.options import PREFIXES, REDUCTIONS, ScoringOptions
@@ -59,7 +60,9 @@ class LayerScores:
     """Mean over positions of ‖g‖₂ / (‖σ(Σα h)‖₂ + ε)."""
     layer_ratio: float
     """Σ_positions ‖g‖₂ / Σ_positions ‖σ(Σα h)‖₂."""
-
+    parts: list[dict[str, Any]] | None = None
+    """An MoE block (:mod:`hf_mloss.engine.experts`): per part (each routed expert, the shared expert) its node
+    span, routed tokens, weight and own M-Loss; its nodes' values are NaN where no token was routed to it."""
 
 
 
@@ -91,6 +94,22 @@ class MLossAccumulator(GapSums):
             node_ratio=(gap_sum / node[2].clamp_min(tiny)).float().cpu(), layer=float(layer[0] / count),
             layer_normalized=float(layer[1] / count), layer_ratio=float(layer[0] / layer[2].clamp_min(tiny)),
         )
+
+
+class ExpertAccumulator(ExpertSums):
+    """The running sums of an MoE block's unit for one merge (:class:`~hf_mloss.engine.experts.ExpertSums`, one
+    row), read as :class:`LayerScores`: the parts' node vectors concatenated, the block's weighted layer values."""
+
+    @classmethod
+    def like(cls, sums: ExpertSums) -> ExpertAccumulator:
+        first = sums.parts[0]
+        return cls(sums.labels, sums.nodes, 1, reduction=first.reduction, eps=first.eps, device=sums.tokens.device)
+
+    def scores(self) -> LayerScores:
+        node, layer = self.node_means(), self.layer_means()
+        return LayerScores(node=node["node"], node_normalized=node["node_normalized"], node_ratio=node["node_ratio"],
+                           layer=float(layer["mloss"][0]), layer_normalized=float(layer["mloss_normalized"][0]),
+                           layer_ratio=float(layer["mloss_ratio"][0]), parts=self.part_rows())
 
 
 @dataclass
@@ -143,6 +162,15 @@ def stacked_target(setup: ScoringSetup, layer: int) -> StackedTarget:
                          device=setup.device, compute_dtype=setup.compute_dtype)
 
 
+def expert_target(setup: ScoringSetup, layer: int) -> ExpertTarget:
+    """The weighted kernel of MoE block ``layer``'s parts over ``setup``'s sources, routed by the router of
+    ``setup.model``'s block (the shared prefix model's)."""
+    adapter = setup.adapter
+    return ExpertTarget(adapter, layer, adapter.layers(setup.model)[layer], setup.sources, mix=setup.alpha[None],
+                        activation=setup.activation, reduction=setup.reduction, eps=setup.eps, device=setup.device,
+                        compute_dtype=setup.compute_dtype)
+
+
 @torch.inference_mode()
 def score_shared_prefix(setup: ScoringSetup, hooks: LayerHooks | None = None) -> dict[str, MLossAccumulator]:
     """Score with u from ``setup.model`` (base or merged-so-far). The forward advances one block at a time.
@@ -154,14 +182,17 @@ def score_shared_prefix(setup: ScoringSetup, hooks: LayerHooks | None = None) ->
     scored = setup.scored_layers()
     results: dict[str, MLossAccumulator] = {}
 
+    experts = getattr(adapter, "experts", False)
+
     def measure(layer: int) -> Callable | None:
         if layer not in scored:
             return None
-        target = stacked_target(setup, layer)
+        target = expert_target(setup, layer) if experts else stacked_target(setup, layer)
         return lambda u, context: target.sums(u, mask=context.mask)
 
     def collect(layer: int, sums: list[GapSums]) -> None:
-        acc = MLossAccumulator(sums[0].node.shape[-1], reduction=setup.reduction, eps=setup.eps, device=setup.device)
+        acc = ExpertAccumulator.like(sums[0]) if experts else MLossAccumulator(
+            sums[0].node.shape[-1], reduction=setup.reduction, eps=setup.eps, device=setup.device)
         for part in sums:
             acc.add_sums(part)
         acc.reduce_across_processes()
@@ -207,6 +238,16 @@ def score_own_prefix(setup: ScoringSetup) -> dict[str, MLossAccumulator]:
 
     bar = tqdm(total=max(scored) + 1 if scored else 0, desc="M-Loss (own prefix)", unit="layer",
                disable=not setup.progress)
+    if getattr(setup.adapter, "experts", False):
+        def block_done(layer: int, sums: ExpertSums) -> None:
+            acc = ExpertAccumulator.like(sums)
+            acc.merge(sums)
+            current[layer] = acc
+            done(layer)
+
+        own_expert_walk(setup, scored, mix, block_done, progress=bar)
+        bar.close()
+        return results
     own_walk(setup, scored, visit, done, progress=bar)
     bar.close()
     return results
@@ -230,6 +271,7 @@ def build_report(setup: ScoringSetup, results: dict[str, MLossAccumulator], *, m
         node_ratio={k: v.node_ratio for k, v in scores.items()}, prefix=setup.prefix, reduction=setup.reduction,
         activation=setup.activation_name, eps=setup.eps, num_samples=setup.num_samples, num_positions=positions,
         models=models, weights=setup.alpha.tolist(), keep_ratios=keep,
+        parts={k: v.parts for k, v in scores.items() if v.parts is not None},
         compute_dtype=str(setup.compute_dtype).replace("torch.", ""),
         data={**data_info.to_dict(), **data_info.sample_stats()} if data_info is not None else {},
         device=describe_device(setup.device),
@@ -340,10 +382,10 @@ def combine_tower_reports(reports: list[tuple[ScoredTower, MLossReport]], *,
 
     first = reports[0][1]
     combined = dataclasses.replace(first, node={}, node_normalized={}, layer={}, layer_normalized={}, layer_ratio={},
-                                   node_ratio={}, keep_ratios={}, num_samples=0, num_positions=0, towers={})
+                                   node_ratio={}, keep_ratios={}, parts={}, num_samples=0, num_positions=0, towers={})
     for tower, report in reports:
         for key in ("node", "node_normalized", "layer", "layer_normalized", "layer_ratio", "node_ratio",
-                    "keep_ratios"):
+                    "keep_ratios", "parts"):
             getattr(combined, key).update(getattr(report, key))
         combined.num_samples += report.num_samples
         combined.num_positions += report.num_positions

@@ -184,6 +184,10 @@ def _learn(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: 
     params, device = merger.ctx.params, merger.device
     q, adapter = len(inputs.sources), inputs.adapter
     objective = get_objective(params.objective)
+    if objective.name == "mloss":
+        from .regmean import refuse_experts
+
+        refuse_experts(adapter, "The learned objective 'mloss' differentiates the M-Loss of one dense unit per block")
     rule = adapter.output_rule(tower)
     family = getattr(adapter.full_config, "model_type", adapter.name)
     if params.heads is not None and len(params.heads) != q:

@@ -24,9 +24,23 @@ if TYPE_CHECKING:
 def merge_regmean(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model: Any, method: MergeMethod, *,
                   progress: bool) -> None:
     """Merge every tensor of ``merger`` by RegMean's rules (see the module docstring)."""
+    refuse_experts(inputs.adapter, f"{method.pretty_name} solves each linear layer from its inputs' Gram matrices")
     for tower in inputs.scored_towers(model):
         _merge_tower(config, inputs, merger, tower, method, progress=progress)
     merger.merge(merger.names)  # whatever no walk reached: averaged
+
+
+def refuse_experts(adapter: Any, what: str) -> None:
+    """Refuse a data-guided rule that knows dense linears only on a mixture-of-experts model (whose experts are fused
+    ``[E, 2I, H]`` tensors, each reached by the tokens routed to it)."""
+    if getattr(adapter, "experts", False):
+        from ..errors import UnsupportedModelError
+
+        raise UnsupportedModelError(
+            f"{what}; the experts of a mixture-of-experts model ({adapter.name!r}) are not linear layers but fused "
+            "tensors each reached by its routed tokens, which this rule does not handle yet. M-Loss scoring, "
+            "m_ties / m_dare, compatibility and label-free selection do (per expert), and every data-free method "
+            "merges the model.")
 
 
 def _merge_tower(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: ScoredTower,

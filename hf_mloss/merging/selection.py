@@ -130,6 +130,8 @@ class CandidateEvaluator:
 
         name = self.adapter.target_name(layer)
         keys = [key for key in (f"{name}.weight", f"{name}.bias") if key in self.inputs.base]
+        if getattr(self.adapter, "experts", False):  # an MoE block: its experts' (and shared expert's) tensors
+            keys = [key for key, *_ in self.adapter.node_groups(layer)]
         return any(not torch.equal(s.get_float(key), self.inputs.base.get_float(key))
                    for s in self.inputs.sources for key in keys)
 
@@ -172,25 +174,21 @@ class CandidateEvaluator:
 
         if not self.changed:
             return 0.0
-        unit, blocks = self.adapter.unit, self.adapter.layers(tower)
+        blocks = self.adapter.layers(tower)
         total = 0.0
 
         def measure(layer: int) -> Any:
             if layer not in self.changed:
                 return None
-            target, block = self._target(layer), blocks[layer]
-            gate = block.get_submodule(unit.gate)
-            up = block.get_submodule(unit.up) if unit.up else None
-            own = (lambda rows: gate(rows)) if not unit.gated else (
-                lambda rows: unit.split(gate(rows), up(rows) if up is not None else None))
-            return lambda u, context: target.sums(u, mask=context.mask, per_node=False, merged=own)
+            return self._measure(layer, blocks[layer], per_node=False)
 
         def collect(layer: int, sums: list[Any]) -> None:
             nonlocal total
             acc = sums[0]
             for part in sums[1:]:
                 acc.merge(part)
-            total += float(acc.layer[0, 0] / acc.count.clamp_min(1))
+            total += float(acc.layer_means()["mloss"][0]) if getattr(self.adapter, "experts", False) else \
+                float(acc.layer[0, 0] / acc.count.clamp_min(1))
 
         with torch.inference_mode():
             if self.prefix is not None and self._holds_base_prefix(tower):
@@ -207,22 +205,18 @@ class CandidateEvaluator:
         merge's input u), over the selection samples: a diagnostic of how far the merge is from the ensemble."""
         import torch
 
-        from ..engine.score import MLossAccumulator, build_report, make_setup
+        from ..engine.score import ExpertAccumulator, MLossAccumulator, build_report, make_setup
         from ..engine.walk import embed_batches, shared_walk
 
-        unit, blocks = self.adapter.unit, self.adapter.layers(tower)
+        blocks = self.adapter.layers(tower)
         results: dict[str, Any] = {}
 
         def measure(layer: int) -> Any:
-            target, block = self._target(layer), blocks[layer]
-            gate = block.get_submodule(unit.gate)
-            up = block.get_submodule(unit.up) if unit.up else None
-            own = (lambda rows: gate(rows)) if not unit.gated else (
-                lambda rows: unit.split(gate(rows), up(rows) if up is not None else None))
-            return lambda u, context: target.sums(u, mask=context.mask, per_node=True, merged=own)
+            return self._measure(layer, blocks[layer], per_node=True)
 
         def collect(layer: int, sums: list[Any]) -> None:
-            acc = MLossAccumulator(sums[0].node.shape[-1], device=self.device)
+            acc = ExpertAccumulator.like(sums[0]) if getattr(self.adapter, "experts", False) else \
+                MLossAccumulator(sums[0].node.shape[-1], device=self.device)
             for part in sums:
                 acc.add_sums(part)
             acc.reduce_across_processes()
@@ -236,6 +230,25 @@ class CandidateEvaluator:
         setup.prefix, setup.num_samples = "merged", len(self.sample)
         return build_report(setup, results, models=list(models), data_info=self.inputs.data_info)
 
+    def _measure(self, layer: int, block: Any, *, per_node: bool) -> Any:
+        """The gap sums of block ``layer``'s unit with the candidate's own unit (in ``block``) as the merge, on u."""
+        if getattr(self.adapter, "experts", False):  # MoE: routed by the candidate's own router
+            from ..engine.experts import module_reader
+
+            target = self._target(layer, block)
+
+            def own_parts(part: Any, rows: Any) -> tuple[Any, Any]:
+                gate, up = part.rows(module_reader(block, part.path))
+                return rows @ gate.T.to(rows.dtype), rows @ up.T.to(rows.dtype)
+
+            return lambda u, context: target.sums(u, mask=context.mask, per_node=per_node, merged=own_parts)
+        unit, target = self.adapter.unit, self._target(layer)
+        gate = block.get_submodule(unit.gate)
+        up = block.get_submodule(unit.up) if unit.up else None
+        own = (lambda rows: gate(rows)) if not unit.gated else (
+            lambda rows: unit.split(gate(rows), up(rows) if up is not None else None))
+        return lambda u, context: target.sums(u, mask=context.mask, per_node=per_node, merged=own)
+
     def _holds_base_prefix(self, tower: Any) -> bool:
         """Whether the candidate kept the base's embeddings and blocks before ``start`` (every built-in method
         does when all experts equal the base there); otherwise its own prefix is run."""
@@ -245,10 +258,20 @@ class CandidateEvaluator:
         names = [n for n in self.inputs.names if n in state and self.adapter.stage_of(n) < self.start]
         return all(torch.equal(state[n], self.inputs.base.get_float(n, state[n].device)) for n in names)
 
-    def _target(self, layer: int) -> Any:
-        """The experts' stacked unit of block ``layer`` (built once, shared by every candidate)."""
+    def _target(self, layer: int, block: Any = None) -> Any:
+        """The experts' stacked unit of block ``layer`` (built once, shared by every candidate; an MoE block's
+        routed by the router of ``block``, the candidate's)."""
         from ..engine.kernel import StackedTarget
 
+        if getattr(self.adapter, "experts", False):
+            from ..engine.experts import ExpertTarget
+
+            if layer not in self._targets:
+                self._targets[layer] = ExpertTarget(self.adapter, layer, block, self.inputs.sources,
+                                                    mix=self.alpha[None], activation=self.activation,
+                                                    device=self.device)
+            self._targets[layer].block = block
+            return self._targets[layer]
         if layer not in self._targets:
             prefix, unit = self.adapter.layer_prefix(layer), self.adapter.unit
             self._targets[layer] = StackedTarget(

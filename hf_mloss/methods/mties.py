@@ -51,6 +51,20 @@ def keep_ratios_from_scores(scores: torch.Tensor, k: float, e: float) -> torch.T
     return k - e * rho  # float64: floor(n_in * keep) must not lose an entry to float32 rounding of k
 
 
+def keep_ratios_of_measured(scores: torch.Tensor, k: float, e: float) -> torch.Tensor:
+    """:func:`keep_ratios_from_scores` over the nodes with a score; a node without one (NaN: an MoE expert no token
+    was routed to) keeps k − e/2, the mean of the ranked ratios: no data moves it either way."""
+    import torch
+
+    measured = ~scores.isnan()
+    if bool(measured.all()):
+        return keep_ratios_from_scores(scores, k, e)
+    keep = torch.full(scores.shape, k - e / 2, dtype=torch.float64)
+    if bool(measured.any()):
+        keep[measured] = keep_ratios_from_scores(scores[measured], k, e)
+    return keep
+
+
 def random_scores(n: int, seed: int, name: str) -> torch.Tensor:
     """Seeded random scores: the ``rank="random"`` ablation (same keep-ratio spread, no M-Loss signal)."""
     import torch
@@ -111,13 +125,15 @@ class MDareParams(LayerwiseParams):
 class GroupMember:
     """How one tensor of a scored node group is trimmed: slice i keeps the fraction ``keep[i]`` of each task vector.
 
-    2-D members are trimmed slice by slice (``dim=0``: row i, ``dim=1``: column i). A 1-D member (a bias) has no
+    2-D members are trimmed slice by slice (``dim=0``: row i, ``dim=1``: column i). A 3-D member (an MoE layer's
+    fused experts, ``[E, ...]``) is trimmed expert by expert: ``keep`` is ``[E, slices]`` and expert e's 2-D tensor
+    keeps ``keep[e]`` along ``dim − 1``. A 1-D member (a bias) has no
     fraction of its own — ``floor(1 · keep_i)`` would zero it — so entry i is kept iff its |τ| reaches the threshold
     of slice i of the group's ``anchor`` (its first 2-D member: the fc1 / gate weight) in the same task vector.
     """
 
     keep: torch.Tensor
-    """``[n]`` keep ratios, one per node (float64, on the run's device)."""
+    """``[n]`` keep ratios, one per slice (float64, on the run's device); ``[E, n]`` for a 3-D member."""
     dim: int
     anchor: str | None = None
     """1-D members: the canonical name of the group's first 2-D member."""
@@ -161,9 +177,10 @@ class MTiesHooks(LayerHooks):
         # Every group is read and checked now, before any tensor is merged.
         self.groups = {layer: self._checked_group(layer) for layer in sorted(self.scored)}
 
-    def _checked_group(self, layer: int) -> list[tuple[str, int, int]]:
-        """``(name, dim, ndim)`` of each member of ``layer``'s node group, refused when the adapter's declaration
-        does not fit the merged tensors."""
+    def _checked_group(self, layer: int) -> list[tuple[str, int, int, tuple[int, int] | None]]:
+        """``(name, dim, ndim, span)`` of each member of ``layer``'s node group (``span``: the member's nodes in the
+        block's node vector, ``None``: all of them), refused when the adapter's declaration does not fit the merged
+        tensors."""
         adapter = self.run.adapter
         declared = list(adapter.node_groups(layer))
         held = set(self.run.stage_names(layer))
@@ -172,26 +189,29 @@ class MTiesHooks(LayerHooks):
             raise InvalidParameterError(f"{where} declares no tensor; a scored block needs at least its scored "
                                         "weight, e.g. [('<block>.mlp.fc1.weight', 0)].")
         members, seen = [], set()
-        for name, dim in declared:
+        for name, dim, *span in declared:
             if name not in held:
                 raise InvalidParameterError(
                     f"{where} names {name!r}, which is not a floating-point tensor of block {layer} (e.g. "
                     f"{sorted(held)[:3]}); fix the adapter's node_groups.")
             ndim = len(self.run.shape(name))
-            if name in seen or ndim not in (1, 2) or dim not in ((0, 1) if ndim == 2 else (0,)):
+            dims = {1: (0,), 2: (0, 1), 3: (1, 2)}.get(ndim, ())
+            if name in seen or dim not in dims:
                 raise InvalidParameterError(
                     f"{where} declares ({name!r}, {dim}) for a {ndim}-D tensor{' twice' if name in seen else ''}: "
                     "a group holds each tensor once, 2-D tensors with dim 0 (row i) or 1 (column i), 1-D tensors "
-                    "with dim 0 (entry i).")
+                    "with dim 0 (entry i), 3-D fused experts with dim 1 or 2 (within each expert).")
             seen.add(name)
-            members.append((name, dim, ndim))
-        if not any(ndim == 2 for _, _, ndim in members):
+            members.append((name, dim, ndim, tuple(span[0]) if span else None))
+        if not any(ndim >= 2 for _, _, ndim, _ in members):
             raise InvalidParameterError(f"{where} declares no 2-D tensor: a node's bias entry is trimmed against "
                                         "its weight slice, so the group needs one.")
+        if any(ndim == 1 for _, _, ndim, _ in members) and not any(ndim == 2 for _, _, ndim, _ in members):
+            raise InvalidParameterError(f"{where} declares a bias without a 2-D weight to trim it against.")
         return members
 
     def _group_names(self, layer: int) -> set[str]:
-        return {name for name, _, _ in self.groups.get(layer, ())}
+        return {name for name, *_ in self.groups.get(layer, ())}
 
     def before_stage(self, stage: int) -> None:
         deferred = self._group_names(stage)
@@ -205,39 +225,47 @@ class MTiesHooks(LayerHooks):
         node = scores.node
         ranks = random_scores(node.numel(), ctx.seed, target) if self.params.rank == "random" else node
         ranks = -node if self.params.rank == "inverted" else ranks  # control: the highest-loss node keeps k
-        keep = keep_ratios_from_scores(ranks, self.params.row_k, self.params.e)
+        keep = keep_ratios_of_measured(ranks.masked_fill(node.isnan(), float("nan")), self.params.row_k,
+                                       self.params.e)
         if self.params.rank == "uniform":  # control: the same total budget, spread evenly over the nodes
             keep = keep.new_full(keep.shape, self.params.row_k - self.params.e / 2)
         self.run.record("keep_ratios", target, keep.float())
         members = self.groups[layer]
-        slices = [(name, dim) for name, dim, ndim in members if ndim == 2]
-        entries = [name for name, _, ndim in members if ndim == 1]
-        anchor, anchor_dim = slices[0]
+        slices = [(name, dim) for name, dim, ndim, _ in members if ndim == 2]
+        entries = [name for name, _, ndim, _ in members if ndim == 1]
         tiles = {}
-        for name, dim, _ in members:
-            size = self.run.shape(name)[dim]
-            if size % keep.numel():
+        for name, dim, ndim, span in members:
+            nodes = keep.numel() if span is None else span[1] - span[0]
+            shape = self.run.shape(name)
+            experts = shape[0] if ndim == 3 else 1
+            size = shape[dim]
+            if nodes % experts or size % (nodes // experts):
                 raise InvalidParameterError(
                     f"{type(self.run.adapter).__name__}.node_groups({layer}) puts {name!r} (dim {dim}: {size} "
-                    f"slices) in the group of {target!r}, which has {keep.numel()} nodes.")
-            tiles[name] = size // keep.numel()  # a fused gate-and-up tensor: node i owns slices i and n + i
+                    f"slices{f' in each of {experts} experts' if ndim == 3 else ''}) in the group of {target!r}, "
+                    f"which has {nodes} nodes there.")
+            tiles[name] = size // (nodes // experts)  # a fused gate-and-up tensor: node i owns slices i and n + i
         # With e = 0 every node keeps k: the per-tensor trim of every group tensor then makes the control equal
         # per-tensor TIES exactly (M-TIES; M-DARE trims its groups at the uniform keep ratio instead).
         grouped = self.params.e > 0 or not self.uniform_keep_is_tensor_trim
         state = ctx.state.setdefault(GROUP_STATE, {})
         keep = keep.to(self.run.device)
-        length = self.run.shape(anchor)[1 - anchor_dim]
-        for name, dim, ndim in members:
-            own = keep.repeat(tiles[name])
+        anchor, anchor_dim = slices[0] if slices else (None, 0)
+        length = self.run.shape(anchor)[1 - anchor_dim] if entries else 0
+        for name, dim, ndim, span in members:
+            own = keep if span is None else keep[span[0]:span[1]]
+            own = own.view(self.run.shape(name)[0], -1).repeat(1, tiles[name]) if ndim == 3 else \
+                own.repeat(tiles[name])
             if not grouped:
                 state.pop(name, None)
             elif ndim == 1:
                 state[name] = GroupMember(own, dim, anchor=anchor, anchor_length=length)
             else:
                 state[name] = GroupMember(own, dim, keeps_thresholds=name == anchor and bool(entries))
-        self.run.merge([name for name, _ in slices])
+        self.run.merge([name for name, _, ndim, _ in members if ndim == 3] + [name for name, _ in slices])
         self.run.merge(entries)  # after the anchor: they are trimmed against its thresholds
-        ctx.state.get(THRESHOLD_STATE, {}).pop(anchor, None)
+        if anchor is not None:
+            ctx.state.get(THRESHOLD_STATE, {}).pop(anchor, None)
 
     def after_all(self) -> None:
         self.run.merge_remaining()
@@ -309,6 +337,10 @@ class MTies(MergeMethod):
                 thresholds = unchanged_anchor_thresholds(member).expand(len(taus), -1)
             for tau, threshold in zip(taus, thresholds):
                 trim_entries_(tau, threshold)
+        elif taus.dim() == 4:  # fused experts [q, E, ...]: each expert's slices at its own keep ratios
+            for tau in taus:
+                for expert, keep in zip(tau, member.keep):
+                    trim_slices_(expert, keep, member.dim - 1)
         else:
             n = member.keep.numel()
             kept = torch.empty(len(taus), n, dtype=taus.dtype, device=taus.device) if member.keeps_thresholds \

@@ -25,7 +25,10 @@ def node_position_matrix(report: MLossReport, groups: int = 64) -> torch.Tensor:
 
     rows = []
     for name in report.layers:
-        node = report.node[name].float().sort(descending=True).values
+        node = report.node[name].float()
+        if name in report.parts:  # an MoE block: the nodes of experts no token reached (NaN) are not drawn
+            node = node[~node.isnan()]
+        node = node.sort(descending=True).values
         chunks = torch.tensor_split(node, min(groups, node.numel()))
         rows.append(torch.stack([c.mean() for c in chunks]))
     width = min((len(r) for r in rows), default=0)

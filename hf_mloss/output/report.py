@@ -51,6 +51,20 @@ def tower_label(attribute: str) -> str:
     return f"{attribute.removesuffix('_model')} tower"
 
 
+def part_line(part: dict[str, Any], width: int) -> str:
+    """The summary line of one part of an MoE block (an expert, the shared expert)."""
+    label = f"  {part['part']}"
+    if part["mloss"] is None:
+        return f"{label:<{width}} {'-':>11} {'-':>11} {'-':>11}  no token routed to it"
+    return (f"{label:<{width}} {part['mloss']:>11.4e} {part['mloss_normalized']:>11.4e} {'':>11}  "
+            f"{part['tokens']} tokens, routing weight {part['weight']:.4g}")
+
+
+def _listed(values: torch.Tensor) -> list[float | None]:
+    """A vector as a list, NaN as ``None``."""
+    return [None if v != v else v for v in values.tolist()]
+
+
 @dataclass
 class MLossReport:
     """M-Loss of every scored linear (one entry per block), with per-row (node) vectors.
@@ -88,6 +102,11 @@ class MLossReport:
     """A whole two-tower model (a CLIPModel scored with ``text_data``, or merged whole): how each tower was treated,
     by attribute (``{"text_model": {"status": "no text data, trimmed at k=0.2 (data-free)"}}``; a scored tower
     also has its ``data``, ``num_samples`` and ``num_positions``). Its layers are named as in the whole model."""
+    parts: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """MoE blocks (``model.layers.3.mlp``): per part (``experts.0`` ... then ``shared_expert``), its span of the
+    layer's node vector (``nodes``: [start, stop]), the tokens routed to it, their routing-weight mass (``weight``)
+    and its own ``mloss`` / ``mloss_normalized`` / ``mloss_ratio``; a part no token was routed to has ``tokens`` 0,
+    ``status`` "no token routed to it", ``None`` values and NaN node values (never 0). See docs/mloss.md."""
 
     @classmethod
     def not_computed(cls, method: str, models: list[str], weights: list[float]) -> MLossReport:
@@ -115,6 +134,8 @@ class MLossReport:
         rows = []
         for name in self.layer:
             node = self.node[name]
+            if name in self.parts:  # an MoE block: the nodes of experts no token reached are NaN
+                node = node[~node.isnan()]
             row = {
                 "layer": name,
                 "mloss": self.layer[name],
@@ -123,6 +144,8 @@ class MLossReport:
                 "node_mean": float(node.mean()),
                 "node_max": float(node.max()),
             }
+            if name in self.parts:
+                row["parts"] = self.parts[name]
             keep = self.keep_ratios.get(name)
             if keep is not None:
                 row.update(keep_mean=float(keep.mean()), keep_min=float(keep.min()), keep_max=float(keep.max()))
@@ -161,6 +184,7 @@ class MLossReport:
             if has_keep and "keep_mean" in r:
                 line += f" {r['keep_mean']:>9.4f} {r['keep_min']:>6.3f} {r['keep_max']:>6.3f}"
             lines.append(line)
+            lines += [part_line(part, width) for part in r.get("parts", ())]
         return "\n".join(lines)
 
     def reading(self) -> str:
@@ -190,10 +214,10 @@ class MLossReport:
         }  # fmt: skip
         if self.towers:
             out["towers"] = self.towers
-        if per_row:
-            out["node"] = {k: v.tolist() for k, v in self.node.items()}
-            out["node_normalized"] = {k: v.tolist() for k, v in self.node_normalized.items()}
-            out["node_ratio"] = {k: v.tolist() for k, v in self.node_ratio.items()}
+        if per_row:  # NaN (the nodes of an expert no token reached) as null
+            out["node"] = {k: _listed(v) for k, v in self.node.items()}
+            out["node_normalized"] = {k: _listed(v) for k, v in self.node_normalized.items()}
+            out["node_ratio"] = {k: _listed(v) for k, v in self.node_ratio.items()}
             out["keep_ratios"] = {k: v.tolist() for k, v in self.keep_ratios.items()}
         return out
 
@@ -257,5 +281,5 @@ class MLossReport:
             weights=meta["weights"], keep_ratios=group("keep_ratios"), compute_dtype=meta.get("compute_dtype", "float32"),
             layer_ratio={r["layer"]: r["mloss_ratio"] for r in rows if r.get("mloss_ratio") is not None},
             node_ratio=group("node_ratio"), data=meta.get("data", {}), device=meta.get("device", ""),
-            towers=meta.get("towers", {}),
+            towers=meta.get("towers", {}), parts={r["layer"]: r["parts"] for r in rows if "parts" in r},
         )  # fmt: skip
