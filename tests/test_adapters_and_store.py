@@ -167,12 +167,12 @@ def test_non_finite_weights_are_refused(tmp_path, variants):
 
 
 def test_a_family_without_scoring_is_merged_data_free_and_refused_for_scoring(tmp_path, image_folder):
-    folder = tmp_path / "gpt2"
+    folder = tmp_path / "t5"  # an encoder-decoder: no M-Loss scoring (GPT-2 and other MLP decoders have it)
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2Model"]}))
+    (folder / "config.json").write_text(json.dumps({"model_type": "t5", "architectures": ["T5Model"]}))
     with pytest.raises(hf_mloss.CorruptCheckpointError, match="No weights found"):  # data-free: the generic adapter
         hf_mloss.merge(str(folder), [str(folder)], "ties", progress=False)
-    with pytest.raises(hf_mloss.UnsupportedModelError, match="'gpt2'.*clip_vision.*data-free methods work"):
+    with pytest.raises(hf_mloss.UnsupportedModelError, match="'t5'.*clip_vision.*data-free methods work"):
         hf_mloss.merge(str(folder), [str(folder)], "m_ties", data=str(image_folder), progress=False)
 
 
