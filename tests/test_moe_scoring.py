@@ -1,6 +1,6 @@
 """Gated node M-Loss per MoE expert (hf_mloss.adapters.experts, hf_mloss.engine.experts; docs/mloss.md).
 
-On tiny Mixtral, Qwen2-MoE (a shared expert, a dense block) and OLMoE fine-tunes: each expert's node and the block's
+On tiny Mixtral, Qwen2-MoE (a shared expert, a dense block), Qwen3-MoE and OLMoE fine-tunes: each expert's node and the block's
 layer M-Loss equal a brute force computed from hooks on each model's own forward, with the routing read from the
 router logits as the transformers module computes it (softmax, top-k, renormalised where the family does), for the
 own and the base prefix; padding never counts; an expert no token is routed to is reported as such (NaN nodes, no
@@ -33,6 +33,9 @@ FAMILIES = {
     "qwen2_moe": lambda: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
         **SMALL, intermediate_size=20, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
         shared_expert_intermediate_size=12, decoder_sparse_step=1, mlp_only_layers=[1])),
+    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **SMALL, head_dim=8, intermediate_size=20, num_experts=3, num_experts_per_tok=2, moe_intermediate_size=4,
+        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)),
     "olmoe": lambda: transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
         **SMALL, intermediate_size=8, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)),
 }
@@ -204,6 +207,7 @@ def test_the_layout_of_each_family(saved):
     labels = [[part.label for part in adapter.parts(layer)] for layer in range(adapter.num_layers)]
     expected = {"mixtral": [[f"experts.{e}" for e in range(5)]] * 2,
                 "qwen2_moe": [["experts.0", "experts.1", "experts.2", "experts.3", "shared_expert"], ["mlp"]],
+                "qwen3_moe": [["experts.0", "experts.1", "experts.2"]] * 2,
                 "olmoe": [[f"experts.{e}" for e in range(4)]] * 2}[family]
     assert labels == expected
 
