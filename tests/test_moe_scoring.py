@@ -1,12 +1,12 @@
 """Gated node M-Loss per MoE expert (hf_mloss.adapters.experts, hf_mloss.engine.experts; docs/mloss.md).
 
-On tiny Mixtral, Qwen2-MoE (a shared expert, a dense block), Qwen3-MoE and OLMoE fine-tunes: each expert's node and the block's
-layer M-Loss equal a brute force computed from hooks on each model's own forward, with the routing read from the
-router logits as the transformers module computes it (softmax, top-k, renormalised where the family does), for the
-own and the base prefix; padding never counts; an expert no token is routed to is reported as such (NaN nodes, no
-value, its status), never as 0. M-TIES trims each expert's rows and columns at its nodes' keep ratios (checked
-against an independent merge) and its output loads with nothing missing; the compatibility report's pairs equal a
-direct score of each pair; label-free selection runs; RegMean refuses.
+On tiny Mixtral, Qwen2-MoE (a shared expert, a dense block), Qwen3-MoE and OLMoE fine-tunes: each expert's node and
+the block's layer M-Loss equal a brute force computed from hooks on each model's own forward, with the routing read
+from the router logits as the transformers module computes it (softmax, top-k, renormalised where the family does),
+for the own and the base prefix; padding never counts; an expert no token is routed to is reported as such (NaN
+nodes, no value, its status), never as 0. M-TIES trims each expert's rows and columns at its nodes' keep ratios
+(checked against an independent merge) and its output loads with nothing missing; the compatibility report's pairs
+equal a direct score of each pair; label-free selection runs; RegMean refuses.
 """
 
 from __future__ import annotations
@@ -124,7 +124,8 @@ def _routed_parts(prefix_model, record) -> list[tuple[str, torch.Tensor]]:
     weights = torch.zeros_like(probs).scatter(1, index, top)
     out = [(f"experts.{e}", weights[:, e]) for e in range(weights.shape[1])]
     if hasattr(mlp, "shared_expert"):
-        out.append(("shared_expert", torch.sigmoid(record["u"] @ mlp.shared_expert_gate.weight.detach().double().T)[:, 0]))
+        gate = mlp.shared_expert_gate.weight.detach().double()
+        out.append(("shared_expert", torch.sigmoid(record["u"] @ gate.T)[:, 0]))
     return out
 
 
@@ -286,25 +287,35 @@ def test_m_ties_trims_each_expert_at_its_nodes_keep_ratios_and_loads(mixtral, tm
 
 def test_m_ties_with_e_0_is_ties_per_tensor_bit_for_bit(saved):
     family, base, models = saved
-    ours = hf_mloss.merge(base, models, "m_ties", data=TEXTS, num_samples=3, k=0.4, e=0.0, progress=False).model.state_dict()
+    ours = hf_mloss.merge(base, models, "m_ties", data=TEXTS, num_samples=3, k=0.4, e=0.0,
+                          progress=False).model.state_dict()
     ties = hf_mloss.merge(base, models, "ties", k=0.4, scope="tensor", progress=False).model.state_dict()
     assert all(torch.equal(ours[key], ties[key]) for key in ties)
 
 
-def test_compatibility_pairs_equal_a_direct_score_of_each_pair(mixtral):
+def test_compatibility_pairs_equal_a_direct_score_of_each_pair(mixtral, tmp_path):
+    """Each pair's routing weights differ (own prefix: the mean of its two members' own weights), each pair's number
+    is a direct score of that pair; an expert no token reaches has NaN nodes in every subset and the report saves."""
     base, models = mixtral
     compat = hf_mloss.compatibility(base, models, data=TEXTS, num_samples=3, per_node=True, progress=False)
     matrix = compat.matrix()
     for i, j in ((0, 1), (0, 2), (1, 2)):
-        direct = hf_mloss.score(base, [models[i], models[j]], data=TEXTS, num_samples=3, prefix="own", progress=False)
+        direct = hf_mloss.score(base, [models[i], models[j]], data=TEXTS, num_samples=3, prefix="own",
+                                progress=False)
         assert float(matrix[i, j]) == pytest.approx(sum(direct.layer.values()) / len(direct.layer), rel=1e-5)
+        row = compat.subsets.index((i, j))
+        torch.testing.assert_close(compat.node["model.layers.0.mlp"][row].double(),
+                                   direct.node["model.layers.0.mlp"].double(), rtol=1e-5, atol=1e-8, equal_nan=True)
+    start, stop = direct.parts["model.layers.0.mlp"][4]["nodes"]
+    assert compat.node["model.layers.0.mlp"][:, start:stop].isnan().all()
+    compat.save(tmp_path / "compat")
 
 
 def test_label_free_selection_runs_on_an_moe(mixtral):
     base, models = mixtral
     for method, criterion in (("m_ties", "mloss"), ("ties", "output")):
-        result = hf_mloss.merge(base, models[:2], method, data=TEXTS, num_samples=3, select="unlabeled", criterion=criterion,
-                                grid={"k": [0.3, 0.6], "lam": [0.5, 1.0]}, progress=False)
+        result = hf_mloss.merge(base, models[:2], method, data=TEXTS, num_samples=3, select="unlabeled",
+                                criterion=criterion, grid={"k": [0.3, 0.6], "lam": [0.5, 1.0]}, progress=False)
         values = [c[criterion] for c in result.config.select.candidates]
         assert len(values) == 4 and all(math.isfinite(v) and v > 0 for v in values)
 

@@ -77,8 +77,12 @@ def _is_gated(mlp: nn.Module) -> bool:
     return all(isinstance(getattr(mlp, name, None), nn.Linear) for name in ("gate_proj", "up_proj", "down_proj"))
 
 
+Layout = tuple[tuple[tuple[str, int], ...], ...]
+"""Per block, ``(label, nodes)`` of each part."""
+
+
 @functools.lru_cache(maxsize=16)
-def _moe_layout(model_class: type[PreTrainedModel], config_json: str) -> tuple[tuple[tuple[str, int], ...], ...] | None:
+def _moe_layout(model_class: type[PreTrainedModel], config_json: str) -> Layout | None:
     """Per block, ``(label, nodes)`` of each of its parts, read from the model built on ``meta`` (``None``: not an
     MoE decoder of a recognised shape)."""
     import json

@@ -143,16 +143,6 @@ class ExpertSums:
         return out
 
 
-def _stack_rows(parts: Sequence[Any], tensors: Sequence[Callable[[str], torch.Tensor]], dtype: torch.dtype
-                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per part, the q sources' gate rows and up rows stacked ``[q·nodes, H]`` (source p's at p·nodes)."""
-    out = []
-    for part in parts:
-        rows = [part.rows(read) for read in tensors]
-        out.append((torch.cat([g for g, _ in rows]).to(dtype), torch.cat([u for _, u in rows]).to(dtype)))
-    return out
-
-
 class ExpertTarget:
     """The q sources' rows of one MoE block's parts and the weighted kernel over them, for a shared prefix: the
     router of ``block`` (the prefix model's) decides which positions reach each part and with what weight."""
@@ -164,21 +154,27 @@ class ExpertTarget:
         self.q, self.mix, self.activation = len(sources), mix.reshape(-1, len(sources)), activation
         self.reduction, self.eps, self.device, self.dtype = reduction, eps, device, compute_dtype
         prefix = adapter.layer_prefix(layer)
-        cache: list[dict[str, torch.Tensor]] = [{} for _ in sources]
+        # per part [q·nodes, H] gate rows and up rows, source p's at p·nodes: filled one source at a time, so a fused
+        # [E, 2I, H] tensor is read once per source and only one source's float32 copy is held besides the stacks
+        self.rows: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for index, store in enumerate(sources):
+            cache: dict[str, torch.Tensor] = {}
 
-        def reader(index: int, store: Any, path: str) -> Callable[[str], torch.Tensor]:
-            def read(name: str) -> torch.Tensor:
+            def read(name: str, path: str) -> torch.Tensor:
                 key = f"{prefix}{path}.{name}"
-                if key not in cache[index]:  # a fused [E, 2I, H] tensor is read once for all its experts
-                    cache[index][key] = store.get_float(key, device)
-                return cache[index][key]
-            return read
+                if key not in cache:
+                    cache[key] = store.get_float(key, device)
+                return cache[key]
 
-        self.rows = []
-        for part in self.parts:
-            tensors = [reader(i, store, part.path) for i, store in enumerate(sources)]
-            self.rows += _stack_rows([part], tensors, compute_dtype)
-        del cache
+            for j, part in enumerate(self.parts):
+                gate, up = part.rows(lambda name, path=part.path: read(name, path))
+                if index == 0:
+                    self.rows.append(tuple(torch.empty(self.q * part.nodes, t.shape[-1], dtype=compute_dtype,
+                                                       device=device) for t in (gate, up)))
+                span = slice(index * part.nodes, (index + 1) * part.nodes)
+                self.rows[j][0][span].copy_(gate)
+                self.rows[j][1][span].copy_(up)
+            del cache
 
     def sums(self, u: torch.Tensor, *, mask: torch.Tensor | None = None, per_node: bool = True,
              merged: Callable[[Any, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None) -> ExpertSums:
