@@ -89,10 +89,11 @@ def merge(base: Any, models: Sequence[Any], method: str = "ties", *, data: Any =
             Hub dataset id, local image folder, ``datasets`` object, list of images or a preprocessed ``[N, 3, H, W]``
             tensor; for text families a list of strings, a text or data file, a folder of text files, or a
             ``datasets`` text split (tokenised with the base's tokenizer).
-        text_data: a whole two-tower model (a ``CLIPModel`` with both towers fine-tuned): text for the text tower,
-            in any form ``data`` takes for text families (``text_column``, ``max_length`` apply to it). Each tower
-            is scored on its own data; a tower without data is merged by the method's data-free rule (M-TIES: TIES
-            trim at k), as the report's ``towers`` and the card say.
+        text_data: a whole two-tower model (a ``CLIPModel`` with both towers fine-tuned, or a LLaVA / Qwen2-VL,
+            whose ``data`` is images for the vision tower): text for the text tower or language model, in any form
+            ``data`` takes for text families (``text_column``, ``max_length`` apply to it). Each tower is scored on
+            its own data; a tower without data is merged by the method's data-free rule (M-TIES: TIES trim at k),
+            as the report's ``towers`` and the card say.
         select: ``"unlabeled"`` chooses the parameters in ``grid`` on ``data`` without labels (or a mapping of
             :class:`~hf_mloss.spec.selection.SelectionOptions`: ``num_samples``, ``share``, ``shares``,
             ``compare``).
@@ -152,8 +153,9 @@ def score(base: Any, models: Sequence[Any], data: Any = None, *, text_data: Any 
     """Measure mergeability without merging: node and layer M-Loss of ``models`` over unlabeled ``data``.
 
     Args:
-        base, models, data, text_data: as in :func:`merge` (``text_data``: a whole CLIPModel's text tower is scored
-            too; the report's layers are then named as in the whole model, ``text_model.encoder.layers.0.mlp.fc1``).
+        base, models, data, text_data: as in :func:`merge` (``text_data``: a whole CLIPModel's text tower or a
+            vision-language model's language model is scored too; the report's layers are then named as in the
+            whole model, ``text_model.encoder.layers.0.mlp.fc1``, ``model.language_model.layers.0.mlp.gate_proj``).
         prefix: where each scored linear's input comes from: ``"own"`` (each model's own forward, the paper's
             definition; q forwards), ``"base"`` (the base model's forward, shared), or ``"merged"`` (the
             merged-so-far model of a ``method`` merge, M-TIES by default, with its parameters such as ``k``/``e``).
@@ -185,7 +187,7 @@ def score(base: Any, models: Sequence[Any], data: Any = None, *, text_data: Any 
     return run_score(config, **run_options)
 
 
-def compatibility(base: Any, models: Sequence[Any], data: Any, *,
+def compatibility(base: Any, models: Sequence[Any], data: Any = None, *,
                   subsets: Sequence[Sequence[int | str]] | None = None, leave_one_out: bool = True,
                   baselines: bool = True, output_gap: bool = False, per_node: bool = False, reduction: str = "abs",
                   activation: str | None = None, eps: float = 1e-4, layers: Sequence[int] | None = None,
@@ -193,7 +195,8 @@ def compatibility(base: Any, models: Sequence[Any], data: Any, *,
     """Which candidate fine-tunes merge well together, from a few unlabeled samples and ONE forward per model.
 
     Args:
-        base, models, data: as in :func:`merge`.
+        base, models, data: as in :func:`merge`; ``text_data=`` (in ``options``) scores the text tower of a whole
+            CLIPModel or the language model of a LLaVA / Qwen2-VL beside ``data``'s images (layers of both towers).
         subsets: more subsets to score besides every pair, leave-one-out and the whole set (model indices or names).
         leave_one_out: also score the set without each model (q ≥ 3).
         baselines: add the task-vector baselines (cosine, distance, norms, TIES sign conflicts).
@@ -215,10 +218,6 @@ def compatibility(base: Any, models: Sequence[Any], data: Any, *,
     """
     from .engine.compatibility import run_compatibility
 
-    if options.get("text_data") is not None:
-        raise InvalidParameterError(
-            "compatibility() scores one tower (a CLIPModel's vision tower, on images) and does not take text_data; "
-            "score each tower with hf_mloss.score(base, models, data=..., text_data=...) instead.")
     run_options = _split_runtime(options)
     scoring = ScoringOptions(prefix="own", reduction=reduction, activation=activation, eps=eps,
                              layers=tuple(layers) if layers is not None else None)

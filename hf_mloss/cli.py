@@ -454,11 +454,12 @@ def _selection_parent() -> argparse.ArgumentParser:
 
 def _text_data_parent() -> argparse.ArgumentParser:
     parent = argparse.ArgumentParser(add_help=False)
-    group = parent.add_argument_group("text tower of a whole CLIPModel (overrides the config's `text_data:`)")
+    group = parent.add_argument_group("text tower of a whole CLIPModel, language model of a LLaVA / Qwen2-VL "
+                                      "(overrides the config's `text_data:`)")
     group.add_argument("--text-data", metavar="PATH_OR_ID", default=None,
-                       help="Unlabeled text for the text tower: a .txt file (one sample per line), a .jsonl/.csv/"
-                            ".parquet file, a folder of .txt files, or a Hub dataset id. Both towers are then scored "
-                            "(the images of the config's `data:` feed the vision tower).")
+                       help="Unlabeled text for the text tower or language model: a .txt file (one sample per "
+                            "line), a .jsonl/.csv/.parquet file, a folder of .txt files, or a Hub dataset id. Both "
+                            "towers are then scored (the images of the config's `data:` feed the vision tower).")
     group.add_argument("--text-column", metavar="NAME", default=None, help="Column with the text (auto-detected).")
     group.add_argument("--text-split", metavar="SPLIT", default=None, help="Dataset split of --text-data (train).")
     group.add_argument("--text-num-samples", type=int, metavar="N", default=None,

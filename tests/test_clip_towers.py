@@ -98,6 +98,18 @@ def test_score_both_towers_equals_forward_hooks(clip, pixels):
     assert "text tower: scored on 5 texts" in report.summary()
 
 
+def test_compatibility_scores_both_towers_as_score_does(clip, pixels):
+    """The pair's node M-Loss of each tower equals the forward hooks' (q = 2: the pair is the whole set)."""
+    base, models = clip
+    report = hf_mloss.compatibility(base, models, data=pixels, text_data=TEXTS, num_samples=len(TEXTS),
+                                    per_node=True, baselines=False, progress=False)
+    expected = brute_force(models, pixels, TEXTS, AutoTokenizer.from_pretrained(base))
+    assert sorted(report.layers) == sorted(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(report.node[name][0].double(), value, rtol=1e-4, atol=1e-6, msg=name)
+    assert "text tower scored on 5 texts" in report.summary()
+
+
 def test_score_with_padding_counted_would_differ(clip):
     """The check above can fail: scoring the texts padded to one length with the padding counted gives other
     values (the padded positions run through the blocks too)."""
@@ -218,8 +230,9 @@ def test_bad_text_data_is_refused_before_any_write(clip, tmp_path, text_file):
         hf_mloss.score(base, models, data=TEXTS, progress=False)
     with pytest.raises(InvalidParameterError, match="merges without data and would ignore it"):
         hf_mloss.merge(base, models, "ties", text_data=TEXTS, progress=False)
-    with pytest.raises(InvalidParameterError, match="does not take text_data"):
-        hf_mloss.compatibility(base, models, data=torch.zeros(2, 3, 32, 32), text_data=TEXTS, progress=False)
+    with pytest.raises(InvalidParameterError, match="output_gap compares the pooled outputs of a model of one tower"):
+        hf_mloss.compatibility(base, models, data=torch.zeros(2, 3, 32, 32), text_data=TEXTS, output_gap=True,
+                               progress=False)
     with pytest.raises(InvalidParameterError, match="output='tower' does not write it"):
         hf_mloss.merge(base, models, "m_ties", text_data=TEXTS, output="tower", progress=False)
     bert, berts = save_family(tmp_path / "bert", "bert", q=2)

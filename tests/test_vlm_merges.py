@@ -3,7 +3,7 @@ with the old key names and the 4.x-era config.json their repos carry (``embed_ou
 ``vision_tower.vision_model.*``, ``model.*`` / ``visual.*``), merged data-free, written back in the same layout, and
 loaded by their Auto class with nothing missing; a forward with an image and text runs. The side environments
 (marker ``peers``) load each merged folder in transformers 4.57 and 5.5 to the outputs it gives here. Data-guided
-methods on vision-language models are refused, naming what is missing."""
+methods on these models: ``tests/test_vlm_scoring.py``."""
 
 from __future__ import annotations
 
@@ -187,23 +187,6 @@ def test_a_large_base_filled_from_its_store_is_written_in_the_bases_layout(hub_l
     torch.testing.assert_close(_forward(hub_layout["name"], _load(hub_layout["name"], tmp_path / "merged")),
                                _forward(hub_layout["name"], _load(hub_layout["name"], hub_layout["merged"])),
                                rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("name", ["llava", "qwen2_vl"])
-def test_data_guided_methods_are_refused_on_vision_language_models(name, tmp_path):
-    config_folder = tmp_path / "config"
-    config_folder.mkdir()
-    (config_folder / "config.json").write_text(json.dumps(HUB_CONFIGS[name]))
-    model = getattr(transformers, HUB_CONFIGS[name]["architectures"][0])(
-        transformers.AutoConfig.from_pretrained(config_folder))
-    write_hub_layout(name, model, tmp_path / "base")
-    write_hub_layout(name, testing.perturbed(model, 1), tmp_path / "ft")
-    base, fts = str(tmp_path / "base"), [str(tmp_path / "ft")]
-    message = f"not available yet for vision-language models \\(model_type={name!r}.*data-free methods"
-    for call in (lambda: hf_mloss.merge(base, fts, "m_ties", data=["w1 w2"], progress=False),
-                 lambda: hf_mloss.score(base, fts, data=["w1 w2"], progress=False)):
-        with pytest.raises(hf_mloss.UnsupportedModelError, match=message):
-            call()
 
 
 @pytest.mark.parametrize("name", ["llava", "qwen2_vl"])

@@ -13,6 +13,7 @@ from .hooked import HookedAdapter
 from .llama import LlamaAdapter
 from .registry import ADAPTERS, adapter_for, list_adapters, register_adapter
 from .siglip_vision import SiglipVisionAdapter
+from .vision_language import VisionLanguageAdapter
 from .vit import ViTAdapter
 
 register_adapter(CLIPVisionAdapter)
@@ -22,10 +23,12 @@ register_adapter(SiglipVisionAdapter)
 register_adapter(BertAdapter)
 register_adapter(LlamaAdapter)
 register_adapter(CLIPTextAdapter)
+register_adapter(VisionLanguageAdapter)  # LLaVA, Qwen2-VL: the generic whole-model merge, scored tower by tower
 register_adapter(MoeAdapter)  # Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE: M-Loss per expert
 register_adapter(HookedAdapter)  # any text model of a recognised MLP shape: after the dedicated families
 register_adapter(GenericAdapter)  # matches any transformers model_type: tried last
 
 __all__ = ["ADAPTERS", "EMBEDDING_STAGE", "BertAdapter", "BlockContext", "CLIPTextAdapter", "CLIPVisionAdapter",
            "Dinov2Adapter", "GenericAdapter", "HookedAdapter", "LlamaAdapter", "ModelAdapter", "MoeAdapter", "ScoredUnit",
-           "SiglipVisionAdapter", "ViTAdapter", "adapter_for", "list_adapters", "register_adapter", "whole_model_adapter"]
+           "SiglipVisionAdapter", "ViTAdapter", "VisionLanguageAdapter", "adapter_for", "list_adapters",
+           "register_adapter", "whole_model_adapter"]

@@ -202,7 +202,7 @@ class GenericAdapter(ModelAdapter):
         for loader in (AutoProcessor, AutoTokenizer, AutoImageProcessor, AutoFeatureExtractor):
             try:
                 return loader.from_pretrained(path, trust_remote_code=False, token=token)
-            except (OSError, ValueError, TypeError, KeyError) as err:
+            except (OSError, ValueError, TypeError, KeyError, ImportError) as err:  # ImportError: torchvision
                 errors.append(f"{loader.__name__}: {' '.join(str(err).split())[:80]}")
         raise OSError(f"no tokenizer or processor in {path!r} ({'; '.join(errors)})")
 
@@ -283,7 +283,10 @@ def has_container(adapter: ModelAdapter) -> bool:
 
 
 def whole_model_adapter(adapter: ModelAdapter) -> ModelAdapter:
-    """The adapter that merges the whole container model of ``adapter`` (see :class:`WholeModelMixin`)."""
+    """The adapter that merges the whole container model of ``adapter`` (see :class:`WholeModelMixin`); an adapter
+    of a whole model already (a vision-language model's) is its own."""
+    if getattr(adapter, "whole_model", False):
+        return adapter
     if not has_container(adapter):
         raise ValueError(f"{adapter.name} config {adapter.full_config.model_type!r} is not a whole model")
     return _whole_class(type(adapter))(adapter.full_config)
@@ -305,7 +308,8 @@ class TowerViewMixin:
 
     def owns(self, name: str) -> bool:
         """Whether a whole-model canonical name is a tensor of this tower."""
-        return name.startswith(self.tower_prefix) and super().canonical_key(name) is not None
+        return name.startswith(self.tower_prefix) and \
+            super().canonical_key(name[len(self.tower_prefix):]) is not None
 
     def canonical_key(self, key: str) -> str | None:
         name = super().canonical_key(key)
@@ -329,16 +333,26 @@ class TowerViewMixin:
 
 @functools.cache
 def _view_class(adapter_cls: type[ModelAdapter], prefix: str) -> type[ModelAdapter]:
-    return type(f"{adapter_cls.__name__}In{prefix[:-1].title().replace('_', '')}", (TowerViewMixin, adapter_cls),
+    return type(f"{adapter_cls.__name__}In{prefix[:-1].title().replace('_', '').replace('.', '')}",
+                (TowerViewMixin, adapter_cls),
                 {"__module__": __name__, "tower_prefix": prefix})
+
+
+def tower_view(adapter_cls: type[ModelAdapter], attribute: str, config: PretrainedConfig) -> ModelAdapter:
+    """``adapter_cls`` (built on ``config``) seen as the tower at ``attribute`` of a whole model (dotted for a nested
+    one: ``model.language_model``); see :class:`TowerViewMixin`."""
+    return _view_class(adapter_cls, f"{attribute}.")(config)
 
 
 def other_towers(adapter: ModelAdapter) -> list[ModelAdapter]:
     """The other scored towers of ``adapter``'s whole model, as :class:`TowerViewMixin` views (a CLIPModel's text
     tower, for the CLIP vision adapter): every registered adapter whose ``containers`` hold the same whole-model type
-    under another attribute. Empty for a config that is not a whole model, or a whole model with no other adapter."""
+    under another attribute, or the views the whole model's adapter names itself (a vision-language model's language
+    model). Empty for a config that is not a whole model, or a whole model with no other adapter."""
     from .registry import ADAPTERS
 
+    if hasattr(adapter, "other_tower_views"):
+        return adapter.other_tower_views()
     model_type = getattr(adapter.full_config, "model_type", None)
     own = adapter.containers.get(model_type)
     if own is None:

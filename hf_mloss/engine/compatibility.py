@@ -364,6 +364,14 @@ def output_gaps(inputs: RunInputs, subsets: Sequence[tuple[int, ...]], weights: 
 
 
 # --------------------------------------------------------------------------------------------------- report
+def towers_line(towers: dict[str, dict[str, Any]]) -> str:
+    """How each tower of a whole model was scored: ``vision tower scored on 4 images (...); language model not
+    scored (no text data)``."""
+    from ..output.report import tower_label
+
+    return "; ".join(f"{tower_label(attribute)} {tower['status']}" for attribute, tower in towers.items())
+
+
 @dataclass
 class CompatibilityReport:
     """Pairwise (and subset) M-Loss of q candidate fine-tunes, with label-free baselines.
@@ -476,6 +484,8 @@ class CompatibilityReport:
                  f"{self.num_samples} samples / {self.num_positions} positions, mean over {len(self.layers)} layers)"]
         if self.data:
             lines.append(f"data: {describe_data(self.data)}")
+        if self.data.get("towers"):
+            lines.append(f"towers: {towers_line(self.data['towers'])}")
         labels = [f"[{i}]" for i in range(self.q)]
         matrix = self.matrix()
         lines.append(" " * 6 + "".join(f"{label:>11}" for label in labels))
@@ -554,7 +564,8 @@ class CompatibilityReport:
 
     def card_section(self, *, heatmap: str | None = None) -> str:
         """The Markdown a model card embeds: what was measured, the pairwise matrix and the leave-one-out table."""
-        data = f" on {describe_data(self.data)}" if self.data else f" on {self.num_samples} unlabeled images"
+        data = f" ({towers_line(self.data['towers'])})" if self.data.get("towers") else \
+            f" on {describe_data(self.data)}" if self.data else f" on {self.num_samples} unlabeled images"
         labels = [f"[{i}]" for i in range(self.q)]
         lines = [f"Pairwise M-Loss of the {self.q} fine-tuned models{data} (each model's own forward, reduction "
                  f"`{self.reduction}`, activation `{self.activation}`; layer M-Loss averaged over "
@@ -665,11 +676,20 @@ def run_compatibility(config: MergeConfig, *, subsets: Sequence[Sequence[int | s
         names = [r.name for r in inputs.refs]
         aliases = {m.model: i for i, m in enumerate(config.models) if isinstance(m.model, str)}
         chosen = standard_subsets(len(names), parse_subsets(subsets, names, aliases), leave_one_out=leave_one_out)
-        model = inputs.load_scoring_model(progress=progress, streamed=True)  # the blocks come from the sources
-        setup = make_setup(inputs, model, options, config, progress=progress)
+        whole = bool(inputs.towers) or getattr(inputs.adapter, "whole_model", False)
+        if output_gap and whole:
+            raise InvalidParameterError("output_gap compares the pooled outputs of a model of one tower; a whole "
+                                        "two-tower model (a CLIPModel with text_data, a vision-language model) has "
+                                        "none. Drop output_gap.")
         weights = inputs.alpha / inputs.alpha.sum()
         start = time.perf_counter()
-        scores = subset_mloss(setup, chosen, weights, per_node=per_node, progress=progress)
+        if whole:
+            setup, scores, towers = _tower_subset_mloss(inputs, options, config, chosen, weights, per_node=per_node,
+                                                        progress=progress)
+        else:
+            model = inputs.load_scoring_model(progress=progress, streamed=True)  # the blocks come from the sources
+            setup = make_setup(inputs, model, options, config, progress=progress)
+            scores, towers = subset_mloss(setup, chosen, weights, per_node=per_node, progress=progress), {}
         timings = {"mloss_s": time.perf_counter() - start}
         extra: dict[str, list[float]] = {}
         if baselines:
@@ -682,14 +702,47 @@ def run_compatibility(config: MergeConfig, *, subsets: Sequence[Sequence[int | s
                                               progress=progress)
             timings["output_gap_s"] = time.perf_counter() - start
         _check_finite({m: scores[m] for m in scores["metrics"]}, extra, chosen, names, inputs.alpha)
-        data = {**inputs.data_info.to_dict(), **inputs.data_info.sample_stats()} if inputs.data_info else {}
+        info = inputs.data_info or next(iter(inputs.tower_data_info.values()), None)
+        data = {**info.to_dict(), **info.sample_stats()} if info else {}
+        if towers:
+            data["towers"] = towers
         return CompatibilityReport(
             models=names, weights=[float(w) for w in inputs.alpha], layers=scores["layers"], subsets=chosen,
             values={m: scores[m] for m in scores["metrics"]}, baselines=extra, node=scores.get("node", {}),
-            reduction=setup.reduction, activation=setup.activation_name, eps=setup.eps,
-            num_samples=setup.num_samples, num_positions=scores["positions"],
+            reduction=setup.reduction, activation=scores.get("activation", setup.activation_name), eps=setup.eps,
+            num_samples=scores.get("samples", setup.num_samples), num_positions=scores["positions"],
             compute_dtype=str(setup.compute_dtype).replace("torch.", ""), data=data,
             timings={k: round(v, 3) for k, v in timings.items()})
+
+
+def _tower_subset_mloss(inputs: RunInputs, options: ScoringOptions, config: MergeConfig,
+                        subsets: Sequence[tuple[int, ...]], weights: torch.Tensor, *, per_node: bool,
+                        progress: bool) -> tuple[ScoringSetup, dict[str, Any], dict[str, dict[str, Any]]]:
+    """:func:`subset_mloss` of every scored tower of a whole model, each on its own data (``data=`` images,
+    ``text_data=`` texts), joined along the layers (named as in the whole model): the first tower's setup, the
+    joined scores (with the towers' ``samples`` and ``activation``), and how each tower was treated."""
+    from .score import make_setup, unscored_towers
+
+    model = inputs.load_output_model("auto", progress=progress)
+    parts = []
+    for tower in inputs.scored_towers(model):
+        setup = make_setup(inputs, tower.module, options, config, progress=progress, tower=tower)
+        parts.append((tower, setup, subset_mloss(setup, subsets, weights, per_node=per_node, progress=progress)))
+    first = parts[0][2]
+    joined: dict[str, Any] = {m: torch.cat([p[m] for _, _, p in parts], dim=1) for m in first["metrics"]}
+    joined.update(metrics=first["metrics"], positions=sum(p["positions"] for _, _, p in parts),
+                  layers=[f"{tower.key_prefix}{name}" for tower, _, p in parts for name in p["layers"]],
+                  samples=sum(setup.num_samples for _, setup, _ in parts),
+                  activation=", ".join(dict.fromkeys(setup.activation_name for _, setup, _ in parts)))
+    if per_node:
+        joined["node"] = {f"{tower.key_prefix}{name}": v for tower, _, p in parts for name, v in p["node"].items()}
+    towers = {tower.attribute: {"status": f"scored on {setup.num_samples} "
+                                          f"{'texts' if tower.samples.modality == 'text' else 'images'} "
+                                          f"({p['positions']} positions, {len(p['layers'])} layers)"}
+              for tower, setup, p in parts}
+    towers.update({attribute: {"status": status}
+                   for attribute, status in unscored_towers(inputs, "not scored (no {kind} data)").items()})
+    return parts[0][1], joined, towers
 
 
 def _check_finite(values: dict[str, torch.Tensor], baselines: dict[str, list[float]],
@@ -705,14 +758,10 @@ def _check_finite(values: dict[str, torch.Tensor], baselines: dict[str, list[flo
 
 
 def _check_config(config: MergeConfig, options: ScoringOptions) -> None:
-    if config.text_data is not None:
-        raise InvalidParameterError(
-            "A compatibility report scores one tower (a CLIPModel's vision tower, on images) and does not take "
-            "text_data; score both towers with hf_mloss.score(base, models, data=..., text_data=...) (`hf-mloss "
-            "score` without --pairwise), or drop text_data.")
-    if config.data is None:
-        raise InvalidParameterError("A compatibility report needs unlabeled images and the config has no `data`: add "
-                                    "e.g. `data: {path: ./images, num_samples: 128}`.")
+    if config.data is None and config.text_data is None:
+        raise InvalidParameterError("A compatibility report needs unlabeled images or texts and the config has no "
+                                    "`data`: add e.g. `data: {path: ./images, num_samples: 128}` (and `text_data:` "
+                                    "for the text tower or language model of a whole model).")
     if options.prefix != "own":
         raise InvalidParameterError(f"A pairwise report scores every subset on its members' own forwards "
                                     f"(prefix='own'); got prefix={options.prefix!r}. Remove `prefix` from the "

@@ -351,7 +351,7 @@ def score_config(config: MergeConfig, *, device: Any = None, token: str | bool |
     options = config.scoring_options()
     with open_inputs(config, device=device, token=token, needs_data=True, progress=progress) as inputs, \
             cpu_workers(inputs.device):
-        if not inputs.towers:
+        if not inputs.towers and not getattr(inputs.adapter, "whole_model", False):
             model = inputs.load_scoring_model(progress=progress, streamed=True)  # one block of the base at a time
             setup = make_setup(inputs, model, options, config, progress=progress)
             results = score_shared_prefix(setup) if options.prefix == "base" else score_own_prefix(setup)

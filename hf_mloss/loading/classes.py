@@ -12,9 +12,9 @@ any other) already keep the base's class.
 Fine-tunes whose classification head has another shape than the base's (another number of labels) cannot be merged
 there: :func:`differing_heads` names the head's tensors, which are then taken from the base, and the card says so.
 
-Vision-language models (LLaVA, Qwen2-VL...) merge whole, data-free, through the generic adapter; their data-guided
-merge (the vision tower scored on images, the language model on text) is not there yet and is refused by
-:func:`refuse_vision_language` with that reason.
+Vision-language models merge whole; LLaVA and Qwen2-VL are also scored tower by tower
+(:mod:`hf_mloss.adapters.vision_language`). :func:`refuse_vision_language` refuses the data-guided runs the others
+cannot have, and on those two the runs that do not walk the towers, with the reason.
 """
 
 from __future__ import annotations
@@ -186,22 +186,35 @@ def is_vision_language(config: PretrainedConfig) -> bool:
                                                           {})
 
 
-def refuse_vision_language(config: PretrainedConfig, what: str) -> None:
-    """Refuse a data-guided run (``what``: the method, selection or scoring) on a vision-language model.
+def refuse_vision_language(config: PretrainedConfig, what: str, *, scored: bool = False) -> None:
+    """Refuse a data-guided run (``what``: the method, selection or scoring) on a vision-language model it cannot
+    score: a model of a type or with a tower the scored ones do not cover (:mod:`hf_mloss.adapters.vision_language`),
+    and, on LLaVA and Qwen2-VL, the runs that do not walk the towers (``scored=False``: label-free selection, the
+    learned merges, RegMean, ``method="auto"``).
 
     Raises:
-        UnsupportedModelError: naming the model type, what is missing and the data-free methods that work.
+        UnsupportedModelError: naming the model type, what is missing and what works instead.
     """
     from ..adapters.generic import DATA_FREE_METHODS
+    from ..adapters.vision_language import unsupported_reason
     from ..errors import UnsupportedModelError
 
     if not is_vision_language(config):
         return
+    reason = unsupported_reason(config)
+    if reason is None and scored:
+        return
+    data_free = (f"The data-free methods merge the whole model: {', '.join(DATA_FREE_METHODS)} (e.g. "
+                 "hf_mloss.merge(base, models, 'ties', k=0.2)).")
+    if reason is None:
+        raise UnsupportedModelError(
+            f"{what} is not available for vision-language models (model_type={config.model_type!r}): the M-Loss "
+            "merges (m_ties, m_dare), score() and compatibility() score them, the vision tower on data= images and "
+            f"the language model on text_data= texts. {data_free}")
     raise UnsupportedModelError(
-        f"{what} needs M-Loss scoring, which is not available yet for vision-language models "
-        f"(model_type={config.model_type!r}: a vision tower, a projector and a language model; scoring the vision "
-        "tower on images and the language model on text is not built yet). The data-free methods merge the whole "
-        f"model: {', '.join(DATA_FREE_METHODS)} (e.g. hf_mloss.merge(base, models, 'ties', k=0.2)).")
+        f"{what} needs M-Loss scoring, which is not available yet for this vision-language model "
+        f"(model_type={config.model_type!r}: {reason}). Scored: LLaVA and Qwen2-VL with a CLIP, SigLIP or Qwen2-VL "
+        f"vision tower and a scored language model. {data_free}")
 
 
 def whole_model_towers(adapter: ModelAdapter) -> list[Any]:

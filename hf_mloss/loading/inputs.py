@@ -91,8 +91,13 @@ class RunInputs:
         adapter, samples and report-name prefix: the adapter's own tower when ``data`` was given, and every other
         tower given data (``text_data``). One entry, keys unchanged, for a run of one tower."""
         whole = getattr(self.adapter, "whole_model", False)
+        own = getattr(self.adapter, "tower_view", None)  # a vision-language model: its vision tower, as a view
         towers = []
-        if self.model_inputs is not None:
+        if self.model_inputs is not None and own is not None:
+            towers.append(ScoredTower(own, model.get_submodule(own.tower_attribute), self.model_inputs,
+                                      self.data_info, "", [n for n in self.names if own.owns(n)],
+                                      own.tower_attribute))
+        elif self.model_inputs is not None:
             prefix = getattr(self.adapter, "report_prefix", "")
             names = [n for n in self.names if not self.adapter.is_outside_tower(n)] if whole else None
             towers.append(ScoredTower(self.adapter, self.adapter.tower(model), self.model_inputs, self.data_info,
@@ -100,7 +105,7 @@ class RunInputs:
         for view in self.towers:
             samples = self.tower_inputs.get(view.tower_attribute)
             if samples is not None:
-                towers.append(ScoredTower(view, getattr(model, view.tower_attribute), samples,
+                towers.append(ScoredTower(view, model.get_submodule(view.tower_attribute), samples,
                                           self.tower_data_info.get(view.tower_attribute), "",
                                           [n for n in self.names if view.owns(n)], view.tower_attribute))
         return towers
@@ -130,8 +135,8 @@ class RunInputs:
     def scoring_output(self) -> str:
         """The ``output`` a scoring pass loads its model as: the tower of a whole model (a CLIPModel's vision tower),
         else the model itself (``"auto"``: a family without towers, e.g. a causal LM)."""
-        if getattr(self.adapter, "kept_class", None) is not None:
-            return "auto"  # the base's class around the encoder (a ViTForImageClassification), as saved
+        if getattr(self.adapter, "kept_class", None) is not None or getattr(self.adapter, "tower_view", None):
+            return "auto"  # the base's class around the encoder (a ViTForImageClassification), as saved; a VLM
         return "tower" if self.adapter.containers else "auto"
 
     def load_scoring_model(self, *, progress: bool = True, streamed: bool = False) -> PreTrainedModel:
@@ -450,7 +455,10 @@ def check_family(config: MergeConfig, adapter: ModelAdapter, resolved, *, needs_
         what = (f"Method {config.method!r}" if method.needs_data else
                 "Label-free selection (select=...)" if getattr(config, "select", None) is not None else
                 "Scoring (score(), compatibility())")
-        refuse_vision_language(resolved[0][2], what)
+        walks = getattr(config, "select", None) is None and not any(
+            getattr(method, kind, None) for kind in ("learned", "chooses_method", "gram_prefix"))
+        refuse_vision_language(resolved[0][2], "Label-free selection (select=...)"
+                               if getattr(config, "select", None) is not None else what, scored=walks)
         if not getattr(adapter, "scorable", True):
             from ..adapters.generic import scoring_unavailable
 
@@ -711,7 +719,7 @@ def _check_layers(config: MergeConfig, adapter: ModelAdapter, towers: list[Model
     params = config.method_params()
     for source in (getattr(params, "layers", None), config.score.layers if config.score else None):
         layers |= set(source or ())
-    scored = ([adapter] if config.data is not None else []) + list(towers)
+    scored = ([getattr(adapter, "tower_view", adapter)] if config.data is not None else []) + list(towers)
     for each in scored or [adapter]:
         if layers and max(layers) >= each.num_layers:
             where = f" (the {each.tower_attribute} tower)" if hasattr(each, "tower_attribute") else ""
@@ -781,6 +789,10 @@ def _load_tower_text(inputs: RunInputs, config: MergeConfig, base_ref: ModelRef,
         family = f"{view.tower_attribute} of {getattr(view.full_config, 'model_type', None)!r} (text_data)"
         samples, info = load_text(view, config.text_data, config, inputs, base_ref, token, family=family,
                                   progress=progress)
+        check = getattr(inputs.adapter, "check_text_tokens", None)  # a vision-language model: no image tokens
+        if check is not None:
+            check(samples["input_ids"][samples["attention_mask"].bool()] if "attention_mask" in samples
+                  else samples["input_ids"])
         inputs.tower_inputs[view.tower_attribute] = samples
         inputs.tower_data_info[view.tower_attribute] = info
 
@@ -877,15 +889,17 @@ def resolve_processor(config: MergeConfig, inputs: RunInputs, base_ref: ModelRef
     """
     candidate = config.processor
     if candidate is not None and not isinstance(candidate, (str, os.PathLike)):
-        return candidate  # a processor object
+        given = getattr(inputs.adapter, "image_processor_of", None)  # a vision-language model: its image part
+        return candidate if given is None else given(candidate)  # a processor object
     if candidate is not None:
         where = os.fspath(candidate)
     else:
         where = base_ref.path if base_ref.path and Path(base_ref.path).is_dir() else base_ref.repo_id
     if where:
+        loader = getattr(inputs.adapter, "load_image_processor", None) or inputs.adapter.load_processor
         try:
             with quiet_transformers(True):
-                return inputs.adapter.load_processor(where, token=token)
+                return loader(where, token=token)
         except (OSError, ValueError) as err:
             folder = Path(where)
             if folder.is_dir() and not (folder / "preprocessor_config.json").exists():

@@ -545,9 +545,10 @@ def plan_for_run(value: Any, stores: list[TensorStore], adapter: ModelAdapter, *
     """
     options = VocabularyOptions.parse(value, [s.ref.name for s in stores])
     keeps_base = options.source == "base" and not options.tokens and options.pad_to_multiple_of is None
-    if keeps_base and (getattr(adapter, "whole_model", False) or getattr(adapter, "modality", "image") != "text"):
+    whole = getattr(adapter, "whole_model", False) and not getattr(adapter, "vocabulary_merges", False)
+    if keeps_base and (whole or getattr(adapter, "modality", "image") != "text"):
         return None
-    if getattr(adapter, "whole_model", False):
+    if whole:
         raise InvalidParameterError("tokenizer_source aligns the vocabulary of a text model (Llama, Qwen2, Mistral, "
                                     "BERT...); a whole two-tower model is not one. Drop tokenizer_source.")
     for store, is_loaded in zip(stores, [*loaded, *[False] * len(stores)]):

@@ -286,11 +286,13 @@ def outside_rule_note(inputs: RunInputs, method: MergeMethod, params: Any, names
         return any(view.owns(name) for view in inputs.towers if view.tower_attribute in scored)
 
     unreached = [n for n in names if not reached(n)]
+    if not unreached:  # both towers scored, nothing outside them (a Qwen2-VL with a tied lm_head)
+        return f"{'; '.join(lines)}."
     changed = len(changed_names(inputs, unreached))
     rest = getattr(inputs.adapter, "head_label", None) or "projections, logit scale"  # a kept class: its head
-    return (f"{'; '.join(lines)}. The {len(unreached)} tensors no scoring data reaches ("
-            f"{''.join(f'{label}, ' for label in unscored)}{rest}; {changed} changed by the "
-            f"fine-tunes) were merged by the method's data-free rule, {rule}.")
+    parts = ", ".join(filter(None, [*unscored, rest]))
+    return (f"{'; '.join(lines)}. The {len(unreached)} tensors no scoring data reaches ({parts}; {changed} changed "
+            f"by the fine-tunes) were merged by the method's data-free rule, {rule}.")
 
 
 class TensorMerger:

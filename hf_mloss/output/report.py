@@ -46,9 +46,14 @@ def describe_data(data: dict[str, Any]) -> str:
     return text
 
 
+_TOWER_LABELS = {"vision_tower": "vision tower", "visual": "vision tower", "language_model": "language model"}
+
+
 def tower_label(attribute: str) -> str:
-    """``text_model`` -> ``text tower`` (how reports and cards name a tower of a whole model)."""
-    return f"{attribute.removesuffix('_model')} tower"
+    """``text_model`` -> ``text tower``, a vision-language model's ``model.visual`` -> ``vision tower`` and
+    ``model.language_model`` -> ``language model`` (how reports and cards name a tower of a whole model)."""
+    last = attribute.rpartition(".")[2]
+    return _TOWER_LABELS.get(last) or f"{last.removesuffix('_model')} tower"
 
 
 def part_line(part: dict[str, Any], width: int) -> str:
