@@ -4,11 +4,12 @@
 Each architecture is built in-process from a tiny config of the installed transformers, saved with
 ``save_pretrained`` (with a tokenizer or image processor where it takes one) beside two perturbed fine-tunes
 (``examples/tiny.py``), and merged with ``ties`` and with ``m_ties`` (text data for text models, images for image
-models, none for speech; texts are tokenised with the base's saved tokenizer, a byte-level one that transformers 5
-reads the same whatever class it picks for the family). Each output is saved, loaded with its Auto class (nothing
-may be missing, unexpected or of another shape) and run once. A cell is ``ok``, ``refused: <hf_mloss's message>``
-(an ``HfMLossError``: the library said why) or ``error: <exception>`` (anything else: a crash, or an output that
-does not load or run).
+models, both for vision-language models: ``data=`` images for the vision tower, ``text_data=`` texts for the
+language model; none for speech; texts are tokenised with the base's saved tokenizer, a byte-level one that
+transformers 5 reads the same whatever class it picks for the family). Each output is saved, loaded with its Auto
+class (nothing may be missing, unexpected or of another shape) and run once. A cell is ``ok``, ``refused:
+<hf_mloss's message>`` (an ``HfMLossError``: the library said why) or ``error: <exception>`` (anything else: a
+crash, or an output that does not load or run).
 
 Examples::
 
@@ -96,7 +97,8 @@ class Architecture:
     """The Auto class the output is loaded with."""
     inputs: Callable[[], dict[str, torch.Tensor]]
     data: str | None
-    """What ``m_ties`` is given: ``"text"``, ``"image"`` or ``None`` (not run: no data of the model's kind)."""
+    """What ``m_ties`` is given: ``"text"``, ``"image"``, ``"image+text"`` (``data=`` images and ``text_data=``
+    texts) or ``None`` (not run: no data of the model's kind)."""
     kind: str
     """decoder, encoder, image, vision-language, speech, MoE (the issue's groups)."""
 
@@ -161,9 +163,9 @@ ARCHITECTURES: dict[str, Architecture] = {
         max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)),
         "AutoModelForCausalLM", _text, "text", "decoder"),
     "Llava": Architecture(lambda: T.LlavaForConditionalGeneration(_llava_config()), "AutoModelForImageTextToText",
-                          _llava, "text", "vision-language"),
+                          _llava, "image+text", "vision-language"),
     "Qwen2-VL": Architecture(lambda: T.Qwen2VLForConditionalGeneration(_qwen2_vl_config()),
-                             "AutoModelForImageTextToText", _qwen2_vl, "text", "vision-language"),
+                             "AutoModelForImageTextToText", _qwen2_vl, "image+text", "vision-language"),
     "ViTForImageClassification": Architecture(
         lambda: T.ViTForImageClassification(T.ViTConfig(**VISION, num_labels=3)), "AutoModelForImageClassification",
         _image, "image", "image"),
@@ -262,7 +264,8 @@ def run_one(name: str, arch: Architecture, root: Path) -> dict:
             continue
         err = None
         try:
-            data = {} if method == "ties" else {"data": PIXELS if arch.data == "image" else TEXTS}
+            data = {} if method == "ties" else {"data": PIXELS, "text_data": TEXTS} if arch.data == "image+text" \
+                else {"data": PIXELS if arch.data == "image" else TEXTS}
             result = hf_mloss.merge(base, models, method, progress=False, **data)
             check_output(arch, result, root / f"{name.replace(' ', '_')}_{method}", row["class"])
         except Exception as caught:  # noqa: BLE001 - the row records it
