@@ -82,9 +82,10 @@ Layout = tuple[tuple[tuple[str, int], ...], ...]
 
 
 @functools.lru_cache(maxsize=16)
-def _moe_layout(model_class: type[PreTrainedModel], config_json: str) -> Layout | None:
-    """Per block, ``(label, nodes)`` of each of its parts, read from the model built on ``meta`` (``None``: not an
-    MoE decoder of a recognised shape)."""
+def _moe_layout(model_class: type[PreTrainedModel], config_json: str) -> tuple[str, Layout] | None:
+    """The blocks' path in the class (``"model.layers"``; ``"layers"`` for a bare ``MixtralModel``) and, per block,
+    ``(label, nodes)`` of each of its parts, read from the model built on ``meta`` (``None``: not an MoE decoder of
+    a recognised shape)."""
     import json
 
     config = model_class.config_class.from_dict(json.loads(config_json))
@@ -93,6 +94,7 @@ def _moe_layout(model_class: type[PreTrainedModel], config_json: str) -> Layout 
     blocks = getattr(getattr(model, "base_model", model), "layers", None)
     if not isinstance(blocks, nn.ModuleList):
         return None
+    path = next(name for name, module in model.named_modules() if module is blocks)
     layout = []
     for block in blocks:
         mlp = getattr(block, "mlp", None)
@@ -109,7 +111,7 @@ def _moe_layout(model_class: type[PreTrainedModel], config_json: str) -> Layout 
             layout.append((("mlp", mlp.gate_proj.out_features),))
         else:
             return None
-    return tuple(layout) if any(len(parts) > 1 for parts in layout) else None
+    return (path, tuple(layout)) if any(len(parts) > 1 for parts in layout) else None
 
 
 class MoeAdapter(HookedAdapter):
@@ -125,15 +127,15 @@ class MoeAdapter(HookedAdapter):
 
     def __init__(self, config: PretrainedConfig) -> None:
         GenericAdapter.__init__(self, config)
-        layout = _moe_layout(self.model_class, config.to_json_string(use_diff=False))
-        if layout is None:
+        found = _moe_layout(self.model_class, config.to_json_string(use_diff=False))
+        if found is None:
             raise ValueError(f"{config.model_type!r}: no MoE block of a recognised shape")
-        self.part_layout = layout
+        blocks, self.part_layout = found
         self.name = config.model_type
-        self.shape = BlockShape("model.layers", "layers", ScoredUnit(gate="mlp"), "act_fn")
+        self.shape = BlockShape(blocks, "layers", ScoredUnit(gate="mlp"), "act_fn")
         self.unit = self.shape.unit  # the walk stops at the input of the whole MLP (the router's input too)
         self.target_suffix = "mlp"
-        self.layer_pattern = re.compile(r"model\.layers\.(\d+)\.")
+        self.layer_pattern = re.compile(re.escape(blocks) + r"\.(\d+)\.")
 
     @classmethod
     def matches(cls, config: PretrainedConfig) -> bool:
