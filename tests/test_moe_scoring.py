@@ -326,3 +326,15 @@ def test_regmean_refuses_an_moe_naming_what_works(mixtral):
     base, models = mixtral
     with pytest.raises(UnsupportedModelError, match="m_ties / m_dare, compatibility"):
         hf_mloss.merge(base, models[:2], "regmean", data=TEXTS, num_samples=3, progress=False)
+
+
+def test_a_bare_moe_model_is_scored_under_its_own_names(tmp_path):
+    """A ``MixtralModel`` (no LM head) names its blocks ``layers.N``: the unit, the groups and the report follow."""
+    torch.manual_seed(0)
+    base = transformers.MixtralModel(FAMILIES["mixtral"]().config).eval()
+    folder, models = testing.save_with_finetunes(base, tmp_path, 2, tokenizer=testing.word_tokenizer(VOCAB),
+                                                 scale=5e-2)
+    result = hf_mloss.merge(str(folder), [str(m) for m in models], "m_ties", data=TEXTS, num_samples=3,
+                            prefix="base", progress=False)
+    assert list(result.report.layer) == ["layers.0.mlp", "layers.1.mlp"]
+    assert len(result.report.keep_ratios["layers.0.mlp"]) == 5 * 12
