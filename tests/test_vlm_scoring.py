@@ -143,6 +143,16 @@ def test_score_equals_hooks_on_each_models_own_forward(vlm, given):
                                                  else "not scored (no text data)")
 
 
+def test_an_image_processor_passed_in_reads_images_as_the_base_s_does(vlm):
+    """``processor=`` an image processor object: read as the vision tower reads images (Qwen2-VL: square, then
+    folded back into pixels), the same numbers as the base's own."""
+    own = hf_mloss.score(vlm["base"], vlm["fts"], data=vlm["images"], progress=False)
+    given = hf_mloss.score(vlm["base"], vlm["fts"], data=vlm["images"], processor=_image_processor(vlm["name"]),
+                           progress=False)
+    for name, value in own.node.items():
+        torch.testing.assert_close(given.node[name], value, rtol=0, atol=0, msg=name)
+
+
 @pytest.mark.parametrize("given", ["images", "texts", "both"])
 def test_compatibility_of_the_pair_equals_the_brute_force(vlm, given):
     report = hf_mloss.compatibility(vlm["base"], vlm["fts"], per_node=True, baselines=False, progress=False,
