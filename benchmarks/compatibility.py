@@ -178,8 +178,9 @@ def cost_markdown(record: dict) -> str:
 SCORES = ("mloss", "mloss_ratio", "mloss_normalized", "tv_cosine", "tv_distance", "tv_norm", "sign_conflict",
           "output_gap")
 """Label-free scores of a subset, as in ``CompatibilityReport`` (output_gap via the suite's cached lower blocks)."""
-TARGETS = {"norm_acc": "normalised merged accuracy", "ens_gap": "ensemble − merge accuracy"}
+TARGETS = {"norm_acc": "normalised merged accuracy", "ens_gap": "tuned ensemble − merge accuracy"}
 CONTROL = "tv_distance"
+COSINE = "tv_cosine"
 """The weight-space baseline every score's partial correlation controls for (the strongest one on the image
 suite's earlier study)."""
 
@@ -226,17 +227,35 @@ class Study:
             tasks = sorted({self.models[p][1] for p in subset})
             merged = self.bench.features(self.average_state(subset), "test", tasks)
             merge_acc = {t: self.accuracy(merged[t], t, "test") for t in tasks}
+            scale = self.ensemble_scale(subset, tasks)
             labels = self.bench.labels("test")
             ens_acc = {t: float((ensemble_scores([self.member_features(p, "test", t) for p in subset],
-                                                 self.bench.heads[t]).argmax(-1) == labels[t]).float().mean())
+                                                 dataclasses.replace(self.bench.heads[t], scale=scale)
+                                                 ).argmax(-1) == labels[t]).float().mean())
                        for t in tasks}
             members = [(p, self.models[p][1]) for p in subset]
             self.cache[key] = {
                 "norm_acc": sum(merge_acc[t] / self.own[p] for p, t in members) / len(subset),
                 "ens_gap": sum(ens_acc[t] - merge_acc[t] for _, t in members) / len(subset),
-                "merge_acc": merge_acc, "ens_acc": ens_acc}
+                "merge_acc": merge_acc, "ens_acc": ens_acc, "ensemble_scale": scale}
             self.save_cache()
         return self.cache[key]
+
+    def ensemble_scale(self, subset: tuple[int, ...], tasks: list[str]) -> float:
+        """The heads' logit scale of the members' probability ensemble, chosen on val as the suites choose it
+        (:data:`benchmarks.suites.protocol.ENSEMBLE_SCALES`, first of the best): the gap is taken to the tuned
+        ensemble, not the one at the heads' training scale."""
+        from benchmarks.suites.protocol import ENSEMBLE_SCALES
+        from hf_mloss.merging.evaluation import ensemble_scores
+
+        labels = self.bench.labels("val")
+
+        def val_mean(scale: float) -> float:
+            return sum(float((ensemble_scores([self.member_features(p, "val", t) for p in subset],
+                                              dataclasses.replace(self.bench.heads[t], scale=scale)
+                                              ).argmax(-1) == labels[t]).float().mean()) for t in tasks) / len(tasks)
+
+        return max(ENSEMBLE_SCALES["main"], key=val_mean)
 
     def save_cache(self) -> None:
         """Write the measured accuracies and candidates (atomically: a stopped run leaves the previous file)."""
@@ -368,14 +387,31 @@ def correlation_tables(study: Study, observations: dict, lookup, subset_perms, a
                             model_bootstrap(obs, x, y, q, draws=args.bootstrap, rng=rng))
                 row = {"group": group, "n": len(obs), "target": target, "score": score, "rho": spearman(x, y),
                        "low": interval[0], "high": interval[1], "p": permutation_p(obs, lookup(score), y, perms)}
-                if score != CONTROL:  # beyond what the task-vector distance already says
-                    z = [lookup(CONTROL)(o) for o in obs]
-                    row["partial_rho"] = partial_spearman(x, y, z)
-                    row["partial_p"] = permutation_p(obs, lookup(score), y, perms, control=z)
+                for control, key in ((CONTROL, "partial"), (COSINE, "partial_cosine")):
+                    if score != control:  # beyond what the task vectors' distance (cosine) already says
+                        z = [lookup(control)(o) for o in obs]
+                        row[f"{key}_rho"] = partial_spearman(x, y, z)
+                        row[f"{key}_p"] = permutation_p(obs, lookup(score), y, perms, control=z)
                 if group == "all pairs":
                     row["same_task_auc"] = control_auc(x, same, score in HIGHER_IS_BETTER)
                 rows.append(row)
+    holm_partial(rows)
     return rows
+
+
+def holm_partial(rows: list[dict]) -> None:
+    """Holm-adjusted p of every M-Loss score's partial tests (given distance, given cosine) in the table: the family
+    a claim "M-Loss says more than the task vectors" rests on."""
+    tests = [(row, key) for row in rows if row["score"].startswith("mloss")
+             for key in ("partial_p", "partial_cosine_p") if key in row and row[key] == row[key]]
+    order = sorted(range(len(tests)), key=lambda i: tests[i][0][tests[i][1]])
+    running = 0.0
+    for rank, i in enumerate(order):
+        row, key = tests[i]
+        running = max(running, min(1.0, (len(tests) - rank) * row[key]))
+        row[f"{key}_holm"] = running
+    for row in rows:
+        row["holm_family_size"] = len(tests)
 
 
 REGRET_LABELS = ("task_arithmetic", "ties", "m_ties")
@@ -383,13 +419,22 @@ REGRET_LABELS = ("task_arithmetic", "ties", "m_ties")
 M-TIES's scored layers) and the same grid the suite searches on val labels, so the val choice is the suite's."""
 
 
-def regret_methods(bench, tasks: tuple[str, ...], suite: str = "") -> dict[str, tuple[str, dict, dict]]:
+def regret_methods(bench, tasks: tuple[str, ...], suite: str = "", design: str = "r4"
+                   ) -> dict[str, tuple[str, dict, dict]]:
     """label → (method, fixed parameters, grid) from the suite's own method specs for a merge of ``tasks`` (task
     arithmetic's λ grid is scaled by 4 / the number of merged tasks, as the suite scales it). ``real-regime``: the
     lever map's specs and grids (:func:`benchmarks.suites.regime.lever_specs`, in units of the trained task vectors),
-    the SVD merges included."""
+    the SVD merges included; with ``design="r5"`` round 5's grids (:func:`benchmarks.suites.regime.round5_specs`).
+    """
     import dataclasses
 
+    if suite == "real-regime" and design == "r5":
+        from benchmarks.suites.regime import SVD_MERGES, round5_specs
+
+        trained = list(range(bench.cfg.frozen, bench.cfg.num_layers))
+        specs = [*round5_specs("base", trained), *round5_specs("mties", trained)]
+        found = {s.label: (s.method, dict(s.params), dict(s.grid)) for s in specs}
+        return {label: found[label] for label in (*REGRET_LABELS, *SVD_MERGES)}
     if suite == "real-regime":
         from benchmarks.suites.regime import REGIME_TIES_LAMS, SVD_MERGES, lever_specs
 
@@ -472,7 +517,7 @@ def instance_candidates(study: Study, instance, method: str, args: argparse.Name
     from hf_mloss.spec.selection import SelectionOptions
 
     seed, tasks, draw = instance
-    name, fixed, grid = regret_methods(study.bench, tasks, args.suite)[method]
+    name, fixed, grid = regret_methods(study.bench, tasks, args.suite, getattr(args, "design", "r4"))[method]
     default = documented_default(name, grid)
     described = json.dumps([name, fixed, grid, CRITERIA, default], sort_keys=True, default=str)
     key = (f"regret|{seed}|{','.join(tasks)}|{method}|{args.select_samples}" + (f"|draw{draw}" if draw else "")
@@ -527,7 +572,8 @@ def regret_part(study: Study, args: argparse.Namespace) -> dict:
     detail, table = [], []
     for instance in instances:
         study.log(f"regret instance: seed {instance[0]}, tasks {', '.join(instance[1])}, draw {instance[2]}")
-        for method, (name, fixed, grid) in regret_methods(study.bench, instance[1], args.suite).items():
+        methods = regret_methods(study.bench, instance[1], args.suite, getattr(args, "design", "r4"))
+        for method, (name, fixed, grid) in methods.items():
             rows = instance_candidates(study, instance, method, args)
             default = next((r for r in rows if r.get("documented_default")), None)
             detail.append({"seed": instance[0], "tasks": list(instance[1]), "draw": instance[2], "method": method,
@@ -596,17 +642,21 @@ def model_bootstrap(observations, score, target, q: int, *, draws: int, rng) -> 
 
 
 def model_jackknife(observations, score, target, q: int) -> tuple[float, float]:
-    """ρ ± 1.96 · the delete-one-model jackknife standard error (the observations holding that model left out)."""
+    """tanh(atanh ρ ± 1.96 · se): the delete-one-model jackknife standard error of ρ's Fisher z (the observations
+    holding that model left out), so the interval stays inside [−1, 1] (on ρ itself it did not)."""
     import numpy as np
+
+    def fisher(r: float) -> float:
+        return math.atanh(max(-0.999999, min(0.999999, r)))
 
     rho = spearman(score, target)
     leave = []
     for m in range(q):
         keep = [i for i, o in enumerate(observations) if m not in o]
         leave.append(spearman(np.asarray(score)[keep], np.asarray(target)[keep]))
-    leave = np.array([v for v in leave if not math.isnan(v)])
+    leave = np.array([fisher(v) for v in leave if not math.isnan(v)])
     se = float(np.sqrt((len(leave) - 1) / len(leave) * ((leave - leave.mean()) ** 2).sum())) if len(leave) > 1 else 0
-    return rho - 1.96 * se, rho + 1.96 * se
+    return math.tanh(fisher(rho) - 1.96 * se), math.tanh(fisher(rho) + 1.96 * se)
 
 
 def partial_spearman(x, y, z) -> float:
@@ -661,8 +711,9 @@ def control_auc(values, same: list[bool], higher_is_better: bool) -> float:
     return wins / max(len(inside) * len(outside), 1)
 
 
-def load_bench(suite: str, seeds: int | None, cache: Path | None, log):
-    """The built suite (from its cache: the study trains nothing the suite run has not)."""
+def load_bench(suite: str, seeds: int | None, cache: Path | None, log, lever: dict | None = None):
+    """The built suite (from its cache: the study trains nothing the suite run has not); ``lever``: the regime
+    lever's settings that differ from :func:`benchmarks.suites.regime.regime_config` (``frozen``, ``ft_steps``)."""
     from benchmarks.suites.__main__ import default_cache, real_config
 
     if suite.startswith("text"):
@@ -673,6 +724,8 @@ def load_bench(suite: str, seeds: int | None, cache: Path | None, log):
     from benchmarks.suites.regime import regime_config
 
     cfg = regime_config(seeds) if suite == "real-regime" else real_config(suite, seeds)
+    if suite == "real-regime" and lever:
+        cfg = dataclasses.replace(cfg, **lever)
     return build_real_suite(cfg, cache or default_cache(), log)
 
 
@@ -683,7 +736,8 @@ def run_study(args: argparse.Namespace) -> None:
     load_start = os.getloadavg()
     start = time.perf_counter()
     with torch_threads(args.threads):
-        bench = load_bench(args.suite, args.seeds, args.suite_cache, log)
+        lever = {k: v for k, v in (("frozen", args.frozen), ("ft_steps", args.steps)) if v is not None}
+        bench = load_bench(args.suite, args.seeds, args.suite_cache, log, lever)
         truncate(bench, args.eval_images)
         study = Study(bench, args, log)
         record = {"suite": args.suite, "seeds": args.seeds, "models": study.names, "config": bench.info["config"],
@@ -731,19 +785,26 @@ def study_markdown(record: dict) -> str:
                if "pairwise_from" in record else []),
              "## (a) Scores against merged accuracy", "",
              f"| observations | n | target | score | Spearman ρ | 95 % interval | permutation p | partial ρ given "
-             f"{CONTROL} | its permutation p | same-task AUC |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"{CONTROL} | its p (Holm) | partial ρ given {COSINE} | its p (Holm) | same-task AUC |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def number(value, spec):
         return "—" if value is None or value != value else format(value, spec)
 
     for row in pw["tables"]:
         auc = f"{row['same_task_auc']:.2f}" if "same_task_auc" in row else ""
-        lines.append(f"| {row['group']} | {row['n']} | {TARGETS[row['target']]} | {row['score']} | {row['rho']:+.2f} | "
-                     f"{row['low']:+.2f} … {row['high']:+.2f} | {number(row['p'], '.3f')} | "
-                     f"{number(row.get('partial_rho'), '+.2f')} | {number(row.get('partial_p'), '.3f')} | {auc} |")
+        def partial(key: str) -> str:
+            holm = row.get(f"{key}_p_holm")
+            return (f"{number(row.get(f'{key}_rho'), '+.2f')} | {number(row.get(f'{key}_p'), '.3f')}"
+                    + (f" ({holm:.3f})" if holm is not None else ""))
+
+        lines.append(f"| {row['group']} | {row['n']} | {TARGETS.get(row['target'], row['target'])} | {row['score']} | "
+                     f"{row['rho']:+.2f} | {row['low']:+.2f} … {row['high']:+.2f} | {number(row['p'], '.3f')} | "
+                     f"{partial('partial')} | {partial('partial_cosine')} | {auc} |")
     lines += ["", f"Intervals: pairs — percentile interval over resamples of the {len(record['models'])} models (a pair enters as often as "
-              "the product of its members' counts); subsets — ρ ± 1.96 delete-one-model jackknife standard errors. "
+              "the product of its members' counts); subsets — tanh(atanh ρ ± 1.96 delete-one-model jackknife standard "
+              "errors of the Fisher z). Holm: over every partial test of the M-Loss scores in this table "
+              f"({pw['tables'][0].get('holm_family_size', '?')} tests). "
               "p: two-sided, model identities permuted (Mantel; the score of π(S) against the accuracy of S). "
               "Partial ρ: Spearman correlation of the score and the target with the task-vector distance's ranks "
               "regressed out of both; its p permutes model identities of the score with target and distance in place. "
@@ -837,6 +898,10 @@ def main(argv: list[str] | None = None) -> int:
     study.add_argument("--skip-regret", action="store_true")
     study.add_argument("--pairwise-from", type=Path, default=None,
                        help="take (a) from an earlier record's JSON of the same study (then only (b) runs)")
+    study.add_argument("--frozen", type=int, default=None, help="real-regime: lower blocks frozen (default its 8)")
+    study.add_argument("--steps", type=int, default=None, help="real-regime: fine-tuning steps (default its 180)")
+    study.add_argument("--design", default="r4", choices=("r4", "r5"),
+                       help="real-regime: the grids of (b): the lever map's (r4) or round 5's (r5)")
     study.add_argument("--seed", type=int, default=0)
     study.add_argument("--threads", type=int, default=2)
     study.add_argument("--record", default=None, help="record name under benchmarks/results (default: from the suite)")

@@ -142,3 +142,28 @@ def test_documented_default_is_the_library_default_on_every_grid_axis() -> None:
     assert compatibility.documented_default("ties", {"k": [0.2], "lam": [1.6, 2.0]}) == {"k": 0.2, "lam": 1.0}
     assert compatibility.documented_default("task_arithmetic", {"lam": [0.5, 0.65]}) == {"lam": 0.3}
     assert compatibility.documented_default("m_ties", {"k": [0.2], "lam": [1.0]}) == {"k": 0.2, "lam": 1.0}
+
+
+def test_subset_jackknife_intervals_stay_inside_minus_one_one():
+    """The delete-one-model jackknife is taken on Fisher's z: a strong ρ on few models gets an interval inside
+    [−1, 1] (on ρ itself it ran past 1)."""
+    from benchmarks.compatibility import model_jackknife
+
+    observations = [(0, 1, 2), (1, 2, 3), (0, 2, 3), (0, 1, 3), (0, 1, 4), (2, 3, 4), (1, 3, 4)]
+    score = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.5]
+    target = [1.1, 2.3, 2.9, 4.2, 5.1, 5.9, 7.0]
+    low, high = model_jackknife(observations, score, target, 5)
+    assert -1 < low <= high < 1 and low < 1.0
+
+
+def test_the_m_loss_partial_tests_are_holm_adjusted():
+    from benchmarks.compatibility import holm_partial
+
+    rows = [{"score": "mloss", "partial_p": 0.004, "partial_cosine_p": 0.02},
+            {"score": "mloss_ratio", "partial_p": 0.03, "partial_cosine_p": 0.5},
+            {"score": "tv_cosine", "partial_p": 0.001}]
+    holm_partial(rows)
+    assert rows[0]["partial_p_holm"] == pytest.approx(0.016)  # 4 tests: the smallest × 4
+    assert rows[0]["partial_cosine_p_holm"] == pytest.approx(0.06)  # × 3
+    assert rows[1]["partial_p_holm"] == pytest.approx(0.06) and rows[1]["partial_cosine_p_holm"] == 0.5
+    assert "partial_p_holm" not in rows[2] and rows[2]["holm_family_size"] == 4
