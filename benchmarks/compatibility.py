@@ -860,6 +860,18 @@ def describe_machine(record: dict) -> str:
             "are shared, so wall times are noisy: CPU seconds are the steadier ratio).")
 
 
+def run_render(args: argparse.Namespace) -> None:
+    """Rewrite a study record's Markdown with this code from its JSON, adding what is derived from the stored numbers
+    (the Holm-adjusted p of the M-Loss partial tests): nothing is measured again."""
+    for path in args.records:
+        path = Path(path)
+        record = json.loads(path.read_text())
+        holm_partial(record["pairwise"]["tables"])
+        path.write_text(json.dumps(record, indent=1) + "\n")
+        path.with_suffix(".md").write_text(study_markdown(record))
+        print(f"rendered {path.with_suffix('.md')}")
+
+
 def write(name: str, record: dict, markdown: str) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -877,6 +889,9 @@ def main(argv: list[str] | None = None) -> int:
     cost.add_argument("--repeats", type=int, default=2)
     cost.add_argument("--threads", type=int, default=2)
     cost.set_defaults(func=run_cost)
+    render = sub.add_parser("render", help="rewrite a study record's Markdown from its JSON (nothing re-measured)")
+    render.add_argument("records", nargs="+", type=Path)
+    render.set_defaults(func=run_render)
     study = sub.add_parser("study", help="label-free scores vs merged accuracy, and selection regret, on a suite")
     study.add_argument("--suite", default="real-quick",
                        choices=("real", "real-quick", "real-smoke", "real-regime", "text", "text-quick", "text-smoke"),
