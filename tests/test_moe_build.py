@@ -386,3 +386,183 @@ def test_the_cli_builds_and_prints_the_routing_report(llama, tmp_path, capsys):
 
 def test_hf_mloss_exports_build_moe():
     assert hf_mloss.build_moe is build_moe and hf_mloss.MoEConfig is MoEConfig
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Memory: one layer at a time, and tensors streamed to their place in the file, with the same bits as a whole model
+# --------------------------------------------------------------------------------------------------------------------
+def _whole_model_rows(base: str, tokenizer, prompt_sets: list[list[str]], average: bool) -> list[torch.Tensor]:
+    """mergekit-moe's own computation: the whole base in bfloat16, ``output_hidden_states``, every layer's input."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_mloss.moe.gates import encode
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16).eval()
+    out = []
+    for prompts in prompt_sets:
+        with torch.no_grad():
+            output = model(**encode(tokenizer, prompts), output_hidden_states=True, return_dict=True)
+        states = torch.stack(output.hidden_states[:-1])
+        states = states.sum(dim=2) / states.shape[2] if average else states[:, :, -1, :]
+        out.append(states.sum(dim=1) / states.shape[1])
+    return out
+
+
+@pytest.fixture(scope="module")
+def qwen_families(tmp_path_factory) -> dict[str, tuple[str, list[str]]]:
+    root = tmp_path_factory.mktemp("layered")
+    return {family: _family(root, family, 3) for family in ("qwen2", "qwen3")}
+
+
+@pytest.mark.parametrize("average", [False, True], ids=["hidden", "hidden_avg"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_layer_by_layer_prompt_pass_equals_the_whole_model_bit_for_bit(llama, qwen_families, family, average):
+    """The router rows' hidden states, read one layer at a time (the embedding rows of the prompts' tokens and one
+    layer in memory), equal a whole forward's ``output_hidden_states`` exactly, padding and negative sets included."""
+    from transformers import AutoTokenizer
+
+    from hf_mloss.adapters import adapter_for
+    from hf_mloss.loading.hub import resolve_model
+    from hf_mloss.loading.store import CheckpointStore
+    from hf_mloss.moe.gates import hidden_representations, prompt_tokenizer
+    from hf_mloss.moe.layered import LayeredModel, skeleton
+
+    base, _ = llama if family == "llama" else qwen_families[family]
+    sets = [["w1 w2 w3", "w4 w5", "w7"], ["w10 w11 w12"], ["w20 w21", "w22 w23 w24 w25 w26"]]
+    tokenizer = prompt_tokenizer(AutoTokenizer.from_pretrained(base))
+    model, info = skeleton(base, dtype=torch.bfloat16)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    store = CheckpointStore(resolve_model(base), adapter_for(model.config))
+    layered = hidden_representations(LayeredModel(model, store), tokenizer, sets, average=average)
+    whole = _whole_model_rows(base, tokenizer, sets, average)
+    assert all(torch.equal(a, b) for a, b in zip(layered, whole, strict=True))
+    assert all(p.is_meta for p in model.parameters())  # every layer emptied again
+
+
+@pytest.mark.filterwarnings("ignore:The router rows")
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_layer_by_layer_routing_equals_the_whole_moe_bit_for_bit(llama, qwen_families, family, tmp_path):
+    """The routing report, computed one layer at a time from the written shards (the last layer stopped once its
+    router has read its input), holds exactly what the whole MoE loaded with ``from_pretrained`` gives."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_mloss.moe.gates import encode, prompt_tokenizer
+    from hf_mloss.moe.routing import _route
+
+    base, models = llama if family == "llama" else qwen_families[family]
+    config = _config(base, models)
+    config["experts"][0]["positive_prompts"] += ["w6 w7 w8 w9 w10 w11", "w3"]
+    if family == "qwen2":
+        config["shared_experts"] = [{"source_model": models[0], "positive_prompts": ["w30 w31"]}]
+    result = build_moe(config, tmp_path / "moe", progress=False, mloss=False, max_shard_size=40_000)
+    report = result.routing
+    model = AutoModelForCausalLM.from_pretrained(result.path).eval()
+    tokenizer = prompt_tokenizer(AutoTokenizer.from_pretrained(result.path))
+    captured: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(model.model.layers):
+        layer.post_attention_layernorm.register_forward_hook(lambda m, a, out, i=i: captured.__setitem__(i, out))
+    weights = torch.zeros_like(report.weights)
+    selected = torch.zeros_like(report.selected)
+    for start in range(0, len(report.prompts), 2):  # batches of 2 here, of 16 in the report: the same values
+        batch = encode(tokenizer, report.prompts[start:start + 2])
+        positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            model(**batch, position_ids=positions, use_cache=False)
+            real = batch["attention_mask"].bool() & (positions > 0)
+            for i, layer in enumerate(model.model.layers):
+                per_prompt, chosen = _route(captured[i], layer.mlp.gate.weight, real, 2, True)
+                weights[start:start + len(per_prompt), i] = per_prompt.double()
+                selected[i] += chosen
+    torch.testing.assert_close(report.weights, weights, atol=1e-6, rtol=0)
+    assert torch.equal(report.selected, selected)
+    one_batch = build_moe(config, tmp_path / "again", progress=False, mloss=False)  # one shard this time
+    assert torch.equal(one_batch.routing.weights, report.weights)
+
+
+def test_layer_by_layer_routing_is_the_whole_batch_forward_exactly(built):
+    """Batched as the report batches its prompts (16), the whole MoE's router inputs give the report's weights and
+    token counts bit for bit."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_mloss.moe.gates import encode, prompt_tokenizer
+    from hf_mloss.moe.routing import _route
+
+    _, result = built
+    report = result.routing
+    model = AutoModelForCausalLM.from_pretrained(result.path).eval()
+    tokenizer = prompt_tokenizer(AutoTokenizer.from_pretrained(result.path))
+    captured: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(model.model.layers):
+        layer.post_attention_layernorm.register_forward_hook(lambda m, a, out, i=i: captured.__setitem__(i, out))
+    batch = encode(tokenizer, report.prompts)
+    positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        model(**batch, position_ids=positions, use_cache=False)
+        real = batch["attention_mask"].bool() & (positions > 0)
+        for i, layer in enumerate(model.model.layers):
+            per_prompt, chosen = _route(captured[i], layer.mlp.gate.weight, real, 2, True)
+            assert torch.equal(report.weights[:, i], per_prompt.double()) and torch.equal(report.selected[i], chosen)
+
+
+def test_the_written_folder_is_checked_by_transformers_own_loading_report(built, tmp_path):
+    """The check before the folder is renamed into place is ``from_pretrained``'s own report (on the meta device:
+    nothing is read), so a tensor missing from the shards is named."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from hf_mloss.moe.layered import skeleton
+
+    _, result = built
+    _, info = skeleton(result.path)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    for key in ("model.layers.1.block_sparse_moe.gate.weight", "model.layers.1.block_sparse_moe.experts.2.w3.weight"):
+        broken = tmp_path / key
+        shutil.copytree(result.path, broken)
+        tensors = load_file(str(broken / "model.safetensors"))
+        del tensors[key]
+        save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+        if "gate" in key:
+            _, info = skeleton(broken)
+            assert "model.layers.1.mlp.gate.weight" in info["missing_keys"]
+        else:  # an expert missing from a fused set: transformers refuses the conversion
+            with pytest.raises(RuntimeError, match="conversion"):
+                skeleton(broken)
+
+
+def test_the_writer_streams_the_bytes_save_file_writes(tmp_path):
+    """Each shard is byte for byte ``safetensors.torch.save_file``'s file of the same tensors (data sorted by dtype,
+    then name), shards close where the next tensor would not fit, and the plan is enforced."""
+    from safetensors.torch import save_file
+
+    from hf_mloss.moe.writer import ShardWriter
+
+    generator = torch.Generator().manual_seed(0)
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.bool]
+    tensors = {f"layer.{i}.{d}": (torch.randn(3, 4 + i, generator=generator) * 5).to(dtypes[d])
+               for i in range(4) for d in range(len(dtypes))}
+    tensors["scalar"], tensors["empty"] = torch.tensor(1.5), torch.zeros(0, 3)
+    names = list(tensors)
+    writer = ShardWriter(tmp_path, [(n, tensors[n].shape, tensors[n].dtype) for n in names], 200)
+    for name in names:
+        writer.add(name, tensors[name])
+    files = writer.finish()
+    index = json.loads((tmp_path / files[-1]).read_text())
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(index["weight_map"][name], []).append(name)
+    assert list(groups) == files[:-1] and len(files) > 3
+    for file, members in groups.items():
+        save_file({n: tensors[n] for n in members}, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+        assert (tmp_path / file).read_bytes() == (tmp_path / "ref.safetensors").read_bytes(), file
+        size = sum(tensors[n].numel() * tensors[n].element_size() for n in members)
+        following = names[names.index(members[-1]) + 1:]
+        assert size <= 200 or len(members) == 1
+        assert not following or size + tensors[following[0]].numel() * tensors[following[0]].element_size() > 200
+    single = ShardWriter(tmp_path / "one", [("a", (2,), torch.float32)])
+    (tmp_path / "one").mkdir()
+    with pytest.raises(ValueError, match="comes where the plan has"):
+        single.add("a", torch.zeros(3))
+    single.add("a", torch.zeros(2))
+    assert single.finish() == ["model.safetensors"]

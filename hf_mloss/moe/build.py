@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -21,6 +22,7 @@ import torch
 from ..errors import HfMLossError
 from .config import MOE_CONFIG_NAME, MoEConfig, as_moe_config
 from .inputs import MoEInputs, load_tokenizer, open_inputs
+from .layered import release_memory
 from .routing import RoutingReport
 
 ROUTING_NAME = "routing.json"
@@ -38,6 +40,7 @@ class MoEResult:
         mloss: each pair of experts' M-Loss on the prompts (``{(i, j): value}``, mean over layers), or ``None`` with
             ``mloss_note`` saying why it could not be measured.
         degenerate_layers: layers whose router rows are nearly dependent (mergekit's warning).
+        timings: seconds per stage (``inputs``, ``gates``, ``mloss``, ``write``, ``routing``, ``records``).
     """
 
     path: Path
@@ -49,6 +52,7 @@ class MoEResult:
     mloss_note: str | None
     degenerate_layers: list[int] = field(default_factory=list)
     device: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> str:
         c = self.config
@@ -104,24 +108,41 @@ def build_moe(config: MoEConfig | Mapping[str, Any] | str | os.PathLike[str], ou
     protected = config.input_paths()
     target = check_output_dir(out_dir, overwrite=overwrite, protected=protected)
     run_device = resolve_device(device)
+    timings: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(stage: str) -> None:
+        nonlocal clock
+        release_memory()  # what the stage freed goes back to the system before the next one allocates
+        now = time.perf_counter()
+        timings[stage], clock = now - clock, now
+
     inputs = open_inputs(config, token=token)
     try:
         num_gates = len(config.experts) + (1 if config.shared_experts else 0)
         target = check_output_dir(target, overwrite=overwrite, protected=protected,
                                   needed_bytes=inputs.output_bytes(len(config.experts)))
         generator = torch.Generator().manual_seed(config.seed)
+        lap("inputs")
         gates = _gates(config, inputs, num_gates, generator, run_device, progress)
         degenerate = _warn_degenerate(gates)
         recorded = _recorded(config, inputs)
+        lap("gates")
+        # before the folder is written: its peak memory (the experts' own forwards) does not add to what the
+        # writing and the routing pass leave in the process
+        pairs, note = _pair_mloss(config, inputs, run_device, progress) if mloss else (None, "not asked for")
+        lap("mloss")
         with atomic_folder(target, overwrite=overwrite) as tmp:
             _write_model(tmp, config, inputs, gates, generator, progress, max_shard_size)
+            lap("write")
             routing = _routing(tmp, config, inputs, run_device, progress)
-            pairs, note = _pair_mloss(config, inputs, run_device, progress) if mloss else (None, "not asked for")
+            lap("routing")
             result = MoEResult(path=target, architecture=inputs.architecture.pretty,
                                model_class=inputs.config.architectures[0], config=recorded, routing=routing,
                                mloss=pairs, mloss_note=note, degenerate_layers=degenerate,
-                               device=describe_device(run_device))
+                               device=describe_device(run_device), timings=timings)
             _write_records(tmp, target, result, inputs)
+        lap("records")
     finally:
         inputs.close()
     return result
@@ -130,8 +151,7 @@ def build_moe(config: MoEConfig | Mapping[str, Any] | str | os.PathLike[str], ou
 # ------------------------------------------------------------------------------------------------------ gates
 def _gates(config: MoEConfig, inputs: MoEInputs, num_gates: int, generator: torch.Generator, device: Any,
            progress: bool) -> torch.Tensor:
-    from .gates import (embedding_representation, hidden_representation, prompt_gates, prompt_tokenizer,
-                        random_gates)
+    from .gates import embedding_representation, hidden_representation, prompt_gates, prompt_tokenizer, random_gates
 
     layers, hidden = inputs.num_layers, inputs.hidden_size
     if config.gate_mode in ("random", "uniform_random"):
@@ -141,17 +161,15 @@ def _gates(config: MoEConfig, inputs: MoEInputs, num_gates: int, generator: torc
     if config.gate_mode == "cheap_embed":
         embeddings = inputs.store(inputs.base).get("model.embed_tokens.weight")
         return prompt_gates(specs, embedding_representation(embeddings, tokenizer, layers), progress=progress)
-    from transformers import AutoModelForCausalLM
+    from ..parallel import cpu_workers
+    from .layered import LayeredModel, skeleton
 
-    from .._logging import quiet_transformers
-
-    with quiet_transformers(True):  # mergekit reads the prompts with the base in bfloat16
-        model = AutoModelForCausalLM.from_pretrained(inputs.base.path, dtype=torch.bfloat16).to(device).eval()
-    try:
-        represent = hidden_representation(model, tokenizer, average=config.gate_mode == "hidden_avg")
-        return prompt_gates(specs, represent, progress=progress)
-    finally:
-        del model
+    model, _ = skeleton(inputs.base.path, dtype=torch.bfloat16)  # mergekit reads the prompts with the base in bf16
+    layered = LayeredModel(model, inputs.store(inputs.base), device)
+    with cpu_workers(device):  # as many threads as the cores other processes leave idle (the rows do not change)
+        represent = hidden_representation(layered, tokenizer, specs, average=config.gate_mode == "hidden_avg",
+                                          progress=progress)
+    return prompt_gates(specs, represent)
 
 
 def _warn_degenerate(gates: torch.Tensor) -> list[int]:
@@ -171,10 +189,10 @@ def _write_model(folder: Path, config: MoEConfig, inputs: MoEInputs, gates: torc
     """config.json (+ the keys transformers 4.x reads), generation config, weights, tokenizer."""
     from tqdm.auto import tqdm
 
-    from .architectures import expert_order, expert_tensor_name, legacy_keys, router_names
+    from .architectures import legacy_keys
     from .writer import ShardWriter
 
-    arch, dtype = inputs.architecture, inputs.dtype
+    arch = inputs.architecture
     inputs.config.save_pretrained(folder)
     path = folder / "config.json"
     content = json.loads(path.read_text(encoding="utf-8"))
@@ -182,34 +200,61 @@ def _write_model(folder: Path, config: MoEConfig, inputs: MoEInputs, gates: torc
                     encoding="utf-8")
     _copy_generation_config(inputs, folder)
 
+    planned = _planned_tensors(config, inputs, gates, generator)
+    writer = ShardWriter(folder, [(name, shape, dtype) for name, shape, dtype, _ in planned], max_shard_size)
+    for name, _, _, produce in tqdm(planned, desc="Writing the MoE", unit="tensor", disable=not progress):
+        writer.add(name, produce())  # straight to its place in the file: one tensor in memory at a time
+    writer.finish()
+    load_tokenizer(inputs.base).save_pretrained(folder)
+
+
+def _planned_tensors(config: MoEConfig, inputs: MoEInputs, gates: torch.Tensor, generator: torch.Generator
+                     ) -> list[tuple[str, tuple[int, ...], torch.dtype, Any]]:
+    """Every tensor of the MoE in the order it is written (the base's, the zero biases, then per layer the experts in
+    mergekit's order, whose noise draws follow it, and the router rows): ``(name, shape, dtype, produce)``, where
+    ``produce()`` reads or computes the tensor (call them in order)."""
+    from .architectures import expert_order, expert_tensor_name, router_names
+
+    arch, dtype = inputs.architecture, inputs.dtype
+
     def cast(tensor: torch.Tensor) -> torch.Tensor:
         return tensor if dtype is None else tensor.to(dtype)
 
-    writer = ShardWriter(folder, max_shard_size)
     base = inputs.store(inputs.base)
-    for name in inputs.base_names():
-        writer.add(name, cast(base.get(name)))
-    for name, shape in inputs.zero_biases.items():
-        writer.add(name, torch.zeros(shape, dtype=dtype or torch.float32))
+    planned: list[tuple[str, tuple[int, ...], torch.dtype, Any]] = [
+        (name, tuple(base.shapes[name]), dtype or base.dtypes[name], lambda name=name: cast(base.get(name)))
+        for name in inputs.base_names()]
+    planned += [(name, tuple(shape), dtype or torch.float32,
+                 lambda shape=shape: torch.zeros(shape, dtype=dtype or torch.float32))
+                for name, shape in inputs.zero_biases.items()]
     specs = [*config.experts, *config.shared_experts]
     refs = [*inputs.experts, *inputs.shared]
     num = len(config.experts)
-    for layer in tqdm(range(inputs.num_layers), desc="Writing the experts", unit="layer", disable=not progress):
+
+    def expert_tensor(store: Any, spec: Any, source: str, projection: str) -> torch.Tensor:
+        tensor = store.get(source)
+        if spec.noise_scale is not None:  # drawn in the tensor's own dtype, in mergekit's order
+            tensor = tensor + torch.randn(tensor.shape, dtype=tensor.dtype, generator=generator) * spec.noise_scale
+        if projection == "down_proj" and spec.residual_scale is not None:
+            tensor = tensor * spec.residual_scale
+        return cast(tensor)
+
+    for layer in range(inputs.num_layers):
         for expert, projection in expert_order(arch, num, bool(config.shared_experts)):
             index = num if expert is None else expert
             spec, store = specs[index], inputs.store(refs[index])
-            tensor = store.get(f"model.layers.{layer}.mlp.{projection}.weight")
-            if spec.noise_scale is not None:  # drawn in the tensor's own dtype, in mergekit's order
-                tensor = tensor + torch.randn(tensor.shape, dtype=tensor.dtype, generator=generator) * spec.noise_scale
-            if projection == "down_proj" and spec.residual_scale is not None:
-                tensor = tensor * spec.residual_scale
-            writer.add(expert_tensor_name(arch, layer, expert, projection), cast(tensor))
+            source = f"model.layers.{layer}.mlp.{projection}.weight"
+            planned.append((expert_tensor_name(arch, layer, expert, projection), tuple(store.shapes[source]),
+                            dtype or store.dtypes[source],
+                            lambda store=store, spec=spec, source=source, projection=projection:
+                            expert_tensor(store, spec, source, projection)))
         router, shared_gate = router_names(arch, layer)
-        writer.add(router, cast(gates[layer, :num].contiguous()))
+        planned.append((router, (num, gates.shape[-1]), dtype or gates.dtype,
+                        lambda layer=layer: cast(gates[layer, :num].contiguous())))
         if shared_gate is not None:
-            writer.add(shared_gate, cast(gates[layer, num:num + 1].contiguous()))
-    writer.finish()
-    load_tokenizer(inputs.base).save_pretrained(folder)
+            planned.append((shared_gate, (1, gates.shape[-1]), dtype or gates.dtype,
+                            lambda layer=layer: cast(gates[layer, num:num + 1].contiguous())))
+    return planned
 
 
 def _copy_generation_config(inputs: MoEInputs, folder: Path) -> None:
@@ -223,29 +268,34 @@ def _copy_generation_config(inputs: MoEInputs, folder: Path) -> None:
 # ------------------------------------------------------------------------------------------------------ reports
 def _routing(folder: Path, config: MoEConfig, inputs: MoEInputs, device: Any, progress: bool
              ) -> RoutingReport | None:
-    """Load the written folder with plain ``from_pretrained`` (nothing missing) and route the experts' prompts."""
-    from transformers import AutoModelForCausalLM
-
-    from .._logging import quiet_transformers
+    """Check that the written folder loads with plain ``from_pretrained`` (transformers' own loading report on the
+    ``meta`` device: nothing missing, unexpected or mismatched) and route the experts' prompts through it, one layer
+    in memory at a time."""
+    from ..adapters import adapter_for
+    from ..loading.hub import resolve_model
+    from ..loading.store import CheckpointStore
+    from ..parallel import cpu_workers
     from .gates import prompt_tokenizer
+    from .layered import LayeredModel, skeleton
     from .routing import route_prompts
 
-    with quiet_transformers(True):
-        model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    model, info = skeleton(folder)
     problems = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     if problems:  # a bug of this module, never the user's: say what transformers reported
         raise RuntimeError(f"The written {inputs.architecture.pretty} does not load cleanly: {problems}")
     prompts = [(p, i) for i, e in enumerate(config.experts) for p in e.positive_prompts]
     if not prompts:
         return None
-    model = model.to(device).eval()
+    store = CheckpointStore(resolve_model(str(folder)), adapter_for(model.config))
     try:
         tokenizer = prompt_tokenizer(load_tokenizer(inputs.base))
-        return route_prompts(model, tokenizer, [p for p, _ in prompts], [i for _, i in prompts],
-                             [e.label for e in config.experts], top_k=config.experts_per_token,
-                             progress=progress)  # Mixtral and the Qwen MoEs written here renormalise the top k
+        with cpu_workers(device):
+            return route_prompts(LayeredModel(model, store, device), tokenizer, [p for p, _ in prompts],
+                                 [i for _, i in prompts], [e.label for e in config.experts],
+                                 top_k=config.experts_per_token,
+                                 progress=progress)  # Mixtral and the Qwen MoEs written here renormalise the top k
     finally:
-        del model
+        store.close()
 
 
 def _pair_mloss(config: MoEConfig, inputs: MoEInputs, device: Any, progress: bool

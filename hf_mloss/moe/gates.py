@@ -1,8 +1,9 @@
 """Router rows from prompts, as mergekit-moe computes them (``gate_mode``), one ``[layers, gates, hidden]`` tensor.
 
 * ``hidden`` / ``hidden_last``: the base model, in bfloat16, reads each expert's prompts (the base's BOS written
-  before each, left padded); a layer's row is the mean over the prompts of the last token's hidden state at that
-  layer's input (the residual stream before its first norm), the negative prompts' mean subtracted, L2-normalised.
+  before each, left padded; one layer in memory at a time, :mod:`hf_mloss.moe.layered`); a layer's row is the mean
+  over the prompts of the last token's hidden state at that layer's input (the residual stream before its first
+  norm), the negative prompts' mean subtracted, L2-normalised.
   ``hidden_avg`` averages over all positions instead (padding included, as mergekit does).
 * ``cheap_embed``: the same from the token embeddings, in float32 (one row repeated over the layers).
 * ``random``: standard normal rows; ``uniform_random``: U(-1/√H, 1/√H); drawn from the config's ``seed``.
@@ -64,16 +65,41 @@ def prompt_gates(gates: Sequence[ExpertSpec], represent: Callable[[Sequence[str]
     return torch.stack(rows, dim=0).permute(1, 0, 2)
 
 
-def hidden_representation(model: Any, tokenizer: Any, *, average: bool) -> Callable[[Sequence[str]], torch.Tensor]:
-    """Prompts → ``[layers, hidden]``: the mean over prompts of each decoder layer's input at the last position
-    (``average``: the mean over all positions), in the model's dtype."""
+def hidden_representations(layered: Any, tokenizer: Any, prompt_sets: Sequence[Sequence[str]], *, average: bool,
+                           progress: bool = False) -> list[torch.Tensor]:
+    """Each prompt set → ``[layers, hidden]``: the mean over its prompts of each decoder layer's input at the last
+    position (``average``: the mean over all positions), in the model's dtype; one batch per set, as mergekit reads
+    them. ``layered``: the base as a :class:`~hf_mloss.moe.layered.LayeredModel` (one layer in memory at a time;
+    every layer input is what the whole model's ``output_hidden_states`` gives, bit for bit)."""
+    batches = layered.record([encode(tokenizer, prompts) for prompts in prompt_sets])
+    states: list[list[torch.Tensor]] = [[] for _ in batches]
+    last = layered.num_layers - 1
+    for i, layer in layered.layers(progress=progress, desc="Router rows from prompts"):
+        for b, batch in enumerate(batches):
+            hidden = batch.hidden  # [prompts, positions, hidden]: this layer's input
+            states[b].append(hidden.sum(dim=1) / hidden.shape[1] if average else hidden[:, -1, :].clone())
+            if i < last:  # the last layer's output is not a layer input
+                layered.forward(i, layer, batch)
+    out = []
+    for per_layer in states:
+        stacked = torch.stack(per_layer)  # [layers, prompts, hidden]
+        out.append((stacked.sum(dim=1) / stacked.shape[1]).cpu())
+    return out
+
+
+def hidden_representation(layered: Any, tokenizer: Any, gates: Sequence[ExpertSpec], *, average: bool,
+                          progress: bool = False) -> Callable[[Sequence[str]], torch.Tensor]:
+    """:func:`prompt_gates`'s ``represent`` for ``gates``: every prompt set read in one layer-by-layer pass first
+    (:func:`hidden_representations`), then handed out in the order ``prompt_gates`` asks for them."""
+    sets = [prompts for gate in gates for prompts in (gate.positive_prompts, gate.negative_prompts) if prompts]
+    ready = iter(zip(sets, hidden_representations(layered, tokenizer, sets, average=average, progress=progress),
+                     strict=True))
+
     def represent(prompts: Sequence[str]) -> torch.Tensor:
-        batch = {k: v.to(model.device) for k, v in encode(tokenizer, prompts).items()}
-        with torch.no_grad():
-            output = model(**batch, output_hidden_states=True, return_dict=True)
-        states = torch.stack(output.hidden_states[:-1])  # [layers, prompts, positions, hidden]: each layer's input
-        states = states.sum(dim=2) / states.shape[2] if average else states[:, :, -1, :]
-        return (states.sum(dim=1) / states.shape[1]).cpu()
+        expected, value = next(ready)
+        if list(expected) != list(prompts):  # prompt_gates asks in the order the sets were listed
+            raise RuntimeError("prompt sets asked for out of order")
+        return value
 
     return represent
 

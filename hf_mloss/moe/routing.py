@@ -1,11 +1,12 @@
 """Where the built MoE routes each expert's own prompts, layer by layer: a dead or dominant expert shows before the
 model is published (mergekit-moe only warns when router rows are nearly dependent).
 
-The MoE itself, as ``from_pretrained`` loads it, reads every expert's positive prompts (BOS written first, as for
-the router rows; positions counted from each prompt's first token, so padding changes nothing). At each layer the
-router's input (the output of ``post_attention_layernorm``) is multiplied by the router, and the top
-``experts_per_token`` softmax weights, renormalised, are the token's routing weights, as the MoE block applies them.
-A prompt's weights are the mean over its tokens (the BOS left out); its *pick* is the expert with the largest one.
+The MoE itself, as ``from_pretrained`` loads it (run one layer at a time, :mod:`hf_mloss.moe.layered`), reads every
+expert's positive prompts (BOS written first, as for the router rows; positions counted from each prompt's first
+token, so padding changes nothing). At each layer the router's input (the output of ``post_attention_layernorm``) is
+multiplied by the router, and the top ``experts_per_token`` softmax weights, renormalised, are the token's routing
+weights, as the MoE block applies them. A prompt's weights are the mean over its tokens (the BOS left out); its
+*pick* is the expert with the largest one.
 """
 
 from __future__ import annotations
@@ -137,52 +138,60 @@ def _layers(layers: list[int]) -> str:
     return ", ".join(str(layer) for layer in layers)
 
 
-def route_prompts(model: Any, tokenizer: Any, prompts: Sequence[str], owners: Sequence[int], labels: list[str], *,
+def route_prompts(layered: Any, tokenizer: Any, prompts: Sequence[str], owners: Sequence[int], labels: list[str], *,
                   top_k: int, normalize: bool = True, batch_size: int = 16, progress: bool = False) -> RoutingReport:
-    """Run ``prompts`` through the MoE ``model`` and record the routing of every real token (see the module)."""
-    from tqdm.auto import tqdm
-
+    """Run ``prompts`` through the MoE and record the routing of every real token (see the module). ``layered``: the
+    MoE as a :class:`~hf_mloss.moe.layered.LayeredModel` (one layer in memory at a time); each layer's router input
+    is what the whole model's forward computes, bit for bit, and the last layer stops once its router has read it."""
     from .gates import encode
 
-    layers = list(model.model.layers)
-    routers = [_router_weight(layer) for layer in layers]
-    captured: dict[int, torch.Tensor] = {}
-    handles = [layer.post_attention_layernorm.register_forward_hook(
-        lambda module, args, output, i=i: captured.__setitem__(i, output)) for i, layer in enumerate(layers)]
-    weights = torch.zeros(len(prompts), len(layers), len(labels), dtype=torch.float64)
-    selected = torch.zeros(len(layers), len(labels), dtype=torch.long)
+    encoded = [encode(tokenizer, prompts[start:start + batch_size]) for start in range(0, len(prompts), batch_size)]
+    positions = [(batch["attention_mask"].cumsum(-1) - 1).clamp(min=0) for batch in encoded]
+    batches = layered.record([{**batch, "position_ids": pos} for batch, pos in zip(encoded, positions, strict=True)],
+                             use_cache=False)
+    weights = torch.zeros(len(prompts), layered.num_layers, len(labels), dtype=torch.float64)
+    selected = torch.zeros(layered.num_layers, len(labels), dtype=torch.long)
     skip_bos = tokenizer.bos_token is not None
-    try:
-        starts = range(0, len(prompts), batch_size)
-        for start in tqdm(starts, desc="Routing the prompts through the MoE", unit="batch", disable=not progress):
-            batch = {k: v.to(model.device) for k, v in encode(tokenizer, prompts[start:start + batch_size]).items()}
-            mask = batch["attention_mask"]
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            with torch.no_grad():
-                model(**batch, position_ids=positions, use_cache=False)
-                _record(captured, routers, mask, positions, skip_bos, top_k, normalize, weights[start:], selected)
-    finally:
-        for handle in handles:
+    last = layered.num_layers - 1
+    for i, layer in layered.layers(progress=progress, desc="Routing the prompts through the MoE"):
+        router = _router_weight(layer)
+        captured: list[torch.Tensor] = []
+
+        def keep(module: Any, args: Any, output: torch.Tensor, i: int = i,
+                 captured: list[torch.Tensor] = captured) -> None:
+            captured.append(output)
+            if i == last:  # the router has its input: the last layer's experts are not needed
+                layered.stop()
+
+        handle = layer.post_attention_layernorm.register_forward_hook(keep)
+        try:
+            for b, batch in enumerate(batches):
+                captured.clear()
+                layered.forward(i, layer, batch)
+                mask, pos = encoded[b]["attention_mask"].to(layered.device), positions[b].to(layered.device)
+                real = mask.bool() & (pos > 0) if skip_bos else mask.bool()  # the BOS: the same in every prompt
+                with torch.no_grad():
+                    per_prompt, chosen = _route(captured[0], router, real, top_k, normalize)
+                start = b * batch_size
+                weights[start:start + len(per_prompt), i] = per_prompt.double().cpu()
+                selected[i] += chosen.cpu()
+        finally:
             handle.remove()
     return RoutingReport(experts=labels, prompts=list(prompts), owners=list(owners), weights=weights,
                          selected=selected, top_k=top_k)
 
 
-def _record(captured: dict[int, torch.Tensor], routers: list[torch.Tensor], mask: torch.Tensor,
-            positions: torch.Tensor, skip_bos: bool, top_k: int, normalize: bool, weights: torch.Tensor,
-            selected: torch.Tensor) -> None:
-    """One batch's routing weights (into ``weights[:batch]``) and token counts per expert (into ``selected``)."""
-    real = mask.bool() & (positions > 0) if skip_bos else mask.bool()  # the BOS: the same in every prompt
-    for i, router in enumerate(routers):
-        probs = torch.softmax(torch.nn.functional.linear(captured[i], router).float(), dim=-1)
-        top, index = probs.topk(top_k, dim=-1)
-        if normalize:
-            top = top / top.sum(dim=-1, keepdim=True)
-        routed = torch.zeros_like(probs).scatter_(-1, index, top) * real.unsqueeze(-1)
-        chosen = torch.zeros_like(probs).scatter_(-1, index, torch.ones_like(top)) * real.unsqueeze(-1)
-        selected[i] += chosen.sum(dim=(0, 1)).long().cpu()
-        per_prompt = routed.sum(dim=1) / real.sum(dim=1, keepdim=True).clamp(min=1)
-        weights[: len(per_prompt), i] = per_prompt.double().cpu()
+def _route(hidden: torch.Tensor, router: torch.Tensor, real: torch.Tensor, top_k: int, normalize: bool
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's routing of one batch: each prompt's mean routing weights over its real tokens, and the tokens
+    whose top-k holds each expert."""
+    probs = torch.softmax(torch.nn.functional.linear(hidden, router).float(), dim=-1)
+    top, index = probs.topk(top_k, dim=-1)
+    if normalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    routed = torch.zeros_like(probs).scatter_(-1, index, top) * real.unsqueeze(-1)
+    chosen = torch.zeros_like(probs).scatter_(-1, index, torch.ones_like(top)) * real.unsqueeze(-1)
+    return routed.sum(dim=1) / real.sum(dim=1, keepdim=True).clamp(min=1), chosen.sum(dim=(0, 1)).long()
 
 
 def _router_weight(layer: Any) -> torch.Tensor:
