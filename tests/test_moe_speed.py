@@ -1,0 +1,70 @@
+"""The MoE-build benchmark's pieces that decide its record: the ratios against the targets, the tokenizer it saves
+beside the Qwen-shaped models, and the Markdown it writes (no tool is run here)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import moe_speed
+
+
+def _run(wall: float, cpu: float, rss: float, order: int = 0) -> dict:
+    return {"rc": 0, "wall_s": wall, "cpu_s": cpu, "max_rss_mb": rss, "order": order,
+            "contention": {"loadavg_before": [4.0, 4.0, 4.0], "loadavg_after": [4.2, 4.0, 4.0], "other_cores": 1.0}}
+
+
+def test_ratios_are_judged_on_the_default_run_only() -> None:
+    hf, mk = _run(40.0, 38.0, 1500.0), _run(100.0, 90.0, 3800.0)
+    judged = moe_speed.ratios(hf, mk, targets=True)
+    assert judged["wall"]["ratio"] == 0.4 and judged["wall"]["met"] and judged["rss"]["met"]
+    assert judged["rss"]["hf_mloss"] == 1500.0 and judged["rss"]["mergekit"] == 3800.0
+    assert "met" not in judged["cpu"] and "met" not in moe_speed.ratios(hf, mk, targets=False)["wall"]
+    assert moe_speed.ratios({"rc": 1}, mk, targets=True) == {}
+
+
+def test_the_tokenizer_reads_as_qwens(tmp_path) -> None:
+    from transformers import AutoTokenizer, Qwen2Config
+
+    moe_speed.build_tokenizer().save_pretrained(tmp_path)
+    Qwen2Config(vocab_size=151936).save_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert type(tokenizer).__name__ == "Qwen2Tokenizer" and tokenizer.bos_token is None
+    assert tokenizer.eos_token == tokenizer.pad_token == "<|endoftext|>"
+    ids = tokenizer(moe_speed.EXPERT_PROMPTS[0]["positive"][0], add_special_tokens=False)["input_ids"]
+    assert 5 < len(ids) < 40 and max(ids) < moe_speed.TOKENIZER_VOCAB
+
+
+def test_the_record_states_the_targets_the_contention_and_the_stages() -> None:
+    runs = {"hf_mloss": _run(90.0, 85.0, 1600.0) | {"child": {
+                "before_build_s": 4.5, "stages_s": {"gates": 14.0, "mloss": 40.0}, "vmhwm_mb": 1600.0,
+                "stage_peak_rss_mb": {"gates": 500.0, "mloss": 1600.0}}},
+            "mergekit": _run(50.0, 50.0, 3800.0, 1)}
+    repeat = {"repeat": 0, "order": ["hf_mloss", "mergekit"], "runs": runs,
+              "ratios": {"hf_mloss": moe_speed.ratios(runs["hf_mloss"], runs["mergekit"], targets=True)}}
+    setup = {"experts": 4, "positive": 8, "negative": 2, "prompts": 44, "config_shape": {
+        "hidden_size": 896, "num_hidden_layers": 24, "intermediate_size": 4864, "num_attention_heads": 14,
+        "num_key_value_heads": 2, "vocab_size": 151936}, "params": {
+        "dense_expert": 494_032_768, "expert_mlp": 313_786_368, "moe_total": 1_749_000_000},
+        "tokenizer": {"class": "Qwen2Tokenizer", "vocab": 640, "bos": None, "eos": "<|endoftext|>"},
+        "prompt_tokens": {"min": 8, "max": 31, "mean": 20.7},
+        "recipe": {"shared_experts": [{"positive_prompts": ["a", "b"]}]}}
+    payload = {"tag": "t", "generated": "now", "command": "python benchmarks/moe_speed.py", "machine": {},
+               "setup": setup, "repeats": [repeat], "met": moe_speed.met_counts([repeat]), "parity": None}
+    text = moe_speed.render_markdown(payload)
+    assert "| wall time | ≤ 0.5 | 1.800 | 0 of 1 |" in text
+    assert "| peak RSS | ≤ 0.5 | 0.421 | 1 of 1 |" in text
+    assert "494.0 M per dense expert" in text and "other cores" in text
+    assert "| 1 | hf_mloss | 4.5 s | 14.0 s, 500 MB | 40.0 s, 1600 MB | 1600 |" in text
+
+
+def test_mergekits_prompt_pass_is_read_from_its_progress_bar(tmp_path) -> None:
+    log = tmp_path / "peer_run.log"
+    log.write_text("expert prompts:  80%|████| 4/5 [00:25<00:06,  5.61s/it]\rexpert prompts: 100%|█████| 5/5 "
+                   "[01:03<00:00,  5.61s/it]\rexpert prompts: 100%|█████| 5/5 [01:03<00:00, 12.7s/it]\nWeights: ...")
+    assert moe_speed.prompt_pass_seconds(log) == 63
+    log.write_text("no bar")
+    assert moe_speed.prompt_pass_seconds(log) is None
