@@ -263,7 +263,22 @@ def test_learned_probe_table_states_the_goal_against_both_baselines():
               "best_tuned": "task_arithmetic (val-tuned)", "best_default": "tsv_m (default)"}
     text = markdown(record, "cmd", "2 CPU cores", 1.0)
     assert "| adamerging (entropy) | learned | 69.00 | 68.50 | -0.50 | +3.50 |  |  |" in text
-    assert "goal: within 1: met" in text and "goal: above: met" in text
+    assert "Learned row with the best val: adamerging (entropy), -0.50 test points" in text and "goal" not in text
+
+
+def test_learned_probe_chooses_its_best_rows_on_val_never_on_test():
+    from benchmarks.suites.learned import best_rows, markdown
+
+    rows = {"ties (val-tuned)": {"kind": "val-tuned", "val": 71.0, "test": 60.0},
+            "tsv_m (val-tuned)": {"kind": "val-tuned", "val": 70.0, "test": 75.0},
+            "iso_c (default)": {"kind": "default", "val": 66.0, "test": 61.0},
+            "tsv_m (default)": {"kind": "default", "val": 65.0, "test": 70.0},
+            "adamerging (entropy)": {"kind": "learned", "val": 69.0, "test": 50.0},
+            "adamerging (mloss)": {"kind": "learned", "val": 60.0, "test": 80.0}}
+    assert best_rows(rows) == ("ties (val-tuned)", "iso_c (default)")
+    record = {"q": 8, "wise": 1.0, "trained_blocks": 2, "seeds": [0, 1], "num_samples": 128, "rows": rows,
+              "best_tuned": "ties (val-tuned)", "best_default": "iso_c (default)"}
+    assert "Learned row with the best val: adamerging (entropy)" in markdown(record, "cmd", "2 CPU cores", 1.0)
 
 
 def test_a_methods_only_run_joins_the_replicate_it_was_measured_on():
