@@ -538,17 +538,19 @@ def where_the_time_goes(payload: dict) -> list[str]:
     start = mean([r["runs"]["hf_mloss"]["child"]["before_build_s"] for r in repeats])
     extra = stages.get("routing", 0.0) + stages.get("mloss", 0.0)
     prompt_pass = [r["runs"]["mergekit"].get("prompt_pass_s") for r in repeats]
-    theirs = (f" (mergekit-moe's own prompt pass, by its progress bar: {mean(prompt_pass):.0f} s, on 2 threads)"
-              if all(x is not None for x in prompt_pass) else "")
+    theirs = (f"; mergekit-moe's own prompt pass took {mean(prompt_pass):.0f} s by its progress bar, on torch's "
+              "default threads" if all(x is not None for x in prompt_pass) else "")
+    shared = hf_wall - extra
     return ["", "## Where the time goes", "",
             f"Means over the {len(repeats)} runs. mergekit-moe: {mk_wall:.1f} s and {mk_rss:.0f} MB in all, so "
             f"the targets are {TARGETS['wall'] * mk_wall:.1f} s and {TARGETS['rss'] * mk_rss:.0f} MB. hf_mloss: "
             f"{hf_wall:.1f} s, of which {start:.1f} s before `build_moe` (interpreter, imports, the config's checks), "
             + ", ".join(f"{k} {v:.1f} s" for k, v in stages.items()) + ". The router rows (`gates`" + theirs +
-            ") and the weights (`write`) are what mergekit-moe computes too; the routing report (`routing`: the built MoE's "
-            "forward over every expert's positive prompts) and each expert pair's M-Loss (`mloss`: the four dense "
-            f"experts' own forwards in float32) are not, and take {extra:.1f} s together "
-            f"({extra / mk_wall:.2f} × mergekit's whole run)."]
+            ") and the weights (`write`) are what mergekit-moe computes too; the routing report (`routing`: the "
+            "built MoE's forward over every expert's positive prompts) and each expert pair's M-Loss (`mloss`: the "
+            f"dense experts' own forwards in float32) are not, and take {extra:.1f} s together "
+            f"({extra / mk_wall:.2f} × mergekit-moe's whole run). The rest of hf_mloss's run took {shared:.1f} s "
+            f"({shared / mk_wall:.2f} × mergekit-moe's)."]
 
 
 def print_table(payload: dict) -> None:
@@ -581,7 +583,8 @@ def main_run(args) -> int:
     cache = Path(args.cache).resolve()
     work = cache / "runs" / tag
     (work / "out").mkdir(parents=True, exist_ok=True)
-    started = {"generated": _dt.datetime.now().isoformat(timespec="seconds"), "loadavg": os.getloadavg()}
+    started = {"generated": _dt.datetime.now().isoformat(timespec="seconds"), "loadavg": os.getloadavg(),
+               **_tree()}  # the tree as the runs start
     _log(f"inputs under {cache} ...")
     setup = run_job({"name": "setup", "kind": "setup", "cache": str(cache), "work": str(work), "layers": args.layers,
                      "experts": args.experts, "positive": args.positive, "negative": args.negative}, work,
@@ -608,7 +611,8 @@ def main_run(args) -> int:
     setup_record = s | {"experts": args.experts, "positive": args.positive, "negative": args.negative,
                         "config_shape": s["config"]}
     payload = {"tag": tag, "generated": started["generated"], "command": "python benchmarks/moe_speed.py " +
-               " ".join(shlex.quote(a) for a in args.argv), **_tree(), "machine": machine,
+               " ".join(shlex.quote(a) for a in args.argv), "commit": started.get("commit"),
+               "dirty": started.get("dirty"), "machine": machine,
                "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "HF_MLOSS_THREADS", "MKL_NUM_THREADS")},
                "setup": setup_record, "hf_args": args.hf_args, "targets": TARGETS, "repeats": repeats,
                "parity": parity, "rss_guard_killed": guard.killed, "parent_vmhwm_mb": parent_rss,
