@@ -296,9 +296,15 @@ def _revision() -> str:
                      else "")
 
 
+def _library() -> str:
+    """Which hf_mloss ran: its folder relative to this checkout, or the installed package (no machine folders)."""
+    folder = Path(hf_mloss.__file__).resolve().parent
+    return str(folder.relative_to(HERE.parent)) if folder.is_relative_to(HERE.parent) else "installed package"
+
+
 def write_table(rows: list[dict], results: Path) -> None:
     meta = {"transformers": T.__version__, "torch": torch.__version__, "hf_mloss": hf_mloss.__version__,
-            "revision": _revision(), "library": str(Path(hf_mloss.__file__).parent),
+            "revision": _revision(), "library": _library(),
             "python": platform.python_version(), "machine": platform.machine(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     results.mkdir(parents=True, exist_ok=True)

@@ -68,8 +68,9 @@ def _missing_envs_reason(missing, root) -> str:
 
 # ------------------------------------------------------------------------------------------------------ the tiers
 # `python -m pytest` (the README's command) runs the default tier: everything but the tests marked `slow` (other
-# processes, whole suites, kill and signal tests) and `peers` (side environments). `--tier slow` runs only those;
-# `--tier all` runs everything. CI runs the default tier, then `--tier slow`.
+# processes, whole suites, kill and signal tests) and `peers` (side environments), on one pytest-xdist worker per
+# core; `--tier slow` runs only those, `--tier all` runs everything, both in one process. CI runs the default tier,
+# then `--tier slow`.
 TIERS = ("default", "slow", "all")
 
 
@@ -90,6 +91,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (the default, pyproject.toml): the default tier on one worker per core (at most 4; each imports
+    torch and transformers), files kept whole on a worker (``--dist loadfile``, so module fixtures are built once);
+    the slow tier in this process, its tests start processes of their own and some time signals.
+    PYTEST_XDIST_AUTO_NUM_WORKERS overrides; ``-n 0`` runs everything here."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    if config.getoption("--tier") != "default":
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(cores, 4)
 
 
 def pytest_report_header(config: pytest.Config) -> str:
