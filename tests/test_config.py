@@ -411,13 +411,13 @@ PARAMETER_VALUES = {
     "reduce_non_diagonal_ratio": st.sampled_from([0.0, 0.95, 1.0]),
     "candidates": st.none() | st.just(["tsv_m", "ties"]) | st.just({"task_arithmetic": {"lam": [0.3, 0.5]}}),
     "criterion": st.sampled_from(["output", "mloss"]),
-    "budget": st.none() | st.integers(5, 20),
     "reselect": st.booleans(),
     "compare_samples": st.integers(1, 64),
     "chosen": st.none() | st.just({"method": "tsv_m", "parameters": {"lam": 1.0}}),
     "scored": st.none() | st.just([{"method": "tsv_m", "setting": {"lam": 1.0}, "output": 0.25}]),
 }
 METHOD_VALUES = {("breadcrumbs", "rescale"): st.sampled_from(["none", "l1"]),
+                 ("auto", "budget"): st.none() | st.integers(5, 20),  # auto's budget counts merges, TIES's names entries
                  ("breadcrumbs_ties", "rescale"): st.sampled_from(["none", "l1"]),
                  # AdaRank's coefficients go with learn_lam=True only (tests/test_adarank.py covers them)
                  ("adarank_tsv", "coefficients"): st.none(), ("adarank_iso", "coefficients"): st.none()}

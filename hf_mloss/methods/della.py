@@ -57,7 +57,7 @@ def keep_probabilities(magnitude: torch.Tensor, keep: float, spread: float) -> t
     n = magnitude.shape[1]
     if n == 1:
         return torch.full_like(magnitude, keep)
-    order = torch.argsort(magnitude, dim=1)
+    order = torch.argsort(magnitude, dim=1, stable=True)  # ties ranked by position, on every kernel set
     positions = torch.arange(n, device=magnitude.device).reshape(1, n, *([1] * (magnitude.dim() - 2)))
     ranks = torch.empty_like(order).scatter_(1, order, positions.expand_as(order))
     return (keep - spread) + ranks.to(magnitude.dtype) / (n - 1) * (2 * spread)
