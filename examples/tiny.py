@@ -144,6 +144,18 @@ def word_tokenizer(vocab_size: int = 64, extra_tokens: tuple[str, ...] = ()):
     return tokenizer
 
 
+def right_padded(sequences: list[list[int]], pad_id: int = 3) -> dict:
+    """``input_ids`` and ``attention_mask`` of token-id ``sequences``, right-padded with ``pad_id`` (the word
+    tokenizer's ``<pad>``) to the longest."""
+    import torch
+
+    width = max(map(len, sequences))
+    ids, mask = torch.full((len(sequences), width), pad_id), torch.zeros(len(sequences), width, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, :len(seq)], mask[row, :len(seq)] = torch.tensor(seq), 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
 def char_tokenizer():
     """A byte-level BPE tokenizer over ``w`` and the digits (no merges: one token per character) built in-process:
     transformers 5 reads a Qwen2 model's tokenizer as ``Qwen2Tokenizer`` whatever its folder says, which drops the

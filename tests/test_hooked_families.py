@@ -44,11 +44,7 @@ TEXTS = [" ".join(f"w{i - 4}" for i in seq) for seq in SEQUENCES]
 
 
 def _batch() -> dict[str, torch.Tensor]:
-    width = max(map(len, SEQUENCES))
-    ids, mask = torch.full((len(SEQUENCES), width), 3), torch.zeros(len(SEQUENCES), width, dtype=torch.long)
-    for row, seq in enumerate(SEQUENCES):
-        ids[row, :len(seq)], mask[row, :len(seq)] = torch.tensor(seq), 1
-    return {"input_ids": ids, "attention_mask": mask}
+    return testing.right_padded(SEQUENCES)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

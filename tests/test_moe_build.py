@@ -444,11 +444,6 @@ def test_layer_by_layer_prompt_pass_equals_the_whole_model_bit_for_bit(llama, qw
 def test_layer_by_layer_routing_equals_the_whole_moe_bit_for_bit(llama, qwen_families, family, tmp_path):
     """The routing report, computed one layer at a time from the written shards (the last layer stopped once its
     router has read its input), holds exactly what the whole MoE loaded with ``from_pretrained`` gives."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from hf_mloss.moe.gates import encode, prompt_tokenizer
-    from hf_mloss.moe.routing import _route
-
     base, models = llama if family == "llama" else qwen_families[family]
     config = _config(base, models)
     config["experts"][0]["positive_prompts"] += ["w6 w7 w8 w9 w10 w11", "w3"]
@@ -456,23 +451,7 @@ def test_layer_by_layer_routing_equals_the_whole_moe_bit_for_bit(llama, qwen_fam
         config["shared_experts"] = [{"source_model": models[0], "positive_prompts": ["w30 w31"]}]
     result = build_moe(config, tmp_path / "moe", progress=False, mloss=False, max_shard_size=40_000)
     report = result.routing
-    model = AutoModelForCausalLM.from_pretrained(result.path).eval()
-    tokenizer = prompt_tokenizer(AutoTokenizer.from_pretrained(result.path))
-    captured: dict[int, torch.Tensor] = {}
-    for i, layer in enumerate(model.model.layers):
-        layer.post_attention_layernorm.register_forward_hook(lambda m, a, out, i=i: captured.__setitem__(i, out))
-    weights = torch.zeros_like(report.weights)
-    selected = torch.zeros_like(report.selected)
-    for start in range(0, len(report.prompts), 2):  # batches of 2 here, of 16 in the report: the same values
-        batch = encode(tokenizer, report.prompts[start:start + 2])
-        positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-        with torch.no_grad():
-            model(**batch, position_ids=positions, use_cache=False)
-            real = batch["attention_mask"].bool() & (positions > 0)
-            for i, layer in enumerate(model.model.layers):
-                per_prompt, chosen = _route(captured[i], layer.mlp.gate.weight, real, 2, True)
-                weights[start:start + len(per_prompt), i] = per_prompt.double()
-                selected[i] += chosen
+    weights, selected = _whole_moe_routing(result.path, report, batch_size=2)  # 16 in the report: the same values
     torch.testing.assert_close(report.weights, weights, atol=1e-6, rtol=0)
     assert torch.equal(report.selected, selected)
     one_batch = build_moe(config, tmp_path / "again", progress=False, mloss=False)  # one shard this time
@@ -482,26 +461,38 @@ def test_layer_by_layer_routing_equals_the_whole_moe_bit_for_bit(llama, qwen_fam
 def test_layer_by_layer_routing_is_the_whole_batch_forward_exactly(built):
     """Batched as the report batches its prompts (16), the whole MoE's router inputs give the report's weights and
     token counts bit for bit."""
+    _, result = built
+    report = result.routing
+    weights, selected = _whole_moe_routing(result.path, report, batch_size=16)
+    assert torch.equal(report.weights, weights) and torch.equal(report.selected, selected)
+
+
+def _whole_moe_routing(path, report, *, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing of ``report.prompts`` read from the whole MoE loaded with ``from_pretrained`` (hooks on each
+    layer's router input), ``batch_size`` prompts at a time: per prompt and layer the routing weights, per layer
+    the tokens each expert was chosen for (top 2)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_mloss.moe.gates import encode, prompt_tokenizer
     from hf_mloss.moe.routing import _route
 
-    _, result = built
-    report = result.routing
-    model = AutoModelForCausalLM.from_pretrained(result.path).eval()
-    tokenizer = prompt_tokenizer(AutoTokenizer.from_pretrained(result.path))
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tokenizer = prompt_tokenizer(AutoTokenizer.from_pretrained(path))
     captured: dict[int, torch.Tensor] = {}
     for i, layer in enumerate(model.model.layers):
         layer.post_attention_layernorm.register_forward_hook(lambda m, a, out, i=i: captured.__setitem__(i, out))
-    batch = encode(tokenizer, report.prompts)
-    positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        model(**batch, position_ids=positions, use_cache=False)
-        real = batch["attention_mask"].bool() & (positions > 0)
-        for i, layer in enumerate(model.model.layers):
-            per_prompt, chosen = _route(captured[i], layer.mlp.gate.weight, real, 2, True)
-            assert torch.equal(report.weights[:, i], per_prompt.double()) and torch.equal(report.selected[i], chosen)
+    weights, selected = torch.zeros_like(report.weights), torch.zeros_like(report.selected)
+    for start in range(0, len(report.prompts), batch_size):
+        batch = encode(tokenizer, report.prompts[start:start + batch_size])
+        positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            model(**batch, position_ids=positions, use_cache=False)
+            real = batch["attention_mask"].bool() & (positions > 0)
+            for i, layer in enumerate(model.model.layers):
+                per_prompt, chosen = _route(captured[i], layer.mlp.gate.weight, real, 2, True)
+                weights[start:start + len(per_prompt), i] = per_prompt.double()
+                selected[i] += chosen
+    return weights, selected
 
 
 def test_the_written_folder_is_checked_by_transformers_own_loading_report(built, tmp_path):

@@ -79,11 +79,7 @@ def mixtral(tmp_path_factory):
 
 
 def _batch() -> dict[str, torch.Tensor]:
-    width = max(map(len, SEQUENCES))
-    ids, mask = torch.full((len(SEQUENCES), width), 3), torch.zeros(len(SEQUENCES), width, dtype=torch.long)
-    for row, seq in enumerate(SEQUENCES):
-        ids[row, :len(seq)], mask[row, :len(seq)] = torch.tensor(seq), 1
-    return {"input_ids": ids, "attention_mask": mask}
+    return testing.right_padded(SEQUENCES)
 
 
 # ------------------------------------------------------------------------------------------------- brute force

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .kernel import GapSums, reduce_sums
-from .walk import _own_embeddings, load_block
+from .walk import _own_embeddings
 
 __all__ = ["ExpertSums", "ExpertTarget", "own_expert_walk"]
 
@@ -216,9 +216,7 @@ def own_expert_walk(setup: Any, scored: Sequence[int], mix: torch.Tensor, done: 
     """Walk the blocks once with every source's own forward (as :func:`hf_mloss.engine.walk.own_walk`); at each
     scored block every source's own router weighs its own input, merge r weights position t by Σ_p A_rp w_pt
     (``mix``: A, ``[m, q]``), and ``done(layer, sums)`` gets the block's :class:`ExpertSums`."""
-    import copy
-
-    from .walk import BatchState, BlockArena, is_streamed
+    from .walk import BatchState, BlockArena, own_block_copies
 
     adapter, scored = setup.adapter, set(scored)
     if not scored:
@@ -229,11 +227,7 @@ def own_expert_walk(setup: Any, scored: Sequence[int], mix: torch.Tensor, done: 
     arenas = [BlockArena() for _ in setup.sources]
     mix = mix.reshape(-1, q).to(setup.device)
     for layer in range(last + 1):
-        copies, streamed = [], is_streamed(blocks[layer])
-        for store, arena in zip(setup.sources, arenas):
-            block = copy.deepcopy(blocks[layer])
-            load_block(block, store, adapter.layer_prefix(layer), setup.device, materialise=streamed, arena=arena)
-            copies.append(block)
+        copies = own_block_copies(setup, blocks, layer, arenas)
         parts = adapter.parts(layer) if layer in scored else []
         rows = [[part.rows(module_reader(block, part.path)) for part in parts] for block in copies]
         acc = ExpertSums.for_parts(parts, mix.shape[0], reduction=setup.reduction, eps=setup.eps,

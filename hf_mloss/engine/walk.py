@@ -226,6 +226,19 @@ def _own_embeddings(setup: WalkSetup) -> list[list[BatchState]]:
     return out
 
 
+def own_block_copies(setup: WalkSetup, blocks: Sequence[nn.Module], layer: int,
+                     arenas: Sequence[BlockArena]) -> list[nn.Module]:
+    """One copy of block ``layer`` per source, filled with that source's weights (``arenas``: one per source, reused
+    from block to block so a streamed block's storage is allocated once)."""
+    streamed = is_streamed(blocks[layer])
+    copies = []
+    for store, arena in zip(setup.sources, arenas):
+        block = copy.deepcopy(blocks[layer])
+        load_block(block, store, setup.adapter.layer_prefix(layer), setup.device, materialise=streamed, arena=arena)
+        copies.append(block)
+    return copies
+
+
 @torch.inference_mode()
 def own_walk(setup: WalkSetup, scored: Sequence[int], visit: Callable[[int, UnitInputs], None],
              done: Callable[[int], None] | None = None, *, progress: Any = None) -> None:
@@ -243,11 +256,7 @@ def own_walk(setup: WalkSetup, scored: Sequence[int], visit: Callable[[int, Unit
     last = max(scored)
     arenas = [BlockArena() for _ in setup.sources]
     for layer in range(last + 1):
-        copies, streamed = [], is_streamed(blocks[layer])
-        for store, arena in zip(setup.sources, arenas):
-            block = copy.deepcopy(blocks[layer])
-            load_block(block, store, adapter.layer_prefix(layer), setup.device, materialise=streamed, arena=arena)
-            copies.append(block)
+        copies = own_block_copies(setup, blocks, layer, arenas)
         for b in range(len(setup.batches)):
             stacked: dict[str, torch.Tensor] = {}  # gate / up: [q, ..., nodes], each source's output written in
             for p, block in enumerate(copies):
