@@ -374,25 +374,40 @@ def child_compatibility(spec: dict, pixels, info: dict) -> None:
 
 
 # ============================================================================================ parent side
-class RssGuard:
-    """Polls the summed RSS of every descendant process; kills the top-level child trees above ``limit_mb``."""
+class Poller:
+    """Calls :meth:`poll` every ``interval`` seconds on a daemon thread while the ``with`` block runs."""
 
-    def __init__(self, limit_mb: float, interval: float = 0.25) -> None:
-        import psutil
-
-        self.psutil, self.limit_mb, self.interval = psutil, limit_mb, interval
-        self.me = psutil.Process()
-        self.killed: list[str] = []
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
-    def __enter__(self) -> RssGuard:
+    def __enter__(self):
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.poll()
+
+    def poll(self) -> None:
+        raise NotImplementedError
+
+
+class RssGuard(Poller):
+    """Polls the summed RSS of every descendant process; kills the top-level child trees above ``limit_mb``."""
+
+    def __init__(self, limit_mb: float, interval: float = 0.25) -> None:
+        import psutil
+
+        super().__init__(interval)
+        self.psutil, self.limit_mb = psutil, limit_mb
+        self.me = psutil.Process()
+        self.killed: list[str] = []
 
     def _descendants_mb(self) -> float:
         total = 0
@@ -403,14 +418,13 @@ class RssGuard:
                 pass
         return total / 2**20
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                total = self._descendants_mb()
-                if total > self.limit_mb:
-                    self._kill_children(total)
-            except Exception:  # never let the guard take the benchmark down
-                pass
+    def poll(self) -> None:
+        try:
+            total = self._descendants_mb()
+            if total > self.limit_mb:
+                self._kill_children(total)
+        except Exception:  # never let the guard take the benchmark down
+            pass
 
     def _kill_children(self, total_mb: float) -> None:
         for top in self.me.children(recursive=False):

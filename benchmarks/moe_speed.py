@@ -186,33 +186,21 @@ def setup_main(spec: dict) -> dict:
                               "moe_total": rest + gates * mlp + layers * router * info["config"]["hidden_size"]}}
 
 
-class RssSampler:
+class RssSampler(ms.Poller):
     """This process's resident memory every ``interval`` seconds (``/proc/self/statm``), with the time it was read:
     each stage's peak, once the stages' times are known."""
 
     def __init__(self, interval: float = 0.02) -> None:
-        import threading
-
-        self.interval, self.samples = interval, []
+        super().__init__(interval)
+        self.samples: list[tuple[float, float]] = []
         self._page = os.sysconf("SC_PAGE_SIZE")
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
 
-    def __enter__(self) -> RssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                pages = int(Path("/proc/self/statm").read_text().split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            self.samples.append((time.perf_counter(), pages * self._page / 2**20))
+    def poll(self) -> None:
+        try:
+            pages = int(Path("/proc/self/statm").read_text().split()[1])
+        except (OSError, ValueError, IndexError):
+            return
+        self.samples.append((time.perf_counter(), pages * self._page / 2**20))
 
     def peaks(self, start: float, stages: dict[str, float]) -> dict[str, float]:
         out, edge = {}, start
