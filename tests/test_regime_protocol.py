@@ -362,3 +362,25 @@ def test_replicate_cache_keys_stay_what_earlier_runs_wrote(tmp_path, monkeypatch
     protocol.cached_replicate(["lever", {"q": 8}], tmp_path, 0, lambda: protocol.ReplicateResult(seed=0),
                               lambda message: None)
     assert [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.pkl")] == ["34c8de2641/seed0.pkl"]
+
+
+def test_auto_regret_is_taken_against_the_merge_best_on_val_not_on_test():
+    """The comparison merge is the one best on val; its test may be higher or lower than auto's (a signed regret)."""
+    from benchmarks.suites.regime import _choice, auto_regret
+
+    def row(val, test, chosen=None, grid=()):
+        return {"val": {"a": val, "b": val}, "test": {"a": test, "b": test}, "chosen": chosen or {},
+                "val_grid": list(grid)}
+
+    chose = {"method": "tsv_m", "parameters": {"lam": 1.5}}
+    results = [ReplicateResult(seed=0, methods={  # tsv_m best on val, ties best on test: tsv_m is the comparison
+        "ties": row(0.60, 0.80), "tsv_m": row(0.70, 0.70, {"lam": 1.0}),
+        "auto": row(0.65, 0.68, grid=[{"setting": {}, "val_mean": 0.65, "auto_chose": chose}])}),
+        ReplicateResult(seed=1, methods={
+        "ties": row(0.60, 0.60), "tsv_m": row(0.50, 0.50), "auto": row(0.62, 0.64, grid=[{"setting": {}}])})]
+    regret = auto_regret(results, ["ties", "tsv_m"])
+    first, second = regret["per_seed"]
+    assert first["best_on_val"] == "tsv_m" and first["regret"] == pytest.approx(2.0) and first["auto_chose"] == chose
+    assert second["best_on_val"] == "ties" and second["regret"] == pytest.approx(-4.0) and second["auto_chose"] is None
+    assert regret["mean"] == pytest.approx(-1.0)
+    assert _choice(chose) == "tsv_m (lam=1.5)" and _choice(None) == "-"

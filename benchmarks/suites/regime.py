@@ -267,7 +267,24 @@ def measure_round5(cfg, cache: Path, log, parts: Sequence[str], *, version: str 
     row["test"] = {label: 100 * float(np.mean([np.mean(list(
         (r.reference[label] if label in r.reference else r.methods[label])["test"].values())) for r in results]))
         for label in ("fine-tuned (own task)", "ensemble (probabilities)", TUNED_ENSEMBLE, *merges)}
+    if "auto" in merges:
+        learned_labels = {s.label for s in specs.get("learned", [])}
+        row["auto_regret"] = auto_regret(results, [m for m in merges if m != "auto" and m not in learned_labels])
     return row
+
+
+def auto_regret(results: Sequence, others: Sequence[str]) -> dict:
+    """``auto`` (chosen without labels) against the merge of ``others`` best on val, per replicate: that merge's
+    test mean minus auto's (points; > 0: auto below it), with what auto chose; and the mean over replicates."""
+    per_seed = []
+    for r in results:
+        val = {m: float(np.mean(list(r.methods[m]["val"].values()))) for m in others}
+        best = max(val, key=val.get)
+        test = {m: 100 * float(np.mean(list(r.methods[m]["test"].values()))) for m in (best, "auto")}
+        chose = next((g["auto_chose"] for g in r.methods["auto"]["val_grid"] if "auto_chose" in g), None)
+        per_seed.append({"seed": r.seed, "best_on_val": best, "best_setting": r.methods[best]["chosen"],
+                         "regret": test[best] - test["auto"], "auto_chose": chose})
+    return {"mean": float(np.mean([p["regret"] for p in per_seed])), "per_seed": per_seed}
 
 
 def lever_replicates(bench, cache: Path, specs: Sequence, log, *, version: str | None = None,
@@ -390,6 +407,13 @@ def write(rows: Sequence[dict], table: Path | None, command: str, seeds: Sequenc
     return text
 
 
+def _choice(chose: dict | None) -> str:
+    if not chose:
+        return "-"
+    parameters = ", ".join(f"{k}={v}" for k, v in chose.get("parameters", {}).items())
+    return f"{chose['method']} ({parameters})" if parameters else chose["method"]
+
+
 def write_r5(rows: Sequence[dict], table: Path | None, command: str, seeds: Sequence[int], load: tuple,
              threads: int, seconds: float) -> str:
     """Round 5's lever table (val and test of every row, G6 against every merge and against the TIES family) as
@@ -420,6 +444,13 @@ def write_r5(rows: Sequence[dict], table: Path | None, command: str, seeds: Sequ
         for label, chosen in r["chosen"].items():
             setting = "; ".join(", ".join(f"{k}={v}" for k, v in c.items()) or "-" for c in chosen)
             lines.append(f"| {label} | {r[label]:.2f} | {r['test'][label]:.2f} | {setting} |")
+        if "auto_regret" in r:
+            regret = r["auto_regret"]
+            lines += ["", f"`auto` (no labels) against the merge best on val labels (learned rows and `auto` "
+                          f"excluded), test points, > 0: auto below it: mean {regret['mean']:+.2f}", ""]
+            lines += [f"- seed {p['seed']}: {p['regret']:+.2f} against {p['best_on_val']} "
+                      f"({', '.join(f'{k}={v}' for k, v in p['best_setting'].items()) or '-'}); auto chose "
+                      f"{_choice(p['auto_chose'])}" for p in regret["per_seed"]]
     text = "\n".join(lines) + "\n"
     if table:
         table.parent.mkdir(parents=True, exist_ok=True)
