@@ -384,3 +384,11 @@ def test_auto_regret_is_taken_against_the_merge_best_on_val_not_on_test():
     assert second["best_on_val"] == "ties" and second["regret"] == pytest.approx(-4.0) and second["auto_chose"] is None
     assert regret["mean"] == pytest.approx(-1.0)
     assert _choice(chose) == "tsv_m (lam=1.5)" and _choice(None) == "-"
+
+
+def test_g3_counts_only_merges_that_read_no_data():
+    """auto chooses on the unlabeled data and RegMean needs it: neither is G3's 'best data-free merge'."""
+    from benchmarks.suites.run import _uses_data
+
+    assert _uses_data("auto") and _uses_data("regmean_plusplus") and _uses_data("m_ties")
+    assert not _uses_data("tsv_m") and not _uses_data("ties")

@@ -162,14 +162,19 @@ def run_protocol(bench: Bench, specs: Sequence[MethodSpec], *, num_samples: int 
     return judge(bench, specs, results, min_replicates=min_replicates, log=log)
 
 
+def _uses_data(method: str) -> bool:
+    """Whether ``method`` reads the unlabeled data: it needs it, or (``auto``) it chooses the merge on it."""
+    found = hf_mloss.methods.get_method(method)
+    return found.needs_data or getattr(found, "chooses_method", False)
+
+
 def judge(bench: Bench, specs: Sequence[MethodSpec], results: list[ReplicateResult], *, min_replicates: int = 4,
           log=print) -> tuple[list[ReplicateResult], list[Gate], dict]:
     """The paired differences and the gates of measured replicates: one statistics path for every suite."""
     labels = [*results[0].reference, *results[0].methods]
     log("paired differences (bootstrap over test items, replicate t intervals) and the regime gates")
     diffs = comparisons(results, default_pairs(labels), items=getattr(bench, "test_items", None))
-    data_free = [s.label for s in specs if s.method != "average"
-                 and not hf_mloss.methods.get_method(s.method).needs_data]
+    data_free = [s.label for s in specs if s.method != "average" and not _uses_data(s.method)]
     sizes = {split: min(len(y) for y in bench.labels(split).values()) for split in ("val", "test")}
     gates = compute_gates(results, data_free=data_free, tasks=bench.tasks, val_size=sizes["val"],
                           test_size=sizes["test"], merges=[s.label for s in specs], min_replicates=min_replicates)
