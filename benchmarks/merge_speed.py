@@ -466,14 +466,15 @@ def contention(before: tuple[int, int] | None, after: tuple[int, int] | None, ru
     return out
 
 
-def run_child(spec: dict, work: Path, timeout: float) -> dict:
-    """Run one ``--child`` job; return its rusage-based wall / CPU / peak RSS plus the child's own timings."""
+def run_child(spec: dict, work: Path, timeout: float, *, script: Path | None = None) -> dict:
+    """Run one ``--child`` job of ``script`` (this one by default; it reads the spec and writes ``spec["result"]``);
+    return its rusage-based wall / CPU / peak RSS plus the child's own timings."""
     name = spec["name"]
     spec_path, spec["result"] = work / f"{name}.spec.json", str(work / f"{name}.result.json")
     Path(spec["result"]).unlink(missing_ok=True)
     spec_path.write_text(json.dumps(spec, indent=2))
     log_path = work / f"{name}.log"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path)]
+    cmd = [sys.executable, str(script or Path(__file__).resolve()), "--child", str(spec_path)]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
     if spec.get("pythonpath"):  # a --reference tree: its hf_mloss is imported instead of this one

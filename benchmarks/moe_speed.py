@@ -285,32 +285,7 @@ def parity_main(spec: dict) -> dict:
 # ============================================================================================ parent side
 def run_job(spec: dict, work: Path, timeout: float) -> dict:
     """A ``--child`` job of this script, measured as merge_speed measures its children."""
-    name = spec["name"]
-    spec_path, spec["result"] = work / f"{name}.spec.json", str(work / f"{name}.result.json")
-    Path(spec["result"]).unlink(missing_ok=True)
-    spec_path.write_text(json.dumps(spec, indent=2))
-    log_path = work / f"{name}.log"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path)]
-    import subprocess
-
-    with open(log_path, "w") as log:
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                cwd=str(REPO))
-        status, usage, timed_out = ms._wait(proc, start + timeout)
-        wall = time.perf_counter() - start
-    rc = os.waitstatus_to_exitcode(status)
-    out = {"name": name, "rc": rc, "wall_s": wall, "cpu_user_s": usage.ru_utime, "cpu_sys_s": usage.ru_stime,
-           "cpu_s": usage.ru_utime + usage.ru_stime, "max_rss_mb": usage.ru_maxrss / 1024, "log": str(log_path)}
-    if timed_out:
-        out["error"] = f"timed out after {timeout:.0f} s"
-    elif rc != 0:
-        out["error"] = f"exit code {rc}; log tail: {log_path.read_text(errors='replace')[-1500:]}"
-    else:
-        out["child"] = json.loads(Path(spec["result"]).read_text())
-    return out
+    return ms.run_child(spec, work, timeout, script=Path(__file__).resolve())
 
 
 def run_mergekit(recipe: dict, out: Path, timeout: float) -> dict:
