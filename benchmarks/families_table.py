@@ -14,7 +14,7 @@ crash, or an output that does not load or run).
 Examples::
 
     python benchmarks/families_table.py                          # all 26, writes benchmarks/results/families_table.*
-    python benchmarks/families_table.py --only Llama,GPT2 --results /tmp/table
+    python benchmarks/families_table.py --only Llama,GPT2 --results families-out
 
 Writes ``families_table.md`` / ``.json`` under ``--results`` (default ``benchmarks/results``).
 """
