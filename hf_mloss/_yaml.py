@@ -53,7 +53,7 @@ ConfigLoader.add_implicit_resolver(
 )
 
 
-def load_yaml(path: Path, *, max_bytes: int) -> Any:
+def load_yaml(path: Path, *, max_bytes: int, needs: str = "`base` and `models`") -> Any:
     """Parse a YAML file into Python objects, refusing files that are missing, too big or expand too much.
 
     Raises:
@@ -71,16 +71,18 @@ def load_yaml(path: Path, *, max_bytes: int) -> Any:
         raise ConfigError(f"Config file {str(path)!r} does not exist.") from None
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"Cannot read config file {str(path)!r}: {short(str(err), 200)}") from None
-    return parse_yaml(text, where=f"Config file {str(path)!r}")
+    return parse_yaml(text, where=f"Config file {str(path)!r}", needs=needs)
 
 
-def parse_yaml(text: str, *, where: str = "The config") -> Any:
-    """Parse YAML text with the checks of :func:`load_yaml` (except the size, which the caller knows)."""
-    loader = ConfigLoader(text)
+def parse_yaml(text: str, *, where: str = "The config", needs: str = "`base` and `models`") -> Any:
+    """Parse YAML text with the checks of :func:`load_yaml` (except the size, which the caller knows); ``needs``:
+    the keys an empty file is told it lacks."""
+    loader = None
     try:
+        loader = ConfigLoader(text)  # its reader refuses control characters already
         node = loader.get_single_node()
         if node is None:
-            raise ConfigError(f"{where} is empty; it needs at least `base` and `models`.")
+            raise ConfigError(f"{where} is empty; it needs at least {needs}.")
         size = _expanded_size(node, {}, 0)
         if size > MAX_NODES:
             raise ConfigError(f"{where} expands to more than {MAX_NODES} YAML nodes (nested aliases?); refusing "
@@ -90,13 +92,17 @@ def parse_yaml(text: str, *, where: str = "The config") -> Any:
         problem = getattr(err, "problem", None) or getattr(err, "context", None) or type(err).__name__
         mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
         at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        if isinstance(err, yaml.reader.ReaderError):  # a character YAML does not allow, e.g. a stray NUL or BEL
+            code = ord(err.character) if isinstance(err.character, str) else int(err.character)
+            problem, at = f"unacceptable character #x{code:04x}", f" (position {err.position})"
         message = " ".join(f"{problem}{at}".split())
         message = message if len(message) <= 300 else message[:297] + "..."
         raise ConfigError(f"{where} is not valid YAML: {message}") from None
     except RecursionError:
         raise ConfigError(f"{where} is nested too deeply (or has a recursive alias).") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 def _expanded_size(node: yaml.Node, memo: dict[int, int], depth: int) -> int:

@@ -15,8 +15,8 @@ import torch
 import yaml
 
 import hf_mloss
-from hf_mloss import (CheckpointNotFoundError, ConfigError, HfMLossError, IncompatibleCheckpointsError,
-                      OutputExistsError, UnsupportedModelError)
+from hf_mloss import (CheckpointNotFoundError, ConfigError, CorruptCheckpointError, DataError, HfMLossError,
+                      IncompatibleCheckpointsError, InvalidParameterError, OutputExistsError, UnsupportedModelError)
 from hf_mloss.cli import main
 from hf_mloss.moe import MoEConfig, RoutingReport, build_moe
 
@@ -96,6 +96,22 @@ REFUSED = {
               "noise_scale must be a finite number"),
     "no base": ({"base_model": None}, "base_model"),
     "a merge config": ({"merge_method": "ties"}, "hf-mloss merge"),
+    "dtype float64": ({"dtype": "float64"}, "transformers' MoE layers do not run in float64"),
+    "dtype not a string": ({"dtype": 16}, "dtype 16 is not one of"),
+    "dtype a list": ({"dtype": ["bfloat16"]}, "dtype ['bfloat16'] is not one of"),
+    "seed past 2**64": ({"seed": 2**64}, "seed must be an integer from 0 to 2**64 - 1"),
+    "revision a number": ({"experts": [_expert("/m/a", positive_prompts=["x"], revision=5), _expert("/m/b")]},
+                          "experts[0].revision must be a branch, tag or commit"),
+    "base_revision a list": ({"base_revision": ["a", "b"]}, "base_revision must be a branch, tag or commit"),
+    "empty revision": ({"experts": [_expert("org/a@", positive_prompts=["x"]), _expert("/m/b")]},
+                       "experts[0].source_model 'org/a@' names no revision"),
+    "shared_experts 0": ({"shared_experts": 0}, "shared_experts must be a list"),
+    "shared_experts false": ({"shared_experts": False}, "shared_experts must be a list"),
+    "shared_experts mapping": ({"shared_experts": {}}, "shared_experts must be a list"),
+    "a token in a prompt": ({"experts": [_expert("/m/a", positive_prompts=["x hf_" + "aB3dE5gH7jK9mN1pQ3sT5vW7yZ9"]),
+                                         _expert("/m/b")]},
+                            "experts[0].positive_prompts[0] holds a value shaped like an access token (it is not "
+                            "shown)"),
 }
 
 
@@ -108,7 +124,18 @@ def test_mergekit_moe_checks_refuse_the_config_naming_the_option(case):
     with pytest.raises(ConfigError, match=re.escape(message)) as info:
         MoEConfig.from_dict(content)
     assert isinstance(info.value, HfMLossError) and isinstance(info.value, ValueError)
-    assert "\n" not in str(info.value)
+    assert "\n" not in str(info.value) and "hf_aB3" not in str(info.value)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "is empty; it needs at least `base_model` and `experts`"),
+    ("base_model: /m/base\ngate_mode: hidden\x07\n", "is not valid YAML: unacceptable character #x0007"),
+], ids=["empty", "control character"])
+def test_unreadable_moe_yaml_is_refused_in_one_line(tmp_path, text, message):
+    path = tmp_path / "moe.yml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        MoEConfig.from_yaml(path)
 
 
 def test_random_gates_need_no_prompts_and_may_repeat_one_model():
@@ -174,6 +201,88 @@ def test_experts_unlike_the_base_are_refused(llama, odd_models, tmp_path):
     _refused(_config(odd_models["untokenized"], models[:2]), tmp_path, CheckpointNotFoundError, "no tokenizer")
     _refused(_config(base, [models[0], str(Path(base).parent / "missing")]), tmp_path, CheckpointNotFoundError,
              "does not exist")
+
+
+def test_adapters_broken_configs_and_float64_bases_are_refused(llama, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base, models = llama
+    lora = tmp_path / "models" / "lora"
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=2, target_modules=["q_proj"]))
+    model.save_pretrained(lora)
+    broken = tmp_path / "models" / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    _refused(_config(str(lora), models[:2]), tmp_path, ConfigError,
+             r"base_model \(lora\) is a LoRA adapter; .* merge the adapter into its model first")
+    _refused(_config(base, [models[0], str(lora)]), tmp_path, ConfigError, r"experts\[1\] \(lora\) is a LoRA adapter")
+    _refused(_config(base, [models[0], str(broken)]), tmp_path, CorruptCheckpointError,
+             "Cannot read the config.json of 'broken'")
+    wide = tmp_path / "models" / "f64"
+    AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64).save_pretrained(wide)
+    from transformers import AutoTokenizer
+    AutoTokenizer.from_pretrained(base).save_pretrained(wide)
+    _refused(_config(str(wide), models[:2]), tmp_path, UnsupportedModelError,
+             "stored in float64, which transformers' MoE layers do not run in: set dtype")
+
+
+def _corrupt_copy(source: str, folder: Path, name: str, value: float) -> str:
+    """A copy of a saved model with one value of ``name`` replaced."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, folder)
+    state = load_file(folder / "model.safetensors")
+    state[name] = state[name].clone()
+    state[name].view(-1)[3] = value
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    return str(folder)
+
+
+def test_non_finite_weights_and_overflowing_scales_are_refused_and_nothing_is_written(llama, tmp_path):
+    """A NaN in an expert or the base, or a noise / residual scale that overflows the dtype, never reaches a folder
+    (merges refuse non-finite checkpoints the same way)."""
+    base, models = llama
+    models_dir = tmp_path / "models"
+    nan_expert = _corrupt_copy(models[1], models_dir / "nan-expert", "model.layers.0.mlp.up_proj.weight", float("nan"))
+    _refused(_config(base, [models[0], nan_expert]), tmp_path, CorruptCheckpointError,
+             r"'model.layers.0.mlp.up_proj.weight' of experts\[1\] \(nan-expert\) holds 1 non-finite value")
+    inf_base = _corrupt_copy(base, models_dir / "inf-base", "model.layers.0.self_attn.q_proj.weight", float("inf"))
+    _refused(_config(inf_base, models[:2]), tmp_path, CorruptCheckpointError,
+             r"'model.layers.0.self_attn.q_proj.weight' of base_model \(inf-base\) holds 1 non-finite value")
+    for key, projection in (("noise_scale", "gate_proj"), ("residual_scale", "down_proj")):
+        config = _config(base, models[:2])
+        config["experts"][1][key] = 1e300
+        _refused(config, tmp_path, ConfigError,
+                 rf"experts\[1\].{key} 1e\+300 makes 'model.layers.0.mlp.{projection}.weight' overflow")
+
+
+def test_prompt_token_ids_beyond_the_embedding_are_refused_before_the_prompt_pass(llama, tmp_path):
+    from examples.tiny import tiny_decoder, word_tokenizer
+
+    base, models = llama
+    small = tmp_path / "models" / "small-vocab"
+    tokenizer = word_tokenizer()
+    tiny_decoder("llama", vocab_size=40).save_pretrained(small)
+    tokenizer.save_pretrained(small)
+    assert len(tokenizer) > 56
+    config = _config(str(small), models[:2])
+    config["experts"][1]["positive_prompts"] = ["w50 w51"]
+    for mode in ("hidden", "cheap_embed"):
+        _refused({**config, "gate_mode": mode}, tmp_path, DataError,
+                 r"gives token id \d+ for the prompts of .* but model.embed_tokens has 40 rows")
+
+
+@pytest.mark.parametrize("value", ["5XB", 1.5, 0, True])
+def test_a_bad_shard_size_or_output_is_refused_before_any_work(llama, tmp_path, value):
+    base, models = llama
+    with pytest.raises(InvalidParameterError, match="max_shard_size must be a positive number of bytes"):
+        build_moe(_config(base, models[:2]), tmp_path / "out", max_shard_size=value, progress=False)
+    with pytest.raises(InvalidParameterError, match="out_dir must be a folder path, got NoneType"):
+        build_moe(_config(base, models[:2]), None, progress=False)
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_existing_folder_is_refused_before_any_work(llama, tmp_path):
@@ -335,6 +444,19 @@ def test_the_card_records_experts_routing_and_mloss(built):
     assert "| 0: ft1 | 1: ft2 |" in card and "mloss2026" in card
     assert "hf-mloss moe\nhf_mloss_moe.yaml OUT_DIR" in card
     assert "Routing of each expert's own prompts" in result.summary()
+
+
+def test_the_cards_usage_snippet_is_python_whatever_the_prompt(llama, tmp_path):
+    """The first prompt is quoted into the card's example: quotes and a trailing backslash stay a valid literal."""
+    base, models = llama
+    config = _config(base, models[:2])
+    prompt = 'w1 "w2" w3\\'
+    config["experts"][0]["positive_prompts"] = [prompt]
+    result = build_moe(config, tmp_path / "out", progress=False, mloss=False)
+    card = (result.path / "README.md").read_text()
+    snippet = re.search(r"```python\n(.*?)```", card, re.S).group(1)
+    compile(snippet, "card", "exec")
+    assert f"tokenizer({json.dumps(prompt)}, " in snippet
 
 
 def test_the_recipe_rebuilds_the_same_weights(built, tmp_path):

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..errors import HfMLossError
+from ..errors import ConfigError, CorruptCheckpointError, DataError, HfMLossError, InvalidParameterError
 from .config import MOE_CONFIG_NAME, MoEConfig, as_moe_config
 from .inputs import MoEInputs, load_tokenizer, open_inputs
 from .layered import release_memory
@@ -103,7 +103,11 @@ def build_moe(config: MoEConfig | Mapping[str, Any] | str | os.PathLike[str], ou
     from ..distributed import describe_device
     from ..loading.inputs import resolve_device
     from ..saving import atomic_folder, check_output_dir
+    from .writer import parse_size
 
+    if not isinstance(out_dir, (str, os.PathLike)):
+        raise InvalidParameterError(f"out_dir must be a folder path, got {type(out_dir).__name__}.")
+    parse_size(max_shard_size)
     config = as_moe_config(config)
     protected = config.input_paths()
     target = check_output_dir(out_dir, overwrite=overwrite, protected=protected)
@@ -151,25 +155,43 @@ def build_moe(config: MoEConfig | Mapping[str, Any] | str | os.PathLike[str], ou
 # ------------------------------------------------------------------------------------------------------ gates
 def _gates(config: MoEConfig, inputs: MoEInputs, num_gates: int, generator: torch.Generator, device: Any,
            progress: bool) -> torch.Tensor:
-    from .gates import embedding_representation, hidden_representation, prompt_gates, prompt_tokenizer, random_gates
+    from .gates import (check_prompt_ids, embedding_representation, hidden_representation, prompt_gates,
+                        prompt_tokenizer, random_gates)
 
     layers, hidden = inputs.num_layers, inputs.hidden_size
     if config.gate_mode in ("random", "uniform_random"):
         return random_gates(config.gate_mode, layers, num_gates, hidden, generator)
     specs = list(config.experts) + list(config.shared_experts[: num_gates - len(config.experts)])
     tokenizer = prompt_tokenizer(load_tokenizer(inputs.base))
+    base = inputs.store(inputs.base)
+    check_prompt_ids(tokenizer, specs, base.shapes["model.embed_tokens.weight"][0])
     if config.gate_mode == "cheap_embed":
-        embeddings = inputs.store(inputs.base).get("model.embed_tokens.weight")
-        return prompt_gates(specs, embedding_representation(embeddings, tokenizer, layers), progress=progress)
-    from ..parallel import cpu_workers
-    from .layered import LayeredModel, skeleton
+        gates = prompt_gates(specs, embedding_representation(base.get("model.embed_tokens.weight"), tokenizer, layers),
+                             progress=progress)
+    else:
+        from ..parallel import cpu_workers
+        from .layered import LayeredModel, skeleton
 
-    model, _ = skeleton(inputs.base.path, dtype=torch.bfloat16)  # mergekit reads the prompts with the base in bf16
-    layered = LayeredModel(model, inputs.store(inputs.base), device)
-    with cpu_workers(device):  # as many threads as the cores other processes leave idle (the rows do not change)
-        represent = hidden_representation(layered, tokenizer, specs, average=config.gate_mode == "hidden_avg",
-                                          progress=progress)
-    return prompt_gates(specs, represent)
+        model, _ = skeleton(inputs.base.path, dtype=torch.bfloat16)  # mergekit reads the prompts in bf16
+        layered = LayeredModel(model, base, device)
+        with cpu_workers(device):  # as many threads as the cores other processes leave idle (the rows do not change)
+            represent = hidden_representation(layered, tokenizer, specs, average=config.gate_mode == "hidden_avg",
+                                              progress=progress)
+        gates = prompt_gates(specs, represent)
+    if not bool(torch.isfinite(gates).all()):
+        for name in base.keys():  # the usual cause: a corrupt base
+            _check_finite(base.get(name), name, f"base_model ({inputs.base.name})")
+        raise DataError("The prompts' hidden states in the base (read in bfloat16, as mergekit does) are not finite, "
+                        "so no router rows can be made from them: the base overflows bfloat16 on these prompts.")
+    return gates
+
+
+def _check_finite(tensor: torch.Tensor, name: str, model: str) -> None:
+    """Refuse a tensor holding NaN or infinity (one reduction first: a finite sum means every value is finite)."""
+    if not bool(torch.isfinite(tensor.sum())) and not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise CorruptCheckpointError(f"{name!r} of {model} holds {bad} non-finite value(s) (NaN/Inf): the checkpoint "
+                                     "is corrupt or was saved after a diverged training run.")
 
 
 def _warn_degenerate(gates: torch.Tensor) -> list[int]:
@@ -217,12 +239,25 @@ def _planned_tensors(config: MoEConfig, inputs: MoEInputs, gates: torch.Tensor, 
 
     arch, dtype = inputs.architecture, inputs.dtype
 
-    def cast(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor if dtype is None else tensor.to(dtype)
+    def cast(tensor: torch.Tensor, name: str, where: str) -> torch.Tensor:
+        out = tensor if dtype is None else tensor.to(dtype)
+        try:
+            _check_finite(out, name, where)
+        except CorruptCheckpointError:  # finite before the cast: the values overflow the output dtype
+            raise ConfigError(f"{where}: {name!r} overflows dtype {config.dtype} (values beyond its range); choose "
+                              "a wider dtype (bfloat16 or float32).") from None
+        return out
+
+    def read(store: Any, name: str, where: str) -> torch.Tensor:
+        tensor = store.get(name)
+        _check_finite(tensor, name, where)
+        return tensor
 
     base = inputs.store(inputs.base)
+    base_label = f"base_model ({inputs.base.name})"
     planned: list[tuple[str, tuple[int, ...], torch.dtype, Any]] = [
-        (name, tuple(base.shapes[name]), dtype or base.dtypes[name], lambda name=name: cast(base.get(name)))
+        (name, tuple(base.shapes[name]), dtype or base.dtypes[name],
+         lambda name=name: cast(read(base, name, base_label), name, base_label))
         for name in inputs.base_names()]
     planned += [(name, tuple(shape), dtype or torch.float32,
                  lambda shape=shape: torch.zeros(shape, dtype=dtype or torch.float32))
@@ -231,30 +266,45 @@ def _planned_tensors(config: MoEConfig, inputs: MoEInputs, gates: torch.Tensor, 
     refs = [*inputs.experts, *inputs.shared]
     num = len(config.experts)
 
-    def expert_tensor(store: Any, spec: Any, source: str, projection: str) -> torch.Tensor:
-        tensor = store.get(source)
+    places = [*(f"experts[{i}]" for i in range(num)), *(f"shared_experts[{i}]" for i in range(len(refs) - num))]
+
+    def expert_tensor(store: Any, index: int, source: str, projection: str) -> torch.Tensor:
+        spec, where = specs[index], f"{places[index]} ({store.ref.name})"
+        tensor = read(store, source, where)
         if spec.noise_scale is not None:  # drawn in the tensor's own dtype, in mergekit's order
             tensor = tensor + torch.randn(tensor.shape, dtype=tensor.dtype, generator=generator) * spec.noise_scale
+            _check_scaled(tensor, source, places[index], "noise_scale", spec.noise_scale)
         if projection == "down_proj" and spec.residual_scale is not None:
             tensor = tensor * spec.residual_scale
-        return cast(tensor)
+            _check_scaled(tensor, source, places[index], "residual_scale", spec.residual_scale)
+        return cast(tensor, source, where)
 
     for layer in range(inputs.num_layers):
         for expert, projection in expert_order(arch, num, bool(config.shared_experts)):
             index = num if expert is None else expert
-            spec, store = specs[index], inputs.store(refs[index])
+            store = inputs.store(refs[index])
             source = f"model.layers.{layer}.mlp.{projection}.weight"
             planned.append((expert_tensor_name(arch, layer, expert, projection), tuple(store.shapes[source]),
                             dtype or store.dtypes[source],
-                            lambda store=store, spec=spec, source=source, projection=projection:
-                            expert_tensor(store, spec, source, projection)))
+                            lambda store=store, index=index, source=source, projection=projection:
+                            expert_tensor(store, index, source, projection)))
         router, shared_gate = router_names(arch, layer)
         planned.append((router, (num, gates.shape[-1]), dtype or gates.dtype,
-                        lambda layer=layer: cast(gates[layer, :num].contiguous())))
+                        lambda layer=layer, router=router: cast(gates[layer, :num].contiguous(), router, "router")))
         if shared_gate is not None:
             planned.append((shared_gate, (1, gates.shape[-1]), dtype or gates.dtype,
-                            lambda layer=layer: cast(gates[layer, num:num + 1].contiguous())))
+                            lambda layer=layer, shared_gate=shared_gate:
+                            cast(gates[layer, num:num + 1].contiguous(), shared_gate, "router")))
     return planned
+
+
+def _check_scaled(tensor: torch.Tensor, name: str, where: str, key: str, value: float) -> None:
+    """A finite expert tensor that ``noise_scale`` or ``residual_scale`` made non-finite: the setting's fault."""
+    try:
+        _check_finite(tensor, name, where)
+    except CorruptCheckpointError:
+        raise ConfigError(f"{where}.{key} {value:g} makes {name!r} overflow its dtype (NaN/Inf); use a smaller "
+                          "value.") from None
 
 
 def _copy_generation_config(inputs: MoEInputs, folder: Path) -> None:

@@ -3,6 +3,7 @@ prompts, the settings, where the experts' own prompts are routed, and each exper
 
 from __future__ import annotations
 
+import json
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +51,7 @@ def build_card(result: MoEResult, inputs: MoEInputs) -> ModelCard:
         device=result.device, degenerate=", ".join(map(str, result.degenerate_layers)),
         layers=list(range(inputs.num_layers)), uniform=f"{1 / len(config.experts):.2f}",
         routing=_routing_section(result), mloss=_mloss_rows(result, inputs), mloss_note=result.mloss_note,
-        repo_hint="path/or/repo-id", usage_prompt=_cell(first_prompt).replace('"', "'"),
+        repo_hint="path/or/repo-id", usage_prompt=json.dumps(" ".join(first_prompt.split())[:80], ensure_ascii=False),
     )
 
 

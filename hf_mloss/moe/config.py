@@ -35,7 +35,7 @@ from typing import Any
 
 from .._validation import check_keys, did_you_mean, short
 from ..errors import ConfigError
-from ..spec.config import MAX_CONFIG_BYTES, _relative, _resolve_model_path
+from ..spec.config import MAX_CONFIG_BYTES, _refuse_tokens, _relative, _resolve_model_path
 from ..spec.mergekit import _model_entry
 
 MOE_CONFIG_NAME = "hf_mloss_moe.yaml"
@@ -44,7 +44,10 @@ GATE_MODES = ("hidden", "cheap_embed", "random", "uniform_random", "hidden_avg",
 """mergekit-moe's gate modes (``hidden_avg`` and ``hidden_last`` are mergekit's undocumented variants)."""
 PROMPTLESS_MODES = ("random",)
 """Gate modes that read no prompts (mergekit exempts only ``random`` from its prompt checks)."""
-DTYPES = ("bfloat16", "float16", "float32", "float64")
+DTYPES = ("bfloat16", "float16", "float32")
+"""Output dtypes: those transformers' MoE layers run in (their grouped matrix products refuse float64)."""
+MAX_SEED = 2**64 - 1
+"""The largest seed ``torch.Generator.manual_seed`` takes."""
 EXPERT_KEYS = ("source_model", "positive_prompts", "negative_prompts", "noise_scale", "residual_scale", "revision")
 TOP_KEYS = ("base_model", "experts", "gate_mode", "dtype", "experts_per_token", "shared_experts", "architecture",
             "seed", "allow_identical_experts", "base_revision")
@@ -116,7 +119,7 @@ class MoEConfig:
         from .._yaml import load_yaml
 
         path = Path(path)
-        content = load_yaml(path, max_bytes=MAX_CONFIG_BYTES)
+        content = load_yaml(path, max_bytes=MAX_CONFIG_BYTES, needs="`base_model` and `experts`")
         if overrides and isinstance(content, Mapping):
             content = {**content, **overrides}
         try:
@@ -135,6 +138,7 @@ class MoEConfig:
                               "mergekit-moe's config (base_model, experts with source_model and prompts). Run "
                               "`hf-mloss merge` for merges.")
         check_keys(content, TOP_KEYS, "key in the MoE config", error=ConfigError)
+        _refuse_tokens(content, "")  # the recipe, prompts included, is written into the folder a user publishes
         root = Path(base_dir) if base_dir is not None else None
         if "base_model" not in content:
             raise ConfigError("base_model is required: the dense model whose attention, embeddings, config and "
@@ -144,7 +148,8 @@ class MoEConfig:
         if not isinstance(experts, list) or not experts:
             raise ConfigError(f"experts must be a non-empty list of {{source_model: ..., positive_prompts: [...]}}, "
                               f"got {short(experts)}.")
-        shared = content.get("shared_experts") or []
+        shared = content.get("shared_experts")
+        shared = [] if shared is None else shared
         if not isinstance(shared, list):
             raise ConfigError(f"shared_experts must be a list (of at most one expert), got {short(shared)}.")
         values = {k: content[k] for k in ("gate_mode", "dtype", "experts_per_token", "architecture", "seed",
@@ -204,8 +209,12 @@ def check_config(config: MoEConfig) -> None:
     if config.gate_mode not in GATE_MODES:
         raise ConfigError(f"gate_mode {short(config.gate_mode)}{did_you_mean(config.gate_mode, GATE_MODES)} is not "
                           f"one of {list(GATE_MODES)}.")
-    if config.dtype is not None and config.dtype.removeprefix("torch.") not in DTYPES:
-        raise ConfigError(f"dtype {short(config.dtype)} is not one of {list(DTYPES)} (or leave it out: the base's).")
+    if config.dtype is not None and (not isinstance(config.dtype, str)
+                                     or config.dtype.removeprefix("torch.") not in DTYPES):
+        why = (" (transformers' MoE layers do not run in float64)" if config.dtype in ("float64", "torch.float64")
+               else "")
+        raise ConfigError(f"dtype {short(config.dtype)} is not one of {list(DTYPES)}{why} (or leave it out: the "
+                          "base's).")
     if config.dtype is not None and config.dtype.startswith("torch."):
         object.__setattr__(config, "dtype", config.dtype.removeprefix("torch."))
     k = config.experts_per_token
@@ -214,8 +223,12 @@ def check_config(config: MoEConfig) -> None:
     if len(config.experts) < k:
         raise ConfigError(f"experts lists {len(config.experts)} expert(s) but experts_per_token is {k}: each token "
                           "is routed to experts_per_token experts, so add experts or lower experts_per_token.")
-    if isinstance(config.seed, bool) or not isinstance(config.seed, int) or config.seed < 0:
-        raise ConfigError(f"seed must be a non-negative integer, got {short(config.seed)}.")
+    if isinstance(config.seed, bool) or not isinstance(config.seed, int) or not 0 <= config.seed <= MAX_SEED:
+        raise ConfigError(f"seed must be an integer from 0 to 2**64 - 1, got {short(config.seed)}.")
+    for where, revision in [("base_revision", config.base_revision),
+                            *((f"{place}.revision", e.revision) for place, e in _named_experts(config))]:
+        if revision is not None and (not isinstance(revision, str) or not revision.strip()):
+            raise ConfigError(f"{where} must be a branch, tag or commit (a non-empty string), got {short(revision)}.")
     if not isinstance(config.allow_identical_experts, bool):
         raise ConfigError("allow_identical_experts must be true or false, got "
                           f"{short(config.allow_identical_experts)}.")
@@ -248,6 +261,11 @@ def check_config(config: MoEConfig) -> None:
             "Every expert is the same model: the MoE would use more resources and give the same output as that "
             "model. If you plan to train it after building, set allow_identical_experts: true (mergekit's "
             "--i-understand-this-is-not-useful-without-training).")
+
+
+def _named_experts(config: MoEConfig) -> list[tuple[str, ExpertSpec]]:
+    return [*((f"experts[{i}]", e) for i, e in enumerate(config.experts)),
+            *((f"shared_experts[{i}]", e) for i, e in enumerate(config.shared_experts))]
 
 
 def _written(model: str, root: Path | None) -> str:

@@ -41,6 +41,18 @@ def encode(tokenizer: Any, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
     return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
 
 
+def check_prompt_ids(tokenizer: Any, gates: Sequence[ExpertSpec], rows: int) -> None:
+    """Refuse, before any forward, prompts the base's tokenizer turns into ids its embedding table has no row for."""
+    for gate in gates:
+        for prompts in (gate.positive_prompts, gate.negative_prompts):
+            if not prompts:
+                continue
+            largest = int(encode(tokenizer, prompts)["input_ids"].max())
+            if largest >= rows:
+                raise DataError(f"The base's tokenizer gives token id {largest} for the prompts of {gate.label} but "
+                                f"model.embed_tokens has {rows} rows: the tokenizer does not match the model.")
+
+
 def random_gates(mode: str, layers: int, gates: int, hidden: int, generator: torch.Generator) -> torch.Tensor:
     """``random`` or ``uniform_random`` rows: the first draws of the seeded stream (noise comes after)."""
     if mode == "random":
@@ -112,9 +124,6 @@ def embedding_representation(embeddings: torch.Tensor, tokenizer: Any, layers: i
     def represent(prompts: Sequence[str]) -> torch.Tensor:
         batch = encode(tokenizer, prompts)
         ids = batch["input_ids"]
-        if int(ids.max()) >= table.shape[0]:
-            raise DataError(f"The base's tokenizer gives token id {int(ids.max())} for the prompts but "
-                            f"model.embed_tokens has {table.shape[0]} rows: the tokenizer does not match the model.")
         summed = (table[ids] * batch["attention_mask"].unsqueeze(-1)).sum(dim=1).sum(dim=0, keepdim=True)
         summed = summed / summed.norm(dim=-1, keepdim=True).clamp(min=1e-8)
         return summed.repeat(layers, 1)

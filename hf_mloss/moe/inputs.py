@@ -16,7 +16,7 @@ from .config import ExpertSpec, MoEConfig
 
 SHAPE_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "hidden_act")
 """What every dense expert must share with the base: its MLP becomes one of the MoE's layers' experts."""
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass
@@ -77,9 +77,9 @@ def open_inputs(config: MoEConfig, *, token: Any = None) -> MoEInputs:
         CheckpointNotFoundError: a model (or the base's tokenizer) cannot be found.
         UnsupportedModelError: no MoE architecture holds these experts, or the base holds tensors it would drop.
         IncompatibleCheckpointsError: an expert is not shaped like the base.
+        ConfigError: a model is a LoRA adapter.
+        CorruptCheckpointError: a model's config.json is missing or cannot be read.
     """
-    from transformers import AutoConfig
-
     from ..adapters import adapter_for
 
     base = resolve_model(config.base_model, revision=config.base_revision, token=token)
@@ -88,8 +88,10 @@ def open_inputs(config: MoEConfig, *, token: Any = None) -> MoEInputs:
         if (spec.source_model, spec.revision) not in refs:
             refs[spec.source_model, spec.revision] = resolve_model(spec.source_model, revision=spec.revision,
                                                                    token=token)
-    configs = {ref.path: AutoConfig.from_pretrained(ref.path, trust_remote_code=False)
-               for ref in [base, *refs.values()]}
+    places = {base.path: "base_model"}
+    for where, spec in _named(config):
+        places.setdefault(refs[spec.source_model, spec.revision].path, where)
+    configs = {ref.path: _read_config(ref, places[ref.path]) for ref in [base, *refs.values()]}
     experts = [refs[e.source_model, e.revision] for e in config.experts]
     shared = [refs[e.source_model, e.revision] for e in config.shared_experts]
     types = [str(configs[r.path].model_type) for r in [base, *experts, *shared]]
@@ -117,8 +119,33 @@ def open_inputs(config: MoEConfig, *, token: Any = None) -> MoEInputs:
 
 
 def _places(config: MoEConfig) -> list[str]:
-    return [f"experts[{i}]" for i in range(len(config.experts))] + \
-        [f"shared_experts[{i}]" for i in range(len(config.shared_experts))]
+    return [where for where, _ in _named(config)]
+
+
+def _named(config: MoEConfig) -> list[tuple[str, ExpertSpec]]:
+    return [*((f"experts[{i}]", e) for i, e in enumerate(config.experts)),
+            *((f"shared_experts[{i}]", e) for i, e in enumerate(config.shared_experts))]
+
+
+def _read_config(ref: ModelRef, where: str) -> Any:
+    """The model's transformers config, or why it is not a dense model folder this build can read (a PEFT adapter,
+    no or a broken config.json, a model type only custom code defines)."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from ..errors import ConfigError, CorruptCheckpointError
+    from ..loading.inputs import check_model_type
+
+    if ref.weights_file is None and (Path(ref.path) / "adapter_config.json").is_file():
+        raise ConfigError(f"{where} ({ref.name}) is a LoRA adapter; hf-mloss moe reads dense fine-tunes: merge the "
+                          "adapter into its model first (merge_and_unload) and name that.")
+    check_model_type(ref)
+    try:
+        return AutoConfig.from_pretrained(ref.path, trust_remote_code=False)
+    except Exception as err:  # noqa: BLE001 - transformers' config validation raises its own error classes too
+        message = " ".join(str(err).split())[:300]
+        raise CorruptCheckpointError(f"Cannot read the config.json of {where} ({ref.name}): {message}") from None
 
 
 def _output_dtype(config: MoEConfig, base_config: Any) -> torch.dtype | None:
@@ -127,7 +154,10 @@ def _output_dtype(config: MoEConfig, base_config: Any) -> torch.dtype | None:
         return _DTYPES[config.dtype]
     dtype = getattr(base_config, "dtype", None)
     if isinstance(dtype, str):
-        return _DTYPES.get(dtype.removeprefix("torch."))
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)
+    if dtype == torch.float64:
+        raise UnsupportedModelError("base_model is stored in float64, which transformers' MoE layers do not run "
+                                    "in: set dtype (bfloat16, float16 or float32) in the config.")
     return dtype if isinstance(dtype, torch.dtype) else None
 
 

@@ -27,12 +27,26 @@ _RANK = {code: rank for rank, code in enumerate(("BOOL", "U8", "I8", "I16", "F16
 
 
 def parse_size(size: int | str) -> int:
-    """Bytes of ``"5GB"``, ``"500MB"`` or an integer."""
-    if isinstance(size, int):
-        return size
-    from huggingface_hub.serialization._base import parse_size_to_int
+    """Bytes of ``"5GB"``, ``"500MB"`` or a positive integer.
 
-    return parse_size_to_int(size)
+    Raises:
+        InvalidParameterError: anything else, naming ``max_shard_size``.
+    """
+    from ..errors import InvalidParameterError
+
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    if isinstance(size, str):
+        from huggingface_hub.serialization._base import parse_size_to_int
+
+        try:
+            parsed = parse_size_to_int(size.strip())
+        except ValueError:
+            parsed = 0
+        if parsed > 0:
+            return parsed
+    raise InvalidParameterError(f"max_shard_size must be a positive number of bytes or a size such as '5GB' or "
+                                f"'500MB', got {size!r:.60}.")
 
 
 class _Shard:

@@ -276,6 +276,9 @@ def _model_entry(value: Any, where: str) -> dict[str, Any]:
         return {**_model_entry(lora, where), "lora_of": _model_entry(model, where)["model"]}
     if "@" in value:
         model, revision = value.rsplit("@", 1)
+        if not model or not revision.strip():
+            raise ConfigError(f"{where} {short(value)} names no {'model' if not model else 'revision'} around its "
+                              "'@' (write org/name@revision, or org/name for the default branch).")
         return {"model": model, "revision": revision}
     return {"model": value}
 
