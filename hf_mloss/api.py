@@ -127,22 +127,25 @@ def merge(base: Any, models: Sequence[Any], method: str = "ties", *, data: Any =
         ```
     """
     run_options = _split_runtime(options)
-    if heads is not None and select is None and _takes_heads(method):  # a learned merge's heads (adamerging)
+    if heads is not None and select is None and _takes(method, "heads"):  # a learned merge's or auto's heads
         options["heads"], heads = heads, None
+    if criterion is not None and select is None and _takes(method, "criterion"):  # auto's criterion
+        options["criterion"], criterion = criterion, None
     selection = selection_options(select, grid=grid, criterion=criterion, heads=heads)
     config = MergeConfig.from_kwargs(base, models, method, data=data, text_data=text_data, select=selection,
                                      **options)
     return run(config, **run_options)
 
 
-def _takes_heads(method: str) -> bool:
-    """Whether ``method`` is a registered method with a ``heads`` parameter (a learned merge's objective)."""
+def _takes(method: str, parameter: str) -> bool:
+    """Whether ``method`` is a registered method with this parameter (a learned merge's ``heads``, auto's
+    ``heads`` and ``criterion``): the keyword is then the method's, not label-free selection's."""
     import dataclasses
 
     from .methods import get_method
 
     try:
-        return "heads" in {f.name for f in dataclasses.fields(get_method(method).params_class)}
+        return parameter in {f.name for f in dataclasses.fields(get_method(method).params_class)}
     except KeyError:  # an unknown method is refused, with its hint, by the config
         return False
 
@@ -280,10 +283,14 @@ def run_score(config: MergeConfig | str | os.PathLike[str], *, device: Any = Non
 
 def _score_merged(config: MergeConfig, options: ScoringOptions, **run_options: Any) -> MLossReport:
     """The M-Loss a data-guided merge measures on its merged prefix (the merge is run and dropped)."""
+    import dataclasses
+
     method = config.merge_method()
-    if not method.needs_data:
-        raise InvalidParameterError(f"prefix='merged' scores the prefix of a data-guided merge; method "
-                                    f"{config.method!r} uses no data (use m_ties or m_dare).")
+    scoring_keys = {"reduction", "activation", "eps"}
+    if not method.needs_data or not scoring_keys <= {f.name for f in dataclasses.fields(method.params_class)}:
+        raise InvalidParameterError(f"prefix='merged' scores the merged prefix of an M-Loss-guided merge (m_ties, "
+                                    f"m_dare); method {config.method!r} does not merge by M-Loss: use prefix "
+                                    "'own' or 'base', or method m_ties.")
     scoring = {k: v for k, v in options.to_dict().items() if k != "prefix" and v is not None}
     parameters = {**config.parameters, **scoring}  # the score options win, as documented for `score:`
     from .merging.driver import run_merge

@@ -499,6 +499,8 @@ def _with_selection(config: Any, args: argparse.Namespace) -> Any:
     if args.grid:
         flags["grid"] = dict(_parse_grid_item(item) for item in args.grid)
     flags = {k: v for k, v in flags.items() if v is not None}
+    if not args.select and config.select is None and config.method == "auto" and set(flags) == {"criterion"}:
+        return config.replace(parameters={**config.parameters, "criterion": flags["criterion"]})  # auto's own
     if not args.select and config.select is None:
         if flags:
             raise InvalidParameterError("--grid, --criterion and --select-samples configure label-free selection: "

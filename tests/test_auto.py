@@ -136,3 +136,168 @@ def test_a_causal_lm_from_a_yaml_recipe(tmp_path):
     saved = hf_mloss.MergeConfig.from_pretrained(tmp_path / "out")
     assert len(saved.parameters["scored"]) == 4
     assert saved.parameters["chosen"]["method"] in ("tsv_m", "task_arithmetic")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Refusals before any work, and records that say what ran
+# --------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("parameters, message", [
+    ({"candidates": ["tsv_m", ["ties"]]}, r"candidates\[1\] must be a method name, got \['ties'\]"),
+    ({"candidates": ["tsv_m", "tsv_m"]}, "candidates names a method twice"),
+    ({"candidates": {"dare_ties": {"lam": [0.5]}, "dare": {"lam": [2.0]}}},
+     "candidates names 'dare_ties' twice \\('dare_ties' and 'dare'\\)"),
+    ({"candidates": {"tsv_m": {"lam": [1.0, 1.0]}}, "budget": 1}, r"candidates\['tsv_m'\].lam repeats a value"),
+    ({"budget": 2}, "budget=2 is below the number of candidate methods \\(5\\)"),
+    ({"chosen": {"method": "adamerging"}}, "chosen.method: 'adamerging' cannot be a candidate of auto"),
+    ({"chosen": {"method": "ties", "parameters": {"k": 7}}}, "chosen.parameters: "),
+    ({"candidates": ["tsv_m", "slerp"]}, "candidates: slerp merges exactly 1 fine-tuned model\\(s\\) and this run has 3"),
+    ({"candidates": ["tsv_m", "nearswap"]}, "candidates: nearswap merges exactly 1"),
+    ({"candidates": {"nuslerp": {}}}, "candidates: nuslerp merges exactly 2"),
+    ({"heads": ["a.safetensors"]}, "heads: got 1 for 3 models"),
+])
+def test_auto_options_that_cannot_run_are_refused_when_the_recipe_is_built(tiny_paths, image_folder, parameters,
+                                                                            message):
+    base, models = tiny_paths
+    with pytest.raises(hf_mloss.HfMLossError, match=message):
+        hf_mloss.MergeConfig.from_kwargs(base, models, "auto", data=str(image_folder), **parameters)
+
+
+def test_a_grid_the_budget_thins_below_the_limit_is_accepted(tiny_paths, image_folder):
+    base, models = tiny_paths
+    lams = [round(0.01 * i, 2) for i in range(1, 301)]
+    with pytest.raises(hf_mloss.InvalidParameterError, match="auto has 300 candidates; the limit is 256"):
+        hf_mloss.MergeConfig.from_kwargs(base, models, "auto", data=str(image_folder),
+                                         candidates={"task_arithmetic": {"lam": lams}})
+    hf_mloss.MergeConfig.from_kwargs(base, models, "auto", data=str(image_folder),
+                                     candidates={"task_arithmetic": {"lam": lams}}, budget=10)
+
+
+def test_options_that_compare_candidates_need_data(tiny_paths):
+    base, models = tiny_paths
+    with pytest.raises(hf_mloss.DataError, match="candidates cannot be honoured"):
+        hf_mloss.MergeConfig.from_kwargs(base, models, "auto", candidates=["ties"])
+
+
+def test_text_data_is_refused_for_what_auto_does_read(tiny_paths, image_folder):
+    base, models = tiny_paths
+    with pytest.raises(hf_mloss.InvalidParameterError, match="auto compares its candidates on `data` through the "
+                                                             "vision tower only"):
+        hf_mloss.MergeConfig.from_kwargs(base, models, "auto", data=str(image_folder), text_data=["a photo"])
+
+
+def test_the_recorded_weights_are_those_the_chosen_merge_used(tiny_paths, image_folder, tmp_path):
+    """TSV-M weighs each model 1 by default: the card and ``result.weights`` say so, and following them re-merges
+    the same tensors."""
+    result = _merge(tiny_paths, "auto", data=str(image_folder), candidates={"tsv_m": {"lam": [1.0]}},
+                    compare_samples=8)
+    assert result.config.parameters["chosen"]["method"] == "tsv_m"
+    assert result.weights == [1.0, 1.0, 1.0]
+    result.save_pretrained(tmp_path / "out")
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "| 0.333" not in card and "| 0.5 |" not in card
+    again = _merge(tiny_paths, "tsv_m", lam=1.0, weights=result.weights)
+    for key, value in again.model.state_dict().items():
+        torch.testing.assert_close(result.model.state_dict()[key], value, rtol=2e-6, atol=1e-7)
+
+
+def test_criterion_as_a_keyword_and_the_cards_caution_for_mloss(tiny_paths, image_folder, tmp_path):
+    result = _merge(tiny_paths, "auto", data=str(image_folder), candidates={"tsv_m": {"lam": [0.5, 1.0]}},
+                    criterion="mloss", compare_samples=8)
+    assert result.config.method_params().criterion == "mloss" and result.config.select is None
+    result.save_pretrained(tmp_path / "out")
+    card = " ".join((tmp_path / "out" / "README.md").read_text().split())
+    assert "M-Loss as a criterion measures the distance from the ensemble, not accuracy" in card
+
+
+def test_fine_tunes_equal_to_the_base_are_a_tie_not_a_choice(tiny_paths, image_folder, tmp_path):
+    base, _ = tiny_paths
+    with pytest.warns(UserWarning, match="every candidate scored 0 by 'output', so the comparison cannot tell them "
+                                         "apart") as caught:
+        result = hf_mloss.merge(base, [base, base], "auto", data=str(image_folder), compare_samples=8,
+                                candidates={"tsv_m": {"lam": [0.5, 1.0, 2.0]}}, progress=False)
+    assert not [w for w in caught if "grid edge" in str(w.message)]
+    result.save_pretrained(tmp_path / "out")
+    card = " ".join((tmp_path / "out" / "README.md").read_text().split())
+    assert "Every candidate scored the same" in card and "sits on an end of its grid" not in card
+
+
+def test_a_grid_end_choice_is_on_the_card_too(tiny_paths, image_folder, tmp_path):
+    with pytest.warns(UserWarning, match="chose a grid edge of task_arithmetic's grid"):
+        result = _merge_warned(tiny_paths, data=str(image_folder), compare_samples=8,
+                               candidates={"task_arithmetic": {"lam": [0.01, 0.02, 0.03]}})
+    result.save_pretrained(tmp_path / "out")
+    card = " ".join((tmp_path / "out" / "README.md").read_text().split())
+    assert "The choice sits on an end of its grid (lam=" in card
+
+
+def _merge_warned(paths, **kwargs):
+    base, models = paths
+    return hf_mloss.merge(base, models, "auto", progress=False, **kwargs)
+
+
+def _head_file(path, width: int, classes: int = 4) -> str:
+    from safetensors.torch import save_file
+
+    save_file({"weight": torch.randn(classes, width), "bias": torch.zeros(classes)}, str(path))
+    return str(path)
+
+
+def test_heads_resolve_against_the_recipe_are_written_relative_and_checked_before_any_candidate(
+        tiny_paths, image_folder, tmp_path):
+    from transformers import AutoConfig
+
+    from hf_mloss.cli import main
+
+    base, models = tiny_paths
+    width = AutoConfig.from_pretrained(base).hidden_size
+    project = tmp_path / "project"
+    project.mkdir()
+    names = [f"head{i}.safetensors" for i in range(3)]
+    for name in names:
+        _head_file(project / name, width)
+    recipe = {"base": base, "models": models, "method": "auto", "data": {"path": str(image_folder)},
+              "parameters": {"candidates": {"tsv_m": {"lam": [0.5, 1.0]}}, "compare_samples": 8, "heads": names}}
+    (project / "auto.yaml").write_text(yaml.safe_dump(recipe))
+    config = hf_mloss.MergeConfig.from_yaml(project / "auto.yaml")
+    assert config.parameters["heads"] == [str(project / n) for n in names]
+    assert str(project / names[0]) in config.input_paths()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(["merge", str(project / "auto.yaml"), str(project / "out"), "-q"]) == 0
+    written = yaml.safe_load((project / "out" / "hf_mloss_config.yaml").read_text())
+    assert written["parameters"]["heads"] == [f"../{n}" for n in names]
+    assert str(project) not in (project / "out" / "README.md").read_text()
+    _head_file(project / names[1], width + 3)
+    with pytest.raises(hf_mloss.InvalidParameterError, match=rf"heads\[1\] .* reads {width + 3} features, but the "
+                                                             rf"tower's pooled output has {width}"):
+        hf_mloss.run(config, progress=False)
+    (project / names[2]).unlink()
+    with pytest.raises(hf_mloss.InvalidParameterError, match=r"heads\[2\]: .* does not exist"):
+        hf_mloss.run(config, progress=False)
+
+
+def test_on_a_mixture_of_experts_the_default_candidates_leave_regmean_out_and_say_so(tmp_path):
+    import transformers
+
+    torch.manual_seed(0)
+    moe = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=3, intermediate_size=12,
+        num_local_experts=4, num_experts_per_tok=2)).eval()
+    base, models = testing.save_with_finetunes(moe, tmp_path / "mixtral", 2, tokenizer=testing.word_tokenizer(64),
+                                               scale=5e-2)
+    texts = [" ".join(f"w{(5 * i + j) % 60}" for j in range(4 + i % 3)) for i in range(8)]
+    with pytest.warns(UserWarning, match="auto: regmean_plusplus is left out of the default candidates"):
+        result = hf_mloss.merge(base, models, "auto", data=texts, compare_samples=4, budget=6, progress=False)
+    assert "regmean_plusplus" not in {c["method"] for c in result.config.parameters["scored"]}
+    with pytest.raises(hf_mloss.UnsupportedModelError, match="candidates: regmean_plusplus cannot run on this model"):
+        hf_mloss.merge(base, models, "auto", data=texts, candidates=["tsv_m", "regmean_plusplus"], progress=False)
+
+
+@pytest.mark.parametrize("method", ["auto", "regmean"])
+def test_scoring_the_merged_prefix_is_refused_for_merges_not_guided_by_mloss(tiny_paths, image_folder, method):
+    base, models = tiny_paths
+    config = hf_mloss.MergeConfig.from_kwargs(base, models, method, data=str(image_folder),
+                                              score={"prefix": "merged"})
+    with pytest.raises(hf_mloss.InvalidParameterError, match=f"method {method!r} does not merge by M-Loss"):
+        hf_mloss.run_score(config, progress=False)

@@ -54,6 +54,10 @@ def as_head(head: Any, index: int, where: str = "select.heads") -> Any:
         from safetensors import SafetensorError
 
         path = os.fspath(head)
+        if not os.path.isfile(path):
+            raise InvalidParameterError(f"{at}: {path!r} does not exist (or is not a file); a head file is a "
+                                        "safetensors file holding `weight` [classes, features] (and optionally "
+                                        "`bias`).")
         try:
             tensors = load_file(path)
         except (OSError, ValueError, SafetensorError) as err:  # the file's content is never echoed

@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InvalidParameterError
+from ..errors import HfMLossError, InvalidParameterError
 
 if TYPE_CHECKING:
     from ..loading.inputs import RunInputs
@@ -49,19 +49,21 @@ def _search(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model:
     from tqdm.auto import tqdm
 
     from ..methods import get_method
-    from ..methods.auto import _settings, candidate_grids, thinned
+    from ..methods.auto import _settings, candidate_grids, get_method_defaults, thinned
     from ..spec.selection import SelectionOptions
     from .selection import CandidateBuilder, CandidateEvaluator, warn_grid_edge
 
     params = merger.ctx.params
     tower = inputs.adapter.tower(model)
-    defaults = {name: get_method(name).make_params().to_dict() for name in candidate_grids(params.candidates)}
-    grids = thinned(candidate_grids(params.candidates), params.budget, defaults)
+    grids = _runnable(candidate_grids(params.candidates, params.budget), inputs, default=params.candidates is None)
+    defaults = {name: get_method_defaults(name) for name in grids}
+    grids = thinned(grids, params.budget, defaults)
     options = SelectionOptions(criterion=params.criterion, grid={"candidate": list(grids)},
                                num_samples=params.compare_samples, share=params.share,
                                heads=list(params.heads) if params.heads else None)
     builder = CandidateBuilder(config, inputs, copy.deepcopy(tower), merger.names)
-    evaluator = CandidateEvaluator(config, inputs, options, builder.tower, progress=progress, token=token)
+    evaluator = CandidateEvaluator(config, inputs, options, builder.tower, progress=progress, token=token,
+                                   heads_key="heads")
     total = sum(len(_settings(grid)) for grid in grids.values())
     bar = tqdm(total=total, desc=f"auto ({params.criterion})", unit="candidate", disable=not progress)
     scored: list[dict[str, Any]] = []
@@ -91,12 +93,47 @@ def _search(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model:
     finally:
         bar.close()
     _, name, setting, held, lam = best
-    warn_grid_edge(grids[name], setting, params.criterion)
+    values = [c[params.criterion] for c in scored]
+    if len(values) > 1 and max(values) - min(values) <= 1e-12 * max(1.0, abs(max(values))):
+        import warnings
+
+        warnings.warn(f"auto: every candidate scored {values[0]:.6g} by {params.criterion!r}, so the comparison "
+                      f"cannot tell them apart (are the fine-tunes equal to the base?); the first, {name} {setting}, "
+                      "was kept.", UserWarning, stacklevel=3)
+    else:
+        warn_grid_edge(grids[name], setting, params.criterion, method=name)
     for into in (None, merger.targets):  # the scratch copy (for its M-Loss), then the model
         _write(builder, held, lam, into)
     report = evaluator.mloss_report(builder.tower, models=[r.name for r in inputs.refs])
     merger.done.update(merger.names)
     return {"method": name, "parameters": setting}, scored, report
+
+
+def _runnable(grids: dict[str, dict[str, list[Any]]], inputs: RunInputs, *, default: bool
+              ) -> dict[str, dict[str, list[Any]]]:
+    """The candidates that can run on this model, before the first is merged (the config checked the rest when it
+    was built): the Gram merges know dense linears only, so on a mixture-of-experts model a default candidate of
+    theirs is left out with a warning, and a named one is refused."""
+    import warnings
+
+    from ..methods import get_method
+    from .regmean import refuse_experts
+
+    out = {}
+    for name, grid in grids.items():
+        method = get_method(name)
+        if getattr(method, "gram_prefix", None):
+            try:
+                refuse_experts(inputs.adapter, f"{method.pretty_name} solves each linear layer from its inputs' "
+                                               "Gram matrices")
+            except HfMLossError as err:
+                if not default:
+                    raise type(err)(f"candidates: {name} cannot run on this model: {err}") from None
+                warnings.warn(f"auto: {name} is left out of the default candidates: {err}", UserWarning,
+                              stacklevel=4)
+                continue
+        out[name] = grid
+    return out
 
 
 def _write(builder: Any, held: Mapping[str, Any], lam: float | None, into: Mapping[str, Any] | None) -> None:

@@ -58,7 +58,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidParameterError
-from ..loading.heads import as_head
+from ..loading.heads import as_head, check_heads
 from ..loading.model_inputs import spread_sample
 from ..spec.selection import (
     SelectionOptions,
@@ -100,7 +100,7 @@ class CandidateEvaluator:
     """Scores candidate merges on the selection samples (see the module docstring for the criteria)."""
 
     def __init__(self, config: MergeConfig, inputs: RunInputs, options: SelectionOptions, tower: Any, *,
-                 progress: bool = True, token: Any = None) -> None:
+                 progress: bool = True, token: Any = None, heads_key: str = "select.heads") -> None:
         from ..engine.score import resolve_activation
 
         self.inputs, self.options, self.adapter, self.config = inputs, options, inputs.adapter, config
@@ -111,7 +111,7 @@ class CandidateEvaluator:
         layers = config.scoring_options().layers
         self.scored = sorted(set(range(self.adapter.num_layers) if layers is None else layers))
         self.changed = [layer for layer in self.scored if self._target_changed(layer)]
-        self.heads = [as_head(h, i) for i, h in enumerate(options.heads)] if options.heads else None
+        self.heads = [as_head(h, i, heads_key) for i, h in enumerate(options.heads)] if options.heads else None
         self.rule = self.adapter.output_rule(tower)
         check_output_rule(self.rule, options, self.adapter)
         self._targets: dict[int, Any] = {}
@@ -119,6 +119,8 @@ class CandidateEvaluator:
         self.prefix = self._shared_prefix(tower) if "mloss" in options.criteria and self.start >= 0 else None
         if OUTPUT_CRITERIA & set(options.criteria):
             self.compared, self.owner, self.columns = self._shares(config, tower, token)
+            if self.heads is not None:  # every head reads an expert's pooled features, before any candidate
+                check_heads(self.heads, options.heads, self.columns[0][0], heads_key)
 
     @property
     def batches(self) -> list[Any]:
@@ -514,7 +516,11 @@ class CandidateBuilder:
         if getattr(method, "gram_prefix", None):  # RegMean: no λ, no scores to replay
             from .regmean import merge_regmean
 
-            merge_regmean(config, self.inputs, merger, self.tower, method, progress=False)
+            note = merge_regmean(config, self.inputs, merger, self.tower, method, progress=False)
+            if note is not None:  # a candidate: warned (the card describes the chosen merge)
+                import warnings
+
+                warnings.warn(note, UserWarning, stacklevel=2)
         elif method.needs_data and live:
             self.report = merge_layerwise(config, self.inputs, merger, self.tower, method, progress=False)
             self.scores = recorded_scores(self.report, self.inputs.adapter)
@@ -635,13 +641,15 @@ def grid_edges(grid: dict[str, Any], chosen: dict[str, Any]) -> list[str]:
     return edges
 
 
-def warn_grid_edge(grid: dict[str, Any], chosen: dict[str, Any], criterion: str) -> None:
-    """Warn when the label-free choice sits on an edge of its grid (the benchmark suites flag it too)."""
+def warn_grid_edge(grid: dict[str, Any], chosen: dict[str, Any], criterion: str, method: str | None = None) -> None:
+    """Warn when the label-free choice sits on an edge of its grid (the benchmark suites flag it too); ``method``:
+    whose grid it is (``auto``'s choice)."""
     import warnings
 
     edges = grid_edges(grid, chosen)
     if edges:
-        warnings.warn(f"The label-free selection (criterion {criterion!r}) chose a grid edge: {'; '.join(edges)}. A "
+        of = f" of {method}'s grid" if method else ""
+        warnings.warn(f"The label-free selection (criterion {criterion!r}) chose a grid edge{of}: {'; '.join(edges)}. A "
                       "better setting may lie beyond it: extend the grid in that direction and select again.",
                       UserWarning, stacklevel=3)
 

@@ -37,6 +37,7 @@ class ArceeFusion(MergeMethod):
     reference = "Arcee AI, Arcee Fusion (mergekit 0.1.x)"
     reference_url = "https://arcee.ai"
     params_class = ArceeFusionParams
+    accepts_models = (1, 1)
 
     def prepare(self, ctx: MergeContext, visit) -> None:
         if len(ctx.weights) != 1:

@@ -64,18 +64,24 @@ class AutoParams(MethodParams):
     scored: list[Any] | None = param(None, "Recorded: every candidate's method, setting and criterion values.")
 
     def check(self) -> None:
-        candidate_grids(self.candidates)
+        grids = candidate_grids(self.candidates, self.budget)
         for i, head in enumerate(self.heads or ()):
             if isinstance(head, Mapping) and "in_memory" in head and self.chooses:
                 raise InvalidParameterError(
                     f"heads[{i}] was passed from Python ({head['in_memory']}) when this recipe was written; a run "
                     "that chooses again needs it: pass the heads again (heads=[...]), or re-run the recorded choice "
                     "(reselect: false).")
+        del grids
         if self.chosen is not None:
             if not isinstance(self.chosen, Mapping) or not isinstance(self.chosen.get("method"), str) or not \
-                    isinstance(self.chosen.get("parameters", {}), Mapping):
+                    isinstance(self.chosen.get("parameters") or {}, Mapping):
                 raise InvalidParameterError(f"chosen must be {{method: name, parameters: {{...}}}}, got "
                                             f"{short(self.chosen)}.")
+            method = _candidate_method(self.chosen["method"], "chosen.method")
+            try:
+                method.make_params(**dict(self.chosen.get("parameters") or {}))
+            except InvalidParameterError as err:
+                raise InvalidParameterError(f"chosen.parameters: {err}") from None
 
     @property
     def chooses(self) -> bool:
@@ -83,26 +89,43 @@ class AutoParams(MethodParams):
         return self.chosen is None or self.reselect
 
 
-def candidate_grids(candidates: Any) -> dict[str, dict[str, list[Any]]]:
-    """``candidates`` as ``{method: grid}`` (names resolved, each grid checked against its method), refusing
-    unknown methods, malformed grids, methods that are themselves a search and more than
-    :data:`MAX_AUTO_CANDIDATES` candidates."""
+def _candidate_method(name: Any, where: str) -> Any:
+    """The registered method ``name`` if it can be auto's candidate (not a search, not a learned merge)."""
     from .registry import get_method
 
+    if not isinstance(name, str):
+        raise InvalidParameterError(f"{where} must be a method name, got {short(name)}.")
+    method = get_method(name)
+    if getattr(method, "chooses_method", False) or getattr(method, "learned", False):
+        raise InvalidParameterError(f"{where}: {name!r} cannot be a candidate of auto (it is itself a search or a "
+                                    "learned merge).")
+    return method
+
+
+def candidate_grids(candidates: Any, budget: int | None = None) -> dict[str, dict[str, list[Any]]]:
+    """``candidates`` as ``{method: grid}`` (names resolved, each grid checked against its method), refusing
+    unknown methods, a method named twice (also through an alias), malformed grids or grids that repeat a value,
+    methods that are themselves a search, and more than :data:`MAX_AUTO_CANDIDATES` candidates once ``budget``
+    has thinned the grids."""
     if candidates is None:
         candidates = DEFAULT_CANDIDATES
     if isinstance(candidates, str) or not isinstance(candidates, (Sequence, Mapping)) or not candidates:
         raise InvalidParameterError(f"candidates must be a non-empty list of method names or a mapping name -> grid, "
                                     f"got {short(candidates)}.")
     if not isinstance(candidates, Mapping):
-        candidates = {name: DEFAULT_CANDIDATES.get(name, {}) if isinstance(name, str) else name
-                      for name in candidates}
+        for i, name in enumerate(candidates):
+            _candidate_method(name, f"candidates[{i}]")
+        if len(set(candidates)) < len(candidates):
+            raise InvalidParameterError(f"candidates names a method twice: {list(candidates)}.")
+        candidates = {name: DEFAULT_CANDIDATES.get(name, {}) for name in candidates}
     out: dict[str, dict[str, list[Any]]] = {}
+    given: dict[str, Any] = {}
     for name, grid in candidates.items():
-        method = get_method(name)
-        if getattr(method, "chooses_method", False) or getattr(method, "learned", False):
-            raise InvalidParameterError(f"candidates: {name!r} cannot be a candidate of auto (it is itself a search "
-                                        "or a learned merge).")
+        method = _candidate_method(name, "candidates")
+        if method.name in given:
+            raise InvalidParameterError(f"candidates names {method.name!r} twice ({given[method.name]!r} and "
+                                        f"{name!r}): give it one grid.")
+        given[method.name] = name
         if grid is None:
             grid = {}
         if not isinstance(grid, Mapping) or any(isinstance(v, (str, bytes)) or not isinstance(v, Sequence) or not v
@@ -110,17 +133,28 @@ def candidate_grids(candidates: Any) -> dict[str, dict[str, list[Any]]]:
             raise InvalidParameterError(f"candidates[{name!r}] must be a grid {{parameter: [values, ...]}}, got "
                                         f"{short(grid)}.")
         grid = {key: list(values) for key, values in grid.items()}
+        for key, values in grid.items():
+            if len({repr(v) for v in values}) < len(values):
+                raise InvalidParameterError(f"candidates[{name!r}].{key} repeats a value: {short(values)}.")
         for setting in _settings(grid):
             try:
                 method.make_params(**setting)
             except InvalidParameterError as err:
                 raise InvalidParameterError(f"candidates[{name!r}]: the setting {setting} is invalid: {err}") from None
         out[method.name] = grid
-    total = sum(len(_settings(grid)) for grid in out.values())
+    defaults = {name: get_method_defaults(name) for name in out}
+    total = sum(len(_settings(grid)) for grid in thinned(out, budget, defaults).values())
     if total > MAX_AUTO_CANDIDATES:
         raise InvalidParameterError(f"auto has {total} candidates; the limit is {MAX_AUTO_CANDIDATES} (each is a "
-                                    "scoring pass). Use shorter grids or budget=.")
+                                    "scoring pass). Use shorter grids or a smaller budget=.")
     return out
+
+
+def get_method_defaults(name: str) -> dict[str, Any]:
+    """A candidate method's default parameters (what :func:`thinned` keeps)."""
+    from .registry import get_method
+
+    return get_method(name).make_params().to_dict()
 
 
 def _settings(grid: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
@@ -179,6 +213,12 @@ class Auto(MergeMethod):
 
     def merge_tensor(self, name: str, base: Any, sources: list[Any], ctx: MergeContext) -> Any:
         raise InvalidParameterError("auto merges through the method it chose (hf_mloss.merging.auto).")
+
+    def weighted_as(self, params: MethodParams) -> MergeMethod:
+        """The chosen method (its default weighting is the one the merge used), else auto's own."""
+        from .registry import get_method
+
+        return get_method(params.chosen["method"]) if params.chosen else self
 
     def describe(self, params: MethodParams) -> str:
         chosen = params.chosen or {}

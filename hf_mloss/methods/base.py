@@ -161,6 +161,8 @@ class MergeMethod:
     params_class: ClassVar[type[MethodParams]]
     needs_data: ClassVar[bool] = False
     default_weight: ClassVar[str] = "uniform"
+    accepts_models: ClassVar[tuple[int, int | None]] = (1, None)
+    """How many fine-tuned models the method merges: (at least, at most; None: any number)."""
     """``"uniform"``: α_p = 1/q when the caller gives no weights; ``"one"``: α_p = 1 (task arithmetic)."""
     per_model_params: ClassVar[tuple[str, ...]] = ()
     """Parameters a model may set for itself (``models[i].parameters``, mergekit's per-model scope): ``weight`` when
@@ -172,6 +174,10 @@ class MergeMethod:
 
     def make_params(self, **kwargs: Any) -> MethodParams:
         return self.params_class.from_kwargs(self.name, kwargs)
+
+    def weighted_as(self, params: MethodParams) -> MergeMethod:
+        """The method whose default weighting the merge used (itself; ``auto``: the method it chose)."""
+        return self
 
     def prepare(self, ctx: MergeContext,
                 visit: Callable[[Callable[[str, torch.Tensor, list[torch.Tensor]], None]], None]) -> None:

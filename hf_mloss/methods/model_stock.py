@@ -40,6 +40,7 @@ class ModelStock(MergeMethod):
     reference = "Jang, Yun & Han, Model Stock: All we need is just a few fine-tuned models, ECCV 2024"
     reference_url = "https://arxiv.org/abs/2403.19522"
     params_class = ModelStockParams
+    accepts_models = (2, None)
     zero_delta_is_base = True  # all task vectors 0: every cosine is 0, so t = 0 and the base is returned exactly
 
     def prepare(self, ctx: MergeContext, visit) -> None:

@@ -36,6 +36,7 @@ class NearSwap(MergeMethod):
     reference = "alchemonaut, QuartetAnemoi-70B-t0.0001 (model card introducing NearSwap)"
     reference_url = "https://huggingface.co/alchemonaut/QuartetAnemoi-70B-t0.0001"
     params_class = NearSwapParams
+    accepts_models = (1, 1)
     zero_delta_is_base = True  # θ₁ = θ₀: w·θ₀ + (1 − w)·θ₀ with w = 1 is θ₀
     required_parameters = {"t": "the distance up to which the other model's values are taken (e.g. t=0.0001)"}
     """Parameters without a default a config must give: a number, a gradient or a filter list (checked when the

@@ -48,6 +48,7 @@ class NuSlerp(MergeMethod):
                  "Goddard et al., Arcee's MergeKit, EMNLP 2024 Industry Track)")
     reference_url = "https://arxiv.org/abs/2403.13257"
     params_class = NuSlerpParams
+    accepts_models = (2, 2)
     per_model_params = ("weight",)
 
     def prepare(self, ctx: MergeContext, visit) -> None:

@@ -41,6 +41,7 @@ class Slerp(MergeMethod):
     reference = "Shoemake, Animating Rotation with Quaternion Curves, SIGGRAPH 1985"
     reference_url = "https://doi.org/10.1145/325165.325242"
     params_class = SlerpParams
+    accepts_models = (1, 1)
 
     def prepare(self, ctx: MergeContext, visit) -> None:
         if len(ctx.weights) != 1:

@@ -7,6 +7,7 @@ does not depend on :mod:`hf_mloss.output.result`.
 from __future__ import annotations
 
 import functools
+import os
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -132,10 +133,25 @@ def auto_rows(config: MergeConfig) -> dict[str, Any] | None:
              "value": c.get(params.criterion),
              "chosen": c["method"] == chosen.get("method") and c["setting"] == chosen.get("parameters")}
             for c in params.scored or []]
+    values = [row["value"] for row in rows if row["value"] is not None]
+    tied = len(values) > 1 and max(values) - min(values) <= 1e-12 * max(1.0, abs(max(values)))
     return {"criterion": params.criterion, "num_samples": params.compare_samples, "share": params.share, "rows": rows,
             "chosen": chosen.get("method"), "chosen_setting": ", ".join(
                 f"{k}={v}" for k, v in (chosen.get("parameters") or {}).items()), "why": chosen.get("why"),
-            "heads": bool(params.heads)}
+            "heads": bool(params.heads), "tied": tied,
+            "edges": [] if tied or not rows else auto_grid_edges(params)}
+
+
+def auto_grid_edges(params: Any) -> list[str]:
+    """Where ``auto``'s choice sits on an end of its method's grid (as searched: after ``budget``)."""
+    from ..merging.selection import grid_edges
+    from ..methods.auto import candidate_grids, get_method_defaults, thinned
+
+    chosen = params.chosen or {}
+    grids = candidate_grids(params.candidates, params.budget)
+    grids = thinned(grids, params.budget, {name: get_method_defaults(name) for name in grids})
+    grid = grids.get(chosen.get("method"))
+    return grid_edges(grid, chosen.get("parameters") or {}) if grid else []
 
 
 def uses_mloss(result: CardSource) -> bool:
@@ -163,7 +179,7 @@ def shown_parameters(params: Any, q: int | None = None) -> dict[str, Any]:
         shown["masks"] = (f"{dropped} components dropped in {len(rows)} matrices (learned; in hf_mloss_config.yaml)"
                           if rows else "no component dropped (learned)")
     if isinstance(shown.get("scored"), list):  # auto's candidates: in the recipe, and in the card's table
-        shown["scored"] = f"{len(shown['scored'])} candidates (in hf_mloss_config.yaml and the table below)"
+        shown["scored"] = f"{len(shown['scored'])} candidates (each with its values in hf_mloss_config.yaml)"
     if isinstance(shown.get("chosen"), dict):
         chosen = shown["chosen"]
         setting = ", ".join(f"{k}={v}" for k, v in (chosen.get("parameters") or {}).items())
@@ -171,8 +187,8 @@ def shown_parameters(params: Any, q: int | None = None) -> dict[str, Any]:
     if "candidates" in shown and shown["candidates"] is None and "chosen" in shown:
         shown["candidates"] = "default (tsv_m, iso_cts, ties, task_arithmetic on λ grids; regmean_plusplus)"
     if shown.get("heads"):
-        shown["heads"] = [h if isinstance(h, str) else type(h).__name__ if not isinstance(h, dict) else
-                          f"{h.get('in_memory', 'head')} (from Python)" for h in shown["heads"]]
+        shown["heads"] = [os.path.basename(h) if isinstance(h, str) else type(h).__name__ if not isinstance(h, dict)
+                          else f"{h.get('in_memory', 'head')} (from Python)" for h in shown["heads"]]  # no local paths
     return {k: v for k, v in shown.items() if v is not None}
 
 

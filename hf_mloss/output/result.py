@@ -74,7 +74,8 @@ class MergeResult:
         if alpha is not None:
             return alpha
         q = len(self.models)
-        return [1.0 if self.config.merge_method().default_weight == "one" else 1.0 / q] * q
+        method = self.config.merge_method().weighted_as(self.config.method_params())
+        return [1.0 if method.default_weight == "one" else 1.0 / q] * q
 
     def save_pretrained(self, save_directory: str | os.PathLike[str], *, max_shard_size: int | str = "5GB",
                         overwrite: bool = False, push_to_hub: bool = False, repo_id: str | None = None,

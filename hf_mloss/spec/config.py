@@ -310,9 +310,42 @@ class MergeConfig:
                 "suffice).")
         if self.select is not None:
             self._validate_selection(method)
+        if getattr(method, "chooses_method", False):
+            self._validate_auto()
         self._validate_adapter_output()
         self._validate_slices(method)
         self._validate_tokenizer_source(method)
+
+    def _validate_auto(self) -> None:
+        """``method="auto"``: heads, one per model; the options that compare candidates need data to compare on
+        (without data auto merges TSV-M at λ = 1, so a choice among named candidates cannot be honoured)."""
+        params = self.method_params()
+        if params.heads is not None and len(params.heads) != len(self.models):
+            raise InvalidParameterError(f"heads: got {len(params.heads)} for {len(self.models)} models; give one "
+                                        "classification head per fine-tuned model, in the order of models.")
+        if params.chooses and self.data is None:
+            given = [k for k in ("candidates", "budget", "heads") if self.parameters.get(k) is not None]
+            if given:
+                raise DataError(f"auto compares its candidates on unlabeled data and no data was given, so "
+                                f"{', '.join(given)} cannot be honoured (without data auto merges TSV-M at its "
+                                "default λ): pass data=..., or merge with the method you want directly.")
+        if not params.chooses or self.data is None:  # a recorded choice, or TSV-M without data: nothing to check
+            return
+        from ..methods import get_method
+        from ..methods.auto import _settings, candidate_grids
+
+        q = len(self.models)
+        for name, grid in candidate_grids(params.candidates, params.budget).items():
+            low, high = get_method(name).accepts_models
+            if q < low or high is not None and q > high:
+                count = f"exactly {low}" if low == high else f"at least {low}" if high is None else f"{low} to {high}"
+                raise InvalidParameterError(f"candidates: {name} merges {count} fine-tuned model(s) and this run has "
+                                            f"{q}: leave it out of the candidates.")
+            fixed = _settings({k: v for k, v in grid.items() if k != "lam"})[0]
+            try:  # its required parameters, its vocabulary rule...: what a merge with it alone would check
+                self.replace(method=name, parameters=dict(fixed), select=None)
+            except HfMLossError as err:
+                raise type(err)(f"candidates: {name} cannot run in this recipe: {err}") from None
 
     def _validate_required_parameters(self, method: MergeMethod) -> None:
         """A parameter the method has no default for (nearswap's ``t``) is given: at the top level, or in every
@@ -345,6 +378,10 @@ class MergeConfig:
             raise InvalidParameterError("text_data scores a whole model's text tower in a merge or score(); label-free "
                                         "selection (select=...) measures the vision tower only: drop text_data or "
                                         "select.")
+        if getattr(method, "chooses_method", False):
+            raise InvalidParameterError("text_data is the scoring text of a data-guided merge (m_ties, m_dare) or of "
+                                        "score(); auto compares its candidates on `data` through the vision tower "
+                                        "only and would ignore it: drop text_data.")
         if not method.needs_data and self.score is None:
             raise InvalidParameterError(f"text_data is the scoring text of a data-guided merge (m_ties, m_dare) or of "
                                         f"score(); method {method.name!r} merges without data and would ignore it.")
@@ -503,6 +540,8 @@ class MergeConfig:
         for spec in (self.data, self.text_data):
             if spec is not None and spec.path is not None:
                 paths.append(spec.path)
+        heads = self.parameters.get("heads")
+        paths += [h for h in heads if isinstance(h, (str, os.PathLike))] if isinstance(heads, (list, tuple)) else []
         if self.select is not None:
             paths += [h for h in self.select.heads or () if isinstance(h, (str, os.PathLike))]
             for share in self.select.shares or ():
@@ -604,6 +643,10 @@ class MergeConfig:
         if values.get("parameters") is None:
             values["parameters"] = {}
         values["parameters"] = _mapping(values["parameters"], "parameters")
+        heads = values["parameters"].get("heads")
+        if isinstance(heads, list):  # a learned merge's or auto's head files: relative to the recipe, as data is
+            values["parameters"] = {**values["parameters"],
+                                    "heads": [_absolute(h, root) if isinstance(h, str) else h for h in heads]}
         if isinstance(values.get("processor"), str) and looks_local(values["processor"]):
             values["processor"] = _absolute(values["processor"], root)
         return cls(**values)
@@ -660,8 +703,11 @@ class MergeConfig:
         """The config in the YAML schema; local paths relative to ``root`` when given (where the file will live)."""
         base = Path(os.path.abspath(root)) if root is not None else None
         out: dict[str, Any] = {"hf_mloss_version": self.hf_mloss_version} if self.hf_mloss_version else {}
+        parameters = _plain(self.parameters)
+        if isinstance(parameters.get("heads"), list):
+            parameters["heads"] = [_relative(h, base) if isinstance(h, str) else h for h in parameters["heads"]]
         out.update(base=self.base.to_dict(base), models=[m.to_dict(base) for m in self.models], method=self.method,
-                   parameters=_plain(self.parameters), seed=self.seed)
+                   parameters=parameters, seed=self.seed)
         if self.data is not None:
             out["data"] = self.data.to_dict(base)
         if self.text_data is not None:
