@@ -69,6 +69,9 @@ def merge_command(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     if args.push_to_hub:
         check_repo_id(args.push_to_hub)
+    elif args.private:
+        raise InvalidParameterError("--private makes the Hub repo private when one is created: it needs "
+                                    "--push-to-hub REPO (or push later with `hf-mloss push OUT_DIR REPO --private`).")
     protected = [args.config, *config.input_paths()]
     out_dir = Path(args.out_dir).expanduser()
     with main_process_only() as main:  # under torchrun: checked once, before any process can write it

@@ -143,6 +143,12 @@ def test_existing_output_is_refused_before_merging(ties_config, tmp_path, monkey
     assert main(["merge", str(ties_config), str(out_dir)]) == 2
 
 
+def test_private_without_a_push_is_refused_before_any_work(ties_config, tmp_path, capsys):
+    assert main(["merge", str(ties_config), str(tmp_path / "merged"), "-q", "--private"]) == 2
+    assert "--private makes the Hub repo private when one is created: it needs --push-to-hub" in capsys.readouterr().err
+    assert not (tmp_path / "merged").exists()
+
+
 def test_merge_push_to_hub(ties_config, tmp_path, fake_push, capsys):
     out_dir = tmp_path / "merged"
     assert main(["merge", str(ties_config), str(out_dir), "-q", "--push-to-hub", "org/repo", "--private"]) == 0
