@@ -1,7 +1,8 @@
 """RegMean and RegMean++ against brute-force references built from each model's own forward.
 
 The references never use the block walk: a forward hook on every linear of a block collects its inputs (real tokens
-only), the Grams are formed in float64 and the closed form is solved with ``torch.linalg.solve``. For RegMean++ the
+only), the Grams are formed in float64 and the closed form is solved with ``torch.linalg.solve`` (an input feature
+that is 0 wherever counted gets the weighted average's column, the rest solved without it). For RegMean++ the
 reference runs a whole model whose blocks before ``l`` are already merged and whose block ``l`` is model p's: its
 block ``l`` then sees exactly the inputs the merged prefix gives it.
 """
@@ -9,6 +10,7 @@ block ``l`` then sees exactly the inputs the merged prefix gives it.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -72,7 +74,10 @@ def _solve(inputs: list[dict[str, torch.Tensor]], blocks: list[torch.nn.Module],
             reduced = ratio * gram + (1 - ratio) * torch.diag(gram.diagonal())
             gram_sum = gram_sum + a * reduced
             target = target + a * reduced @ block.get_submodule(path).weight.double().T
-        out[path] = torch.linalg.solve(gram_sum, target).T
+        live = gram_sum.diagonal() != 0
+        solved = sum(a * block.get_submodule(path).weight.detach().double().T for a, block in zip(alpha, blocks))
+        solved[live] = torch.linalg.solve(gram_sum[live][:, live], target[live])
+        out[path] = solved.T
     return out
 
 
@@ -237,3 +242,135 @@ def test_ratio_out_of_range_is_refused_before_any_work(tiny_paths, pixels):
         hf_mloss.merge(base, models, "regmean", data=pixels, reduce_non_diagonal_ratio=1.5, progress=False)
     with pytest.raises(hf_mloss.DataError, match="data"):
         hf_mloss.merge(base, models, "regmean_plusplus", progress=False)
+
+
+def _dead_unit_models(root) -> tuple[str, list[str], list]:
+    """A tiny CLIP base and two fine-tunes whose MLP unit 0 never fires (quick_gelu(-1e4) is exactly 0): fc2's input
+    feature 0 is 0 at every position, in every block."""
+    base = testing.make_base(0)
+    tuned = [testing.make_finetune(base, i) for i in range(2)]
+    for model in (base, *tuned):
+        with torch.no_grad():
+            for layer in model.encoder.layers:
+                layer.mlp.fc1.weight[0].zero_()
+                layer.mlp.fc1.bias[0] = -1e4
+    folders = [testing.save_model(m, root / name) for m, name in zip((base, *tuned), ("base", "ft0", "ft1"))]
+    return str(folders[0]), [str(f) for f in folders[1:]], tuned
+
+
+@pytest.mark.parametrize("method", ["regmean", "regmean_plusplus"])
+def test_a_dead_input_feature_gets_the_weighted_average_column(tmp_path, pixels, method):
+    """No position reaches the feature, so the data leaves its column free: it is the weighted average's (as every
+    tensor the data does not reach), not 0; the other columns are the least-squares solve without it."""
+    base, models, tuned = _dead_unit_models(tmp_path)
+    weights = [2.0, 1.0]
+    result = hf_mloss.merge(base, models, method, data=pixels, weights=weights, progress=False)
+    for layer in range(2):
+        got = result.model.encoder.layers[layer].mlp.fc2.weight[:, 0].detach().double()
+        average = sum(w / 3 * m.encoder.layers[layer].mlp.fc2.weight[:, 0].detach().double()
+                      for w, m in zip(weights, tuned))
+        assert float(average.norm()) > 0.1
+        torch.testing.assert_close(got, average, rtol=0, atol=1e-6)
+    loaded = [AutoModel.from_pretrained(m).eval() for m in models]
+    expected = reference(loaded, {"pixel_values": pixels}, plusplus=method == "regmean_plusplus", weights=weights)
+    assert_matches(result, expected)
+    zero = hf_mloss.merge(base, models, method, data=pixels, weights=weights, reduce_non_diagonal_ratio=0.0,
+                          progress=False)  # r = 0: Σ α G[j, j] W[:, j] / Σ α G[j, j] is 0 / 0 there
+    torch.testing.assert_close(zero.model.encoder.layers[0].mlp.fc2.weight[:, 0].detach().double(),
+                               sum(w / 3 * m.encoder.layers[0].mlp.fc2.weight[:, 0].detach().double()
+                                   for w, m in zip(weights, tuned)), rtol=0, atol=1e-6)
+
+
+def _solve_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if "Gram matrices" in str(w.message)]
+
+
+@pytest.mark.parametrize("method", ["regmean", "regmean_plusplus"])
+def test_singular_grams_at_ratio_one_warn_once_naming_the_layers(tiny_paths, pixels, method):
+    """r = 1 on one image (17 positions for 32- and 64-wide inputs) or on identical black images (inputs that span
+    few directions): one warning per merge, naming the first layers, their counts and what to do; the card says it
+    too. r < 1 keeps every solve well-posed, and enough varied data needs no warning."""
+    base, models = tiny_paths
+    one = pixels[:1]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = hf_mloss.merge(base, models, method, data=one, reduce_non_diagonal_ratio=1.0, progress=False)
+    (message,) = _solve_warnings(caught)
+    assert message.startswith(f"{'RegMean++' if method == 'regmean_plusplus' else 'RegMean'} with "
+                              "reduce_non_diagonal_ratio=1: the data leaves 8 of the Gram matrices")
+    assert "encoder.layers.0.self_attn.q_proj (and k_proj, v_proj, same input): 17 position(s) counted for 32 " \
+           "input features" in message
+    assert "and 6 more" in message and "below 1 (fusion-bench's 0.95)" in message
+    assert message in result.method_description  # on the card
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hf_mloss.merge(base, models, method, data=torch.zeros(4, 3, 32, 32), reduce_non_diagonal_ratio=1.0,
+                       progress=False)
+    (message,) = _solve_warnings(caught)
+    assert "encoder.layers.0.mlp.fc2: numerically rank-deficient, 68 position(s) counted for 64 input features" \
+        in message
+    for data, ratio in ((one, 0.95), (pixels, 1.0)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hf_mloss.merge(base, models, method, data=data, reduce_non_diagonal_ratio=ratio, progress=False)
+        assert not _solve_warnings(caught), (len(data), ratio)
+
+
+def test_prefix_merged_scoring_of_a_regmean_recipe_is_refused_before_any_work(tiny_paths, pixels, monkeypatch):
+    """RegMean computes no M-Loss: ``score: {prefix: merged}`` names the methods whose merged prefix it scores
+    instead of failing on score options pushed into RegMean's parameters."""
+    from hf_mloss.merging import driver
+    from hf_mloss.spec.options import ScoringOptions
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("a merge was started")
+
+    monkeypatch.setattr(driver, "run_merge", no_work)
+    base, models = tiny_paths
+    config = hf_mloss.MergeConfig.from_kwargs(base, models, "regmean", data=pixels,
+                                              score=ScoringOptions(prefix="merged"))
+    for run in (lambda: hf_mloss.run_score(config, progress=False),
+                lambda: hf_mloss.score(base, models, pixels, prefix="merged", method="regmean_plusplus",
+                                       progress=False)):
+        with pytest.raises(hf_mloss.InvalidParameterError, match=r"prefix='merged' .*\(m_ties, m_dare\).*"
+                                                                 r"'regmean(_plusplus)?'") as caught:
+            run()
+        assert "reduction" not in str(caught.value)
+
+
+def test_a_feature_one_process_never_reaches_is_solved_from_the_others_share(monkeypatch):
+    """Data-parallel: each process keeps the average's rows only for the features its own share never reaches.
+    After the sums are reduced, a feature another share reaches is solved as by one process over all the data, and
+    one no share reaches gets the weighted average's column."""
+    from hf_mloss.engine import gram
+
+    generator = torch.Generator().manual_seed(0)
+    linears = [{"fc": torch.nn.Linear(4, 3)} for _ in range(2)]
+    alpha = [0.75, 0.25]
+    shares = [torch.randn(6, 4, generator=generator, dtype=torch.float64) for _ in range(2)]
+    shares[0][:, :2] = 0  # this process's share never reaches features 0 and 1
+    shares[1][:, 0] = 0  # nor this one's feature 0
+    models = [torch.randn(4, 4, generator=generator, dtype=torch.float64) for _ in range(2)]  # per-model mixing
+
+    def regression(shares_) -> gram.BlockRegression:
+        out = gram.BlockRegression(0.9)
+        for p, a in enumerate(alpha):
+            x = torch.cat([s @ torch.diag(models[p].diagonal()) for s in shares_])  # each model's own inputs
+            out.fold({"fc": x.T @ x}, linears[p], a, {"fc": len(x)})
+        return out
+
+    single = regression(shares)
+    single.reduce_across_processes()
+    expected = single.solve()["fc"]
+    parts = [regression([s]) for s in shares]
+    monkeypatch.setattr(gram, "reduce_sums", lambda *tensors: [t.clone() for t in tensors])
+    parts[1].reduce_across_processes()
+    other = [parts[1].gram_sums["fc"], parts[1].targets["fc"], torch.tensor([6.0], dtype=torch.float64)]
+    monkeypatch.setattr(gram, "reduce_sums", lambda *tensors: [t + o for t, o in zip(tensors, other)])
+    parts[0].reduce_across_processes()
+    assert len(parts[0].unreached["fc"][0]) == 2 and parts[0].positions == {"fc": 12}
+    got = parts[0].solve()["fc"]
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    average = sum(a * m["fc"].weight.detach().double() for a, m in zip(alpha, linears))
+    torch.testing.assert_close(got[:, 0], average[:, 0], rtol=0, atol=1e-12)
+    assert not torch.allclose(got[:, 1], average[:, 1])

@@ -216,3 +216,23 @@ def test_bad_vocabulary_inputs_are_refused_before_any_write(inputs, tmp_path):
     with pytest.raises(InvalidParameterError, match="has no source"):
         hf_mloss.run(MergeConfig(**{**lacking, "tokenizer_source": {"tokens": {"<|im_start|>": None}}}),
                      progress=False)
+
+
+def test_refusing_differing_vocabularies_advises_only_what_the_run_accepts(inputs):
+    """Without tokenizer_source, fine-tunes whose vocabulary differs are refused. A data-free merge is told to pass
+    tokenizer_source='union'; a data-guided one, for which the config refuses tokenizer_source, is told that it cannot
+    merge them and what can, so following the advice never loops back to a refusal."""
+    base, models = inputs
+    texts = ["w1 w2 w3 w4", "w5 w6 w7"]
+    with pytest.raises(IncompatibleCheckpointsError, match=r"Pass tokenizer_source='union' \(YAML"):
+        hf_mloss.merge(base, models[:2], "ties", progress=False)
+    for method, pretty in (("regmean", "RegMean"), ("regmean_plusplus", "RegMean++"), ("m_ties", "M-TIES")):
+        for folders in (models[:2], models[2:]):  # added tokens (the tokenizers differ), 60 rows (the shapes do)
+            with pytest.raises(IncompatibleCheckpointsError) as caught:
+                hf_mloss.merge(base, folders, method, data=texts, progress=False)
+            message = str(caught.value)
+            assert f"{pretty} cannot merge fine-tunes whose vocabularies differ" in message, message
+            assert "Merge them with a data-free method (e.g. method='task_arithmetic', 'ties' or 'tsv_m') and " \
+                   "tokenizer_source='union'" in message and "Pass tokenizer_source" not in message
+    with pytest.raises(InvalidParameterError, match="data-free merge"):  # what the old advice led to
+        hf_mloss.merge(base, models[:2], "regmean", data=texts, tokenizer_source="union", progress=False)

@@ -10,6 +10,12 @@ so a block holds one Gram per input of the model being walked plus S and B, what
 W* = (r·S + (1 − r)·diag(S))⁻¹ B, transposed (solved in float64). S and B are sums, so the processes of a
 data-parallel run add theirs up exactly before the solve (:func:`~hf_mloss.engine.kernel.reduce_sums`).
 
+Where the system is singular the data leaves part of W* undetermined. An input feature that is 0 at every counted
+position (a dead unit; S's row and column 0) gets the weighted average's column, as every tensor the data does not
+reach does. Any other rank deficiency (fewer positions than input features, or inputs that span few directions) only
+arises with r ≈ 1, as r < 1 keeps the system positive definite: it is solved as before and reported
+(:attr:`BlockRegression.deficient`), so the merge can warn that the data under-determines those layers.
+
 The two walks: :func:`own_gram_walk` runs every model on its own forward (RegMean), one copy of one block per model
 at a time; :func:`merged_gram_walk` runs every model's block on the hidden states of the merged blocks before it, then
 advances those states through the merged block (RegMean++). Leading blocks that no model changed run once.
@@ -20,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,7 +37,14 @@ from .kernel import reduce_sums
 from .walk import BatchState, BlockArena, WalkSetup, _own_embeddings, embed_batches, is_streamed, load_block, \
     release_block
 
-__all__ = ["BlockRegression", "GramRecorder", "block_linears", "gram_dtypes", "merged_gram_walk", "own_gram_walk"]
+__all__ = ["BlockRegression", "Deficiency", "GramRecorder", "RANK_TOLERANCE", "block_linears", "gram_dtypes",
+           "merged_gram_walk", "own_gram_walk"]
+
+RANK_TOLERANCE = 1e-6
+"""A Gram is numerically rank-deficient when some input feature's part that the features before it do not explain
+holds less than this share of its square sum (a Cholesky pivot over its diagonal entry). Every share is at least
+1 − r, so only r ≈ 1 comes near it; an exactly singular Gram's smallest share is round-off (about 1e-13 with a
+CPU's float64 products), or its factorisation fails (as it mostly does with an accelerator's float32 ones)."""
 
 
 def block_linears(block: nn.Module) -> dict[str, nn.Module]:
@@ -66,6 +80,8 @@ class GramRecorder:
     def __init__(self, block: nn.Module, linears: Sequence[str], device: torch.device | str = "cpu") -> None:
         self.grams: dict[str, torch.Tensor] = {}
         """Linear path → Σ XᵀX (linears that shared their input hold the same tensor)."""
+        self.positions: dict[str, int] = {}
+        """Linear path → the number of positions its Gram counts."""
         self.product_dtype, self.sum_dtype = gram_dtypes(device)
         self.mask: torch.Tensor | None = None
         self._last: tuple[torch.Tensor, str] | None = None
@@ -76,10 +92,12 @@ class GramRecorder:
             x = args[0]
             if self._last is not None and self._last[0] is x:  # q / k / v: one input, one Gram
                 self.grams.setdefault(path, self.grams[self._last[1]])
+                self.positions[path] = self.positions[self._last[1]]
                 return
             rows = x.detach().reshape(-1, x.shape[-1])
             if self.mask is not None and self.mask.numel() == rows.shape[0]:
                 rows = rows[self.mask.reshape(-1)]
+            self.positions[path] = self.positions.get(path, 0) + rows.shape[0]
             rows = rows.to(self.product_dtype)
             gram = rows.T @ rows
             if path not in self.grams:
@@ -99,6 +117,19 @@ class GramRecorder:
         self._handles, self._last = [], None
 
 
+@dataclass(frozen=True)
+class Deficiency:
+    """A Gram the data leaves singular (see :data:`RANK_TOLERANCE`): the linears that read its input, the positions
+    it counts (per model), its input features and those of them no counted position reaches (solved apart)."""
+
+    paths: tuple[str, ...]
+    positions: int
+    features: int
+    unreached: int
+    numerical: bool
+    """Whether its factorisation says so (a failed Cholesky or a tiny pivot); else only its count of positions."""
+
+
 class BlockRegression:
     """The running S and B of one block's linears over the q models (see the module docstring)."""
 
@@ -110,10 +141,19 @@ class BlockRegression:
         """Linear path → B (``[in, out]``, float64)."""
         self.transposed: set[str] = set()
         """The paths of ``Conv1D`` layers (weights stored ``[in, out]``)."""
+        self.positions: dict[str, int] = {}
+        """Linear path → the positions its Gram counts (per model: every model runs on the same data)."""
+        self.unreached: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        """Linear path → (the input features S's diagonal still has at 0, ``[k]``; their rows of Σ_p α_p W_pᵀ,
+        ``[k, out]``): the weighted average's columns a dead feature's solution takes."""
+        self.deficient: list[Deficiency] = []
+        """The Grams :meth:`solve` found singular, in block order."""
 
     @torch.no_grad()
-    def fold(self, grams: dict[str, torch.Tensor], linears: dict[str, nn.Linear], alpha: float) -> None:
-        """Add one model's Grams, with that model's linear weights ``linears``, at weight ``alpha``."""
+    def fold(self, grams: dict[str, torch.Tensor], linears: dict[str, nn.Linear], alpha: float,
+             positions: dict[str, int]) -> None:
+        """Add one model's Grams, with that model's linear weights ``linears``, at weight ``alpha`` (``positions``:
+        the positions each Gram counts, :attr:`GramRecorder.positions`)."""
         sums_of: dict[int, torch.Tensor] = {}
         self.transposed |= {path for path in grams if not isinstance(linears[path], nn.Linear)}
         for path, gram in grams.items():
@@ -127,10 +167,26 @@ class BlockRegression:
             self.gram_sums.setdefault(path, sums_of[key])
             dtype = gram_dtypes(gram.device)[0]  # float64 on a CPU: the sums of two processes add up to one's
             reduced = self._reduced(gram).to(dtype)
-            product = (reduced @ _weight(linears[path]).detach().to(dtype).T).to(gram.dtype)
+            weight = _weight(linears[path]).detach()
+            product = (reduced @ weight.to(dtype).T).to(gram.dtype)
             if path not in self.targets:
                 self.targets[path] = torch.zeros_like(product)
             self.targets[path].add_(product, alpha=alpha)
+            self.positions[path] = max(self.positions.get(path, 0), positions[path])
+            self._fold_unreached(path, sums_of[key], weight, alpha)
+
+    def _fold_unreached(self, path: str, gram_sum: torch.Tensor, weight: torch.Tensor, alpha: float) -> None:
+        """Keep Σ_p α_p W_p's columns for the input features no model folded so far reached (usually none: a few
+        rows, not a second B). A feature reached once stays reached, so the set only shrinks."""
+        if path in self.unreached:
+            index, rows = self.unreached[path]
+            keep = gram_sum.diagonal()[index] == 0
+            index, rows = index[keep], rows[keep]
+        else:
+            index = torch.nonzero(gram_sum.diagonal() == 0).squeeze(1)
+            rows = torch.zeros(len(index), weight.shape[0], dtype=gram_sum.dtype, device=gram_sum.device)
+        rows.add_(weight.T[index].to(rows), alpha=alpha)
+        self.unreached[path] = (index, rows)
 
     def _reduced(self, gram: torch.Tensor) -> torch.Tensor:
         """r·G + (1 − r)·diag(G)."""
@@ -139,41 +195,78 @@ class BlockRegression:
         return out
 
     def reduce_across_processes(self) -> None:
-        """Sum S and B over the processes of a data-parallel run (each holds the sums of its share of the data)."""
+        """Sum S, B and the positions over the processes of a data-parallel run (each holds the sums of its share of
+        the data). The unreached features' average rows need none: every process holds the same weights, and a
+        feature unreached over all the data is unreached in every share."""
         unique = list({id(s): s for s in self.gram_sums.values()}.values())
         paths = list(self.targets)
-        reduced = reduce_sums(*unique, *(self.targets[p] for p in paths))
+        counts = [torch.tensor([float(self.positions.get(p, 0)) for p in paths], dtype=unique[0].dtype,
+                               device=unique[0].device)] if unique else []
+        reduced = reduce_sums(*unique, *(self.targets[p] for p in paths), *counts)
         swap = {id(old): new for old, new in zip(unique, reduced[: len(unique)])}
         self.gram_sums = {path: swap[id(s)] for path, s in self.gram_sums.items()}
-        self.targets = dict(zip(paths, reduced[len(unique):]))
+        self.targets = dict(zip(paths, reduced[len(unique): len(unique) + len(paths)]))
+        if counts:
+            self.positions = {p: int(round(float(n))) for p, n in zip(paths, reduced[-1].tolist())}
 
     @torch.no_grad()
     def solve(self) -> dict[str, torch.Tensor]:
         """Linear path → merged weight in its module's layout (``[out, in]``; a ``Conv1D``'s ``[in, out]``),
-        W* = ((r·S + (1 − r)·diag(S))⁻¹ B)ᵀ (in the sums' dtype)."""
+        W* = ((r·S + (1 − r)·diag(S))⁻¹ B)ᵀ (in the sums' dtype); an input feature no position reaches gets the
+        weighted average's column. The Grams found singular join :attr:`deficient`."""
         out: dict[str, torch.Tensor] = {}
         solvers: dict[int, _Solver] = {}
+        readers: dict[int, list[str]] = {}
         for path, target in self.targets.items():
             gram = self.gram_sums[path]
             if id(gram) not in solvers:
                 solvers[id(gram)] = _Solver(self._reduced(gram))
-            solved = solvers[id(gram)](target)  # [in, out]
+            solver = solvers[id(gram)]
+            readers.setdefault(id(gram), []).append(path)
+            if len(solver.unreached):  # B's rows there are 0: the average's, which the decoupled rows then equal
+                index, rows = self.unreached[path]
+                target = target.clone()
+                target[solver.unreached] = rows[torch.searchsorted(index, solver.unreached)].to(target)
+            solved = solver(target)  # [in, out]
             out[path] = solved if path in self.transposed else solved.T
+        for key, paths in readers.items():
+            solver = solvers[key]
+            features = solver.factor_size - len(solver.unreached)
+            positions = self.positions.get(paths[0], 0)
+            few = positions < features and 1.0 - self.ratio < RANK_TOLERANCE
+            if solver.singular or few:
+                self.deficient.append(Deficiency(tuple(paths), positions, solver.factor_size,
+                                                 len(solver.unreached), solver.singular))
         return out
 
 
 class _Solver:
-    """Solves A X = B for one Gram matrix A (shared by the linears that read one input): by its Cholesky factor,
-    after a ridge of 1e-12 of its mean diagonal where it is singular (an input feature that is 0 on every counted
-    position: the solution there tends to the weighted average's), else by the pseudo-inverse (no position
-    counted at all)."""
+    """Solves A X = B for one Gram matrix A (shared by the linears that read one input) by its Cholesky factor.
+
+    The input features A's diagonal has at 0 (:attr:`unreached`: 0 at every counted position, so A's row and column
+    are 0 too) leave their rows of X undetermined: they are decoupled (A[j, j] = 1), so X's row j is B's, which the
+    caller sets to the weighted average's. fusion-bench 0.2.33 (``torch.inverse``) raises on such an A instead; where
+    no feature is unreached nothing changes. An A still singular (r ≈ 1 and data that spans fewer directions than
+    it has features) is factored after a ridge of 1e-12 of its reached features' mean diagonal, else
+    pseudo-inverted; :attr:`singular` says so, or that a pivot fell below :data:`RANK_TOLERANCE` of its diagonal
+    entry."""
 
     def __init__(self, matrix: torch.Tensor) -> None:
+        self.unreached = torch.nonzero(matrix.diagonal() == 0).squeeze(1)
+        self.factor_size = matrix.shape[0]
+        if len(self.unreached):
+            matrix = matrix.clone()
+            matrix.diagonal()[self.unreached] = 1.0
         factor, info = torch.linalg.cholesky_ex(matrix)
-        if int(info) != 0:
-            ridge = 1e-12 * float(matrix.diagonal().mean().clamp_min(torch.finfo(matrix.dtype).tiny))
-            factor, info = torch.linalg.cholesky_ex(matrix + ridge * torch.eye(
-                matrix.shape[0], dtype=matrix.dtype, device=matrix.device))
+        self.singular = int(info) != 0
+        if self.singular:  # the ridge spares the unreached features, whose rows stay exactly B's
+            live = torch.ones(matrix.shape[0], dtype=matrix.dtype, device=matrix.device)
+            live[self.unreached] = 0.0
+            scale = float((matrix.diagonal() * live).sum() / live.sum().clamp_min(1.0))
+            ridge = 1e-12 * max(scale, torch.finfo(matrix.dtype).tiny)
+            factor, info = torch.linalg.cholesky_ex(matrix + torch.diag(ridge * live))
+        else:
+            self.singular = float((factor.diagonal() ** 2 / matrix.diagonal()).min()) < RANK_TOLERANCE
         self.factor = factor if int(info) == 0 else None
         self.pinv = torch.linalg.pinv(matrix, hermitian=True) if self.factor is None else None
 
@@ -225,10 +318,11 @@ def _prefix_states(setup: WalkSetup, start: int) -> list[BatchState]:
 
 @torch.inference_mode()
 def own_gram_walk(setup: WalkSetup, alpha: Sequence[float], ratio: float, start: int,
-                  solved: Callable[[int, dict[str, torch.Tensor] | None], None], *, progress: Any = None) -> None:
+                  solved: Callable[[int, dict[str, torch.Tensor] | None], None], *, progress: Any = None,
+                  deficient: list[tuple[int, Deficiency]] | None = None) -> None:
     """RegMean's walk: every model on its own forward. ``solved(layer, weights)`` gets block ``layer``'s merged
     linear weights by path (``None`` for the first ``start`` blocks, which no model changed and which run once;
-    ``start = -1``: the embeddings differ too)."""
+    ``start = -1``: the embeddings differ too). ``deficient`` collects ``(layer, Gram)`` of the singular Grams."""
     adapter = setup.adapter
     blocks = adapter.layers(setup.model)
     if start >= 0:
@@ -252,10 +346,12 @@ def own_gram_walk(setup: WalkSetup, alpha: Sequence[float], ratio: float, start:
                     hidden = _run_block(setup, block, state)
                     if layer + 1 < adapter.num_layers:
                         states[p][b] = BatchState(hidden, state.context)
-                regression.fold(recorder.grams, linears, alpha[p])
+                regression.fold(recorder.grams, linears, alpha[p], recorder.positions)
             del block, recorder
         regression.reduce_across_processes()
         solved(layer, regression.solve())
+        if deficient is not None:
+            deficient += [(layer, d) for d in regression.deficient]
         if progress is not None:
             progress.update(1)
 
@@ -263,11 +359,12 @@ def own_gram_walk(setup: WalkSetup, alpha: Sequence[float], ratio: float, start:
 @torch.inference_mode()
 def merged_gram_walk(setup: WalkSetup, alpha: Sequence[float], ratio: float, start: int,
                      solved: Callable[[int, dict[str, torch.Tensor] | None], None],
-                     before_stage: Callable[[int], None], *, progress: Any = None) -> None:
+                     before_stage: Callable[[int], None], *, progress: Any = None,
+                     deficient: list[tuple[int, Deficiency]] | None = None) -> None:
     """RegMean++'s walk on ``setup.model``, the model being merged: ``before_stage(stage)`` merges a stage into it
     (the embeddings first, block ``layer`` once ``solved(layer, weights)`` has its linears, the tail last); every
     model's block ``layer`` runs on the states the merged blocks before it produce, which then advance through the
-    merged block."""
+    merged block. ``deficient``: as in :func:`own_gram_walk`."""
     adapter = setup.adapter
     blocks = adapter.layers(setup.model)
     before_stage(EMBEDDING_STAGE)
@@ -286,10 +383,12 @@ def merged_gram_walk(setup: WalkSetup, alpha: Sequence[float], ratio: float, sta
                 for state in states:
                     recorder.next_batch(state.context.mask)
                     _run_block(setup, block, state)
-                regression.fold(recorder.grams, linears, alpha[p])
+                regression.fold(recorder.grams, linears, alpha[p], recorder.positions)
             del block, recorder
         regression.reduce_across_processes()
         solved(layer, regression.solve())
+        if deficient is not None:
+            deficient += [(layer, d) for d in regression.deficient]
         before_stage(layer)
         if layer + 1 < adapter.num_layers:
             states = [BatchState(_run_block(setup, blocks[layer], s), s.context) for s in states]

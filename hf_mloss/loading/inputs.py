@@ -303,7 +303,7 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
     elif whole[0] and any(whole[1:]):
         check_outside_unchanged(kept, resolved, whole)
     if getattr(config, "tokenizer_source", None) is None:  # else the vocabularies are merged (loading.vocab)
-        check_vocabularies(resolved)
+        check_vocabularies(resolved, config)
     check_tying(adapter, resolved)
     stores: list[TensorStore] = []
     try:
@@ -318,7 +318,7 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
             stores, adapter, vocabulary = _merged_vocabulary(config, adapter, stores, resolved)
         heads, head_note = differing_heads(adapter, stores[0], stores[1:])  # another number of labels: the base's
         for store in stores[1:]:
-            check_compatible(stores[0], store, skip=frozenset(heads))
+            check_compatible(stores[0], store, skip=frozenset(heads), config=config)
         fingerprints = _verify_fingerprints(specs, resolved, progress=progress)
         method = config.merge_method()
         inputs = RunInputs(adapter=adapter, base=stores[0], sources=stores[1:], base_model=resolved[0][1],
@@ -565,9 +565,10 @@ def _tie_flags(config: Any) -> tuple[Any, Any]:
     return getattr(config, "tie_word_embeddings", None), getattr(text, "tie_word_embeddings", None)
 
 
-def check_vocabularies(resolved) -> None:
+def check_vocabularies(resolved, config: Any = None) -> None:
     """Refuse fine-tunes whose tokenizer has tokens the base's lacks, or ids the base's gives to other tokens (added
-    tokens): their embedding rows do not line up with the base's, even where the row counts happen to agree.
+    tokens): their embedding rows do not line up with the base's, even where the row counts happen to agree; the
+    message says what ``config``'s run can do about it (:func:`vocabulary_advice`).
 
     Compared where both folders hold a ``tokenizer.json`` (the fast-tokenizer file every current tokenizer saves).
     """
@@ -586,16 +587,42 @@ def check_vocabularies(resolved) -> None:
         raise IncompatibleCheckpointsError(
             f"The tokenizer of {ref.name!r} has {len(moved)} token(s) that the base {base_ref.name!r} lacks or "
             f"numbers differently (e.g. {examples}): added tokens. Their embedding rows have no counterpart in the "
-            "base, and hf_mloss never pads or re-aligns rows silently. Pass tokenizer_source='union' (YAML: "
-            "tokenizer_source: union) to merge the vocabularies and align the rows as mergekit does, or merge "
-            "fine-tunes that kept the base's tokenizer.")
+            f"base, and hf_mloss never pads or re-aligns rows silently. {vocabulary_advice(config)}")
+
+
+def vocabulary_advice(config: Any, *, saved_tokenizers: bool = False) -> str:
+    """What a run can do with fine-tunes whose vocabulary differs from the base's: ``tokenizer_source='union'`` where
+    its config takes it (a data-free merge written as a whole model, compatibility()), else why not and what can.
+    ``saved_tokenizers``: add that the alignment reads every model's saved tokenizer."""
+    refusal = None
+    if config is not None and hasattr(config, "replace") and getattr(config, "tokenizer_source", None) is None:
+        from ..errors import HfMLossError
+
+        try:  # the config's own rule decides, so the advice never names what the config then refuses
+            config.replace(tokenizer_source="union")
+        except HfMLossError as err:
+            refusal = str(err)
+    union = "tokenizer_source='union' (YAML: tokenizer_source: union" + (
+        "; every model saved with its tokenizer)" if saved_tokenizers else ")")
+    if refusal is None:
+        return (f"Pass {union} to merge the vocabularies and align the rows as mergekit does, or merge fine-tunes "
+                "that kept the base's tokenizer.")
+    alternative = (f"Merge them with a data-free method (e.g. method='task_arithmetic', 'ties' or 'tsv_m') and "
+                   f"{union}, or use fine-tunes that kept the base's tokenizer.")
+    method = config.merge_method()
+    if method.needs_data:  # the data is tokenized once and every model reads the same ids
+        return (f"{method.pretty_name} cannot merge fine-tunes whose vocabularies differ: it runs every model on the "
+                f"same tokenized data, and aligning the vocabularies (tokenizer_source) serves data-free merges only. "
+                f"{alternative}")
+    return f"This run cannot align the vocabularies: {refusal} {alternative}"
 
 
 def float_names(store: TensorStore) -> list[str]:
     return [n for n in store.keys() if store.dtypes[n] is not None and store.dtypes[n].is_floating_point]
 
 
-def check_compatible(base: TensorStore, other: TensorStore, *, skip: frozenset[str] = frozenset()) -> None:
+def check_compatible(base: TensorStore, other: TensorStore, *, skip: frozenset[str] = frozenset(),
+                     config: Any = None) -> None:
     """Raise :class:`IncompatibleCheckpointsError` unless ``other`` has the base's float tensors and shapes.
 
     Non-float tensors (buffers such as ``position_ids``, which older checkpoints persist and newer ones do not) are
@@ -621,9 +648,7 @@ def check_compatible(base: TensorStore, other: TensorStore, *, skip: frozenset[s
                     f"{name!r} has {base.shapes[name][0]} rows in the base {base.ref.name!r} but "
                     f"{other.shapes[name][0]} in {other.ref.name!r}: the vocabularies differ (added tokens or another "
                     "tokenizer). Rows of different vocabularies do not line up, and hf_mloss never pads them "
-                    "silently. Pass tokenizer_source='union' (YAML: tokenizer_source: union; every model saved with "
-                    "its tokenizer) to merge the vocabularies and align the rows, or merge fine-tunes that share the "
-                    "base's vocabulary.")
+                    f"silently. {vocabulary_advice(config, saved_tokenizers=True)}")
             raise IncompatibleCheckpointsError(
                 f"{name!r} has shape {base.shapes[name]} in {base.ref.name!r} but {other.shapes[name]} in "
                 f"{other.ref.name!r}. All models merged together must share one architecture.")

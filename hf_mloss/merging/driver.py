@@ -158,7 +158,9 @@ def merge_by_method(config: MergeConfig, inputs: RunInputs, merger: TensorMerger
     if getattr(method, "gram_prefix", None):  # RegMean: linears solved from their inputs' Gram matrices
         from .regmean import merge_regmean
 
-        merge_regmean(config, inputs, merger, model, method, progress=progress)
+        note = merge_regmean(config, inputs, merger, model, method, progress=progress)
+        if note is not None:  # warned, and said on the card
+            inputs.notes.append(note)
         return None
     if method.needs_data:
         return merge_layerwise(config, inputs, merger, model, method, progress=progress)

@@ -5,6 +5,7 @@ The method (:mod:`hf_mloss.methods.regmean`) says which prefix feeds the Grams; 
 (RegMean++). A block's solved weights go to the method through ``MergeContext.state`` and are written by the merger
 (its finiteness and dtype checks included) as soon as the block is solved, so no more than one block's Grams and
 solutions are held. Tensors no walk reaches (a whole CLIPModel's tower without data, projections) are averaged.
+Grams the data leaves singular (only with ``reduce_non_diagonal_ratio`` ≈ 1) are named in one note per merge.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from .stages import DriverRun, unchanged_blocks
 
 if TYPE_CHECKING:
+    from ..engine.gram import Deficiency
     from ..loading.inputs import RunInputs, ScoredTower
     from ..methods import MergeMethod
     from ..spec.config import MergeConfig
@@ -22,12 +24,41 @@ if TYPE_CHECKING:
 
 
 def merge_regmean(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model: Any, method: MergeMethod, *,
-                  progress: bool) -> None:
-    """Merge every tensor of ``merger`` by RegMean's rules (see the module docstring)."""
+                  progress: bool) -> str | None:
+    """Merge every tensor of ``merger`` by RegMean's rules (see the module docstring). Returns a note naming the
+    layers whose Grams the data left singular (:func:`deficiency_note`), or ``None``."""
     refuse_experts(inputs.adapter, f"{method.pretty_name} solves each linear layer from its inputs' Gram matrices")
+    deficient: list[tuple[str, Deficiency]] = []
     for tower in inputs.scored_towers(model):
-        _merge_tower(config, inputs, merger, tower, method, progress=progress)
+        _merge_tower(config, inputs, merger, tower, method, deficient, progress=progress)
     merger.merge(merger.names)  # whatever no walk reached: averaged
+    return deficiency_note(method, merger.ctx.params.reduce_non_diagonal_ratio, deficient) if deficient else None
+
+
+def deficiency_note(method: MergeMethod, ratio: float, deficient: list[tuple[str, Deficiency]]) -> str:
+    """Why the merge may be far from every model at the layers of ``deficient`` (block prefix, Gram), and what to do.
+
+    With r = 1 the solve is plain least squares, and data that spans fewer directions than a layer has input
+    features leaves its weights along the others free: the Cholesky solve (fusion-bench: ``torch.inverse``) then
+    returns finite weights that nothing flags, possibly many times the models' norm."""
+    shown = []
+    for prefix, gram in deficient[:2]:
+        name = f"{prefix}{gram.paths[0]}"
+        if len(gram.paths) > 1:
+            name += f" (and {', '.join(p.rsplit('.', 1)[-1] for p in gram.paths[1:])}, same input)"
+        live = gram.features - gram.unreached
+        count = f"{gram.positions} position(s) counted for {live} input features"
+        if gram.unreached:
+            count += f" (and {gram.unreached} that are 0 at every position)"
+        shown.append(f"{name}: {'numerically rank-deficient, ' if gram.numerical else ''}{count}")
+    more = f"; and {len(deficient) - len(shown)} more" if len(deficient) > len(shown) else ""
+    return (f"{method.pretty_name} with reduce_non_diagonal_ratio={ratio:g}: the data leaves {len(deficient)} of "
+            f"the Gram matrices it solves from singular or nearly so, so it does not determine those layers' weights "
+            f"along the input directions it never spans, and the merged weights there are arbitrary (possibly far "
+            f"from every model's): "
+            f"{'; '.join(shown)}{more}. Give more varied data, with more positions than these layers have input "
+            f"features, or a reduce_non_diagonal_ratio below 1 (fusion-bench's 0.95), which keeps every solve "
+            f"well-posed.")
 
 
 def refuse_experts(adapter: Any, what: str) -> None:
@@ -44,7 +75,7 @@ def refuse_experts(adapter: Any, what: str) -> None:
 
 
 def _merge_tower(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: ScoredTower,
-                 method: MergeMethod, *, progress: bool) -> None:
+                 method: MergeMethod, deficient: list[tuple[str, Deficiency]], *, progress: bool) -> None:
     from tqdm.auto import tqdm
 
     from ..engine.gram import merged_gram_walk, own_gram_walk
@@ -76,12 +107,14 @@ def _merge_tower(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, t
 
     bar = tqdm(total=adapter.num_layers, desc=f"{method.pretty_name} (Gram matrices)", unit="layer",
                disable=not progress)
+    found: list[tuple[int, Deficiency]] = []
     try:
         if own:
-            own_gram_walk(setup, alpha, ratio, start, solved, progress=bar)
+            own_gram_walk(setup, alpha, ratio, start, solved, progress=bar, deficient=found)
         else:
             merged_gram_walk(setup, alpha, ratio, start, solved, lambda stage: run.merge(run.stage_names(stage)),
-                             progress=bar)
+                             progress=bar, deficient=found)
     finally:
         bar.close()
+    deficient += [(adapter.layer_prefix(layer), gram) for layer, gram in found]
     run.merge_remaining()

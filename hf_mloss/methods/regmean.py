@@ -11,6 +11,12 @@ plain least-squares merge, r = 0 a diagonal, per-input-feature weighted average)
 default); fusion-bench weighs the models equally. Every other tensor (biases, norms, embeddings, heads) is the
 weighted average Σ_p α_p θ_p, as fusion-bench merges them.
 
+The data determines W* only along the input directions it spans. An input feature that is 0 at every counted position
+(a dead unit) gets the weighted average's column, as the tensors no data reaches do (fusion-bench's ``torch.inverse``
+fails there). With r = 1, data that spans fewer directions than a layer has inputs (fewer positions than input
+features, near-identical samples) leaves the system singular: the merge warns, naming the layers (r < 1 keeps every
+solve well-posed).
+
 Where X_p comes from is the prefix: RegMean runs every model on its own forward (``own``); RegMean++ (Nguyen et al.,
 TMLR 2026) feeds each model's block l the output of the *merged* blocks before it (``merged``), block by block, so each
 block is solved for the inputs the merged model really gives it. The walk that records the Grams and the solve live in
@@ -42,8 +48,9 @@ SOLUTIONS = "regmean_solutions"
 @dataclass(frozen=True)
 class RegMeanParams(MethodParams):
     reduce_non_diagonal_ratio: float = param(
-        0.95, "r: the Gram matrices' off-diagonal entries are multiplied by r (1: plain least squares; 0: a "
-        "per-input-feature weighted average). fusion-bench's CLIP default.", low=0.0, high=1.0)
+        0.95, "r: the Gram matrices' off-diagonal entries are multiplied by r (1: plain least squares, which needs "
+        "data spanning every layer's inputs; 0: a per-input-feature weighted average). fusion-bench's CLIP default.",
+        low=0.0, high=1.0)
 
 
 class RegMean(MergeMethod):
