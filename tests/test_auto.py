@@ -301,3 +301,10 @@ def test_scoring_the_merged_prefix_is_refused_for_merges_not_guided_by_mloss(tin
                                               score={"prefix": "merged"})
     with pytest.raises(hf_mloss.InvalidParameterError, match=f"method {method!r} does not merge by M-Loss"):
         hf_mloss.run_score(config, progress=False)
+
+
+def test_a_criterion_that_needs_heads_is_refused_by_its_own_name(tiny_paths, image_folder):
+    base, models = tiny_paths
+    with pytest.raises(hf_mloss.InvalidParameterError, match="criterion 'disagreement' needs one classification head"):
+        hf_mloss.merge(base, models, "auto", data=str(image_folder), criterion="disagreement", compare_samples=4,
+                       candidates={"tsv_m": {"lam": [1.0]}}, progress=False)

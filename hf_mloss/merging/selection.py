@@ -83,8 +83,8 @@ def check_output_rule(rule: Any, options: SelectionOptions, adapter: Any) -> Non
     """Refuse, before any candidate is merged, criteria the family's outputs cannot give: ``entropy`` or
     ``disagreement`` of pooled features without heads, heads on a causal LM (its LM head is its own head)."""
     family = getattr(adapter.full_config, "model_type", adapter.name)
-    for name in ("entropy", "disagreement"):
-        if name in options.criteria and not options.heads and not rule.has_distribution:
+    for name in options.criteria:  # the selecting criterion first, so the refusal names what was asked for
+        if name in ("entropy", "disagreement") and not options.heads and not rule.has_distribution:
             raise InvalidParameterError(
                 f"criterion {name!r} needs one classification head per model (heads=...): the {family!r} model's "
                 f"output is the {rule.description}, not a distribution. Pass heads=[...] (one per model), or use "
