@@ -170,7 +170,7 @@ def ties_config_path(tmp_path, tiny_paths) -> Path:
 
 
 def test_selection_on_a_grid_edge_warns(tiny_paths, image_folder):
-    from hf_mloss.merging.selection import grid_edges
+    from hf_mloss.spec.selection import grid_edges
 
     assert grid_edges({"lam": [0.5, 1.0, 1.5], "k": [0.2, 0.5]}, {"lam": 1.5, "k": 0.2}) == \
         ["lam=1.5 (the highest of [0.5, 1.0, 1.5])"]  # a 2-value axis has no inside: not flagged

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidParameterError
 from ..loading.heads import as_head, check_heads
+from ..spec.selection import grid_edges
 from ..loading.model_inputs import spread_sample
 from ..spec.selection import (
     SelectionOptions,
@@ -624,21 +625,6 @@ def select_and_merge(config: MergeConfig, inputs: RunInputs, merger: TensorMerge
     record = replace(options, num_samples=len(evaluator.sample), reference=builder.reference, chosen=chosen,
                      candidates=candidates)
     return config.replace(parameters={**config.parameters, **chosen}, select=record), builder.report
-
-
-def grid_edges(grid: dict[str, Any], chosen: dict[str, Any]) -> list[str]:
-    """The numeric grid axes of 3+ values whose chosen value is the smallest or the largest (``"lam=0.5 (lowest)"``):
-    the best setting may lie outside the grid."""
-    edges = []
-    for key, values in grid.items():
-        numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        if len(numbers) < 3 or len(numbers) != len(values) or key not in chosen:
-            continue
-        if chosen[key] == min(numbers):
-            edges.append(f"{key}={chosen[key]} (the lowest of {sorted(numbers)})")
-        elif chosen[key] == max(numbers):
-            edges.append(f"{key}={chosen[key]} (the highest of {sorted(numbers)})")
-    return edges
 
 
 def warn_grid_edge(grid: dict[str, Any], chosen: dict[str, Any], criterion: str, method: str | None = None) -> None:

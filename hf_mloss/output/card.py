@@ -144,8 +144,8 @@ def auto_rows(config: MergeConfig) -> dict[str, Any] | None:
 
 def auto_grid_edges(params: Any) -> list[str]:
     """Where ``auto``'s choice sits on an end of its method's grid (as searched: after ``budget``)."""
-    from ..merging.selection import grid_edges
     from ..methods.auto import candidate_grids, get_method_defaults, thinned
+    from ..spec.selection import grid_edges
 
     chosen = params.chosen or {}
     grids = candidate_grids(params.candidates, params.budget)

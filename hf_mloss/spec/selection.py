@@ -152,3 +152,18 @@ def check_selection(options: SelectionOptions, method: Any, parameters: Mapping[
     for i, head in enumerate(options.heads or ()):
         if isinstance(head, (str, os.PathLike)):
             as_head(head, i)  # an unreadable head file is refused before any model is loaded
+
+
+def grid_edges(grid: dict[str, Any], chosen: dict[str, Any]) -> list[str]:
+    """The numeric grid axes of 3+ values whose chosen value is the smallest or the largest (``"lam=0.5 (lowest)"``):
+    the best setting may lie outside the grid."""
+    edges = []
+    for key, values in grid.items():
+        numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if len(numbers) < 3 or len(numbers) != len(values) or key not in chosen:
+            continue
+        if chosen[key] == min(numbers):
+            edges.append(f"{key}={chosen[key]} (the lowest of {sorted(numbers)})")
+        elif chosen[key] == max(numbers):
+            edges.append(f"{key}={chosen[key]} (the highest of {sorted(numbers)})")
+    return edges
