@@ -241,6 +241,8 @@ def _planned_tensors(config: MoEConfig, inputs: MoEInputs, gates: torch.Tensor, 
 
     def cast(tensor: torch.Tensor, name: str, where: str) -> torch.Tensor:
         out = tensor if dtype is None else tensor.to(dtype)
+        if out is tensor:  # no conversion: the tensor was checked when it was read or scaled
+            return out
         try:
             _check_finite(out, name, where)
         except CorruptCheckpointError:  # finite before the cast: the values overflow the output dtype
