@@ -48,8 +48,7 @@ def _search(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model:
             token: Any) -> tuple[dict[str, Any], list[dict[str, Any]], MLossReport]:
     from tqdm.auto import tqdm
 
-    from ..methods import get_method
-    from ..methods.auto import _settings, candidate_grids, get_method_defaults, thinned
+    from ..methods.auto import _settings, all_tied, candidate_grids, get_method_defaults, thinned
     from ..spec.selection import SelectionOptions
     from .selection import CandidateBuilder, CandidateEvaluator, warn_grid_edge
 
@@ -94,7 +93,7 @@ def _search(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model:
         bar.close()
     _, name, setting, held, lam = best
     values = [c[params.criterion] for c in scored]
-    if len(values) > 1 and max(values) - min(values) <= 1e-12 * max(1.0, abs(max(values))):
+    if all_tied(values):
         import warnings
 
         warnings.warn(f"auto: every candidate scored {values[0]:.6g} by {params.criterion!r}, so the comparison "

@@ -150,6 +150,11 @@ def candidate_grids(candidates: Any, budget: int | None = None) -> dict[str, dic
     return out
 
 
+def all_tied(values: Sequence[float]) -> bool:
+    """Whether every candidate scored the same (to rounding): the comparison then tells them nothing."""
+    return len(values) > 1 and max(values) - min(values) <= 1e-12 * max(1.0, abs(max(values)))
+
+
 def get_method_defaults(name: str) -> dict[str, Any]:
     """A candidate method's default parameters (what :func:`thinned` keeps)."""
     from .registry import get_method

@@ -133,8 +133,9 @@ def auto_rows(config: MergeConfig) -> dict[str, Any] | None:
              "value": c.get(params.criterion),
              "chosen": c["method"] == chosen.get("method") and c["setting"] == chosen.get("parameters")}
             for c in params.scored or []]
-    values = [row["value"] for row in rows if row["value"] is not None]
-    tied = len(values) > 1 and max(values) - min(values) <= 1e-12 * max(1.0, abs(max(values)))
+    from ..methods.auto import all_tied
+
+    tied = all_tied([row["value"] for row in rows if row["value"] is not None])
     return {"criterion": params.criterion, "num_samples": params.compare_samples, "share": params.share, "rows": rows,
             "chosen": chosen.get("method"), "chosen_setting": ", ".join(
                 f"{k}={v}" for k, v in (chosen.get("parameters") or {}).items()), "why": chosen.get("why"),
