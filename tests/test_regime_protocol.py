@@ -392,3 +392,30 @@ def test_g3_counts_only_merges_that_read_no_data():
 
     assert _uses_data("auto") and _uses_data("regmean_plusplus") and _uses_data("m_ties")
     assert not _uses_data("tsv_m") and not _uses_data("ties")
+
+
+def test_round5_low_k_part_is_the_mties_family_below_k_02_with_every_setting_valid():
+    """The low-k part: M-TIES at e = 0.1 and its four controls, under the family's own labels (so the claim's
+    comparisons apply), on one grid reaching below k = 0.2 where every setting keeps 0 <= e < k."""
+    from benchmarks.suites.regime import R5_GRIDS, round5_specs
+    from benchmarks.suites.report import CONTROLS, E0
+    from hf_mloss.methods import get_method
+
+    specs = round5_specs("mties_low", [10, 11])
+    labels = [s.label for s in specs]
+    assert labels == ["m_ties", E0, f"{CONTROLS[0][:-1]}, draw 1)", *CONTROLS[1:]]
+    assert min(R5_GRIDS["m_ties_low"]["k"]) < 0.2 <= max(R5_GRIDS["m_ties_low"]["k"])
+    for spec in specs:
+        assert spec.grid == R5_GRIDS["m_ties_low"]
+        for k in spec.grid["k"]:
+            get_method("m_ties").make_params(**{**spec.params, "k": k, "lam": 0.6})  # raises on e >= k
+    assert "m_ties (e=0.15)" in [s.label for s in round5_specs("mties", [10, 11])]
+
+
+@pytest.mark.parametrize("parts", ["base,mties,mties_low", "mties_low", "base,nope"])
+def test_round5_parts_are_checked_before_any_work(parts, capsys):
+    from benchmarks.suites.regime import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--design", "r5", "--parts", parts])
+    assert exit_.value.code == 2 and "--parts" in capsys.readouterr().err

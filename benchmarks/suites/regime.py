@@ -161,12 +161,15 @@ R5_GRIDS = {
     "ties": {"k": [0.1, 0.2, 0.4], "lam": list(R5_LAMS)},
     "dare_ties": {"p": [0.2, 0.4, 0.7], "lam": list(R5_LAMS)},
     "m_ties": {"k": [0.2, 0.3, 0.45], "lam": list(R5_LAMS)},
+    "m_ties_low": {"k": [0.12, 0.15, 0.2], "lam": [0.45, 0.6, 0.8]},
     "tsv_m": {"lam": [0.5, 0.75, 1.0, 1.5, 2.0, 3.0]},
     "iso_c": {"lam": [1.0, 1.5, 2.25, 3.4, 5.0, 7.5]},
 }
 """Round 5's grids, fixed before any round-5 lever was measured; each holds its method's default (task arithmetic
 0.3, TIES k 0.2 and λ 1, DARE p 0.7, M-TIES k 0.2, the SVD merges λ 1). The TIES family (TIES, DARE-TIES, M-TIES and
-its controls) searches λ × k (or p): 18 settings each; the one-parameter merges 6 λ each (Iso-CTS shares Iso-C's)."""
+its controls) searches λ × k (or p): 18 settings each; the one-parameter merges 6 λ each (Iso-CTS shares Iso-C's).
+``m_ties_low`` came later: the M-TIES family chose k = 0.2, its grid's low end, on every seed at 1440 steps, so this
+grid reaches below it (9 settings, around the λ = 0.6 chosen there on val)."""
 R5_E = (0.1, 0.15)
 """M-TIES's spread: the paper's 0.1 and one wider value (e < k on every k of its grid)."""
 R5_PARTS = ("base", "mties", "data", "learned")
@@ -176,6 +179,10 @@ use the unlabeled data in closed form or by choice (RegMean, RegMean++, ``auto``
 R5_LEARNED = (("adamerging", "entropy"), ("adamerging", "output_gap"), ("adamerging", "disagreement"),
               ("adamerging", "mloss"), ("adarank_tsv+lam", "output_gap"), ("adarank_tsv+lam", "entropy"))
 """The learned rows (method, objective) of the ``learned`` part."""
+R5_EXTRA_PARTS = ("mties_low",)
+"""Parts measured only when named: the M-TIES family below its grid's k = 0.2 (``R5_GRIDS["m_ties_low"]``, k down to
+0.12 at e = 0.1, the spread that needs e < k; no e = 0.15 row). It carries the family's labels, so it is measured
+beside "base" in a run of its own, never with "mties"."""
 
 
 def round5_specs(part: str, trained: Sequence[int], *, learned: Sequence[tuple[str, str]] = R5_LEARNED,
@@ -198,15 +205,16 @@ def round5_specs(part: str, trained: Sequence[int], *, learned: Sequence[tuple[s
                  MethodSpec("iso_cts", "iso_cts", grid=g["iso_c"])]
         check_grids(specs, families=[("ties", "dare_ties"), ("task_arithmetic", "tsv_m", "iso_c", "iso_cts")])
         return specs
-    if part == "mties":
+    if part in ("mties", "mties_low"):
         base = {"e": R5_E[0], "layers": list(trained)}
-        specs = [MethodSpec("m_ties", "m_ties", dict(base), g["m_ties"]),
-                 MethodSpec(f"m_ties (e={R5_E[1]:g})", "m_ties", {**base, "e": R5_E[1]}, g["m_ties"]),
-                 MethodSpec("m_ties (e=0)", "m_ties", {**base, "e": 0.0}, g["m_ties"]),
-                 MethodSpec("m_ties (random ranks, draw 1)", "m_ties", {**base, "rank": "random"}, g["m_ties"],
+        grid = g["m_ties" if part == "mties" else "m_ties_low"]
+        wider = [MethodSpec(f"m_ties (e={R5_E[1]:g})", "m_ties", {**base, "e": R5_E[1]}, grid)] * (part == "mties")
+        specs = [MethodSpec("m_ties", "m_ties", dict(base), grid), *wider,
+                 MethodSpec("m_ties (e=0)", "m_ties", {**base, "e": 0.0}, grid),
+                 MethodSpec("m_ties (random ranks, draw 1)", "m_ties", {**base, "rank": "random"}, grid,
                             seed_offset=1000),
-                 MethodSpec("m_ties (inverted ranks)", "m_ties", {**base, "rank": "inverted"}, g["m_ties"]),
-                 MethodSpec("m_ties (budget-matched uniform)", "m_ties", {**base, "rank": "uniform"}, g["m_ties"])]
+                 MethodSpec("m_ties (inverted ranks)", "m_ties", {**base, "rank": "inverted"}, grid),
+                 MethodSpec("m_ties (budget-matched uniform)", "m_ties", {**base, "rank": "uniform"}, grid)]
         check_grids(specs)
         return specs
     if part == "data":
@@ -221,7 +229,7 @@ def round5_specs(part: str, trained: Sequence[int], *, learned: Sequence[tuple[s
                                                                       "objective": objective},
                                     heads=objective != "mloss"))
         return specs
-    raise ValueError(f"unknown part {part!r}: one of {R5_PARTS}")
+    raise ValueError(f"unknown part {part!r}: one of {(*R5_PARTS, *R5_EXTRA_PARTS)}")
 
 
 def measure_round5(cfg, cache: Path, log, parts: Sequence[str], *, version: str | None = None,
@@ -491,10 +499,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--design", default="r4", choices=("r4", "r5"),
                         help="r5: round 5's grids (checkpoint units, the TIES family on λ × k) and parts")
     parser.add_argument("--parts", default=",".join(R5_PARTS),
-                        help=f"r5: the parts to measure, base first (default all: {','.join(R5_PARTS)})")
+                        help=f"r5: the parts to measure, base first (default: {','.join(R5_PARTS)}; also "
+                             f"{','.join(R5_EXTRA_PARTS)})")
     parser.add_argument("--learned", default=",".join(f"{m}:{o}" for m, o in R5_LEARNED),
                         help="r5: the learned part's rows, METHOD:OBJECTIVE comma-separated")
     args = parser.parse_args(argv)
+    parts = args.parts.split(",")
+    if unknown := [p for p in parts if p not in (*R5_PARTS, *R5_EXTRA_PARTS)]:
+        parser.error(f"--parts: unknown {unknown}; the parts are {', '.join((*R5_PARTS, *R5_EXTRA_PARTS))}")
+    if parts[0] != "base" or {"mties", "mties_low"} <= set(parts):
+        parser.error("--parts: 'base' first (it carries the reference rows), and 'mties' or 'mties_low', not both "
+                     "(they share the M-TIES family's labels)")
     argv = argv if argv is not None else sys.argv[1:]
     command = "python -m benchmarks.suites.regime " + " ".join(record_args(argv, ("--cache", "--table", "--report")))
     seeds = tuple(int(s) for s in args.seeds.split(","))
@@ -511,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
                                       frozen=frozen, ft_steps=steps)
             lever = f"q{len(cfg.tasks)}_wise{wise:g}_blocks{cfg.num_layers - frozen}_steps{steps}"
             if args.design == "r5":
-                rows.append(measure_round5(cfg, args.cache or default_cache(), log, args.parts.split(","),
+                rows.append(measure_round5(cfg, args.cache or default_cache(), log, parts,
                                            version=args.code_version, report=args.report / lever if args.report
                                            else None, learned=[tuple(item.split(":")) for item in
                                                                args.learned.split(",")]))
