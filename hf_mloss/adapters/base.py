@@ -95,6 +95,9 @@ class ModelAdapter(ABC):
     """``unit.gate``: module name, relative to a block, of the linear that feeds the activation (``"mlp.fc1"``)."""
     modality: ClassVar[str] = "image"
     """What ``data=`` must hold: ``"image"`` or ``"text"``."""
+    fixed_image_size: ClassVar[bool] = False
+    """The tower's position embeddings take images of ``config.image_size`` only (CLIP, SigLIP, ViT), so scoring
+    images of another size are refused when read, not in the model's forward pass."""
     input_names: ClassVar[tuple[str, ...]] = ("pixel_values",)
     """The keys of one batch dict (:meth:`embed`)."""
     pipeline_tag: ClassVar[str] = "image-feature-extraction"

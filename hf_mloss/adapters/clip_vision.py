@@ -28,6 +28,7 @@ class CLIPVisionAdapter(ModelAdapter):
     key_bias = "self_attn.k_proj.bias"
     model_types = ("clip_vision_model", "clip")
     model_class = CLIPVisionModel
+    fixed_image_size = True
     layer_pattern = re.compile(r"encoder\.layers\.(\d+)\.")
     unit = ScoredUnit(gate="mlp.fc1")
     containers = {"clip": (CLIPModel, "vision_model", "zero-shot-image-classification")}

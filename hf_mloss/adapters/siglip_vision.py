@@ -30,6 +30,7 @@ class SiglipVisionAdapter(ModelAdapter):
     key_bias = "self_attn.k_proj.bias"
     model_types = ("siglip_vision_model", "siglip")
     model_class = SiglipVisionModel
+    fixed_image_size = True
     layer_pattern = re.compile(r"encoder\.layers\.(\d+)\.")
     unit: ClassVar[ScoredUnit] = ScoredUnit(gate="mlp.fc1", down="mlp.fc2")
     target_suffix = unit.gate

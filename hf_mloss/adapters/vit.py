@@ -54,6 +54,7 @@ class ViTAdapter(ModelAdapter):
     key_bias = "attention.k_proj.bias"
     model_types = ("vit",)
     model_class = ViTModel
+    fixed_image_size = True
     layer_pattern = re.compile(r"layers\.(\d+)\.")
     unit = ScoredUnit(gate="mlp.fc1")
 
