@@ -209,6 +209,19 @@ def test_texts_as_data_are_refused_naming_text_data(vlm):
         hf_mloss.merge(vlm["base"], vlm["fts"], "m_ties", data=vlm["texts"], progress=False)
 
 
+def test_a_pixel_tensor_of_another_size_than_the_vision_tower_s_is_refused_when_read(vlm):
+    """LLaVA's CLIP tower takes its config's image_size only; Qwen2-VL's reads any multiple of its patch, so no
+    single size is checked there."""
+    from hf_mloss.adapters.vision_language import VisionLanguageAdapter
+
+    config = transformers.AutoConfig.from_pretrained(vlm["base"])
+    assert VisionLanguageAdapter(config).tower_view.fixed_image_size == (vlm["name"] == "llava")
+    if vlm["name"] != "llava":
+        return
+    with pytest.raises(hf_mloss.DataError, match="7×7 pixels; this clip_vision tower takes 8×8"):
+        hf_mloss.score(vlm["base"], vlm["fts"], data=torch.rand(2, 3, 7, 7), progress=False)
+
+
 def test_texts_holding_the_image_token_are_refused(vlm):
     image_token = HUB_CONFIGS[vlm["name"]].get("image_token_index") or HUB_CONFIGS[vlm["name"]]["image_token_id"]
     ids = torch.tensor([[5, image_token, 6], [7, 8, 9]])  # already tokenised: any id can be given

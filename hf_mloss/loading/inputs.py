@@ -785,10 +785,11 @@ def _load_data(inputs: RunInputs, config: MergeConfig, base_ref: ModelRef, token
             bad = int((~torch.isfinite(pixels)).flatten(1).any(1).sum())
             raise DataError(f"{bad} of the {len(pixels)} scoring images hold NaN or Inf pixel values; M-Loss on them "
                             "would be NaN. Remove them or pass clean images.")
-        size = getattr(inputs.adapter.config, "image_size", None) if inputs.adapter.fixed_image_size else None
+        scored = getattr(inputs.adapter, "tower_view", None) or inputs.adapter  # a VLM: its vision tower
+        size = getattr(scored.config, "image_size", None) if scored.fixed_image_size else None
         if isinstance(size, int) and tuple(pixels.shape[-2:]) != (size, size):
             raise DataError(f"The scoring images are {pixels.shape[-2]}×{pixels.shape[-1]} pixels; this "
-                            f"{inputs.adapter.name} model takes {size}×{size} (config image_size). Pass images "
+                            f"{scored.name} tower takes {size}×{size} (config image_size). Pass images "
                             "(a dataset, folder or PIL images: the base's image processor resizes them), or "
                             f"tensors preprocessed to {size}×{size}.")
     inputs.model_inputs, inputs.data_info = model_inputs, info
