@@ -161,7 +161,7 @@ R5_GRIDS = {
     "ties": {"k": [0.1, 0.2, 0.4], "lam": list(R5_LAMS)},
     "dare_ties": {"p": [0.2, 0.4, 0.7], "lam": list(R5_LAMS)},
     "m_ties": {"k": [0.2, 0.3, 0.45], "lam": list(R5_LAMS)},
-    "m_ties_low": {"k": [0.12, 0.15, 0.2], "lam": [0.45, 0.6, 0.8]},
+    "m_ties_low": {"k": [0.12, 0.15, 0.2], "lam": [0.45, 0.6, 0.8, 1.0, 1.3]},
     "tsv_m": {"lam": [0.5, 0.75, 1.0, 1.5, 2.0, 3.0]},
     "iso_c": {"lam": [1.0, 1.5, 2.25, 3.4, 5.0, 7.5]},
 }
@@ -169,7 +169,8 @@ R5_GRIDS = {
 0.3, TIES k 0.2 and λ 1, DARE p 0.7, M-TIES k 0.2, the SVD merges λ 1). The TIES family (TIES, DARE-TIES, M-TIES and
 its controls) searches λ × k (or p): 18 settings each; the one-parameter merges 6 λ each (Iso-CTS shares Iso-C's).
 ``m_ties_low`` came later: the M-TIES family chose k = 0.2, its grid's low end, on every seed at 1440 steps, so this
-grid reaches below it (9 settings, around the λ = 0.6 chosen there on val)."""
+grid reaches below it, down to 0.12, the lowest k that keeps e = 0.1 below k (15 settings; a first draft with λ up to
+0.8 only put the controls' choice at λ = 0.8 on seed 0, so λ reaches 1.3 as in the family's grid)."""
 R5_E = (0.1, 0.15)
 """M-TIES's spread: the paper's 0.1 and one wider value (e < k on every k of its grid)."""
 R5_PARTS = ("base", "mties", "data", "learned")
@@ -181,7 +182,7 @@ R5_LEARNED = (("adamerging", "entropy"), ("adamerging", "output_gap"), ("adamerg
 """The learned rows (method, objective) of the ``learned`` part."""
 R5_EXTRA_PARTS = ("mties_low",)
 """Parts measured only when named: the M-TIES family below its grid's k = 0.2 (``R5_GRIDS["m_ties_low"]``, k down to
-0.12 at e = 0.1, the spread that needs e < k; no e = 0.15 row). It carries the family's labels, so it is measured
+0.12 at e = 0.1, since the spread needs e < k; no e = 0.15 row). It carries the family's labels, so it is measured
 beside "base" in a run of its own, never with "mties"."""
 
 
