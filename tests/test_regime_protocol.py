@@ -419,3 +419,19 @@ def test_round5_parts_are_checked_before_any_work(parts, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--design", "r5", "--parts", parts])
     assert exit_.value.code == 2 and "--parts" in capsys.readouterr().err
+
+
+def test_round5_ties_low_part_reaches_below_ties_grid_and_counts_in_its_family():
+    """TIES chose k = 0.1, the low end of its grid, on every seed at 180 steps: the ``ties_low`` part is TIES (same
+    scope and budget) on a grid entirely below that k, as many settings as TIES's own, in the TIES family of G6."""
+    from benchmarks.suites.gates import TIES_FAMILY, TIES_LOW
+    from benchmarks.suites.regime import R5_GRIDS, round5_specs
+    from hf_mloss.methods import get_method
+
+    (ties,) = [s for s in round5_specs("base", [10, 11]) if s.label == "ties"]
+    (low,) = round5_specs("ties_low", [10, 11])
+    assert (low.label, low.method, low.params) == (TIES_LOW, "ties", ties.params)
+    assert max(low.grid["k"]) < min(R5_GRIDS["ties"]["k"]) and 1.0 in low.grid["lam"]
+    assert len(low.settings()) == len(ties.settings()) and TIES_LOW in TIES_FAMILY
+    for setting in low.settings():
+        get_method("ties").make_params(**low.params, **setting)

@@ -105,7 +105,9 @@ def val_task_mean(results: Sequence[ReplicateResult], label: str, task: str) -> 
     return 100 * float(np.mean([r.reference[label]["val"][task] for r in results]))
 
 
-TIES_FAMILY = ("average", "task_arithmetic", "ties", "dare_ties")
+TIES_LOW = "ties (k below 0.1)"
+"""TIES on a grid below its own k = 0.1 (round 5's ``ties_low`` part): one method with ``ties``, so in its family."""
+TIES_FAMILY = ("average", "task_arithmetic", "ties", TIES_LOW, "dare_ties")
 """The classic merges M-TIES is compared with in the M-Loss paper (and in its regime): G6 is also reported against
 these alone."""
 

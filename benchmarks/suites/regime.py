@@ -162,6 +162,7 @@ R5_GRIDS = {
     "dare_ties": {"p": [0.2, 0.4, 0.7], "lam": list(R5_LAMS)},
     "m_ties": {"k": [0.2, 0.3, 0.45], "lam": list(R5_LAMS)},
     "m_ties_low": {"k": [0.12, 0.15, 0.2], "lam": [0.45, 0.6, 0.8, 1.0, 1.3]},
+    "ties_low": {"k": [0.03, 0.05, 0.07], "lam": [0.8, 1.0, 1.3, 1.7, 2.2, 3.0]},
     "tsv_m": {"lam": [0.5, 0.75, 1.0, 1.5, 2.0, 3.0]},
     "iso_c": {"lam": [1.0, 1.5, 2.25, 3.4, 5.0, 7.5]},
 }
@@ -170,7 +171,9 @@ R5_GRIDS = {
 its controls) searches λ × k (or p): 18 settings each; the one-parameter merges 6 λ each (Iso-CTS shares Iso-C's).
 ``m_ties_low`` came later: the M-TIES family chose k = 0.2, its grid's low end, on every seed at 1440 steps, so this
 grid reaches below it, down to 0.12, the lowest k that keeps e = 0.1 below k (15 settings; a first draft with λ up to
-0.8 only put the controls' choice at λ = 0.8 on seed 0, so λ reaches 1.3 as in the family's grid)."""
+0.8 only put the controls' choice at λ = 0.8 on seed 0, so λ reaches 1.3 as in the family's grid). ``ties_low`` came
+after TIES chose k = 0.1, its grid's low end, on every seed at 180 steps (full strength): TIES below it, with λ
+reaching higher (a sparser trim keeps less of each task vector), 18 settings as TIES's own grid."""
 R5_E = (0.1, 0.15)
 """M-TIES's spread: the paper's 0.1 and one wider value (e < k on every k of its grid)."""
 R5_PARTS = ("base", "mties", "data", "learned")
@@ -180,10 +183,11 @@ use the unlabeled data in closed form or by choice (RegMean, RegMean++, ``auto``
 R5_LEARNED = (("adamerging", "entropy"), ("adamerging", "output_gap"), ("adamerging", "disagreement"),
               ("adamerging", "mloss"), ("adarank_tsv+lam", "output_gap"), ("adarank_tsv+lam", "entropy"))
 """The learned rows (method, objective) of the ``learned`` part."""
-R5_EXTRA_PARTS = ("mties_low",)
+R5_EXTRA_PARTS = ("mties_low", "ties_low")
 """Parts measured only when named: the M-TIES family below its grid's k = 0.2 (``R5_GRIDS["m_ties_low"]``, k down to
 0.12 at e = 0.1, since the spread needs e < k; no e = 0.15 row). It carries the family's labels, so it is measured
-beside "base" in a run of its own, never with "mties"."""
+beside "base" in a run of its own, never with "mties". And TIES below its grid's k = 0.1 (``R5_GRIDS["ties_low"]``),
+the row ``benchmarks.suites.gates.TIES_LOW``, which G6 counts in the TIES family."""
 
 
 def round5_specs(part: str, trained: Sequence[int], *, learned: Sequence[tuple[str, str]] = R5_LEARNED,
@@ -192,6 +196,7 @@ def round5_specs(part: str, trained: Sequence[int], *, learned: Sequence[tuple[s
     at e = 0.1 and 0.15, and its controls at e = 0.1 on the same λ × k grid (e = 0: per-tensor TIES at k; random
     ranks, one draw; inverted ranks; the budget-matched uniform trim), scoring the ``trained`` blocks. ``smoke``:
     two values per axis and 2 training steps (the pipeline, not the numbers)."""
+    from benchmarks.suites.gates import TIES_LOW
     from benchmarks.suites.protocol import MethodSpec, check_grids
 
     g = {name: {k: list(v)[:2] if smoke else list(v) for k, v in grid.items()} for name, grid in R5_GRIDS.items()}
@@ -216,6 +221,10 @@ def round5_specs(part: str, trained: Sequence[int], *, learned: Sequence[tuple[s
                             seed_offset=1000),
                  MethodSpec("m_ties (inverted ranks)", "m_ties", {**base, "rank": "inverted"}, grid),
                  MethodSpec("m_ties (budget-matched uniform)", "m_ties", {**base, "rank": "uniform"}, grid)]
+        check_grids(specs)
+        return specs
+    if part == "ties_low":
+        specs = [MethodSpec(TIES_LOW, "ties", {"scope": "global", "budget": "changed"}, g["ties_low"])]
         check_grids(specs)
         return specs
     if part == "data":
