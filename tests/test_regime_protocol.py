@@ -435,3 +435,31 @@ def test_round5_ties_low_part_reaches_below_ties_grid_and_counts_in_its_family()
     assert len(low.settings()) == len(ties.settings()) and TIES_LOW in TIES_FAMILY
     for setting in low.settings():
         get_method("ties").make_params(**low.params, **setting)
+
+
+def test_round5_grid_extensions_start_at_the_end_they_extend_and_count_in_their_families():
+    """``ties_sparse`` goes past the corner ``ties_low`` chose (lower k, higher λ); ``lam_high`` past the λ (and DARE's
+    p) that end TIES's, DARE-TIES's and Iso-CTS's grids. Each repeats that end, is its own row, and the TIES-family
+    rows count in G6's TIES family; every setting is valid for its method."""
+    from benchmarks.suites.gates import DARE_HIGH, TIES_FAMILY, TIES_HIGH, TIES_SPARSE
+    from benchmarks.suites.regime import ISO_CTS_HIGH, R5_GRIDS, round5_specs
+    from hf_mloss.methods import get_method
+
+    base = {s.label: s for s in round5_specs("base", [10, 11])}
+    (sparse,) = round5_specs("ties_sparse", [10, 11])
+    low = R5_GRIDS["ties_low"]
+    assert (sparse.label, sparse.method, sparse.params) == (TIES_SPARSE, "ties", base["ties"].params)
+    assert max(sparse.grid["k"]) == min(low["k"]) and min(sparse.grid["lam"]) == max(low["lam"])
+    assert min(sparse.grid["k"]) < min(low["k"]) and max(sparse.grid["lam"]) > max(low["lam"])
+    high = {s.label: s for s in round5_specs("lam_high", [10, 11])}
+    assert list(high) == [TIES_HIGH, DARE_HIGH, ISO_CTS_HIGH]
+    for label, extends in ((TIES_HIGH, "ties"), (DARE_HIGH, "dare_ties"), (ISO_CTS_HIGH, "iso_cts")):
+        spec, top = high[label], max(base[extends].grid["lam"])
+        assert spec.method == base[extends].method and spec.params == base[extends].params
+        assert min(spec.grid["lam"]) == top < max(spec.grid["lam"])
+    assert min(high[DARE_HIGH].grid["p"]) == max(base["dare_ties"].grid["p"]) < max(high[DARE_HIGH].grid["p"])
+    assert high[TIES_HIGH].grid["k"] == base["ties"].grid["k"]
+    assert {TIES_SPARSE, TIES_HIGH, DARE_HIGH} <= set(TIES_FAMILY) and ISO_CTS_HIGH not in TIES_FAMILY
+    for spec in (sparse, *high.values()):
+        for setting in spec.settings():
+            get_method(spec.method).make_params(**spec.params, **setting)

@@ -107,7 +107,12 @@ def val_task_mean(results: Sequence[ReplicateResult], label: str, task: str) -> 
 
 TIES_LOW = "ties (k below 0.1)"
 """TIES on a grid below its own k = 0.1 (round 5's ``ties_low`` part): one method with ``ties``, so in its family."""
-TIES_FAMILY = ("average", "task_arithmetic", "ties", TIES_LOW, "dare_ties")
+TIES_SPARSE = "ties (k 0.01-0.03, λ 3-14)"
+"""TIES past the corner ``ties_low`` chose (k 0.03, λ 3): round 5's ``ties_sparse`` part, in the TIES family."""
+TIES_HIGH = "ties (λ 1.3-3)"
+DARE_HIGH = "dare_ties (p 0.7-0.9, λ 1.3-3)"
+"""TIES and DARE-TIES above the λ = 1.3 (and p = 0.7) that ends their grids: round 5's ``lam_high`` part."""
+TIES_FAMILY = ("average", "task_arithmetic", "ties", TIES_LOW, TIES_SPARSE, TIES_HIGH, "dare_ties", DARE_HIGH)
 """The classic merges M-TIES is compared with in the M-Loss paper (and in its regime): G6 is also reported against
 these alone."""
 

@@ -165,6 +165,10 @@ R5_GRIDS = {
     "ties_low": {"k": [0.03, 0.05, 0.07], "lam": [0.8, 1.0, 1.3, 1.7, 2.2, 3.0]},
     "tsv_m": {"lam": [0.5, 0.75, 1.0, 1.5, 2.0, 3.0]},
     "iso_c": {"lam": [1.0, 1.5, 2.25, 3.4, 5.0, 7.5]},
+    "ties_sparse": {"k": [0.01, 0.02, 0.03], "lam": [3.0, 4.0, 5.5, 7.5, 10.0, 14.0]},
+    "ties_high": {"k": [0.1, 0.2, 0.4], "lam": [1.3, 1.7, 2.2, 3.0]},
+    "dare_ties_high": {"p": [0.7, 0.8, 0.9], "lam": [1.3, 1.7, 2.2, 3.0]},
+    "iso_cts_high": {"lam": [7.5, 11.0, 15.0, 20.0]},
 }
 """Round 5's grids, fixed before any round-5 lever was measured; each holds its method's default (task arithmetic
 0.3, TIES k 0.2 and λ 1, DARE p 0.7, M-TIES k 0.2, the SVD merges λ 1). The TIES family (TIES, DARE-TIES, M-TIES and
@@ -173,7 +177,10 @@ its controls) searches λ × k (or p): 18 settings each; the one-parameter merge
 grid reaches below it, down to 0.12, the lowest k that keeps e = 0.1 below k (15 settings; a first draft with λ up to
 0.8 only put the controls' choice at λ = 0.8 on seed 0, so λ reaches 1.3 as in the family's grid). ``ties_low`` came
 after TIES chose k = 0.1, its grid's low end, on every seed at 180 steps (full strength): TIES below it, with λ
-reaching higher (a sparser trim keeps less of each task vector), 18 settings as TIES's own grid."""
+reaching higher (a sparser trim keeps less of each task vector), 18 settings as TIES's own grid. The ``_sparse`` and
+``_high`` grids came last, each past an end chosen on every seed: ``ties_sparse`` past ``ties_low``'s corner (k 0.03,
+λ 3; 180 steps, full strength), ``ties_high`` / ``dare_ties_high`` / ``iso_cts_high`` past λ 1.3 (and DARE's p 0.7)
+and Iso-CTS's 7.5 (interpolated experts, wise 0.65). Each repeats the end it extends, as a check."""
 R5_E = (0.1, 0.15)
 """M-TIES's spread: the paper's 0.1 and one wider value (e < k on every k of its grid)."""
 R5_PARTS = ("base", "mties", "data", "learned")
@@ -183,11 +190,14 @@ use the unlabeled data in closed form or by choice (RegMean, RegMean++, ``auto``
 R5_LEARNED = (("adamerging", "entropy"), ("adamerging", "output_gap"), ("adamerging", "disagreement"),
               ("adamerging", "mloss"), ("adarank_tsv+lam", "output_gap"), ("adarank_tsv+lam", "entropy"))
 """The learned rows (method, objective) of the ``learned`` part."""
-R5_EXTRA_PARTS = ("mties_low", "ties_low")
+R5_EXTRA_PARTS = ("mties_low", "ties_low", "ties_sparse", "lam_high")
 """Parts measured only when named: the M-TIES family below its grid's k = 0.2 (``R5_GRIDS["m_ties_low"]``, k down to
 0.12 at e = 0.1, since the spread needs e < k; no e = 0.15 row). It carries the family's labels, so it is measured
 beside "base" in a run of its own, never with "mties". And TIES below its grid's k = 0.1 (``R5_GRIDS["ties_low"]``),
-the row ``benchmarks.suites.gates.TIES_LOW``, which G6 counts in the TIES family."""
+the row ``benchmarks.suites.gates.TIES_LOW``, which G6 counts in the TIES family; ``ties_sparse`` below that
+(``gates.TIES_SPARSE``), and ``lam_high``: TIES, DARE-TIES and Iso-CTS above their grids' λ (``gates.TIES_HIGH``,
+``gates.DARE_HIGH``, :data:`ISO_CTS_HIGH`), rows of their own beside the grids they extend."""
+ISO_CTS_HIGH = "iso_cts (λ 7.5-20)"
 
 
 def round5_specs(part: str, trained: Sequence[int], *, learned: Sequence[tuple[str, str]] = R5_LEARNED,
@@ -196,7 +206,7 @@ def round5_specs(part: str, trained: Sequence[int], *, learned: Sequence[tuple[s
     at e = 0.1 and 0.15, and its controls at e = 0.1 on the same λ × k grid (e = 0: per-tensor TIES at k; random
     ranks, one draw; inverted ranks; the budget-matched uniform trim), scoring the ``trained`` blocks. ``smoke``:
     two values per axis and 2 training steps (the pipeline, not the numbers)."""
-    from benchmarks.suites.gates import TIES_LOW
+    from benchmarks.suites.gates import DARE_HIGH, TIES_HIGH, TIES_LOW, TIES_SPARSE
     from benchmarks.suites.protocol import MethodSpec, check_grids
 
     g = {name: {k: list(v)[:2] if smoke else list(v) for k, v in grid.items()} for name, grid in R5_GRIDS.items()}
@@ -223,9 +233,16 @@ def round5_specs(part: str, trained: Sequence[int], *, learned: Sequence[tuple[s
                  MethodSpec("m_ties (budget-matched uniform)", "m_ties", {**base, "rank": "uniform"}, grid)]
         check_grids(specs)
         return specs
-    if part == "ties_low":
-        specs = [MethodSpec(TIES_LOW, "ties", {"scope": "global", "budget": "changed"}, g["ties_low"])]
+    ties = {"scope": "global", "budget": "changed"}
+    if part in ("ties_low", "ties_sparse"):
+        specs = [MethodSpec(TIES_LOW if part == "ties_low" else TIES_SPARSE, "ties", dict(ties), g[part])]
         check_grids(specs)
+        return specs
+    if part == "lam_high":
+        specs = [MethodSpec(TIES_HIGH, "ties", dict(ties), g["ties_high"]),
+                 MethodSpec(DARE_HIGH, "dare_ties", grid=g["dare_ties_high"]),
+                 MethodSpec(ISO_CTS_HIGH, "iso_cts", grid=g["iso_cts_high"])]
+        check_grids(specs, families=[(TIES_HIGH, DARE_HIGH), (ISO_CTS_HIGH,)])
         return specs
     if part == "data":
         return [MethodSpec("regmean", "regmean"), MethodSpec("regmean_plusplus", "regmean_plusplus"),
