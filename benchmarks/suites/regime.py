@@ -53,9 +53,9 @@ suite's own put TIES's choice at its lower end there."""
 
 
 def regime_config(seeds: int | None = None):
-    """The lever most favourable to the premise gate in the recorded map (``regime_levers_q8_blocks4_svd``): all 8
-    tasks, the fine-tunes at full strength (wise 1.0), the upper 4 blocks trained; ``seeds``: that many replicates
-    (default: the suite's)."""
+    """Round 4's regime lever (``regime_levers_q8_blocks4_svd``): all 8 tasks, the fine-tunes at full strength (wise
+    1.0), the upper 4 blocks trained; ``seeds``: that many replicates (default: the suite's). Not the lever most
+    favourable to the premise gate: round 5's 2-block records (``regime180_*``, ``regime1440_*``) came closer."""
     from benchmarks.suites.real import RealConfig
 
     cfg = dataclasses.replace(RealConfig(), wise=1.0, frozen=8)
