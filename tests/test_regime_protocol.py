@@ -200,6 +200,11 @@ def test_replicate_results_are_cached_by_description_code_and_seed(tmp_path, mon
     assert calls == [0, 1, 0, 0, 2] and fresh.code_version == "other code"
     again = protocol.cached_replicate(["a"], tmp_path, 2, run(2), lambda message: None, version=first)
     assert calls == [0, 1, 0, 0, 2] and again.code_version == "other code"
+    # several versions, tried in order: each replicate comes from the first that measured it
+    monkeypatch.setattr(protocol, "code_version", lambda: "third code")
+    mixed = [protocol.cached_replicate(["a"], tmp_path, seed, run(seed), lambda message: None,
+                                       version=["unknown", first, "other code"]) for seed in (0, 1, 2)]
+    assert calls == [0, 1, 0, 0, 2] and [r.code_version for r in mixed] == [first, first, "other code"]
 
 
 def test_lever_map_mties_rows_are_the_suite_family_on_the_ties_grid():

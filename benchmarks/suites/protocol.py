@@ -279,13 +279,13 @@ def run_method(bench: Bench, replicate: Replicate, spec: MethodSpec, out: Replic
 
 
 def cached_replicate(described: Any, folder: Path, seed: int, run: Callable[..., ReplicateResult],
-                     log: Callable[[str], None], *, version: str | None = None,
+                     log: Callable[[str], None], *, version: str | Sequence[str] | None = None,
                      resumable: bool = False) -> ReplicateResult:
     """One replicate's protocol results (``run()``), cached under ``folder`` by ``described`` (the configuration
     without its seeds, the compared methods, whatever else its numbers depend on), the code version and the seed: a
     run with more replicates, or one stopped half-way, reuses every replicate already measured. ``version``: the
-    :func:`code_version` whose results to reuse instead of this tree's (a record made from them must say so); a
-    replicate it did not measure is measured by this code and cached under this code's version. The result's
+    :func:`code_version` whose results to reuse instead of this tree's (a record made from them must say so), or
+    several, tried in order (the parts of one record measured by different trees); a replicate none measured is measured by this code and cached under this code's version. The result's
     ``code_version`` says which code measured it. ``resumable``: ``run(partial)`` is given the file its result so
     far goes to (:func:`run_replicate`'s ``partial``), beside the finished one, removed once that is written."""
     import json
@@ -298,7 +298,8 @@ def cached_replicate(described: Any, folder: Path, seed: int, run: Callable[...,
         key = json.dumps([described, measured_by], sort_keys=True, default=str)
         return Path(folder) / hashlib.sha1(key.encode()).hexdigest()[:10] / f"seed{seed}.pkl"
 
-    for measured_by in dict.fromkeys([version or current, current]):
+    reuse = [version] if isinstance(version, str) else list(version or ())
+    for measured_by in dict.fromkeys([*reuse, current]):
         path = location(measured_by)
         if path.exists():
             log(f"replicate {seed}: protocol results from the cache ({path.parent.name}, code version {measured_by})")
@@ -306,7 +307,7 @@ def cached_replicate(described: Any, folder: Path, seed: int, run: Callable[...,
             result.code_version = measured_by
             return result
     if version:
-        log(f"replicate {seed}: not measured by code version {version}; measuring it with this code")
+        log(f"replicate {seed}: not measured by code version {', '.join(reuse)}; measuring it with this code")
     path = location(current)
     partial = path.with_name(f"seed{seed}.partial.pkl")
     result = run(partial) if resumable else run()

@@ -93,7 +93,7 @@ def lever_specs(num_tasks: int, wise: float, ties_lams: Sequence[float] = TIES_L
 
 
 def measure(cfg, cache: Path, log, ties_lams: Sequence[float] = TIES_LAMS, *, svd: bool = False,
-            mties: bool = False, version: str | None = None, mties_version: str | None = None,
+            mties: bool = False, version: str | Sequence[str] | None = None, mties_version: str | None = None,
             report: Path | None = None) -> dict:
     """One lever setting (a :class:`~benchmarks.suites.real.RealConfig`): the suite's reference rows, tuned ensemble
     and merges on every seed of ``cfg``; G6 per seed with its t interval (:func:`benchmarks.suites.gates.premise_gate`)
@@ -259,7 +259,7 @@ def round5_specs(part: str, trained: Sequence[int], *, learned: Sequence[tuple[s
     raise ValueError(f"unknown part {part!r}: one of {(*R5_PARTS, *R5_EXTRA_PARTS)}")
 
 
-def measure_round5(cfg, cache: Path, log, parts: Sequence[str], *, version: str | None = None,
+def measure_round5(cfg, cache: Path, log, parts: Sequence[str], *, version: str | Sequence[str] | None = None,
                    report: Path | None = None, learned: Sequence[tuple[str, str]] = R5_LEARNED,
                    smoke: bool = False) -> dict:
     """One lever under round 5's design: each part of ``parts`` measured (or read from the cache) on every seed of
@@ -322,7 +322,7 @@ def auto_regret(results: Sequence, others: Sequence[str]) -> dict:
     return {"mean": float(np.mean([p["regret"] for p in per_seed])), "per_seed": per_seed}
 
 
-def lever_replicates(bench, cache: Path, specs: Sequence, log, *, version: str | None = None,
+def lever_replicates(bench, cache: Path, specs: Sequence, log, *, version: str | Sequence[str] | None = None,
                      references: bool = True) -> list:
     """Every replicate of ``bench`` under the suite's protocol with ``specs`` (reference rows and the tuned
     ensemble too, unless ``references=False``: a methods-only run to join rows measured before), each cached under
@@ -520,7 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", type=Path, default=None,
                         help="write every verdict of the suite protocol per lever under REPORT/<lever>/results.md")
     parser.add_argument("--code-version", default=None,
-                        help="reuse the replicates that code version measured (10 hex digits; default this tree's)")
+                        help="reuse the replicates that code version measured (10 hex digits; default this tree's), or "
+                             "those any of several measured (comma-separated, tried in order)")
     parser.add_argument("--mties-code-version", default=None,
                         help="reuse the M-TIES family's rows that code version measured (default this tree's)")
     parser.add_argument("--design", default="r4", choices=("r4", "r5"),
@@ -540,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = argv if argv is not None else sys.argv[1:]
     command = "python -m benchmarks.suites.regime " + " ".join(record_args(argv, ("--cache", "--table", "--report")))
     seeds = tuple(int(s) for s in args.seeds.split(","))
+    versions = args.code_version.split(",") if args.code_version else None
     task_sets = {"quick": QUICK_TASKS, "all": RealConfig().tasks}
     log = Log(True, "regime")
     start, load = time.perf_counter(), os.getloadavg()
@@ -554,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
             lever = f"q{len(cfg.tasks)}_wise{wise:g}_blocks{cfg.num_layers - frozen}_steps{steps}"
             if args.design == "r5":
                 rows.append(measure_round5(cfg, args.cache or default_cache(), log, parts,
-                                           version=args.code_version, report=args.report / lever if args.report
+                                           version=versions, report=args.report / lever if args.report
                                            else None, learned=[tuple(item.split(":")) for item in
                                                                args.learned.split(",")]))
                 r = rows[-1]
@@ -563,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             rows.append(measure(cfg, args.cache or default_cache(), log,
                                 tuple(float(v) for v in args.ties_lams.split(",")), svd=args.svd, mties=args.mties,
-                                version=args.code_version, mties_version=args.mties_code_version, report=args.report / lever if args.report else None))
+                                version=versions, mties_version=args.mties_code_version, report=args.report / lever if args.report else None))
             r = rows[-1]
             log(f"q {r['q']}, wise {wise:g}, {12 - frozen} trained blocks, {steps} steps: G6 at scale 20 "
                 f"{r['g6_heads_scale']:+.2f}, tuned {r['g6_tuned']:+.2f} (best merge {r['best_merge']})")
