@@ -285,9 +285,10 @@ def cached_replicate(described: Any, folder: Path, seed: int, run: Callable[...,
     without its seeds, the compared methods, whatever else its numbers depend on), the code version and the seed: a
     run with more replicates, or one stopped half-way, reuses every replicate already measured. ``version``: the
     :func:`code_version` whose results to reuse instead of this tree's (a record made from them must say so), or
-    several, tried in order (the parts of one record measured by different trees); a replicate none measured is measured by this code and cached under this code's version. The result's
-    ``code_version`` says which code measured it. ``resumable``: ``run(partial)`` is given the file its result so
-    far goes to (:func:`run_replicate`'s ``partial``), beside the finished one, removed once that is written."""
+    several, tried in order (the parts of one record measured by different trees); a replicate none measured is
+    measured by this code and cached under this code's version. The result's ``code_version`` says which code
+    measured it. ``resumable``: ``run(partial)`` is given the file its result so far goes to
+    (:func:`run_replicate`'s ``partial``), beside the finished one, removed once that is written."""
     import json
     import os
     import pickle
