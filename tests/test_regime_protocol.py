@@ -443,9 +443,9 @@ def test_round5_ties_low_part_reaches_below_ties_grid_and_counts_in_its_family()
 
 
 def test_round5_grid_extensions_start_at_the_end_they_extend_and_count_in_their_families():
-    """``ties_sparse`` goes past the corner ``ties_low`` chose (lower k, higher λ); ``lam_high`` past the λ (and DARE's
-    p) that end TIES's, DARE-TIES's and Iso-CTS's grids. Each repeats that end, is its own row, and the TIES-family
-    rows count in G6's TIES family; every setting is valid for its method."""
+    """``ties_sparse`` goes past the corner ``ties_low`` chose (lower k, higher λ); ``lam_high`` past the λ (and
+    DARE's p) that end TIES's, DARE-TIES's and Iso-CTS's grids. Each repeats that end, is its own row, and the
+    TIES-family rows count in G6's TIES family; every setting is valid for its method."""
     from benchmarks.suites.gates import DARE_HIGH, TIES_FAMILY, TIES_HIGH, TIES_SPARSE
     from benchmarks.suites.regime import ISO_CTS_HIGH, R5_GRIDS, round5_specs
     from hf_mloss.methods import get_method

@@ -565,7 +565,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             rows.append(measure(cfg, args.cache or default_cache(), log,
                                 tuple(float(v) for v in args.ties_lams.split(",")), svd=args.svd, mties=args.mties,
-                                version=versions, mties_version=args.mties_code_version, report=args.report / lever if args.report else None))
+                                version=versions, mties_version=args.mties_code_version,
+                                report=args.report / lever if args.report else None))
             r = rows[-1]
             log(f"q {r['q']}, wise {wise:g}, {12 - frozen} trained blocks, {steps} steps: G6 at scale 20 "
                 f"{r['g6_heads_scale']:+.2f}, tuned {r['g6_tuned']:+.2f} (best merge {r['best_merge']})")
