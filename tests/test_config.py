@@ -459,7 +459,8 @@ def valid_configs(draw) -> dict:
                                                      "layers": PARAMETER_VALUES["layers"]}),
     }
     config.update(draw(st.fixed_dictionaries({}, optional=optional)))
-    if get_method(method).needs_data or draw(st.booleans()):
+    # auto's own parameters (candidates, budget) steer a comparison on data: without data they are refused
+    if get_method(method).needs_data or (method == "auto" and parameters) or draw(st.booleans()):
         config["data"] = draw(st.one_of(HUB_ID, st.fixed_dictionaries(
             {"id": HUB_ID},
             optional={"split": st.sampled_from(["train", "test"]), "num_samples": st.integers(1, 512),
