@@ -211,10 +211,11 @@ def round5_specs(part: str, trained: Sequence[int], *, learned: Sequence[tuple[s
 
     g = {name: {k: list(v)[:2] if smoke else list(v) for k, v in grid.items()} for name, grid in R5_GRIDS.items()}
     steps = 2 if smoke else steps
+    ties = {"scope": "global", "budget": "changed"}  # every TIES row: global trim, keep-rate of the changed entries
     if part == "base":
         specs = [MethodSpec("average", "average"),
                  MethodSpec("task_arithmetic", "task_arithmetic", grid=g["task_arithmetic"]),
-                 MethodSpec("ties", "ties", {"scope": "global", "budget": "changed"}, g["ties"]),
+                 MethodSpec("ties", "ties", dict(ties), g["ties"]),
                  MethodSpec("dare_ties", "dare_ties", grid=g["dare_ties"]),
                  MethodSpec("tsv_m", "tsv_m", grid=g["tsv_m"]),
                  MethodSpec("iso_c", "iso_c", grid=g["iso_c"]),
@@ -233,7 +234,6 @@ def round5_specs(part: str, trained: Sequence[int], *, learned: Sequence[tuple[s
                  MethodSpec("m_ties (budget-matched uniform)", "m_ties", {**base, "rank": "uniform"}, grid)]
         check_grids(specs)
         return specs
-    ties = {"scope": "global", "budget": "changed"}
     if part in ("ties_low", "ties_sparse"):
         specs = [MethodSpec(TIES_LOW if part == "ties_low" else TIES_SPARSE, "ties", dict(ties), g[part])]
         check_grids(specs)
