@@ -468,3 +468,56 @@ def test_round5_grid_extensions_start_at_the_end_they_extend_and_count_in_their_
     for spec in (sparse, *high.values()):
         for setting in spec.settings():
             get_method(spec.method).make_params(**spec.params, **setting)
+
+
+def test_round5_learned_groups_join_one_record_each_cached_as_its_own_run(monkeypatch):
+    """Learned rows measured by separate runs (AdaRank's two, then AdaMerging's four) join one record: each
+    ``--learned`` flag is a group, measured and cached as its own methods-only run with exactly the specs its run
+    had; a row in two groups is refused before the suite is built."""
+    import benchmarks.suites.real as real
+    import benchmarks.suites.regime as regime
+    from benchmarks.suites.__main__ import real_config
+
+    seen = {}
+
+    def measure_round5(cfg, cache, log, parts, **kwargs):
+        seen.update(parts=parts, learned=kwargs["learned"])
+        raise SystemExit(0)
+
+    monkeypatch.setattr(regime, "measure_round5", measure_round5)
+    with pytest.raises(SystemExit):
+        regime.main(["--design", "r5", "--parts", "base,learned", "--learned", "adarank_tsv+lam:output_gap",
+                     "--learned", "adamerging:entropy,adamerging:mloss"])
+    assert seen["learned"] == [[("adarank_tsv+lam", "output_gap")], [("adamerging", "entropy"), ("adamerging", "mloss")]]
+    with pytest.raises(SystemExit):
+        regime.main(["--design", "r5", "--parts", "base,learned"])
+    assert seen["learned"] == [regime.R5_LEARNED]
+    monkeypatch.undo()
+
+    calls = []
+
+    class Measured(Exception):
+        """The last run asked for: stop before the record is built from the fake's empty results."""
+
+    def lever_replicates(bench, cache, specs, log, **kwargs):
+        calls.append(specs)
+        if len(calls) == 4:
+            raise Measured
+        return []
+
+    monkeypatch.setattr(regime, "lever_replicates", lever_replicates)
+    monkeypatch.setattr(real, "build_real_suite", lambda *a: calls.append("built"))
+    cfg = real_config("real-smoke", None)
+    with pytest.raises(ValueError, match="measured twice"):
+        regime.measure_round5(cfg, "unused", print, ["base", "learned"],
+                              learned=[[("adamerging", "entropy")], [("adamerging", "entropy")]])
+    assert calls == []
+    groups = [[("adarank_tsv+lam", "output_gap")], [("adamerging", "entropy"), ("adamerging", "mloss")]]
+    with pytest.raises(Measured):
+        regime.measure_round5(cfg, "unused", print, ["base", "learned"], learned=groups)
+    trained = list(range(cfg.frozen, cfg.num_layers))
+    assert calls[0] == "built" and len(calls) == 4
+    assert [[s.label for s in run] for run in calls[1:]] == [
+        [s.label for s in regime.round5_specs("base", trained)],
+        ["adarank_tsv+lam (output_gap)"], ["adamerging (entropy)", "adamerging (mloss)"]]
+    assert calls[3] == regime.round5_specs("learned", trained, learned=groups[1])  # the cache key of that run

@@ -260,33 +260,37 @@ def round5_specs(part: str, trained: Sequence[int], *, learned: Sequence[tuple[s
 
 
 def measure_round5(cfg, cache: Path, log, parts: Sequence[str], *, version: str | Sequence[str] | None = None,
-                   report: Path | None = None, learned: Sequence[tuple[str, str]] = R5_LEARNED,
+                   report: Path | None = None, learned: Sequence[Sequence[tuple[str, str]]] = (R5_LEARNED,),
                    smoke: bool = False) -> dict:
     """One lever under round 5's design: each part of ``parts`` measured (or read from the cache) on every seed of
     ``cfg``, the first part with the reference rows ("base" must be among them), the others as methods-only runs
     joined beside it; then :func:`measure`'s row (G6 against every merge and against the TIES family) and, with
-    ``report``, every verdict of the suite protocol."""
+    ``report``, every verdict of the suite protocol. ``learned``: the learned part's rows in groups, each group a
+    methods-only run cached on its own, so groups measured by separate runs join one record."""
     from benchmarks.suites.gates import TIES_FAMILY, premise_gate, val_mean, val_means
     from benchmarks.suites.protocol import TUNED_ENSEMBLE
     from benchmarks.suites.real import build_real_suite
 
     if parts[0] != "base":
         raise ValueError(f"the first part carries the reference rows: 'base', got {parts[0]!r}")
-    bench = build_real_suite(cfg, cache, log)
     trained = list(range(cfg.frozen, cfg.num_layers))
-    specs = {part: round5_specs(part, trained, learned=learned, smoke=smoke) for part in parts}
-    results = lever_replicates(bench, Path(cache), specs["base"], log, version=version)
+    runs = [(part, round5_specs(part, trained, learned=group, smoke=smoke))
+            for part in parts for group in (learned if part == "learned" else [()])]
+    specs = [s for _, run in runs for s in run]
+    if repeated := sorted({s.label for s in specs if [t.label for t in specs].count(s.label) > 1}):
+        raise ValueError(f"rows measured twice: {repeated}; each learned row belongs to one group")
+    bench = build_real_suite(cfg, cache, log)
+    results = lever_replicates(bench, Path(cache), runs[0][1], log, version=version)
     versions = {"base": sorted({r.code_version for r in results})}
-    for part in parts[1:]:
-        measured = lever_replicates(bench, Path(cache), specs[part], log, version=version, references=False)
+    for part, run in runs[1:]:
+        measured = lever_replicates(bench, Path(cache), run, log, version=version, references=False)
         for result, extra in zip(results, measured):
             result.add_methods(extra)
-        versions[part] = sorted({r.code_version for r in measured})
-    merges = [s.label for part in parts for s in specs[part]]
+        versions[part] = sorted({*versions.get(part, ()), *(r.code_version for r in measured)})
+    merges = [s.label for s in specs]
     if report is not None:
         header_versions = {"code_version": ", ".join(dict.fromkeys(v for vs in versions.values() for v in vs))}
-        verdicts(bench, [s for part in parts for s in specs[part]], results, report, header_versions, log,
-                 design="r5")
+        verdicts(bench, specs, results, report, header_versions, log, design="r5")
     family = [m for m in TIES_FAMILY if m in merges]
     row: dict = {"tasks": list(cfg.tasks), "q": len(cfg.tasks), "wise": cfg.wise, "design": "r5",
                  "trained_blocks": cfg.num_layers - cfg.frozen, "steps": cfg.ft_steps, "parts": list(parts),
@@ -303,7 +307,7 @@ def measure_round5(cfg, cache: Path, log, parts: Sequence[str], *, version: str 
         (r.reference[label] if label in r.reference else r.methods[label])["test"].values())) for r in results]))
         for label in ("fine-tuned (own task)", "ensemble (probabilities)", TUNED_ENSEMBLE, *merges)}
     if "auto" in merges:
-        learned_labels = {s.label for s in specs.get("learned", [])}
+        learned_labels = {s.label for part, run in runs if part == "learned" for s in run}
         row["auto_regret"] = auto_regret(results, [m for m in merges if m != "auto" and m not in learned_labels])
     return row
 
@@ -529,8 +533,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", default=",".join(R5_PARTS),
                         help=f"r5: the parts to measure, base first (default: {','.join(R5_PARTS)}; also "
                              f"{','.join(R5_EXTRA_PARTS)})")
-    parser.add_argument("--learned", default=",".join(f"{m}:{o}" for m, o in R5_LEARNED),
-                        help="r5: the learned part's rows, METHOD:OBJECTIVE comma-separated")
+    parser.add_argument("--learned", action="append", default=None,
+                        help="r5: the learned part's rows, METHOD:OBJECTIVE comma-separated (default: "
+                             f"{','.join(f'{m}:{o}' for m, o in R5_LEARNED)}); repeat the flag to join groups "
+                             "measured by separate runs, each cached as its own run")
     args = parser.parse_args(argv)
     parts = args.parts.split(",")
     if unknown := [p for p in parts if p not in (*R5_PARTS, *R5_EXTRA_PARTS)]:
@@ -542,6 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m benchmarks.suites.regime " + " ".join(record_args(argv, ("--cache", "--table", "--report")))
     seeds = tuple(int(s) for s in args.seeds.split(","))
     versions = args.code_version.split(",") if args.code_version else None
+    learned = [[tuple(item.split(":")) for item in group.split(",")] for group in args.learned] if args.learned \
+        else [R5_LEARNED]
     task_sets = {"quick": QUICK_TASKS, "all": RealConfig().tasks}
     log = Log(True, "regime")
     start, load = time.perf_counter(), os.getloadavg()
@@ -557,8 +565,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.design == "r5":
                 rows.append(measure_round5(cfg, args.cache or default_cache(), log, parts,
                                            version=versions, report=args.report / lever if args.report
-                                           else None, learned=[tuple(item.split(":")) for item in
-                                                               args.learned.split(",")]))
+                                           else None, learned=learned))
                 r = rows[-1]
                 log(f"{lever}: G6 {r['g6_gate']['value']}; TIES family: {r['g6_gate_ties_family']['value']}")
                 text = write_r5(rows, args.table, command, seeds, load, args.threads, time.perf_counter() - start)
