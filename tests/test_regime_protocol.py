@@ -465,6 +465,7 @@ def test_round5_grid_extensions_start_at_the_end_they_extend_and_count_in_their_
     assert min(high[DARE_HIGH].grid["p"]) == max(base["dare_ties"].grid["p"]) < max(high[DARE_HIGH].grid["p"])
     assert high[TIES_HIGH].grid["k"] == base["ties"].grid["k"]
     assert {TIES_SPARSE, TIES_HIGH, DARE_HIGH, DARE_SPARSE} <= set(TIES_FAMILY) and ISO_CTS_HIGH not in TIES_FAMILY
+    assert round5_specs("ties_high", [10, 11]) == [high[TIES_HIGH]]  # lam_high's TIES row alone
     (dare,) = round5_specs("dare_sparse", [10, 11])  # DARE-TIES past its p = 0.7 on its own λ grid
     assert (dare.label, dare.method, dare.params) == (DARE_SPARSE, "dare_ties", base["dare_ties"].params)
     assert dare.grid["lam"] == base["dare_ties"].grid["lam"] and len(dare.settings()) == len(base["dare_ties"].settings())

@@ -192,14 +192,15 @@ use the unlabeled data in closed form or by choice (RegMean, RegMean++, ``auto``
 R5_LEARNED = (("adamerging", "entropy"), ("adamerging", "output_gap"), ("adamerging", "disagreement"),
               ("adamerging", "mloss"), ("adarank_tsv+lam", "output_gap"), ("adarank_tsv+lam", "entropy"))
 """The learned rows (method, objective) of the ``learned`` part."""
-R5_EXTRA_PARTS = ("mties_low", "ties_low", "ties_sparse", "lam_high", "dare_sparse")
+R5_EXTRA_PARTS = ("mties_low", "ties_low", "ties_sparse", "lam_high", "ties_high", "dare_sparse")
 """Parts measured only when named: the M-TIES family below its grid's k = 0.2 (``R5_GRIDS["m_ties_low"]``, k down to
 0.12 at e = 0.1, since the spread needs e < k; no e = 0.15 row). It carries the family's labels, so it is measured
 beside "base" in a run of its own, never with "mties". And TIES below its grid's k = 0.1 (``R5_GRIDS["ties_low"]``),
 the row ``benchmarks.suites.gates.TIES_LOW``, which G6 counts in the TIES family; ``ties_sparse`` below that
 (``gates.TIES_SPARSE``), and ``lam_high``: TIES, DARE-TIES and Iso-CTS above their grids' λ (``gates.TIES_HIGH``,
 ``gates.DARE_HIGH``, :data:`ISO_CTS_HIGH`), rows of their own beside the grids they extend; ``dare_sparse``:
-DARE-TIES above its grid's p (``gates.DARE_SPARSE``), in the TIES family too."""
+DARE-TIES above its grid's p (``gates.DARE_SPARSE``), in the TIES family too; ``ties_high``: ``lam_high``'s TIES row
+alone, where only TIES chose its grid's top λ."""
 ISO_CTS_HIGH = "iso_cts (λ 7.5-20)"
 
 
@@ -247,6 +248,8 @@ def round5_specs(part: str, trained: Sequence[int], *, learned: Sequence[tuple[s
                  MethodSpec(ISO_CTS_HIGH, "iso_cts", grid=g["iso_cts_high"])]
         check_grids(specs, families=[(TIES_HIGH, DARE_HIGH), (ISO_CTS_HIGH,)])
         return specs
+    if part == "ties_high":
+        return [MethodSpec(TIES_HIGH, "ties", dict(ties), g["ties_high"])]
     if part == "dare_sparse":
         specs = [MethodSpec(DARE_SPARSE, "dare_ties", grid=g["dare_sparse"])]
         check_grids(specs)
