@@ -446,7 +446,7 @@ def test_round5_grid_extensions_start_at_the_end_they_extend_and_count_in_their_
     """``ties_sparse`` goes past the corner ``ties_low`` chose (lower k, higher λ); ``lam_high`` past the λ (and
     DARE's p) that end TIES's, DARE-TIES's and Iso-CTS's grids. Each repeats that end, is its own row, and the
     TIES-family rows count in G6's TIES family; every setting is valid for its method."""
-    from benchmarks.suites.gates import DARE_HIGH, DARE_SPARSE, TIES_FAMILY, TIES_HIGH, TIES_SPARSE
+    from benchmarks.suites.gates import DARE_HIGH, DARE_SPARSE, TIES_FAMILY, TIES_HIGH, TIES_LOW_WIDE, TIES_SPARSE
     from benchmarks.suites.regime import ISO_CTS_HIGH, R5_GRIDS, round5_specs
     from hf_mloss.methods import get_method
 
@@ -466,11 +466,14 @@ def test_round5_grid_extensions_start_at_the_end_they_extend_and_count_in_their_
     assert high[TIES_HIGH].grid["k"] == base["ties"].grid["k"]
     assert {TIES_SPARSE, TIES_HIGH, DARE_HIGH, DARE_SPARSE} <= set(TIES_FAMILY) and ISO_CTS_HIGH not in TIES_FAMILY
     assert round5_specs("ties_high", [10, 11]) == [high[TIES_HIGH]]  # lam_high's TIES row alone
+    (wide,) = round5_specs("ties_low_wide", [10, 11])  # ties_low's k past its λ = 3
+    assert (wide.label, wide.params, wide.grid["k"]) == (TIES_LOW_WIDE, base["ties"].params, low["k"])
+    assert min(wide.grid["lam"]) == max(low["lam"]) < max(wide.grid["lam"]) and TIES_LOW_WIDE in TIES_FAMILY
     (dare,) = round5_specs("dare_sparse", [10, 11])  # DARE-TIES past its p = 0.7 on its own λ grid
     assert (dare.label, dare.method, dare.params) == (DARE_SPARSE, "dare_ties", base["dare_ties"].params)
     assert dare.grid["lam"] == base["dare_ties"].grid["lam"] and len(dare.settings()) == len(base["dare_ties"].settings())
     assert min(dare.grid["p"]) == max(base["dare_ties"].grid["p"]) < max(dare.grid["p"]) < 1
-    for spec in (sparse, *high.values(), dare):
+    for spec in (sparse, *high.values(), dare, wide):
         for setting in spec.settings():
             get_method(spec.method).make_params(**spec.params, **setting)
 

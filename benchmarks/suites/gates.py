@@ -112,10 +112,12 @@ TIES_SPARSE = "ties (k 0.01-0.03, λ 3-14)"
 TIES_HIGH = "ties (λ 1.3-3)"
 DARE_HIGH = "dare_ties (p 0.7-0.9, λ 1.3-3)"
 """TIES and DARE-TIES above the λ = 1.3 (and p = 0.7) that ends their grids: round 5's ``lam_high`` part."""
+TIES_LOW_WIDE = "ties (k 0.03-0.07, λ 3-7.5)"
+"""TIES on ``ties_low``'s k past its λ = 3 (round 5's ``ties_low_wide`` part), in the TIES family."""
 DARE_SPARSE = "dare_ties (p 0.7-0.9)"
 """DARE-TIES past the p = 0.7 that ends its grid, on its own λ grid: round 5's ``dare_sparse`` part."""
-TIES_FAMILY = ("average", "task_arithmetic", "ties", TIES_LOW, TIES_SPARSE, TIES_HIGH, "dare_ties", DARE_HIGH,
-               DARE_SPARSE)
+TIES_FAMILY = ("average", "task_arithmetic", "ties", TIES_LOW, TIES_SPARSE, TIES_LOW_WIDE, TIES_HIGH, "dare_ties",
+               DARE_HIGH, DARE_SPARSE)
 """The classic merges M-TIES is compared with in the M-Loss paper (and in its regime): G6 is also reported against
 these alone."""
 

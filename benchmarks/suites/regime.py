@@ -170,6 +170,7 @@ R5_GRIDS = {
     "dare_ties_high": {"p": [0.7, 0.8, 0.9], "lam": [1.3, 1.7, 2.2, 3.0]},
     "iso_cts_high": {"lam": [7.5, 11.0, 15.0, 20.0]},
     "dare_sparse": {"p": [0.7, 0.8, 0.9], "lam": list(R5_LAMS)},
+    "ties_low_wide": {"k": [0.03, 0.05, 0.07], "lam": [3.0, 4.0, 5.5, 7.5]},
 }
 """Round 5's grids, fixed before any round-5 lever was measured; each holds its method's default (task arithmetic
 0.3, TIES k 0.2 and λ 1, DARE p 0.7, M-TIES k 0.2, the SVD merges λ 1). The TIES family (TIES, DARE-TIES, M-TIES and
@@ -182,7 +183,8 @@ reaching higher (a sparser trim keeps less of each task vector), 18 settings as 
 ``_high`` grids came last, each past an end chosen on every seed: ``ties_sparse`` past ``ties_low``'s corner (k 0.03,
 λ 3; 180 steps, full strength), ``ties_high`` / ``dare_ties_high`` / ``iso_cts_high`` past λ 1.3 (and DARE's p 0.7)
 and Iso-CTS's 7.5 (interpolated experts, wise 0.65). ``dare_sparse``: DARE-TIES past its p = 0.7 on its own λ grid
-(it chose p 0.7 with an inner λ on every seed at 1440 steps). Each repeats the end it extends, as a check."""
+(it chose p 0.7 with an inner λ on every seed at 1440 steps); ``ties_low_wide``: ``ties_low``'s k past its λ = 3 (it
+chose k 0.05 at λ 3 with interpolated experts). Each repeats the end it extends, as a check."""
 R5_E = (0.1, 0.15)
 """M-TIES's spread: the paper's 0.1 and one wider value (e < k on every k of its grid)."""
 R5_PARTS = ("base", "mties", "data", "learned")
@@ -192,7 +194,7 @@ use the unlabeled data in closed form or by choice (RegMean, RegMean++, ``auto``
 R5_LEARNED = (("adamerging", "entropy"), ("adamerging", "output_gap"), ("adamerging", "disagreement"),
               ("adamerging", "mloss"), ("adarank_tsv+lam", "output_gap"), ("adarank_tsv+lam", "entropy"))
 """The learned rows (method, objective) of the ``learned`` part."""
-R5_EXTRA_PARTS = ("mties_low", "ties_low", "ties_sparse", "lam_high", "ties_high", "dare_sparse")
+R5_EXTRA_PARTS = ("mties_low", "ties_low", "ties_sparse", "ties_low_wide", "lam_high", "ties_high", "dare_sparse")
 """Parts measured only when named: the M-TIES family below its grid's k = 0.2 (``R5_GRIDS["m_ties_low"]``, k down to
 0.12 at e = 0.1, since the spread needs e < k; no e = 0.15 row). It carries the family's labels, so it is measured
 beside "base" in a run of its own, never with "mties". And TIES below its grid's k = 0.1 (``R5_GRIDS["ties_low"]``),
@@ -210,7 +212,7 @@ def round5_specs(part: str, trained: Sequence[int], *, learned: Sequence[tuple[s
     at e = 0.1 and 0.15, and its controls at e = 0.1 on the same λ × k grid (e = 0: per-tensor TIES at k; random
     ranks, one draw; inverted ranks; the budget-matched uniform trim), scoring the ``trained`` blocks. ``smoke``:
     two values per axis and 2 training steps (the pipeline, not the numbers)."""
-    from benchmarks.suites.gates import DARE_HIGH, DARE_SPARSE, TIES_HIGH, TIES_LOW, TIES_SPARSE
+    from benchmarks.suites.gates import DARE_HIGH, DARE_SPARSE, TIES_HIGH, TIES_LOW, TIES_LOW_WIDE, TIES_SPARSE
     from benchmarks.suites.protocol import MethodSpec, check_grids
 
     g = {name: {k: list(v)[:2] if smoke else list(v) for k, v in grid.items()} for name, grid in R5_GRIDS.items()}
@@ -238,8 +240,9 @@ def round5_specs(part: str, trained: Sequence[int], *, learned: Sequence[tuple[s
                  MethodSpec("m_ties (budget-matched uniform)", "m_ties", {**base, "rank": "uniform"}, grid)]
         check_grids(specs)
         return specs
-    if part in ("ties_low", "ties_sparse"):
-        specs = [MethodSpec(TIES_LOW if part == "ties_low" else TIES_SPARSE, "ties", dict(ties), g[part])]
+    if part in ("ties_low", "ties_sparse", "ties_low_wide"):
+        label = {"ties_low": TIES_LOW, "ties_sparse": TIES_SPARSE, "ties_low_wide": TIES_LOW_WIDE}[part]
+        specs = [MethodSpec(label, "ties", dict(ties), g[part])]
         check_grids(specs)
         return specs
     if part == "lam_high":
