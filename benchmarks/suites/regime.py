@@ -29,6 +29,7 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -240,22 +241,16 @@ def round5_specs(part: str, trained: Sequence[int], *, learned: Sequence[tuple[s
                  MethodSpec("m_ties (budget-matched uniform)", "m_ties", {**base, "rank": "uniform"}, grid)]
         check_grids(specs)
         return specs
-    if part in ("ties_low", "ties_sparse", "ties_low_wide"):
-        label = {"ties_low": TIES_LOW, "ties_sparse": TIES_SPARSE, "ties_low_wide": TIES_LOW_WIDE}[part]
-        specs = [MethodSpec(label, "ties", dict(ties), g[part])]
-        check_grids(specs)
-        return specs
+    one_row = {"ties_low": TIES_LOW, "ties_sparse": TIES_SPARSE, "ties_low_wide": TIES_LOW_WIDE,
+               "ties_high": TIES_HIGH, "dare_sparse": DARE_SPARSE}  # a grid extension: one row on R5_GRIDS[part]
+    if part in one_row:
+        method = "dare_ties" if part == "dare_sparse" else "ties"
+        return [MethodSpec(one_row[part], method, dict(ties) if method == "ties" else {}, g[part])]
     if part == "lam_high":
         specs = [MethodSpec(TIES_HIGH, "ties", dict(ties), g["ties_high"]),
                  MethodSpec(DARE_HIGH, "dare_ties", grid=g["dare_ties_high"]),
                  MethodSpec(ISO_CTS_HIGH, "iso_cts", grid=g["iso_cts_high"])]
         check_grids(specs, families=[(TIES_HIGH, DARE_HIGH), (ISO_CTS_HIGH,)])
-        return specs
-    if part == "ties_high":
-        return [MethodSpec(TIES_HIGH, "ties", dict(ties), g["ties_high"])]
-    if part == "dare_sparse":
-        specs = [MethodSpec(DARE_SPARSE, "dare_ties", grid=g["dare_sparse"])]
-        check_grids(specs)
         return specs
     if part == "data":
         return [MethodSpec("regmean", "regmean"), MethodSpec("regmean_plusplus", "regmean_plusplus"),
@@ -290,7 +285,7 @@ def measure_round5(cfg, cache: Path, log, parts: Sequence[str], *, version: str 
     runs = [(part, round5_specs(part, trained, learned=group, smoke=smoke))
             for part in parts for group in (learned if part == "learned" else [()])]
     specs = [s for _, run in runs for s in run]
-    if repeated := sorted({s.label for s in specs if [t.label for t in specs].count(s.label) > 1}):
+    if repeated := sorted(label for label, n in Counter(s.label for s in specs).items() if n > 1):
         raise ValueError(f"rows measured twice: {repeated}; each learned row belongs to one group")
     bench = build_real_suite(cfg, cache, log)
     results = lever_replicates(bench, Path(cache), runs[0][1], log, version=version)
