@@ -20,6 +20,9 @@ from typing import Any
 from .errors import InvalidParameterError, redact
 
 _MISSING = dataclasses.MISSING
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest float32: merges compute in float32, so a number parameter beyond it cannot reach the tensors (torch
+refuses to turn it into a float32 scalar, or it becomes inf)."""
 
 
 def param(default: Any = _MISSING, help: str = "", *, choices: Iterable[Any] | None = None,
@@ -136,6 +139,12 @@ def _type_name(kind: Any) -> str:
 
 
 def _check_range(name: str, value: Any, meta: Mapping[str, Any]) -> None:
+    _check_bounds(name, value, meta)
+    for v in value if isinstance(value, (tuple, list)) else (value,):
+        check_float32(name, v, _hint(meta))
+
+
+def _check_bounds(name: str, value: Any, meta: Mapping[str, Any]) -> None:
     choices = meta.get("choices")
     if choices is not None:
         values = value if isinstance(value, (tuple, list)) else (value,)
@@ -154,6 +163,21 @@ def _check_range(name: str, value: Any, meta: Mapping[str, Any]) -> None:
         if too_low or too_high:
             kind = "an integer" if isinstance(v, int) else "a number"
             raise InvalidParameterError(f"{name} must be {kind} {_interval(meta)}, got {short(v)}.{_hint(meta)}")
+
+
+def is_finite(value: float) -> bool:
+    """Whether a number is finite as a float (an integer of hundreds of digits is not: it overflows one)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def check_float32(name: str, value: Any, hint: str = "") -> None:
+    """Refuse a float ``value`` beyond float32's range (see :data:`FLOAT32_MAX`), naming ``name``."""
+    if isinstance(value, float) and math.isfinite(value) and abs(value) > FLOAT32_MAX:
+        raise InvalidParameterError(f"{name} is {value:g}, beyond the range of float32, in which merges compute "
+                                    f"(at most {FLOAT32_MAX:.4g} in size).{hint}")
 
 
 def _interval(meta: Mapping[str, Any]) -> str:

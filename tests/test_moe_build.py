@@ -94,6 +94,12 @@ REFUSED = {
                      "positive_prompts[0] must be a non-empty string"),
     "noise": ({"experts": [_expert("/m/a", positive_prompts=["x"], noise_scale=float("nan")), _expert("/m/b")]},
               "noise_scale must be a finite number"),
+    "noise beyond float32": ({"experts": [_expert("/m/a", positive_prompts=["x"]),
+                                          _expert("/m/b", positive_prompts=["y"], noise_scale=1e300)]},
+                             "experts[1].noise_scale is 1e+300, beyond the range of float32"),
+    "residual of hundreds of digits": ({"experts": [_expert("/m/a", positive_prompts=["x"], residual_scale=10**400),
+                                                    _expert("/m/b", positive_prompts=["y"])]},
+                                       "experts[0].residual_scale must be a finite number"),
     "no base": ({"base_model": None}, "base_model"),
     "a merge config": ({"merge_method": "ties"}, "hf-mloss merge"),
     "dtype float64": ({"dtype": "float64"}, "transformers' MoE layers do not run in float64"),
@@ -113,6 +119,20 @@ REFUSED = {
                             "experts[0].positive_prompts[0] holds a value shaped like an access token (it is not "
                             "shown)"),
 }
+
+
+@pytest.mark.parametrize("key", ["gate_mode", "experts_per_token"])
+def test_a_null_gate_mode_or_experts_per_token_is_refused_naming_the_key(tmp_path, capsys, key):
+    """mergekit-moe refuses both; a null read as the default (hidden, 2) would build another MoE than written."""
+    recipe = tmp_path / "moe.yaml"
+    recipe.write_text(yaml.safe_dump({"base_model": "/m/base", key: None,
+                                      "experts": [_expert("/m/a", positive_prompts=["x"]),
+                                                  _expert("/m/b", positive_prompts=["y"])]}))
+    assert main(["moe", str(recipe), str(tmp_path / "out"), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hf-mloss: error:") and len(err.strip().splitlines()) == 1, err
+    assert f"{key} is null; give it a value or leave the key out" in err
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
@@ -252,11 +272,14 @@ def test_non_finite_weights_and_overflowing_scales_are_refused_and_nothing_is_wr
     inf_base = _corrupt_copy(base, models_dir / "inf-base", "model.layers.0.self_attn.q_proj.weight", float("inf"))
     _refused(_config(inf_base, models[:2]), tmp_path, CorruptCheckpointError,
              r"'model.layers.0.self_attn.q_proj.weight' of base_model \(inf-base\) holds 1 non-finite value")
-    for key, projection in (("noise_scale", "gate_proj"), ("residual_scale", "down_proj")):
-        config = _config(base, models[:2])
-        config["experts"][1][key] = 1e300
+    big = _corrupt_copy(models[1], models_dir / "big-expert", "model.layers.0.mlp.down_proj.weight", 1e30)
+    for key, projection, expert, value in (("noise_scale", "gate_proj", models[1], 3e38),
+                                           ("residual_scale", "down_proj", big, 1e10)):
+        config = _config(base, [models[0], expert])
+        config["experts"][1][key] = value
         _refused(config, tmp_path, ConfigError,
-                 rf"experts\[1\].{key} 1e\+300 makes 'model.layers.0.mlp.{projection}.weight' overflow")
+                 rf"experts\[1\].{key} {value:g} makes 'model.layers.0.mlp.{projection}.weight' overflow".replace(
+                     "+", r"\+"))
 
 
 def test_prompt_token_ids_beyond_the_embedding_are_refused_before_the_prompt_pass(llama, tmp_path):
@@ -466,6 +489,23 @@ def test_the_recipe_rebuilds_the_same_weights(built, tmp_path):
     again = build_moe(result.path / "hf_mloss_moe.yaml", tmp_path / "again", progress=False, mloss=False)
     first, second = (load_file(str(p / "model.safetensors")) for p in (result.path, again.path))
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_a_merge_run_given_the_moe_folder_or_its_recipe_names_hf_mloss_moe(built, tmp_path, capsys):
+    """``hf_mloss.run(<moe folder>)`` and ``hf-mloss merge <moe folder>/hf_mloss_moe.yaml OUT``: one line saying it is
+    an MoE recipe for ``hf-mloss moe`` (not "not written by hf_mloss", not an unknown key)."""
+    _, result = built
+    recipe = result.path / "hf_mloss_moe.yaml"
+    for given in (result.path, recipe):
+        with pytest.raises(ConfigError) as info:
+            hf_mloss.run(str(given), progress=False)
+        assert f"{str(recipe)!r} is an MoE recipe" in str(info.value)
+        assert f"`hf-mloss moe {recipe} OUT_DIR`" in str(info.value)
+    assert main(["merge", str(recipe), str(tmp_path / "out"), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hf-mloss: error:") and len(err.strip().splitlines()) == 1, err
+    assert "is an MoE recipe" in err and "hf-mloss moe" in err and "Unknown top-level key" not in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_random_gates_without_prompts_and_a_sharded_qwen2_moe(llama, tmp_path):

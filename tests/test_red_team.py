@@ -413,7 +413,7 @@ GARBAGE = [
     Case("huge_lambda_overflows", cli_config("lam.yaml", {"base": "./base", "models": ["./ft0", "./ft1"],
                                                           "method": "task_arithmetic",
                                                           "parameters": {"lam": 1e300}}, "{root}/out"),
-         None, ("non-finite", "Nothing was written"), exit_code=2),
+         None, ("lam is 1e+300", "beyond the range of float32"), exit_code=2),
     Case("float16_cast_overflows", lambda p: merge_args(p, "task_arithmetic", lam=1e6, dtype="float16"),
          InvalidParameterError, ("would overflow", "float16", "bfloat16")),
     Case("nan_pixels", lambda p: merge_args(p, "m_ties", data=torch.full((4, 3, 32, 32), float("nan")), **IMAGES),
@@ -724,7 +724,7 @@ NON_FINITE = [
          InvalidParameterError, ("select.grid", "'lam': 100000000.0", "not finite", "Nothing was chosen")),
     Case("compatibility_weights_that_overflow", lambda p: hf_mloss.compatibility(
         str(p.base), p.model_args[1], str(p.images), weights=[1e308, 1e308], progress=False, **IMAGES),
-         InvalidParameterError, ("weights", "infinity")),
+         InvalidParameterError, ("weights[0]", "1e+308", "beyond the range of float32")),
 ]
 
 

@@ -161,20 +161,161 @@ def differing_heads(adapter: ModelAdapter, base: TensorStore, sources: Sequence[
                     ) -> tuple[list[str], str | None]:
     """The head tensors taken from the base, and the card's line on them: every tensor of a classification head
     when some fine-tune's head has another shape than the base's (another number of labels), so that no head is
-    half merged; ``([], None)`` otherwise."""
+    half merged, or when the fine-tunes hold the encoder only (a ``BertModel`` fine-tune of a
+    ``BertForSequenceClassification`` base); ``([], None)`` otherwise.
+
+    Raises:
+        IncompatibleCheckpointsError: some fine-tunes hold the encoder only and others a head of their own that
+            differs from the base's, which taking the base's head would drop.
+    """
     if not is_classifier(adapter):
         return [], None
     head = [n for n, dtype in base.dtypes.items() if dtype is not None and dtype.is_floating_point
             and in_head(adapter, n)]
+    cls = (getattr(adapter, "merged_class", None) or adapter.model_class).__name__
+    named = f"The {cls} head ({', '.join(head[:4])}{', ...' if len(head) > 4 else ''})"
+    headless = [s for s in sources if head and not any(n in s.shapes for n in head)]
+    if headless:
+        headed = [s for s in sources if s not in headless]
+        for store in headed:
+            changed = [n for n in head if n in store.shapes and (store.shapes[n] != base.shapes[n] or
+                                                                 not torch.equal(store.get(n), base.get(n)))]
+            if changed:
+                from ..errors import IncompatibleCheckpointsError
+
+                raise IncompatibleCheckpointsError(
+                    f"{store.ref.name!r} has its own {cls} head ({changed[:2]} differ from the base's), but "
+                    f"{[s.ref.name for s in headless][:3]} hold the encoder only, so the merge would take the base's "
+                    "head and drop that one. Give every fine-tune with its head, or every one as the encoder only.")
+        return head, (f"{named} is the base's: {[s.ref.name for s in headless][:3]} hold the encoder only (no "
+                      "head), so the merge is written as the base's class with the base's head.")
     differ = [(n, s) for n in head for s in sources if n in s.shapes and s.shapes[n] != base.shapes[n]]
     if not differ:
         return [], None
     name, store = differ[0]
-    cls = (getattr(adapter, "merged_class", None) or adapter.model_class).__name__
-    note = (f"The {cls} head ({', '.join(head[:4])}{', ...' if len(head) > 4 else ''}) is the base's, not merged: "
+    note = (f"{named} is the base's, not merged: "
             f"the fine-tunes' heads have other shapes than the base's ({name!r}: {list(store.shapes[name])} in "
             f"{store.ref.name!r}, {list(base.shapes[name])} in the base), e.g. another number of labels.")
     return head, note
+
+
+def check_heads_kept(adapter: ModelAdapter, resolved: Sequence[Any]) -> None:
+    """Refuse fine-tunes of a class that holds the base's class and a head (``ViTForImageClassification`` fine-tunes
+    of a ``ViTModel`` base; ``BertForSequenceClassification`` of a ``BertModel``) in a merge written as the base's
+    class: it has no place for their heads, which would be dropped without a word (and a head's task vector needs
+    the base's head). The structure is transformers' own: the fine-tune's class is a task class (not its family's
+    ``AutoModel`` class) that holds exactly one child of the base's class.
+
+    Raises:
+        IncompatibleCheckpointsError: naming the fine-tune, its head and the two ways on.
+    """
+    from ..adapters.generic import resolve_model_class
+    from ..errors import IncompatibleCheckpointsError, UnsupportedModelError
+
+    try:
+        base_cls = resolve_model_class(resolved[0][2])
+    except UnsupportedModelError:
+        return
+    for ref, loaded, config in resolved[1:]:
+        try:
+            cls = type(loaded) if loaded is not None else resolve_model_class(config)
+        except UnsupportedModelError:
+            continue
+        if cls is base_cls or _is_base_model_class(cls, config):  # a CLIPModel around a CLIPVisionModel: no head
+            continue
+        config_json = config.to_json_string(use_diff=False)
+        attribute = _tower_attribute(cls, base_cls, config_json)
+        if attribute is None:
+            continue
+        head = [k for k in _class_keys(cls, config_json) if not k.startswith(f"{attribute}.")]
+        if not head:
+            continue
+        if not _has_tower_output(adapter):
+            encoders = (f"merge their encoders alone: save each fine-tune's {attribute!r} module on its own "
+                        f"(model.{attribute}.save_pretrained(folder)) and merge those folders")
+        else:
+            encoders = "merge the encoders alone: pass output='tower' (the heads are then left out, as asked)"
+        raise IncompatibleCheckpointsError(
+            f"{ref.name!r} is a {cls.__name__}: a {base_cls.__name__} with a head ({', '.join(head[:3])}), but the "
+            f"base {resolved[0][0].name!r} is a {base_cls.__name__} without one. The merge is written as the "
+            f"base's class, which would drop the fine-tunes' heads (and a head's task vector needs the base's "
+            f"head). To merge the heads, merge onto a {cls.__name__} base holding the head the fine-tunes were "
+            f"trained from (saved with save_pretrained); to {encoders}.")
+
+
+def _is_base_model_class(cls: type, config: PretrainedConfig) -> bool:
+    """Whether ``cls`` is its family's base model (``AutoModel``'s class: ``CLIPModel``, ``BertModel``), not a class
+    with a task head."""
+    from transformers import AutoModel
+
+    try:
+        return AutoModel._model_mapping[type(config)] is cls
+    except (KeyError, ValueError):
+        return False
+
+
+def _has_tower_output(adapter: ModelAdapter) -> bool:
+    """Whether ``output="tower"`` writes the family's encoder alone (towers families: ViT, CLIP...)."""
+    from ..errors import HfMLossError
+
+    try:
+        adapter.output_class("tower")
+    except HfMLossError:
+        return False
+    return True
+
+
+def merged_labels(adapter: ModelAdapter, resolved: Sequence[Any], heads_from_base: Sequence[str]
+                  ) -> tuple[dict[int, str] | None, str | None]:
+    """The class names (``id2label``) of a merged classification head, and the card's line on them.
+
+    When every fine-tune holds a head of the base's class that is merged (not the base's), the merged head is
+    theirs: fine-tunes that all name their classes alike give the merged config their ``id2label`` (returned,
+    with a line when it differs from the base's); fine-tunes that name them differently are merged class by
+    class as given, and the line says so (a mix of tasks). ``(None, None)``: nothing to change or say.
+    """
+    if heads_from_base or not is_classifier(adapter):
+        return None, None
+    from ..adapters.generic import resolve_model_class
+    from ..errors import UnsupportedModelError
+
+    merged_cls = getattr(adapter, "merged_class", None) or adapter.model_class
+    try:
+        if any((type(loaded) if loaded is not None else resolve_model_class(config)) is not merged_cls
+               for _, loaded, config in resolved[1:]):
+            return None, None  # some fine-tune holds no head of this class: the head is not theirs alone
+    except UnsupportedModelError:
+        return None, None
+    base = _labels(resolved[0][2])
+    tuned = [(ref.name, _labels(config)) for ref, _, config in resolved[1:]]
+    if all(labels == tuned[0][1] for _, labels in tuned):
+        if tuned[0][1] == base or tuned[0][1] is None:
+            return None, None
+        return tuned[0][1], (f"The fine-tunes name their classes {_shown(tuned[0][1])} (id2label), the base "
+                             f"{_shown(base)}: the merged head is theirs, and so is the merged config's id2label.")
+    listing = "; ".join(f"{name!r}: {_shown(labels)}" for name, labels in tuned[:3])
+    return None, (f"The fine-tunes name their classes differently (id2label of {listing}): their heads are merged "
+                  f"class by class in index order, which mixes different classes if they are different tasks; the "
+                  f"merged config keeps the base's id2label {_shown(base)}.")
+
+
+def _labels(config: PretrainedConfig) -> dict[int, str] | None:
+    labels = getattr(config, "id2label", None)
+    if not isinstance(labels, dict):
+        return None
+    try:
+        return {int(k): str(v) for k, v in labels.items()}
+    except (TypeError, ValueError):
+        return None
+
+
+def _shown(labels: dict[int, str] | None) -> str:
+    """``id2label`` in a card line: the first few classes."""
+    if not labels:
+        return "{}"
+    items = sorted(labels.items())
+    text = ", ".join(f"{k}: {v!r}" for k, v in items[:4])
+    return "{" + text + (", ..." if len(items) > 4 else "") + "}"
 
 
 # ---------------------------------------------------------------------------------------------- vision-language
@@ -206,11 +347,11 @@ def refuse_vision_language(config: PretrainedConfig, what: str, *, scored: bool 
         return
     data_free = (f"The data-free methods merge the whole model: {', '.join(DATA_FREE_METHODS)} (e.g. "
                  "hf_mloss.merge(base, models, 'ties', k=0.2)).")
-    if reason is None:
-        raise UnsupportedModelError(
-            f"{what} is not available for vision-language models (model_type={config.model_type!r}): the M-Loss "
-            "merges (m_ties, m_dare), score() and compatibility() score them, the vision tower on data= images and "
-            f"the language model on text_data= texts. {data_free}")
+    if reason is None or not scored:  # the run never walks the towers: no model type would change that
+        scored_by = (" the M-Loss merges (m_ties, m_dare), score() and compatibility() score them, the vision tower "
+                     "on data= images and the language model on text_data= texts." if reason is None else "")
+        raise UnsupportedModelError(f"{what} is not available for vision-language models (model_type="
+                                    f"{config.model_type!r}):{scored_by} {data_free}")
     raise UnsupportedModelError(
         f"{what} needs M-Loss scoring, which is not available yet for this vision-language model "
         f"(model_type={config.model_type!r}: {reason}). Scored: LLaVA and Qwen2-VL with a CLIP, SigLIP or Qwen2-VL "

@@ -70,6 +70,8 @@ class RunInputs:
     """What the run says about its inputs on the card (tensors every input lacks, initialised by transformers)."""
     vocabulary: VocabularyPlan | None = None
     """The merged vocabulary (``tokenizer_source``): its tokenizer, and the rows the stores read aligned to it."""
+    id2label: dict[int, str] | None = None
+    """The merged head's class names, where they are the fine-tunes' and not the base's (classes.merged_labels)."""
 
     @property
     def refs(self) -> list[ModelRef]:
@@ -233,6 +235,9 @@ class RunInputs:
                 model = self.adapter.load_output_model(self.base.ref.path, output, dtype=dtype,
                                                        allow_missing=frozenset(self.uninitialised))
         model = model.to(device=self.device, dtype=dtype).eval()
+        if self.id2label is not None:  # the merged head's classes: the fine-tunes' names (classes.merged_labels)
+            model.config.id2label = dict(self.id2label)
+            model.config.label2id = {name: i for i, name in self.id2label.items()}
         if self.vocabulary is not None:  # the output vocabulary's rows, the base's side of them
             self.vocabulary.fit_model(model, self.adapter, self.base)
         return model
@@ -284,7 +289,10 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
                 f"{ref.name!r} is a {model_config.model_type!r} model ({other.name} adapter) but the base is "
                 f"{resolved[0][2].model_type!r} ({adapter.name}); all models must share one architecture.")
     check_family(config, adapter, resolved, needs_data=needs_data)
-    from .classes import differing_heads, holds_whole, kept_class_adapter
+    from .classes import check_heads_kept, differing_heads, holds_whole, kept_class_adapter, merged_labels
+
+    if whole_model:  # a merge written as the base's class: the fine-tunes' heads must have a place in it
+        check_heads_kept(adapter, resolved)
 
     kept, class_note = kept_class_adapter(adapter, resolved[0][2])  # a ViTForImageClassification base: its class
     whole = [holds_whole(kept, c) for _, _, c in resolved]
@@ -319,6 +327,7 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
         heads, head_note = differing_heads(adapter, stores[0], stores[1:])  # another number of labels: the base's
         for store in stores[1:]:
             check_compatible(stores[0], store, skip=frozenset(heads), config=config)
+        labels, label_note = merged_labels(adapter, resolved, heads)
         fingerprints = _verify_fingerprints(specs, resolved, progress=progress)
         method = config.merge_method()
         inputs = RunInputs(adapter=adapter, base=stores[0], sources=stores[1:], base_model=resolved[0][1],
@@ -326,7 +335,8 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
                            alpha=resolve_weights(config, method.default_weight), device=device,
                            fingerprints=fingerprints, towers=towers)
         inputs.vocabulary = vocabulary
-        inputs.notes += [note for note in (class_note, head_note) if note]
+        inputs.id2label = labels
+        inputs.notes += [note for note in (class_note, head_note, label_note, *routing_notes(resolved)) if note]
         if uninitialised:
             inputs.uninitialised = uninitialised
             inputs.notes.append(uninitialised_note(uninitialised))
@@ -448,17 +458,17 @@ def check_family(config: MergeConfig, adapter: ModelAdapter, resolved, *, needs_
     from ..errors import UnsupportedModelError
 
     base_type = getattr(resolved[0][2], "model_type", None)
-    if needs_data:
+    method = config.merge_method()
+    searches = any(getattr(method, kind, None) for kind in ("learned", "chooses_method", "gram_prefix"))
+    if needs_data or getattr(method, "chooses_method", False):  # auto refuses them with data or without
         from .classes import refuse_vision_language
 
-        method = config.merge_method()
-        what = (f"Method {config.method!r}" if method.needs_data else
-                "Label-free selection (select=...)" if getattr(config, "select", None) is not None else
+        what = ("Label-free selection (select=...)" if getattr(config, "select", None) is not None else
+                f"Method {config.method!r}" if method.needs_data or searches else
                 "Scoring (score(), compatibility())")
-        walks = getattr(config, "select", None) is None and not any(
-            getattr(method, kind, None) for kind in ("learned", "chooses_method", "gram_prefix"))
-        refuse_vision_language(resolved[0][2], "Label-free selection (select=...)"
-                               if getattr(config, "select", None) is not None else what, scored=walks)
+        walks = getattr(config, "select", None) is None and not searches
+        refuse_vision_language(resolved[0][2], what, scored=walks)
+    if needs_data:
         if not getattr(adapter, "scorable", True):
             from ..adapters.generic import scoring_unavailable
 
@@ -559,6 +569,33 @@ def check_tying(adapter: ModelAdapter, resolved) -> None:
             "save_pretrained it.")
 
 
+ROUTING_KEYS = ("num_experts_per_tok", "norm_topk_prob", "routed_scaling_factor", "router_scaling_factor", "n_group",
+                "topk_group", "topk_method", "scoring_func", "moe_topk", "moe_k")
+"""Config settings of transformers' MoE families that decide how tokens are routed at inference (how many experts,
+how their weights are normalised or scaled, grouped top-k); training-only ones (aux-loss coefficients, jitter) are
+left out."""
+
+
+def routing_notes(resolved) -> list[str]:
+    """The card's lines on fine-tunes whose MoE routing settings (:data:`ROUTING_KEYS`) differ from the base's: the
+    merge runs with the base's (its config.json), which is not how those experts were trained to be used."""
+    def settings(config: Any) -> dict[str, Any]:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return {key: getattr(text, key) for key in ROUTING_KEYS if hasattr(text, key)}
+
+    base = settings(resolved[0][2])
+    notes = []
+    for ref, _, model_config in resolved[1:]:
+        own = settings(model_config)
+        differ = [key for key in base if key in own and own[key] != base[key]]
+        if differ:
+            shown = ", ".join(f"{key}={own[key]!r} (the base: {base[key]!r})" for key in differ)
+            notes.append(f"{ref.name!r} was configured to route tokens otherwise than the base ({shown}): the merge "
+                         f"keeps the base's routing, as its config.json says, so its merged experts run with "
+                         f"{', '.join(f'{key}={base[key]!r}' for key in differ)}.")
+    return notes
+
+
 def _tie_flags(config: Any) -> tuple[Any, Any]:
     """``tie_word_embeddings`` of a config and of its text config (a multimodal model may tie in either)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -627,11 +664,11 @@ def check_compatible(base: TensorStore, other: TensorStore, *, skip: frozenset[s
 
     Non-float tensors (buffers such as ``position_ids``, which older checkpoints persist and newer ones do not) are
     taken from the base and never merged, so they may be absent from either side; so are the ``skip`` tensors (a
-    classification head of another shape, taken from the base).
+    classification head of another shape, or that encoder-only fine-tunes lack, taken from the base).
     """
     base_float, other_float = set(float_names(base)), set(float_names(other))
-    missing = [n for n in float_names(base) if n not in other_float]
-    extra = [n for n in float_names(other) if n not in base_float]
+    missing = [n for n in float_names(base) if n not in other_float and n not in skip]
+    extra = [n for n in float_names(other) if n not in base_float] + list(getattr(other, "beyond_config", ()))
     if missing or extra:
         parts = []
         if missing:
@@ -642,7 +679,7 @@ def check_compatible(base: TensorStore, other: TensorStore, *, skip: frozenset[s
             f"{other.ref.name!r} does not match the base {base.ref.name!r}: {'; '.join(parts)}. "
             "All models merged together must share one architecture.")
     for name in float_names(base):
-        if base.shapes[name] != other.shapes[name] and name not in skip:
+        if name not in skip and base.shapes[name] != other.shapes[name]:
             if _rows_differ(base.shapes[name], other.shapes[name]) and _is_vocabulary(name):
                 raise IncompatibleCheckpointsError(
                     f"{name!r} has {base.shapes[name][0]} rows in the base {base.ref.name!r} but "
@@ -681,7 +718,7 @@ def check_config_matches_tensors(adapter: ModelAdapter, base: TensorStore,
     expected = adapter.expected_shapes()
     held = {n: base.shapes[n] for n in float_names(base)}
     missing = [n for n in expected if n not in held and n not in base.shapes]
-    extra = [n for n in held if n not in expected]
+    extra = [n for n in held if n not in expected] + list(getattr(base, "beyond_config", ()))
     wrong = [n for n in expected if n in held and held[n] != expected[n]]
     if not (missing or extra or wrong):
         return []

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import pickle
+import re
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -105,8 +106,14 @@ class CheckpointStore(TensorStore):
         """A parameter transformers fuses from several checkpoint tensors (MoE experts) → those tensors."""
         self.checkpoint_keys: list[str] = []
         """Every key of the weight files as written (the checkpoint's layout, which a merge is saved back in)."""
+        self.beyond_config: dict[str, tuple[int, ...]] = {}
+        """Checkpoint keys of numbered blocks the model of this config does not have (``model.layers.1.*`` under
+        ``num_hidden_layers: 1``), with their shapes: ``from_pretrained`` drops them as unexpected; a merge refuses
+        them (:func:`hf_mloss.loading.inputs.check_config_matches_tensors`, ``check_compatible``)."""
+        entries = []
         for file in weights.files:
-            self._index_file(file)
+            entries += [(file, key, shape, dtype) for key, (shape, dtype) in self._read_index(file).items()]
+        self._index(entries)
         self._index_fused()
         if not self.shapes:
             raise CorruptCheckpointError(
@@ -115,7 +122,7 @@ class CheckpointStore(TensorStore):
             )
 
     # ------------------------------------------------------------------ indexing
-    def _index_file(self, file: Path) -> None:
+    def _read_index(self, file: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
         if not file.exists():
             raise CorruptCheckpointError(f"Shard {file.name} listed in the index of {self.ref.name!r} is missing.")
         if self.is_pickle:
@@ -125,13 +132,27 @@ class CheckpointStore(TensorStore):
         else:
             entries = self._index_safetensors(file)
         self.checkpoint_keys += entries
-        for key, (shape, dtype) in entries.items():
+        return entries
+
+    def _index(self, entries: list[tuple[Path, str, tuple[int, ...], torch.dtype | None]]) -> None:
+        """Map every checkpoint key to its parameter as ``from_pretrained`` does: keys in transformers' own order
+        (``dot_natural_key``), the first key that becomes a parameter wins it (a stray ``lm_head.weight`` beside
+        GPT-NeoX's ``embed_out.weight`` is ignored, as the loader ignores it), tied and unsaved tensors left out."""
+        from transformers.core_model_loading import dot_natural_key
+
+        for file, key, shape, dtype in sorted(entries, key=lambda entry: dot_natural_key(entry[1])):
             name, fused = self.adapter.checkpoint_key(key)
-            if name is None or name in self._unsaved:
+            if name is None:
+                if dtype is not None and dtype.is_floating_point and _beyond_config(self.adapter, key):
+                    self.beyond_config[key] = shape
+                continue
+            if name in self._unsaved:
                 continue
             if fused is not None:  # one of the tensors of a fused parameter: assembled when it is read
                 self._fused.setdefault(name, []).append((file, key))
                 self.dtypes[name] = dtype
+                continue
+            if name in self._locations:  # a second tensor for one parameter: the loader keeps the first
                 continue
             self._locations[name] = (file, key)
             self.shapes[name] = shape
@@ -278,6 +299,15 @@ def _staging(nbytes: int) -> torch.Tensor:
     if buffer is None or buffer.numel() < nbytes:
         buffer = _STAGING.buffer = torch.empty(nbytes, dtype=torch.uint8)
     return buffer
+
+
+def _beyond_config(adapter: ModelAdapter, key: str) -> bool:
+    """Whether a key the model does not load is a tensor of a numbered block the config does not have: the same key
+    in block 0 is one the model loads (``model.layers.1.mlp.up_proj.weight`` of a one-block config). Other unloaded
+    keys (buffers old checkpoints still hold, a head the class does not have) are ignored, as ``from_pretrained``
+    ignores them."""
+    first = re.sub(r"\.\d+\.", ".0.", key)
+    return first != key and adapter.canonical_key(first) is not None
 
 
 def safetensors_offsets(file: Path) -> dict[str, int]:

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, CorruptCheckpointError, DataError, HfMLossError, InvalidParameterError
-from .config import MOE_CONFIG_NAME, MoEConfig, as_moe_config
+from ..spec.config import MOE_CONFIG_NAME
+from .config import MoEConfig, as_moe_config
 from .inputs import MoEInputs, load_tokenizer, open_inputs
 from .layered import release_memory
 from .routing import RoutingReport

@@ -26,20 +26,17 @@ otherwise change the model silently). Relative local paths resolve against the c
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .._validation import check_keys, did_you_mean, short
-from ..errors import ConfigError
+from .._validation import check_float32, check_keys, did_you_mean, is_finite, short
+from ..errors import ConfigError, InvalidParameterError
 from ..spec.config import MAX_CONFIG_BYTES, _refuse_tokens, _relative, _resolve_model_path
 from ..spec.mergekit import _model_entry
 
-MOE_CONFIG_NAME = "hf_mloss_moe.yaml"
-"""The recipe file of a built MoE (mergekit-moe's YAML plus hf_mloss's pins and seed)."""
 GATE_MODES = ("hidden", "cheap_embed", "random", "uniform_random", "hidden_avg", "hidden_last")
 """mergekit-moe's gate modes (``hidden_avg`` and ``hidden_last`` are mergekit's undocumented variants)."""
 PROMPTLESS_MODES = ("random",)
@@ -51,6 +48,10 @@ MAX_SEED = 2**64 - 1
 EXPERT_KEYS = ("source_model", "positive_prompts", "negative_prompts", "noise_scale", "residual_scale", "revision")
 TOP_KEYS = ("base_model", "experts", "gate_mode", "dtype", "experts_per_token", "shared_experts", "architecture",
             "seed", "allow_identical_experts", "base_revision")
+
+REQUIRED_VALUES = {"gate_mode": "hidden", "experts_per_token": 2, "seed": 0, "allow_identical_experts": False}
+"""Top-level keys that take a value when given (mergekit-moe's ``gate_mode`` and ``experts_per_token`` are not
+optional, ``seed`` and ``allow_identical_experts`` are hf_mloss's): ``null`` is refused, not read as the default."""
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,10 @@ class MoEConfig:
         shared = [] if shared is None else shared
         if not isinstance(shared, list):
             raise ConfigError(f"shared_experts must be a list (of at most one expert), got {short(shared)}.")
+        for key in REQUIRED_VALUES:  # mergekit-moe refuses null there too; a default would change the model silently
+            if key in content and content[key] is None:
+                raise ConfigError(f"{key} is null; give it a value or leave the key out (default: "
+                                  f"{REQUIRED_VALUES[key]!r}).")
         values = {k: content[k] for k in ("gate_mode", "dtype", "experts_per_token", "architecture", "seed",
                                           "allow_identical_experts") if content.get(k) is not None}
         return cls(base_model=base, base_revision=content.get("base_revision") or base_revision,
@@ -302,8 +307,12 @@ def _expert(entry: Any, where: str, root: Path | None) -> ExpertSpec:
     for key in ("noise_scale", "residual_scale"):
         value = entry.get(key)
         if value is not None:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not is_finite(value):
                 raise ConfigError(f"{where}.{key} must be a finite number, got {short(value)}.")
+            try:
+                check_float32(f"{where}.{key}", float(value))
+            except InvalidParameterError as err:
+                raise ConfigError(str(err)) from None
             scales[key] = float(value)
     return ExpertSpec(source_model=model, revision=entry.get("revision") or revision,
                       positive_prompts=_prompts(entry.get("positive_prompts"), f"{where}.positive_prompts"),

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .._validation import check_keys, param, short, validate_fields
+from .._validation import check_float32, check_keys, is_finite, param, short, validate_fields
 from ..loading.hub import expand, is_repo_id, looks_local, missing_model
 from ..errors import (
     CheckpointNotFoundError,
@@ -52,6 +52,9 @@ if TYPE_CHECKING:
     from ..methods import MergeMethod, MethodParams
 
 MERGE_CONFIG_NAME = "hf_mloss_config.yaml"
+MOE_CONFIG_NAME = "hf_mloss_moe.yaml"
+"""The recipe of an MoE built by ``hf-mloss moe`` (:mod:`hf_mloss.moe`): a merge run refuses it, naming that
+command."""
 DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 OUTPUTS = ("auto", "tower", "adapter")
 DEFAULT_NUM_SAMPLES = 128
@@ -343,7 +346,7 @@ class MergeConfig:
                                             f"{q}: leave it out of the candidates.")
             fixed = _settings({k: v for k, v in grid.items() if k != "lam"})[0]
             try:  # its required parameters, its vocabulary rule...: what a merge with it alone would check
-                self.replace(method=name, parameters=dict(fixed), select=None)
+                self.replace(method=name, parameters=dict(fixed), select=None, text_data=None)
             except HfMLossError as err:
                 raise type(err)(f"candidates: {name} cannot run in this recipe: {err}") from None
 
@@ -379,6 +382,8 @@ class MergeConfig:
                                         "selection (select=...) measures the vision tower only: drop text_data or "
                                         "select.")
         if getattr(method, "chooses_method", False):
+            if _is_vision_language(self.base):
+                return  # the run refuses auto on a vision-language model, whatever its data (loading.inputs)
             raise InvalidParameterError("text_data is the scoring text of a data-guided merge (m_ties, m_dare) or of "
                                         "score(); auto compares its candidates on `data` through the vision tower "
                                         "only and would ignore it: drop text_data.")
@@ -441,6 +446,13 @@ class MergeConfig:
             DataSpec.parse(share)
 
     def _validate_weights(self) -> None:
+        for i, spec in enumerate(self.models):  # a per-model weight schedule: every value a number float32 holds
+            if spec.parameters and "weight" in spec.parameters:
+                where = f"models[{i}].parameters.weight"
+                for leaf in ParamSchedule.parse(spec.parameters["weight"], where).leaves():
+                    if isinstance(leaf, bool) or not isinstance(leaf, (int, float)) or not is_finite(leaf):
+                        raise InvalidParameterError(f"{where} names {short(leaf)}: weights are finite numbers.")
+                    check_float32(where, float(leaf))
         given = [m.run_weight is not None for m in self.models]
         if any(given) and not all(given):
             missing = [f"models[{i}]" for i, g in enumerate(given) if not g]
@@ -495,9 +507,7 @@ class MergeConfig:
             own = {k: s.leaves()[0] for k, s in parsed.items() if k != "weight"}
             for key, schedule in parsed.items():
                 for leaf in schedule.leaves():
-                    if key == "weight":
-                        if isinstance(leaf, bool) or not isinstance(leaf, (int, float)) or not math.isfinite(leaf):
-                            raise InvalidParameterError(f"{where}.weight names {leaf!r}: weights are numbers.")
+                    if key == "weight":  # numbers in float32's range (_validate_weights)
                         continue
                     try:
                         params = method.make_params(**{**scalars, **firsts, **own, key: leaf})
@@ -612,6 +622,8 @@ class MergeConfig:
             raise ConfigError(f"A merge config must be a mapping with keys such as 'base' and 'models'; this one "
                               f"holds a {type(config).__name__} (is it the right file?).")
         _refuse_tokens(config, "")
+        if "experts" in config and not {"merge_method", "models", "slices"} & set(config):
+            raise ConfigError(_moe_recipe(None))
         if "merge_method" in config:
             from .mergekit import from_mergekit
 
@@ -662,6 +674,9 @@ class MergeConfig:
 
         path = Path(path)
         content = load_yaml(path, max_bytes=MAX_CONFIG_BYTES)
+        if isinstance(content, Mapping) and "experts" in content and not {"merge_method", "models", "slices"} & \
+                set(content):
+            raise ConfigError(_moe_recipe(path))
         try:
             return cls.from_dict(content, base_dir=path.resolve().parent)
         except ConfigError as err:
@@ -683,13 +698,25 @@ class MergeConfig:
         local = Path(os.fspath(folder_or_repo_id)).expanduser()
         if local.is_dir():
             path = local / MERGE_CONFIG_NAME
+            if not path.is_file() and (local / MOE_CONFIG_NAME).is_file():
+                raise ConfigError(_moe_recipe(local / MOE_CONFIG_NAME))
             if not path.is_file():
                 raise ConfigError(f"{str(local)!r} has no {MERGE_CONFIG_NAME}: it was not written by hf_mloss.")
             return cls.from_yaml(path)
         from .._yaml import load_yaml
         from ..loading.hub import download_file
 
-        path = Path(download_file(os.fspath(folder_or_repo_id), MERGE_CONFIG_NAME, revision=revision, token=token))
+        try:
+            path = Path(download_file(os.fspath(folder_or_repo_id), MERGE_CONFIG_NAME, revision=revision, token=token))
+        except CheckpointNotFoundError:
+            try:  # an MoE that `hf-mloss moe` built and pushed holds its own recipe
+                moe = download_file(os.fspath(folder_or_repo_id), MOE_CONFIG_NAME, revision=revision, token=token)
+            except CheckpointNotFoundError:
+                moe = None
+            if moe is not None:
+                raise ConfigError(_moe_recipe(Path(moe), f"Hub repo {os.fspath(folder_or_repo_id)!r} holds")) \
+                    from None
+            raise
         if not allow_local_paths:
             content = load_yaml(path, max_bytes=MAX_CONFIG_BYTES)
             for key, value in _local_paths(content, path.resolve().parent):
@@ -769,6 +796,14 @@ class MergeConfig:
 
 
 # ------------------------------------------------------------------------------------------------- parsing
+def _moe_recipe(path: Path | None, where: str | None = None) -> str:
+    """The one line that names an MoE recipe (mergekit-moe's ``base_model`` and ``experts``) given to a merge run."""
+    where = where or (f"{str(path)!r} is" if path is not None else "This config is")
+    command = f"hf-mloss moe {path} OUT_DIR" if path is not None else "hf-mloss moe CONFIG.yaml OUT_DIR"
+    return (f"{where} an MoE recipe (mergekit-moe's base_model and experts), not a merge: build it with `{command}` "
+            "(Python: hf_mloss.build_moe).")
+
+
 def _layer_count(spec: ModelSpec) -> int | None:
     """A model's block count where it is known without loading it: a loaded model's config, a local folder's
     config.json (Hub models: checked once resolved)."""
@@ -785,6 +820,27 @@ def _layer_count(spec: ModelSpec) -> int | None:
         return num_layers_of(json.loads((expand(spec.model) / "config.json").read_text(encoding="utf-8")))
     except (OSError, ValueError):
         return None
+
+
+def _is_vision_language(spec: ModelSpec) -> bool:
+    """Whether a model is known, without loading it, to be a vision-language model (a loaded model's config, a local
+    folder's config.json; a Hub model is checked once resolved)."""
+    import json
+
+    if spec.is_loaded:
+        model_type = getattr(getattr(spec.model, "config", None), "model_type", None)
+    elif spec.is_local:
+        try:
+            model_type = json.loads((expand(spec.model) / "config.json").read_text(encoding="utf-8")).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            return False
+    else:
+        return False
+    from types import SimpleNamespace
+
+    from ..loading.classes import is_vision_language
+
+    return isinstance(model_type, str) and is_vision_language(SimpleNamespace(model_type=model_type))
 
 
 def _short_name(spec: ModelSpec) -> str:
