@@ -282,6 +282,20 @@ def test_non_finite_weights_and_overflowing_scales_are_refused_and_nothing_is_wr
                      "+", r"\+"))
 
 
+def test_a_base_whose_config_json_has_fewer_layers_than_its_tensors_is_refused(llama, tmp_path):
+    """transformers' conversion mapping would drop the tensors of block 1 as unexpected: a one-block MoE."""
+    import shutil
+
+    base, models = llama
+    lying = tmp_path / "models" / "lying-base"
+    shutil.copytree(base, lying)
+    config = json.loads((lying / "config.json").read_text())
+    (lying / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    _refused(_config(str(lying), models[:2]), tmp_path, IncompatibleCheckpointsError,
+             r"config.json of base_model \(lying-base\) does not match its weights: the weights hold 9 tensor\(s\) "
+             r"the config does not describe \(e.g. \['model.layers.1.")
+
+
 def test_prompt_token_ids_beyond_the_embedding_are_refused_before_the_prompt_pass(llama, tmp_path):
     from examples.tiny import tiny_decoder, word_tokenizer
 

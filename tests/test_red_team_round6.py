@@ -303,3 +303,54 @@ def test_a_finetune_holding_blocks_the_base_has_not_is_refused(decoder, tmp_path
                        match=r"'deeper' does not match the base 'base': 9 tensor\(s\) are not in the base "
                              r"\(e.g. \['model.layers.2."):
         hf_mloss.merge(str(base), [models[0], str(tmp_path / "deeper")], "ties", progress=False)
+
+
+# ============================================================================ the same classes, other entry points
+def test_a_key_in_two_shards_is_the_later_shards_as_from_pretrained_reads_it(decoder, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    base, models = decoder
+    tuned = transformers.AutoModelForCausalLM.from_pretrained(models[0])
+    tuned.save_pretrained(tmp_path / "ft", max_shard_size="20KB")
+    shards = sorted((tmp_path / "ft").glob("model-*.safetensors"))
+    assert len(shards) >= 2
+    first = load_file(shards[0])
+    name = "model.norm.weight"
+    last = load_file(shards[-1])
+    value = tuned.state_dict()[name]
+    first[name], last[name] = torch.zeros_like(value), value + 1.0  # two copies; the index names one of them
+    save_file(first, str(shards[0]), metadata={"format": "pt"})
+    save_file(last, str(shards[-1]), metadata={"format": "pt"})
+    loaded = _quiet(transformers.AutoModelForCausalLM.from_pretrained, tmp_path / "ft").state_dict()[name]
+    assert torch.equal(loaded, value + 1.0)  # transformers: the later shard's copy
+    result = hf_mloss.merge(str(base), [str(tmp_path / "ft")], "average", progress=False)
+    assert torch.equal(result.model.state_dict()[name], loaded)
+
+
+def test_a_mergekit_slice_weight_of_hundreds_of_digits_exits_2(decoder, tmp_path, capsys):
+    _, models = decoder
+    recipe = _write(tmp_path / "slices.yaml", {"merge_method": "linear", "dtype": "float32", "slices": [
+        {"sources": [{"model": m, "layer_range": [0, 2], "parameters": {"weight": 10**400}} for m in models]}]})
+    _refused(capsys, ["merge", str(recipe), str(tmp_path / "out"), "-q"], "parameters.weight must be a finite number")
+    assert not (tmp_path / "out").exists()
+
+
+def test_score_on_an_unscored_family_is_refused_as_scoring_not_as_m_ties(tmp_path):
+    config = transformers.T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+                                   decoder_start_token_id=0)
+    torch.manual_seed(0)
+    base, models = testing.save_with_finetunes(transformers.T5ForConditionalGeneration(config).eval(), tmp_path, 2,
+                                               tokenizer=testing.word_tokenizer(64))
+    with pytest.raises(hf_mloss.UnsupportedModelError, match=r"^Scoring \(score\(\), compatibility\(\)\) needs a "
+                                                             r"scored model family.*model_type='t5'"):
+        hf_mloss.score(str(base), [str(m) for m in models], ["w1 w2 w3", "w4 w5"], progress=False)
+
+
+def test_auto_on_a_classifier_whose_heads_changed_is_refused_in_words_for_auto(headed):
+    vit = headed["vit"]
+    with pytest.raises(hf_mloss.InvalidParameterError) as info:
+        hf_mloss.merge(vit["head"], [vit["ft1"], vit["ft2"]], "auto", data=torch.randn(4, 3, 8, 8),
+                       candidates={"tsv_m": {"lam": [1.0]}}, compare_samples=2, progress=False)
+    message = str(info.value)
+    assert message.startswith("method='auto' works on the ViTModel encoder") and "output='tower'" in message
+    assert "select=" not in message and "with a method that merges every tensor" in message

@@ -671,7 +671,8 @@ def run_compatibility(config: MergeConfig, *, subsets: Sequence[Sequence[int | s
 
     options = config.scoring_options()
     _check_config(config, options)
-    with open_inputs(config, device=device, token=token, needs_data=True, progress=progress) as inputs, \
+    with open_inputs(config, device=device, token=token, needs_data=True, progress=progress,
+                     scoring=True) as inputs, \
             cpu_workers(inputs.device):
         names = [r.name for r in inputs.refs]
         aliases = {m.model: i for i, m in enumerate(config.models) if isinstance(m.model, str)}

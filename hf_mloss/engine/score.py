@@ -349,7 +349,8 @@ def score_config(config: MergeConfig, *, device: Any = None, token: str | bool |
     from ..loading.inputs import open_inputs
 
     options = config.scoring_options()
-    with open_inputs(config, device=device, token=token, needs_data=True, progress=progress) as inputs, \
+    with open_inputs(config, device=device, token=token, needs_data=True, progress=progress,
+                     scoring=True) as inputs, \
             cpu_workers(inputs.device):
         if not inputs.towers and not getattr(inputs.adapter, "whole_model", False):
             model = inputs.load_scoring_model(progress=progress, streamed=True)  # one block of the base at a time

@@ -351,7 +351,7 @@ def refuse_vision_language(config: PretrainedConfig, what: str, *, scored: bool 
         scored_by = (" the M-Loss merges (m_ties, m_dare), score() and compatibility() score them, the vision tower "
                      "on data= images and the language model on text_data= texts." if reason is None else "")
         raise UnsupportedModelError(f"{what} is not available for vision-language models (model_type="
-                                    f"{config.model_type!r}):{scored_by} {data_free}")
+                                    f"{config.model_type!r}){':' + scored_by if scored_by else '.'} {data_free}")
     raise UnsupportedModelError(
         f"{what} needs M-Loss scoring, which is not available yet for this vision-language model "
         f"(model_type={config.model_type!r}: {reason}). Scored: LLaVA and Qwen2-VL with a CLIP, SigLIP or Qwen2-VL "

@@ -269,12 +269,13 @@ class ScoredTower:
 
 @contextlib.contextmanager
 def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | None = None, needs_data: bool,
-                progress: bool = True, whole_model: bool = False) -> Iterator[RunInputs]:
+                progress: bool = True, whole_model: bool = False, scoring: bool = False) -> Iterator[RunInputs]:
     """Prepare the inputs of ``config`` (see the module docstring); the checkpoints are closed on exit.
 
     ``whole_model``: when the base and every model are whole models holding the adapter's tower (full
     ``CLIPModel`` repos), merge every tensor of them, not only the tower's (see
-    :func:`hf_mloss.adapters.whole_model_adapter`).
+    :func:`hf_mloss.adapters.whole_model_adapter`). ``scoring``: a ``score()`` / ``compatibility()`` run, as its
+    refusals say.
     """
 
     device = resolve_device(device)
@@ -288,7 +289,7 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
             raise IncompatibleCheckpointsError(
                 f"{ref.name!r} is a {model_config.model_type!r} model ({other.name} adapter) but the base is "
                 f"{resolved[0][2].model_type!r} ({adapter.name}); all models must share one architecture.")
-    check_family(config, adapter, resolved, needs_data=needs_data)
+    check_family(config, adapter, resolved, needs_data=needs_data, scoring=scoring)
     from .classes import check_heads_kept, differing_heads, holds_whole, kept_class_adapter, merged_labels
 
     if whole_model:  # a merge written as the base's class: the fine-tunes' heads must have a place in it
@@ -452,21 +453,24 @@ def check_model_type(ref: ModelRef) -> None:
             f"hf_mloss merges transformers models with an adapter: {list_adapters()}.")
 
 
-def check_family(config: MergeConfig, adapter: ModelAdapter, resolved, *, needs_data: bool) -> None:
+def check_family(config: MergeConfig, adapter: ModelAdapter, resolved, *, needs_data: bool, scoring: bool = False
+                 ) -> None:
     """Refuse, before any tensor is read, what the family cannot do: scoring a family without M-Loss scoring,
-    ``output="tower"`` of a model without a tower, models of another ``model_type`` than the base's."""
+    ``output="tower"`` of a model without a tower, models of another ``model_type`` than the base's; each refusal
+    names what was asked (the method, label-free selection, or ``scoring``: score() / compatibility())."""
     from ..errors import UnsupportedModelError
 
     base_type = getattr(resolved[0][2], "model_type", None)
     method = config.merge_method()
     searches = any(getattr(method, kind, None) for kind in ("learned", "chooses_method", "gram_prefix"))
+    what = ("Scoring (score(), compatibility())" if scoring else
+            "Label-free selection (select=...)" if getattr(config, "select", None) is not None else
+            f"Method {config.method!r}" if method.needs_data or searches else
+            "Scoring (score(), compatibility())")
     if needs_data or getattr(method, "chooses_method", False):  # auto refuses them with data or without
         from .classes import refuse_vision_language
 
-        what = ("Label-free selection (select=...)" if getattr(config, "select", None) is not None else
-                f"Method {config.method!r}" if method.needs_data or searches else
-                "Scoring (score(), compatibility())")
-        walks = getattr(config, "select", None) is None and not searches
+        walks = scoring or getattr(config, "select", None) is None and not searches
         refuse_vision_language(resolved[0][2], what, scored=walks)
     if needs_data:
         if not getattr(adapter, "scorable", True):

@@ -110,10 +110,10 @@ class CheckpointStore(TensorStore):
         """Checkpoint keys of numbered blocks the model of this config does not have (``model.layers.1.*`` under
         ``num_hidden_layers: 1``), with their shapes: ``from_pretrained`` drops them as unexpected; a merge refuses
         them (:func:`hf_mloss.loading.inputs.check_config_matches_tensors`, ``check_compatible``)."""
-        entries = []
+        entries = {}  # a key held by two shards: the later one, as from_pretrained's merged state dict keeps it
         for file in weights.files:
-            entries += [(file, key, shape, dtype) for key, (shape, dtype) in self._read_index(file).items()]
-        self._index(entries)
+            entries.update({key: (file, key, shape, dtype) for key, (shape, dtype) in self._read_index(file).items()})
+        self._index(list(entries.values()))
         self._index_fused()
         if not self.shapes:
             raise CorruptCheckpointError(

@@ -256,10 +256,12 @@ def refuse_changed_outside(inputs: RunInputs, outside: Sequence[str], what: str)
     if changed:
         tower = f"{inputs.adapter.model_class.__name__} encoder" if getattr(inputs.adapter, "kept_class", None) \
             else "vision tower"
+        whole = ("without select=" if what.startswith("Label-free selection") else
+                 "with a method that merges every tensor (e.g. ties, or m_ties, which scores the tower)")
         raise InvalidParameterError(
             f"{what} works on the {tower}, but the fine-tunes also changed {len(changed)} tensor(s) outside it "
             f"(e.g. {changed[:3]}), which would silently keep the base's values. Pass output='tower' to merge and "
-            f"save the {tower} only, or merge the whole model without select=.")
+            f"save the {tower} only, or merge the whole model {whole}.")
 
 
 def data_free_rule(method: MergeMethod, params: Any, lead: str = "") -> str:

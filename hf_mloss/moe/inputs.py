@@ -104,6 +104,13 @@ def open_inputs(config: MoEConfig, *, token: Any = None) -> MoEInputs:
     inputs = MoEInputs(base=base, base_config=base_config, experts=experts, shared=shared, stores=stores,
                        architecture=arch, config=out_config, dtype=dtype, zero_biases={})
     try:
+        for path, store in stores.items():  # a config.json that does not describe its tensors (fewer layers)
+            if store.beyond_config:
+                extra = list(store.beyond_config)
+                raise IncompatibleCheckpointsError(
+                    f"config.json of {places[path]} ({store.ref.name}) does not match its weights: the weights hold "
+                    f"{len(extra)} tensor(s) the config does not describe (e.g. {extra[:2]}). The config and the "
+                    "weights do not belong together.")
         if getattr(base_config, "mlp_bias", False):
             raise UnsupportedModelError(f"base_model has MLP biases (mlp_bias: true); {arch.pretty} experts have "
                                         "none, so they would be dropped.")

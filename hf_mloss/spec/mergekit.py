@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .._validation import short
+from .._validation import check_float32, is_finite, short
 from ..errors import ConfigError, InvalidParameterError
 from .schedule import ParamSchedule, is_schedule
 
@@ -575,6 +575,12 @@ def _check_number(value: Any, where: str, *, schedule: bool = False) -> None:
         kind = "a number, a gradient or a filter list" if schedule else \
             "one number (model weights do not vary over the layers here)"
         raise ConfigError(f"{where} must be {kind}, got {short(value)}.")
+    if not is_finite(value):
+        raise ConfigError(f"{where} must be a finite number, got {short(value)}.")
+    try:
+        check_float32(where, float(value))
+    except InvalidParameterError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _check_flag(value: Any, where: str) -> Any:
