@@ -140,8 +140,13 @@ class CheckpointStore(TensorStore):
         GPT-NeoX's ``embed_out.weight`` is ignored, as the loader ignores it), tied and unsaved tensors left out."""
         from transformers.core_model_loading import dot_natural_key
 
-        for file, key, shape, dtype in sorted(entries, key=lambda entry: dot_natural_key(entry[1])):
-            name, fused = self.adapter.checkpoint_key(key)
+        names = {key: self.adapter.checkpoint_key(key) for _, key, _, _ in entries}
+        winners: dict[str, str] = {}  # parameter -> the checkpoint key the loader keeps for it
+        for key in sorted(names, key=dot_natural_key):
+            if names[key][0] is not None and names[key][1] is None:
+                winners.setdefault(names[key][0], key)
+        for file, key, shape, dtype in entries:  # in the files' order (the order tensors are merged in)
+            name, fused = names[key]
             if name is None:
                 if dtype is not None and dtype.is_floating_point and _beyond_config(self.adapter, key):
                     self.beyond_config[key] = shape
@@ -152,7 +157,7 @@ class CheckpointStore(TensorStore):
                 self._fused.setdefault(name, []).append((file, key))
                 self.dtypes[name] = dtype
                 continue
-            if name in self._locations:  # a second tensor for one parameter: the loader keeps the first
+            if winners[name] != key:  # a second tensor for one parameter: the loader keeps the first
                 continue
             self._locations[name] = (file, key)
             self.shapes[name] = shape

@@ -622,7 +622,7 @@ class MergeConfig:
             raise ConfigError(f"A merge config must be a mapping with keys such as 'base' and 'models'; this one "
                               f"holds a {type(config).__name__} (is it the right file?).")
         _refuse_tokens(config, "")
-        if "experts" in config and not {"merge_method", "models", "slices"} & set(config):
+        if _is_moe_recipe(config):
             raise ConfigError(_moe_recipe(None))
         if "merge_method" in config:
             from .mergekit import from_mergekit
@@ -674,8 +674,7 @@ class MergeConfig:
 
         path = Path(path)
         content = load_yaml(path, max_bytes=MAX_CONFIG_BYTES)
-        if isinstance(content, Mapping) and "experts" in content and not {"merge_method", "models", "slices"} & \
-                set(content):
+        if _is_moe_recipe(content):
             raise ConfigError(_moe_recipe(path))
         try:
             return cls.from_dict(content, base_dir=path.resolve().parent)
@@ -796,6 +795,12 @@ class MergeConfig:
 
 
 # ------------------------------------------------------------------------------------------------- parsing
+def _is_moe_recipe(content: Any) -> bool:
+    """Whether a recipe is mergekit-moe's (``base_model`` and ``experts``, nothing a merge recipe holds)."""
+    return isinstance(content, Mapping) and "experts" in content and not {"merge_method", "models", "slices"} & \
+        set(content)
+
+
 def _moe_recipe(path: Path | None, where: str | None = None) -> str:
     """The one line that names an MoE recipe (mergekit-moe's ``base_model`` and ``experts``) given to a merge run."""
     where = where or (f"{str(path)!r} is" if path is not None else "This config is")
