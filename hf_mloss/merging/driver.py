@@ -548,8 +548,9 @@ def finalize(model: PreTrainedModel, merger: TensorMerger, dtype: torch.dtype, *
     Raises:
         InvalidParameterError: naming the first tensor that overflows and what to change.
     """
-    if merger.output is not None:  # written block by block: the rest now, each tensor checked as it is written
-        merger.output.finish(merger)
+    output = getattr(merger, "output", None)
+    if output is not None:  # written block by block: the rest now, each tensor checked as it is written
+        output.finish(merger)
         return None
     params = merger.ctx.params
     for name in merger.names:
