@@ -683,12 +683,13 @@ def write_safetensors_streamed(path: Path, entries: list[tuple[str, tuple, objec
 
 
 def ensure_models_streamed(root: Path, config, dtype, q: int, seed: int, common: dict,
-                           shard_bytes: int | None = None) -> list[str]:
+                           shard_bytes: int | None = None, donor: tuple[Path, dict] | None = None) -> list[str]:
     """The base and q fine-tunes of a large shape, each written tensor by tensor (one tensor in memory at a time;
     ``shard_bytes``: in shards of at most that size, as ``save_pretrained`` writes a large model): the base as
     transformers would initialise it, fine-tune i = base + ``1e-3·s·randn`` per tensor (s log-uniform in
     TV_SPREAD), as :func:`_fill_finetune` but drawn per tensor name, so a model cut to its first blocks
-    (``--layers``) holds the same tensors as the first blocks of the whole one."""
+    (``--layers``) holds the same tensors as the first blocks of the whole one. ``donor``: the whole model's folder and manifest,
+    whose tensors a cut model copies where that model is complete (the same values, without drawing them again)."""
     import torch
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
@@ -708,7 +709,14 @@ def ensure_models_streamed(root: Path, config, dtype, q: int, seed: int, common:
         folder.mkdir(parents=True)
         config.dtype = dtype  # as published (the weights' storage dtype)
         config.save_pretrained(folder)
-        if role < 0:
+        donor_folder = donor[0] / folder.name if donor else None
+        if donor_folder is not None and _model_ok(donor_folder, donor[1] | {"role": manifest["role"],
+                                                                             "streamed": True}):
+            handles = [safe_open(str(f), "pt") for f in weight_files(donor_folder)]
+            where = {key: h for h in handles for key in h.keys()}
+            write_sharded_streamed(folder, entries, lambda name: where[name].get_tensor(name), shard_bytes)
+            del where, handles
+        elif role < 0:
             shapes = {n: s for n, s, _ in entries}
 
             def produce(name):
@@ -746,7 +754,13 @@ def ensure_models(cache: Path, shape: str, layers: int | None, q: int, seed: int
               "tv_spread": list(TV_SPREAD), "dtype": str(dtype)}
     t0, created, base, ft = time.perf_counter(), [], None, None
     if SHAPES[shape].get("stream"):
-        created = ensure_models_streamed(root, config, dtype, q, seed, common, SHAPES[shape].get("shard_bytes"))
+        donor = None
+        if layers is not None:  # a cut model: its tensors are the whole model's first blocks, copied when it exists
+            whole = {k: v for k, v in common.items()} | {"config": common["config"] | {
+                "num_hidden_layers": SHAPES[shape]["num_hidden_layers"]}}
+            donor = (cache / "models" / shape, whole)
+        created = ensure_models_streamed(root, config, dtype, q, seed, common, SHAPES[shape].get("shard_bytes"),
+                                         donor)
     elif not _model_ok(base_dir, common | {"role": "base"}):
         torch.manual_seed(seed)
         base = model_class.from_config(config).to(dtype).eval() if is_decoder(shape) else \
