@@ -146,6 +146,7 @@ HF_RUNS: dict[str, tuple[str, dict]] = {
     "regmean": ("regmean", {}),  # Gram matrices of every linear's inputs, own prefix, on the shape's data
     "regmean_plusplus": ("regmean_plusplus", {}),  # the same on the merged prefix
     "auto": ("auto", {}),  # the label-free choice among its default candidates (output criterion, no heads)
+    "auto2": ("auto", dict(candidates=["ties", "task_arithmetic"])),  # the same between two candidates
 }
 SVD_RUNS = ("tsv_m", "iso_c", "iso_cts")
 SCORE_RUNS: dict[str, dict] = {
@@ -159,7 +160,7 @@ FLOOR_RUNS = ("forward", "read", "svd_floor")
 ALL_RUNS = ("forward", "read", "svd_floor", *SCORE_RUNS, *HF_RUNS, "compatibility")
 DEFAULT_RUNS = tuple(n for n in ALL_RUNS
                      if n not in ("read", "svd_floor", "score_own", "compatibility", "select_m_ties", *SVD_RUNS,
-                                  "regmean", "regmean_plusplus", "auto"))
+                                  "regmean", "regmean_plusplus", "auto", "auto2"))
 PEERS = ("mergekit", "fusion_bench")
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni", "avx_vnni")
 
@@ -1172,11 +1173,21 @@ def run_repeat(plan: Plan, repeat: int) -> dict:
         record(name, run_hf(plan, name, repeat))
         if plan.args.reference and name not in FLOOR_RUNS:  # side by side: this tree, then the reference tree
             record(f"{name}{REFERENCE_SUFFIX}", run_hf(plan, name, repeat, reference=True))
+        drop_outputs(plan)
     run_peers(plan, repeat, record)
+    drop_outputs(plan)
     for res in results.values():
         res.setdefault("tasks", plan.args.q)
     return {"repeat": repeat + 1, "loadavg_start": started, "loadavg_end": os.getloadavg(), "runs": results,
             "checks": run_checks(plan, results, repeat)}
+
+
+def drop_outputs(plan: Plan) -> None:
+    """``--drop-outputs``: each merged folder is removed once its run is recorded (a 7B model's outputs would not
+    fit the disk beside its inputs); the parity checks then have nothing to compare."""
+    if plan.args.drop_outputs:
+        for folder in plan.outs.iterdir():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def run_checks(plan: Plan, results: dict, repeat: int) -> dict:
@@ -1332,6 +1343,8 @@ def parse_args(argv=None):
     ap.add_argument("--results-dir", default=str(DEFAULT_RESULTS))
     ap.add_argument("--tag", default=None, help="results file suffix (default: <shape>_<device>; b32: <device>)")
     ap.add_argument("--keep-outputs", action="store_true", help="keep the merged models under the cache")
+    ap.add_argument("--drop-outputs", action="store_true",
+                    help="remove each merged folder right after its run (large shapes; no parity checks then)")
     ap.add_argument("--reference", metavar="TREE", default=None,
                     help="another hf_mloss source tree (e.g. a git worktree of the previous main): every hf_mloss run "
                          "is repeated under it right after this tree's, and the report gives both trees' ratios")
