@@ -709,6 +709,7 @@ def ensure_models_streamed(root: Path, config, dtype, q: int, seed: int, common:
             shutil.rmtree(folder)
         folder.mkdir(parents=True)
         config.dtype = dtype  # as published (the weights' storage dtype)
+        config.architectures = [type(meta).__name__]  # as save_pretrained writes it (mergekit reads it)
         config.save_pretrained(folder)
         donor_folder = donor[0] / folder.name if donor else None
         if donor_folder is not None and _model_ok(donor_folder, donor[1] | {"role": manifest["role"],
