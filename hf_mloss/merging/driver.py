@@ -1,7 +1,8 @@
 """``merge()`` and the merge driver: tensor by tensor for data-free methods, block by block for data-guided ones.
 
 Memory: the merged model (loaded from the base, in float32) plus, at any time, the q sources' copies of ONE tensor
-(data-free methods) or of one block's scored linear (data-guided methods). Source checkpoints are read lazily. A
+(data-free methods) or of one block's scored linear (data-guided methods). A large model's merged blocks are written
+to disk as the merge leaves them instead, so only one block of it is held (:mod:`.streamed`). Source checkpoints are read lazily. A
 tensor too large for q float32 copies (an LLM's embedding) is merged in flat pieces when the method allows it
 (:meth:`~hf_mloss.methods.MergeMethod.chunk_keep_counts`), with the same bits as whole.
 The driver names no method: a data-guided method supplies :class:`~hf_mloss.methods.LayerHooks` that decide what
