@@ -158,7 +158,7 @@ class StreamedOutput:
     def close(self, layer: int, merger: TensorMerger) -> None:
         """Block ``layer``: its tensors no stage merged are merged now (the method's data-free rule), then each is
         checked, cast and written; the block returns to ``meta``."""
-        from ..engine.walk import release_block
+        from ..engine.walk import release_block, release_memory
 
         block, prefix = self.blocks[layer], self.adapter.layer_prefix(layer)
         if layer != self.written:
@@ -176,6 +176,7 @@ class StreamedOutput:
                 merger.targets.pop(prefix + key)
         self.opened.discard(layer)
         self.written += 1
+        release_memory(collect=False)  # the block's freed pages, and its merge's, go back before the next block
 
     def _write(self, key: str, name: str | None, tensor: torch.Tensor, merger: TensorMerger) -> None:
         merger.check_written(name, tensor, self.out_dtype)
