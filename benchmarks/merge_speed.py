@@ -102,8 +102,21 @@ SHAPES: dict[str, dict] = {
     "qwen-tiny": dict(family="qwen2", dtype="bfloat16", vocab_size=512, hidden_size=64, intermediate_size=256,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                       tie_word_embeddings=True),
+    # Llama-2-7B: 6.74 B parameters (untied lm_head), 13.5 GB in bf16, 27 GB in float32: the model alone does not fit
+    # this benchmark's 24 GB machine in float32. Written shard by shard (``shard_bytes``: HF's 5 GB shards), one
+    # tensor in memory at a time; ``--layers`` cuts it to its first blocks (the same tensors: each is seeded by its
+    # name), for the depth comparisons.
+    "llama2-7b": dict(family="llama", dtype="bfloat16", stream=True, shard_bytes=5_000_000_000, vocab_size=32000,
+                      hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                      tie_word_embeddings=False),
+    # The same path on a smoke-test size (several shards of a few hundred kB).
+    "llama-tiny": dict(family="llama", dtype="bfloat16", stream=True, shard_bytes=400_000, vocab_size=512,
+                       hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=4, max_position_embeddings=128, rms_norm_eps=1e-5,
+                       tie_word_embeddings=False),
 }
-SHAPE_META = ("family", "dtype", "stream")
+SHAPE_META = ("family", "dtype", "stream", "shard_bytes")
 """Keys of a shape that describe how it is built, not its config."""
 
 
@@ -133,6 +146,7 @@ HF_RUNS: dict[str, tuple[str, dict]] = {
     "regmean": ("regmean", {}),  # Gram matrices of every linear's inputs, own prefix, on the shape's data
     "regmean_plusplus": ("regmean_plusplus", {}),  # the same on the merged prefix
     "auto": ("auto", {}),  # the label-free choice among its default candidates (output criterion, no heads)
+    "auto2": ("auto", dict(candidates=["ties", "task_arithmetic"])),  # the same between two candidates
 }
 SVD_RUNS = ("tsv_m", "iso_c", "iso_cts")
 SCORE_RUNS: dict[str, dict] = {
@@ -146,7 +160,7 @@ FLOOR_RUNS = ("forward", "read", "svd_floor")
 ALL_RUNS = ("forward", "read", "svd_floor", *SCORE_RUNS, *HF_RUNS, "compatibility")
 DEFAULT_RUNS = tuple(n for n in ALL_RUNS
                      if n not in ("read", "svd_floor", "score_own", "compatibility", "select_m_ties", *SVD_RUNS,
-                                  "regmean", "regmean_plusplus", "auto"))
+                                  "regmean", "regmean_plusplus", "auto", "auto2"))
 PEERS = ("mergekit", "fusion_bench")
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni", "avx_vnni")
 
@@ -538,7 +552,7 @@ def _model_ok(folder: Path, manifest: dict) -> bool:
     except (OSError, json.JSONDecodeError):
         return False
     needs_processor = "image_size" in manifest.get("config", {})
-    return ok and (folder / "model.safetensors").is_file() and (
+    return ok and bool(weight_files(folder)) and (
         not needs_processor or (folder / "preprocessor_config.json").is_file())
 
 
@@ -593,6 +607,58 @@ def _stream_base_tensor(name: str, shape: tuple, dtype, std: float, seed: int):
     return (std * torch.randn(shape, generator=_tensor_generator(seed, -1, name))).to(dtype)
 
 
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a saved model: ``model.safetensors``, or every shard its index names (empty when a
+    shard is missing or the folder holds neither)."""
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (OSError, KeyError, json.JSONDecodeError):
+        return []
+    files = [folder / n for n in names]
+    return files if all(f.is_file() for f in files) else []
+
+
+def shard_entries(entries: list[tuple[str, tuple, object]], shard_bytes: int | None) -> list[list]:
+    """``entries`` in consecutive groups of at most ``shard_bytes`` bytes (a larger tensor alone), as
+    ``save_pretrained`` shards; one group when ``shard_bytes`` is None."""
+    import torch
+
+    if not shard_bytes:
+        return [entries]
+    groups, size = [[]], 0
+    for entry in entries:
+        nbytes = math.prod(entry[1]) * torch.empty((), dtype=entry[2]).element_size()
+        if groups[-1] and size + nbytes > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(entry)
+        size += nbytes
+    return groups
+
+
+def write_sharded_streamed(folder: Path, entries: list[tuple[str, tuple, object]], produce,
+                           shard_bytes: int | None) -> None:
+    """:func:`write_safetensors_streamed` shard by shard: ``model.safetensors``, or transformers' shard names and
+    ``model.safetensors.index.json`` (the index last, so a folder with an index is complete)."""
+    import torch
+
+    groups = shard_entries(entries, shard_bytes)
+    if len(groups) == 1:
+        write_safetensors_streamed(folder / "model.safetensors", entries, produce)
+        return
+    weight_map, total = {}, 0
+    for i, group in enumerate(groups):
+        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        write_safetensors_streamed(folder / name, group, produce)
+        weight_map.update({entry[0]: name for entry in group})
+        total += sum(math.prod(e[1]) * torch.empty((), dtype=e[2]).element_size() for e in group)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
 def write_safetensors_streamed(path: Path, entries: list[tuple[str, tuple, object]], produce) -> None:
     """Write a safetensors file tensor by tensor: the header from ``entries`` (name, shape, dtype), then each
     ``produce(name)``'s bytes in order, so only one tensor is ever in memory."""
@@ -617,10 +683,14 @@ def write_safetensors_streamed(path: Path, entries: list[tuple[str, tuple, objec
     tmp.replace(path)
 
 
-def ensure_models_streamed(root: Path, config, dtype, q: int, seed: int, common: dict) -> list[str]:
-    """The base and q fine-tunes of a large shape, each written tensor by tensor (one tensor in memory at a time):
-    the base as transformers would initialise it, fine-tune i = base + ``1e-3·s·randn`` per tensor (s log-uniform
-    in TV_SPREAD), as :func:`_fill_finetune` but drawn per tensor name."""
+def ensure_models_streamed(root: Path, config, dtype, q: int, seed: int, common: dict,
+                           shard_bytes: int | None = None, donor: tuple[Path, dict] | None = None) -> list[str]:
+    """The base and q fine-tunes of a large shape, each written tensor by tensor (one tensor in memory at a time;
+    ``shard_bytes``: in shards of at most that size, as ``save_pretrained`` writes a large model): the base as
+    transformers would initialise it, fine-tune i = base + ``1e-3·s·randn`` per tensor (s log-uniform in
+    TV_SPREAD), as :func:`_fill_finetune` but drawn per tensor name, so a model cut to its first blocks
+    (``--layers``) holds the same tensors as the first blocks of the whole one. ``donor``: the whole model's folder and manifest,
+    whose tensors a cut model copies where that model is complete (the same values, without drawing them again)."""
     import torch
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
@@ -639,21 +709,32 @@ def ensure_models_streamed(root: Path, config, dtype, q: int, seed: int, common:
             shutil.rmtree(folder)
         folder.mkdir(parents=True)
         config.dtype = dtype  # as published (the weights' storage dtype)
+        config.architectures = [type(meta).__name__]  # as save_pretrained writes it (mergekit reads it)
         config.save_pretrained(folder)
-        if role < 0:
+        donor_folder = donor[0] / folder.name if donor else None
+        if donor_folder is not None and _model_ok(donor_folder, donor[1] | {"role": manifest["role"],
+                                                                             "streamed": True}):
+            handles = [safe_open(str(f), "pt") for f in weight_files(donor_folder)]
+            where = {key: h for h in handles for key in h.keys()}
+            write_sharded_streamed(folder, entries, lambda name: where[name].get_tensor(name), shard_bytes)
+            del where, handles
+        elif role < 0:
             shapes = {n: s for n, s, _ in entries}
 
             def produce(name):
                 return _stream_base_tensor(name, shapes[name], dtype, config.initializer_range, seed)
-            write_safetensors_streamed(folder / "model.safetensors", entries, produce)
+            write_sharded_streamed(folder, entries, produce, shard_bytes)
         else:
-            with safe_open(str(base_dir / "model.safetensors"), "pt") as base:
-                def produce(name, role=role, base=base):
-                    gen = _tensor_generator(seed, role, name)
-                    scale = TV_STD * math.exp(lo + (hi - lo) * float(torch.rand((), generator=gen)))
-                    b = base.get_tensor(name)
-                    return b.float().add_(torch.randn(b.shape, generator=gen), alpha=scale)
-                write_safetensors_streamed(folder / "model.safetensors", entries, produce)
+            handles = [safe_open(str(f), "pt") for f in weight_files(base_dir)]
+            where = {key: h for h in handles for key in h.keys()}
+
+            def produce(name, role=role):
+                gen = _tensor_generator(seed, role, name)
+                scale = TV_STD * math.exp(lo + (hi - lo) * float(torch.rand((), generator=gen)))
+                b = where[name].get_tensor(name)
+                return b.float().add_(torch.randn(b.shape, generator=gen), alpha=scale)
+            write_sharded_streamed(folder, entries, produce, shard_bytes)
+            del where, handles
         (folder / "bench_manifest.json").write_text(json.dumps(manifest, indent=2))
         created.append(manifest["role"])
     return created
@@ -675,7 +756,13 @@ def ensure_models(cache: Path, shape: str, layers: int | None, q: int, seed: int
               "tv_spread": list(TV_SPREAD), "dtype": str(dtype)}
     t0, created, base, ft = time.perf_counter(), [], None, None
     if SHAPES[shape].get("stream"):
-        created = ensure_models_streamed(root, config, dtype, q, seed, common)
+        donor = None
+        if layers is not None:  # a cut model: its tensors are the whole model's first blocks, copied when it exists
+            whole = {k: v for k, v in common.items()} | {"config": common["config"] | {
+                "num_hidden_layers": SHAPES[shape]["num_hidden_layers"]}}
+            donor = (cache / "models" / shape, whole)
+        created = ensure_models_streamed(root, config, dtype, q, seed, common, SHAPES[shape].get("shard_bytes"),
+                                         donor)
     elif not _model_ok(base_dir, common | {"role": "base"}):
         torch.manual_seed(seed)
         base = model_class.from_config(config).to(dtype).eval() if is_decoder(shape) else \
@@ -693,17 +780,21 @@ def ensure_models(cache: Path, shape: str, layers: int | None, q: int, seed: int
         _save(ft, folder, image_size, common | {"role": f"ft{i}"})
         created.append(f"ft{i}")
     info = {"root": str(root), "created": created, "create_s": round(time.perf_counter() - t0, 2),
-            "model_bytes": (base_dir / "model.safetensors").stat().st_size,
-            "num_params": _num_params(base_dir / "model.safetensors"), "config": common["config"]}
+            "model_bytes": sum(f.stat().st_size for f in weight_files(base_dir)),
+            "num_params": _num_params(weight_files(base_dir)), "config": common["config"],
+            "files": len(weight_files(base_dir))}
     return base_dir, dirs, info
 
 
-def _num_params(path: Path) -> int | None:
+def _num_params(paths: list[Path]) -> int | None:
     try:
         from safetensors import safe_open
 
-        with safe_open(str(path), "pt") as f:
-            return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+        total = 0
+        for path in paths:
+            with safe_open(str(path), "pt") as f:
+                total += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+        return total
     except Exception:
         return None
 
@@ -786,16 +877,20 @@ def _spearman(x, y) -> float:
 
 
 def parity_main(spec: dict) -> dict:
-    """Max |a − b| over the tensors both merged ``model.safetensors`` hold (read one tensor at a time)."""
+    """Max |a − b| over the tensors both merged folders hold (shards included; read one tensor at a time)."""
     from safetensors import safe_open
 
+    from contextlib import ExitStack
+
     worst, worst_key, common, differing, total = 0.0, None, 0, 0, 0
-    with safe_open(str(Path(spec["a"]) / "model.safetensors"), "pt") as fa, \
-            safe_open(str(Path(spec["b"]) / "model.safetensors"), "pt") as fb:
-        keys_a = {k.removeprefix("vision_model."): k for k in fa.keys()}
-        keys_b = {k.removeprefix("vision_model."): k for k in fb.keys()}
+    with ExitStack() as stack:  # every file of each (shards included), one tensor read at a time
+        def keys_of(folder: str) -> dict:
+            handles = [stack.enter_context(safe_open(str(f), "pt")) for f in weight_files(Path(folder))]
+            return {k.removeprefix("vision_model."): (h, k) for h in handles for k in h.keys()}
+        keys_a, keys_b = keys_of(spec["a"]), keys_of(spec["b"])
         for key in sorted(set(keys_a) & set(keys_b)):
-            ta, tb = fa.get_tensor(keys_a[key]).float(), fb.get_tensor(keys_b[key]).float()
+            (fa, ka), (fb, kb) = keys_a[key], keys_b[key]
+            ta, tb = fa.get_tensor(ka).float(), fb.get_tensor(kb).float()
             if ta.shape != tb.shape:
                 return {"error": f"shape mismatch on {key}"}
             diff = (ta - tb).abs()
@@ -1079,11 +1174,21 @@ def run_repeat(plan: Plan, repeat: int) -> dict:
         record(name, run_hf(plan, name, repeat))
         if plan.args.reference and name not in FLOOR_RUNS:  # side by side: this tree, then the reference tree
             record(f"{name}{REFERENCE_SUFFIX}", run_hf(plan, name, repeat, reference=True))
+        drop_outputs(plan)
     run_peers(plan, repeat, record)
+    drop_outputs(plan)
     for res in results.values():
         res.setdefault("tasks", plan.args.q)
     return {"repeat": repeat + 1, "loadavg_start": started, "loadavg_end": os.getloadavg(), "runs": results,
             "checks": run_checks(plan, results, repeat)}
+
+
+def drop_outputs(plan: Plan) -> None:
+    """``--drop-outputs``: each merged folder is removed once its run is recorded (a 7B model's outputs would not
+    fit the disk beside its inputs); the parity checks then have nothing to compare."""
+    if plan.args.drop_outputs:
+        for folder in plan.outs.iterdir():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def run_checks(plan: Plan, results: dict, repeat: int) -> dict:
@@ -1239,6 +1344,8 @@ def parse_args(argv=None):
     ap.add_argument("--results-dir", default=str(DEFAULT_RESULTS))
     ap.add_argument("--tag", default=None, help="results file suffix (default: <shape>_<device>; b32: <device>)")
     ap.add_argument("--keep-outputs", action="store_true", help="keep the merged models under the cache")
+    ap.add_argument("--drop-outputs", action="store_true",
+                    help="remove each merged folder right after its run (large shapes; no parity checks then)")
     ap.add_argument("--reference", metavar="TREE", default=None,
                     help="another hf_mloss source tree (e.g. a git worktree of the previous main): every hf_mloss run "
                          "is repeated under it right after this tree's, and the report gives both trees' ratios")

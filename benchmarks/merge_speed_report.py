@@ -22,10 +22,12 @@ TARGETS = {
     "auto_vs_slowest_candidate": 3.0,
 }
 DECODER_TARGETS = {"ties_tensor_vs_mergekit_wall": 0.5, "compatibility_vs_own_floor": 1.3}
+SHAPE_TARGETS = {"llama2-7b": {"ties_tensor_vs_mergekit_wall": 0.3}}
+"""Targets of one shape (issue 75: a 7B decoder's TIES against mergekit-yaml)."""
 """The targets set otherwise, or only, for decoder shapes (data-free merges of a bf16 LLM against mergekit; the
 compatibility report against the q own forwards it must run)."""
 HF_NAMES = ("ties_tensor", "ties_tensor_mk", "ties_global", "dare", "task_arithmetic", "m_ties", "m_ties_bf16",
-            "select_m_ties", "ties_global_fb", "tsv_m", "iso_c", "iso_cts", "regmean", "regmean_plusplus", "auto")
+            "select_m_ties", "ties_global_fb", "tsv_m", "iso_c", "iso_cts", "regmean", "regmean_plusplus", "auto", "auto2")
 MEASURE_RUNS = ("forward", "read", "svd_floor", "score", "score_bf16", "score_own", "compatibility")
 DESCRIPTIONS = {
     "read": "every tensor of base + q fine-tunes read onto the device as stored (safetensors); inner = faster pass",
@@ -51,6 +53,7 @@ DESCRIPTIONS = {
     "regmean": "hf_mloss regmean (Gram matrices of every linear's inputs, own prefix)",
     "regmean_plusplus": "hf_mloss regmean_plusplus (the same on the merged prefix)",
     "auto": "hf_mloss auto (default candidates: TSV-M, Iso-CTS, TIES, TA on 6 λ each, RegMean++; output criterion)",
+    "auto2": "hf_mloss auto between two candidates (TIES, TA on 6 λ each; output criterion)",
     "mergekit_ties": "mergekit-yaml ties (density 0.2, normalize)",
     "mergekit_1t_ties": "mergekit-yaml ties, OMP_NUM_THREADS=1",
     "fusion_bench_ties": "fusion-bench TiesMergingAlgorithm (dis-mean)",
@@ -125,7 +128,7 @@ def mergekit_ratios(ratios: Ratios, runs: dict, q: int, targets: dict = TARGETS)
         ratios.add("ties_tensor_vs_mergekit_wall", tt["wall_s"], mk["wall_s"], targets["ties_tensor_vs_mergekit_wall"],
                    wall)
         ratios.add("ties_tensor_vs_mergekit_rss", tt["max_rss_mb"], mk["max_rss_mb"],
-                   TARGETS["ties_tensor_vs_mergekit_rss"], "peak RSS (os.wait4 ru_maxrss)")
+                   targets["ties_tensor_vs_mergekit_rss"], "peak RSS (os.wait4 ru_maxrss)")
         ratios.add("ties_tensor_vs_mergekit_cpu", tt["cpu_s"], mk["cpu_s"], None, f"process CPU (user+sys); {CPU_NOTE}")
     if _ok(mt):
         ratios.add("m_ties_vs_mergekit_wall", mt["wall_s"], mk["wall_s"], TARGETS["m_ties_vs_mergekit_wall"], wall)
@@ -287,6 +290,7 @@ def _summarize_runs(runs: dict, payload: dict) -> dict:
     floor = floor_figures(runs, q, scored_share(payload))
     ratios = Ratios()
     targets = TARGETS | DECODER_TARGETS if is_decoder(payload) else TARGETS
+    targets = targets | SHAPE_TARGETS.get(payload.get("shape"), {})
     mergekit_ratios(ratios, runs, q, targets)
     floor_ratios(ratios, runs, floor, targets)
     io_floor_ratios(ratios, runs, floor, q)

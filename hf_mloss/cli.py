@@ -6,7 +6,8 @@ hf-mloss merge CONFIG.yaml OUT_DIR [--push-to-hub REPO] [--private] [--overwrite
 hf-mloss score CONFIG.yaml [--json OUT] [--per-row] [--overwrite] [--device DEVICE] [--quiet]
               [--pairwise [--subsets I,J,...] [--output-gap] [--no-baselines] [--out DIR]]
               [--select unlabeled --grid PARAM=V1,V2,...]   (print every candidate's criteria, write nothing)
-hf-mloss moe CONFIG.yaml OUT_DIR [--overwrite] [--device DEVICE] [--quiet] [--no-mloss]
+hf-mloss moe CONFIG.yaml OUT_DIR [--overwrite] [--device DEVICE] [--quiet] [--no-mloss] [--no-report]
+             [--report-positions N|all]
              [--i-understand-this-is-not-useful-without-training]   (mergekit-moe's YAML: an MoE from dense fine-tunes)
 hf-mloss push OUT_DIR REPO [--private] [--revision REV] [--create-pr] [--commit-message MSG] [--quiet]
 hf-mloss methods [--json]
@@ -287,6 +288,12 @@ def moe_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
                         help="Replace OUT_DIR if it exists and is not empty (only once the new folder is complete).")
     parser.add_argument("--device", default=None, help=DEVICE_HELP)
     parser.add_argument("--no-mloss", action="store_true", help="Skip each expert pair's M-Loss on the prompts.")
+    parser.add_argument("--no-report", action="store_true",
+                        help="Build alone: no routing report and no M-Loss (the folder is still checked to load).")
+    parser.add_argument("--report-positions", default=None, metavar="N|all",
+                        help="The most token positions the routing report and the M-Loss read (default 256): "
+                             "prompts holding more are each cut to their first tokens (the model is causal, so "
+                             "those positions' values are the whole prompt's); 'all' reads every token.")
     parser.add_argument("--i-understand-this-is-not-useful-without-training", dest="allow_identical",
                         action="store_true", help="Accept experts that are all one model (mergekit-moe's flag).")
     if subparsers is not None:
@@ -304,6 +311,7 @@ def moe_command(args: argparse.Namespace) -> int:
     from .saving import check_output_dir
 
     _check_environment()
+    tokens = {} if args.report_positions is None else {"report_positions": _report_positions(args.report_positions)}
     check_output_dir(args.out_dir, overwrite=args.overwrite, protected=config.input_paths())  # before any output
     device = resolve_device(args.device)
     show = not args.quiet
@@ -311,9 +319,20 @@ def moe_command(args: argparse.Namespace) -> int:
         print(f"Computing on {describe_device(device)}", flush=True)
     with _progress_bars(show):
         result = build_moe(config, args.out_dir, overwrite=args.overwrite, device=device, progress=show,
-                           mloss=not args.no_mloss)
+                           mloss=not args.no_mloss, report=not args.no_report, **tokens)
     print(result.summary())
     return 0
+
+
+def _report_positions(value: str) -> int | None:
+    """``--report-positions``: ``all`` or a positive whole number."""
+    from .errors import InvalidParameterError
+
+    if value.strip().lower() == "all":
+        return None
+    if not value.strip().isdigit() or int(value) < 1:
+        raise InvalidParameterError(f"--report-positions takes a positive whole number or 'all', got {value!r:.40}.")
+    return int(value)
 
 
 # ----------------------------------------------------------------------------------------------------- methods

@@ -29,7 +29,7 @@ from torch import nn
 from ..adapters import EMBEDDING_STAGE, BlockContext, ModelAdapter
 
 __all__ = ["BatchState", "BlockArena", "UnitInputs", "as_batch", "embed_batches", "is_streamed", "load_block",
-           "own_walk", "release_block", "shared_walk"]
+           "own_walk", "release_block", "release_memory", "shared_walk"]
 
 
 def as_batch(batch: Mapping[str, torch.Tensor] | torch.Tensor) -> dict[str, torch.Tensor]:
@@ -163,6 +163,22 @@ def release_block(block: nn.Module) -> None:
 
     for name, _ in list(block.named_parameters()):
         set_module_tensor_to_device(block, name, "meta")
+
+
+def release_memory(*, collect: bool = True) -> None:
+    """Hand the heap pages freed so far back to the system. glibc keeps freed chunks below its mmap threshold (which
+    grows to 32 MB as large tensors are freed) inside the process, so without this each layer's or stage's peak would
+    count the fragments left by those before it (about 0.2 GB after the routing pass of a 4-expert 0.5B MoE; about
+    0.15 GB per block in a streamed merge of a Qwen2.5-1.5B-shaped decoder)."""
+    import ctypes
+    import gc
+
+    if collect:
+        gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to hand back this way
+        pass
 
 
 def load_block(module: nn.Module, store: Any, prefix: str, device: Any, *, materialise: bool = False,

@@ -195,20 +195,21 @@ class RunInputs:
                 set_module_tensor_to_device(model, name, self.device, value=buffer)
         return model.eval()  # what is not on meta is on the run's device now
 
-    def _streamed_output_model(self, output: str, dtype: torch.dtype) -> PreTrainedModel | None:
-        """:meth:`load_output_model` for a large base (float32 size at least :data:`STREAMED_LOAD_MIN_BYTES`) read
-        from safetensors: filled tensor by tensor from the lazy store, so its peak is the model itself (loading it
-        with ``from_pretrained`` maps the checkpoint beside the float32 copy: a 1.5 B bf16 model peaked at 9 GB)."""
-        import math
+    def output_skeleton(self, output: str, dtype: torch.dtype) -> PreTrainedModel | None:
+        """The output model with its blocks on ``meta`` and everything else read from the base in ``dtype``, as
+        :meth:`load_output_model` would record it (layout, name, generation config): the container of a merge
+        written block by block (:mod:`hf_mloss.merging.streamed`). ``None`` where the base cannot be read that way
+        (a model passed in memory, a pickle checkpoint, missing tensors, a merged vocabulary, blocks with
+        buffers)."""
+        if self.base_model is not None or getattr(self.base, "is_pickle", True) or self.uninitialised \
+                or self.vocabulary is not None:
+            return None
+        model = self._from_store(output, dtype, blocks_on_meta=True)
+        return None if model is None else self._as_loaded(model)
 
-        if self.base_model is not None or getattr(self.base, "is_pickle", True) or self.uninitialised:
-            return None
-        size = sum(math.prod(shape) for shape in self.base.shapes.values()) * torch.finfo(dtype).bits // 8
-        if size < STREAMED_LOAD_MIN_BYTES:
-            return None
-        model = self._from_store(output, dtype, blocks_on_meta=False)
-        if model is None:
-            return None
+    def _as_loaded(self, model: PreTrainedModel) -> PreTrainedModel:
+        """``model`` (filled from the store) as ``from_pretrained`` would have left it: saved back in the base's
+        layout, named after the base's folder, with its generation config."""
         layout = getattr(self.adapter, "layout", None)
         if layout is not None and getattr(self.base, "checkpoint_keys", None):  # saved back in the base's layout,
             from ..adapters.layout import write_layout  # as from_pretrained would have recorded it
@@ -221,6 +222,20 @@ class RunInputs:
 
             model.generation_config = GenerationConfig.from_pretrained(path)
         return model
+
+    def _streamed_output_model(self, output: str, dtype: torch.dtype) -> PreTrainedModel | None:
+        """:meth:`load_output_model` for a large base (float32 size at least :data:`STREAMED_LOAD_MIN_BYTES`) read
+        from safetensors: filled tensor by tensor from the lazy store, so its peak is the model itself (loading it
+        with ``from_pretrained`` maps the checkpoint beside the float32 copy: a 1.5 B bf16 model peaked at 9 GB)."""
+        import math
+
+        if self.base_model is not None or getattr(self.base, "is_pickle", True) or self.uninitialised:
+            return None
+        size = sum(math.prod(shape) for shape in self.base.shapes.values()) * torch.finfo(dtype).bits // 8
+        if size < STREAMED_LOAD_MIN_BYTES:
+            return None
+        model = self._from_store(output, dtype, blocks_on_meta=False)
+        return None if model is None else self._as_loaded(model)
 
     def load_output_model(self, output: str, *, progress: bool = True,
                           dtype: torch.dtype = torch.float32) -> PreTrainedModel:

@@ -1,7 +1,8 @@
 """``merge()`` and the merge driver: tensor by tensor for data-free methods, block by block for data-guided ones.
 
 Memory: the merged model (loaded from the base, in float32) plus, at any time, the q sources' copies of ONE tensor
-(data-free methods) or of one block's scored linear (data-guided methods). Source checkpoints are read lazily. A
+(data-free methods) or of one block's scored linear (data-guided methods). A large model's merged blocks are written
+to disk as the merge leaves them instead, so only one block of it is held (:mod:`.streamed`). Source checkpoints are read lazily. A
 tensor too large for q float32 copies (an LLM's embedding) is merged in flat pieces when the method allows it
 (:meth:`~hf_mloss.methods.MergeMethod.chunk_keep_counts`), with the same bits as whole.
 The driver names no method: a data-guided method supplies :class:`~hf_mloss.methods.LayerHooks` that decide what
@@ -29,6 +30,7 @@ from ..parallel import Workers, cpu_workers
 from ..parallel import active as active_workers
 from ..output.result import MergeResult
 from .stages import DriverRun
+from .streamed import StreamedHooks, StreamedOutput, plan_streamed_output
 from ..spec.schedule import TensorParameters, replace_params, split_parameters
 
 if TYPE_CHECKING:
@@ -69,15 +71,18 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
                 and not scored_part_only and not split_parameters(method, config.parameters)[1]:
             return adapter_from_factors(config, inputs, method, params, adapter_plan)
         # the inputs as given (a passthrough reads every model through its sliced base): recorded and carded
-        slice_plan, given = None, inputs
+        slice_plan, given, streamed = None, inputs, None
         if config.slices is not None:  # output blocks re-stacked from layer ranges (hf_mloss.spec.slices)
             from ..spec.slices import apply_slices
 
             inputs, model, slice_plan = apply_slices(config, inputs, working_dtype(config, inputs, needs_data=False))
         else:
             output = inputs.scoring_output() if scored_part_only else "auto" if adapter_plan else config.output
-            model = inputs.load_output_model(output, progress=progress,
-                                             dtype=working_dtype(config, inputs, needs_data=needs_data))
+            dtype = working_dtype(config, inputs, needs_data=needs_data)
+            streamed = None if scored_part_only or adapter_plan is not None else plan_streamed_output(
+                config, inputs, method, params, dtype=dtype, out_dtype=output_dtype(config, inputs), output=output)
+            model = streamed.model if streamed is not None else inputs.load_output_model(output, progress=progress,
+                                                                                         dtype=dtype)
         if getattr(model.config, "auto_map", None):  # code the merged folder would not ship: dropped, and said
             del model.config.auto_map
             inputs.notes.append("The base's config.json names custom code (auto_map), which is not copied: the "
@@ -90,7 +95,7 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
                                          (slice_plan.slice_of, [e.get("parameters") for e in config.slices])
                                          if slice_plan else None)
         merger = TensorMerger(inputs, method, ctx, model, workers,  # every merged tensor: a whole model's too
-                              tensor_params=tensor_params)
+                              tensor_params=tensor_params, output=streamed)
         outside = outside_tower_names(inputs, merger.names)
         report, learned = None, None
         if config.select is not None:
@@ -124,7 +129,7 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
 
             report = MLossReport.not_computed(config.method, [r.name for r in inputs.refs],
                                               (inputs.alpha / inputs.alpha.sum()).tolist())
-        out_dtype = as_dtype(config.dtype) if config.dtype else stored_dtype(inputs)
+        out_dtype = output_dtype(config, inputs)
         model = finalize(model, merger, out_dtype, keep_targets=adapter_plan is not None)
         lora = None if adapter_plan is None else build_adapter_output(
             adapter_plan, config, inputs, merger.targets, out_dtype, zero_delta_is_base=method.zero_delta_is_base)
@@ -144,10 +149,12 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
         vocabulary = given.vocabulary
         if vocabulary is not None:
             description += " " + vocabulary.describe()
+        spilled = streamed.spill if streamed is not None else None
         return MergeResult(model=model, config=record, report=report, base=inputs.base.ref, models=given.refs,
                            adapter=inputs.adapter, data_info=inputs.data_info, method_description=description,
                            lora=lora, device=describe_device(inputs.device),
-                           tokenizer=vocabulary.tokenizer if vocabulary is not None else None)
+                           tokenizer=vocabulary.tokenizer if vocabulary is not None else None, spilled=spilled,
+                           model_loader=spilled.load_model if spilled is not None else None)
 
 
 def merge_by_method(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model: PreTrainedModel,
@@ -303,8 +310,11 @@ class TensorMerger:
     """Reads, checks and merges tensors into the model (its tower's, or every merged tensor of a whole model)."""
 
     def __init__(self, inputs: RunInputs, method: MergeMethod, ctx: MergeContext, tower: PreTrainedModel,
-                 workers: Workers | None = None, *, tensor_params: TensorParameters | None = None) -> None:
+                 workers: Workers | None = None, *, tensor_params: TensorParameters | None = None,
+                 output: StreamedOutput | None = None) -> None:
+        """``output``: the model's blocks are on ``meta`` and written block by block (:mod:`.streamed`)."""
         self.inputs, self.method, self.ctx, self.device = inputs, method, ctx, inputs.device
+        self.output = output
         self.tensor_params = tensor_params  # per-layer / per-tensor parameter values, when the config has any
         self.workers = workers or active_workers()
         adapter = inputs.adapter
@@ -316,7 +326,9 @@ class TensorMerger:
         ctx.state["total_numel"] = sum(math.prod(inputs.base.shapes[n]) for n in self.names)
 
     def read(self, name: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        base = self.targets[name].float() if name not in self.done else self.inputs.base.get_float(name, self.device)
+        target = self.targets.get(name)
+        base = target.float() if name not in self.done and target is not None and not target.is_meta else \
+            self.inputs.base.get_float(name, self.device)
         if not torch.isfinite(base.sum()) and not torch.isfinite(base).all():
             self._refuse_non_finite(name, self.inputs.base, base)
         sources = []
@@ -339,12 +351,33 @@ class TensorMerger:
 
     @torch.no_grad()
     def merge(self, names: Sequence[str], *, progress: bool = False, desc: str = "Merging") -> None:
-        """Merge the ``names`` not merged yet into the model, spread over the run's workers."""
+        """Merge the ``names`` not merged yet into the model, spread over the run's workers (a streamed output:
+        stage by stage, each block filled before its tensors merge)."""
         pending = list(dict.fromkeys(n for n in names if n not in self.done))
         with tqdm(total=len(pending), desc=desc, unit="tensor", disable=not progress) as bar:
-            for name in self.workers.imap(self._merge_one, pending):
-                self.done.add(name)
+            if self.output is None:
+                self.merge_now(pending, bar)
+                return
+            for stage, group in self.output.stages(pending):
+                self.output.open_stage(stage, self)
+                self.merge_now(group, bar)
+
+    def merge_now(self, names: Sequence[str], bar: Any = None) -> None:
+        """Merge ``names`` (not merged yet, their targets in memory) over the run's workers."""
+        for name in self.workers.imap(self._merge_one, list(names)):
+            self.done.add(name)
+            if bar is not None:
                 bar.update()
+
+    def check_written(self, name: str | None, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+        """:func:`finalize`'s checks of one merged tensor (finite, and within ``dtype``), for a streamed output,
+        which writes each block as it goes."""
+        if name not in self.done:
+            return
+        if name not in self.checked and not torch.isfinite(tensor).all():
+            raise_non_finite(name, self.ctx.params)
+        if dtype.is_floating_point and dtype != torch.float32 and tensor.dtype == torch.float32:
+            check_fits(name, _largest_magnitude(tensor), dtype)
 
     def _merge_one(self, name: str) -> str:
         ctx = replace_params(self.ctx, self.tensor_params.for_tensor(name)) if self.tensor_params else self.ctx
@@ -490,6 +523,8 @@ def _merge_tower(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, t
     names = None if tower.names is None else [n for n in tower.names if n in merged]
     run = DriverRun(merger, adapter=tower.adapter, names=names)
     hooks = method.layer_hooks(run)
+    if merger.output is not None:  # each block filled before its stage, written once the walk is past it
+        hooks = StreamedHooks(hooks, merger.output, merger)
     if options.prefix == "merged":
         setup = make_setup(inputs, tower.module, options, config, progress=progress, tower=tower)
         results = score_shared_prefix(setup, hooks)
@@ -516,20 +551,29 @@ def finalize(model: PreTrainedModel, merger: TensorMerger, dtype: torch.dtype, *
     Raises:
         InvalidParameterError: naming the first tensor that overflows and what to change.
     """
+    output = getattr(merger, "output", None)
+    if output is not None:  # written block by block: the rest now, each tensor checked as it is written
+        output.finish(merger)
+        return None
     params = merger.ctx.params
     for name in merger.names:
         tensor = merger.targets[name]
         if name not in merger.checked and not torch.isfinite(tensor).all():
-            lam = getattr(params, "lam", None)
-            raise InvalidParameterError(
-                f"The merge produced non-finite values in {name!r} (max |x| overflows float32)"
-                + (f"; lam={lam} is too large" if lam is not None and abs(lam) > 1e3 else "") + ". Nothing was "
-                "written; use smaller lam/weights.")
+            raise_non_finite(name, params)
         if dtype.is_floating_point and dtype != torch.float32 and tensor.dtype == torch.float32:
             check_fits(name, _largest_magnitude(tensor), dtype)
     if not keep_targets:
         merger.targets.clear()
     return model.to(dtype).eval()
+
+
+def raise_non_finite(name: str, params: Any) -> None:
+    """Refuse a merged tensor holding NaN/Inf, naming it (and λ where it is the likely cause)."""
+    lam = getattr(params, "lam", None)
+    raise InvalidParameterError(
+        f"The merge produced non-finite values in {name!r} (max |x| overflows float32)"
+        + (f"; lam={lam} is too large" if lam is not None and abs(lam) > 1e3 else "") + ". Nothing was "
+        "written; use smaller lam/weights.")
 
 
 def _largest_magnitude(tensor: torch.Tensor) -> float:
@@ -560,6 +604,11 @@ def working_dtype(config: MergeConfig, inputs: RunInputs, *, needs_data: bool) -
     if needs_data or not out.is_floating_point or stored != {out}:
         return torch.float32
     return out
+
+
+def output_dtype(config: MergeConfig, inputs: RunInputs) -> torch.dtype:
+    """The dtype the merged model is written in: the config's, else the base's storage dtype."""
+    return as_dtype(config.dtype) if config.dtype else stored_dtype(inputs)
 
 
 def stored_dtype(inputs: RunInputs) -> torch.dtype:

@@ -74,6 +74,14 @@ def refuse_experts(adapter: Any, what: str) -> None:
             "merges the model.")
 
 
+def merge_stage(merger: TensorMerger, run: DriverRun, stage: int) -> None:
+    """Merge a stage into the model being merged (a streamed output: its block filled first, even with nothing to
+    merge there, since the walk runs it next)."""
+    if merger.output is not None:
+        merger.output.open_stage(stage, merger)
+    run.merge(run.stage_names(stage))
+
+
 def _merge_tower(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: ScoredTower,
                  method: MergeMethod, deficient: list[tuple[str, Deficiency]], *, progress: bool) -> None:
     from tqdm.auto import tqdm
@@ -112,7 +120,7 @@ def _merge_tower(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, t
         if own:
             own_gram_walk(setup, alpha, ratio, start, solved, progress=bar, deficient=found)
         else:
-            merged_gram_walk(setup, alpha, ratio, start, solved, lambda stage: run.merge(run.stage_names(stage)),
+            merged_gram_walk(setup, alpha, ratio, start, solved, lambda stage: merge_stage(merger, run, stage),
                              progress=bar, deficient=found)
     finally:
         bar.close()

@@ -51,6 +51,8 @@ def build_card(result: MoEResult, inputs: MoEInputs) -> ModelCard:
         device=result.device, degenerate=", ".join(map(str, result.degenerate_layers)),
         layers=list(range(inputs.num_layers)), uniform=f"{1 / len(config.experts):.2f}",
         routing=_routing_section(result), mloss=_mloss_rows(result, inputs), mloss_note=result.mloss_note,
+        report_scope=_report_scope(result), no_report=result.routing is None and "without a report" in str(
+            result.mloss_note),
         repo_hint="path/or/repo-id", usage_prompt=json.dumps(" ".join(first_prompt.split())[:80], ensure_ascii=False),
     )
 
@@ -73,6 +75,18 @@ def _cell(text: str, limit: int = 80) -> str:
     """One table cell: one line, ``|`` escaped, cut to ``limit`` characters."""
     text = " ".join(str(text).split()).replace("|", "\\|")
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _report_scope(result: MoEResult) -> str | None:
+    """Which token positions the routing report and the M-Loss read, when not every one (``None``)."""
+    tokens = getattr(result, "report_tokens", None)
+    if tokens is None:
+        return None
+    positions = getattr(result, "report_positions", None)
+    counted = f" ({positions[0]} of the prompts' {positions[1]} token positions)" if positions else ""
+    return (f"the first {tokens} tokens of each prompt, its BOS included{counted}; the model is causal, so every "
+            "value at those positions is what the whole prompt gives there. `build_moe(..., report_positions=None)` "
+            "(`hf-mloss moe --report-positions all`) reads every token")
 
 
 def _routing_section(result: MoEResult) -> dict[str, Any] | None:

@@ -34,10 +34,12 @@ def prompt_tokenizer(tokenizer: Any) -> Any:
     return tokenizer
 
 
-def encode(tokenizer: Any, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
-    """``input_ids`` and ``attention_mask`` of ``prompts``, each written after the BOS token (no chat template)."""
+def encode(tokenizer: Any, prompts: Sequence[str], max_tokens: int | None = None) -> dict[str, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` of ``prompts``, each written after the BOS token (no chat template);
+    ``max_tokens``: each cut to its first that many tokens (the BOS included)."""
+    cut = {"truncation": True, "max_length": max_tokens} if max_tokens is not None else {}
     batch = tokenizer([(tokenizer.bos_token or "") + p for p in prompts], return_tensors="pt", padding=True,
-                      add_special_tokens=False)
+                      add_special_tokens=False, **cut)
     return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..engine.walk import release_memory  # noqa: F401  (kept importable from here)
 from ..loading.store import TensorStore
 
 
@@ -170,16 +171,3 @@ def _fresh(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     return type(module)(config=module.config).to(device)
 
 
-def release_memory(*, collect: bool = True) -> None:
-    """Hand the heap pages freed so far back to the system. glibc keeps freed chunks below its mmap threshold (which
-    grows to 32 MB as large tensors are freed) inside the process, so without this each layer's or stage's peak would
-    count the fragments left by those before it (about 0.2 GB after the routing pass of a 4-expert 0.5B MoE)."""
-    import ctypes
-    import gc
-
-    if collect:
-        gc.collect()
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to hand back this way
-        pass

@@ -139,13 +139,17 @@ def _layers(layers: list[int]) -> str:
 
 
 def route_prompts(layered: Any, tokenizer: Any, prompts: Sequence[str], owners: Sequence[int], labels: list[str], *,
-                  top_k: int, normalize: bool = True, batch_size: int = 16, progress: bool = False) -> RoutingReport:
+                  top_k: int, normalize: bool = True, batch_size: int = 16, max_tokens: int | None = None,
+                  progress: bool = False) -> RoutingReport:
     """Run ``prompts`` through the MoE and record the routing of every real token (see the module). ``layered``: the
     MoE as a :class:`~hf_mloss.moe.layered.LayeredModel` (one layer in memory at a time); each layer's router input
-    is what the whole model's forward computes, bit for bit, and the last layer stops once its router has read it."""
+    is what the whole model's forward computes, bit for bit, and the last layer stops once its router has read it.
+    ``max_tokens``: only each prompt's first tokens (the BOS included) are read; the model is causal, so the routing
+    at those positions is the whole prompt's."""
     from .gates import encode
 
-    encoded = [encode(tokenizer, prompts[start:start + batch_size]) for start in range(0, len(prompts), batch_size)]
+    encoded = [encode(tokenizer, prompts[start:start + batch_size], max_tokens)
+               for start in range(0, len(prompts), batch_size)]
     positions = [(batch["attention_mask"].cumsum(-1) - 1).clamp(min=0) for batch in encoded]
     batches = layered.record([{**batch, "position_ids": pos} for batch, pos in zip(encoded, positions, strict=True)],
                              use_cache=False)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from ..spec.schedule import described_schedules
+from .spill import describe as described
 
 if TYPE_CHECKING:
     from ..spec.config import MergeConfig
@@ -46,7 +47,7 @@ def card_data(result: CardSource) -> ModelCardData:
     """YAML metadata: Hub ids only in ``base_model`` (local paths never leak), merge relation, tags, license."""
     hub_ids = [ref.repo_id for ref in [result.base, *result.models] if ref.repo_id]
     lora = getattr(result, "lora", None)
-    meta = result.adapter.card_metadata(result.model) if lora is None else {}
+    meta = result.adapter.card_metadata(described(result)) if lora is None else {}
     info = result.data_info.to_dict() if result.data_info is not None else {}
     towers = getattr(result.report, "towers", None) or {}  # a whole model's towers, each on its own data
     infos = [info, *(tower.get("data") or {} for tower in towers.values())]
@@ -200,7 +201,7 @@ def card_title(result: CardSource, model_class: str) -> str:
 
     base = result.base.repo_id or f"a {model_class}"
     if getattr(result.config, "slices", None):  # layer ranges of the base and the models, not fine-tunes merged whole
-        layers = result.model.config.get_text_config().num_hidden_layers
+        layers = described(result).config.get_text_config().num_hidden_layers
         sources = f"{1 + len(result.models)} models ({base} first)" if result.models else base
         return f"{get_method(result.config.method).pretty_name} merge: {layers} layers from layer ranges of {sources}"
     return f"{get_method(result.config.method).pretty_name} merge of {len(result.models)} fine-tunes of {base}"
@@ -266,7 +267,7 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
     compatibility = getattr(result, "compatibility", None)
     template = resources.files("hf_mloss").joinpath("templates", TEMPLATE).read_text(encoding="utf-8")
     lora = getattr(result, "lora", None)  # an adapter: its class and dtype, without building the merged model
-    model_class = lora.model_class if lora is not None and lora.model_class else type(result.model).__name__
+    model_class = lora.model_class if lora is not None and lora.model_class else type(described(result)).__name__
     metadata = card_data(result)
     modality = getattr(result.adapter, "modality", "image")
     unit = "texts" if modality == "text" else "images"  # what the scoring samples are, in every sentence
@@ -275,7 +276,7 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
         template,
         title=card_title(result, model_class),
         num_models=len(result.models),
-        sliced_layers=result.model.config.get_text_config().num_hidden_layers
+        sliced_layers=described(result).config.get_text_config().num_hidden_layers
         if getattr(result.config, "slices", None) else None,
         model_class=model_class,
         zero_shot=model_class == "CLIPModel" or metadata.pipeline_tag == "zero-shot-image-classification",
@@ -299,7 +300,7 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
         rerun_blocker=rerun_blocker(result.config, unit),
         device=getattr(result, "device", ""),
         dtype=lora.dtype if lora is not None and lora.dtype else
-        str(next(result.model.parameters()).dtype).replace("torch.", ""),
+        str(next(described(result).parameters()).dtype).replace("torch.", ""),
         data={**result.data_info.to_dict(), **result.data_info.sample_stats()} if result.data_info else None,
         data_unit=unit,
         eval_rows=[{"task": t, "value": v} for t, v in result.eval_results.items()],

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from ..loading.hub import ModelRef
     from .adapter import LoraOutput
     from .report import MLossReport
+    from .spill import SpilledWeights
 
 
 @dataclass
@@ -57,6 +58,9 @@ class MergeResult:
     model_loader: Callable[[], PreTrainedModel] | None = field(default=None, repr=False, compare=False)
     """Builds :attr:`model` on first access (an adapter output written from the inputs' factors alone, whose
     merged model nothing else needs: the base loaded and ΔW = B·A added, once)."""
+    spilled: SpilledWeights | None = field(default=None, repr=False, compare=False)
+    """A large merge written block by block (:mod:`hf_mloss.output.spill`): its weights files, which
+    ``save_pretrained`` links into the folder; :attr:`model` is then read from them on first access."""
 
     @property
     def method(self) -> str:
@@ -171,6 +175,9 @@ class MergeResult:
 
         if self.lora is not None:  # a PEFT adapter: adapter_model.safetensors + adapter_config.json
             self.lora.save(folder)
+        elif self.spilled is not None:  # written while merging: its files, linked (or copied) into the folder
+            self.spilled.save_into(folder, base_path=self.base.path)
+            self._save_processor(folder)
         else:
             save_weights(self.model, self.adapter, folder, max_shard_size=max_shard_size, base_path=self.base.path)
             self._save_processor(folder)
@@ -204,7 +211,9 @@ class MergeResult:
         if not where or not Path(where).is_dir():
             self._warn_no_processor(where or "the loaded base model")
             return
-        whole = not isinstance(self.model, self.adapter.model_class)
+        from .spill import describe
+
+        whole = not isinstance(describe(self), self.adapter.model_class)
         try:
             self.adapter.load_processor(where, full=whole).save_pretrained(folder)
         except (OSError, ValueError, TypeError):
@@ -244,6 +253,8 @@ class MergeResult:
         """Approximate size of the saved weights."""
         if self.lora is not None:
             return self.lora.nbytes()
+        if self.spilled is not None:
+            return self.spilled.total_bytes
         return sum(math.prod(t.shape) * t.element_size() for t in self.model.state_dict().values())
 
     def __repr__(self) -> str:

@@ -1,0 +1,99 @@
+"""``hf-mloss moe``'s report at a bounded cost: ``--no-report`` builds alone, and ``report_positions`` cuts each prompt
+to its first tokens when the prompts hold more positions than the budget (exact at those positions: the routing of a
+cut prompt equals the whole prompt's there, read from the whole MoE)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_mloss.cli import main
+from hf_mloss.errors import InvalidParameterError
+from hf_mloss.moe import build_moe
+
+PROMPTS = [["w1 w2 w3 w4 w5 w6", "w4 w5 w7 w8"], ["w10 w11 w12 w13 w14"], ["w20 w21 w22 w23 w24 w25 w26"]]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> tuple[str, list[str]]:
+    from examples.tiny import save_with_finetunes, tiny_decoder, word_tokenizer
+
+    base, models = save_with_finetunes(tiny_decoder("llama"), tmp_path_factory.mktemp("moe_report") / "llama", 3,
+                                       tokenizer=word_tokenizer())
+    return str(base), [str(m) for m in models]
+
+
+def _config(llama) -> dict:
+    base, models = llama
+    return {"base_model": base, "experts": [{"source_model": m, "positive_prompts": list(PROMPTS[i])}
+                                            for i, m in enumerate(models)]}
+
+
+def test_no_report_builds_alone(llama, tmp_path):
+    full = build_moe(_config(llama), tmp_path / "full", progress=False, mloss=False, report_positions=None)
+    alone = build_moe(_config(llama), tmp_path / "alone", progress=False, report=False)
+    assert alone.routing is None and alone.mloss is None and "without a report" in alone.mloss_note
+    assert not (alone.path / "routing.json").exists()
+    card = (alone.path / "README.md").read_text()
+    assert "Not measured: the model was built without a report (`--no-report`)." in card
+    for name in ("model.safetensors", "config.json"):  # the same model
+        assert (alone.path / name).read_bytes() == (full.path / name).read_bytes()
+
+
+def test_the_cli_builds_alone(llama, tmp_path):
+    path = tmp_path / "moe.yaml"
+    path.write_text(json.dumps(_config(llama)))
+    assert main(["moe", str(path), str(tmp_path / "out"), "-q", "--no-report"]) == 0
+    assert not (tmp_path / "out" / "routing.json").exists()
+    assert main(["moe", str(path), str(tmp_path / "bad"), "-q", "--report-positions", "0"]) == 2
+    assert not (tmp_path / "bad").exists()
+
+
+def test_report_positions_cut_each_prompt_exactly(llama, tmp_path):
+    """With a budget below the prompts' positions, each prompt is read to its first t tokens: the routing there is
+    the whole MoE's on the same cut prompts, and the card says which positions were read."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_mloss.moe.gates import encode, prompt_tokenizer
+    from hf_mloss.moe.routing import _route
+
+    result = build_moe(_config(llama), tmp_path / "cut", progress=False, report_positions=12)
+    tokens = result.report_tokens
+    read, total = result.report_positions
+    assert tokens is not None and read <= 12 < total
+    assert result.mloss is not None and all(v > 0 for v in result.mloss.values())
+    model = AutoModelForCausalLM.from_pretrained(result.path).eval()
+    tokenizer = prompt_tokenizer(AutoTokenizer.from_pretrained(result.path))
+    captured: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(model.model.layers):
+        layer.post_attention_layernorm.register_forward_hook(lambda m, a, out, i=i: captured.__setitem__(i, out))
+    report = result.routing
+    assert any(encode(tokenizer, [prompt])["input_ids"].shape[1] > tokens for prompt in report.prompts)
+    for p, prompt in enumerate(report.prompts):
+        whole = encode(tokenizer, [prompt])
+        batch = {k: v[:, :tokens] for k, v in whole.items()}
+        positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            model(**batch, position_ids=positions, use_cache=False)
+        for i, layer in enumerate(model.model.layers):
+            weights, _ = _route(captured[i], layer.mlp.gate.weight, batch["attention_mask"].bool() & (positions > 0),
+                                2, True)
+            torch.testing.assert_close(report.weights[p, i].float(), weights[0].float(), atol=1e-6, rtol=0)
+    card = (result.path / "README.md").read_text()
+    assert f"the first {tokens} tokens of each prompt" in card and f"{read} of the prompts' {total}" in card
+
+
+def test_a_budget_the_prompts_fit_reads_every_token(llama, tmp_path):
+    result = build_moe(_config(llama), tmp_path / "fits", progress=False, mloss=False, report_positions=10_000)
+    assert result.report_tokens is None and result.report_positions[0] == result.report_positions[1]
+    assert "tokens of each prompt" not in (result.path / "README.md").read_text()
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.5, True, "8"])
+def test_report_positions_is_checked_before_any_work(llama, tmp_path, value):
+    with pytest.raises(InvalidParameterError, match="report_positions"):
+        build_moe(_config(llama), tmp_path / "never", progress=False, report_positions=value)
+    assert not Path(tmp_path / "never").exists()

@@ -1,0 +1,180 @@
+"""Merges written block by block (:mod:`hf_mloss.merging.streamed`): the same bits as the in-memory container, a
+folder that loads, and a peak that does not grow with the depth of the model.
+
+The size threshold is lowered so that tiny decoders take the streamed path; each test also runs the in-memory path
+on the same inputs, so a change that breaks either shows here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import hf_mloss
+import hf_mloss.merging.streamed as streamed
+from examples.tiny import save_with_finetunes, tiny_decoder
+from hf_mloss.errors import InvalidParameterError
+
+pytestmark = pytest.mark.filterwarnings("ignore:The merged folder has no tokenizer")
+
+DATA_METHODS = ("m_ties", "regmean", "regmean_plusplus")
+
+
+def _texts(vocab: int = 64, n: int = 4, length: int = 12) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, vocab, (n, length), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = 0  # one padded sequence: the walks skip its last positions
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+@pytest.fixture(scope="module")
+def decoders(tmp_path_factory) -> dict[str, tuple[Path, list[Path]]]:
+    """bf16 decoders as published: an untied Llama and a Qwen2 with tied embeddings, 3 blocks, 2 fine-tunes."""
+    root = tmp_path_factory.mktemp("streamed")
+    return {
+        "llama": save_with_finetunes(tiny_decoder("llama", num_hidden_layers=3).to(torch.bfloat16), root / "llama",
+                                     q=2),
+        "qwen2": save_with_finetunes(tiny_decoder("qwen2", tie=True, num_hidden_layers=3).to(torch.bfloat16),
+                                     root / "qwen2", q=2),
+    }
+
+
+def _merge(decoder, method: str, *, stream: bool, monkeypatch, **params) -> hf_mloss.MergeResult:
+    base, models = decoder
+    monkeypatch.setattr(streamed, "STREAMED_MIN_BYTES", 0 if stream else 1 << 62)
+    data = dict(data=_texts(), batch_size=2) if method in DATA_METHODS else {}
+    return hf_mloss.merge(str(base), [str(m) for m in models], method, progress=False, **data, **params)
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(folder.glob("model*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            out.update({key: handle.get_tensor(key) for key in handle.keys()})
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("method, params", [
+    ("ties", {}), ("ties", {"scope": "global"}), ("dare", {"p": 0.5}), ("task_arithmetic", {"lam": 0.4}),
+    ("m_ties", {}), ("m_ties", {"prefix": "own"}), ("regmean", {}), ("regmean_plusplus", {}),
+])
+def test_streamed_merge_writes_the_bits_of_the_in_memory_merge(decoders, monkeypatch, tmp_path, family, method,
+                                                               params) -> None:
+    whole = _merge(decoders[family], method, stream=False, monkeypatch=monkeypatch, **params)
+    assert whole.spilled is None
+    written = _merge(decoders[family], method, stream=True, monkeypatch=monkeypatch, **params)
+    assert written.spilled is not None
+    a = whole.save_pretrained(tmp_path / "whole")
+    b = written.save_pretrained(tmp_path / "streamed", max_shard_size="40KB")  # the writer's own shards
+    ta, tb = _tensors(a), _tensors(b)
+    assert sorted(ta) == sorted(tb)  # a tied head saved once, as save_pretrained saves it
+    assert all(torch.equal(ta[key], tb[key]) and ta[key].dtype == tb[key].dtype for key in ta)
+    assert json.loads((a / "config.json").read_text()) == json.loads((b / "config.json").read_text())
+    assert (a / "README.md").read_text().replace("whole", "X") == (b / "README.md").read_text().replace(
+        "streamed", "X")
+    if method in ("m_ties",):
+        assert whole.report.layer == written.report.layer
+    loaded = written.model  # read from the written files on first access
+    state = loaded.state_dict()
+    assert all(torch.equal(state[key], ta[key]) for key in ta)
+    assert next(loaded.parameters()).dtype == torch.bfloat16
+
+
+def test_streamed_merge_saves_twice_and_cleans_up(decoders, monkeypatch, tmp_path) -> None:
+    result = _merge(decoders["llama"], "ties", stream=True, monkeypatch=monkeypatch)
+    first, second = result.save_pretrained(tmp_path / "a"), result.save_pretrained(tmp_path / "b")
+    ta, tb = _tensors(first), _tensors(second)
+    assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+    spill = result.spilled.folder
+    assert spill.is_dir()
+    del result
+    gc.collect()
+    assert not spill.exists()  # the temporary files go with the result
+    assert _tensors(first).keys() == ta.keys()  # the saved folders keep theirs
+
+
+def test_streamed_merge_refuses_an_overflow_and_writes_nothing(decoders, monkeypatch, tmp_path) -> None:
+    with pytest.raises(InvalidParameterError, match="overflow"):
+        _merge(decoders["llama"], "task_arithmetic", stream=True, monkeypatch=monkeypatch, lam=1e40)
+    with pytest.raises(InvalidParameterError, match="overflow"):  # the in-memory path says the same
+        _merge(decoders["llama"], "task_arithmetic", stream=False, monkeypatch=monkeypatch, lam=1e40)
+
+
+def test_auto_keeps_the_in_memory_container(decoders, monkeypatch) -> None:
+    """``method="auto"`` compares whole candidate merges: it is not streamed (the module docstring says so)."""
+    result = _merge(decoders["llama"], "auto", stream=True, monkeypatch=monkeypatch,
+                    candidates=["ties", "task_arithmetic"], data=_texts(), batch_size=2)
+    assert result.spilled is None and result.model is not None
+
+
+# ------------------------------------------------------------------------------------------------------------ memory
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _malloc_in_use():
+    """Bytes the process holds from malloc now (glibc's ``mallinfo2``: small blocks and mmapped chunks), which is
+    where torch's CPU allocator takes every tensor's memory; ``None`` without glibc 2.33+."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        info = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    info.restype = _MallInfo2
+
+    def in_use() -> int:
+        value = info()
+        return value.uordblks + value.hblkhd
+    return in_use
+
+
+def _peak_bytes(in_use, fn) -> int:
+    """The largest malloc'd total seen after any torch op of ``fn`` (run in this thread), less the total before it:
+    an exact count of what the ops held, not a sample in time."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Peak(TorchDispatchMode):
+        peak = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.peak = max(self.peak, in_use())
+            return out
+
+    gc.collect()
+    start = in_use()
+    with Peak() as mode:
+        fn()
+    return mode.peak - start
+
+
+@pytest.mark.parametrize("method", ["m_ties", "regmean_plusplus"])
+def test_the_data_guided_walk_peak_does_not_grow_with_depth(tmp_path, monkeypatch, method) -> None:
+    """Two depths of one width: the streamed merge's peak stays within a fraction of one block, where the in-memory
+    container's grows by about a block per layer (which shows the measure sees what the walk holds)."""
+    in_use = _malloc_in_use()
+    if in_use is None:
+        pytest.skip("needs glibc's mallinfo2 (Linux, glibc 2.33+) to count the process's allocated bytes")
+    monkeypatch.setenv("HF_MLOSS_THREADS", "1")  # every op on this thread, where the dispatch mode sees it
+    shape = dict(hidden_size=128, intermediate_size=512, vocab_size=64)
+    block = (4 * 128 * 128 + 3 * 128 * 512) * 4  # one block's float32 weights (the working dtype)
+    peaks = {}
+    for layers in (2, 6):
+        decoder = save_with_finetunes(tiny_decoder("llama", num_hidden_layers=layers, **shape).to(torch.bfloat16),
+                                      tmp_path / f"l{layers}", q=2)
+        for stream in (True, False):
+            run = lambda: _merge(decoder, method, stream=stream, monkeypatch=monkeypatch)  # noqa: E731
+            run()  # warm: the allocator's and the libraries' first-call allocations
+            peaks[layers, stream] = _peak_bytes(in_use, run)
+    assert peaks[6, True] - peaks[2, True] < block / 2, peaks
+    assert peaks[6, False] - peaks[2, False] > 3 * block, peaks
