@@ -944,8 +944,7 @@ def machine_info(args) -> dict:
     if args.device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     for peer in PEERS:
-        root = Path(os.environ["HF_MLOSS_PEER_ENVS"]) if os.environ.get("HF_MLOSS_PEER_ENVS") else \
-            HERE / ".cache" / "peer-envs"
+        root = peer_envs_root()
         try:
             info[f"{peer}_versions"] = json.loads((root / peer / "hf_mloss_peer.json").read_text())["versions"]
         except (OSError, KeyError, json.JSONDecodeError):
@@ -1293,10 +1292,19 @@ def portable(value, roots: dict[str, str]):
     return value
 
 
+def peer_envs_root() -> Path:
+    """Where the peers' virtual environments live (``HF_MLOSS_PEER_ENVS`` or the benchmarks' cache)."""
+    folder = os.environ.get("HF_MLOSS_PEER_ENVS")
+    return Path(folder) if folder else HERE / ".cache" / "peer-envs"
+
+
 def record_roots(args) -> dict[str, str]:
     """The folders a record names by role instead (:func:`portable`): this tree ``"."``, a cache or results folder
-    outside it ``CACHE`` / ``out``, the side-by-side reference tree ``REFERENCE``."""
+    outside it ``CACHE`` / ``out``, the side-by-side reference tree ``REFERENCE``, the peers' environments
+    ``PEER_ENVS``."""
     roots = {str(REPO): "."}
+    if not peer_envs_root().resolve().is_relative_to(REPO):
+        roots[str(peer_envs_root().resolve())] = "PEER_ENVS"
     for folder, name in ((args.cache, "CACHE"), (args.results_dir, "out"), (args.reference, "REFERENCE")):
         if folder and (name == "REFERENCE" or not Path(folder).resolve().is_relative_to(REPO)):
             roots[str(Path(folder).resolve())] = name  # absolute only: a relative "c" would rewrite every "c"

@@ -103,10 +103,11 @@ def test_streamed_merge_saves_twice_and_cleans_up(decoders, monkeypatch, tmp_pat
 
 
 def test_streamed_merge_refuses_an_overflow_and_writes_nothing(decoders, monkeypatch, tmp_path) -> None:
+    # A λ float32 holds, whose merged weights float16 cannot: refused at the first tensor, streamed or not.
     with pytest.raises(InvalidParameterError, match="overflow"):
-        _merge(decoders["llama"], "task_arithmetic", stream=True, monkeypatch=monkeypatch, lam=1e40)
+        _merge(decoders["llama"], "task_arithmetic", stream=True, monkeypatch=monkeypatch, lam=1e30, dtype="float16")
     with pytest.raises(InvalidParameterError, match="overflow"):  # the in-memory path says the same
-        _merge(decoders["llama"], "task_arithmetic", stream=False, monkeypatch=monkeypatch, lam=1e40)
+        _merge(decoders["llama"], "task_arithmetic", stream=False, monkeypatch=monkeypatch, lam=1e30, dtype="float16")
 
 
 def test_auto_keeps_the_in_memory_container(decoders, monkeypatch) -> None:
