@@ -415,6 +415,7 @@ PARAMETER_VALUES = {
     "compare_samples": st.integers(1, 64),
     "chosen": st.none() | st.just({"method": "tsv_m", "parameters": {"lam": 1.0}}),
     "scored": st.none() | st.just([{"method": "tsv_m", "setting": {"lam": 1.0}, "output": 0.25}]),
+    "compared": st.none() | st.integers(1, 64),
 }
 METHOD_VALUES = {("breadcrumbs", "rescale"): st.sampled_from(["none", "l1"]),
                  ("auto", "budget"): st.none() | st.integers(5, 20),  # auto's budget counts merges, TIES's names entries

@@ -109,3 +109,27 @@ def test_cli_refuses_before_importing_torch(project):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=project)
     assert done.stdout == "2 False False\n", done.stdout + done.stderr
     assert done.stderr.startswith("hf-mloss: error:") and done.stderr.count("\n") == 1
+
+
+def test_a_typo_in_the_parent_folder_gets_a_did_you_mean_before_any_work(project, no_hub, capsys):
+    """``tiny_model/ft1`` beside ``tiny_models/ft1`` (a model folder) reads as a Hub id by its spelling; with no such
+    model in the Hub cache it is named as a mistyped path with the folder meant, before the device line (issue 74)."""
+    for name in ("base", "ft0", "ft1"):
+        (project / "tiny_models" / name / "config.json").write_text("{}")
+    with pytest.raises(hf_mloss.CheckpointNotFoundError) as info:
+        hf_mloss.merge("tiny_models/base", ["tiny_models/ft0", "tiny_model/ft1"], "ties", progress=False)
+    message = str(info.value)
+    assert message.startswith("models[1]: 'tiny_model/ft1' is neither a folder nor a cached Hub id: it reads as a "
+                              "mistyped local path ('tiny_model' is not a folder here, 'tiny_models/ft1' is). "
+                              "Did you mean 'tiny_models/ft1'?")
+    assert "hf download tiny_model/ft1" in message
+    assert "Did you mean 'tiny_models/ft1'?" in missing_model("tiny_model/ftl")  # both parts mistyped
+    assert no_hub.call_count == 0 and capsys.readouterr().out == ""
+    config = project / "merge.yaml"
+    config.write_text(yaml.safe_dump({"base": "tiny_model/base", "models": ["tiny_models/ft0", "tiny_models/ft1"]}))
+    assert main(["merge", str(config), "merged-cli"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Did you mean 'tiny_models/base'?" in captured.err  # no "Computing on" first
+    # a folder of that name that is no model, or a Hub id with no folder like it, stays a Hub id as before
+    (project / "tiny_models" / "notes").mkdir()
+    assert missing_model("tiny_model/notes") is None and missing_model("org/ft1") is None

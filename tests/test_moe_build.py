@@ -617,9 +617,12 @@ def test_layer_by_layer_prompt_pass_equals_the_whole_model_bit_for_bit(llama, qw
 
 @pytest.mark.filterwarnings("ignore:The router rows")
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_layer_by_layer_routing_equals_the_whole_moe_bit_for_bit(llama, qwen_families, family, tmp_path):
+def test_layer_by_layer_routing_equals_the_whole_moe(llama, qwen_families, family, tmp_path, monkeypatch):
     """The routing report, computed one layer at a time from the written shards (the last layer stopped once its
-    router has read its input), holds exactly what the whole MoE loaded with ``from_pretrained`` gives."""
+    router has read its input), holds what the whole MoE loaded with ``from_pretrained`` gives, batched otherwise
+    (2 prompts at a time, not 16): the matrix products then sum in another order, so the weights agree to float32
+    rounding and every token's top-k does wherever it is not a near-tie. Two builds on one thread agree exactly."""
+    monkeypatch.setenv("HF_MLOSS_THREADS", "1")  # each build's routing pass on one thread, whatever the load
     base, models = llama if family == "llama" else qwen_families[family]
     config = _config(base, models)
     config["experts"][0]["positive_prompts"] += ["w6 w7 w8 w9 w10 w11", "w3"]
@@ -627,26 +630,35 @@ def test_layer_by_layer_routing_equals_the_whole_moe_bit_for_bit(llama, qwen_fam
         config["shared_experts"] = [{"source_model": models[0], "positive_prompts": ["w30 w31"]}]
     result = build_moe(config, tmp_path / "moe", progress=False, mloss=False, max_shard_size=40_000)
     report = result.routing
-    weights, selected = _whole_moe_routing(result.path, report, batch_size=2)  # 16 in the report: the same values
+    weights, selected, near_ties = _whole_moe_routing(result.path, report, batch_size=2)  # 16 in the report
     torch.testing.assert_close(report.weights, weights, atol=1e-6, rtol=0)
-    assert torch.equal(report.selected, selected)
+    flipped = (report.selected - selected).abs().sum(dim=-1)  # a token whose top-k changed moves 2 counts
+    assert (flipped <= 2 * near_ties).all(), (report.selected, selected, near_ties)
     one_batch = build_moe(config, tmp_path / "again", progress=False, mloss=False)  # one shard this time
     assert torch.equal(one_batch.routing.weights, report.weights)
 
 
-def test_layer_by_layer_routing_is_the_whole_batch_forward_exactly(built):
+def test_layer_by_layer_routing_is_the_whole_batch_forward_exactly(built, tmp_path, monkeypatch):
     """Batched as the report batches its prompts (16), the whole MoE's router inputs give the report's weights and
-    token counts bit for bit."""
-    _, result = built
+    token counts bit for bit. Exact because both passes run the same kernels on the same shapes on one thread, so
+    every sum is taken in the same order. The thread count is fixed for both: the build's routing pass runs with as
+    many threads as the cores other processes leave idle (``hf_mloss.parallel.cpu_workers``), and a matrix product
+    split over 2 threads can differ in the last bit from one on 1 thread (issue 74: this test failed wherever the
+    machine was busy and the test process ran with more threads than the build)."""
+    config, _ = built
+    monkeypatch.setenv("HF_MLOSS_THREADS", "1")
+    result = build_moe(config, tmp_path / "moe", progress=False, mloss=False)
     report = result.routing
-    weights, selected = _whole_moe_routing(result.path, report, batch_size=16)
+    weights, selected, _ = _whole_moe_routing(result.path, report, batch_size=16, threads=1)
     assert torch.equal(report.weights, weights) and torch.equal(report.selected, selected)
 
 
-def _whole_moe_routing(path, report, *, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _whole_moe_routing(path, report, *, batch_size: int, threads: int | None = None, tie: float = 1e-5
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The routing of ``report.prompts`` read from the whole MoE loaded with ``from_pretrained`` (hooks on each
-    layer's router input), ``batch_size`` prompts at a time: per prompt and layer the routing weights, per layer
-    the tokens each expert was chosen for (top 2)."""
+    layer's router input), ``batch_size`` prompts at a time, on ``threads`` torch threads (default: the process's):
+    per prompt and layer the routing weights, per layer the tokens each expert was chosen for (top k), and per layer
+    the near-ties (real tokens whose k-th and (k+1)-th routing probabilities lie within ``tie``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_mloss.moe.gates import encode, prompt_tokenizer
@@ -658,17 +670,28 @@ def _whole_moe_routing(path, report, *, batch_size: int) -> tuple[torch.Tensor, 
     for i, layer in enumerate(model.model.layers):
         layer.post_attention_layernorm.register_forward_hook(lambda m, a, out, i=i: captured.__setitem__(i, out))
     weights, selected = torch.zeros_like(report.weights), torch.zeros_like(report.selected)
-    for start in range(0, len(report.prompts), batch_size):
-        batch = encode(tokenizer, report.prompts[start:start + batch_size])
-        positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-        with torch.no_grad():
-            model(**batch, position_ids=positions, use_cache=False)
-            real = batch["attention_mask"].bool() & (positions > 0)
-            for i, layer in enumerate(model.model.layers):
-                per_prompt, chosen = _route(captured[i], layer.mlp.gate.weight, real, 2, True)
-                weights[start:start + len(per_prompt), i] = per_prompt.double()
-                selected[i] += chosen
-    return weights, selected
+    near_ties = torch.zeros(report.num_layers, dtype=torch.long)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    try:
+        for start in range(0, len(report.prompts), batch_size):
+            batch = encode(tokenizer, report.prompts[start:start + batch_size])
+            positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+            with torch.no_grad():
+                model(**batch, position_ids=positions, use_cache=False)
+                real = batch["attention_mask"].bool() & (positions > 0)
+                for i, layer in enumerate(model.model.layers):
+                    router = layer.mlp.gate.weight
+                    per_prompt, chosen = _route(captured[i], router, real, report.top_k, True)
+                    weights[start:start + len(per_prompt), i] = per_prompt.double()
+                    selected[i] += chosen
+                    probs = torch.softmax(torch.nn.functional.linear(captured[i], router).float(), dim=-1)
+                    ranked = probs.sort(dim=-1, descending=True).values
+                    k = report.top_k  # the last expert in and the first left out
+                    near_ties[i] += ((ranked[..., k - 1] - ranked[..., k] < tie) & real).sum()
+    finally:
+        torch.set_num_threads(previous)
+    return weights, selected, near_ties
 
 
 def test_the_written_folder_is_checked_by_transformers_own_loading_report(built, tmp_path):

@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -221,6 +222,12 @@ def _custom_code_folder(p: Project, source: Path, name: str, *, model_type: str 
     return str(folder)
 
 
+def _warned(match: str, run: Callable[[], Any]) -> Any:
+    """``run()``, which must warn with ``match`` (the warning is part of what the case checks)."""
+    with pytest.warns(UserWarning, match=match):
+        return run()
+
+
 def no_marker(p: Project, _=None) -> None:
     assert not (p.root / MARKER).exists(), "code from a model folder ran"
 
@@ -229,8 +236,9 @@ REMOTE_CODE = [
     Case("auto_map_in_a_finetune_is_ignored", lambda p: hf_mloss.merge(
         str(p.base), [_custom_code_folder(p, p.models[0], "evil_ft"), str(p.models[1])], "ties", progress=False),
         None, check=no_marker),
-    Case("auto_map_in_the_base_is_ignored", lambda p: hf_mloss.merge(
-        _custom_code_folder(p, p.base, "evil_base"), p.model_args[1], "average", progress=False), None,
+    Case("auto_map_in_the_base_is_ignored", lambda p: _warned(r"names custom code \(auto_map\), which is not copied",
+                                                              lambda: hf_mloss.merge(
+        _custom_code_folder(p, p.base, "evil_base"), p.model_args[1], "average", progress=False)), None,
         check=no_marker),
     Case("custom_model_type_is_refused", lambda p: hf_mloss.merge(
         str(p.base), [_custom_code_folder(p, p.models[0], "evil_type", model_type="evil_net")], progress=False),

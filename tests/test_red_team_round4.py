@@ -219,7 +219,11 @@ def test_gpt2_conv1d_adapter_is_read_with_the_layer_s_layout(tmp_path, fan_in_fa
                        target_modules=["c_attn"], fan_in_fan_out=True)
     _edit(adapter, fan_in_fan_out=fan_in_fan_out)
     theirs = _peft_merged(tmp_path / "base", adapter, GPT2LMHeadModel)
-    ours = _ours(tmp_path / "base", adapter)
+    if fan_in_fan_out:
+        ours = _ours(tmp_path / "base", adapter)
+    else:  # said, as PEFT says it
+        with pytest.warns(UserWarning, match=r"fan_in_fan_out=False does not fit .* \(Conv1D layers\)"):
+            ours = _ours(tmp_path / "base", adapter)
     _assert_same(ours, theirs)
 
 
@@ -442,7 +446,8 @@ def test_auto_map_of_the_base_is_left_out_and_said(llama, tmp_path):
     (custom / "config.json").write_text(json.dumps(config))
     with pytest.warns(UserWarning, match="auto_map"):
         result = hf_mloss.merge(str(custom), [str(fine)], "task_arithmetic", progress=False)
-    folder = result.save_pretrained(tmp_path / "merged")
+    with pytest.warns(UserWarning, match="no tokenizer"):  # the tiny base is saved without one
+        folder = result.save_pretrained(tmp_path / "merged")
     assert "auto_map" not in json.loads((folder / "config.json").read_text())
     assert "auto_map" in (folder / "README.md").read_text()
     LlamaForCausalLM.from_pretrained(folder)  # loads with the transformers class

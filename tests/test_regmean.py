@@ -121,6 +121,7 @@ def assert_matches(result, expected: dict[str, torch.Tensor], *, rtol: float = 1
     ours = result.model.state_dict()
     assert set(expected) <= set(ours)
     for key, value in expected.items():
+        value = value.detach()
         error = float((ours[key].detach().double() - value).norm() / value.norm().clamp_min(1e-30))
         assert error < rtol, (key, error)
 

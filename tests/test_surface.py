@@ -39,6 +39,14 @@ def test_readme_leads_with_the_two_commands_and_stays_short():
     assert headings[:5] == ["Quick start: merge two local folders", "Which method to start with",
                             "Use your own models", "Python API", "Methods"]
     flat = " ".join(text.split())
+    lines = text.splitlines()
+    # issue 74: use first (what it is, the two commands, then a merge, within 40 lines), what the main job prints
+    # last and writes where, and the image data= forms once each
+    assert "hf_mloss.merge(" in "\n".join(lines[:40]) and lines.index("```bash") < 10
+    assert "ends with `Total … s. Results: …` and `Cache: …`" in flat and "`hf_mloss_real_quick_suite/` here" in flat
+    assert "G5 statistics FAIL" not in flat  # the gates' reading lives in docs/benchmarks.md
+    forms = ["# a folder of images", "# a datasets split", "# a list of PIL images", "# an [N, 3, H, W] tensor"]
+    assert all(text.count(form) == 1 for form in forms)
     assert "M-TIES has not beaten its own controls" in flat  # the README states the verdict
     assert "needs root" in flat and "rm -rf ~/.cache/huggingface/hf_mloss_suites" in flat
     # the CLI example writes somewhere other than the quick start's folder, so a newcomer's first CLI run works

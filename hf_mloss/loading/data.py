@@ -125,7 +125,7 @@ def load_pixel_values(
     Args:
         data: a Hub dataset id (streamed with ``load_dataset(..., streaming=True)``), a local folder of images
             (loaded as ``imagefolder``), a ``datasets.Dataset`` / ``IterableDataset``, a list of PIL images or
-            image paths, or an already preprocessed ``[N, 3, H, W]`` tensor.
+            image paths, or an already preprocessed ``[N, 3, H, W]`` tensor (or a list of ``[3, H, W]`` ones).
         processor: the base model's image processor.
         num_samples: images to use (the M-Loss paper uses 128).
         seed: sampling seed (the same seed draws the same images).
@@ -142,6 +142,7 @@ def load_pixel_values(
     _refuse_text_for_images(data, family)
     if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 1:
         raise DataError(f"num_samples must be a positive integer, got {num_samples!r}.")
+    data = stacked_pixels(data)
     if isinstance(data, torch.Tensor):
         if data.dim() != 4 or data.shape[1] != 3:
             raise DataError(f"A tensor of pixel values must have shape [N, 3, H, W], got {tuple(data.shape)}.")
@@ -166,6 +167,43 @@ def load_pixel_values(
             "Point data at a larger dataset or folder, or lower num_samples."
         )
     return pixels, info
+
+
+def stacked_pixels(data: Any) -> Any:
+    """A list or tuple of ``[3, H, W]`` tensors (preprocessed pixel values, one per image) as one ``[N, 3, H, W]``
+    tensor, what the tensor form of ``data`` takes; anything else unchanged.
+
+    Raises:
+        DataError: the tensors differ in shape (each is named with its index), one is not ``[3, H, W]``, or the list
+            mixes tensors with other items.
+    """
+    if not isinstance(data, (list, tuple)) or not data or not any(isinstance(x, torch.Tensor) for x in data):
+        return data
+    how = ("A list of tensors is read as preprocessed pixel values, one [3, H, W] tensor per image, and stacked "
+           "into [N, 3, H, W]")
+    others = [i for i, x in enumerate(data) if not isinstance(x, torch.Tensor)]
+    if others:
+        raise DataError(f"{how}; this list also holds {type(data[others[0]]).__name__} (item {others[0]}). Pass "
+                        "tensors only, or PIL images / image paths only (those go through the base's image "
+                        "processor).")
+    shapes: dict[tuple[int, ...], list[int]] = {}
+    for i, x in enumerate(data):
+        shapes.setdefault(tuple(x.shape), []).append(i)
+    wrong = [s for s in shapes if len(s) != 3 or s[0] != 3]
+    if wrong or len(shapes) > 1:
+        found = "; ".join(f"{list(s)} (item{'s' if len(ix) > 1 else ''} {_indices(ix)})" for s, ix in shapes.items())
+        fix = ("run the images through the base's image processor (it resizes and crops them to one size), or pass "
+               "PIL images or image paths and let hf_mloss do it")
+        raise DataError(f"{how}; {'each must be [3, H, W]' if wrong else 'they must share one shape'}, got {found}: "
+                        f"{fix}.")
+    return torch.stack(list(data))
+
+
+def _indices(indices: list[int]) -> str:
+    """``0, 1, 2``; past three the first two, the last and the count, so a long list stays one line."""
+    if len(indices) <= 3:
+        return ", ".join(map(str, indices))
+    return f"{indices[0]}, {indices[1]}, ... {indices[-1]} ({len(indices)} items)"
 
 
 # --------------------------------------------------------------------------------------------- sources
@@ -235,7 +273,8 @@ def _iter_images(data, *, sampler: _Sampler, split: str, image_column, revision:
         return ((item, None) for item in data), DataInfo(source="images", seed=seed, sampling="as given")
     raise DataError(
         f"Unsupported scoring data of type {type(data).__name__}: pass a Hub dataset id, a local image folder, a "
-        "datasets.Dataset / IterableDataset, a list of PIL images or paths, or a [N, 3, H, W] tensor."
+        "datasets.Dataset / IterableDataset, a list of PIL images or paths, or a [N, 3, H, W] tensor (or a list of "
+        "[3, H, W] tensors)."
     )
 
 
@@ -492,7 +531,7 @@ def load_model_inputs(
 
 
 _IMAGE_DATA = ("Pass images: a Hub image dataset, a local image folder, a datasets object with an image column, PIL "
-               "images or image paths, or a [N, 3, H, W] tensor.")
+               "images or image paths, or a [N, 3, H, W] tensor (or a list of [3, H, W] tensors).")
 _TEXT_DATA = ("Pass text: a list of strings, a .txt file (one sample per line), a .jsonl/.json/.csv/.tsv/.parquet "
               "file, a folder of text files (one sample per file), or a datasets text split (Hub id, local dataset "
               "folder or datasets object; text_column=... names its column).")

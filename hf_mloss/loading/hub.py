@@ -159,6 +159,8 @@ def missing_model(value: str, root: str | os.PathLike[str] | None = None, *, cac
     A value reads as a local path when it is written as one (``./``, ``/``, ``~``), is not spelled like a Hub id, or
     is spelled ``org/name`` while ``org`` is a folder here (``tiny_models/nope`` beside ``tiny_models/``) and the Hub
     cache holds no ``org/name``: such a typo is named at once, not reported as a Hub model that cannot be downloaded.
+    So is ``org/name`` when ``org`` is no folder here but a folder named like it holds a model folder named like
+    ``name`` (``tiny_model/ft1`` beside ``tiny_models/ft1``): a typo in the parent folder, with a did-you-mean.
     ``root`` is the folder relative paths resolve against (a config file's; default: the working folder).
     """
     path = expand(value)
@@ -178,10 +180,42 @@ def missing_model(value: str, root: str | os.PathLike[str] | None = None, *, cac
         where = "here" if root is None else f"in {os.path.abspath(root)}"
         what, why = "a cached Hub id", f"it reads as a local path ({first!r} is a folder {where})"
         hub = f" (a Hub model of that name is read once it is in the Hub cache: hf download {value})"
+    elif "/" in value and not hub_cached(value, cache_dir) and (close := _close_parent(Path(root or "."), value)):
+        where = "here" if root is None else f"in {os.path.abspath(root)}"
+        return (f"{value!r} is neither a folder nor a cached Hub id: it reads as a mistyped local path ({first!r} "
+                f"is not a folder {where}, {close!r} is). Did you mean {close!r}? Check the path (a Hub model of "
+                f"that name is read once it is in the Hub cache: hf download {value}).")
     else:
         return None
     return (f"{value!r} is neither a folder nor {what}: {why}, and {shown} does not exist. "
             f"{_close_folder(full, value)}Check the path{hub}.")
+
+
+def _close_parent(root: Path, value: str) -> str | None:
+    """For ``org/name`` (a Hub id's spelling) whose ``org`` is no folder in ``root``: ``folder/name`` (or
+    ``folder/close-name``) when ``root`` holds a folder named like ``org`` with a model folder (``config.json`` or
+    ``adapter_config.json``) named like ``name`` in it (``tiny_models/ft1`` for ``tiny_model/ft1``), else None."""
+    import difflib
+
+    first, name = value.split("/", 1)
+    try:
+        folders = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    except OSError:
+        return None
+    for folder in difflib.get_close_matches(first, folders, n=3):
+        try:
+            inside = sorted(p.name for p in (root / folder).iterdir() if p.is_dir())
+        except OSError:
+            continue
+        models = [n for n in inside if any((root / folder / n / f).is_file() for f in _MODEL_FILES)]
+        match = [name] if name in models else difflib.get_close_matches(name, models, n=1)
+        if match:
+            return f"{folder}/{match[0]}"
+    return None
+
+
+_MODEL_FILES = ("config.json", "adapter_config.json")
+"""What makes a folder a model's (a checkpoint's or a PEFT adapter's) for a did-you-mean across folders."""
 
 
 def _close_folder(path: Path, value: str) -> str:

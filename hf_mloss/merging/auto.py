@@ -40,12 +40,12 @@ def choose_and_merge(config: MergeConfig, inputs: RunInputs, merger: TensorMerge
                   "why": "no data was given: TSV-M at its default λ, without a label-free comparison"}
         _merge_chosen(config, inputs, merger, model, chosen, progress=progress)
         return _recorded(config, merger, chosen, []), None
-    chosen, scored, report = _search(config, inputs, merger, model, progress=progress, token=token)
-    return _recorded(config, merger, chosen, scored), report
+    chosen, scored, compared, report = _search(config, inputs, merger, model, progress=progress, token=token)
+    return _recorded(config, merger, chosen, scored, compared), report
 
 
 def _search(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model: Any, *, progress: bool,
-            token: Any) -> tuple[dict[str, Any], list[dict[str, Any]], MLossReport]:
+            token: Any) -> tuple[dict[str, Any], list[dict[str, Any]], int, MLossReport]:
     from tqdm.auto import tqdm
 
     from ..methods.auto import _settings, all_tied, candidate_grids, get_method_defaults, thinned
@@ -105,7 +105,7 @@ def _search(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model:
         _write(builder, held, lam, into)
     report = evaluator.mloss_report(builder.tower, models=[r.name for r in inputs.refs])
     merger.done.update(merger.names)
-    return {"method": name, "parameters": setting}, scored, report
+    return {"method": name, "parameters": setting}, scored, len(evaluator.sample), report
 
 
 def _runnable(grids: dict[str, dict[str, list[Any]]], inputs: RunInputs, *, default: bool
@@ -182,10 +182,13 @@ def _merge_chosen(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, 
 
 
 def _recorded(config: MergeConfig, merger: TensorMerger, chosen: dict[str, Any],
-              scored: list[dict[str, Any]]) -> MergeConfig:
-    """The config as it ran: the choice and every candidate recorded (heads passed from Python named, not kept)."""
-    parameters = {k: v for k, v in config.parameters.items() if k != "reselect"}
+              scored: list[dict[str, Any]], compared: int | None = None) -> MergeConfig:
+    """The config as it ran: the choice, every candidate and the number of samples compared recorded (heads passed
+    from Python named, not kept)."""
+    parameters = {k: v for k, v in config.parameters.items() if k not in ("reselect", "compared")}
     parameters.update(chosen=chosen, scored=scored)
+    if compared is not None:
+        parameters["compared"] = compared
     heads = merger.ctx.params.heads
     if heads:
         parameters["heads"] = [os.fspath(h) if isinstance(h, (str, os.PathLike)) else h if isinstance(h, dict)

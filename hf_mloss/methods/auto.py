@@ -62,6 +62,8 @@ class AutoParams(MethodParams):
     chosen: dict[str, Any] | None = param(None, "Recorded: the chosen method and its parameters ({method, "
                                           "parameters}).")
     scored: list[Any] | None = param(None, "Recorded: every candidate's method, setting and criterion values.")
+    compared: int | None = param(None, "Recorded: the unlabeled samples the candidates were compared on "
+                                 "(compare_samples, or fewer when the data holds fewer).", low=1, high=1_000_000)
 
     def check(self) -> None:
         grids = candidate_grids(self.candidates, self.budget)

@@ -137,7 +137,8 @@ def auto_rows(config: MergeConfig) -> dict[str, Any] | None:
     from ..methods.auto import all_tied
 
     tied = all_tied([row["value"] for row in rows if row["value"] is not None])
-    return {"criterion": params.criterion, "num_samples": params.compare_samples, "share": params.share, "rows": rows,
+    compared = params.compared if params.compared is not None else params.compare_samples  # recipes before it
+    return {"criterion": params.criterion, "num_samples": compared, "share": params.share, "rows": rows,
             "chosen": chosen.get("method"), "chosen_setting": ", ".join(
                 f"{k}={v}" for k, v in (chosen.get("parameters") or {}).items()), "why": chosen.get("why"),
             "heads": bool(params.heads), "tied": tied,

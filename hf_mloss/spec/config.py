@@ -147,7 +147,8 @@ class DataSpec:
                                    high=1_000_000)
     revision: str | None = param(None, "Hub dataset revision.")
     objects: Any = field(default=None, repr=False, compare=False,
-                         metadata={"help": "Data passed from Python: a [N, 3, H, W] tensor, a list of PIL images, "
+                         metadata={"help": "Data passed from Python: a [N, 3, H, W] tensor (a list of [3, H, W] "
+                                           "tensors is stacked into one), a list of PIL images, "
                                            "paths or strings, tokenised inputs, or a datasets object (not written "
                                            "to configs)."})
 
@@ -183,7 +184,9 @@ class DataSpec:
             return cls(path=os.fspath(data), **options)
         if isinstance(data, str):
             return cls(id=data, **options)
-        return cls(objects=data, **options)
+        from ..loading.data import stacked_pixels
+
+        return cls(objects=stacked_pixels(data), **options)
 
     @property
     def source(self) -> Any:
