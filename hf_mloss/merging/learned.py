@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from ..loading.inputs import RunInputs
     from ..methods.adamerging import LearnedMethod
     from ..spec.config import MergeConfig
-    from .driver import TensorMerger
+    from .merger import TensorMerger
 
 
 @dataclass

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from ..loading.inputs import RunInputs, ScoredTower
     from ..methods import MergeMethod
     from ..spec.config import MergeConfig
-    from .driver import TensorMerger
+    from .merger import TensorMerger
 
 
 def merge_regmean(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model: Any, method: MergeMethod, *,

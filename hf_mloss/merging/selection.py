@@ -70,7 +70,7 @@ if TYPE_CHECKING:
 
     from ..spec.config import MergeConfig
     from ..loading.inputs import RunInputs
-    from .driver import TensorMerger
+    from .merger import TensorMerger
     from ..output.report import MLossReport
 
 
@@ -502,7 +502,8 @@ class CandidateBuilder:
         (the reference; its scores are kept), else replays the reference's scores."""
         import torch
 
-        from .driver import TensorMerger, merge_layerwise
+        from .layerwise import merge_layerwise
+        from .merger import TensorMerger
         from ..methods import MergeContext
 
         config = self.config.replace(parameters={**self.config.parameters, **setting, **self._lam(lam)}, select=None)

@@ -104,7 +104,7 @@ class MergeContext:
 
 
 class LayerwiseRun:
-    """What the merge driver offers a data-guided method's hooks (implemented in :mod:`hf_mloss.merging.driver`)."""
+    """What the merge driver offers a data-guided method's hooks (implemented in :mod:`hf_mloss.merging.stages`)."""
 
     ctx: MergeContext
     adapter: ModelAdapter
