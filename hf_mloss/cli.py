@@ -81,7 +81,7 @@ def merge_command(args: argparse.Namespace) -> int:
     show = not args.quiet and is_main_process()
     if show:
         print(f"Computing on {describe_device(device)}", flush=True)
-    with _progress_bars(show, datasets_too=config.data is not None or config.text_data is not None):
+    with _progress_bars(show, datasets_too=config.has_data() or config.has_data("text_data")):
         result = run(config, device=device, progress=show)
         push_kwargs = {"private": True} if args.push_to_hub and args.private else {}
         saved = result.save_pretrained(out_dir, overwrite=args.overwrite, push_to_hub=bool(args.push_to_hub),
@@ -173,7 +173,7 @@ def score_command(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     main = is_main_process()  # every process scores its share; the main one prints and writes the reduced result
     show = not args.quiet and main
-    if config.data is None and config.text_data is None:  # fail now, not after downloading the models
+    if not config.has_data() and not config.has_data("text_data"):  # fail now, not after downloading the models
         raise InvalidParameterError("Scoring needs unlabeled data (images, or texts for text families) and the config "
                                     "has no `data`: add e.g. `data: {id: tanganke/dtd, split: train, num_samples: 128}`, "
                                     "`data: {path: ./images}` or `data: {path: prompts.txt}`.")

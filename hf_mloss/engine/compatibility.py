@@ -758,7 +758,7 @@ def _check_finite(values: dict[str, torch.Tensor], baselines: dict[str, list[flo
 
 
 def _check_config(config: MergeConfig, options: ScoringOptions) -> None:
-    if config.data is None and config.text_data is None:
+    if not config.has_data() and not config.has_data("text_data"):
         raise InvalidParameterError("A compatibility report needs unlabeled images or texts and the config has no "
                                     "`data`: add e.g. `data: {path: ./images, num_samples: 128}` (and `text_data:` "
                                     "for the text tower or language model of a whole model).")

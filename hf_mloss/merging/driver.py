@@ -12,6 +12,7 @@ merger; :mod:`.layerwise`, a method's own rule; :mod:`.learned`; :mod:`.regmean`
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -50,7 +51,7 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
     method = config.merge_method()
     params = config.method_params()
     needs_data = method.needs_data or config.select is not None or (
-        hasattr(method, "uses_data") and config.data is not None and method.uses_data(params))
+        hasattr(method, "uses_data") and config.has_data() and method.uses_data(params))
     with open_inputs(config, device=device, token=token, needs_data=needs_data, progress=progress,
                      whole_model=config.output in ("auto", "adapter") and not scored_part_only) as inputs, \
             cpu_workers(inputs.device) as workers:
@@ -139,7 +140,8 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
         return MergeResult(model=model, config=record, report=report, base=inputs.base.ref, models=given.refs,
                            adapter=inputs.adapter, data_info=inputs.data_info, method_description=description,
                            lora=lora, device=describe_device(inputs.device),
-                           tokenizer=vocabulary.tokenizer if vocabulary is not None else None)
+                           tokenizer=vocabulary.tokenizer if vocabulary is not None else None,
+                           model_data_info=own_data_info(given))
 
 
 @torch.no_grad()
@@ -202,6 +204,16 @@ def adapter_from_factors(config: MergeConfig, inputs: RunInputs, method: MergeMe
     return MergeResult(model=None, config=record, report=report, base=inputs.base.ref, models=inputs.refs,
                        adapter=inputs.adapter, data_info=inputs.data_info, method_description=description,
                        lora=lora, device=describe_device(inputs.device), model_loader=load_merged_model)
+
+
+def own_data_info(inputs: RunInputs) -> dict[str, list[Any]]:
+    """Where each model's own data came from, by key (``data``, ``text_data``), for the result and its card."""
+    out: dict[str, list[Any]] = {}
+    if inputs.model_data_info:
+        out["data"] = list(inputs.model_data_info)
+    for infos in inputs.tower_model_data_info.values():
+        out["text_data"] = list(infos)
+    return out
 
 
 def outside_tower_names(inputs: RunInputs, names: Sequence[str]) -> list[str]:
@@ -333,5 +345,7 @@ def recorded_config(config: MergeConfig, inputs: RunInputs) -> MergeConfig:
         spec.weights_ref = getattr(store.ref, "weights_ref", None)
         if i in inputs.fingerprints:
             spec.fingerprint = inputs.fingerprints[i]
+    for (p, key), values in inputs.data_records.items():  # a model's own data: its Hub commit, its fingerprint
+        setattr(record.models[p], key, dataclasses.replace(getattr(record.models[p], key), **values))
     record.hf_mloss_version = __version__
     return record

@@ -209,6 +209,7 @@ class Auto(MergeMethod):
     reference_url = ""
     params_class = AutoParams
     chooses_method = True
+    reads_own_data = True
 
     def uses_data(self, params: MethodParams) -> bool:
         """Whether a run reads the data when it is given: to choose, or to re-run a chosen merge that needs it."""

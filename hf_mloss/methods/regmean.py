@@ -63,6 +63,8 @@ class RegMean(MergeMethod):
     params_class = RegMeanParams
     needs_data = True
     data_use = "Gram matrices of every linear layer's inputs"
+    reads_own_data: ClassVar[bool] = True
+    """With each model's own data, model p's Grams come from its own data only (as the paper computes them)."""
     gram_prefix: ClassVar[str] = "own"
     """Where each block's inputs come from: every model's own forward (``own``) or the merged blocks before it."""
 
