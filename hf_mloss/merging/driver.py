@@ -52,6 +52,12 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
     params = config.method_params()
     needs_data = method.needs_data or config.select is not None or (
         hasattr(method, "uses_data") and config.has_data() and method.uses_data(params))
+    own = next((f"models[{i}] ({m.label})" for i, m in enumerate(config.models) if m.data is not None
+                or m.text_data is not None), None)
+    if own is not None and not needs_data and not scored_part_only:
+        warnings.warn(f"{own} has data of its own, and {method.pretty_name} merges without data: it is not read. "
+                      "Data-guided merges read it (regmean, regmean_plusplus, adamerging, adarank_*, auto, m_ties, "
+                      "select='unlabeled').", UserWarning, stacklevel=3)
     with open_inputs(config, device=device, token=token, needs_data=needs_data, progress=progress,
                      whole_model=config.output in ("auto", "adapter") and not scored_part_only) as inputs, \
             cpu_workers(inputs.device) as workers:

@@ -469,9 +469,10 @@ class MergeConfig:
                                         "with its own).")
 
     def _validate_model_data(self, method: MergeMethod) -> None:
-        """Each model's own ``data`` / ``text_data``: read by the run (refused where nothing reads data), covering every
-        model where the method reads each model's own data (refused, naming them, where some have none and no shared
-        data covers them), and leaving the shared data something to serve."""
+        """Each model's own ``data`` / ``text_data``: covering every model where the method reads each model's own data
+        (refused, naming them, where some have none and no shared data covers them), leaving the shared data something
+        to serve, compared with its own model alone (not ``share="all"``). A data-free merge never reads it (the
+        driver warns)."""
         if self.base.data is not None or self.base.text_data is not None:
             raise InvalidParameterError("base.data: the base has no data of its own; the data every model shares is "
                                         "the top-level `data` (a fine-tune's own data goes in its `models` entry).")
@@ -481,15 +482,16 @@ class MergeConfig:
             if not own:
                 continue
             first = f"models[{own[0]}] ({self.models[own[0]].label})"
-            if use is None:
-                raise InvalidParameterError(f"{first}.{key}: method {self.method!r} merges without data and would never "
-                                            "read a model's own data; drop it, or merge with a method that reads it "
-                                            "(regmean, regmean_plusplus, adamerging, adarank_*, auto, m_ties, "
-                                            "select='unlabeled').")
             if len(own) == len(self.models) and shared is not None:
                 raise InvalidParameterError(f"`{key}` is the shared pool of the models that have no {key} of their own, "
                                             f"and every model has its own: the shared `{key}` would never be read. "
                                             f"Drop it, or a model's own.")
+            share = self.select.share if self.select is not None else getattr(self.method_params(), "share", None)
+            if use == "own" and share == "all":
+                raise InvalidParameterError(f"share='all' compares every sample with every model, and {first} has data "
+                                            "of its own, which is compared with that model alone: leave share at "
+                                            "'auto' (each model's own data with that model; the shared data, if any, "
+                                            "routed among the models without their own).")
             missing = [i for i in range(len(self.models)) if i not in own]
             if missing and shared is None and use == "own":
                 names = ", ".join(f"models[{i}] ({self.models[i].label})" for i in missing[:3])
