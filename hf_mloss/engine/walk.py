@@ -73,6 +73,8 @@ class UnitInputs:
     gate: torch.Tensor
     up: torch.Tensor | None
     mask: torch.Tensor | None
+    batch: int = -1
+    """Which of the setup's batches these positions come from."""
 
     @property
     def num_nodes(self) -> int:
@@ -284,7 +286,7 @@ def own_walk(setup: WalkSetup, scored: Sequence[int], visit: Callable[[int, Unit
             if stacked:
                 mask = states[0][b].context.mask
                 visit(layer, UnitInputs(stacked["gate"], stacked.get("up"),
-                                        mask.reshape(-1) if mask is not None else None))
+                                        mask.reshape(-1) if mask is not None else None, b))
         if layer in scored and done is not None:
             done(layer)
         if progress is not None:
