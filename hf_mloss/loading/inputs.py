@@ -76,6 +76,10 @@ class RunInputs:
     tower_owner: dict[str, torch.Tensor] = field(default_factory=dict)
     """As :attr:`sample_owner`, for a tower's samples (models' own ``text_data``)."""
     tower_model_data_info: dict[str, list[DataInfo | None]] = field(default_factory=dict)
+    share_inputs: ModelInputs | None = None
+    """Label-free selection's ``select.shares`` (``share="given"``): one set per model, read here once."""
+    share_owner: torch.Tensor | None = None
+    """The model each sample of :attr:`share_inputs` is compared with."""
     uninitialised: list[str] = field(default_factory=list)
     """Tensors every input lacks, which transformers initialises (see :func:`check_config_matches_tensors`)."""
     notes: list[str] = field(default_factory=list)
@@ -351,6 +355,8 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
             _load_data(inputs, config, resolved[0][0], token, progress=progress)
         if needs_data and towers:
             _load_tower_text(inputs, config, resolved[0][0], token, progress=progress)
+        if needs_data and getattr(getattr(config, "select", None), "shares", None):
+            _load_shares(inputs, config, resolved[0][0], token)
         yield inputs
     finally:
         for store in stores:
@@ -934,6 +940,37 @@ def _load_tower_text(inputs: RunInputs, config: MergeConfig, base_ref: ModelRef,
         if owner is not None:
             inputs.tower_owner[view.tower_attribute] = owner
             inputs.tower_model_data_info[view.tower_attribute] = infos
+
+
+def _load_shares(inputs: RunInputs, config: MergeConfig, base_ref: ModelRef, token) -> None:
+    """Label-free selection's ``select.shares``: one unlabeled set per model, ``num_samples`` / q of each, read as
+    the family reads its data, joined with each sample's model (:attr:`RunInputs.share_inputs`)."""
+    import math
+
+    from ..spec.config import DataSpec
+    from .data import DEFAULT_MAX_LENGTH, load_model_inputs
+    from .model_inputs import as_model_inputs, concat_samples
+
+    options = config.select
+    per_model = math.ceil(options.num_samples / len(options.shares))
+    parts, owner, reader = [], [], None
+    text = getattr(inputs.adapter, "modality", "image") == "text"
+    for p, share in enumerate(options.shares):
+        spec = DataSpec.parse(share, num_samples=per_model)
+        ready = isinstance(spec.objects, torch.Tensor) or as_model_inputs(spec.objects) is not None
+        if reader is None and not ready:
+            reader = (resolve_tokenizer if text else resolve_processor)(config, inputs, base_ref, token)
+        if text:
+            max_length = check_max_length(inputs.adapter, spec.max_length or config.data.max_length)
+            samples, _ = load_model_inputs(spec.source, modality="text", tokenizer=reader, num_samples=per_model,
+                                           seed=config.seed, split=spec.split, text_column=spec.text_column,
+                                           max_length=max_length or DEFAULT_MAX_LENGTH)
+        else:
+            samples, _ = load_model_inputs(spec.source, modality="image", processor=reader, num_samples=per_model,
+                                           seed=config.seed, split=spec.split, image_column=spec.image_column)
+        parts.append(samples)
+        owner += [p] * len(samples)
+    inputs.share_inputs, inputs.share_owner = concat_samples(parts), torch.tensor(owner)
 
 
 def _check_own_modalities(config: MergeConfig, inputs: RunInputs) -> None:

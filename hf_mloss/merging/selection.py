@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InvalidParameterError
 from ..loading.heads import as_head, check_heads
 from ..spec.selection import grid_edges
-from ..loading.model_inputs import SHARED, concat_samples, spread_owned, spread_sample  # noqa: F401 (spread_sample: read from here)
+from ..loading.model_inputs import SHARED, spread_owned, spread_sample  # noqa: F401 (spread_sample: read from here)
 from ..spec.selection import (
     SelectionOptions,
 )
@@ -298,8 +298,8 @@ class CandidateEvaluator:
 
         sources, rule = self.inputs.sources, self.rule
         samples, owner = self.sample, None
-        if self.options.share == "given":
-            samples, owner = self._given_shares(config, token)
+        if self.options.share == "given":  # one set per model, read once by loading/ (select.shares)
+            samples, owner = self.inputs.share_inputs, self.inputs.share_owner
         state = {self.adapter.canonical_key(k): v for k, v in tower.state_dict().items()}
         names = [n for n in self.inputs.names if n in state]
         batches = model_batches(samples, self.batch_size, self.device)
@@ -351,38 +351,6 @@ class CandidateEvaluator:
                     column[0][rows] = out[rows]
         load_weights_into(state, [self.inputs.base], [1.0], names)
         return batches, owner, columns
-
-    def _given_shares(self, config: MergeConfig, token: Any) -> tuple[Any, Any]:
-        """One unlabeled set per model, ``num_samples`` / q of each, read as the family reads its data."""
-        import torch
-
-        from ..loading.data import DEFAULT_MAX_LENGTH, load_model_inputs
-        from ..loading.inputs import check_max_length, resolve_processor, resolve_tokenizer
-        from ..loading.model_inputs import as_model_inputs
-        from ..spec.config import DataSpec
-
-        per_model = math.ceil(self.options.num_samples / len(self.options.shares))
-        parts, owner, reader = [], [], None
-        text = getattr(self.adapter, "modality", "image") == "text"
-        for p, share in enumerate(self.options.shares):
-            spec = DataSpec.parse(share, num_samples=per_model)
-            ready = isinstance(spec.objects, torch.Tensor) or as_model_inputs(spec.objects) is not None
-            if reader is None and not ready:
-                reader = (resolve_tokenizer if text else resolve_processor)(config, self.inputs,
-                                                                              self.inputs.base.ref, token)
-            if text:
-                max_length = check_max_length(self.adapter, spec.max_length or config.data.max_length)
-                samples, _ = load_model_inputs(spec.source, modality="text", tokenizer=reader,
-                                               num_samples=per_model, seed=config.seed, split=spec.split,
-                                               text_column=spec.text_column,
-                                               max_length=max_length or DEFAULT_MAX_LENGTH)
-            else:
-                samples, _ = load_model_inputs(spec.source, modality="image", processor=reader,
-                                               num_samples=per_model, seed=config.seed, split=spec.split,
-                                               image_column=spec.image_column)
-            parts.append(samples)
-            owner += [p] * len(samples)
-        return concat_samples(parts), torch.tensor(owner)
 
     def _output_criteria(self, tower: Any) -> dict[str, float]:
         """``output`` and ``entropy`` of the candidate held by ``tower`` (see the module docstring): Σ numerators /
