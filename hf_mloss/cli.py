@@ -96,11 +96,15 @@ def merge_command(args: argparse.Namespace) -> int:
                                           zip(result.models, result.weights, model_specs(result), strict=True)),
              "  parameters: " + (", ".join(f"{k}={v!r}" for k, v in shown.items()) or "none"),
              f"  device:     {result.device}"]
-    if result.data_info is not None:
+    own = (result.model_data_info or {}).get("data") or []
+    if result.data_info is not None and (not own or result.config.data is not None):
         info = result.data_info
         count = (f"{info.num_samples} images" if info.num_tokens is None else
                  f"{info.num_samples} sequences, {info.num_tokens} tokens")
         lines.append(f"  data:       {info.source} {info.id!r} (split {info.split!r}, {count})")
+    if own:  # each model's own data: its source and sample count
+        lines.append("  own data:   " + ", ".join(f"{r.name}: {info.id or info.source} ({info.num_samples})"
+                                                  for r, info in zip(result.models, own) if info is not None))
     if result.config.select is not None:
         lines += ["", result.config.select.summary()]
     if result.report is not None and result.report.computed:

@@ -75,7 +75,8 @@ def test_the_cli_merges_with_each_models_data_from_the_yaml(tiny_paths, tmp_path
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({"base": base, "method": "regmean_plusplus", "models": [
         {"model": m, "data": {"path": f"data{i}"}} for i, m in enumerate(models)]}))
-    assert main(["merge", str(recipe), str(tmp_path / "out"), "--quiet"]) == 0
+    assert main(["merge", str(recipe), str(tmp_path / "out")]) == 0
+    assert "  own data:   ft0: data0 (3), ft1: data1 (3), ft2: data2 (3)" in capsys.readouterr().out
     recorded = MergeConfig.from_pretrained(tmp_path / "out")
     assert all(m.data.fingerprint.startswith("xxh3-128:") and m.data.num_samples == 128 for m in recorded.models)
     direct = _quiet(hf_mloss.merge, base, [{"model": m, "data": str(f)} for m, f in zip(models, folders)],
@@ -184,6 +185,15 @@ def test_m_ties_reads_the_union_of_the_models_data(tiny_paths, own_pixels):
     for key, value in pooled.model.state_dict().items():
         assert torch.equal(own.model.state_dict()[key], value), key
     assert own.report.num_samples == sum(len(x) for x in own_pixels)
+
+
+def test_score_reads_the_union_of_the_models_data(tiny_paths, own_pixels):
+    base, models = tiny_paths
+    own = _quiet(hf_mloss.score, base, _own(models, own_pixels), batch_size=4)
+    pooled = _quiet(hf_mloss.score, base, models, data=torch.cat(own_pixels), batch_size=4)
+    assert own.num_samples == pooled.num_samples == sum(len(x) for x in own_pixels)
+    for name, value in pooled.node.items():
+        assert torch.equal(own.node[name], value), name
 
 
 def test_a_compatibility_pair_is_scored_on_its_two_models_data(tiny_paths, own_pixels):

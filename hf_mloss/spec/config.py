@@ -493,7 +493,7 @@ class MergeConfig:
                                             "'auto' (each model's own data with that model; the shared data, if any, "
                                             "routed among the models without their own).")
             missing = [i for i in range(len(self.models)) if i not in own]
-            if missing and shared is None and use == "own":
+            if missing and shared is None and use == "own" and not self.replays_recorded():
                 names = ", ".join(f"models[{i}] ({self.models[i].label})" for i in missing[:3])
                 more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
                 raise DataError(f"{self._own_data_reader(method)} reads each model's own {key}, and {names}{more} "
