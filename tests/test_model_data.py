@@ -286,3 +286,6 @@ def test_auto_compares_each_candidate_with_each_model_on_its_own_data(tiny_paths
     again = _quiet(hf_mloss.run, result.config)
     for key, value in result.model.state_dict().items():
         assert torch.equal(again.model.state_dict()[key], value), key
+    from hf_mloss.output.card import build_model_card
+
+    assert "32 of each model's own unlabeled images, each compared with its own model" in str(build_model_card(result))

@@ -119,8 +119,13 @@ def selection_rows(config: MergeConfig, modality: str = "image") -> dict[str, An
             for c in select.candidates]
     return {"criterion": select.criterion, "criteria": select.criteria, "grid": select.grid,
             "num_samples": select.num_samples, "unit": "texts" if modality == "text" else "images",
-            "share": select.share, "reference": select.reference, "rows": rows,
-            "chosen": ", ".join(f"{k}={v}" for k, v in (select.chosen or {}).items())}
+            "share": "each model's own data" if _own_data(config) else select.share, "reference": select.reference,
+            "rows": rows, "chosen": ", ".join(f"{k}={v}" for k, v in (select.chosen or {}).items())}
+
+
+def _own_data(config: MergeConfig) -> bool:
+    """Whether some model read data of its own (compared with that model alone, no routing)."""
+    return any(getattr(m, "data", None) is not None for m in config.models)
 
 
 def auto_rows(config: MergeConfig) -> dict[str, Any] | None:
@@ -139,7 +144,7 @@ def auto_rows(config: MergeConfig) -> dict[str, Any] | None:
     return {"criterion": params.criterion, "num_samples": params.compare_samples, "share": params.share, "rows": rows,
             "chosen": chosen.get("method"), "chosen_setting": ", ".join(
                 f"{k}={v}" for k, v in (chosen.get("parameters") or {}).items()), "why": chosen.get("why"),
-            "heads": bool(params.heads), "tied": tied,
+            "heads": bool(params.heads), "tied": tied, "own": _own_data(config),
             "edges": [] if tied or not rows else auto_grid_edges(params)}
 
 
