@@ -947,7 +947,6 @@ def _load_shares(inputs: RunInputs, config: MergeConfig, base_ref: ModelRef, tok
     the family reads its data, joined with each sample's model (:attr:`RunInputs.share_inputs`)."""
     import math
 
-    from ..spec.config import DataSpec
     from .data import DEFAULT_MAX_LENGTH, load_model_inputs
     from .model_inputs import as_model_inputs, concat_samples
 
@@ -955,8 +954,7 @@ def _load_shares(inputs: RunInputs, config: MergeConfig, base_ref: ModelRef, tok
     per_model = math.ceil(options.num_samples / len(options.shares))
     parts, owner, reader = [], [], None
     text = getattr(inputs.adapter, "modality", "image") == "text"
-    for p, share in enumerate(options.shares):
-        spec = DataSpec.parse(share, num_samples=per_model)
+    for p, spec in enumerate(config.share_specs(per_model)):
         ready = isinstance(spec.objects, torch.Tensor) or as_model_inputs(spec.objects) is not None
         if reader is None and not ready:
             reader = (resolve_tokenizer if text else resolve_processor)(config, inputs, base_ref, token)

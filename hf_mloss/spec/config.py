@@ -516,6 +516,10 @@ class MergeConfig:
             return "union"
         return None
 
+    def share_specs(self, num_samples: int) -> list[DataSpec]:
+        """Label-free selection's ``select.shares`` as data specs of ``num_samples`` samples each."""
+        return [DataSpec.parse(share, num_samples=num_samples) for share in (self.select.shares or ())]
+
     def has_data(self, key: str = "data") -> bool:
         """Whether the run has ``key`` (``data`` or ``text_data``): shared, or some model's own."""
         return getattr(self, key) is not None or any(getattr(m, key) is not None for m in self.models)
