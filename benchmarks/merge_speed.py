@@ -21,6 +21,9 @@ What it does (every timed run is its own child process, so wall time, CPU time a
      label-free selection (``select_m_ties``: M-TIES over a 3 × 3 (k, λ) grid) and the
      pairwise compatibility report (``compatibility``). Each merge is ``hf_mloss.merge(...)`` then
      ``save_pretrained``.
+   * ``regmean_own`` / ``regmean_plusplus_own`` (only when named): RegMean / RegMean++ with each fine-tune given its
+     own share of the same images (N / q each, ``models=[{"model": ..., "data": ...}]``), beside the pooled runs
+     where every model reads all N (``regmean_plusplus_own_vs_pooled``).
    * ``svd_floor`` (only when named): a floor for exact TSV-M here, the q + 2 symmetric eigenvalue solves
      per matrix alone (``torch.linalg.eigvalsh``, float32 and float64, default threads and one), beside
      mergekit's TIES wall (``svd_floor_vs_mergekit_wall``).
@@ -145,6 +148,8 @@ HF_RUNS: dict[str, tuple[str, dict]] = {
     "iso_cts": ("iso_cts", dict(lam=1.0)),  # per matrix: 1 SVD + q batched SVDs + 2 polar SVDs
     "regmean": ("regmean", {}),  # Gram matrices of every linear's inputs, own prefix, on the shape's data
     "regmean_plusplus": ("regmean_plusplus", {}),  # the same on the merged prefix
+    "regmean_own": ("regmean", {}),  # each model its own share of the same images (N / q each)
+    "regmean_plusplus_own": ("regmean_plusplus", {}),  # the same on the merged prefix
     "auto": ("auto", {}),  # the label-free choice among its default candidates (output criterion, no heads)
     "auto2": ("auto", dict(candidates=["ties", "task_arithmetic"])),  # the same between two candidates
 }
@@ -160,7 +165,10 @@ FLOOR_RUNS = ("forward", "read", "svd_floor")
 ALL_RUNS = ("forward", "read", "svd_floor", *SCORE_RUNS, *HF_RUNS, "compatibility")
 DEFAULT_RUNS = tuple(n for n in ALL_RUNS
                      if n not in ("read", "svd_floor", "score_own", "compatibility", "select_m_ties", *SVD_RUNS,
-                                  "regmean", "regmean_plusplus", "auto", "auto2"))
+                                  "regmean", "regmean_plusplus", "regmean_own", "regmean_plusplus_own", "auto",
+                                  "auto2"))
+OWN_RUNS = ("regmean_own", "regmean_plusplus_own")
+"""Runs where each fine-tune reads its own share of the images (the same N in all, N / q per model)."""
 PEERS = ("mergekit", "fusion_bench")
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni", "avx_vnni")
 
@@ -363,11 +371,15 @@ def child_score(spec: dict, pixels, info: dict) -> None:
 def child_merge(spec: dict, pixels, info: dict) -> None:
     import hf_mloss  # noqa: F401  (the package, then its modules below)
 
-    extra = {}
+    extra, models = {}, spec["models"]
     if spec.get("data"):
         extra = dict(data=pixels, num_samples=spec["num_samples"], batch_size=spec["batch_size"])
+    if spec.get("own"):  # each model's own share of the images: the same total, N / q per model
+        shares = pixels[: spec["num_samples"]].chunk(len(models))
+        models = [{"model": m, "data": share} for m, share in zip(models, shares)]
+        extra = dict(num_samples=max(len(share) for share in shares), batch_size=spec["batch_size"])
     t1, c1 = time.perf_counter(), time.process_time()
-    result = hf_mloss.merge(spec["base"], spec["models"], spec["method"], device=spec["device"], progress=False,
+    result = hf_mloss.merge(spec["base"], models, spec["method"], device=spec["device"], progress=False,
                             **extra, **spec["params"])
     _sync(spec["device"])
     info["inner_s"], info["inner_cpu_s"] = time.perf_counter() - t1, time.process_time() - c1
@@ -1042,7 +1054,7 @@ def hf_spec(plan: Plan, name: str, repeat: int, reference: bool = False) -> dict
     method, params = HF_RUNS[name]
     data = method in DATA_METHODS or "select" in params
     return spec | dict(kind="merge", method=method, params=params, data=str(plan.images) if data else None,
-                       out=str(plan.outs / label))
+                       out=str(plan.outs / label), own=name in OWN_RUNS)
 
 
 def measured(fn, *a, **kw) -> dict:

@@ -20,6 +20,7 @@ TARGETS = {
     "regmean_plusplus_vs_score_own": 1.3,
     "regmean_plusplus_rss_vs_score_own": 1.25,
     "auto_vs_slowest_candidate": 3.0,
+    "regmean_plusplus_own_vs_pooled": 1.1,
 }
 DECODER_TARGETS = {"ties_tensor_vs_mergekit_wall": 0.5, "compatibility_vs_own_floor": 1.3}
 SHAPE_TARGETS = {"llama2-7b": {"ties_tensor_vs_mergekit_wall": 0.3}}
@@ -27,7 +28,8 @@ SHAPE_TARGETS = {"llama2-7b": {"ties_tensor_vs_mergekit_wall": 0.3}}
 """The targets set otherwise, or only, for decoder shapes (data-free merges of a bf16 LLM against mergekit; the
 compatibility report against the q own forwards it must run)."""
 HF_NAMES = ("ties_tensor", "ties_tensor_mk", "ties_global", "dare", "task_arithmetic", "m_ties", "m_ties_bf16",
-            "select_m_ties", "ties_global_fb", "tsv_m", "iso_c", "iso_cts", "regmean", "regmean_plusplus", "auto", "auto2")
+            "select_m_ties", "ties_global_fb", "tsv_m", "iso_c", "iso_cts", "regmean", "regmean_plusplus",
+            "regmean_own", "regmean_plusplus_own", "auto", "auto2")
 MEASURE_RUNS = ("forward", "read", "svd_floor", "score", "score_bf16", "score_own", "compatibility")
 DESCRIPTIONS = {
     "read": "every tensor of base + q fine-tunes read onto the device as stored (safetensors); inner = faster pass",
@@ -52,7 +54,10 @@ DESCRIPTIONS = {
     "iso_cts": "hf_mloss iso_cts (λ=1)",
     "regmean": "hf_mloss regmean (Gram matrices of every linear's inputs, own prefix)",
     "regmean_plusplus": "hf_mloss regmean_plusplus (the same on the merged prefix)",
-    "auto": "hf_mloss auto (default candidates: TSV-M, Iso-CTS, TIES, TA on 6 λ each, RegMean++; output criterion)",
+    "regmean_own": "hf_mloss regmean, each model its own N / q of the images (models' own data)",
+    "regmean_plusplus_own": "hf_mloss regmean_plusplus, each model its own N / q of the images (models' own data)",
+    "auto": "hf_mloss auto (default candidates on 6 λ each: TSV-M, Iso-C, Iso-CTS, TIES, TA, RegMean++; output "
+            "criterion)",
     "auto2": "hf_mloss auto between two candidates (TIES, TA on 6 λ each; output criterion)",
     "mergekit_ties": "mergekit-yaml ties (density 0.2, normalize)",
     "mergekit_1t_ties": "mergekit-yaml ties, OMP_NUM_THREADS=1",
@@ -237,6 +242,11 @@ def workload_ratios(ratios: Ratios, runs: dict) -> None:
                    "inner: regmean_plusplus merge() / score(prefix='own') of all q")
         ratios.add("regmean_plusplus_rss_vs_score_own", plus["max_rss_mb"], own["max_rss_mb"],
                    TARGETS["regmean_plusplus_rss_vs_score_own"], "peak RSS of the two processes")
+    for name in ("regmean", "regmean_plusplus"):
+        own, pooled = runs.get(f"{name}_own"), runs.get(name)
+        if _ok(own) and _ok(pooled):
+            ratios.add(f"{name}_own_vs_pooled", _inner(own), _inner(pooled), TARGETS.get(f"{name}_own_vs_pooled"),
+                       f"inner: {name} merge() with each model's own N / q images / with all N for every model")
     candidates = [name for name in ("tsv_m", "iso_cts", "ties_global", "task_arithmetic", "regmean_plusplus")
                   if _ok(runs.get(name))]
     if _ok(runs.get("auto")) and candidates:

@@ -271,7 +271,7 @@ def run_score(config: MergeConfig | str | os.PathLike[str], *, device: Any = Non
 
     config = as_config(config, token=token)
     config.validate()
-    if config.data is None and config.text_data is None:
+    if not config.has_data() and not config.has_data("text_data"):
         raise InvalidParameterError("Scoring needs unlabeled data and the config has no `data`: add e.g. "
                                     "`data: {id: tanganke/dtd, split: train, num_samples: 128}` or "
                                     "`data: {path: ./images}`.")
@@ -297,7 +297,7 @@ def _score_merged(config: MergeConfig, options: ScoringOptions, **run_options: A
 
     config = config.replace(parameters=parameters)
     # with text_data, every tower of the whole model is merged and scored
-    return run_merge(config, scored_part_only=config.text_data is None, **run_options).report
+    return run_merge(config, scored_part_only=not config.has_data("text_data"), **run_options).report
 
 
 def as_config(config: MergeConfig | str | os.PathLike[str], *, token: str | bool | None = None) -> MergeConfig:

@@ -82,7 +82,7 @@ def merge_command(args: argparse.Namespace) -> int:
     show = not args.quiet and is_main_process()
     if show:
         print(f"Computing on {describe_device(device)}", flush=True)
-    with _progress_bars(show, datasets_too=config.data is not None or config.text_data is not None):
+    with _progress_bars(show, datasets_too=config.has_data() or config.has_data("text_data")):
         result = run(config, device=device, progress=show)
         push_kwargs = {"private": True} if args.push_to_hub and args.private else {}
         saved = result.save_pretrained(out_dir, overwrite=args.overwrite, push_to_hub=bool(args.push_to_hub),
@@ -97,11 +97,15 @@ def merge_command(args: argparse.Namespace) -> int:
                                           zip(result.models, result.weights, model_specs(result), strict=True)),
              "  parameters: " + (", ".join(f"{k}={v!r}" for k, v in shown.items()) or "none"),
              f"  device:     {result.device}"]
-    if result.data_info is not None:
+    own = (result.model_data_info or {}).get("data") or []
+    if result.data_info is not None and (not own or result.config.data is not None):
         info = result.data_info
         count = (f"{info.num_samples} images" if info.num_tokens is None else
                  f"{info.num_samples} sequences, {info.num_tokens} tokens")
         lines.append(f"  data:       {info.source} {info.id!r} (split {info.split!r}, {count})")
+    if own:  # each model's own data: its source and sample count
+        lines.append("  own data:   " + ", ".join(f"{r.name}: {info.id or info.source} ({info.num_samples})"
+                                                  for r, info in zip(result.models, own) if info is not None))
     if result.config.select is not None:
         lines += ["", result.config.select.summary()]
     if result.report is not None and result.report.computed:
@@ -174,7 +178,7 @@ def score_command(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     main = is_main_process()  # every process scores its share; the main one prints and writes the reduced result
     show = not args.quiet and main
-    if config.data is None and config.text_data is None:  # fail now, not after downloading the models
+    if not config.has_data() and not config.has_data("text_data"):  # fail now, not after downloading the models
         raise InvalidParameterError("Scoring needs unlabeled data (images, or texts for text families) and the config "
                                     "has no `data`: add e.g. `data: {id: tanganke/dtd, split: train, num_samples: 128}`, "
                                     "`data: {path: ./images}` or `data: {path: prompts.txt}`.")

@@ -56,8 +56,8 @@ def test_the_lowest_candidate_is_written_bit_for_bit(tiny_paths, image_folder, c
 
 
 def test_regmean_plusplus_as_a_candidate_is_the_method_itself(tiny_paths, image_folder):
-    """A candidate without λ is merged once, as the method alone merges it."""
-    only = _merge(tiny_paths, "auto", data=str(image_folder), candidates=["regmean_plusplus"], compare_samples=12)
+    """A candidate without a λ axis is merged once, as the method alone merges it."""
+    only = _merge(tiny_paths, "auto", data=str(image_folder), candidates={"regmean_plusplus": {}}, compare_samples=12)
     direct = _merge(tiny_paths, "regmean_plusplus", data=str(image_folder))
     assert only.config.parameters["chosen"] == {"method": "regmean_plusplus", "parameters": {}}
     for key, value in direct.model.state_dict().items():
@@ -75,6 +75,19 @@ def test_the_card_states_the_samples_actually_compared(tiny_paths, image_folder,
         assert f"on {used} unlabeled images" in card and "on 32 unlabeled" not in card
         again = hf_mloss.run(str(tmp_path / str(used)), progress=False)  # the recorded choice keeps its count
         assert again.config.parameters["compared"] == used
+
+
+def test_regmean_plusplus_on_its_lam_grid_is_the_method_at_that_lam(tiny_paths, image_folder):
+    """RegMean++ among the default candidates is searched on a λ grid: the published merge's task vector, scaled."""
+    assert DEFAULT_CANDIDATES["regmean_plusplus"]["lam"] == DEFAULT_CANDIDATES["tsv_m"]["lam"]
+    assert "iso_c" in DEFAULT_CANDIDATES
+    only = _merge(tiny_paths, "auto", data=str(image_folder), candidates={"regmean_plusplus": {"lam": [0.5, 1.5]}},
+                  compare_samples=12)
+    chosen = only.config.parameters["chosen"]
+    assert chosen["method"] == "regmean_plusplus" and chosen["parameters"]["lam"] in (0.5, 1.5)
+    direct = _merge(tiny_paths, "regmean_plusplus", data=str(image_folder), **chosen["parameters"])
+    for key, value in direct.model.state_dict().items():
+        torch.testing.assert_close(only.model.state_dict()[key], value, rtol=1e-5, atol=1e-6)
 
 
 def test_the_recorded_choice_reruns_without_choosing(chosen, tmp_path):
@@ -100,8 +113,8 @@ def test_without_data_it_is_tsv_m_at_its_default_and_says_so(tiny_paths, tmp_pat
 
 
 def test_budget_thins_the_grids_and_keeps_the_defaults():
-    defaults = {"tsv_m": {"lam": 1.0}, "iso_cts": {"lam": 1.0}, "ties": {"lam": 1.0}, "task_arithmetic": {"lam": 0.3},
-                "regmean_plusplus": {}}
+    defaults = {"tsv_m": {"lam": 1.0}, "iso_c": {"lam": 1.0}, "iso_cts": {"lam": 1.0}, "ties": {"lam": 1.0},
+                "task_arithmetic": {"lam": 0.3}, "regmean_plusplus": {"lam": 1.0}}
     cut = thinned(DEFAULT_CANDIDATES, 10, defaults)
     assert sum(max(1, len(g.get("lam", [0]))) for g in cut.values()) == 10
     for name, grid in cut.items():
@@ -160,7 +173,7 @@ def test_a_causal_lm_from_a_yaml_recipe(tmp_path):
     ({"candidates": {"dare_ties": {"lam": [0.5]}, "dare": {"lam": [2.0]}}},
      "candidates names 'dare_ties' twice \\('dare_ties' and 'dare'\\)"),
     ({"candidates": {"tsv_m": {"lam": [1.0, 1.0]}}, "budget": 1}, r"candidates\['tsv_m'\].lam repeats a value"),
-    ({"budget": 2}, "budget=2 is below the number of candidate methods \\(5\\)"),
+    ({"budget": 2}, "budget=2 is below the number of candidate methods \\(6\\)"),
     ({"chosen": {"method": "adamerging"}}, "chosen.method: 'adamerging' cannot be a candidate of auto"),
     ({"chosen": {"method": "ties", "parameters": {"k": 7}}}, "chosen.parameters: "),
     ({"candidates": ["tsv_m", "slerp"]}, "candidates: slerp merges exactly 1 fine-tuned model\\(s\\) and this run has 3"),

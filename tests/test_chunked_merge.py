@@ -1,7 +1,7 @@
 """Large tensors merged in flat pieces (`TensorMerger._merge_in_chunks`): the same bits as merging them whole.
 
-The driver merges a tensor whose q sources hold ≥ ``CHUNKED_MIN_NUMEL`` entries piece by piece when the method allows
-(TIES): per-tensor thresholds come from :func:`streamed_thresholds`, the rest is element-wise. These tests lower the
+The tensor merger (``hf_mloss.merging.merger``) merges a tensor whose q sources hold ≥ ``CHUNKED_MIN_NUMEL`` entries
+piece by piece when the method allows (TIES): per-tensor thresholds come from :func:`streamed_thresholds`, the rest is element-wise. These tests lower the
 size limits so that a tiny decoder's tensors take that path, and compare every output bit with the whole-tensor path.
 """
 
@@ -15,10 +15,11 @@ import hf_mloss
 from examples.tiny import save_with_finetunes, tiny_decoder
 from hf_mloss.errors import CorruptCheckpointError
 from hf_mloss.merging import driver
+from hf_mloss.merging import merger as tensor_merger
 from hf_mloss.methods.ops import magnitude_threshold, sample_positions, streamed_thresholds
 
 # An embedding of 3001 x 96 entries: pieces of 32768 entries (q = 4) cut it inside rows, and its last piece is short.
-MERGE_IN_CHUNKS = driver.TensorMerger._merge_in_chunks
+MERGE_IN_CHUNKS = tensor_merger.TensorMerger._merge_in_chunks
 SHAPE = dict(vocab_size=3001, hidden_size=96, intermediate_size=200, num_attention_heads=4, num_key_value_heads=2)
 
 
@@ -85,9 +86,9 @@ def _merge(paths, monkeypatch, chunked: bool, **kwargs) -> tuple[dict, list[str]
         used.append(name)
         return MERGE_IN_CHUNKS(self, name, *args)
 
-    monkeypatch.setattr(driver.TensorMerger, "_merge_in_chunks", spy)
-    monkeypatch.setattr(driver, "CHUNKED_MIN_NUMEL", 1 if chunked else 1 << 60)
-    monkeypatch.setattr(driver, "MERGE_CHUNK_NUMEL", 1)  # one elect_and_merge chunk per piece: many pieces
+    monkeypatch.setattr(tensor_merger.TensorMerger, "_merge_in_chunks", spy)
+    monkeypatch.setattr(tensor_merger, "CHUNKED_MIN_NUMEL", 1 if chunked else 1 << 60)
+    monkeypatch.setattr(tensor_merger, "MERGE_CHUNK_NUMEL", 1)  # one elect_and_merge chunk per piece: many pieces
     result = hf_mloss.merge(str(base), [str(m) for m in models], "ties", progress=False, **kwargs)
     return result.model.state_dict(), used
 
@@ -126,9 +127,9 @@ def test_m_ties_merges_tensors_outside_its_node_groups_in_pieces(decoder_sets, m
         return MERGE_IN_CHUNKS(self, name, *args)
 
     def run(chunked: bool) -> dict:
-        monkeypatch.setattr(driver.TensorMerger, "_merge_in_chunks", spy)
-        monkeypatch.setattr(driver, "CHUNKED_MIN_NUMEL", 1 if chunked else 1 << 60)
-        monkeypatch.setattr(driver, "MERGE_CHUNK_NUMEL", 1)
+        monkeypatch.setattr(tensor_merger.TensorMerger, "_merge_in_chunks", spy)
+        monkeypatch.setattr(tensor_merger, "CHUNKED_MIN_NUMEL", 1 if chunked else 1 << 60)
+        monkeypatch.setattr(tensor_merger, "MERGE_CHUNK_NUMEL", 1)
         return hf_mloss.merge(str(base), [str(m) for m in models], method, data=data, progress=False,
                               seed=0).model.state_dict()
 

@@ -283,3 +283,22 @@ def test_selection_reads_back_the_scores_of_a_whole_model_report(clip, pixels):
     scores = recorded_scores(report, adapter)
     assert sorted(scores) == [0, 1]
     assert torch.equal(scores[1].node, report.node["vision_model.encoder.layers.1.mlp.fc1"])
+
+
+def test_each_models_own_images_and_texts_score_as_their_union(clip, pixels):
+    """A whole CLIPModel's models each with their own images and texts: score() reads the union of each tower's
+    data, as the pooled sets give it; RegMean reads each model's own texts for its text tower's Grams."""
+    base, models = clip
+    own_texts = [TEXTS[:2], TEXTS[2:]]
+    own_pixels = [pixels[:1], pixels[1:]]
+    entries = [{"model": m, "data": x, "text_data": t} for m, x, t in zip(models, own_pixels, own_texts)]
+    own = hf_mloss.score(base, entries, progress=False)
+    pooled = hf_mloss.score(base, models, data=pixels, text_data=TEXTS, num_samples=len(TEXTS), progress=False)
+    assert set(own.node) == set(pooled.node)
+    for name, value in pooled.node.items():
+        torch.testing.assert_close(own.node[name], value, rtol=1e-5, atol=1e-7, msg=name)
+    merged = hf_mloss.merge(base, entries, "regmean", progress=False)
+    together = hf_mloss.merge(base, models, "regmean", data=pixels, text_data=TEXTS, progress=False)
+    key = "text_model.encoder.layers.1.mlp.fc1.weight"
+    assert not torch.allclose(merged.model.state_dict()[key], together.model.state_dict()[key], rtol=1e-4)
+    assert merged.model_data_info["text_data"][1].num_samples == len(own_texts[1])

@@ -256,7 +256,7 @@ def merge_with_scores(base: str, models: list[str], method_name: str, scores: di
                       **params: Any) -> dict[str, torch.Tensor]:
     """A data-guided merge driven by given node scores (the hooks in a merged-prefix pass's order), no data."""
     from hf_mloss.loading.inputs import open_inputs
-    from hf_mloss.merging.driver import TensorMerger
+    from hf_mloss.merging.merger import TensorMerger
     from hf_mloss.methods import MergeContext
     from hf_mloss.engine.score import LayerScores
     from hf_mloss.merging.selection import replay_layerwise

@@ -215,6 +215,37 @@ def test_torchrun_regmean_sums_the_processes_grams(tmp_path, tiny_paths, image_f
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("method", ["regmean", "regmean_plusplus"])
+def test_torchrun_walks_each_processs_share_of_every_models_own_data(tmp_path, tiny_paths, method, monkeypatch):
+    """Each model's own images (5, 3 and 7: shares of unequal sizes); each process walks its share of every model's
+    data, the positions of each model summed over the processes before its Grams are folded: the single process's
+    merge within 1e-6."""
+    import yaml
+
+    from examples.tiny import make_image_folder
+
+    monkeypatch.setenv("HF_MLOSS_THREADS", "1")
+    base, models = tiny_paths
+    entries = [{"model": m, "data": {"path": str(make_image_folder(tmp_path / f"data{i}", n=n, seed=i))}}
+               for i, (m, n) in enumerate(zip(models, (5, 3, 7)))]
+    config = tmp_path / f"{method}.yaml"
+    config.write_text(yaml.safe_dump({"base": base, "models": entries, "method": method, "batch_size": 2},
+                                     sort_keys=False))
+    out = tmp_path / "merged"
+    proc = torchrun(["merge", str(config), str(out), "-q"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from transformers import CLIPVisionModel
+
+    single = hf_mloss.run(hf_mloss.MergeConfig.from_yaml(config), device="cpu", progress=False)
+    merged = CLIPVisionModel.from_pretrained(out).state_dict()
+    for name, tensor in single.model.state_dict().items():
+        error = float((merged[name] - tensor).norm() / tensor.norm().clamp_min(1e-30))
+        assert error < 1e-6, (name, error)
+    recorded = hf_mloss.MergeConfig.from_pretrained(out)
+    assert [m.data.fingerprint for m in recorded.models] == [m.data.fingerprint for m in single.config.models]
+
+
+@pytest.mark.slow
 def test_torchrun_score_pairwise_writes_once(tmp_path, tiny_paths, image_folder):
     config = two_process_config(tmp_path, tiny_paths, image_folder, "m_ties", k=0.5)
     out = tmp_path / "compat"

@@ -207,7 +207,7 @@ def test_clip_m_ties_e0_still_equals_tensor_ties(tiny_paths, image_folder) -> No
 def merge_with_scores(base, models, method_name, scores, *, adapter_patch=None, **params) -> dict[str, torch.Tensor]:
     """A data-guided merge driven by given node scores (the hooks in a merged-prefix pass's order), no data."""
     from hf_mloss.loading.inputs import open_inputs
-    from hf_mloss.merging.driver import TensorMerger
+    from hf_mloss.merging.merger import TensorMerger
     from hf_mloss.methods import MergeContext
     from hf_mloss.engine.score import LayerScores
     from hf_mloss.merging.selection import replay_layerwise

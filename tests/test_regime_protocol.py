@@ -417,6 +417,32 @@ def test_round5_low_k_part_is_the_mties_family_below_k_02_with_every_setting_val
     assert "m_ties (e=0.15)" in [s.label for s in round5_specs("mties", [10, 11])]
 
 
+def test_round5_own_data_parts_give_each_task_its_own_images_beside_the_pooled_rows():
+    """``data_own`` and ``learned_own``: the data-guided and learned merges with each fine-tune given its own task's
+    images, at 16 and 64 per task, RegMean(++) at the published λ = 1 and on a λ grid holding 1; rows of their own,
+    so the pooled rows (and their cache keys) are unchanged."""
+    from benchmarks.suites.protocol import MethodSpec
+    from benchmarks.suites.regime import R5_GRIDS, R5_OWN, round5_specs
+
+    own = round5_specs("data_own", [10, 11])
+    assert R5_OWN == (16, 64) and {s.own_data for s in own} == {16, 64}
+    labels = {s.label: s for s in own}
+    for n in R5_OWN:
+        for method in ("regmean", "regmean_plusplus"):
+            assert labels[f"{method} (own {n}/task)"].grid == {}
+            assert labels[f"{method} (own {n}/task, λ on val)"].grid == R5_GRIDS["regmean"]
+        assert labels[f"auto (own {n}/task)"].heads and labels[f"auto (own {n}/task)"].method == "auto"
+    assert 1.0 in R5_GRIDS["regmean"]["lam"] and len(R5_GRIDS["regmean"]["lam"]) == len(R5_GRIDS["tsv_m"]["lam"])
+    learned = round5_specs("learned_own", [10, 11])
+    assert [s.label for s in learned[:3]] == ["adamerging (entropy, own 16/task)",
+                                              "adamerging (output_gap, own 16/task)",
+                                              "adarank_tsv+lam (entropy, own 16/task)"]
+    assert all(s.heads and s.params["steps"] == 100 for s in learned) and {s.own_data for s in learned} == {16, 64}
+    pooled = round5_specs("data", [10, 11])
+    assert all(not s.own_data and "own_data" not in s.described() for s in pooled)  # cache keys as before
+    assert MethodSpec("x", "regmean", own_data=16).described()["own_data"] == 16
+
+
 @pytest.mark.parametrize("parts", ["base,mties,mties_low", "mties_low", "base,nope"])
 def test_round5_parts_are_checked_before_any_work(parts, capsys):
     from benchmarks.suites.regime import main

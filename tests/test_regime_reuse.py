@@ -77,3 +77,19 @@ def test_learned_command_line_runs_at_the_regime_lever(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         learned.main(["--code-version", "abc"])
     assert "it needs --regime" in capsys.readouterr().err
+
+
+def test_round5_own_data_parts_run_end_to_end_on_the_smoke_build(tmp_path):
+    """Each task's own images (16 and 64 per task, the larger pool drawn from its train split) through the data-guided
+    and learned merges, beside the base part; auto's regret against the merges tuned on val labels, per auto row."""
+    from benchmarks.suites.regime import measure_round5, write_r5
+    from benchmarks.suites.training import Log
+
+    cfg = real_config("real-smoke", 1)
+    row = measure_round5(cfg, tmp_path, Log(False, "test"), ["base", "data_own", "learned_own"], smoke=True)
+    for label in ("regmean_plusplus (own 16/task, λ on val)", "auto (own 64/task)",
+                  "adamerging (output_gap, own 64/task)", "adarank_tsv+lam (entropy, own 16/task)"):
+        assert 0 <= row["test"][label] <= 100, label
+    assert set(row["auto_regrets"]) == {"auto (own 16/task)", "auto (own 64/task)"}
+    text = write_r5([row], None, "cmd", [0], (0.0, 0.0, 0.0), 1, 1.0)
+    assert "`auto (own 64/task)` (no labels) against the merge best on val labels" in text

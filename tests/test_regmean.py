@@ -28,11 +28,11 @@ TEXTS = [" ".join(f"w{i - 4}" for i in seq) for seq in SEQUENCES]
 
 
 # ------------------------------------------------------------------------------------------------- references
-def _batch(kind: str, side: str = "right") -> dict[str, torch.Tensor]:
-    width = max(map(len, SEQUENCES))
-    ids = torch.full((len(SEQUENCES), width), PAD)
+def _batch(kind: str, side: str = "right", sequences=SEQUENCES) -> dict[str, torch.Tensor]:
+    width = max(map(len, sequences))
+    ids = torch.full((len(sequences), width), PAD)
     mask = torch.zeros_like(ids)
-    for row, seq in enumerate(SEQUENCES):
+    for row, seq in enumerate(sequences):
         cols = slice(width - len(seq), width) if side == "left" else slice(0, len(seq))
         ids[row, cols], mask[row, cols] = torch.tensor(seq), 1
     batch = {"input_ids": ids, "attention_mask": mask}
@@ -87,7 +87,9 @@ def _average(models, alpha) -> dict[str, torch.Tensor]:
 
 
 def reference(models, batch, *, plusplus: bool, ratio: float = 0.95, weights=None) -> dict[str, torch.Tensor]:
-    """RegMean (``plusplus=False``) or RegMean++ of ``models`` on ``batch``: the merged state dict (float64)."""
+    """RegMean (``plusplus=False``) or RegMean++ of ``models`` on ``batch`` (or, a list, each model on its own
+    batch): the merged state dict (float64)."""
+    batches = batch if isinstance(batch, list) else [batch] * len(models)
     alpha = torch.tensor(weights or [1.0] * len(models), dtype=torch.float64)
     alpha = alpha / alpha.sum()
     adapter = adapter_for(models[0].config)
@@ -98,12 +100,12 @@ def reference(models, batch, *, plusplus: bool, ratio: float = 0.95, weights=Non
         blocks = [adapter.layers(m)[layer] for m in models]
         if plusplus:  # model p's block `layer` under the merged blocks before it
             inputs = []
-            for block in blocks:
+            for block, own in zip(blocks, batches):
                 hybrid = copy.deepcopy(merged)
                 adapter.layers(hybrid)[layer].load_state_dict(block.state_dict())
-                inputs.append(_block_inputs(hybrid, layer, batch))
+                inputs.append(_block_inputs(hybrid, layer, own))
         else:
-            inputs = [_block_inputs(m, layer, batch) for m in models]
+            inputs = [_block_inputs(m, layer, own) for m, own in zip(models, batches)]
         solved = _solve(inputs, blocks, alpha, ratio)
         with torch.no_grad():
             for path, weight in solved.items():
@@ -186,6 +188,63 @@ def test_a_bert_merge_equals_the_brute_force(encoder, method):
     expected = reference(loaded, _batch("encoder"), plusplus=method == "regmean_plusplus")
     result = hf_mloss.merge(str(base), [str(m) for m in models], method, data=TEXTS, batch_size=2, progress=False)
     assert_matches(result, expected)
+
+
+# ------------------------------------------------------------------------------------- each model's own data
+@pytest.mark.parametrize("method", ["regmean", "regmean_plusplus"])
+def test_each_model_on_its_own_images_equals_the_hooks_on_its_own_data(tiny_paths, method):
+    """Model p's Grams by forward hooks on its own images only (sets of 5, 3 and 7: each Gram the mean over its own
+    positions), solved as the papers do; the library given each model its own data gives the same merge."""
+    base, models = tiny_paths
+    generator = torch.Generator().manual_seed(7)
+    own = [torch.randn(n, 3, 32, 32, generator=generator) for n in (5, 3, 7)]
+    loaded = [AutoModel.from_pretrained(m).eval() for m in models]
+    expected = reference(loaded, [{"pixel_values": x} for x in own], plusplus=method == "regmean_plusplus",
+                         weights=[2.0, 1.0, 1.0])
+    entries = [{"model": m, "data": x, "weight": w} for m, x, w in zip(models, own, [2.0, 1.0, 1.0])]
+    result = hf_mloss.merge(base, entries, method, batch_size=2, progress=False)
+    assert_matches(result, expected)
+    pooled = reference(loaded, {"pixel_values": torch.cat(own)}, plusplus=method == "regmean_plusplus",
+                       weights=[2.0, 1.0, 1.0])  # the same images as one pool: another merge
+    key = "encoder.layers.1.mlp.fc2.weight"
+    assert float((pooled[key] - expected[key]).norm() / expected[key].norm()) > 1e-3
+
+
+@pytest.mark.parametrize("method", ["regmean", "regmean_plusplus"])
+def test_each_decoder_on_its_own_texts_counts_its_real_tokens(decoder, method):
+    """Texts of unequal lengths, padded: each model's Grams hold its own texts' real tokens, averaged over them."""
+    base, models = decoder
+    loaded = [AutoModelForCausalLM.from_pretrained(m).eval() for m in models]
+    split = [SEQUENCES[:3], SEQUENCES[3:]]
+    expected = reference(loaded, [_batch("decoder", sequences=part) for part in split],
+                         plusplus=method == "regmean_plusplus", ratio=0.5)
+    texts = [[" ".join(f"w{i - 4}" for i in seq) for seq in part] for part in split]
+    result = hf_mloss.merge(str(base), [{"model": str(m), "data": t} for m, t in zip(models, texts)], method,
+                            batch_size=2, reduce_non_diagonal_ratio=0.5, progress=False)
+    assert_matches(result, expected)
+
+
+def test_a_model_without_data_of_its_own_reads_the_shared_data(tiny_paths, pixels):
+    base, models = tiny_paths
+    own = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(8))
+    loaded = [AutoModel.from_pretrained(m).eval() for m in models]
+    batches = [{"pixel_values": own}, {"pixel_values": pixels}, {"pixel_values": pixels}]
+    expected = reference(loaded, batches, plusplus=True)
+    result = hf_mloss.merge(base, [{"model": models[0], "data": own}, *models[1:]], "regmean_plusplus", data=pixels,
+                            batch_size=4, progress=False)
+    assert_matches(result, expected)
+
+
+def test_lam_scales_the_merged_task_vector(tiny_paths, pixels):
+    """θ₀ + λ·(θ_RegMean − θ₀) for every tensor, the solve at λ = 1 (RegMean++'s prefix is the published merge)."""
+    base, models = tiny_paths
+    published = hf_mloss.merge(base, models, "regmean_plusplus", data=pixels, progress=False).model.state_dict()
+    scaled = hf_mloss.merge(base, models, "regmean_plusplus", data=pixels, lam=1.5, progress=False)
+    theta0 = AutoModel.from_pretrained(base).state_dict()
+    for key, value in published.items():
+        expected = theta0[key] + 1.5 * (value - theta0[key])
+        torch.testing.assert_close(scaled.model.state_dict()[key], expected, rtol=1e-5, atol=1e-6)
+    assert "scaled by λ = 1.5" in scaled.method_description and scaled.config.parameters == {"lam": 1.5}
 
 
 def test_ratio_zero_is_a_per_input_feature_weighted_average(tiny_paths, pixels):

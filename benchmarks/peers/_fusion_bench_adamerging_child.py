@@ -5,12 +5,13 @@ It must not import hf_mloss.  Usage::
     <fusion-bench venv>/bin/python _fusion_bench_adamerging_child.py SPEC.json
 
 SPEC.json keys: ``base_dir``, ``model_dirs``, ``out_dir``, ``data`` (a safetensors file: ``batch.{s}``, the images of
-step s, every task's loader yields them in this order), ``heads`` (a safetensors file: ``projection`` [E, D],
-``text.{i}`` [classes, E] the zero-shot text embeddings of task i, ``logit_scale_exp`` []), ``steps``, ``lr``,
-``init``. It runs ``CLIPLayerWiseAdaMergingAlgorithm`` unchanged (its merged model, init, entropy loss, Adam loop,
-``compute_logits``) except that the zero-shot head and the test loaders are given instead of built from a CLIP text
-tower and datasets. ``out_dir/merging_weights.safetensors`` holds ``merge_weight`` [q, tensors] and
-``out_dir/adamerging.json`` the parameter name of each column.
+step s, every task's loader yields them in this order; or ``batch.{i}.{s}``, task i's own images of step s),
+``heads`` (a safetensors file: ``projection`` [E, D], ``text.{i}`` [classes, E] the zero-shot text embeddings of task
+i, ``logit_scale_exp`` []), ``steps``, ``lr``, ``init``, ``granularity`` (``"layer"``, the default, or ``"task"``).
+It runs ``CLIPLayerWiseAdaMergingAlgorithm`` or ``CLIPTaskWiseAdaMergingAlgorithm`` unchanged (its merged model,
+init, entropy loss, Adam loop, ``compute_logits``) except that the zero-shot head and the test loaders are given
+instead of built from a CLIP text tower and datasets. ``out_dir/merging_weights.safetensors`` holds ``merge_weight``
+([q, tensors] layer-wise, [q] task-wise) and ``out_dir/adamerging.json`` the parameter name of each column.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def main(spec_path: str) -> None:
     import lightning as L
     import torch
     from fusion_bench.method.adamerging.clip_layer_wise_adamerging import CLIPLayerWiseAdaMergingAlgorithm
+    from fusion_bench.method.adamerging.clip_task_wise_adamerging import CLIPTaskWiseAdaMergingAlgorithm
     from fusion_bench.modelpool import BaseModelPool
     from omegaconf import DictConfig
     from safetensors.torch import load_file, save_file
@@ -40,7 +42,10 @@ def main(spec_path: str) -> None:
     pool = BaseModelPool({"_pretrained_": load(spec["base_dir"]), **{n: load(p) for n, p in
                                                                        zip(names, spec["model_dirs"])}})
 
-    class GivenHeadsAndLoaders(CLIPLayerWiseAdaMergingAlgorithm):
+    task_wise = spec.get("granularity", "layer") == "task"
+    own = "batch.0.0" in data  # each task's own images
+
+    class GivenHeadsAndLoaders(CLIPTaskWiseAdaMergingAlgorithm if task_wise else CLIPLayerWiseAdaMergingAlgorithm):
         def on_test_time_adaptation_start(self):
             projection = heads["projection"]
             self.visual_projection = torch.nn.Linear(projection.shape[1], projection.shape[0], bias=False)
@@ -52,18 +57,27 @@ def main(spec_path: str) -> None:
         def get_shuffled_test_loader_iter(self, task):
             loaders = self.__dict__.setdefault("_given_loaders", {})
             if task not in loaders:
-                loaders[task] = iter([(data[f"batch.{s}"],) for s in range(steps)])
+                i = names.index(task)
+                images = [data[f"batch.{i}.{s}" if own else f"batch.{s}"] for s in range(steps)]
+                # the task-wise loop reads (images, labels); the layer-wise one the images first
+                loaders[task] = iter([(x, torch.zeros(len(x), dtype=torch.long)) if task_wise else (x,)
+                                      for x in images])
             return loaders[task]
 
-    config = DictConfig({"name": "clip_layer_wise_adamerging", "weights": None, "optimizer": "adam",
-                         "lr": float(spec["lr"]), "init_values": float(spec["init"]), "clamp_weights": False,
-                         "tie_weights": True, "strict": False, "devices": 1, "batch_size": 0, "num_workers": 0,
-                         "max_steps": steps, "fast_dev_run": False, "save_merging_weights": False})
+    config = DictConfig({"name": f"clip_{'task' if task_wise else 'layer'}_wise_adamerging", "weights": None,
+                         "optimizer": "adam", "lr": float(spec["lr"]), "init_values": float(spec["init"]),
+                         "clamp_weights": False, "tie_weights": True, "strict": False, "devices": 1, "batch_size": 0,
+                         "num_workers": 0, "max_steps": steps, "fast_dev_run": False, "save_merging_weights": False})
     algo = GivenHeadsAndLoaders(config)
     algo.fabric = L.Fabric(accelerator="cpu", devices=1)
     algo.modelpool = pool
-    module = algo.construct_layer_wise_merged_model(pool)
-    columns = [n for n, _ in module.pretrained_model.named_parameters()]  # one column of merge_weight each
+    if task_wise:
+        algo._fabric = algo.fabric  # the task-wise loop's backward
+        module = algo.construct_task_wise_merged_model(pool)
+        columns = ["task"]
+    else:
+        module = algo.construct_layer_wise_merged_model(pool)
+        columns = [n for n, _ in module.pretrained_model.named_parameters()]  # one column of merge_weight each
     module = algo.test_time_adaptation(module)
     weights = module.merge_weight.detach().cpu().contiguous()
     out_dir = Path(spec["out_dir"])

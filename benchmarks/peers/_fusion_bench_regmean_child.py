@@ -5,10 +5,11 @@ It must not import hf_mloss.  Usage::
     <fusion-bench venv>/bin/python _fusion_bench_regmean_child.py SPEC.json
 
 SPEC.json keys: ``method`` (``"regmean"`` | ``"regmean_plusplus"``), ``base_dir``, ``model_dirs``, ``out_dir``,
-``data`` (a safetensors file holding ``pixels`` [N, 3, H, W], preprocessed: every model's "train set", as the
-merges compare on one shared set), ``batch_size``, ``reduce_non_diagonal_ratio``. It runs
-``RegMeanAlgorithmForCLIP`` / ``RegMeanAlgorithmForCLIPPlusPlus`` unchanged in their math, with
-``num_regmean_examples = N`` (every image used once), except for what 0.2.33 cannot run under transformers 5:
+``data`` (a safetensors file holding ``pixels`` [N, 3, H, W], preprocessed: every model's "train set"; or
+``pixels.{i}``, model i's own train set, as fusion-bench gives each model its task's images), ``batch_size``,
+``reduce_non_diagonal_ratio``. It runs ``RegMeanAlgorithmForCLIP`` / ``RegMeanAlgorithmForCLIPPlusPlus`` unchanged in
+their math, with ``num_regmean_examples`` the largest set's size (every image of every set used once), except for
+what 0.2.33 cannot run under transformers 5:
 
 * the zero-shot head (``on_regmean_start``) is replaced by a stand-in: its logits are discarded by both methods;
 * RegMean++ 0.2.33 cannot be constructed (its ``_config_mapping`` is a plain dict, not the bidict the parent's
@@ -40,16 +41,18 @@ def main(spec_path: str) -> None:
     from transformers import CLIPVisionModel
 
     torch.manual_seed(0)
-    pixels = load_file(spec["data"])["pixels"]
+    data = load_file(spec["data"])
     names = [f"ft{i}" for i in range(len(spec["model_dirs"]))]
-    dataset = TensorDataset(pixels, torch.zeros(len(pixels), dtype=torch.long))
+    own = {n: data["pixels"] if "pixels" in data else data[f"pixels.{i}"] for i, n in enumerate(names)}
+    datasets = {n: TensorDataset(x, torch.zeros(len(x), dtype=torch.long)) for n, x in own.items()}
+    largest = max(len(x) for x in own.values())
 
     def load(path: str) -> nn.Module:
         return CLIPVisionModel.from_pretrained(path, dtype=torch.float32).eval()
 
     class Pool(CLIPVisionModelPool):
         def load_train_dataset(self, name, *args, **kwargs):
-            return dataset
+            return datasets[name]
 
         def load_processor(self, *args, **kwargs):
             return lambda image: image  # the pixels are preprocessed already
@@ -90,7 +93,7 @@ def main(spec_path: str) -> None:
             return outputs
 
     pool_models = {"_pretrained_": load(spec["base_dir"]), **{n: load(p) for n, p in zip(names, spec["model_dirs"])}}
-    options = dict(num_regmean_examples=len(pixels), exclude_param_names_regex=[],
+    options = dict(num_regmean_examples=largest, exclude_param_names_regex=[],
                    reduce_non_diagonal_ratio=float(spec["reduce_non_diagonal_ratio"]), weight_transpose=True,
                    dataloader_kwargs={"batch_size": int(spec["batch_size"]), "num_workers": 0})
     if plus:
@@ -102,7 +105,8 @@ def main(spec_path: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().contiguous().clone() for k, v in merged.state_dict().items()}
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "regmean.json").write_text(json.dumps({"method": spec["method"], "images": len(pixels)}) + "\n")
+    (out_dir / "regmean.json").write_text(json.dumps({"method": spec["method"],
+                                                      "images": {n: len(x) for n, x in own.items()}}) + "\n")
 
 
 if __name__ == "__main__":

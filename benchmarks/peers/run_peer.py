@@ -417,17 +417,19 @@ def run_peer_merge(
 
 def run_fusion_bench_adamerging(base_dir: str | Path, model_dirs: Sequence[str | Path], out_dir: str | Path, *,
                                 data: str | Path, heads: str | Path, steps: int, lr: float = 1e-3,
-                                init: float = 0.3, timeout: float = DEFAULT_TIMEOUT) -> tuple[Any, list[str]]:
-    """fusion-bench's CLIP layer-wise AdaMerging (``CLIPLayerWiseAdaMergingAlgorithm``) on local CLIP vision
-    checkpoints, with given zero-shot heads and test batches (see ``_fusion_bench_adamerging_child.py`` for the
-    files): returns its learned ``merge_weight`` [q, tensors] and the parameter name of each column."""
+                                init: float = 0.3, granularity: str = "layer",
+                                timeout: float = DEFAULT_TIMEOUT) -> tuple[Any, list[str]]:
+    """fusion-bench's CLIP layer-wise or task-wise AdaMerging (``CLIPLayerWiseAdaMergingAlgorithm``,
+    ``CLIPTaskWiseAdaMergingAlgorithm``) on local CLIP vision checkpoints, with given zero-shot heads and test batches
+    (one set for every task, or each task's own; see ``_fusion_bench_adamerging_child.py`` for the files): returns
+    its learned ``merge_weight`` ([q, tensors] or [q]) and the parameter name of each column."""
     from safetensors.torch import load_file
 
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = {"base_dir": str(Path(base_dir).resolve()), "model_dirs": [str(Path(p).resolve()) for p in model_dirs],
             "out_dir": str(out_dir), "data": str(Path(data).resolve()), "heads": str(Path(heads).resolve()),
-            "steps": int(steps), "lr": float(lr), "init": float(init)}
+            "steps": int(steps), "lr": float(lr), "init": float(init), "granularity": granularity}
     spec_path = out_dir / "peer_spec.json"
     spec_path.write_text(json.dumps(spec, indent=2) + "\n")
     python = setup_envs.ensure_env("fusion_bench")
@@ -446,8 +448,8 @@ def run_fusion_bench_regmean(method: str, base_dir: str | Path, model_dirs: Sequ
                              *, data: str | Path, batch_size: int, reduce_non_diagonal_ratio: float = 0.95,
                              timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
     """fusion-bench's CLIP RegMean / RegMean++ (``method``: ``regmean`` | ``regmean_plusplus``) on local CLIP vision
-    checkpoints, every model given the pixels of ``data`` (a safetensors file with ``pixels``; see
-    ``_fusion_bench_regmean_child.py``): returns the merged ``state_dict``."""
+    checkpoints, every model given the pixels of ``data`` (a safetensors file with ``pixels``), or each model its own
+    (``pixels.{i}``); see ``_fusion_bench_regmean_child.py``: returns the merged ``state_dict``."""
     from safetensors.torch import load_file
 
     out_dir = Path(out_dir).resolve()

@@ -88,6 +88,10 @@ class Bench(Protocol):
     def scoring_data(self, seed: int) -> torch.Tensor:
         """Unlabeled pixel values for data-guided methods (the same for every setting of one replicate)."""
 
+    def own_data(self, task: str, seed: int, n: int) -> torch.Tensor:
+        """``n`` unlabeled pixel values of ``task``'s own train split (its fine-tune's own data; the same for every
+        setting of one replicate)."""
+
 
 @dataclass
 class MethodSpec:
@@ -102,6 +106,17 @@ class MethodSpec:
     heads: bool = False
     """Pass the bench's frozen heads (one per task, in task order) to the merge: a learned merge's objective
     (``adamerging`` with ``entropy``, ``disagreement`` or ``output_gap``) reads class outputs through them."""
+    own_data: int = 0
+    """Give each fine-tune its own task's unlabeled images, this many per task (:meth:`Bench.own_data`), instead of
+    the shared pool (0)."""
+
+    def described(self) -> dict[str, Any]:
+        """The spec as cache keys describe it (a field at its default that older keys lacked is left out, so rows
+        measured before it existed are found again)."""
+        out = dataclasses.asdict(self)
+        if not self.own_data:
+            del out["own_data"]
+        return out
 
     def settings(self) -> list[dict[str, Any]]:
         keys = list(self.grid)
@@ -237,8 +252,12 @@ def run_method(bench: Bench, replicate: Replicate, spec: MethodSpec, out: Replic
     chosen merge's evaluated weights."""
     method = hf_mloss.methods.get_method(spec.method)
     needs_data = method.needs_data or getattr(method, "chooses_method", False)  # auto compares on the data
-    data = bench.scoring_data(replicate.seed) if needs_data else None
-    models = [str(replicate.finetuned[t]) for t in bench.tasks]
+    data = bench.scoring_data(replicate.seed) if needs_data and not spec.own_data else None
+    models: list[Any] = [str(replicate.finetuned[t]) for t in bench.tasks]
+    if spec.own_data:  # each fine-tune with its own task's images, drawn from that task's train split
+        models = [{"model": m, "data": bench.own_data(t, replicate.seed, spec.own_data)}
+                  for m, t in zip(models, bench.tasks)]
+        num_samples = spec.own_data
     labels = {split: bench.labels(split) for split in SPLITS}
     merge_s = eval_s = 0.0
     best = None

@@ -221,6 +221,10 @@ class RealBench:
     info: dict
     test_items: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     """task → source-item id per test image (:func:`benchmarks.suites.domains.generate_with_items`)."""
+    scoring_tasks: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """task → its images in :attr:`scoring` (the first ``scoring_per_task`` of its train split)."""
+    own_root: Path | None = None
+    """Where the larger per-task pools of :meth:`own_data` are cached."""
 
     def __post_init__(self) -> None:
         self.base = Dinov2Model.from_pretrained(self.base_dir).eval()
@@ -250,6 +254,28 @@ class RealBench:
     def scoring_data(self, seed: int, num_samples: int = 128) -> torch.Tensor:
         order = torch.randperm(len(self.scoring), generator=torch.Generator().manual_seed(seed))
         return self.scoring[order[:num_samples]]
+
+    def own_data(self, task: str, seed: int, n: int) -> torch.Tensor:
+        """``n`` images of ``task``'s own train split, a seeded draw from its first ``max(scoring_per_task, n)``
+        (at 16 per task: from the same 32 images per task the shared pool is drawn from)."""
+        size = max(self.cfg.scoring_per_task, n)
+        if size > self.cfg.n_train:
+            raise ValueError(f"{n} images per task asked for, but the train split holds {self.cfg.n_train}")
+        if size == self.cfg.scoring_per_task:
+            pool = self.scoring_tasks[task]
+        else:
+            if self.own_root is None:
+                raise ValueError("this bench has no cache folder for larger per-task pools")
+            pool = cached_tensors(self.own_root / f"first{size}" / f"{task}.safetensors",
+                                  lambda: {"pixels": train_pixels(self.cfg, task, size)})["pixels"]
+        order = torch.randperm(len(pool), generator=torch.Generator().manual_seed(seed))
+        return pool[order[:n]]
+
+
+def train_pixels(cfg: RealConfig, task: str, n: int) -> torch.Tensor:
+    """The first ``n`` images of ``task``'s train split, as :func:`encode_split` generates it."""
+    images, _ = D.DOMAINS[task].generate(D.domain_rng(0, task, "train"), cfg.n_train, "train")
+    return to_pixels(images[:n]).contiguous()
 
 
 def build_real_suite(cfg: RealConfig, cache: Path, log: Log) -> RealBench:
@@ -289,7 +315,8 @@ def build_real_suite(cfg: RealConfig, cache: Path, log: Log) -> RealBench:
     return RealBench(cfg, base_dir, {t: heads[t] for t in cfg.tasks}, replicates,
                      {s: {t: stored[t][f"{s}.hidden"] for t in cfg.tasks} for s in ("val", "test")},
                      {s: {t: stored[t][f"{s}.labels"] for t in cfg.tasks} for s in ("val", "test")},
-                     torch.cat([stored[t]["scoring.pixels"] for t in cfg.tasks]), info, items)
+                     torch.cat([stored[t]["scoring.pixels"] for t in cfg.tasks]), info, items,
+                     {t: stored[t]["scoring.pixels"] for t in cfg.tasks}, data_dir / "own")
 
 
 def build_heads(cfg: RealConfig, base: Dinov2Model, level: Path, info: dict) -> dict[str, TaskHead]:

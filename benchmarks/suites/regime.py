@@ -172,6 +172,7 @@ R5_GRIDS = {
     "iso_cts_high": {"lam": [7.5, 11.0, 15.0, 20.0]},
     "dare_sparse": {"p": [0.7, 0.8, 0.9], "lam": list(R5_LAMS)},
     "ties_low_wide": {"k": [0.03, 0.05, 0.07], "lam": [3.0, 4.0, 5.5, 7.5]},
+    "regmean": {"lam": [0.5, 0.75, 1.0, 1.5, 2.0, 3.0]},
 }
 """Round 5's grids, fixed before any round-5 lever was measured; each holds its method's default (task arithmetic
 0.3, TIES k 0.2 and λ 1, DARE p 0.7, M-TIES k 0.2, the SVD merges λ 1). The TIES family (TIES, DARE-TIES, M-TIES and
@@ -185,7 +186,9 @@ reaching higher (a sparser trim keeps less of each task vector), 18 settings as 
 λ 3; 180 steps, full strength), ``ties_high`` / ``dare_ties_high`` / ``iso_cts_high`` past λ 1.3 (and DARE's p 0.7)
 and Iso-CTS's 7.5 (interpolated experts, wise 0.65). ``dare_sparse``: DARE-TIES past its p = 0.7 on its own λ grid
 (it chose p 0.7 with an inner λ on every seed at 1440 steps); ``ties_low_wide``: ``ties_low``'s k past its λ = 3 (it
-chose k 0.05 at λ 3 with interpolated experts). Each repeats the end it extends, as a check."""
+chose k 0.05 at λ 3 with interpolated experts). Each repeats the end it extends, as a check. ``regmean``: the λ of
+RegMean's and RegMean++'s merged task vector (θ₀ + λ·Δ, 1 the published method), on TSV-M's grid, for the rows with
+each task's own data."""
 R5_E = (0.1, 0.15)
 """M-TIES's spread: the paper's 0.1 and one wider value (e < k on every k of its grid)."""
 R5_PARTS = ("base", "mties", "data", "learned")
@@ -195,7 +198,16 @@ use the unlabeled data in closed form or by choice (RegMean, RegMean++, ``auto``
 R5_LEARNED = (("adamerging", "entropy"), ("adamerging", "output_gap"), ("adamerging", "disagreement"),
               ("adamerging", "mloss"), ("adarank_tsv+lam", "output_gap"), ("adarank_tsv+lam", "entropy"))
 """The learned rows (method, objective) of the ``learned`` part."""
-R5_EXTRA_PARTS = ("mties_low", "ties_low", "ties_sparse", "ties_low_wide", "lam_high", "ties_high", "dare_sparse")
+R5_OWN = (16, 64)
+"""Images per task in the rows where each fine-tune gets its own task's unlabeled data (drawn from that task's train
+split, :meth:`benchmarks.suites.real.RealBench.own_data`): the paper's budget (16 per task, the pooled rows' 128 for
+8 tasks) and 64."""
+R5_LEARNED_OWN = (("adamerging", "entropy"), ("adamerging", "output_gap"), ("adarank_tsv+lam", "entropy"))
+"""The learned rows with each task's own data (``learned_own``): AdaMerging's published objective (entropy through
+each task's head, on that task's data), output_gap against each task's fine-tune on its data, AdaRank (TSV-M's
+components, with λ) on its published entropy."""
+R5_EXTRA_PARTS = ("mties_low", "ties_low", "ties_sparse", "ties_low_wide", "lam_high", "ties_high", "dare_sparse",
+                  "data_own", "learned_own")
 """Parts measured only when named: the M-TIES family below its grid's k = 0.2 (``R5_GRIDS["m_ties_low"]``, k down to
 0.12 at e = 0.1, since the spread needs e < k; no e = 0.15 row). It carries the family's labels, so it is measured
 beside "base" in a run of its own, never with "mties". And TIES below its grid's k = 0.1 (``R5_GRIDS["ties_low"]``),
@@ -203,7 +215,10 @@ the row ``benchmarks.suites.gates.TIES_LOW``, which G6 counts in the TIES family
 (``gates.TIES_SPARSE``), and ``lam_high``: TIES, DARE-TIES and Iso-CTS above their grids' λ (``gates.TIES_HIGH``,
 ``gates.DARE_HIGH``, :data:`ISO_CTS_HIGH`), rows of their own beside the grids they extend; ``dare_sparse``:
 DARE-TIES above its grid's p (``gates.DARE_SPARSE``), in the TIES family too; ``ties_high``: ``lam_high``'s TIES row
-alone, where only TIES chose its grid's top λ."""
+alone, where only TIES chose its grid's top λ. ``data_own`` and ``learned_own``: the ``data`` and ``learned`` part's
+merges with each fine-tune given its own task's unlabeled images (:data:`R5_OWN` per task) instead of the shared
+pool: RegMean and RegMean++ (λ = 1, and λ on :data:`R5_GRIDS`'s ``regmean`` grid), ``auto`` (RegMean++ among its
+default candidates), and :data:`R5_LEARNED_OWN`; rows of their own beside the pooled ones, cached apart."""
 ISO_CTS_HIGH = "iso_cts (λ 7.5-20)"
 
 
@@ -256,15 +271,37 @@ def round5_specs(part: str, trained: Sequence[int], *, learned: Sequence[tuple[s
         return [MethodSpec("regmean", "regmean"), MethodSpec("regmean_plusplus", "regmean_plusplus"),
                 MethodSpec("auto", "auto", heads=True)]
     if part == "learned":
+        return _learned_specs(learned, steps)
+    if part == "data_own":
         specs = []
-        for name, objective in learned:
-            method, _, flag = name.partition("+")
-            extra = {"granularity": "layer"} if method == "adamerging" else {"learn_lam": True} if flag else {}
-            specs.append(MethodSpec(f"{name} ({objective})", method, {"steps": steps, "batch_size": 16, **extra,
-                                                                      "objective": objective},
-                                    heads=objective != "mloss"))
+        for n in R5_OWN:
+            own = f"own {n}/task"
+            specs += [MethodSpec(f"regmean ({own})", "regmean", own_data=n),
+                      MethodSpec(f"regmean ({own}, λ on val)", "regmean", grid=g["regmean"], own_data=n),
+                      MethodSpec(f"regmean_plusplus ({own})", "regmean_plusplus", own_data=n),
+                      MethodSpec(f"regmean_plusplus ({own}, λ on val)", "regmean_plusplus", grid=g["regmean"],
+                                 own_data=n),
+                      MethodSpec(f"auto ({own})", "auto", heads=True, own_data=n)]
         return specs
+    if part == "learned_own":
+        return [dataclasses.replace(spec, label=spec.label.replace(")", f", own {n}/task)"), own_data=n)
+                for n in R5_OWN for spec in _learned_specs(R5_LEARNED_OWN, steps)]
     raise ValueError(f"unknown part {part!r}: one of {(*R5_PARTS, *R5_EXTRA_PARTS)}")
+
+
+def _learned_specs(learned: Sequence[tuple[str, str]], steps: int) -> list:
+    """The learned rows (method[+lam], objective): layer-wise AdaMerging, AdaRank (with λ when ``+lam``), batches of
+    16, the frozen heads unless the objective is ``mloss``."""
+    from benchmarks.suites.protocol import MethodSpec
+
+    specs = []
+    for name, objective in learned:
+        method, _, flag = name.partition("+")
+        extra = {"granularity": "layer"} if method == "adamerging" else {"learn_lam": True} if flag else {}
+        specs.append(MethodSpec(f"{name} ({objective})", method, {"steps": steps, "batch_size": 16, **extra,
+                                                                  "objective": objective},
+                                heads=objective != "mloss"))
+    return specs
 
 
 def measure_round5(cfg, cache: Path, log, parts: Sequence[str], *, version: str | Sequence[str] | None = None,
@@ -314,23 +351,28 @@ def measure_round5(cfg, cache: Path, log, parts: Sequence[str], *, version: str 
     row["test"] = {label: 100 * float(np.mean([np.mean(list(
         (r.reference[label] if label in r.reference else r.methods[label])["test"].values())) for r in results]))
         for label in ("fine-tuned (own task)", "ensemble (probabilities)", TUNED_ENSEMBLE, *merges)}
+    autos = [s.label for s in specs if s.method == "auto"]
+    learned_labels = {s.label for part, run in runs if part in ("learned", "learned_own") for s in run}
+    others = [m for m in merges if m not in autos and m not in learned_labels]
     if "auto" in merges:
-        learned_labels = {s.label for part, run in runs if part == "learned" for s in run}
-        row["auto_regret"] = auto_regret(results, [m for m in merges if m != "auto" and m not in learned_labels])
+        row["auto_regret"] = auto_regret(results, others)
+    if len(autos) > ("auto" in merges):  # auto with each task's own data: against the same merges
+        row["auto_regrets"] = {label: auto_regret(results, others, label) for label in autos}
     return row
 
 
-def auto_regret(results: Sequence, others: Sequence[str]) -> dict:
-    """``auto`` (chosen without labels) against the merge of ``others`` best on val, per replicate: that merge's
-    test mean minus auto's (points; > 0: auto below it), with what auto chose; and the mean over replicates."""
+def auto_regret(results: Sequence, others: Sequence[str], label: str = "auto") -> dict:
+    """``auto`` (chosen without labels; ``label``: its row) against the merge of ``others`` best on val, per
+    replicate: that merge's test mean minus auto's (points; > 0: auto below it), with what auto chose; and the mean
+    over replicates."""
     per_seed = []
     for r in results:
         val = {m: float(np.mean(list(r.methods[m]["val"].values()))) for m in others}
         best = max(val, key=val.get)
-        test = {m: 100 * float(np.mean(list(r.methods[m]["test"].values()))) for m in (best, "auto")}
-        chose = next((g["auto_chose"] for g in r.methods["auto"]["val_grid"] if "auto_chose" in g), None)
+        test = {m: 100 * float(np.mean(list(r.methods[m]["test"].values()))) for m in (best, label)}
+        chose = next((g["auto_chose"] for g in r.methods[label]["val_grid"] if "auto_chose" in g), None)
         per_seed.append({"seed": r.seed, "best_on_val": best, "best_setting": r.methods[best]["chosen"],
-                         "regret": test[best] - test["auto"], "auto_chose": chose})
+                         "regret": test[best] - test[label], "auto_chose": chose})
     return {"mean": float(np.mean([p["regret"] for p in per_seed])), "per_seed": per_seed}
 
 
@@ -343,7 +385,7 @@ def lever_replicates(bench, cache: Path, specs: Sequence, log, *, version: str |
     seed resumes after its last measured method)."""
     from benchmarks.suites.protocol import ENSEMBLE_SCALES, cached_replicate, pretrained_scores, run_replicate
 
-    described = [dataclasses.asdict(bench.cfg) | {"seeds": None}, [dataclasses.asdict(s) for s in specs],
+    described = [dataclasses.asdict(bench.cfg) | {"seeds": None}, [s.described() for s in specs],
                  ENSEMBLE_SCALES["main"] if references else "methods only"]
     pretrained = {}
 
@@ -376,7 +418,7 @@ def verdicts(bench, specs: Sequence, results: Sequence, out: Path, versions: dic
               + (f" (the M-TIES family: {versions['mties_code_version']})" if "mties_code_version" in versions else "")
               + f" (`benchmarks.suites.protocol.code_version`); merges and grids: {grids}."]
     write_results(out, results, gates, diffs, header, {**versions, "seeds": list(bench.cfg.seeds),
-                                                       "specs": [dataclasses.asdict(s) for s in specs]})
+                                                       "specs": [s.described() for s in specs]})
     log(f"verdicts written to {out}/results.md")
 
 
@@ -491,9 +533,9 @@ def write_r5(rows: Sequence[dict], table: Path | None, command: str, seeds: Sequ
         for label, chosen in r["chosen"].items():
             setting = "; ".join(", ".join(f"{k}={v}" for k, v in c.items()) or "-" for c in chosen)
             lines.append(f"| {label} | {r[label]:.2f} | {r['test'][label]:.2f} | {setting} |")
-        if "auto_regret" in r:
-            regret = r["auto_regret"]
-            lines += ["", f"`auto` (no labels) against the merge best on val labels (learned rows and `auto` "
+        regrets = r.get("auto_regrets") or ({"auto": r["auto_regret"]} if "auto_regret" in r else {})
+        for label, regret in regrets.items():
+            lines += ["", f"`{label}` (no labels) against the merge best on val labels (learned rows and `auto` "
                           f"excluded), test points, > 0: auto below it: mean {regret['mean']:+.2f}", ""]
             lines += [f"- seed {p['seed']}: {p['regret']:+.2f} against {p['best_on_val']} "
                       f"({', '.join(f'{k}={v}' for k, v in p['best_setting'].items()) or '-'}); auto chose "

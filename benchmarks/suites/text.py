@@ -502,7 +502,7 @@ def cached_text_replicate(cfg: TextConfig, cache: Path, replicate: Replicate, sp
                           num_samples: int, run, log) -> ReplicateResult:
     """:func:`~benchmarks.suites.protocol.cached_replicate` under the text configuration and its compared methods
     (``run(partial)``: resumable after its last measured method)."""
-    described = [dataclasses.asdict(cfg) | {"seeds": None}, num_samples, [dataclasses.asdict(s) for s in specs]]
+    described = [dataclasses.asdict(cfg) | {"seeds": None}, num_samples, [s.described() for s in specs]]
     return cached_replicate(described, Path(cache) / VERSION / "results", replicate.seed, run, log, resumable=True)
 
 

@@ -110,23 +110,44 @@ def subset_matrix(subsets: Sequence[tuple[int, ...]], weights: torch.Tensor) -> 
 def subset_scores(sums: Any) -> dict[str, torch.Tensor]:
     """Per subset (row of the :class:`~hf_mloss.engine.kernel.GapSums`): the :data:`METRICS`, with per-node sums also
     ``node_mloss`` and ``node`` (``[subsets, nodes]``), and ``positions``."""
-    count = sums.count.clamp_min(1)
+    count = sums.layer[3].clamp_min(1)  # per subset: with models' own data each counts its members' samples
     tiny = torch.finfo(torch.float64).tiny
     layer = sums.layer
     out = {"mloss": (layer[0] / count).cpu(), "mloss_normalized": (layer[1] / count).cpu(),
-           "mloss_ratio": (layer[0] / layer[2].clamp_min(tiny)).cpu(), "positions": sums.count}
+           "mloss_ratio": (layer[0] / layer[2].clamp_min(tiny)).cpu(), "positions": sums.layer[3].max()}
     if sums.per_node:
-        node = sums.node[0] / count
+        node = sums.node[0] / count[:, None]
         out.update(node_mloss=node.mean(1).cpu(), node=node.float().cpu())
     return out
 
 
+def subset_reach(owner: torch.Tensor | None, subsets: Sequence[tuple[int, ...]], num_models: int
+                 ) -> torch.Tensor | None:
+    """With models' own data (``owner``, :attr:`~hf_mloss.loading.inputs.RunInputs.sample_owner`): ``[subsets,
+    samples]`` bool, the samples each subset is scored on: its members' own data, and the shared pool when a member
+    has none (the union of its members' data); ``None`` when every model reads every sample."""
+    from ..loading.model_inputs import SHARED
+
+    if owner is None:
+        return None
+    own = set(owner.unique().tolist()) - {SHARED}
+    reach = torch.zeros(len(subsets), len(owner), dtype=torch.bool)
+    for row, subset in enumerate(subsets):
+        members = torch.tensor(list(subset))
+        reach[row] = torch.isin(owner, members)
+        if any(p not in own for p in subset):
+            reach[row] |= owner == SHARED
+    return reach
+
+
 def subset_mloss(setup: ScoringSetup, subsets: Sequence[tuple[int, ...]], weights: torch.Tensor, *,
-                 per_node: bool = False, progress: bool = True) -> dict[str, Any]:
+                 per_node: bool = False, progress: bool = True, reach: torch.Tensor | None = None) -> dict[str, Any]:
     """M-Loss of every subset at every scored layer from one own-prefix walk.
 
     Returns ``{metric: [subsets, layers] tensor}`` for :data:`METRICS` (and ``"node"``: per layer a
     ``[subsets, nodes]`` tensor when ``per_node``), plus ``"layers"`` (the scored linears) and ``"positions"``.
+    ``reach`` (:func:`subset_reach`): each subset scored on its members' data only; the subsets that reach the same
+    samples of a batch share one kernel pass.
     """
     from tqdm.auto import tqdm
 
@@ -141,13 +162,33 @@ def subset_mloss(setup: ScoringSetup, subsets: Sequence[tuple[int, ...]], weight
     bar = tqdm(total=len(layers), desc=f"M-Loss of {len(subsets)} subsets (own prefix)", unit="layer",
                disable=not progress)
 
+    shares = _batch_reach(reach, setup) if reach is not None else None
+
     def visit(layer: int, inputs: UnitInputs) -> None:
         if layer not in current:
             current[layer] = GapSums(len(subsets), inputs.num_nodes, reduction=setup.reduction, eps=setup.eps,
                                      per_node=per_node, device=setup.device)
         gate, up = inputs.stacked(sources_first=True)
-        current[layer].add_preactivations(gate, matrix, setup.activation, up=up, mask=inputs.mask,
-                                          sources_first=True)
+        if shares is None:
+            current[layer].add_preactivations(gate, matrix, setup.activation, up=up, mask=inputs.mask,
+                                              sources_first=True)
+            return
+        rows_of = shares[inputs.batch]  # [subsets, samples of this batch]
+        per_sample = gate.shape[1] // rows_of.shape[1]
+        patterns, which = rows_of.unique(dim=0, return_inverse=True)
+        for k, pattern in enumerate(patterns):
+            rows = (which == k).nonzero().flatten()
+            keep = pattern.repeat_interleave(per_sample).to(gate.device)
+            if inputs.mask is not None:
+                keep = keep & inputs.mask.to(gate.device)
+            if not bool(keep.any()):
+                continue
+            part = GapSums(len(rows), inputs.num_nodes, reduction=setup.reduction, eps=setup.eps,
+                           per_node=per_node, device=setup.device)
+            part.add_preactivations(gate.clone(), matrix[rows.to(matrix.device)], setup.activation,
+                                    up=None if up is None else up.clone(), mask=keep, sources_first=True)
+            current[layer].node[:, rows] += part.node
+            current[layer].layer[:, rows] += part.layer
 
     def done(layer: int) -> None:
         acc = current.pop(layer)
@@ -156,6 +197,13 @@ def subset_mloss(setup: ScoringSetup, subsets: Sequence[tuple[int, ...]], weight
         bar.update(1)
 
     if getattr(setup.adapter, "experts", False):  # MoE blocks: per expert, weighted by each subset's routing
+        if reach is not None:
+            from ..errors import UnsupportedModelError
+
+            raise UnsupportedModelError("A compatibility report of a mixture-of-experts model scores every subset on "
+                                        "one set of samples; with models' own data each subset reads its members' "
+                                        "data, which the expert walk does not do yet: give one shared `data`.")
+
         def block_done(layer: int, sums: ExpertSums) -> None:
             current[layer] = sums
             done(layer)
@@ -172,6 +220,16 @@ def subset_mloss(setup: ScoringSetup, subsets: Sequence[tuple[int, ...]], weight
     if per_node:
         out["node"] = {setup.adapter.target_name(layer): per_layer[layer]["node"] for layer in layers}
     return out
+
+
+def _batch_reach(reach: torch.Tensor, setup: ScoringSetup) -> list[torch.Tensor]:
+    """:func:`subset_reach` cut as the setup's batches cut the samples (this process's share, in batches)."""
+    from accelerate import PartialState
+
+    state = PartialState()
+    index = torch.arange(reach.shape[1])[state.process_index::state.num_processes]
+    sizes = [len(next(iter(batch.values()))) if isinstance(batch, dict) else len(batch) for batch in setup.batches]
+    return [reach[:, part] for part in index.split(sizes)]
 
 
 # ------------------------------------------------------------------------------------------------ baselines
@@ -330,13 +388,13 @@ def load_weights_into(state: dict[str, torch.Tensor], stores: Sequence[Any], alp
 
 
 def output_gaps(inputs: RunInputs, subsets: Sequence[tuple[int, ...]], weights: torch.Tensor,
-                batches: Sequence[Any], *, progress: bool = True) -> list[float]:
+                batches: Sequence[Any], *, progress: bool = True, reach: torch.Tensor | None = None) -> list[float]:
     """Per subset, the gap between its average merge (α normalised over S) and the ensemble of its members, read
     through the family's output rule (:meth:`hf_mloss.adapters.base.ModelAdapter.output_rule`): pooled features
     (encoders) give Σ_x ‖f_S(x) − Σ_p α_p f_p(x)‖ / Σ_x ‖Σ_p α_p f_p(x)‖; a causal LM gives the mean over real
     positions of KL(Σ_p α_p P_p ‖ P_S), the mixture of the members' next-token distributions against the merge's.
     Costs one forward per model and one per subset; holds every model's outputs (a causal LM's: samples × tokens
-    × vocabulary floats per model)."""
+    × vocabulary floats per model). ``reach`` (:func:`subset_reach`): each subset on its members' data only."""
     from tqdm.auto import tqdm
 
     from .walk import batch_to
@@ -356,9 +414,15 @@ def output_gaps(inputs: RunInputs, subsets: Sequence[tuple[int, ...]], weights: 
         alpha = matrix[row, list(subset)].tolist()
         load_weights_into(state, [inputs.sources[p] for p in subset], alpha, names)
         total = count = 0.0
+        start = 0
         for b, batch in enumerate(batches):
+            size = len(next(iter(batch.values())))
+            rows = slice(None) if reach is None else reach[row, start:start + size].to(inputs.device)
+            start += size
+            if reach is not None and not bool(rows.any()):
+                continue
             gap, norm = rule.ensemble_gap([outputs[p][b] for p in subset], alpha, rule.outputs(tower, batch), batch)
-            total, count = total + float(gap.double().sum()), count + float(norm.double().sum())
+            total, count = total + float(gap[rows].double().sum()), count + float(norm[rows].double().sum())
         gaps.append(total / max(count, 1e-12))
     return gaps
 
@@ -690,7 +754,9 @@ def run_compatibility(config: MergeConfig, *, subsets: Sequence[Sequence[int | s
         else:
             model = inputs.load_scoring_model(progress=progress, streamed=True)  # the blocks come from the sources
             setup = make_setup(inputs, model, options, config, progress=progress)
-            scores, towers = subset_mloss(setup, chosen, weights, per_node=per_node, progress=progress), {}
+            reach = subset_reach(inputs.sample_owner, chosen, len(names))  # a subset on its members' own data
+            scores, towers = subset_mloss(setup, chosen, weights, per_node=per_node, progress=progress,
+                                          reach=reach), {}
         timings = {"mloss_s": time.perf_counter() - start}
         extra: dict[str, list[float]] = {}
         if baselines:
@@ -700,7 +766,8 @@ def run_compatibility(config: MergeConfig, *, subsets: Sequence[Sequence[int | s
         if output_gap:
             start = time.perf_counter()
             extra["output_gap"] = output_gaps(inputs, chosen, weights, inputs.model_inputs.split(config.batch_size),
-                                              progress=progress)
+                                              progress=progress,
+                                              reach=subset_reach(inputs.sample_owner, chosen, len(names)))
             timings["output_gap_s"] = time.perf_counter() - start
         _check_finite({m: scores[m] for m in scores["metrics"]}, extra, chosen, names, inputs.alpha)
         info = inputs.data_info or next(iter(inputs.tower_data_info.values()), None)
@@ -728,7 +795,9 @@ def _tower_subset_mloss(inputs: RunInputs, options: ScoringOptions, config: Merg
     parts = []
     for tower in inputs.scored_towers(model):
         setup = make_setup(inputs, tower.module, options, config, progress=progress, tower=tower)
-        parts.append((tower, setup, subset_mloss(setup, subsets, weights, per_node=per_node, progress=progress)))
+        reach = subset_reach(tower.owner, subsets, len(inputs.sources))
+        parts.append((tower, setup, subset_mloss(setup, subsets, weights, per_node=per_node, progress=progress,
+                                                 reach=reach)))
     first = parts[0][2]
     joined: dict[str, Any] = {m: torch.cat([p[m] for _, _, p in parts], dim=1) for m in first["metrics"]}
     joined.update(metrics=first["metrics"], positions=sum(p["positions"] for _, _, p in parts),
@@ -759,7 +828,7 @@ def _check_finite(values: dict[str, torch.Tensor], baselines: dict[str, list[flo
 
 
 def _check_config(config: MergeConfig, options: ScoringOptions) -> None:
-    if config.data is None and config.text_data is None:
+    if not config.has_data() and not config.has_data("text_data"):
         raise InvalidParameterError("A compatibility report needs unlabeled images or texts and the config has no "
                                     "`data`: add e.g. `data: {path: ./images, num_samples: 128}` (and `text_data:` "
                                     "for the text tower or language model of a whole model).")

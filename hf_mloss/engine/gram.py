@@ -19,6 +19,13 @@ arises with r ≈ 1, as r < 1 keeps the system positive definite: it is solved a
 The two walks: :func:`own_gram_walk` runs every model on its own forward (RegMean), one copy of one block per model
 at a time; :func:`merged_gram_walk` runs every model's block on the hidden states of the merged blocks before it, then
 advances those states through the merged block (RegMean++). Leading blocks that no model changed run once.
+
+Each model's data. The walks take the models in groups that read the same batches (``groups``; default: every model
+on the setup's batches, the one pool). With each model's own data (its task's inputs, as the papers compute the
+Grams) model p's Grams come from its own batches only, and since the models then count different positions, each
+G_p enters S and B as the mean over its n_p positions, G_p / n_p (the papers' running mean; with one pool the common
+n cancels, so the sums are folded as they are). n_p is summed over the processes before the fold, so a data-parallel
+run still adds its shares' S and B exactly.
 """
 
 from __future__ import annotations
@@ -133,8 +140,11 @@ class Deficiency:
 class BlockRegression:
     """The running S and B of one block's linears over the q models (see the module docstring)."""
 
-    def __init__(self, ratio: float) -> None:
+    def __init__(self, ratio: float, *, mean: bool = False) -> None:
         self.ratio = ratio
+        self.mean = mean
+        """Each model's Grams enter as their mean over its positions (the models read different data): ``fold``
+        then takes every process's positions, already summed (:func:`_positions`)."""
         self.gram_sums: dict[str, torch.Tensor] = {}
         """Linear path → S (linears that share their input share it)."""
         self.targets: dict[str, torch.Tensor] = {}
@@ -142,7 +152,8 @@ class BlockRegression:
         self.transposed: set[str] = set()
         """The paths of ``Conv1D`` layers (weights stored ``[in, out]``)."""
         self.positions: dict[str, int] = {}
-        """Linear path → the positions its Gram counts (per model: every model runs on the same data)."""
+        """Linear path → the positions its Gram counts (per model when every model runs on the same data; with
+        ``mean``, summed over the models, each on its own data)."""
         self.unreached: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         """Linear path → (the input features S's diagonal still has at 0, ``[k]``; their rows of Σ_p α_p W_pᵀ,
         ``[k, out]``): the weighted average's columns a dead feature's solution takes."""
@@ -153,17 +164,18 @@ class BlockRegression:
     def fold(self, grams: dict[str, torch.Tensor], linears: dict[str, nn.Linear], alpha: float,
              positions: dict[str, int]) -> None:
         """Add one model's Grams, with that model's linear weights ``linears``, at weight ``alpha`` (``positions``:
-        the positions each Gram counts, :attr:`GramRecorder.positions`)."""
+        the positions each Gram counts, :attr:`GramRecorder.positions`; with :attr:`mean`, every process's)."""
         sums_of: dict[int, torch.Tensor] = {}
         self.transposed |= {path for path in grams if not isinstance(linears[path], nn.Linear)}
         for path, gram in grams.items():
             key = id(gram)
+            weight_of = alpha / max(positions[path], 1) if self.mean else alpha  # G_p / n_p: mean over positions
             if key not in sums_of:
                 if path not in self.gram_sums:
                     sums_of[key] = self.gram_sums[path] = torch.zeros_like(gram)
                 else:
                     sums_of[key] = self.gram_sums[path]
-                sums_of[key].add_(gram, alpha=alpha)
+                sums_of[key].add_(gram, alpha=weight_of)
             self.gram_sums.setdefault(path, sums_of[key])
             dtype = gram_dtypes(gram.device)[0]  # float64 on a CPU: the sums of two processes add up to one's
             reduced = self._reduced(gram).to(dtype)
@@ -171,8 +183,11 @@ class BlockRegression:
             product = (reduced @ weight.to(dtype).T).to(gram.dtype)
             if path not in self.targets:
                 self.targets[path] = torch.zeros_like(product)
-            self.targets[path].add_(product, alpha=alpha)
-            self.positions[path] = max(self.positions.get(path, 0), positions[path])
+            self.targets[path].add_(product, alpha=weight_of)
+            if self.mean:
+                self.positions[path] = self.positions.get(path, 0) + positions[path]
+            else:
+                self.positions[path] = max(self.positions.get(path, 0), positions[path])
             self._fold_unreached(path, sums_of[key], weight, alpha)
 
     def _fold_unreached(self, path: str, gram_sum: torch.Tensor, weight: torch.Tensor, alpha: float) -> None:
@@ -201,7 +216,7 @@ class BlockRegression:
         unique = list({id(s): s for s in self.gram_sums.values()}.values())
         paths = list(self.targets)
         counts = [torch.tensor([float(self.positions.get(p, 0)) for p in paths], dtype=unique[0].dtype,
-                               device=unique[0].device)] if unique else []
+                               device=unique[0].device)] if unique and not self.mean else []  # mean: summed already
         reduced = reduce_sums(*unique, *(self.targets[p] for p in paths), *counts)
         swap = {id(old): new for old, new in zip(unique, reduced[: len(unique)])}
         self.gram_sums = {path: swap[id(s)] for path, s in self.gram_sums.items()}
@@ -301,10 +316,11 @@ def _source_block(setup: WalkSetup, blocks: Sequence[nn.Module], layer: int, sto
     return block
 
 
-def _prefix_states(setup: WalkSetup, start: int) -> list[BatchState]:
-    """The batches after the first ``start`` blocks of ``setup.model`` (the leading blocks no model changed)."""
+def _prefix_states(setup: WalkSetup, start: int, batches: Sequence[Any] | None = None) -> list[BatchState]:
+    """``batches`` (default the setup's) after the first ``start`` blocks of ``setup.model`` (the leading blocks no
+    model changed)."""
     blocks = setup.adapter.layers(setup.model)
-    states = embed_batches(setup, setup.model)
+    states = embed_batches(setup, setup.model, batches=batches)
     for layer in range(start):
         block = blocks[layer]
         streamed = is_streamed(block)
@@ -316,20 +332,45 @@ def _prefix_states(setup: WalkSetup, start: int) -> list[BatchState]:
     return states
 
 
+Groups = Sequence[tuple[Sequence[int], Sequence[Any]]]
+"""The models that read the same batches, with those batches (this process's share): ``[(models, batches), ...]``."""
+
+
+def _group_of(setup: WalkSetup, groups: Groups | None) -> tuple[Groups, list[int]]:
+    """``groups`` (default: every model on the setup's batches) and the group of each model."""
+    groups = groups if groups is not None else [(range(len(setup.sources)), setup.batches)]
+    of = {p: g for g, (models, _) in enumerate(groups) for p in models}
+    return groups, [of[p] for p in range(len(setup.sources))]
+
+
+def _positions(recorder: GramRecorder, linears: dict[str, nn.Module], mean: bool) -> dict[str, int]:
+    """The positions each linear's Gram counts: this process's, or with ``mean`` every process's (one small
+    collective per model and block, in the same order on every process, even one that holds none of the model's
+    samples)."""
+    if not mean:
+        return recorder.positions
+    counts = torch.tensor([float(recorder.positions.get(path, 0)) for path in linears], dtype=torch.float64)
+    (summed,) = reduce_sums(counts.to(next(iter(recorder.grams.values()), counts).device))
+    return {path: int(round(float(n))) for path, n in zip(linears, summed.tolist())}
+
+
 @torch.inference_mode()
 def own_gram_walk(setup: WalkSetup, alpha: Sequence[float], ratio: float, start: int,
                   solved: Callable[[int, dict[str, torch.Tensor] | None], None], *, progress: Any = None,
-                  deficient: list[tuple[int, Deficiency]] | None = None) -> None:
+                  deficient: list[tuple[int, Deficiency]] | None = None, groups: Groups | None = None) -> None:
     """RegMean's walk: every model on its own forward. ``solved(layer, weights)`` gets block ``layer``'s merged
     linear weights by path (``None`` for the first ``start`` blocks, which no model changed and which run once;
-    ``start = -1``: the embeddings differ too). ``deficient`` collects ``(layer, Gram)`` of the singular Grams."""
+    ``start = -1``: the embeddings differ too). ``deficient`` collects ``(layer, Gram)`` of the singular Grams.
+    ``groups``: each model's batches (see the module docstring)."""
     adapter = setup.adapter
     blocks = adapter.layers(setup.model)
+    groups, group_of = _group_of(setup, groups)
+    mean = len(groups) > 1
     if start >= 0:
-        shared = _prefix_states(setup, start)
-        states = [list(shared) for _ in setup.sources]
+        shared = [_prefix_states(setup, start, batches) for _, batches in groups]
+        states = [list(shared[group_of[p]]) for p in range(len(setup.sources))]
     else:
-        states = _own_embeddings(setup)
+        states = _own_embeddings(setup, [groups[g][1] for g in group_of])
     arenas = [BlockArena() for _ in setup.sources]
     for layer in range(adapter.num_layers):
         if layer < start:
@@ -337,7 +378,7 @@ def own_gram_walk(setup: WalkSetup, alpha: Sequence[float], ratio: float, start:
             if progress is not None:
                 progress.update(1)
             continue
-        regression = BlockRegression(ratio)
+        regression = BlockRegression(ratio, mean=mean)
         for p, (store, arena) in enumerate(zip(setup.sources, arenas)):
             block = _source_block(setup, blocks, layer, store, arena)
             with _recording(block) as (recorder, linears):
@@ -346,7 +387,7 @@ def own_gram_walk(setup: WalkSetup, alpha: Sequence[float], ratio: float, start:
                     hidden = _run_block(setup, block, state)
                     if layer + 1 < adapter.num_layers:
                         states[p][b] = BatchState(hidden, state.context)
-                regression.fold(recorder.grams, linears, alpha[p], recorder.positions)
+                regression.fold(recorder.grams, linears, alpha[p], _positions(recorder, linears, mean))
             del block, recorder
         regression.reduce_across_processes()
         solved(layer, regression.solve())
@@ -360,30 +401,32 @@ def own_gram_walk(setup: WalkSetup, alpha: Sequence[float], ratio: float, start:
 def merged_gram_walk(setup: WalkSetup, alpha: Sequence[float], ratio: float, start: int,
                      solved: Callable[[int, dict[str, torch.Tensor] | None], None],
                      before_stage: Callable[[int], None], *, progress: Any = None,
-                     deficient: list[tuple[int, Deficiency]] | None = None) -> None:
+                     deficient: list[tuple[int, Deficiency]] | None = None, groups: Groups | None = None) -> None:
     """RegMean++'s walk on ``setup.model``, the model being merged: ``before_stage(stage)`` merges a stage into it
     (the embeddings first, block ``layer`` once ``solved(layer, weights)`` has its linears, the tail last); every
-    model's block ``layer`` runs on the states the merged blocks before it produce, which then advance through the
-    merged block. ``deficient``: as in :func:`own_gram_walk`."""
+    model's block ``layer`` runs on the states the merged blocks before it produce (from its group's batches), which
+    then advance through the merged block. ``deficient``, ``groups``: as in :func:`own_gram_walk`."""
     adapter = setup.adapter
     blocks = adapter.layers(setup.model)
+    groups, group_of = _group_of(setup, groups)
+    mean = len(groups) > 1
     before_stage(EMBEDDING_STAGE)
     for layer in range(max(start, 0)):
         solved(layer, None)
         before_stage(layer)
-    states = _prefix_states(setup, max(start, 0))
+    states = [_prefix_states(setup, max(start, 0), batches) for _, batches in groups]
     arenas = [BlockArena() for _ in setup.sources]
     if progress is not None and start > 0:
         progress.update(start)
     for layer in range(max(start, 0), adapter.num_layers):
-        regression = BlockRegression(ratio)
+        regression = BlockRegression(ratio, mean=mean)
         for p, (store, arena) in enumerate(zip(setup.sources, arenas)):
             block = _source_block(setup, blocks, layer, store, arena)
             with _recording(block) as (recorder, linears):
-                for state in states:
+                for state in states[group_of[p]]:
                     recorder.next_batch(state.context.mask)
                     _run_block(setup, block, state)
-                regression.fold(recorder.grams, linears, alpha[p], recorder.positions)
+                regression.fold(recorder.grams, linears, alpha[p], _positions(recorder, linears, mean))
             del block, recorder
         regression.reduce_across_processes()
         solved(layer, regression.solve())
@@ -391,7 +434,7 @@ def merged_gram_walk(setup: WalkSetup, alpha: Sequence[float], ratio: float, sta
             deficient += [(layer, d) for d in regression.deficient]
         before_stage(layer)
         if layer + 1 < adapter.num_layers:
-            states = [BatchState(_run_block(setup, blocks[layer], s), s.context) for s in states]
+            states = [[BatchState(_run_block(setup, blocks[layer], s), s.context) for s in group] for group in states]
         if progress is not None:
             progress.update(1)
     before_stage(adapter.num_layers)

@@ -10,7 +10,9 @@ features on the samples compared with expert p (its *share*: routed by ``share="
   distribution, mean over real positions. Encoders need heads.
 * ``output_gap``: with heads, KL(softmax(head_p(f_p(x))) ‖ softmax(head_p(f_m(x)))), the routed fine-tune standing for
   the ensemble on its own task (the ``output`` criterion); without heads the rule's ensemble gap: encoders
-  Σ‖f_m − Σ_p α_p f_p‖ / Σ‖Σ_p α_p f_p‖, causal LMs KL(Σ_p α_p P_p ‖ P_m) per real position. Every family.
+  Σ‖f_m − Σ_p α_p f_p‖ / Σ‖Σ_p α_p f_p‖, causal LMs KL(Σ_p α_p P_p ‖ P_m) per real position; with each model's own
+  data, model p's own samples against model p alone (the rule's discrepancy: ‖f_m − f_p‖² / ‖f_p‖², or
+  KL(P_p ‖ P_m) per real position). Every family.
 * ``disagreement``: the cross-entropy of the merge against the routed expert's top class (heads) or next token
   (causal LMs): the experts' predictions as pseudo-labels.
 * ``mloss``: Σ over scored layers of the normalised layer M-Loss along the merged prefix, mean over real positions
@@ -156,6 +158,14 @@ class OutputGap(Objective):
     description = "discrepancy of the merge's outputs with the fine-tunes' (ensemble, or routed expert with heads)"
 
     def value(self, inputs, merged, batch, experts, owner):
+        if inputs.heads is None and owner is not None:  # each model's own data: against that model's outputs
+            def own(p: int, rows: torch.Tensor) -> torch.Tensor:
+                rows = rows.to(merged.device)
+                sub = {k: v[rows] for k, v in batch.items()}
+                numerator, denominator = inputs.rule.discrepancy(experts[p][rows], merged[rows], sub)
+                return numerator.sum() / denominator.sum().clamp_min(1e-12)
+
+            return per_share(owner, len(inputs.alpha), len(merged), own)
         if inputs.heads is None:
             numerator, denominator = inputs.rule.ensemble_gap(experts, inputs.alpha.tolist(), merged, batch)
             return numerator.sum() / denominator.sum().clamp_min(1e-12)

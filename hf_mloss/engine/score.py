@@ -343,6 +343,20 @@ def shard_batches(samples: ModelInputs | torch.Tensor, batch_size: int) -> list[
     return samples.shard(state.process_index, state.num_processes).split(batch_size)
 
 
+def group_batches(samples: ModelInputs | torch.Tensor, owner: torch.Tensor | None, num_models: int,
+                  batch_size: int) -> list[tuple[list[int], list[dict[str, torch.Tensor]]]] | None:
+    """With models' own data (``owner``, :attr:`~hf_mloss.loading.inputs.RunInputs.sample_owner`): the models that
+    read the same samples, each group with this process's batches of them
+    (:func:`~hf_mloss.loading.model_inputs.owner_groups`); ``None`` when every model reads every sample."""
+    from ..loading.model_inputs import ModelInputs, owner_groups
+
+    if owner is None:
+        return None
+    samples = samples if isinstance(samples, ModelInputs) else ModelInputs({"pixel_values": samples})
+    return [(models, shard_batches(samples.select(index), batch_size))
+            for models, index in owner_groups(owner, num_models)]
+
+
 def score_config(config: MergeConfig, *, device: Any = None, token: str | bool | None = None,
                  progress: bool = True) -> MLossReport:
     """Score a validated config whose prefix is ``own`` or ``base`` (see :func:`hf_mloss.run_score`)."""

@@ -73,6 +73,8 @@ class UnitInputs:
     gate: torch.Tensor
     up: torch.Tensor | None
     mask: torch.Tensor | None
+    batch: int = -1
+    """Which of the setup's batches these positions come from."""
 
     @property
     def num_nodes(self) -> int:
@@ -84,14 +86,16 @@ class UnitInputs:
         return _stacked(self.gate, sources_first), _stacked(self.up, sources_first) if self.up is not None else None
 
 
-def embed_batches(setup: WalkSetup, model: Any, pool: Any = None) -> list[BatchState]:
-    """Every batch of ``setup`` embedded by ``model`` (on ``pool``'s workers when given)."""
+def embed_batches(setup: WalkSetup, model: Any, pool: Any = None, *, batches: Sequence[Any] | None = None
+                  ) -> list[BatchState]:
+    """Every batch of ``setup`` (or ``batches``) embedded by ``model`` (on ``pool``'s workers when given)."""
+    batches = setup.batches if batches is None else batches
 
     def embed(batch: Any) -> BatchState:
         with setup.autocast():
             return BatchState(*setup.adapter.embed(model, batch_to(batch, setup.device)))
 
-    return pool.map(embed, setup.batches) if pool is not None else [embed(b) for b in setup.batches]
+    return pool.map(embed, batches) if pool is not None else [embed(b) for b in batches]
 
 
 def _run(pool: Any, fn: Callable, items: Sequence[Any]) -> list[Any]:
@@ -228,17 +232,18 @@ class BlockArena:
         return out
 
 
-def _own_embeddings(setup: WalkSetup) -> list[list[BatchState]]:
-    """Each source's states entering block 0 (its own embeddings, written into the worker model), per batch."""
+def _own_embeddings(setup: WalkSetup, batches: Sequence[Sequence[Any]] | None = None) -> list[list[BatchState]]:
+    """Each source's states entering block 0 (its own embeddings, written into the worker model), per batch
+    (``batches``: each source's own, default the setup's for every one)."""
     adapter, worker = setup.adapter, setup.model
     names = [n for n in setup.sources[0].keys() if adapter.stage_of(n) == EMBEDDING_STAGE]  # noqa: SIM118
     state = {adapter.canonical_key(k): v for k, v in worker.state_dict().items()}
     out = []
-    for store in setup.sources:
+    for p, store in enumerate(setup.sources):
         for name in names:
             if name in state:
                 store.read_into(name, state[name])
-        out.append(embed_batches(setup, worker))
+        out.append(embed_batches(setup, worker, batches=None if batches is None else batches[p]))
     return out
 
 
@@ -297,7 +302,7 @@ def own_walk(setup: WalkSetup, scored: Sequence[int], visit: Callable[[int, Unit
             if stacked:
                 mask = states[0][b].context.mask
                 visit(layer, UnitInputs(stacked["gate"], stacked.get("up"),
-                                        mask.reshape(-1) if mask is not None else None))
+                                        mask.reshape(-1) if mask is not None else None, b))
         if layer in scored and done is not None:
             done(layer)
         if progress is not None:

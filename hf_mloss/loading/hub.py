@@ -509,15 +509,53 @@ _HASH_CHUNK = 1 << 24
 
 
 @functools.lru_cache(maxsize=64)
-def _fingerprint_files(signature: tuple[tuple[str, int, int, int, int], ...]) -> str:
+def _fingerprint_files(signature: tuple[tuple[str, int, int, int, int], ...], root: str | None = None) -> str:
+    """The fingerprint of the files of ``signature``, each named by its file name (``root``: by its path below it)."""
     import xxhash
 
     digest = xxhash.xxh3_128()
     buffer = bytearray(_HASH_CHUNK)
     view = memoryview(buffer)
     for path in (Path(entry[0]) for entry in signature):
-        digest.update(path.name.encode() + b"\0")
+        name = path.relative_to(root).as_posix() if root is not None else path.name
+        digest.update(name.encode() + b"\0")
         with path.open("rb", buffering=0) as handle:  # chunked reads: the file never counts in the process's RSS
             while read := handle.readinto(buffer):
                 digest.update(view[:read])
     return f"xxh3-128:{digest.hexdigest()}"
+
+
+def fingerprint_data(path: str | os.PathLike[str]) -> str:
+    """A content fingerprint of local data: a file, or every file of a folder (hidden ones left out) by its path
+    relative to the folder, in name order (xxh3-128 over names and bytes, as :func:`fingerprint_folder`)."""
+    root = Path(path).expanduser()
+    if root.is_file():
+        files = [root]
+    else:
+        files = sorted(p for p in root.rglob("*") if p.is_file() and not any(
+            part.startswith(".") for part in p.relative_to(root).parts))
+    signature = tuple((str(p), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                      for p in files for st in [p.stat()])
+    return _fingerprint_files(signature, str(root) if root.is_dir() else None)
+
+
+def dataset_commit(repo_id: str, revision: str | None = None, *, token: str | bool | None = None) -> str:
+    """The commit a Hub dataset's ``revision`` (a branch, tag or commit; default its main branch) points to now, so a
+    recipe records the data it read.
+
+    Raises:
+        DataError: the Hub cannot say (offline, unknown dataset or revision), secret-free.
+    """
+    if revision is not None and len(revision) == 40 and all(c in "0123456789abcdef" for c in revision):
+        return revision  # already a commit
+    from huggingface_hub import HfApi
+
+    from ..errors import DataError
+
+    try:
+        info = HfApi().dataset_info(repo_id, revision=revision, token=token)
+    except (*_network_errors(), OSError, ValueError) as err:
+        at = f" at revision {revision!r}" if revision else ""
+        raise DataError(f"Cannot resolve the Hub dataset {repo_id!r}{at} to a commit: {hub_failure(err, token)}. "
+                        "Check the id, or pass a local folder (it works offline).") from None
+    return str(info.sha)

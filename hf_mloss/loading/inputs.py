@@ -54,8 +54,17 @@ class RunInputs:
     """Per-source weights (float64), as the method uses them."""
     device: torch.device
     model_inputs: ModelInputs | None = None
-    """The scoring samples as the model takes them (``pixel_values``, or ``input_ids`` + ``attention_mask``)."""
+    """The scoring samples as the model takes them (``pixel_values``, or ``input_ids`` + ``attention_mask``): the
+    shared ``data``, then each model's own, one after the other (what M-TIES and scoring read: their union)."""
     data_info: DataInfo | None = None
+    sample_owner: torch.Tensor | None = None
+    """With models' own data: the model each sample of :attr:`model_inputs` belongs to, ``-1`` for the shared pool
+    (:func:`~hf_mloss.loading.model_inputs.owner_groups`); ``None`` when every model reads the same samples."""
+    model_data_info: list[DataInfo | None] = field(default_factory=list)
+    """Where each model's own data came from (``None``: the model reads the shared pool)."""
+    data_records: dict[tuple[int, str], dict[str, str]] = field(default_factory=dict)
+    """What the recipe records of a model's own data, by (model index, ``data`` / ``text_data``): the commit a Hub
+    dataset was read at (``revision``), a local folder's or file's content ``fingerprint``."""
     fingerprints: dict[int, str] = field(default_factory=dict)
     """Content fingerprint of each local input (index 0 = base)."""
     towers: list[ModelAdapter] = field(default_factory=list)
@@ -64,6 +73,13 @@ class RunInputs:
     tower_inputs: dict[str, ModelInputs] = field(default_factory=dict)
     """Scoring samples of those towers, by tower attribute (``"text_model"``: the tokenised ``text_data``)."""
     tower_data_info: dict[str, DataInfo] = field(default_factory=dict)
+    tower_owner: dict[str, torch.Tensor] = field(default_factory=dict)
+    """As :attr:`sample_owner`, for a tower's samples (models' own ``text_data``)."""
+    tower_model_data_info: dict[str, list[DataInfo | None]] = field(default_factory=dict)
+    share_inputs: ModelInputs | None = None
+    """Label-free selection's ``select.shares`` (``share="given"``): one set per model, read here once."""
+    share_owner: torch.Tensor | None = None
+    """The model each sample of :attr:`share_inputs` is compared with."""
     uninitialised: list[str] = field(default_factory=list)
     """Tensors every input lacks, which transformers initialises (see :func:`check_config_matches_tensors`)."""
     notes: list[str] = field(default_factory=list)
@@ -98,18 +114,19 @@ class RunInputs:
         if self.model_inputs is not None and own is not None:
             towers.append(ScoredTower(own, model.get_submodule(own.tower_attribute), self.model_inputs,
                                       self.data_info, "", [n for n in self.names if own.owns(n)],
-                                      own.tower_attribute))
+                                      own.tower_attribute, self.sample_owner))
         elif self.model_inputs is not None:
             prefix = getattr(self.adapter, "report_prefix", "")
             names = [n for n in self.names if not self.adapter.is_outside_tower(n)] if whole else None
             towers.append(ScoredTower(self.adapter, self.adapter.tower(model), self.model_inputs, self.data_info,
-                                      prefix, names, prefix[:-1] or "model"))
+                                      prefix, names, prefix[:-1] or "model", self.sample_owner))
         for view in self.towers:
             samples = self.tower_inputs.get(view.tower_attribute)
             if samples is not None:
                 towers.append(ScoredTower(view, model.get_submodule(view.tower_attribute), samples,
                                           self.tower_data_info.get(view.tower_attribute), "",
-                                          [n for n in self.names if view.owns(n)], view.tower_attribute))
+                                          [n for n in self.names if view.owns(n)], view.tower_attribute,
+                                          self.tower_owner.get(view.tower_attribute)))
         return towers
 
     def tower_modalities(self) -> dict[str, str]:
@@ -280,6 +297,8 @@ class ScoredTower:
     """The merged tensors of the tower (a whole-model merge), else ``None``: every merged tensor."""
     attribute: str
     """``vision_model`` / ``text_model`` (``model``: a model of one tower)."""
+    owner: torch.Tensor | None = None
+    """The model each sample belongs to (:attr:`RunInputs.sample_owner`), or ``None``."""
 
 
 @contextlib.contextmanager
@@ -357,10 +376,13 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
             inputs.uninitialised = uninitialised
             inputs.notes.append(uninitialised_note(uninitialised))
         _check_layers(config, adapter, towers)
-        if needs_data and config.data is not None:
+        if needs_data:
+            _check_own_modalities(config, inputs)  # before any data is read
             _load_data(inputs, config, resolved[0][0], token, progress=progress)
         if needs_data and towers:
             _load_tower_text(inputs, config, resolved[0][0], token, progress=progress)
+        if needs_data and getattr(getattr(config, "select", None), "shares", None):
+            _load_shares(inputs, config, resolved[0][0], token)
         yield inputs
     finally:
         for store in stores:
@@ -512,7 +534,7 @@ def check_text_data(config: MergeConfig, adapter: ModelAdapter, resolved, whole:
         InvalidParameterError: the base is not a whole two-tower model with a scored text tower (a CLIPModel), a
             model holds one tower only, or the run keeps one tower (``output="tower"``).
     """
-    if getattr(config, "text_data", None) is None:
+    if not (config.has_data("text_data") if hasattr(config, "has_data") else getattr(config, "text_data", None)):
         return []
     from .classes import whole_model_towers
 
@@ -800,7 +822,7 @@ def _check_layers(config: MergeConfig, adapter: ModelAdapter, towers: list[Model
     params = config.method_params()
     for source in (getattr(params, "layers", None), config.score.layers if config.score else None):
         layers |= set(source or ())
-    scored = ([getattr(adapter, "tower_view", adapter)] if config.data is not None else []) + list(towers)
+    scored = ([getattr(adapter, "tower_view", adapter)] if config.has_data() else []) + list(towers)
     for each in scored or [adapter]:
         if layers and max(layers) >= each.num_layers:
             where = f" (the {each.tower_attribute} tower)" if hasattr(each, "tower_attribute") else ""
@@ -811,16 +833,93 @@ def _check_layers(config: MergeConfig, adapter: ModelAdapter, towers: list[Model
 
 def _load_data(inputs: RunInputs, config: MergeConfig, base_ref: ModelRef, token, *, progress: bool = False
                ) -> None:
-    """The scoring data as the adapter's inputs: images for image families, token ids for text families."""
+    """The scoring data, read once: the shared ``data`` and each model's own, one after the other, as the adapter's
+    inputs (:attr:`RunInputs.model_inputs`), each sample naming its model (:attr:`RunInputs.sample_owner`)."""
+    shared = None
+    if config.data is not None:
+        shared = _read_data(inputs, config, config.data, base_ref, token, progress=progress)
+    own = _read_own(config, "data", lambda spec, where: _read_data(inputs, config, spec, base_ref, token,
+                                                                   progress=progress, where=where), inputs, token)
+    if shared is None and not own:
+        return
+    joined = _joined(shared, own, len(config.models), config.seed)
+    inputs.model_inputs, inputs.data_info, inputs.sample_owner, inputs.model_data_info = joined
+
+
+def _read_own(config: MergeConfig, key: str, read, inputs: RunInputs, token: Any = None
+              ) -> dict[int, tuple[ModelInputs, DataInfo]]:
+    """Each model's own ``key`` (``data`` / ``text_data``) read by ``read(spec, where)``: a Hub dataset at the commit
+    its revision points to, a local folder or file checked against its recorded fingerprint (both recorded in
+    :attr:`RunInputs.data_records`); failures name the model."""
+    out = {}
+    for p, model in enumerate(config.models):
+        spec = getattr(model, key)
+        if spec is None:
+            continue
+        where = f"models[{p}] ({model.label}).{key}"
+        try:
+            spec, record = _own_source(spec, where, token)
+            out[p] = read(spec, where)
+        except DataError as err:
+            message = str(err)
+            raise DataError(message if message.startswith(where) else f"{where}: {message}") from None
+        if record:
+            inputs.data_records[(p, key)] = record
+    return out
+
+
+def _own_source(spec: Any, where: str, token: Any = None) -> tuple[Any, dict[str, str]]:
+    """A model's own data as read, and what the recipe records of it: a Hub id's commit, a local path's
+    fingerprint (refused when a recorded one differs)."""
+    import dataclasses
+
+    from .hub import dataset_commit, fingerprint_data
+
+    if spec.path is not None:
+        value = fingerprint_data(spec.path)
+        if spec.fingerprint is not None and spec.fingerprint != value:
+            raise DataError(f"{where}: {spec.path!r} is not the data this config was recorded from: its content "
+                            f"fingerprint is {value}, the config expects {spec.fingerprint}. Point it at the original "
+                            "data, or delete the `fingerprint` line to accept this.")
+        return spec, {"fingerprint": value}
+    if spec.id is not None:
+        commit = dataset_commit(spec.id, spec.revision, token=token)
+        return dataclasses.replace(spec, revision=commit), {"revision": commit}
+    return spec, {}
+
+
+def _joined(shared: tuple[ModelInputs, DataInfo] | None, own: dict[int, tuple[ModelInputs, DataInfo]],
+            num_models: int, seed: int) -> tuple[ModelInputs, DataInfo, torch.Tensor | None, list[DataInfo | None]]:
+    """The shared samples and each model's own as one set (samples, description, owners, each model's own
+    description); the shared set alone, without owners, when no model has its own."""
+    from .data import DataInfo
+    from .model_inputs import SHARED, concat_samples
+
+    if not own:
+        return shared[0], shared[1], None, []
+    parts = ([(SHARED, shared)] if shared is not None else []) + sorted(own.items())
+    samples = concat_samples([part[0] for _, part in parts])
+    owner = torch.cat([torch.full((len(part[0]),), p, dtype=torch.long) for p, part in parts])
+    infos = [own[p][1] if p in own else None for p in range(num_models)]
+    if shared is not None:
+        info = shared[1]
+    else:
+        info = DataInfo(source="each model's own data", num_samples=len(samples), seed=seed,
+                        sampling=f"{len(own)} sets, one per model")
+    return samples, info, owner, infos
+
+
+def _read_data(inputs: RunInputs, config: MergeConfig, data: Any, base_ref: ModelRef, token, *,
+               progress: bool = False, where: str = "data") -> tuple[ModelInputs, DataInfo]:
+    """One data spec read as the adapter's inputs: images for image families, token ids for text families."""
     from .data import load_model_inputs
     from .model_inputs import as_model_inputs
 
-    data = config.data
     modality = getattr(inputs.adapter, "modality", "image")
     family = f"{inputs.adapter.name} ({getattr(inputs.adapter.full_config, 'model_type', None)!r})"
     if modality == "text":
         model_inputs, info = load_text(inputs.adapter, data, config, inputs, base_ref, token, family=family,
-                                       progress=progress)
+                                       progress=progress, where=f"{where}.max_length")
     else:
         needs_processor = not isinstance(data.objects, torch.Tensor) and as_model_inputs(data.objects) is None
         processor = resolve_processor(config, inputs, base_ref, token) if needs_processor else None
@@ -848,18 +947,18 @@ def _load_data(inputs: RunInputs, config: MergeConfig, base_ref: ModelRef, token
                             f"{scored.name} tower takes {size}×{size} (config image_size). Pass images "
                             "(a dataset, folder or PIL images: the base's image processor resizes them), or "
                             f"tensors preprocessed to {size}×{size}.")
-    inputs.model_inputs, inputs.data_info = model_inputs, info
+    return model_inputs, info
 
 
 def load_text(adapter: ModelAdapter, data: Any, config: MergeConfig, inputs: RunInputs, base_ref: ModelRef, token,
-              *, family: str, progress: bool = False) -> tuple[ModelInputs, DataInfo]:
+              *, family: str, progress: bool = False, where: str | None = None) -> tuple[ModelInputs, DataInfo]:
     """Texts of ``data`` (a :class:`~hf_mloss.spec.config.DataSpec`) tokenised for ``adapter``'s model (the base's
     tokenizer), checked against its vocabulary and positions."""
     from .data import DEFAULT_MAX_LENGTH, load_model_inputs
     from .model_inputs import as_model_inputs
 
-    max_length = check_max_length(adapter, data.max_length,
-                                  where="text_data.max_length" if data is config.text_data else "data.max_length")
+    where = where or ("text_data.max_length" if data is config.text_data else "data.max_length")
+    max_length = check_max_length(adapter, data.max_length, where=where)
     ready = as_model_inputs(data.objects) is not None
     tokenizer = None if ready else resolve_tokenizer(config, inputs, base_ref, token)
     model_inputs, info = load_model_inputs(
@@ -872,17 +971,108 @@ def load_text(adapter: ModelAdapter, data: Any, config: MergeConfig, inputs: Run
 
 def _load_tower_text(inputs: RunInputs, config: MergeConfig, base_ref: ModelRef, token, *, progress: bool = False
                      ) -> None:
-    """``config.text_data`` tokenised for each text tower of the whole model."""
+    """``config.text_data`` and the models' own ``text_data``, tokenised for each text tower of the whole model (one
+    set per tower, each sample naming its model as :func:`_load_data` does)."""
     for view in inputs.towers:
         family = f"{view.tower_attribute} of {getattr(view.full_config, 'model_type', None)!r} (text_data)"
-        samples, info = load_text(view, config.text_data, config, inputs, base_ref, token, family=family,
-                                  progress=progress)
-        check = getattr(inputs.adapter, "check_text_tokens", None)  # a vision-language model: no image tokens
-        if check is not None:
-            check(samples["input_ids"][samples["attention_mask"].bool()] if "attention_mask" in samples
-                  else samples["input_ids"])
+
+        def read(spec: Any, where: str = "text_data", view: Any = view, family: str = family
+                 ) -> tuple[ModelInputs, DataInfo]:
+            samples, info = load_text(view, spec, config, inputs, base_ref, token, family=family, progress=progress,
+                                      where=f"{where}.max_length")
+            check = getattr(inputs.adapter, "check_text_tokens", None)  # a vision-language model: no image tokens
+            if check is not None:
+                check(samples["input_ids"][samples["attention_mask"].bool()] if "attention_mask" in samples
+                      else samples["input_ids"])
+            return samples, info
+
+        shared = read(config.text_data) if config.text_data is not None else None
+        own = _read_own(config, "text_data", read, inputs, token)
+        if shared is None and not own:
+            continue
+        samples, info, owner, infos = _joined(shared, own, len(config.models), config.seed)
         inputs.tower_inputs[view.tower_attribute] = samples
         inputs.tower_data_info[view.tower_attribute] = info
+        if owner is not None:
+            inputs.tower_owner[view.tower_attribute] = owner
+            inputs.tower_model_data_info[view.tower_attribute] = infos
+
+
+def _load_shares(inputs: RunInputs, config: MergeConfig, base_ref: ModelRef, token) -> None:
+    """Label-free selection's ``select.shares``: one unlabeled set per model, ``num_samples`` / q of each, read as
+    the family reads its data, joined with each sample's model (:attr:`RunInputs.share_inputs`)."""
+    import math
+
+    from .data import DEFAULT_MAX_LENGTH, load_model_inputs
+    from .model_inputs import as_model_inputs, concat_samples
+
+    options = config.select
+    per_model = math.ceil(options.num_samples / len(options.shares))
+    parts, owner, reader = [], [], None
+    text = getattr(inputs.adapter, "modality", "image") == "text"
+    for p, spec in enumerate(config.share_specs(per_model)):
+        ready = isinstance(spec.objects, torch.Tensor) or as_model_inputs(spec.objects) is not None
+        if reader is None and not ready:
+            reader = (resolve_tokenizer if text else resolve_processor)(config, inputs, base_ref, token)
+        if text:
+            max_length = check_max_length(inputs.adapter, spec.max_length or config.data.max_length)
+            samples, _ = load_model_inputs(spec.source, modality="text", tokenizer=reader, num_samples=per_model,
+                                           seed=config.seed, split=spec.split, text_column=spec.text_column,
+                                           max_length=max_length or DEFAULT_MAX_LENGTH)
+        else:
+            samples, _ = load_model_inputs(spec.source, modality="image", processor=reader, num_samples=per_model,
+                                           seed=config.seed, split=spec.split, image_column=spec.image_column)
+        parts.append(samples)
+        owner += [p] * len(samples)
+    inputs.share_inputs, inputs.share_owner = concat_samples(parts), torch.tensor(owner)
+
+
+def _check_own_modalities(config: MergeConfig, inputs: RunInputs) -> None:
+    """Refuse, before any data is read, a model's own data of another modality than its model's (texts for an image
+    tower, images for a text model or tower), where the objects or the path say which it holds."""
+    from .data import DATA_FILE_SUFFIXES
+
+    towers = {"data": getattr(getattr(inputs.adapter, "tower_view", None) or inputs.adapter, "modality", "image"),
+              "text_data": "text"}
+    family = f"{inputs.adapter.name} ({getattr(inputs.adapter.full_config, 'model_type', None)!r})"
+    for p, model in enumerate(config.models):
+        for key, expected in towers.items():
+            spec = getattr(model, key)
+            if spec is None:
+                continue
+            held = _held_modality(spec, DATA_FILE_SUFFIXES)
+            if held is not None and held != expected:
+                what = "texts" if held == "text" else "images"
+                tower = "the text tower (text_data)" if key == "text_data" else f"this {family} model"
+                advice = ("give its task's texts" if expected == "text" else "give its task's images") + (
+                    "; a whole two-tower model's texts go to the entry's `text_data`" if key == "data" and
+                    expected == "image" and inputs.towers else "")
+                raise DataError(f"models[{p}] ({model.label}).{key} holds {what}, but {tower} reads {expected}s: "
+                                f"{advice}.")
+
+
+def _held_modality(spec: Any, text_suffixes: tuple[str, ...]) -> str | None:
+    """``"text"`` or ``"image"`` where a data spec's objects or path show it without reading it, else ``None``."""
+    from .model_inputs import as_model_inputs
+
+    objects = spec.objects
+    if objects is not None:
+        if isinstance(objects, torch.Tensor):
+            return "image" if objects.dim() == 4 else None
+        given = as_model_inputs(objects)
+        if given is not None:
+            return given.modality
+        if isinstance(objects, (list, tuple)) and objects:
+            if all(isinstance(x, str) for x in objects):
+                image = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+                return "image" if all(x.lower().endswith(image) for x in objects) else "text"
+            if all(hasattr(x, "size") and hasattr(x, "mode") for x in objects):  # PIL images
+                return "image"
+        return None
+    if spec.path is not None:
+        path = Path(spec.path).expanduser()
+        return "text" if path.is_file() and path.suffix.lower() in text_suffixes else None
+    return None
 
 
 def _text_config(adapter: ModelAdapter) -> Any:

@@ -152,13 +152,86 @@ def spread_sample(samples: Any, n: int, seed: int) -> Any:
     over the whole set, in their order: systematic sampling with a seeded random start, index ⌊(i + u)·N/n⌋ for
     i < n, u ~ U[0, 1). Every run of ≥ N/n consecutive samples gets at least one, so a data set ordered task by task
     gives every task its share (the first ``n`` would show only the first tasks); all of them when ``n`` ≥ N."""
-    import torch
-
     if isinstance(samples, ModelInputs) and samples.modality == "image":
         samples = samples["pixel_values"]  # the images as one tensor, as before
     total = len(samples)
     if n >= total:
         return samples
-    u = torch.rand((), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    index = ((torch.arange(n, dtype=torch.float64) + u) * (total / n)).floor().long().clamp_(max=total - 1)
+    index = spread_index(total, n, seed)
     return samples.select(index) if isinstance(samples, ModelInputs) else samples[index]
+
+
+def concat_samples(parts: Sequence[Any]) -> Any:
+    """Samples of several sets as one: pixel tensors concatenated; token ids right-padded to the longest (mask 0
+    there, so the padding never counts).
+
+    Raises:
+        DataError: sets of images of different sizes.
+    """
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(list(parts))
+    if all("pixel_values" in p for p in parts):
+        sizes = sorted({tuple(p["pixel_values"].shape[1:]) for p in parts})
+        if len(sizes) > 1:
+            raise DataError(f"The data sets hold images of different sizes ({', '.join(str(list(s)) for s in sizes)}); "
+                            "give images (the base's image processor resizes them all alike), or tensors of one size.")
+        return ModelInputs({"pixel_values": torch.cat([p["pixel_values"] for p in parts])})
+    width = max(p["input_ids"].shape[1] for p in parts)
+    out: dict[str, list[Any]] = {}
+    for part in parts:
+        for key, tensor in part.items():
+            pad = width - tensor.shape[1]
+            out.setdefault(key, []).append(torch.nn.functional.pad(tensor, (0, pad)) if pad else tensor)
+    return ModelInputs({key: torch.cat(tensors) for key, tensors in out.items()})
+
+
+SHARED = -1
+"""The owner of a sample of the shared pool (``data=``): every model without data of its own reads it."""
+
+
+def owner_groups(owner: torch.Tensor | None, num_models: int) -> list[tuple[list[int], torch.Tensor | None]]:
+    """The models that read the same samples, each group with those samples' indices, in model order: without
+    per-model data (``owner`` None) one group of every model and every sample (``None``); else the models without
+    data of their own on the shared pool (:data:`SHARED`), and each model with its own on its own samples.
+
+    Example:
+        ```python
+        >>> owner_groups(torch.tensor([-1, -1, 2, 2, 2]), 3)
+        [([0, 1], tensor([0, 1])), ([2], tensor([2, 3, 4]))]
+        ```
+    """
+    models = list(range(num_models))
+    if owner is None:
+        return [(models, None)]
+    own = set(owner.unique().tolist()) - {SHARED}
+    groups = []
+    shared = [p for p in models if p not in own]
+    if shared:
+        groups.append((shared, (owner == SHARED).nonzero().flatten()))
+    groups += [([p], (owner == p).nonzero().flatten()) for p in models if p in own]
+    return sorted(groups, key=lambda group: group[0][0])
+
+
+def spread_owned(samples: Any, owner: torch.Tensor | None, n: int, seed: int, num_models: int
+                 ) -> tuple[Any, torch.Tensor | None]:
+    """:func:`spread_sample` of ``n`` samples, per group of :func:`owner_groups` when the samples have owners (``n``
+    from each group: each model's own data, and the shared pool), with the kept samples' owners."""
+    if owner is None:
+        return spread_sample(samples, n, seed), None
+    if isinstance(samples, ModelInputs) and samples.modality == "image":
+        samples = samples["pixel_values"]  # the images as one tensor, as spread_sample gives them
+    parts, owners = [], []
+    for _, index in owner_groups(owner, num_models):
+        chosen = index[spread_index(len(index), n, seed)]
+        part = samples.select(chosen) if isinstance(samples, ModelInputs) else samples[chosen]
+        parts.append(part)
+        owners.append(owner[chosen])
+    return concat_samples(parts), torch.cat(owners)
+
+
+def spread_index(total: int, n: int, seed: int) -> torch.Tensor:
+    """The indices :func:`spread_sample` keeps of ``total`` samples."""
+    if n >= total:
+        return torch.arange(total)
+    u = torch.rand((), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return ((torch.arange(n, dtype=torch.float64) + u) * (total / n)).floor().long().clamp_(max=total - 1)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from ..loading.inputs import RunInputs
     from ..output.report import MLossReport
     from ..spec.config import MergeConfig
-    from .driver import TensorMerger
+    from .merger import TensorMerger
 
 
 def choose_and_merge(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model: Any, *,
@@ -156,7 +156,8 @@ def _merge_chosen(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, 
 
     from ..loading.inputs import resolve_weights
     from ..methods import MergeContext, get_method
-    from .driver import TensorMerger, merge_by_method
+    from .layerwise import merge_by_method
+    from .merger import TensorMerger
 
     method = get_method(chosen["method"])
     parameters = dict(chosen.get("parameters") or {})

@@ -2,47 +2,41 @@
 
 Memory: the merged model (loaded from the base, in float32) plus, at any time, the q sources' copies of ONE tensor
 (data-free methods) or of one block's scored linear (data-guided methods). A large model's merged blocks are written
-to disk as the merge leaves them instead, so only one block of it is held (:mod:`.streamed`). Source checkpoints are read lazily. A
+to disk as the merge leaves them instead, so only one block of it is held (:mod:`.streamed`). Source checkpoints are
+read lazily. A
 tensor too large for q float32 copies (an LLM's embedding) is merged in flat pieces when the method allows it
 (:meth:`~hf_mloss.methods.MergeMethod.chunk_keep_counts`), with the same bits as whole.
 The driver names no method: a data-guided method supplies :class:`~hf_mloss.methods.LayerHooks` that decide what
-is merged while the M-Loss scorer walks the blocks.
+is merged while the M-Loss scorer walks the blocks. It dispatches to the modules below it (:mod:`.merger`, the tensor
+merger; :mod:`.layerwise`, a method's own rule; :mod:`.learned`; :mod:`.regmean`), which never import it back.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from tqdm.auto import tqdm
 
 from ..spec.config import MergeConfig
 from ..distributed import describe_device
 from ..errors import CorruptCheckpointError, InvalidParameterError
-from ..loading.inputs import RunInputs, ScoredTower, as_dtype, open_inputs
+from ..loading.inputs import RunInputs, as_dtype, open_inputs
 from ..methods import MergeContext, MergeMethod
-from ..parallel import Workers, cpu_workers
-from ..parallel import active as active_workers
+from ..parallel import cpu_workers
 from ..output.result import MergeResult
-from .stages import DriverRun
-from .streamed import StreamedHooks, StreamedOutput, plan_streamed_output
-from ..spec.schedule import TensorParameters, replace_params, split_parameters
+from ..spec.schedule import TensorParameters, split_parameters
+from .layerwise import data_free_rule, merge_by_method
+from .merger import TensorMerger, check_fits, largest_magnitude, raise_non_finite
+from .streamed import plan_streamed_output
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from ..output.report import MLossReport
-
-
-CHUNKED_MIN_NUMEL = 1 << 25
-"""A tensor whose q sources hold at least this many entries in all is merged in pieces, when the method allows."""
-MERGE_CHUNK_NUMEL = 1 << 22
-"""Entries of one such piece (per source): 16 MB of float32."""
 
 
 def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | None = None, progress: bool = True,
@@ -60,7 +54,13 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
     method = config.merge_method()
     params = config.method_params()
     needs_data = method.needs_data or config.select is not None or (
-        hasattr(method, "uses_data") and config.data is not None and method.uses_data(params))
+        hasattr(method, "uses_data") and config.has_data() and method.uses_data(params))
+    own = next((f"models[{i}] ({m.label})" for i, m in enumerate(config.models) if m.data is not None
+                or m.text_data is not None), None)
+    if own is not None and not needs_data and not scored_part_only:
+        warnings.warn(f"{own} has data of its own, and {method.pretty_name} merges without data: it is not read. "
+                      "Data-guided merges read it (regmean, regmean_plusplus, adamerging, adarank_*, auto, m_ties, "
+                      "select='unlabeled').", UserWarning, stacklevel=3)
     with open_inputs(config, device=device, token=token, needs_data=needs_data, progress=progress,
                      whole_model=config.output in ("auto", "adapter") and not scored_part_only) as inputs, \
             cpu_workers(inputs.device) as workers:
@@ -73,7 +73,7 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
         # the inputs as given (a passthrough reads every model through its sliced base): recorded and carded
         slice_plan, given, streamed = None, inputs, None
         if config.slices is not None:  # output blocks re-stacked from layer ranges (hf_mloss.spec.slices)
-            from ..spec.slices import apply_slices
+            from .sliced import apply_slices
 
             inputs, model, slice_plan = apply_slices(config, inputs, working_dtype(config, inputs, needs_data=False))
         else:
@@ -153,27 +153,9 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
         return MergeResult(model=model, config=record, report=report, base=inputs.base.ref, models=given.refs,
                            adapter=inputs.adapter, data_info=inputs.data_info, method_description=description,
                            lora=lora, device=describe_device(inputs.device),
-                           tokenizer=vocabulary.tokenizer if vocabulary is not None else None, spilled=spilled,
+                           tokenizer=vocabulary.tokenizer if vocabulary is not None else None,
+                           model_data_info=own_data_info(given), spilled=spilled,
                            model_loader=spilled.load_model if spilled is not None else None)
-
-
-def merge_by_method(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model: PreTrainedModel,
-                    method: MergeMethod, *, progress: bool) -> MLossReport | None:
-    """Merge every tensor of ``merger`` by ``method``'s own rule: tensor by tensor (data-free), block by block through
-    its hooks while the scorer walks (M-TIES; returns the M-Loss report it used), or from the Gram matrices of every
-    linear's inputs (RegMean)."""
-    if getattr(method, "gram_prefix", None):  # RegMean: linears solved from their inputs' Gram matrices
-        from .regmean import merge_regmean
-
-        note = merge_regmean(config, inputs, merger, model, method, progress=progress)
-        if note is not None:  # warned, and said on the card
-            inputs.notes.append(note)
-        return None
-    if method.needs_data:
-        return merge_layerwise(config, inputs, merger, model, method, progress=progress)
-    method.prepare(merger.ctx, merger.visit)
-    merger.merge(merger.names, progress=progress, desc=f"Merging ({config.method})")
-    return None
 
 
 @torch.no_grad()
@@ -238,6 +220,16 @@ def adapter_from_factors(config: MergeConfig, inputs: RunInputs, method: MergeMe
                        lora=lora, device=describe_device(inputs.device), model_loader=load_merged_model)
 
 
+def own_data_info(inputs: RunInputs) -> dict[str, list[Any]]:
+    """Where each model's own data came from, by key (``data``, ``text_data``), for the result and its card."""
+    out: dict[str, list[Any]] = {}
+    if inputs.model_data_info:
+        out["data"] = list(inputs.model_data_info)
+    for infos in inputs.tower_model_data_info.values():
+        out["text_data"] = list(infos)
+    return out
+
+
 def outside_tower_names(inputs: RunInputs, names: Sequence[str]) -> list[str]:
     """The merged tensors outside the scored tower of a whole-model merge (a CLIPModel's text tower, projections,
     ``logit_scale``); empty when the merge is one tower or a family without a tower."""
@@ -271,11 +263,6 @@ def refuse_changed_outside(inputs: RunInputs, outside: Sequence[str], what: str)
             f"save the {tower} only, or merge the whole model {whole}.")
 
 
-def data_free_rule(method: MergeMethod, params: Any, lead: str = "") -> str:
-    """How a data-guided method merges a tensor no scoring data reaches: ``"trimmed at k=0.2 (data-free)"``."""
-    return f"{lead}{method.data_free_rule(params, short=True)}"
-
-
 def outside_rule_note(inputs: RunInputs, method: MergeMethod, params: Any, names: Sequence[str]) -> str:
     """The card's sentences on each tower of a whole model and on the tensors no scoring data reaches."""
     from ..output.report import tower_label
@@ -306,239 +293,6 @@ def outside_rule_note(inputs: RunInputs, method: MergeMethod, params: Any, names
             f"by the fine-tunes) were merged by the method's data-free rule, {rule}.")
 
 
-class TensorMerger:
-    """Reads, checks and merges tensors into the model (its tower's, or every merged tensor of a whole model)."""
-
-    def __init__(self, inputs: RunInputs, method: MergeMethod, ctx: MergeContext, tower: PreTrainedModel,
-                 workers: Workers | None = None, *, tensor_params: TensorParameters | None = None,
-                 output: StreamedOutput | None = None) -> None:
-        """``output``: the model's blocks are on ``meta`` and written block by block (:mod:`.streamed`)."""
-        self.inputs, self.method, self.ctx, self.device = inputs, method, ctx, inputs.device
-        self.output = output
-        self.tensor_params = tensor_params  # per-layer / per-tensor parameter values, when the config has any
-        self.workers = workers or active_workers()
-        adapter = inputs.adapter
-        self.targets = {name: v for k, v in tower.state_dict().items()
-                        if (name := adapter.canonical_key(k)) is not None}
-        self.names = [n for n in inputs.names if n in self.targets]
-        self.done: set[str] = set()
-        self.checked: set[str] = set()  # merged tensors found finite (in float32) when they were written
-        ctx.state["total_numel"] = sum(math.prod(inputs.base.shapes[n]) for n in self.names)
-
-    def read(self, name: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        target = self.targets.get(name)
-        base = target.float() if name not in self.done and target is not None and not target.is_meta else \
-            self.inputs.base.get_float(name, self.device)
-        if not torch.isfinite(base.sum()) and not torch.isfinite(base).all():
-            self._refuse_non_finite(name, self.inputs.base, base)
-        sources = []
-        for store in self.inputs.sources:
-            tensor = store.get_float(name, self.device)
-            # One reduction instead of a full isfinite mask: any NaN/Inf (or an overflowing sum) makes the sum
-            # non-finite, and only then are the entries counted.
-            if not torch.isfinite(tensor.sum()) and not torch.isfinite(tensor).all():
-                bad = int((~torch.isfinite(tensor)).sum())
-                raise CorruptCheckpointError(
-                    f"{name!r} of {store.ref.name!r} holds {bad} non-finite value(s) (NaN/Inf); a merge would spread "
-                    "them. Fix or exclude that checkpoint.")
-            sources.append(tensor)
-        return base, sources
-
-    def visit(self, fn) -> None:
-        for name in self.names:
-            base, sources = self.read(name)
-            fn(name, base, sources)
-
-    @torch.no_grad()
-    def merge(self, names: Sequence[str], *, progress: bool = False, desc: str = "Merging") -> None:
-        """Merge the ``names`` not merged yet into the model, spread over the run's workers (a streamed output:
-        stage by stage, each block filled before its tensors merge)."""
-        pending = list(dict.fromkeys(n for n in names if n not in self.done))
-        with tqdm(total=len(pending), desc=desc, unit="tensor", disable=not progress) as bar:
-            if self.output is None:
-                self.merge_now(pending, bar)
-                return
-            for stage, group in self.output.stages(pending):
-                self.output.open_stage(stage, self)
-                self.merge_now(group, bar)
-
-    def merge_now(self, names: Sequence[str], bar: Any = None) -> None:
-        """Merge ``names`` (not merged yet, their targets in memory) over the run's workers."""
-        for name in self.workers.imap(self._merge_one, list(names)):
-            self.done.add(name)
-            if bar is not None:
-                bar.update()
-
-    def check_written(self, name: str | None, tensor: torch.Tensor, dtype: torch.dtype) -> None:
-        """:func:`finalize`'s checks of one merged tensor (finite, and within ``dtype``), for a streamed output,
-        which writes each block as it goes."""
-        if name not in self.done:
-            return
-        if name not in self.checked and not torch.isfinite(tensor).all():
-            raise_non_finite(name, self.ctx.params)
-        if dtype.is_floating_point and dtype != torch.float32 and tensor.dtype == torch.float32:
-            check_fits(name, _largest_magnitude(tensor), dtype)
-
-    def _merge_one(self, name: str) -> str:
-        ctx = replace_params(self.ctx, self.tensor_params.for_tensor(name)) if self.tensor_params else self.ctx
-        per_model = self.tensor_params.for_models(name, self.ctx.weights.tolist()) if self.tensor_params else None
-        if per_model is not None:  # per-model weights and parameters, resolved for this tensor
-            weights = torch.tensor(per_model[0], dtype=torch.float32, device=self.ctx.weights.device)
-            ctx = dataclasses.replace(ctx, weights=weights, model_params=per_model[1])
-        counts = self._chunk_counts(name, ctx)
-        if counts is not None:
-            self._merge_in_chunks(name, ctx, counts)
-            return name
-        base, sources = self.read(name)
-        if self.method.zero_delta_is_base and all(torch.equal(s, base) for s in sources):
-            merged = base  # no source changed it (a frozen part): θ₀ + f(0) = θ₀, without trimming q zero tensors
-        else:
-            merged = self.method.merge_tensor(name, base, sources, ctx)
-        del sources
-        # Checked here, while the tensor is in cache, instead of in a separate pass over the model in `finalize`
-        # (5.7 s of a 128 s TIES merge on 2 busy cores): one reduction, and the full mask only when the sum is not
-        # finite (NaN/Inf, or finite values whose sum overflows).
-        if torch.isfinite(merged.sum()) or torch.isfinite(merged).all():
-            self.checked.add(name)
-        target = self.targets[name]
-        if target.dtype != merged.dtype and merged is not base and name in self.checked and merged.numel():
-            check_fits(name, float(merged.abs().max()), target.dtype)  # before the rounding hides an overflow
-        target.copy_(merged)
-        return name
-
-    def _chunk_counts(self, name: str, ctx: MergeContext) -> list[int] | None:
-        """The method's per-source keep counts when ``name`` is large enough to merge in chunks, else None."""
-        target = self.targets[name]
-        if (name in self.done or target.dim() == 0 or not target.is_contiguous()
-                or target.numel() * len(self.inputs.sources) < CHUNKED_MIN_NUMEL):
-            return None
-        return self.method.chunk_keep_counts(target.numel(), ctx, name=name)
-
-    def _chunks(self, name: str) -> Iterator[tuple[slice, torch.Tensor, list[torch.Tensor]]]:
-        """``(piece, base, sources)`` over consecutive flat pieces of ``name``: float32, the sources checked finite.
-
-        Pieces hold a multiple of :func:`~hf_mloss.methods.ops.elect_chunk_numel` entries, so the kernels see the
-        chunks they see on the whole tensor; each source piece is read as the rows that cover it."""
-        from ..methods.ops import elect_chunk_numel
-
-        target = self.targets[name].view(-1)
-        numel, width = target.numel(), max(1, math.prod(self.targets[name].shape[1:]))
-        unit = elect_chunk_numel(len(self.inputs.sources))
-        step = unit * max(1, MERGE_CHUNK_NUMEL // unit)
-        for start in range(0, numel, step):
-            piece = slice(start, min(start + step, numel))
-            first, last = piece.start // width, -(-piece.stop // width)
-            offset = piece.start - first * width
-            sources = []
-            for store in self.inputs.sources:
-                rows = store.get_rows(name, first, last).reshape(-1)[offset: offset + piece.stop - piece.start]
-                tensor = rows.to(device=self.device, dtype=torch.float32)
-                if not torch.isfinite(tensor.sum()) and not torch.isfinite(tensor).all():
-                    self._refuse_non_finite(name, store)
-                sources.append(tensor)
-            base = target[piece].float()
-            if not torch.isfinite(base.sum()) and not torch.isfinite(base).all():
-                self._refuse_non_finite(name, self.inputs.base, self.targets[name])
-            yield piece, base, sources
-
-    def _refuse_non_finite(self, name: str, store, tensor: torch.Tensor | None = None) -> None:
-        """Name the checkpoint (the base included) whose ``name`` holds NaN/Inf, before anything is merged."""
-        tensor = store.get(name) if tensor is None else tensor
-        bad = int((~torch.isfinite(tensor.float())).sum())
-        which = "the base " if store is self.inputs.base else ""
-        raise CorruptCheckpointError(
-            f"{name!r} of {which}{store.ref.name!r} holds {bad} non-finite value(s) (NaN/Inf); a merge would spread "
-            "them. Fix or exclude that checkpoint.")
-
-    def _merge_in_chunks(self, name: str, ctx: MergeContext, counts: list[int]) -> None:
-        """:meth:`_merge_one` for a large tensor, piece by piece: the same values and checks, bit for bit, without
-        q float32 copies of the whole tensor (a 151936 × 896 bf16 embedding × 4 fine-tunes: ~4 GB less at peak).
-
-        Pass 1 checks the sources and whether any changed the tensor, and (with ``counts``) pass 2 finds each task
-        vector's threshold over the whole tensor; the last pass merges each piece and writes it into the model."""
-        from ..methods.ops import sample_positions, streamed_thresholds
-
-        target = self.targets[name]
-        changed, positions = False, sample_positions(target.numel()).to(self.device) if counts else None
-        samples: list[list[torch.Tensor]] = [[] for _ in self.inputs.sources]
-        for piece, base, sources in self._chunks(name):
-            changed = changed or not all(torch.equal(s, base) for s in sources)
-            if positions is not None:  # |τ_i| at the sample positions inside this piece
-                at = positions[(positions >= piece.start) & (positions < piece.stop)] - piece.start
-                for kept, source in zip(samples, sources):
-                    kept.append((source[at] - base[at]).abs())
-        if not changed and self.method.zero_delta_is_base:
-            if torch.isfinite(target.sum()) or torch.isfinite(target).all():
-                self.checked.add(name)  # merged = base: the model already holds it
-            return
-
-        def taus():
-            for _, base, sources in self._chunks(name):
-                yield [s.sub_(base) for s in sources]
-
-        thresholds = streamed_thresholds(taus, counts, target.numel(), [torch.cat(k) for k in samples]) if counts \
-            else []
-        finite, peak, flat = True, 0.0, target.view(-1)
-        for piece, base, sources in self._chunks(name):
-            merged = self.method.merge_chunk(name, base, sources, ctx, thresholds)
-            del sources
-            if not (torch.isfinite(merged.sum()) or torch.isfinite(merged).all()):
-                finite = False
-            elif target.dtype != merged.dtype and merged.numel():
-                peak = max(peak, float(merged.abs().max()))
-            flat[piece].copy_(merged.view(-1))
-        if finite:
-            self.checked.add(name)
-            if target.dtype != torch.float32:
-                check_fits(name, peak, target.dtype)  # the model holds the rounded values; the merge fails here
-
-
-def merge_layerwise(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: PreTrainedModel,
-                    method: MergeMethod, *, progress: bool) -> MLossReport:
-    """Score and merge block by block through the method's hooks; returns the M-Loss report the merge used.
-
-    ``tower``: the model the merge is written into (or its scored tower). A whole two-tower model given data for
-    both towers (``data`` and ``text_data``) is walked tower by tower, each on its own samples with its own
-    adapter; the tensors no walk reaches (an unscored tower, projections) are merged last by the method's
-    data-free rule.
-    """
-    from ..engine.score import combine_tower_reports, unscored_towers
-
-    towers = inputs.scored_towers(tower)
-    reports = [(each, _merge_tower(config, inputs, merger, each, method, progress=progress)) for each in towers]
-    merger.merge(merger.names)  # whatever the hooks left (the tensors of no scored tower)
-    if not inputs.towers and not getattr(inputs.adapter, "whole_model", False):
-        return reports[0][1]
-    return combine_tower_reports(reports, unscored=unscored_towers(inputs, data_free_rule(method, merger.ctx.params,
-                                                                                          "no {kind} data, ")))
-
-
-def _merge_tower(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: ScoredTower,
-                 method: MergeMethod, *, progress: bool) -> MLossReport:
-    """One tower's walk: its stages merged through the method's hooks, its report (layers named for the run)."""
-    from ..engine.score import build_report, make_setup, score_own_prefix, score_shared_prefix
-
-    options = method.scoring_options(merger.ctx.params)
-    merged = set(merger.names)
-    names = None if tower.names is None else [n for n in tower.names if n in merged]
-    run = DriverRun(merger, adapter=tower.adapter, names=names)
-    hooks = method.layer_hooks(run)
-    if merger.output is not None:  # each block filled before its stage, written once the walk is past it
-        hooks = StreamedHooks(hooks, merger.output, merger)
-    if options.prefix == "merged":
-        setup = make_setup(inputs, tower.module, options, config, progress=progress, tower=tower)
-        results = score_shared_prefix(setup, hooks)
-    else:
-        # The scorer's model must not be the merge container: own-prefix scoring swaps weights into it.
-        setup = make_setup(inputs, copy.deepcopy(tower.module), options, config, progress=progress, tower=tower)
-        results = score_shared_prefix(setup) if options.prefix == "base" else score_own_prefix(setup)
-        for layer in setup.scored_layers():
-            hooks.after_scores(layer, results[tower.adapter.target_name(layer)].scores())
-        hooks.after_all()
-    return build_report(setup, results, models=[r.name for r in inputs.refs], data_info=tower.data_info,
-                        records=run.records, key_prefix=tower.key_prefix)
-
-
 @torch.no_grad()
 def finalize(model: PreTrainedModel, merger: TensorMerger, dtype: torch.dtype, *,
              keep_targets: bool = False) -> PreTrainedModel:
@@ -561,37 +315,10 @@ def finalize(model: PreTrainedModel, merger: TensorMerger, dtype: torch.dtype, *
         if name not in merger.checked and not torch.isfinite(tensor).all():
             raise_non_finite(name, params)
         if dtype.is_floating_point and dtype != torch.float32 and tensor.dtype == torch.float32:
-            check_fits(name, _largest_magnitude(tensor), dtype)
+            check_fits(name, largest_magnitude(tensor), dtype)
     if not keep_targets:
         merger.targets.clear()
     return model.to(dtype).eval()
-
-
-def raise_non_finite(name: str, params: Any) -> None:
-    """Refuse a merged tensor holding NaN/Inf, naming it (and λ where it is the likely cause)."""
-    lam = getattr(params, "lam", None)
-    raise InvalidParameterError(
-        f"The merge produced non-finite values in {name!r} (max |x| overflows float32)"
-        + (f"; lam={lam} is too large" if lam is not None and abs(lam) > 1e3 else "") + ". Nothing was "
-        "written; use smaller lam/weights.")
-
-
-def _largest_magnitude(tensor: torch.Tensor) -> float:
-    """max |x| without an |x| copy of the tensor (an LLM's embedding: 0.9 GB more at the peak)."""
-    if not tensor.numel():
-        return 0.0
-    low, high = torch.aminmax(tensor)
-    return max(abs(float(low)), abs(float(high)))
-
-
-def check_fits(name: str, peak: float, dtype: torch.dtype) -> None:
-    """Refuse a merged tensor whose largest magnitude ``peak`` overflows ``dtype``."""
-    limit = torch.finfo(dtype).max
-    if peak > limit:
-        raise InvalidParameterError(
-            f"Saving as {str(dtype).replace('torch.', '')} would overflow: {name!r} reaches {peak:.4g} "
-            f"(the largest {str(dtype).replace('torch.', '')} is {limit:.4g}). Nothing was written; pass "
-            "dtype='bfloat16' or 'float32'.")
 
 
 def working_dtype(config: MergeConfig, inputs: RunInputs, *, needs_data: bool) -> torch.dtype:
@@ -631,5 +358,7 @@ def recorded_config(config: MergeConfig, inputs: RunInputs) -> MergeConfig:
         spec.weights_ref = getattr(store.ref, "weights_ref", None)
         if i in inputs.fingerprints:
             spec.fingerprint = inputs.fingerprints[i]
+    for (p, key), values in inputs.data_records.items():  # a model's own data: its Hub commit, its fingerprint
+        setattr(record.models[p], key, dataclasses.replace(getattr(record.models[p], key), **values))
     record.hf_mloss_version = __version__
     return record

@@ -9,9 +9,13 @@ model is made per step and the gradient reaches the trained values. The objectiv
 reads the merge's outputs through the family's output rule; the experts' outputs it compares with (and the routing of
 samples to experts) are computed once, before training, batch by batch.
 
-Data: at most ``max_samples`` of the run's samples (a seeded spread, :func:`~hf_mloss.merging.selection.
+Data: at most ``max_samples`` of the run's samples (a seeded spread, :func:`~hf_mloss.loading.model_inputs.
 spread_sample`), shuffled once with the run's seed and cut into batches of the run's ``batch_size``; each epoch visits the
-batches in a new seeded order (:func:`batch_schedule`). Adam (β = 0.9, 0.999, ε = 1e-8) on the trained values,
+batches in a new seeded order (:func:`batch_schedule`). With each model's own data, as AdaMerging trains on each task's
+own unlabeled data, every data set is a plan of its own (at most ``max_samples`` of each model's data, and of the
+shared pool its models read): each step takes one batch of every set, and the objective is the sum of one term per
+set, each on its own batch, each sample compared with its own model (entropy through that model's head; output_gap,
+disagreement against that model's outputs), as the papers sum one loss per task. Adam (β = 0.9, 0.999, ε = 1e-8) on the trained values,
 starting where the method says. Peak memory (RSS; CUDA when on a GPU) and seconds per step are measured and go to
 the card.
 
@@ -44,7 +48,7 @@ if TYPE_CHECKING:
     from ..loading.inputs import RunInputs
     from ..methods.adamerging import LearnedMethod
     from ..spec.config import MergeConfig
-    from .driver import TensorMerger
+    from .merger import TensorMerger
 
 
 @dataclass
@@ -179,7 +183,7 @@ def _learn(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: 
     """Train the method's values (see the module docstring); returns the recipe parameters that record them."""
     from ..engine.kernel import reduce_sums
     from ..engine.objectives import ObjectiveInputs, differentiable_outputs, get_objective
-    from ..loading.model_inputs import spread_sample
+    from ..loading.model_inputs import owner_groups
 
     params, device = merger.ctx.params, merger.device
     q, adapter = len(inputs.sources), inputs.adapter
@@ -200,14 +204,12 @@ def _learn(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: 
     if inputs.model_inputs is None:
         raise InvalidParameterError("A learned merge needs unlabeled data (data=...).")
     rank, world = _process()
-    pool = spread_sample(inputs.model_inputs, params.max_samples, config.seed)
-    index_batches = sample_batches(len(pool), config.batch_size, config.seed)
-    shares = [index[rank::world] for index in index_batches]  # this process's rows of every batch
-    weights = [len(share) / len(index) for share, index in zip(shares, index_batches)]
-    batches = [_batch(pool, share, device) if len(share) else None for share in shares]
+    plans = [_Plan(inputs.model_inputs if index is None else _select(inputs.model_inputs, index), models,
+                   params.max_samples, config, rank, world, device)
+             for models, index in owner_groups(inputs.sample_owner, q)]
     alpha = (inputs.alpha / inputs.alpha.sum()).float().to(device)
     setup = ObjectiveInputs(rule=rule, heads=heads, alpha=alpha, eps=config.scoring_options().eps)
-    held = next((batch for batch in batches if batch is not None), None)
+    held = next((batch for plan in plans for batch in plan.batches if batch is not None), None)
     if heads is not None and held is not None:  # each head reads the tower's pooled features, before any training
         with torch.no_grad():
             check_heads(heads, params.heads, differentiable_outputs(rule, tower, held), "heads")
@@ -222,45 +224,54 @@ def _learn(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: 
                                     "tensors they change has a learned value (e.g. no matrix).")
     forward = _Forward(tower, lambda model, batch: differentiable_outputs(rule, model, batch))
     routed = params.share == "auto" and (heads is not None or objective.name == "disagreement")
-    experts, owners = _references(merger, functional, forward, batches, rule,
-                                  keep=objective.needs_experts, route=routed)
+    for plan in plans:  # the experts' outputs and each sample's expert, once, before training
+        owned = inputs.sample_owner is not None and len(plan.models) == 1
+        plan.experts, plan.owners = _references(merger, functional, forward, plan.batches, rule,
+                                                keep=objective.needs_experts, route=routed and not owned,
+                                                models=plan.models)
+        if owned:  # a model's own data: every sample is compared with that model
+            plan.owners = [None if b is None else torch.full((len(next(iter(b.values()))),), plan.models[0])
+                           for b in plan.batches]
+        plan.schedule = batch_schedule(len(plan.batches), params.steps, config.seed)
     handles = []
     if objective.name == "mloss":
         setup.units, handles = _unit_stacks(config, inputs, tower, device)
     fixed = fixed_slots(layout.slots, adapter)  # values no output depends on: kept where they start
     trained = nn.Parameter(layout.initial.to(device, torch.float32))
     optimizer = torch.optim.Adam([trained], lr=params.lr)
-    schedule = batch_schedule(len(batches), params.steps, config.seed)
     trace: list[float] = []
     tower.eval()
-    bar = tqdm(schedule, desc=f"Learning ({params.objective})", unit="step", disable=not progress)
+    bar = tqdm(range(params.steps), desc=f"Learning ({params.objective})", unit="step", disable=not progress)
     train_start = time.perf_counter()
     try:
-        for b in bar:
+        for step in bar:
             optimizer.zero_grad(set_to_none=True)
-            if batches[b] is None:  # a batch smaller than the job: this process holds none of its rows
-                loss = torch.zeros((), device=device)
-                trained.grad = torch.zeros_like(trained)
-            else:
+            grad, loss = torch.zeros_like(trained), torch.zeros((), device=device)
+            for plan in plans:  # one batch of each data set (one set: the pool), one objective term each
+                b = plan.schedule[step]
+                if plan.batches[b] is None:  # a batch smaller than the job: this process holds none of its rows
+                    continue
                 merged = torch.func.functional_call(forward, functional.parameters(trained, layout.slots),
-                                                    (batches[b],))
-                loss = objective.value(setup, merged, batches[b], None if experts is None else experts[b],
-                                       None if owners is None else owners[b])
-                loss.backward()
-                if trained.grad is None:  # the objective does not reach the trained values on this batch
-                    trained.grad = torch.zeros_like(trained)
+                                                    (plan.batches[b],))
+                value = objective.value(setup, merged, plan.batches[b], None if plan.experts is None
+                                        else plan.experts[b], None if plan.owners is None else plan.owners[b])
+                (part,) = torch.autograd.grad(value, trained, allow_unused=True)
+                share = plan.weights[b]  # this process's rows of the batch: the processes' gradients, weighted
+                if part is not None:  # (None: the objective does not reach the trained values on this batch)
+                    grad += part if world == 1 else part * share
+                loss = loss + (value.detach() if world == 1 else value.detach() * share)
+            trained.grad = grad
             for slot in fixed:  # exactly 0, not float noise that Adam would turn into steps of ±lr
                 trained.grad[slot] = 0
             if world > 1:  # the step's gradient: the processes' shares, weighted by their rows, summed
-                trained.grad.mul_(weights[b])
-                grad, value = reduce_sums(trained.grad, loss.detach().reshape(1) * weights[b])
-                trained.grad.copy_(grad)
+                reduced, value = reduce_sums(trained.grad, loss.reshape(1))
+                trained.grad.copy_(reduced)
                 loss = value[0]
-            if not torch.isfinite(loss.detach()):  # after the reduction: every process stops together
-                raise InvalidParameterError(f"The {params.objective} objective became {float(loss.detach())} at "
+            if not torch.isfinite(loss):  # after the reduction: every process stops together
+                raise InvalidParameterError(f"The {params.objective} objective became {float(loss)} at "
                                             f"step {len(trace) + 1}; lower lr (now {params.lr}).")
             optimizer.step()
-            trace.append(float(loss.detach()))
+            trace.append(float(loss))
             bar.set_postfix({params.objective: f"{trace[-1]:.4g}"})
     finally:
         bar.close()
@@ -325,16 +336,18 @@ def _batch(pool: Any, index: torch.Tensor, device: Any) -> dict[str, torch.Tenso
 
 @torch.no_grad()
 def _references(merger: TensorMerger, functional: FunctionalMerge, forward: nn.Module, batches: list[Any],
-                rule: Any, *, keep: bool, route: bool) -> tuple[list[list[torch.Tensor]] | None,
-                                                                 list[torch.Tensor] | None]:
-    """Per batch, the q experts' outputs (``keep``) and the expert each sample is routed to (``route``: the
-    expert whose output it moves most from the base's, relative to that expert's mean move, as selection)."""
+                rule: Any, *, keep: bool, route: bool, models: Sequence[int] | None = None
+                ) -> tuple[list[list[torch.Tensor | None]] | None, list[torch.Tensor] | None]:
+    """Per batch, the experts' outputs (``keep``; ``models``: those experts only, ``None`` for the others) and the
+    expert each sample is routed to (``route``: among ``models``, the expert whose output it moves most from the
+    base's, relative to that expert's mean move, as selection)."""
     if not keep and not route:
         return None, None
     q = len(merger.inputs.sources)
+    models = list(range(q)) if models is None else list(models)
     held = [b for b, batch in enumerate(batches) if batch is not None]  # this process's rows of each batch
-    outputs = [{b: torch.func.functional_call(forward, functional.expert_parameters(merger, p), (batches[b],))
-                for b in held} for p in range(q)]
+    outputs = {p: {b: torch.func.functional_call(forward, functional.expert_parameters(merger, p), (batches[b],))
+                   for b in held} for p in models}
     owners = None
     if route:
         from ..engine.kernel import reduce_sums
@@ -342,21 +355,49 @@ def _references(merger: TensorMerger, functional: FunctionalMerge, forward: nn.M
         base = {key: functional.bases[name] for name in functional.names for key in functional.keys[name]}
         base_out = {b: torch.func.functional_call(forward, base, (batches[b],)) for b in held}
         moves = [torch.cat([rule.move(base_out[b], outputs[p][b], batches[b]) for b in held]) if held
-                 else torch.zeros(0, device=merger.device) for p in range(q)]
+                 else torch.zeros(0, device=merger.device) for p in models]
         move = torch.stack(moves)
         mean = move.mean(1, keepdim=True)  # each expert's mean move over every sample of the job
         if _process()[1] > 1:  # the processes' sums reduced
             total, count = reduce_sums(move.sum(1), torch.tensor([move.shape[1]], dtype=move.dtype,
                                                                  device=move.device))
             mean = (total / count.clamp_min(1)).unsqueeze(1)
-        owner = (move / mean.clamp_min(1e-12)).argmax(0).cpu()
+        owner = torch.tensor(models)[(move / mean.clamp_min(1e-12)).argmax(0).cpu()]
         sizes = [len(next(iter(batches[b].values()))) for b in held]
         owners = [None] * len(batches)
         for b, rows in zip(held, owner.split(sizes)):
             owners[b] = rows
-    experts = [[outputs[p][b] for p in range(q)] if b in outputs[0] else None
+    kept = set(held)
+    experts = [[outputs[p][b] if p in outputs else None for p in range(q)] if b in kept else None
                for b in range(len(batches))] if keep else None
     return experts, owners
+
+
+class _Plan:
+    """One data set of a learned merge (the pool every model reads, or one model's own data): at most
+    ``max_samples`` of its samples (a seeded spread), shuffled once and cut into batches of the run's
+    ``batch_size``, this process's rows of each; the models it is compared with; the batch each step takes."""
+
+    def __init__(self, samples: Any, models: Sequence[int], max_samples: int, config: MergeConfig, rank: int,
+                 world: int, device: Any) -> None:
+        from ..loading.model_inputs import spread_sample
+
+        self.models = list(models)
+        pool = spread_sample(samples, max_samples, config.seed)
+        index_batches = sample_batches(len(pool), config.batch_size, config.seed)
+        shares = [index[rank::world] for index in index_batches]  # this process's rows of every batch
+        self.weights = [len(share) / len(index) for share, index in zip(shares, index_batches)]
+        self.batches = [_batch(pool, share, device) if len(share) else None for share in shares]
+        self.experts: list[Any] | None = None
+        self.owners: list[Any] | None = None
+        self.schedule: list[int] = []
+
+
+def _select(samples: Any, index: torch.Tensor) -> Any:
+    """The samples at ``index`` (pixels, or :class:`~hf_mloss.loading.model_inputs.ModelInputs`)."""
+    from ..loading.model_inputs import ModelInputs
+
+    return samples.select(index) if isinstance(samples, ModelInputs) else samples[index]
 
 
 def _unit_stacks(config: MergeConfig, inputs: RunInputs, tower: nn.Module, device: Any) -> tuple[list[Any], list[Any]]:

@@ -6,6 +6,10 @@ The method (:mod:`hf_mloss.methods.regmean`) says which prefix feeds the Grams; 
 (its finiteness and dtype checks included) as soon as the block is solved, so no more than one block's Grams and
 solutions are held. Tensors no walk reaches (a whole CLIPModel's tower without data, projections) are averaged.
 Grams the data leaves singular (only with ``reduce_non_diagonal_ratio`` ≈ 1) are named in one note per merge.
+
+With each model's own data (:attr:`~hf_mloss.loading.inputs.RunInputs.sample_owner`) model p's Grams come from its
+own samples only: the walks take the models in groups that read the same samples. ``lam`` ≠ 1 scales the merged task
+vector once every block is solved (θ₀ + λ·(θ_RegMean − θ₀)), so RegMean++'s prefix is the published merge's.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ if TYPE_CHECKING:
     from ..loading.inputs import RunInputs, ScoredTower
     from ..methods import MergeMethod
     from ..spec.config import MergeConfig
-    from .driver import TensorMerger
+    from .merger import TensorMerger
 
 
 def merge_regmean(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model: Any, method: MergeMethod, *,
@@ -32,7 +36,29 @@ def merge_regmean(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, 
     for tower in inputs.scored_towers(model):
         _merge_tower(config, inputs, merger, tower, method, deficient, progress=progress)
     merger.merge(merger.names)  # whatever no walk reached: averaged
+    if merger.ctx.params.lam != 1.0:
+        _scale_task_vector(inputs, merger, merger.ctx.params.lam)
     return deficiency_note(method, merger.ctx.params.reduce_non_diagonal_ratio, deficient) if deficient else None
+
+
+def _scale_task_vector(inputs: RunInputs, merger: TensorMerger, lam: float) -> None:
+    """θ₀ + λ·(θ − θ₀) in place for every merged tensor (checked finite and within its dtype, as merged ones are)."""
+    import torch
+
+    from .merger import check_fits
+
+    with torch.no_grad():
+        for name in merger.names:
+            target = merger.targets[name]
+            base = inputs.base.get_float(name, target.device)
+            if not target.is_floating_point():
+                continue
+            scaled = torch.add(base, target.float() - base, alpha=lam)  # as selection and auto write θ₀ + λ·τ
+            if not torch.isfinite(scaled).all():
+                merger.checked.discard(name)  # finalize names it and what to change
+            elif target.dtype != scaled.dtype and scaled.numel():
+                check_fits(name, float(scaled.abs().max()), target.dtype)
+            target.copy_(scaled)
 
 
 def deficiency_note(method: MergeMethod, ratio: float, deficient: list[tuple[str, Deficiency]]) -> str:
@@ -87,7 +113,7 @@ def _merge_tower(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, t
     from tqdm.auto import tqdm
 
     from ..engine.gram import merged_gram_walk, own_gram_walk
-    from ..engine.score import make_setup
+    from ..engine.score import group_batches, make_setup
     from ..methods.regmean import SOLUTIONS
 
     adapter = tower.adapter
@@ -103,6 +129,7 @@ def _merge_tower(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, t
     # RegMean walks a scratch copy (it holds each model's blocks in turn); RegMean++ the model being merged
     setup = make_setup(inputs, copy.deepcopy(tower.module) if own else tower.module, options, config,
                        progress=progress, tower=tower)
+    groups = group_batches(tower.samples, tower.owner, len(inputs.sources), config.batch_size)  # each model's data
 
     def solved(layer: int, weights: dict[str, Any] | None) -> None:
         prefix = adapter.layer_prefix(layer)
@@ -118,10 +145,10 @@ def _merge_tower(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, t
     found: list[tuple[int, Deficiency]] = []
     try:
         if own:
-            own_gram_walk(setup, alpha, ratio, start, solved, progress=bar, deficient=found)
+            own_gram_walk(setup, alpha, ratio, start, solved, progress=bar, deficient=found, groups=groups)
         else:
-            merged_gram_walk(setup, alpha, ratio, start, solved, lambda stage: merge_stage(merger, run, stage),
-                             progress=bar, deficient=found)
+            merged_gram_walk(setup, alpha, ratio, start, solved, lambda stage: run.merge(run.stage_names(stage)),
+                             progress=bar, deficient=found, groups=groups)
     finally:
         bar.close()
     deficient += [(adapter.layer_prefix(layer), gram) for layer, gram in found]

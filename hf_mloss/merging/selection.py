@@ -39,7 +39,10 @@ Shares (which samples compare the candidate with which expert): ``"given"`` — 
 output it moves most from the base's, relative to that expert's mean move: argmax_p m_p(x) / mean_x' m_p(x'), with
 m_p(x) = ‖f_p(x) − f_0(x)‖ for encoders and the mean over real positions of KL(P_p ‖ P_0) for causal LMs; ``"all"`` —
 every sample to every expert. Only the compared outputs are kept (with ``"auto"`` the experts run once to route and
-once to record them): a causal LM's take samples × tokens × vocabulary floats (× q with ``"all"``).
+once to record them): a causal LM's take samples × tokens × vocabulary floats (× q with ``"all"``). With each model's
+own data (``models=[{"model": ..., "data": ...}]``) no routing is needed: ``num_samples`` of each model's data (a
+seeded spread) are compared with that model alone, and expert p runs on its own samples only; the samples of a shared
+pool, if some models read it, are routed among those models.
 
 Reuse. A method's ``lam`` means θ = θ₀ + λ·τ_merged (every built-in method): each setting of the other parameters
 is merged once at λ = 1 and rescaled for every λ of the grid. A data-guided method (M-TIES) is merged once, with
@@ -60,7 +63,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InvalidParameterError
 from ..loading.heads import as_head, check_heads
 from ..spec.selection import grid_edges
-from ..loading.model_inputs import spread_sample
+from ..loading.model_inputs import SHARED, spread_owned, spread_sample  # noqa: F401 (spread_sample: read from here)
 from ..spec.selection import (
     SelectionOptions,
 )
@@ -70,7 +73,7 @@ if TYPE_CHECKING:
 
     from ..spec.config import MergeConfig
     from ..loading.inputs import RunInputs
-    from .driver import TensorMerger
+    from .merger import TensorMerger
     from ..output.report import MLossReport
 
 
@@ -106,7 +109,8 @@ class CandidateEvaluator:
 
         self.inputs, self.options, self.adapter, self.config = inputs, options, inputs.adapter, config
         self.device, self.batch_size = inputs.device, config.batch_size
-        self.sample = spread_sample(inputs.model_inputs, options.num_samples, config.seed)
+        self.sample, self.sample_owner = spread_owned(inputs.model_inputs, inputs.sample_owner, options.num_samples,
+                                                      config.seed, len(inputs.sources))
         self.alpha = (inputs.alpha / inputs.alpha.sum()).float().to(self.device)
         self.activation, _ = resolve_activation(self.adapter, config.scoring_options().activation)
         layers = config.scoring_options().layers
@@ -294,18 +298,35 @@ class CandidateEvaluator:
 
         sources, rule = self.inputs.sources, self.rule
         samples, owner = self.sample, None
-        if self.options.share == "given":
-            samples, owner = self._given_shares(config, token)
+        if self.options.share == "given":  # one set per model, read once by loading/ (select.shares)
+            samples, owner = self.inputs.share_inputs, self.inputs.share_owner
         state = {self.adapter.canonical_key(k): v for k, v in tower.state_dict().items()}
         names = [n for n in self.inputs.names if n in state]
         batches = model_batches(samples, self.batch_size, self.device)
+        bounds = batch_bounds(batches)
 
-        def run(store: Any) -> Iterator[Any]:  # batch by batch: one batch of outputs besides the kept ones
-            load_weights_into(state, [store], [1.0], names)
-            for batch in batches:
-                yield rule.outputs(tower, batch)
+        def run(store: Any, rows: Any = None) -> Iterator[Any]:  # batch by batch: one batch of outputs besides the
+            load_weights_into(state, [store], [1.0], names)  # kept ones (``rows``: only the batches holding them)
+            for batch, (lo, hi) in zip(batches, bounds):
+                yield rule.outputs(tower, batch) if rows is None or bool(rows[lo:hi].any()) else None
 
-        if self.options.share == "auto":
+        if self.sample_owner is not None:  # each model's own data: compared with that model; the shared pool routed
+            owner = self.sample_owner.clone()  # among the models without data of their own
+            shared = owner == SHARED
+            if bool(shared.any()):
+                group = [p for p in range(len(sources)) if not bool((owner == p).any())]
+                base = list(run(self.inputs.base, shared))
+
+                def moves(store: Any) -> Any:  # the shared samples' moves, in sample order
+                    return torch.cat([rule.move(b, o, batch)[shared[lo:hi].nonzero().flatten().to(b.device)]
+                                      for b, o, batch, (lo, hi) in zip(base, run(store, shared), batches, bounds)
+                                      if b is not None])
+
+                move = torch.stack([moves(sources[p]) for p in group])  # [models without own data, shared samples]
+                owner[shared] = torch.tensor(group)[(move / move.mean(1, keepdim=True).clamp_min(1e-12)).argmax(0)
+                                                    .cpu()]
+                del base
+        elif self.options.share == "auto":
             base = list(run(self.inputs.base))
             move = torch.stack([torch.cat([rule.move(b, o, batch) for b, o, batch in zip(base, run(s), batches)])
                                 for s in sources])  # [q, samples]
@@ -318,49 +339,18 @@ class CandidateEvaluator:
                     column.append(out)
         else:
             columns = [[None] for _ in batches]
-            bounds = batch_bounds(batches)
             for p, store in enumerate(sources):
                 if not bool((owner == p).any()):
                     continue
-                for column, out, (lo, hi) in zip(columns, run(store), bounds):
+                for column, out, (lo, hi) in zip(columns, run(store, owner == p), bounds):
+                    if out is None:
+                        continue
                     rows = (owner[lo:hi] == p).nonzero().flatten().to(out.device)
                     if column[0] is None:
                         column[0] = torch.zeros_like(out)
                     column[0][rows] = out[rows]
         load_weights_into(state, [self.inputs.base], [1.0], names)
         return batches, owner, columns
-
-    def _given_shares(self, config: MergeConfig, token: Any) -> tuple[Any, Any]:
-        """One unlabeled set per model, ``num_samples`` / q of each, read as the family reads its data."""
-        import torch
-
-        from ..loading.data import DEFAULT_MAX_LENGTH, load_model_inputs
-        from ..loading.inputs import check_max_length, resolve_processor, resolve_tokenizer
-        from ..loading.model_inputs import as_model_inputs
-        from ..spec.config import DataSpec
-
-        per_model = math.ceil(self.options.num_samples / len(self.options.shares))
-        parts, owner, reader = [], [], None
-        text = getattr(self.adapter, "modality", "image") == "text"
-        for p, share in enumerate(self.options.shares):
-            spec = DataSpec.parse(share, num_samples=per_model)
-            ready = isinstance(spec.objects, torch.Tensor) or as_model_inputs(spec.objects) is not None
-            if reader is None and not ready:
-                reader = (resolve_tokenizer if text else resolve_processor)(config, self.inputs,
-                                                                              self.inputs.base.ref, token)
-            if text:
-                max_length = check_max_length(self.adapter, spec.max_length or config.data.max_length)
-                samples, _ = load_model_inputs(spec.source, modality="text", tokenizer=reader,
-                                               num_samples=per_model, seed=config.seed, split=spec.split,
-                                               text_column=spec.text_column,
-                                               max_length=max_length or DEFAULT_MAX_LENGTH)
-            else:
-                samples, _ = load_model_inputs(spec.source, modality="image", processor=reader,
-                                               num_samples=per_model, seed=config.seed, split=spec.split,
-                                               image_column=spec.image_column)
-            parts.append(samples)
-            owner += [p] * len(samples)
-        return concat_samples(parts), torch.tensor(owner)
 
     def _output_criteria(self, tower: Any) -> dict[str, float]:
         """``output`` and ``entropy`` of the candidate held by ``tower`` (see the module docstring): Σ numerators /
@@ -418,26 +408,6 @@ def batch_bounds(batches: Sequence[Mapping[str, Any]]) -> list[tuple[int, int]]:
         bounds.append((start, start + size))
         start += size
     return bounds
-
-
-def concat_samples(parts: Sequence[Any]) -> Any:
-    """Samples of several sets as one: pixel tensors concatenated; token ids right-padded to the longest (mask 0
-    there, so the padding never counts)."""
-    import torch
-
-    from ..loading.model_inputs import ModelInputs
-
-    if all(isinstance(p, torch.Tensor) for p in parts):
-        return torch.cat(list(parts))
-    if all("pixel_values" in p for p in parts):
-        return torch.cat([p["pixel_values"] for p in parts])
-    width = max(p["input_ids"].shape[1] for p in parts)
-    out: dict[str, list[Any]] = {}
-    for part in parts:
-        for key, tensor in part.items():
-            pad = width - tensor.shape[1]
-            out.setdefault(key, []).append(torch.nn.functional.pad(tensor, (0, pad)) if pad else tensor)
-    return ModelInputs({key: torch.cat(tensors) for key, tensors in out.items()})
 
 
 # ---------------------------------------------------------------------------------------------- candidates
@@ -502,7 +472,8 @@ class CandidateBuilder:
         (the reference; its scores are kept), else replays the reference's scores."""
         import torch
 
-        from .driver import TensorMerger, merge_layerwise
+        from .layerwise import merge_layerwise
+        from .merger import TensorMerger
         from ..methods import MergeContext
 
         config = self.config.replace(parameters={**self.config.parameters, **setting, **self._lam(lam)}, select=None)
@@ -622,7 +593,8 @@ def select_and_merge(config: MergeConfig, inputs: RunInputs, merger: TensorMerge
     builder.write(tau, lam, into=merger.targets)
     merger.done.update(merger.names)
     merger.ctx.params = method.make_params(**{**config.parameters, **chosen})
-    record = replace(options, num_samples=len(evaluator.sample), reference=builder.reference, chosen=chosen,
+    counted = len(evaluator.sample) if evaluator.sample_owner is None else options.num_samples  # own data: per model
+    record = replace(options, num_samples=counted, reference=builder.reference, chosen=chosen,
                      candidates=candidates)
     return config.replace(parameters={**config.parameters, **chosen}, select=record), builder.report
 

@@ -12,7 +12,7 @@ from ..methods import LayerwiseRun
 
 if TYPE_CHECKING:
     from ..loading.inputs import RunInputs
-    from .driver import TensorMerger
+    from .merger import TensorMerger
 
 
 class DriverRun(LayerwiseRun):

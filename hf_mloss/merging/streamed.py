@@ -2,7 +2,7 @@
 
 The merge container of a large base (:data:`STREAMED_MIN_BYTES` or more in its working dtype) is the output model with
 its blocks on ``meta`` (:meth:`hf_mloss.loading.inputs.RunInputs.output_skeleton`); embeddings, final norm and head
-are held as usual. The merger (:class:`~hf_mloss.merging.driver.TensorMerger`) merges stage by stage: before a
+are held as usual. The merger (:class:`~hf_mloss.merging.merger.TensorMerger`) merges stage by stage: before a
 block's tensors are merged the block is filled from the base (:meth:`StreamedOutput.open_stage`), and when the next
 block opens, the previous one, by then merged and walked, is checked, cast to the output dtype, written into its
 place in the output's safetensors shards (:class:`~hf_mloss.output.spill.SpilledWeights`) and emptied. Every walk of
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from ..loading.inputs import RunInputs
     from ..methods import MergeMethod
     from ..spec.config import MergeConfig
-    from .driver import TensorMerger
+    from .merger import TensorMerger
 
 STREAMED_MIN_BYTES = 1 << 31
 """A merge whose output model takes at least this many bytes in its working dtype is written block by block."""

@@ -176,6 +176,7 @@ class LearnedMethod(MergeMethod):
 
     needs_data = True
     learned = True
+    reads_own_data = True
     zero_delta_is_base = True
     default_weight = "one"
 

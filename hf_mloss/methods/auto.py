@@ -25,15 +25,18 @@ from .registry import register_merge_method
 
 DEFAULT_CANDIDATES: dict[str, dict[str, list[Any]]] = {
     "tsv_m": {"lam": [0.5, 0.75, 1.0, 1.25, 1.5, 2.0]},
+    "iso_c": {"lam": [0.5, 1.0, 1.5, 2.0, 3.0, 4.0]},
     "iso_cts": {"lam": [0.5, 1.0, 1.5, 2.0, 3.0, 4.0]},
     "ties": {"budget": ["changed"], "lam": [0.5, 0.75, 1.0, 1.25, 1.5, 2.0]},
     "task_arithmetic": {"lam": [0.1, 0.2, 0.3, 0.5, 0.7, 1.0]},
-    "regmean_plusplus": {},
+    "regmean_plusplus": {"lam": [0.5, 0.75, 1.0, 1.25, 1.5, 2.0]},
 }
-"""The candidates and their grids when ``candidates`` is not given: fixed before any suite measured ``auto``; each
-grid holds its method's default λ. The SVD merges led the records' val-tuned rows; TIES and task arithmetic are the
-classics (TIES keeps k of the entries each fine-tune changed, so fine-tunes of a few blocks are trimmed too);
-RegMean++ is the closed-form merge that uses the same unlabeled data."""
+"""The candidates and their grids when ``candidates`` is not given; each grid holds its method's default λ. The SVD
+merges led the records' val-tuned rows; TIES and task arithmetic are the classics (TIES keeps k of the entries each
+fine-tune changed, so fine-tunes of a few blocks are trimmed too); RegMean++ is the closed-form merge that uses the
+same unlabeled data, its merged task vector on TSV-M's λ grid (λ = 1: the published merge). Iso-C and RegMean++'s λ
+grid were added with each model's own data; the records made before measured the default without them (TSV-M,
+Iso-CTS, TIES, task arithmetic, RegMean++ at λ = 1)."""
 FALLBACK = ("tsv_m", {"lam": 1.0})
 """The merge without data."""
 CRITERIA = ("output", "disagreement", "entropy", "mloss")
@@ -45,7 +48,7 @@ class AutoParams(MethodParams):
     candidates: Any = param(None, "The methods to choose among: a list of names (each on its default grid, "
                             "hf_mloss.methods.auto.DEFAULT_CANDIDATES, or its default parameters), or a mapping "
                             "name -> grid ({'tsv_m': {'lam': [0.8, 1, 1.2]}, 'ties': {'k': [0.2], 'lam': [1]}}). "
-                            "Default: TSV-M, Iso-CTS, TIES and task arithmetic on λ grids, and RegMean++.")
+                            "Default: TSV-M, Iso-C, Iso-CTS, TIES, task arithmetic and RegMean++ on λ grids.")
     criterion: str = param("output", "What ranks the candidates, lower is better (see hf_mloss.merging.selection): "
                            "output (the records' best label-free criterion), disagreement, entropy, mloss.",
                            choices=CRITERIA)
@@ -211,6 +214,7 @@ class Auto(MergeMethod):
     reference_url = ""
     params_class = AutoParams
     chooses_method = True
+    reads_own_data = True
 
     def uses_data(self, params: MethodParams) -> bool:
         """Whether a run reads the data when it is given: to choose, or to re-run a chosen merge that needs it."""

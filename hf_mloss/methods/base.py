@@ -104,7 +104,7 @@ class MergeContext:
 
 
 class LayerwiseRun:
-    """What the merge driver offers a data-guided method's hooks (implemented in :mod:`hf_mloss.merging.driver`)."""
+    """What the merge driver offers a data-guided method's hooks (implemented in :mod:`hf_mloss.merging.stages`)."""
 
     ctx: MergeContext
     adapter: ModelAdapter
@@ -214,6 +214,10 @@ class MergeMethod:
 
     data_use: ClassVar[str] = ""
     """A data-guided method: what the data sets, in the card's words (``"M-Loss node keep ratios"``)."""
+    reads_own_data: ClassVar[bool] = False
+    """Whether the method reads each model's own data as that model's, as its paper does (RegMean's Grams, a learned
+    merge's objective term per task, ``auto``'s comparison with each model); otherwise a run with per-model data
+    reads their union (M-TIES, scoring)."""
 
     def data_free_rule(self, params: MethodParams, *, short: bool = False) -> str:
         """How a data-guided method merges a tensor no scoring data reaches (a tower given no data), in the card's

@@ -23,10 +23,14 @@ block is solved for the inputs the merged model really gives it. The walk that r
 :mod:`hf_mloss.engine.gram` and :mod:`hf_mloss.merging.regmean`; this module holds the parameters and the rule for
 each tensor.
 
-Differences from fusion-bench 0.2.33, on purpose: one unlabeled set serves every model (fusion-bench gives each model
-its own task's training images; pass the same set to it to compare), Grams are summed in float64 and the system is
-solved in float64 (fusion-bench: float32 ``inverse``), and RegMean++ averages the final norm after the last block as
-RegMean does (fusion-bench's RegMean++ keeps the pretrained one).
+Each model's own data (``models=[{"model": ..., "data": ...}, ...]``) gives G_p from model p's own inputs, as the
+papers and fusion-bench compute it (each G_p then the mean over its own positions); with one shared set every model's
+G_p is taken on the same inputs. ``lam`` scales the merged task vector, θ₀ + λ·(θ_RegMean − θ₀), as every other
+merge's λ (1: the published method; ``auto`` and label-free selection search it).
+
+Differences from fusion-bench 0.2.33, on purpose: Grams are summed in float64 and the system is solved in float64
+(fusion-bench: float32 ``inverse``), and RegMean++ averages the final norm after the last block as RegMean does
+(fusion-bench's RegMean++ keeps the pretrained one).
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ class RegMeanParams(MethodParams):
         0.95, "r: the Gram matrices' off-diagonal entries are multiplied by r (1: plain least squares, which needs "
         "data spanning every layer's inputs; 0: a per-input-feature weighted average). fusion-bench's CLIP default.",
         low=0.0, high=1.0)
+    lam: float = param(1.0, "λ: θ = θ₀ + λ·(θ_RegMean − θ₀), the merged task vector scaled as every other merge's (1: "
+                       "the published method).", low=0.0, high=100.0, low_open=True)
 
 
 class RegMean(MergeMethod):
@@ -63,6 +69,8 @@ class RegMean(MergeMethod):
     params_class = RegMeanParams
     needs_data = True
     data_use = "Gram matrices of every linear layer's inputs"
+    reads_own_data: ClassVar[bool] = True
+    """With each model's own data, model p's Grams come from its own data only (as the paper computes them)."""
     gram_prefix: ClassVar[str] = "own"
     """Where each block's inputs come from: every model's own forward (``own``) or the merged blocks before it."""
 
@@ -83,9 +91,10 @@ class RegMean(MergeMethod):
 
     def describe(self, params: MethodParams) -> str:
         prefix = "each model's own forward" if self.gram_prefix == "own" else "the merged blocks before each block"
+        scaled = f"; the merged task vector scaled by λ = {params.lam:g}" if params.lam != 1.0 else ""
         return (f"{self.pretty_name} ({self.reference}): every linear layer of the blocks solved from the Gram "
                 f"matrices of its inputs on the unlabeled data ({prefix}), off-diagonal entries × "
-                f"{params.reduce_non_diagonal_ratio:g}; every other tensor averaged")
+                f"{params.reduce_non_diagonal_ratio:g}; every other tensor averaged{scaled}")
 
 
 class RegMeanPlusPlus(RegMean):

@@ -3,7 +3,7 @@ them: mergekit-moe's YAML in, a Hub-ready Mixtral, Qwen2-MoE or Qwen3-MoE folder
 
 ``config`` (the YAML and its checks), ``architectures`` (which MoE class, its config and tensor names), ``gates``
 (router rows from prompts), ``inputs`` (the models opened and checked), ``writer`` (streamed safetensors shards),
-``routing`` (where the built MoE sends each expert's prompts), ``card`` and ``build`` (the whole run). Names are
+``routing`` (where the built MoE sends each expert's prompts), ``result`` (what a build returns), ``card`` and ``build`` (the whole run). Names are
 imported on first use, so reading a config (``hf-mloss moe`` does it first) does not import torch.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-_EXPORTS = {"ExpertSpec": "config", "MoEConfig": "config", "MoEResult": "build", "RoutingReport": "routing",
+_EXPORTS = {"ExpertSpec": "config", "MoEConfig": "config", "MoEResult": "result", "RoutingReport": "routing",
             "build_moe": "build"}
 __all__ = sorted(_EXPORTS)
 
@@ -25,6 +25,7 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from .build import MoEResult, build_moe
+    from .build import build_moe
     from .config import ExpertSpec, MoEConfig
+    from .result import MoEResult
     from .routing import RoutingReport

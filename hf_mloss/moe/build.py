@@ -13,7 +13,7 @@ import os
 import time
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from ..spec.config import MOE_CONFIG_NAME
 from .config import MoEConfig, as_moe_config
 from .inputs import MoEInputs, load_tokenizer, open_inputs
 from .layered import release_memory
+from .result import MoEResult
 from .routing import RoutingReport
 
 ROUTING_NAME = "routing.json"
@@ -33,59 +34,6 @@ each cut to their first t tokens (the BOS included), t the largest that fits: bo
 value at those positions is what the whole prompt gives there (exact), on fewer positions. The report then costs a
 bounded share of the build whatever the prompts (0.5B experts, 44 prompts of 8-31 tokens: 69 s of forwards over
 every token against a 54 s build by mergekit-moe)."""
-
-
-@dataclass
-class MoEResult:
-    """What :func:`build_moe` wrote.
-
-    Attributes:
-        path: the output folder.
-        architecture: ``Mixtral``, ``Qwen2-MoE`` or ``Qwen3-MoE``; ``model_class`` its transformers class.
-        config: the recipe as run (Hub models pinned to the commit read); ``hf_mloss_moe.yaml`` in the folder.
-        routing: where the built MoE routes each expert's own prompts (``None`` without prompts).
-        mloss: each pair of experts' M-Loss on the prompts (``{(i, j): value}``, mean over layers), or ``None`` with
-            ``mloss_note`` saying why it could not be measured.
-        degenerate_layers: layers whose router rows are nearly dependent (mergekit's warning).
-        timings: seconds per stage (``inputs``, ``gates``, ``mloss``, ``write``, ``routing``, ``records``).
-        report_tokens: the first tokens of each prompt the routing and the M-Loss read (``None``: every token);
-            ``report_positions``: ``(read, in all)`` token positions of the prompts.
-    """
-
-    path: Path
-    architecture: str
-    model_class: str
-    config: MoEConfig
-    routing: RoutingReport | None
-    mloss: dict[tuple[int, int], float] | None
-    mloss_note: str | None
-    degenerate_layers: list[int] = field(default_factory=list)
-    device: str = ""
-    timings: dict[str, float] = field(default_factory=dict)
-    report_tokens: int | None = None
-    report_positions: tuple[int, int] | None = None
-
-    def summary(self) -> str:
-        c = self.config
-        lines = [f"Built a {self.architecture} ({self.model_class}) of {len(c.experts)} experts, "
-                 f"{c.experts_per_token} per token{', one shared' if c.shared_experts else ''}, "
-                 f"gate_mode {c.gate_mode}",
-                 f"  base:    {_label(c.base_model)}",
-                 "  experts: " + ", ".join(f"{i}: {e.label}" for i, e in enumerate(c.experts)),
-                 f"  device:  {self.device}"]
-        if self.routing is not None:
-            lines += ["", self.routing.summary()]
-        if self.mloss is not None:
-            pairs = ", ".join(f"({i}, {j}) {v:.4g}" for (i, j), v in self.mloss.items())
-            lines += ["", f"M-Loss of each expert pair on the prompts (lower merges more like an ensemble): {pairs}"]
-        elif self.mloss_note:
-            lines += ["", f"M-Loss not measured: {self.mloss_note}"]
-        lines += ["", f"Saved to {self.path}"]
-        return "\n".join(lines)
-
-
-def _label(model: str) -> str:
-    return Path(model).name if os.path.isabs(model) else model
 
 
 def build_moe(config: MoEConfig | Mapping[str, Any] | str | os.PathLike[str], out_dir: str | os.PathLike[str], *,

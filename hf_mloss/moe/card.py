@@ -12,7 +12,7 @@ from huggingface_hub import ModelCard, ModelCardData
 from ..output.card import base_license, render_card
 
 if TYPE_CHECKING:
-    from .build import MoEResult
+    from .result import MoEResult
     from .inputs import MoEInputs
 
 TEMPLATE = "moe_modelcard_template.md"

@@ -120,8 +120,13 @@ def selection_rows(config: MergeConfig, modality: str = "image") -> dict[str, An
             for c in select.candidates]
     return {"criterion": select.criterion, "criteria": select.criteria, "grid": select.grid,
             "num_samples": select.num_samples, "unit": "texts" if modality == "text" else "images",
-            "share": select.share, "reference": select.reference, "rows": rows,
-            "chosen": ", ".join(f"{k}={v}" for k, v in (select.chosen or {}).items())}
+            "share": "each model's own data" if _own_data(config) else select.share, "reference": select.reference,
+            "rows": rows, "chosen": ", ".join(f"{k}={v}" for k, v in (select.chosen or {}).items())}
+
+
+def _own_data(config: MergeConfig) -> bool:
+    """Whether some model read data of its own (compared with that model alone, no routing)."""
+    return any(getattr(m, "data", None) is not None for m in config.models)
 
 
 def auto_rows(config: MergeConfig) -> dict[str, Any] | None:
@@ -141,7 +146,7 @@ def auto_rows(config: MergeConfig) -> dict[str, Any] | None:
     return {"criterion": params.criterion, "num_samples": compared, "share": params.share, "rows": rows,
             "chosen": chosen.get("method"), "chosen_setting": ", ".join(
                 f"{k}={v}" for k, v in (chosen.get("parameters") or {}).items()), "why": chosen.get("why"),
-            "heads": bool(params.heads), "tied": tied,
+            "heads": bool(params.heads), "tied": tied, "own": _own_data(config),
             "edges": [] if tied or not rows else auto_grid_edges(params)}
 
 
@@ -224,6 +229,13 @@ def rerun_blocker(config: MergeConfig, unit: str = "images") -> str | None:
         return ("the text tower's scoring texts were passed from Python (recorded as `in_memory` with their content "
                 "hash): a re-run needs the same texts, given as `text_data: {path: ...}` (a text file or folder) or "
                 "`{id: ...}`, or passed again to `hf_mloss.merge(..., text_data=...)`")
+    for i, spec in enumerate(config.models):
+        own = [key for key in ("data", "text_data") if getattr(spec, key) is not None and
+               getattr(spec, key).objects is not None]
+        if own and not replays:
+            return (f"the own {own[0]} of models[{i}] ({spec.label}) was passed from Python (recorded as `in_memory`, "
+                    f"with its content hash when one could be taken): a re-run needs the same samples, given as "
+                    f"`{own[0]}: {{id: ...}}` or `{{path: ...}}` in that entry or passed again from Python")
     select = config.select
     if select is not None and any(not isinstance(h, str) for h in (select.heads or [])):
         return "the selection's heads were passed from Python: save them as files and name them in `select.heads`"
@@ -245,7 +257,7 @@ def tower_lines(report: Any) -> list[str]:
 
 def uses_seed(config: MergeConfig) -> bool:
     """Whether the seed changes the result: random masks (DARE), or a sample of the scoring data."""
-    return ("dare" in config.method or config.data is not None or getattr(config, "text_data", None) is not None
+    return ("dare" in config.method or config.has_data() or config.has_data("text_data")
             or config.select is not None)
 
 
@@ -304,6 +316,8 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
         str(next(described(result).parameters()).dtype).replace("torch.", ""),
         data={**result.data_info.to_dict(), **result.data_info.sample_stats()} if result.data_info else None,
         data_unit=unit,
+        own_data=own_data_rows(result),
+        own_data_use=own_data_use(result.config),
         eval_rows=[{"task": t, "value": v} for t, v in result.eval_results.items()],
         report=report,
         towers=tower_lines(report),
@@ -316,6 +330,29 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
         base_hint=result.base.repo_id or "path/to/base",
         repo_hint="path/or/repo-id",
     )
+
+
+def own_data_rows(result: Any) -> list[dict[str, Any]]:
+    """One row per model that read data of its own: the model, what the data was (source, split, how it was drawn)
+    and how many samples it gave."""
+    from .report import describe_data
+
+    rows = []
+    for key, infos in (getattr(result, "model_data_info", None) or {}).items():
+        for ref, info in zip(result.models, infos):
+            if info is not None:
+                described = {**info.to_dict(), **info.sample_stats()}
+                rows.append({"model": ref.name, "key": key, "data": describe_data(described),
+                             "num_samples": info.num_samples})
+    return rows
+
+
+def own_data_use(config: MergeConfig) -> str:
+    """How the method read the models' own data, in the card's words."""
+    if config.data_mode() == "own":
+        return "each model's own data is read as that model's alone, as the method's paper does; a model without " \
+               "data of its own reads the shared data"
+    return "the method reads one pool: the union of the models' data (and the shared data, if any)"
 
 
 def model_specs(result: Any) -> list[Any]:

@@ -55,6 +55,9 @@ class MergeResult:
     """Where the merge was computed (``cpu``, ``cuda:0 (NVIDIA ...)``, ``mps``), as the card records it."""
     tokenizer: Any = None
     """The merged vocabulary's tokenizer (``tokenizer_source``), saved beside the weights instead of the base's."""
+    model_data_info: dict[str, list[DataInfo | None]] = field(default_factory=dict)
+    """Where each model's own data came from (``{"data": [info or None per model], "text_data": [...]}``; empty
+    when every model read the shared data), as the card lists it."""
     model_loader: Callable[[], PreTrainedModel] | None = field(default=None, repr=False, compare=False)
     """Builds :attr:`model` on first access (an adapter output written from the inputs' factors alone, whose
     merged model nothing else needs: the base loaded and ΔW = B·A added, once)."""

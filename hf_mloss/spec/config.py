@@ -85,8 +85,17 @@ class ModelSpec:
                                               "(weight, k, p, gamma, e; see `hf-mloss methods`): a number, a gradient "
                                               "or a filter list each, used instead of the shared value for this model "
                                               "(mergekit's per-model parameters).")
+    data: DataSpec | None = param(None, "This model's own unlabeled data (its task's images or texts), in any form "
+                                  "`data` takes: RegMean's Grams, a learned merge's or auto's comparison with this "
+                                  "model read it; M-TIES and scoring read the union of the models' data.")
+    text_data: DataSpec | None = param(None, "This model's own text for the text tower of a whole two-tower model, as "
+                                       "`text_data` takes it.")
 
     def __post_init__(self) -> None:
+        if self.data is not None and not isinstance(self.data, DataSpec):
+            self.data = _model_data(self.data, "data")
+        if self.text_data is not None and not isinstance(self.text_data, DataSpec):
+            self.text_data = _model_data(self.text_data, "text_data")
         validate_fields(self)
         if self.parameters is not None:
             self.parameters = _plain(dict(self.parameters)) or None
@@ -119,7 +128,17 @@ class ModelSpec:
         for key in ("revision", "weight", "fingerprint", "weights_file", "weights_ref", "parameters"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        for key in ("data", "text_data"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key).to_dict(root)
         return out
+
+    @property
+    def label(self) -> str:
+        """The model as messages name it: its Hub id or folder's name, or a loaded model's class."""
+        if self.is_loaded:
+            return getattr(getattr(self.model, "config", None), "_name_or_path", "") or type(self.model).__name__
+        return self.model if not self.is_local else os.path.basename(os.path.normpath(self.model))
 
     @property
     def run_weight(self) -> float | None:
@@ -145,7 +164,10 @@ class DataSpec:
     text_column: str | None = param(None, "Column with the text (auto-detected; text families).")
     max_length: int | None = param(None, "Tokens per text at most (default 128; text families).", low=1,
                                    high=1_000_000)
-    revision: str | None = param(None, "Hub dataset revision.")
+    revision: str | None = param(None, "Hub dataset revision (a model's own Hub data is recorded pinned to the commit "
+                                 "read).")
+    fingerprint: str | None = param(None, "Content fingerprint of a local data folder or file (recorded for a model's "
+                                    "own data; a re-run verifies it).")
     objects: Any = field(default=None, repr=False, compare=False,
                          metadata={"help": "Data passed from Python: a [N, 3, H, W] tensor (a list of [3, H, W] "
                                            "tensors is stacked into one), a list of PIL images, "
@@ -206,7 +228,7 @@ class DataSpec:
         else:
             out = {"id": self.id}
         out.update(split=self.split, num_samples=self.num_samples)
-        for key in ("image_column", "text_column", "max_length", "revision"):
+        for key in ("image_column", "text_column", "max_length", "revision", "fingerprint"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out
@@ -309,7 +331,9 @@ class MergeConfig:
         self._validate_required_parameters(method)
         self._validate_model_parameters(method)
         self._validate_text_data(method)
-        if method.needs_data and self.data is None and self.text_data is None and not self.replays_recorded():
+        self._validate_model_data(method)
+        if method.needs_data and not self.has_data() and not self.has_data("text_data") \
+                and not self.replays_recorded():
             raise DataError(
                 f"Method {self.method!r} is data-guided and no data was given: pass data=... (a Hub dataset id such "
                 "as tanganke/dtd, a local image folder, a datasets object or a list of images; ~128 unlabeled images "
@@ -329,13 +353,13 @@ class MergeConfig:
         if params.heads is not None and len(params.heads) != len(self.models):
             raise InvalidParameterError(f"heads: got {len(params.heads)} for {len(self.models)} models; give one "
                                         "classification head per fine-tuned model, in the order of models.")
-        if params.chooses and self.data is None:
+        if params.chooses and not self.has_data():
             given = [k for k in ("candidates", "budget", "heads") if self.parameters.get(k) is not None]
             if given:
                 raise DataError(f"auto compares its candidates on unlabeled data and no data was given, so "
                                 f"{', '.join(given)} cannot be honoured (without data auto merges TSV-M at its "
                                 "default λ): pass data=..., or merge with the method you want directly.")
-        if not params.chooses or self.data is None:  # a recorded choice, or TSV-M without data: nothing to check
+        if not params.chooses or not self.has_data():  # a recorded choice, or TSV-M without data: nothing to check
             return
         from ..methods import get_method
         from ..methods.auto import _settings, candidate_grids
@@ -378,7 +402,7 @@ class MergeConfig:
         self.tokenizer_source = options.to_plain()
 
     def _validate_text_data(self, method: MergeMethod) -> None:
-        if self.text_data is None:
+        if not self.has_data("text_data"):
             return
         if self.select is not None:
             raise InvalidParameterError("text_data scores a whole model's text tower in a merge or score(); label-free "
@@ -439,7 +463,7 @@ class MergeConfig:
         if getattr(method, "learned", False):
             raise InvalidParameterError(f"Method {method.name!r} learns its coefficients on the data itself; "
                                         "label-free selection (select=...) does not apply: drop select.")
-        if self.data is None:
+        if not self.has_data():
             raise DataError("Label-free selection scores every candidate on unlabeled data and no data was given: "
                             "pass data=... (images for image families: a Hub dataset id, a local image folder or "
                             "images; texts for text families: a list of strings, a text file or a Hub text split; "
@@ -447,6 +471,66 @@ class MergeConfig:
         check_selection(self.select, method, self.parameters, len(self.models))
         for share in self.select.shares or ():
             DataSpec.parse(share)
+        if self.select.shares and any(m.data is not None for m in self.models):
+            raise InvalidParameterError("select.shares and the models' own `data` both give each model's samples; "
+                                        "give them one way (the models' own data: the selection compares each model "
+                                        "with its own).")
+
+    def _validate_model_data(self, method: MergeMethod) -> None:
+        """Each model's own ``data`` / ``text_data``: covering every model where the method reads each model's own data
+        (refused, naming them, where some have none and no shared data covers them), leaving the shared data something
+        to serve, compared with its own model alone (not ``share="all"``). A data-free merge never reads it (the
+        driver warns)."""
+        if self.base.data is not None or self.base.text_data is not None:
+            raise InvalidParameterError("base.data: the base has no data of its own; the data every model shares is "
+                                        "the top-level `data` (a fine-tune's own data goes in its `models` entry).")
+        use = self.data_mode()
+        for key, shared in (("data", self.data), ("text_data", self.text_data)):
+            own = [i for i, m in enumerate(self.models) if getattr(m, key) is not None]
+            if not own:
+                continue
+            first = f"models[{own[0]}] ({self.models[own[0]].label})"
+            if len(own) == len(self.models) and shared is not None:
+                raise InvalidParameterError(f"`{key}` is the shared pool of the models that have no {key} of their own, "
+                                            f"and every model has its own: the shared `{key}` would never be read. "
+                                            f"Drop it, or a model's own.")
+            share = self.select.share if self.select is not None else getattr(self.method_params(), "share", None)
+            if use == "own" and share == "all":
+                raise InvalidParameterError(f"share='all' compares every sample with every model, and {first} has data "
+                                            "of its own, which is compared with that model alone: leave share at "
+                                            "'auto' (each model's own data with that model; the shared data, if any, "
+                                            "routed among the models without their own).")
+            missing = [i for i in range(len(self.models)) if i not in own]
+            if missing and shared is None and use == "own" and not self.replays_recorded():
+                names = ", ".join(f"models[{i}] ({self.models[i].label})" for i in missing[:3])
+                more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+                raise DataError(f"{self._own_data_reader(method)} reads each model's own {key}, and {names}{more} "
+                                f"{'has' if len(missing) == 1 else 'have'} none while {first} has its own; give every "
+                                f"model its own {key}, or a shared `{key}=` for those without.")
+
+    def _own_data_reader(self, method: MergeMethod) -> str:
+        if self.select is not None:
+            return "Label-free selection"
+        return f"{method.pretty_name} ({method.name})"
+
+    def data_mode(self) -> str | None:
+        """How the run reads unlabeled data: ``"own"`` (each model with its own data: RegMean's Grams, a learned
+        merge's objective, ``auto``'s or label-free selection's comparison with each model), ``"union"`` (one pool:
+        M-TIES, M-DARE, scoring, compatibility read the union of the models' data) or ``None`` (none)."""
+        method = self.merge_method()
+        if self.select is not None or getattr(method, "reads_own_data", False):
+            return "own"
+        if method.needs_data or self.score is not None:
+            return "union"
+        return None
+
+    def share_specs(self, num_samples: int) -> list[DataSpec]:
+        """Label-free selection's ``select.shares`` as data specs of ``num_samples`` samples each."""
+        return [DataSpec.parse(share, num_samples=num_samples) for share in (self.select.shares or ())]
+
+    def has_data(self, key: str = "data") -> bool:
+        """Whether the run has ``key`` (``data`` or ``text_data``): shared, or some model's own."""
+        return getattr(self, key) is not None or any(getattr(m, key) is not None for m in self.models)
 
     def _validate_weights(self) -> None:
         for i, spec in enumerate(self.models):  # a per-model weight schedule: every value a number float32 holds
@@ -550,7 +634,8 @@ class MergeConfig:
         paths += [f for spec in self.models if spec.is_local and (f := declared_base_folder(spec.model)) is not None]
         if isinstance(self.processor, (str, os.PathLike)) and looks_local(os.fspath(self.processor)):
             paths.append(self.processor)
-        for spec in (self.data, self.text_data):
+        owned = [getattr(m, key) for m in self.models for key in ("data", "text_data")]
+        for spec in (self.data, self.text_data, *owned):
             if spec is not None and spec.path is not None:
                 paths.append(spec.path)
         heads = self.parameters.get("heads")
@@ -584,18 +669,24 @@ class MergeConfig:
         if isinstance(models, (str, os.PathLike)) or _is_loaded_model(models) or not isinstance(models, Sequence):
             raise InvalidParameterError(f"models must be a non-empty list of Hub ids, local folders or loaded models, "
                                         f"got {short(models)}.")
-        specs = [_as_model_spec(m, "base" if i == 0 else f"models[{i - 1}]")
-                 for i, m in enumerate([base, *models])]
-        _spread(specs, "revision", revision, per_model_hint="base first; None for folders and loaded models")
-        _spread(specs[1:], "weight", weights, per_model_hint="the base has none")
         fields = {f.name for f in dataclasses.fields(cls)}
-        data_fields = {f.name for f in dataclasses.fields(DataSpec)} - {"id", "path", "objects", "revision"}
+        data_fields = {f.name for f in dataclasses.fields(DataSpec)} - {"id", "path", "objects", "revision",
+                                                                        "fingerprint"}
         data_options = {k: options.pop(k) for k in list(options) if k in data_fields}
         config_options = {k: v for k, v in options.items() if k in fields}
         parameters = {k: v for k, v in options.items() if k not in fields}
         text_options = {k: v for k, v in data_options.items() if k != "image_column"}
-        if text_data is not None:  # the text options (text_column, max_length) describe the text, not the images
+        texts = text_data is not None or any(isinstance(m, Mapping) and m.get("text_data") is not None
+                                             for m in models)
+        if texts:  # the text options (text_column, max_length) describe the text, not the images
             data_options = {k: v for k, v in data_options.items() if k not in TEXT_ONLY_OPTIONS}
+        specs = [_as_model_spec(m, "base" if i == 0 else f"models[{i - 1}]", data_options, text_options)
+                 for i, m in enumerate([base, *models])]
+        _spread(specs, "revision", revision, per_model_hint="base first; None for folders and loaded models")
+        if weights is not None and any(spec.weight is not None for spec in specs[1:]):
+            raise InvalidParameterError("weights= and a `weight` in a models entry both give the models' weights; "
+                                        "give them one way.")
+        _spread(specs[1:], "weight", weights, per_model_hint="the base has none")
         data_spec = None if data is None else DataSpec.parse(data, **data_options)
         text_spec = None if text_data is None else parse_text_data(text_data, **text_options)
         return cls(base=specs[0], models=specs[1:], method=method, parameters=parameters, data=data_spec,
@@ -641,9 +732,10 @@ class MergeConfig:
             raise ConfigError(f"models must be a list of Hub ids or local folders (or {{model: ..., weight: ...}} "
                               f"entries), got {short(config['models'])}.")
         values = dict(config)
-        values["base"] = _parse_model(config["base"], "base", root)
-        values["models"] = [_parse_model(m, f"models[{i}]", root) for i, m in enumerate(config["models"])]
         replays = _replays_recorded(config.get("method", "ties"), config.get("parameters"))
+        values["base"] = _parse_model(config["base"], "base", root)
+        values["models"] = [_parse_model(m, f"models[{i}]", root, replays=replays)
+                            for i, m in enumerate(config["models"])]
         for key in ("data", "text_data"):  # data passed from Python that a replay of recorded values never reads
             if isinstance(config.get(key), Mapping) and IN_MEMORY in config[key] and replays:
                 values.pop(key)
@@ -883,7 +975,11 @@ def _replays_recorded(method_name: Any, parameters: Any) -> bool:
         return False
 
 
-def _as_model_spec(value: Any, where: str) -> ModelSpec:
+def _as_model_spec(value: Any, where: str, data_options: Mapping[str, Any] | None = None,
+                   text_options: Mapping[str, Any] | None = None) -> ModelSpec:
+    """A model of :func:`hf_mloss.merge`: a Hub id, a folder, a loaded model, or a mapping as a recipe's ``models``
+    entry (``{"model": ..., "weight": ..., "data": ..., "num_samples": ..., "text_data": ...}``); ``data_options`` /
+    ``text_options``: the run's data options (``num_samples``, ``split``...), which a model's own data takes too."""
     if isinstance(value, ModelSpec):
         return value
     if value is None:
@@ -891,13 +987,86 @@ def _as_model_spec(value: Any, where: str) -> ModelSpec:
     if hasattr(value, "peft_config") and hasattr(value, "merge_and_unload"):
         raise InvalidParameterError(f"{where} is a loaded PeftModel; pass its adapter folder (model.save_pretrained("
                                     "folder)) to merge it as an adapter, or model.merge_and_unload() to pass the model.")
+    if isinstance(value, Mapping):
+        entry = dict(value)
+        check_keys(entry, MODEL_ENTRY_KEYS, f"key in {where}")
+        if "model" not in entry:
+            raise InvalidParameterError(f"{where} has no `model` key: write {{'model': 'org/name', 'data': ...}}, got "
+                                        f"{short(entry)}.")
+        try:
+            _own_data(entry, dict(data_options or {}), dict(text_options or {}),
+                      lambda key, value, options: _model_data(value, key, **options))
+            return ModelSpec(**entry)
+        except HfMLossError as err:
+            raise type(err)(f"{where} ({_entry_label(entry['model'])}): {err}") from None
     try:
         return ModelSpec(model=value)
     except InvalidParameterError as err:
         raise InvalidParameterError(f"{where}: {err}") from None
 
 
-def _parse_model(entry: Any, where: str, root: Path | None) -> ModelSpec:
+MODEL_ENTRY_KEYS = (*(f.name for f in dataclasses.fields(ModelSpec)), "num_samples")
+"""The keys of a ``models`` entry (Python mapping or YAML): :class:`ModelSpec`'s fields, and ``num_samples`` (how many
+samples of the model's own data are read; default: the run's ``num_samples``)."""
+
+
+def _own_data(entry: dict[str, Any], data_options: dict[str, Any], text_options: dict[str, Any], parse) -> None:
+    """Parse a ``models`` entry's own ``data`` / ``text_data`` in place with ``parse(key, value, options)``; the
+    entry's ``num_samples`` wins over the run's (and over a data mapping's own)."""
+    count = entry.pop("num_samples", None)
+    if count is not None and entry.get("data") is None and entry.get("text_data") is None:
+        raise InvalidParameterError("num_samples is the number of samples of the model's own data, and this entry "
+                                    "has no `data` (or `text_data`): give the model's data, or set num_samples for "
+                                    "the shared `data`.")
+    for key, options in (("data", data_options), ("text_data", text_options)):
+        if entry.get(key) is None or isinstance(entry[key], DataSpec) and count is None:
+            continue
+        spec = entry[key] if isinstance(entry[key], DataSpec) else parse(key, entry[key], options)
+        entry[key] = dataclasses.replace(spec, num_samples=count) if count is not None else spec
+
+
+def _model_data(value: Any, key: str, **options: Any) -> DataSpec:
+    """A model's own ``data`` (or ``text_data``) as a :class:`DataSpec`, refused when empty."""
+    if _is_empty(value):
+        raise DataError(f"{key} is empty: give this model's own unlabeled {'texts' if key == 'text_data' else 'data'} "
+                        "(a Hub dataset id, a folder or file, a datasets split, a list of images or texts, a tensor), "
+                        f"or leave `{key}` out to use the shared `{key}`.")
+    try:
+        return parse_text_data(value, **options) if key == "text_data" else DataSpec.parse(value, **options)
+    except DataError as err:
+        message = str(err)
+        raise DataError(message if message.startswith(key) else f"{key}: {message}") from None
+
+
+def _is_empty(value: Any) -> bool:
+    """Whether data given from Python holds no sample: an empty string, list or mapping, a tensor or dataset of 0
+    rows, tokenised inputs of 0 sequences."""
+    if isinstance(value, str):
+        return not value.strip()
+    if isinstance(value, (list, tuple)):
+        return not value
+    if isinstance(value, Mapping):
+        from ..loading.model_inputs import as_model_inputs
+
+        given = as_model_inputs(value)
+        return not value or given is not None and len(next(iter(given.values()))) == 0
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return len(shape) > 0 and shape[0] == 0
+    try:
+        return len(value) == 0
+    except TypeError:  # a stream (IterableDataset): its size is not known before it is read
+        return False
+
+
+def _entry_label(model: Any) -> str:
+    if isinstance(model, (str, os.PathLike)):
+        name = os.fspath(model)
+        return os.path.basename(os.path.normpath(name)) if looks_local(name) else name
+    return getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
+
+
+def _parse_model(entry: Any, where: str, root: Path | None, *, replays: bool = False) -> ModelSpec:
     if isinstance(entry, str):
         entry = {"model": entry}
     if not isinstance(entry, Mapping):
@@ -906,7 +1075,7 @@ def _parse_model(entry: Any, where: str, root: Path | None) -> ModelSpec:
     if IN_MEMORY in entry:
         raise ConfigError(f"{where} was a model passed from Python ({short(entry[IN_MEMORY])}) when this config was "
                           "written; replace it with its Hub id or folder (`model: ...`) to re-run.")
-    check_keys(entry, [f.name for f in dataclasses.fields(ModelSpec)], f"key in {where}", error=ConfigError)
+    check_keys(entry, MODEL_ENTRY_KEYS, f"key in {where}", error=ConfigError)
     if "model" not in entry:
         raise ConfigError(f"{where} has no `model` key: write {{model: org/name}}, got {short(dict(entry))}.")
     values = dict(entry)
@@ -918,6 +1087,13 @@ def _parse_model(entry: Any, where: str, root: Path | None) -> ModelSpec:
                 f" Relative paths in this config resolve against its folder, {str(root)!r}."
             raise ConfigError(f"{where}: {problem}{relative}")
         values["model"] = _resolve_model_path(values["model"], root)
+    for key in ("data", "text_data"):  # data passed from Python that a replay of recorded values never reads
+        if isinstance(values.get(key), Mapping) and IN_MEMORY in values[key] and replays:
+            values.pop(key)
+    try:
+        _own_data(values, {}, {}, lambda key, value, _: _parse_data(value, root, key=f"{where}.{key}"))
+    except InvalidParameterError as err:
+        raise ConfigError(f"{where}: {err}") from None
     return _build(ModelSpec, values, f"{where}.")
 
 
@@ -1099,6 +1275,11 @@ def _local_paths(config: Any, root: Path) -> list[tuple[str, Any]]:
         for i, entry in enumerate(config.get(key) or [] if isinstance(config.get(key), list) else []):
             if local(entry):
                 found.append((f"models[{i}]", entry))
+            for own in ("data", "text_data"):  # a model's own data: {path: ...}, or a string naming a local path
+                value = entry.get(own) if isinstance(entry, Mapping) else None
+                if isinstance(value, Mapping) and value.get("path") is not None or isinstance(value, str) and \
+                        local(value):
+                    found.append((f"models[{i}].{own}", value))
     data = config.get("data")
     if isinstance(data, Mapping) and data.get("path") is not None or isinstance(data, str) and local(data):
         found.append(("data", data))

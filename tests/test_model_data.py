@@ -1,0 +1,291 @@
+"""Each fine-tune's own unlabeled data: one spelling in Python, YAML and the CLI; refusals before any work; the
+recipe that records it (folders fingerprinted, Hub datasets pinned) and re-runs bit for bit; the card; the union
+read by M-TIES, per-model data in learned merges, selection and ``auto`` against hand-computed references.
+
+RegMean's Grams on each model's own data are checked against forward hooks in ``test_regmean.py``, compatibility's
+pairs on their members' data here.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import hf_mloss
+from examples.tiny import make_image_folder
+from hf_mloss import MergeConfig
+from hf_mloss.errors import DataError, InvalidParameterError
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="module")
+def own_pixels():
+    generator = torch.Generator().manual_seed(11)
+    return [torch.randn(n, 3, 32, 32, generator=generator) for n in (6, 4, 5)]
+
+
+@pytest.fixture(scope="module")
+def heads():
+    torch.manual_seed(3)
+    return [torch.nn.Linear(32, 5) for _ in range(3)]
+
+
+def _own(models, data, **extra):
+    return [{"model": m, "data": d, **extra} for m, d in zip(models, data)]
+
+
+def _quiet(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, progress=False, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------- one spelling
+def test_a_models_entry_takes_its_own_data_in_python_as_in_yaml(tiny_paths, tmp_path):
+    base, models = tiny_paths
+    folders = [make_image_folder(tmp_path / f"data{i}", n=4, seed=i) for i in range(3)]
+    entries = [{"model": models[0], "data": str(folders[0]), "num_samples": 3, "weight": 1.0},
+               {"model": models[1], "data": {"path": str(folders[1]), "split": "train"}, "weight": 1.0},
+               {"model": models[2], "data": str(folders[2]), "weight": 2.0}]
+    python = MergeConfig.from_kwargs(base, entries, "regmean", num_samples=2)
+    assert [m.data.num_samples for m in python.models] == [3, 2, 2]  # the run's num_samples, per model; the entry's wins
+    assert python.weights == [1.0, 1.0, 2.0]
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"base": base, "method": "regmean", "models": [
+        {"model": models[0], "data": {"path": "data0"}, "num_samples": 3, "weight": 1.0},
+        {"model": models[1], "data": {"path": "data1", "split": "train", "num_samples": 2}, "weight": 1.0},
+        {"model": models[2], "data": "data2", "num_samples": 2, "weight": 2.0}]}))
+    from_yaml = MergeConfig.from_yaml(recipe)
+    assert from_yaml.to_dict() == python.to_dict()
+    again = MergeConfig.from_yaml(recipe).to_yaml(tmp_path / "again.yaml")
+    assert MergeConfig.from_yaml(tmp_path / "again.yaml").to_dict() == python.to_dict(), again
+
+
+def test_the_cli_merges_with_each_models_data_from_the_yaml(tiny_paths, tmp_path, capsys):
+    from hf_mloss.cli import main
+
+    base, models = tiny_paths
+    folders = [make_image_folder(tmp_path / f"data{i}", n=3, seed=i) for i in range(3)]
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"base": base, "method": "regmean_plusplus", "models": [
+        {"model": m, "data": {"path": f"data{i}"}} for i, m in enumerate(models)]}))
+    assert main(["merge", str(recipe), str(tmp_path / "out")]) == 0
+    assert "  own data:   ft0: data0 (3), ft1: data1 (3), ft2: data2 (3)" in capsys.readouterr().out
+    recorded = MergeConfig.from_pretrained(tmp_path / "out")
+    assert all(m.data.fingerprint.startswith("xxh3-128:") and m.data.num_samples == 128 for m in recorded.models)
+    direct = _quiet(hf_mloss.merge, base, [{"model": m, "data": str(f)} for m, f in zip(models, folders)],
+                    "regmean_plusplus")
+    from transformers import CLIPVisionModel
+
+    written = CLIPVisionModel.from_pretrained(tmp_path / "out").state_dict()
+    for key, value in direct.model.state_dict().items():
+        assert torch.equal(written[key], value), key
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+@pytest.mark.parametrize("method, options", [("regmean", {}), ("adamerging", {"objective": "mloss"}),
+                                             ("auto", {}), ("ties", {"select": "unlabeled",
+                                                                     "grid": {"lam": [0.5, 1.0]}})])
+def test_models_without_data_are_named_where_the_method_reads_each_models_own(tiny_paths, own_pixels, method,
+                                                                              options):
+    base, models = tiny_paths
+    entries = [{"model": models[0], "data": own_pixels[0]}, *models[1:]]
+    with pytest.raises(DataError, match=r"models\[1\] \(ft1\), models\[2\] \(ft2\) have none while models\[0\]"):
+        hf_mloss.merge(base, entries, method, progress=False, **options)
+    covered = _quiet(hf_mloss.merge, base, entries, "m_ties")  # M-TIES reads the union: two models' data will do
+    assert covered.data_info.num_samples == len(own_pixels[0])
+
+
+def test_bad_own_data_is_refused_before_anything_is_loaded(tiny_paths, own_pixels, monkeypatch):
+    base, models = tiny_paths
+
+    def never(*args, **kwargs):
+        raise AssertionError("data was read")
+
+    monkeypatch.setattr("hf_mloss.loading.data.load_model_inputs", never)
+    with pytest.raises(DataError, match=r"models\[1\] \(ft1\): data is empty"):
+        hf_mloss.merge(base, _own(models, [own_pixels[0], [], own_pixels[2]]), "regmean", progress=False)
+    with pytest.raises(DataError, match=r"models\[2\] \(ft2\)\.data holds texts, but this clip_vision .* reads "
+                                        "images"):
+        hf_mloss.merge(base, _own(models, [own_pixels[0], own_pixels[1], ["a cat", "a dog"]]), "regmean",
+                       progress=False)
+    with pytest.raises(InvalidParameterError, match="every model has its own: the shared `data` would never be read"):
+        hf_mloss.merge(base, _own(models, own_pixels), "regmean", data=own_pixels[0], progress=False)
+    with pytest.raises(InvalidParameterError, match="share='all' compares every sample with every model"):
+        hf_mloss.merge(base, _own(models, own_pixels), "adamerging", objective="mloss", share="all", progress=False)
+    with pytest.raises(InvalidParameterError, match="weights= and a `weight` in a models entry"):
+        hf_mloss.merge(base, _own(models, own_pixels, weight=1.0), "regmean", weights=[1, 1, 1], progress=False)
+    with pytest.raises(InvalidParameterError, match=r"models\[0\] \(ft0\): num_samples is the number of samples"):
+        hf_mloss.merge(base, [{"model": models[0], "num_samples": 4}, *models[1:]], "m_ties", data=own_pixels[0],
+                       progress=False)
+    with pytest.raises(InvalidParameterError, match="Unknown key in models\\[0\\] 'dataset'"):
+        hf_mloss.merge(base, [{"model": models[0], "dataset": own_pixels[0]}, *models[1:]], "regmean",
+                       progress=False)
+
+
+def test_a_data_free_merge_says_it_does_not_read_the_models_data(tiny_paths, own_pixels):
+    base, models = tiny_paths
+    with pytest.warns(UserWarning, match=r"models\[0\] \(ft0\) has data of its own, and TIES-Merging merges without data"):
+        hf_mloss.merge(base, _own(models, own_pixels), "ties", progress=False)
+
+
+# -------------------------------------------------------------------------------------------- the recipe
+def test_the_recipe_records_each_models_data_and_reruns_bit_for_bit(tiny_paths, tmp_path):
+    base, models = tiny_paths
+    folders = [make_image_folder(tmp_path / f"data{i}", n=4, seed=i) for i in range(3)]
+    result = _quiet(hf_mloss.merge, base, _own(models, [str(f) for f in folders]), "regmean", num_samples=3)
+    result.save_pretrained(tmp_path / "out")
+    recorded = MergeConfig.from_pretrained(tmp_path / "out")
+    assert [m.data.num_samples for m in recorded.models] == [3, 3, 3]
+    assert len({m.data.fingerprint for m in recorded.models}) == 3
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "Each fine-tune's own unlabeled data (each model's own data is read as that model's alone" in card
+    assert "| ft1 | data1 (split train), 3 images, sampled: whole split, 2 of 2 labels covered | 3 |" in card
+    again = _quiet(hf_mloss.run, tmp_path / "out")
+    for key, value in result.model.state_dict().items():
+        assert torch.equal(again.model.state_dict()[key], value), key
+    make_image_folder(folders[1], n=5, seed=9)  # the folder changes: the recipe no longer describes it
+    with pytest.raises(DataError, match=r"models\[1\] \(ft1\)\.data: .*data1' is not the data this config was "
+                                        "recorded from"):
+        hf_mloss.run(tmp_path / "out", progress=False)
+
+
+def test_a_hub_dataset_is_recorded_at_the_commit_it_was_read(tiny_paths, monkeypatch, tmp_path):
+    from fake_hub import FakeHub
+    from hub_replicas import DTD_ID, _dtd_files, use_hub
+
+    base, models = tiny_paths
+    with FakeHub() as hub:
+        hub.add_repo(DTD_ID, _dtd_files(0)[0], repo_type="dataset", message="Upload dataset", author="tanganke")
+        use_hub(monkeypatch, hub, tmp_path / "cache")
+        monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+        monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+        monkeypatch.setattr("datasets.config.HF_HUB_OFFLINE", False, raising=False)
+        entries = [{"model": models[0], "data": DTD_ID, "num_samples": 3}, *models[1:]]
+        result = _quiet(hf_mloss.merge, base, entries, "m_ties", data=str(make_image_folder(tmp_path / "shared",
+                                                                                             n=3)))
+        commit = hub.repo(DTD_ID, "dataset").resolve("main")
+        assert result.config.models[0].data.revision == commit and result.config.models[0].data.id == DTD_ID
+        again = _quiet(hf_mloss.run, result.config)
+        for key, value in result.model.state_dict().items():
+            assert torch.equal(again.model.state_dict()[key], value), key
+
+
+# ------------------------------------------------------------------------------------------ the methods
+def test_m_ties_reads_the_union_of_the_models_data(tiny_paths, own_pixels):
+    base, models = tiny_paths
+    own = _quiet(hf_mloss.merge, base, _own(models, own_pixels), "m_ties", batch_size=4)
+    pooled = _quiet(hf_mloss.merge, base, models, "m_ties", data=torch.cat(own_pixels), batch_size=4)
+    for key, value in pooled.model.state_dict().items():
+        assert torch.equal(own.model.state_dict()[key], value), key
+    assert own.report.num_samples == sum(len(x) for x in own_pixels)
+
+
+def test_score_reads_the_union_of_the_models_data(tiny_paths, own_pixels):
+    base, models = tiny_paths
+    own = _quiet(hf_mloss.score, base, _own(models, own_pixels), batch_size=4)
+    pooled = _quiet(hf_mloss.score, base, models, data=torch.cat(own_pixels), batch_size=4)
+    assert own.num_samples == pooled.num_samples == sum(len(x) for x in own_pixels)
+    for name, value in pooled.node.items():
+        assert torch.equal(own.node[name], value), name
+
+
+def test_a_compatibility_pair_is_scored_on_its_two_models_data(tiny_paths, own_pixels):
+    base, models = tiny_paths
+    report = _quiet(hf_mloss.compatibility, base, _own(models, own_pixels), batch_size=4)
+    for pair in [(0, 1), (1, 2)]:
+        alone = _quiet(hf_mloss.compatibility, base, [models[p] for p in pair],
+                       data=torch.cat([own_pixels[p] for p in pair]), batch_size=4)
+        assert report.score(list(pair)) == pytest.approx(alone.score([0, 1]), rel=1e-6)
+
+
+def _entropy_reference(base, models, own, heads, *, steps, lr, batch, init=0.3):
+    """Task-wise AdaMerging by hand: θ = θ₀ + Σ_p λ_p τ_p; each step one batch of each model's own images, the loss
+    Σ_p mean entropy of head_p on model p's batch (AdaMerging's −Σ p·log(p + 1e-8)), Adam on λ."""
+    from transformers import CLIPVisionModel
+
+    from hf_mloss.loading.model_inputs import spread_sample
+    from hf_mloss.merging.learned import batch_schedule, sample_batches
+
+    theta0 = CLIPVisionModel.from_pretrained(base).eval()
+    state0 = {k: v for k, v in theta0.state_dict().items() if v.is_floating_point()}
+    taus = [{k: CLIPVisionModel.from_pretrained(m).state_dict()[k] - v for k, v in state0.items()} for m in models]
+    lam = torch.nn.Parameter(torch.full((len(models),), init))
+    optimizer = torch.optim.Adam([lam], lr=lr)
+    plans = []
+    for pixels in own:
+        pool = spread_sample(pixels, 256, 0)
+        index = sample_batches(len(pool), batch, 0)
+        plans.append((pool, index, batch_schedule(len(index), steps, 0)))
+    for step in range(steps):
+        optimizer.zero_grad()
+        params = {k: v + sum(lam[p] * taus[p][k] for p in range(len(models))) for k, v in state0.items()}
+        loss = 0
+        for p, (pool, index, schedule) in enumerate(plans):
+            features = torch.func.functional_call(theta0, params, (pool[index[schedule[step]]],)).pooler_output
+            probs = torch.softmax(heads[p](features), -1)
+            loss = loss + (-(probs * torch.log(probs + 1e-8)).sum(-1).mean())
+        loss.backward()
+        optimizer.step()
+    return lam.detach()
+
+
+def test_task_wise_adamerging_sums_one_entropy_per_model_on_its_own_data(tiny_paths, own_pixels, heads):
+    base, models = tiny_paths
+    expected = _entropy_reference(base, models, own_pixels, heads, steps=4, lr=0.05, batch=2)
+    result = _quiet(hf_mloss.merge, base, _own(models, own_pixels), "adamerging", granularity="task",
+                    objective="entropy", heads=heads, steps=4, lr=0.05, batch_size=2)
+    (row,) = result.config.parameters["coefficients"]
+    assert not torch.allclose(expected, torch.full_like(expected, 0.3), atol=1e-3)  # training moved them
+    torch.testing.assert_close(torch.tensor(row[1:]), expected, rtol=0, atol=2e-5)
+
+
+def _own_output_criterion(candidate, models, own, heads):
+    """Selection's ``output`` with each model's own data, by hand: every image of model p against model p alone,
+    KL(softmax(head_p(f_p)) ‖ softmax(head_p(f_m))), averaged over every (image, own model) pair."""
+    from transformers import CLIPVisionModel
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        merged = [candidate(pixel_values=x).pooler_output for x in own]
+        for p, (model, x) in enumerate(zip(models, own)):
+            expert = CLIPVisionModel.from_pretrained(model).eval()(pixel_values=x).pooler_output
+            log_e, log_m = torch.log_softmax(heads[p](expert), -1), torch.log_softmax(heads[p](merged[p]), -1)
+            kl = (log_e.exp() * (log_e - log_m)).sum(-1)
+            total, count = total + float(kl.double().sum()), count + len(kl)
+    return total / count
+
+
+def test_selection_compares_each_model_with_its_own_data(tiny_paths, own_pixels, heads):
+    base, models = tiny_paths
+    result = _quiet(hf_mloss.merge, base, _own(models, own_pixels), "task_arithmetic", select="unlabeled",
+                    grid={"lam": [0.4]}, heads=heads)
+    (candidate,) = result.config.select.candidates
+    assert result.config.select.num_samples == 32  # per model, as recorded (each model has fewer: all are read)
+    expected = _own_output_criterion(result.model.eval(), models, own_pixels, heads)
+    assert candidate["output"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_auto_compares_each_candidate_with_each_model_on_its_own_data(tiny_paths, own_pixels, heads):
+    from hf_mloss.merging.selection import CandidateEvaluator  # noqa: F401  (the comparison auto reuses)
+
+    base, models = tiny_paths
+    result = _quiet(hf_mloss.merge, base, _own(models, own_pixels), "auto", heads=heads,
+                    candidates={"tsv_m": {"lam": [0.7, 1.0]}, "regmean_plusplus": {"lam": [1.0]}})
+    scored = {(c["method"], c["setting"].get("lam")): c["output"] for c in result.config.parameters["scored"]}
+    chosen = result.config.parameters["chosen"]
+    assert scored[(chosen["method"], chosen["parameters"]["lam"])] == min(scored.values())
+    expected = _own_output_criterion(result.model.eval(), models, own_pixels, heads)
+    assert min(scored.values()) == pytest.approx(expected, rel=1e-5)
+    again = _quiet(hf_mloss.run, result.config)
+    for key, value in result.model.state_dict().items():
+        assert torch.equal(again.model.state_dict()[key], value), key
+    from hf_mloss.output.card import build_model_card
+
+    assert "32 of each model's own unlabeled images, each compared with its own model" in str(build_model_card(result))
