@@ -25,6 +25,7 @@ from ..distributed import describe_device
 from ..errors import CorruptCheckpointError, InvalidParameterError
 from ..loading.inputs import RunInputs, ScoredTower, as_dtype, open_inputs
 from ..methods import MergeContext, MergeMethod
+from ..methods.svc import calibrate_tensor, calibrates, describe_calibration, svc_alpha
 from ..parallel import Workers, cpu_workers
 from ..parallel import active as active_workers
 from ..output.result import MergeResult
@@ -129,7 +130,7 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
         lora = None if adapter_plan is None else build_adapter_output(
             adapter_plan, config, inputs, merger.targets, out_dtype, zero_delta_is_base=method.zero_delta_is_base)
         record = recorded_config(config, given)
-        description = method.describe(params)
+        description = method.describe(params) + describe_calibration(params)
         if (outside or inputs.towers) and method.needs_data and config.select is None and learned is None \
                 and not getattr(method, "learned", False):
             description += " " + outside_rule_note(inputs, method, params, merger.names)
@@ -359,6 +360,8 @@ class TensorMerger:
             merged = base  # no source changed it (a frozen part): θ₀ + f(0) = θ₀, without trimming q zero tensors
         else:
             merged = self.method.merge_tensor(name, base, sources, ctx)
+            if calibrates(ctx.params):  # SVC of the merged task matrix (2-D tensors; the others as merged)
+                merged = calibrate_tensor(base, sources, merged, svc_alpha(ctx.params))
         del sources
         # Checked here, while the tensor is in cache, instead of in a separate pass over the model in `finalize`
         # (5.7 s of a 128 s TIES merge on 2 busy cores): one reduction, and the full mask only when the sum is not
@@ -375,7 +378,8 @@ class TensorMerger:
         """The method's per-source keep counts when ``name`` is large enough to merge in chunks, else None."""
         target = self.targets[name]
         if (name in self.done or target.dim() == 0 or not target.is_contiguous()
-                or target.numel() * len(self.inputs.sources) < CHUNKED_MIN_NUMEL):
+                or target.numel() * len(self.inputs.sources) < CHUNKED_MIN_NUMEL
+                or (target.dim() == 2 and calibrates(ctx.params))):  # SVC factors the whole matrix
             return None
         return self.method.chunk_keep_counts(target.numel(), ctx, name=name)
 

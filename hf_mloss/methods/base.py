@@ -36,7 +36,10 @@ class MethodParams:
     """Base of every method's parameter dataclass: fields are checked from their declarations on construction."""
 
     def __post_init__(self) -> None:
+        from .svc import check_calibration
+
         validate_fields(self)
+        check_calibration(self)
         self.check()
 
     def check(self) -> None:
@@ -47,6 +50,10 @@ class MethodParams:
         """Build the parameters of ``method`` from keyword arguments, refusing unknown names with a suggestion."""
         names = [f.name for f in dataclasses.fields(cls)]
         for key in kwargs:
+            if key == "calibrate" and key not in names:
+                from .svc import refuse_calibration
+
+                refuse_calibration(method)
             if key not in names:
                 hint = did_you_mean(key, names, {a: t for a, t in PARAMETER_ALIASES.items() if t in names})
                 valid = ", ".join(f"{n} (default {d!r})" for n, d in cls.shown_defaults().items()) or "none"
@@ -174,6 +181,14 @@ class MergeMethod:
 
     def make_params(self, **kwargs: Any) -> MethodParams:
         return self.params_class.from_kwargs(self.name, kwargs)
+
+    def scales_with_lam(self, parameters: Mapping[str, Any]) -> bool:
+        """Whether the merge with these parameter values is θ₀ + λ·τ with τ independent of λ: the label-free
+        searches then merge τ once and write every λ of a grid from it. False without a ``lam``, for a calibrated
+        merge (SVC acts on θ − θ₀ after λ), and for a method whose λ scales only part of θ − θ₀ (CART)."""
+        from .svc import calibrates
+
+        return "lam" in parameters and not calibrates(dict(parameters))
 
     def weighted_as(self, params: MethodParams) -> MergeMethod:
         """The method whose default weighting the merge used (itself; ``auto``: the method it chose)."""
