@@ -195,7 +195,8 @@ use the unlabeled data in closed form or by choice (RegMean, RegMean++, ``auto``
 R5_LEARNED = (("adamerging", "entropy"), ("adamerging", "output_gap"), ("adamerging", "disagreement"),
               ("adamerging", "mloss"), ("adarank_tsv+lam", "output_gap"), ("adarank_tsv+lam", "entropy"))
 """The learned rows (method, objective) of the ``learned`` part."""
-R5_EXTRA_PARTS = ("mties_low", "ties_low", "ties_sparse", "ties_low_wide", "lam_high", "ties_high", "dare_sparse")
+R5_EXTRA_PARTS = ("mties_low", "ties_low", "ties_sparse", "ties_low_wide", "lam_high", "ties_high", "dare_sparse",
+                  "sota")
 """Parts measured only when named: the M-TIES family below its grid's k = 0.2 (``R5_GRIDS["m_ties_low"]``, k down to
 0.12 at e = 0.1, since the spread needs e < k; no e = 0.15 row). It carries the family's labels, so it is measured
 beside "base" in a run of its own, never with "mties". And TIES below its grid's k = 0.1 (``R5_GRIDS["ties_low"]``),
@@ -203,7 +204,10 @@ the row ``benchmarks.suites.gates.TIES_LOW``, which G6 counts in the TIES family
 (``gates.TIES_SPARSE``), and ``lam_high``: TIES, DARE-TIES and Iso-CTS above their grids' λ (``gates.TIES_HIGH``,
 ``gates.DARE_HIGH``, :data:`ISO_CTS_HIGH`), rows of their own beside the grids they extend; ``dare_sparse``:
 DARE-TIES above its grid's p (``gates.DARE_SPARSE``), in the TIES family too; ``ties_high``: ``lam_high``'s TIES row
-alone, where only TIES chose its grid's top λ."""
+alone, where only TIES chose its grid's top λ. ``sota``: the data-free state of the art beside TSV-M
+(:func:`benchmarks.suites.run.sota_specs`): WUDI and CART on TSV-M's λ grid, Singular Value Calibration over task
+arithmetic, TIES (k 0.2, global, the changed entries' budget, on the family's λ), TSV-M and Iso-CTS on their own λ
+grids, 6 settings each as TSV-M's."""
 ISO_CTS_HIGH = "iso_cts (λ 7.5-20)"
 
 
@@ -251,6 +255,13 @@ def round5_specs(part: str, trained: Sequence[int], *, learned: Sequence[tuple[s
                  MethodSpec(DARE_HIGH, "dare_ties", grid=g["dare_ties_high"]),
                  MethodSpec(ISO_CTS_HIGH, "iso_cts", grid=g["iso_cts_high"])]
         check_grids(specs, families=[(TIES_HIGH, DARE_HIGH), (ISO_CTS_HIGH,)])
+        return specs
+    if part == "sota":
+        from benchmarks.suites.run import sota_specs
+
+        specs = sota_specs(g["tsv_m"]["lam"], g["task_arithmetic"]["lam"], {"k": [0.2], "lam": g["ties"]["lam"]},
+                           g["iso_c"]["lam"], dict(ties))
+        check_grids([*specs, MethodSpec("tsv_m", "tsv_m", grid=g["tsv_m"])])  # each as many settings as TSV-M's
         return specs
     if part == "data":
         return [MethodSpec("regmean", "regmean"), MethodSpec("regmean_plusplus", "regmean_plusplus"),

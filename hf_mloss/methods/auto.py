@@ -34,6 +34,15 @@ DEFAULT_CANDIDATES: dict[str, dict[str, list[Any]]] = {
 grid holds its method's default λ. The SVD merges led the records' val-tuned rows; TIES and task arithmetic are the
 classics (TIES keeps k of the entries each fine-tune changed, so fine-tunes of a few blocks are trimmed too);
 RegMean++ is the closed-form merge that uses the same unlabeled data."""
+CANDIDATE_GRIDS: dict[str, dict[str, list[Any]]] = {
+    **DEFAULT_CANDIDATES,
+    "wudi": {"lam": [0.5, 0.75, 1.0, 1.25, 1.5, 2.0]},
+    "cart": {"lam": [0.5, 1.0, 1.5, 2.0, 2.5, 3.0]},
+}
+"""A method's grid when ``candidates`` names it without one: the defaults', and WUDI's and CART's (candidates by name
+only, not among the defaults until the records show they earn it; each grid holds its default λ). A calibrated
+merge is a candidate by its grid: ``{"tsv_m": {"calibrate": ["svc"], "lam": [...]}}``; λ then does not rescale one
+merge but is merged for each value, as for CART (:meth:`~hf_mloss.methods.MergeMethod.scales_with_lam`)."""
 FALLBACK = ("tsv_m", {"lam": 1.0})
 """The merge without data."""
 CRITERIA = ("output", "disagreement", "entropy", "mloss")
@@ -43,7 +52,7 @@ MAX_AUTO_CANDIDATES = 256
 @dataclass(frozen=True)
 class AutoParams(MethodParams):
     candidates: Any = param(None, "The methods to choose among: a list of names (each on its default grid, "
-                            "hf_mloss.methods.auto.DEFAULT_CANDIDATES, or its default parameters), or a mapping "
+                            "hf_mloss.methods.auto.CANDIDATE_GRIDS, or its default parameters), or a mapping "
                             "name -> grid ({'tsv_m': {'lam': [0.8, 1, 1.2]}, 'ties': {'k': [0.2], 'lam': [1]}}). "
                             "Default: TSV-M, Iso-CTS, TIES and task arithmetic on λ grids, and RegMean++.")
     criterion: str = param("output", "What ranks the candidates, lower is better (see hf_mloss.merging.selection): "
@@ -117,7 +126,7 @@ def candidate_grids(candidates: Any, budget: int | None = None) -> dict[str, dic
             _candidate_method(name, f"candidates[{i}]")
         if len(set(candidates)) < len(candidates):
             raise InvalidParameterError(f"candidates names a method twice: {list(candidates)}.")
-        candidates = {name: DEFAULT_CANDIDATES.get(name, {}) for name in candidates}
+        candidates = {name: CANDIDATE_GRIDS.get(name, {}) for name in candidates}
     out: dict[str, dict[str, list[Any]]] = {}
     given: dict[str, Any] = {}
     for name, grid in candidates.items():
