@@ -28,7 +28,6 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from .._validation import param
-from ..errors import InvalidParameterError
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -56,13 +55,6 @@ def alpha_param(default: float) -> Any:
                  "method).", low=0.0, low_open=True, high=1e6)
 
 
-def check_calibration(params: Any) -> None:
-    """Refuse ``alpha`` without ``calibrate`` (it would be silently ignored)."""
-    if getattr(params, "alpha", None) is not None and getattr(params, "calibrate", "absent") is None:
-        raise InvalidParameterError(f"alpha={params.alpha} is Singular Value Calibration's floor and only applies "
-                                    "with calibrate='svc'; pass calibrate='svc' too (or drop alpha).")
-
-
 def calibrates(params: Any) -> bool:
     """Whether a merge with these parameters (a params object or a mapping) is calibrated afterwards."""
     value = params.get("calibrate") if isinstance(params, dict) else getattr(params, "calibrate", None)
@@ -80,13 +72,6 @@ def calibrated_methods() -> list[str]:
 
     return sorted(name for name, method in MERGE_METHODS.items()
                   if "calibrate" in {f.name for f in dataclasses.fields(method.params_class)})
-
-
-def refuse_calibration(method: str) -> None:
-    """The error for ``calibrate`` on a method that has no merged task matrix to calibrate."""
-    raise InvalidParameterError(
-        f"calibrate: Singular Value Calibration rescales a merged task matrix θ − θ₀, and method {method!r} does not "
-        f"yield one it could calibrate. The methods that take calibrate='svc': {', '.join(calibrated_methods())}.")
 
 
 def describe_calibration(params: Any) -> str:
