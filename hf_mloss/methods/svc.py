@@ -9,14 +9,19 @@ directions) and the K task matrices Δ_i = θ_i − θ₀ (as fine-tuned, unweig
 * s_r^i = ⟨a_r, a_r^i⟩ / ‖a_r^i‖²: how far the merge scales task i's response there (above 1: over-counted);
 * γ_r = K / Σ_i max(α, s_r^i), and θ = θ₀ + U diag(γ ⊙ S) Vᵀ.
 
-Directions several tasks push the same way get γ_r < 1; α floors each task's coefficient (a task that barely responds
-along u_r counts as α). This is fusion-bench's ``singular_value_calibration`` (its default, vectorised form): the
-factorisation and the responses in float64, ‖a_r^i‖² floored at 1e-12 and a NaN coefficient read as α as there, every
+Directions several tasks push the same way get γ_r < 1; directions one task holds, which the merge scaled by λ < 1,
+get γ_r > 1 (up to 1/α); α floors each task's coefficient (a task that barely responds along u_r counts as α). This is fusion-bench's ``singular_value_calibration`` (its default, vectorised form): the
+factorisation in float64, ‖a_r^i‖² floored at 1e-12 and a NaN coefficient read as α as there, every
 2-D tensor calibrated and the others left as the merge made them; λ acts inside the merge (SVC calibrates θ − θ₀ as
 the merge wrote it, so a grid over λ merges each λ: it is not θ₀ + λ·τ). Unlike fusion-bench, no full SVD is
 computed where the smaller Gram matrix's float64 eigendecomposition gives the same basis: for m ≤ n the output is
 U diag(γ) Uᵀ Δ, which needs U alone; for m > n, U = Δ V S⁻¹ where every σ² is at least
 :data:`~hf_mloss.methods.svd_ops.GRAM_MIN_RATIO` of the largest, else the float64 SVD (a rank-deficient tall matrix).
+
+The coefficients are measured along U, so SVC is determined only where the merge's singular values are distinct. Iso-C
+and Iso-CTS give every kept direction the same σ̄: U is then any basis of that subspace, picked by rounding, and so is
+the calibrated matrix (fusion-bench's own moves by tens of percent when its inputs move by 1e-7; tests/test_peers.py).
+Over those two merges hf_mloss's result is one such pick, not fusion-bench's.
 
 α is fusion-bench's per method (its shipped configurations: 0.1 over task arithmetic, TIES, DARE and the average, 0.2
 over Iso-CTS, 1.0 over TSV-M and WUDI); the paper (arXiv 2602.05536) tunes it.
@@ -97,15 +102,19 @@ def calibrate_tensor(base: torch.Tensor, sources: Sequence[torch.Tensor], merged
 
 def svc_matrix(delta: torch.Tensor, taus: Sequence[torch.Tensor], alpha: float) -> torch.Tensor:
     """SVC of the merged task matrix ``delta`` ``[m, n]`` given the task matrices ``taus`` (each ``[m, n]``), in
-    ``delta``'s dtype; computed in float64."""
+    ``delta``'s dtype. The basis, the merge's responses and the output in float64; the tasks' responses Uᵀ·Δ_i (the
+    q products that dominate the cost) in the tasks' own precision, their dot products summed in float64 (within
+    5e-8 of float64 responses on random low-rank task matrices)."""
     import torch
 
     d = delta.double()
     u, merged_response = _basis(d)  # u: [m, r] orthonormal; merged_response: uᵀΔ = diag(S) Vᵀ, [r, n]
     num = d.new_empty(len(taus), u.shape[1])
     den = d.new_empty(len(taus), u.shape[1])
-    for i, tau in enumerate(taus):  # one task at a time: a float64 copy of one matrix, not of the q
-        response = u.T @ tau.double()
+    basis = {}
+    for i, tau in enumerate(taus):  # one task at a time: no copy of the q task matrices
+        ut = basis.setdefault(tau.dtype, u.T.to(tau.dtype))
+        response = (ut @ tau).double()
         num[i] = (merged_response * response).sum(-1)
         den[i] = response.square().sum(-1)
     coefficients = torch.nan_to_num(num / den.clamp_min(RESPONSE_FLOOR), nan=alpha, neginf=alpha)
