@@ -41,6 +41,12 @@ class CartParams(MethodParams):
                        "data in the paper; its ViT-B/32 × 8 configuration: 2).")
     fraction: float = param(0.08, "Share of each centred task matrix's rank kept: max(1, floor(r·fraction)) "
                             "components (the paper's 8 %).", low=0.0, high=1.0, low_open=True)
+
+
+@dataclass(frozen=True)
+class CartMergeParams(CartParams):
+    """``cart``'s parameters: CART's (shared with AdaRank over CART) and the calibration of its merge."""
+
     calibrate: str | None = calibrate_param()
     alpha: float | None = alpha_param(1.0)
 
@@ -54,7 +60,7 @@ class Cart(MergeMethod):
     pretty_name = "CART (centred, rank-reduced task arithmetic)"
     reference = "Choi et al., Revisiting Weight Averaging for Model Merging, arXiv 2412.12153, 2024"
     reference_url = "https://arxiv.org/abs/2412.12153"
-    params_class = CartParams
+    params_class = CartMergeParams
     zero_delta_is_base = True
     default_weight = "one"
 
@@ -74,12 +80,19 @@ class Cart(MergeMethod):
 
 def cart_low_rank(centred: torch.Tensor, fraction: float) -> torch.Tensor:
     """Σ_p SVD_k(centred_p) of the ``[q, m, n]`` centred task matrices, k = max(1, floor(min(m, n)·fraction))."""
+    left, sigmas, right = cart_components(centred, fraction)
+    return (left * sigmas) @ right
+
+
+def cart_components(centred: torch.Tensor, fraction: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kept singular triplets of every centred task matrix, task by task: ``(U [m, q·k], Σ [q·k], Vᵀ [q·k, n])``
+    with Σ_p SVD_k(centred_p) = (U * Σ) @ Vᵀ (AdaRank's masks scale these Σ)."""
     from .svd_ops import leading_svd
 
     q, m, n = centred.shape
     k = max(1, int(min(m, n) * fraction))
     u, s, vh = leading_svd(centred, k)  # [q, m, k], [q, k], [q, k, n]
-    return (u * s[:, None, :]).transpose(0, 1).reshape(m, q * k) @ vh.reshape(q * k, n)
+    return u.transpose(0, 1).reshape(m, q * k), s.reshape(q * k), vh.reshape(q * k, n)
 
 
 register_merge_method(Cart())
