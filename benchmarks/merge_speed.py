@@ -157,7 +157,8 @@ FLOOR_RUNS = ("forward", "read", "svd_floor", "wudi_floor")
 """Runs that time a lower bound (no hf_mloss call): shared by a --reference comparison, not run twice."""
 ALL_RUNS = ("forward", "read", "svd_floor", "wudi_floor", *SCORE_RUNS, *HF_RUNS, "compatibility")
 DEFAULT_RUNS = tuple(n for n in ALL_RUNS
-                     if n not in ("read", "svd_floor", "wudi_floor", "score_own", "compatibility", "select_m_ties", *SVD_RUNS, *SOTA_RUNS,
+                     if n not in ("read", "svd_floor", "wudi_floor", "score_own", "compatibility", "select_m_ties",
+                                  *SVD_RUNS, *SOTA_RUNS,
                                   "regmean", "regmean_plusplus", "auto"))
 PEERS = ("mergekit", "fusion_bench")
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni", "avx_vnni")

@@ -92,12 +92,14 @@ def fusion_bench_rows(root: Path, log) -> list[dict]:
 
     base, models = make_tiny_setup(root / "inputs", q=3, seed=0)
     base, models = str(base), [str(m) for m in models]
-    base_state = {k.removeprefix("vision_model."): v for k, v in load_file(str(Path(base) / "model.safetensors")).items()}
+    base_state = {k.removeprefix("vision_model."): v
+                  for k, v in load_file(str(Path(base) / "model.safetensors")).items()}
     rows = []
     for name, (method, ours_params, their_params, alpha) in CONFIGS.items():
         start = time.perf_counter()
         svc = {} if alpha is None else {"svc_alpha": alpha}
-        run = run_peer_merge("fusion_bench", method, base, models, root / name.replace("/", "_"), **their_params, **svc)
+        run = run_peer_merge("fusion_bench", method, base, models, root / name.replace("/", "_"), **their_params,
+                             **svc)
         theirs = peer_state(run)
         calibrate = {} if alpha is None else {"calibrate": "svc"}
         ours = hf_mloss.merge(base, models, method, progress=False, **ours_params, **calibrate)
@@ -171,8 +173,8 @@ def markdown(record: dict) -> str:
              "Per merged tensor, ‖ours − theirs‖ / ‖theirs‖ (the parity tests' measure; the largest over the tensors) "
              "and the same over the merged change θ − θ₀. hf_mloss runs each method with `calibrate: svc` at its "
              "default α, which is the configuration's.", "",
-             "| configuration | α | max rel (tensor) | max rel of the change (tensor) | fusion-bench's own spread under a "
-             "1e-7 nudge |", "|---|---|---|---|---|"]
+             "| configuration | α | max rel (tensor) | max rel of the change (tensor) | fusion-bench's own spread "
+             "under a 1e-7 nudge |", "|---|---|---|---|---|"]
     for r in record["fusion_bench"]:
         spread = (f"{r['fusion_bench_spread_rel']:.2e} of the tensor, {r['fusion_bench_spread_rel_change']:.2e} of "
                   f"the change (outside the matrices ours: {r['max_rel_outside_matrices']:.1e})"
@@ -187,12 +189,13 @@ def markdown(record: dict) -> str:
               "## WUDI: the fast exact gradient against Adam on the literal loss (400 steps, lr 1e-5)", "",
               "Random task matrices (entries ~1e-3, sizes spread 3×); the reference is Adam on the literal loss by "
               "autograd in float64. ‖x − ref‖ / ‖ref‖.", "",
-              "| q × m × n | route | fast (float32) | literal, float32 (fusion-bench's form) | fast vs literal float32 | "
-              "moved from the sum | fast s | literal float32 s |", "|---|---|---|---|---|---|---|---|"]
+              "| q × m × n | route | fast (float32) | literal, float32 (fusion-bench's form) | fast vs literal "
+              "float32 | moved from the sum | fast s | literal float32 s |", "|---|---|---|---|---|---|---|---|"]
     for r in record["wudi"]:
         q, m, n = r["shape"]
-        lines.append(f"| {q} × {m} × {n} | {r['route']} | {r['fast_vs_float64']:.2e} | {r['literal32_vs_float64']:.2e} | "
-                     f"{r['fast_vs_literal32']:.2e} | {r['moved']:.2f} | {r['fast_s']} | {r['literal32_s']} |")
+        lines.append(f"| {q} × {m} × {n} | {r['route']} | {r['fast_vs_float64']:.2e} | "
+                     f"{r['literal32_vs_float64']:.2e} | {r['fast_vs_literal32']:.2e} | {r['moved']:.2f} | "
+                     f"{r['fast_s']} | {r['literal32_s']} |")
     return "\n".join(lines) + "\n"
 
 

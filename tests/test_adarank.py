@@ -1,5 +1,5 @@
-"""AdaRank over TSV-M / Iso-C / CART (learned singular-component masks): masks ≡ 1 give the data-free merges bit for bit,
-gradients through the masks against finite differences, the recipe re-run bit for bit, a learned merge that lowers
+"""AdaRank over TSV-M / Iso-C / CART (learned singular-component masks): masks ≡ 1 give the data-free merges bit for
+bit, gradients through the masks against finite differences, the recipe re-run bit for bit, a learned merge that lowers
 its objective, and refusals."""
 
 from __future__ import annotations
@@ -114,7 +114,8 @@ def test_cart_components_are_the_centred_truncations_around_the_average_bit_for_
     term = 1.7 * part.scale[3] * torch.outer(part.left[:, 3], part.right[3])
     torch.testing.assert_close(rule.functional_tensor(base, part, logits, params), full - term, atol=1e-6, rtol=0)
     rest = rule.functional_part("b", bias, biases, ctx)
-    assert torch.equal(rule.functional_tensor(bias, rest, None, params), cart.merge_tensor("b", bias, biases, data_free))
+    assert torch.equal(rule.functional_tensor(bias, rest, None, params),
+                       cart.merge_tensor("b", bias, biases, data_free))
     learning = rule.make_params(objective="output_gap", learn_lam=True, lam=1.7, fraction=0.25)
     lctx = MergeContext(params=learning, weights=torch.ones(3))
     layout = rule.layout({"w": part, "b": rest}, None, lctx)

@@ -300,7 +300,8 @@ def test_yaml_and_cli_run_wudi_and_cart(tiny_paths, tmp_path) -> None:
                                     "parameters": {"lam": 2.0, "fraction": 0.12, "calibrate": "svc", "alpha": 0.5}}))
     assert main(["merge", str(path), str(tmp_path / "out"), "-q"]) == 0
     direct = hf_mloss.merge(base, models, "cart", lam=2.0, fraction=0.12, calibrate="svc", alpha=0.5, progress=False)
-    saved = {k.removeprefix("vision_model."): v for k, v in load_file(str(tmp_path / "out" / "model.safetensors")).items()}
+    saved = {k.removeprefix("vision_model."): v
+             for k, v in load_file(str(tmp_path / "out" / "model.safetensors")).items()}
     ours = direct.model.state_dict()
     assert all(torch.equal(saved[k].float(), ours[k]) for k in ours)
     assert "2412.12153" in (tmp_path / "out" / "README.md").read_text()

@@ -10,10 +10,11 @@ directions) and the K task matrices Δ_i = θ_i − θ₀ (as fine-tuned, unweig
 * γ_r = K / Σ_i max(α, s_r^i), and θ = θ₀ + U diag(γ ⊙ S) Vᵀ.
 
 Directions several tasks push the same way get γ_r < 1; directions one task holds, which the merge scaled by λ < 1,
-get γ_r > 1 (up to 1/α); α floors each task's coefficient (a task that barely responds along u_r counts as α). This is fusion-bench's ``singular_value_calibration`` (its default, vectorised form): the
-factorisation in float64, ‖a_r^i‖² floored at 1e-12 and a NaN coefficient read as α as there, every
-2-D tensor calibrated and the others left as the merge made them; λ acts inside the merge (SVC calibrates θ − θ₀ as
-the merge wrote it, so a grid over λ merges each λ: it is not θ₀ + λ·τ). Unlike fusion-bench, no full SVD is
+get γ_r > 1 (up to 1/α); α floors each task's coefficient (a task that barely responds along u_r counts as α). This
+is fusion-bench's ``singular_value_calibration`` (its default, vectorised form): the factorisation in float64,
+‖a_r^i‖² floored at 1e-12 and a NaN coefficient read as α as there, every 2-D tensor calibrated and the others left
+as the merge made them; λ acts inside the merge (SVC calibrates θ − θ₀ as the merge wrote it, so a grid over λ merges
+each λ: it is not θ₀ + λ·τ). Unlike fusion-bench, no full SVD is
 computed where the smaller Gram matrix's float64 eigendecomposition gives the same basis: for m ≤ n the output is
 U diag(γ) Uᵀ Δ, which needs U alone; for m > n, U = Δ V S⁻¹ where every σ² is at least
 :data:`~hf_mloss.methods.svd_ops.GRAM_MIN_RATIO` of the largest, else the float64 SVD (a rank-deficient tall matrix).
