@@ -170,11 +170,11 @@ def markdown(record: dict) -> str:
     lines = ["# WUDI and Singular Value Calibration against fusion-bench 0.2.33", "",
              f"Command: `{record['command']}`. {record['machine']}. {record['seconds']:.0f} s.", "",
              "## fusion-bench's configurations on a tiny CLIP (hidden 32, 2 blocks, 3 fine-tunes)", "",
-             "Per merged tensor, ‖ours − theirs‖ / ‖theirs‖ (the parity tests' measure; the largest over the tensors) "
-             "and the same over the merged change θ − θ₀. hf_mloss runs each method with `calibrate: svc` at its "
-             "default α, which is the configuration's.", "",
-             "| configuration | α | max rel (tensor) | max rel of the change (tensor) | fusion-bench's own spread "
-             "under a 1e-7 nudge |", "|---|---|---|---|---|"]
+             ("Per merged tensor, ‖ours − theirs‖ / ‖theirs‖ (the parity tests' measure; the largest over the "
+              "tensors) and the same over the merged change θ − θ₀. hf_mloss runs each method with `calibrate: svc` "
+              "at its default α, which is the configuration's."), "",
+             ("| configuration | α | max rel (tensor) | max rel of the change (tensor) | fusion-bench's own spread "
+              "under a 1e-7 nudge |"), "|---|---|---|---|---|"]
     for r in record["fusion_bench"]:
         spread = (f"{r['fusion_bench_spread_rel']:.2e} of the tensor, {r['fusion_bench_spread_rel_change']:.2e} of "
                   f"the change (outside the matrices ours: {r['max_rel_outside_matrices']:.1e})"
@@ -182,15 +182,15 @@ def markdown(record: dict) -> str:
         alpha = "-" if r["alpha"] is None else f"{r['alpha']:g}"
         lines.append(f"| {r['config']} | {alpha} | {r['max_rel']:.2e} (`{r['max_rel_tensor']}`) | "
                      f"{r['max_rel_change']:.2e} (`{r['max_rel_change_tensor']}`) | {spread} |")
-    lines += ["", "Over Iso-C and Iso-CTS every kept singular value of the merged matrix is σ̄ (to rounding): the "
-              "basis SVC measures along is whichever rounding picks, and fusion-bench's own calibrated matrices move "
-              "as the last column shows when the fine-tunes move by 1e-7. No implementation can equal them there; "
-              "the tensors SVC leaves as merged agree.", "",
+    lines += ["", ("Over Iso-C and Iso-CTS every kept singular value of the merged matrix is σ̄ (to rounding): the "
+                   "basis SVC measures along is whichever rounding picks, and fusion-bench's own calibrated matrices "
+                   "move as the last column shows when the fine-tunes move by 1e-7. No implementation can equal them "
+                   "there; the tensors SVC leaves as merged agree."), "",
               "## WUDI: the fast exact gradient against Adam on the literal loss (400 steps, lr 1e-5)", "",
-              "Random task matrices (entries ~1e-3, sizes spread 3×); the reference is Adam on the literal loss by "
-              "autograd in float64. ‖x − ref‖ / ‖ref‖.", "",
-              "| q × m × n | route | fast (float32) | literal, float32 (fusion-bench's form) | fast vs literal "
-              "float32 | moved from the sum | fast s | literal float32 s |", "|---|---|---|---|---|---|---|---|"]
+              ("Random task matrices (entries ~1e-3, sizes spread 3×); the reference is Adam on the literal loss by "
+               "autograd in float64. ‖x − ref‖ / ‖ref‖."), "",
+              ("| q × m × n | route | fast (float32) | literal, float32 (fusion-bench's form) | fast vs literal "
+               "float32 | moved from the sum | fast s | literal float32 s |"), "|---|---|---|---|---|---|---|---|"]
     for r in record["wudi"]:
         q, m, n = r["shape"]
         lines.append(f"| {q} × {m} × {n} | {r['route']} | {r['fast_vs_float64']:.2e} | "
