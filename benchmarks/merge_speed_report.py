@@ -282,6 +282,8 @@ def sota_ratios(ratios: Ratios, runs: dict) -> None:
         ratios.add(f"{key}_wall", runs[name]["wall_s"], runs[other]["wall_s"], TARGETS.get(f"{key}_wall"),
                    "process wall incl. imports, load and save, both sides")
         ratios.add(f"{key}_inner", _inner(runs[name]), _inner(runs[other]), None, "inner: merge() alone")
+        ratios.add(f"{key}_cpu", runs[name]["cpu_s"], runs[other]["cpu_s"], None,
+                   f"process CPU (user+sys); {CPU_NOTE}")
         ratios.add(f"{key}_rss", runs[name]["max_rss_mb"], runs[other]["max_rss_mb"], TARGETS.get(f"{key}_rss"),
                    "peak RSS (os.wait4 ru_maxrss)")
 
