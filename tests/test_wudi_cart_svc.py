@@ -286,6 +286,7 @@ def test_calibrated_recipe_round_trips_bit_for_bit_and_the_card_says_so(tiny_pat
     assert saved["parameters"] == {"lam": 1.5, "calibrate": "svc"}
     card = (tmp_path / "out" / "README.md").read_text()
     assert "Singular Value Calibration" in card and "2602.05536" in card and "α = 0.2" in card
+    assert "calibrate" in card and "alpha" in card  # the parameters as they ran, α resolved
     again = hf_mloss.run(MergeConfig.from_pretrained(str(tmp_path / "out")), progress=False)
     a, b = result.model.state_dict(), again.model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
