@@ -1,11 +1,12 @@
 #!/usr/bin/env python
-"""The 26-architecture table (issue 58): what a Hub user gets from ``ties`` and ``m_ties`` on each family.
+"""The 26-architecture table (issue 58): what a Hub user gets from ``ties`` and ``m_ties`` on each family, and from
+the data-free ``wudi``, ``cart`` and TIES calibrated by Singular Value Calibration (``ties`` with ``calibrate="svc"``).
 
 Each architecture is built in-process from a tiny config of the installed transformers, saved with
 ``save_pretrained`` (with a tokenizer or image processor where it takes one) beside two perturbed fine-tunes
-(``examples/tiny.py``), and merged with ``ties`` and with ``m_ties`` (text data for text models, images for image
+(``examples/tiny.py``), and merged with each method of :data:`METHODS`: ``ties`` and ``m_ties`` (text data for text models, images for image
 models, both for vision-language models: ``data=`` images for the vision tower, ``text_data=`` texts for the
-language model; none for speech; texts are tokenised with the base's saved tokenizer, a byte-level one that
+language model; none for speech), ``wudi``, ``cart`` and ``svc`` (data-free); texts are tokenised with the base's saved tokenizer, a byte-level one that
 transformers 5 reads the same whatever class it picks for the family). Each output is saved, loaded with its Auto
 class (nothing may be missing, unexpected or of another shape) and run once. A cell is ``ok``, ``refused:
 <hf_mloss's message>`` (an ``HfMLossError``: the library said why) or ``error: <exception>`` (anything else: a
@@ -198,6 +199,13 @@ ARCHITECTURES: dict[str, Architecture] = {
 }
 
 
+METHODS: dict[str, tuple[str, dict]] = {
+    "ties": ("ties", {}), "m_ties": ("m_ties", {}), "wudi": ("wudi", {}), "cart": ("cart", {}),
+    "svc": ("ties", {"calibrate": "svc"}),
+}
+"""The table's columns: label -> (method, parameters); ``m_ties`` is given the architecture's data."""
+
+
 def _first_line(err: BaseException, limit: int = 240) -> str:
     text = " ".join(f"{type(err).__name__}: {err}".split())
     return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " …"
@@ -248,31 +256,31 @@ def check_output(arch: Architecture, result, folder: Path, base_class: str) -> N
 
 
 def run_one(name: str, arch: Architecture, root: Path) -> dict:
-    """One row: the class built, ``ties`` and ``m_ties`` cells, seconds."""
+    """One row: the class built, one cell per method of :data:`METHODS`, seconds."""
     start = time.perf_counter()
     row = {"architecture": name, "kind": arch.kind, "auto": arch.auto, "m_ties_data": arch.data}
     try:
         base, models = save_inputs(name, arch, root)
         row["class"] = json.loads((Path(base) / "config.json").read_text())["architectures"][0]
     except Exception as err:  # noqa: BLE001 - the row records it
-        row.update({"class": "?", "ties": _cell(err), "m_ties": _cell(err)})
+        row.update({"class": "?", **{label: _cell(err) for label in METHODS}})
         row["seconds"] = round(time.perf_counter() - start, 2)
         return row
-    for method in ("ties", "m_ties"):
+    for label, (method, parameters) in METHODS.items():
         if method == "m_ties" and arch.data is None:
-            row[method] = {"status": "not run", "detail": "no data of the model's kind (speech)"}
+            row[label] = {"status": "not run", "detail": "no data of the model's kind (speech)"}
             continue
         err = None
         try:
-            data = {} if method == "ties" else {"data": PIXELS, "text_data": TEXTS} if arch.data == "image+text" \
+            data = {} if method != "m_ties" else {"data": PIXELS, "text_data": TEXTS} if arch.data == "image+text" \
                 else {"data": PIXELS if arch.data == "image" else TEXTS}
-            result = hf_mloss.merge(base, models, method, progress=False, **data)
-            check_output(arch, result, root / f"{name.replace(' ', '_')}_{method}", row["class"])
+            result = hf_mloss.merge(base, models, method, progress=False, **parameters, **data)
+            check_output(arch, result, root / f"{name.replace(' ', '_')}_{label}", row["class"])
         except Exception as caught:  # noqa: BLE001 - the row records it
             err = caught
             if os.environ.get("FAMILIES_TABLE_TRACEBACK"):
                 traceback.print_exc()
-        row[method] = _cell(err)
+        row[label] = _cell(err)
     row["seconds"] = round(time.perf_counter() - start, 2)
     return row
 
@@ -309,19 +317,21 @@ def write_table(rows: list[dict], results: Path) -> None:
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     results.mkdir(parents=True, exist_ok=True)
     (results / "families_table.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    counts = {m: sum(r[m]["status"] == "ok" for r in rows) for m in ("ties", "m_ties")}
+    counts = {m: sum(r[m]["status"] == "ok" for r in rows) for m in METHODS}
     lines = ["# The architectures table (issue 58)", "",
              f"transformers {meta['transformers']}, torch {meta['torch']}, hf_mloss {meta['hf_mloss']} at "
              f"{meta['revision']}; {meta['date']}. `python benchmarks/families_table.py` writes it.", "",
              "Each architecture: a tiny base built from a config and saved with `save_pretrained`, two perturbed "
              "fine-tunes; each merge is saved, loaded with its Auto class (nothing missing, unexpected or "
              "mismatched) and run once. `refused` is hf_mloss's own error (its message), `error` anything else.", "",
-             f"ties ok on {counts['ties']} of {len(rows)}; m_ties ok on {counts['m_ties']} of {len(rows)}.", "",
-             "| architecture | class | kind | `ties` | `m_ties` (data) | s |", "|---|---|---|---|---|---|"]
+             "; ".join(f"{m} ok on {counts[m]} of {len(rows)}" for m in METHODS) + " (`svc`: `ties` with "
+             "`calibrate: svc`).", "",
+             "| architecture | class | kind | " + " | ".join(f"`{m}`" + " (data)" * (m == "m_ties") for m in METHODS)
+             + " | s |", "|---|---|---|" + "---|" * (len(METHODS) + 1)]
     for r in rows:
         data = f" ({r['m_ties_data']})" if r["m_ties_data"] else ""
-        lines.append(f"| {r['architecture']} | `{r['class']}` | {r['kind']} | {_md_cell(r['ties'])} | "
-                     f"{_md_cell(r['m_ties'])}{data} | {r['seconds']} |")
+        cells = " | ".join(_md_cell(r[m]) + (data if m == "m_ties" else "") for m in METHODS)
+        lines.append(f"| {r['architecture']} | `{r['class']}` | {r['kind']} | {cells} | {r['seconds']} |")
     (results / "families_table.md").write_text("\n".join(lines) + "\n")
 
 
@@ -340,8 +350,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="families_table_") as tmp:
         for name in names:
             row = run_one(name, ARCHITECTURES[name], Path(tmp))
-            print(f"{name:28s} ties: {_md_cell(row['ties'])[:90]:90s} m_ties: {_md_cell(row['m_ties'])[:90]}",
-                  flush=True)
+            print(f"{name:28s} " + " ".join(f"{m}: {_md_cell(row[m])[:60]}" for m in METHODS), flush=True)
             rows.append(row)
     write_table(rows, args.results)
     return rows

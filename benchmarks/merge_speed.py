@@ -24,6 +24,10 @@ What it does (every timed run is its own child process, so wall time, CPU time a
    * ``regmean_own`` / ``regmean_plusplus_own`` (only when named): RegMean / RegMean++ with each fine-tune given its
      own share of the same images (N / q each, ``models=[{"model": ..., "data": ...}]``), beside the pooled runs
      where every model reads all N (``regmean_plusplus_own_vs_pooled``).
+   * ``wudi``, ``cart``, ``tsv_m_svc``, ``task_arithmetic_svc`` (only when named): WUDI, CART, and TSV-M and task
+     arithmetic calibrated by Singular Value Calibration, each against TSV-M or the merge it calibrates.
+   * ``wudi_floor`` (only when named): exact WUDI's floor here, its 400 τ·G products per matrix alone, beside the
+     same steps in the literal autograd form (fusion-bench's), extrapolated from one step per shape.
    * ``svd_floor`` (only when named): a floor for exact TSV-M here, the q + 2 symmetric eigenvalue solves
      per matrix alone (``torch.linalg.eigvalsh``, float32 and float64, default threads and one), beside
      mergekit's TIES wall (``svd_floor_vs_mergekit_wall``).
@@ -41,6 +45,8 @@ Examples::
     python benchmarks/merge_speed.py --methods ties_tensor,task_arithmetic,tsv_m,iso_c,iso_cts --peers mergekit \
         --repeats 1 --tag svd                                            # the SVD-based merges beside TIES
     python benchmarks/merge_speed.py --methods tsv_m,svd_floor --peers mergekit --repeats 2   # TSV-M and its floor
+    python benchmarks/merge_speed.py --methods tsv_m,task_arithmetic,wudi,cart,tsv_m_svc,task_arithmetic_svc \
+        --skip-peers --repeats 1 --tag sota                       # WUDI, CART and SVC beside TSV-M (issue 71)
     python benchmarks/merge_speed.py --shape qwen2.5-0.5b --q 4 --methods ties_tensor,ties_tensor_mk --peers mergekit
 
 Decoder shapes (``qwen2.5-0.5b``, ``qwen-tiny``) build a random ``Qwen2ForCausalLM`` in bf16 (tied embeddings) and
@@ -152,21 +158,27 @@ HF_RUNS: dict[str, tuple[str, dict]] = {
     "regmean_plusplus_own": ("regmean_plusplus", {}),  # the same on the merged prefix
     "auto": ("auto", {}),  # the label-free choice among its default candidates (output criterion, no heads)
     "auto2": ("auto", dict(candidates=["ties", "task_arithmetic"])),  # the same between two candidates
+    "wudi": ("wudi", dict(lam=1.0)),  # per matrix: 400 Adam steps, one τ·G product each
+    "cart": ("cart", dict(lam=1.0)),  # per matrix: q truncated SVDs (8 % of the rank) of the centred task matrices
+    "tsv_m_svc": ("tsv_m", dict(lam=1.0, calibrate="svc")),  # TSV-M, then Singular Value Calibration
+    "task_arithmetic_svc": ("task_arithmetic", dict(lam=0.3, calibrate="svc")),  # task arithmetic, then SVC
 }
 SVD_RUNS = ("tsv_m", "iso_c", "iso_cts")
+SOTA_RUNS = ("wudi", "cart", "tsv_m_svc", "task_arithmetic_svc")
+"""The data-free merges of issue 71, run only when named (``--methods tsv_m,task_arithmetic,wudi,cart,...``)."""
 SCORE_RUNS: dict[str, dict] = {
     "score": dict(prefix="base", compute_dtype="float32"),
     "score_bf16": dict(prefix="base", compute_dtype="bfloat16"),
     "score_own": dict(prefix="own", compute_dtype="float32"),
 }
 DATA_METHODS = ("m_ties", "m_dare", "regmean", "regmean_plusplus", "auto")
-FLOOR_RUNS = ("forward", "read", "svd_floor")
+FLOOR_RUNS = ("forward", "read", "svd_floor", "wudi_floor")
 """Runs that time a lower bound (no hf_mloss call): shared by a --reference comparison, not run twice."""
-ALL_RUNS = ("forward", "read", "svd_floor", *SCORE_RUNS, *HF_RUNS, "compatibility")
+ALL_RUNS = ("forward", "read", "svd_floor", "wudi_floor", *SCORE_RUNS, *HF_RUNS, "compatibility")
 DEFAULT_RUNS = tuple(n for n in ALL_RUNS
-                     if n not in ("read", "svd_floor", "score_own", "compatibility", "select_m_ties", *SVD_RUNS,
-                                  "regmean", "regmean_plusplus", "regmean_own", "regmean_plusplus_own", "auto",
-                                  "auto2"))
+                     if n not in ("read", "svd_floor", "wudi_floor", "score_own", "compatibility", "select_m_ties",
+                                  *SVD_RUNS, *SOTA_RUNS, "regmean", "regmean_plusplus", "regmean_own",
+                                  "regmean_plusplus_own", "auto", "auto2"))
 OWN_RUNS = ("regmean_own", "regmean_plusplus_own")
 """Runs where each fine-tune reads its own share of the images (the same N in all, N / q per model)."""
 PEERS = ("mergekit", "fusion_bench")
@@ -214,7 +226,8 @@ def child_main(spec_path: str) -> int:
     info: dict = {"import_s": time.perf_counter() - t0, "vmrss_after_import_mb": _proc_status_mb("VmRSS"),
                   "torch_threads": torch.get_num_threads(), "loadavg_start": os.getloadavg()}
     pixels = load_data(spec["data"], spec["num_samples"]) if spec.get("data") else None
-    runner = {"forward": child_forward, "read": child_read, "svd_floor": child_svd_floor, "score": child_score,
+    runner = {"forward": child_forward, "read": child_read, "svd_floor": child_svd_floor,
+              "wudi_floor": child_wudi_floor, "score": child_score,
               "merge": child_merge, "compatibility": child_compatibility}[spec["kind"]]
     runner(spec, pixels, info)
     if spec["device"].startswith("cuda"):
@@ -352,6 +365,53 @@ def child_svd_floor(spec: dict, pixels, info: dict) -> None:
                 largest=max(size for size, _ in sizes), inner_s=best["wall_s"], inner_cpu_s=best["cpu_s"],
                 inner_threads=best["threads"],
                 float64_s=min(p["wall_s"] for p in passes if p["dtype"] == "float64"))
+
+
+def child_wudi_floor(spec: dict, pixels, info: dict) -> None:
+    """A floor for exact WUDI here: its Adam steps' products alone. Per distinct 2-D shape ``m × n`` of the base's
+    matrices, the time of one step's product τ·G (``[m, n] @ [n, n]`` float32, as :mod:`hf_mloss.methods.wudi`
+    takes it: the mean of 10 after 2 warm-up steps), times the matrices of that shape and the 400 steps. Beside it,
+    the same count of steps in the literal form (autograd of Σ_i ‖(τ − τ_i) τ_iᵀ‖² / ‖τ_i‖² over the q stacked task
+    matrices, fusion-bench's): the mean of 2 steps after one warm-up, times the same count (``literal_s``)."""
+    import torch
+    from safetensors import safe_open
+
+    device, q, steps = spec["device"], len(spec["models"]), 400
+    shapes: dict[tuple[int, int], int] = {}
+    for file in sorted(Path(spec["base"]).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                shape = tuple(handle.get_slice(key).get_shape())
+                if len(shape) == 2:
+                    shapes[shape] = shapes.get(shape, 0) + 1
+    generator = torch.Generator().manual_seed(0)
+    per_shape, ours, literal = {}, 0.0, 0.0
+    for (m, n), count in shapes.items():
+        tau, gram = (torch.randn(size, generator=generator).to(device) for size in ((m, n), (n, n)))
+        fixed = torch.randn(m, n, generator=generator).to(device)
+        for timed in (False, True):  # 2 warm-up steps, then 10 timed
+            _sync(device)
+            ts = time.perf_counter()
+            for _ in range(10 if timed else 2):
+                torch.addmm(fixed, tau, gram, beta=-2, alpha=2)
+            _sync(device)
+        step = (time.perf_counter() - ts) / 10
+        taus = torch.randn(q, m, n, generator=generator).to(device)
+        norms = taus.flatten(1).norm(dim=1).square()
+        point = tau.clone().requires_grad_(True)
+        for timed in (False, True):  # 1 warm-up step, then 2 timed
+            _sync(device)
+            ts = time.perf_counter()
+            for _ in range(2 if timed else 1):
+                with torch.enable_grad():
+                    point.grad = None
+                    (((point - taus) @ taus.transpose(1, 2)).square() / norms[:, None, None]).sum().backward()
+            _sync(device)
+        slow = (time.perf_counter() - ts) / 2
+        per_shape[f"{m}x{n}"] = {"count": count, "step_s": step, "literal_step_s": slow}
+        ours, literal = ours + step * count * steps, literal + slow * count * steps
+        del taus, point
+    info.update(shapes=per_shape, steps=steps, inner_s=ours, inner_cpu_s=None, literal_s=literal)
 
 
 def child_score(spec: dict, pixels, info: dict) -> None:
@@ -1044,7 +1104,7 @@ def hf_spec(plan: Plan, name: str, repeat: int, reference: bool = False) -> dict
         spec["pythonpath"] = str(Path(plan.args.reference).resolve())
     if name == "forward":
         return spec | dict(kind="forward", data=str(plan.images), repeats=plan.args.forward_repeats)
-    if name in ("read", "svd_floor"):
+    if name in ("read", "svd_floor", "wudi_floor"):
         return spec | dict(kind=name)
     if name in SCORE_RUNS:
         return spec | dict(kind="score", data=str(plan.images), out=str(plan.work / f"{name}.r{repeat}.mloss.pt"),

@@ -21,6 +21,11 @@ TARGETS = {
     "regmean_plusplus_rss_vs_score_own": 1.25,
     "auto_vs_slowest_candidate": 3.0,
     "regmean_plusplus_own_vs_pooled": 1.1,
+    "wudi_vs_tsv_m_wall": 2.0,
+    "wudi_vs_tsv_m_rss": 1.0,
+    "cart_vs_tsv_m_wall": 1.0,
+    "tsv_m_svc_vs_tsv_m_wall": 1.5,
+    "task_arithmetic_svc_vs_task_arithmetic_wall": 1.5,
 }
 DECODER_TARGETS = {"ties_tensor_vs_mergekit_wall": 0.5, "compatibility_vs_own_floor": 1.3}
 SHAPE_TARGETS = {"llama2-7b": {"ties_tensor_vs_mergekit_wall": 0.3}}
@@ -29,10 +34,12 @@ SHAPE_TARGETS = {"llama2-7b": {"ties_tensor_vs_mergekit_wall": 0.3}}
 compatibility report against the q own forwards it must run)."""
 HF_NAMES = ("ties_tensor", "ties_tensor_mk", "ties_global", "dare", "task_arithmetic", "m_ties", "m_ties_bf16",
             "select_m_ties", "ties_global_fb", "tsv_m", "iso_c", "iso_cts", "regmean", "regmean_plusplus",
-            "regmean_own", "regmean_plusplus_own", "auto", "auto2")
-MEASURE_RUNS = ("forward", "read", "svd_floor", "score", "score_bf16", "score_own", "compatibility")
+            "regmean_own", "regmean_plusplus_own", "auto", "auto2", "wudi", "cart", "tsv_m_svc", "task_arithmetic_svc")
+MEASURE_RUNS = ("forward", "read", "svd_floor", "wudi_floor", "score", "score_bf16", "score_own", "compatibility")
 DESCRIPTIONS = {
     "read": "every tensor of base + q fine-tunes read onto the device as stored (safetensors); inner = faster pass",
+    "wudi_floor": "WUDI's floor here: its 400 τ·G products per matrix alone (mean of 3 steps per shape × count × 400); "
+                  "inner = that",
     "svd_floor": "TSV-M's eigensolve floor here: its q + 2 symmetric eigenvalue solves per matrix alone "
                  "(eigvalsh of random matrices of those sizes); inner = fastest float32 pass",
     "forward": "plain CLIPVisionModel forward (fp32, inference_mode); inner = fastest pass (default threads or 1)",
@@ -59,6 +66,10 @@ DESCRIPTIONS = {
     "auto": "hf_mloss auto (default candidates on 6 λ each: TSV-M, Iso-C, Iso-CTS, TIES, TA, RegMean++; output "
             "criterion)",
     "auto2": "hf_mloss auto between two candidates (TIES, TA on 6 λ each; output criterion)",
+    "wudi": "hf_mloss wudi (400 Adam steps per matrix at lr 1e-5, λ=1)",
+    "cart": "hf_mloss cart (rank 8 % of each centred task matrix, λ=1)",
+    "tsv_m_svc": "hf_mloss tsv_m (λ=1), calibrate='svc' (α=1)",
+    "task_arithmetic_svc": "hf_mloss task_arithmetic (λ=0.3), calibrate='svc' (α=0.1)",
     "mergekit_ties": "mergekit-yaml ties (density 0.2, normalize)",
     "mergekit_1t_ties": "mergekit-yaml ties, OMP_NUM_THREADS=1",
     "fusion_bench_ties": "fusion-bench TiesMergingAlgorithm (dis-mean)",
@@ -254,12 +265,39 @@ def workload_ratios(ratios: Ratios, runs: dict) -> None:
         ratios.add("auto_vs_slowest_candidate", _inner(runs["auto"]), _inner(runs[slowest]),
                    TARGETS["auto_vs_slowest_candidate"],
                    f"inner: auto merge() / the slowest single candidate merge() ({slowest}; of {', '.join(candidates)})")
+    sota_ratios(ratios, runs)
+    floor = runs.get("wudi_floor")
+    if _ok(floor) and _ok(runs.get("wudi")):
+        ratios.add("wudi_vs_wudi_floor", _inner(runs["wudi"]), _inner(floor), None,
+                   "inner: wudi merge() / its 400 τ·G products per matrix alone")
+    if _ok(floor) and floor.get("child", {}).get("literal_s"):
+        ratios.add("wudi_floor_vs_literal_form", _inner(floor), floor["child"]["literal_s"], None,
+                   "the products of the exact gradient / the literal loss's autograd steps (fusion-bench's form), "
+                   "each extrapolated from per-shape steps to 400 steps of every matrix")
     fb, tg = runs.get("fusion_bench_ties"), runs.get("ties_global_fb")
     if _ok(fb) and _ok(tg):
         ratios.add("ties_global_fb_vs_fusion_bench_wall", tg["wall_s"], fb["wall_s"], None,
                    f"{fb['tasks']} tasks, process wall")
         ratios.add("ties_global_fb_vs_fusion_bench_rss", tg["max_rss_mb"], fb["max_rss_mb"], None,
                    f"{fb['tasks']} tasks, peak RSS")
+
+
+def sota_ratios(ratios: Ratios, runs: dict) -> None:
+    """WUDI and CART against TSV-M, and each calibrated merge against the merge it calibrates (process wall, the
+    targets; inner as information)."""
+    pairs = [("wudi", "tsv_m", "wudi_vs_tsv_m"), ("cart", "tsv_m", "cart_vs_tsv_m"),
+             ("tsv_m_svc", "tsv_m", "tsv_m_svc_vs_tsv_m"),
+             ("task_arithmetic_svc", "task_arithmetic", "task_arithmetic_svc_vs_task_arithmetic")]
+    for name, other, key in pairs:
+        if not (_ok(runs.get(name)) and _ok(runs.get(other))):
+            continue
+        ratios.add(f"{key}_wall", runs[name]["wall_s"], runs[other]["wall_s"], TARGETS.get(f"{key}_wall"),
+                   "process wall incl. imports, load and save, both sides")
+        ratios.add(f"{key}_inner", _inner(runs[name]), _inner(runs[other]), None, "inner: merge() alone")
+        ratios.add(f"{key}_cpu", runs[name]["cpu_s"], runs[other]["cpu_s"], None,
+                   f"process CPU (user+sys); {CPU_NOTE}")
+        ratios.add(f"{key}_rss", runs[name]["max_rss_mb"], runs[other]["max_rss_mb"], TARGETS.get(f"{key}_rss"),
+                   "peak RSS (os.wait4 ru_maxrss)")
 
 
 def rss_table(runs: dict, model_mb: float) -> dict:
@@ -373,7 +411,7 @@ def header_lines(p: dict) -> list[str]:
     ]
 
 
-DATA_RUNS = (*(n for n in MEASURE_RUNS if n not in ("read", "svd_floor")), "m_ties", "m_ties_bf16", "select_m_ties")
+DATA_RUNS = (*(n for n in MEASURE_RUNS if n not in ("read", "svd_floor", "wudi_floor")), "m_ties", "m_ties_bf16", "select_m_ties")
 """The runs that read the scoring data (images or token sequences)."""
 
 

@@ -1,5 +1,5 @@
-"""AdaRank over TSV-M / Iso-C (learned singular-component masks): masks ≡ 1 give the data-free merges bit for bit,
-gradients through the masks against finite differences, the recipe re-run bit for bit, a learned merge that lowers
+"""AdaRank over TSV-M / Iso-C / CART (learned singular-component masks): masks ≡ 1 give the data-free merges bit for
+bit, gradients through the masks against finite differences, the recipe re-run bit for bit, a learned merge that lowers
 its objective, and refusals."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from hf_mloss.methods.iso import iso_c_matrix
 from hf_mloss.methods.tsv import tsv_merge_matrix
 
 SEED, SAMPLES, BATCH = 0, 8, 4
-PAIRS = [("adarank_tsv", "tsv_m"), ("adarank_iso", "iso_c")]
+PAIRS = [("adarank_tsv", "tsv_m"), ("adarank_iso", "iso_c"), ("adarank_cart", "cart")]
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def test_all_kept_components_are_the_data_free_matrices_bit_for_bit(zero_task):
     torch.testing.assert_close(masked_matrix(tsv, mask), tsv_merge_matrix(taus, None) - term, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("method", ["adarank_tsv", "adarank_iso"])
+@pytest.mark.parametrize("method", ["adarank_tsv", "adarank_iso", "adarank_cart"])
 def test_the_saved_merge_from_recorded_masks_is_the_functional_merge_bit_for_bit(method):
     """Random logits: the training's merged tensor, the masks it records, and the merge from those records."""
     from hf_mloss.methods.adarank import MASK_STATE
@@ -79,14 +79,58 @@ def test_the_saved_merge_from_recorded_masks_is_the_functional_merge_bit_for_bit
     functional = rule.functional_tensor(base, part, logits, params)
     recorded = rule.use_trained(ctx, layout, logits)["masks"]
     (name, *rows), = recorded
-    assert name == "w" and len(rows) == (3 if method == "adarank_tsv" else 1)
+    assert name == "w" and len(rows) == (1 if method == "adarank_iso" else 3)
     assert sum(len(r) for r in rows) == int((logits <= 0).sum()) > 0
-    if method == "adarank_tsv":
+    if method == "adarank_tsv":  # (CART centres it: model 1's matrix is −τ̄, with components of its own)
         assert rows[1] == []
     fresh = MergeContext(params=rule.make_params(objective="output_gap", masks=recorded), weights=torch.ones(3))
     rule.use_recorded(fresh, ["w"], None, 3)
     assert fresh.state[MASK_STATE] == {"w": rows}
     assert torch.equal(rule.merge_tensor("w", base, sources, fresh), functional)
+
+
+def test_cart_components_are_the_centred_truncations_around_the_average_bit_for_bit():
+    """adarank_cart's parts: per matrix the kept components of every centred task matrix (k per task) and τ̄ as the
+    offset, so masks ≡ 1 merge to cart's matrix bit for bit; a tensor that is not a matrix is the average, unscaled,
+    with no coefficient under learn_lam; a dropped component removes its rank-one term from the low-rank part only."""
+    from hf_mloss.methods.adarank import LAM_STATE
+
+    g = torch.Generator().manual_seed(8)
+    base, bias = torch.randn(12, 9, generator=g), torch.randn(12, generator=g)
+    sources = [base + 0.1 * torch.randn(12, 9, generator=g) for _ in range(3)]
+    sources[1] = base.clone()  # unchanged: centred, it is −τ̄ and keeps components of its own
+    biases = [bias + 0.1 * torch.randn(12, generator=g) for _ in range(3)]
+    rule, cart = get_method("adarank_cart"), get_method("cart")
+    params = rule.make_params(objective="output_gap", lam=1.7, fraction=0.25)
+    ctx = MergeContext(params=params, weights=torch.ones(3))
+    part = rule.functional_part("w", base, sources, ctx)
+    assert part.rows == [(0, 0, 2), (1, 2, 2), (2, 4, 2)]  # k = floor(9 · 0.25) = 2 per task
+    torch.testing.assert_close(part.offset, torch.stack(sources).sub(base).mean(0), rtol=0, atol=0)
+    data_free = MergeContext(params=cart.make_params(lam=1.7, fraction=0.25), weights=torch.ones(3))
+    full = rule.functional_tensor(base, part, torch.ones(part.count), params)
+    assert torch.equal(full, cart.merge_tensor("w", base, sources, data_free))
+    logits = torch.ones(part.count)
+    logits[3] = -1.0
+    term = 1.7 * part.scale[3] * torch.outer(part.left[:, 3], part.right[3])
+    torch.testing.assert_close(rule.functional_tensor(base, part, logits, params), full - term, atol=1e-6, rtol=0)
+    rest = rule.functional_part("b", bias, biases, ctx)
+    assert torch.equal(rule.functional_tensor(bias, rest, None, params),
+                       cart.merge_tensor("b", bias, biases, data_free))
+    learning = rule.make_params(objective="output_gap", learn_lam=True, lam=1.7, fraction=0.25)
+    lctx = MergeContext(params=learning, weights=torch.ones(3))
+    layout = rule.layout({"w": part, "b": rest}, None, lctx)
+    assert layout.slots["b"] is None and layout.slots["w"] == slice(0, part.count + 3)
+    values = torch.cat([torch.ones(part.count), torch.tensor([0.5, 1.0, 2.0])])
+    recorded = rule.use_trained(lctx, layout, values)
+    assert recorded["coefficients"] == [["w", 0.5, 1.0, 2.0]]
+    fresh = MergeContext(params=rule.make_params(objective="output_gap", learn_lam=True, lam=1.7, fraction=0.25,
+                                                 **recorded), weights=torch.ones(3))
+    rule.use_recorded(fresh, ["w", "b"], None, 3)  # the bias learns none: not missing
+    assert set(fresh.state[LAM_STATE]) == {"w"}
+    assert torch.equal(rule.merge_tensor("w", base, sources, fresh),
+                       rule.functional_tensor(base, part, values, learning))
+    assert torch.equal(rule.merge_tensor("b", bias, biases, fresh), cart.merge_tensor("b", bias, biases, data_free))
+    assert "calibrate" not in params.to_dict()  # the learned merge takes no calibration
 
 
 @pytest.mark.parametrize("method", ["adarank_tsv", "adarank_iso"])

@@ -273,7 +273,7 @@ def test_methods_json(capsys):
     entries = {e["name"]: e for e in json.loads(capsys.readouterr().out)}
     assert sorted(entries) == list_methods()
     assert entries["m_ties"]["needs_data"] is True and entries["m_ties"]["parameters"]["k"] == 0.2
-    assert entries["task_arithmetic"]["parameters"] == {"lam": 0.3}
+    assert entries["task_arithmetic"]["parameters"] == {"lam": 0.3, "calibrate": None, "alpha": None}
 
 
 # ------------------------------------------------------------------------------------------------------ misc

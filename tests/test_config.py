@@ -408,6 +408,7 @@ PARAMETER_VALUES = {
     "epsilon": st.sampled_from([1e-6, 1e-5]),
     "r": st.sampled_from([0.0, 0.1]),
     "alpha": st.sampled_from([0.2, 0.5]),
+    "calibrate": st.none() | st.just("svc"),
     "reduce_non_diagonal_ratio": st.sampled_from([0.0, 0.95, 1.0]),
     "candidates": st.none() | st.just(["tsv_m", "ties"]) | st.just({"task_arithmetic": {"lam": [0.3, 0.5]}}),
     "criterion": st.sampled_from(["output", "mloss"]),
@@ -420,6 +421,7 @@ PARAMETER_VALUES = {
 METHOD_VALUES = {("breadcrumbs", "rescale"): st.sampled_from(["none", "l1"]),
                  ("auto", "budget"): st.none() | st.integers(5, 20),  # auto's budget counts merges, TIES's names entries
                  ("breadcrumbs_ties", "rescale"): st.sampled_from(["none", "l1"]),
+                 ("cart", "fraction"): st.sampled_from([0.08, 0.25]),  # CART's rank share has no "default" None
                  # AdaRank's coefficients go with learn_lam=True only (tests/test_adarank.py covers them)
                  ("adarank_tsv", "coefficients"): st.none(), ("adarank_iso", "coefficients"): st.none()}
 
@@ -442,6 +444,8 @@ def valid_configs(draw) -> dict:
         else:
             models.append({k: v for k, v in {"model": model_id, "weight": weight, "revision": revision}.items()
                            if v is not None})
+    if parameters.get("alpha") is not None and "calibrate" in names and parameters.get("calibrate") is None:
+        parameters["calibrate"] = "svc"  # SVC's alpha goes with calibrate only (a lone alpha is refused)
     if method == "nearswap" and "t" not in parameters:  # t has no default (mergekit's): a recipe gives it
         parameters["t"] = draw(st.sampled_from([1e-4, 0.01]))
     config = {"base": draw(HUB_ID), "models": models, "method": method, "parameters": parameters}

@@ -1,5 +1,5 @@
-"""``benchmarks/families_table.py`` on a subset: one row per architecture, a ``ties`` and an ``m_ties`` cell each,
-the Markdown table and the JSON record agreeing (marker ``slow``: another process, tiny models merged)."""
+"""``benchmarks/families_table.py`` on a subset: one row per architecture, a cell per method (``ties``, ``m_ties``,
+``wudi``, ``cart``, ``svc``: TIES calibrated by SVC) each, the Markdown table and the JSON record agreeing (marker ``slow``: another process, tiny models merged)."""
 
 from __future__ import annotations
 
@@ -30,12 +30,14 @@ def test_the_table_has_one_row_per_architecture(tmp_path):
         assert row["ties"]["status"] == "ok" or row["ties"]["detail"]
     assert rows["ViTForImageClassification"]["class"] == "ViTForImageClassification"
     assert all(rows[name]["ties"]["status"] == "ok" for name in SUBSET), rows
+    # the data-free methods of issue 71 run wherever TIES does
+    assert all(rows[name][m]["status"] == "ok" for name in SUBSET for m in ("wudi", "cart", "svc")), rows
     assert rows["Llava"]["m_ties"]["status"] == "ok" and rows["Llava"]["m_ties_data"] == "image+text"
     assert rows["Whisper"]["m_ties"]["status"] == "not run"
     table = (tmp_path / "families_table.md").read_text().splitlines()
     body = [line for line in table if line.startswith("| ") and not line.startswith("| architecture")]
     assert [line.split(" | ")[0].removeprefix("| ") for line in body] == SUBSET
-    assert all(line.count(" | ") == 5 for line in body)
+    assert all(line.count(" | ") == 8 for line in body)
 
 
 def test_an_unknown_architecture_is_refused_naming_the_known_ones(tmp_path):

@@ -93,3 +93,20 @@ def test_round5_own_data_parts_run_end_to_end_on_the_smoke_build(tmp_path):
     assert set(row["auto_regrets"]) == {"auto (own 16/task)", "auto (own 64/task)"}
     text = write_r5([row], None, "cmd", [0], (0.0, 0.0, 0.0), 1, 1.0)
     assert "`auto (own 64/task)` (no labels) against the merge best on val labels" in text
+
+
+def test_round5_sota_part_runs_beside_the_base_part_on_the_smoke_suite(tmp_path, counted):
+    """The records' part for WUDI, CART and SVC (``--parts base,sota``): a methods-only run joined beside the base
+    part, every row on a grid as large as TSV-M's, a val-chosen setting and a test score per row."""
+    from benchmarks.suites.regime import measure_round5, round5_specs
+    from benchmarks.suites.training import Log
+
+    cfg = real_config("real-smoke", None)
+    row = measure_round5(cfg, tmp_path, Log(False, "test"), ["base", "sota"], smoke=True)
+    labels = [s.label for s in round5_specs("sota", range(cfg.frozen, cfg.num_layers), smoke=True)]
+    assert labels == ["wudi", "cart", "task_arithmetic+svc", "ties+svc", "tsv_m+svc", "iso_cts+svc"]
+    assert len(counted) == 2 * len(cfg.seeds) and all(run == labels for run in counted[len(cfg.seeds):])
+    assert set(row["parts"]) == {"base", "sota"} and set(row["code_versions"]) == {"base", "sota"}
+    for label in labels:
+        assert 0 <= row[label] <= 100 and 0 <= row["test"][label] <= 100
+        assert all("lam" in c for c in row["chosen"][label])  # each row chose a λ on val

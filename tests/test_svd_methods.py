@@ -359,8 +359,9 @@ def test_registered_with_papers_and_parameter_hints() -> None:
     assert set(SVD_METHODS) <= set(list_methods())
     assert "2412.00081" in get_method("tsv_m").reference_url
     assert get_method("iso_c").reference_url == get_method("iso_cts").reference_url == "https://arxiv.org/abs/2502.04959"
-    assert get_method("tsv_m").make_params().to_dict() == {"lam": 1.0, "fraction": None}
-    assert get_method("iso_cts").make_params().to_dict() == {"lam": 1.0, "common_space_fraction": 0.8}
+    unset = {"calibrate": None, "alpha": None}  # Singular Value Calibration, off by default (tests/test_wudi_cart_svc.py)
+    assert get_method("tsv_m").make_params().to_dict() == {"lam": 1.0, "fraction": None, **unset}
+    assert get_method("iso_cts").make_params().to_dict() == {"lam": 1.0, "common_space_fraction": 0.8, **unset}
     with pytest.raises(InvalidParameterError, match="did you mean 'lam'"):
         get_method("iso_c").make_params(scaling_factor=2.0)
 

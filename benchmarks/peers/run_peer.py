@@ -75,7 +75,7 @@ MERGEKIT_METHODS = ("ties", "dare_ties", "dare_linear", "task_arithmetic", "line
 MERGEKIT_RECIPE_METHODS = ("slerp", "model_stock", "breadcrumbs", "breadcrumbs_ties", "della", "della_linear")
 """Further mergekit methods: ``slerp`` and ``model_stock`` take no weights; the others take ``density`` like ties."""
 MERGEKIT_METHODS += MERGEKIT_RECIPE_METHODS
-FUSION_BENCH_METHODS = ("ties", "task_arithmetic", "tsv_m", "iso_c", "iso_cts")
+FUSION_BENCH_METHODS = ("ties", "task_arithmetic", "tsv_m", "iso_c", "iso_cts", "wudi", "average")
 CHILD_SCRIPT = Path(__file__).resolve().with_name("_fusion_bench_child.py")
 ADAMERGING_CHILD_SCRIPT = Path(__file__).resolve().with_name("_fusion_bench_adamerging_child.py")
 REGMEAN_CHILD_SCRIPT = Path(__file__).resolve().with_name("_fusion_bench_regmean_child.py")
@@ -334,6 +334,8 @@ def run_peer_merge(
     normalize: bool | None = None,
     merge_func: str = "mean",
     common_space_fraction: float = 0.8,
+    iter_num: int = 400,
+    svc_alpha: float | None = None,
     seed: int = 0,
     timeout: float = DEFAULT_TIMEOUT,
     dtype: str = "float32",
@@ -348,7 +350,9 @@ def run_peer_merge(
     are mergekit per-model weights (fusion-bench has none: only all-ones is
     accepted).  ``normalize``, ``dtype`` (output dtype) and ``parameters`` (further
     top-level mergekit parameters) are mergekit-only, ``merge_func`` fusion-bench-only
-    (TIES), ``common_space_fraction`` fusion-bench-only (``iso_cts``).
+    (TIES), ``common_space_fraction`` fusion-bench-only (``iso_cts``), ``iter_num``
+    fusion-bench-only (``wudi``), ``svc_alpha`` fusion-bench-only (the merge then
+    calibrated by its Singular Value Calibration at that alpha).
     Raises PeerUnavailable if the venv cannot be installed, PeerError on failure.
     """
     key = normalize_peer(peer)
@@ -393,6 +397,10 @@ def run_peer_merge(
             spec["threshold"] = fusion_bench_threshold(k)
         if method == "iso_cts":
             spec["common_space_fraction"] = float(common_space_fraction)
+        if method == "wudi":
+            spec["iter_num"] = int(iter_num)
+        if svc_alpha is not None:
+            spec["svc_alpha"] = float(svc_alpha)
         spec_path = out_dir / "peer_spec.json"
         spec_path.write_text(json.dumps(spec, indent=2) + "\n")
         cmd = [str(venv_bin(key)), str(CHILD_SCRIPT), str(spec_path)]

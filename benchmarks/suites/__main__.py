@@ -124,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--svd", action="store_true",
                         help="add the SVD-based merges to the compared methods (image suites: tsv_m, iso_c, iso_cts; text: "
                         "tsv_m, iso_c)")
+    parser.add_argument("--sota", action="store_true",
+                        help="image suites: add WUDI, CART and Singular Value Calibration over task arithmetic, TIES, "
+                        "TSV-M and Iso-CTS (benchmarks.suites.run.sota_specs)")
     start = time.perf_counter()  # the record's total and the printed one: the whole command, torch's import too
     args = parser.parse_args(argv)
     print(f"suite {args.suite}: loading torch, transformers and the suite ...", file=sys.stderr, flush=True)
@@ -146,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = real_config(args.suite, args.seeds, args.head_scale)
         grid = args.grid or {"real": "main", "real-quick": "quick", "real-full": "full", "real-smoke": "smoke"}[args.suite]
         specs = method_specs(range(cfg.frozen, cfg.num_layers), grid, num_tasks=len(cfg.tasks), svd=args.svd,
-                             random_draws=1 if grid == "quick" else 3)
+                             random_draws=1 if grid == "quick" else 3, sota=args.sota)
         run_suite(cfg, specs, cache=args.cache or default_cache(), out=out, threads=args.threads,
                   num_samples=args.num_samples, name=args.suite, command=command,
                   ensemble_scales=ENSEMBLE_SCALES["main" if grid == "full" else grid], start=start)

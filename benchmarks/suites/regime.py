@@ -207,7 +207,7 @@ R5_LEARNED_OWN = (("adamerging", "entropy"), ("adamerging", "output_gap"), ("ada
 each task's head, on that task's data), output_gap against each task's fine-tune on its data, AdaRank (TSV-M's
 components, with λ) on its published entropy."""
 R5_EXTRA_PARTS = ("mties_low", "ties_low", "ties_sparse", "ties_low_wide", "lam_high", "ties_high", "dare_sparse",
-                  "data_own", "learned_own")
+                  "data_own", "learned_own", "sota")
 """Parts measured only when named: the M-TIES family below its grid's k = 0.2 (``R5_GRIDS["m_ties_low"]``, k down to
 0.12 at e = 0.1, since the spread needs e < k; no e = 0.15 row). It carries the family's labels, so it is measured
 beside "base" in a run of its own, never with "mties". And TIES below its grid's k = 0.1 (``R5_GRIDS["ties_low"]``),
@@ -218,7 +218,11 @@ DARE-TIES above its grid's p (``gates.DARE_SPARSE``), in the TIES family too; ``
 alone, where only TIES chose its grid's top λ. ``data_own`` and ``learned_own``: the ``data`` and ``learned`` part's
 merges with each fine-tune given its own task's unlabeled images (:data:`R5_OWN` per task) instead of the shared
 pool: RegMean and RegMean++ (λ = 1, and λ on :data:`R5_GRIDS`'s ``regmean`` grid), ``auto`` (RegMean++ among its
-default candidates), and :data:`R5_LEARNED_OWN`; rows of their own beside the pooled ones, cached apart."""
+default candidates), and :data:`R5_LEARNED_OWN`; rows of their own beside the pooled ones, cached apart.
+``sota``: the data-free state of the art beside TSV-M
+(:func:`benchmarks.suites.run.sota_specs`): WUDI and CART on TSV-M's λ grid, Singular Value Calibration over task
+arithmetic, TIES (k 0.2, global, the changed entries' budget, on the family's λ), TSV-M and Iso-CTS on their own λ
+grids, 6 settings each as TSV-M's."""
 ISO_CTS_HIGH = "iso_cts (λ 7.5-20)"
 
 
@@ -266,6 +270,13 @@ def round5_specs(part: str, trained: Sequence[int], *, learned: Sequence[tuple[s
                  MethodSpec(DARE_HIGH, "dare_ties", grid=g["dare_ties_high"]),
                  MethodSpec(ISO_CTS_HIGH, "iso_cts", grid=g["iso_cts_high"])]
         check_grids(specs, families=[(TIES_HIGH, DARE_HIGH), (ISO_CTS_HIGH,)])
+        return specs
+    if part == "sota":
+        from benchmarks.suites.run import sota_specs
+
+        specs = sota_specs(g["tsv_m"]["lam"], g["task_arithmetic"]["lam"], {"k": [0.2], "lam": g["ties"]["lam"]},
+                           g["iso_c"]["lam"], dict(ties))
+        check_grids([*specs, MethodSpec("tsv_m", "tsv_m", grid=g["tsv_m"])])  # each as many settings as TSV-M's
         return specs
     if part == "data":
         return [MethodSpec("regmean", "regmean"), MethodSpec("regmean_plusplus", "regmean_plusplus"),

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -37,7 +38,7 @@ from benchmarks.suites.training import Log, torch_threads
 
 
 def method_specs(trained: Sequence[int], grid: str = "full", num_tasks: int = 4, svd: bool = False,
-                 random_draws: int = 3) -> list[MethodSpec]:
+                 random_draws: int = 3, sota: bool = False) -> list[MethodSpec]:
     """The methods, M-TIES's controls and their grids: every tuned method searches as many settings (6 with
     ``grid="main"`` or ``"full"``, 4 with ``"quick"``, which also keeps only the random-rank control, and 2 with
     ``"smoke"``), on the checkpoints as they are (no λ is rescaled: experts,
@@ -54,8 +55,9 @@ def method_specs(trained: Sequence[int], grid: str = "full", num_tasks: int = 4,
     (``random_draws`` draws, seeds offset by 1000 per draw), inverted ranks (−M-Loss), and the budget-matched uniform
     trim (``rank="uniform"``: every scored row keeps k − e/2, the mean of M-TIES's ranked ratios, trimmed row by row
     as M-TIES trims; every other tensor keeps k, as in M-TIES). M-TIES scores the ``trained`` blocks only: the frozen blocks' task vectors are exactly
-    zero. The SVD-based merges are added with ``svd=True``; ``grid="full"`` adds DARE-TIES and few-layer M-TIES
-    (the upper half of the trained blocks)."""
+    zero. The SVD-based merges are added with ``svd=True``, the data-free state of the art beside them
+    (:func:`sota_specs`) with ``sota=True``; ``grid="full"`` adds DARE-TIES and few-layer M-TIES (the upper half of
+    the trained blocks)."""
     trained = list(trained)
     few = trained[len(trained) // 2:]
     ta = [0.5, 0.65, 0.8, 0.95, 1.1, 1.25]
@@ -88,12 +90,28 @@ def method_specs(trained: Sequence[int], grid: str = "full", num_tasks: int = 4,
         MethodSpec("iso_c", "iso_c", grid={"lam": iso}),
         MethodSpec("iso_cts", "iso_cts", grid={"lam": iso}),
     ]
+    specs += sota_specs(tsv, ta, ties, iso, {"scope": "global", "budget": "changed"}) if sota else []
     if grid == "full":
         specs.append(MethodSpec("dare_ties", "dare_ties", {"p": 0.5}, {"lam": ties["lam"]}))
         specs.append(MethodSpec(f"m_ties (layers {few[0]}-{few[-1]})", "m_ties", {**m_ties, "layers": few},
                                 dict(ties)))
     check_grids(specs)
     return specs
+
+
+def sota_specs(tsv: Sequence[float], ta: Sequence[float], ties: dict[str, list[float]], iso: Sequence[float],
+               ties_params: dict[str, Any]) -> list[MethodSpec]:
+    """The data-free state of the art beside TSV-M (issue 71): WUDI and CART on TSV-M's λ grid (their λ scales the
+    merged task vector as TSV-M's does, 1 by default), and Singular Value Calibration (``calibrate="svc"`` at each
+    method's default α, fusion-bench's) over task arithmetic, TIES (``ties_params``, k held at the grid's one
+    value), TSV-M and Iso-CTS, each on its base method's own λ grid: every row as many settings as TSV-M's."""
+    svc = {"calibrate": "svc"}
+    return [MethodSpec("wudi", "wudi", grid={"lam": list(tsv)}),
+            MethodSpec("cart", "cart", grid={"lam": list(tsv)}),
+            MethodSpec("task_arithmetic+svc", "task_arithmetic", dict(svc), {"lam": list(ta)}),
+            MethodSpec("ties+svc", "ties", {**ties_params, **svc}, {k: list(v) for k, v in ties.items()}),
+            MethodSpec("tsv_m+svc", "tsv_m", dict(svc), {"lam": list(tsv)}),
+            MethodSpec("iso_cts+svc", "iso_cts", dict(svc), {"lam": list(iso)})]
 
 
 def check_sources(cfg: RealConfig) -> None:

@@ -34,6 +34,7 @@ import threading
 import warnings
 import weakref
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,11 @@ ADAPTER_PICKLE = "adapter_model.bin"
 PEFT_PREFIX = "base_model.model."
 LINEAR_METHODS = ("task_arithmetic", "average")
 """Methods whose merged task vector is a fixed linear combination of the inputs' (``combination="cat"`` is exact)."""
+
+
+def is_linear_merge(method: str, parameters: Mapping[str, Any] | None = None) -> bool:
+    """Whether a merge with these parameters is a :data:`LINEAR_METHODS` merge (not when calibrated afterwards)."""
+    return method in LINEAR_METHODS and not (parameters or {}).get("calibrate")
 COMBINATIONS = ("cat", "svd")
 REFUSED_TYPES = {
     "LOHA": "LoHa (Hadamard product of two low-rank pairs)",

@@ -48,6 +48,7 @@ def _search(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model:
             token: Any) -> tuple[dict[str, Any], list[dict[str, Any]], int, MLossReport]:
     from tqdm.auto import tqdm
 
+    from ..methods import get_method
     from ..methods.auto import _settings, all_tied, candidate_grids, get_method_defaults, thinned
     from ..spec.selection import SelectionOptions
     from .selection import CandidateBuilder, CandidateEvaluator, warn_grid_edge
@@ -69,9 +70,8 @@ def _search(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model:
     best = None
     try:
         for name, grid in grids.items():
-            has_lam = "lam" in defaults[name]
-            lams = grid.get("lam", [None]) if has_lam else [None]
-            for fixed in _settings({k: v for k, v in grid.items() if k != "lam"}):
+            method = get_method(name)
+            for fixed, lams in _lam_groups(method, grid, defaults[name]):
                 builder.config = config.replace(method=name, parameters=dict(fixed), select=None)
                 builder.scores = builder.report = None
                 tau = builder.task_vector(fixed, 1.0, live=True)
@@ -106,6 +106,22 @@ def _search(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model:
     report = evaluator.mloss_report(builder.tower, models=[r.name for r in inputs.refs])
     merger.done.update(merger.names)
     return {"method": name, "parameters": setting}, scored, len(evaluator.sample), report
+
+
+def _lam_groups(method: Any, grid: Mapping[str, list[Any]], defaults: Mapping[str, Any]
+               ) -> list[tuple[dict[str, Any], list[Any]]]:
+    """A candidate's grid as (setting merged once, the λ values written from it as θ₀ + λ·τ): every λ of a merge
+    that λ rescales (:meth:`~hf_mloss.methods.MergeMethod.scales_with_lam`); ``[None]`` (the merge as it is, λ
+    inside the setting) for the others."""
+    from ..methods.auto import _settings
+
+    out = []
+    for fixed in _settings({k: v for k, v in grid.items() if k != "lam"}):
+        if method.scales_with_lam({**defaults, **fixed}):
+            out.append((fixed, grid.get("lam", [None])))
+        else:
+            out += [({**fixed, **({"lam": lam} if lam is not None else {})}, [None]) for lam in grid.get("lam", [None])]
+    return out
 
 
 def _runnable(grids: dict[str, dict[str, list[Any]]], inputs: RunInputs, *, default: bool
@@ -162,7 +178,7 @@ def _merge_chosen(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, 
     method = get_method(chosen["method"])
     parameters = dict(chosen.get("parameters") or {})
     chosen_config = config.replace(method=method.name, parameters=parameters, select=None)
-    if "lam" in parameters and "why" not in chosen:  # as the search wrote it: θ₀ + λ·τ, τ at λ = 1 (same bits)
+    if method.scales_with_lam(parameters) and "why" not in chosen:  # as the search wrote it: θ₀ + λ·τ at λ = 1
         from .selection import CandidateBuilder
 
         fixed = {k: v for k, v in parameters.items() if k != "lam"}

@@ -26,6 +26,7 @@ from ..distributed import describe_device
 from ..errors import CorruptCheckpointError, InvalidParameterError
 from ..loading.inputs import RunInputs, as_dtype, open_inputs
 from ..methods import MergeContext, MergeMethod
+from ..methods.svc import describe_calibration
 from ..parallel import cpu_workers
 from ..output.result import MergeResult
 from ..spec.schedule import TensorParameters, split_parameters
@@ -134,7 +135,7 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
         lora = None if adapter_plan is None else build_adapter_output(
             adapter_plan, config, inputs, merger.targets, out_dtype, zero_delta_is_base=method.zero_delta_is_base)
         record = recorded_config(config, given)
-        description = method.describe(params)
+        description = method.describe(params) + describe_calibration(params)
         if (outside or inputs.towers) and method.needs_data and config.select is None and learned is None \
                 and not getattr(method, "learned", False):
             description += " " + outside_rule_note(inputs, method, params, merger.names)

@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import CorruptCheckpointError, InvalidParameterError
+from ..methods.svc import calibrate_tensor, calibrates, svc_alpha
 from ..parallel import Workers
 from ..parallel import active as active_workers
 from ..spec.schedule import TensorParameters, replace_params
@@ -127,6 +128,8 @@ class TensorMerger:
             merged = base  # no source changed it (a frozen part): θ₀ + f(0) = θ₀, without trimming q zero tensors
         else:
             merged = self.method.merge_tensor(name, base, sources, ctx)
+            if calibrates(ctx.params):  # SVC of the merged task matrix (2-D tensors; the others as merged)
+                merged = calibrate_tensor(base, sources, merged, svc_alpha(ctx.params))
         del sources
         # Checked here, while the tensor is in cache, instead of in a separate pass over the model in `finalize`
         # (5.7 s of a 128 s TIES merge on 2 busy cores): one reduction, and the full mask only when the sum is not
@@ -143,7 +146,8 @@ class TensorMerger:
         """The method's per-source keep counts when ``name`` is large enough to merge in chunks, else None."""
         target = self.targets[name]
         if (name in self.done or target.dim() == 0 or not target.is_contiguous()
-                or target.numel() * len(self.inputs.sources) < CHUNKED_MIN_NUMEL):
+                or target.numel() * len(self.inputs.sources) < CHUNKED_MIN_NUMEL
+                or (target.dim() == 2 and calibrates(ctx.params))):  # SVC factors the whole matrix
             return None
         return self.method.chunk_keep_counts(target.numel(), ctx, name=name)
 

@@ -476,7 +476,8 @@ class CandidateBuilder:
         from .merger import TensorMerger
         from ..methods import MergeContext
 
-        config = self.config.replace(parameters={**self.config.parameters, **setting, **self._lam(lam)}, select=None)
+        config = self.config.replace(parameters={**self.config.parameters, **setting, **self._lam(lam, setting)},
+                                     select=None)
         method, params = config.merge_method(), config.method_params()
         self.write(None, 1.0)
         from ..loading.inputs import resolve_weights
@@ -503,14 +504,20 @@ class CandidateBuilder:
             merger.merge(merger.names)
         return {name: (self.state[name] - self.base[name]).div_(lam) for name in self.names}
 
-    def _lam(self, lam: float) -> dict[str, float]:
-        return {"lam": lam} if "lam" in self.config.method_params().to_dict() else {}
+    def _lam(self, lam: float, setting: Mapping[str, Any]) -> dict[str, float]:
+        """``{"lam": lam}`` where the merge is θ₀ + λ·τ (``lam`` rescales it); else the setting's own λ stands."""
+        parameters = {**self.config.method_params().to_dict(), **setting}
+        return {"lam": lam} if self.config.merge_method().scales_with_lam(parameters) else {}
 
 
-def candidate_groups(options: SelectionOptions, method_params: Mapping[str, Any]) -> list[tuple[dict, list]]:
-    """The grid as (setting without λ, the λ values that rescale its merge); without a ``lam`` parameter every
+def candidate_groups(options: SelectionOptions, method_params: Mapping[str, Any], method: Any = None
+                     ) -> list[tuple[dict, list]]:
+    """The grid as (setting without λ, the λ values that rescale its merge); where λ does not rescale a merge
+    (no ``lam`` parameter, a calibrated merge, CART: :meth:`~hf_mloss.methods.MergeMethod.scales_with_lam`) every
     setting is its own group, merged as it is (λ = 1 stands for "no rescaling")."""
-    if "lam" not in method_params:
+    rescales = all((method.scales_with_lam({**method_params, **setting}) if method is not None
+                    else "lam" in method_params) for setting in options.settings())
+    if not rescales:
         return [(setting, [1.0]) for setting in options.settings()]
     lams = list(options.grid.get("lam", [method_params["lam"]]))
     keys = [k for k in options.grid if k != "lam"]
@@ -531,12 +538,12 @@ def iterate_candidates(builder: CandidateBuilder, options: SelectionOptions) -> 
     defaults = config.method_params().to_dict()
     reference = builder.reference = reference_setting(config, options)
     ref_tau = _reference_tau(builder, reference) if reference is not None else None
-    for fixed, lams in candidate_groups(options, defaults):
+    for fixed, lams in candidate_groups(options, defaults, config.merge_method()):
         is_ref = reference is not None and all(reference[k] == v for k, v in fixed.items())
         tau = ref_tau if is_ref else builder.task_vector(fixed, 1.0)
         for lam in lams:
             builder.write(tau, lam)
-            yield {**fixed, **({"lam": lam} if "lam" in options.grid else {})}, tau, lam
+            yield {**fixed, **({"lam": lam} if "lam" in options.grid and "lam" not in fixed else {})}, tau, lam
 
 
 def reference_setting(config: MergeConfig, options: SelectionOptions) -> dict[str, Any] | None:

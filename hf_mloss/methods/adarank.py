@@ -1,4 +1,5 @@
-"""AdaRank over the SVD merges: masks over the singular components TSV-M and Iso-C keep, learned on unlabeled data.
+"""AdaRank over the SVD merges: masks over the singular components TSV-M, Iso-C and CART keep, learned on unlabeled
+data.
 
 TSV-M merges each layer matrix as (U⊥ * Σ) @ V⊥ᵀ, Σ the top k singular values of each task's matrix, task by task
 (:func:`~hf_mloss.methods.tsv.tsv_components`); Iso-C as (U * σ̄) @ Vᵀ over the summed task matrix's non-zero
@@ -21,6 +22,14 @@ sum's), and θ = θ₀ + λ·τ̄ with one λ per other changed tensor (AdaMergi
 at ``lam``, so the first step is still the data-free merge; unlike the masks, λ can raise a merge above the
 data-free scale, which a mask alone (dropping components) cannot.
 
+``adarank_cart`` does the same over CART (the base of AdaRank's strongest published results): θ = θ̄ +
+λ·(U * (Σ ⊙ m)) @ Vᵀ, U, Σ, Vᵀ the kept singular components of every centred task matrix τ_p − τ̄, task by task
+(:func:`~hf_mloss.methods.cart.cart_components`), one mask per component and task; the average θ̄ = θ₀ + τ̄ is not
+scaled, and every other tensor stays θ̄ (CART's rule), with no coefficient of its own under ``learn_lam`` (the
+matrices learn one λ per task, as over TSV-M). As the authors' AdaRank over CART, the masks act on the centred task
+matrices around the average; unlike it they cover the components CART keeps (``fraction``), not each centred
+matrix's full spectrum.
+
 The recipe records the learned masks as the components they drop (``masks``: one row per matrix that drops any,
 ``[tensor, dropped indices of model 1, …, of model q]``, indices into that model's kept components in descending
 singular value; ``adarank_iso``: ``[tensor, dropped indices]``) and, with ``learn_lam``, the coefficients
@@ -38,6 +47,7 @@ from .._validation import param
 from ..errors import InvalidParameterError
 from .adamerging import LearnedMethod, LearnedParams, TrainedLayout
 from .base import MergeContext, MethodParams
+from .cart import CartParams
 from .iso import IsoCParams
 from .registry import register_merge_method
 from .tsv import TsvParams
@@ -102,6 +112,11 @@ class AdaRankTsvParams(AdaRankParams, TsvParams):
 
 @dataclass(frozen=True)
 class AdaRankIsoParams(AdaRankParams, IsoCParams):
+    pass
+
+
+@dataclass(frozen=True)
+class AdaRankCartParams(AdaRankParams, CartParams):
     pass
 
 
@@ -184,6 +199,8 @@ class Components:
     right: torch.Tensor
     rows: list[tuple[int, int, int]]
     """``(model or -1 for the sum, first component, count)`` of each recorded row of masks."""
+    offset: torch.Tensor | None = None
+    """Added as it is, outside λ and the masks (CART: the mean task matrix τ̄)."""
 
     @property
     def count(self) -> int:
@@ -206,6 +223,11 @@ def masked_matrix(components: Components, mask: torch.Tensor) -> torch.Tensor:
     return (components.left * (components.scale * mask)) @ components.right
 
 
+def _offset(base: torch.Tensor, part: Components) -> torch.Tensor:
+    """θ₀ plus what a matrix's merge adds outside λ and the masks (CART's τ̄; nothing for TSV-M and Iso-C)."""
+    return base if part.offset is None else base + part.offset
+
+
 def straight_through(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """1[logit > 0] exactly in the forward pass, the gradient of sigmoid(logit / T) in the backward pass."""
     import torch
@@ -218,6 +240,9 @@ class _AdaRank(LearnedMethod):
     reference = REFERENCE
     reference_url = REFERENCE_URL
     base_name: ClassVar[str]
+    rest_scaled: ClassVar[bool] = True
+    """Whether a tensor that is not a matrix merges as θ₀ + λ·part (and learns its own λ with ``learn_lam``); False:
+    θ₀ + part as it is (CART's average)."""
 
     def components(self, taus: torch.Tensor, params: MethodParams) -> Components | torch.Tensor:
         """The matrix's maskable components, or the fixed (unscaled) merged task matrix when it has none."""
@@ -253,7 +278,8 @@ class _AdaRank(LearnedMethod):
         rows: dict[str, list[tuple[int, int, int]]] = {}
         initial, start, masks = [], 0, 0
         for name, part in parts.items():
-            lams = (self.lams_per_matrix(q) if isinstance(part, Components) else 1) if params.learn_lam else 0
+            lams = (self.lams_per_matrix(q) if isinstance(part, Components) else int(self.rest_scaled)) \
+                if params.learn_lam else 0
             count = part.count if isinstance(part, Components) else 0
             if count + lams == 0:
                 slots[name] = None
@@ -273,13 +299,13 @@ class _AdaRank(LearnedMethod):
 
     def functional_tensor(self, base, part, values, params):
         if values is None:
-            return base + params.lam * part
+            return base + (params.lam if self.rest_scaled else 1) * part
         if not isinstance(part, Components):  # learn_lam: one λ for the tensor
             return base + values[0] * part
         mask = straight_through(values[:part.count], params.temperature)
         if params.learn_lam:
-            return base + masked_matrix(part, mask * component_coefficients(part, values[part.count:]))
-        return base + params.lam * masked_matrix(part, mask)
+            return _offset(base, part) + masked_matrix(part, mask * component_coefficients(part, values[part.count:]))
+        return _offset(base, part) + params.lam * masked_matrix(part, mask)
 
     def use_trained(self, ctx, layout, trained):
         recorded, state, lams = [], {}, {}
@@ -326,7 +352,9 @@ class _AdaRank(LearnedMethod):
         ctx.state[MASK_STATE] = recorded
         if ctx.params.learn_lam:
             lams = parse_lams(ctx.params.coefficients)
-            missing, unknown = sorted(set(names) - set(lams)), sorted(set(lams) - set(names))
+            # a tensor of CART's that is not a matrix learns none (checked per tensor when merged)
+            missing = sorted(set(names) - set(lams)) if self.rest_scaled else []
+            unknown = sorted(set(lams) - set(names))
             if missing or unknown:
                 raise InvalidParameterError(
                     f"The recorded coefficients do not fit these models: {len(missing)} changed tensors have none "
@@ -346,7 +374,7 @@ class _AdaRank(LearnedMethod):
             if dropped and any(dropped):
                 raise InvalidParameterError(f"The recorded masks drop components of {name!r}, which has none here; "
                                             "pass relearn=True.")
-            return base + (lams[0] if lams is not None else ctx.params.lam) * part
+            return base + (lams[0] if lams is not None else ctx.params.lam if self.rest_scaled else 1) * part
         mask = torch.ones(part.count, dtype=part.left.dtype, device=part.left.device)
         for model, first, count in part.rows:
             indices = dropped[max(model, 0)] if dropped else []
@@ -362,8 +390,8 @@ class _AdaRank(LearnedMethod):
                 raise InvalidParameterError(f"The recorded masks drop components of model {stray[0]} in {name!r}, "
                                             "which that model does not change; pass relearn=True.")
         if lams is not None:
-            return base + masked_matrix(part, mask * component_coefficients(part, lams))
-        return base + ctx.params.lam * masked_matrix(part, mask)
+            return _offset(base, part) + masked_matrix(part, mask * component_coefficients(part, lams))
+        return _offset(base, part) + ctx.params.lam * masked_matrix(part, mask)
 
     def _lams(self, name: str, part: Any, ctx: MergeContext) -> torch.Tensor | None:
         """The learned or recorded coefficients of tensor ``name`` (None without ``learn_lam``), checked against
@@ -373,7 +401,9 @@ class _AdaRank(LearnedMethod):
         if not ctx.params.learn_lam:
             return None
         values = ctx.state[LAM_STATE].get(name)
-        expected = self.lams_per_matrix(len(ctx.weights)) if isinstance(part, Components) else 1
+        expected = self.lams_per_matrix(len(ctx.weights)) if isinstance(part, Components) else int(self.rest_scaled)
+        if expected == 0 and values is None:
+            return None
         if values is None or len(values) != expected:
             raise InvalidParameterError(f"The recorded coefficients of {name!r} hold "
                                         f"{0 if values is None else len(values)} values, {expected} expected here; "
@@ -446,5 +476,38 @@ class AdaRankIso(_AdaRank):
         return 1
 
 
+class AdaRankCart(_AdaRank):
+    """AdaRank over CART: a mask per kept singular component of each centred task matrix, around the average."""
+
+    name = "adarank_cart"
+    pretty_name = "AdaRank (CART components)"
+    params_class = AdaRankCartParams
+    base_name = "CART"
+    rest_scaled = False
+
+    def _split(self, name, base, sources, ctx):
+        from .svd_ops import is_finite, is_matrix, weighted_task_vectors
+
+        taus = weighted_task_vectors(base, sources, ctx.weights)
+        mean = taus.mean(0)
+        if is_matrix(base) and is_finite(taus):
+            return self.components(taus.sub_(mean), ctx.params, mean)
+        return mean
+
+    def components(self, taus, params, mean=None):
+        from .cart import cart_components
+
+        left, sigmas, right = cart_components(taus, params.fraction)
+        k = len(sigmas) // len(taus)
+        return Components(left, sigmas, right, [(t, t * k, k) for t in range(len(taus))], offset=mean)
+
+    def recorded_rows(self, q: int) -> int:
+        return q
+
+    def lams_per_matrix(self, q: int) -> int:
+        return q
+
+
 register_merge_method(AdaRankTsv())
 register_merge_method(AdaRankIso())
+register_merge_method(AdaRankCart())

@@ -37,6 +37,15 @@ fine-tune changed, so fine-tunes of a few blocks are trimmed too); RegMean++ is 
 same unlabeled data, its merged task vector on TSV-M's λ grid (λ = 1: the published merge). Iso-C and RegMean++'s λ
 grid were added with each model's own data; the records made before measured the default without them (TSV-M,
 Iso-CTS, TIES, task arithmetic, RegMean++ at λ = 1)."""
+CANDIDATE_GRIDS: dict[str, dict[str, list[Any]]] = {
+    **DEFAULT_CANDIDATES,
+    "wudi": {"lam": [0.5, 0.75, 1.0, 1.25, 1.5, 2.0]},
+    "cart": {"lam": [0.5, 1.0, 1.5, 2.0, 2.5, 3.0]},
+}
+"""A method's grid when ``candidates`` names it without one: the defaults', and WUDI's and CART's (candidates by name
+only, not among the defaults until the records show they earn it; each grid holds its default λ). A calibrated
+merge is a candidate by its grid: ``{"tsv_m": {"calibrate": ["svc"], "lam": [...]}}``; λ then does not rescale one
+merge but is merged for each value, as for CART (:meth:`~hf_mloss.methods.MergeMethod.scales_with_lam`)."""
 FALLBACK = ("tsv_m", {"lam": 1.0})
 """The merge without data."""
 CRITERIA = ("output", "disagreement", "entropy", "mloss")
@@ -46,7 +55,7 @@ MAX_AUTO_CANDIDATES = 256
 @dataclass(frozen=True)
 class AutoParams(MethodParams):
     candidates: Any = param(None, "The methods to choose among: a list of names (each on its default grid, "
-                            "hf_mloss.methods.auto.DEFAULT_CANDIDATES, or its default parameters), or a mapping "
+                            "hf_mloss.methods.auto.CANDIDATE_GRIDS, or its default parameters), or a mapping "
                             "name -> grid ({'tsv_m': {'lam': [0.8, 1, 1.2]}, 'ties': {'k': [0.2], 'lam': [1]}}). "
                             "Default: TSV-M, Iso-C, Iso-CTS, TIES, task arithmetic and RegMean++ on λ grids.")
     criterion: str = param("output", "What ranks the candidates, lower is better (see hf_mloss.merging.selection): "
@@ -122,7 +131,7 @@ def candidate_grids(candidates: Any, budget: int | None = None) -> dict[str, dic
             _candidate_method(name, f"candidates[{i}]")
         if len(set(candidates)) < len(candidates):
             raise InvalidParameterError(f"candidates names a method twice: {list(candidates)}.")
-        candidates = {name: DEFAULT_CANDIDATES.get(name, {}) for name in candidates}
+        candidates = {name: CANDIDATE_GRIDS.get(name, {}) for name in candidates}
     out: dict[str, dict[str, list[Any]]] = {}
     given: dict[str, Any] = {}
     for name, grid in candidates.items():

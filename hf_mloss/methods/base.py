@@ -37,6 +37,9 @@ class MethodParams:
 
     def __post_init__(self) -> None:
         validate_fields(self)
+        if getattr(self, "alpha", None) is not None and getattr(self, "calibrate", "absent") is None:
+            raise InvalidParameterError(f"alpha={self.alpha} is Singular Value Calibration's floor and only applies "
+                                        "with calibrate='svc'; pass calibrate='svc' too (or drop alpha).")
         self.check()
 
     def check(self) -> None:
@@ -47,6 +50,11 @@ class MethodParams:
         """Build the parameters of ``method`` from keyword arguments, refusing unknown names with a suggestion."""
         names = [f.name for f in dataclasses.fields(cls)]
         for key in kwargs:
+            if key == "calibrate" and key not in names:
+                raise InvalidParameterError(
+                    f"calibrate: Singular Value Calibration rescales a merged task matrix θ − θ₀, and method "
+                    f"{method!r} does not yield one it could calibrate; the methods that take calibrate='svc' list "
+                    "it among their parameters (`hf-mloss methods`).")
             if key not in names:
                 hint = did_you_mean(key, names, {a: t for a, t in PARAMETER_ALIASES.items() if t in names})
                 valid = ", ".join(f"{n} (default {d!r})" for n, d in cls.shown_defaults().items()) or "none"
@@ -174,6 +182,12 @@ class MergeMethod:
 
     def make_params(self, **kwargs: Any) -> MethodParams:
         return self.params_class.from_kwargs(self.name, kwargs)
+
+    def scales_with_lam(self, parameters: Mapping[str, Any]) -> bool:
+        """Whether the merge with these parameter values is θ₀ + λ·τ with τ independent of λ: the label-free
+        searches then merge τ once and write every λ of a grid from it. False without a ``lam``, for a calibrated
+        merge (SVC acts on θ − θ₀ after λ), and for a method whose λ scales only part of θ − θ₀ (CART)."""
+        return "lam" in parameters and parameters.get("calibrate") is None
 
     def weighted_as(self, params: MethodParams) -> MergeMethod:
         """The method whose default weighting the merge used (itself; ``auto``: the method it chose)."""

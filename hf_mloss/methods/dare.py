@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from .._validation import param
 from .registry import register_merge_method
 from .base import MergeContext, MergeMethod, MethodParams
+from .svc import alpha_param, calibrate_param
 
 if TYPE_CHECKING:
     import torch
@@ -23,6 +24,10 @@ class DareParams(MethodParams):
     normalize: bool | None = param(None, "Divide by the (agreeing) weights' sum; default: on for dare_ties (the "
                                    "disjoint mean), off for dare_linear (a weighted sum). mergekit's default is off "
                                    "for both.")
+    calibrate: str | None = calibrate_param()
+    alpha: float | None = alpha_param(0.1)
+
+    SVC_ALPHA: ClassVar[float] = 0.1
 
 
 class Dare(MergeMethod):

@@ -32,11 +32,12 @@ and size of the task vectors, and the best λ can lie far above TIES's, so grids
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from .._validation import param
 from .registry import register_merge_method
 from .base import MergeContext, MergeMethod, MethodParams
+from .svc import alpha_param, calibrate_param
 
 if TYPE_CHECKING:
     import torch
@@ -52,11 +53,25 @@ class IsoCParams(MethodParams):
 
 
 @dataclass(frozen=True)
+class IsoCMergeParams(IsoCParams):
+    """``iso_c``'s parameters: Iso-C's (shared with AdaRank over Iso-C) and the calibration of its merge."""
+
+    calibrate: str | None = calibrate_param()
+    alpha: float | None = alpha_param(0.1)
+
+    SVC_ALPHA: ClassVar[float] = 0.1
+
+
+@dataclass(frozen=True)
 class IsoCtsParams(MethodParams):
     lam: float = param(1.0, "λ: θ = θ₀ + λ·τ_merged (the paper's α, tuned on held-out data there).")
     common_space_fraction: float = param(0.8, "Share of each matrix's rank given to the common subspace of the summed "
                                          "task matrix (the paper's default 0.8); the rest is split among the tasks.",
                                          low=0.0, high=1.0, low_open=True)
+    calibrate: str | None = calibrate_param()
+    alpha: float | None = alpha_param(0.2)
+
+    SVC_ALPHA: ClassVar[float] = 0.2
 
 
 class _Isotropic(MergeMethod):
@@ -82,7 +97,7 @@ class IsoC(_Isotropic):
 
     name = "iso_c"
     pretty_name = "Iso-C (isotropic merging in the common subspace)"
-    params_class = IsoCParams
+    params_class = IsoCMergeParams
 
     def merge_matrix(self, taus, params) -> torch.Tensor:
         return iso_c_matrix(taus.sum(0))

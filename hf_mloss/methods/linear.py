@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from .._validation import param
 from .registry import register_merge_method
 from .base import MergeContext, MergeMethod, MethodParams
+from .svc import alpha_param, calibrate_param
 
 if TYPE_CHECKING:
     import torch
@@ -15,7 +16,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class AverageParams(MethodParams):
-    pass
+    calibrate: str | None = calibrate_param()
+    alpha: float | None = alpha_param(0.1)
+
+    SVC_ALPHA: ClassVar[float] = 0.1
 
 
 class Average(MergeMethod):
@@ -36,6 +40,10 @@ class Average(MergeMethod):
 @dataclass(frozen=True)
 class TaskArithmeticParams(MethodParams):
     lam: float = param(0.3, "λ, the scale of the summed task vectors (the reference code's s·mean is λ = s/q).")
+    calibrate: str | None = calibrate_param()
+    alpha: float | None = alpha_param(0.1)
+
+    SVC_ALPHA: ClassVar[float] = 0.1
 
 
 class TaskArithmetic(MergeMethod):

@@ -6,11 +6,12 @@ Peers differ in small conventions; ``convention=`` reproduces each of them exact
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .._validation import param
 from .registry import register_merge_method
 from .base import MergeContext, MergeMethod, MethodParams
+from .svc import alpha_param, calibrate_param
 
 if TYPE_CHECKING:
     import torch
@@ -70,6 +71,10 @@ class TiesParams(MethodParams):
                         "fine-tunes, whose unchanged zeros would otherwise fill the budget).", choices=BUDGETS)
     normalize: bool = param(True, "Divide the agreeing entries by their weights' sum (the disjoint mean of TIES; "
                             "false: their plain sum, mergekit normalize: false).")
+    calibrate: str | None = calibrate_param()
+    alpha: float | None = alpha_param(0.1)
+
+    SVC_ALPHA: ClassVar[float] = 0.1
 
     @property
     def divide_by(self) -> str:

@@ -24,12 +24,13 @@ Weights α_p scale each task vector before the SVDs (fusion_bench's per-model ``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .._validation import param
 from ..errors import InvalidParameterError
 from .registry import register_merge_method
 from .base import MergeContext, MergeMethod, MethodParams
+from .svc import alpha_param, calibrate_param
 
 if TYPE_CHECKING:
     import torch
@@ -48,6 +49,16 @@ class TsvParams(MethodParams):
         return {"fraction": "1/q" if q is None else f"1/q = {1 / q:.4g}"}
 
 
+@dataclass(frozen=True)
+class TsvMergeParams(TsvParams):
+    """``tsv_m``'s parameters: TSV-M's (shared with AdaRank over TSV-M) and the calibration of its merge."""
+
+    calibrate: str | None = calibrate_param()
+    alpha: float | None = alpha_param(1.0)
+
+    SVC_ALPHA: ClassVar[float] = 1.0
+
+
 class TsvMerge(MergeMethod):
     """TSV-M: per layer matrix, the tasks' top singular vectors decorrelated and recombined."""
 
@@ -55,7 +66,7 @@ class TsvMerge(MergeMethod):
     pretty_name = "TSV-Merge"
     reference = "Gargiulo et al., Task Singular Vectors: Reducing Task Interference in Model Merging, CVPR 2025"
     reference_url = "https://arxiv.org/abs/2412.00081"
-    params_class = TsvParams
+    params_class = TsvMergeParams
     zero_delta_is_base = True
     default_weight = "one"
 

@@ -22,11 +22,11 @@ from ..errors import InvalidParameterError
 from ..loading.lora import (
     ADAPTER_CONFIG,
     ADAPTER_SAFETENSORS,
-    LINEAR_METHODS,
     PEFT_PREFIX,
     Ia3Adapter,
     LoraAdapter,
     LoraStore,
+    is_linear_merge,
 )
 
 if TYPE_CHECKING:
@@ -142,7 +142,7 @@ def plan_adapter_output(config: MergeConfig, inputs: RunInputs) -> AdapterPlan |
         raise InvalidParameterError(
             f"Inputs save full copies of {clash} (modules_to_save or bias='all'/'lora_only') that other inputs adapt "
             "with LoRA; one PEFT adapter cannot hold both. Write a full model (output='auto') instead.")
-    combination = config.combination or ("cat" if config.method in LINEAR_METHODS else "svd")
+    combination = config.combination or ("cat" if is_linear_merge(config.method, config.parameters) else "svd")
     if combination == "cat" and any(lora.use_dora for lora in adapters):
         raise InvalidParameterError("combination='cat' stacks LoRA factors, and DoRA inputs are not low-rank updates "
                                     "of the base; use combination='svd' (with lora_rank=...).")
@@ -157,7 +157,7 @@ def plan_adapter_output(config: MergeConfig, inputs: RunInputs) -> AdapterPlan |
                               f"adapter is written with rank {full}, which already holds each merged ΔW exactly.",
                               stacklevel=2)
             rank = full
-    linear = config.method in LINEAR_METHODS and not any(lora.use_dora for lora in adapters)
+    linear = is_linear_merge(config.method, config.parameters) and not any(lora.use_dora for lora in adapters)
     return AdapterPlan(targets=targets, copies=copies, adapters=adapters, combination=combination, rank=rank,
                        linear=linear)
 
@@ -184,7 +184,7 @@ def build_adapter_output(plan: AdapterPlan, config: MergeConfig, inputs: RunInpu
     errors: dict[str, float] = {}
     # A linear merge of LoRA inputs is B_cat·A_cat exactly: "cat" writes those factors, and "svd" factors them
     # through two thin QRs (no dense SVD of an out × in matrix). Other merges are factored from the dense ΔW.
-    factored = config.method in LINEAR_METHODS and not any(lora.use_dora for lora in plan.adapters)
+    factored = plan.linear
     coefficients = _linear_coefficients(config, inputs) if factored else None
     for name, module in plan.targets.items():
         delta = merged[name].float() - inputs.base.get_float(name, merged[name].device)

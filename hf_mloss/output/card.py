@@ -176,8 +176,12 @@ def shown_parameters(params: Any, q: int | None = None) -> dict[str, Any]:
     """A method's parameters as every surface shows them (card, CLI, ``hf-mloss methods``): a ``None`` that stands
     for a value resolved (TIES's ``scope`` from its convention, TSV-M's ``fraction`` as 1/q for ``q`` models), other
     unset optional ones left out."""
+    from ..methods.svc import calibrates, svc_alpha
+
     resolved = params.resolved_defaults(q) if hasattr(params, "resolved_defaults") else {}
     shown = {k: resolved.get(k, v) for k, v in params.to_dict().items()}
+    if calibrates(params):  # SVC's α as it ran (the method's default when unset)
+        shown["alpha"] = svc_alpha(params)
     if shown.get("coefficients"):  # a learned merge's coefficients: one row per tensor group, in the recipe
         rows = shown["coefficients"]
         shown["coefficients"] = f"{len(rows)} groups x {len(rows[0]) - 1} models (learned; in hf_mloss_config.yaml)"

@@ -443,18 +443,20 @@ class MergeConfig:
                 raise InvalidParameterError(f"slices[{s}].parameters: {err}") from None
 
     def _validate_adapter_output(self) -> None:
-        from ..loading.lora import LINEAR_METHODS
+        from ..loading.lora import LINEAR_METHODS, is_linear_merge
 
         if self.output != "adapter":
             if self.lora_rank is not None or self.combination is not None:
                 raise InvalidParameterError(f"lora_rank and combination describe an adapter output; pass "
                                             f"output='adapter' (got output={self.output!r}).")
             return
-        if self.combination == "cat" and self.method not in LINEAR_METHODS:
+        if self.combination == "cat" and not is_linear_merge(self.method, self.parameters):
+            what = ("is calibrated after the merge (calibrate=...)" if self.method in LINEAR_METHODS else
+                    "trims, elects signs or drops entries")
             raise InvalidParameterError(
                 f"combination='cat' is exact only for linear methods ({', '.join(LINEAR_METHODS)}); {self.method!r} "
-                "trims, elects signs or drops entries, so its merge is not a stack of the inputs' factors. Use "
-                "combination='svd' (with lora_rank=...).")
+                f"{what}, so its merge is not a stack of the inputs' factors. Use combination='svd' (with "
+                "lora_rank=...).")
         if self.combination == "cat" and self.lora_rank is not None:
             raise InvalidParameterError("combination='cat' writes the sum of the input ranks; lora_rank= applies to "
                                         "combination='svd' only.")
