@@ -237,3 +237,23 @@ def test_label_sets_the_version_and_changes_nothing_else(tmp_path):
     stored = json.loads(path.read_text())
     assert list(stored) == ["protocol", "command", "rows"] and stored["rows"] == record["rows"]
     assert (tmp_path / "regime_x.md").read_text() == f"# Title\n\n{R.label_line(R.LEGACY)}\n\nBody 1.23.\n"
+
+
+def test_a_verdict_records_line_survives_rendering_from_its_json(tmp_path):
+    """A verdict record's Markdown is rendered from its JSON's header: the label goes into the header too, so
+    ``report.render`` keeps the ``Protocol:`` line."""
+    import shutil
+
+    from benchmarks.suites.report import render
+
+    stem = "regime1440_verdicts_mties_4seeds_q8_blocks2"
+    for suffix in (".json", ".md"):
+        shutil.copyfile(R.RESULTS / f"{stem}{suffix}", tmp_path / f"regime_x{suffix}")
+    assert not R.label(tmp_path / "regime_x.json", R.LEGACY)  # committed records are labelled already
+    render(tmp_path / "regime_x.json")
+    assert (tmp_path / "regime_x.md").read_text() == (R.RESULTS / f"{stem}.md").read_text()
+    assert R.label(tmp_path / "regime_x.json", R.VERSION)  # relabelled: one line, replaced in both
+    md = (tmp_path / "regime_x.md").read_text()
+    assert md.count("Protocol: ") == 1 and R.label_line(R.VERSION) in md
+    render(tmp_path / "regime_x.json")
+    assert (tmp_path / "regime_x.md").read_text() == md

@@ -130,14 +130,17 @@ def protocol_records(results: Path = RESULTS) -> list[Path]:
 
 def legacy_records(document: Path = DOCUMENT) -> dict[str, str]:
     """record stem → label, for the records PROTOCOL.md lists under "Records made before": every backticked name of
-    a list item in a section whose heading names the label (``## Records made before v6 (label `pre-v6`)``)."""
+    a list item (and its indented continuation lines) in a section whose heading names the label
+    (``## Records made before v6 (label `pre-v6`)``)."""
     out: dict[str, str] = {}
-    label = None
+    label, in_item = None, False
     for line in document.read_text().splitlines():
         if line.startswith("#"):
             found = re.search(r"label `([^`]+)`", line)
             label = found[1] if found and line.lower().startswith("## records made before") else None
-        elif label and line.lstrip().startswith("- "):
+            continue
+        in_item = line.startswith("- ") or in_item and line.startswith("  ")
+        if label and in_item:
             for stem in re.findall(r"`([A-Za-z0-9_.\-]+)`", line):
                 out[stem] = label
     return out
@@ -156,14 +159,21 @@ def label(json_path: Path, version: str) -> bool:
     """Set ``protocol`` in a record's JSON (first key) and its Markdown's ``Protocol:`` line (after the title);
     returns whether anything changed. Numbers and every other field stay as they are."""
     record = json.loads(json_path.read_text())
-    changed = record.get("protocol") != version
+    wanted = label_line(version)
+    header = record.get("header")
+    if isinstance(header, list) and header:  # a verdict record's Markdown is rendered from it: the line goes in too
+        header = [line for line in header if not line.startswith("Protocol: ")]
+        header = [header[0], "", wanted, *header[1:]] if header[1:2] == [""] else [header[0], "", wanted, "",
+                                                                                  *header[1:]]
+    changed = record.get("protocol") != version or header is not None and header != record.get("header")
     if changed:
         record = {"protocol": version, **{k: v for k, v in record.items() if k != "protocol"}}
+        if header is not None:
+            record["header"] = header
         json_path.write_text(json.dumps(record, indent=1, ensure_ascii=not _has_unicode(json_path)) + "\n")
     md = json_path.with_suffix(".md")
     if md.exists():
         lines = md.read_text().split("\n")
-        wanted = label_line(version)
         at = next((i for i, line in enumerate(lines) if line.startswith("Protocol: ")), None)
         if at is not None and lines[at] != wanted:
             lines[at], changed = wanted, True
