@@ -821,8 +821,13 @@ def run_study(args: argparse.Namespace) -> None:
         bench = load_bench(args.suite, args.seeds, args.suite_cache, log, lever)
         truncate(bench, args.eval_images)
         study = Study(bench, args, log)
-        record = {"suite": args.suite, "seeds": args.seeds, "models": study.names, "config": bench.info["config"],
-                  "command": recorded_command(), "eval_images": args.eval_images, "num_samples": args.num_samples}
+        from benchmarks.suites import registered as R
+
+        # a study under the registered design is a v6 record; any other design is no registered protocol's
+        version = R.VERSION if getattr(args, "design", "") == "r6" else f"unregistered (design {args.design})"
+        record = {"protocol": version, "suite": args.suite, "seeds": args.seeds, "models": study.names,
+                  "config": bench.info["config"], "command": recorded_command(), "eval_images": args.eval_images,
+                  "num_samples": args.num_samples}
         if args.pairwise_from:  # (a) as an earlier run of the same study measured it (its record's JSON)
             earlier = json.loads(Path(args.pairwise_from).read_text())
             if earlier["models"] != study.names or earlier["num_samples"] != args.num_samples:
@@ -855,8 +860,11 @@ def finish(record: dict, load_start: tuple, start: float, args: argparse.Namespa
 
 def study_markdown(record: dict) -> str:
     pw = record["pairwise"]
+    from benchmarks.suites import registered as R
+
+    version = [R.label_line(record["protocol"]), ""] if "protocol" in record else []
     lines = [f"# Mergeability without labels on suite `{record['suite']}` ({len(record['models'])} fine-tunes)", "",
-             f"Command: `{record['command']}`. {describe_machine(record)} Total {record['total_s']:.0f} s.", "",
+             *version, f"Command: `{record['command']}`. {describe_machine(record)} Total {record['total_s']:.0f} s.", "",
              f"Fine-tunes: {', '.join(record['models'])}. M-Loss on {record['num_samples']} unlabeled scoring samples, one "
              f"common mix over every task (the same samples for every subset, from the tasks' train splits; "
              f"layers {pw['layers'][0]} … {pw['layers'][-1]}: the fine-tuned blocks); {pw['num_subsets_scored']} "
