@@ -83,6 +83,21 @@ def leaves(record: str) -> tuple[tuple[str, float], ...]:
     return tuple(out)
 
 
+TEXT_FIELDS = ("gates", "trim", "claim", "notes", "g6_gate", "g6_gate_ties_family", "g6_gate_without_svd")
+"""The string fields whose numbers are measurements a text may quote (a gate's value, a trim line, a note)."""
+
+
+@lru_cache(maxsize=None)
+def task_names(record: str) -> frozenset[str]:
+    """The task names of a record (the keys of its per-task accuracies)."""
+    names = set()
+    for path, _ in leaves(record):
+        steps = path.split("/")
+        if len(steps) > 2 and (steps[-2] == "test_per_task" or steps[0] == "replicates" and steps[-2] in ("val", "test")):
+            names.add(steps[-1])
+    return frozenset(names - {"*"})
+
+
 def selector(item) -> str | None:
     """``[a=x&b=y]`` for a list element with naming fields (a difference, a gate, a table row), else None."""
     if not isinstance(item, dict):
@@ -156,9 +171,16 @@ def proposals(quote: Quote, records: list[str], near: str, far: str, closest: st
     for record in records:
         bonus = 3.0 if record == closest else 0.0
         per_seed = re.search(r"\bseeds?\b|\breplicates?\b|\bper seed\b", near + " " + after)
+        tasks = task_names(record)
+        context = (near + " " + after).lower()
         for path, value in leaves(record):
-            if not per_seed and any(step in DEEP[:3] for step in path.split("/")):
+            steps = path.split("#")[0].split("/")
+            if not per_seed and any(step in DEEP[:3] for step in steps):
                 continue  # a per-replicate or per-setting value only where the text speaks of seeds
+            if steps[-1] in tasks and steps[-1] not in context:
+                continue  # one task's accuracy only where the text names the task
+            if "#" in path and not any(key in steps for key in TEXT_FIELDS) and not steps[0].startswith("g6"):
+                continue  # a number inside a string: only the strings that state measurements
             if quote.decimals and float(value).is_integer() and "#" not in path and not agrees(quote, 0.5 + value):
                 bonus_here = bonus - 2.0  # a count agrees with 0.00 or 3.0 only by chance
             else:

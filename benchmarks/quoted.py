@@ -61,8 +61,8 @@ UNIT = re.compile(r"\s?(?:%|×(?!\s?[\dλkp(])|x\b|s\b|ms\b|min\b|minutes\b|h\b|
 WORD_AFTER = re.compile(r"[A-Za-z_]")
 LEVEL = re.compile(r"\s?%\s*(?:\(|replicate|t\b|percentile|interval|confidence|bootstrap|Holm|level|model)")
 PARAMETER = re.compile(
-    r"(?:(?:(?<![\w'’])(?:k|e|q|s|K|t)|\b(?:lr|wise|scale|batch|density|epsilon|eps|head scale|weight decay|"
-    r"mask_init|num_samples|compare_samples|max_samples)|[λαεσ]|θ₀\s*\+|λ\s*×)\s*(?:=|∈|\{|\()?|"
+    r"(?:(?:(?<![\w'’])(?:k|e|q|K|t)|\b(?:lr|wise|scale|batch|density|epsilon|eps|head scale|weight decay|"
+    r"mask_init|num_samples|compare_samples|max_samples)|[αεσ]|θ₀\s*\+|λ\s*×)\s*(?:=|∈|\{)?|λ\s*(?:=|∈|\{|\()?|"
     r"(?<![\w'’])p\s*=)\s*$")
 """A parameter's name before its value: ``k = 0.2``, ``λ 1.3``, ``wise 0.65``; DARE's ``p`` only with ``=`` (a bare
 ``p 0.072`` is a p-value)."""
@@ -145,8 +145,15 @@ def blocks(text: str) -> list[tuple[str, int, int]]:
     return out
 
 
-def exemption(text: str, start: int, end: int, printed: str, before: str) -> str:
-    """Why the number ``printed`` at ``text[start:end]`` needs no binding ('' when it is a value)."""
+NAMED = re.compile(r"`(?:k|p|e|lam|lr|mask_init|init|density|weight|epsilon|scale|steps|budget|r|q|wise)`\s*[=:]?\s*$|"
+                   r"`[A-Za-z_][A-Za-z0-9_]*`\s*\(\s*$")
+"""A parameter named in code just before its value (```mask_init` 0.1``), or any identifier in code with its default
+in parentheses (```reduce_non_diagonal_ratio` (0.95)``)."""
+
+
+def exemption(text: str, start: int, end: int, printed: str, before: str, raw_before: str = "") -> str:
+    """Why the number ``printed`` at ``text[start:end]`` needs no binding ('' when it is a value); ``raw_before``:
+    the text before it with its code spans as written."""
     after = text[end:end + 24]
     sign = printed[0] in SIGNS
     body = printed.lstrip(SIGNS)
@@ -160,12 +167,12 @@ def exemption(text: str, start: int, end: int, printed: str, before: str) -> str
                                                                     before) or re.match(r"\s?\S*\s?or (?:more|less)\b",
                                                                                         after):
         return "rule"
-    if re.search(r"`\s*\(\s*$|\bdefaults?\s*(?:is|of|to)?\s*$|\b(?:start|init)\w*\s*(?:of|at|=)?\s*$", before) \
+    if re.search(r"\bdefaults?\s*(?:is|of|to)?\s*$|\b(?:start|init)\w*\s*(?:of|at|=)?\s*$|\{[^}]*$", before) \
             or "e" in body and re.search(r"(?:\bat|\+|`)\s*$", before):
         return "setting"  # a default after its name, `lr` 1e-3 or `r` (0.95); an initial value; lr at 1e-3
     if re.match(r"\d+$", body) and re.match(r"\s?×\s?\d", after) or re.match(r"\s?[MBK]\b(?! ?/)", after):
         return "count or name"  # a shape or a size: 3 × 3, 8 × 500, 494 M parameters, 13.8 M entries
-    if PARAMETER.search(before[-20:]):
+    if PARAMETER.search(before[-20:]) or not sign and NAMED.search(raw_before):
         return "setting"
     if re.search(r"(?<![\w'’])p\s*$", before) and not re.search(r"(?:Holm|permutation|unadjusted)\s+p\s*$", before) \
             and re.match(r"\s?(?:[-–/]\s?\d|,\s*λ|\)|\s+and\s+\d)", after):
@@ -191,7 +198,8 @@ def quotes(path: Path, repo: Path = REPO) -> list[Quote]:
             printed = (match["sign"] or "") + match["body"]
             glue = block[last:match.start()]
             before = block[max(0, match.start() - 40):match.start()]
-            why = exemption(block, match.start(), match.end(), printed, before)
+            why = exemption(block, match.start(), match.end(), printed, before,
+                            raw[max(0, start + match.start() - 40):start + match.start()])
             if previous_exempt in ("setting", "rule", "version or date") and LIST_GLUE.match(glue) and not why and \
                     not UNIT.match(block[match.end():match.end() + 12]):
                 why = previous_exempt  # the rest of a list of settings: k 0.12 / 0.15 / 0.2
