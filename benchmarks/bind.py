@@ -40,6 +40,7 @@ def named_records(text: str) -> list[str]:
             stems += sorted(p.stem for p in RESULTS.glob("*.json") if re.fullmatch(f".*{pattern}", p.stem))
         elif (RESULTS / f"{name}.json").exists():
             stems.append(name)
+    stems += [m for m in re.findall(r"`([A-Za-z0-9_.\-]+)`", text) if (RESULTS / f"{m}.json").exists()]  # a bare stem
     return list(dict.fromkeys(stems))
 
 
@@ -264,14 +265,19 @@ def bind(doc_path: Path, repo: Path = REPO, folder: Path | None = None) -> tuple
         records = named_records(raw[start:end]) or section_records[quote.heading] or everywhere
         following = re.split(r"[+−-]?\d", text[quote.offset + len(quote.printed):end], maxsplit=1)[0][:50]
         closest = nearest(raw, quote, records)
-        options = proposals(quote, records, near, far, closest, following)
-        if not options and records is not everywhere:
-            options = proposals(quote, everywhere, near, far)
         here = named_records(raw[start:end])
-        everything[quote.key] = [o for o in options if direct(o[2])]
-        options = [o for o in options if o[0] >= (MIN_SCORE if direct(o[2]) else MIN_DERIVED)
-                   or direct(o[2].removeprefix("-")) and (o[1] == closest and o[0] >= -1 or o[1] in here and o[0] >= 1
-                                                          or o[1] in section_records[quote.heading] and o[0] >= 1.5)]
+
+        def passing(options):
+            return [o for o in options if o[0] >= (MIN_SCORE if direct(o[2]) else MIN_DERIVED)
+                    or direct(o[2].removeprefix("-")) and (o[1] == closest and o[0] >= -1 or o[1] in here and o[0] >= 1
+                                                           or o[1] in section_records[quote.heading] and o[0] >= 1.5)]
+
+        found = proposals(quote, records, near, far, closest, following)
+        options = passing(found)
+        if not options and records is not everywhere:  # the section's records hold none: every record the text names
+            found = proposals(quote, everywhere, near, far, None, following)
+            options = passing(found)
+        everything[quote.key] = [o for o in found if direct(o[2])]
         pending.append((quote, options))
     chosen = {quote.key: coherent(quote, options, pending) for quote, options in pending if options}
     changed = True

@@ -312,7 +312,7 @@ def split_path(path: str) -> list[str]:
     return [*parts, current] if current else parts
 
 
-ALLOWED = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.USub, ast.UAdd,
+ALLOWED = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.Pow, ast.USub, ast.UAdd,
            ast.Constant, ast.Name, ast.Load, ast.Call, ast.Subscript)
 FUNCTIONS = {"abs": abs, "min": min, "max": max, "round": round, "mean": lambda *v: sum(v) / len(v)}
 
@@ -349,6 +349,11 @@ def agrees(quote: Quote | str, value: float) -> bool:
     return math.isfinite(value) and abs(value - number) <= tolerance * (1 + 1e-9) + 1e-12
 
 
+ARITHMETIC = "arithmetic"
+"""The record column of a number the text computes from constants it states (a FLOP count, a shape's size): its field
+is the computation, numbers only, which the check evaluates."""
+
+
 def check(doc_path: Path, repo: Path = REPO, folder: Path | None = None, results: Path | None = None) -> list[str]:
     """Every problem of one document: a value without a binding, a binding without a value, a field that does not
     resolve, a value that is not its field's."""
@@ -366,7 +371,8 @@ def check(doc_path: Path, repo: Path = REPO, folder: Path | None = None, results
         if binding.record.startswith("external:"):
             continue
         try:
-            value = evaluate(load_record(binding.record, results or RESULTS), binding.field)
+            record = {} if binding.record == ARITHMETIC else load_record(binding.record, results or RESULTS)
+            value = evaluate(record, binding.field)
         except (KeyError, IndexError, TypeError, ValueError, FileNotFoundError, ZeroDivisionError) as error:
             problems.append(f"{doc}:{quote.line}: {quote.printed}: {binding.record} {binding.field} does not "
                             f"resolve ({error})")
@@ -396,7 +402,7 @@ def where(spec: str) -> None:
             elif binding.record.startswith("external:"):
                 print(f"{quote.printed}: {binding.record} {binding.field}")
             else:
-                value = evaluate(load_record(binding.record), binding.field)
+                value = evaluate({} if binding.record == ARITHMETIC else load_record(binding.record), binding.field)
                 print(f"{quote.printed}: {binding.record} {binding.field} = {value:.6g}"
                       + ("" if agrees(quote, value) else "  MISMATCH"))
 
