@@ -84,6 +84,15 @@ def leaves(record: str) -> tuple[tuple[str, float], ...]:
     return tuple(out)
 
 
+NOISE = {**dict.fromkeys(("loadavg_end", "loadavg_start", "loadavg_before", "loadavg_after", "load_start", "load_end",
+                          "load_average_before", "contention", "machine"), r"\bload\b"),
+         **dict.fromkeys(("idle_cores", "other_cores", "others_cores"), r"\bcores?\b"),
+         "passes": r"\bpass", "target": r"\btarget",
+         **dict.fromkeys(("cpu_s", "cpu_sys_s", "inner_cpu_s", "total_cpu_in_child_s", "total_in_child_s"),
+                         r"\bcpu\b|\bCPU time"),
+         **dict.fromkeys(("vmrss_after_import_mb", "import_s"), r"\bimport")}
+"""Path steps of a run's circumstances, not its result (the machine's load, CPU time beside the wall time, a target
+the record states): bound only where the words around the number speak of them (the pattern)."""
 TEXT_FIELDS = ("gates", "trim", "claim", "notes", "g6_gate", "g6_gate_ties_family", "g6_gate_without_svd")
 """The string fields whose numbers are measurements a text may quote (a gate's value, a trim line, a note)."""
 
@@ -136,11 +145,18 @@ SYNONYMS = {"tuned": {"tuned", "scale"}, "ensemble": {"ensemble", "probabilities
             "average": {"average"}, "foreign": {"foreign"}, "regret": {"regret", "regrets"}}
 
 
+def interval_kind(step: str) -> set[str]:
+    """A replicate t interval's end (``t_low``) or an item bootstrap's (``low``), as a word the text's can match."""
+    return {"tinterval"} if step in ("t_low", "t_high") else {"bootinterval"} if step in ("low", "high") else set()
+
+
 def score(path: str, near: str, far: str, after: str = "") -> float:
     """How well a field's path fits the text around its number (``near``: the last few words before it; ``far``: the
     paragraph so far; ``after``: the words up to the next number)."""
-    parts = words(path)
+    parts = words(path) | interval_kind(path.split("#")[0].split("/")[-1])
     near_words, far_words, after_words = words(near), words(far), words(after)
+    near_words |= {"tinterval"} if re.search(r"\b(?:replicate )?t\b(?! 95)|\bHolm level", near[-40:]) else set()
+    near_words |= {"bootinterval"} if re.search(r"bootstrap", near[-40:]) else set()
     value = 2.0 * len(parts & near_words) + 0.5 * len(parts & far_words) + 1.5 * len(parts & after_words)
     steps = path.split("/")
     value -= 3.0 * sum(step in DEEP for step in steps) + 2.0 * (steps[0] == "pairwise" and len(steps) > 1 and
@@ -171,7 +187,8 @@ def proposals(quote: Quote, records: list[str], near: str, far: str, closest: st
     unsigned = quote.printed[0] not in "+−"
     for record in records:
         bonus = 3.0 if record == closest else 0.0
-        per_seed = re.search(r"\bseeds?\b|\breplicates?\b|\bper seed\b", near + " " + after)
+        per_seed = re.search(r"\bper (?:seed|replicate)\b|\bseeds? \d|\bon (?:every |each )?seed\b|\bone seed\b",
+                             near + " " + after)
         tasks = task_names(record)
         context = (near + " " + after).lower()
         for path, value in leaves(record):
@@ -182,6 +199,8 @@ def proposals(quote: Quote, records: list[str], near: str, far: str, closest: st
                 continue  # one task's accuracy only where the text names the task
             if "#" in path and not any(key in steps for key in TEXT_FIELDS) and not steps[0].startswith("g6"):
                 continue  # a number inside a string: only the strings that state measurements
+            if any(step in NOISE and not re.search(NOISE[step], context, re.I) for step in steps):
+                continue  # the machine's load, CPU time, a single pass: only where the text speaks of them
             if quote.decimals and float(value).is_integer() and "#" not in path and not agrees(quote, 0.5 + value):
                 bonus_here = bonus - 2.0  # a count agrees with 0.00 or 3.0 only by chance
             else:
@@ -211,7 +230,7 @@ def differences(quote: Quote, record: str, near: str, far: str, after: str = "")
     groups: dict[tuple[int, str], list[tuple[str, float]]] = defaultdict(list)
     for path, value in leaves(record):
         steps = path.split("/")
-        if any(step in DEEP for step in steps) or len(steps) > 6:
+        if any(step in DEEP or step in NOISE for step in steps) or len(steps) > 6:
             continue
         for i in range(len(steps)):
             groups[i, "/".join(steps[:i] + ["*"] + steps[i + 1:])].append((path, value))
@@ -326,7 +345,9 @@ def combined(quote: Quote, fields: list[tuple[float, str, str]]) -> tuple[float,
     for (_, ra, fa), (_, rb, fb) in itertools.permutations(fields, 2):
         if ra != rb or not (direct(fa) and direct(fb)):
             continue
-        for form in (f"{fa} - {fb}", f"{fa} / {fb}", f"({fa} + {fb}) / 2"):
+        if fa.strip("{}").split("/")[-1] != fb.strip("{}").split("/")[-1]:
+            continue  # a difference of two rows of one column only: "TSV-M − TIES" from two test means
+        for form in (f"{fa} - {fb}",):
             try:
                 if agrees(quote, evaluate(load_record(ra), form)):
                     return (0.0, ra, form)

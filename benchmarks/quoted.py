@@ -20,7 +20,7 @@ was printed when it was bound (for people, and for ``bind`` to carry bindings ov
 field: an expression over the record's JSON, e.g. ``{summary/tsv_m/test}``, ``-{differences/[a=m_ties&b=ties]/mean}``
 or ``100*{replicates/0/trim/ties}``. A path steps through keys and list indices separated by ``/``; ``[k=v&k2=v2]``
 picks the list element whose fields match; ``*`` takes the mean over the elements; ``#n`` after a string takes its
-n-th number. ``external:`` in place of a
+n-th number; ``{@other/path}`` reads another record (a ratio of two runs recorded apart). ``external:`` in place of a
 record binds a number to a cited source outside the repository (a paper), named in the field.
 
 **The check** (``tests/test_quoted_numbers.py``): every value has a binding, every binding a value, and each value
@@ -161,7 +161,7 @@ def exemption(text: str, start: int, end: int, printed: str, before: str, raw_be
         return "part of a name"
     if re.match(r"\d+$", body) and LEVEL.match(after):
         return "setting"
-    if VERSION.search(before[-24:]) or re.match(r"\d{4}-\d\d", text[start:start + 8]):
+    if VERSION.search(before[-24:]) or re.match(r"\d{4}-\d\d-\d\d", text[start:start + 10]):
         return "version or date"
     if COMPARISON.search(before[-16:]) or "e" in body and re.search(r"(?:within|asks for|tolerance|of|beyond)\s*$",
                                                                     before) or re.match(r"\s?\S*\s?or (?:more|less)\b",
@@ -178,7 +178,7 @@ def exemption(text: str, start: int, end: int, printed: str, before: str, raw_be
             and re.match(r"\s?(?:[-–/]\s?\d|,\s*λ|\)|\s+and\s+\d)", after):
         return "setting"  # DARE's keep probability in a setting or a range: p 0.7-0.9, p 0.8, λ 0.8
     decimal = "." in body or "e" in body
-    if not decimal and not sign and not UNIT.match(re.sub(r"^\s?[-–]\s?[+−]?\d+(?:\.\d+)?", "", after)):
+    if not decimal and not sign and not UNIT.match(re.sub(r"^(?:\s?(?:[-–/,]|and)\s?[+−]?\d+(?:\.\d+)?)+", "", after)):
         return "count or name"
     return ""
 
@@ -200,9 +200,9 @@ def quotes(path: Path, repo: Path = REPO) -> list[Quote]:
             before = block[max(0, match.start() - 40):match.start()]
             why = exemption(block, match.start(), match.end(), printed, before,
                             raw[max(0, start + match.start() - 40):start + match.start()])
-            if previous_exempt in ("setting", "rule", "version or date") and LIST_GLUE.match(glue) and not why and \
-                    not UNIT.match(block[match.end():match.end() + 12]):
-                why = previous_exempt  # the rest of a list of settings: k 0.12 / 0.15 / 0.2
+            if previous_exempt in ("setting", "rule", "version or date") and LIST_GLUE.match(glue) and \
+                    why in ("", "count or name") and not UNIT.match(block[match.end():match.end() + 12]):
+                why = previous_exempt  # the rest of a list of settings: k 0.12 / 0.15 / 0.2, λ 3 / 4 / 5.5
             context = mask(glue)[-40:]
             key = (anchor, context)
             seen[key] = seen.get(key, 0) + 1
@@ -318,7 +318,8 @@ FUNCTIONS = {"abs": abs, "min": min, "max": max, "round": round, "mean": lambda 
 
 
 def evaluate(record: dict, field: str) -> float:
-    """The value of a field expression: ``{path}`` terms with + − × ÷, ``abs``, ``min``, ``max``, ``mean``."""
+    """The value of a field expression: ``{path}`` terms (``{@record/path}``: another record's) with + − × ÷,
+    ``abs``, ``min``, ``max``, ``mean``."""
     paths: list[str] = []
 
     def name(match: re.Match) -> str:
@@ -330,7 +331,8 @@ def evaluate(record: dict, field: str) -> float:
         if not isinstance(node, ALLOWED) or isinstance(node, ast.Call) and getattr(node.func, "id", "") not in \
                 FUNCTIONS:
             raise ValueError(f"not allowed in a field: {ast.dump(node)[:60]}")
-    values = {f"_{i}": resolve(record, p) for i, p in enumerate(paths)}
+    values = {f"_{i}": resolve(load_record(p[1:].partition("/")[0]), p[1:].partition("/")[2]) if p.startswith("@")
+              else resolve(record, p) for i, p in enumerate(paths)}
     return float(eval(compile(tree, "field", "eval"), {"__builtins__": {}}, {**FUNCTIONS, **values}))
 
 
