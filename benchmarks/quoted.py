@@ -70,7 +70,7 @@ COMPARISON = re.compile(r"(?:[≥≤<>≲≳]|≥\s*[+−]|\btargets?(?:\s+of)?|
                         r"\bless\s+than|\bmore\s+than)\s*$")
 VERSION = re.compile(r"(?:transformers|torch|Python|python|mergekit|peft|fusion-bench|accelerate|datasets|numpy|"
                      r"huggingface_hub|safetensors|CUDA|cu|v|version|PEP|commit|issue|#)\s*(?:[<>=]=?\s*)?$")
-LIST_GLUE = re.compile(r"^\s*(?:[,/–\-…=]|and|or|to|×|and\s+\S+\s+and)?\s*$")
+LIST_GLUE = re.compile(r"^\s*(?:[,/–\-…=]|and|or|to|×|and\s+\S+\s+and)\s*$")
 
 
 @dataclass(frozen=True)
@@ -175,6 +175,7 @@ def exemption(text: str, start: int, end: int, printed: str, before: str, raw_be
     if PARAMETER.search(before[-20:]) or not sign and NAMED.search(raw_before):
         return "setting"
     if re.search(r"(?<![\w'’])p\s*$", before) and not re.search(r"(?:Holm|permutation|unadjusted)\s+p\s*$", before) \
+            and not re.search(r"[+−-]\d+(?:\.\d+)?\s*\(p\s*$", before) \
             and re.match(r"\s?(?:[-–/]\s?\d|,\s*λ|\)|\s+and\s+\d)", after):
         return "setting"  # DARE's keep probability in a setting or a range: p 0.7-0.9, p 0.8, λ 0.8
     decimal = "." in body or "e" in body
@@ -331,7 +332,7 @@ def evaluate(record: dict, field: str) -> float:
         if not isinstance(node, ALLOWED) or isinstance(node, ast.Call) and getattr(node.func, "id", "") not in \
                 FUNCTIONS:
             raise ValueError(f"not allowed in a field: {ast.dump(node)[:60]}")
-    values = {f"_{i}": resolve(load_record(p[1:].partition("/")[0]), p[1:].partition("/")[2]) if p.startswith("@")
+    values = {f"_{i}": resolve(load_record(p[1:].partition("/")[0], RESULTS), p[1:].partition("/")[2]) if p.startswith("@")
               else resolve(record, p) for i, p in enumerate(paths)}
     return float(eval(compile(tree, "field", "eval"), {"__builtins__": {}}, {**FUNCTIONS, **values}))
 

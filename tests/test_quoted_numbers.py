@@ -189,6 +189,9 @@ def test_a_value_without_a_binding_and_a_stale_binding_fail(tmp_path):
     ("k 0.12 / 0.15 / 0.2", "0.15", "setting"), ("`lr` 1e-3", "1e-3", "setting"), ("`r` (0.95)", "0.95", "setting"),
     ("the t 95 % interval", "95", "setting"), ("≥ 3 val points", "3", "rule"), ("target 1.5", "1.5", "rule"),
     ("within 1e-5", "1e-5", "rule"), ("transformers 4.57", "4.57", "version or date"),
+    ("on 2026-01-02", "2026", "version or date"), ("7540-7752 MB", "7540", ""), ("7540 and 7752 MB", "7540", ""),
+    ("λ 3 / 4 / 5.5 / 7.5", "5.5", "setting"), ("M-TIES − e = 0 −1.05 (", "−1.05", ""),
+    ("output gap +0.13 (p 0.34)", "0.34", ""), ("DARE-TIES (p 0.8)", "0.8", "setting"),
 ])
 def test_the_exemption_rule(text, number, exempt, tmp_path):
     """Values (a decimal point, a sign, a unit) are bound; counts, names, settings, rules and versions are not (a
@@ -197,3 +200,16 @@ def test_the_exemption_rule(text, number, exempt, tmp_path):
     doc.write_text(f"# P\n\nSome {text} here.\n")
     kinds = {q.exempt for q in Q.quotes(doc, tmp_path) if q.printed == number}
     assert kinds == ({exempt} if exempt != "not read" else set()), kinds
+
+
+def test_a_field_may_read_a_second_record(tmp_path, monkeypatch):
+    """``{@record/path}`` reads another record (a ratio of two runs recorded apart); a missing one does not resolve."""
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "a.json").write_text('{"score_s": 82.0}')
+    (results / "b.json").write_text('{"forward_s": 20.5}')
+    monkeypatch.setattr(Q, "RESULTS", results)
+    record = Q.load_record("a", results)
+    assert Q.evaluate(record, "{score_s} / (4 * {@b/forward_s})") == 1.0
+    with pytest.raises(KeyError):
+        Q.evaluate(record, "{@b/missing}")
