@@ -15,11 +15,23 @@ import itertools
 import math
 import re
 from collections import defaultdict
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
-from benchmarks.quoted import (BINDINGS, REPO, RESULTS, Binding, Quote, agrees, blanked, blocks, load_record, quotes,
-                               read_bindings, write_bindings)
+from benchmarks.quoted import (
+    BINDINGS,
+    REPO,
+    RESULTS,
+    Binding,
+    Quote,
+    agrees,
+    blanked,
+    blocks,
+    load_record,
+    quotes,
+    read_bindings,
+    write_bindings,
+)
 
 RECORD = re.compile(r"([A-Za-z0-9_.\-*…]+)\.(?:md|json)\b")
 MIN_SCORE, MIN_DERIVED = 3.0, 4.5
@@ -44,7 +56,7 @@ def named_records(text: str) -> list[str]:
     return list(dict.fromkeys(stems))
 
 
-@lru_cache(maxsize=None)
+@cache
 def leaves(record: str) -> tuple[tuple[str, float], ...]:
     """Every number of a record with its path: JSON numbers, and the numbers written inside its strings (``#n``)."""
     out: list[tuple[str, float]] = []
@@ -97,7 +109,7 @@ TEXT_FIELDS = ("gates", "trim", "claim", "notes", "g6_gate", "g6_gate_ties_famil
 """The string fields whose numbers are measurements a text may quote (a gate's value, a trim line, a note)."""
 
 
-@lru_cache(maxsize=None)
+@cache
 def task_names(record: str) -> frozenset[str]:
     """The task names of a record (the keys of its per-task accuracies)."""
     names = set()
@@ -199,7 +211,7 @@ def proposals(quote: Quote, records: list[str], near: str, far: str, closest: st
                 continue  # one task's accuracy only where the text names the task
             if "#" in path and not any(key in steps for key in TEXT_FIELDS) and not steps[0].startswith("g6"):
                 continue  # a number inside a string: only the strings that state measurements
-            if any(step in NOISE and not re.search(NOISE[step], context, re.I) for step in steps):
+            if any(step in NOISE and not re.search(NOISE[step], context, re.IGNORECASE) for step in steps):
                 continue  # the machine's load, CPU time, a single pass: only where the text speaks of them
             if quote.decimals and float(value).is_integer() and "#" not in path and not agrees(quote, 0.5 + value):
                 bonus_here = bonus - 2.0  # a count agrees with 0.00 or 3.0 only by chance
@@ -286,10 +298,10 @@ def bind(doc_path: Path, repo: Path = REPO, folder: Path | None = None) -> tuple
         closest = nearest(raw, quote, records)
         here = named_records(raw[start:end])
 
-        def passing(options):
+        def passing(options, closest=closest, here=here, section=section_records[quote.heading]):
             return [o for o in options if o[0] >= (MIN_SCORE if direct(o[2]) else MIN_DERIVED)
                     or direct(o[2].removeprefix("-")) and (o[1] == closest and o[0] >= -1 or o[1] in here and o[0] >= 1
-                                                           or o[1] in section_records[quote.heading] and o[0] >= 1.5)]
+                                                           or o[1] in section and o[0] >= 1.5)]
 
         found = proposals(quote, records, near, far, closest, following)
         options = passing(found)

@@ -39,7 +39,7 @@ import math
 import re
 import sys
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,8 +116,8 @@ def blanked(text: str) -> str:
     def blank(match: re.Match) -> str:
         return re.sub(r"[^\n]", " ", match.group(0))
 
-    text = re.sub(r"```.*?```", blank, text, flags=re.S)
-    text = re.sub(r"<!--.*?-->", blank, text, flags=re.S)
+    text = re.sub(r"```.*?```", blank, text, flags=re.DOTALL)
+    text = re.sub(r"<!--.*?-->", blank, text, flags=re.DOTALL)
     text = re.sub(r"`(?:[^`\n]|\n(?!\s*\n))+?`", lambda m: "`" + blank(m)[1:-1] + "`", text)  # "`r` (0.95)"
     return re.sub(r"\]\([^)\s]*\)", blank, text)
 
@@ -261,7 +261,7 @@ def write_bindings(doc: str, rows: list[Binding], folder: Path | None = None) ->
 
 
 # ------------------------------------------------------------------------------------------------------ the fields
-@lru_cache(maxsize=None)
+@cache
 def load_record(record: str, results: Path = RESULTS):
     return json.loads((results / f"{record}.json").read_text())
 

@@ -48,7 +48,7 @@ def axis(cell: str) -> list[float]:
 def problems(text: str) -> list[str]:
     """Where the document ``text`` differs from the registered values and from what the code builds."""
     out = []
-    version = re.search(r"^Protocol: (\S+)$", text, re.M)
+    version = re.search(r"^Protocol: (\S+)$", text, re.MULTILINE)
     if not version or version[1] != R.VERSION:
         out.append(f"version line: {version[1] if version else None} against {R.VERSION}")
     gates = {row[0]: row for row in table(section(text, "Gates"))}
@@ -64,7 +64,7 @@ def problems(text: str) -> list[str]:
     if set(gates) != {rule.gate for rule in R.GATES}:
         out.append(f"gates {sorted(gates)} against {[rule.gate for rule in R.GATES]}")
     grids = section(text, "Grids (design r6)")
-    ladder = re.search(r"^λ ladder: (.*)$", grids, re.M)
+    ladder = re.search(r"^λ ladder: (.*)$", grids, re.MULTILINE)
     if not ladder or tuple(float(v) for v in NUMBER.findall(ladder[1])) != R.LAMS:
         out.append(f"λ ladder {ladder[1] if ladder else None} against {R.LAMS}")
     built = {s.label: s for part in r6.PARTS for s in r6.specs(part, [10, 11])}
@@ -116,9 +116,9 @@ def test_the_document_states_what_the_code_registers():
 
 @pytest.mark.parametrize(("old", "new"), [
     ("| ≥ 30 |", "| ≥ 25 |"),                                   # a threshold
-    ("| G6 | the tuned ensemble − the best merge (every merge, each at its val-chosen setting) | ≥ 3 (with its t "
-     "interval above zero) | no |", "| G6 | the tuned ensemble − the best merge (every merge, each at its val-chosen "
-     "setting) | ≥ 3 (with its t interval above zero) | yes |"),  # a gate made blocking
+    (("| G6 | the tuned ensemble − the best merge (every merge, each at its val-chosen setting) | ≥ 3 (with its t "
+      "interval above zero) | no |"), ("| G6 | the tuned ensemble − the best merge (every merge, each at its val-chosen "
+                                       "setting) | ≥ 3 (with its t interval above zero) | yes |")),  # a gate made blocking
     ("λ ladder: 0.05, 0.1,", "λ ladder: 0.1,"),                  # a grid
     ("| `ties` | ties | scope global, budget changed | ladder | k: 0.05, 0.1, 0.2, 0.4 |",
      "| `ties` | ties | scope global, budget changed | ladder | k: 0.1, 0.2, 0.4 |"),
@@ -139,7 +139,7 @@ def test_the_code_reads_the_registered_values():
     from benchmarks.suites.stats import holm, item_bootstrap, paired_difference
 
     def replicate(seed: int, own: float) -> ReplicateResult:
-        row = lambda v: {"val": {"a": v, "b": v}}  # noqa: E731
+        row = lambda v: {"val": {"a": v, "b": v}}
         r = ReplicateResult(seed=seed)
         r.reference = {"pretrained heads": row(0.2), "fine-tuned (own task)": row(own),
                        "ensemble (probabilities)": row(0.6)}

@@ -138,7 +138,7 @@ def test_study_selection_searches_the_r6_grids():
     bench = types.SimpleNamespace(cfg=types.SimpleNamespace(frozen=10, num_layers=12))
     methods = regret_methods(bench, ("a", "b"), "real-regime", "r6")
     assert methods["tsv_m"][2] == {"lam": list(R.LAMS)} and methods["ties"][2]["k"] == list(R.KS)
-    name, params, grid = methods["m_ties"]
+    _, params, grid = methods["m_ties"]
     assert params["e"] == R.E_MAX and grid["k"] == [0.2, 0.4] and grid["lam"] == list(R.LAMS)
 
 

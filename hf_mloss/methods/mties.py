@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING
 
 from .._validation import param
 from ..errors import InvalidParameterError
-from .scoring import PREFIXES, ScoringOptions
-from .registry import register_merge_method
 from .base import LayerHooks, LayerwiseRun, MergeContext, MergeMethod, MethodParams
+from .registry import register_merge_method
+from .scoring import PREFIXES, ScoringOptions
 
 if TYPE_CHECKING:
     import torch
