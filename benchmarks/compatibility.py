@@ -356,13 +356,15 @@ def pairwise_part(study: Study, args: argparse.Namespace) -> dict:
         return get
 
     tables = correlation_tables(study, observations, lookup, perms, args)
-    return {"tables": tables, "compat_seconds": round(compat_s, 1), "num_subsets_scored": len(report.subsets),
-            "report_timings": report.timings, "layers": report.layers, "subsets": subsets,
-            "observations": {kind: [{"models": [study.names[p] for p in o], "scores": {sc: lookup(sc)(o)
-                                                                                        for sc in SCORES},
-                                     **{t: study.subset_accuracy(o)[t] for t in TARGETS}} for o in obs]
-                             for kind, obs in observations.items()},
-            "own_accuracy": {study.names[p]: a for p, a in study.own.items()}}
+    out = {"tables": tables, "compat_seconds": round(compat_s, 1), "num_subsets_scored": len(report.subsets),
+           "report_timings": report.timings, "layers": report.layers, "subsets": subsets,
+           "observations": {kind: [{"models": [study.names[p] for p in o], "scores": {sc: lookup(sc)(o)
+                                                                                       for sc in SCORES},
+                                    **{t: study.subset_accuracy(o)[t] for t in TARGETS}} for o in obs]
+                            for kind, obs in observations.items()},
+           "own_accuracy": {study.names[p]: a for p, a in study.own.items()}}
+    out["contrasts"] = contrast_table(out, study.names, seed=args.seed)
+    return out
 
 
 def correlation_tables(study: Study, observations: dict, lookup, subset_perms, args) -> list[dict]:
@@ -399,6 +401,73 @@ def correlation_tables(study: Study, observations: dict, lookup, subset_perms, a
     return rows
 
 
+CONTRASTS = (("mloss", "output_gap"), ("mloss_ratio", "output_gap"), ("mloss_normalized", "output_gap"))
+"""The direct test of M-Loss against the output gap as a predictor: each M-Loss score against the gap, which needs no
+layer scoring (:func:`contrast_table`). The registered one (benchmarks/PROTOCOL.md) is the first, over all pairs,
+against the shortfall from the ensemble; the others are reported beside it."""
+
+
+def contrast_table(pairwise: dict, models: list[str], *, draws: int | None = None, seed: int = 0) -> list[dict]:
+    """For each of :data:`CONTRASTS`, group of pairs (all, cross-task) and target: |ρ(a, target)| − |ρ(b,
+    target)| over the pairs, and the same difference of the partial ρ given the task-vector distance, each with its
+    percentile interval when the models are resampled with replacement (one resample for both scores, a pair entering
+    as often as the product of its members' counts, as :func:`model_bootstrap`), from the stored observations alone.
+    ``draws``: the registered :data:`benchmarks.suites.registered.MODEL_BOOTSTRAP` by default."""
+    import numpy as np
+
+    from benchmarks.suites import registered as R
+
+    draws = R.MODEL_BOOTSTRAP if draws is None else draws
+    index = {name: i for i, name in enumerate(models)}
+    pairs = pairwise["observations"]["pairs"]
+    members = [[index[m] for m in o["models"]] for o in pairs]
+    cross = [len({models[i].split("/")[0] for i in m}) > 1 for m in members]
+    q, tail = len(models), (1 - R.LEVEL) / 2
+    rows = []
+    for group, keep in (("all pairs", [True] * len(pairs)), ("cross-task pairs", cross)):
+        chosen = [i for i, k in enumerate(keep) if k]
+        for target in TARGETS:
+            y = np.array([pairs[i][target] for i in chosen])
+            z = np.array([pairs[i]["scores"][CONTROL] for i in chosen])
+            for a, b in CONTRASTS:
+                xa = np.array([pairs[i]["scores"][a] for i in chosen])
+                xb = np.array([pairs[i]["scores"][b] for i in chosen])
+                rng = np.random.default_rng(seed)
+                sampled = []
+                for _ in range(draws):
+                    counts = rng.multinomial(q, np.full(q, 1 / q))
+                    weights = np.array([int(np.prod(counts[members[i]])) for i in chosen])
+                    if weights.sum() >= 4:
+                        sampled.append(abs_rho_deltas(xa, xb, y, z, weights))
+                sampled = np.array([v for v in sampled if not np.isnan(v).any()])
+                raw, partial = abs_rho_deltas(xa, xb, y, z)
+                low, high = np.quantile(sampled, [tail, 1 - tail], axis=0)
+                rows.append({"group": group, "n": len(chosen), "target": target, "a": a, "b": b,
+                             "rho_a": spearman(xa, y), "rho_b": spearman(xb, y),
+                             "partial_a": partial_spearman(xa, y, z), "partial_b": partial_spearman(xb, y, z),
+                             "delta": raw, "low": float(low[0]), "high": float(high[0]),
+                             "partial_delta": partial, "partial_low": float(low[1]), "partial_high": float(high[1]),
+                             "draws": len(sampled), "seed": seed,
+                             "registered": group == "all pairs" and target == "ens_gap" and (a, b) == CONTRASTS[0]})
+    return rows
+
+
+def abs_rho_deltas(xa, xb, y, z, weights=None) -> tuple[float, float]:
+    """|ρ(xa, y)| − |ρ(xb, y)| and the same of the partial ρ given z; integer ``weights`` repeat observations."""
+    import numpy as np
+
+    def rep(v):
+        return v if weights is None else np.repeat(v, weights)
+
+    y, z = rep(y), rep(z)
+    raw = abs(spearman(rep(xa), y)) - abs(spearman(rep(xb), y))
+    return raw, abs(partial_spearman(rep(xa), y, z)) - abs(partial_spearman(rep(xb), y, z))
+
+
+def contrast_verdict(low: float, high: float, a: str, b: str) -> str:
+    return f"{a} higher" if low > 0 else f"{b} higher" if high < 0 else "not separated"
+
+
 def holm_partial(rows: list[dict]) -> None:
     """Holm-adjusted p of every M-Loss score's partial tests (given distance, given cosine) in the table: the family
     a claim "M-Loss says more than the task vectors" rests on."""
@@ -428,6 +497,18 @@ def regret_methods(bench, tasks: tuple[str, ...], suite: str = "", design: str =
     """
     import dataclasses
 
+    if suite == "real-regime" and design == "r6":
+        from benchmarks.suites import r6
+        from benchmarks.suites import registered as R
+        from benchmarks.suites.regime import SVD_MERGES
+
+        trained = list(range(bench.cfg.frozen, bench.cfg.num_layers))
+        found = {s.label: (s.method, dict(s.params), dict(s.grid))
+                 for s in [*r6.specs("base", trained), *r6.specs("mties", trained)]}
+        method, params, grid = found["m_ties"]  # selection searches a product grid: the settings where e = 0.1
+        found["m_ties"] = (method, {**params, "e": R.E_MAX},
+                           {**grid, "k": [k for k in grid["k"] if R.spread(k) == R.E_MAX]})
+        return {label: found[label] for label in (*REGRET_LABELS, *SVD_MERGES)}
     if suite == "real-regime" and design == "r5":
         from benchmarks.suites.regime import SVD_MERGES, round5_specs
 
@@ -740,8 +821,13 @@ def run_study(args: argparse.Namespace) -> None:
         bench = load_bench(args.suite, args.seeds, args.suite_cache, log, lever)
         truncate(bench, args.eval_images)
         study = Study(bench, args, log)
-        record = {"suite": args.suite, "seeds": args.seeds, "models": study.names, "config": bench.info["config"],
-                  "command": recorded_command(), "eval_images": args.eval_images, "num_samples": args.num_samples}
+        from benchmarks.suites import registered as R
+
+        # a study under the registered design is a v6 record; any other design is no registered protocol's
+        version = R.VERSION if getattr(args, "design", "") == "r6" else f"unregistered (design {args.design})"
+        record = {"protocol": version, "suite": args.suite, "seeds": args.seeds, "models": study.names,
+                  "config": bench.info["config"], "command": recorded_command(), "eval_images": args.eval_images,
+                  "num_samples": args.num_samples}
         if args.pairwise_from:  # (a) as an earlier run of the same study measured it (its record's JSON)
             earlier = json.loads(Path(args.pairwise_from).read_text())
             if earlier["models"] != study.names or earlier["num_samples"] != args.num_samples:
@@ -774,8 +860,11 @@ def finish(record: dict, load_start: tuple, start: float, args: argparse.Namespa
 
 def study_markdown(record: dict) -> str:
     pw = record["pairwise"]
+    from benchmarks.suites import registered as R
+
+    version = [R.label_line(record["protocol"]), ""] if "protocol" in record else []
     lines = [f"# Mergeability without labels on suite `{record['suite']}` ({len(record['models'])} fine-tunes)", "",
-             f"Command: `{record['command']}`. {describe_machine(record)} Total {record['total_s']:.0f} s.", "",
+             *version, f"Command: `{record['command']}`. {describe_machine(record)} Total {record['total_s']:.0f} s.", "",
              f"Fine-tunes: {', '.join(record['models'])}. M-Loss on {record['num_samples']} unlabeled scoring samples, one "
              f"common mix over every task (the same samples for every subset, from the tasks' train splits; "
              f"layers {pw['layers'][0]} … {pw['layers'][-1]}: the fine-tuned blocks); {pw['num_subsets_scored']} "
@@ -809,9 +898,34 @@ def study_markdown(record: dict) -> str:
               "Partial ρ: Spearman correlation of the score and the target with the task-vector distance's ranks "
               "regressed out of both; its p permutes model identities of the score with target and distance in place. "
               "Same-task AUC: P(a same-task pair looks more compatible than a cross-task pair)."]
+    lines += contrast_markdown(pw.get("contrasts", []))
     if "regret" in record:
         lines += regret_markdown(record["regret"])
     return "\n".join(lines) + "\n"
+
+
+def contrast_markdown(rows: list[dict]) -> list[str]:
+    """The direct test of M-Loss against the output gap (:func:`contrast_table`)."""
+    if not rows:
+        return []
+    draws = rows[0]["draws"]
+    lines = ["", "## M-Loss against the output gap as a predictor (direct test)", "",
+             ("Δ|ρ| = |ρ(M-Loss score, target)| − |ρ(output gap, target)| over the same pairs, and the same difference "
+              "of the partial ρ given the task-vector distance; 95 % percentile intervals over resamples of the models "
+              f"(both scores on each resample; {draws} usable resamples of the models with replacement, a pair "
+              "entering as often as the product of its members' counts). The "
+              "registered test (benchmarks/PROTOCOL.md) is marked **registered**; the others are reported beside it, "
+              "uncorrected."), "",
+             ("| observations | n | target | scores | ρ (a / b) | Δ|ρ| | 95 % interval | partial ρ (a / b) | Δ|partial ρ| | "
+              "95 % interval | verdict (Δ|ρ|) |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        mark = " **registered**" if r.get("registered") else ""
+        lines.append(f"| {r['group']} | {r['n']} | {TARGETS.get(r['target'], r['target'])} | {r['a']} vs "
+                     f"{r['b']}{mark} | {r['rho_a']:+.2f} / {r['rho_b']:+.2f} | {r['delta']:+.2f} | "
+                     f"[{r['low']:+.2f}, {r['high']:+.2f}] | {r['partial_a']:+.2f} / {r['partial_b']:+.2f} | "
+                     f"{r['partial_delta']:+.2f} | [{r['partial_low']:+.2f}, {r['partial_high']:+.2f}] | "
+                     f"{contrast_verdict(r['low'], r['high'], r['a'], r['b'])} |")
+    return lines
 
 
 def regret_markdown(regret: dict) -> list[str]:
@@ -867,6 +981,8 @@ def run_render(args: argparse.Namespace) -> None:
         path = Path(path)
         record = json.loads(path.read_text())
         holm_partial(record["pairwise"]["tables"])
+        if args.contrasts:
+            record["pairwise"]["contrasts"] = contrast_table(record["pairwise"], record["models"])
         path.write_text(json.dumps(record, indent=1) + "\n")
         path.with_suffix(".md").write_text(study_markdown(record))
         print(f"rendered {path.with_suffix('.md')}")
@@ -880,6 +996,8 @@ def write(name: str, record: dict, markdown: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks.suites import registered as R
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="part", required=True)
     cost = sub.add_parser("cost", help="report and selection cost vs score() and one M-TIES merge")
@@ -891,6 +1009,8 @@ def main(argv: list[str] | None = None) -> int:
     cost.set_defaults(func=run_cost)
     render = sub.add_parser("render", help="rewrite a study record's Markdown from its JSON (nothing re-measured)")
     render.add_argument("records", nargs="+", type=Path)
+    render.add_argument("--contrasts", action="store_true",
+                        help="add the direct test of M-Loss against the output gap, from the stored observations")
     render.set_defaults(func=run_render)
     study = sub.add_parser("study", help="label-free scores vs merged accuracy, and selection regret, on a suite")
     study.add_argument("--suite", default="real-quick",
@@ -905,8 +1025,8 @@ def main(argv: list[str] | None = None) -> int:
     study.add_argument("--eval-images", type=int, default=None, help="val/test images per task (default: all)")
     study.add_argument("--subsets-per-size", type=int, default=12)
     study.add_argument("--subset-permutations", type=int, default=49)
-    study.add_argument("--pair-permutations", type=int, default=9999)
-    study.add_argument("--bootstrap", type=int, default=2000)
+    study.add_argument("--pair-permutations", type=int, default=R.PAIR_PERMUTATIONS)
+    study.add_argument("--bootstrap", type=int, default=R.MODEL_BOOTSTRAP)
     study.add_argument("--regret-subsets", type=int, default=1, help="random 4-task merges per replicate")
     study.add_argument("--regret-replicates", type=int, default=None, help="replicates whose merges (b) uses (all)")
     study.add_argument("--regret-images", type=int, default=250, help="val/test images per task in (b)")
@@ -915,8 +1035,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="take (a) from an earlier record's JSON of the same study (then only (b) runs)")
     study.add_argument("--frozen", type=int, default=None, help="real-regime: lower blocks frozen (default its 8)")
     study.add_argument("--steps", type=int, default=None, help="real-regime: fine-tuning steps (default its 180)")
-    study.add_argument("--design", default="r4", choices=("r4", "r5"),
-                       help="real-regime: the grids of (b): the lever map's (r4) or round 5's (r5)")
+    study.add_argument("--design", default="r4", choices=("r4", "r5", "r6"),
+                       help="real-regime: the grids of (b): the lever map's (r4), round 5's (r5) or the registered "
+                            "protocol's (r6, benchmarks/PROTOCOL.md)")
     study.add_argument("--seed", type=int, default=0)
     study.add_argument("--threads", type=int, default=2)
     study.add_argument("--record", default=None, help="record name under benchmarks/results (default: from the suite)")

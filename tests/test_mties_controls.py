@@ -53,3 +53,48 @@ def test_uniform_rank_keeps_the_mean_ratio_on_every_node(tiny_paths, image_folde
     outside = [n for n in sd_r if "fc1" not in n and sd_r[n].is_floating_point()]
     assert len(outside) > 10 and all(torch.equal(sd_r[n], sd_u[n]) for n in outside)
     assert not torch.equal(sd_r[f"{FC1[0]}.weight"], sd_u[f"{FC1[0]}.weight"])
+
+
+def _disjoint_merge(base: torch.Tensor, taus: list[torch.Tensor], keep: float) -> torch.Tensor:
+    """Per-tensor TIES by hand: each τ keeps its floor(numel·keep) largest magnitudes, the sign of Σ τ is elected
+    (+1 on a zero sum), and the entries that agree with it are averaged (λ = 1, uniform weights)."""
+    trimmed = []
+    for tau in taus:
+        m = int(tau.numel() * keep)
+        flat = tau.flatten().double()
+        threshold = flat.abs().sort(descending=True).values[m - 1] if m > 0 else float("inf")
+        trimmed.append(torch.where(flat.abs() >= threshold, flat, torch.zeros_like(flat)))
+    stack = torch.stack(trimmed)
+    sign = torch.where(stack.sum(0) >= 0, 1.0, -1.0)
+    agree = (torch.sign(stack) == sign) & (stack != 0)
+    mean = (stack * agree).sum(0) / agree.sum(0).clamp(min=1)
+    return (base.double().flatten() + mean).reshape(base.shape)
+
+
+def test_tensor_rank_is_per_tensor_ties_at_the_budget(tiny_paths, image_folder) -> None:
+    """``rank="tensor"``: the budget-matched per-tensor control — each tensor of a scored group (fc1's weight and
+    bias) is trimmed as a whole at k − e/2, M-TIES's mean keep ratio, with no ranks and no rows; every other tensor
+    keeps k, as in M-TIES. With e = 0 it is the e = 0 control, and so per-tensor TIES, bit for bit."""
+    from safetensors.torch import load_file
+
+    base, models = tiny_paths
+    k, e = 0.5, 0.2
+    common = {"data": str(image_folder), "progress": False, "seed": 3, **IMG}
+    tensor = hf_mloss.merge(base, models, "m_ties", k=k, e=e, rank="tensor", **common)
+    uniform = hf_mloss.merge(base, models, "m_ties", k=k, e=e, rank="uniform", **common)
+    states = [load_file(f"{folder}/model.safetensors") for folder in (base, *models)]
+    merged = tensor.model.state_dict()
+    for layer in FC1:
+        assert torch.equal(tensor.report.keep_ratios[layer], torch.full_like(tensor.report.keep_ratios[layer],
+                                                                             k - e / 2))
+        for part in ("weight", "bias"):
+            name = f"{layer}.{part}"
+            expected = _disjoint_merge(states[0][name], [s[name] - states[0][name] for s in states[1:]], k - e / 2)
+            torch.testing.assert_close(merged[f"{layer}.{part}"].double(), expected, atol=1e-6, rtol=0)
+    sd_u = uniform.model.state_dict()
+    outside = [n for n in merged if "fc1" not in n and merged[n].is_floating_point()]
+    assert len(outside) > 10 and all(torch.equal(merged[n], sd_u[n]) for n in outside)
+    assert not torch.equal(merged[f"{FC1[0]}.weight"], sd_u[f"{FC1[0]}.weight"])  # whole tensor, not row by row
+    zero = hf_mloss.merge(base, models, "m_ties", k=k, e=0.0, rank="tensor", **common).model.state_dict()
+    ties = hf_mloss.merge(base, models, "ties", k=k, scope="tensor", progress=False).model.state_dict()
+    assert all(torch.equal(zero[n], ties[n]) for n in ties if ties[n].is_floating_point())

@@ -1,144 +1,215 @@
-"""Every measured number the README and docs/*.md quote comes from a committed record they name.
+"""Every number the docs quote is bound to one record and one field of it, and agrees with it, sign included, at the
+precision printed (:mod:`benchmarks.quoted`; the bindings: ``benchmarks/bindings/``).
 
-A *measured number* is a decimal with two or more digits after the point (an accuracy, a difference, a ratio, a
-p-value: 79.33, −14.91, 0.056) or a duration in seconds ("470 s"). It must appear, to the digits quoted, in one of the
-records (``benchmarks/results/*.md`` / ``.json``) named in the same paragraph or list item, else in one named in the
-same section. Code (and a parameter's default in parentheses after its name in code), versions (transformers 4.57)
-and parameters written with one decimal (k = 0.2) are not measured numbers. A
-measured number quoted next to no record fails: a sentence says only what a record shows.
+The check runs on every document it covers (README.md, docs/*.md, benchmarks/README.md, the notes
+benchmarks/results/*_notes.md). Mutation tests copy the documents and change them as a careless edit would — a sign
+flipped, the numbers of two rows swapped, a digit shifted, a number replaced by another — and the check must fail
+at every change (a swap or replacement that leaves the printed value as it was changes nothing and is not drawn).
 """
 
 from __future__ import annotations
 
 import json
-import math
-import re
-from functools import lru_cache
+import random
+import shutil
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-RECORD = re.compile(r"([A-Za-z0-9_.\-]+)\.(?:md|json)\b")
-NUMBER = re.compile(r"(?<![\w.\-/])([+\-−]?)(\d+\.\d{2,}|\d+(?:\.\d+)?(?= s\b))(?![\w.]*\.\d)")
-CODE = re.compile(r"`[^`]*`(?:\s*\([^)]*\))?")  # a code span, and a default in parentheses after it
-VERSION = re.compile(r"(?:transformers|torch|Python|mergekit|peft|fusion-bench|accelerate|datasets|huggingface_hub)"
-                     r"\s*(?:[<>=]=?\s*)?$")
+from benchmarks import quoted as Q
+
+DOCS = Q.documents()
 
 
-def paragraphs(text: str) -> list[tuple[str, str]]:
-    """``(section heading, paragraph or list item)`` pairs of a Markdown text, code blocks removed."""
-    text = re.sub(r"```.*?```", "", text, flags=re.S)
-    out, heading, block = [], "", []
-    for line in text.splitlines() + [""]:
-        starts_item = re.match(r"\s*(?:[-*] |\d+\. |\|)", line)
-        if line.startswith("#") or not line.strip() or starts_item:
-            if block:
-                out.append((heading, " ".join(block)))
-            block = []
-            if line.startswith("#"):
-                heading = line
-            elif line.strip():
-                block = [line]
-            continue
-        block.append(line)
-    return out
+@pytest.mark.parametrize("doc", DOCS, ids=[str(d.relative_to(Q.REPO)) for d in DOCS])
+def test_every_quoted_value_is_bound_and_agrees(doc):
+    problems = Q.check(doc)
+    assert not problems, f"{len(problems)} problem(s):\n" + "\n".join(problems[:40])
 
 
-def named_records(text: str) -> set[Path]:
-    """The committed records a text names (by file name, with or without its folder)."""
-    names = set()
-    for match in RECORD.finditer(text):
-        stem = match.group(1).split("/")[-1]
-        for suffix in (".md", ".json"):
-            path = RESULTS / f"{stem}{suffix}"
-            if path.exists():
-                names.add(path)
-    return names
+def _copy(tmp_path: Path) -> Path:
+    """The documents, copied to a repository of their own (the bindings and the records stay where they are)."""
+    for doc in DOCS:
+        target = tmp_path / doc.relative_to(Q.REPO)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(doc, target)
+    return tmp_path
 
 
-def measured(text: str) -> list[str]:
-    """The measured numbers of a paragraph (signs kept; code spans, parameters' defaults after them and versions
-    left out)."""
-    text = CODE.sub(" ", text)
-    return [match.group(1).replace("−", "-") + match.group(2) for match in NUMBER.finditer(text)
-            if not VERSION.search(text[max(0, match.start() - 40):match.start()])]
+def _values() -> list[Q.Quote]:
+    return [q for doc in DOCS for q in Q.quotes(doc) if not q.exempt]
 
 
-@lru_cache(maxsize=None)
-def record_numbers(path: Path) -> tuple[str, tuple[float, ...]]:
-    """A record's text and every number in it (JSON values and numbers written in the text)."""
+def _mutated(repo: Path, quote: Q.Quote, new: str) -> list[str]:
+    """Replace ``quote``'s text in the copy by ``new`` and check that document."""
+    path = repo / quote.doc
     text = path.read_text()
-    values = [float(v) for v in re.findall(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?", text.replace("−", "-"))]
-    if path.suffix == ".json":
-        def walk(node):
-            if isinstance(node, dict):
-                for v in node.values():
-                    walk(v)
-            elif isinstance(node, list):
-                for v in node:
-                    walk(v)
-            elif isinstance(node, (int, float)) and not isinstance(node, bool):
-                values.append(float(node))
-        walk(json.loads(text))
-    return text, tuple(values)
+    at = quote.offset
+    old = text[at:at + len(quote.printed)]
+    assert old.replace("-", "−") == quote.printed, (old, quote.printed)
+    path.write_text(text[:at] + new + text[at + len(old):])
+    try:
+        return Q.check(path, repo, Q.BINDINGS)
+    finally:
+        path.write_text(text)
 
 
-def found(number: str, records: set[Path]) -> bool:
-    """Whether ``number`` (as quoted: its digits set the tolerance) is a value of one of ``records``, also as a
-    percentage of a fraction, with or without its sign."""
-    decimals = len(number.partition(".")[2])
-    value = float(number)
-    tolerance = 0.5 * 10 ** -decimals + 1e-12
-    for path in records:
-        text, values = record_numbers(path)
-        if number.lstrip("+") in text or number.lstrip("+-") in text:
-            return True
-        for v in values:
-            for candidate in (v, 100 * v):
-                if math.isclose(abs(candidate), abs(value), abs_tol=tolerance):
-                    return True
-    return False
+def _flip(printed: str) -> str:
+    body = printed.lstrip("+−±")
+    return ("+" if printed.startswith("−") else "−") + body
 
 
-def unsupported(doc: Path) -> list[str]:
-    """The measured numbers of ``doc`` that no record it names holds, with their paragraph's start."""
-    problems = []
-    sections: dict[str, set[Path]] = {}
-    items = paragraphs(doc.read_text())
-    for heading, block in items:
-        sections.setdefault(heading, set()).update(named_records(block))
-    for heading, block in items:
-        numbers = measured(block)
-        if not numbers:
-            continue
-        records = named_records(block) or sections.get(heading, set())
-        for number in numbers:
-            if not records:
-                problems.append(f"{number} (no record named) in: {block[:90]}...")
-            elif not found(number, records):
-                problems.append(f"{number} not in {sorted(p.name for p in records)}: {block[:90]}...")
-    return problems
+def _shift(printed: str) -> str:
+    """The last digit of the mantissa shifted by two (8 → 6, 3 → 5): by one it could still round from the same value
+    where the field sits exactly at a half (−1.075 prints as −1.07 or −1.08)."""
+    mantissa, e, exponent = printed.partition("e")
+    digits = [i for i, c in enumerate(mantissa) if c.isdigit()]
+    i = digits[-1]
+    digit = int(mantissa[i])
+    new = str(digit - 2 if digit >= 8 else digit + 2)
+    return mantissa[:i] + new + mantissa[i + 1:] + e + exponent
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=[d.name for d in DOCS])
-def test_every_measured_number_comes_from_a_named_record(doc):
-    problems = unsupported(doc)
-    assert not problems, f"{len(problems)} number(s) in {doc.name} with no record behind them:\n" + "\n".join(
-        problems[:40])
+def _caught(problems: list[str], quote: Q.Quote) -> bool:
+    return any(p.startswith(f"{quote.doc}:{quote.line}:") for p in problems)
 
 
-def test_the_check_finds_a_number_no_record_holds(tmp_path, monkeypatch):
-    """The checker itself: a quoted number absent from the named record, and one with no record, both fail; the
-    record's own numbers (also as percentages of its fractions) pass."""
-    record = tmp_path / "results"
-    record.mkdir()
-    (record / "toy.json").write_text(json.dumps({"test": 0.7933, "gap": -14.905, "seconds": 470}))
-    monkeypatch.setattr(__import__(__name__), "RESULTS", record)
-    doc = tmp_path / "doc.md"
-    doc.write_text("# A\n\nTSV-M reaches 79.33 test, G6 −14.91, in 470 s (`toy.md`).\n\nAnd 12.34 (`toy.md`).\n\n"
-                   "# B\n\nElsewhere 56.78 points.\n")
-    problems = unsupported(doc)
-    assert len(problems) == 2 and "12.34 not in" in problems[0] and "56.78 (no record named)" in problems[1]
+@pytest.fixture(scope="module")
+def repo_copy(tmp_path_factory) -> Path:
+    return _copy(tmp_path_factory.mktemp("docs"))
+
+
+@pytest.fixture(scope="module")
+def sample() -> list[Q.Quote]:
+    values = _values()
+    return random.Random(0).sample(values, 40)
+
+
+def test_a_flipped_sign_fails(repo_copy, sample):
+    flipped = [q for q in sample if q.value != 0][:20]
+    missed = [f"{q.doc}:{q.line} {q.printed}" for q in flipped if not _caught(_mutated(repo_copy, q, _flip(q.printed)),
+                                                                               q)]
+    assert len(flipped) == 20 and not missed, missed
+
+
+def test_a_shifted_digit_fails(repo_copy, sample):
+    missed = [f"{q.doc}:{q.line} {q.printed}" for q in sample[:20]
+              if not _caught(_mutated(repo_copy, q, _shift(q.printed)), q)]
+    assert not missed, missed
+
+
+def test_two_swapped_rows_fail(repo_copy):
+    """The numbers of two rows swapped: two values of one paragraph or table that differ as printed trade places (a
+    sentence's "TSV-M 74.64, Iso-C 69.86" read as "TSV-M 69.86, Iso-C 74.64", a table's rows given each other's
+    cell), in one copy; the check flags both."""
+    values = _values()
+    rng = random.Random(1)
+    by_place: dict[tuple[str, str], list[Q.Quote]] = {}
+    for q in values:
+        by_place.setdefault((q.doc, q.heading), []).append(q)
+    pairs = []
+    for group in by_place.values():
+        distinct = [(a, b) for a in group for b in group if a.offset < b.offset and a.printed.lstrip("+−") !=
+                    b.printed.lstrip("+−") and a.decimals == b.decimals and a.doc == b.doc]
+        if distinct:
+            pairs.append(rng.choice(distinct))
+    pairs = rng.sample(pairs, min(15, len(pairs)))
+    assert len(pairs) >= 10
+    missed = []
+    for a, b in pairs:
+        path = repo_copy / a.doc
+        text = path.read_text()
+        swapped = (text[:a.offset] + b.printed + text[a.offset + len(a.printed):b.offset] + a.printed
+                   + text[b.offset + len(b.printed):])
+        path.write_text(swapped)
+        try:
+            problems = Q.check(path, repo_copy, Q.BINDINGS)
+        finally:
+            path.write_text(text)
+        if not (_caught(problems, a) and _caught(problems, b)):
+            missed.append(f"{a.doc}:{a.line} {a.printed} ↔ {b.line} {b.printed}")
+    assert not missed, missed
+
+
+def test_a_number_no_record_holds_fails(repo_copy, sample):
+    """The earlier check accepted a random two-decimal number in 56-93 % of paragraphs (any number of any record the
+    paragraph named, any sign); now one that differs from its field as printed fails wherever it stands."""
+    rng = random.Random(2)
+    missed = []
+    for q in sample:
+        while True:
+            new = f"{rng.uniform(-99, 99):+.2f}".replace("-", "−")
+            if round(float(new.replace("−", "-")), 2) != round(q.value, 2):
+                break
+        if not _caught(_mutated(repo_copy, q, new), q):
+            missed.append(f"{q.doc}:{q.line} {q.printed} → {new}")
+    assert not missed, missed
+
+
+def test_a_value_without_a_binding_and_a_stale_binding_fail(tmp_path):
+    """A new value in the text has no binding; a binding whose value left the text is stale; a field that does not
+    resolve says so. Records of the test's own: the check reads only what it is given."""
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "toy.json").write_text(json.dumps({"summary": {"tsv_m": {"test": 74.6412}, "ties": {"test": 60.45}},
+                                                  "differences": [{"a": "m_ties", "b": "ties", "mean": -0.781}],
+                                                  "gates": [{"name": "G6", "value": "G6 = +9.11 (t [+8.26, +9.96])"}]}))
+    (tmp_path / "docs").mkdir()
+    doc = tmp_path / "docs" / "page.md"
+    doc.write_text("# Page\n\nTest: TSV-M 74.64, TIES 60.45 (`toy.md`); M-TIES 0.78 below TIES, G6 +9.11 [+8.26, "
+                   "+9.96]. Settings k = 0.2, λ 1.3, 8 tasks, torch 2.13.0 need no binding.\n")
+    bindings = tmp_path / "bindings"
+    found = [q for q in Q.quotes(doc, tmp_path) if not q.exempt]
+    assert [q.printed for q in found] == ["74.64", "60.45", "0.78", "+9.11", "+8.26", "+9.96"]
+    fields = ["{summary/tsv_m/test}", "{summary/ties/test}", "-{differences/[a=m_ties&b=ties]/mean}",
+              "{gates/[name=G6]/value#2}", "{gates/[name=G6]/value#3}", "{gates/[name=G6]/value#4}"]
+    Q.write_bindings("docs/page.md", [Q.Binding(*q.key, q.printed, "toy", f) for q, f in zip(found, fields)], bindings)
+    assert Q.check(doc, tmp_path, bindings, results) == []
+    doc.write_text(doc.read_text().replace("TIES 60.45", "TIES 60.54").replace("0.78 below", "−0.78 below"))
+    problems = Q.check(doc, tmp_path, bindings, results)
+    assert len(problems) == 2 and "60.54 is not toy {summary/ties/test} = 60.45" in problems[0]
+    doc.write_text(doc.read_text().replace("TSV-M 74.64, ", "TSV-M 74.64, Iso-C 69.86, "))
+    problems = Q.check(doc, tmp_path, bindings, results)
+    assert any("69.86 is bound to no record" in p for p in problems)
+    assert any("stale" in p for p in problems)  # TIES's binding: the text before it changed
+    doc.write_text("# Page\n\nTest: TSV-M 74.64 (`toy.md`).\n")
+    (only,) = [q for q in Q.quotes(doc, tmp_path) if not q.exempt]
+    Q.write_bindings("docs/page.md", [Q.Binding(*only.key, "74.64", "toy", "{summary/iso_c/test}")], bindings)
+    assert "does not resolve" in Q.check(doc, tmp_path, bindings, results)[0]
+
+
+@pytest.mark.parametrize(("text", "number", "exempt"), [
+    ("TSV-M 74.64 on test", "74.64", ""), ("−0.07 against random", "−0.07", ""), ("+9.11 val points", "+9.11", ""),
+    ("in 470 s on 2 cores", "470", ""), ("peak RSS 3.3 GB", "3.3", ""), ("1.24× the own scorer", "1.24", ""),
+    ("78.4 % of the entries", "78.4", ""), ("9-10 points below", "10", ""),
+    ("8 tasks", "8", "count or name"), ("4 seeds", "4", "count or name"), ("128 samples", "128", "count or name"),
+    ("a 3 × 3 grid", "3", "count or name"), ("494 M parameters", "494", "count or name"),
+    ("ViT-B/32 towers", "32", "not read"), ("Qwen2.5-0.5B", "0.5", "part of a name"), ("G6 passes", "6", "not read"),
+    ("k = 0.2 and", "0.2", "setting"), ("λ 1.3 on every seed", "1.3", "setting"), ("wise 0.65", "0.65", "setting"),
+    ("k 0.12 / 0.15 / 0.2", "0.15", "setting"), ("`lr` 1e-3", "1e-3", "setting"), ("`r` (0.95)", "0.95", "setting"),
+    ("the t 95 % interval", "95", "setting"), ("≥ 3 val points", "3", "rule"), ("target 1.5", "1.5", "rule"),
+    ("within 1e-5", "1e-5", "rule"), ("transformers 4.57", "4.57", "version or date"),
+    ("on 2026-01-02", "2026", "version or date"), ("7540-7752 MB", "7540", ""), ("7540 and 7752 MB", "7540", ""),
+    ("λ 3 / 4 / 5.5 / 7.5", "5.5", "setting"), ("M-TIES − e = 0 −1.05 (", "−1.05", ""),
+    ("output gap +0.13 (p 0.34)", "0.34", ""), ("DARE-TIES (p 0.8)", "0.8", "setting"),
+])
+def test_the_exemption_rule(text, number, exempt, tmp_path):
+    """Values (a decimal point, a sign, a unit) are bound; counts, names, settings, rules and versions are not (a
+    number inside a name is not even read)."""
+    doc = tmp_path / "page.md"
+    doc.write_text(f"# P\n\nSome {text} here.\n")
+    kinds = {q.exempt for q in Q.quotes(doc, tmp_path) if q.printed == number}
+    assert kinds == ({exempt} if exempt != "not read" else set()), kinds
+
+
+def test_a_field_may_read_a_second_record(tmp_path, monkeypatch):
+    """``{@record/path}`` reads another record (a ratio of two runs recorded apart); a missing one does not resolve."""
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "a.json").write_text('{"score_s": 82.0}')
+    (results / "b.json").write_text('{"forward_s": 20.5}')
+    monkeypatch.setattr(Q, "RESULTS", results)
+    record = Q.load_record("a", results)
+    assert Q.evaluate(record, "{score_s} / (4 * {@b/forward_s})") == 1.0
+    with pytest.raises(KeyError):
+        Q.evaluate(record, "{@b/missing}")

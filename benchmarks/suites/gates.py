@@ -22,7 +22,8 @@
   paper's setting, CLIP ViT-B/32 on 8 tasks, the ensemble is 78.56 against TIES's 72.42.)
 
 Every gate is computed on the checkpoints the merges use (no rescaling between experts and merges). All numbers are
-means over replicates of unweighted task means, in points.
+means over replicates of unweighted task means, in points. The thresholds and which gates block are the registered
+protocol's (:mod:`benchmarks.suites.registered`, ``benchmarks/PROTOCOL.md``).
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from benchmarks.suites import registered as R
 from benchmarks.suites.protocol import TUNED_ENSEMBLE, ReplicateResult, replicates
 from benchmarks.suites.stats import replicate_t
 
 DATA_FREE_EXCLUDED = ("average",)
-PREMISE_MARGIN = 3.0
+PREMISE_MARGIN = R.G6_MARGIN
 """G6: the ensemble must beat the best merge by this many val points (and its t interval exclude 0)."""
 
 
@@ -92,13 +94,14 @@ def premise_gate(results: Sequence[ReplicateResult], merges: Sequence[str], fami
     top = max(merges, key=lambda label: val_mean(results, label))
     per = [e - m for e, m in zip(val_means(results, ensemble), val_means(results, top))]
     mean = float(np.mean(per))
-    low, high, _ = replicate_t(tuple(per), 0.95)
+    low, high, _ = replicate_t(tuple(per), R.LEVEL)
     passed = mean >= PREMISE_MARGIN and low is not None and low > 0
     interval = "no t interval (1 replicate)" if low is None else f"t 95 % [{low:+.2f}, {high:+.2f}]"
     return Gate(f"G6 premise ({family})" if family else "G6 premise", passed,
                 f"{ensemble} − best merge ({top}) = {mean:+.2f} ({interval}; per replicate "
                 + ", ".join(f"{v:+.2f}" for v in per) + ")" + ("" if passed else f": {PREMISE_ABSENT}"),
-                f"≥ +{PREMISE_MARGIN:g} with the t interval above 0", blocking=False)
+                f"≥ +{PREMISE_MARGIN:g} with the t interval above 0",
+                blocking=next(r.blocking for r in R.GATES if r.gate == ("G6t" if family else "G6")))
 
 
 def val_task_mean(results: Sequence[ReplicateResult], label: str, task: str) -> float:
@@ -123,7 +126,8 @@ these alone."""
 
 
 def compute_gates(results: Sequence[ReplicateResult], *, data_free: Sequence[str], tasks: Sequence[str],
-                  val_size: int, test_size: int, merges: Sequence[str] = (), min_replicates: int = 4) -> list[Gate]:
+                  val_size: int, test_size: int, merges: Sequence[str] = (),
+                  min_replicates: int = R.G5_REPLICATES) -> list[Gate]:
     """G1-G6 (see the module docstring); ``data_free`` are the labels of the data-free merges besides average,
     ``merges`` every merge's label (G6; default: ``data_free`` and average). G6 is given against every merge and,
     where other merges were measured too, against the TIES family (:data:`TIES_FAMILY`)."""
@@ -143,22 +147,26 @@ def compute_gates(results: Sequence[ReplicateResult], *, data_free: Sequence[str
     merges = list(merges) or [*data_free, "average"]
     family = [m for m in TIES_FAMILY if m in merges]
     extra = [premise_gate(results, family, "TIES family")] if family and set(family) != set(merges) else []
+    blocking = {rule.name: rule.blocking for rule in R.GATES}
     return [
-        Gate("G1 headroom", own - pre >= 30, f"fine-tuned {own:.2f} − pretrained heads {pre:.2f} = {own - pre:+.2f}",
-             "≥ +30"),
-        Gate("G2 ensemble", worst_gap >= 0, f"lowest ensemble − pretrained heads {worst_gap:+.2f} ({worst})",
-             "≥ 0 on every task"),
+        Gate("G1 headroom", own - pre >= R.G1_HEADROOM,
+             f"fine-tuned {own:.2f} − pretrained heads {pre:.2f} = {own - pre:+.2f}", f"≥ +{R.G1_HEADROOM:g}",
+             blocking["G1 headroom"]),
+        Gate("G2 ensemble", worst_gap >= R.G2_ENSEMBLE, f"lowest ensemble − pretrained heads {worst_gap:+.2f} ({worst})",
+             f"≥ {R.G2_ENSEMBLE:g} on every task", blocking["G2 ensemble"]),
         Gate("G2 interference", True, f"one foreign task vector {foreign:+.2f} on average", "reported",
-             blocking=False),
-        Gate("G3 method spread", spread >= 3,
+             blocking=blocking["G2 interference"]),
+        Gate("G3 method spread", spread >= R.G3_SPREAD,
              f"best data-free merge ({best}) − average = {spread:+.2f}; ensemble − average = {ens_gap:+.2f}",
-             "spread ≥ +3"),
-        Gate("G4 scaling", all(lam is not None and lam >= 2 / q for lam in lams) and ta_gain >= 1.5,
-             f"task arithmetic λ chosen {lams} (2/q = {2 / q:.2f}); task arithmetic − average = {ta_gain:+.2f}",
-             "λ ≥ 2/q in every replicate and ≥ +1.5"),
-        Gate("G5 statistics", len(results) >= min_replicates and min(val_size, test_size) >= 500,
+             f"spread ≥ +{R.G3_SPREAD:g}", blocking["G3 method spread"]),
+        Gate("G4 scaling", all(lam is not None and lam >= R.G4_LAMBDA_TIMES_Q / q for lam in lams)
+             and ta_gain >= R.G4_GAIN,
+             f"task arithmetic λ chosen {lams} (2/q = {R.G4_LAMBDA_TIMES_Q / q:.2f}); task arithmetic − average = "
+             f"{ta_gain:+.2f}", f"λ ≥ {R.G4_LAMBDA_TIMES_Q:g}/q in every replicate and ≥ +{R.G4_GAIN:g}",
+             blocking["G4 scaling"]),
+        Gate("G5 statistics", len(results) >= min_replicates and min(val_size, test_size) >= R.G5_IMAGES,
              f"{replicates(len(results), 'fine-tuning')}, {val_size} val / {test_size} test images per task",
-             f"≥ {replicates(min_replicates)}, ≥ 500 images per task and split"),
+             f"≥ {replicates(min_replicates)}, ≥ {R.G5_IMAGES} images per task and split", blocking["G5 statistics"]),
         premise_gate(results, merges),
         *extra,
     ]  # fmt: skip

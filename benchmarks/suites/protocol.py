@@ -37,6 +37,7 @@ import torch
 
 import hf_mloss
 
+from benchmarks.suites import registered as R
 from benchmarks.suites.training import progress
 from hf_mloss.merging.evaluation import ensemble_scores
 
@@ -45,7 +46,7 @@ SPLITS = ("val", "test")
 TUNED_ENSEMBLE = "ensemble (probabilities, tuned scale)"
 """The probability ensemble at the head scale chosen on val (a row only when the protocol runs with
 ``ensemble_scales``)."""
-ENSEMBLE_SCALES = {"main": (2.0, 5.0, 10.0, 20.0, 50.0, 100.0), "quick": (5.0, 10.0, 20.0, 50.0), "smoke": (5.0, 20.0)}
+ENSEMBLE_SCALES = {"main": R.ENSEMBLE_SCALES, "quick": (5.0, 10.0, 20.0, 50.0), "smoke": (5.0, 20.0)}
 """The heads' logit scales the probability ensemble is tuned on, as many as the merges' settings on each grid: from
 nearly logit averaging (2) to CLIP's scale (100), geometric."""
 TRIMMING = ("ties", "m_ties", "dare_ties")

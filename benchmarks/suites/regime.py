@@ -589,8 +589,12 @@ def main(argv: list[str] | None = None) -> int:
                              "those any of several measured (comma-separated, tried in order)")
     parser.add_argument("--mties-code-version", default=None,
                         help="reuse the M-TIES family's rows that code version measured (default this tree's)")
-    parser.add_argument("--design", default="r4", choices=("r4", "r5"),
-                        help="r5: round 5's grids (checkpoint units, the TIES family on λ × k) and parts")
+    parser.add_argument("--design", default="r4", choices=("r4", "r5", "r6"),
+                        help="r5: round 5's grids (checkpoint units, the TIES family on λ × k) and parts; r6: the "
+                             "registered protocol v6 (benchmarks/PROTOCOL.md, benchmarks.suites.r6; parts "
+                             "base,mties,data,learned)")
+    parser.add_argument("--extended", action="store_true",
+                        help="r6: every axis with the registered extension beyond both ends (benchmarks/PROTOCOL.md)")
     parser.add_argument("--parts", default=",".join(R5_PARTS),
                         help=f"r5: the parts to measure, base first (default: {','.join(R5_PARTS)}; also "
                              f"{','.join(R5_EXTRA_PARTS)})")
@@ -623,6 +627,15 @@ def main(argv: list[str] | None = None) -> int:
             cfg = dataclasses.replace(RealConfig(), tasks=tuple(task_sets[name]), wise=wise, seeds=seeds,
                                       frozen=frozen, ft_steps=steps)
             lever = f"q{len(cfg.tasks)}_wise{wise:g}_blocks{cfg.num_layers - frozen}_steps{steps}"
+            if args.design == "r6":
+                from benchmarks.suites import r6
+
+                rows.append(r6.measure(cfg, args.cache or default_cache(), log, parts, version=versions,
+                                       report=args.report / lever if args.report else None, learned=learned,
+                                       extended=args.extended))
+                log(f"{lever}: G6 {rows[-1]['g6_gate']['value']}")
+                text = r6.write(rows, args.table, command, seeds, load, args.threads, time.perf_counter() - start)
+                continue
             if args.design == "r5":
                 rows.append(measure_round5(cfg, args.cache or default_cache(), log, parts,
                                            version=versions, report=args.report / lever if args.report

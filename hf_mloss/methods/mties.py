@@ -18,7 +18,9 @@ node at the uniform ratio.
 
 Controls (``rank=``): ``random`` (seeded random ranks: the same spread without the M-Loss signal), ``inverted``
 (ranks by −M-Loss), ``uniform`` (every node's group keeps k − e/2, the mean of the ranked ratios, trimmed node by
-node: M-TIES's budget and trimming layout with no ranking at all; every other tensor still keeps k).
+node: M-TIES's budget and trimming layout with no ranking at all; every other tensor still keeps k), ``tensor`` (every
+tensor of a scored group trimmed as a whole at k − e/2: per-tensor TIES at M-TIES's budget, neither ranks nor rows;
+every other tensor keeps k; with ``e=0`` it is the ``e=0`` control).
 """
 
 from __future__ import annotations
@@ -28,14 +30,14 @@ from typing import TYPE_CHECKING
 
 from .._validation import param
 from ..errors import InvalidParameterError
-from .scoring import PREFIXES, ScoringOptions
-from .registry import register_merge_method
 from .base import LayerHooks, LayerwiseRun, MergeContext, MergeMethod, MethodParams
+from .registry import register_merge_method
+from .scoring import PREFIXES, ScoringOptions
 
 if TYPE_CHECKING:
     import torch
 
-RANKS = ("mloss", "random", "inverted", "uniform")
+RANKS = ("mloss", "random", "inverted", "uniform", "tensor")
 KEEP_HINT = "k is the fraction of each task vector that is KEPT (mergekit: density)."
 
 
@@ -86,8 +88,9 @@ class LayerwiseParams(ScoringOptions, MethodParams):
     e: float = param(0.1, "Keep-ratio spread: nodes keep between k − e (highest M-Loss) and k (lowest).", low=0.0)
     lam: float = param(1.0, "λ: θ = θ₀ + λ·τ_merged.")
     rank: str = param("mloss", "Row ranks from node M-Loss, random, or inverted (−M-Loss); uniform: every "
-                      "scored node keeps k − e/2, the mean of the ranked keep ratios (the budget-matched control).",
-                      choices=RANKS)
+                      "scored node keeps k − e/2, the mean of the ranked keep ratios (the budget-matched control); "
+                      "tensor: each scored group tensor trimmed as a whole at k − e/2 (per-tensor TIES at the same "
+                      "budget).", choices=RANKS)
 
     @property
     def row_k(self) -> float:
@@ -145,6 +148,9 @@ class GroupMember:
 
 GROUP_STATE = "node_groups"
 """``MergeContext.state`` key: canonical name -> :class:`GroupMember`, for the group tensors of the scored blocks."""
+TENSOR_STATE = "tensor_keep"
+"""``MergeContext.state`` key: canonical name -> the keep fraction a scored group tensor is trimmed at as a whole
+(``rank="tensor"``)."""
 THRESHOLD_STATE = "node_thresholds"
 """``MergeContext.state`` key: anchor name -> ``[q, n]`` per-slice thresholds of each task vector."""
 
@@ -227,10 +233,15 @@ class MTiesHooks(LayerHooks):
         ranks = -node if self.params.rank == "inverted" else ranks  # control: the highest-loss node keeps k
         keep = keep_ratios_of_measured(ranks.masked_fill(node.isnan(), float("nan")), self.params.row_k,
                                        self.params.e)
-        if self.params.rank == "uniform":  # control: the same total budget, spread evenly over the nodes
+        if self.params.rank in ("uniform", "tensor"):  # controls: the same total budget, no ranking
             keep = keep.new_full(keep.shape, self.params.row_k - self.params.e / 2)
         self.run.record("keep_ratios", target, keep.float())
         members = self.groups[layer]
+        if self.params.rank == "tensor":  # each group tensor trimmed as a whole at the budget: no rows, no ranks
+            ctx.state.setdefault(TENSOR_STATE, {}).update({name: float(keep[0]) for name, *_ in members})
+            self.run.merge([name for name, _, ndim, _ in members if ndim >= 2])
+            self.run.merge([name for name, _, ndim, _ in members if ndim == 1])
+            return
         slices = [(name, dim) for name, dim, ndim, _ in members if ndim == 2]
         entries = [name for name, _, ndim, _ in members if ndim == 1]
         tiles = {}
@@ -308,7 +319,8 @@ class MTies(MergeMethod):
 
         if name is None or name in ctx.state.get(GROUP_STATE, {}):
             return None
-        return [keep_count(numel, ctx.params.k)] * len(ctx.weights)
+        keep = ctx.state.get(TENSOR_STATE, {}).get(name, ctx.params.k)
+        return [keep_count(numel, keep)] * len(ctx.weights)
 
     def merge_chunk(self, name, base, sources, ctx: MergeContext, thresholds: list[float]) -> torch.Tensor:
         import torch
@@ -323,12 +335,16 @@ class MTies(MergeMethod):
     def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
         import torch
 
-        from .ops import elect_and_merge, trim_entries_, trim_slices_
+        from .ops import elect_and_merge, trim_entries_, trim_slices_, trim_tensor_
 
         member = ctx.state.get(GROUP_STATE, {}).get(name)
         taus = torch.stack(sources).sub_(base)  # one [q, ...] buffer trimmed in place, as in TIES
         sources.clear()  # the caller's list: its q float32 copies go now, not after the merge (a worker's peak)
-        if member is None:
+        tensor_keep = ctx.state.get(TENSOR_STATE, {}).get(name)
+        if tensor_keep is not None:  # rank="tensor": a scored group tensor, trimmed as a whole at the budget
+            for tau in taus:
+                trim_tensor_(tau, tensor_keep)
+        elif member is None:
             for i, tau in enumerate(taus):
                 self.trim_other_(name, tau, i, ctx)
         elif member.anchor is not None:  # a node's bias entry: against the threshold of its anchor slice
