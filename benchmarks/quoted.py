@@ -248,7 +248,9 @@ def read_bindings(doc: str, folder: Path | None = None) -> list[Binding]:
         return []
     out = []
     for line in path.read_text().splitlines():
-        if line and not line.startswith("#"):
+        # The header is a comment (#). A binding's anchor starts with # too where its heading starts with a number
+        # ("## 7B on one machine" → "#B on one machine ¶ …"): a comment is a # line without the six columns.
+        if line and not (line.startswith("#") and line.count("\t") != 5):
             anchor, context, ordinal, printed, record, field = line.split("\t")
             out.append(Binding(anchor, context, int(ordinal), printed, record, field))
     return out
@@ -384,8 +386,9 @@ def check(doc_path: Path, repo: Path = REPO, folder: Path | None = None, results
             problems.append(f"{doc}:{quote.line}: {quote.printed} is not {binding.record} {binding.field} = "
                             f"{value:.6g}")
     for key, binding in bound.items():
-        if key not in values:
-            problems.append(f"{doc}: the binding of {binding.printed} ({binding.anchor[:50]!r}, after "
+        if key not in values:  # where its number stood if it is still there (now a count or a setting: "std 22")
+            place = next((f"{q.line}:" for q in found if q.key == key), "")
+            problems.append(f"{doc}:{place} the binding of {binding.printed} ({binding.anchor[:50]!r}, after "
                             f"{binding.context[-30:]!r}) matches no quoted value: stale")
     return problems
 

@@ -178,6 +178,43 @@ def test_a_value_without_a_binding_and_a_stale_binding_fail(tmp_path):
     assert "does not resolve" in Q.check(doc, tmp_path, bindings, results)[0]
 
 
+def test_a_binding_under_a_heading_that_starts_with_a_number_is_read(tmp_path):
+    """Under "## 7B on one machine" a binding's anchor starts with "#B" (the number masked): it is a binding, not a
+    comment like the file's header, so the value is bound and a wrong one still fails."""
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "toy.json").write_text(json.dumps({"wall_s": 217.69}))
+    (tmp_path / "docs").mkdir()
+    doc = tmp_path / "docs" / "page.md"
+    doc.write_text("# Page\n\n## 7B on one machine\n\nTIES took 217.7 s (`toy.md`).\n")
+    (found,) = [q for q in Q.quotes(doc, tmp_path) if not q.exempt]
+    assert found.anchor.startswith("#B on one machine")
+    bindings = tmp_path / "bindings"
+    Q.write_bindings("docs/page.md", [Q.Binding(*found.key, found.printed, "toy", "{wall_s}")], bindings)
+    assert [b.printed for b in Q.read_bindings("docs/page.md", bindings)] == ["217.7"]
+    assert Q.check(doc, tmp_path, bindings, results) == []
+    doc.write_text(doc.read_text().replace("217.7", "271.7"))
+    assert "271.7 is not toy {wall_s}" in Q.check(doc, tmp_path, bindings, results)[0]
+
+
+def test_a_value_turned_into_a_count_is_reported_at_its_line(tmp_path):
+    """A bound value replaced by a number that needs no binding (a swap putting 22 where "std 1e-3" stood) leaves its
+    binding stale; the check names the line where it stood."""
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "toy.json").write_text(json.dumps({"std": 0.001}))
+    (tmp_path / "docs").mkdir()
+    doc = tmp_path / "docs" / "page.md"
+    doc.write_text("# Page\n\nIntro.\n\nThe fine-tunes are the base plus a random task vector (std 1e-3, `toy.md`).\n")
+    (found,) = [q for q in Q.quotes(doc, tmp_path) if not q.exempt]
+    bindings = tmp_path / "bindings"
+    Q.write_bindings("docs/page.md", [Q.Binding(*found.key, found.printed, "toy", "{std}")], bindings)
+    assert Q.check(doc, tmp_path, bindings, results) == []
+    doc.write_text(doc.read_text().replace("1e-3", "22"))
+    (problem,) = Q.check(doc, tmp_path, bindings, results)
+    assert problem.startswith("docs/page.md:5: the binding of 1e-3") and problem.endswith("stale")
+
+
 @pytest.mark.parametrize(("text", "number", "exempt"), [
     ("TSV-M 74.64 on test", "74.64", ""), ("−0.07 against random", "−0.07", ""), ("+9.11 val points", "+9.11", ""),
     ("in 470 s on 2 cores", "470", ""), ("peak RSS 3.3 GB", "3.3", ""), ("1.24× the own scorer", "1.24", ""),
