@@ -196,5 +196,5 @@ def test_finalize_drops_the_mergers_float32_references_before_the_cast(decoder_s
         assert out.weight.dtype == torch.bfloat16
         assert (merger.targets == targets) if keep else merger.targets == {}
     tensor = torch.tensor([[0.25, -9.0], [4.0, 1.0]])
-    assert driver._largest_magnitude(tensor) == float(tensor.abs().max()) == 9.0
-    assert driver._largest_magnitude(torch.empty(0)) == 0.0
+    assert tensor_merger.largest_magnitude(tensor) == float(tensor.abs().max()) == 9.0
+    assert tensor_merger.largest_magnitude(torch.empty(0)) == 0.0

@@ -288,4 +288,6 @@ def test_auto_compares_each_candidate_with_each_model_on_its_own_data(tiny_paths
         assert torch.equal(again.model.state_dict()[key], value), key
     from hf_mloss.output.card import build_model_card
 
-    assert "32 of each model's own unlabeled images, each compared with its own model" in str(build_model_card(result))
+    assert result.config.parameters["compared"] == 4 + 5 + 6  # each model's own images, fewer than compare_samples
+    assert "15 unlabeled images in all, each model's own, each compared with its own model" in str(
+        build_model_card(result))

@@ -162,9 +162,12 @@ def label(json_path: Path, version: str) -> bool:
     wanted = label_line(version)
     header = record.get("header")
     if isinstance(header, list) and header:  # a verdict record's Markdown is rendered from it: the line goes in too
-        header = [line for line in header if not line.startswith("Protocol: ")]
-        header = [header[0], "", wanted, *header[1:]] if header[1:2] == [""] else [header[0], "", wanted, "",
-                                                                                  *header[1:]]
+        at = next((i for i, line in enumerate(header) if line.startswith("Protocol: ")), None)
+        if at is not None:  # labelled before: the line replaced where it stands (labelling twice changes nothing)
+            header = [*header[:at], wanted, *header[at + 1:]]
+        else:
+            header = [header[0], "", wanted, *header[1:]] if header[1:2] == [""] else [header[0], "", wanted, "",
+                                                                                      *header[1:]]
     changed = record.get("protocol") != version or header is not None and header != record.get("header")
     if changed:
         record = {"protocol": version, **{k: v for k, v in record.items() if k != "protocol"}}

@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
     from ..loading.inputs import RunInputs
     from ..methods import MergeContext, MergeMethod
-    from .streamed import StreamedOutput
 
 __all__ = ["CHUNKED_MIN_NUMEL", "MERGE_CHUNK_NUMEL", "TensorMerger", "check_fits", "largest_magnitude",
            "raise_non_finite"]
@@ -45,8 +44,9 @@ class TensorMerger:
 
     def __init__(self, inputs: RunInputs, method: MergeMethod, ctx: MergeContext, tower: PreTrainedModel,
                  workers: Workers | None = None, *, tensor_params: TensorParameters | None = None,
-                 output: StreamedOutput | None = None) -> None:
-        """``output``: the model's blocks are on ``meta`` and written block by block (:mod:`.streamed`)."""
+                 output: Any = None) -> None:
+        """``output``: a :class:`~hf_mloss.merging.streamed.StreamedOutput` when the model's blocks are on ``meta``
+        and written block by block (:mod:`.streamed` drives this merger; it does not import the other way)."""
         self.inputs, self.method, self.ctx, self.device = inputs, method, ctx, inputs.device
         self.output = output
         self.tensor_params = tensor_params  # per-layer / per-tensor parameter values, when the config has any
