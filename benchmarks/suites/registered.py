@@ -150,9 +150,9 @@ def label_line(version: str) -> str:
     """The Markdown line a record carries under its title."""
     if version == VERSION:
         return f"Protocol: {VERSION} (`benchmarks/PROTOCOL.md`)."
-    return (f"Protocol: {version} (made before `benchmarks/PROTOCOL.md` registered {VERSION}; its gates, grids and "
-            "controls are its own design's, and under v6 its differences are measurements: see that file's "
-            "\"Records made before v6\").")
+    return (f"Protocol: {version} (round 5's design or an earlier one, not `benchmarks/PROTOCOL.md`'s {VERSION}; its "
+            "gates, grids and controls are its own design's, and under v6 its differences are measurements: see that "
+            "file's \"Records made before v6\").")
 
 
 def label(json_path: Path, version: str) -> bool:
