@@ -19,7 +19,7 @@ that text it is, all with every number masked, so editing a number does not move
 was printed when it was bound (for people, and for ``bind`` to carry bindings over an edit), the record, and the
 field: an expression over the record's JSON, e.g. ``{summary/tsv_m/test}``, ``-{differences/[a=m_ties&b=ties]/mean}``
 or ``100*{replicates/0/trim/ties}``. A path steps through keys and list indices separated by ``/``; ``[k=v&k2=v2]``
-picks the list element whose fields match; ``*`` takes the mean over the elements; ``#n`` after a string takes its
+picks the list element whose fields match, ``[key]`` a key that holds a ``/``; ``*`` takes the mean over the elements; ``#n`` after a string takes its
 n-th number; ``{@other/path}`` reads another record (a ratio of two runs recorded apart). ``external:`` in place of a
 record binds a number to a cited source outside the repository (a paper), named in the field.
 
@@ -269,7 +269,10 @@ def load_record(record: str, results: Path = RESULTS):
 
 
 def step(node, part: str):
-    """One step of a path: a dict key, a list index, or ``[k=v&...]``, the list element whose fields match."""
+    """One step of a path: a dict key, a list index, ``[k=v&...]``, the list element whose fields match, or ``[key]``,
+    a dict key written whole (one holding a ``/``: ``[auto (own 16/task)]``)."""
+    if part.startswith("[") and part.endswith("]") and isinstance(node, dict) and "=" not in part:
+        return node[part[1:-1]]
     if part.startswith("[") and part.endswith("]"):
         conditions = [c.partition("=") for c in part[1:-1].split("&")]
         found = [item for item in node if all(str(item.get(k)) == v for k, _, v in conditions)]

@@ -250,3 +250,14 @@ def test_a_field_may_read_a_second_record(tmp_path, monkeypatch):
     assert Q.evaluate(record, "{score_s} / (4 * {@b/forward_s})") == 1.0
     with pytest.raises(KeyError):
         Q.evaluate(record, "{@b/missing}")
+
+
+def test_a_key_holding_a_slash_is_written_whole():
+    """A row label such as ``auto (own 16/task)`` is one key: ``[key]`` reads it; unbracketed, the slash splits it."""
+    record = {"rows": [{"test": {"auto (own 16/task)": 68.2, "auto": 1.0}}]}
+    assert Q.evaluate(record, "{rows/0/test/[auto (own 16/task)]}") == 68.2
+    assert Q.evaluate(record, "{rows/0/[test]/auto}") == 1.0
+    with pytest.raises(KeyError):
+        Q.evaluate(record, "{rows/0/test/auto (own 16/task)}")
+    with pytest.raises(KeyError):  # a selector still picks list elements by their fields
+        Q.evaluate({"rows": [{"a": "x", "v": 1.0}]}, "{rows/[a=y]/v}")
