@@ -195,14 +195,9 @@ def test_torchrun_merge_writes_one_folder(tmp_path, tiny_paths, image_folder, me
             assert row["mloss"] == pytest.approx(single.report.layer[name], rel=1e-5)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("method", ["regmean", "regmean_plusplus"])
-def test_torchrun_regmean_sums_the_processes_grams(tmp_path, tiny_paths, image_folder, method, monkeypatch):
-    """Each process walks its share of the images; the Gram sums, reduced before the solve, give the single
-    process's merge within 1e-6 (both on one thread: the forwards round alike)."""
-    monkeypatch.setenv("HF_MLOSS_THREADS", "1")
-    config = two_process_config(tmp_path, tiny_paths, image_folder, method)
-    out = tmp_path / "merged"
+def _two_processes_equal_one(config, out):
+    """Merge ``config`` under torchrun into ``out`` and in one process; every tensor within 1e-6 (relative). Returns
+    the single process's result."""
     proc = torchrun(["merge", str(config), str(out), "-q"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     from transformers import CLIPVisionModel
@@ -212,6 +207,17 @@ def test_torchrun_regmean_sums_the_processes_grams(tmp_path, tiny_paths, image_f
     for name, tensor in single.model.state_dict().items():
         error = float((merged[name] - tensor).norm() / tensor.norm().clamp_min(1e-30))
         assert error < 1e-6, (name, error)
+    return single
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["regmean", "regmean_plusplus"])
+def test_torchrun_regmean_sums_the_processes_grams(tmp_path, tiny_paths, image_folder, method, monkeypatch):
+    """Each process walks its share of the images; the Gram sums, reduced before the solve, give the single
+    process's merge within 1e-6 (both on one thread: the forwards round alike)."""
+    monkeypatch.setenv("HF_MLOSS_THREADS", "1")
+    config = two_process_config(tmp_path, tiny_paths, image_folder, method)
+    _two_processes_equal_one(config, tmp_path / "merged")
 
 
 @pytest.mark.slow
@@ -232,15 +238,7 @@ def test_torchrun_walks_each_processs_share_of_every_models_own_data(tmp_path, t
     config.write_text(yaml.safe_dump({"base": base, "models": entries, "method": method, "batch_size": 2},
                                      sort_keys=False))
     out = tmp_path / "merged"
-    proc = torchrun(["merge", str(config), str(out), "-q"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    from transformers import CLIPVisionModel
-
-    single = hf_mloss.run(hf_mloss.MergeConfig.from_yaml(config), device="cpu", progress=False)
-    merged = CLIPVisionModel.from_pretrained(out).state_dict()
-    for name, tensor in single.model.state_dict().items():
-        error = float((merged[name] - tensor).norm() / tensor.norm().clamp_min(1e-30))
-        assert error < 1e-6, (name, error)
+    single = _two_processes_equal_one(config, out)
     recorded = hf_mloss.MergeConfig.from_pretrained(out)
     assert [m.data.fingerprint for m in recorded.models] == [m.data.fingerprint for m in single.config.models]
 

@@ -379,6 +379,23 @@ def test_mergekit_slices_match(sliced_paths, tmp_path, recipe):
     assert diff < 1e-6
 
 
+def _zero_shot_heads(generator, count: int):
+    """CLIP-style zero-shot heads on a tiny tower (a random projection to 16, 5 normalised class texts per task,
+    logit scale 100), as the fusion-bench children rebuild them from ``heads.st``: ``(projection, texts, scale,
+    zero_shot)``, ``zero_shot(text)`` the head hf_mloss is given."""
+    projection = torch.randn(16, 32, generator=generator) / 32**0.5
+    texts = [torch.nn.functional.normalize(torch.randn(5, 16, generator=generator), dim=-1) for _ in range(count)]
+    scale = torch.tensor(100.0)
+
+    def zero_shot(text):
+        def logits(features):
+            embeds = features @ projection.T
+            return (text @ (embeds / embeds.norm(p=2, dim=-1, keepdim=True)).T * scale).T
+        return logits
+
+    return projection, texts, scale, zero_shot
+
+
 def test_layer_wise_adamerging_matches_fusion_bench(tiny_paths, tmp_path):
     """fusion-bench's CLIP layer-wise AdaMerging (its merged model, init 0.3, entropy loss, Adam, loop) and
     ``adamerging`` on the same tiny CLIP, zero-shot heads, batches and steps learn the same coefficients."""
@@ -390,15 +407,7 @@ def test_layer_wise_adamerging_matches_fusion_bench(tiny_paths, tmp_path):
     steps, batch, lr = 4, 4, 1e-2
     generator = torch.Generator().manual_seed(3)
     pixels = torch.randn(2 * batch, 3, 32, 32, generator=generator)
-    projection = torch.randn(16, 32, generator=generator) / 32**0.5
-    texts = [torch.nn.functional.normalize(torch.randn(5, 16, generator=generator), dim=-1) for _ in models]
-    scale = torch.tensor(100.0)
-
-    def zero_shot(text):
-        def logits(features):
-            embeds = features @ projection.T
-            return (text @ (embeds / embeds.norm(p=2, dim=-1, keepdim=True)).T * scale).T
-        return logits
+    projection, texts, scale, zero_shot = _zero_shot_heads(generator, len(models))
 
     index = sample_batches(len(pixels), batch, 0)
     order = batch_schedule(len(index), steps, 0)
@@ -680,15 +689,7 @@ def test_task_wise_adamerging_with_each_tasks_own_images_matches_fusion_bench(ti
     steps, batch, lr = 4, 3, 1e-2
     generator = torch.Generator().manual_seed(4)
     own = [torch.randn(n, 3, 32, 32, generator=generator) for n in (6, 9, 6)]
-    projection = torch.randn(16, 32, generator=generator) / 32**0.5
-    texts = [torch.nn.functional.normalize(torch.randn(5, 16, generator=generator), dim=-1) for _ in models]
-    scale = torch.tensor(100.0)
-
-    def zero_shot(text):
-        def logits(features):
-            embeds = features @ projection.T
-            return (text @ (embeds / embeds.norm(p=2, dim=-1, keepdim=True)).T * scale).T
-        return logits
+    projection, texts, scale, zero_shot = _zero_shot_heads(generator, len(models))
 
     batches = {}
     for i, pixels in enumerate(own):  # the batch each step takes from each model's own data, as the library cuts it
