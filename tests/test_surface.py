@@ -333,9 +333,10 @@ def test_reading_images_shows_one_bar_that_quiet_silences(image_folder, capsys):
     assert "Reading images" not in capsys.readouterr().err
 
 
-def test_committed_records_name_no_machine_folders():
+def test_committed_records_name_no_machine_folders(monkeypatch):
     """Benchmark records are shared: their commands and paths are relative to the tree (or named, as the reference
     tree of a side-by-side run), never one machine's absolute folders."""
+    monkeypatch.setenv("HF_MLOSS_PEER_ENVS", "/x/peers")  # where CI builds them varies; the role name does not
     sys.path.insert(0, str(REPO))
     from benchmarks.merge_speed import REPO as TREE, portable, record_roots
 
@@ -343,7 +344,7 @@ def test_committed_records_name_no_machine_folders():
     assert portable(record, {"/x/tree": ".", "/y/old": "REFERENCE"}) == {
         "cwd": ".", "runs": [{"log": "benchmarks/.cache/r.log", "pythonpath": "REFERENCE"}]}
     args = argparse.Namespace(cache="/x/cache", results_dir=str(TREE / "benchmarks" / "results"), reference=None)
-    assert record_roots(args) == {str(TREE): ".", "/x/cache": "CACHE"}
+    assert record_roots(args) == {str(TREE): ".", "/x/peers": "PEER_ENVS", "/x/cache": "CACHE"}
     relative = record_roots(argparse.Namespace(cache="c", results_dir="out", reference=None))  # run outside the tree
     assert "c" not in relative and portable({"text": "merge_speed records: cpu scale"}, relative) == {
         "text": "merge_speed records: cpu scale"}
