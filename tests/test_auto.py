@@ -29,7 +29,28 @@ def _merge(paths, method, **kwargs):
 
 @pytest.fixture(scope="module")
 def chosen(tiny_paths, image_folder):
-    return _merge(tiny_paths, "auto", data=str(image_folder), candidates=GRIDS, compare_samples=12)
+    """Every candidate fitted and compared on the same 12 images (the held-out comparison is tested below)."""
+    return _merge(tiny_paths, "auto", data=str(image_folder), candidates=GRIDS, compare_samples=12, held_out=False)
+
+
+def test_with_a_fitted_candidate_every_candidate_is_compared_on_samples_held_out_of_its_fit(tiny_paths, image_folder):
+    """By default half the pool (up to compare_samples) is held out: the candidates are compared on it, RegMean++ is
+    fitted on the rest, and, chosen, fitted again on all of it. Without a fitted candidate nothing is held out."""
+    from examples.tiny import tiny_processor
+    from hf_mloss.loading.data import load_pixel_values
+    from hf_mloss.loading.model_inputs import spread_index
+
+    held = _merge(tiny_paths, "auto", data=str(image_folder), candidates=GRIDS)
+    assert held.config.parameters["compared"] == 6 and held.config.parameters["fitted"] == 6
+    pixels, _ = load_pixel_values(str(image_folder), tiny_processor(), num_samples=12)
+    compared = pixels[spread_index(12, 6, held.config.seed)]
+    scored = held.config.parameters["scored"]
+    for name, grid in [("tsv_m", {"lam": [0.5, 1.0, 2.0]}), ("ties", {"k": [0.2], "lam": [0.5, 1.0, 1.5]})]:
+        selected = _merge(tiny_paths, name, data=compared, select={"num_samples": 12}, grid=grid)
+        theirs = [c["output"] for c in selected.config.select.candidates]
+        assert [c["output"] for c in scored if c["method"] == name] == pytest.approx(theirs, rel=1e-6)
+    plain = _merge(tiny_paths, "auto", data=str(image_folder), candidates={"tsv_m": {"lam": [0.5, 1.0]}})
+    assert plain.config.parameters["compared"] == 12 and "fitted" not in plain.config.parameters
 
 
 def test_every_candidate_is_scored_as_selection_scores_it(tiny_paths, image_folder, chosen):

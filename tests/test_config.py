@@ -417,6 +417,8 @@ PARAMETER_VALUES = {
     "chosen": st.none() | st.just({"method": "tsv_m", "parameters": {"lam": 1.0}}),
     "scored": st.none() | st.just([{"method": "tsv_m", "setting": {"lam": 1.0}, "output": 0.25}]),
     "compared": st.none() | st.integers(1, 64),
+    "held_out": st.booleans(),
+    "fitted": st.none() | st.integers(1, 64),
 }
 METHOD_VALUES = {("breadcrumbs", "rescale"): st.sampled_from(["none", "l1"]),
                  ("auto", "budget"): st.none() | st.integers(5, 20),  # auto's budget counts merges, TIES's names entries

@@ -273,10 +273,9 @@ def test_selection_compares_each_model_with_its_own_data(tiny_paths, own_pixels,
 
 
 def test_auto_compares_each_candidate_with_each_model_on_its_own_data(tiny_paths, own_pixels, heads):
-    from hf_mloss.merging.selection import CandidateEvaluator  # noqa: F401  (the comparison auto reuses)
-
+    """Without holding out (held_out=False) every candidate is compared on all of each model's own images."""
     base, models = tiny_paths
-    result = _quiet(hf_mloss.merge, base, _own(models, own_pixels), "auto", heads=heads,
+    result = _quiet(hf_mloss.merge, base, _own(models, own_pixels), "auto", heads=heads, held_out=False,
                     candidates={"tsv_m": {"lam": [0.7, 1.0]}, "regmean_plusplus": {"lam": [1.0]}})
     scored = {(c["method"], c["setting"].get("lam")): c["output"] for c in result.config.parameters["scored"]}
     chosen = result.config.parameters["chosen"]
@@ -289,5 +288,65 @@ def test_auto_compares_each_candidate_with_each_model_on_its_own_data(tiny_paths
     from hf_mloss.output.card import build_model_card
 
     assert result.config.parameters["compared"] == 4 + 5 + 6  # each model's own images, fewer than compare_samples
+    assert "fitted" not in result.config.parameters
     assert "15 unlabeled images in all, each model's own, each compared with its own model" in str(
         build_model_card(result))
+
+
+def test_auto_holds_part_of_each_models_data_out_of_the_fit_it_compares_on(tiny_paths, own_pixels, heads):
+    """By default a candidate fitted on the data (RegMean++) is fitted on part of each model's images and every
+    candidate is compared on the other part (half of each model's, spread as selection spreads); the chosen one is
+    then fitted on all of them."""
+    from hf_mloss.loading.model_inputs import spread_index
+    from hf_mloss.output.card import build_model_card
+
+    base, models = tiny_paths
+    candidates = {"tsv_m": {"lam": [0.7, 1.0]}, "regmean_plusplus": {"lam": [1.0]}}
+    result = _quiet(hf_mloss.merge, base, _own(models, own_pixels), "auto", heads=heads, candidates=candidates)
+    held = [spread_index(len(x), len(x) // 2, result.config.seed) for x in own_pixels]
+    compared = [x[i] for x, i in zip(own_pixels, held)]
+    fitted = [x[[j for j in range(len(x)) if j not in set(i.tolist())]] for x, i in zip(own_pixels, held)]
+    assert [len(x) for x in compared] == [3, 2, 2]
+    scored = {(c["method"], c["setting"]["lam"]): c["output"] for c in result.config.parameters["scored"]}
+    for (method, lam), value in scored.items():
+        data = fitted if method == "regmean_plusplus" else own_pixels  # a data-free merge reads none
+        alone = _quiet(hf_mloss.merge, base, _own(models, data), method, lam=lam)
+        assert value == pytest.approx(_own_output_criterion(alone.model.eval(), models, compared, heads), rel=1e-5)
+    chosen = result.config.parameters["chosen"]
+    assert chosen["method"] == "regmean_plusplus"  # so the refit on all the data is what is checked next
+    final = _quiet(hf_mloss.merge, base, _own(models, own_pixels), chosen["method"], **chosen["parameters"])
+    for key, value in final.model.state_dict().items():  # the chosen merge as that method makes it on all the data
+        torch.testing.assert_close(result.model.state_dict()[key], value, rtol=2e-6, atol=1e-7)
+    assert result.config.parameters["compared"] == 7 and result.config.parameters["fitted"] == 8
+    card = str(build_model_card(result))
+    assert "7 unlabeled images in all, each model's own" in card
+    assert "fitted on 8 other images, so that none was compared on what it was fitted on" in card
+    again = _quiet(hf_mloss.run, result.config)  # the recorded choice re-runs without choosing
+    for key, value in result.model.state_dict().items():
+        assert torch.equal(again.model.state_dict()[key], value), key
+
+
+
+
+def test_the_held_out_split_takes_at_most_half_of_each_models_data_and_the_rest_is_fitted_on():
+    from hf_mloss.loading.model_inputs import held_out_split
+
+    owner = torch.tensor([-1, -1, -1, -1, 2, 2, 2, 0, 0, 0, 0, 0, 0])  # shared pool (model 1), model 2's, model 0's
+    held, rest = held_out_split(owner, len(owner), 32, 0, 3)
+    assert sorted(held.tolist() + rest.tolist()) == list(range(13))  # every sample on exactly one side
+    counts = {p: (int((owner[held] == p).sum()), int((owner[rest] == p).sum())) for p in (-1, 0, 2)}
+    assert counts == {-1: (2, 2), 0: (3, 3), 2: (1, 2)}  # half of each, rounded down: compare_samples is not reached
+    held, _ = held_out_split(owner, len(owner), 1, 0, 3)
+    assert len(held) == 3  # compare_samples caps each group
+    held, rest = held_out_split(None, 12, 32, 0, 3)  # one pool for every model
+    assert len(held) == 6 and len(rest) == 6
+    assert held_out_split(torch.tensor([0, 0, 1]), 3, 32, 0, 2) is None  # model 1 has one sample: nothing to hold
+
+
+def test_auto_warns_when_a_models_data_is_too_small_to_hold_any_out(tiny_paths, own_pixels, heads):
+    base, models = tiny_paths
+    data = [own_pixels[0][:1], own_pixels[1], own_pixels[2]]
+    with pytest.warns(UserWarning, match="some model's data holds a single sample"):
+        result = hf_mloss.merge(base, _own(models, data), "auto", heads=heads, progress=False,
+                                candidates={"tsv_m": {"lam": [1.0]}, "regmean_plusplus": {"lam": [1.0]}})
+    assert result.config.parameters["compared"] == 1 + 4 + 5 and "fitted" not in result.config.parameters

@@ -14,7 +14,7 @@ import copy
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -103,6 +103,12 @@ class RunInputs:
                                  f"inputs are {list(self.model_inputs.keys())}, not pixels; read "
                                  "RunInputs.model_inputs.")
         return self.model_inputs["pixel_values"]
+
+    def subset(self, index: torch.Tensor) -> RunInputs:
+        """These inputs with the scored tower's samples at ``index`` only (their owners kept); the models, the other
+        towers' samples and everything else shared, not copied."""
+        owner = None if self.sample_owner is None else self.sample_owner[index]
+        return replace(self, model_inputs=self.model_inputs.select(index), sample_owner=owner)
 
     def scored_towers(self, model: PreTrainedModel) -> list[ScoredTower]:
         """The towers a scoring pass walks in ``model`` (a whole model, or the scored tower itself), each with its
@@ -871,8 +877,6 @@ def _read_own(config: MergeConfig, key: str, read, inputs: RunInputs, token: Any
 def _own_source(spec: Any, where: str, token: Any = None) -> tuple[Any, dict[str, str]]:
     """A model's own data as read, and what the recipe records of it: a Hub id's commit, a local path's
     fingerprint (refused when a recorded one differs)."""
-    import dataclasses
-
     from .hub import dataset_commit, fingerprint_data
 
     if spec.path is not None:
@@ -884,7 +888,7 @@ def _own_source(spec: Any, where: str, token: Any = None) -> tuple[Any, dict[str
         return spec, {"fingerprint": value}
     if spec.id is not None:
         commit = dataset_commit(spec.id, spec.revision, token=token)
-        return dataclasses.replace(spec, revision=commit), {"revision": commit}
+        return replace(spec, revision=commit), {"revision": commit}
     return spec, {}
 
 

@@ -229,6 +229,25 @@ def spread_owned(samples: Any, owner: torch.Tensor | None, n: int, seed: int, nu
     return concat_samples(parts), torch.cat(owners)
 
 
+def held_out_split(owner: torch.Tensor | None, total: int, n: int, seed: int, num_models: int
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The samples a comparison holds out and the rest, as two index tensors: from each group of
+    :func:`owner_groups` (each model's own data, and the shared pool) a :func:`spread_index` of ``n``, at most half
+    of the group, so that every group keeps samples of its own on both sides. ``None`` when a group holds fewer than
+    two samples (nothing can be held out of it)."""
+    held, rest = [], []
+    for _, index in owner_groups(owner, num_models):
+        index = torch.arange(total) if index is None else index
+        if len(index) < 2:
+            return None
+        chosen = spread_index(len(index), min(n, len(index) // 2), seed)
+        kept = torch.ones(len(index), dtype=torch.bool)
+        kept[chosen] = False
+        held.append(index[chosen])
+        rest.append(index[kept])
+    return torch.cat(held), torch.cat(rest)
+
+
 def spread_index(total: int, n: int, seed: int) -> torch.Tensor:
     """The indices :func:`spread_sample` keeps of ``total`` samples."""
     if n >= total:

@@ -40,8 +40,9 @@ def choose_and_merge(config: MergeConfig, inputs: RunInputs, merger: TensorMerge
                   "why": "no data was given: TSV-M at its default λ, without a label-free comparison"}
         _merge_chosen(config, inputs, merger, model, chosen, progress=progress)
         return _recorded(config, merger, chosen, []), None
-    chosen, scored, compared, report = _search(config, inputs, merger, model, progress=progress, token=token)
-    return _recorded(config, merger, chosen, scored, compared), report
+    chosen, scored, (compared, fitted), report = _search(config, inputs, merger, model, progress=progress,
+                                                         token=token)
+    return _recorded(config, merger, chosen, scored, compared, fitted), report
 
 
 def _search(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model: Any, *, progress: bool,
@@ -61,8 +62,10 @@ def _search(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model:
     options = SelectionOptions(criterion=params.criterion, grid={"candidate": list(grids)},
                                num_samples=params.compare_samples, share=params.share,
                                heads=list(params.heads) if params.heads else None)
-    builder = CandidateBuilder(config, inputs, copy.deepcopy(tower), merger.names)
-    evaluator = CandidateEvaluator(config, inputs, options, builder.tower, progress=progress, token=token,
+    fitted = {name for name in grids if get_method(name).needs_data}
+    compare, fit = _held_out(config, inputs, params) if fitted and params.held_out else (inputs, inputs)
+    builder = CandidateBuilder(config, fit, copy.deepcopy(tower), merger.names)
+    evaluator = CandidateEvaluator(config, compare, options, builder.tower, progress=progress, token=token,
                                    heads_key="heads")
     total = sum(len(_settings(grid)) for grid in grids.values())
     bar = tqdm(total=total, desc=f"auto ({params.criterion})", unit="candidate", disable=not progress)
@@ -87,11 +90,18 @@ def _search(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model:
                     scored.append({"method": name, "setting": setting, **values})
                     if best is None or values[params.criterion] < best[0]:
                         held = tau if lam is not None else {n: builder.state[n].clone() for n in builder.names}
-                        best = (values[params.criterion], name, setting, held, lam)
+                        best = (values[params.criterion], name, setting, held, lam, fixed)
                     bar.update(1)
     finally:
         bar.close()
-    _, name, setting, held, lam = best
+    _, name, setting, held, lam, fixed = best
+    if name in fitted and fit is not inputs:  # fitted on part of the data to be compared fairly: now on all of it
+        builder.inputs = inputs
+        builder.config = config.replace(method=name, parameters=dict(fixed), select=None)
+        builder.scores = builder.report = None
+        held = builder.task_vector(fixed, 1.0, live=True)
+        if lam is None:
+            held = {n: builder.state[n].clone() for n in builder.names}
     values = [c[params.criterion] for c in scored]
     if all_tied(values):
         import warnings
@@ -105,7 +115,26 @@ def _search(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model:
         _write(builder, held, lam, into)
     report = evaluator.mloss_report(builder.tower, models=[r.name for r in inputs.refs])
     merger.done.update(merger.names)
-    return {"method": name, "parameters": setting}, scored, len(evaluator.sample), report
+    held_out = len(fit.model_inputs) if fit is not inputs else None
+    return {"method": name, "parameters": setting}, scored, (len(evaluator.sample), held_out), report
+
+
+def _held_out(config: MergeConfig, inputs: RunInputs, params: Any) -> tuple[RunInputs, RunInputs]:
+    """The samples the candidates are compared on and those the data-fitted ones are fitted on
+    (:func:`~hf_mloss.loading.model_inputs.held_out_split`: up to ``compare_samples`` of each model's data, at most
+    half); the same inputs twice, with a warning, when some model's data holds a single sample."""
+    from ..loading.model_inputs import held_out_split
+
+    split = held_out_split(inputs.sample_owner, len(inputs.model_inputs), params.compare_samples, config.seed,
+                           len(inputs.sources))
+    if split is None:
+        import warnings
+
+        warnings.warn("auto: some model's data holds a single sample, so none can be held out of the fit of the "
+                      "candidates that are fitted on the data; they are compared on the samples they were fitted on, "
+                      "which favours them. Give each model two samples or more.", UserWarning, stacklevel=4)
+        return inputs, inputs
+    return inputs.subset(split[0]), inputs.subset(split[1])
 
 
 def _lam_groups(method: Any, grid: Mapping[str, list[Any]], defaults: Mapping[str, Any]
@@ -198,14 +227,16 @@ def _merge_chosen(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, 
     return report
 
 
-def _recorded(config: MergeConfig, merger: TensorMerger, chosen: dict[str, Any],
-              scored: list[dict[str, Any]], compared: int | None = None) -> MergeConfig:
-    """The config as it ran: the choice, every candidate and the number of samples compared recorded (heads passed
-    from Python named, not kept)."""
-    parameters = {k: v for k, v in config.parameters.items() if k not in ("reselect", "compared")}
+def _recorded(config: MergeConfig, merger: TensorMerger, chosen: dict[str, Any], scored: list[dict[str, Any]],
+              compared: int | None = None, fitted: int | None = None) -> MergeConfig:
+    """The config as it ran: the choice, every candidate and the numbers of samples compared and fitted on
+    recorded (heads passed from Python named, not kept)."""
+    parameters = {k: v for k, v in config.parameters.items() if k not in ("reselect", "compared", "fitted")}
     parameters.update(chosen=chosen, scored=scored)
     if compared is not None:
         parameters["compared"] = compared
+    if fitted is not None:
+        parameters["fitted"] = fitted
     heads = merger.ctx.params.heads
     if heads:
         parameters["heads"] = [os.fspath(h) if isinstance(h, (str, os.PathLike)) else h if isinstance(h, dict)

@@ -4,7 +4,8 @@ Every candidate method is merged once per setting of its other parameters (its d
 its grid is then θ₀ + λ·τ, which costs one forward pass of the selection samples and no merge. Every candidate is
 scored by one criterion (``output`` by default: the discrepancy with each expert on the samples routed to it, read
 through the family's output rule; :mod:`hf_mloss.merging.selection`) and the lowest wins. The experts' outputs are
-computed once for all candidates. The card and the recipe record every candidate's value, the choice, and the chosen
+computed once for all candidates. A candidate fitted on the data (RegMean++, M-TIES) is fitted on samples the
+comparison does not read (``held_out``), then, chosen, on all of them. The card and the recipe record every candidate's value, the choice, and the chosen
 merge's per-layer M-Loss as a diagnostic (how far it is from the ensemble, not a predictor of its accuracy).
 
 Without data there is nothing to compare: the merge is TSV-M at λ = 1 (the default of the method that needs no
@@ -65,6 +66,10 @@ class AutoParams(MethodParams):
                              low=1, high=1_000_000)
     share: str = param("auto", "Which samples compare a candidate with which expert: auto (label-free routing) or "
                        "all.", choices=("auto", "all"))
+    held_out: bool = param(True, "Compare the candidates fitted on the data (RegMean++, M-TIES, ...) on samples they "
+                           "were not fitted on: at most half of each model's data (and of the shared pool) is held "
+                           "out for the comparison, they are fitted on the rest, and the chosen one is fitted "
+                           "again on all of it. Off: every candidate is fitted and compared on the same samples.")
     heads: tuple[Any, ...] | None = param(None, "Encoders: one classification head per model (safetensors files "
                                           "holding `weight` and `bias`, or, from Python, modules/callables); the "
                                           "output criterion then compares class distributions, not features.")
@@ -76,6 +81,8 @@ class AutoParams(MethodParams):
     scored: list[Any] | None = param(None, "Recorded: every candidate's method, setting and criterion values.")
     compared: int | None = param(None, "Recorded: the unlabeled samples the candidates were compared on "
                                  "(compare_samples, or fewer when the data holds fewer).", low=1, high=1_000_000)
+    fitted: int | None = param(None, "Recorded: the samples the data-fitted candidates were fitted on, the ones "
+                               "held out of the comparison (none: nothing was held out).", low=1, high=1_000_000)
 
     def check(self) -> None:
         grids = candidate_grids(self.candidates, self.budget)

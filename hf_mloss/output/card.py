@@ -139,6 +139,7 @@ def auto_rows(config: MergeConfig) -> dict[str, Any] | None:
              "value": c.get(params.criterion),
              "chosen": c["method"] == chosen.get("method") and c["setting"] == chosen.get("parameters")}
             for c in params.scored or []]
+    from ..methods import get_method
     from ..methods.auto import all_tied
 
     tied = all_tied([row["value"] for row in rows if row["value"] is not None])
@@ -146,7 +147,8 @@ def auto_rows(config: MergeConfig) -> dict[str, Any] | None:
     return {"criterion": params.criterion, "num_samples": compared, "share": params.share, "rows": rows,
             "chosen": chosen.get("method"), "chosen_setting": ", ".join(
                 f"{k}={v}" for k, v in (chosen.get("parameters") or {}).items()), "why": chosen.get("why"),
-            "heads": bool(params.heads), "tied": tied, "own": _own_data(config),
+            "heads": bool(params.heads), "tied": tied, "own": _own_data(config), "fitted": params.fitted,
+            "refitted": bool(chosen.get("method")) and get_method(chosen["method"]).needs_data,
             "edges": [] if tied or not rows else auto_grid_edges(params)}
 
 
