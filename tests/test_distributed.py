@@ -221,11 +221,11 @@ def test_torchrun_regmean_sums_the_processes_grams(tmp_path, tiny_paths, image_f
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["regmean", "regmean_plusplus"])
+@pytest.mark.parametrize("method", ["regmean", "regmean_plusplus", "auto"])
 def test_torchrun_walks_each_processs_share_of_every_models_own_data(tmp_path, tiny_paths, method, monkeypatch):
     """Each model's own images (5, 3 and 7: shares of unequal sizes); each process walks its share of every model's
     data, the positions of each model summed over the processes before its Grams are folded: the single process's
-    merge within 1e-6."""
+    merge within 1e-6. ``auto``: RegMean++ fitted on what the comparison holds out, chosen, fitted on all."""
     import yaml
 
     from examples.tiny import make_image_folder
@@ -235,10 +235,15 @@ def test_torchrun_walks_each_processs_share_of_every_models_own_data(tmp_path, t
     entries = [{"model": m, "data": {"path": str(make_image_folder(tmp_path / f"data{i}", n=n, seed=i))}}
                for i, (m, n) in enumerate(zip(models, (5, 3, 7)))]
     config = tmp_path / f"{method}.yaml"
-    config.write_text(yaml.safe_dump({"base": base, "models": entries, "method": method, "batch_size": 2},
+    extra = {"parameters": {"candidates": {"tsv_m": {"lam": [1.0]}, "regmean_plusplus": {"lam": [1.0, 1.5]}}}} \
+        if method == "auto" else {}
+    config.write_text(yaml.safe_dump({"base": base, "models": entries, "method": method, "batch_size": 2, **extra},
                                      sort_keys=False))
     out = tmp_path / "merged"
     single = _two_processes_equal_one(config, out)
+    if method == "auto":
+        assert single.config.parameters["fitted"] == 3 + 2 + 4  # the rest of 5, 3, 7 once half (rounded down) is held out
+        assert hf_mloss.MergeConfig.from_pretrained(out).parameters["chosen"] == single.config.parameters["chosen"]
     recorded = hf_mloss.MergeConfig.from_pretrained(out)
     assert [m.data.fingerprint for m in recorded.models] == [m.data.fingerprint for m in single.config.models]
 
