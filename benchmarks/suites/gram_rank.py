@@ -99,6 +99,20 @@ def measure(bench, seed: int, own: list[int], blocks: list[int], log) -> dict:
     return out
 
 
+def summarise(payload: dict) -> dict:
+    """The table's cells as fields (``mean``: setting → layer input → the mean over seeds of the condition number and
+    the spread, the smallest rank), so that a document quoting the table can be checked against the record."""
+    seeds = [str(s) for s in payload["seeds"]]
+    first = payload["per_seed"][seeds[0]]
+    payload["mean"] = {setting: {layer: {
+        "positions": first[setting][layer]["positions"][0], "features": first[setting][layer]["features"],
+        "min_rank": min(payload["per_seed"][s][setting][layer]["min_rank"] for s in seeds),
+        "condition_solved": float(np.mean([payload["per_seed"][s][setting][layer]["condition_solved"] for s in seeds])),
+        "spread": float(np.mean([payload["per_seed"][s][setting][layer]["spread"] for s in seeds]))}
+        for layer in first[setting]} for setting in first}
+    return payload
+
+
 def render(payload: dict) -> str:
     seeds = payload["seeds"]
     lines = ["# RegMean's Gram matrices on each setting's data: rank, conditioning, spread", "",
@@ -150,7 +164,7 @@ def main(argv=None) -> None:
                f"{load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, {time.perf_counter() - start:.0f} s")
     payload = {"command": command, "machine": machine, "seeds": seeds, "steps": cfg.ft_steps,
                "trained_blocks": len(blocks), "wise": cfg.wise, "ratio": RATIO, "per_seed": per_seed}
-    text = render(payload)
+    text = render(summarise(payload))
     print(text)
     if args.table:
         args.table.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
