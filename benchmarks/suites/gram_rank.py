@@ -115,12 +115,13 @@ def summarise(payload: dict) -> dict:
 
 def render(payload: dict) -> str:
     seeds = payload["seeds"]
-    lines = ["# RegMean's Gram matrices on each setting's data: rank, conditioning, spread", "",
-             f"Command: `{payload['command']}`. {payload['machine']}. Image suite (DINOv2-S at 98 px, {payload['steps']} "
-             f"fine-tuning steps, {payload['trained_blocks']} trained blocks, 8 tasks), seeds {seeds}; each fine-tune's "
-             f"own forward; r = {RATIO}. Per cell: positions per model, smallest numerical rank among the 8 models / "
-             "input features, condition number of Σ_p G̃_p (the matrix solved), spread of the models' Grams (mean "
-             "over pairs of ‖Ĝ_p − Ĝ_q‖_F / mean ‖Ĝ‖_F); the mean over seeds, rank the smallest.", ""]
+    header = (f"Command: `{payload['command']}`. {payload['machine']}. Image suite (DINOv2-S at 98 px, "
+              f"{payload['steps']} fine-tuning steps, {payload['trained_blocks']} trained blocks, 8 tasks), seeds "
+              f"{seeds}; each fine-tune's own forward; r = {RATIO}. Per cell: positions per model, smallest numerical "
+              "rank among the 8 models / input features, condition number of Σ_p G̃_p (the matrix solved), spread of "
+              "the models' Grams (mean over pairs of ‖Ĝ_p − Ĝ_q‖_F / mean ‖Ĝ‖_F); the mean over seeds, rank the "
+              "smallest.")
+    lines = ["# RegMean's Gram matrices on each setting's data: rank, conditioning, spread", "", header, ""]
     settings = list(payload["per_seed"][str(seeds[0])])
     lines += ["| layer input | " + " | ".join(settings) + " |", "|---|" + "---|" * len(settings)]
     for layer in payload["per_seed"][str(seeds[0])][settings[0]]:

@@ -115,8 +115,8 @@ def _search(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model:
         _write(builder, held, lam, into)
     report = evaluator.mloss_report(builder.tower, models=[r.name for r in inputs.refs])
     merger.done.update(merger.names)
-    held_out = len(fit.model_inputs) if fit is not inputs else None
-    return {"method": name, "parameters": setting}, scored, (len(evaluator.sample), held_out), report
+    fitted_on = len(fit.model_inputs) if fit is not inputs else None
+    return {"method": name, "parameters": setting}, scored, (len(evaluator.sample), fitted_on), report
 
 
 def _held_out(config: MergeConfig, inputs: RunInputs, params: Any) -> tuple[RunInputs, RunInputs]:

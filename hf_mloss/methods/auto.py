@@ -5,8 +5,9 @@ its grid is then θ₀ + λ·τ, which costs one forward pass of the selection s
 scored by one criterion (``output`` by default: the discrepancy with each expert on the samples routed to it, read
 through the family's output rule; :mod:`hf_mloss.merging.selection`) and the lowest wins. The experts' outputs are
 computed once for all candidates. A candidate fitted on the data (RegMean++, M-TIES) is fitted on samples the
-comparison does not read (``held_out``), then, chosen, on all of them. The card and the recipe record every candidate's value, the choice, and the chosen
-merge's per-layer M-Loss as a diagnostic (how far it is from the ensemble, not a predictor of its accuracy).
+comparison does not read (``held_out``), then, chosen, on all of them. The card and the recipe record every
+candidate's value, the choice, and the chosen merge's per-layer M-Loss as a diagnostic (how far it is from the
+ensemble, not a predictor of its accuracy).
 
 Without data there is nothing to compare: the merge is TSV-M at λ = 1 (the default of the method that needs no
 tuning most often in the records), and the card says so. A recorded choice re-runs directly, bit for bit
@@ -81,8 +82,8 @@ class AutoParams(MethodParams):
     scored: list[Any] | None = param(None, "Recorded: every candidate's method, setting and criterion values.")
     compared: int | None = param(None, "Recorded: the unlabeled samples the candidates were compared on "
                                  "(compare_samples, or fewer when the data holds fewer).", low=1, high=1_000_000)
-    fitted: int | None = param(None, "Recorded: the samples the data-fitted candidates were fitted on, the ones "
-                               "held out of the comparison (none: nothing was held out).", low=1, high=1_000_000)
+    fitted: int | None = param(None, "Recorded: the samples the data-fitted candidates were fitted on, those the "
+                               "comparison did not read (none: nothing was held out).", low=1, high=1_000_000)
 
     def check(self) -> None:
         grids = candidate_grids(self.candidates, self.budget)
