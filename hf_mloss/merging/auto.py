@@ -75,9 +75,7 @@ def _search(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model:
         for name, grid in grids.items():
             method = get_method(name)
             for fixed, lams in _lam_groups(method, grid, defaults[name]):
-                builder.config = config.replace(method=name, parameters=dict(fixed), select=None)
-                builder.scores = builder.report = None
-                tau = builder.task_vector(fixed, 1.0, live=True)
+                tau = _direction(builder, config, name, fixed)
                 for lam in lams:
                     if lam is not None:  # θ₀ + λ·τ; a method without λ holds its own merge already
                         builder.write(tau, lam)
@@ -97,9 +95,7 @@ def _search(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model:
     _, name, setting, held, lam, fixed = best
     if name in fitted and fit is not inputs:  # fitted on part of the data to be compared fairly: now on all of it
         builder.inputs = inputs
-        builder.config = config.replace(method=name, parameters=dict(fixed), select=None)
-        builder.scores = builder.report = None
-        held = builder.task_vector(fixed, 1.0, live=True)
+        held = _direction(builder, config, name, fixed)
         if lam is None:
             held = {n: builder.state[n].clone() for n in builder.names}
     values = [c[params.criterion] for c in scored]
@@ -117,6 +113,14 @@ def _search(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model:
     merger.done.update(merger.names)
     fitted_on = len(fit.model_inputs) if fit is not inputs else None
     return {"method": name, "parameters": setting}, scored, (len(evaluator.sample), fitted_on), report
+
+
+def _direction(builder: Any, config: MergeConfig, name: str, fixed: Mapping[str, Any]) -> dict[str, Any]:
+    """Candidate ``name`` at setting ``fixed`` merged into the builder's scratch tower, on the builder's inputs, and
+    its direction τ at λ = 1 (a data-guided candidate scores afresh)."""
+    builder.config = config.replace(method=name, parameters=dict(fixed), select=None)
+    builder.scores = builder.report = None
+    return builder.task_vector(fixed, 1.0, live=True)
 
 
 def _held_out(config: MergeConfig, inputs: RunInputs, params: Any) -> tuple[RunInputs, RunInputs]:
