@@ -232,11 +232,13 @@ ISO_CTS_HIGH = "iso_cts (λ 7.5-20)"
 
 
 def round5_specs(part: str, trained: Sequence[int], *, learned: Sequence[tuple[str, str]] = R5_LEARNED,
+                 learned_own: Sequence[tuple[str, str]] = R5_LEARNED_OWN, own: Sequence[int] = R5_OWN,
                  steps: int = 100, smoke: bool = False) -> list:
     """The specs of one part of round 5's design (see :data:`R5_PARTS`, :data:`R5_GRIDS`). The M-TIES family: M-TIES
     at e = 0.1 and 0.15, and its controls at e = 0.1 on the same λ × k grid (e = 0: per-tensor TIES at k; random
-    ranks, one draw; inverted ranks; the budget-matched uniform trim), scoring the ``trained`` blocks. ``smoke``:
-    two values per axis and 2 training steps (the pipeline, not the numbers)."""
+    ranks, one draw; inverted ranks; the budget-matched uniform trim), scoring the ``trained`` blocks. ``own``: the
+    images per task of the own-data parts; ``learned_own``: the rows of ``learned_own``. ``smoke``: two values per
+    axis and 2 training steps (the pipeline, not the numbers)."""
     from benchmarks.suites.gates import DARE_HIGH, DARE_SPARSE, TIES_HIGH, TIES_LOW, TIES_LOW_WIDE, TIES_SPARSE
     from benchmarks.suites.protocol import MethodSpec, check_grids
 
@@ -290,29 +292,29 @@ def round5_specs(part: str, trained: Sequence[int], *, learned: Sequence[tuple[s
         return _learned_specs(learned, steps)
     if part == "data_own":
         specs = []
-        for n in R5_OWN:
-            own = f"own {n}/task"
-            specs += [MethodSpec(f"regmean ({own})", "regmean", own_data=n),
-                      MethodSpec(f"regmean ({own}, λ on val)", "regmean", grid=g["regmean"], own_data=n),
-                      MethodSpec(f"regmean_plusplus ({own})", "regmean_plusplus", own_data=n),
-                      MethodSpec(f"regmean_plusplus ({own}, λ on val)", "regmean_plusplus", grid=g["regmean"],
+        for n in own:
+            own_label = f"own {n}/task"
+            specs += [MethodSpec(f"regmean ({own_label})", "regmean", own_data=n),
+                      MethodSpec(f"regmean ({own_label}, λ on val)", "regmean", grid=g["regmean"], own_data=n),
+                      MethodSpec(f"regmean_plusplus ({own_label})", "regmean_plusplus", own_data=n),
+                      MethodSpec(f"regmean_plusplus ({own_label}, λ on val)", "regmean_plusplus", grid=g["regmean"],
                                  own_data=n),
-                      MethodSpec(f"auto ({own})", "auto", {"held_out": False}, heads=True, own_data=n)]
+                      MethodSpec(f"auto ({own_label})", "auto", {"held_out": False}, heads=True, own_data=n)]
         return specs
     if part == "auto_held_out":
         return [MethodSpec(f"auto (own {n}/task, held out)", "auto", {"held_out": True}, heads=True, own_data=n)
-                for n in R5_OWN]
+                for n in own]
     if part == "auto_pooled_held_out":
         return [MethodSpec("auto (held out)", "auto", {"held_out": True}, heads=True)]
     if part == "auto_cart":
         from hf_mloss.methods.auto import CANDIDATE_GRIDS, DEFAULT_CANDIDATES
 
         candidates = {**DEFAULT_CANDIDATES, "cart": CANDIDATE_GRIDS["cart"]}
-        return [MethodSpec(f"auto (own {R5_OWN[0]}/task, held out, with cart)", "auto",
-                           {"held_out": True, "candidates": candidates}, heads=True, own_data=R5_OWN[0])]
+        return [MethodSpec(f"auto (own {own[0]}/task, held out, with cart)", "auto",
+                           {"held_out": True, "candidates": candidates}, heads=True, own_data=own[0])]
     if part == "learned_own":
         return [dataclasses.replace(spec, label=spec.label.replace(")", f", own {n}/task)"), own_data=n)
-                for n in R5_OWN for spec in _learned_specs(R5_LEARNED_OWN, steps)]
+                for n in own for spec in _learned_specs(learned_own, steps)]
     raise ValueError(f"unknown part {part!r}: one of {(*R5_PARTS, *R5_EXTRA_PARTS)}")
 
 
@@ -333,12 +335,14 @@ def _learned_specs(learned: Sequence[tuple[str, str]], steps: int) -> list:
 
 def measure_round5(cfg, cache: Path, log, parts: Sequence[str], *, version: str | Sequence[str] | None = None,
                    report: Path | None = None, learned: Sequence[Sequence[tuple[str, str]]] = (R5_LEARNED,),
+                   learned_own: Sequence[tuple[str, str]] = R5_LEARNED_OWN, own: Sequence[int] = R5_OWN,
                    smoke: bool = False) -> dict:
     """One lever under round 5's design: each part of ``parts`` measured (or read from the cache) on every seed of
     ``cfg``, the first part with the reference rows ("base" must be among them), the others as methods-only runs
     joined beside it; then :func:`measure`'s row (G6 against every merge and against the TIES family) and, with
     ``report``, every verdict of the suite protocol. ``learned``: the learned part's rows in groups, each group a
-    methods-only run cached on its own, so groups measured by separate runs join one record."""
+    methods-only run cached on its own, so groups measured by separate runs join one record. ``own`` and
+    ``learned_own``: the own-data parts' images per task and ``learned_own``'s rows (:func:`round5_specs`)."""
     from benchmarks.suites.gates import TIES_FAMILY, premise_gate, val_mean, val_means
     from benchmarks.suites.protocol import TUNED_ENSEMBLE
     from benchmarks.suites.real import build_real_suite
@@ -346,7 +350,7 @@ def measure_round5(cfg, cache: Path, log, parts: Sequence[str], *, version: str 
     if parts[0] != "base":
         raise ValueError(f"the first part carries the reference rows: 'base', got {parts[0]!r}")
     trained = list(range(cfg.frozen, cfg.num_layers))
-    runs = [(part, round5_specs(part, trained, learned=group, smoke=smoke))
+    runs = [(part, round5_specs(part, trained, learned=group, learned_own=learned_own, own=own, smoke=smoke))
             for part in parts for group in (learned if part == "learned" else [()])]
     specs = [s for _, run in runs for s in run]
     if repeated := sorted(label for label, n in Counter(s.label for s in specs).items() if n > 1):
@@ -618,6 +622,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="r5: the learned part's rows, METHOD:OBJECTIVE comma-separated (default: "
                              f"{','.join(f'{m}:{o}' for m, o in R5_LEARNED)}); repeat the flag to join groups "
                              "measured by separate runs, each cached as its own run")
+    parser.add_argument("--own", default=",".join(map(str, R5_OWN)),
+                        help="r5: images per task in the own-data parts, comma-separated (default: "
+                             f"{','.join(map(str, R5_OWN))})")
+    parser.add_argument("--learned-own", default=None,
+                        help="r5: the learned_own part's rows, METHOD:OBJECTIVE comma-separated (default: "
+                             f"{','.join(f'{m}:{o}' for m, o in R5_LEARNED_OWN)})")
     args = parser.parse_args(argv)
     parts = args.parts.split(",")
     if unknown := [p for p in parts if p not in (*R5_PARTS, *R5_EXTRA_PARTS)]:
@@ -631,6 +641,9 @@ def main(argv: list[str] | None = None) -> int:
     versions = args.code_version.split(",") if args.code_version else None
     learned = [[tuple(item.split(":")) for item in group.split(",")] for group in args.learned] if args.learned \
         else [R5_LEARNED]
+    learned_own = [tuple(item.split(":")) for item in args.learned_own.split(",")] if args.learned_own \
+        else R5_LEARNED_OWN
+    own = tuple(int(n) for n in args.own.split(","))
     task_sets = {"quick": QUICK_TASKS, "all": RealConfig().tasks}
     log = Log(True, "regime")
     start, load = time.perf_counter(), os.getloadavg()
@@ -655,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.design == "r5":
                 rows.append(measure_round5(cfg, args.cache or default_cache(), log, parts,
                                            version=versions, report=args.report / lever if args.report
-                                           else None, learned=learned))
+                                           else None, learned=learned, learned_own=learned_own, own=own))
                 r = rows[-1]
                 log(f"{lever}: G6 {r['g6_gate']['value']}; TIES family: {r['g6_gate_ties_family']['value']}")
                 text = write_r5(rows, args.table, command, seeds, load, args.threads, time.perf_counter() - start)
