@@ -127,6 +127,50 @@ def test_mloss_and_output_criteria_match_brute_force(tiny_paths, loaded, pixels)
     assert average["mloss"] == pytest.approx(brute_mloss(direct, experts, images), rel=1e-4)
 
 
+def test_a_method_fitted_on_the_data_is_compared_on_samples_held_out_of_its_fit(tiny_paths, loaded, pixels,
+                                                                               image_folder, tmp_path) -> None:
+    """RegMean fits each λ's merge on the data: by default half the samples are held out, each candidate is RegMean
+    fitted on the other half and compared on them (by hand below), and the chosen λ is then merged on all of them;
+    the recipe records it and re-runs bit for bit. held_out=False fits and compares on the same samples."""
+    from hf_mloss.loading.model_inputs import spread_index
+
+    base_model, experts = loaded
+    grid = {"lam": [0.5, 1.0, 1.5]}
+    base, models = tiny_paths
+    result = hf_mloss.merge(base, models, "regmean", data=str(image_folder), num_samples=NUM, batch_size=3,
+                            progress=False, select={"share": "all"}, grid=grid)  # a folder: the recipe re-runs
+    select = result.config.select
+    assert select.held_out and select.fitted == NUM // 2 and select.num_samples == NUM // 2
+    compared = spread_index(NUM, NUM // 2, result.config.seed)
+    rest = torch.ones(NUM, dtype=torch.bool)
+    rest[compared] = False
+    images = pixels[compared]
+    feats = [pooled(e, images) for e in experts]
+    for candidate in select.candidates:
+        fitted = hf_mloss.merge(base, models, "regmean", data=pixels[rest], batch_size=3, progress=False,
+                                **candidate["setting"]).model
+        distance = torch.stack([(pooled(fitted, images) - f).square().sum(-1) / f.square().sum(-1) for f in feats])
+        assert candidate["output"] == pytest.approx(float(distance.mean()), rel=1e-4)
+    on_all = hf_mloss.merge(base, models, "regmean", data=pixels, batch_size=3, progress=False, **select.chosen)
+    assert max_diff(result.model, on_all.model) < 1e-6
+    folder = result.save_pretrained(tmp_path / "merged")
+    assert f"fitted on {NUM // 2} other images" in (folder / "README.md").read_text()
+    assert yaml.safe_load((folder / "hf_mloss_config.yaml").read_text())["select"]["fitted"] == NUM // 2
+    again = hf_mloss.run(MergeConfig.from_pretrained(folder), progress=False)
+    assert max_diff(again.model, result.model) == 0 and again.config.select.fitted == NUM // 2
+    recorded = yaml.safe_load((folder / "hf_mloss_config.yaml").read_text())
+    del recorded["select"]["held_out"]  # a recipe from before held_out compared in sample, and re-runs so
+    assert MergeConfig.from_dict(recorded, base_dir=folder).select.held_out is False
+    in_sample = run(tiny_paths, "regmean", pixels, grid, select={"share": "all", "held_out": False})
+    assert in_sample.config.select.fitted is None and in_sample.config.select.num_samples == NUM
+    assert [c["output"] for c in in_sample.config.select.candidates] != [c["output"] for c in select.candidates]
+
+
+def test_a_data_free_method_holds_nothing_out(tiny_paths, pixels) -> None:
+    result = run(tiny_paths, "task_arithmetic", pixels, {"lam": [0.5, 1.0]})
+    assert result.config.select.fitted is None and result.config.select.num_samples == NUM
+
+
 def test_heads_given_shares_kl_and_entropy(tiny_paths, loaded, pixels, tmp_path) -> None:
     _, experts = loaded
     generator = torch.Generator().manual_seed(0)

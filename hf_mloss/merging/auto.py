@@ -52,7 +52,7 @@ def _search(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model:
     from ..methods import get_method
     from ..methods.auto import _settings, all_tied, candidate_grids, get_method_defaults, thinned
     from ..spec.selection import SelectionOptions
-    from .selection import CandidateBuilder, CandidateEvaluator, warn_grid_edge
+    from .selection import CandidateBuilder, CandidateEvaluator, held_out_inputs, warn_grid_edge
 
     params = merger.ctx.params
     tower = inputs.adapter.tower(model)
@@ -63,7 +63,8 @@ def _search(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model:
                                num_samples=params.compare_samples, share=params.share,
                                heads=list(params.heads) if params.heads else None)
     fitted = {name for name in grids if get_method(name).needs_data}
-    compare, fit = _held_out(config, inputs, params) if fitted and params.held_out else (inputs, inputs)
+    compare, fit = (held_out_inputs(config, inputs, params.compare_samples, "auto") if fitted and params.held_out
+                    else (inputs, inputs))
     builder = CandidateBuilder(config, fit, copy.deepcopy(tower), merger.names)
     evaluator = CandidateEvaluator(config, compare, options, builder.tower, progress=progress, token=token,
                                    heads_key="heads")
@@ -121,24 +122,6 @@ def _direction(builder: Any, config: MergeConfig, name: str, fixed: Mapping[str,
     builder.config = config.replace(method=name, parameters=dict(fixed), select=None)
     builder.scores = builder.report = None
     return builder.task_vector(fixed, 1.0, live=True)
-
-
-def _held_out(config: MergeConfig, inputs: RunInputs, params: Any) -> tuple[RunInputs, RunInputs]:
-    """The samples the candidates are compared on and those the data-fitted ones are fitted on
-    (:func:`~hf_mloss.loading.model_inputs.held_out_split`: up to ``compare_samples`` of each model's data, at most
-    half); the same inputs twice, with a warning, when some model's data holds a single sample."""
-    from ..loading.model_inputs import held_out_split
-
-    split = held_out_split(inputs.sample_owner, len(inputs.model_inputs), params.compare_samples, config.seed,
-                           len(inputs.sources))
-    if split is None:
-        import warnings
-
-        warnings.warn("auto: some model's data holds a single sample, so none can be held out of the fit of the "
-                      "candidates that are fitted on the data; they are compared on the samples they were fitted on, "
-                      "which favours them. Give each model two samples or more.", UserWarning, stacklevel=4)
-        return inputs, inputs
-    return inputs.subset(split[0]), inputs.subset(split[1])
 
 
 def _lam_groups(method: Any, grid: Mapping[str, list[Any]], defaults: Mapping[str, Any]

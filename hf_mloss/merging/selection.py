@@ -44,6 +44,10 @@ own data (``models=[{"model": ..., "data": ...}]``) no routing is needed: ``num_
 seeded spread) are compared with that model alone, and expert p runs on its own samples only; the samples of a shared
 pool, if some models read it, are routed among those models.
 
+Held out. A method fitted on the data (``needs_data``: M-TIES, RegMean) is merged for every setting on the samples
+left after ``num_samples`` of each model's data (at most half) are held out for the comparison
+(:func:`held_out_inputs`, ``held_out``, default on); the chosen setting is merged again on all of them.
+
 Reuse. A method's ``lam`` means θ = θ₀ + λ·τ_merged (every built-in method): each setting of the other parameters
 is merged once at λ = 1 and rescaled for every λ of the grid. A data-guided method (M-TIES) is merged once, with
 live M-Loss scoring, at the reference setting (the middle value of every grid axis); every other candidate replays
@@ -504,6 +508,21 @@ class CandidateBuilder:
             merger.merge(merger.names)
         return {name: (self.state[name] - self.base[name]).div_(lam) for name in self.names}
 
+    def refit(self, options: SelectionOptions, chosen: Mapping[str, Any], lam: float, inputs: RunInputs
+              ) -> dict[str, Any]:
+        """The chosen candidate's τ merged again on ``inputs`` (all the data, after a search fitted on part of it),
+        as the search merged it: a data-guided method's reference scored live, then the chosen setting."""
+        self.inputs, self.scores, self.report = inputs, None, None
+        method = self.config.merge_method()
+        groups = candidate_groups(options, self.config.method_params().to_dict(), method)
+        fixed = next(fixed for fixed, lams in groups
+                     if lam in lams and all(chosen.get(k) == v for k, v in fixed.items()))
+        reference = self.reference
+        ref_tau = _reference_tau(self, reference) if reference is not None else None
+        if reference is not None and all(reference[k] == v for k, v in fixed.items()):
+            return ref_tau
+        return self.task_vector(fixed, 1.0)
+
     def _lam(self, lam: float, setting: Mapping[str, Any]) -> dict[str, float]:
         """``{"lam": lam}`` where the merge is θ₀ + λ·τ (``lam`` rescales it); else the setting's own λ stands."""
         parameters = {**self.config.method_params().to_dict(), **setting}
@@ -558,6 +577,23 @@ def reference_setting(config: MergeConfig, options: SelectionOptions) -> dict[st
     return reference
 
 
+def held_out_inputs(config: MergeConfig, inputs: RunInputs, n: int, who: str) -> tuple[RunInputs, RunInputs]:
+    """The samples candidates are compared on and those the data-fitted ones are fitted on
+    (:func:`~hf_mloss.loading.model_inputs.held_out_split`: up to ``n`` of each model's data and of the shared pool, at
+    most half); the same inputs twice, with a warning naming ``who``, when some model's data holds a single sample."""
+    from ..loading.model_inputs import held_out_split
+
+    split = held_out_split(inputs.sample_owner, len(inputs.model_inputs), n, config.seed, len(inputs.sources))
+    if split is None:
+        import warnings
+
+        warnings.warn(f"{who}: some model's data holds a single sample, so none can be held out of the fit of the "
+                      "candidates that are fitted on the data; they are compared on the samples they were fitted on, "
+                      "which favours them. Give each model two samples or more.", UserWarning, stacklevel=4)
+        return inputs, inputs
+    return inputs.subset(split[0]), inputs.subset(split[1])
+
+
 def select_and_merge(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, tower: Any, *,
                      progress: bool = True, token: Any = None) -> tuple[MergeConfig, MLossReport | None]:
     """Score every candidate of ``config.select``, write the chosen one into ``merger``'s tower, and return the
@@ -576,8 +612,11 @@ def select_and_merge(config: MergeConfig, inputs: RunInputs, merger: TensorMerge
 
     options, method = config.select, config.merge_method()
     check_output_rule(inputs.adapter.output_rule(tower), options, inputs.adapter)  # before the scratch copy
-    builder = CandidateBuilder(config, inputs, copy.deepcopy(tower), merger.names)
-    evaluator = CandidateEvaluator(config, inputs, options, builder.tower, progress=progress, token=token)
+    held_out = method.needs_data and options.held_out and inputs.model_inputs is not None
+    compare, fit = (held_out_inputs(config, inputs, options.num_samples, "select") if held_out
+                    else (inputs, inputs))
+    builder = CandidateBuilder(config, fit, copy.deepcopy(tower), merger.names)
+    evaluator = CandidateEvaluator(config, compare, options, builder.tower, progress=progress, token=token)
     total = len(options.settings())
     candidates, best = [], None
     bar = tqdm(total=total, desc=f"Selecting ({options.criterion})", unit="candidate", disable=not progress)
@@ -597,12 +636,14 @@ def select_and_merge(config: MergeConfig, inputs: RunInputs, merger: TensorMerge
     bar.close()
     _, chosen, tau, lam = best
     warn_grid_edge(options.grid, chosen, options.criterion)
+    if fit is not inputs:  # fitted on part of the data to be compared fairly: the chosen merge on all of it
+        tau = builder.refit(options, chosen, lam, inputs)
     builder.write(tau, lam, into=merger.targets)
     merger.done.update(merger.names)
     merger.ctx.params = method.make_params(**{**config.parameters, **chosen})
     counted = len(evaluator.sample) if evaluator.sample_owner is None else options.num_samples  # own data: per model
     record = replace(options, num_samples=counted, reference=builder.reference, chosen=chosen,
-                     candidates=candidates)
+                     candidates=candidates, fitted=len(fit.model_inputs) if fit is not inputs else None)
     return config.replace(parameters={**config.parameters, **chosen}, select=record), builder.report
 
 

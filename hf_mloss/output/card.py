@@ -121,6 +121,7 @@ def selection_rows(config: MergeConfig, modality: str = "image") -> dict[str, An
     return {"criterion": select.criterion, "criteria": select.criteria, "grid": select.grid,
             "num_samples": select.num_samples, "unit": "texts" if modality == "text" else "images",
             "share": "each model's own data" if _own_data(config) else select.share, "reference": select.reference,
+            "fitted": select.fitted,
             "rows": rows, "chosen": ", ".join(f"{k}={v}" for k, v in (select.chosen or {}).items())}
 
 

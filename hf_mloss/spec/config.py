@@ -1186,13 +1186,15 @@ def _parse_select(entry: dict[str, Any], root: Path | None) -> SelectionOptions:
         entry["heads"] = [_absolute(h, root) if isinstance(h, str) else h for h in heads]
     if isinstance(entry.get("shares"), list):
         entry["shares"] = [_parse_data(share, root) for share in entry["shares"]]
+    if "chosen" in entry and "held_out" not in entry:  # recorded before held_out: it compared in sample
+        entry["held_out"] = False
     return _build(SelectionOptions, entry, "select.")
 
 
 def _selection_to_dict(select: SelectionOptions, root: Path | None) -> dict[str, Any]:
     """The ``select:`` section (local head files and data folders relative to ``root``)."""
     out: dict[str, Any] = {"criterion": select.criterion, "grid": select.grid, "num_samples": select.num_samples,
-                           "share": select.share}
+                           "share": select.share, "held_out": select.held_out}
     if select.compare:
         out["compare"] = list(select.compare)
     if select.heads:
@@ -1200,7 +1202,7 @@ def _selection_to_dict(select: SelectionOptions, root: Path | None) -> dict[str,
                         for h in select.heads]
     if select.shares:
         out["shares"] = [DataSpec.parse(s).to_dict(root) for s in select.shares]
-    for key in ("reference", "chosen", "candidates"):
+    for key in ("reference", "chosen", "candidates", "fitted"):
         if getattr(select, key) is not None:
             out[key] = getattr(select, key)
     return out

@@ -47,10 +47,15 @@ class SelectionOptions:
                                     "`weight` [classes, features] (and `bias`), or, from Python, modules/callables.")
     compare: tuple[str, ...] = param((), "Further criteria computed and recorded for every candidate.",
                                      choices=CRITERIA)
+    held_out: bool = param(True, "A method fitted on the data (M-TIES, RegMean, ...): fit the candidates on part of "
+                           "it and compare them on `num_samples` held out of that fit (at most half of each model's "
+                           "data), then merge the chosen setting on all of it. False: fit and compare on the same "
+                           "samples, which favours whatever fits them closest.")
     reference: dict[str, Any] | None = param(None, "Recorded: the setting whose M-Loss ranks the candidates of a "
                                              "data-guided method reuse.")
     chosen: dict[str, Any] | None = param(None, "Recorded: the setting the criterion chose.")
     candidates: list[Any] | None = param(None, "Recorded: every candidate's setting and criteria values.")
+    fitted: int | None = param(None, "Recorded: the samples the candidates were fitted on, when some were held out.")
 
     def __post_init__(self) -> None:
         validate_fields(self)
@@ -104,7 +109,7 @@ class SelectionOptions:
 
     def recorded(self) -> SelectionOptions:
         """A copy without the recorded outcome (what a re-run starts from)."""
-        return replace(self, reference=None, chosen=None, candidates=None)
+        return replace(self, reference=None, chosen=None, candidates=None, fitted=None)
 
 
 def selection_options(select: Any, *, grid: Mapping[str, Sequence[Any]] | None = None, criterion: str | None = None,
