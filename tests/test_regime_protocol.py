@@ -441,6 +441,10 @@ def test_round5_own_data_parts_give_each_task_its_own_images_beside_the_pooled_r
     pooled = round5_specs("data", [10, 11])
     assert all(not s.own_data and "own_data" not in s.described() for s in pooled)  # cache keys as before
     assert MethodSpec("x", "regmean", own_data=16).described()["own_data"] == 16
+    one = round5_specs("learned_own", [10, 11], learned_own=[("adamerging", "entropy")], own=(16,))
+    assert [(s.label, s.own_data) for s in one] == [("adamerging (entropy, own 16/task)", 16)]
+    assert one[0].described() == learned[0].described()  # a subset describes its rows as the whole part does
+    assert {s.own_data for s in round5_specs("data_own", [10, 11], own=(64,))} == {64}
 
 
 @pytest.mark.parametrize("parts", ["base,mties,mties_low", "mties_low", "base,nope"])
