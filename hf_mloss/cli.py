@@ -475,6 +475,10 @@ def _selection_parent() -> argparse.ArgumentParser:
     group.add_argument("--select-samples", type=int, metavar="N", default=None,
                        help="Unlabeled samples (images, or texts for text families) each candidate is scored on "
                             "(default 32).")
+    group.add_argument("--select-in-sample", action="store_true",
+                       help="A method fitted on the data (M-TIES, RegMean): fit and compare its settings on the same "
+                            "samples (default: compare them on samples held out of the fit, then merge the chosen "
+                            "setting on all).")
     return parent
 
 
@@ -521,7 +525,8 @@ def _with_selection(config: Any, args: argparse.Namespace) -> Any:
     """The config with the selection flags applied (``--grid``/``--criterion`` need ``--select`` or a `select:`)."""
     import dataclasses
 
-    flags: dict[str, Any] = {"criterion": args.criterion, "num_samples": args.select_samples}
+    flags: dict[str, Any] = {"criterion": args.criterion, "num_samples": args.select_samples,
+                             "held_out": False if args.select_in_sample else None}
     if args.grid:
         flags["grid"] = dict(_parse_grid_item(item) for item in args.grid)
     flags = {k: v for k, v in flags.items() if v is not None}
@@ -529,8 +534,9 @@ def _with_selection(config: Any, args: argparse.Namespace) -> Any:
         return config.replace(parameters={**config.parameters, "criterion": flags["criterion"]})  # auto's own
     if not args.select and config.select is None:
         if flags:
-            raise InvalidParameterError("--grid, --criterion and --select-samples configure label-free selection: "
-                                        "add --select unlabeled (or a `select:` section to the config).")
+            raise InvalidParameterError("--grid, --criterion, --select-samples and --select-in-sample configure "
+                                        "label-free selection: add --select unlabeled (or a `select:` section to the "
+                                        "config).")
         return config
     if config.select is None and "grid" not in flags:
         raise InvalidParameterError("--select unlabeled needs candidates: add --grid PARAM=V1,V2,... (e.g. --grid "

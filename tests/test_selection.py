@@ -308,6 +308,16 @@ def test_cli_merge_and_score_select(tiny_paths, image_folder, tmp_path, capsys) 
     assert "add --select unlabeled" in capsys.readouterr().err
     assert main(["merge", str(config), str(tmp_path / "o2"), "--select", "unlabeled"]) == 2
     assert "needs candidates" in capsys.readouterr().err
+    fitted = tmp_path / "regmean.yaml"
+    fitted.write_text(config.read_text().replace("method: ties", "method: regmean"))
+    for flags, held_out in [([], True), (["--select-in-sample"], False)]:
+        out = tmp_path / f"regmean{len(flags)}"
+        assert main(["merge", str(fitted), str(out), "--select", "unlabeled", "--grid", "lam=0.5,1", *flags,
+                     "-q"]) == 0
+        saved = yaml.safe_load((out / "hf_mloss_config.yaml").read_text())["select"]
+        assert saved["held_out"] is held_out and ("fitted" in saved) is held_out
+    assert main(["score", str(config), "--select-in-sample"]) == 2
+    assert "--select-in-sample configure" in capsys.readouterr().err
 
 
 def test_hub_ids(tiny_paths, pixels, tmp_path, monkeypatch) -> None:
