@@ -559,3 +559,22 @@ def test_round5_learned_groups_join_one_record_each_cached_as_its_own_run(monkey
         [s.label for s in regime.round5_specs("base", trained)],
         ["adarank_tsv+lam (output_gap)"], ["adamerging (entropy)", "adamerging (mloss)"]]
     assert calls[3] == regime.round5_specs("learned", trained, learned=groups[1])  # the cache key of that run
+
+
+def test_round5_learned_own_groups_and_sizes_reach_the_measurement_from_the_command_line(monkeypatch):
+    """``--learned-own`` repeated joins groups measured by separate runs (as ``--learned``); ``--own`` sets the
+    images per task of every own-data part."""
+    import benchmarks.suites.regime as regime
+
+    seen = {}
+
+    def measured(cfg, cache, log, parts, **kwargs):
+        seen.update(kwargs, parts=parts)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(regime, "measure_round5", measured)
+    with pytest.raises(SystemExit):
+        regime.main(["--design", "r5", "--seeds", "0", "--parts", "base,learned_own", "--own", "16",
+                     "--learned-own", "adamerging:entropy", "--learned-own", "adamerging:output_gap"])
+    assert seen["parts"] == ["base", "learned_own"] and seen["own"] == (16,)
+    assert seen["learned_own"] == [[("adamerging", "entropy")], [("adamerging", "output_gap")]]

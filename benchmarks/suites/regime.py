@@ -335,14 +335,14 @@ def _learned_specs(learned: Sequence[tuple[str, str]], steps: int) -> list:
 
 def measure_round5(cfg, cache: Path, log, parts: Sequence[str], *, version: str | Sequence[str] | None = None,
                    report: Path | None = None, learned: Sequence[Sequence[tuple[str, str]]] = (R5_LEARNED,),
-                   learned_own: Sequence[tuple[str, str]] = R5_LEARNED_OWN, own: Sequence[int] = R5_OWN,
-                   smoke: bool = False) -> dict:
+                   learned_own: Sequence[Sequence[tuple[str, str]]] = (R5_LEARNED_OWN,),
+                   own: Sequence[int] = R5_OWN, smoke: bool = False) -> dict:
     """One lever under round 5's design: each part of ``parts`` measured (or read from the cache) on every seed of
     ``cfg``, the first part with the reference rows ("base" must be among them), the others as methods-only runs
     joined beside it; then :func:`measure`'s row (G6 against every merge and against the TIES family) and, with
     ``report``, every verdict of the suite protocol. ``learned``: the learned part's rows in groups, each group a
-    methods-only run cached on its own, so groups measured by separate runs join one record. ``own`` and
-    ``learned_own``: the own-data parts' images per task and ``learned_own``'s rows (:func:`round5_specs`)."""
+    methods-only run cached on its own, so groups measured by separate runs join one record; ``learned_own``: the
+    same for that part's rows. ``own``: the own-data parts' images per task (:func:`round5_specs`)."""
     from benchmarks.suites.gates import TIES_FAMILY, premise_gate, val_mean, val_means
     from benchmarks.suites.protocol import TUNED_ENSEMBLE
     from benchmarks.suites.real import build_real_suite
@@ -350,8 +350,9 @@ def measure_round5(cfg, cache: Path, log, parts: Sequence[str], *, version: str 
     if parts[0] != "base":
         raise ValueError(f"the first part carries the reference rows: 'base', got {parts[0]!r}")
     trained = list(range(cfg.frozen, cfg.num_layers))
-    runs = [(part, round5_specs(part, trained, learned=group, learned_own=learned_own, own=own, smoke=smoke))
-            for part in parts for group in (learned if part == "learned" else [()])]
+    groups = {"learned": learned, "learned_own": learned_own}  # parts measured in groups, each its own run
+    runs = [(part, round5_specs(part, trained, **({part: group} if part in groups else {}), own=own, smoke=smoke))
+            for part in parts for group in groups.get(part, [()])]
     specs = [s for _, run in runs for s in run]
     if repeated := sorted(label for label, n in Counter(s.label for s in specs).items() if n > 1):
         raise ValueError(f"rows measured twice: {repeated}; each learned row belongs to one group")
@@ -625,9 +626,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--own", default=",".join(map(str, R5_OWN)),
                         help="r5: images per task in the own-data parts, comma-separated (default: "
                              f"{','.join(map(str, R5_OWN))})")
-    parser.add_argument("--learned-own", default=None,
+    parser.add_argument("--learned-own", action="append", default=None,
                         help="r5: the learned_own part's rows, METHOD:OBJECTIVE comma-separated (default: "
-                             f"{','.join(f'{m}:{o}' for m, o in R5_LEARNED_OWN)})")
+                             f"{','.join(f'{m}:{o}' for m, o in R5_LEARNED_OWN)}); repeat the flag to join groups "
+                             "measured by separate runs, as --learned")
     args = parser.parse_args(argv)
     parts = args.parts.split(",")
     if unknown := [p for p in parts if p not in (*R5_PARTS, *R5_EXTRA_PARTS)]:
@@ -641,8 +643,8 @@ def main(argv: list[str] | None = None) -> int:
     versions = args.code_version.split(",") if args.code_version else None
     learned = [[tuple(item.split(":")) for item in group.split(",")] for group in args.learned] if args.learned \
         else [R5_LEARNED]
-    learned_own = [tuple(item.split(":")) for item in args.learned_own.split(",")] if args.learned_own \
-        else R5_LEARNED_OWN
+    learned_own = [[tuple(item.split(":")) for item in group.split(",")] for group in args.learned_own] \
+        if args.learned_own else [R5_LEARNED_OWN]
     own = tuple(int(n) for n in args.own.split(","))
     task_sets = {"quick": QUICK_TASKS, "all": RealConfig().tasks}
     log = Log(True, "regime")
