@@ -46,7 +46,8 @@ def _mutated(repo: Path, quote: Q.Quote, new: str) -> list[str]:
     text = path.read_text()
     at = quote.offset
     old = text[at:at + len(quote.printed)]
-    assert old.replace("-", "−") == quote.printed, (old, quote.printed)
+    leading = "−" + old[1:] if old.startswith("-") else old  # a leading ASCII minus reads as "−"; an exponent's stays
+    assert leading == quote.printed, (old, quote.printed)
     path.write_text(text[:at] + new + text[at + len(old):])
     try:
         return Q.check(path, repo, Q.BINDINGS)
