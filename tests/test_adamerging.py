@@ -150,8 +150,11 @@ def test_mloss_is_the_summed_normalised_layer_mloss_of_the_scoring_kernel(tiny_p
 class _Store:
     """A loaded model read as the scorer reads a checkpoint (canonical names without ``vision_model.``)."""
 
+    reads_rows = False
+
     def __init__(self, model):
         self.state = {k.removeprefix("vision_model."): v for k, v in model.state_dict().items()}
+        self.shapes = {name: tuple(t.shape) for name, t in self.state.items()}
 
     def get_float(self, name, device="cpu"):
         return self.state[name].float().to(device)

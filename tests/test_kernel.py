@@ -23,6 +23,12 @@ Q, D, N = 3, 12, 20
 class Store(dict):
     """A source's tensors, as the kernel reads them."""
 
+    reads_rows = False
+
+    @property
+    def shapes(self):
+        return {name: tuple(t.shape) for name, t in self.items()}
+
     def get_float(self, name, device="cpu"):
         return self[name].float().to(device)
 
@@ -192,6 +198,60 @@ def test_a_candidates_own_unit_replaces_the_mixed_pre_activations():
         h = torch.stack([s.gate(u) for s in sources], 1)
         g = activation(other(u)) - torch.einsum("q,pqn->pn", alpha, activation(h))
     torch.testing.assert_close(got["layer"].double(), g.double().norm(dim=-1).sum(), rtol=2e-5, atol=0)
+
+
+class RowStore(Store):
+    """A store that reads rows without the rest of the tensor, as a checkpoint does; it logs every read."""
+
+    reads_rows = True
+
+    def __init__(self, tensors, log):
+        super().__init__(tensors)
+        self.log = log
+
+    def get_float(self, name, device="cpu"):
+        self.log.append((name, None))
+        return super().get_float(name, device)
+
+    def get_rows(self, name, start, stop):
+        self.log.append((name, stop - start))
+        return self[name][start:stop]
+
+
+@pytest.mark.parametrize("layout", ["element-wise", "gated", "fused"])
+def test_large_units_read_their_rows_per_block_with_the_stacked_sums(layout, monkeypatch):
+    """A unit past ``STACKED_MAX_BYTES`` keeps no stacked weights: each block of nodes reads its rows from every
+    source (gate, up, or both halves of a fused gate_up) when a batch reaches it, and the sums are the stacked
+    path's, bit for bit (the same float32 rows in the same GEMM)."""
+    from hf_mloss.engine import kernel
+
+    monkeypatch.setattr(kernel, "GEMM_BLOCK_ELEMENTS", 1024 * Q * 7)  # blocks of 7 nodes: 3 blocks of N = 20
+    activation = ACT2FN["silu"]
+    sources = units(layout != "element-wise", seed=11)
+    tensors = [{f"unit.{k}": v for k, v in unit.state_dict().items()} for unit in sources]
+    if layout == "fused":  # one [2N, D] tensor: the gate rows, then the up rows
+        tensors = [{"unit.gate.weight": torch.cat([t["unit.gate.weight"], t["unit.up.weight"]]),
+                    "unit.gate.bias": torch.cat([t["unit.gate.bias"], t["unit.up.bias"]])} for t in tensors]
+    up = "unit.up" if layout == "gated" else None
+    u, mask = padded_batch([6, 3, 8], seed=4)
+    alpha = torch.tensor([0.5, 0.2, 0.3])[None]
+
+    def target(threshold: int, log: list) -> StackedTarget:
+        monkeypatch.setattr(kernel, "STACKED_MAX_BYTES", threshold)
+        return StackedTarget([RowStore(t, log) for t in tensors], "unit.gate", up=up, fused=layout == "fused",
+                             mix=alpha, activation=activation, reduction="sq")
+
+    stacked_log, streamed_log = [], []
+    stacked, streamed = target(1 << 40, stacked_log), target(0, streamed_log)
+    assert not stacked.streams_weights and streamed.streams_weights and streamed.weight == []
+    assert not any(name.endswith(".weight") for name, _ in streamed_log)  # nothing read before a batch
+    want, got = stacked.sums(u, mask=mask), streamed.sums(u, mask=mask)
+    assert torch.equal(got.node, want.node) and torch.equal(got.layer, want.layer)
+    reads = [n for name, n in streamed_log if name.endswith(".weight")]
+    parts = 1 if layout == "element-wise" else 2
+    assert streamed.blocks == [(0, 7), (7, 14), (14, 20)]
+    assert reads == [n for n in (7, 7, 6) for _ in range(Q * parts)]  # per block: its rows of each source only
+    assert int(got.count) == 17
 
 
 # --------------------------------------------------------------------------------------------------- the walk

@@ -237,6 +237,12 @@ def test_stacked_kernel_matches_accumulator_for_every_fused_activation():
     alpha = torch.tensor([0.2, 0.3, 0.5])
 
     class Store(dict):
+        reads_rows = False
+
+        @property
+        def shapes(self):
+            return {name: tuple(t.shape) for name, t in self.items()}
+
         def get_float(self, name, device="cpu"):
             return self[name]
 

@@ -179,3 +179,30 @@ def test_the_data_guided_walk_peak_does_not_grow_with_depth(tmp_path, monkeypatc
             peaks[layers, stream] = _peak_bytes(in_use, run)
     assert peaks[6, True] - peaks[2, True] < block / 2, peaks
     assert peaks[6, False] - peaks[2, False] > 3 * block, peaks
+
+
+def test_m_ties_peak_does_not_grow_with_the_number_of_fine_tunes(tmp_path, monkeypatch) -> None:
+    """q = 2 and 6 fine-tunes of one width: with the scored unit read a block of nodes at a time (the path of units
+    past ``STACKED_MAX_BYTES``) and the merge taking the sources' own buffer, M-TIES's peak grows by less than one
+    source's scored unit over the 4 added sources; with the unit stacked it grows by several (the measure sees it)."""
+    import hf_mloss.engine.kernel as kernel
+
+    in_use = _malloc_in_use()
+    if in_use is None:
+        pytest.skip("needs glibc's mallinfo2 (Linux, glibc 2.33+) to count the process's allocated bytes")
+    monkeypatch.setenv("HF_MLOSS_THREADS", "1")
+    shape = dict(hidden_size=128, intermediate_size=512, vocab_size=64)
+    unit = 2 * 128 * 512 * 4  # one source's gate and up weights in float32
+    peaks, merged = {}, {}
+    for q in (2, 6):
+        decoder = save_with_finetunes(tiny_decoder("llama", num_hidden_layers=2, **shape).to(torch.bfloat16),
+                                      tmp_path / f"q{q}", q=q)
+        for streams in (True, False):
+            monkeypatch.setattr(kernel, "STACKED_MAX_BYTES", 0 if streams else 1 << 62)
+            run = lambda: _merge(decoder, "m_ties", stream=True, monkeypatch=monkeypatch)  # noqa: E731
+            merged[streams] = run().model.state_dict()
+            peaks[q, streams] = _peak_bytes(in_use, run)
+        assert merged[True].keys() == merged[False].keys()
+        assert all(torch.equal(merged[True][k], merged[False][k]) for k in merged[True])  # the same merge
+    assert peaks[6, True] - peaks[2, True] < unit, peaks
+    assert peaks[6, False] - peaks[2, False] > 4 * unit, peaks

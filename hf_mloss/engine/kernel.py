@@ -36,6 +36,10 @@ GEMM_BLOCK_ELEMENTS = 1 << 19
 """Pre-activation values per block on a CPU when a block is produced by the stacked GEMM (:class:`StackedTarget`):
 1024 positions × q × (2^19 / (1024·q)) nodes, 2 MB that are reduced while in cache."""
 GEMM_BLOCK_POSITIONS = 1024
+STACKED_MAX_BYTES = 1 << 28
+"""A scored unit whose q sources' float32 weights take more than this (256 MB: Qwen2.5-1.5B's gate and up rows of
+more than 2 fine-tunes) is not stacked: :class:`StackedTarget` reads each block's rows from the sources as a batch
+reaches it, so the scorer's memory stays one block of nodes whatever q is."""
 ACCELERATOR_BLOCK_ELEMENTS = 1 << 24
 """On an accelerator: one block of nodes (all of them), positions in chunks of 64 MB of pre-activations."""
 ROWS_BLOCK_ELEMENTS = 1 << 22
@@ -374,7 +378,9 @@ class StackedTarget:
     For u of some positions, block j holds nodes [a, b) of every source (gated units: the gate rows, then the up
     rows): ONE GEMM gives the ``[positions, q, b−a]`` pre-activations, reduced by :func:`gap_block` while they are
     in cache; only per-node and per-position sums leave a block. On ViT-B/32 × 8 fc1 (800 positions, 1 thread) this
-    took 246 ms against 428-478 ms for the whole-layer GEMM followed by a plain accumulation.
+    took 246 ms against 428-478 ms for the whole-layer GEMM followed by a plain accumulation. A unit whose stacked
+    weights would pass :data:`STACKED_MAX_BYTES` keeps none: each block's rows are read from the sources when a
+    batch reaches it (the same values, so the same sums), and the scorer's peak does not grow with q.
     """
 
     def __init__(self, sources: Sequence[Any], gate: str, *, mix: torch.Tensor, activation: Callable,
@@ -395,22 +401,43 @@ class StackedTarget:
             return list(tensor.chunk(2, dim=0)) if fused else [tensor]
 
         names = [gate] if up is None else [gate, up]
-        weights = [list(w) for w in zip(*[[part for name in names for part in read(s, f"{name}.weight")]
-                                          for s in sources])]
         raw = [list(b) for b in zip(*[[part for name in names for part in read(s, f"{name}.bias")]
                                       for s in sources])]
         has_bias = [bs[0] is not None for bs in raw]
-        biases = [[b if b is not None else torch.zeros(w.shape[0], device=device) for b, w in zip(bs, ws)]
-                  for bs, ws in zip(raw, weights)]
-        self.num_nodes = weights[0][0].shape[0]
+        shape = sources[0].shapes[f"{gate}.weight"]
+        self.num_nodes = (shape[1] if transposed else shape[0]) // (2 if fused else 1)
+        biases = [[b if b is not None else torch.zeros(self.num_nodes, device=device) for b in bs] for bs in raw]
         self.rows, nodes = block_shape(self.q, self.mix.shape[0], self.num_nodes, device, stacked_gemm=True)
         self.blocks = [(a, min(a + nodes, self.num_nodes)) for a in range(0, self.num_nodes, nodes)]
+        self.bias: list[torch.Tensor | None] = [torch.cat([c[a:b] for cs in biases for c in cs]).to(compute_dtype)
+                                                if any(has_bias) else None for a, b in self.blocks]
+        self.compute_dtype = compute_dtype
+        stacked_bytes = len(sources) * len(names) * self.num_nodes * shape[1 - transposed] * 4
+        # Large units of many sources are read a block of nodes at a time (the rows a..b of each source), so what
+        # the target holds does not grow with q; small ones are stacked once and reused by every batch.
+        self._reads: list[tuple[Any, str, int]] | None = None
         self.weight: list[torch.Tensor] = []
-        self.bias: list[torch.Tensor | None] = []
-        for a, b in self.blocks:  # [q·(b−a), d]: source p's rows a..b at p·(b−a) (then the up rows)
-            self.weight.append(torch.cat([w[a:b] for ws in weights for w in ws]).to(compute_dtype))
-            self.bias.append(torch.cat([c[a:b] for cs in biases for c in cs]).to(compute_dtype)
-                             if any(has_bias) else None)
+        if stacked_bytes > STACKED_MAX_BYTES and not transposed and all(s.reads_rows for s in sources):
+            self._reads = [(s, f"{name}.weight", half * self.num_nodes) for name in names
+                           for half in range(2 if fused else 1) for s in sources]  # the stacked blocks' order
+            return
+        weights = [list(w) for w in zip(*[[part for name in names for part in read(s, f"{name}.weight")]
+                                          for s in sources])]
+        # [q·(b−a), d] per block: source p's rows a..b at p·(b−a) (then the up rows)
+        self.weight = [torch.cat([w[a:b] for ws in weights for w in ws]).to(compute_dtype) for a, b in self.blocks]
+
+    @property
+    def streams_weights(self) -> bool:
+        """Whether the sources' rows are read per block of nodes (large units) instead of held stacked."""
+        return self._reads is not None
+
+    def _block_weight(self, index: int) -> torch.Tensor:
+        """Block ``index``'s ``[q·(b−a), d]`` weights: the stacked copy, or the rows read from the sources now."""
+        if self._reads is None:
+            return self.weight[index]
+        a, b = self.blocks[index]
+        return torch.cat([store.get_rows(name, offset + a, offset + b).to(self.device, torch.float32)
+                          for store, name, offset in self._reads]).to(self.compute_dtype)
 
     def sums(self, u: torch.Tensor, *, mask: torch.Tensor | None = None, per_node: bool = True,
              merged: Callable[[torch.Tensor], torch.Tensor | tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -428,10 +455,11 @@ class StackedTarget:
         eps = self.eps * self.scale  # gaps come scaled by s: |g|/(|σ|+ε) = |s·g|/(|s·σ|+s·ε)
         parts = 2 if self.gated else 1
         for rows in flat.split(self.rows):
-            rows = rows.to(self.weight[0].dtype)
+            rows = rows.to(self.compute_dtype)
             own = _as_tuple(merged(rows)) if merged is not None else None
             squares: list[torch.Tensor] = []
-            for (a, b), weight, bias in zip(self.blocks, self.weight, self.bias):
+            for index, ((a, b), bias) in enumerate(zip(self.blocks, self.bias)):
+                weight = self._block_weight(index)
                 h = nn.functional.linear(rows, weight, bias).float().view(rows.shape[0], parts, self.q, b - a)
                 mine = [t[:, None, a:b].float() for t in own] if own is not None else [None, None]
                 g, mu = gap_block(h[:, 0], self.mix, self.scale, self.activation,

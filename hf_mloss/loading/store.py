@@ -46,6 +46,9 @@ class TensorStore:
     ref: ModelRef
     shapes: dict[str, tuple[int, ...]]
     dtypes: dict[str, torch.dtype]
+    reads_rows: bool = False
+    """Whether :meth:`get_rows` reads only those rows (a file's byte range, a view of a tensor in memory) rather
+    than the whole tensor first: readers that take a tensor a block of rows at a time ask for it."""
 
     def keys(self) -> list[str]:
         return list(self.shapes)
@@ -75,6 +78,8 @@ class TensorStore:
 
 class CheckpointStore(TensorStore):
     """Per-tensor reader over the safetensors (else ``pytorch_model.bin``) files of a resolved model folder."""
+
+    reads_rows = True
 
     def __init__(self, ref: ModelRef, adapter: ModelAdapter, *, allow_pickle: bool = True) -> None:
         self.ref = ref
@@ -274,6 +279,8 @@ class CheckpointStore(TensorStore):
 
 class ModuleStore(TensorStore):
     """The store interface over a model already in memory (a user-passed ``PreTrainedModel``)."""
+
+    reads_rows = True  # rows of a tensor in memory are a view
 
     def __init__(self, model: PreTrainedModel, adapter: ModelAdapter, ref: ModelRef) -> None:
         self.ref = ref

@@ -284,6 +284,10 @@ class AlignedStore(TensorStore):
             raise AttributeError(attribute)
         return getattr(self.inner, attribute)
 
+    @property
+    def reads_rows(self) -> bool:
+        return self.inner.reads_rows
+
     def get(self, name: str) -> torch.Tensor:
         if name not in self.plan.names or self.plan.identity[self.index]:
             return self.inner.get(name)

@@ -65,9 +65,13 @@ class TensorMerger:
             self.inputs.base.get_float(name, self.device)
         if not torch.isfinite(base.sum()) and not torch.isfinite(base).all():
             self._refuse_non_finite(name, self.inputs.base, base)
-        sources = []
-        for store in self.inputs.sources:
-            tensor = store.get_float(name, self.device)
+        # The q sources are read into one [q, ...] float32 buffer (rows converted through a small staging piece),
+        # and handed over as its views: a method that stacks them takes the buffer itself (methods.ops.take_stack)
+        # instead of a second q-fold copy.
+        stacked = torch.empty((len(self.inputs.sources), *base.shape), dtype=torch.float32, device=self.device)
+        sources = list(stacked.unbind(0))
+        for store, tensor in zip(self.inputs.sources, sources):
+            store.read_into(name, tensor)
             # One reduction instead of a full isfinite mask: any NaN/Inf (or an overflowing sum) makes the sum
             # non-finite, and only then are the entries counted.
             if not torch.isfinite(tensor.sum()) and not torch.isfinite(tensor).all():
@@ -75,7 +79,6 @@ class TensorMerger:
                 raise CorruptCheckpointError(
                     f"{name!r} of {store.ref.name!r} holds {bad} non-finite value(s) (NaN/Inf); a merge would spread "
                     "them. Fix or exclude that checkpoint.")
-            sources.append(tensor)
         return base, sources
 
     def visit(self, fn) -> None:

@@ -335,11 +335,10 @@ class MTies(MergeMethod):
     def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
         import torch
 
-        from .ops import elect_and_merge, trim_entries_, trim_slices_, trim_tensor_
+        from .ops import elect_and_merge, take_stack, trim_entries_, trim_slices_, trim_tensor_
 
         member = ctx.state.get(GROUP_STATE, {}).get(name)
-        taus = torch.stack(sources).sub_(base)  # one [q, ...] buffer trimmed in place, as in TIES
-        sources.clear()  # the caller's list: its q float32 copies go now, not after the merge (a worker's peak)
+        taus = take_stack(sources).sub_(base)  # the sources' [q, ...] buffer trimmed in place, as in TIES
         tensor_keep = ctx.state.get(TENSOR_STATE, {}).get(name)
         if tensor_keep is not None:  # rank="tensor": a scored group tensor, trimmed as a whole at the budget
             for tau in taus:

@@ -262,6 +262,25 @@ def elect_and_merge(
     return out
 
 
+def take_stack(sources: list[torch.Tensor]) -> torch.Tensor:
+    """The ``[q, ...]`` stack of ``sources``, emptying the list: the caller owns the result and may change it in
+    place. When the sources are the views of one buffer in order (how the merger reads them) that buffer is
+    returned, no copy; otherwise a new stack."""
+    first = sources[0]
+    step = first.numel()
+    storage = first.untyped_storage()
+    if (first.is_contiguous() and storage.nbytes() == len(sources) * step * first.element_size()
+            and first.storage_offset() == 0
+            and all(s.is_contiguous() and s.shape == first.shape and s.dtype == first.dtype
+                    and s.untyped_storage().data_ptr() == storage.data_ptr() and s.storage_offset() == i * step
+                    for i, s in enumerate(sources))):
+        stacked = first.as_strided((len(sources), *first.shape), (step, *first.stride()), 0)
+    else:
+        stacked = torch.stack(sources)
+    sources.clear()
+    return stacked
+
+
 def elect_chunk_numel(q: int) -> int:
     """Entries per source that :func:`elect_and_merge` handles at a time on CPU (a multiple of 4096). A caller that
     merges one tensor in flat pieces starting at multiples of it gets the same chunks, hence the same bits."""

@@ -211,6 +211,10 @@ class SlicedStore(TensorStore):
         store, source = self._mapping[name]
         return store.get_rows(source, start, stop)
 
+    @property
+    def reads_rows(self) -> bool:
+        return all(store.reads_rows for store, _ in self._mapping.values())
+
     def get_float(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
         store, source = self._mapping[name]
         return store.get_float(source, device)
