@@ -198,3 +198,46 @@ def test_finalize_drops_the_mergers_float32_references_before_the_cast(decoder_s
     tensor = torch.tensor([[0.25, -9.0], [4.0, 1.0]])
     assert tensor_merger.largest_magnitude(tensor) == float(tensor.abs().max()) == 9.0
     assert tensor_merger.largest_magnitude(torch.empty(0)) == 0.0
+
+
+MERGE_IN_SLICES = tensor_merger.TensorMerger._merge_in_slices
+
+
+@pytest.mark.parametrize("method", ["m_ties", "m_dare"])
+@pytest.mark.parametrize("family", ["qwen2", "clip"])
+def test_m_ties_merges_its_node_group_tensors_a_block_of_slices_at_a_time(decoder_sets, tmp_path, monkeypatch,
+                                                                          method, family) -> None:
+    """A large tensor of a scored node group (trimmed slice by slice: rows of gate / up / fc1, columns of down)
+    is merged a block of whole slices at a time, so the q float32 copies held are of one block: the same bits
+    as whole, the 1-D members (CLIP's fc1 bias, trimmed against fc1's per-row thresholds) included. One slice per
+    block here (the smallest blocks)."""
+    from examples.tiny import make_image_folder, make_tiny_setup
+
+    if family == "qwen2":
+        base, models = decoder_sets["bf16_tied"]
+        ids = torch.randint(0, SHAPE["vocab_size"], (4, 12), generator=torch.Generator().manual_seed(3))
+        data = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        grouped = ("gate_proj", "up_proj", "down_proj")
+    else:
+        base, models = make_tiny_setup(tmp_path / "clip", q=3)
+        data = str(make_image_folder(tmp_path / "images", n=6))
+        grouped = ("fc1.weight",)  # CLIP's group: fc1's rows, and its bias against their thresholds
+    used: list[str] = []
+
+    def spy(self, name, *args):
+        used.append(name)
+        return MERGE_IN_SLICES(self, name, *args)
+
+    def run(sliced: bool) -> dict:
+        monkeypatch.setattr(tensor_merger.TensorMerger, "_merge_in_slices", spy)
+        monkeypatch.setattr(tensor_merger, "CHUNKED_MIN_NUMEL", 1 if sliced else 1 << 60)
+        monkeypatch.setattr(tensor_merger, "MERGE_CHUNK_NUMEL", 1)
+        return hf_mloss.merge(str(base), [str(m) for m in models], method, data=data, progress=False,
+                              seed=0).model.state_dict()
+
+    whole = run(False)
+    assert used == []
+    sliced = run(True)
+    assert [k for k in whole if not torch.equal(_bits(whole[k]), _bits(sliced[k]))] == []
+    assert used and all(any(g in n for g in grouped) for n in used)
+    assert {g for g in grouped if any(g in n for n in used)} == set(grouped)  # rows, and columns (down_proj)

@@ -122,6 +122,10 @@ class TensorMerger:
         if per_model is not None:  # per-model weights and parameters, resolved for this tensor
             weights = torch.tensor(per_model[0], dtype=torch.float32, device=self.ctx.weights.device)
             ctx = dataclasses.replace(ctx, weights=weights, model_params=per_model[1])
+        dim = self._slice_dim(name, ctx)
+        if dim is not None:
+            self._merge_in_slices(name, ctx, dim)
+            return name
         counts = self._chunk_counts(name, ctx)
         if counts is not None:
             self._merge_in_chunks(name, ctx, counts)
@@ -144,6 +148,56 @@ class TensorMerger:
             check_fits(name, float(merged.abs().max()), target.dtype)  # before the rounding hides an overflow
         target.copy_(merged)
         return name
+
+    def _slice_dim(self, name: str, ctx: MergeContext) -> int | None:
+        """The method's :meth:`~hf_mloss.methods.MergeMethod.slice_dim` for a large 2-D tensor held in memory."""
+        target = self.targets[name]
+        if (name in self.done or target.dim() != 2 or target.is_meta or not target.is_contiguous()
+                or target.numel() * len(self.inputs.sources) < CHUNKED_MIN_NUMEL or calibrates(ctx.params)):
+            return None
+        return self.method.slice_dim(name, ctx)
+
+    def _merge_in_slices(self, name: str, ctx: MergeContext, dim: int) -> None:
+        """:meth:`_merge_one` for a large tensor whose slices along ``dim`` merge independently, a block of slices
+        at a time: each block's q sources are read into one buffer (rows: just those rows; columns: each source
+        whole into one reused buffer of its stored dtype, then the block's columns), so the q float32 copies held
+        are of one block, not of the tensor. The same values and checks as whole."""
+        target = self.targets[name]
+        size = target.shape[dim]
+        step = max(1, MERGE_CHUNK_NUMEL // max(1, target.numel() // size))
+        whole: dict[torch.dtype, torch.Tensor] = {}
+        changed, finite, peak = False, True, 0.0
+        for start in range(0, size, step):
+            part = slice(start, min(start + step, size))
+            view = target[part] if dim == 0 else target[:, part]
+            base = view.float()
+            if not torch.isfinite(base.sum()) and not torch.isfinite(base).all():
+                self._refuse_non_finite(name, self.inputs.base, target)
+            stacked = torch.empty((len(self.inputs.sources), *view.shape), dtype=torch.float32, device=self.device)
+            sources = list(stacked.unbind(0))
+            for store, piece in zip(self.inputs.sources, sources):
+                if dim == 0:
+                    piece.copy_(store.get_rows(name, part.start, part.stop))
+                else:
+                    dtype = store.dtypes.get(name) or torch.float32
+                    buffer = whole.setdefault(dtype, torch.empty(target.shape, dtype=dtype))
+                    piece.copy_(store.read_into(name, buffer)[:, part])
+                if not torch.isfinite(piece.sum()) and not torch.isfinite(piece).all():
+                    self._refuse_non_finite(name, store)
+            changed = changed or not all(torch.equal(s, base) for s in sources)
+            merged = self.method.merge_slices(name, base, sources, ctx, part)
+            del sources, stacked
+            if not (torch.isfinite(merged.sum()) or torch.isfinite(merged).all()):
+                finite = False
+            elif target.dtype != merged.dtype and merged.numel():
+                peak = max(peak, float(merged.abs().max()))
+            view.copy_(merged)
+        if not changed and self.method.zero_delta_is_base:
+            self.method.unchanged(name, ctx)
+        if finite:
+            self.checked.add(name)
+            if target.dtype != torch.float32:
+                check_fits(name, peak, target.dtype)
 
     def _chunk_counts(self, name: str, ctx: MergeContext) -> list[int] | None:
         """The method's per-source keep counts when ``name`` is large enough to merge in chunks, else None."""

@@ -218,6 +218,23 @@ class MergeMethod:
         ``|τ_i|`` of the whole tensor (``counts`` from :meth:`chunk_keep_counts`)."""
         raise NotImplementedError(f"method {self.name!r} merges whole tensors only")
 
+    def slice_dim(self, name: str, ctx: MergeContext) -> int | None:
+        """A dim of ``name`` (2-D) whose slices the method merges independently of each other (M-TIES's node groups:
+        each row or column trimmed at its own keep ratio, then element-wise rules), so the driver may merge a large
+        tensor a block of whole slices at a time with :meth:`merge_slices`, never holding q float32 copies of all of
+        it. ``None`` (the default): not such a tensor."""
+        return None
+
+    def merge_slices(self, name: str, base: torch.Tensor, sources: list[torch.Tensor], ctx: MergeContext,
+                     slices: slice) -> torch.Tensor:
+        """:meth:`merge_tensor`'s values on slices ``slices`` along :meth:`slice_dim` (``base`` and ``sources``
+        hold just those slices)."""
+        raise NotImplementedError(f"method {self.name!r} merges whole tensors only")
+
+    def unchanged(self, name: str, ctx: MergeContext) -> None:
+        """Called when :meth:`merge_slices` merged every slice of ``name`` and no source had changed it: forget any
+        state the slices left, as a whole-tensor merge would have left none (it copies such a tensor)."""
+
     def scoring_options(self, params: MethodParams) -> ScoringOptions:
         """How a data-guided method's M-Loss is measured (its parameters usually extend ``ScoringOptions``)."""
         return params.scoring_options()  # type: ignore[attr-defined]

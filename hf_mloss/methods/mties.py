@@ -332,6 +332,36 @@ class MTies(MergeMethod):
             trim_by_threshold_(tau, threshold)
         return base + ctx.params.lam * elect_and_merge(taus, ctx.weights)
 
+    def slice_dim(self, name: str, ctx: MergeContext) -> int | None:
+        """A 2-D member of a scored node group, trimmed slice by slice: its slices merge independently."""
+        member = ctx.state.get(GROUP_STATE, {}).get(name)
+        if member is None or member.anchor is not None or member.keep.dim() != 1 \
+                or name in ctx.state.get(TENSOR_STATE, {}):
+            return None
+        return member.dim
+
+    def merge_slices(self, name, base, sources, ctx: MergeContext, slices: slice) -> torch.Tensor:
+        import torch
+
+        from .ops import elect_and_merge, take_stack, trim_slices_
+
+        member = ctx.state[GROUP_STATE][name]
+        taus = take_stack(sources).sub_(base)
+        kept = None
+        if member.keeps_thresholds:  # the anchor's per-slice thresholds, filled piece by piece
+            store = ctx.state.setdefault(THRESHOLD_STATE, {})
+            if slices.start == 0 or name not in store:
+                store[name] = torch.empty(len(taus), member.keep.numel(), dtype=taus.dtype, device=taus.device)
+            kept = store[name][:, slices]
+        for i, tau in enumerate(taus):
+            trim_slices_(tau, member.keep[slices], member.dim, thresholds=None if kept is None else kept[i])
+        merged = elect_and_merge(taus, ctx.weights)
+        del taus
+        return merged.mul_(ctx.params.lam).add_(base)
+
+    def unchanged(self, name: str, ctx: MergeContext) -> None:
+        ctx.state.get(THRESHOLD_STATE, {}).pop(name, None)  # its 1-D members read the unchanged anchor's thresholds
+
     def merge_tensor(self, name, base, sources, ctx: MergeContext) -> torch.Tensor:
         import torch
 
