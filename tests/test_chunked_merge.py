@@ -112,27 +112,38 @@ def test_pieces_give_the_bits_of_the_whole_tensor_merge(decoder_sets, monkeypatc
         assert torch.equal(_bits(pieces["model.embed_tokens.weight"].to(base.dtype)), _bits(base))
 
 
+def _decoder_data() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, SHAPE["vocab_size"], (4, 12), generator=torch.Generator().manual_seed(3))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def _spied_data_merge(monkeypatch, path: str, base, models, method: str, data):
+    """``(run, used)``: ``run(pieces)`` merges with the size limits lowered to 1 entry (every eligible tensor takes
+    the piecewise path, one slice or chunk at a time) or raised out of reach, and returns the merged state;
+    ``used`` collects the tensors the merger's ``path`` method took."""
+    used: list[str] = []
+    original = getattr(tensor_merger.TensorMerger, path)
+
+    def spy(self, name, *args):
+        used.append(name)
+        return original(self, name, *args)
+
+    def run(pieces: bool) -> dict:
+        monkeypatch.setattr(tensor_merger.TensorMerger, path, spy)
+        monkeypatch.setattr(tensor_merger, "CHUNKED_MIN_NUMEL", 1 if pieces else 1 << 60)
+        monkeypatch.setattr(tensor_merger, "MERGE_CHUNK_NUMEL", 1)
+        return hf_mloss.merge(str(base), [str(m) for m in models], method, data=data, progress=False,
+                              seed=0).model.state_dict()
+    return run, used
+
+
 @pytest.mark.parametrize("method", ["m_ties", "m_dare"])
 def test_m_ties_merges_tensors_outside_its_node_groups_in_pieces(decoder_sets, monkeypatch, method) -> None:
     """M-TIES trims every tensor outside its scored node groups per tensor at k, as TIES: a large one (an LLM's
     embedding) is merged in pieces with the same bits; the node-group members (trimmed row by row) stay whole, and
     M-DARE (random drops over the whole tensor) never takes the piecewise path."""
-    base, models = decoder_sets["bf16_tied"]
-    ids = torch.randint(0, SHAPE["vocab_size"], (4, 12), generator=torch.Generator().manual_seed(3))
-    data = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    used: list[str] = []
-
-    def spy(self, name, *args):
-        used.append(name)
-        return MERGE_IN_CHUNKS(self, name, *args)
-
-    def run(chunked: bool) -> dict:
-        monkeypatch.setattr(tensor_merger.TensorMerger, "_merge_in_chunks", spy)
-        monkeypatch.setattr(tensor_merger, "CHUNKED_MIN_NUMEL", 1 if chunked else 1 << 60)
-        monkeypatch.setattr(tensor_merger, "MERGE_CHUNK_NUMEL", 1)
-        return hf_mloss.merge(str(base), [str(m) for m in models], method, data=data, progress=False,
-                              seed=0).model.state_dict()
-
+    run, used = _spied_data_merge(monkeypatch, "_merge_in_chunks", *decoder_sets["bf16_tied"], method,
+                                  _decoder_data())
     whole = run(False)
     assert used == []
     pieces = run(True)
@@ -200,9 +211,6 @@ def test_finalize_drops_the_mergers_float32_references_before_the_cast(decoder_s
     assert tensor_merger.largest_magnitude(torch.empty(0)) == 0.0
 
 
-MERGE_IN_SLICES = tensor_merger.TensorMerger._merge_in_slices
-
-
 @pytest.mark.parametrize("method", ["m_ties", "m_dare"])
 @pytest.mark.parametrize("family", ["qwen2", "clip"])
 def test_m_ties_merges_its_node_group_tensors_a_block_of_slices_at_a_time(decoder_sets, tmp_path, monkeypatch,
@@ -214,27 +222,13 @@ def test_m_ties_merges_its_node_group_tensors_a_block_of_slices_at_a_time(decode
     from examples.tiny import make_image_folder, make_tiny_setup
 
     if family == "qwen2":
-        base, models = decoder_sets["bf16_tied"]
-        ids = torch.randint(0, SHAPE["vocab_size"], (4, 12), generator=torch.Generator().manual_seed(3))
-        data = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        (base, models), data = decoder_sets["bf16_tied"], _decoder_data()
         grouped = ("gate_proj", "up_proj", "down_proj")
     else:
         base, models = make_tiny_setup(tmp_path / "clip", q=3)
         data = str(make_image_folder(tmp_path / "images", n=6))
         grouped = ("fc1.weight",)  # CLIP's group: fc1's rows, and its bias against their thresholds
-    used: list[str] = []
-
-    def spy(self, name, *args):
-        used.append(name)
-        return MERGE_IN_SLICES(self, name, *args)
-
-    def run(sliced: bool) -> dict:
-        monkeypatch.setattr(tensor_merger.TensorMerger, "_merge_in_slices", spy)
-        monkeypatch.setattr(tensor_merger, "CHUNKED_MIN_NUMEL", 1 if sliced else 1 << 60)
-        monkeypatch.setattr(tensor_merger, "MERGE_CHUNK_NUMEL", 1)
-        return hf_mloss.merge(str(base), [str(m) for m in models], method, data=data, progress=False,
-                              seed=0).model.state_dict()
-
+    run, used = _spied_data_merge(monkeypatch, "_merge_in_slices", base, models, method, data)
     whole = run(False)
     assert used == []
     sliced = run(True)
