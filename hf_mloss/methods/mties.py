@@ -341,23 +341,30 @@ class MTies(MergeMethod):
         return member.dim
 
     def merge_slices(self, name, base, sources, ctx: MergeContext, slices: slice) -> torch.Tensor:
+        from .ops import elect_and_merge, take_stack
+
+        taus = take_stack(sources).sub_(base)
+        self._trim_slices_(name, taus, ctx.state[GROUP_STATE][name], ctx, slices)
+        merged = elect_and_merge(taus, ctx.weights)
+        del taus
+        return merged.mul_(ctx.params.lam).add_(base)
+
+    @staticmethod
+    def _trim_slices_(name: str, taus: torch.Tensor, member: GroupMember, ctx: MergeContext, slices: slice) -> None:
+        """Trim the task vectors ``taus`` of a 2-D group member's ``slices`` in place, each slice at its keep ratio;
+        an anchor's per-slice thresholds go to the state (filled block by block, from the first)."""
         import torch
 
-        from .ops import elect_and_merge, take_stack, trim_slices_
+        from .ops import trim_slices_
 
-        member = ctx.state[GROUP_STATE][name]
-        taus = take_stack(sources).sub_(base)
         kept = None
-        if member.keeps_thresholds:  # the anchor's per-slice thresholds, filled piece by piece
+        if member.keeps_thresholds:
             store = ctx.state.setdefault(THRESHOLD_STATE, {})
             if slices.start == 0 or name not in store:
                 store[name] = torch.empty(len(taus), member.keep.numel(), dtype=taus.dtype, device=taus.device)
             kept = store[name][:, slices]
         for i, tau in enumerate(taus):
             trim_slices_(tau, member.keep[slices], member.dim, thresholds=None if kept is None else kept[i])
-        merged = elect_and_merge(taus, ctx.weights)
-        del taus
-        return merged.mul_(ctx.params.lam).add_(base)
 
     def unchanged(self, name: str, ctx: MergeContext) -> None:
         ctx.state.get(THRESHOLD_STATE, {}).pop(name, None)  # its 1-D members read the unchanged anchor's thresholds
@@ -387,13 +394,7 @@ class MTies(MergeMethod):
                 for expert, keep in zip(tau, member.keep):
                     trim_slices_(expert, keep, member.dim - 1)
         else:
-            n = member.keep.numel()
-            kept = torch.empty(len(taus), n, dtype=taus.dtype, device=taus.device) if member.keeps_thresholds \
-                else None
-            for i, tau in enumerate(taus):
-                trim_slices_(tau, member.keep, member.dim, thresholds=None if kept is None else kept[i])
-            if kept is not None:
-                ctx.state.setdefault(THRESHOLD_STATE, {})[name] = kept
+            self._trim_slices_(name, taus, member, ctx, slice(0, member.keep.numel()))
         merged = elect_and_merge(taus, ctx.weights)
         del taus
         return merged.mul_(ctx.params.lam).add_(base)  # = base + λ·merged, bit for bit, with no temporaries
