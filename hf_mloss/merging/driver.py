@@ -31,6 +31,7 @@ from ..parallel import cpu_workers
 from ..output.result import MergeResult
 from ..spec.schedule import TensorParameters, split_parameters
 from .layerwise import data_free_rule, merge_by_method
+from .memory import check_held_model_fits, held_copies
 from .merger import TensorMerger, check_fits, largest_magnitude, raise_non_finite
 from .streamed import plan_streamed_output
 
@@ -82,6 +83,8 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
             dtype = working_dtype(config, inputs, needs_data=needs_data)
             streamed = None if scored_part_only or adapter_plan is not None else plan_streamed_output(
                 config, inputs, method, params, dtype=dtype, out_dtype=output_dtype(config, inputs), output=output)
+            if streamed is None:  # the whole model is held: refused here if it cannot fit
+                check_held_model_fits(inputs, dtype, *held_copies(config, method))
             model = streamed.model if streamed is not None else inputs.load_output_model(output, progress=progress,
                                                                                          dtype=dtype)
         if getattr(model.config, "auto_map", None):  # code the merged folder would not ship: dropped, and said
