@@ -12,6 +12,7 @@ TARGETS = {
     "ties_tensor_vs_mergekit_rss": 0.5,
     "m_ties_vs_mergekit_wall": 0.5,
     "tsv_m_vs_mergekit_wall": 0.25,
+    "tsv_m_vs_svd_floor_f64": 1.5,
     "m_ties_vs_floor": 1.25,
     "score_vs_floor": 1.2,
     "compatibility_vs_score_own": 1.5,
@@ -135,7 +136,24 @@ def floor_figures(runs: dict, q: int, share: float = 1 / 3) -> dict:
             "score_floor_cpu_s": forwards * child["inner_cpu_s"], "score_floor_q3_s": (1 + q / 3) * child["inner_s"]}
 
 
+def tsv_floor_ratios(ratios: Ratios, runs: dict) -> None:
+    """TSV-M's inner time over its eigensolve floor (the float64 eigenvalue solves alone) and over the float64 work
+    its eigen route cannot skip (``svd_floor``'s ``algorithm_floor_s``)."""
+    tsv, floor = runs.get("tsv_m"), runs.get("svd_floor")
+    if not (_ok(tsv) and _inner(tsv) is not None and _ok(floor)):
+        return
+    child = floor["child"]
+    if child.get("float64_s"):
+        ratios.add("tsv_m_vs_svd_floor_f64", _inner(tsv), child["float64_s"], TARGETS["tsv_m_vs_svd_floor_f64"],
+                   "tsv_m's inner time / its q + 2 float64 eigenvalue solves per matrix (eigvalsh)")
+    if child.get("algorithm_floor_s"):
+        ratios.add("tsv_m_vs_algorithm_floor", _inner(tsv), child["algorithm_floor_s"], None,
+                   "tsv_m's inner time / the float64 work its eigen route cannot skip (q Grams, the eigenvectors of "
+                   "the q + 2 problems, the polar factors applied)")
+
+
 def mergekit_ratios(ratios: Ratios, runs: dict, q: int, targets: dict = TARGETS) -> None:
+    tsv_floor_ratios(ratios, runs)
     mk, tt, mt = runs.get("mergekit_ties"), runs.get("ties_tensor"), runs.get("m_ties")
     if not (_ok(mk) and mk.get("tasks") == q):
         return
@@ -532,6 +550,11 @@ def svd_floor_line(rep: dict) -> list[str]:
     tsv = rep["runs"].get("tsv_m")
     against = (f"; tsv_m's inner time is {_inner(tsv) / child['float64_s']:.2f}× the float64 floor"
                if _ok(tsv) and _inner(tsv) else "")
+    if "algorithm_floor_s" in child:
+        against += (f". The work its float64 eigen route cannot skip (the q Gram products and the eigenvectors of "
+                    f"all q + 2 problems, the polar factors applied) takes {child['algorithm_floor_s']:.2f} s")
+        if _ok(tsv) and _inner(tsv):
+            against += f": tsv_m's inner time is {_inner(tsv) / child['algorithm_floor_s']:.2f}× that"
     return [f"TSV-M floor: {child['problems']} eigenproblems for {child['matrices']} matrices (largest "
             f"{child['largest']} × {child['largest']}), eigenvalue solves only (eigvalsh): {passes}{against}.", ""]
 

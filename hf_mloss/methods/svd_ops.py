@@ -75,15 +75,16 @@ rounding of the inputs amplified by the same condition number (what the float32 
 Anything less well conditioned (a task matrix of rank below k, tasks sharing directions) takes the full SVD."""
 
 
-def _gram_eigh(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def _gram_eigh(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool, torch.Tensor]:
     """Eigenpairs of the float64 Gram matrix on the smaller side of ``matrix`` (``[..., m, n]``): for m <= n the
-    left Gram A·Aᵀ, else Aᵀ·A. Descending eigenvalues ``[..., r]`` and eigenvectors ``[..., r, r]`` (columns), and
-    whether the Gram matrix was the left one."""
+    left Gram A·Aᵀ, else Aᵀ·A. Descending eigenvalues ``[..., r]`` and eigenvectors ``[..., r, r]`` (columns),
+    whether the Gram matrix was the left one, and ``matrix`` in float64 (for the products that follow)."""
     a = matrix.double()
     left = a.shape[-2] <= a.shape[-1]
     gram = a @ a.transpose(-1, -2) if left else a.transpose(-1, -2) @ a
     values, vectors = torch.linalg.eigh(gram)
-    return values.flip(-1), vectors.flip(-1), left
+    del gram
+    return values.flip(-1), vectors.flip(-1), left, a
 
 
 def leading_svd(matrix: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -103,29 +104,28 @@ def leading_svd(matrix: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
         *batch, m, n = matrix.shape
         return matrix.new_zeros((*batch, m, 0)), matrix.new_zeros((*batch, 0)), matrix.new_zeros((*batch, 0, n))
     if is_finite(matrix):
-        values, vectors, left = _gram_eigh(matrix)
-        leading = _leading_from_gram(matrix, values, vectors, left, k)
+        values, vectors, left, a = _gram_eigh(matrix)
+        leading = _leading_from_gram(a, values, vectors, left, k, matrix.dtype)
         if leading is not None:
             return leading
     u, s, vh = svd(matrix)
     return u[..., :k], s[..., :k], vh[..., :k, :]
 
 
-def _leading_from_gram(matrix: torch.Tensor, values: torch.Tensor, vectors: torch.Tensor, left: bool, k: int
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The top ``k`` singular triplets of ``matrix`` (in its dtype) from its Gram eigenpairs (:func:`_gram_eigh`);
-    None where some matrix's λ_k is below :data:`GRAM_MIN_RATIO`·λ_1 (the caller takes the SVD)."""
+def _leading_from_gram(a: torch.Tensor, values: torch.Tensor, vectors: torch.Tensor, left: bool, k: int,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The top ``k`` singular triplets, in ``dtype``, of the float64 matrix ``a`` from its Gram eigenpairs
+    (:func:`_gram_eigh`); None where some matrix's λ_k is below :data:`GRAM_MIN_RATIO`·λ_1 (the caller takes the
+    SVD)."""
     top = values[..., :k]
     if not bool((top[..., -1:] >= GRAM_MIN_RATIO * top[..., :1]).all()) or not bool((top[..., :1] > 0).all()):
         return None
     sigma = top.sqrt()
     kept = vectors[..., :k]  # [..., r, k]
-    a = matrix.double()
     if left:  # U = eigenvectors of A·Aᵀ, Vᴴ = Σ⁻¹ Uᵀ A
         u, vh = kept, (kept.transpose(-1, -2) @ a) / sigma[..., :, None]
     else:  # V = eigenvectors of Aᵀ·A, U = A V Σ⁻¹
         u, vh = (a @ kept) / sigma[..., None, :], kept.transpose(-1, -2)
-    dtype = matrix.dtype
     return u.to(dtype), sigma.to(dtype), vh.to(dtype)
 
 
@@ -140,8 +140,8 @@ def leading_svd_and_rest(matrix: torch.Tensor, k: int
     if k <= 0 or m > n:
         return (*leading_svd(matrix, k), None)
     if is_finite(matrix):
-        values, vectors, left = _gram_eigh(matrix)
-        leading = _leading_from_gram(matrix, values, vectors, left, k)
+        values, vectors, left, a = _gram_eigh(matrix)
+        leading = _leading_from_gram(a, values, vectors, left, k, matrix.dtype)
         if leading is not None:
             return (*leading, vectors[:, k:].to(matrix.dtype))
     u, s, vh = svd(matrix)  # thin: m ≤ n, so U is square and its last m − k columns span the complement
@@ -153,12 +153,12 @@ def nonzero_svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     spectrum; rounding-noise directions dropped), from the float64 Gram route of :func:`leading_svd` where it is
     well conditioned at that rank (any rank the tolerance keeps, for float32 inputs), else from the SVD."""
     if is_finite(matrix) and matrix.numel():
-        values, vectors, left = _gram_eigh(matrix)
+        values, vectors, left, a = _gram_eigh(matrix)
         sigma = values.clamp_min(0).sqrt().to(matrix.dtype)
         rank = int(numerical_rank(sigma, matrix.shape)) if bool(sigma[0] > 0) else 0
         if rank == 0:
             return leading_svd(matrix, 0)
-        leading = _leading_from_gram(matrix, values, vectors, left, rank)
+        leading = _leading_from_gram(a, values, vectors, left, rank, matrix.dtype)
         if leading is not None:
             return leading
     u, s, vh = svd(matrix)
@@ -177,10 +177,9 @@ def polar_factor(matrix: torch.Tensor) -> torch.Tensor:
     the SVD's choice is kept) from the SVD.
     """
     if is_finite(matrix) and matrix.shape[-1] and matrix.shape[-2]:
-        values, vectors, left = _gram_eigh(matrix)
+        values, vectors, left, a = _gram_eigh(matrix)
         if bool((values[..., -1:] >= GRAM_MIN_RATIO * values[..., :1]).all()) and bool((values[..., :1] > 0).all()):
             inverse_root = (vectors * values.rsqrt()[..., None, :]) @ vectors.transpose(-1, -2)
-            a = matrix.double()
             return (inverse_root @ a if left else a @ inverse_root).to(matrix.dtype)
     return _svd_polar_factor(matrix)
 
