@@ -370,10 +370,11 @@ def remove_stale_temporaries(parent: Path) -> None:
 def _alive_owner(name: str) -> bool:
     """Whether the process whose id a temporary name carries still runs (unknown ids count as running)."""
     pid = name[len(TMP_PREFIX):].split("-", 1)[0]
-    return not (pid.isascii() and pid.isdigit()) or _alive(int(pid))
+    return not (pid.isascii() and pid.isdigit()) or process_alive(int(pid))
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this machine (one we may not signal counts as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

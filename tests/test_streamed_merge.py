@@ -11,6 +11,7 @@ import ctypes
 import ctypes.util
 import gc
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,33 @@ def test_streamed_merge_saves_twice_and_cleans_up(decoders, monkeypatch, tmp_pat
     gc.collect()
     assert not spill.exists()  # the temporary files go with the result
     assert _tensors(first).keys() == ta.keys()  # the saved folders keep theirs
+
+
+def test_a_killed_merges_spill_is_removed_by_the_next_streamed_merge(decoders, monkeypatch, tmp_path) -> None:
+    """A merge killed with SIGKILL (the out-of-memory killer, a timeout) leaves its spill folder: the next streamed
+    merge removes it. A running process's folder and one without a process id stay."""
+    import subprocess
+    import sys
+
+    from hf_mloss.output import spill as spill_module
+
+    monkeypatch.setenv(spill_module.SPILL_DIR_ENV, str(tmp_path))
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    folders = {"killed": tmp_path / f"hf_mloss-spill-{child.pid}-abc", "dead": tmp_path / f"hf_mloss-spill-"
+               f"{dead.stdout.strip()}-def", "running": tmp_path / f"hf_mloss-spill-{os.getpid()}-ghi",
+               "unnamed": tmp_path / "hf_mloss-spill-xyz", "other": tmp_path / "keep-me"}
+    for folder in folders.values():
+        folder.mkdir()
+        (folder / "model-00001-of-00002.safetensors").write_bytes(b"x" * 64)
+    child.kill()
+    child.wait()
+    result = _merge(decoders["llama"], "ties", stream=True, monkeypatch=monkeypatch)
+    assert not folders["killed"].exists() and not folders["dead"].exists()
+    assert all(folders[k].is_dir() for k in ("running", "unnamed", "other"))
+    assert result.spilled.folder.parent == tmp_path
+    assert result.spilled.folder.name.startswith(f"hf_mloss-spill-{os.getpid()}-")
 
 
 def test_streamed_merge_refuses_an_overflow_and_writes_nothing(decoders, monkeypatch, tmp_path) -> None:

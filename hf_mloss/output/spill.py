@@ -29,6 +29,27 @@ SPILL_DIR_ENV = "HF_MLOSS_SPILL_DIR"
 output folder, and ``save_pretrained`` links the weights instead of copying them."""
 
 
+SPILL_PREFIX = "hf_mloss-spill-"
+"""Each spill folder is named ``hf_mloss-spill-<pid>-…`` after the process that writes it."""
+
+
+def remove_stale_spills(where: Path) -> None:
+    """Remove the spill folders in ``where`` whose process no longer runs: a merge killed by the out-of-memory
+    killer, a timeout or ``kill -9`` runs no clean-up, and a 7B model's spill is its whole merged model. Folders of
+    running processes or of other users, and names without a process id, are left alone."""
+    from ..saving import process_alive
+
+    try:
+        entries = list(where.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        pid = entry.name[len(SPILL_PREFIX):].split("-", 1)[0]
+        if (entry.name.startswith(SPILL_PREFIX) and pid.isascii() and pid.isdigit() and not entry.is_symlink()
+                and entry.is_dir() and entry.stat().st_uid == os.getuid() and not process_alive(int(pid))):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
 class SpilledWeights:
     """The safetensors files of a merge written block by block, and the model's skeleton (its class and config,
     every tensor on ``meta``).
@@ -41,8 +62,9 @@ class SpilledWeights:
 
     def __init__(self, skeleton: PreTrainedModel, entries: Sequence[tuple[str, Sequence[int], torch.dtype]], *,
                  max_shard_size: int | str = "5GB") -> None:
-        where = os.environ.get(SPILL_DIR_ENV) or None
-        self.folder = Path(tempfile.mkdtemp(prefix="hf_mloss-spill-", dir=where))
+        where = os.environ.get(SPILL_DIR_ENV) or tempfile.gettempdir()
+        remove_stale_spills(Path(where))
+        self.folder = Path(tempfile.mkdtemp(prefix=f"{SPILL_PREFIX}{os.getpid()}-", dir=where))
         self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.folder), True)
         self.skeleton = skeleton
         self.writer = ShardWriter(self.folder, entries, max_shard_size)
