@@ -30,7 +30,8 @@ What it does (every timed run is its own child process, so wall time, CPU time a
      same steps in the literal autograd form (fusion-bench's), extrapolated from one step per shape.
    * ``svd_floor`` (only when named): a floor for exact TSV-M here, the q + 2 symmetric eigenvalue solves
      per matrix alone (``torch.linalg.eigvalsh``, float32 and float64, default threads and one), beside
-     mergekit's TIES wall (``svd_floor_vs_mergekit_wall``).
+     mergekit's TIES wall (``svd_floor_vs_mergekit_wall``), and the float64 work TSV-M's eigen route cannot skip
+     (``algorithm_floor_s``: q Grams, the eigenvectors, the polar factors applied).
    * peers, through ``benchmarks/peers/run_peer.py``: ``mergekit-yaml`` TIES on all q tasks, and fusion-bench TIES
      on ``--fusion-bench-tasks`` tasks (default 4: 8 tasks need about 25 GB).
 3. Writes ``benchmarks/results/merge_speed_<tag>.json`` and ``.md``: every repeat's table and ratios (each with its
