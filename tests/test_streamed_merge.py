@@ -103,6 +103,28 @@ def test_streamed_merge_saves_twice_and_cleans_up(decoders, monkeypatch, tmp_pat
     assert _tensors(first).keys() == ta.keys()  # the saved folders keep theirs
 
 
+def test_saving_spilled_weights_on_their_file_system_needs_no_room_for_them(decoders, monkeypatch, tmp_path) -> None:
+    """The spilled files are hard linked into a folder on their file system: the free-space check does not ask for
+    their size there (a 7B merge that just fit its spill was refused at the save), but still does elsewhere."""
+    import collections
+
+    from hf_mloss import saving
+    from hf_mloss.output import spill as spill_module
+
+    monkeypatch.setenv(spill_module.SPILL_DIR_ENV, str(tmp_path))
+    streamed_result = _merge(decoders["llama"], "ties", stream=True, monkeypatch=monkeypatch)
+    in_memory = _merge(decoders["llama"], "ties", stream=False, monkeypatch=monkeypatch)
+    spilled = streamed_result.spilled
+    assert spilled.bytes_to_save(tmp_path / "out" / "deeper") == 0 and spilled.bytes_to_save() == spilled.total_bytes
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(saving.shutil, "disk_usage", lambda path: usage(1 << 40, 1 << 40, 1024))
+    folder = streamed_result.save_pretrained(tmp_path / "linked")
+    assert _tensors(folder).keys() == _tensors(spilled.folder).keys()
+    with pytest.raises(hf_mloss.InvalidParameterError, match="Not enough free space"):
+        in_memory.save_pretrained(tmp_path / "copied")
+    assert not (tmp_path / "copied").exists()
+
+
 def test_a_killed_merges_spill_is_removed_by_the_next_streamed_merge(decoders, monkeypatch, tmp_path) -> None:
     """A merge killed with SIGKILL (the out-of-memory killer, a timeout) leaves its spill folder: the next streamed
     merge removes it. A running process's folder and one without a process id stay."""

@@ -121,7 +121,7 @@ class MergeResult:
         with main_process_only() as main:  # under torchrun / accelerate launch: one writer, the others wait
             if main:
                 target = check_output_dir(save_directory, overwrite=overwrite, protected=self.input_paths(),
-                                          needed_bytes=self.output_bytes())
+                                          needed_bytes=self.output_bytes(target))
                 with atomic_folder(target, overwrite=overwrite) as tmp:
                     self._write(tmp, max_shard_size=max_shard_size, final=target)
                 if push_to_hub:
@@ -252,12 +252,13 @@ class MergeResult:
         paths = [r.path for r in [self.base, *self.models] if r.path and r.repo_id is None and Path(r.path).exists()]
         return [*paths, *self.config.input_paths()]
 
-    def output_bytes(self) -> int:
-        """Approximate size of the saved weights."""
+    def output_bytes(self, into: Path | None = None) -> int:
+        """Approximate size of the saved weights (the new space they take in folder ``into``: none for weights
+        already spilled on its file system, which are linked)."""
         if self.lora is not None:
             return self.lora.nbytes()
         if self.spilled is not None:
-            return self.spilled.total_bytes
+            return self.spilled.bytes_to_save(into)
         return sum(math.prod(t.shape) * t.element_size() for t in self.model.state_dict().values())
 
     def __repr__(self) -> str:

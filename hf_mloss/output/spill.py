@@ -74,6 +74,18 @@ class SpilledWeights:
     def total_bytes(self) -> int:
         return self.writer.total_bytes
 
+    def bytes_to_save(self, folder: Path | None = None) -> int:
+        """The new space saving into ``folder`` takes: none on the spill's own file system (the files are hard
+        linked), the files' size elsewhere (copied) or when ``folder`` is not given."""
+        if folder is not None:
+            existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
+            try:
+                if existing is not None and existing.stat().st_dev == self.folder.stat().st_dev:
+                    return 0
+            except OSError:
+                pass
+        return self.total_bytes
+
     def add(self, key: str, tensor: torch.Tensor) -> None:
         """Write the next planned tensor."""
         self.writer.add(key, tensor)
