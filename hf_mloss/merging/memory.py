@@ -47,7 +47,7 @@ def check_held_model_fits(inputs: RunInputs, dtype: torch.dtype, extra_copies: i
     limit = memory_limit(inputs.device)
     if limit is None:
         return
-    size = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else torch.iinfo(dtype).bits // 8
+    size = dtype.itemsize
     shapes = inputs.base.shapes
     model = sum(math.prod(shape) for shape in shapes.values()) * size
     merged = sum(math.prod(shapes[name]) for name in inputs.names if name in shapes) * size
@@ -107,4 +107,3 @@ def _swap_total() -> int:
 
 def _gb(size: int) -> str:
     return f"{size / 1e9:.1f} GB"
-

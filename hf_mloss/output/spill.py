@@ -43,10 +43,16 @@ def remove_stale_spills(where: Path) -> None:
         entries = list(where.iterdir())
     except OSError:
         return
+    uid = getattr(os, "getuid", lambda: None)()  # None where there are no user ids (Windows)
     for entry in entries:
         pid = entry.name[len(SPILL_PREFIX):].split("-", 1)[0]
-        if (entry.name.startswith(SPILL_PREFIX) and pid.isascii() and pid.isdigit() and not entry.is_symlink()
-                and entry.is_dir() and entry.stat().st_uid == os.getuid() and not process_alive(int(pid))):
+        if not (entry.name.startswith(SPILL_PREFIX) and pid.isascii() and pid.isdigit()) or entry.is_symlink():
+            continue
+        try:
+            mine = entry.is_dir() and (uid is None or entry.stat().st_uid == uid)
+        except OSError:  # gone meanwhile
+            continue
+        if mine and not process_alive(int(pid)):
             shutil.rmtree(entry, ignore_errors=True)
 
 
