@@ -144,11 +144,18 @@ def write_file(target: str | os.PathLike[str], content: str | bytes, *, overwrit
     """
     target = check_output_file(target, overwrite=overwrite, protected=protected, what=what)
     data = content.encode("utf-8") if isinstance(content, str) else content
+    with _sigterm_raises():  # a SIGTERM raises here, so the temporary file is removed on the way out
+        _write_through_temporary(target, data, overwrite=overwrite, what=what)
+    return target
+
+
+def _write_through_temporary(target: Path, data: bytes, *, overwrite: bool, what: str) -> None:
     tmp = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{os.getpid()}-", dir=target.parent)
-        tmp = Path(name)
+        with _sigterm_held():  # the file is created and named at once
+            fd, name = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{os.getpid()}-", dir=target.parent)
+            tmp = Path(name)
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
@@ -174,15 +181,16 @@ def write_file(target: str | os.PathLike[str], content: str | bytes, *, overwrit
                         ) from None
     finally:
         if tmp is not None:
-            tmp.unlink(missing_ok=True)
-    return target
+            with _sigterm_held():
+                tmp.unlink(missing_ok=True)
 
 
 def _probe_writable(target: Path, parent: Path) -> None:
     """Create and remove a temporary folder where the output will be written: permissions, read-only filesystems
-    and quotas show up now, not after the merge."""
+    and quotas show up now, not after the merge. A SIGTERM waits until the folder is gone again."""
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-probe-", dir=parent))
+        with _sigterm_raises(), _sigterm_held():
+            os.rmdir(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-probe-", dir=parent))
     except OSError as err:
         reason = "the filesystem is read-only" if err.errno == errno.EROFS else (err.strerror or str(err))
         raise InvalidParameterError(f"Output folder {str(target)!r} cannot be written: {reason} ({str(parent)!r}).") \

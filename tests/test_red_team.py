@@ -1021,6 +1021,37 @@ def test_a_sigterm_inside_a_held_section_is_raised_when_the_section_ends():
     assert caught.value.code == 128 + signal.SIGTERM and steps[-2:] == [2, 3] and 4 not in steps
 
 
+SIGTERM_AS_TEMPORARY_APPEARS = textwrap.dedent("""
+    import os, signal, sys, tempfile
+    from hf_mloss import saving
+
+    def signalled(create):
+        def wrapped(*args, **kwargs):
+            made = create(*args, **kwargs)
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered right after the folder or file exists
+            return made
+        return wrapped
+
+    tempfile.mkdtemp, tempfile.mkstemp = signalled(tempfile.mkdtemp), signalled(tempfile.mkstemp)
+    entry, folder = sys.argv[1], sys.argv[2]
+    if entry == "write_file":
+        saving.write_file(os.path.join(folder, "card.md"), "text")
+    else:
+        saving.check_output_dir(os.path.join(folder, "out"))
+""")
+
+
+@pytest.mark.parametrize("entry", ["check_output_dir", "write_file"])
+def test_a_sigterm_while_a_temporary_is_created_leaves_none_behind(tmp_path, entry):
+    """The writability probe and ``write_file``'s temporary sibling are created and removed under a held SIGTERM:
+    the process exits with 143 and leaves nothing named ``.hf_mloss-tmp`` (the probe once stayed behind). Run in a
+    child process: without the hold, the signal's default action would end the test run itself."""
+    done = subprocess.run([sys.executable, "-c", SIGTERM_AS_TEMPORARY_APPEARS, entry, str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    assert [n.name for n in tmp_path.iterdir()] == []
+
+
 @pytest.mark.slow
 def test_sigterm_during_save_leaves_no_temporary_folder(project):
     target = project.root / "target"
