@@ -77,6 +77,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -611,13 +612,14 @@ def run_child(spec: dict, work: Path, timeout: float, *, script: Path | None = N
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                 cwd=str(REPO))
-        status, usage, timed_out = _wait(proc, start + timeout)
+        memory = RssSampler(proc.pid)
+        status, usage, timed_out = _wait(proc, start + timeout, memory.sample)
         wall = time.perf_counter() - start
     rc = os.waitstatus_to_exitcode(status)
     out = {"name": name, "rc": rc, "wall_s": wall, "cpu_user_s": usage.ru_utime, "cpu_sys_s": usage.ru_stime,
            "cpu_s": usage.ru_utime + usage.ru_stime,
            "max_rss_mb": usage.ru_maxrss / (1024 * 1024 if sys.platform == "darwin" else 1024),
-           "log": str(log_path)}
+           **memory.peaks(), "log": str(log_path)}
     if timed_out:
         out["error"] = f"timed out after {timeout:.0f} s"
     elif rc != 0:
@@ -627,12 +629,42 @@ def run_child(spec: dict, work: Path, timeout: float, *, script: Path | None = N
     return out
 
 
-def _wait(proc: subprocess.Popen, deadline: float):
-    """``os.wait4`` the child (its own rusage), killing its process group at ``deadline``."""
+class RssSampler:
+    """The child's resident memory split by kind (Linux ``/proc/<pid>/status``), read at every poll of
+    :func:`_wait` (every 20 ms): the peak of ``RssAnon`` (what the process allocated: tensors, buffers) and of
+    ``RssFile`` (pages of mapped files, such as safetensors read through ``mmap``, which the kernel may drop and
+    read again). ``ru_maxrss`` counts both at once, so a run that maps many large inputs shows a peak its own
+    allocations never reach; these two peaks tell them apart. Sampled, so a spike shorter than a poll can be
+    missed; absent where ``/proc`` is not there."""
+
+    FIELDS = {"RssAnon": "peak_rss_anon_mb", "RssFile": "peak_rss_file_mb"}
+
+    def __init__(self, pid: int) -> None:
+        self.path, self.peak = Path(f"/proc/{pid}/status"), {}
+
+    def sample(self) -> None:
+        try:
+            lines = self.path.read_text().splitlines()
+        except (OSError, ValueError):  # gone, or not Linux
+            return
+        for line in lines:
+            field = line.split(":", 1)[0]
+            if field in self.FIELDS:
+                mb = int(line.split()[1]) / 1024
+                self.peak[field] = max(self.peak.get(field, 0.0), mb)
+
+    def peaks(self) -> dict[str, float]:
+        return {key: round(self.peak[field], 1) for field, key in self.FIELDS.items() if field in self.peak}
+
+
+def _wait(proc: subprocess.Popen, deadline: float, poll: Callable[[], None] = lambda: None):
+    """``os.wait4`` the child (its own rusage), killing its process group at ``deadline``; ``poll`` runs between
+    the checks."""
     while True:
         pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
         if pid:
             return status, usage, False
+        poll()
         if time.perf_counter() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)
             _, status, usage = os.wait4(proc.pid, 0)

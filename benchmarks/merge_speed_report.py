@@ -425,7 +425,11 @@ def header_lines(p: dict) -> list[str]:
         "Wall, CPU (user+sys) and peak RSS are per process (`os.wait4` rusage of the child; peers measured by "
         "`benchmarks/peers/run_peer.py` the same way). They include interpreter start-up, imports, loading and "
         "saving. *inner* is the library call alone: `merge()`, `score()`, `compatibility()`, the forward loop, or "
-        "fusion-bench's merge step.", "",
+        "fusion-bench's merge step." + (
+            " *peak anon / file*: the highest `RssAnon` (the process's own allocations) and `RssFile` (pages of "
+            "mapped files such as the safetensors inputs) of the child itself, sampled every 20 ms from "
+            "/proc; peak RSS counts both." if any("peak_rss_anon_mb" in run for rep in p["repeats"]
+                                                  for run in rep["runs"].values()) else ""), "",
     ]
 
 
@@ -506,9 +510,10 @@ def targets_lines(p: dict) -> list[str]:
 def runs_table_lines(rep: dict, p: dict) -> list[str]:
     q, model_mb = p["q"], p["models"]["model_bytes"] / 1e6
     cuda = str(p.get("device", "cpu")).startswith("cuda")
+    split = any("peak_rss_anon_mb" in res for res in rep["runs"].values())  # records since the split was sampled
     lines = ["| run | library / method | tasks | wall s | inner s | CPU s | CPU/wall | peak RSS MB | RSS / (2 × model) "
-             "| others' cores |" + (" peak CUDA MB |" if cuda else ""),
-             "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if cuda else "")]
+             "| others' cores |" + (" peak anon / file MB |" if split else "") + (" peak CUDA MB |" if cuda else ""),
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if split else "") + ("---|" if cuda else "")]
     for name, res in rep["runs"].items():
         kind = name.removesuffix(REFERENCE_SUFFIX)  # a --reference tree's run is described as this tree's
         label, tasks = DESCRIPTIONS.get(kind, name), res.get("tasks", q)
@@ -516,15 +521,23 @@ def runs_table_lines(rep: dict, p: dict) -> list[str]:
             label = "plain bare-decoder forward (AutoModel, fp32, inference_mode, no lm_head); inner = fastest pass"
         if "skipped" in res or "error" in res:
             what = f"skipped: {res['skipped']}" if "skipped" in res else f"FAILED: {res['error'][:200]!r}"
-            lines.append(f"| {name} | {label} | {tasks} | {what} | | | | | | |" + (" |" if cuda else ""))
+            lines.append(f"| {name} | {label} | {tasks} | {what} | | | | | | |" + (" |" if split else "")
+                         + (" |" if cuda else ""))
             continue
         rel = res["max_rss_mb"] / (2 * model_mb) if kind not in MEASURE_RUNS else None
         others = res.get("contention", {}).get("other_cores")
         lines.append(f"| {name} | {label} | {'—' if name == 'forward' else tasks} | {_fmt(res['wall_s'])} | "
                      f"{_fmt(_inner(res))} | {_fmt(res['cpu_s'])} | {_fmt(res['cpu_s'] / res['wall_s'], 2)} | "
                      f"{res['max_rss_mb']:.0f} | {_fmt(rel, 2) if rel is not None else ''} | {_fmt(others, 2)} |"
+                     + (f" {_split(res)} |" if split else "")
                      + (f" {_fmt(res.get('child', {}).get('cuda_max_allocated_mb'), 0)} |" if cuda else ""))
     return lines + [""]
+
+
+def _split(res: dict) -> str:
+    """The sampled peaks of the run's own allocations and of its mapped file pages (see ``RssSampler``)."""
+    anon, file = res.get("peak_rss_anon_mb"), res.get("peak_rss_file_mb")
+    return "" if anon is None else f"{anon:.0f} / {file:.0f}" if file is not None else f"{anon:.0f} / -"
 
 
 def forward_line(rep: dict, summary: dict, p: dict) -> list[str]:

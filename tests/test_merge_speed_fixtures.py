@@ -3,6 +3,7 @@ checkpoints of the large shapes written tensor by tensor, and the wall budget th
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -141,3 +142,39 @@ def test_render_rederives_the_ratios_of_a_committed_record(tmp_path) -> None:
     assert values == [pytest.approx(0.246, abs=5e-4), pytest.approx(0.238, abs=5e-4)]
     assert summary["tsv_m_vs_mergekit_wall"]["met"] == 0 and summary["tsv_m_vs_mergekit_wall"]["of"] == 2
     assert "TSV-M floor: 730 eigenproblems for 73 matrices" in record.with_suffix(".md").read_text()
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="the split is read from Linux's /proc")
+def test_the_child_memory_split_tells_allocations_from_mapped_file_pages(tmp_path) -> None:
+    """A child that allocates 160 MB shows it as anon; one that reads a 160 MB file through ``mmap`` shows it as
+    file pages, with its own allocations small: the split the 7B and 1.5B records read peak RSS by."""
+    import subprocess
+    import time
+
+    data = tmp_path / "weights.bin"
+    data.write_bytes(b"\1" * (160 << 20))
+    programs = {
+        "anon": "b = bytearray(160 << 20)\nfor i in range(0, len(b), 4096): b[i] = 1\nimport time; time.sleep(0.5)",
+        "file": f"import mmap, time\nf = open({str(data)!r}, 'rb')\nm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)"
+                "\ns = sum(m[i] for i in range(0, len(m), 4096))\ntime.sleep(0.5)",
+    }
+    peaks = {}
+    for kind, program in programs.items():
+        proc = subprocess.Popen([sys.executable, "-c", program])
+        sampler = merge_speed.RssSampler(proc.pid)
+        status, _, timed_out = merge_speed._wait(proc, time.perf_counter() + 60, sampler.sample)
+        assert os.waitstatus_to_exitcode(status) == 0 and not timed_out
+        peaks[kind] = sampler.peaks()
+    assert peaks["anon"]["peak_rss_anon_mb"] > 150 and peaks["anon"]["peak_rss_file_mb"] < 100, peaks
+    assert peaks["file"]["peak_rss_file_mb"] > 150 and peaks["file"]["peak_rss_anon_mb"] < 100, peaks
+
+
+def test_the_runs_table_shows_the_memory_split_only_where_it_was_sampled() -> None:
+    from merge_speed_report import runs_table_lines
+
+    p = {"q": 2, "models": {"model_bytes": 1e9}, "device": "cpu", "shape": "qwen2.5-1.5b"}
+    run = {"wall_s": 10.0, "cpu_s": 15.0, "max_rss_mb": 3000.0}
+    old = runs_table_lines({"runs": {"m_ties": dict(run)}}, p)
+    new = runs_table_lines({"runs": {"m_ties": {**run, "peak_rss_anon_mb": 1200.4, "peak_rss_file_mb": 2100.0}}}, p)
+    assert "anon" not in old[0] and old[2].count("|") == old[0].count("|")
+    assert "peak anon / file MB" in new[0] and "| 1200 / 2100 |" in new[2] and new[2].count("|") == new[0].count("|")
