@@ -19,7 +19,7 @@ import yaml
 import hf_mloss
 from examples.tiny import make_image_folder
 from hf_mloss import MergeConfig
-from hf_mloss.errors import DataError, InvalidParameterError
+from hf_mloss.errors import ConfigError, DataError, InvalidParameterError
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -127,6 +127,73 @@ def test_bad_own_data_is_refused_before_anything_is_loaded(tiny_paths, own_pixel
     with pytest.raises(InvalidParameterError, match="Unknown key in models\\[0\\] 'dataset'"):
         hf_mloss.merge(base, [{"model": models[0], "dataset": own_pixels[0]}, *models[1:]], "regmean",
                        progress=False)
+
+
+def _pixels_with(value, where=(1, 0, 0, 0)):
+    pixels = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(5))
+    pixels[where] = value
+    return pixels
+
+
+@pytest.mark.parametrize("data, match", [
+    (5, "data of type int"), (b"abc", "data of type bytes"), (False, "data of type bool"),
+    (torch.randn(4, 3, 32, 32).numpy(), "numpy ndarray: pass torch.from_numpy"),
+    ((x for x in range(3)), "generator, which can be read only once"),
+    ([1, 2], r"data\[0\] is of type int"), ([{"a": 1}], r"data\[0\] is of type dict"),
+    (torch.randn(3, 32, 32), r"shape \[N, 3, H, W\], got \(3, 32, 32\)"),
+    (torch.full((4, 3, 32, 32), 200, dtype=torch.uint8), "must be floating point .* got torch.uint8"),
+    (torch.rand(4, 3, 32, 32) > 0.5, "must be floating point .* got torch.bool"),
+    (_pixels_with(float("nan")), r"1 of the 4 scoring images hold NaN or Inf pixel values \(the first: image 1\)"),
+    (_pixels_with(float("inf"), (2, 1, 3, 3)), r"NaN or Inf pixel values \(the first: image 2\)"),
+    (_pixels_with(1e20), r"reach 1e\+20; an image processor's output is normalised"),
+    ({"path": "images", "foo": 1}, "Unknown key in data 'foo'"),
+    ({"id": "org/data", "seed": 1}, "data.seed: hf_mloss uses one seed"),
+    ("  ", "data is empty"),
+], ids=["int", "bytes", "bool", "numpy", "generator", "list-of-ints", "list-of-dicts", "3-d", "uint8", "bool-tensor",
+        "nan", "inf", "huge", "unknown-key", "seed", "blank"])
+def test_data_no_loader_reads_is_refused_when_the_run_is_configured(tiny_paths, own_pixels, monkeypatch, data,
+                                                                    match):
+    """Each refused in MergeConfig, naming the model: before any checkpoint is opened or any data read."""
+    base, models = tiny_paths
+
+    def never(*args, **kwargs):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr("hf_mloss.loading.inputs.CheckpointStore", never)
+    monkeypatch.setattr("hf_mloss.loading.data.load_model_inputs", never)
+    entries = _own(models, [own_pixels[0], data, own_pixels[2]])
+    with pytest.raises(DataError, match=r"models\[1\] \(ft1\): .*" + match):
+        hf_mloss.merge(base, entries, "regmean", progress=False)
+
+
+def test_a_dataset_dict_is_a_models_data_as_its_split_is(tiny_paths, image_folder):
+    import datasets
+
+    base, models = tiny_paths
+    split = datasets.load_dataset("imagefolder", data_dir=str(image_folder), split="train")
+    as_split = _quiet(hf_mloss.merge, base, _own(models, [split] * 3), "regmean", num_samples=4)
+    as_dict = _quiet(hf_mloss.merge, base, _own(models, [datasets.DatasetDict({"train": split})] * 3), "regmean",
+                     num_samples=4)
+    for name, tensor in as_split.model.state_dict().items():
+        assert torch.equal(tensor, as_dict.model.state_dict()[name]), name
+
+
+def test_a_recipes_blank_bad_or_python_data_is_refused_naming_the_model(tiny_paths, tmp_path):
+    base, models = tiny_paths
+    recipe = tmp_path / "recipe.yaml"
+    for entry, match in [({"data": ""}, r"models\[0\]\.data: data is empty"),
+                         ({"data": {"path": " "}}, r"models\[0\]\.data: data is empty"),
+                         ({"data": str(tmp_path), "num_samples": 0}, r"models\[0\]: num_samples must be an integer "
+                                                                      r"in \[1, 1000000\], got 0"),
+                         ({"data": {"in_memory": "Tensor", "num_samples": 4}},  # not `data=`: that is the shared pool
+                          r"models\[0\]\.data: data was passed from Python .* again in this model's entry")]:
+        recipe.write_text(yaml.safe_dump({"base": base, "method": "regmean", "models": [
+            {"model": models[0], **entry}, *models[1:]], "data": str(tmp_path)}))
+        with pytest.raises(ConfigError, match=match):
+            MergeConfig.from_yaml(recipe)
+    recipe.write_text(yaml.safe_dump({"base": base, "method": "regmean", "models": models, "data": ""}))
+    with pytest.raises(ConfigError, match="data is empty"):  # not the recipe's own folder
+        MergeConfig.from_yaml(recipe)
 
 
 def test_a_data_free_merge_says_it_does_not_read_the_models_data(tiny_paths, own_pixels):

@@ -296,6 +296,12 @@ def test_pretokenised_inputs_pass_through(tokenizer):
     assert (info.source, info.num_tokens) == ("tokens", int(encoded["attention_mask"][:3].sum()))
     with pytest.raises(DataError, match="integer tensor"):
         load_token_ids({"input_ids": torch.zeros(2, 3)}, None)
+    padding_only = {"input_ids": encoded["input_ids"][:3], "attention_mask": encoded["attention_mask"][:3].clone()}
+    padding_only["attention_mask"][1] = 0  # a sequence of padding alone would add nothing, or NaN in attention
+    with pytest.raises(DataError, match=r"1 of the 3 token sequences hold no token .*the first: row 1"):
+        load_token_ids(padding_only, None)
+    with pytest.raises(DataError, match="2 of the 2 token sequences hold no token"):
+        load_token_ids({"input_ids": torch.zeros(2, 0, dtype=torch.long)}, None)
 
 
 # ------------------------------------------------------------------------------------------------- wrong modality
@@ -413,6 +419,20 @@ def test_open_inputs_of_a_text_family_refuses_what_cannot_run(text_family, llama
               "attention_mask": torch.tensor([[1, 1, 0], [1, 0, 0]])}
     with open_text(bare, models, tokens) as inputs:  # already tokenised: no tokenizer needed
         assert rows(inputs.model_inputs) == [[5, 6], [7]] and inputs.data_info.source == "tokens"
+
+
+def test_token_ids_are_a_models_own_data_as_they_are_the_shared_data(llama_folders, tokenizer):
+    import hf_mloss
+
+    base, models = llama_folders
+    encoded = tokenizer(SENTENCES[:2], padding=True, return_tensors="pt")  # a BatchEncoding
+    plain = {"input_ids": torch.tensor([[5, 6, 3]]), "attention_mask": torch.tensor([[1, 1, 0]])}
+    entries = [{"model": str(models[0]), "data": encoded}, {"model": str(models[1]), "data": plain}]
+    result = hf_mloss.merge(str(base), entries, "regmean", progress=False)
+    assert [info.num_samples for info in result.model_data_info["data"]] == [2, 1]
+    silent = {"input_ids": torch.tensor([[5, 6, 3]]), "attention_mask": torch.tensor([[0, 0, 0]])}
+    with pytest.raises(DataError, match=r"models\[1\] \(ft\w*\)\.data: 1 of the 1 token sequences hold no token"):
+        hf_mloss.merge(str(base), [entries[0], {"model": str(models[1]), "data": silent}], "regmean", progress=False)
 
 
 def test_open_inputs_of_an_image_family_keeps_pixels(tiny_paths, image_folder):

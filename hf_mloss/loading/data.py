@@ -144,8 +144,7 @@ def load_pixel_values(
         raise DataError(f"num_samples must be a positive integer, got {num_samples!r}.")
     data = stacked_pixels(data)
     if isinstance(data, torch.Tensor):
-        if data.dim() != 4 or data.shape[1] != 3:
-            raise DataError(f"A tensor of pixel values must have shape [N, 3, H, W], got {tuple(data.shape)}.")
+        check_pixel_tensor(data)
         pixels = data[:num_samples].float()
         info = DataInfo(source="tensor", num_samples=len(pixels), seed=seed)
     else:
@@ -167,6 +166,69 @@ def load_pixel_values(
             "Point data at a larger dataset or folder, or lower num_samples."
         )
     return pixels, info
+
+
+PIXEL_LIMIT = 1e4
+"""Largest magnitude taken in a tensor of pixel values. Image processors normalise pixels to a few units (CLIP's and
+ViT's to about [-2, 3]); far past that the tensor is not pixel values, and deep in the model its activations overflow
+float32 into NaN M-Losses and singular Grams, far from their cause."""
+
+
+def check_data_objects(data: Any) -> None:
+    """Refuse Python data no loader reads, before any model is opened: scalars, bytes, numpy arrays, one-shot
+    iterators, lists whose items are neither text nor images, and tensors that are not ``[N, 3, H, W]`` pixel values
+    (:func:`check_pixel_tensor`). A Hub id, a path, a ``datasets`` object or token ids pass (their loaders check them).
+
+    Raises:
+        DataError: naming the type, and the item for a list.
+    """
+    import types
+
+    if isinstance(data, (bool, int, float, complex, bytes, bytearray)):
+        raise DataError(f"data of type {type(data).__name__} ({str(data)[:40]}) is not scoring data. {_ANY_DATA}")
+    if type(data).__module__ == "numpy":
+        raise DataError(f"data is a numpy {type(data).__name__}: pass torch.from_numpy(array) for preprocessed pixel "
+                        "values [N, 3, H, W], or the images themselves (PIL images or image paths).")
+    if isinstance(data, (types.GeneratorType, Iterator)):
+        raise DataError(f"data is a {type(data).__name__}, which can be read only once (a run reads its data more "
+                        "than once, and records it): pass list(...) of its items, or a datasets.IterableDataset.")
+    if isinstance(data, torch.Tensor):
+        check_pixel_tensor(data)
+    if isinstance(data, (list, tuple)):
+        for i, item in enumerate(data):
+            if isinstance(item, (str, os.PathLike, Image.Image, torch.Tensor)):
+                continue
+            if isinstance(item, dict) and (item.get("bytes") or item.get("path")):  # a datasets image cell
+                continue
+            raise DataError(f"data[{i}] is of type {type(item).__name__} ({str(item)[:40]}): a list of scoring data holds "
+                            "texts (strings), PIL images, image paths or [3, H, W] pixel tensors.")
+
+
+def check_pixel_tensor(pixels: torch.Tensor) -> None:
+    """A tensor given as preprocessed pixel values: ``[N, 3, H, W]``, real floating point, finite, of a
+    magnitude image processors give (at most :data:`PIXEL_LIMIT`).
+
+    Raises:
+        DataError: saying which, and how to make pixel values from images.
+    """
+    if pixels.dim() != 4 or pixels.shape[1] != 3:
+        raise DataError(f"A tensor of pixel values must have shape [N, 3, H, W], got {tuple(pixels.shape)}.")
+    if not pixels.is_floating_point():
+        raise DataError(f"A tensor of pixel values must be floating point (the image processor's normalised output), "
+                        f"got {pixels.dtype}. Raw images go in as PIL images or image paths, and the base's image "
+                        "processor prepares them.")
+    if pixels.device.type == "meta":
+        raise DataError("The tensor of pixel values is on the meta device and holds no values.")
+    finite = torch.isfinite(pixels)
+    if not finite.all():
+        bad = (~finite).flatten(1).any(dim=1).nonzero().flatten().tolist()
+        raise DataError(f"{len(bad)} of the {len(pixels)} scoring images hold NaN or Inf pixel values (the first: "
+                        f"image {bad[0]}); M-Loss on them would be NaN. Remove them or pass clean images.")
+    peak = pixels.detach().abs().max().item() if pixels.numel() else 0.0
+    if peak > PIXEL_LIMIT:
+        raise DataError(f"The pixel values reach {peak:.3g}; an image processor's output is normalised to a few "
+                        f"units (at most {PIXEL_LIMIT:g} taken). Run the images through the base's image processor, "
+                        "or pass PIL images or image paths.")
 
 
 def stacked_pixels(data: Any) -> Any:
@@ -263,6 +325,7 @@ def _iter_images(data, *, sampler: _Sampler, split: str, image_column, revision:
         ds = _stream_hub(ref, split, revision, offline="a local image folder")
         info = DataInfo(source="hub", id=ref, split=split, seed=seed)
         return _from_dataset(ds, info, sampler, image_column, whole=_is_small(ds, split, sampler), family=family)
+    data = _split_of(data, split)
     if isinstance(data, (datasets.Dataset, datasets.IterableDataset)):
         info = _dataset_info(data, seed)
         whole = isinstance(data, datasets.IterableDataset) and _is_small(data, info.split, sampler)
@@ -276,6 +339,18 @@ def _iter_images(data, *, sampler: _Sampler, split: str, image_column, revision:
         "datasets.Dataset / IterableDataset, a list of PIL images or paths, or a [N, 3, H, W] tensor (or a list of "
         "[3, H, W] tensors)."
     )
+
+
+def _split_of(data: Any, split: str) -> Any:
+    """A ``DatasetDict`` (or ``IterableDatasetDict``) as its ``split``; anything else unchanged."""
+    import datasets
+
+    if isinstance(data, (datasets.DatasetDict, datasets.IterableDatasetDict)):
+        if split not in data:
+            raise DataError(f"Split {split!r} is not in the {type(data).__name__}; its splits are {list(data)}. Pass "
+                            "split=....")
+        return data[split]
+    return data
 
 
 def _stream_hub(ref: str, split: str, revision: str | None, *, offline: str):
@@ -532,6 +607,8 @@ def load_model_inputs(
 
 _IMAGE_DATA = ("Pass images: a Hub image dataset, a local image folder, a datasets object with an image column, PIL "
                "images or image paths, or a [N, 3, H, W] tensor (or a list of [3, H, W] tensors).")
+_ANY_DATA = ("Pass a Hub dataset id, a local folder or data file, a datasets object, a list of texts, PIL images or "
+             "image paths, a [N, 3, H, W] tensor of pixel values, or token ids ({'input_ids': ...}).")
 _TEXT_DATA = ("Pass text: a list of strings, a .txt file (one sample per line), a .jsonl/.json/.csv/.tsv/.parquet "
               "file, a folder of text files (one sample per file), or a datasets text split (Hub id, local dataset "
               "folder or datasets object; text_column=... names its column).")
@@ -665,6 +742,11 @@ def _given_token_ids(given: ModelInputs, num_samples: int) -> ModelInputs:
     mask = given["attention_mask"] if "attention_mask" in given else torch.ones_like(ids)
     if not ((mask == 0) | (mask == 1)).all():
         raise DataError("attention_mask must hold 0 (padding) and 1 (a token) only.")
+    empty = (mask.sum(dim=1) == 0).nonzero().flatten().tolist()
+    if empty:  # a sequence of padding only adds nothing to a Gram or a score, and NaN to some attention kernels
+        raise DataError(f"{len(empty)} of the {len(ids)} token sequences hold no token (input_ids of length 0 or an "
+                        f"attention_mask of zeros only; the first: row {empty[0]}): drop them, or give each sequence "
+                        "at least one token.")
     return ModelInputs({"input_ids": ids.long(), "attention_mask": mask.long()}).select(slice(0, num_samples))
 
 
@@ -686,10 +768,7 @@ def _iter_texts(data, *, sampler: _Sampler, split: str, text_column: str | None,
         ds = _stream_hub(ref, split, revision, offline="a local text file or folder")
         info = DataInfo(source="hub", id=ref, split=split, seed=seed)
         return _texts_from_dataset(ds, info, sampler, text_column, whole=_is_small(ds, split, sampler), family=family)
-    if isinstance(data, datasets.DatasetDict):
-        if split not in data:
-            raise DataError(f"Split {split!r} is not in the DatasetDict; its splits are {list(data)}. Pass split=....")
-        data = data[split]
+    data = _split_of(data, split)
     if isinstance(data, (datasets.Dataset, datasets.IterableDataset)):
         info = _dataset_info(data, seed)
         whole = isinstance(data, datasets.IterableDataset) and _is_small(data, info.split, sampler)

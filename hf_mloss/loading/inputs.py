@@ -916,7 +916,7 @@ def _joined(shared: tuple[ModelInputs, DataInfo] | None, own: dict[int, tuple[Mo
 def _read_data(inputs: RunInputs, config: MergeConfig, data: Any, base_ref: ModelRef, token, *,
                progress: bool = False, where: str = "data") -> tuple[ModelInputs, DataInfo]:
     """One data spec read as the adapter's inputs: images for image families, token ids for text families."""
-    from .data import load_model_inputs
+    from .data import check_pixel_tensor, load_model_inputs
     from .model_inputs import as_model_inputs
 
     modality = getattr(inputs.adapter, "modality", "image")
@@ -940,10 +940,7 @@ def _read_data(inputs: RunInputs, config: MergeConfig, data: Any, base_ref: Mode
             raise DataError(f"{err} For the text tower of this whole {inputs.adapter.full_config.model_type!r} "
                             "model, pass the text as text_data=... (both towers are then scored).") from None
         pixels = model_inputs["pixel_values"]
-        if not torch.isfinite(pixels).all():
-            bad = int((~torch.isfinite(pixels)).flatten(1).any(1).sum())
-            raise DataError(f"{bad} of the {len(pixels)} scoring images hold NaN or Inf pixel values; M-Loss on them "
-                            "would be NaN. Remove them or pass clean images.")
+        check_pixel_tensor(pixels)  # also what the image processor made of the images
         scored = getattr(inputs.adapter, "tower_view", None) or inputs.adapter  # a VLM: its vision tower
         size = getattr(scored.config, "image_size", None) if scored.fixed_image_size else None
         if isinstance(size, int) and tuple(pixels.shape[-2:]) != (size, size):

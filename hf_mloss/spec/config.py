@@ -150,6 +150,9 @@ class ModelSpec:
         return float(value)
 
 
+DATA_SEED = "data.seed: hf_mloss uses one seed for data shuffling and the merge: set only the top-level `seed`."
+
+
 @dataclass
 class DataSpec:
     """The unlabeled scoring data (images for image families, text for text families): a Hub dataset (``id``), a
@@ -200,14 +203,26 @@ class DataSpec:
             return data
         from ..loading.model_inputs import as_model_inputs
 
-        if isinstance(data, Mapping) and as_model_inputs(data) is None:
+        if isinstance(data, str) and not data.strip():
+            raise DataError("data is an empty string: give a Hub dataset id, a local folder or data file, or the "
+                            "samples themselves.")
+        datasets_object = type(data).__module__.split(".")[0] == "datasets"  # a DatasetDict is a dict too
+        if isinstance(data, Mapping) and not datasets_object and as_model_inputs(data) is None:
+            if "seed" in data:
+                raise DataError(DATA_SEED)
+            check_keys(data, [f.name for f in dataclasses.fields(cls)], "key in data", error=DataError)
+            if data.get("objects") is not None:
+                from ..loading.data import check_data_objects
+
+                check_data_objects(data["objects"])
             return cls(**{**options, **data})
         if isinstance(data, os.PathLike) or (isinstance(data, str) and looks_local(data)):
             return cls(path=os.fspath(data), **options)
         if isinstance(data, str):
             return cls(id=data, **options)
-        from ..loading.data import stacked_pixels
+        from ..loading.data import check_data_objects, stacked_pixels
 
+        check_data_objects(data)
         return cls(objects=stacked_pixels(data), **options)
 
     @property
@@ -1051,7 +1066,7 @@ def _is_empty(value: Any) -> bool:
         from ..loading.model_inputs import as_model_inputs
 
         given = as_model_inputs(value)
-        return not value or given is not None and len(next(iter(given.values()))) == 0
+        return not value or given is not None and len(given) == 0
     shape = getattr(value, "shape", None)
     if shape is not None:
         return len(shape) > 0 and shape[0] == 0
@@ -1093,8 +1108,10 @@ def _parse_model(entry: Any, where: str, root: Path | None, *, replays: bool = F
         if isinstance(values.get(key), Mapping) and IN_MEMORY in values[key] and replays:
             values.pop(key)
     try:
-        _own_data(values, {}, {}, lambda key, value, _: _parse_data(value, root, key=f"{where}.{key}"))
-    except InvalidParameterError as err:
+        _own_data(values, {}, {}, lambda key, value, _: _parse_data(value, root, key=f"{where}.{key}", own=True))
+    except ConfigError:
+        raise
+    except HfMLossError as err:  # the entry's own num_samples, checked as its data's
         raise ConfigError(f"{where}: {err}") from None
     return _build(ModelSpec, values, f"{where}.")
 
@@ -1144,12 +1161,17 @@ def parse_text_data(value: Any, **options: Any) -> DataSpec:
     return spec
 
 
-def _parse_data(entry: Any, root: Path | None, key: str = "data") -> DataSpec:
+def _parse_data(entry: Any, root: Path | None, key: str = "data", *, own: bool = False) -> DataSpec:
+    """A recipe's data section; ``key`` names it in errors, ``own``: a models entry's own data."""
     if key != "data":
         try:
-            return _parse_data(entry, root)
+            return _parse_data(entry, root, own=own)
         except ConfigError as err:
             raise ConfigError(f"{key}: {err}") from None
+    if isinstance(entry, str) and not entry.strip() or isinstance(entry, Mapping) and any(
+            isinstance(entry.get(k), str) and not entry[k].strip() for k in ("id", "path")):
+        raise ConfigError(f"data is empty ({short(entry)}): give a Hub dataset id, a local folder or data file "
+                          "(relative to the config's folder), or leave it out.")
     if isinstance(entry, str):
         local = looks_local(entry) or (root is not None and _is_data_path(root / entry))
         entry = {"path": entry} if local else {"id": entry}
@@ -1157,16 +1179,17 @@ def _parse_data(entry: Any, root: Path | None, key: str = "data") -> DataSpec:
         raise ConfigError(f"data must be a Hub dataset id, a local folder or a mapping such as {{id: tanganke/dtd, "
                           f"split: train, num_samples: 128}}, got {short(entry)}.")
     if "seed" in entry:
-        raise ConfigError("data.seed: hf_mloss uses one seed for data shuffling and the merge: set only the "
-                          "top-level `seed`.")
+        raise ConfigError(DATA_SEED)
     entry = dict(entry)
     if IN_MEMORY in entry:
         content = f" (content {entry['content']})" if entry.get("content") else ""
         where = ("a text file or folder of texts" if entry.get("samples") == "texts" else
                  "a local image folder, or a text file")
+        again = ("in this model's entry, hf_mloss.merge(base, [..., {'model': ..., 'data': ...}])" if own else
+                 "to hf_mloss.merge(..., data=...)")
         raise ConfigError(f"data was passed from Python ({short(entry[IN_MEMORY])}{content}) when this config was "
                           f"written; replace the data section with `id` (a Hub dataset id) or `path` ({where}), or "
-                          f"pass the same {entry.get('samples', 'data')} again to hf_mloss.merge(..., data=...).")
+                          f"pass the same {entry.get('samples', 'data')} again {again}.")
     names = [f.name for f in dataclasses.fields(DataSpec) if f.name != "objects"]
     check_keys(entry, names, "key in data", error=ConfigError)
     values = dict(entry)
