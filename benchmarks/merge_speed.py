@@ -28,6 +28,8 @@ What it does (every timed run is its own child process, so wall time, CPU time a
      arithmetic calibrated by Singular Value Calibration, each against TSV-M or the merge it calibrates.
    * ``wudi_floor`` (only when named): exact WUDI's floor here, its 400 τ·G products per matrix alone, beside the
      same steps in the literal autograd form (fusion-bench's), extrapolated from one step per shape.
+   * ``svc_floor`` (only when named): SVC's floor here, the float64 factorisation it cannot skip per matrix (the
+     merged task matrix's Gram on its smaller side and that Gram's eigenvectors), beside the merge it calibrates.
    * ``svd_floor`` (only when named): a floor for exact TSV-M here, the q + 2 symmetric eigenvalue solves
      per matrix alone (``torch.linalg.eigvalsh``, float32 and float64, default threads and one), beside
      mergekit's TIES wall (``svd_floor_vs_mergekit_wall``), and the float64 work TSV-M's eigen route cannot skip
@@ -174,11 +176,12 @@ SCORE_RUNS: dict[str, dict] = {
     "score_own": dict(prefix="own", compute_dtype="float32"),
 }
 DATA_METHODS = ("m_ties", "m_dare", "regmean", "regmean_plusplus", "auto")
-FLOOR_RUNS = ("forward", "read", "svd_floor", "wudi_floor")
+FLOOR_RUNS = ("forward", "read", "svd_floor", "wudi_floor", "svc_floor")
 """Runs that time a lower bound (no hf_mloss call): shared by a --reference comparison, not run twice."""
-ALL_RUNS = ("forward", "read", "svd_floor", "wudi_floor", *SCORE_RUNS, *HF_RUNS, "compatibility")
+ALL_RUNS = (*FLOOR_RUNS, *SCORE_RUNS, *HF_RUNS, "compatibility")
 DEFAULT_RUNS = tuple(n for n in ALL_RUNS
-                     if n not in ("read", "svd_floor", "wudi_floor", "score_own", "compatibility", "select_m_ties",
+                     if n not in ("read", "svd_floor", "wudi_floor", "svc_floor", "score_own", "compatibility",
+                                  "select_m_ties",
                                   *SVD_RUNS, *SOTA_RUNS, "regmean", "regmean_plusplus", "regmean_own",
                                   "regmean_plusplus_own", "auto", "auto2"))
 OWN_RUNS = ("regmean_own", "regmean_plusplus_own")
@@ -229,7 +232,7 @@ def child_main(spec_path: str) -> int:
                   "torch_threads": torch.get_num_threads(), "loadavg_start": os.getloadavg()}
     pixels = load_data(spec["data"], spec["num_samples"]) if spec.get("data") else None
     runner = {"forward": child_forward, "read": child_read, "svd_floor": child_svd_floor,
-              "wudi_floor": child_wudi_floor, "score": child_score,
+              "wudi_floor": child_wudi_floor, "svc_floor": child_svc_floor, "score": child_score,
               "merge": child_merge, "compatibility": child_compatibility}[spec["kind"]]
     runner(spec, pixels, info)
     if spec["device"].startswith("cuda"):
@@ -417,16 +420,9 @@ def child_wudi_floor(spec: dict, pixels, info: dict) -> None:
     the same count of steps in the literal form (autograd of Σ_i ‖(τ − τ_i) τ_iᵀ‖² / ‖τ_i‖² over the q stacked task
     matrices, fusion-bench's): the mean of 2 steps after one warm-up, times the same count (``literal_s``)."""
     import torch
-    from safetensors import safe_open
 
     device, q, steps = spec["device"], len(spec["models"]), 400
-    shapes: dict[tuple[int, int], int] = {}
-    for file in sorted(Path(spec["base"]).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():
-                shape = tuple(handle.get_slice(key).get_shape())
-                if len(shape) == 2:
-                    shapes[shape] = shapes.get(shape, 0) + 1
+    shapes = matrix_shapes(spec["base"])
     generator = torch.Generator().manual_seed(0)
     per_shape, ours, literal = {}, 0.0, 0.0
     for (m, n), count in shapes.items():
@@ -455,6 +451,45 @@ def child_wudi_floor(spec: dict, pixels, info: dict) -> None:
         ours, literal = ours + step * count * steps, literal + slow * count * steps
         del taus, point
     info.update(shapes=per_shape, steps=steps, inner_s=ours, inner_cpu_s=None, literal_s=literal)
+
+
+def matrix_shapes(base: str) -> dict[tuple[int, int], int]:
+    """The base checkpoint's 2-D tensor shapes, each with how many tensors have it."""
+    from safetensors import safe_open
+
+    shapes: dict[tuple[int, int], int] = {}
+    for file in sorted(Path(base).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                shape = tuple(handle.get_slice(key).get_shape())
+                if len(shape) == 2:
+                    shapes[shape] = shapes.get(shape, 0) + 1
+    return shapes
+
+
+def child_svc_floor(spec: dict, pixels, info: dict) -> None:
+    """A floor for Singular Value Calibration here: per 2-D matrix ``m × n`` of the base, the float64 work it
+    cannot skip, the Gram matrix of the merged task matrix on its smaller side (``r × r``, r = min(m, n)) and that
+    Gram's eigenvectors (``torch.linalg.eigh``: :mod:`hf_mloss.methods.svc` needs U), on random values (the cost does
+    not depend on them). Per distinct shape one warm-up, then the mean of 2, times the matrices of that shape; the
+    projections of the q task matrices and the rebuilt matrix come on top."""
+    import torch
+
+    device = spec["device"]
+    generator = torch.Generator().manual_seed(0)
+    per_shape, total = {}, 0.0
+    for (m, n), count in matrix_shapes(spec["base"]).items():
+        delta = torch.randn(m, n, generator=generator, dtype=torch.float64).to(device)
+        for timed in (False, True):
+            _sync(device)
+            ts = time.perf_counter()
+            for _ in range(2 if timed else 1):
+                torch.linalg.eigh(delta @ delta.T if m <= n else delta.T @ delta)
+            _sync(device)
+        step = (time.perf_counter() - ts) / 2
+        per_shape[f"{m}x{n}"] = {"count": count, "factorisation_s": step}
+        total += step * count
+    info.update(shapes=per_shape, inner_s=total, inner_cpu_s=None)
 
 
 def child_score(spec: dict, pixels, info: dict) -> None:
@@ -1178,7 +1213,7 @@ def hf_spec(plan: Plan, name: str, repeat: int, reference: bool = False) -> dict
         spec["pythonpath"] = str(Path(plan.args.reference).resolve())
     if name == "forward":
         return spec | dict(kind="forward", data=str(plan.images), repeats=plan.args.forward_repeats)
-    if name in ("read", "svd_floor", "wudi_floor"):
+    if name in ("read", "svd_floor", "wudi_floor", "svc_floor"):
         return spec | dict(kind=name)
     if name in SCORE_RUNS:
         return spec | dict(kind="score", data=str(plan.images), out=str(plan.work / f"{name}.r{repeat}.mloss.pt"),

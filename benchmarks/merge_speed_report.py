@@ -36,11 +36,14 @@ compatibility report against the q own forwards it must run)."""
 HF_NAMES = ("ties_tensor", "ties_tensor_mk", "ties_global", "dare", "task_arithmetic", "m_ties", "m_ties_bf16",
             "select_m_ties", "ties_global_fb", "tsv_m", "iso_c", "iso_cts", "regmean", "regmean_plusplus",
             "regmean_own", "regmean_plusplus_own", "auto", "auto2", "wudi", "cart", "tsv_m_svc", "task_arithmetic_svc")
-MEASURE_RUNS = ("forward", "read", "svd_floor", "wudi_floor", "score", "score_bf16", "score_own", "compatibility")
+MEASURE_RUNS = ("forward", "read", "svd_floor", "wudi_floor", "svc_floor", "score", "score_bf16", "score_own",
+                "compatibility")
 DESCRIPTIONS = {
     "read": "every tensor of base + q fine-tunes read onto the device as stored (safetensors); inner = faster pass",
     "wudi_floor": "WUDI's floor here: its 400 τ·G products per matrix alone (mean of 3 steps per shape × count × 400); "
                   "inner = that",
+    "svc_floor": "SVC's floor here: the float64 Gram of each merged task matrix on its smaller side and its "
+                 "eigenvectors (mean of 2 per shape × count); inner = that",
     "svd_floor": "TSV-M's eigensolve floor here: its q + 2 symmetric eigenvalue solves per matrix alone "
                  "(eigvalsh of random matrices of those sizes); inner = fastest float32 pass",
     "forward": "plain CLIPVisionModel forward (fp32, inference_mode); inner = fastest pass (default threads or 1)",
@@ -292,6 +295,14 @@ def workload_ratios(ratios: Ratios, runs: dict) -> None:
         ratios.add("wudi_floor_vs_literal_form", _inner(floor), floor["child"]["literal_s"], None,
                    "the products of the exact gradient / the literal loss's autograd steps (fusion-bench's form), "
                    "each extrapolated from per-shape steps to 400 steps of every matrix")
+    svc, plain, calibrated = runs.get("svc_floor"), runs.get("task_arithmetic"), runs.get("task_arithmetic_svc")
+    if _ok(svc) and _ok(plain):
+        ratios.add("task_arithmetic_svc_floor_vs_task_arithmetic_wall", plain["wall_s"] + _inner(svc),
+                   plain["wall_s"], None, "process wall: task arithmetic plus SVC's float64 factorisations alone / "
+                   "task arithmetic (the lowest ratio any exact SVC over it can reach)")
+    if _ok(svc) and _ok(plain) and _ok(calibrated):
+        ratios.add("svc_added_vs_svc_floor", _inner(calibrated) - _inner(plain), _inner(svc), None,
+                   "inner: what calibrating adds to task arithmetic's merge() / SVC's float64 factorisations alone")
     fb, tg = runs.get("fusion_bench_ties"), runs.get("ties_global_fb")
     if _ok(fb) and _ok(tg):
         ratios.add("ties_global_fb_vs_fusion_bench_wall", tg["wall_s"], fb["wall_s"], None,
@@ -433,7 +444,8 @@ def header_lines(p: dict) -> list[str]:
     ]
 
 
-DATA_RUNS = (*(n for n in MEASURE_RUNS if n not in ("read", "svd_floor", "wudi_floor")), "m_ties", "m_ties_bf16", "select_m_ties")
+DATA_RUNS = (*(n for n in MEASURE_RUNS if n not in ("read", "svd_floor", "wudi_floor", "svc_floor")), "m_ties",
+             "m_ties_bf16", "select_m_ties")
 """The runs that read the scoring data (images or token sequences)."""
 
 

@@ -178,3 +178,27 @@ def test_the_runs_table_shows_the_memory_split_only_where_it_was_sampled() -> No
     new = runs_table_lines({"runs": {"m_ties": {**run, "peak_rss_anon_mb": 1200.4, "peak_rss_file_mb": 2100.0}}}, p)
     assert "anon" not in old[0] and old[2].count("|") == old[0].count("|")
     assert "peak anon / file MB" in new[0] and "| 1200 / 2100 |" in new[2] and new[2].count("|") == new[0].count("|")
+
+
+def test_svc_floor_times_each_shapes_factorisation_and_sets_it_beside_task_arithmetic(tmp_path) -> None:
+    """Each distinct 2-D shape's float64 Gram + eigenvectors, times the tensors of that shape; the report adds the
+    floor to task arithmetic's wall (the lowest ratio an exact SVC over it can reach) and compares what calibrating
+    added with it."""
+    from safetensors.torch import save_file
+
+    from merge_speed_report import Ratios, workload_ratios
+
+    save_file({"q": torch.zeros(6, 4), "k": torch.zeros(6, 4), "fc": torch.zeros(3, 5), "b": torch.zeros(4)},
+              tmp_path / "model.safetensors")
+    info: dict = {}
+    merge_speed.child_svc_floor({"device": "cpu", "base": str(tmp_path)}, None, info)
+    shapes = info["shapes"]
+    assert {name: s["count"] for name, s in shapes.items()} == {"6x4": 2, "3x5": 1}
+    assert info["inner_s"] == pytest.approx(sum(s["count"] * s["factorisation_s"] for s in shapes.values()))
+    runs = {"task_arithmetic": {"wall_s": 10.0, "cpu_s": 9.0, "max_rss_mb": 800.0, "child": {"inner_s": 4.0}},
+            "task_arithmetic_svc": {"wall_s": 38.0, "cpu_s": 36.0, "max_rss_mb": 1000.0, "child": {"inner_s": 31.0}},
+            "svc_floor": {"wall_s": 20.0, "cpu_s": 19.0, "max_rss_mb": 500.0, "child": {"inner_s": 9.0}}}
+    ratios = Ratios()
+    workload_ratios(ratios, runs)
+    assert dict(ratios)["task_arithmetic_svc_floor_vs_task_arithmetic_wall"]["value"] == pytest.approx(19.0 / 10.0)
+    assert dict(ratios)["svc_added_vs_svc_floor"]["value"] == pytest.approx(27.0 / 9.0)

@@ -200,8 +200,8 @@ def check_data_objects(data: Any) -> None:
                 continue
             if isinstance(item, dict) and (item.get("bytes") or item.get("path")):  # a datasets image cell
                 continue
-            raise DataError(f"data[{i}] is of type {type(item).__name__} ({str(item)[:40]}): a list of scoring data holds "
-                            "texts (strings), PIL images, image paths or [3, H, W] pixel tensors.")
+            raise DataError(f"data[{i}] is of type {type(item).__name__} ({str(item)[:40]}): a list of scoring data "
+                            "holds texts (strings), PIL images, image paths or [3, H, W] pixel tensors.")
 
 
 def check_pixel_tensor(pixels: torch.Tensor) -> None:
