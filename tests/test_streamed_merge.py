@@ -7,8 +7,6 @@ on the same inputs, so a change that breaks either shows here.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
 import json
 import os
@@ -22,6 +20,7 @@ import hf_mloss
 import hf_mloss.merging.streamed as streamed
 from examples.tiny import save_with_finetunes, tiny_decoder
 from hf_mloss.errors import InvalidParameterError
+from memory_peak import malloc_in_use, peak_bytes
 
 pytestmark = pytest.mark.filterwarnings("ignore:The merged folder has no tokenizer")
 
@@ -168,52 +167,11 @@ def test_auto_keeps_the_in_memory_container(decoders, monkeypatch) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------ memory
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def _malloc_in_use():
-    """Bytes the process holds from malloc now (glibc's ``mallinfo2``: small blocks and mmapped chunks), which is
-    where torch's CPU allocator takes every tensor's memory; ``None`` without glibc 2.33+."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        info = libc.mallinfo2
-    except (OSError, AttributeError):
-        return None
-    info.restype = _MallInfo2
-
-    def in_use() -> int:
-        value = info()
-        return value.uordblks + value.hblkhd
-    return in_use
-
-
-def _peak_bytes(in_use, fn) -> int:
-    """The largest malloc'd total seen after any torch op of ``fn`` (run in this thread), less the total before it:
-    an exact count of what the ops held, not a sample in time."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Peak(TorchDispatchMode):
-        peak = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            self.peak = max(self.peak, in_use())
-            return out
-
-    gc.collect()
-    start = in_use()
-    with Peak() as mode:
-        fn()
-    return mode.peak - start
-
-
 @pytest.mark.parametrize("method", ["m_ties", "regmean_plusplus"])
 def test_the_data_guided_walk_peak_does_not_grow_with_depth(tmp_path, monkeypatch, method) -> None:
     """Two depths of one width: the streamed merge's peak stays within a fraction of one block, where the in-memory
     container's grows by about a block per layer (which shows the measure sees what the walk holds)."""
-    in_use = _malloc_in_use()
+    in_use = malloc_in_use()
     if in_use is None:
         pytest.skip("needs glibc's mallinfo2 (Linux, glibc 2.33+) to count the process's allocated bytes")
     monkeypatch.setenv("HF_MLOSS_THREADS", "1")  # every op on this thread, where the dispatch mode sees it
@@ -226,7 +184,7 @@ def test_the_data_guided_walk_peak_does_not_grow_with_depth(tmp_path, monkeypatc
         for stream in (True, False):
             run = lambda: _merge(decoder, method, stream=stream, monkeypatch=monkeypatch)  # noqa: E731
             run()  # warm: the allocator's and the libraries' first-call allocations
-            peaks[layers, stream] = _peak_bytes(in_use, run)
+            peaks[layers, stream] = peak_bytes(in_use, run)
     assert peaks[6, True] - peaks[2, True] < block / 2, peaks
     assert peaks[6, False] - peaks[2, False] > 3 * block, peaks
 
@@ -237,7 +195,7 @@ def test_m_ties_peak_does_not_grow_with_the_number_of_fine_tunes(tmp_path, monke
     source's scored unit over the 4 added sources; with the unit stacked it grows by several (the measure sees it)."""
     import hf_mloss.engine.kernel as kernel
 
-    in_use = _malloc_in_use()
+    in_use = malloc_in_use()
     if in_use is None:
         pytest.skip("needs glibc's mallinfo2 (Linux, glibc 2.33+) to count the process's allocated bytes")
     monkeypatch.setenv("HF_MLOSS_THREADS", "1")
@@ -251,7 +209,7 @@ def test_m_ties_peak_does_not_grow_with_the_number_of_fine_tunes(tmp_path, monke
             monkeypatch.setattr(kernel, "STACKED_MAX_BYTES", 0 if streams else 1 << 62)
             run = lambda: _merge(decoder, "m_ties", stream=True, monkeypatch=monkeypatch)  # noqa: E731
             merged[streams] = run().model.state_dict()
-            peaks[q, streams] = _peak_bytes(in_use, run)
+            peaks[q, streams] = peak_bytes(in_use, run)
         assert merged[True].keys() == merged[False].keys()
         assert all(torch.equal(merged[True][k], merged[False][k]) for k in merged[True])  # the same merge
     assert peaks[6, True] - peaks[2, True] < unit, peaks

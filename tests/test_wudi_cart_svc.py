@@ -108,6 +108,28 @@ def test_wudi_leaves_out_a_task_that_left_the_matrix_unchanged() -> None:
     assert torch.equal(wudi_matrix(torch.zeros(2, 4, 3), 10, 1e-5), torch.zeros(4, 3))
 
 
+@pytest.mark.parametrize("shape", [(8, 96, 384), (8, 384, 96)], ids=["wide", "tall"])
+def test_wudi_holds_no_float64_copy_of_the_task_matrices(shape) -> None:
+    """G and C are formed one task at a time: the peak beside the q task matrices stays under 3 of their float32
+    bytes (G in float64 and float32, C, one task's τ and τ̂ in float64, Adam's state), where stacking them in float64
+    as τ and τ̂ held about 9 to 10."""
+    from memory_peak import malloc_in_use, peak_bytes
+
+    in_use = malloc_in_use()
+    if in_use is None:
+        pytest.skip("needs glibc's mallinfo2 (Linux, glibc 2.33+) to count the process's allocated bytes")
+    taus = task_matrices(*shape, seed=6)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # every op on this thread, where the dispatch mode sees it
+    try:
+        run = lambda: wudi_matrix(taus, 2, 1e-5)  # noqa: E731
+        run()  # warm
+        peak = peak_bytes(in_use, run)
+    finally:
+        torch.set_num_threads(previous)
+    assert peak < 3 * taus.numel() * taus.element_size(), peak
+
+
 # ------------------------------------------------------------------------------------------------------------ CART
 def test_cart_by_hand() -> None:
     """q = 3 centred task matrices with known SVDs (D_1 = 4·e1f1ᵀ + e2f2ᵀ, D_2 = −4·e1f1ᵀ + 2·e3f3ᵀ, D_3 = −D_1 − D_2):

@@ -77,10 +77,11 @@ def wudi_matrix(taus: torch.Tensor, steps: int, lr: float) -> torch.Tensor:
     import torch
 
     merged = torch.nn.Parameter(taus.sum(0))
-    active = taus.flatten(1).abs().amax(1) > 0
+    flat = taus.flatten(1)
+    active = (flat.amax(1) > 0) | (flat.amin(1) < 0)  # no |τ| copy of the stack
     if steps == 0 or not bool(active.any()):
         return merged.detach()
-    step = _gradient(taus[active])
+    step = _gradient(taus if bool(active.all()) else taus[active])
     optimizer = torch.optim.Adam([merged], lr=lr, weight_decay=0)
     for _ in range(steps):
         merged.grad = step(merged.detach())
@@ -89,20 +90,34 @@ def wudi_matrix(taus: torch.Tensor, steps: int, lr: float) -> torch.Tensor:
 
 
 def _gradient(taus: torch.Tensor):
-    """∇L as a function of τ, from the fixed products of the (non-zero) task matrices ``taus`` ``[q, m, n]``."""
+    """∇L as a function of τ, from the fixed products of the (non-zero) task matrices ``taus`` ``[q, m, n]``, formed
+    one task at a time in float64 (the whole stack in float64 would hold two more copies of the task matrices at
+    twice their size)."""
     import torch
 
     q, m, n = taus.shape
-    t = taus.double()
-    unit = t / torch.linalg.vector_norm(t.flatten(1), dim=1)[:, None, None]  # τ̂_i = τ_i / ‖τ_i‖
+
+    def unit(i: int) -> tuple[torch.Tensor, torch.Tensor]:  # τ_i and τ̂_i = τ_i / ‖τ_i‖, in float64
+        t = taus[i].double()
+        return t, t / torch.linalg.vector_norm(t)
+
     if 2 * q * m < n:  # (τ·τ̂ᵀ − P)·τ̂, τ̂ stacked [q·m, n]: 2·q·m²·n per step
-        stacked = unit.reshape(q * m, n)
-        rows = torch.cat([t[i] @ unit[i].T for i in range(q)], 1)  # P: [m, q·m], block i = τ_i τ̂_iᵀ
-        stacked32, rows32 = stacked.to(taus.dtype), rows.to(taus.dtype)
-        return lambda tau: torch.mm(torch.addmm(rows32, tau, stacked32.T, beta=-2, alpha=2), stacked32)
-    gram = torch.einsum("qmi,qmj->ij", unit, unit)  # G = Σ τ̂_iᵀ τ̂_i: [n, n]
-    # C = Σ τ_i (τ̂_iᵀ τ̂_i), each product in the cheaper order
-    fixed = sum((t[i] @ unit[i].T) @ unit[i] if m < n else t[i] @ (unit[i].T @ unit[i]) for i in range(q))
+        stacked = taus.new_empty(q * m, n)
+        rows = taus.new_empty(m, q * m)  # P: block i = τ_i τ̂_iᵀ
+        for i in range(q):
+            t, u = unit(i)
+            stacked[i * m:(i + 1) * m] = u
+            rows[:, i * m:(i + 1) * m] = t @ u.T
+        return lambda tau: torch.mm(torch.addmm(rows, tau, stacked.T, beta=-2, alpha=2), stacked)
+    gram = torch.zeros(n, n, dtype=torch.float64, device=taus.device)  # G = Σ τ̂_iᵀ τ̂_i: [n, n]
+    fixed = torch.zeros(m, n, dtype=torch.float64, device=taus.device)  # C = Σ τ_i (τ̂_iᵀ τ̂_i)
+    for i in range(q):  # in place: no [n, n] temporary beside G
+        t, u = unit(i)
+        gram.addmm_(u.T, u)
+        if m < n:  # each product of C's term in the cheaper order
+            fixed.addmm_(t @ u.T, u)
+        else:
+            fixed.addmm_(t, u.T @ u)
     gram32, fixed32 = gram.to(taus.dtype), fixed.to(taus.dtype)
     return lambda tau: torch.addmm(fixed32, tau, gram32, beta=-2, alpha=2)  # 2·(τ·G − C): m·n² per step
 
