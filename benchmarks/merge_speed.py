@@ -471,25 +471,35 @@ def child_svc_floor(spec: dict, pixels, info: dict) -> None:
     """A floor for Singular Value Calibration here: per 2-D matrix ``m × n`` of the base, the float64 work it
     cannot skip, the Gram matrix of the merged task matrix on its smaller side (``r × r``, r = min(m, n)) and that
     Gram's eigenvectors (``torch.linalg.eigh``: :mod:`hf_mloss.methods.svc` needs U), on random values (the cost does
-    not depend on them). Per distinct shape one warm-up, then the mean of 2, times the matrices of that shape; the
-    projections of the q task matrices and the rebuilt matrix come on top."""
+    not depend on them). Per distinct shape one warm-up, then the mean of 2, times the matrices of that shape; one
+    pass on torch's default threads and one on a single thread (a dense eigensolve on busy cores can be many times
+    slower on two threads than on one), the faster counts. The projections of the q task matrices and the rebuilt
+    matrix come on top."""
     import torch
 
-    device = spec["device"]
+    device, default_threads = spec["device"], torch.get_num_threads()
     generator = torch.Generator().manual_seed(0)
-    per_shape, total = {}, 0.0
-    for (m, n), count in matrix_shapes(spec["base"]).items():
-        delta = torch.randn(m, n, generator=generator, dtype=torch.float64).to(device)
-        for timed in (False, True):
-            _sync(device)
-            ts = time.perf_counter()
-            for _ in range(2 if timed else 1):
-                torch.linalg.eigh(delta @ delta.T if m <= n else delta.T @ delta)
-            _sync(device)
-        step = (time.perf_counter() - ts) / 2
-        per_shape[f"{m}x{n}"] = {"count": count, "factorisation_s": step}
-        total += step * count
-    info.update(shapes=per_shape, inner_s=total, inner_cpu_s=None)
+    deltas = {shape: (torch.randn(shape, generator=generator, dtype=torch.float64).to(device), count)
+              for shape, count in matrix_shapes(spec["base"]).items()}
+    passes = []
+    for threads in [default_threads, 1] if device == "cpu" else [default_threads]:
+        torch.set_num_threads(threads)
+        per_shape, total = {}, 0.0
+        for (m, n), (delta, count) in deltas.items():
+            for timed in (False, True):
+                _sync(device)
+                ts = time.perf_counter()
+                for _ in range(2 if timed else 1):
+                    torch.linalg.eigh(delta @ delta.T if m <= n else delta.T @ delta)
+                _sync(device)
+            step = (time.perf_counter() - ts) / 2
+            per_shape[f"{m}x{n}"] = {"count": count, "factorisation_s": step}
+            total += step * count
+        passes.append({"threads": threads, "shapes": per_shape, "total_s": total})
+    torch.set_num_threads(default_threads)
+    best = min(passes, key=lambda p: p["total_s"])
+    info.update(passes=passes, shapes=best["shapes"], inner_s=best["total_s"], inner_cpu_s=None,
+                inner_threads=best["threads"])
 
 
 def child_score(spec: dict, pixels, info: dict) -> None:

@@ -43,7 +43,7 @@ DESCRIPTIONS = {
     "wudi_floor": "WUDI's floor here: its 400 τ·G products per matrix alone (mean of 3 steps per shape × count × 400); "
                   "inner = that",
     "svc_floor": "SVC's floor here: the float64 Gram of each merged task matrix on its smaller side and its "
-                 "eigenvectors (mean of 2 per shape × count); inner = that",
+                 "eigenvectors (mean of 2 per shape × count); inner = the faster of default threads and one",
     "svd_floor": "TSV-M's eigensolve floor here: its q + 2 symmetric eigenvalue solves per matrix alone "
                  "(eigvalsh of random matrices of those sizes); inner = fastest float32 pass",
     "forward": "plain CLIPVisionModel forward (fp32, inference_mode); inner = fastest pass (default threads or 1)",

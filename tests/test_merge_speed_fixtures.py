@@ -195,6 +195,8 @@ def test_svc_floor_times_each_shapes_factorisation_and_sets_it_beside_task_arith
     shapes = info["shapes"]
     assert {name: s["count"] for name, s in shapes.items()} == {"6x4": 2, "3x5": 1}
     assert info["inner_s"] == pytest.approx(sum(s["count"] * s["factorisation_s"] for s in shapes.values()))
+    assert [p["threads"] for p in info["passes"]][-1] == 1  # and the default threads' pass before it
+    assert info["inner_s"] == min(p["total_s"] for p in info["passes"])
     runs = {"task_arithmetic": {"wall_s": 10.0, "cpu_s": 9.0, "max_rss_mb": 800.0, "child": {"inner_s": 4.0}},
             "task_arithmetic_svc": {"wall_s": 38.0, "cpu_s": 36.0, "max_rss_mb": 1000.0, "child": {"inner_s": 31.0}},
             "svc_floor": {"wall_s": 20.0, "cpu_s": 19.0, "max_rss_mb": 500.0, "child": {"inner_s": 9.0}}}
