@@ -421,13 +421,16 @@ PARAMETER_VALUES = {
     "fitted": st.none() | st.integers(1, 64),
 }
 METHOD_VALUES = {("breadcrumbs", "rescale"): st.sampled_from(["none", "l1"]),
-                 ("auto", "budget"): st.none() | st.integers(5, 20),  # auto's budget counts merges, TIES's names entries
+                 # auto's budget counts merges (at least one per default candidate), TIES's names entries
+                 ("auto", "budget"): st.none() | st.integers(6, 20),
                  ("breadcrumbs_ties", "rescale"): st.sampled_from(["none", "l1"]),
                  ("cart", "fraction"): st.sampled_from([0.08, 0.25]),  # CART's rank share has no "default" None
+                 ("adarank_cart", "fraction"): st.sampled_from([0.08, 0.25]),  # nor AdaRank's over CART
                  # RegMean's λ scales the solved task vector: positive (λ = 1 the published merge)
                  ("regmean", "lam"): st.floats(0.01, 3), ("regmean_plusplus", "lam"): st.floats(0.01, 3),
                  # AdaRank's coefficients go with learn_lam=True only (tests/test_adarank.py covers them)
-                 ("adarank_tsv", "coefficients"): st.none(), ("adarank_iso", "coefficients"): st.none()}
+                 ("adarank_tsv", "coefficients"): st.none(), ("adarank_iso", "coefficients"): st.none(),
+                 ("adarank_cart", "coefficients"): st.none()}
 
 
 @st.composite
