@@ -110,7 +110,7 @@ def merge(base: Any, models: Sequence[Any], method: str = "ties", *, data: Any =
             mergekit aligns them and the merged tokenizer is saved, see :mod:`hf_mloss.loading.vocab`); and the
             method's parameters (``k``, ``e``, ``lam``, ``p``, ``t``, ``scope``, ``layers``...), which data-free
             methods may vary over the model as in mergekit (``k=[0.2, 0.8]``, filter lists; see
-            :mod:`hf_mloss.spec.schedule`).
+            :mod:`hf_mloss.spec.schedule`), as keywords or as one mapping, a recipe's ``parameters={"k": 0.2}``.
 
     Returns:
         A :class:`~hf_mloss.MergeResult`: ``.model`` (the merged model), ``.config`` (the recorded recipe),
@@ -182,7 +182,7 @@ def score(base: Any, models: Sequence[Any], data: Any = None, *, text_data: Any 
     scoring = ScoringOptions(prefix=prefix, reduction=reduction, activation=activation, eps=eps,
                              layers=tuple(layers) if layers is not None else None)
     config_fields = set(MergeConfig.__dataclass_fields__) | set(RunOptions.__annotations__)
-    method_params = sorted(k for k in options if k not in config_fields)
+    method_params = sorted(k for k in options if k not in config_fields or k == "parameters")
     if prefix != "merged" and method_params:
         raise InvalidParameterError(f"Unknown argument(s) {method_params} for score() with prefix={prefix!r} "
                                     "(method parameters apply only with prefix='merged').")

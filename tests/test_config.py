@@ -204,6 +204,32 @@ def test_per_model_revisions_reach_the_hub(monkeypatch):
     assert [s.revision for s in [config.base, *config.models]] == ["v1", "v1", "v1"]
 
 
+def test_python_takes_the_methods_parameters_as_one_mapping_as_a_recipe_does():
+    """``parameters={...}`` (a recipe's spelling) equals the keywords; everything else about it is refused by name,
+    before anything is read (it once reached the dataclass as a duplicate keyword)."""
+    models = ["org/a", "org/b"]
+    mapped = MergeConfig.from_kwargs("org/base", models, "ties", parameters={"k": 0.3, "lam": 0.8}, seed=3)
+    keywords = MergeConfig.from_kwargs("org/base", models, "ties", k=0.3, lam=0.8, seed=3)
+    assert mapped.to_dict() == keywords.to_dict()
+    assert mapped.parameters == {"k": 0.3, "lam": 0.8} and mapped.seed == 3
+    with pytest.raises(hf_mloss.InvalidParameterError, match=r"parameters must be a mapping .* got \[1, 2\]"):
+        hf_mloss.merge("org/base", models, "ties", parameters=[1, 2], progress=False)
+    with pytest.raises(hf_mloss.InvalidParameterError, match=r"\['k'\] given both in parameters= and as keywords"):
+        hf_mloss.merge("org/base", models, "ties", parameters={"k": 0.3}, k=0.2, progress=False)
+    with pytest.raises(hf_mloss.InvalidParameterError, match=r"\['parameters'\] for score\(\) with prefix='own'"):
+        hf_mloss.score("org/base", models, "unused", parameters={"k": 0.3}, progress=False)
+    for field in ("resolved_parameters", "hf_mloss_version"):
+        with pytest.raises(hf_mloss.InvalidParameterError, match=rf"\['{field}'\]: a run records these"):
+            hf_mloss.merge("org/base", models, "ties", **{field: {"k": 0.1}}, progress=False)
+
+
+@pytest.mark.parametrize("value", [0.2, {"x": 1}, [{"filter": "mlp", "value": 0.1}]])
+def test_an_unknown_parameter_is_named_whatever_its_value(value):
+    """A list or mapping value is read as a per-layer schedule only for a parameter the method has."""
+    with pytest.raises(hf_mloss.InvalidParameterError, match=r"Unknown parameter 'kk' \(did you mean 'k'\?\)"):
+        MergeConfig.from_kwargs("org/base", ["org/a", "org/b"], "ties", kk=value)
+
+
 def test_version_0_1_saved_configs_still_load(project):
     """hf_mloss 0.1 wrote what it had read about the data into the data section; those records are dropped."""
     saved = {"hf_mloss_version": "0.1.0", "base": {"model": "base"}, "models": [{"model": "ft0", "weight": 1.0}],

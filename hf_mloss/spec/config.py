@@ -65,6 +65,8 @@ TOKEN_KEYS = ("token", "hf_token", "use_auth_token", "auth_token", "access_token
 """Keys that name a credential (``tokenizer``, ``tokenizer_source`` are not: the guard looks at value shapes)."""
 IN_MEMORY = "in_memory"
 """Key that marks, in a written config, a model or data that was passed as a Python object (it cannot re-run)."""
+RECORDED_FIELDS = frozenset({"resolved_parameters", "hf_mloss_version"})
+"""Config fields a run writes into its recipe (read back from a file), never given as options."""
 
 
 @dataclass
@@ -686,12 +688,25 @@ class MergeConfig:
         if isinstance(models, (str, os.PathLike)) or _is_loaded_model(models) or not isinstance(models, Sequence):
             raise InvalidParameterError(f"models must be a non-empty list of Hub ids, local folders or loaded models, "
                                         f"got {short(models)}.")
+        recorded = sorted(RECORDED_FIELDS & set(options))
+        if recorded:
+            raise InvalidParameterError(f"{recorded}: a run records these in its recipe; they are not options. Drop "
+                                        "them (to re-run a recipe: hf_mloss.MergeConfig.from_yaml(path)).")
         fields = {f.name for f in dataclasses.fields(cls)}
         data_fields = {f.name for f in dataclasses.fields(DataSpec)} - {"id", "path", "objects", "revision",
                                                                         "fingerprint"}
         data_options = {k: options.pop(k) for k in list(options) if k in data_fields}
+        given = options.pop("parameters", None)
         config_options = {k: v for k, v in options.items() if k in fields}
         parameters = {k: v for k, v in options.items() if k not in fields}
+        if given is not None:  # the method's parameters as one mapping, as a YAML recipe's `parameters:`
+            if not isinstance(given, Mapping) or not all(isinstance(k, str) for k in given):
+                raise InvalidParameterError(f"parameters must be a mapping of the method's parameters, e.g. "
+                                            f"parameters={{'k': 0.2}} (or k=0.2 as a keyword), got {short(given)}.")
+            twice = sorted(set(given) & set(parameters))
+            if twice:
+                raise InvalidParameterError(f"{twice} given both in parameters= and as keywords; give each once.")
+            parameters = {**given, **parameters}
         text_options = {k: v for k, v in data_options.items() if k != "image_column"}
         texts = text_data is not None or any(isinstance(m, Mapping) and m.get("text_data") is not None
                                              for m in models)

@@ -136,6 +136,10 @@ def split_parameters(method: MergeMethod, parameters: Mapping[str, Any]
     value, never a schedule.
     """
     listed = _list_fields(method)
+    fields = {f.name for f in dataclasses.fields(method.params_class)}
+    unknown = [k for k in parameters if k not in fields]
+    if unknown:  # named before any value is parsed: an unknown name with a list or mapping is not a schedule error
+        method.make_params(**{k: parameters[k] for k in unknown})
     scheduled = {k for k, v in parameters.items() if is_schedule(v) and k not in listed}
     return ({k: v for k, v in parameters.items() if k not in scheduled},
             {k: ParamSchedule.parse(parameters[k], f"parameters.{k}") for k in scheduled})
