@@ -149,8 +149,17 @@ def _pixels_with(value, where=(1, 0, 0, 0)):
     ({"path": "images", "foo": 1}, "Unknown key in data 'foo'"),
     ({"id": "org/data", "seed": 1}, "data.seed: hf_mloss uses one seed"),
     ("  ", "data is empty"),
+    ([torch.zeros(3, 32, 32, dtype=torch.uint8)] * 2, "must be floating point .* got torch.uint8"),
+    ([torch.zeros(3, 32, 32), torch.full((3, 32, 32), float("nan"))], r"1 of the 2 scoring images hold NaN"),
+    ({"objects": [torch.full((3, 32, 32), float("inf"))]}, r"1 of the 1 scoring images hold NaN or Inf"),
+    ({"objects": []}, "data is empty"),
+    ({"id": "  "}, "data.id is blank"),
+    (torch.tensor([[101, 2023, 102]]), r"integer tensor of shape \(1, 3\), which reads as token ids"),
+    ({"input_ids": [[1, 2, 3]], "attention_mask": [[1, 1, 1]]}, "values are not all torch tensors: pass a "
+                                                                 "tokenizer's .* return_tensors='pt'"),
 ], ids=["int", "bytes", "bool", "numpy", "generator", "list-of-ints", "list-of-dicts", "3-d", "uint8", "bool-tensor",
-        "nan", "inf", "huge", "unknown-key", "seed", "blank"])
+        "nan", "inf", "huge", "unknown-key", "seed", "blank", "list-of-uint8", "list-with-nan", "objects-with-inf",
+        "empty-objects", "blank-id", "token-ids-alone", "token-lists"])
 def test_data_no_loader_reads_is_refused_when_the_run_is_configured(tiny_paths, own_pixels, monkeypatch, data,
                                                                     match):
     """Each refused in MergeConfig, naming the model: before any checkpoint is opened or any data read."""

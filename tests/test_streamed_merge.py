@@ -173,7 +173,7 @@ def test_the_data_guided_walk_peak_does_not_grow_with_depth(tmp_path, monkeypatc
     container's grows by about a block per layer (which shows the measure sees what the walk holds)."""
     in_use = malloc_in_use()
     if in_use is None:
-        pytest.skip("needs glibc's mallinfo2 (Linux, glibc 2.33+) to count the process's allocated bytes")
+        pytest.skip("needs glibc's malloc behind torch (mallinfo2, glibc 2.33+) to count the process's allocated bytes")
     monkeypatch.setenv("HF_MLOSS_THREADS", "1")  # every op on this thread, where the dispatch mode sees it
     shape = dict(hidden_size=128, intermediate_size=512, vocab_size=64)
     block = (4 * 128 * 128 + 3 * 128 * 512) * 4  # one block's float32 weights (the working dtype)
@@ -197,7 +197,7 @@ def test_m_ties_peak_does_not_grow_with_the_number_of_fine_tunes(tmp_path, monke
 
     in_use = malloc_in_use()
     if in_use is None:
-        pytest.skip("needs glibc's mallinfo2 (Linux, glibc 2.33+) to count the process's allocated bytes")
+        pytest.skip("needs glibc's malloc behind torch (mallinfo2, glibc 2.33+) to count the process's allocated bytes")
     monkeypatch.setenv("HF_MLOSS_THREADS", "1")
     shape = dict(hidden_size=128, intermediate_size=512, vocab_size=64)
     unit = 2 * 128 * 512 * 4  # one source's gate and up weights in float32

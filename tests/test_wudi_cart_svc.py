@@ -117,7 +117,7 @@ def test_wudi_holds_no_float64_copy_of_the_task_matrices(shape) -> None:
 
     in_use = malloc_in_use()
     if in_use is None:
-        pytest.skip("needs glibc's mallinfo2 (Linux, glibc 2.33+) to count the process's allocated bytes")
+        pytest.skip("needs glibc's malloc behind torch (mallinfo2, glibc 2.33+) to count the process's allocated bytes")
     taus = task_matrices(*shape, seed=6)
     previous = torch.get_num_threads()
     torch.set_num_threads(1)  # every op on this thread, where the dispatch mode sees it

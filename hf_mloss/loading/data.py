@@ -193,6 +193,11 @@ def check_data_objects(data: Any) -> None:
         raise DataError(f"data is a {type(data).__name__}, which can be read only once (a run reads its data more "
                         "than once, and records it): pass list(...) of its items, or a datasets.IterableDataset.")
     if isinstance(data, torch.Tensor):
+        if data.dim() == 2 and not data.is_floating_point():
+            raise DataError(f"data is an integer tensor of shape {tuple(data.shape)}, which reads as token ids: pass "
+                            "them with their mask, {'input_ids': ids, 'attention_mask': mask} (a tokenizer's output "
+                            "with return_tensors='pt'), or the texts themselves. A tensor alone is read as pixel "
+                            "values [N, 3, H, W].")
         check_pixel_tensor(data)
     if isinstance(data, (list, tuple)):
         for i, item in enumerate(data):
@@ -202,6 +207,16 @@ def check_data_objects(data: Any) -> None:
                 continue
             raise DataError(f"data[{i}] is of type {type(item).__name__} ({str(item)[:40]}): a list of scoring data "
                             "holds texts (strings), PIL images, image paths or [3, H, W] pixel tensors.")
+
+
+def checked_objects(data: Any) -> Any:
+    """Python data as a run keeps it, checked (:func:`check_data_objects`): a list of ``[3, H, W]`` tensors stacked
+    into one ``[N, 3, H, W]`` tensor (:func:`stacked_pixels`) and its pixel values checked as a tensor's are."""
+    check_data_objects(data)
+    stacked = stacked_pixels(data)
+    if stacked is not data:
+        check_pixel_tensor(stacked)
+    return stacked
 
 
 def check_pixel_tensor(pixels: torch.Tensor) -> None:

@@ -65,6 +65,8 @@ TOKEN_KEYS = ("token", "hf_token", "use_auth_token", "auth_token", "access_token
 """Keys that name a credential (``tokenizer``, ``tokenizer_source`` are not: the guard looks at value shapes)."""
 IN_MEMORY = "in_memory"
 """Key that marks, in a written config, a model or data that was passed as a Python object (it cannot re-run)."""
+MODEL_INPUT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "pixel_values"})
+"""Keys of a tokenizer's or image processor's output: data holding them is model inputs, not a data spec."""
 RECORDED_FIELDS = frozenset({"resolved_parameters", "hf_mloss_version"})
 """Config fields a run writes into its recipe (read back from a file), never given as options."""
 
@@ -212,20 +214,27 @@ class DataSpec:
         if isinstance(data, Mapping) and not datasets_object and as_model_inputs(data) is None:
             if "seed" in data:
                 raise DataError(DATA_SEED)
+            inputs = sorted(set(data) & MODEL_INPUT_KEYS)
+            if inputs:  # model inputs whose values are not tensors (a tokenizer's output without return_tensors)
+                raise DataError(f"data holds {inputs} whose values are not all torch tensors: pass a tokenizer's (or "
+                                "image processor's) output made with return_tensors='pt', e.g. tokenizer(texts, "
+                                "padding=True, return_tensors='pt'), or the texts or images themselves.")
             check_keys(data, [f.name for f in dataclasses.fields(cls)], "key in data", error=DataError)
+            for key in ("id", "path"):
+                if isinstance(data.get(key), str) and not data[key].strip():
+                    raise DataError(f"data.{key} is blank: give a Hub dataset id or a local folder or file.")
             if data.get("objects") is not None:
-                from ..loading.data import check_data_objects
+                from ..loading.data import checked_objects
 
-                check_data_objects(data["objects"])
+                data = {**data, "objects": checked_objects(data["objects"])}
             return cls(**{**options, **data})
         if isinstance(data, os.PathLike) or (isinstance(data, str) and looks_local(data)):
             return cls(path=os.fspath(data), **options)
         if isinstance(data, str):
             return cls(id=data, **options)
-        from ..loading.data import check_data_objects, stacked_pixels
+        from ..loading.data import checked_objects
 
-        check_data_objects(data)
-        return cls(objects=stacked_pixels(data), **options)
+        return cls(objects=checked_objects(data), **options)
 
     @property
     def source(self) -> Any:
@@ -1081,6 +1090,8 @@ def _is_empty(value: Any) -> bool:
         from ..loading.model_inputs import as_model_inputs
 
         given = as_model_inputs(value)
+        if given is None and value.get("objects") is not None:  # a data spec holding the samples themselves
+            return _is_empty(value["objects"])
         return not value or given is not None and len(given) == 0
     shape = getattr(value, "shape", None)
     if shape is not None:
