@@ -307,7 +307,9 @@ def test_mergekit_shared_parameter_recipes_map(tiny_paths):
             ("ram", plain, {"density": 0.5}, r"no parameter\(s\) \['density'\]"),
             ("ram", [{"model": models[0], "parameters": {"weight": 1.0}}], {}, r"\['weight'\] have no hf_mloss"),
             ("ram", [{"model": models[0], "parameters": {"epsilon": 0.1}}], {}, "shared: give it under the top"),
-            ("multislerp", plain, {}, r"models\[0\].parameters.weight is missing")]:
+            ("multislerp", plain, {}, r"models\[0\].parameters.weight is missing"),
+            ("ram", [], {}, "needs a non-empty `models` list, or `slices`"),
+            ("ties", [], {}, "needs a non-empty `models` list, or `slices`")]:
         with pytest.raises(ConfigError, match=message):
             mk(method, entries, shared)
     with pytest.raises(ConfigError, match="needs a `base_model`"):

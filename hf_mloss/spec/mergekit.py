@@ -51,6 +51,8 @@ RECIPE_METHODS = ("slerp", "model_stock", "breadcrumbs", "breadcrumbs_ties", "de
 METHODS.update({name: name for name in RECIPE_METHODS})
 METHODS["passthrough"] = "passthrough"  # with slices only (hf_mloss.spec.slices)
 METHODS["nuslerp"] = "nuslerp"  # base_model optional (see _nuslerp_config)
+MODELS_OR_SLICES = ("The mergekit config needs a non-empty `models` list, or `slices` with `sources` and `layer_range`s "
+                    "instead of `models`.")
 REQUIRED = object()
 """A shared parameter mergekit gives no default (the config must set it)."""
 SHARED_METHODS: dict[str, dict[str, Any]] = {
@@ -167,7 +169,7 @@ def _models(entries: Any, *, skip: dict[str, Any] | None = None
     """Models, weights and densities of a ``models`` list; an entry naming ``skip`` (the base_model) is left out, as
     mergekit merges the base as the base only and resolves no per-model parameter for it."""
     if not isinstance(entries, list) or not entries:
-        raise ConfigError("The mergekit config needs a non-empty `models` list (slices are not supported).")
+        raise ConfigError(MODELS_OR_SLICES)
     models, weights, densities = [], [], []
     for i, entry in enumerate(entries):
         if not isinstance(entry, Mapping) or "model" not in entry:
@@ -352,7 +354,7 @@ def _recipe_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
                               f"{sorted({*shared_names, *per_model, *(['weight'] if takes_weight else [])})}.")
     entries = config.get("models")
     if not isinstance(entries, list) or not entries:
-        raise ConfigError("The mergekit config needs a non-empty `models` list (slices are not supported).")
+        raise ConfigError(MODELS_OR_SLICES)
     models, weights, values = [], [], {key: [] for key in per_model}
     for i, entry in enumerate(entries):
         if not isinstance(entry, Mapping) or "model" not in entry or set(entry) - {"model", "parameters"}:
@@ -434,7 +436,7 @@ def _nuslerp_config(config: Mapping[str, Any]) -> dict[str, Any]:
     base = _model_entry(config["base_model"], "base_model") if config.get("base_model") else None
     entries = config.get("models")
     if not isinstance(entries, list) or not entries:
-        raise ConfigError("The mergekit config needs a non-empty `models` list.")
+        raise ConfigError(MODELS_OR_SLICES)
     models, weights = [], []
     for i, entry in enumerate(entries):
         if not isinstance(entry, Mapping) or "model" not in entry or set(entry) - {"model", "parameters"}:
@@ -482,7 +484,7 @@ def _shared_config(config: Mapping[str, Any], method: str) -> dict[str, Any]:
         raise ConfigError(f"mergekit `{method}` needs a `base_model`; add `base_model: org/name`.")
     entries = config.get("models")
     if not isinstance(entries, list) or not entries:
-        raise ConfigError("The mergekit config needs a non-empty `models` list.")
+        raise ConfigError(MODELS_OR_SLICES)
     models, weights = [], []
     for i, entry in enumerate(entries):
         if not isinstance(entry, Mapping) or "model" not in entry or set(entry) - {"model", "parameters"}:
