@@ -82,13 +82,14 @@ def merge(base: Any, models: Sequence[Any], method: str = "ties", *, data: Any =
         base: the pretrained model the others were fine-tuned from (Hub id, local folder or loaded model).
         models: the q fine-tuned models (Hub ids, local folders or loaded models), or PEFT LoRA adapters of the base
             (folders or Hub ids holding ``adapter_config.json``), read as their merged models, tensor by tensor.
-        method: a registered method (``hf_mloss.list_methods()``): ``average``, ``task_arithmetic``, ``ties``,
-            ``dare_ties``, ``dare_linear``, ``slerp``, ``model_stock``, ``breadcrumbs``, ``della``, ``tsv_m``,
-            ``iso_c``, ``iso_cts``, ``m_ties``, ``m_dare``...
-        data: unlabeled data for data-guided methods (``m_ties``, ``m_dare``) and selection: for image families a
-            Hub dataset id, local image folder, ``datasets`` object, list of images or a preprocessed ``[N, 3, H, W]``
-            tensor; for text families a list of strings, a text or data file, a folder of text files, or a
-            ``datasets`` text split (tokenised with the base's tokenizer).
+        method: a registered method (``hf_mloss.list_methods()``): ``auto``, ``average``, ``task_arithmetic``,
+            ``ties``, ``dare_ties``, ``tsv_m``, ``iso_c``, ``iso_cts``, ``wudi``, ``cart``, ``m_ties``, ``regmean``,
+            ``regmean_plusplus``, ``adamerging``, mergekit's ``slerp``, ``model_stock``, ``della``...
+        data: unlabeled data for the data-guided methods (``auto``, ``m_ties``, ``regmean``, the learned merges) and
+            selection, shared by every model (a model's own goes in its entry, ``{"model": ..., "data": ...}``):
+            for image families a Hub dataset id, local image folder, ``datasets`` object, list of images or a
+            preprocessed ``[N, 3, H, W]`` tensor; for text families a list of strings, a text or data file, a folder
+            of text files, or a ``datasets`` text split (tokenised with the base's tokenizer).
         text_data: a whole two-tower model (a ``CLIPModel`` with both towers fine-tuned, or a LLaVA / Qwen2-VL,
             whose ``data`` is images for the vision tower): text for the text tower or language model, in any form
             ``data`` takes for text families (``text_column``, ``max_length`` apply to it). Each tower is scored on
