@@ -7,7 +7,7 @@ hf-mloss score CONFIG.yaml [--json OUT] [--per-row] [--overwrite] [--device DEVI
               [--pairwise [--subsets I,J,...] [--output-gap] [--no-baselines] [--out DIR]]
               [--select unlabeled --grid PARAM=V1,V2,...]   (print every candidate's criteria, write nothing)
 hf-mloss moe CONFIG.yaml OUT_DIR [--overwrite] [--device DEVICE] [--quiet] [--no-mloss] [--no-report]
-             [--report-positions N|all]
+             [--report-positions N|all] [--prompt-dtype bfloat16|float32]
              [--i-understand-this-is-not-useful-without-training]   (mergekit-moe's YAML: an MoE from dense fine-tunes)
 hf-mloss push OUT_DIR REPO [--private] [--revision REV] [--create-pr] [--commit-message MSG] [--quiet]
 hf-mloss methods [--json]
@@ -298,6 +298,10 @@ def moe_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
                         help="The most token positions the routing report and the M-Loss read (default 256): "
                              "prompts holding more are each cut to their first tokens (the model is causal, so "
                              "those positions' values are the whole prompt's); 'all' reads every token.")
+    parser.add_argument("--prompt-dtype", default=None, choices=["bfloat16", "float32"],
+                        help="The dtype the base reads the prompts in for hidden router rows (replaces the config's "
+                             "prompt_dtype; default bfloat16, mergekit-moe's rows bit for bit; float32 is several "
+                             "times faster on a CPU without bfloat16 units).")
     parser.add_argument("--i-understand-this-is-not-useful-without-training", dest="allow_identical",
                         action="store_true", help="Accept experts that are all one model (mergekit-moe's flag).")
     if subparsers is not None:
@@ -308,7 +312,9 @@ def moe_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
 def moe_command(args: argparse.Namespace) -> int:
     from .moe.config import MoEConfig
 
-    config = MoEConfig.from_yaml(args.config, **({"allow_identical_experts": True} if args.allow_identical else {}))
+    overrides = {**({"allow_identical_experts": True} if args.allow_identical else {}),
+                 **({"prompt_dtype": args.prompt_dtype} if args.prompt_dtype else {})}
+    config = MoEConfig.from_yaml(args.config, **overrides)
     from .distributed import describe_device
     from .loading.inputs import resolve_device
     from .moe import build_moe

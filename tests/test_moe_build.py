@@ -85,6 +85,7 @@ REFUSED = {
                     "did you mean 'positive_prompts'"),
     "gate mode": ({"gate_mode": "hiden"}, "did you mean 'hidden'"),
     "dtype": ({"dtype": "int64"}, "dtype 'int64' is not one of"),
+    "prompt dtype": ({"prompt_dtype": "float16"}, "prompt_dtype 'float16' is not one of ['bfloat16', 'float32']"),
     "lora": ({"experts": [_expert("/m/a+/m/lora", positive_prompts=["x"]), _expert("/m/b", positive_prompts=["y"])]},
              "merge the adapter into its model first"),
     "two shared": ({"shared_experts": [_expert("/m/a"), _expert("/m/b")]}, "Qwen2-MoE"),
@@ -121,7 +122,7 @@ REFUSED = {
 }
 
 
-@pytest.mark.parametrize("key", ["gate_mode", "experts_per_token"])
+@pytest.mark.parametrize("key", ["gate_mode", "experts_per_token", "prompt_dtype"])
 def test_a_null_gate_mode_or_experts_per_token_is_refused_naming_the_key(tmp_path, capsys, key):
     """mergekit-moe refuses both; a null read as the default (hidden, 2) would build another MoE than written."""
     recipe = tmp_path / "moe.yaml"
@@ -430,6 +431,45 @@ def test_router_rows_are_each_layers_input_at_the_last_token(built, llama):
             assert torch.nn.functional.cosine_similarity(row, vector[layer], dim=0) > 0.99, (e, layer)
 
 
+def test_a_float32_prompt_pass_gives_the_float32_models_rows_and_is_recorded(built, llama, tmp_path):
+    """``prompt_dtype: float32``: the rows are the float32 base's layer inputs, as the bfloat16 ones are the bfloat16
+    base's (within rounding of them, not equal); the recipe and the card say which dtype read the prompts."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from transformers import AutoTokenizer
+
+    from hf_mloss.moe.gates import encode, prompt_tokenizer
+
+    config, result = built
+    base, _ = llama
+    float32 = build_moe({**config, "prompt_dtype": "float32"}, tmp_path / "moe32", progress=False, report=False)
+    rows = {name: load_file(str(r.path / "model.safetensors")) for name, r in (("bf16", result), ("f32", float32))}
+    key = "model.layers.{}.block_sparse_moe.gate.weight"
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    tokenizer = prompt_tokenizer(AutoTokenizer.from_pretrained(base))
+    for e, expert in enumerate(config["experts"]):
+        def mean_last(prompts):
+            with torch.inference_mode():
+                states = model(**encode(tokenizer, prompts), output_hidden_states=True).hidden_states
+            return torch.stack([states[i][:, -1].mean(dim=0) for i in range(2)])
+
+        vector = mean_last(expert["positive_prompts"])
+        if expert.get("negative_prompts"):
+            vector = vector - mean_last(expert["negative_prompts"])
+        vector = vector / vector.norm(dim=-1, keepdim=True)
+        for layer in range(2):
+            ours, theirs = rows["f32"][key.format(layer)][e].float(), rows["bf16"][key.format(layer)][e].float()
+            assert torch.allclose(ours, vector[layer].to(rows["f32"][key.format(layer)].dtype).float(), atol=1e-2)
+            assert torch.nn.functional.cosine_similarity(ours, theirs, dim=0) > 0.99, (e, layer)
+    assert any(not torch.equal(rows["f32"][key.format(i)], rows["bf16"][key.format(i)]) for i in range(2))
+    recipe = yaml.safe_load((float32.path / "hf_mloss_moe.yaml").read_text())
+    assert recipe["prompt_dtype"] == "float32" and "prompt_dtype" not in yaml.safe_load(
+        (result.path / "hf_mloss_moe.yaml").read_text())
+    assert "read in float32" in (float32.path / "README.md").read_text()
+    assert "read in bfloat16" in (result.path / "README.md").read_text()
+
+
 def test_the_routing_report_follows_transformers_router_logits(built):
     """Each prompt's routing weights equal the ones computed from the router logits the model itself returns."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -558,6 +598,8 @@ def test_the_cli_builds_and_prints_the_routing_report(llama, tmp_path, capsys):
     assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
     assert main(["moe", str(path), str(tmp_path / "out"), "-q", "--no-mloss"]) == 2  # exists: --overwrite
     assert main(["moe", str(path), str(tmp_path / "out"), "-q", "--no-mloss", "--overwrite"]) == 0
+    assert main(["moe", str(path), str(tmp_path / "out32"), "-q", "--no-report", "--prompt-dtype", "float32"]) == 0
+    assert yaml.safe_load((tmp_path / "out32" / "hf_mloss_moe.yaml").read_text())["prompt_dtype"] == "float32"
 
 
 def test_hf_mloss_exports_build_moe():

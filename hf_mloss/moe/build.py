@@ -146,7 +146,7 @@ def _gates(config: MoEConfig, inputs: MoEInputs, num_gates: int, generator: torc
         from ..parallel import cpu_workers
         from .layered import LayeredModel, skeleton
 
-        model, _ = skeleton(inputs.base.path, dtype=torch.bfloat16)  # mergekit reads the prompts in bf16
+        model, _ = skeleton(inputs.base.path, dtype=getattr(torch, config.prompt_dtype))  # mergekit's: bfloat16
         layered = LayeredModel(model, base, device)
         with cpu_workers(device):  # as many threads as the cores other processes leave idle (the rows do not change)
             represent = hidden_representation(layered, tokenizer, specs, average=config.gate_mode == "hidden_avg",
@@ -155,8 +155,9 @@ def _gates(config: MoEConfig, inputs: MoEInputs, num_gates: int, generator: torc
     if not bool(torch.isfinite(gates).all()):
         for name in base.keys():  # the usual cause: a corrupt base
             _check_finite(base.get(name), name, f"base_model ({inputs.base.name})")
-        raise DataError("The prompts' hidden states in the base (read in bfloat16, as mergekit does) are not finite, "
-                        "so no router rows can be made from them: the base overflows bfloat16 on these prompts.")
+        raise DataError(f"The prompts' hidden states in the base (read in {config.prompt_dtype}) are not finite, so "
+                        f"no router rows can be made from them: the base overflows {config.prompt_dtype} on these "
+                        "prompts.")
     return gates
 
 

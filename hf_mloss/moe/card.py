@@ -45,7 +45,8 @@ def build_card(result: MoEResult, inputs: MoEInputs) -> ModelCard:
         title=f"{result.path.name}: a {result.architecture} of {len(config.experts)} experts",
         architecture=result.architecture, model_class=result.model_class, num_experts=len(config.experts),
         shared=bool(config.shared_experts), base_name=inputs.base.name, base_revision=inputs.base.revision,
-        gate_mode=config.gate_mode, gate_description=GATE_DESCRIPTIONS[config.gate_mode],
+        gate_mode=config.gate_mode, gate_description=GATE_DESCRIPTIONS[config.gate_mode]
+        + (f", read in {config.prompt_dtype}" if config.gate_mode.startswith("hidden") else ""),
         experts_per_token=config.experts_per_token, experts=experts,
         dtype=str(inputs.dtype or "as stored").removeprefix("torch."), seeded=config.draws_random, seed=config.seed,
         device=result.device, degenerate=", ".join(map(str, result.degenerate_layers)),

@@ -16,6 +16,7 @@ experts:
 shared_experts: []                  # one, for Qwen2-MoE output only
 architecture: mixtral               # optional: mixtral | qwen (Qwen2-MoE) | qwen3 (Qwen3-MoE), a name prefix
 seed: 0                             # hf_mloss: the random draws of gate_mode random / uniform_random and noise_scale
+prompt_dtype: bfloat16              # hf_mloss: the prompt pass's dtype (bfloat16: mergekit's rows, bit for bit)
 ```
 
 mergekit-moe's own checks (at least ``experts_per_token`` experts, prompts for every expert unless the gate mode is
@@ -47,9 +48,13 @@ MAX_SEED = 2**64 - 1
 """The largest seed ``torch.Generator.manual_seed`` takes."""
 EXPERT_KEYS = ("source_model", "positive_prompts", "negative_prompts", "noise_scale", "residual_scale", "revision")
 TOP_KEYS = ("base_model", "experts", "gate_mode", "dtype", "experts_per_token", "shared_experts", "architecture",
-            "seed", "allow_identical_experts", "base_revision")
+            "seed", "allow_identical_experts", "base_revision", "prompt_dtype")
+PROMPT_DTYPES = ("bfloat16", "float32")
+"""The dtypes of the prompt pass that gives the ``hidden`` router rows: mergekit-moe's bfloat16 (the default: its rows
+bit for bit), or float32 (several times faster on a CPU without bfloat16 units; rows within rounding of those)."""
 
-REQUIRED_VALUES = {"gate_mode": "hidden", "experts_per_token": 2, "seed": 0, "allow_identical_experts": False}
+REQUIRED_VALUES = {"gate_mode": "hidden", "experts_per_token": 2, "seed": 0, "allow_identical_experts": False,
+                   "prompt_dtype": "bfloat16"}
 """Top-level keys that take a value when given (mergekit-moe's ``gate_mode`` and ``experts_per_token`` are not
 optional, ``seed`` and ``allow_identical_experts`` are hf_mloss's): ``null`` is refused, not read as the default."""
 
@@ -102,6 +107,8 @@ class MoEConfig:
     allow_identical_experts: bool = False
     """mergekit's ``--i-understand-this-is-not-useful-without-training``: accept experts that are all one model."""
     base_revision: str | None = None
+    prompt_dtype: str = "bfloat16"
+    """The dtype the base reads the prompts in for the ``hidden`` router rows (:data:`PROMPT_DTYPES`)."""
     source: str | None = field(default=None, compare=False)
     """The YAML file it was read from (an input of the run: never overwritten)."""
 
@@ -158,7 +165,7 @@ class MoEConfig:
                 raise ConfigError(f"{key} is null; give it a value or leave the key out (default: "
                                   f"{REQUIRED_VALUES[key]!r}).")
         values = {k: content[k] for k in ("gate_mode", "dtype", "experts_per_token", "architecture", "seed",
-                                          "allow_identical_experts") if content.get(k) is not None}
+                                          "allow_identical_experts", "prompt_dtype") if content.get(k) is not None}
         return cls(base_model=base, base_revision=content.get("base_revision") or base_revision,
                    experts=tuple(_expert(e, f"experts[{i}]", root) for i, e in enumerate(experts)),
                    shared_experts=tuple(_expert(e, f"shared_experts[{i}]", root) for i, e in enumerate(shared)),
@@ -181,6 +188,8 @@ class MoEConfig:
         out["seed"] = self.seed
         if self.allow_identical_experts:
             out["allow_identical_experts"] = True
+        if self.prompt_dtype != "bfloat16":
+            out["prompt_dtype"] = self.prompt_dtype
         return {k: v for k, v in out.items() if v is not None}
 
     def to_yaml(self, root: str | os.PathLike[str] | None = None) -> str:
@@ -222,6 +231,10 @@ def check_config(config: MoEConfig) -> None:
                           "base's).")
     if config.dtype is not None and config.dtype.startswith("torch."):
         object.__setattr__(config, "dtype", config.dtype.removeprefix("torch."))
+    if config.prompt_dtype not in PROMPT_DTYPES:
+        raise ConfigError(f"prompt_dtype {short(config.prompt_dtype)} is not one of {list(PROMPT_DTYPES)} "
+                          "(bfloat16: mergekit-moe's router rows bit for bit; float32: faster on a CPU without "
+                          "bfloat16 units).")
     k = config.experts_per_token
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ConfigError(f"experts_per_token must be an integer >= 1, got {short(k)}.")
