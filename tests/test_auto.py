@@ -121,6 +121,23 @@ def test_the_recorded_choice_reruns_without_choosing(chosen, tmp_path):
         assert torch.equal(again.model.state_dict()[key], value), key
 
 
+def test_a_bf16_decoders_recorded_choice_reruns_with_the_searchs_bits(tmp_path):
+    """θ₀ + λ·τ is formed in float32 whether the search writes it or a recipe's re-run does: a bf16 decoder's
+    re-run once held the base in bf16 (as a data-free merge does) and wrote other bits."""
+    torch.manual_seed(0)
+    base, models = testing.save_with_finetunes(testing.tiny_decoder("llama").to(torch.bfloat16), tmp_path / "llama",
+                                               2, tokenizer=testing.word_tokenizer(64), scale=5e-2)
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(" ".join(f"w{(5 * i + j) % 50}" for j in range(4 + i % 3)) for i in range(6)))
+    result = hf_mloss.merge(str(base), [str(m) for m in models], "auto", data={"path": str(texts)}, batch_size=3,
+                            candidates={"task_arithmetic": {"lam": [0.7]}}, progress=False)
+    assert result.config.parameters["chosen"] == {"method": "task_arithmetic", "parameters": {"lam": 0.7}}
+    result.save_pretrained(tmp_path / "out")
+    again = hf_mloss.run(str(tmp_path / "out"), progress=False)
+    for key, value in result.model.state_dict().items():
+        assert value.dtype == torch.bfloat16 and torch.equal(again.model.state_dict()[key], value), key
+
+
 def test_without_data_it_is_tsv_m_at_its_default_and_says_so(tiny_paths, tmp_path):
     result = _merge(tiny_paths, "auto")
     assert result.config.parameters["chosen"]["method"] == "tsv_m"

@@ -159,18 +159,82 @@ def test_streamed_merge_refuses_an_overflow_and_writes_nothing(decoders, monkeyp
         _merge(decoders["llama"], "task_arithmetic", stream=False, monkeypatch=monkeypatch, lam=1e30, dtype="float16")
 
 
-def test_auto_keeps_the_in_memory_container(decoders, monkeypatch) -> None:
-    """``method="auto"`` compares whole candidate merges: it is not streamed (the module docstring says so)."""
-    result = _merge(decoders["llama"], "auto", stream=True, monkeypatch=monkeypatch,
-                    candidates=["ties", "task_arithmetic"], data=_texts(), batch_size=2)
+AUTO_CANDIDATES = {"ties": {"lam": [0.5, 1.0]}, "task_arithmetic": {"lam": [0.3, 1.0]},
+                   "tsv_m": {"calibrate": ["svc"], "lam": [1.0, 1.5]}, "iso_c": {}}
+"""λ grids rescaled from one merge, a calibrated merge merged per λ, and a method without a λ grid."""
+
+
+def _auto(decoder, *, stream: bool, monkeypatch, **params) -> hf_mloss.MergeResult:
+    params = {"candidates": AUTO_CANDIDATES, "data": _texts(), "batch_size": 2, **params}
+    return _merge(decoder, "auto", stream=stream, monkeypatch=monkeypatch, **params)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("share", ["auto", "all"])
+def test_streamed_auto_scores_and_writes_what_the_in_memory_search_does(decoders, monkeypatch, tmp_path, family,
+                                                                        share) -> None:
+    """On a model too large to hold twice, ``auto`` compares its candidates block by block: every candidate's
+    criteria equal the in-memory search's (the walk's blocks, the model's own head), and the chosen merge is written
+    with the same bits."""
+    whole = _auto(decoders[family], stream=False, monkeypatch=monkeypatch, share=share)
+    with pytest.warns(UserWarning, match="compared block by block"):
+        walked = _auto(decoders[family], stream=True, monkeypatch=monkeypatch, share=share)
+    assert whole.spilled is None and walked.spilled is not None
+    expected, got = whole.config.parameters["scored"], walked.config.parameters["scored"]
+    assert [(c["method"], c["setting"]) for c in got] == [(c["method"], c["setting"]) for c in expected]
+    assert len(got) == 7 and len({c["output"] for c in got}) > 3  # the candidates differ
+    for a, b in zip(expected, got):
+        assert b["output"] == pytest.approx(a["output"], rel=1e-5, abs=1e-9), (a, b)
+    assert walked.config.parameters["chosen"] == whole.config.parameters["chosen"]
+    assert "compared block by block" in walked.method_description
+    ta = _tensors(whole.save_pretrained(tmp_path / "whole"))
+    tb = _tensors(walked.save_pretrained(tmp_path / "streamed", max_shard_size="40KB"))
+    assert sorted(ta) == sorted(tb) and all(torch.equal(ta[key], tb[key]) for key in ta)
+
+
+@pytest.mark.parametrize("chosen", [{"method": "task_arithmetic", "parameters": {"lam": 0.7}},
+                                    {"method": "tsv_m", "parameters": {"calibrate": "svc", "lam": 1.5}}])
+def test_streamed_auto_rewrites_a_recorded_choice_with_its_bits(decoders, monkeypatch, tmp_path, chosen) -> None:
+    """A recorded choice (the recipe's re-run) is merged block by block as the search would write it."""
+    recorded = {"candidates": AUTO_CANDIDATES, "chosen": chosen}
+    whole = _auto(decoders["llama"], stream=False, monkeypatch=monkeypatch, **recorded)
+    walked = _auto(decoders["llama"], stream=True, monkeypatch=monkeypatch, **recorded)
+    assert walked.spilled is not None and walked.config.parameters["chosen"] == chosen
+    ta = _tensors(whole.save_pretrained(tmp_path / "whole"))
+    tb = _tensors(walked.save_pretrained(tmp_path / "streamed"))
+    assert sorted(ta) == sorted(tb) and all(torch.equal(ta[key], tb[key]) for key in ta)
+
+
+def test_streamed_auto_without_data_streams_its_fallback(decoders, monkeypatch, tmp_path) -> None:
+    whole = _merge(decoders["qwen2"], "auto", stream=False, monkeypatch=monkeypatch)
+    walked = _merge(decoders["qwen2"], "auto", stream=True, monkeypatch=monkeypatch)
+    assert walked.spilled is not None and walked.config.parameters["chosen"]["method"] == "tsv_m"
+    ta, tb = _tensors(whole.save_pretrained(tmp_path / "a")), _tensors(walked.save_pretrained(tmp_path / "b"))
+    assert sorted(ta) == sorted(tb) and all(torch.equal(ta[key], tb[key]) for key in ta)
+
+
+def test_streamed_auto_leaves_out_the_candidates_fitted_on_a_merged_prefix(decoders, monkeypatch, tmp_path) -> None:
+    """RegMean++ fits on a merged prefix a block-by-block search does not hold: left out of the default candidates
+    with a warning, refused by name before the model is read; the M-Loss criterion keeps the in-memory search."""
+    with pytest.warns(UserWarning, match="regmean_plusplus left out of the default candidates"):
+        result = _merge(decoders["llama"], "auto", stream=True, monkeypatch=monkeypatch, data=_texts(),
+                        batch_size=2, budget=6)
+    assert result.spilled is not None
+    assert {c["method"] for c in result.config.parameters["scored"]} == {"tsv_m", "iso_c", "iso_cts", "ties",
+                                                                         "task_arithmetic"}
+    with pytest.raises(InvalidParameterError, match="regmean_plusplus fit on the data through a merged prefix"):
+        _auto(decoders["llama"], stream=True, monkeypatch=monkeypatch, candidates=["ties", "regmean_plusplus"])
+    result = _auto(decoders["llama"], stream=True, monkeypatch=monkeypatch, criterion="mloss",
+                   candidates=["ties", "task_arithmetic"])
     assert result.spilled is None and result.model is not None
 
 
 # ------------------------------------------------------------------------------------------------------------ memory
-@pytest.mark.parametrize("method", ["m_ties", "regmean_plusplus"])
+@pytest.mark.parametrize("method", ["m_ties", "regmean_plusplus", "auto"])
 def test_the_data_guided_walk_peak_does_not_grow_with_depth(tmp_path, monkeypatch, method) -> None:
-    """Two depths of one width: the streamed merge's peak stays within a fraction of one block, where the in-memory
-    container's grows by about a block per layer (which shows the measure sees what the walk holds)."""
+    """Two depths of one width: the streamed merge's peak (auto's block-by-block search included) stays within a
+    fraction of one block, where the in-memory container's grows by about a block per layer (which shows the measure
+    sees what the walk holds)."""
     in_use = malloc_in_use()
     if in_use is None:
         pytest.skip("needs glibc's malloc behind torch (mallinfo2, glibc 2.33+) to count the process's allocated bytes")
@@ -182,7 +246,9 @@ def test_the_data_guided_walk_peak_does_not_grow_with_depth(tmp_path, monkeypatc
         decoder = save_with_finetunes(tiny_decoder("llama", num_hidden_layers=layers, **shape).to(torch.bfloat16),
                                       tmp_path / f"l{layers}", q=2)
         for stream in (True, False):
-            run = lambda: _merge(decoder, method, stream=stream, monkeypatch=monkeypatch)  # noqa: E731
+            extra = {"candidates": {"ties": {"lam": [0.5, 1.0]}, "tsv_m": {}}, "data": _texts(), "batch_size": 2,
+                     "share": "all"} if method == "auto" else {}
+            run = lambda: _merge(decoder, method, stream=stream, monkeypatch=monkeypatch, **extra)  # noqa: E731
             run()  # warm: the allocator's and the libraries' first-call allocations
             peaks[layers, stream] = peak_bytes(in_use, run)
     assert peaks[6, True] - peaks[2, True] < block / 2, peaks

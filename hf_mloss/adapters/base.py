@@ -310,6 +310,16 @@ class ModelAdapter(ABC):
 
         return PooledFeatures(first_token_pool, "pooled output (pooler_output, else the first token)")
 
+    reads_outputs_from_states: ClassVar[bool] = False
+    """Whether :meth:`outputs_from_states` can read the outputs from the last block's states (a search on a model
+    too large to hold walks it block by block and reads its outputs there)."""
+
+    def outputs_from_states(self, model: PreTrainedModel, rule: Any, batch: Mapping[str, torch.Tensor],
+                            hidden: torch.Tensor) -> torch.Tensor:
+        """``rule``'s outputs of ``batch`` (:meth:`output_rule`) given ``hidden``, the last block's output states,
+        where :attr:`reads_outputs_from_states`."""
+        raise NotImplementedError(f"{type(self).__name__} does not read outputs from a block walk's states")
+
     def card_metadata(self, model: PreTrainedModel | None = None) -> dict[str, Any]:
         tag = self.output_pipeline_tag(model) if model is not None else self.pipeline_tag
         return {"library_name": "transformers", "pipeline_tag": tag}

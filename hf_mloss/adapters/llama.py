@@ -92,6 +92,17 @@ def last_token_pool(model: PreTrainedModel, batch: Mapping[str, torch.Tensor]) -
     return hidden[torch.arange(len(hidden), device=hidden.device), last]
 
 
+class _HandsOn(nn.Module):
+    """Stands in for a decoder's blocks: returns the given last block's output, whatever it is called with."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__()
+        self.hidden = hidden
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        return self.hidden
+
+
 class LlamaAdapter(GenericAdapter):
     """LLaMA-family decoder: gated node M-Loss on every ``layers.N.mlp`` (``gate_proj`` / ``up_proj``).
 
@@ -203,6 +214,20 @@ class LlamaAdapter(GenericAdapter):
         if is_causal_lm(model):
             return NextTokenDistribution(causal_logits, "next-token distribution at every real position")
         return PooledFeatures(last_token_pool, "final hidden state of the last real token")
+
+    reads_outputs_from_states = True
+
+    def outputs_from_states(self, model: PreTrainedModel, rule, batch: Mapping[str, torch.Tensor],
+                            hidden: torch.Tensor) -> torch.Tensor:
+        """The model's own forward with its blocks replaced by one that hands ``hidden`` on: the final norm, the
+        head and any logit soft-capping run as the model runs them (the blocks may be on ``meta``)."""
+        blocks = model.base_model.layers
+        kept = blocks._modules
+        blocks._modules = {"0": _HandsOn(hidden)}
+        try:
+            return rule.outputs(model, batch)
+        finally:
+            blocks._modules = kept
 
     def forward_from_target(self, layer: nn.Module, residual: torch.Tensor, target_input: torch.Tensor,
                             context: BlockContext) -> torch.Tensor:

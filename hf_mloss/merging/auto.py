@@ -46,17 +46,20 @@ def choose_and_merge(config: MergeConfig, inputs: RunInputs, merger: TensorMerge
 
 
 def _search(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model: Any, *, progress: bool,
-            token: Any) -> tuple[dict[str, Any], list[dict[str, Any]], int, MLossReport]:
+            token: Any) -> tuple[dict[str, Any], list[dict[str, Any]], int, MLossReport | None]:
     from tqdm.auto import tqdm
 
     from ..methods import get_method
     from ..methods.auto import _settings, all_tied, candidate_grids, get_method_defaults, thinned
     from ..spec.selection import SelectionOptions
-    from .selection import CandidateBuilder, CandidateEvaluator, held_out_inputs, warn_grid_edge
+    from .selection import held_out_inputs, warn_grid_edge
+    from .streamed_search import streamed_candidates
 
     params = merger.ctx.params
-    tower = inputs.adapter.tower(model)
-    grids = _runnable(candidate_grids(params.candidates, params.budget), inputs, default=params.candidates is None)
+    default = params.candidates is None
+    grids = _runnable(candidate_grids(params.candidates, params.budget), inputs, default=default)
+    if merger.output is not None:  # the model is walked block by block (hf_mloss.merging.streamed_search)
+        grids = streamed_candidates(grids)
     defaults = {name: get_method_defaults(name) for name in grids}
     grids = thinned(grids, params.budget, defaults)
     options = SelectionOptions(criterion=params.criterion, grid={"candidate": list(grids)},
@@ -65,9 +68,9 @@ def _search(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model:
     fitted = {name for name in grids if get_method(name).needs_data}
     compare, fit = (held_out_inputs(config, inputs, params.compare_samples, "auto") if fitted and params.held_out
                     else (inputs, inputs))
-    builder = CandidateBuilder(config, fit, copy.deepcopy(tower), merger.names)
-    evaluator = CandidateEvaluator(config, compare, options, builder.tower, progress=progress, token=token,
-                                   heads_key="heads")
+    scorer = (_StreamedScorer(config, inputs, options, merger, progress=progress, token=token)
+              if merger.output is not None else
+              _HeldScorer(config, inputs, compare, fit, options, merger, model, progress=progress, token=token))
     total = sum(len(_settings(grid)) for grid in grids.values())
     bar = tqdm(total=total, desc=f"auto ({params.criterion})", unit="candidate", disable=not progress)
     scored: list[dict[str, Any]] = []
@@ -76,11 +79,7 @@ def _search(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model:
         for name, grid in grids.items():
             method = get_method(name)
             for fixed, lams in _lam_groups(method, grid, defaults[name]):
-                tau = _direction(builder, config, name, fixed)
-                for lam in lams:
-                    if lam is not None:  # θ₀ + λ·τ; a method without λ holds its own merge already
-                        builder.write(tau, lam)
-                    values = evaluator.evaluate(builder.tower)
+                for lam, values in scorer.score(name, fixed, lams):
                     setting = {**fixed, **({"lam": lam} if lam is not None else {})}
                     if not all(math.isfinite(v) for v in values.values()):
                         raise InvalidParameterError(
@@ -88,17 +87,12 @@ def _search(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model:
                             "Nothing was chosen or written; remove it from the candidates.")
                     scored.append({"method": name, "setting": setting, **values})
                     if best is None or values[params.criterion] < best[0]:
-                        held = tau if lam is not None else {n: builder.state[n].clone() for n in builder.names}
-                        best = (values[params.criterion], name, setting, held, lam, fixed)
+                        scorer.hold(lam)
+                        best = (values[params.criterion], name, setting, lam, fixed)
                     bar.update(1)
     finally:
         bar.close()
-    _, name, setting, held, lam, fixed = best
-    if name in fitted and fit is not inputs:  # fitted on part of the data to be compared fairly: now on all of it
-        builder.inputs = inputs
-        held = _direction(builder, config, name, fixed)
-        if lam is None:
-            held = {n: builder.state[n].clone() for n in builder.names}
+    _, name, setting, lam, fixed = best
     values = [c[params.criterion] for c in scored]
     if all_tied(values):
         import warnings
@@ -108,12 +102,78 @@ def _search(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model:
                       "was kept.", UserWarning, stacklevel=3)
     else:
         warn_grid_edge(grids[name], setting, params.criterion, method=name)
-    for into in (None, merger.targets):  # the scratch copy (for its M-Loss), then the model
-        _write(builder, held, lam, into)
-    report = evaluator.mloss_report(builder.tower, models=[r.name for r in inputs.refs])
-    merger.done.update(merger.names)
+    report = scorer.write(name, fixed, lam, refit=name in fitted and fit is not inputs)
     fitted_on = len(fit.model_inputs) if fit is not inputs else None
-    return {"method": name, "parameters": setting}, scored, (len(evaluator.sample), fitted_on), report
+    return {"method": name, "parameters": setting}, scored, (len(scorer.evaluator.sample), fitted_on), report
+
+
+class _HeldScorer:
+    """The candidates merged into a scratch copy of the model, the experts' outputs held
+    (:class:`~.selection.CandidateBuilder`, :class:`~.selection.CandidateEvaluator`)."""
+
+    def __init__(self, config: MergeConfig, inputs: RunInputs, compare: RunInputs, fit: RunInputs, options: Any,
+                 merger: TensorMerger, model: Any, *, progress: bool, token: Any) -> None:
+        from .selection import CandidateBuilder, CandidateEvaluator
+
+        self.config, self.inputs, self.merger = config, inputs, merger
+        self.builder = CandidateBuilder(config, fit, copy.deepcopy(inputs.adapter.tower(model)), merger.names)
+        self.evaluator = CandidateEvaluator(config, compare, options, self.builder.tower, progress=progress,
+                                            token=token, heads_key="heads")
+
+    def score(self, name: str, fixed: Mapping[str, Any], lams: list[Any]) -> Any:
+        """``(λ, criteria)`` of every λ of one setting, its merge held by the scratch copy while it is scored."""
+        self.tau = _direction(self.builder, self.config, name, fixed)
+        for lam in lams:
+            if lam is not None:  # θ₀ + λ·τ; a method without λ holds its own merge already
+                self.builder.write(self.tau, lam)
+            yield lam, self.evaluator.evaluate(self.builder.tower)
+
+    def hold(self, lam: float | None) -> None:
+        """Keep the candidate being scored (the best so far)."""
+        builder = self.builder
+        self.held = self.tau if lam is not None else {n: builder.state[n].clone() for n in builder.names}
+
+    def write(self, name: str, fixed: Mapping[str, Any], lam: float | None, *, refit: bool) -> MLossReport:
+        builder, held = self.builder, self.held
+        if refit:  # fitted on part of the data to be compared fairly: now on all of it
+            builder.inputs = self.inputs
+            held = _direction(builder, self.config, name, fixed)
+            if lam is None:
+                held = {n: builder.state[n].clone() for n in builder.names}
+        for into in (None, self.merger.targets):  # the scratch copy (for its M-Loss), then the model
+            _write(builder, held, lam, into)
+        report = self.evaluator.mloss_report(builder.tower, models=[r.name for r in self.inputs.refs])
+        self.merger.done.update(self.merger.names)
+        return report
+
+
+class _StreamedScorer:
+    """The candidates merged and compared block by block (:mod:`.streamed_search`), nothing held between them."""
+
+    def __init__(self, config: MergeConfig, inputs: RunInputs, options: Any, merger: TensorMerger, *,
+                 progress: bool, token: Any) -> None:
+        from .streamed_search import StreamedEvaluator, StreamedForward
+
+        self.config, self.inputs, self.merger = config, inputs, merger
+        self.forward = StreamedForward(inputs, merger.output.model, merger.names)
+        self.evaluator = StreamedEvaluator(config, inputs, options, self.forward, progress=progress, token=token,
+                                           heads_key="heads")
+
+    def score(self, name: str, fixed: Mapping[str, Any], lams: list[Any]) -> Any:
+        from .streamed_search import CandidateWeights
+
+        weights = CandidateWeights(self.forward, self.config, name, fixed, lams, self.merger.workers)
+        yield from self.evaluator.candidate(weights)
+
+    def hold(self, lam: float | None) -> None:
+        """Nothing to keep: the chosen candidate is merged again when it is written."""
+
+    def write(self, name: str, fixed: Mapping[str, Any], lam: float | None, *, refit: bool) -> None:
+        from .streamed_search import NOT_MEASURED, write_streamed
+
+        write_streamed(self.config, self.inputs, self.merger, name, fixed, lam)
+        self.inputs.notes.append(NOT_MEASURED)
+        return None
 
 
 def _direction(builder: Any, config: MergeConfig, name: str, fixed: Mapping[str, Any]) -> dict[str, Any]:
@@ -197,6 +257,13 @@ def _merge_chosen(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, 
     if method.scales_with_lam(parameters) and "why" not in chosen:  # as the search wrote it: θ₀ + λ·τ at λ = 1
         from .selection import CandidateBuilder
 
+        if merger.output is not None:  # block by block, as the streamed search writes it
+            from .streamed_search import write_streamed
+
+            write_streamed(config, inputs, merger, method.name, {k: v for k, v in parameters.items() if k != "lam"},
+                           parameters["lam"])
+            return None
+
         fixed = {k: v for k, v in parameters.items() if k != "lam"}
         builder = CandidateBuilder(chosen_config.replace(parameters=fixed), inputs,
                                    copy.deepcopy(inputs.adapter.tower(model)), merger.names)
@@ -206,7 +273,7 @@ def _merge_chosen(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, 
     weights = resolve_weights(chosen_config, method.default_weight)  # that method's own default weighting
     ctx = MergeContext(params=chosen_config.method_params(), weights=weights.to(inputs.device, torch.float32),
                        seed=config.seed)
-    inner = TensorMerger(inputs, method, ctx, model, merger.workers)
+    inner = TensorMerger(inputs, method, ctx, model, merger.workers, output=merger.output)
     inner.names = list(merger.names)
     report = merge_by_method(chosen_config, inputs, inner, model, method, progress=progress)
     merger.done.update(inner.done)

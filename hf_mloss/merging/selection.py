@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -119,7 +119,8 @@ class CandidateEvaluator:
         self.activation, _ = resolve_activation(self.adapter, config.scoring_options().activation)
         layers = config.scoring_options().layers
         self.scored = sorted(set(range(self.adapter.num_layers) if layers is None else layers))
-        self.changed = [layer for layer in self.scored if self._target_changed(layer)]
+        self.changed = [layer for layer in self.scored if self._target_changed(layer)] \
+            if "mloss" in options.criteria else []  # only the M-Loss criterion reads it
         self.heads = [as_head(h, i, heads_key) for i, h in enumerate(options.heads)] if options.heads else None
         self.rule = self.adapter.output_rule(tower)
         check_output_rule(self.rule, options, self.adapter)
@@ -298,21 +299,15 @@ class CandidateEvaluator:
         so only the compared outputs are kept (a causal LM's are samples × tokens × vocabulary)."""
         import torch
 
-        from ..engine.compatibility import load_weights_into
-
         sources, rule = self.inputs.sources, self.rule
         samples, owner = self.sample, None
         if self.options.share == "given":  # one set per model, read once by loading/ (select.shares)
             samples, owner = self.inputs.share_inputs, self.inputs.share_owner
-        state = {self.adapter.canonical_key(k): v for k, v in tower.state_dict().items()}
-        names = [n for n in self.inputs.names if n in state]
         batches = model_batches(samples, self.batch_size, self.device)
         bounds = batch_bounds(batches)
 
-        def run(store: Any, rows: Any = None) -> Iterator[Any]:  # batch by batch: one batch of outputs besides the
-            load_weights_into(state, [store], [1.0], names)  # kept ones (``rows``: only the batches holding them)
-            for batch, (lo, hi) in zip(batches, bounds):
-                yield rule.outputs(tower, batch) if rows is None or bool(rows[lo:hi].any()) else None
+        def run(store: Any, rows: Any = None) -> Iterator[Any]:
+            return self.store_outputs(tower, store, batches, rows)
 
         if self.sample_owner is not None:  # each model's own data: compared with that model; the shared pool routed
             owner = self.sample_owner.clone()  # among the models without data of their own
@@ -353,13 +348,28 @@ class CandidateEvaluator:
                     if column[0] is None:
                         column[0] = torch.zeros_like(out)
                     column[0][rows] = out[rows]
-        load_weights_into(state, [self.inputs.base], [1.0], names)
+        self.store_outputs(tower, self.inputs.base, [])  # the tower holds the base again
         return batches, owner, columns
 
+    def store_outputs(self, tower: Any, store: Any, batches: Sequence[Any], rows: Any = None) -> Iterator[Any]:
+        """Batch by batch, the outputs of ``store``'s model (its weights loaded into ``tower``): one batch of outputs
+        at a time besides those kept; ``rows`` (bool per sample): only the batches holding one of them, ``None``
+        for the others."""
+        from ..engine.compatibility import load_weights_into
+
+        state = {self.adapter.canonical_key(k): v for k, v in tower.state_dict().items()}
+        load_weights_into(state, [store], [1.0], [n for n in self.inputs.names if n in state])
+        return (self.rule.outputs(tower, batch) if rows is None or bool(rows[lo:hi].any()) else None
+                for batch, (lo, hi) in zip(batches, batch_bounds(batches)))
+
     def _output_criteria(self, tower: Any) -> dict[str, float]:
-        """``output`` and ``entropy`` of the candidate held by ``tower`` (see the module docstring): Σ numerators /
-        Σ denominators over every (sample, compared expert) pair (an image or pooled text: 1 each; a causal LM:
-        its real positions)."""
+        """The output criteria of the candidate held by ``tower``."""
+        return self.output_criteria(self.rule.outputs(tower, batch) for batch in self.compared)
+
+    def output_criteria(self, outputs: Iterable[Any]) -> dict[str, float]:
+        """``output``, ``entropy`` and ``disagreement`` of a candidate from its outputs on the compared batches,
+        in order (see the module docstring): Σ numerators / Σ denominators over every (sample, compared expert)
+        pair (an image or pooled text: 1 each; a causal LM: its real positions)."""
         import torch
 
         sums = {name: [0.0, 0.0] for name in OUTPUT_CRITERIA}
@@ -370,8 +380,7 @@ class CandidateEvaluator:
 
         batches = self.compared
         bounds = batch_bounds(batches)
-        for batch, column, (lo, hi) in zip(batches, self.columns, bounds):
-            merged = self.rule.outputs(tower, batch)
+        for batch, column, (lo, hi), merged in zip(batches, self.columns, bounds, outputs, strict=True):
             for c, reference in enumerate(column):
                 experts = torch.full((hi - lo,), c) if self.owner is None else self.owner[lo:hi]
                 if self.heads is None:

@@ -46,6 +46,10 @@ def plan_streamed_output(config: MergeConfig, inputs: RunInputs, method: MergeMe
     size = sum(math.prod(shape) for shape in inputs.base.shapes.values()) * torch.finfo(dtype).bits // 8
     if size < STREAMED_MIN_BYTES:
         return None
+    if getattr(method, "chooses_method", False):
+        from .streamed_search import refuse_fitted_candidates
+
+        refuse_fitted_candidates(params)
     model = inputs.output_skeleton(output, dtype)
     if model is None:
         return None
@@ -57,6 +61,8 @@ def _streams(config: MergeConfig, inputs: RunInputs, method: MergeMethod, params
     """Whether the merge's stages reach each block once, in order (data-free merges, M-TIES / M-DARE on the merged
     prefix, RegMean and RegMean++), on a plain model of the generic adapter (no towers, slices or merged vocabulary)."""
     adapter = inputs.adapter
+    if getattr(method, "chooses_method", False) and not (config.select is not None or config.slices is not None):
+        return _auto_streams(config, inputs, params)
     if (config.select is not None or config.slices is not None or getattr(method, "learned", False)
             or getattr(method, "chooses_method", False) or inputs.towers or inputs.vocabulary is not None
             or getattr(adapter, "whole_model", False) or not getattr(adapter, "saves_with_transformers", False)
@@ -65,6 +71,22 @@ def _streams(config: MergeConfig, inputs: RunInputs, method: MergeMethod, params
     if getattr(method, "gram_prefix", None) or not method.needs_data:
         return True
     return method.scoring_options(params).prefix in ("merged", "own", "base")
+
+
+def _auto_streams(config: MergeConfig, inputs: RunInputs, params: Any) -> bool:
+    """``method="auto"``: its recorded choice streams as that method does; without data its fallback as a data-free
+    merge; a search where it compares the candidates block by block (:mod:`.streamed_search`)."""
+    from ..methods import get_method
+    from ..methods.auto import FALLBACK
+    from .streamed_search import searches_streamed
+
+    if inputs.model_inputs is None or not params.chooses:
+        name, parameters = (FALLBACK if inputs.model_inputs is None and params.chooses else
+                            (params.chosen["method"], params.chosen.get("parameters") or {}))
+        chosen = config.replace(method=name, parameters=dict(parameters), select=None)
+        return _streams(chosen, inputs, chosen.merge_method(), chosen.method_params())
+    return searches_streamed(inputs, params) and _streams(config.replace(method=FALLBACK[0], parameters={}),
+                                                          inputs, get_method(FALLBACK[0]), None)
 
 
 class StreamedOutput:
