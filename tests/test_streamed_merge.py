@@ -192,6 +192,20 @@ def test_streamed_auto_scores_and_writes_what_the_in_memory_search_does(decoders
     assert sorted(ta) == sorted(tb) and all(torch.equal(ta[key], tb[key]) for key in ta)
 
 
+def test_streamed_auto_compares_each_model_on_its_own_data(decoders, monkeypatch) -> None:
+    base, models = decoders["llama"]
+    own = [{"model": str(m), "data": _texts(n=3, length=10 + i)} for i, m in enumerate(models)]
+    runs = {}
+    for stream in (False, True):
+        monkeypatch.setattr(streamed, "STREAMED_MIN_BYTES", 0 if stream else 1 << 62)
+        runs[stream] = hf_mloss.merge(str(base), own, "auto", candidates=AUTO_CANDIDATES, batch_size=2,
+                                      progress=False)
+    assert runs[True].spilled is not None
+    expected, got = runs[False].config.parameters["scored"], runs[True].config.parameters["scored"]
+    assert [b["output"] for b in got] == pytest.approx([a["output"] for a in expected], rel=1e-5, abs=1e-9)
+    assert runs[True].config.parameters["chosen"] == runs[False].config.parameters["chosen"]
+
+
 @pytest.mark.parametrize("chosen", [{"method": "task_arithmetic", "parameters": {"lam": 0.7}},
                                     {"method": "tsv_m", "parameters": {"calibrate": "svc", "lam": 1.5}}])
 def test_streamed_auto_rewrites_a_recorded_choice_with_its_bits(decoders, monkeypatch, tmp_path, chosen) -> None:

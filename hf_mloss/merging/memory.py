@@ -26,7 +26,8 @@ __all__ = ["check_held_model_fits", "held_copies", "memory_limit"]
 CGROUP_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 """Where a control group's memory limit is read (cgroup v2, v1)."""
 
-STREAMING = "data-free merges, m_ties, m_dare, regmean and regmean_plusplus"
+STREAMING = ("data-free merges, m_ties, m_dare, regmean, regmean_plusplus, and auto with an output criterion on a "
+             "LLaMA-family decoder")
 """The merges that stream a large plain model block by block (:func:`hf_mloss.merging.streamed.plan_streamed_output`)."""
 
 

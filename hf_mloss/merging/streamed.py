@@ -7,8 +7,10 @@ block's tensors are merged the block is filled from the base (:meth:`StreamedOut
 block opens, the previous one, by then merged and walked, is checked, cast to the output dtype, written into its
 place in the output's safetensors shards (:class:`~hf_mloss.output.spill.SpilledWeights`) and emptied. Every walk of
 the data-guided methods that write into the merge container reaches block l + 1 only after it is done with block l
-(the merged-prefix walk of M-TIES, RegMean++'s), so they run on it unchanged; a method whose walk needs the whole
-merged model (``method="auto"``'s candidates, label-free selection, learned merges) keeps the in-memory container.
+(the merged-prefix walk of M-TIES, RegMean++'s), so they run on it unchanged. ``method="auto"`` with an output
+criterion on a LLaMA-family decoder compares its candidates block by block on this container
+(:mod:`.streamed_search`); label-free selection and learned merges, whose walks need the whole merged model, keep the
+in-memory container.
 
 Memory: the tensors outside the blocks, one block in the working dtype, and what the method holds for one tensor
 (the q sources' copies) or one block (the walk), whatever the depth.
