@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 import hf_mloss
+import hf_mloss.merging.memory as memory
 import hf_mloss.merging.streamed as streamed
 from examples.tiny import save_with_finetunes, tiny_decoder
 from hf_mloss.errors import InvalidParameterError
@@ -47,9 +48,14 @@ def decoders(tmp_path_factory) -> dict[str, tuple[Path, list[Path]]]:
     }
 
 
-def _merge(decoder, method: str, *, stream: bool, monkeypatch, **params) -> hf_mloss.MergeResult:
+def _merge(decoder, method: str, *, stream: bool, monkeypatch, fits: bool | None = None,
+           **params) -> hf_mloss.MergeResult:
+    """``stream``: the size threshold at 0; ``fits`` (default: not ``stream``): whether a held model and its copies
+    fit the machine (auto's search is compared block by block only where they do not)."""
     base, models = decoder
     monkeypatch.setattr(streamed, "STREAMED_MIN_BYTES", 0 if stream else 1 << 62)
+    monkeypatch.setattr(memory, "memory_limit", (lambda device: None) if (not stream if fits is None else fits)
+                        else (lambda device: 1))
     data = dict(data=_texts(), batch_size=2) if method in DATA_METHODS else {}
     return hf_mloss.merge(str(base), [str(m) for m in models], method, progress=False, **data, **params)
 
@@ -164,9 +170,9 @@ AUTO_CANDIDATES = {"ties": {"lam": [0.5, 1.0]}, "task_arithmetic": {"lam": [0.3,
 """λ grids rescaled from one merge, a calibrated merge merged per λ, and a method without a λ grid."""
 
 
-def _auto(decoder, *, stream: bool, monkeypatch, **params) -> hf_mloss.MergeResult:
+def _auto(decoder, *, stream: bool, monkeypatch, fits: bool | None = None, **params) -> hf_mloss.MergeResult:
     params = {"candidates": AUTO_CANDIDATES, "data": _texts(), "batch_size": 2, **params}
-    return _merge(decoder, "auto", stream=stream, monkeypatch=monkeypatch, **params)
+    return _merge(decoder, "auto", stream=stream, fits=fits, monkeypatch=monkeypatch, **params)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -198,6 +204,7 @@ def test_streamed_auto_compares_each_model_on_its_own_data(decoders, monkeypatch
     runs = {}
     for stream in (False, True):
         monkeypatch.setattr(streamed, "STREAMED_MIN_BYTES", 0 if stream else 1 << 62)
+        monkeypatch.setattr(memory, "memory_limit", (lambda device: 1) if stream else (lambda device: None))
         runs[stream] = hf_mloss.merge(str(base), own, "auto", candidates=AUTO_CANDIDATES, batch_size=2,
                                       progress=False)
     assert runs[True].spilled is not None
@@ -228,19 +235,43 @@ def test_streamed_auto_without_data_streams_its_fallback(decoders, monkeypatch, 
 
 
 def test_streamed_auto_leaves_out_the_candidates_fitted_on_a_merged_prefix(decoders, monkeypatch, tmp_path) -> None:
-    """RegMean++ fits on a merged prefix a block-by-block search does not hold: left out of the default candidates
-    with a warning, refused by name before the model is read; the M-Loss criterion keeps the in-memory search."""
+    """On a model whose search does not fit, RegMean++ (fitted on the data through forwards a block-by-block search
+    does not make) leaves the default candidates with a warning and is refused by name before the model is read;
+    the M-Loss criterion, which needs the scratch copy, is refused for memory."""
     with pytest.warns(UserWarning, match="regmean_plusplus left out of the default candidates"):
         result = _merge(decoders["llama"], "auto", stream=True, monkeypatch=monkeypatch, data=_texts(),
                         batch_size=2, budget=6)
     assert result.spilled is not None
     assert {c["method"] for c in result.config.parameters["scored"]} == {"tsv_m", "iso_c", "iso_cts", "ties",
                                                                          "task_arithmetic"}
-    with pytest.raises(InvalidParameterError, match="regmean_plusplus fit on the data through a merged prefix"):
+    with pytest.raises(InvalidParameterError, match="regmean_plusplus fit on the data, through forwards a search "
+                                                    "compared block by block does not make"):
         _auto(decoders["llama"], stream=True, monkeypatch=monkeypatch, candidates=["ties", "regmean_plusplus"])
-    result = _auto(decoders["llama"], stream=True, monkeypatch=monkeypatch, criterion="mloss",
-                   candidates=["ties", "task_arithmetic"])
+    with pytest.raises(InvalidParameterError, match="Not enough memory: method='auto' compares each candidate on a "
+                                                    "scratch copy"):  # the M-Loss criterion needs the copy
+        _auto(decoders["llama"], stream=True, monkeypatch=monkeypatch, criterion="mloss")
+
+
+def test_auto_keeps_the_in_memory_search_where_it_fits(decoders, monkeypatch) -> None:
+    """Above the streaming size, a search whose scratch copies fit the machine keeps them: its fitted candidates
+    and its M-Loss report stay."""
+    result = _merge(decoders["llama"], "auto", stream=True, fits=True, monkeypatch=monkeypatch, data=_texts(),
+                    batch_size=2, candidates={"ties": {"lam": [1.0]}, "regmean_plusplus": {"lam": [1.0]}})
     assert result.spilled is None and result.model is not None
+    assert {c["method"] for c in result.config.parameters["scored"]} == {"ties", "regmean_plusplus"}
+    assert result.report.layer  # measured on the scratch copy
+
+
+def test_a_recorded_choice_fitted_on_the_data_is_refitted_in_memory(decoders, monkeypatch, tmp_path) -> None:
+    """A recorded RegMean++ choice is fitted again as the search fitted it (its merged prefix), not written by the
+    streamed output's data-free rule."""
+    recorded = {"candidates": {"regmean_plusplus": {"lam": [1.5]}},
+                "chosen": {"method": "regmean_plusplus", "parameters": {"lam": 1.5}}}
+    whole = _auto(decoders["llama"], stream=False, monkeypatch=monkeypatch, **recorded)
+    again = _auto(decoders["llama"], stream=True, fits=True, monkeypatch=monkeypatch, **recorded)
+    assert again.spilled is None
+    ta, tb = _tensors(whole.save_pretrained(tmp_path / "a")), _tensors(again.save_pretrained(tmp_path / "b"))
+    assert sorted(ta) == sorted(tb) and all(torch.equal(ta[key], tb[key]) for key in ta)
 
 
 # ------------------------------------------------------------------------------------------------------------ memory

@@ -80,9 +80,10 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
             inputs, model, slice_plan = apply_slices(config, inputs, working_dtype(config, inputs, needs_data=False))
         else:
             output = inputs.scoring_output() if scored_part_only else "auto" if adapter_plan else config.output
-            # auto in float32 also when it re-runs a recorded choice: θ₀ + λ·τ as its search formed it
+            # a recorded auto choice written as θ₀ + λ·τ: in float32, as its search formed it
             dtype = working_dtype(config, inputs,
-                                  needs_data=needs_data or getattr(method, "chooses_method", False))
+                                  needs_data=needs_data or bool(getattr(method, "writes_scaled", None)
+                                                                and method.writes_scaled(params)))
             streamed = None if scored_part_only or adapter_plan is not None else plan_streamed_output(
                 config, inputs, method, params, dtype=dtype, out_dtype=output_dtype(config, inputs), output=output)
             if streamed is None:  # the whole model is held: refused here if it cannot fit

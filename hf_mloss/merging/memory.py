@@ -21,13 +21,13 @@ from ..errors import InvalidParameterError
 if TYPE_CHECKING:
     from ..loading.inputs import RunInputs
 
-__all__ = ["check_held_model_fits", "held_copies", "memory_limit"]
+__all__ = ["check_held_model_fits", "held_copies", "held_model_fits", "memory_limit"]
 
 CGROUP_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 """Where a control group's memory limit is read (cgroup v2, v1)."""
 
-STREAMING = ("data-free merges, m_ties, m_dare, regmean, regmean_plusplus, and auto with an output criterion on a "
-             "LLaMA-family decoder")
+STREAMING = ("data-free merges, m_ties, m_dare, regmean, regmean_plusplus, and auto with data, an output criterion "
+             "and no heads on a LLaMA-family decoder")
 """The merges that stream a large plain model block by block (:func:`hf_mloss.merging.streamed.plan_streamed_output`)."""
 
 
@@ -42,19 +42,27 @@ def held_copies(config: Any, method: Any) -> tuple[int, str]:
     return 0, "this merge holds the whole merged model"
 
 
-def check_held_model_fits(inputs: RunInputs, dtype: torch.dtype, extra_copies: int, why: str) -> None:
-    """Refuse, before anything is loaded, a merge whose held model (and ``extra_copies`` of its merged tensors) in
-    ``dtype`` needs more than the run's device has."""
-    limit = memory_limit(inputs.device)
-    if limit is None:
-        return
+def held_model_fits(inputs: RunInputs, dtype: torch.dtype, extra_copies: int) -> bool:
+    """Whether the held model and ``extra_copies`` of its merged tensors in ``dtype`` fit the run's device (true
+    where its memory is not known)."""
+    need, limit = _held_bytes(inputs, dtype, extra_copies), memory_limit(inputs.device)
+    return limit is None or need <= limit
+
+
+def _held_bytes(inputs: RunInputs, dtype: torch.dtype, extra_copies: int) -> int:
     size = dtype.itemsize
     shapes = inputs.base.shapes
     model = sum(math.prod(shape) for shape in shapes.values()) * size
     merged = sum(math.prod(shapes[name]) for name in inputs.names if name in shapes) * size
-    need = model + extra_copies * merged
-    if need <= limit:
+    return model + extra_copies * merged
+
+
+def check_held_model_fits(inputs: RunInputs, dtype: torch.dtype, extra_copies: int, why: str) -> None:
+    """Refuse, before anything is loaded, a merge whose held model (and ``extra_copies`` of its merged tensors) in
+    ``dtype`` needs more than the run's device has."""
+    if held_model_fits(inputs, dtype, extra_copies):
         return
+    need, limit = _held_bytes(inputs, dtype, extra_copies), memory_limit(inputs.device)
     where = "this machine's RAM and swap" if torch.device(inputs.device).type == "cpu" else \
         f"{inputs.device}'s memory"
     copies = f" and {extra_copies} more of its merged tensors" if extra_copies else ""

@@ -7,10 +7,10 @@ block's tensors are merged the block is filled from the base (:meth:`StreamedOut
 block opens, the previous one, by then merged and walked, is checked, cast to the output dtype, written into its
 place in the output's safetensors shards (:class:`~hf_mloss.output.spill.SpilledWeights`) and emptied. Every walk of
 the data-guided methods that write into the merge container reaches block l + 1 only after it is done with block l
-(the merged-prefix walk of M-TIES, RegMean++'s), so they run on it unchanged. ``method="auto"`` with an output
-criterion on a LLaMA-family decoder compares its candidates block by block on this container
-(:mod:`.streamed_search`); label-free selection and learned merges, whose walks need the whole merged model, keep the
-in-memory container.
+(the merged-prefix walk of M-TIES, RegMean++'s), so they run on it unchanged. ``method="auto"`` with data, an
+output criterion and no heads on a LLaMA-family decoder compares its candidates block by block on this container
+where the model and the search's two scratch copies would not fit (:mod:`.streamed_search`); label-free selection
+and learned merges, whose walks need the whole merged model, keep the in-memory container.
 
 Memory: the tensors outside the blocks, one block in the working dtype, and what the method holds for one tensor
 (the q sources' copies) or one block (the walk), whatever the depth.
@@ -48,15 +48,23 @@ def plan_streamed_output(config: MergeConfig, inputs: RunInputs, method: MergeMe
     size = sum(math.prod(shape) for shape in inputs.base.shapes.values()) * torch.finfo(dtype).bits // 8
     if size < STREAMED_MIN_BYTES:
         return None
-    if getattr(method, "chooses_method", False):
-        from .streamed_search import refuse_fitted_candidates
+    searches = getattr(method, "chooses_method", False) and params.chooses and inputs.model_inputs is not None
+    if searches:  # auto's search holds the model and two copies where they fit; block by block where they do not
+        from .memory import held_copies, held_model_fits
 
-        refuse_fitted_candidates(params)
+        if held_model_fits(inputs, dtype, held_copies(config, method)[0]):
+            return None
     model = inputs.output_skeleton(output, dtype)
     if model is None:
         return None
     streamed = StreamedOutput(inputs, model, out_dtype)
-    return streamed if streamed.plan_matches_base() else None
+    if not streamed.plan_matches_base():
+        return None
+    if searches:
+        from .streamed_search import refuse_fitted_candidates
+
+        refuse_fitted_candidates(params)
+    return streamed
 
 
 def _streams(config: MergeConfig, inputs: RunInputs, method: MergeMethod, params: Any) -> bool:
@@ -76,8 +84,9 @@ def _streams(config: MergeConfig, inputs: RunInputs, method: MergeMethod, params
 
 
 def _auto_streams(config: MergeConfig, inputs: RunInputs, params: Any) -> bool:
-    """``method="auto"``: its recorded choice streams as that method does; without data its fallback as a data-free
-    merge; a search where it compares the candidates block by block (:mod:`.streamed_search`)."""
+    """``method="auto"``: a recorded data-free choice, and the fallback without data, stream as that merge does (a
+    recorded choice fitted on the data is re-fitted as the in-memory search fitted it, so it does not); a search
+    where it can compare the candidates block by block (:mod:`.streamed_search`)."""
     from ..methods import get_method
     from ..methods.auto import FALLBACK
     from .streamed_search import searches_streamed
@@ -86,7 +95,8 @@ def _auto_streams(config: MergeConfig, inputs: RunInputs, params: Any) -> bool:
         name, parameters = (FALLBACK if inputs.model_inputs is None and params.chooses else
                             (params.chosen["method"], params.chosen.get("parameters") or {}))
         chosen = config.replace(method=name, parameters=dict(parameters), select=None)
-        return _streams(chosen, inputs, chosen.merge_method(), chosen.method_params())
+        method = chosen.merge_method()
+        return not method.needs_data and _streams(chosen, inputs, method, chosen.method_params())
     return searches_streamed(inputs, params) and _streams(config.replace(method=FALLBACK[0], parameters={}),
                                                           inputs, get_method(FALLBACK[0]), None)
 

@@ -11,15 +11,18 @@ the scoring walk (:func:`hf_mloss.engine.walk.shared_walk`):
   through θ₀ + λ·τ (τ = merged − θ₀); the outputs are read from each λ's last states by the model's own final norm
   and head (:meth:`~hf_mloss.adapters.base.ModelAdapter.outputs_from_states`).
 
-The chosen merge is merged once more into the streamed output, block by block, and written as θ₀ + λ·τ by the same
-arithmetic as the in-memory search, so the written tensors are the same bits. The criteria are the output ones
-(``output``, ``disagreement``, ``entropy``), equal to the in-memory search's to float32 round-off (the blocks run
-through the walk, not the model's own loop). Candidates fitted on the data (RegMean++, M-TIES) fit on a merged
-prefix this search does not hold: they leave the default candidates with a warning and are refused when named. The
-chosen merge's M-Loss is not measured here (``hf_mloss.score`` measures it).
+It runs where the in-memory search's model and two scratch copies would not fit the device
+(:func:`~hf_mloss.merging.streamed.plan_streamed_output`). The chosen merge is merged once more into the streamed
+output, block by block, and written as θ₀ + λ·τ by the same arithmetic as the in-memory search: given the same
+choice, the written tensors are the same bits. The criteria are the output ones (``output``, ``disagreement``,
+``entropy``), equal to the in-memory search's to float32 round-off (the blocks run through the walk, not the model's
+own loop), so a near-tie may go the other way. Candidates fitted on the data (RegMean's Grams, RegMean++'s and
+M-TIES's merged prefix) need forwards this search does not make: they leave the default candidates with a warning
+and are refused when named. The chosen merge's M-Loss is not measured here (``hf_mloss.score`` measures it).
 
-Memory: the tensors outside the blocks (the base's and one setting's τ of them), one block with its τ, the q
-sources' copies of one tensor, and the hidden states of every λ on the compared batches; not the depth.
+Memory: the tensors outside the blocks (the base's and one setting's τ of them), one block with its base values and
+its τ, the q sources' copies of one tensor (a TIES trim of the embeddings holds them whole), and the hidden states of
+every λ on the compared batches; not the depth.
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..adapters import EMBEDDING_STAGE
 from ..errors import InvalidParameterError
 from .selection import OUTPUT_CRITERIA, CandidateEvaluator, batch_bounds
 
@@ -39,8 +41,8 @@ if TYPE_CHECKING:
     from ..spec.config import MergeConfig
     from .merger import TensorMerger
 
-NOT_MEASURED = ("The candidates were compared block by block (the model is too large to hold with a scratch copy), "
-                "so the chosen merge's M-Loss was not measured; hf_mloss.score measures it.")
+NOT_MEASURED = ("The candidates were compared block by block (the model does not fit with the search's scratch "
+                "copies), so the chosen merge's M-Loss was not measured; hf_mloss.score measures it.")
 """Said on the card of a streamed search."""
 
 
@@ -52,7 +54,7 @@ def searches_streamed(inputs: RunInputs, params: Any) -> bool:
 
 
 def fitted_candidates(grids: Mapping[str, Any]) -> list[str]:
-    """The candidates fitted on the data (through a merged prefix a block-by-block search does not hold)."""
+    """The candidates fitted on the data (through forwards a block-by-block search does not make)."""
     from ..methods import get_method
 
     return [name for name in grids if get_method(name).needs_data]
@@ -67,9 +69,9 @@ def refuse_fitted_candidates(params: Any) -> None:
     fitted = fitted_candidates(candidate_grids(params.candidates, params.budget))
     if fitted:
         raise InvalidParameterError(
-            f"candidates: {', '.join(fitted)} fit on the data through a merged prefix, which a model this large "
-            "does not hold beside the search's candidates (they are compared block by block). Remove them from "
-            "the candidates, or run them as a merge of their own (they stream).")
+            f"candidates: {', '.join(fitted)} fit on the data, through forwards a search compared block by block "
+            "does not make (the model and the search's scratch copies do not fit this device). Remove them from the "
+            "candidates, or run them as a merge of their own (they stream).")
 
 
 def streamed_candidates(grids: Mapping[str, Mapping[str, list[Any]]]) -> dict[str, Any]:
@@ -80,7 +82,8 @@ def streamed_candidates(grids: Mapping[str, Mapping[str, list[Any]]]) -> dict[st
     fitted = fitted_candidates(grids)
     if fitted:
         warnings.warn(f"auto: {', '.join(fitted)} left out of the default candidates: the model is compared block "
-                      "by block, and they fit on a merged prefix it does not hold.", UserWarning, stacklevel=4)
+                      "by block (it does not fit this device with the search's scratch copies), and they fit on the "
+                      "data through forwards that search does not make.", UserWarning, stacklevel=4)
     return {name: grid for name, grid in grids.items() if name not in fitted}
 
 
@@ -261,22 +264,20 @@ class StreamedEvaluator(CandidateEvaluator):
         super().__init__(config, inputs, options, forward.tower, **kwargs)
 
     def store_outputs(self, tower: Any, store: Any, batches: Sequence[Any], rows: Any = None) -> Iterator[Any]:
+        """The outputs of ``store``'s model on the batches holding one of ``rows`` (all of them computed before
+        returning, the container's tensors outside the blocks restored), ``None`` for the others."""
         walked = [i for i, (lo, hi) in enumerate(batch_bounds(batches)) if rows is None or bool(rows[lo:hi].any())]
-        if not walked:
-            return iter([None] * len(batches))
-        weights = StoreWeights(self.forward, store)
-        chosen = [batches[i] for i in walked]
-        states = self.forward.walk(weights, chosen)[0]
-        outputs = self.forward.outputs(self.rule, weights, 0, chosen, states)
-        return self._placed(outputs, walked, len(batches))
-
-    def _placed(self, outputs: Iterator[Any], walked: Sequence[int], total: int) -> Iterator[Any]:
-        at = set(walked)
-        try:
-            for i in range(total):
-                yield next(outputs) if i in at else None
-        finally:
-            self.forward.restore()
+        outputs: list[Any] = [None] * len(batches)
+        if walked:
+            weights = StoreWeights(self.forward, store)
+            chosen = [batches[i] for i in walked]
+            states = self.forward.walk(weights, chosen)[0]
+            try:
+                for i, out in zip(walked, self.forward.outputs(self.rule, weights, 0, chosen, states)):
+                    outputs[i] = out
+            finally:
+                self.forward.restore()
+        return iter(outputs)
 
     def candidate(self, weights: CandidateWeights) -> Iterator[tuple[float | None, dict[str, float]]]:
         """``(λ, criteria)`` of every λ of one candidate setting, from one block-by-block merge of it."""
@@ -309,6 +310,6 @@ def write_streamed(config: MergeConfig, inputs: RunInputs, merger: TensorMerger,
         with torch.no_grad():
             for n in base:
                 torch.add(base[n], inner.targets[n] - base[n], alpha=lam, out=inner.targets[n])
+        inner.checked.difference_update(base)  # found finite at λ = 1: θ₀ + λ·τ is checked when it is written
     merger.done.update(inner.done)
-    if lam is None:
-        merger.checked.update(inner.checked)
+    merger.checked.update(inner.checked)

@@ -239,6 +239,14 @@ class Auto(MergeMethod):
 
         return params.chooses or get_method(params.chosen["method"]).needs_data
 
+    def writes_scaled(self, params: MethodParams) -> bool:
+        """Whether a run writes a recorded choice as θ₀ + λ·τ (τ merged at λ = 1), as its search wrote it."""
+        from .registry import get_method
+
+        chosen = params.chosen
+        return (not params.chooses and "why" not in chosen
+                and get_method(chosen["method"]).scales_with_lam(dict(chosen.get("parameters") or {})))
+
     def merge_tensor(self, name: str, base: Any, sources: list[Any], ctx: MergeContext) -> Any:
         raise InvalidParameterError("auto merges through the method it chose (hf_mloss.merging.auto).")
 
