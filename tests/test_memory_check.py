@@ -64,7 +64,7 @@ def test_a_search_or_a_learned_merge_that_cannot_hold_its_copies_is_refused_befo
     assert message.startswith(f"Not enough memory: {why}")
     assert f"(the model in float32 and {copies} more of its merged tensors)" in message
     assert f"more than this machine's RAM and swap ({one_model_fits / 1e9:.1f} GB)" in message
-    assert "Nothing was loaded or written" in message and "m_ties, m_dare, regmean and regmean_plusplus" in message
+    assert "Nothing was loaded or written" in message and "m_ties, m_dare, regmean, regmean_plusplus" in message
 
 
 def test_the_figure_is_the_model_plus_the_searchs_copies(tiny_paths, image_folder, monkeypatch):

@@ -68,7 +68,8 @@ from ..errors import InvalidParameterError
 from ..loading.heads import as_head, check_heads
 from ..spec.selection import grid_edges
 from ..loading.model_inputs import SHARED, spread_owned, spread_sample  # noqa: F401 (spread_sample: read from here)
-from ..spec.selection import (
+from ..spec.selection import (  # noqa: F401 (OUTPUT_CRITERIA: read from here too)
+    OUTPUT_CRITERIA,
     SelectionOptions,
 )
 from .stages import unchanged_blocks
@@ -83,8 +84,6 @@ if TYPE_CHECKING:
 
 
 # ----------------------------------------------------------------------------------------------- criteria
-OUTPUT_CRITERIA = {"output", "entropy", "disagreement"}
-"""The criteria read from the candidate's outputs on the compared samples."""
 
 
 def check_output_rule(rule: Any, options: SelectionOptions, adapter: Any) -> None:

@@ -61,8 +61,6 @@ def plan_streamed_output(config: MergeConfig, inputs: RunInputs, method: MergeMe
     if not streamed.plan_matches_base():
         return None
     if searches:
-        from .streamed_search import refuse_fitted_candidates
-
         refuse_fitted_candidates(params)
     return streamed
 
@@ -89,7 +87,6 @@ def _auto_streams(config: MergeConfig, inputs: RunInputs, params: Any) -> bool:
     where it can compare the candidates block by block (:mod:`.streamed_search`)."""
     from ..methods import get_method
     from ..methods.auto import FALLBACK
-    from .streamed_search import searches_streamed
 
     if inputs.model_inputs is None or not params.chooses:
         name, parameters = (FALLBACK if inputs.model_inputs is None and params.chooses else
@@ -99,6 +96,37 @@ def _auto_streams(config: MergeConfig, inputs: RunInputs, params: Any) -> bool:
         return not method.needs_data and _streams(chosen, inputs, method, chosen.method_params())
     return searches_streamed(inputs, params) and _streams(config.replace(method=FALLBACK[0], parameters={}),
                                                           inputs, get_method(FALLBACK[0]), None)
+
+
+def searches_streamed(inputs: RunInputs, params: Any) -> bool:
+    """Whether ``auto`` with ``params`` can compare its candidates block by block (:mod:`.streamed_search`): with
+    data, an output criterion, no heads, on a family whose outputs are read from its last block's states."""
+    from ..spec.selection import OUTPUT_CRITERIA
+
+    return (params.criterion in OUTPUT_CRITERIA and inputs.model_inputs is not None
+            and not params.heads and getattr(inputs.adapter, "reads_outputs_from_states", False))
+
+
+def fitted_candidates(grids: Any) -> list[str]:
+    """The candidates fitted on the data (through forwards a block-by-block search does not make)."""
+    from ..methods import get_method
+
+    return [name for name in grids if get_method(name).needs_data]
+
+
+def refuse_fitted_candidates(params: Any) -> None:
+    """Refuse named candidates a block-by-block search cannot merge, once the search is known to stream."""
+    from ..errors import InvalidParameterError
+    from ..methods.auto import candidate_grids
+
+    if params.candidates is None or not params.chooses:
+        return
+    fitted = fitted_candidates(candidate_grids(params.candidates, params.budget))
+    if fitted:
+        raise InvalidParameterError(
+            f"candidates: {', '.join(fitted)} fit on the data, through forwards a search compared block by block "
+            "does not make (the model and the search's scratch copies do not fit this device). Remove them from the "
+            "candidates, or run them as a merge of their own (they stream).")
 
 
 class StreamedOutput:

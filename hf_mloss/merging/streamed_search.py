@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import InvalidParameterError
-from .selection import OUTPUT_CRITERIA, CandidateEvaluator, batch_bounds
+from .selection import CandidateEvaluator, batch_bounds
+from .streamed import fitted_candidates
 
 if TYPE_CHECKING:
     from ..loading.inputs import RunInputs
@@ -46,37 +46,10 @@ NOT_MEASURED = ("The candidates were compared block by block (the model does not
 """Said on the card of a streamed search."""
 
 
-def searches_streamed(inputs: RunInputs, params: Any) -> bool:
-    """Whether ``auto`` with ``params`` can compare its candidates block by block: with data, an output criterion,
-    and a family whose outputs are read from its last block's states."""
-    return (params.criterion in OUTPUT_CRITERIA and inputs.model_inputs is not None
-            and not params.heads and getattr(inputs.adapter, "reads_outputs_from_states", False))
-
-
-def fitted_candidates(grids: Mapping[str, Any]) -> list[str]:
-    """The candidates fitted on the data (through forwards a block-by-block search does not make)."""
-    from ..methods import get_method
-
-    return [name for name in grids if get_method(name).needs_data]
-
-
-def refuse_fitted_candidates(params: Any) -> None:
-    """Refuse, before the model is read, named candidates a block-by-block search cannot merge."""
-    from ..methods.auto import candidate_grids
-
-    if params.candidates is None or not params.chooses:
-        return
-    fitted = fitted_candidates(candidate_grids(params.candidates, params.budget))
-    if fitted:
-        raise InvalidParameterError(
-            f"candidates: {', '.join(fitted)} fit on the data, through forwards a search compared block by block "
-            "does not make (the model and the search's scratch copies do not fit this device). Remove them from the "
-            "candidates, or run them as a merge of their own (they stream).")
-
-
 def streamed_candidates(grids: Mapping[str, Mapping[str, list[Any]]]) -> dict[str, Any]:
     """The candidates a block-by-block search merges: the data-free ones (the default candidates fitted on the
-    data are left out, with a warning; named ones were refused by :func:`refuse_fitted_candidates`)."""
+    data are left out, with a warning; named ones were refused by
+    :func:`~.streamed.refuse_fitted_candidates`)."""
     import warnings
 
     fitted = fitted_candidates(grids)

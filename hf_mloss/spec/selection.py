@@ -18,6 +18,8 @@ from ..errors import InvalidParameterError
 from ..loading.heads import as_head
 
 CRITERIA = ("mloss", "output", "entropy", "disagreement")
+OUTPUT_CRITERIA = frozenset({"output", "entropy", "disagreement"})
+"""The criteria read from a candidate's outputs on the compared samples."""
 SHARES = ("auto", "all", "given")
 MODES = ("unlabeled",)
 DEFAULT_SELECT_SAMPLES = 32
