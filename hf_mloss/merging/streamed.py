@@ -119,7 +119,7 @@ def refuse_fitted_candidates(params: Any) -> None:
     from ..errors import InvalidParameterError
     from ..methods.auto import candidate_grids
 
-    if params.candidates is None or not params.chooses:
+    if params.candidates is None:
         return
     fitted = fitted_candidates(candidate_grids(params.candidates, params.budget))
     if fitted:

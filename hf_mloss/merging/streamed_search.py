@@ -217,7 +217,7 @@ class CandidateWeights:
         self.tau.update(self._directions(names, self.block_base))
 
     def fill(self, layer: int, v: int) -> None:
-        if self.count > 1 or self.lams != [None]:
+        if self.lams != [None]:  # else the block holds the merge as it is since open()
             self._write(self.block_names, self.block_base, v, self.merger.targets)
 
     def close(self, layer: int) -> None:
