@@ -425,7 +425,7 @@ def test_a_feature_one_process_never_reaches_is_solved_from_the_others_share(mon
     parts = [regression([s]) for s in shares]
     monkeypatch.setattr(gram, "reduce_sums", lambda *tensors: [t.clone() for t in tensors])
     parts[1].reduce_across_processes()
-    other = [parts[1].gram_sums["fc"], parts[1].targets["fc"], torch.tensor([6.0], dtype=torch.float64)]
+    other = [parts[1].gram_sums["fc"].matrix(), parts[1].targets["fc"], torch.tensor([6.0], dtype=torch.float64)]
     monkeypatch.setattr(gram, "reduce_sums", lambda *tensors: [t + o for t, o in zip(tensors, other)])
     parts[0].reduce_across_processes()
     assert len(parts[0].unreached["fc"][0]) == 2 and parts[0].positions == {"fc": 12}
@@ -434,3 +434,120 @@ def test_a_feature_one_process_never_reaches_is_solved_from_the_others_share(mon
     average = sum(a * m["fc"].weight.detach().double() for a, m in zip(alpha, linears))
     torch.testing.assert_close(got[:, 0], average[:, 0], rtol=0, atol=1e-12)
     assert not torch.allclose(got[:, 1], average[:, 1])
+
+
+# ------------------------------------------------------------------------------- few positions: Grams as rows
+@pytest.mark.parametrize("ratio", [0.0, 0.5, 0.95, 1 - 1e-4])
+@pytest.mark.parametrize("mean", [False, True])
+def test_grams_held_as_rows_solve_as_their_matrices_do(ratio, mean):
+    """Woodbury's solve from the rows (m = 15 positions, 48 input features) equals the matrix's Cholesky solve, for
+    pooled sums and for per-model means, down to r = 1 − 1e-4 (the route's limit)."""
+    from hf_mloss.engine import gram
+
+    generator = torch.Generator().manual_seed(3)
+    linears = [{"fc": torch.nn.Linear(48, 5)} for _ in range(2)]
+    inputs = [torch.randn(n, 48, generator=generator, dtype=torch.float64) for n in (6, 9)]
+
+    def solved(row_limit: float) -> tuple[torch.Tensor, bool]:
+        regression = gram.BlockRegression(ratio, mean=mean)
+        for x, layer, a in zip(inputs, linears, (0.7, 0.3)):
+            held = gram.InputGram(48, row_limit=row_limit, dtype=torch.float64, device="cpu")
+            held.add(x[:4])
+            held.add(x[4:])
+            regression.fold({"fc": held}, layer, a, {"fc": len(x)})
+        regression.reduce_across_processes()
+        factored = regression.gram_sums["fc"].factored
+        return regression.solve()["fc"], factored
+
+    rows, factored = solved(float("inf"))
+    matrix, dense = solved(0)
+    assert factored and not dense
+    torch.testing.assert_close(rows, matrix, rtol=1e-9, atol=1e-12)
+
+
+def test_processes_holding_rows_reduce_their_matrices(monkeypatch):
+    """Data-parallel: each process's rows are turned into its Gram sum before the reduction (rows do not add up),
+    and the reduced system solves as one process holding every row."""
+    from hf_mloss.engine import gram
+
+    generator = torch.Generator().manual_seed(5)
+    linears = [{"fc": torch.nn.Linear(40, 3)} for _ in range(2)]
+    shares = [torch.randn(7, 40, generator=generator, dtype=torch.float64) for _ in range(2)]
+
+    def regression(parts) -> gram.BlockRegression:
+        out = gram.BlockRegression(0.9)
+        for layer, a in zip(linears, (0.6, 0.4)):
+            held = gram.InputGram(40, row_limit=float("inf"), dtype=torch.float64, device="cpu")
+            for part in parts:
+                held.add(part)
+            out.fold({"fc": held}, layer, a, {"fc": sum(len(p) for p in parts)})
+        return out
+
+    single = regression(shares)
+    assert single.gram_sums["fc"].factored
+    expected = single.solve()["fc"]
+    first, second = regression(shares[:1]), regression(shares[1:])
+    monkeypatch.setattr(gram, "several_processes", lambda: True)
+    monkeypatch.setattr(gram, "reduce_sums", lambda *tensors: [t.clone() for t in tensors])
+    second.reduce_across_processes()
+    other = [second.gram_sums["fc"].matrix(), second.targets["fc"], torch.tensor([7.0], dtype=torch.float64)]
+    monkeypatch.setattr(gram, "reduce_sums", lambda *tensors: [t + o for t, o in zip(tensors, other)])
+    first.reduce_across_processes()
+    assert not first.gram_sums["fc"].factored and first.positions == {"fc": 14}
+    torch.testing.assert_close(first.solve()["fc"], expected, rtol=1e-10, atol=1e-12)
+
+
+def test_a_gram_past_its_row_limit_becomes_its_matrix():
+    from hf_mloss.engine import gram
+
+    x = torch.randn(16, 12, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    held = gram.InputGram(12, row_limit=10, dtype=torch.float64, device="cpu")
+    held.add(x[:8])
+    assert held.factored and held.count == 8
+    torch.testing.assert_close(held.diagonal(), (x[:8] ** 2).sum(0))
+    held.add(x[8:])
+    assert not held.factored
+    torch.testing.assert_close(held.matrix(), x.T @ x, rtol=1e-12, atol=1e-12)
+
+
+@pytest.fixture(scope="module", params=[64, 128])
+def wide_decoder(request, tmp_path_factory):
+    """A decoder whose layers have more input features than the texts have tokens: 128 wide, every Gram is held as
+    rows; 64 wide, the attention and MLP inputs become matrices partway (18 tokens past 16 rows) and the down
+    projection's stay rows."""
+    hidden = request.param
+    base = testing.tiny_decoder("llama", hidden_size=hidden, intermediate_size=2 * hidden, seed=1)
+    return testing.save_with_finetunes(base, tmp_path_factory.mktemp(f"llama{hidden}"), 2,
+                                       tokenizer=testing.word_tokenizer(VOCAB), scale=5e-2)
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["pooled", "own"])
+@pytest.mark.parametrize("method", ["regmean", "regmean_plusplus"])
+def test_grams_held_as_rows_give_the_brute_force_merge(wide_decoder, method, own, monkeypatch):
+    """With fewer tokens than input features the Grams are kept as rows and solved by Woodbury's identity (counted
+    here); the merge equals the brute force's, pooled and with each model's own texts."""
+    from hf_mloss.engine import gram
+
+    built = {"rows": 0}
+    original = gram._RowSolver.__init__
+
+    def counted(self, *args, **kwargs):
+        built["rows"] += 1
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(gram._RowSolver, "__init__", counted)
+    base, models = wide_decoder
+    loaded = [AutoModelForCausalLM.from_pretrained(m).eval() for m in models]
+    plus = method == "regmean_plusplus"
+    if own:
+        split = [SEQUENCES[:3], SEQUENCES[3:]]
+        expected = reference(loaded, [_batch("decoder", sequences=part) for part in split], plusplus=plus)
+        texts = [[" ".join(f"w{i - 4}" for i in seq) for seq in part] for part in split]
+        result = hf_mloss.merge(str(base), [{"model": str(m), "data": t} for m, t in zip(models, texts)], method,
+                                batch_size=2, progress=False)
+    else:
+        expected = reference(loaded, _batch("decoder"), plusplus=plus)
+        result = hf_mloss.merge(str(base), [str(m) for m in models], method, data=TEXTS, batch_size=3,
+                                progress=False)
+    assert built["rows"] > 0
+    assert_matches(result, expected)

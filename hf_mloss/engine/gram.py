@@ -10,6 +10,15 @@ so a block holds one Gram per input of the model being walked plus S and B, what
 W* = (r·S + (1 − r)·diag(S))⁻¹ B, transposed (solved in float64). S and B are sums, so the processes of a
 data-parallel run add theirs up exactly before the solve (:func:`~hf_mloss.engine.kernel.reduce_sums`).
 
+Few positions. A Gram whose input has many more features than counted positions is held as its rows X (scaled
+by √α_p) instead of the ``[in, in]`` matrix (:class:`InputGram`): with n positions per model, G'_p W_pᵀ costs
+O(n·in·out) as r·Xᵀ(X W_pᵀ) + (1 − r)·diag(G_p) W_pᵀ instead of O(in²·out), and the system is solved through
+Woodbury's identity with an m × m factorisation for m = Σ_p n_p rows instead of the in × in one
+(:class:`_RowSolver`). The walks keep rows while q·n ≤ in/2, where that takes at most half the matrix route's
+multiply-adds for q ≥ 2 (a Llama-2-7B block, q = 2, 8 × 64 tokens per model: about 1.7 TFLOP instead of 7.7); the
+solution is the same up to float64 round-off. Data-parallel runs turn rows into matrices before their sums are
+reduced.
+
 Where the system is singular the data leaves part of W* undetermined. An input feature that is 0 at every counted
 position (a dead unit; S's row and column 0) gets the weighted average's column, as every tensor the data does not
 reach does. Any other rank deficiency (fewer positions than input features, or inputs that span few directions) only
@@ -40,18 +49,23 @@ import torch
 from torch import nn
 
 from ..adapters import EMBEDDING_STAGE
-from .kernel import reduce_sums
+from .kernel import reduce_sums, several_processes
 from .walk import BatchState, BlockArena, WalkSetup, _own_embeddings, embed_batches, is_streamed, load_block, \
     release_block
 
-__all__ = ["BlockRegression", "Deficiency", "GramRecorder", "RANK_TOLERANCE", "block_linears", "gram_dtypes",
-           "merged_gram_walk", "own_gram_walk"]
+__all__ = ["BlockRegression", "Deficiency", "GramRecorder", "InputGram", "RANK_TOLERANCE", "ROW_SOLVE_MIN_DIAGONAL",
+           "block_linears", "gram_dtypes", "merged_gram_walk", "own_gram_walk"]
 
 RANK_TOLERANCE = 1e-6
 """A Gram is numerically rank-deficient when some input feature's part that the features before it do not explain
 holds less than this share of its square sum (a Cholesky pivot over its diagonal entry). Every share is at least
 1 − r, so only r ≈ 1 comes near it; an exactly singular Gram's smallest share is round-off (about 1e-13 with a
 CPU's float64 products), or its factorisation fails (as it mostly does with an accelerator's float32 ones)."""
+
+
+ROW_SOLVE_MIN_DIAGONAL = 1e-4
+"""The smallest 1 − r for which a Gram held as rows is solved through Woodbury's identity (its m × m system's
+condition grows as 1/(1 − r)); closer to r = 1 the rows are turned into the matrix and solved as any other."""
 
 
 def block_linears(block: nn.Module) -> dict[str, nn.Module]:
@@ -79,17 +93,86 @@ def gram_dtypes(device: torch.device | str) -> tuple[torch.dtype, torch.dtype]:
     return torch.float32, torch.float32 if kind == "mps" else torch.float64
 
 
+class InputGram:
+    """Σ_i w_i X_iᵀX_i of one linear input (``features`` wide), held as its scaled rows √w_i·X_i while there are at
+    most ``row_limit`` of them, and as the ``[features, features]`` matrix from then on (``row_limit = 0``: the
+    matrix from the start). Rows are kept in the product dtype, the matrix in the sum dtype (:func:`gram_dtypes`)."""
+
+    def __init__(self, features: int, *, row_limit: float, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.features, self.row_limit, self.dtype, self.device = features, row_limit, dtype, torch.device(device)
+        self.count = 0
+        """The rows held (while :attr:`factored`)."""
+        self._rows: list[torch.Tensor] = []
+        self._diagonal = torch.zeros(features, dtype=dtype, device=device)
+        self._matrix = None if row_limit > 0 else torch.zeros(features, features, dtype=dtype, device=device)
+
+    @property
+    def factored(self) -> bool:
+        """Whether it is still held as rows."""
+        return self._matrix is None
+
+    def add(self, rows: torch.Tensor, weight: float = 1.0) -> None:
+        """Add w·XᵀX for ``rows`` X (``[n, features]``, in the product dtype)."""
+        if self.factored and weight >= 0 and self.count + rows.shape[0] <= self.row_limit:
+            rows = rows.clone() if weight == 1.0 else rows * weight ** 0.5  # never a view of a hidden state
+            self._rows.append(rows)
+            self._diagonal += rows.to(self.dtype).square().sum(0)
+            self.count += rows.shape[0]
+            return
+        self.densify().add_(rows.T @ rows, alpha=weight)
+
+    def add_gram(self, other: InputGram | torch.Tensor, weight: float) -> None:
+        """Add w·G for another Gram G (its rows where both are held as rows)."""
+        if isinstance(other, InputGram) and other.factored and self.factored and weight >= 0:
+            for rows in other._rows:
+                self.add(rows, weight)
+            return
+        self.densify().add_(other.matrix() if isinstance(other, InputGram) else other, alpha=weight)
+
+    def rows(self) -> torch.Tensor:
+        """The rows Z (``[count, features]``; only while :attr:`factored`), with ZᵀZ the Gram."""
+        if not self._rows:
+            return torch.zeros(0, self.features, dtype=self.dtype, device=self.device)
+        return torch.cat(self._rows) if len(self._rows) > 1 else self._rows[0]
+
+    def matrix(self) -> torch.Tensor:
+        """The Gram as a matrix (formed from the rows while :attr:`factored`, which it stays)."""
+        if self._matrix is not None:
+            return self._matrix
+        out = torch.zeros(self.features, self.features, dtype=self.dtype, device=self.device)
+        for rows in self._rows:
+            out += rows.T @ rows
+        return out
+
+    def diagonal(self) -> torch.Tensor:
+        """The Gram's diagonal, ``[features]`` in the sum dtype."""
+        return self._diagonal if self._matrix is None else self._matrix.diagonal()
+
+    def replace(self, matrix: torch.Tensor) -> None:
+        """Hold ``matrix`` instead (the sum over the processes of a data-parallel run)."""
+        self._matrix, self._rows, self.count = matrix, [], 0
+
+    def densify(self) -> torch.Tensor:
+        """Hold the Gram as its matrix from now on; returns it."""
+        if self._matrix is None:
+            self._matrix, self._rows, self.count = self.matrix(), [], 0
+        return self._matrix
+
+
 class GramRecorder:
     """Sums XᵀX of the inputs of ``block``'s linear layers while it runs (forward pre-hooks), counting only the
     positions of :attr:`mask` (``[batch, seq]`` bool; ``None``: every position). Linears fed the same tensor in one
-    forward share one Gram (computed once). Dtypes: :func:`gram_dtypes`."""
+    forward share one Gram (computed once). Dtypes: :func:`gram_dtypes`. ``row_share``: an input's Gram is held as
+    its rows while they number at most this share of its features (:class:`InputGram`; 0: as matrices)."""
 
-    def __init__(self, block: nn.Module, linears: Sequence[str], device: torch.device | str = "cpu") -> None:
-        self.grams: dict[str, torch.Tensor] = {}
-        """Linear path → Σ XᵀX (linears that shared their input hold the same tensor)."""
+    def __init__(self, block: nn.Module, linears: Sequence[str], device: torch.device | str = "cpu", *,
+                 row_share: float = 0.0) -> None:
+        self.grams: dict[str, InputGram] = {}
+        """Linear path → Σ XᵀX (linears that shared their input hold the same one)."""
         self.positions: dict[str, int] = {}
         """Linear path → the number of positions its Gram counts."""
         self.product_dtype, self.sum_dtype = gram_dtypes(device)
+        self.row_share = row_share
         self.mask: torch.Tensor | None = None
         self._last: tuple[torch.Tensor, str] | None = None
         self._handles = [block.get_submodule(path).register_forward_pre_hook(self._hook(path)) for path in linears]
@@ -106,10 +189,11 @@ class GramRecorder:
                 rows = rows[self.mask.reshape(-1)]
             self.positions[path] = self.positions.get(path, 0) + rows.shape[0]
             rows = rows.to(self.product_dtype)
-            gram = rows.T @ rows
             if path not in self.grams:
-                self.grams[path] = torch.zeros(gram.shape, dtype=self.sum_dtype, device=gram.device)
-            self.grams[path] += gram
+                features = rows.shape[1]
+                self.grams[path] = InputGram(features, row_limit=int(self.row_share * features),
+                                             dtype=self.sum_dtype, device=rows.device)
+            self.grams[path].add(rows)
             self._last = (x, path)
 
         return record
@@ -161,26 +245,28 @@ class BlockRegression:
         """The Grams :meth:`solve` found singular, in block order."""
 
     @torch.no_grad()
-    def fold(self, grams: dict[str, torch.Tensor], linears: dict[str, nn.Linear], alpha: float,
+    def fold(self, grams: dict[str, InputGram | torch.Tensor], linears: dict[str, nn.Linear], alpha: float,
              positions: dict[str, int]) -> None:
-        """Add one model's Grams, with that model's linear weights ``linears``, at weight ``alpha`` (``positions``:
-        the positions each Gram counts, :attr:`GramRecorder.positions`; with :attr:`mean`, every process's)."""
-        sums_of: dict[int, torch.Tensor] = {}
+        """Add one model's Grams (:attr:`GramRecorder.grams`, or matrices), with that model's linear weights
+        ``linears``, at weight ``alpha`` (``positions``: the positions each Gram counts,
+        :attr:`GramRecorder.positions`; with :attr:`mean`, every process's)."""
+        sums_of: dict[int, InputGram] = {}
         self.transposed |= {path for path in grams if not isinstance(linears[path], nn.Linear)}
         for path, gram in grams.items():
             key = id(gram)
             weight_of = alpha / max(positions[path], 1) if self.mean else alpha  # G_p / n_p: mean over positions
             if key not in sums_of:
                 if path not in self.gram_sums:
-                    sums_of[key] = self.gram_sums[path] = torch.zeros_like(gram)
+                    rows = isinstance(gram, InputGram) and gram.factored  # S stays rows while every G_p is
+                    sums_of[key] = self.gram_sums[path] = InputGram(
+                        gram.shape[0] if isinstance(gram, torch.Tensor) else gram.features,
+                        row_limit=float("inf") if rows else 0, dtype=gram.dtype, device=gram.device)
                 else:
                     sums_of[key] = self.gram_sums[path]
-                sums_of[key].add_(gram, alpha=weight_of)
+                sums_of[key].add_gram(gram, weight_of)
             self.gram_sums.setdefault(path, sums_of[key])
-            dtype = gram_dtypes(gram.device)[0]  # float64 on a CPU: the sums of two processes add up to one's
-            reduced = self._reduced(gram).to(dtype)
             weight = _weight(linears[path]).detach()
-            product = (reduced @ weight.to(dtype).T).to(gram.dtype)
+            product = self._product(gram, weight)
             if path not in self.targets:
                 self.targets[path] = torch.zeros_like(product)
             self.targets[path].add_(product, alpha=weight_of)
@@ -190,7 +276,20 @@ class BlockRegression:
                 self.positions[path] = max(self.positions.get(path, 0), positions[path])
             self._fold_unreached(path, sums_of[key], weight, alpha)
 
-    def _fold_unreached(self, path: str, gram_sum: torch.Tensor, weight: torch.Tensor, alpha: float) -> None:
+    def _product(self, gram: InputGram | torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """G'_p W_pᵀ (``[in, out]``, in the Gram's sum dtype; products in :func:`gram_dtypes`' product dtype, so
+        on a CPU the sums of two processes add up to one's): r·Xᵀ(X W_pᵀ) + (1 − r)·diag(G_p) W_pᵀ from the rows
+        X where the Gram is held as rows."""
+        dtype = gram_dtypes(gram.device)[0]
+        weight = weight.to(dtype).T
+        if isinstance(gram, InputGram) and gram.factored:
+            rows = gram.rows()
+            out = (rows.T @ (rows @ weight)).to(gram.dtype).mul_(self.ratio)
+            return out.addcmul_(gram.diagonal()[:, None], weight.to(gram.dtype), value=1.0 - self.ratio)
+        matrix = gram.matrix() if isinstance(gram, InputGram) else gram
+        return (self._reduced(matrix).to(dtype) @ weight).to(matrix.dtype)
+
+    def _fold_unreached(self, path: str, gram_sum: InputGram, weight: torch.Tensor, alpha: float) -> None:
         """Keep Σ_p α_p W_p's columns for the input features no model folded so far reached (usually none: a few
         rows, not a second B). A feature reached once stays reached, so the set only shrinks."""
         if path in self.unreached:
@@ -214,13 +313,17 @@ class BlockRegression:
         the data). The unreached features' average rows need none: every process holds the same weights, and a
         feature unreached over all the data is unreached in every share."""
         unique = list({id(s): s for s in self.gram_sums.values()}.values())
+        if several_processes():  # the processes' rows do not add up: their matrices do
+            for gram_sum in unique:
+                gram_sum.densify()
+        dense = [gram_sum for gram_sum in unique if not gram_sum.factored]
         paths = list(self.targets)
         counts = [torch.tensor([float(self.positions.get(p, 0)) for p in paths], dtype=unique[0].dtype,
                                device=unique[0].device)] if unique and not self.mean else []  # mean: summed already
-        reduced = reduce_sums(*unique, *(self.targets[p] for p in paths), *counts)
-        swap = {id(old): new for old, new in zip(unique, reduced[: len(unique)])}
-        self.gram_sums = {path: swap[id(s)] for path, s in self.gram_sums.items()}
-        self.targets = dict(zip(paths, reduced[len(unique): len(unique) + len(paths)]))
+        reduced = reduce_sums(*(gram_sum.matrix() for gram_sum in dense), *(self.targets[p] for p in paths), *counts)
+        for gram_sum, summed in zip(dense, reduced):
+            gram_sum.replace(summed)
+        self.targets = dict(zip(paths, reduced[len(dense): len(dense) + len(paths)]))
         if counts:
             self.positions = {p: int(round(float(n))) for p, n in zip(paths, reduced[-1].tolist())}
 
@@ -230,12 +333,12 @@ class BlockRegression:
         W* = ((r·S + (1 − r)·diag(S))⁻¹ B)ᵀ (in the sums' dtype); an input feature no position reaches gets the
         weighted average's column. The Grams found singular join :attr:`deficient`."""
         out: dict[str, torch.Tensor] = {}
-        solvers: dict[int, _Solver] = {}
+        solvers: dict[int, _Solver | _RowSolver] = {}
         readers: dict[int, list[str]] = {}
         for path, target in self.targets.items():
             gram = self.gram_sums[path]
             if id(gram) not in solvers:
-                solvers[id(gram)] = _Solver(self._reduced(gram))
+                solvers[id(gram)] = self._solver(gram)
             solver = solvers[id(gram)]
             readers.setdefault(id(gram), []).append(path)
             if len(solver.unreached):  # B's rows there are 0: the average's, which the decoupled rows then equal
@@ -253,6 +356,37 @@ class BlockRegression:
                 self.deficient.append(Deficiency(tuple(paths), positions, solver.factor_size,
                                                  len(solver.unreached), solver.singular))
         return out
+
+    def _solver(self, gram_sum: InputGram) -> _Solver | _RowSolver:
+        """Woodbury's solve for S held as rows where every feature is reached and r is not near 1; else the
+        matrix's Cholesky solve."""
+        if gram_sum.factored and 1.0 - self.ratio >= ROW_SOLVE_MIN_DIAGONAL and bool((gram_sum.diagonal() > 0).all()):
+            return _RowSolver(gram_sum.rows(), gram_sum.diagonal(), self.ratio)
+        return _Solver(self._reduced(gram_sum.matrix()))
+
+
+class _RowSolver:
+    """Solves (r·ZᵀZ + D) X = B for S = ZᵀZ given as its m rows Z and D = (1 − r)·diag(S) > 0, by Woodbury's
+    identity: X = Y − r·D⁻¹Zᵀ (I + r·Z D⁻¹ Zᵀ)⁻¹ Z Y with Y = D⁻¹B, one m × m Cholesky factor (the system is
+    positive definite, its eigenvalues at least 1). Every feature is reached and every pivot share is at least
+    1 − r, so none is :attr:`singular`."""
+
+    def __init__(self, rows: torch.Tensor, diagonal: torch.Tensor, ratio: float) -> None:
+        self.unreached = torch.zeros(0, dtype=torch.long, device=diagonal.device)
+        self.factor_size = diagonal.shape[0]
+        self.singular = False
+        self.ratio = ratio
+        self.inverse = 1.0 / ((1.0 - ratio) * diagonal)
+        self.rows = rows.to(diagonal.dtype)
+        self.scaled = self.rows * self.inverse  # Z D⁻¹
+        system = self.scaled @ self.rows.T
+        system.mul_(ratio).diagonal().add_(1.0)
+        self.factor = torch.linalg.cholesky(system)
+
+    def __call__(self, target: torch.Tensor) -> torch.Tensor:
+        first = target * self.inverse[:, None]
+        inner = torch.cholesky_solve(self.rows @ first, self.factor)
+        return first.sub_(self.scaled.T @ inner, alpha=self.ratio)
 
 
 class _Solver:
@@ -292,9 +426,10 @@ class _Solver:
 
 
 @contextlib.contextmanager
-def _recording(block: nn.Module) -> Iterator[tuple[GramRecorder, dict[str, nn.Linear]]]:
+def _recording(block: nn.Module, models: int) -> Iterator[tuple[GramRecorder, dict[str, nn.Linear]]]:
+    """Record one of ``models`` models' Grams of ``block``: as rows while q·n ≤ in/2 (see the module docstring)."""
     linears = block_linears(block)
-    recorder = GramRecorder(block, list(linears), next(block.parameters()).device)
+    recorder = GramRecorder(block, list(linears), next(block.parameters()).device, row_share=0.5 / models)
     try:
         yield recorder, linears
     finally:
@@ -381,7 +516,7 @@ def own_gram_walk(setup: WalkSetup, alpha: Sequence[float], ratio: float, start:
         regression = BlockRegression(ratio, mean=mean)
         for p, (store, arena) in enumerate(zip(setup.sources, arenas)):
             block = _source_block(setup, blocks, layer, store, arena)
-            with _recording(block) as (recorder, linears):
+            with _recording(block, len(setup.sources)) as (recorder, linears):
                 for b, state in enumerate(states[p]):
                     recorder.next_batch(state.context.mask)
                     hidden = _run_block(setup, block, state)
@@ -422,7 +557,7 @@ def merged_gram_walk(setup: WalkSetup, alpha: Sequence[float], ratio: float, sta
         regression = BlockRegression(ratio, mean=mean)
         for p, (store, arena) in enumerate(zip(setup.sources, arenas)):
             block = _source_block(setup, blocks, layer, store, arena)
-            with _recording(block) as (recorder, linears):
+            with _recording(block, len(setup.sources)) as (recorder, linears):
                 for state in states[group_of[p]]:
                     recorder.next_batch(state.context.mask)
                     _run_block(setup, block, state)

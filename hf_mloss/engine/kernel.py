@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 __all__ = ["GapSums", "StackedTarget", "block_shape", "gap_block", "inplace_activation", "node_gap", "reduce_sums",
-           "unit_gap"]
+           "several_processes", "unit_gap"]
 
 BLOCK_ELEMENTS = 1 << 21
 """Pre-activation values per block of positions on a CPU when ``h`` is given whole (8 MB of float32; measured on
@@ -141,13 +141,19 @@ def gap_block(h: torch.Tensor, mix: torch.Tensor, scale: float, f: Callable, *, 
     return ensemble.neg_().add_(mu), mu
 
 
+def several_processes() -> bool:
+    """Whether this process is one of several of a data-parallel run (accelerate's state, however launched)."""
+    from accelerate import PartialState
+
+    return PartialState().num_processes > 1
+
+
 def reduce_sums(*tensors: torch.Tensor) -> list[torch.Tensor]:
     """The element-wise sum of ``tensors`` over every process of the run (accelerate), as new tensors of the same
     shapes; the tensors themselves in a single process. One collective for all of them."""
-    from accelerate import PartialState
     from accelerate.utils import reduce
 
-    if PartialState().num_processes <= 1:
+    if not several_processes():
         return list(tensors)
     packed = reduce(torch.cat([t.flatten() for t in tensors]), reduction="sum")
     out, start = [], 0
