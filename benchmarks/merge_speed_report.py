@@ -445,7 +445,8 @@ def header_lines(p: dict) -> list[str]:
 
 
 DATA_RUNS = (*(n for n in MEASURE_RUNS if n not in ("read", "svd_floor", "wudi_floor", "svc_floor")), "m_ties",
-             "m_ties_bf16", "select_m_ties")
+             "m_ties_bf16", "select_m_ties", "regmean", "regmean_plusplus", "regmean_own", "regmean_plusplus_own",
+             "auto", "auto2")
 """The runs that read the scoring data (images or token sequences)."""
 
 
