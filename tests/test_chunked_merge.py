@@ -155,6 +155,23 @@ def test_m_ties_merges_tensors_outside_its_node_groups_in_pieces(decoder_sets, m
         assert not any("gate_proj" in n or "up_proj" in n or "down_proj" in n for n in used)  # the node groups
 
 
+@pytest.mark.parametrize("which", ["fp32_untied", "frozen_embedding"])
+@pytest.mark.parametrize("method", ["regmean", "regmean_plusplus"])
+def test_regmean_averages_the_embeddings_in_pieces(decoder_sets, monkeypatch, method, which) -> None:
+    """RegMean averages what no solve reaches (an LLM's embedding and head): a large one in pieces, with the bits
+    of the whole tensor (a frozen one stays the base's exactly); the solved linears are written whole."""
+    run, used = _spied_data_merge(monkeypatch, "_merge_in_chunks", *decoder_sets[which], method, _decoder_data())
+    whole = run(False)
+    assert used == []
+    pieces = run(True)
+    assert [k for k in whole if not torch.equal(_bits(whole[k]), _bits(pieces[k]))] == []
+    assert "model.embed_tokens.weight" in used
+    assert not any(n.endswith("proj.weight") for n in used)
+    if which == "frozen_embedding":
+        base = load_file(decoder_sets[which][0] / "model.safetensors")["model.embed_tokens.weight"]
+        assert torch.equal(_bits(pieces["model.embed_tokens.weight"].to(base.dtype)), _bits(base))
+
+
 def test_mergekit_convention_merges_whole_tensors(decoder_sets, monkeypatch) -> None:
     """mergekit keeps exactly floor(n·k) entries in argsort order, which needs the whole tensor at once."""
     _, used = _merge(decoder_sets["bf16_tied"], monkeypatch, chunked=True, k=0.2, convention="mergekit")

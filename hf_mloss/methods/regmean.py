@@ -81,10 +81,18 @@ class RegMean(MergeMethod):
         solved = ctx.state.get(SOLUTIONS, {}).pop(name, None)
         if solved is not None:
             return solved.to(base)
-        if all(s is sources[0] or torch.equal(s, sources[0]) for s in sources[1:]):
-            return sources[0].clone()  # no model differs from the others here (a frozen part): kept exactly
-        alpha = ctx.weights / ctx.weights.sum()
-        return sum(a * t for a, t in zip(alpha.tolist(), sources))
+        return _average(sources, ctx)
+
+    def chunk_keep_counts(self, numel: int, ctx: MergeContext, name: str | None = None) -> list[int] | None:
+        """A large tensor no solve reached (an LLM's embedding and head) is averaged element-wise, so the driver may
+        merge it in pieces, never holding q float32 copies of it; a solved linear is written whole."""
+        if name is None or name in ctx.state.get(SOLUTIONS, {}):
+            return None
+        return []
+
+    def merge_chunk(self, name: str, base: torch.Tensor, sources: list[torch.Tensor], ctx: MergeContext,
+                    thresholds: list[float]) -> torch.Tensor:
+        return _average(sources, ctx)
 
     def data_free_rule(self, params: MethodParams, *, short: bool = False) -> str:
         return "averaged (data-free)" if short else "the weighted average of the models"
@@ -106,6 +114,20 @@ class RegMeanPlusPlus(RegMean):
                  "Merging, TMLR 2026")
     reference_url = "https://arxiv.org/abs/2508.03121"
     gram_prefix = "merged"
+
+
+def _average(sources: list[torch.Tensor], ctx: MergeContext) -> torch.Tensor:
+    """Σ_p α_p θ_p, where every model holds the same value (a frozen part) that value exactly (the weighted sum
+    may round it): the same bits whole or in pieces."""
+    import torch
+
+    alpha = ctx.weights / ctx.weights.sum()
+    merged = sum(a * t for a, t in zip(alpha.tolist(), sources))
+    same = None
+    for other in sources[1:]:
+        equal = other == sources[0]
+        same = equal if same is None else same.logical_and_(equal)
+    return merged if same is None else torch.where(same, sources[0], merged)
 
 
 register_merge_method(RegMean())
