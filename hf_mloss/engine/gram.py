@@ -506,7 +506,7 @@ def own_gram_walk(setup: WalkSetup, alpha: Sequence[float], ratio: float, start:
         states = [list(shared[group_of[p]]) for p in range(len(setup.sources))]
     else:
         states = _own_embeddings(setup, [groups[g][1] for g in group_of])
-    arenas = [BlockArena() for _ in setup.sources]
+    arena = BlockArena()  # one model's block at a time: each is dropped before the next fills it
     for layer in range(adapter.num_layers):
         if layer < start:
             solved(layer, None)
@@ -514,7 +514,7 @@ def own_gram_walk(setup: WalkSetup, alpha: Sequence[float], ratio: float, start:
                 progress.update(1)
             continue
         regression = BlockRegression(ratio, mean=mean)
-        for p, (store, arena) in enumerate(zip(setup.sources, arenas)):
+        for p, store in enumerate(setup.sources):
             block = _source_block(setup, blocks, layer, store, arena)
             with _recording(block, len(setup.sources)) as (recorder, linears):
                 for b, state in enumerate(states[p]):
@@ -550,12 +550,12 @@ def merged_gram_walk(setup: WalkSetup, alpha: Sequence[float], ratio: float, sta
         solved(layer, None)
         before_stage(layer)
     states = [_prefix_states(setup, max(start, 0), batches) for _, batches in groups]
-    arenas = [BlockArena() for _ in setup.sources]
+    arena = BlockArena()  # one model's block at a time: each is dropped before the next fills it
     if progress is not None and start > 0:
         progress.update(start)
     for layer in range(max(start, 0), adapter.num_layers):
         regression = BlockRegression(ratio, mean=mean)
-        for p, (store, arena) in enumerate(zip(setup.sources, arenas)):
+        for p, store in enumerate(setup.sources):
             block = _source_block(setup, blocks, layer, store, arena)
             with _recording(block, len(setup.sources)) as (recorder, linears):
                 for state in states[group_of[p]]:
