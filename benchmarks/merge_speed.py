@@ -1393,7 +1393,8 @@ def run_checks(plan: Plan, results: dict, repeat: int) -> dict:
     for name in HF_RUNS:  # --reference: the same merge under both trees (a new route must give the same weights)
         twin = f"{name}{REFERENCE_SUFFIX}"
         if _ok(results.get(name)) and _ok(results.get(twin)) and (plan.outs / name).is_dir():
-            spec = dict(name=f"parity.{name}.r{repeat}", kind="parity", a=str(plan.outs / name), b=str(plan.outs / twin))
+            spec = dict(name=f"parity.{name}.r{repeat}", kind="parity", a=str(plan.outs / name),
+                        b=str(plan.outs / twin))
             checks["parity"][f"{name}: this tree vs the reference tree"] = _check(
                 run_child(spec, plan.work, plan.args.timeout))
     if _ok(results.get("score")) and _ok(results.get("score_bf16")):

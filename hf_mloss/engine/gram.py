@@ -133,7 +133,9 @@ class InputGram:
         """The rows Z (``[count, features]``; only while :attr:`factored`), with ZᵀZ the Gram."""
         if not self._rows:
             return torch.zeros(0, self.features, dtype=self.dtype, device=self.device)
-        return torch.cat(self._rows) if len(self._rows) > 1 else self._rows[0]
+        if len(self._rows) > 1:  # joined once: the linears that share this input each read it
+            self._rows = [torch.cat(self._rows)]
+        return self._rows[0]
 
     def matrix(self) -> torch.Tensor:
         """The Gram as a matrix (formed from the rows while :attr:`factored`, which it stays)."""

@@ -76,8 +76,6 @@ class RegMean(MergeMethod):
 
     def merge_tensor(self, name: str, base: torch.Tensor, sources: list[torch.Tensor], ctx: MergeContext
                      ) -> torch.Tensor:
-        import torch
-
         solved = ctx.state.get(SOLUTIONS, {}).pop(name, None)
         if solved is not None:
             return solved.to(base)
