@@ -117,17 +117,22 @@ def active() -> Workers:
 
 def idle_cores(interval: float = 0.05) -> float | None:
     """Cores of this process's CPU set that other processes left idle over ``interval`` seconds (``None`` where
-    ``/proc/stat`` is not available)."""
+    ``/proc/stat`` is not available). This process's own threads (a background hash of the inputs) are not counted
+    as load: the run's workers may take those cores."""
     try:
         cpus = {f"cpu{i}" for i in os.sched_getaffinity(0)}
-        first = _cpu_times(cpus)
+        first, own = _cpu_times(cpus), time.process_time()
         time.sleep(interval)
-        second = _cpu_times(cpus)
+        second, own = _cpu_times(cpus), time.process_time() - own
+        tick = os.sysconf("SC_CLK_TCK")
     except (OSError, AttributeError, ValueError):
         return None
     total = sum(b[0] - a[0] for a, b in zip(first, second))
     idle = sum(b[1] - a[1] for a, b in zip(first, second))
-    return len(cpus) * idle / total if total > 0 else None
+    if total <= 0:
+        return None
+    cores = len(cpus)
+    return min(float(cores), cores * idle / total + own * tick * cores / total)
 
 
 def _cpu_times(cpus: set[str]) -> list[tuple[int, int]]:

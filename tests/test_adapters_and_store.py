@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -81,6 +82,32 @@ def test_read_into_reads_every_tensor_as_get_does(tmp_path, variants, monkeypatc
     strided = torch.zeros(32, 64).t()  # fc1.weight is [64, 32]: a non-contiguous out is filled through staging
     store.read_into("encoder.layers.0.mlp.fc1.weight", strided)
     assert torch.equal(strided, store.get("encoder.layers.0.mlp.fc1.weight"))
+
+
+def test_read_flat_into_reads_any_range_and_counts_each_tensor_once(tmp_path, variants):
+    """``read_flat_into`` gives entries start:stop of the flattened tensor, across row boundaries, in any dtype
+    (straight from the file for the stored dtype, else through staging; a pickle through ``get_rows``); ``bytes_read``
+    counts each tensor's stored bytes once, however often and in however many pieces it is read."""
+    bf16 = save_model(make_base(0).to(torch.bfloat16), tmp_path / "bf16")
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    variants["fts"][1].config.save_pretrained(pickled)
+    torch.save(variants["fts"][1].state_dict(), pickled / "pytorch_model.bin")
+    adapter = adapter_for(variants["base"].config)
+    for folder in (bf16, pickled, variants["sharded"][1]):
+        store = CheckpointStore(resolve_model(folder), adapter)
+        assert store.bytes_read == 0
+        name = "encoder.layers.0.mlp.fc1.weight"  # [64, 32]
+        flat = store.get(name).reshape(-1)
+        for start, stop in ((0, 2048), (5, 37), (31, 33), (2000, 2048)):
+            for dtype in (flat.dtype, torch.float32):
+                out = torch.full((stop - start,), float("nan"), dtype=dtype)
+                assert store.read_flat_into(name, start, out) is out
+                assert torch.equal(out, flat[start:stop].to(dtype)), (folder.name, start, stop, dtype)
+        assert store.bytes_read == flat.numel() * flat.element_size()
+        store.get_rows("encoder.layers.0.mlp.fc2.weight", 0, 1)
+        assert store.bytes_read == (flat.numel() + math.prod(store.shapes["encoder.layers.0.mlp.fc2.weight"])
+                                    ) * flat.element_size()
 
 
 @pytest.mark.parametrize("layout", ["prefixed", "sharded", "clip"])

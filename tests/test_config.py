@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -116,6 +118,84 @@ def test_recorded_config_pins_what_ran(tiny_paths):
     assert isinstance(record.models[0].weight, float)
     assert record.base.fingerprint and record.models[0].fingerprint != record.models[1].fingerprint
     assert result.params["scope"] is None and result.params["k"] == 0.5
+
+
+def test_fingerprints_are_hashed_beside_the_merge_and_equal_the_folders(tiny_paths, monkeypatch):
+    """A run hashes its local inputs on a background thread while it merges (not in a pass before it), and records
+    exactly what fingerprint_folder gives; score() records nothing, so it hashes nothing."""
+    from hf_mloss.loading import hub
+
+    base, models = tiny_paths
+    threads, real = [], hub._FilesHash.__init__
+
+    def spy(self, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(hub._FilesHash, "__init__", spy)
+    hub._FINGERPRINTS.clear()
+    record = hf_mloss.merge(base, models, "task_arithmetic", progress=False).config
+    assert threads == ["hf_mloss_fingerprints"] * 4
+    hub._FINGERPRINTS.clear()
+    assert [m.fingerprint for m in [record.base, *record.models]] == [hub.fingerprint_folder(f)
+                                                                      for f in [base, *models]]
+    threads.clear()
+    hf_mloss.score(base, models, torch.rand(4, 3, 32, 32), progress=False)
+    assert threads == []
+
+
+@pytest.fixture
+def weights_folder(tmp_path, monkeypatch):
+    """A folder of 10 KB of weights hashed in 1 KB chunks, the fingerprint cache empty."""
+    from hf_mloss.loading import hub
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(bytes(range(256)) * 40)
+    monkeypatch.setattr(hub, "_HASH_CHUNK", 1024)
+    hub._FINGERPRINTS.clear()
+    return folder
+
+
+def test_background_fingerprints_keep_pace_with_the_run(weights_folder, monkeypatch):
+    """The hash runs at most ``ahead`` bytes past what the run has read (so the run finds those pages cached), goes on
+    as the run reads, and reading a value lifts the pacing; the values are fingerprint_folder's."""
+    from hf_mloss.loading import hub
+
+    hashed, real = [], hub._FilesHash.step
+    monkeypatch.setattr(hub._FilesHash, "step", lambda self: (hashed.append(n := real(self)), n)[1])
+    read = [0]
+    fingerprints = hub.FolderFingerprints({0: "xxh3-128:known"}, {1: weights_folder, 2: weights_folder},
+                                          progress=lambda: read[0], ahead=3000)
+
+    def hashed_past(limit: int) -> int:  # waits (10 s at most) until the hash is past limit, then a little more
+        deadline = time.monotonic() + 10
+        while sum(hashed) <= limit and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        return sum(hashed)
+
+    assert 3000 < hashed_past(3000) <= 3000 + 2 * 1024  # one chunk of each folder past the limit, then it waits
+    read[0] = 6000
+    assert 9000 < hashed_past(9000) <= 9000 + 2 * 1024
+    hub._FINGERPRINTS.clear()
+    expected = hub.fingerprint_folder(weights_folder)
+    assert dict(fingerprints) == {0: "xxh3-128:known", 1: expected, 2: expected}  # unpaced: it runs to the end
+
+
+def test_background_fingerprints_raise_their_error_and_stop_when_closed(weights_folder, tmp_path):
+    from hf_mloss.loading import hub
+
+    missing = hub.FolderFingerprints({}, {1: tmp_path / "gone"})
+    with pytest.raises(FileNotFoundError):
+        missing[1]
+
+    stopped = hub.FolderFingerprints({}, {1: weights_folder}, progress=lambda: 0, ahead=0)  # waits for the run
+    time.sleep(0.1)
+    stopped.close()
+    with pytest.raises(RuntimeError, match="run has ended"):
+        stopped[1]
 
 
 def test_to_dict_from_dict_and_yaml_round_trip(project, tmp_path):

@@ -91,3 +91,16 @@ def test_thread_count_override_and_restore(monkeypatch):
         parallel.run_threads("cpu")
     monkeypatch.delenv("HF_MLOSS_THREADS")  # unset: the idle cores
     assert 1 <= parallel.run_threads("cpu") <= torch.get_num_threads()
+
+
+def test_idle_cores_do_not_count_this_processs_own_threads(monkeypatch):
+    """Another process's load takes cores from a run; the run's own background thread (hashing its inputs) does not.
+    Two cores over 200 jiffies: 50 idle; this process ran 0.3 s (30 jiffies at 100 per second) of the 150 busy."""
+    times = iter([[(100, 50), (100, 50)], [(200, 100), (200, 50)]])
+    clock = iter([1.0, 1.3])
+    monkeypatch.setattr(parallel.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(parallel, "_cpu_times", lambda cpus: next(times))
+    monkeypatch.setattr(parallel.time, "process_time", lambda: next(clock))
+    monkeypatch.setattr(parallel.time, "sleep", lambda seconds: None)
+    monkeypatch.setattr(parallel.os, "sysconf", lambda name: 100)
+    assert parallel.idle_cores() == pytest.approx(0.5 + 0.3)  # the idle half core, and the 0.3 this process used

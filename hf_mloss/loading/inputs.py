@@ -13,7 +13,7 @@ import contextlib
 import copy
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,7 +22,7 @@ import torch
 
 from ..errors import DataError, IncompatibleCheckpointsError, InvalidParameterError
 from .._logging import quiet_transformers
-from .hub import ModelRef, fingerprint_folder, resolve_model
+from .hub import FolderFingerprints, ModelRef, fingerprint_folder, resolve_model
 from .store import CheckpointStore, ModuleStore, TensorStore
 from .vocab import tokenizer_file_vocab
 
@@ -65,8 +65,9 @@ class RunInputs:
     data_records: dict[tuple[int, str], dict[str, str]] = field(default_factory=dict)
     """What the recipe records of a model's own data, by (model index, ``data`` / ``text_data``): the commit a Hub
     dataset was read at (``revision``), a local folder's or file's content ``fingerprint``."""
-    fingerprints: dict[int, str] = field(default_factory=dict)
-    """Content fingerprint of each local input (index 0 = base)."""
+    fingerprints: Mapping[int, str] = field(default_factory=dict)
+    """Content fingerprint of each local input (index 0 = base); a run that records them hashes them in the
+    background, and reading one waits for it."""
     towers: list[ModelAdapter] = field(default_factory=list)
     """The other towers of a whole two-tower model (a CLIPModel's text tower), as views whose names are the whole
     model's (:func:`hf_mloss.adapters.generic.other_towers`); empty unless the merge is of whole models."""
@@ -309,8 +310,12 @@ class ScoredTower:
 
 @contextlib.contextmanager
 def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | None = None, needs_data: bool,
-                progress: bool = True, whole_model: bool = False, scoring: bool = False) -> Iterator[RunInputs]:
+                progress: bool = True, whole_model: bool = False, scoring: bool = False,
+                record: bool = False) -> Iterator[RunInputs]:
     """Prepare the inputs of ``config`` (see the module docstring); the checkpoints are closed on exit.
+
+    ``record``: fingerprint the local inputs for the run's recipe (:attr:`RunInputs.fingerprints`); a fingerprint
+    the config records is checked either way.
 
     ``whole_model``: when the base and every model are whole models holding the adapter's tower (full
     ``CLIPModel`` repos), merge every tensor of them, not only the tower's (see
@@ -355,12 +360,14 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
         check_vocabularies(resolved, config)
     check_tying(adapter, resolved)
     stores: list[TensorStore] = []
+    fingerprints: FolderFingerprints | None = None
     try:
         for ref, loaded, _ in resolved:
             opener = getattr(ref, "open_store", None)  # a LoRA adapter, read over the base (hf_mloss.loading.lora)
             stores.append(opener(adapter, stores[0]) if opener else ModuleStore(loaded, adapter, ref)
                           if loaded is not None else CheckpointStore(ref, adapter))
         check_no_float8(stores)
+        readers = list(stores)  # before any wrapping: what they read paces the background fingerprints
         uninitialised = check_config_matches_tensors(adapter, stores[0], stores[1:])
         vocabulary = None
         if getattr(config, "tokenizer_source", None) is not None:
@@ -369,7 +376,7 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
         for store in stores[1:]:
             check_compatible(stores[0], store, skip=frozenset(heads), config=config)
         labels, label_note = merged_labels(adapter, resolved, heads)
-        fingerprints = _verify_fingerprints(specs, resolved, progress=progress)
+        fingerprints = _fingerprints(specs, resolved, record=record, progress=progress, readers=readers)
         method = config.merge_method()
         inputs = RunInputs(adapter=adapter, base=stores[0], sources=stores[1:], base_model=resolved[0][1],
                            names=[n for n in float_names(stores[0]) if n not in set(heads)],
@@ -391,6 +398,8 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
             _load_shares(inputs, config, resolved[0][0], token)
         yield inputs
     finally:
+        if fingerprints is not None:
+            fingerprints.close()
         for store in stores:
             store.close()
 
@@ -1243,23 +1252,31 @@ def as_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 # ------------------------------------------------------------------------------------------- fingerprints
-def _verify_fingerprints(specs: list[ModelSpec], resolved, *, progress: bool = False) -> dict[int, str]:
+def _fingerprints(specs: list[ModelSpec], resolved, *, record: bool, progress: bool = False,
+                  readers: list[TensorStore] = ()) -> FolderFingerprints:
+    """The content fingerprints of the local inputs (index 0 = base).
+
+    An input whose config records a fingerprint is hashed now and refused if it differs, before any work. The others
+    are hashed only for a run that records them (``record``), on a background thread a little ahead of what the
+    run's ``readers`` have read, so the disk serves each byte once
+    (:class:`~hf_mloss.loading.hub.FolderFingerprints`)."""
     from tqdm.auto import tqdm
 
-    out = {}
     local = [i for i, (ref, loaded, _) in enumerate(resolved) if loaded is None and ref.repo_id is None]
-    bar = tqdm(total=len(local), desc="Fingerprinting local inputs", unit="folder",
-               disable=not progress or len(local) < 2)
-    for i, (spec, (ref, loaded, _)) in enumerate(zip(specs, resolved)):
-        if i not in local:
-            continue
+    checked = [i for i in local if specs[i].fingerprint is not None]
+    bar = tqdm(total=len(checked), desc="Checking the inputs' fingerprints", unit="folder",
+               disable=not progress or len(checked) < 2)
+    known = {}
+    for i in checked:
+        ref, spec = resolved[i][0], specs[i]
         value = fingerprint_folder(ref.path)
         bar.update()
-        if spec.fingerprint is not None and spec.fingerprint != value:
+        if spec.fingerprint != value:
             raise IncompatibleCheckpointsError(
                 f"{ref.name!r} ({ref.path}) is not the folder this config was recorded from: its weights' "
                 f"fingerprint is {value}, the config expects {spec.fingerprint}. Point the config at the original "
                 "weights, or delete the `fingerprint` line to accept these.")
-        out[i] = value
+        known[i] = value
     bar.close()
-    return out
+    pending = {i: resolved[i][0].path for i in local if i not in known} if record else {}
+    return FolderFingerprints(known, pending, progress=lambda: sum(store.bytes_read for store in readers))

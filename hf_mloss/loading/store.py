@@ -46,6 +46,9 @@ class TensorStore:
     ref: ModelRef
     shapes: dict[str, tuple[int, ...]]
     dtypes: dict[str, torch.dtype]
+    bytes_read: int = 0
+    """Stored bytes of the distinct tensors read so far (a tensor read in pieces or several times counts once): how far
+    a run has come through its inputs' files (:class:`~hf_mloss.loading.hub.FolderFingerprints` paces on it)."""
     reads_rows: bool = False
     """Whether :meth:`get_rows` reads only those rows (a file's byte range, a view of a tensor in memory) rather
     than the whole tensor first: readers that take a tensor a block of rows at a time ask for it."""
@@ -72,6 +75,14 @@ class TensorStore:
         Reusing ``out`` from tensor to tensor spares the fresh pages each :meth:`get` maps."""
         return out.copy_(self.get(name))
 
+    def read_flat_into(self, name: str, start: int, out: torch.Tensor) -> torch.Tensor:
+        """Write entries ``start:start + out.numel()`` of the flattened tensor into the 1-D ``out`` (any dtype and
+        device: converted on the way) and return ``out``: a large tensor read piece by piece into reused buffers."""
+        width = max(1, math.prod(self.shapes[name][1:]))
+        first, stop = start // width, start + out.numel()
+        rows = self.get_rows(name, first, -(-stop // width)).reshape(-1)
+        return out.copy_(rows[start - first * width: stop - first * width])
+
     def close(self) -> None:
         pass
 
@@ -92,6 +103,7 @@ class CheckpointStore(TensorStore):
         self._offsets: dict[Path, dict[str, int]] = {}
         self._pickle_states: dict[Path, Mapping[str, torch.Tensor]] = {}
         self._unsaved = unsaved_buffers(adapter)
+        self._read: set[str] = set()
         weights = find_weights(folder, allow_pickle=allow_pickle)
         if weights is None:
             pickles = find_weights(folder) if not allow_pickle else None
@@ -209,7 +221,14 @@ class CheckpointStore(TensorStore):
             raise CorruptCheckpointError(f"Cannot read tensor {name!r} from {file.name} of {self.ref.name!r}: {err}")
 
     # ------------------------------------------------------------------ reading
+    def _count(self, name: str) -> None:
+        if name not in self._read:
+            self._read.add(name)
+            dtype = self.dtypes.get(name)
+            self.bytes_read += math.prod(self.shapes.get(name, ())) * (dtype.itemsize if dtype is not None else 4)
+
     def get(self, name: str) -> torch.Tensor:
+        self._count(name)
         if name in self._fused:  # MoE experts: the per-expert tensors, fused as transformers fuses them
             parts = [(key, self._read_key(file, key, name)) for file, key in self._fused[name]]
             return self.adapter.layout.assemble(name, parts)
@@ -222,6 +241,7 @@ class CheckpointStore(TensorStore):
             raise CorruptCheckpointError(f"Cannot read tensor {name!r} from {file.name} of {self.ref.name!r}: {err}")
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        self._count(name)
         if name in self._fused:
             return self.get(name)[start:stop]
         file, key = self._locations[name]
@@ -237,6 +257,7 @@ class CheckpointStore(TensorStore):
         """:meth:`TensorStore.read_into` without a fresh buffer: the bytes are pread straight into ``out`` where it
         is a contiguous CPU tensor of the stored dtype, else through a reused staging buffer of at most
         :data:`STAGING_BYTES`, rows at a time, converted into ``out`` while they are in cache."""
+        self._count(name)
         shape, dtype = self.shapes[name], self.dtypes[name]
         if self.is_pickle or dtype is None or not shape or tuple(out.shape) != shape or name in self._fused:
             return super().read_into(name, out)
@@ -253,11 +274,30 @@ class CheckpointStore(TensorStore):
             rows.copy_(piece)
         return out
 
+    def read_flat_into(self, name: str, start: int, out: torch.Tensor) -> torch.Tensor:
+        """:meth:`TensorStore.read_flat_into` reading just those bytes: straight into ``out`` where it is a
+        contiguous CPU tensor of the stored dtype, else through this thread's staging buffer."""
+        self._count(name)
+        dtype = self.dtypes[name]
+        if self.is_pickle or dtype is None or name in self._fused:
+            return super().read_flat_into(name, start, out)
+        if out.dtype == dtype and out.device.type == "cpu" and out.is_contiguous():
+            self._pread_bytes(name, start * dtype.itemsize, out)
+            return out
+        staged = _staging(out.numel() * dtype.itemsize)[: out.numel() * dtype.itemsize].view(dtype)
+        self._pread_bytes(name, start * dtype.itemsize, staged)
+        return out.copy_(staged)
+
     def _pread(self, name: str, start: int, rows: torch.Tensor) -> None:
         """Read rows ``start:start + len(rows)`` of tensor ``name`` into the contiguous CPU tensor ``rows``: nothing
         else is read, nothing stays mapped."""
+        self._pread_bytes(name, start * rows[0:1].nbytes if rows.numel() else 0, rows)
+
+    def _pread_bytes(self, name: str, skip: int, rows: torch.Tensor) -> None:
+        """Read ``rows.nbytes`` bytes of tensor ``name``, from its byte ``skip`` on, into the contiguous CPU tensor
+        ``rows``."""
         file, key = self._locations[name]
-        offset = self._offsets[file][key] + start * rows[0:1].nbytes if rows.numel() else 0
+        offset = self._offsets[file][key] + skip
         try:
             with open(file, "rb", buffering=0) as handle:
                 view, done = memoryview(rows.view(torch.uint8).numpy()).cast("B"), 0

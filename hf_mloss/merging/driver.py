@@ -64,7 +64,8 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
                       "Data-guided merges read it (regmean, regmean_plusplus, adamerging, adarank_*, auto, m_ties, "
                       "select='unlabeled').", UserWarning, stacklevel=3)
     with open_inputs(config, device=device, token=token, needs_data=needs_data, progress=progress,
-                     whole_model=config.output in ("auto", "adapter") and not scored_part_only) as inputs, \
+                     whole_model=config.output in ("auto", "adapter") and not scored_part_only,
+                     record=not scored_part_only) as inputs, \
             cpu_workers(inputs.device) as workers:
         from ..output.adapter import build_adapter_output, plan_adapter_output
 

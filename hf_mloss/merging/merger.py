@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +58,7 @@ class TensorMerger:
         self.names = [n for n in inputs.names if n in self.targets]
         self.done: set[str] = set()
         self.checked: set[str] = set()  # merged tensors found finite (in float32) when they were written
+        self._piece_buffers = threading.local()  # each worker's buffer for the pieces of _chunks, reused
         ctx.state["total_numel"] = sum(math.prod(inputs.base.shapes[n]) for n in self.names)
 
     def read(self, name: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -208,32 +210,39 @@ class TensorMerger:
             return None
         return self.method.chunk_keep_counts(target.numel(), ctx, name=name)
 
-    def _chunks(self, name: str) -> Iterator[tuple[slice, torch.Tensor, list[torch.Tensor]]]:
-        """``(piece, base, sources)`` over consecutive flat pieces of ``name``: float32, the sources checked finite.
+    def _chunks(self, name: str, *, check: bool = True) -> Iterator[tuple[slice, torch.Tensor, list[torch.Tensor]]]:
+        """``(piece, base, sources)`` over consecutive flat pieces of ``name``: float32, the sources checked finite
+        (``check``; a later pass over the same bytes skips it).
 
         Pieces hold a multiple of :func:`~hf_mloss.methods.ops.elect_chunk_numel` entries, so the kernels see the
-        chunks they see on the whole tensor; each source piece is read as the rows that cover it."""
+        chunks they see on the whole tensor. Every piece is read into the same buffers, overwritten by the next
+        piece: fresh ones cost a page fault per 4 KB (at Llama-2-7B's shape, three passes over 54 GB of float32)."""
         from ..methods.ops import elect_chunk_numel
 
         target = self.targets[name].view(-1)
-        numel, width = target.numel(), max(1, math.prod(self.targets[name].shape[1:]))
+        numel = target.numel()
         unit = elect_chunk_numel(len(self.inputs.sources))
-        step = unit * max(1, MERGE_CHUNK_NUMEL // unit)
+        step = min(numel, unit * max(1, MERGE_CHUNK_NUMEL // unit))
+        buffer = self._piece_buffer(len(self.inputs.sources) + 1, step)
         for start in range(0, numel, step):
             piece = slice(start, min(start + step, numel))
-            first, last = piece.start // width, -(-piece.stop // width)
-            offset = piece.start - first * width
-            sources = []
-            for store in self.inputs.sources:
-                rows = store.get_rows(name, first, last).reshape(-1)[offset: offset + piece.stop - piece.start]
-                tensor = rows.to(device=self.device, dtype=torch.float32)
-                if not torch.isfinite(tensor.sum()) and not torch.isfinite(tensor).all():
+            base, *sources = (row[: piece.stop - piece.start] for row in buffer)
+            for store, tensor in zip(self.inputs.sources, sources):
+                store.read_flat_into(name, start, tensor)
+                if check and not torch.isfinite(tensor.sum()) and not torch.isfinite(tensor).all():
                     self._refuse_non_finite(name, store)
-                sources.append(tensor)
-            base = target[piece].float()
-            if not torch.isfinite(base.sum()) and not torch.isfinite(base).all():
+            base.copy_(target[piece])
+            if check and not torch.isfinite(base.sum()) and not torch.isfinite(base).all():
                 self._refuse_non_finite(name, self.inputs.base, self.targets[name])
             yield piece, base, sources
+
+    def _piece_buffer(self, rows: int, step: int) -> torch.Tensor:
+        """This thread's ``[rows, step]`` float32 buffer for :meth:`_chunks`, kept for the next tensor (one of more
+        than 32 MB is a fresh mapping each time it is allocated, faulted in page by page)."""
+        held = getattr(self._piece_buffers, "buffer", None)
+        if held is None or held.numel() < rows * step:
+            held = self._piece_buffers.buffer = torch.empty(rows * step, dtype=torch.float32, device=self.device)
+        return held[: rows * step].view(rows, step)
 
     def _refuse_non_finite(self, name: str, store, tensor: torch.Tensor | None = None) -> None:
         """Name the checkpoint (the base included) whose ``name`` holds NaN/Inf, before anything is merged."""
@@ -267,13 +276,13 @@ class TensorMerger:
             return
 
         def taus():
-            for _, base, sources in self._chunks(name):
+            for _, base, sources in self._chunks(name, check=False):
                 yield [s.sub_(base) for s in sources]
 
         thresholds = streamed_thresholds(taus, counts, target.numel(), [torch.cat(k) for k in samples]) if counts \
             else []
         finite, peak, flat = True, 0.0, target.view(-1)
-        for piece, base, sources in self._chunks(name):
+        for piece, base, sources in self._chunks(name, check=False):
             merged = self.method.merge_chunk(name, base, sources, ctx, thresholds)
             del sources
             if not (torch.isfinite(merged.sum()) or torch.isfinite(merged).all()):
