@@ -57,17 +57,24 @@ def test_split_block_forward_equals_the_block(variants):
     assert adapter.activation() is not None and base.config.hidden_act == "quick_gelu"
 
 
-def test_read_into_reads_every_tensor_as_get_does(tmp_path, variants, monkeypatch):
-    """``read_into`` fills a caller's tensor with the stored values: in place for the stored dtype, converted
-    through staging pieces of a few rows otherwise (pieces of 64 bytes here), and through ``get`` for a pickle."""
-    from hf_mloss.loading import store as store_module
-
-    monkeypatch.setattr(store_module, "STAGING_BYTES", 64)
+@pytest.fixture
+def stored_variants(tmp_path, variants):
+    """A bfloat16 safetensors folder and a pickle folder (``pytorch_model.bin``) of the tiny model."""
     bf16 = save_model(make_base(0).to(torch.bfloat16), tmp_path / "bf16")
     pickled = tmp_path / "pickled"
     pickled.mkdir()
     variants["fts"][1].config.save_pretrained(pickled)
     torch.save(variants["fts"][1].state_dict(), pickled / "pytorch_model.bin")
+    return bf16, pickled
+
+
+def test_read_into_reads_every_tensor_as_get_does(stored_variants, variants, monkeypatch):
+    """``read_into`` fills a caller's tensor with the stored values: in place for the stored dtype, converted
+    through staging pieces of a few rows otherwise (pieces of 64 bytes here), and through ``get`` for a pickle."""
+    from hf_mloss.loading import store as store_module
+
+    monkeypatch.setattr(store_module, "STAGING_BYTES", 64)
+    bf16, pickled = stored_variants
     adapter = adapter_for(variants["base"].config)
     for folder in (bf16, pickled, variants["sharded"][1], variants["plain"][1]):
         store = CheckpointStore(resolve_model(folder), adapter)
@@ -84,15 +91,11 @@ def test_read_into_reads_every_tensor_as_get_does(tmp_path, variants, monkeypatc
     assert torch.equal(strided, store.get("encoder.layers.0.mlp.fc1.weight"))
 
 
-def test_read_flat_into_reads_any_range_and_counts_each_tensor_once(tmp_path, variants):
+def test_read_flat_into_reads_any_range_and_counts_each_tensor_once(stored_variants, variants):
     """``read_flat_into`` gives entries start:stop of the flattened tensor, across row boundaries, in any dtype
     (straight from the file for the stored dtype, else through staging; a pickle through ``get_rows``); ``bytes_read``
     counts each tensor's stored bytes once, however often and in however many pieces it is read."""
-    bf16 = save_model(make_base(0).to(torch.bfloat16), tmp_path / "bf16")
-    pickled = tmp_path / "pickled"
-    pickled.mkdir()
-    variants["fts"][1].config.save_pretrained(pickled)
-    torch.save(variants["fts"][1].state_dict(), pickled / "pytorch_model.bin")
+    bf16, pickled = stored_variants
     adapter = adapter_for(variants["base"].config)
     for folder in (bf16, pickled, variants["sharded"][1]):
         store = CheckpointStore(resolve_model(folder), adapter)
