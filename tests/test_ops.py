@@ -23,6 +23,7 @@ from hf_mloss.methods.ops import (
     magnitude_threshold,
     tensor_seed,
     trim_by_threshold,
+    trim_elect_merge,
     trim_rows,
     trim_tensor,
 )
@@ -309,6 +310,27 @@ def test_elect_and_merge_matches_loop_reference_random(elect, divide_by) -> None
     out = elect_and_merge(taus, w, elect=elect, divide_by=divide_by)
     ref = ref_elect_and_merge(taus.double().numpy(), w.double().numpy(), elect, divide_by)
     np.testing.assert_allclose(out.numpy(), ref, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("q", [2, 3])
+@pytest.mark.parametrize("elect, divide_by", [("weighted", "weights"), ("unweighted", "count"), ("weighted", "none")])
+def test_trim_elect_merge_gives_the_bits_of_the_steps_one_after_the_other(q, elect, divide_by) -> None:
+    """The fused kernel (every step of a chunk while it is in cache) equals trim, elect and merge taken one after the
+    other on the whole piece, bit for bit: several chunks and a partial last one, thresholds inside the spread, one
+    that keeps nothing and one that keeps everything."""
+    g = torch.Generator().manual_seed(5)
+    numel = 5 * (1 << 17) // q + 777
+    base = torch.randn(numel, generator=g)
+    sources = list((base + 0.01 * torch.randn(q, numel, generator=g)).bfloat16().float().unbind(0))
+    thresholds = [0.008, float("inf"), float("-inf")][:q]
+    weights = torch.tensor([0.5, 1.5, 0.25][:q])
+    fused = trim_elect_merge(base, sources, thresholds, weights, lam=0.7, elect=elect, divide_by=divide_by)
+    taus = torch.stack(sources) - base
+    for tau, threshold in zip(taus, thresholds):
+        tau.copy_(trim_by_threshold(tau, threshold))
+    steps = base + 0.7 * elect_and_merge(taus, weights, elect=elect, divide_by=divide_by)
+    assert torch.equal(fused.view(torch.int32), steps.view(torch.int32))
+    assert 0 < int(torch.count_nonzero(fused != base)) < numel
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -238,10 +238,13 @@ class TensorMerger:
 
     def _piece_buffer(self, rows: int, step: int) -> torch.Tensor:
         """This thread's ``[rows, step]`` float32 buffer for :meth:`_chunks`, kept for the next tensor (one of more
-        than 32 MB is a fresh mapping each time it is allocated, faulted in page by page)."""
+        than 32 MB is a fresh mapping each time it is allocated, faulted in page by page). A normal tensor, not an
+        inference one: a merge may fill it inside and outside inference mode."""
         held = getattr(self._piece_buffers, "buffer", None)
         if held is None or held.numel() < rows * step:
-            held = self._piece_buffers.buffer = torch.empty(rows * step, dtype=torch.float32, device=self.device)
+            with torch.inference_mode(False):
+                held = torch.empty(rows * step, dtype=torch.float32, device=self.device)
+            self._piece_buffers.buffer = held
         return held[: rows * step].view(rows, step)
 
     def _refuse_non_finite(self, name: str, store, tensor: torch.Tensor | None = None) -> None:
@@ -288,7 +291,7 @@ class TensorMerger:
             if not (torch.isfinite(merged.sum()) or torch.isfinite(merged).all()):
                 finite = False
             elif target.dtype != merged.dtype and merged.numel():
-                peak = max(peak, float(merged.abs().max()))
+                peak = max(peak, largest_magnitude(merged))
             flat[piece].copy_(merged.view(-1))
         if finite:
             self.checked.add(name)

@@ -323,14 +323,10 @@ class MTies(MergeMethod):
         return [keep_count(numel, keep)] * len(ctx.weights)
 
     def merge_chunk(self, name, base, sources, ctx: MergeContext, thresholds: list[float]) -> torch.Tensor:
-        import torch
+        from .ops import trim_elect_merge
 
-        from .ops import elect_and_merge, trim_by_threshold_
-
-        taus = torch.stack(sources).sub_(base)
-        for tau, threshold in zip(taus, thresholds):  # |τ| >= its whole-tensor threshold, as trim_other_ keeps
-            trim_by_threshold_(tau, threshold)
-        return base + ctx.params.lam * elect_and_merge(taus, ctx.weights)
+        # |τ| >= its whole-tensor threshold, as trim_other_ keeps
+        return trim_elect_merge(base, sources, thresholds, ctx.weights, lam=ctx.params.lam)
 
     def slice_dim(self, name: str, ctx: MergeContext) -> int | None:
         """A 2-D member of a scored node group, trimmed slice by slice: its slices merge independently."""

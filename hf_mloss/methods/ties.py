@@ -162,20 +162,14 @@ class Ties(MergeMethod):
                 for i in range(len(ctx.weights))]
 
     def merge_chunk(self, name, base, sources, ctx: MergeContext, thresholds: list[float]) -> torch.Tensor:
-        import torch
-
-        from .ops import elect_and_merge, trim_by_threshold_
+        from .ops import trim_elect_merge
 
         params: TiesParams = ctx.params
         if params.resolved_scope == "global":
             thresholds = ctx.state["thresholds"]
-        # the same steps as merge_tensor, a per-tensor trim keeping |τ| >= its whole-tensor threshold
-        taus = torch.stack(sources).sub_(base)
-        for tau, threshold in zip(taus, thresholds):
-            trim_by_threshold_(tau, threshold)
-        merged = elect_and_merge(taus, ctx.weights, elect=params.rules.elect, divide_by=params.divide_by,
-                                 zero_positive=ctx.state.get("zero_positive", True))
-        return base + params.lam * merged
+        # merge_tensor's steps, a per-tensor trim keeping |τ| >= its whole-tensor threshold
+        return trim_elect_merge(base, sources, thresholds, ctx.weights, lam=params.lam, elect=params.rules.elect,
+                                divide_by=params.divide_by, zero_positive=ctx.state.get("zero_positive", True))
 
 
 def global_thresholds(ctx: MergeContext, visit, keep: float, *, extra: int = 0, budget: str = "all"
