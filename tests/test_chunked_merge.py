@@ -78,7 +78,7 @@ def decoder_sets(tmp_path_factory):
     return sets
 
 
-def _merge(paths, monkeypatch, chunked: bool, **kwargs) -> tuple[dict, list[str]]:
+def _merge(paths, monkeypatch, chunked: bool, method: str = "ties", **kwargs) -> tuple[dict, list[str]]:
     base, models = paths
     used: list[str] = []
 
@@ -89,7 +89,7 @@ def _merge(paths, monkeypatch, chunked: bool, **kwargs) -> tuple[dict, list[str]
     monkeypatch.setattr(tensor_merger.TensorMerger, "_merge_in_chunks", spy)
     monkeypatch.setattr(tensor_merger, "CHUNKED_MIN_NUMEL", 1 if chunked else 1 << 60)
     monkeypatch.setattr(tensor_merger, "MERGE_CHUNK_NUMEL", 1)  # one elect_and_merge chunk per piece: many pieces
-    result = hf_mloss.merge(str(base), [str(m) for m in models], "ties", progress=False, **kwargs)
+    result = hf_mloss.merge(str(base), [str(m) for m in models], method, progress=False, **kwargs)
     return result.model.state_dict(), used
 
 
@@ -110,6 +110,19 @@ def test_pieces_give_the_bits_of_the_whole_tensor_merge(decoder_sets, monkeypatc
     if which == "frozen_embedding":  # no fine-tune changed it: the base's bits, whatever the method computes
         base = load_file(paths[0] / "model.safetensors")["model.embed_tokens.weight"]
         assert torch.equal(_bits(pieces["model.embed_tokens.weight"].to(base.dtype)), _bits(base))
+
+
+@pytest.mark.parametrize("which", ["bf16_tied", "frozen_embedding"])
+@pytest.mark.parametrize("method, kwargs", [("task_arithmetic", dict(lam=0.7, weights="ramp")), ("average", {})])
+def test_entry_by_entry_merges_take_pieces_with_the_bits_of_the_whole_tensor(decoder_sets, monkeypatch, which,
+                                                                             method, kwargs) -> None:
+    paths = decoder_sets[which]
+    if kwargs.get("weights") == "ramp":
+        kwargs = dict(kwargs, weights=[0.5 + i for i in range(len(paths[1]))])
+    whole, used_whole = _merge(paths, monkeypatch, chunked=False, method=method, **kwargs)
+    pieces, used = _merge(paths, monkeypatch, chunked=True, method=method, **kwargs)
+    assert used_whole == [] and "model.embed_tokens.weight" in used
+    assert [k for k in whole if not torch.equal(_bits(whole[k]), _bits(pieces[k]))] == []
 
 
 def _decoder_data() -> dict[str, torch.Tensor]:

@@ -14,6 +14,17 @@ if TYPE_CHECKING:
     import torch
 
 
+class _EntryByEntry(MergeMethod):
+    """A merge computed entry by entry with no threshold: the merger may take a large tensor in flat pieces (no q
+    float32 copies of it, and no whole-tensor temporaries, each a fresh mapping faulted in page by page)."""
+
+    def chunk_keep_counts(self, numel: int, ctx: MergeContext, name: str | None = None) -> list[int]:
+        return []
+
+    def merge_chunk(self, name, base, sources, ctx: MergeContext, thresholds: list[float]) -> torch.Tensor:
+        return self.merge_tensor(name, base, sources, ctx)  # entry by entry: the whole tensor's bits
+
+
 @dataclass(frozen=True)
 class AverageParams(MethodParams):
     calibrate: str | None = calibrate_param()
@@ -22,7 +33,7 @@ class AverageParams(MethodParams):
     SVC_ALPHA: ClassVar[float] = 0.1
 
 
-class Average(MergeMethod):
+class Average(_EntryByEntry):
     """θ = Σ_p α_p θ_p with α normalised to sum to 1 (uniform by default)."""
 
     name = "average"
@@ -46,7 +57,7 @@ class TaskArithmeticParams(MethodParams):
     SVC_ALPHA: ClassVar[float] = 0.1
 
 
-class TaskArithmetic(MergeMethod):
+class TaskArithmetic(_EntryByEntry):
     """θ = θ₀ + λ·Σ_p α_p τ_p with α_p = 1 by default."""
 
     name = "task_arithmetic"
