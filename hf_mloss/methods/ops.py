@@ -85,9 +85,10 @@ def _bracket(flat: torch.Tensor, lo: float, hi: float, *, absolute: bool = False
 
     ``absolute``: ``flat`` holds signed values; it is replaced by their magnitudes, in place, and those are counted.
     On CPU this runs in cache-sized steps with NumPy (a 4 M-entry piece, 1 thread: ~6 ms against ~20 ms for
-    whole-piece torch masks, whose boolean indexing alone took 9 ms); on other devices, whole-tensor masks.
+    whole-piece torch masks, whose boolean indexing alone took 9 ms); on other devices (or dtypes NumPy lacks),
+    whole-tensor masks.
     """
-    if flat.device.type != "cpu":
+    if not _numpy_ready(flat):
         magnitude = flat.abs_() if absolute else flat
         in_bracket = magnitude <= hi
         above = magnitude.numel() - int(torch.count_nonzero(in_bracket))
@@ -104,10 +105,15 @@ def _bracket(flat: torch.Tensor, lo: float, hi: float, *, absolute: bool = False
     return above, torch.from_numpy(numpy.concatenate(inside) if inside else values[:0].copy())
 
 
+def _numpy_ready(tensor: torch.Tensor) -> bool:
+    """Whether NumPy can work on ``tensor`` in place: a CPU tensor of a dtype it has (not bfloat16)."""
+    return tensor.device.type == "cpu" and tensor.dtype in (torch.float32, torch.float64)
+
+
 def _kth_smallest(values: torch.Tensor, k: int) -> float:
     """The ``k``-th smallest entry (1-based) of a flat tensor of finite values: ``kthvalue``'s value, found on CPU
     by NumPy's selection (a 1.4 M-entry bracket: 1.7 ms against 23 ms)."""
-    if values.device.type != "cpu":
+    if not _numpy_ready(values):
         return values.kthvalue(k).values.item()
     return float(numpy.partition(values.detach().numpy(), k - 1)[k - 1])
 
