@@ -97,3 +97,67 @@ def test_report_positions_is_checked_before_any_work(llama, tmp_path, value):
     with pytest.raises(InvalidParameterError, match="report_positions"):
         build_moe(_config(llama), tmp_path / "never", progress=False, report_positions=value)
     assert not Path(tmp_path / "never").exists()
+
+
+def _whole_moe_router_inputs(path, prompts, tokens, dtype):
+    """Per prompt (cut to its first ``tokens`` tokens, BOS left out): each layer's router input and experts module,
+    from the whole MoE loaded with ``from_pretrained(path, dtype=dtype)``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_mloss.moe.gates import encode, prompt_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    tokenizer = prompt_tokenizer(AutoTokenizer.from_pretrained(path))
+    captured: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(model.model.layers):
+        layer.post_attention_layernorm.register_forward_hook(lambda m, a, out, i=i: captured.__setitem__(i, out))
+    inputs = []
+    for prompt in prompts:
+        batch = {k: v[:, :tokens] for k, v in encode(tokenizer, [prompt]).items()}
+        with torch.no_grad():
+            model(**batch, use_cache=False)
+        inputs.append([captured[i][0, 1:] for i in range(len(model.model.layers))])
+    return model, inputs
+
+
+def test_each_expert_pairs_mloss_is_the_gap_on_the_moes_own_expert_inputs(llama, tmp_path):
+    """The M-Loss of expert pair (a, b), measured in the routing pass: at every layer and token read, the router's
+    input through both experts' gate and up projections, the gated node gap of their average against their mean
+    activation, its L2 norm over the nodes averaged over the tokens, then over the layers. Computed here by hand in
+    float64 from hooks on the whole MoE, without the kernel."""
+    config = _config(llama)
+    config["experts"][2]["noise_scale"] = 0.05
+    result = build_moe(config, tmp_path / "moe", progress=False, report_positions=12)
+    assert result.report_tokens is not None  # the prompts were cut: the M-Loss reads the cut prompts
+    model, inputs = _whole_moe_router_inputs(result.path, result.routing.prompts, result.report_tokens, torch.float32)
+    silu = torch.nn.functional.silu
+    for (a, b), value in result.mloss.items():
+        per_layer = []
+        for i, layer in enumerate(model.model.layers):
+            weight = layer.mlp.experts.gate_up_proj.detach().double()
+            x = torch.cat([prompt[i] for prompt in inputs]).double()
+            (ga, ua), (gb, ub) = ((x @ weight[e].T).chunk(2, dim=-1) for e in (a, b))
+            gap = silu((ga + gb) / 2) * (ua + ub) / 2 - (silu(ga) * ua + silu(gb) * ub) / 2
+            per_layer.append(gap.norm(dim=-1).mean())
+        assert value == pytest.approx(float(torch.stack(per_layer).mean()), rel=1e-5)
+    assert len(result.mloss) == 3 and min(result.mloss.values()) > 0
+    card = (result.path / "README.md").read_text()
+    assert "router's input" in card and f"the first {result.report_tokens} tokens of each prompt" in card
+    assert "mloss" not in result.timings  # measured in the routing pass: no forward of its own
+
+
+def test_a_bfloat16_moe_is_routed_in_float32(llama, tmp_path):
+    """The report reads a bfloat16 MoE's weights in float32: its routing weights are those of
+    ``from_pretrained(path, dtype=torch.float32)``, not of a bfloat16 forward (which rounds every activation)."""
+    from hf_mloss.moe.routing import _route
+
+    result = build_moe({**_config(llama), "dtype": "bfloat16"}, tmp_path / "moe", progress=False,
+                       report_positions=None)
+    report = result.routing
+    model, inputs = _whole_moe_router_inputs(result.path, report.prompts, None, torch.float32)
+    for p, prompt_inputs in enumerate(inputs):
+        for i, layer in enumerate(model.model.layers):
+            hidden = prompt_inputs[i][None]
+            weights, _ = _route(hidden, layer.mlp.gate.weight, torch.ones(hidden.shape[:2], dtype=torch.bool), 2, True)
+            torch.testing.assert_close(report.weights[p, i].float(), weights[0].float(), atol=1e-6, rtol=0)
+    assert all(v > 0 for v in result.mloss.values())

@@ -209,6 +209,25 @@ def test_the_layout_of_each_family(saved):
     assert labels == expected
 
 
+def test_fused_experts_are_read_straight_into_place_with_the_assembled_bits(saved):
+    """``CheckpointStore.read_into`` reads each per-expert tensor of a fused parameter straight into its place in the
+    buffer (where transformers' converter stacks and concatenates it): the bits of the assembled tensor, into a
+    buffer of the stored dtype or converted on the way."""
+    from hf_mloss.loading.hub import resolve_model
+    from hf_mloss.loading.store import CheckpointStore
+
+    family, _, models = saved
+    store = CheckpointStore(resolve_model(models[0]), adapter_for(transformers.AutoConfig.from_pretrained(models[0])))
+    fused = [name for name in store.shapes if name.endswith(("gate_up_proj", "down_proj")) and ".experts." in name]
+    assert fused
+    for name in fused:
+        assert store._placement(name) is not None, name  # not assembled first
+        whole = store.get(name)
+        for dtype in (whole.dtype, torch.bfloat16):
+            out = torch.full(whole.shape, float("nan"), dtype=dtype)
+            assert store.read_into(name, out) is out and torch.equal(out, whole.to(dtype)), (name, dtype)
+
+
 def test_an_expert_no_token_reaches_is_reported_as_such(mixtral, tmp_path):
     base, models = mixtral
     report = hf_mloss.score(base, models[:2], data=TEXTS, num_samples=3, prefix="own", progress=False)

@@ -18,7 +18,7 @@ import copy
 import functools
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -81,6 +81,41 @@ class CheckpointLayout:
         out = converter.convert(name, model=self.meta, config=self.meta.config)
         value = out[name]
         return value[0] if isinstance(value, list) else value
+
+    def placement(self, name: str, shapes: Mapping[str, Sequence[int]]) -> dict[str, tuple[Any, ...]] | None:
+        """Where each checkpoint tensor fused into parameter ``name`` lands in it (``{key: index}``:
+        ``parameter[index]`` is that tensor, for the keys of ``shapes``, their stored shapes), when transformers'
+        converter stacks each source pattern's tensors (``MergeModulelist``) and concatenates the stacks
+        (``Concatenate``), as every MoE expert fusion does: what :meth:`assemble` computes, so that each tensor can
+        be read straight into its place. ``None`` for any other converter (read through :meth:`assemble`)."""
+        from transformers.core_model_loading import Concatenate, MergeModulelist, dot_natural_key
+
+        keys = sorted(shapes, key=dot_natural_key)
+        converter = self._converter_of[self.lookup(keys[0])[1]]
+        ops = list(converter.operations)
+        if not (ops and type(ops[0]) is MergeModulelist and (len(ops) == 1 or (len(ops) == 2
+                                                                               and type(ops[1]) is Concatenate))):
+            return None
+        target = self.shapes[name]
+        stack, join = ops[0].dim % len(target), (ops[-1].dim % len(target) if len(ops) == 2 else None)
+        groups = [[k for k in keys if self.lookup(k)[1] == pattern] for pattern in converter.source_patterns]
+        groups = [group for group in groups if group]
+        if stack == join or (join is None and len(groups) != 1):
+            return None
+        out, offset = {}, 0
+        for group in groups:
+            stacked = [*shapes[group[0]][:stack], len(group), *shapes[group[0]][stack:]]
+            width = stacked[join] if join is not None else 0
+            for position, key in enumerate(group):
+                index: list[Any] = [slice(None)] * len(target)
+                index[stack] = position
+                if join is not None:
+                    index[join] = slice(offset, offset + width)
+                out[key] = tuple(index)
+            offset += width
+        if join is not None and offset != target[join]:
+            return None
+        return out
 
     def used(self, keys: Sequence[str]) -> list[Any]:
         """The transforms a checkpoint of ``keys`` goes through (fresh copies): what ``from_pretrained`` records as

@@ -21,6 +21,7 @@ import re
 import threading
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -120,6 +121,8 @@ class CheckpointStore(TensorStore):
             )
         self.is_pickle = weights.is_pickle
         self._fused: dict[str, list[tuple[Path, str]]] = {}
+        self._placements: dict[str, dict[str, tuple[Any, ...]] | None] = {}
+        self._part_shapes: dict[str, dict[str, tuple[int, ...]]] = {}
         """A parameter transformers fuses from several checkpoint tensors (MoE experts) → those tensors."""
         self.checkpoint_keys: list[str] = []
         """Every key of the weight files as written (the checkpoint's layout, which a merge is saved back in)."""
@@ -259,10 +262,30 @@ class CheckpointStore(TensorStore):
         :data:`STAGING_BYTES`, rows at a time, converted into ``out`` while they are in cache."""
         self._count(name)
         shape, dtype = self.shapes[name], self.dtypes[name]
-        if self.is_pickle or dtype is None or not shape or tuple(out.shape) != shape or name in self._fused:
+        if self.is_pickle or dtype is None or not shape or tuple(out.shape) != shape:
             return super().read_into(name, out)
+        if name not in self._fused:
+            return self._read_stored_into(*self._locations[name], shape, dtype, out, name)
+        placement = self._placement(name)  # MoE experts: each per-expert tensor read straight into its place
+        if placement is None:
+            return super().read_into(name, out)
+        for file, key in self._fused[name]:
+            self._read_stored_into(file, key, self._part_shapes[name][key], dtype, out[placement[key]], name)
+        return out
+
+    def _placement(self, name: str) -> dict[str, tuple[Any, ...]] | None:
+        if name not in self._placements:
+            self._part_shapes[name] = {key: tuple(self._handles[file].get_slice(key).get_shape())
+                                       for file, key in self._fused[name]}
+            self._placements[name] = self.adapter.layout.placement(name, self._part_shapes[name])
+        return self._placements[name]
+
+    def _read_stored_into(self, file: Path, key: str, shape: tuple[int, ...], dtype: torch.dtype, out: torch.Tensor,
+                          name: str) -> torch.Tensor:
+        """Checkpoint tensor ``key`` of ``file`` (``shape``, ``dtype``) into ``out`` (its shape): pread straight into
+        it where it is a contiguous CPU tensor of that dtype, else through the staging buffer, rows at a time."""
         if out.dtype == dtype and out.device.type == "cpu" and out.is_contiguous():
-            self._pread(name, 0, out)
+            self._pread_at(file, key, 0, out, name)
             return out
         row_bytes = max(1, math.prod(shape[1:]) * dtype.itemsize)
         step = max(1, STAGING_BYTES // row_bytes)
@@ -270,7 +293,7 @@ class CheckpointStore(TensorStore):
         for start in range(0, shape[0], step):
             rows = out[start:start + step]
             piece = staging[: rows.shape[0] * row_bytes].view(dtype).view(rows.shape)
-            self._pread(name, start, piece)
+            self._pread_at(file, key, start * row_bytes, piece, name)
             rows.copy_(piece)
         return out
 
@@ -296,7 +319,10 @@ class CheckpointStore(TensorStore):
     def _pread_bytes(self, name: str, skip: int, rows: torch.Tensor) -> None:
         """Read ``rows.nbytes`` bytes of tensor ``name``, from its byte ``skip`` on, into the contiguous CPU tensor
         ``rows``."""
-        file, key = self._locations[name]
+        self._pread_at(*self._locations[name], skip, rows, name)
+
+    def _pread_at(self, file: Path, key: str, skip: int, rows: torch.Tensor, name: str) -> None:
+        """:meth:`_pread_bytes` of checkpoint tensor ``key`` in ``file`` (parameter ``name``, for the error)."""
         offset = self._offsets[file][key] + skip
         try:
             with open(file, "rb", buffering=0) as handle:

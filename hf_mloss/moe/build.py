@@ -9,6 +9,7 @@ may be missing) and the experts' prompts are routed through it (:mod:`hf_mloss.m
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 import warnings
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, CorruptCheckpointError, DataError, HfMLossError, InvalidParameterError
+from ..errors import ConfigError, CorruptCheckpointError, DataError, InvalidParameterError
 from ..spec.config import MOE_CONFIG_NAME
 from .config import MoEConfig, as_moe_config
 from .inputs import MoEInputs, load_tokenizer, open_inputs
@@ -29,11 +30,11 @@ from .routing import RoutingReport
 
 ROUTING_NAME = "routing.json"
 REPORT_POSITIONS = 256
-"""The most token positions the routing report and the experts' M-Loss read by default. Prompts that hold more are
-each cut to their first t tokens (the BOS included), t the largest that fits: both are causal forwards, so every
-value at those positions is what the whole prompt gives there (exact), on fewer positions. The report then costs a
-bounded share of the build whatever the prompts (0.5B experts, 44 prompts of 8-31 tokens: 69 s of forwards over
-every token against a 54 s build by mergekit-moe)."""
+"""The most token positions the routing report and the experts' M-Loss (one pass) read by default. Prompts that hold
+more are each cut to their first t tokens (the BOS included), t the largest that fits: the pass is a causal forward,
+so every value at those positions is what the whole prompt gives there (exact), on fewer positions. The report then
+costs a bounded share of the build whatever the prompts (0.5B experts, 44 prompts of 8-31 tokens: 69 s of forwards
+over every token against a 54 s build by mergekit-moe, when the M-Loss was a forward of its own)."""
 
 
 def build_moe(config: MoEConfig | Mapping[str, Any] | str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
@@ -48,7 +49,7 @@ def build_moe(config: MoEConfig | Mapping[str, Any] | str | os.PathLike[str], ou
         device: where the prompts are read (``"auto"``: the accelerator when there is one, else the CPU).
         token: Hub token for private models (never stored).
         progress: show progress bars.
-        mloss: measure each expert pair's M-Loss on the prompts (for the card).
+        mloss: measure each expert pair's M-Loss on the routed prompts, in the routing pass (for the card).
         report: route the experts' prompts through the built model and measure the M-Loss (``False``: the build
             alone; the folder is still checked to load).
         report_positions: the most token positions the report reads (:data:`REPORT_POSITIONS`; ``None``: every
@@ -100,19 +101,13 @@ def build_moe(config: MoEConfig | Mapping[str, Any] | str | os.PathLike[str], ou
         degenerate = _warn_degenerate(gates)
         recorded = _recorded(config, inputs)
         lap("gates")
-        # before the folder is written: its peak memory (the experts' own forwards) does not add to what the
-        # writing and the routing pass leave in the process
         tokens, positions = _report_cut(config, inputs, report_positions) if report else (None, None)
-        if mloss and report:
-            pairs, note = _pair_mloss(config, inputs, run_device, progress, tokens)
-        else:
-            pairs, note = None, "not asked for" if report else "not asked for (the build alone, without a report)"
-        lap("mloss")
         with atomic_folder(target, overwrite=overwrite) as tmp:
             _write_model(tmp, config, inputs, gates, generator, progress, max_shard_size)
             lap("write")
             model = _check_loads(tmp, inputs)
-            routing = _routing(tmp, model, config, inputs, run_device, progress, tokens) if report else None
+            routing, pairs, note = (_routing(tmp, model, config, inputs, run_device, progress, tokens, mloss)
+                                    if report else (None, None, "not asked for (the build alone, without a report)"))
             lap("routing")
             result = MoEResult(path=target, architecture=inputs.architecture.pretty,
                                model_class=inputs.config.architectures[0], config=recorded, routing=routing,
@@ -209,10 +204,12 @@ def _planned_tensors(config: MoEConfig, inputs: MoEInputs, gates: torch.Tensor, 
                      ) -> list[tuple[str, tuple[int, ...], torch.dtype, Any]]:
     """Every tensor of the MoE in the order it is written (the base's, the zero biases, then per layer the experts in
     mergekit's order, whose noise draws follow it, and the router rows): ``(name, shape, dtype, produce)``, where
-    ``produce()`` reads or computes the tensor (call them in order)."""
+    ``produce()`` reads or computes the tensor (call them in order; a tensor read as stored is a view of one reused
+    buffer, valid until the next call: write it first)."""
     from .architectures import expert_order, expert_tensor_name, router_names
 
     arch, dtype = inputs.architecture, inputs.dtype
+    scratch: list[torch.Tensor] = []  # the reused buffer (no fresh pages for each of the thousands of tensors)
 
     def cast(tensor: torch.Tensor, name: str, where: str) -> torch.Tensor:
         out = tensor if dtype is None else tensor.to(dtype)
@@ -226,7 +223,11 @@ def _planned_tensors(config: MoEConfig, inputs: MoEInputs, gates: torch.Tensor, 
         return out
 
     def read(store: Any, name: str, where: str) -> torch.Tensor:
-        tensor = store.get(name)
+        shape, stored = tuple(store.shapes[name]), store.dtypes[name]
+        nbytes = math.prod(shape) * stored.itemsize
+        if not scratch or scratch[0].numel() < nbytes:
+            scratch[:] = [torch.empty(nbytes, dtype=torch.uint8)]
+        tensor = store.read_into(name, scratch[0][:nbytes].view(stored).view(shape))
         _check_finite(tensor, name, where)
         return tensor
 
@@ -295,26 +296,27 @@ def _copy_generation_config(inputs: MoEInputs, folder: Path) -> None:
 # ------------------------------------------------------------------------------------------------------ reports
 def _check_loads(folder: Path, inputs: MoEInputs) -> Any:
     """Check that the written folder loads with plain ``from_pretrained`` (transformers' own loading report on the
-    ``meta`` device: nothing missing, unexpected or mismatched); returns that skeleton."""
+    ``meta`` device: nothing missing, unexpected or mismatched); returns that skeleton, in float32 (the routing
+    report's dtype, :mod:`hf_mloss.moe.routing`)."""
     from .layered import skeleton
 
-    model, info = skeleton(folder)
+    model, info = skeleton(folder, dtype=torch.float32)
     problems = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     if problems:  # a bug of this module, never the user's: say what transformers reported
         raise RuntimeError(f"The written {inputs.architecture.pretty} does not load cleanly: {problems}")
     return model
 
 
-def _report_prompts(config: MoEConfig) -> list[str]:
-    """The prompts the M-Loss reads (every expert's, once); the routing reads the experts' positive ones."""
-    return list(dict.fromkeys(p for e in config.all_experts for p in (*e.positive_prompts, *e.negative_prompts)))
+def _report_prompts(config: MoEConfig) -> list[tuple[str, int]]:
+    """The prompts the report reads: each routed expert's positive ones, with the expert's index."""
+    return [(p, i) for i, e in enumerate(config.experts) for p in e.positive_prompts]
 
 
 def _report_cut(config: MoEConfig, inputs: MoEInputs, budget: int | None
                 ) -> tuple[int | None, tuple[int, int] | None]:
     """The first tokens of each prompt the report reads (``None``: all of them, the prompts fit ``budget``), and the
     token positions that leaves of all the prompts'."""
-    prompts = _report_prompts(config)
+    prompts = [p for p, _ in _report_prompts(config)]
     if not prompts:
         return None, None
     from .gates import encode, prompt_tokenizer
@@ -330,60 +332,34 @@ def _report_cut(config: MoEConfig, inputs: MoEInputs, budget: int | None
 
 
 def _routing(folder: Path, model: Any, config: MoEConfig, inputs: MoEInputs, device: Any, progress: bool,
-             tokens: int | None) -> RoutingReport | None:
+             tokens: int | None, mloss: bool
+             ) -> tuple[RoutingReport | None, dict[tuple[int, int], float] | None, str | None]:
     """Route the experts' prompts (their first ``tokens`` tokens) through the written model, one layer in memory at
-    a time."""
+    a time, and with ``mloss`` measure each expert pair's M-Loss in the same pass: the report, the pairs' values
+    and, where they are not measured, why."""
     from ..adapters import adapter_for
     from ..loading.hub import resolve_model
     from ..loading.store import CheckpointStore
     from ..parallel import cpu_workers
     from .gates import prompt_tokenizer
     from .layered import LayeredModel
-    from .routing import route_prompts
+    from .routing import ExpertPairGaps, route_prompts
 
-    prompts = [(p, i) for i, e in enumerate(config.experts) for p in e.positive_prompts]
+    prompts = _report_prompts(config)
     if not prompts:
-        return None
+        return None, None, "the config has no prompts to measure it on (gate_mode random without prompts)"
     store = CheckpointStore(resolve_model(str(folder)), adapter_for(model.config))
+    gaps = ExpertPairGaps(len(config.experts), len(model.get_decoder().layers)) if mloss else None
     try:
         tokenizer = prompt_tokenizer(load_tokenizer(inputs.base))
         with cpu_workers(device):
-            return route_prompts(LayeredModel(model, store, device), tokenizer, [p for p, _ in prompts],
-                                 [i for _, i in prompts], [e.label for e in config.experts],
-                                 top_k=config.experts_per_token, max_tokens=tokens,
-                                 progress=progress)  # Mixtral and the Qwen MoEs written here renormalise the top k
+            report = route_prompts(LayeredModel(model, store, device), tokenizer, [p for p, _ in prompts],
+                                   [i for _, i in prompts], [e.label for e in config.experts],
+                                   top_k=config.experts_per_token, max_tokens=tokens, pair_gaps=gaps,
+                                   progress=progress)  # Mixtral and the Qwen MoEs written here renormalise the top k
     finally:
         store.close()
-
-
-def _pair_mloss(config: MoEConfig, inputs: MoEInputs, device: Any, progress: bool, tokens: int | None
-                ) -> tuple[dict[tuple[int, int], float] | None, str | None]:
-    """Each pair of experts' M-Loss on every prompt (``hf_mloss.compatibility`` on the dense experts; the first
-    ``tokens`` tokens of each), or why not."""
-    prompts = _report_prompts(config)
-    if not prompts:
-        return None, "the config has no prompts to measure it on (gate_mode random without prompts)"
-    distinct = list(dict.fromkeys(ref.path for ref in inputs.experts))
-    if len(distinct) < 2:
-        return None, "the experts are all one model"
-    from ..api import compatibility
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # e.g. fewer prompts than a default sample size
-            report = compatibility(inputs.base.path, distinct, data=prompts, num_samples=len(prompts),
-                                   leave_one_out=False, baselines=False, device=device, progress=progress,
-                                   **({"max_length": tokens} if tokens is not None else {}))
-    except HfMLossError as err:
-        return None, " ".join(str(err).split())
-    matrix = report.matrix()
-    where = {path: k for k, path in enumerate(distinct)}
-    pairs = {}
-    for i in range(len(inputs.experts)):
-        for j in range(i + 1, len(inputs.experts)):
-            a, b = where[inputs.experts[i].path], where[inputs.experts[j].path]
-            pairs[i, j] = 0.0 if a == b else float(matrix[a, b])
-    return pairs, None
+    return report, None if gaps is None else gaps.values(), None if gaps is not None else "not asked for"
 
 
 def _recorded(config: MoEConfig, inputs: MoEInputs) -> MoEConfig:

@@ -75,6 +75,7 @@ class LayeredModel:
         self.decoder = model.get_decoder()
         self.prefix = _prefix(model, self.decoder)
         self.num_layers = len(self.decoder.layers)
+        self._arena: dict[str, torch.Tensor] = {}  # one layer's tensors, refilled layer after layer
 
     # ------------------------------------------------------------------------------------------ the batches
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -148,8 +149,14 @@ class LayeredModel:
         raise _Stop
 
     def _fill(self, layer: torch.nn.Module, prefix: str) -> None:
-        targets = layer.state_dict(keep_vars=True)
-        state = {name: self.store.get(prefix + name).to(self.device, target.dtype) for name, target in targets.items()}
+        """Read the layer's tensors into the arena (the previous layer's buffers where the shapes repeat, as they
+        do in a decoder: no fresh pages per layer) and hand them to the layer."""
+        state = {}
+        for name, target in layer.state_dict(keep_vars=True).items():
+            buffer = self._arena.get(name)
+            if buffer is None or buffer.shape != target.shape or buffer.dtype != target.dtype:
+                buffer = self._arena[name] = torch.empty(target.shape, dtype=target.dtype, device=self.device)
+            state[name] = self.store.read_into(prefix + name, buffer)
         layer.load_state_dict(state, strict=True, assign=True)
         empty = [n for n, t in [*layer.named_parameters(), *layer.named_buffers()] if t.is_meta]
         if empty:

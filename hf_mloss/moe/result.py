@@ -22,10 +22,11 @@ class MoEResult:
         architecture: ``Mixtral``, ``Qwen2-MoE`` or ``Qwen3-MoE``; ``model_class`` its transformers class.
         config: the recipe as run (Hub models pinned to the commit read); ``hf_mloss_moe.yaml`` in the folder.
         routing: where the built MoE routes each expert's own prompts (``None`` without prompts).
-        mloss: each pair of experts' M-Loss on the prompts (``{(i, j): value}``, mean over layers), or ``None`` with
-            ``mloss_note`` saying why it could not be measured.
+        mloss: each pair of experts' M-Loss on the inputs the MoE gives its experts at the routed tokens
+            (``{(i, j): value}``, mean over layers; :class:`~hf_mloss.moe.routing.ExpertPairGaps`), or ``None``
+            with ``mloss_note`` saying why it was not measured.
         degenerate_layers: layers whose router rows are nearly dependent (mergekit's warning).
-        timings: seconds per stage (``inputs``, ``gates``, ``mloss``, ``write``, ``routing``, ``records``).
+        timings: seconds per stage (``inputs``, ``gates``, ``write``, ``routing`` (the M-Loss with it), ``records``).
         report_tokens: the first tokens of each prompt the routing and the M-Loss read (``None``: every token);
             ``report_positions``: ``(read, in all)`` token positions of the prompts.
     """

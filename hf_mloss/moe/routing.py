@@ -7,15 +7,26 @@ token, so padding changes nothing). At each layer the router's input (the output
 multiplied by the router, and the top ``experts_per_token`` softmax weights, renormalised, are the token's routing
 weights, as the MoE block applies them. A prompt's weights are the mean over its tokens (the BOS left out); its
 *pick* is the expert with the largest one.
+
+The layers are read in float32 (``from_pretrained(folder, dtype=torch.float32)``): the written weights exactly, without
+a bfloat16 forward's rounding of every activation (which can move a token whose top-k is a near tie), and, on a CPU
+without bfloat16 units, several times faster.
+
+The same pass measures each pair of routed experts' M-Loss (:class:`ExpertPairGaps`) on the inputs the MoE gives its
+experts: at every layer the router's input at each token read, through every expert's gate and up projections.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+POSITION_CHUNK = 256
+"""Tokens whose pre-activations the M-Loss forms at once (``[experts, tokens, 2 · intermediate]`` float32)."""
 
 
 @dataclass
@@ -138,14 +149,56 @@ def _layers(layers: list[int]) -> str:
     return ", ".join(str(layer) for layer in layers)
 
 
+class ExpertPairGaps:
+    """Each pair of routed experts' M-Loss on the MoE's own expert inputs.
+
+    At every layer and token read, the router's input x goes through every expert's fused gate and up projections
+    (``gate, up = (W_e x).chunk(2)``, as the expert computes them); node i of the pair (a, b) then has the M-Loss
+    ``|σ(½g_a + ½g_b)·(½u_a + ½u_b) − ½σ(g_a)u_a − ½σ(g_b)u_b|``, the gap kernel of ``hf_mloss.compatibility``
+    (:class:`~hf_mloss.engine.kernel.GapSums`, reduction ``abs``, ε 1e-4). A pair's value is the layer M-Loss (the L2
+    norm over the layer's nodes, mean over tokens), averaged over the layers, as ``CompatibilityReport.matrix`` gives
+    it."""
+
+    def __init__(self, num_experts: int, num_layers: int) -> None:
+        from ..engine.compatibility import subset_matrix
+
+        self.pairs = list(itertools.combinations(range(num_experts), 2))
+        self.matrix = subset_matrix(self.pairs, torch.ones(num_experts))
+        self.num_layers = num_layers
+        self.per_layer: dict[int, Any] = {}
+
+    def add(self, layer: int, experts: Any, hidden: torch.Tensor) -> None:
+        """Add the gaps of ``hidden`` (``[tokens, hidden size]``, the router's input at layer ``layer``) through
+        ``experts`` (the layer's experts module: ``gate_up_proj`` ``[experts, 2·intermediate, hidden size]``)."""
+        from ..engine.kernel import GapSums
+
+        weight = experts.gate_up_proj
+        nodes = weight.shape[1] // 2
+        sums = self.per_layer.get(layer)
+        if sums is None:
+            sums = self.per_layer[layer] = GapSums(len(self.pairs), nodes, per_node=False, device=hidden.device)
+        matrix = self.matrix.to(hidden.device)
+        for part in hidden.split(POSITION_CHUNK):
+            pre = torch.matmul(part.to(weight.dtype), weight.transpose(1, 2)).float()  # [experts, tokens, 2·nodes]
+            gate, up = pre[..., :nodes], pre[..., nodes:]
+            sums.add_preactivations(gate, matrix, experts.act_fn, up=up, sources_first=True)
+
+    def values(self) -> dict[tuple[int, int], float]:
+        """``{(i, j): M-Loss}`` for every pair (mean over the layers)."""
+        from ..engine.compatibility import subset_scores
+
+        layers = torch.stack([subset_scores(self.per_layer[i])["mloss"] for i in sorted(self.per_layer)])
+        return {pair: float(layers[:, row].mean()) for row, pair in enumerate(self.pairs)}
+
+
 def route_prompts(layered: Any, tokenizer: Any, prompts: Sequence[str], owners: Sequence[int], labels: list[str], *,
                   top_k: int, normalize: bool = True, batch_size: int = 16, max_tokens: int | None = None,
-                  progress: bool = False) -> RoutingReport:
+                  pair_gaps: ExpertPairGaps | None = None, progress: bool = False) -> RoutingReport:
     """Run ``prompts`` through the MoE and record the routing of every real token (see the module). ``layered``: the
     MoE as a :class:`~hf_mloss.moe.layered.LayeredModel` (one layer in memory at a time); each layer's router input
     is what the whole model's forward computes, bit for bit, and the last layer stops once its router has read it.
     ``max_tokens``: only each prompt's first tokens (the BOS included) are read; the model is causal, so the routing
-    at those positions is the whole prompt's."""
+    at those positions is the whole prompt's. ``pair_gaps``: also add each expert pair's gaps at those tokens."""
     from .gates import encode
 
     encoded = [encode(tokenizer, prompts[start:start + batch_size], max_tokens)
@@ -168,6 +221,7 @@ def route_prompts(layered: Any, tokenizer: Any, prompts: Sequence[str], owners: 
                 layered.stop()
 
         handle = layer.post_attention_layernorm.register_forward_hook(keep)
+        inputs: list[torch.Tensor] = []  # the experts' inputs at the real tokens of every batch
         try:
             for b, batch in enumerate(batches):
                 captured.clear()
@@ -176,9 +230,14 @@ def route_prompts(layered: Any, tokenizer: Any, prompts: Sequence[str], owners: 
                 real = mask.bool() & (pos > 0) if skip_bos else mask.bool()  # the BOS: the same in every prompt
                 with torch.no_grad():
                     per_prompt, chosen = _route(captured[0], router, real, top_k, normalize)
+                    if pair_gaps is not None:
+                        inputs.append(captured[0][real])
                 start = b * batch_size
                 weights[start:start + len(per_prompt), i] = per_prompt.double().cpu()
                 selected[i] += chosen.cpu()
+            if pair_gaps is not None:  # once per layer: each expert's weights read once for all the tokens
+                with torch.no_grad():
+                    pair_gaps.add(i, _moe_block(layer).experts, torch.cat(inputs))
         finally:
             handle.remove()
     return RoutingReport(experts=labels, prompts=list(prompts), owners=list(owners), weights=weights,
@@ -199,7 +258,10 @@ def _route(hidden: torch.Tensor, router: torch.Tensor, real: torch.Tensor, top_k
 
 
 def _router_weight(layer: Any) -> torch.Tensor:
-    """The router matrix ``[experts, hidden]`` of a decoder layer (``mlp.gate``, or Mixtral's older
-    ``block_sparse_moe.gate``)."""
-    block = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe")
-    return block.gate.weight
+    """The router matrix ``[experts, hidden]`` of a decoder layer."""
+    return _moe_block(layer).gate.weight
+
+
+def _moe_block(layer: Any) -> Any:
+    """A decoder layer's MoE block (``mlp``, or Mixtral's older ``block_sparse_moe``)."""
+    return getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe")
