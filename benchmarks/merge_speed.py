@@ -612,31 +612,33 @@ class RssGuard(Poller):
             print(f"[merge_speed] RSS guard killed {cmd}: {total_mb / 1024:.1f} GB", flush=True)
 
 
-def cpu_times() -> tuple[int, int] | None:
-    """(total, idle + iowait) jiffies over this process's CPU set, from /proc/stat (Linux)."""
+def cpu_times() -> tuple[int, int, int] | None:
+    """(total, idle + iowait, steal) jiffies over this process's CPU set, from /proc/stat (Linux)."""
     try:
         cpus = {f"cpu{i}" for i in os.sched_getaffinity(0)}
-        total = idle = 0
+        total = idle = steal = 0
         with open("/proc/stat") as handle:
             for line in handle:
                 fields = line.split()
                 if fields and fields[0] in cpus:
                     values = [int(v) for v in fields[1:9]]
-                    total, idle = total + sum(values), idle + values[3] + values[4]
-        return total, idle
+                    total, idle, steal = total + sum(values), idle + values[3] + values[4], steal + values[7]
+        return total, idle, steal
     except (OSError, AttributeError, ValueError):
         return None
 
 
-def contention(before: tuple[int, int] | None, after: tuple[int, int] | None, run: dict) -> dict:
-    """How busy the cores were during a run: idle cores, and cores used by other processes (busy minus the run's
-    own CPU time per wall second)."""
+def contention(before: tuple[int, int, int] | None, after: tuple[int, int, int] | None, run: dict) -> dict:
+    """How busy the cores were during a run: idle cores, cores used by other processes (busy minus the run's
+    own CPU time per wall second), and of those the cores a virtual machine's host took (steal)."""
     out = {"loadavg_before": run.pop("_loadavg_before"), "loadavg_after": os.getloadavg()}
     if before and after and after[0] > before[0]:
         cores = len(os.sched_getaffinity(0))
-        idle = cores * (after[1] - before[1]) / (after[0] - before[0])
+        share = cores / (after[0] - before[0])
+        idle = share * (after[1] - before[1])
         own = run.get("cpu_s", 0.0) / run["wall_s"] if run.get("wall_s") else 0.0
-        out.update(idle_cores=round(idle, 2), other_cores=round(max(0.0, cores - idle - own), 2))
+        out.update(idle_cores=round(idle, 2), other_cores=round(max(0.0, cores - idle - own), 2),
+                   steal_cores=round(share * (after[2] - before[2]), 2))
     return out
 
 

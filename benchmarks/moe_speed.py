@@ -457,7 +457,8 @@ def render_markdown(payload: dict) -> str:
             c = x["contention"]
             load = f"{c['loadavg_before'][0]:.2f} / {c['loadavg_after'][0]:.2f}"
             lines.append(f"| {r['repeat'] + 1} | {who} | {x['order'] + 1} | {x['wall_s']:.1f} | {x['cpu_s']:.1f} | "
-                         f"{x['max_rss_mb']:.0f} | {load} | {c.get('other_cores', '-')} |")
+                         f"{x['max_rss_mb']:.0f} | {load} | {c.get('other_cores', '-')}"
+                         + (f" (steal {c['steal_cores']})" if "steal_cores" in c else "") + " |")
     stages = [(r["repeat"], who, r["runs"][who]["child"]) for r in repeats for who in HF_RUNS
               if r["runs"].get(who, {}).get("rc") == 0]
     if stages:
@@ -520,11 +521,19 @@ def where_the_time_goes(payload: dict) -> list[str]:
             f"the targets are {TARGETS['wall'] * mk_wall:.1f} s and {TARGETS['rss'] * mk_rss:.0f} MB. hf_mloss: "
             f"{hf_wall:.1f} s, of which {start:.1f} s before `build_moe` (interpreter, imports, the config's checks), "
             + ", ".join(f"{k} {v:.1f} s" for k, v in stages.items()) + ". The router rows (`gates`" + theirs +
-            ") and the weights (`write`) are what mergekit-moe computes too; the routing report (`routing`: the "
-            "built MoE's forward over every expert's positive prompts) and each expert pair's M-Loss (`mloss`: the "
-            f"dense experts' own forwards in float32) are not, and take {extra:.1f} s together "
+            ") and the weights (`write`) are what mergekit-moe computes too; " + _report_stages(stages) +
+            f", and take {extra:.1f} s together "
             f"({extra / mk_wall:.2f} × mergekit-moe's whole run). The rest of hf_mloss's run took {shared:.1f} s "
             f"({shared / mk_wall:.2f} × mergekit-moe's)."]
+
+
+def _report_stages(stages: dict) -> str:
+    """What the report's stages computed: one pass since round 16, a forward of the dense experts before it."""
+    if "mloss" in stages:
+        return ("the routing report (`routing`: the built MoE's forward over every expert's positive prompts) and "
+                "each expert pair's M-Loss (`mloss`: the dense experts' own forwards in float32) are not")
+    return ("the routing report and each expert pair's M-Loss (`routing`: one pass of the built MoE, read in float32, "
+            "over every expert's positive prompts, the pairs' gaps taken on the inputs it gives its experts) are not")
 
 
 def print_table(payload: dict) -> None:

@@ -349,7 +349,7 @@ def _routing(folder: Path, model: Any, config: MoEConfig, inputs: MoEInputs, dev
     if not prompts:
         return None, None, "the config has no prompts to measure it on (gate_mode random without prompts)"
     store = CheckpointStore(resolve_model(str(folder)), adapter_for(model.config))
-    gaps = ExpertPairGaps(len(config.experts), len(model.get_decoder().layers)) if mloss else None
+    gaps = ExpertPairGaps(len(config.experts)) if mloss else None
     try:
         tokenizer = prompt_tokenizer(load_tokenizer(inputs.base))
         with cpu_workers(device):

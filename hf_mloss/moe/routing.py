@@ -159,13 +159,12 @@ class ExpertPairGaps:
     norm over the layer's nodes, mean over tokens), averaged over the layers, as ``CompatibilityReport.matrix`` gives
     it."""
 
-    def __init__(self, num_experts: int, num_layers: int) -> None:
+    def __init__(self, num_experts: int) -> None:
         from ..engine.compatibility import subset_matrix
 
         self.pairs = list(itertools.combinations(range(num_experts), 2))
         self.matrix = subset_matrix(self.pairs, torch.ones(num_experts))
-        self.num_layers = num_layers
-        self.per_layer: dict[int, Any] = {}
+        self.per_layer: dict[int, Any] = {}  # layer -> its GapSums
 
     def add(self, layer: int, experts: Any, hidden: torch.Tensor) -> None:
         """Add the gaps of ``hidden`` (``[tokens, hidden size]``, the router's input at layer ``layer``) through
