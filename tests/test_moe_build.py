@@ -680,6 +680,44 @@ def test_layer_by_layer_routing_equals_the_whole_moe(llama, qwen_families, famil
     assert torch.equal(one_batch.routing.weights, report.weights)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_each_expert_pairs_mloss_is_the_gap_on_the_moes_expert_inputs(qwen_families, family, tmp_path):
+    """Qwen2-MoE (with its shared expert) and Qwen3-MoE: each pair's M-Loss is the gated node gap of the two experts'
+    average against their mean activation at the router's inputs of the whole MoE (hooks, float64 by hand), the L2
+    norm over the nodes averaged over the tokens read, then over the layers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_mloss.moe.gates import encode, prompt_tokenizer
+
+    base, models = qwen_families[family]
+    config = _config(base, models)
+    if family == "qwen2":
+        config["shared_experts"] = [{"source_model": models[0], "positive_prompts": ["w30 w31"]}]
+    result = build_moe(config, tmp_path / "moe", progress=False)
+    model = AutoModelForCausalLM.from_pretrained(result.path, dtype=torch.float32).eval()
+    tokenizer = prompt_tokenizer(AutoTokenizer.from_pretrained(result.path))
+    captured: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(model.model.layers):
+        layer.post_attention_layernorm.register_forward_hook(lambda m, a, out, i=i: captured.__setitem__(i, out))
+    inputs: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(model.model.layers))}
+    first = 1 if tokenizer.bos_token is not None else 0
+    for prompt in result.routing.prompts:
+        with torch.no_grad():
+            model(**encode(tokenizer, [prompt]), use_cache=False)
+        for i, hidden in captured.items():
+            inputs[i].append(hidden[0, first:])
+    silu = torch.nn.functional.silu
+    for (a, b), value in result.mloss.items():
+        per_layer = []
+        for i, layer in enumerate(model.model.layers):
+            weight, x = layer.mlp.experts.gate_up_proj.detach().double(), torch.cat(inputs[i]).double()
+            (ga, ua), (gb, ub) = ((x @ weight[e].T).chunk(2, dim=-1) for e in (a, b))
+            gap = silu((ga + gb) / 2) * (ua + ub) / 2 - (silu(ga) * ua + silu(gb) * ub) / 2
+            per_layer.append(gap.norm(dim=-1).mean())
+        assert value == pytest.approx(float(torch.stack(per_layer).mean()), rel=1e-5), (a, b)
+    assert len(result.mloss) == 3 and min(result.mloss.values()) > 0
+
+
 def test_layer_by_layer_routing_is_the_whole_batch_forward_exactly(built, tmp_path, monkeypatch):
     """Batched as the report batches its prompts (16), the whole MoE's router inputs give the report's weights and
     token counts bit for bit. Exact because both passes run the same kernels on the same shapes on one thread, so

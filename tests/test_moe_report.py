@@ -161,3 +161,17 @@ def test_a_bfloat16_moe_is_routed_in_float32(llama, tmp_path):
             weights, _ = _route(hidden, layer.mlp.gate.weight, torch.ones(hidden.shape[:2], dtype=torch.bool), 2, True)
             torch.testing.assert_close(report.weights[p, i].float(), weights[0].float(), atol=1e-6, rtol=0)
     assert all(v > 0 for v in result.mloss.values())
+
+
+def test_pair_gaps_of_no_token_are_not_a_value():
+    """Prompts that hold no token past the BOS give the pairs no M-Loss (``None``, which the card explains), never 0."""
+    from types import SimpleNamespace
+
+    from hf_mloss.moe.routing import ExpertPairGaps
+
+    experts = SimpleNamespace(gate_up_proj=torch.randn(3, 8, 4), act_fn=torch.nn.functional.silu)
+    gaps = ExpertPairGaps(3)
+    gaps.add(0, experts, torch.empty(0, 4))
+    assert gaps.values() is None
+    gaps.add(1, experts, torch.randn(5, 4))
+    assert set(gaps.values()) == {(0, 1), (0, 2), (1, 2)} and min(gaps.values().values()) > 0

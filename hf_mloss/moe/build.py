@@ -359,7 +359,10 @@ def _routing(folder: Path, model: Any, config: MoEConfig, inputs: MoEInputs, dev
                                    progress=progress)  # Mixtral and the Qwen MoEs written here renormalise the top k
     finally:
         store.close()
-    return report, None if gaps is None else gaps.values(), None if gaps is not None else "not asked for"
+    if gaps is None:
+        return report, None, "not asked for"
+    values = gaps.values()
+    return report, values, None if values is not None else "the prompts hold no token past the BOS to measure it on"
 
 
 def _recorded(config: MoEConfig, inputs: MoEInputs) -> MoEConfig:

@@ -177,15 +177,17 @@ class ExpertPairGaps:
         if sums is None:
             sums = self.per_layer[layer] = GapSums(len(self.pairs), nodes, per_node=False, device=hidden.device)
         matrix = self.matrix.to(hidden.device)
-        for part in hidden.split(POSITION_CHUNK):
+        for part in hidden.split(POSITION_CHUNK) if hidden.shape[0] else ():
             pre = torch.matmul(part.to(weight.dtype), weight.transpose(1, 2)).float()  # [experts, tokens, 2·nodes]
             gate, up = pre[..., :nodes], pre[..., nodes:]
             sums.add_preactivations(gate, matrix, experts.act_fn, up=up, sources_first=True)
 
-    def values(self) -> dict[tuple[int, int], float]:
-        """``{(i, j): M-Loss}`` for every pair (mean over the layers)."""
+    def values(self) -> dict[tuple[int, int], float] | None:
+        """``{(i, j): M-Loss}`` for every pair (mean over the layers); ``None`` when no token was read."""
         from ..engine.compatibility import subset_scores
 
+        if not any(float(sums.count) for sums in self.per_layer.values()):
+            return None
         layers = torch.stack([subset_scores(self.per_layer[i])["mloss"] for i in sorted(self.per_layer)])
         return {pair: float(layers[:, row].mean()) for row, pair in enumerate(self.pairs)}
 
