@@ -121,9 +121,9 @@ class CheckpointStore(TensorStore):
             )
         self.is_pickle = weights.is_pickle
         self._fused: dict[str, list[tuple[Path, str]]] = {}
-        self._placements: dict[str, dict[str, tuple[Any, ...]] | None] = {}
-        self._part_shapes: dict[str, dict[str, tuple[int, ...]]] = {}
         """A parameter transformers fuses from several checkpoint tensors (MoE experts) → those tensors."""
+        self._placements: dict[str, tuple[dict[str, tuple[Any, ...]] | None, dict[str, tuple[int, ...]]]] = {}
+        """A fused parameter → where each of its tensors lands in it (or None: assembled) and their stored shapes."""
         self.checkpoint_keys: list[str] = []
         """Every key of the weight files as written (the checkpoint's layout, which a merge is saved back in)."""
         self.beyond_config: dict[str, tuple[int, ...]] = {}
@@ -266,19 +266,15 @@ class CheckpointStore(TensorStore):
             return super().read_into(name, out)
         if name not in self._fused:
             return self._read_stored_into(*self._locations[name], shape, dtype, out, name)
-        placement = self._placement(name)  # MoE experts: each per-expert tensor read straight into its place
+        if name not in self._placements:  # MoE experts: each per-expert tensor read straight into its place
+            shapes = {key: tuple(self._handles[file].get_slice(key).get_shape()) for file, key in self._fused[name]}
+            self._placements[name] = (self.adapter.layout.placement(name, shapes), shapes)
+        placement, shapes = self._placements[name]
         if placement is None:
             return super().read_into(name, out)
         for file, key in self._fused[name]:
-            self._read_stored_into(file, key, self._part_shapes[name][key], dtype, out[placement[key]], name)
+            self._read_stored_into(file, key, shapes[key], dtype, out[placement[key]], name)
         return out
-
-    def _placement(self, name: str) -> dict[str, tuple[Any, ...]] | None:
-        if name not in self._placements:
-            self._part_shapes[name] = {key: tuple(self._handles[file].get_slice(key).get_shape())
-                                       for file, key in self._fused[name]}
-            self._placements[name] = self.adapter.layout.placement(name, self._part_shapes[name])
-        return self._placements[name]
 
     def _read_stored_into(self, file: Path, key: str, shape: tuple[int, ...], dtype: torch.dtype, out: torch.Tensor,
                           name: str) -> torch.Tensor:
