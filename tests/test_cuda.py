@@ -3,7 +3,8 @@
 Run where a GPU exists (skipped otherwise; CI has none). Each test runs one path on both devices with the same
 inputs. ``HF_MLOSS_TEST_GPU=cpu`` runs them CPU against CPU, to check the tests themselves on a machine without one. They cover what a GPU run of ``benchmarks/merge_speed.py`` once found broken: the streamed scoring model
 kept buffers built in ``__init__`` (CLIP's ``position_ids``) on the CPU, and the piecewise threshold search built its
-quantile levels on the CPU while the samples were on the GPU.
+quantile levels on the CPU while the samples were on the GPU. The merges written since (WUDI's Adam iterations, CART,
+Singular Value Calibration, Iso-CTS, RegMean++ and `auto` on each model's own data) are checked the same way.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import hf_mloss
 from examples.tiny import save_with_finetunes, tiny_decoder
 from hf_mloss.engine import compatibility as compat_module
-from hf_mloss.merging import driver
+from hf_mloss.merging import merger as tensor_merger
 
 GPU = os.environ.get("HF_MLOSS_TEST_GPU", "cuda")
 pytestmark = pytest.mark.skipif(GPU.startswith("cuda") and not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -38,7 +39,8 @@ def decoder(tmp_path_factory):
 def _close(cpu: dict, cuda: dict, rtol: float = 1e-4, atol: float = 1e-6) -> None:
     assert cpu.keys() == cuda.keys()
     for key in cpu:
-        torch.testing.assert_close(cuda[key].cpu().float(), cpu[key].float(), rtol=rtol, atol=atol, msg=key)
+        torch.testing.assert_close(cuda[key].cpu().float(), cpu[key].float(), rtol=rtol, atol=atol,
+                                   msg=lambda detail, key=key: f"{key}: {detail}")
 
 
 def test_score_streams_the_base_onto_the_gpu(tiny_paths, pixels):
@@ -62,10 +64,31 @@ def test_compatibility_streams_large_tensors_on_the_gpu(tiny_paths, pixels, monk
 
 @pytest.mark.parametrize("method", ["ties", "m_ties"])
 def test_large_tensors_merge_in_pieces_on_the_gpu(decoder, monkeypatch, method):
-    monkeypatch.setattr(driver, "CHUNKED_MIN_NUMEL", 1)  # the embedding (and every tensor) in pieces
+    monkeypatch.setattr(tensor_merger, "CHUNKED_MIN_NUMEL", 1)  # the embedding (and every tensor) in pieces
     base, models = decoder
     ids = torch.randint(0, SHAPE["vocab_size"], (4, 12), generator=torch.Generator().manual_seed(3))
     data = {"input_ids": ids, "attention_mask": torch.ones_like(ids)} if method == "m_ties" else None
     merged = {d: hf_mloss.merge(str(base), [str(m) for m in models], method, data=data, device=d,
                                 progress=False).model.state_dict() for d in ("cpu", GPU)}
     _close(merged["cpu"], merged[GPU], rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("method, params", [("wudi", {}), ("cart", {}), ("tsv_m", {"calibrate": "svc"}),
+                                            ("task_arithmetic", {"calibrate": "svc"}), ("iso_cts", {})])
+def test_data_free_matrix_merges_on_the_gpu(tiny_paths, method, params):
+    base, models = tiny_paths
+    merged = {d: hf_mloss.merge(base, models, method, device=d, progress=False, **params).model.state_dict()
+              for d in ("cpu", GPU)}
+    _close(merged["cpu"], merged[GPU], rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["regmean_plusplus", "auto"])
+def test_each_models_own_data_on_the_gpu(tiny_paths, pixels, method):
+    base, models = tiny_paths
+    entries = [{"model": m, "data": pixels[2 * i:2 * i + 2]} for i, m in enumerate(models)]
+    results = {d: hf_mloss.merge(base, entries, method, device=d, progress=False) for d in ("cpu", GPU)}
+    if method == "auto":  # the same candidate chosen on both devices
+        assert results["cpu"].config.method == results[GPU].config.method
+    # an accelerator forms the Grams' products in float32 (engine.gram.gram_dtypes), the CPU in float64: on one H200
+    # the solve put the two within 3e-5 (2.5e-7 with float64 products there too), weights of scale 2e-2
+    _close(results["cpu"].model.state_dict(), results[GPU].model.state_dict(), rtol=1e-3, atol=5e-5)
