@@ -510,6 +510,18 @@ def test_a_gram_past_its_row_limit_becomes_its_matrix():
     torch.testing.assert_close(held.matrix(), x.T @ x, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("device, capability, product", [
+    ("cpu", None, torch.float64), ("cuda:0", (9, 0), torch.float64), ("cuda", (8, 0), torch.float64),
+    ("cuda:1", (8, 9), torch.float32), ("cuda", (12, 0), torch.float32), ("mps", None, torch.float32)])
+def test_gram_products_are_float64_where_float64_runs_at_least_half_rate(monkeypatch, device, capability, product):
+    from hf_mloss.engine import gram
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: asked.append(d) or capability)
+    assert gram.gram_dtypes(device) == (product, torch.float32 if device == "mps" else torch.float64)
+    assert asked == ([torch.device(device)] if device.startswith("cuda") else [])  # the device the run is on
+
+
 @pytest.fixture(scope="module", params=[64, 128])
 def wide_decoder(request, tmp_path_factory):
     """A decoder whose layers have more input features than the texts have tokens: 128 wide, every Gram is held as
