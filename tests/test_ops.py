@@ -97,6 +97,32 @@ def test_magnitude_threshold_large_tensors_equal_kthvalue(kind: str, keep: float
     assert magnitude_threshold(mag.view(512, 600), m) == mag.kthvalue(n - m + 1).values.item()
 
 
+@pytest.mark.parametrize("keep", [0.01, 0.2, 0.5, 0.9])
+@pytest.mark.parametrize("kind", ["bfloat16_task_vector", "tie_at_target"])
+def test_a_wide_bracket_is_bracketed_again_and_stays_exact(monkeypatch, kind: str, keep: float) -> None:
+    """The magnitudes of a bfloat16 task vector take few distinct values, so the sample's bracket holds many entries:
+    they are bracketed again before any selection (a bracket of one value is that value), with the same exact
+    result as kthvalue."""
+    from hf_mloss.methods import ops
+
+    n = 1 << 22
+    g = torch.Generator().manual_seed(11)
+    if kind == "bfloat16_task_vector":  # θ_p − θ₀ as stored: both rounded to bfloat16
+        base = 0.02 * torch.randn(n, generator=g)
+        mag = ((base + 1e-3 * torch.randn(n, generator=g)).bfloat16().float() - base.bfloat16().float()).abs()
+    else:  # 40 % of the entries on one value, the target among them for most keeps
+        mag = torch.rand(n, generator=g)
+        mag[torch.randperm(n, generator=g)[: 4 * n // 10]] = 0.5
+    calls = []
+    bracketed = ops._bracketed_kth_largest
+    monkeypatch.setattr(ops, "_bracketed_kth_largest",
+                        lambda flat, m, **kw: calls.append(kw.get("shrink")) or bracketed(flat, m, **kw))
+    m = keep_count(n, keep)
+    assert magnitude_threshold(mag, m) == mag.kthvalue(n - m + 1).values.item()
+    if kind == "bfloat16_task_vector" and keep in (0.2, 0.5):  # the first bracket holds ≥ 2^18 entries there
+        assert calls[0] is None and calls[1] is not None  # bracketed again
+
+
 def test_magnitude_threshold_hand_values() -> None:
     mag = torch.tensor([0.5, 3.0, 1.0, 2.0])
     assert magnitude_threshold(mag, 1) == 3.0

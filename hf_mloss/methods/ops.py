@@ -51,14 +51,15 @@ _BRACKET_MIN_NUMEL = 1 << 18
 _BRACKET_SAMPLE = 1 << 14
 
 
-def _bracketed_kth_largest(flat: torch.Tensor, m: int) -> float | None:
+def _bracketed_kth_largest(flat: torch.Tensor, m: int, *, shrink: int | None = None) -> float | None:
     """The exact m-th largest entry of ``flat``, found by selecting only inside a bracket estimated from a sample.
 
     A seeded sample of 16 k entries gives quantiles ``lo ≤ hi`` around the target (±5 standard errors). Counting the
     entries above ``hi`` and selecting among the few in ``[lo, hi]`` is exact whenever the target lies in the bracket,
     which both counts prove; otherwise ``None`` (the caller falls back to a full ``kthvalue``). Measured on a
     768×3072 task vector (k = 0.2, 1 thread): 9 ms against 18-22 ms for ``kthvalue`` on the whole tensor, which is
-    single-threaded and copies its input.
+    single-threaded and copies its input. ``shrink``: ``None`` as well unless the bracket holds under half of this
+    many entries (a bracket of a bracket, :func:`_kth_smallest`, must make progress).
     """
     n = flat.numel()
     generator = torch.Generator(device=flat.device).manual_seed(n)
@@ -72,6 +73,10 @@ def _bracketed_kth_largest(flat: torch.Tensor, m: int) -> float | None:
         return None
     rank = m - above  # the target is the rank-th largest entry of the bracket
     if rank > inside.numel():
+        return None
+    if lo == hi:  # every entry of the bracket is this one value
+        return lo
+    if shrink is not None and 2 * inside.numel() > shrink:
         return None
     return _kth_smallest(inside, inside.numel() - rank + 1)
 
@@ -112,9 +117,16 @@ def _numpy_ready(tensor: torch.Tensor) -> bool:
 
 def _kth_smallest(values: torch.Tensor, k: int) -> float:
     """The ``k``-th smallest entry (1-based) of a flat tensor of finite values: ``kthvalue``'s value, found on CPU
-    by NumPy's selection (a 1.4 M-entry bracket: 1.7 ms against 23 ms)."""
+    by NumPy's selection (a 1.4 M-entry bracket: 1.7 ms against 23 ms). A large one is bracketed again first: the
+    magnitudes of bfloat16 task vectors take few distinct values, so a sample's bracket holds more of them (1.0 M
+    entries of a 13.8 M-entry task vector of Qwen2.5-1.5B's shape, where the selection alone took 24 ms)."""
     if not _numpy_ready(values):
         return values.kthvalue(k).values.item()
+    n = values.numel()
+    if n >= _BRACKET_MIN_NUMEL:
+        value = _bracketed_kth_largest(values, n - k + 1, shrink=n)
+        if value is not None:
+            return value
     return float(numpy.partition(values.detach().numpy(), k - 1)[k - 1])
 
 
