@@ -226,3 +226,22 @@ def test_register_adapter_validates_names():
     with pytest.raises(KeyError, match="already registered"):
         register_adapter(Clash)
     assert "clip_vision" in hf_mloss.list_adapters()
+
+
+def test_models_load_with_transformers_own_modules(tiny_paths, monkeypatch):
+    """transformers swaps Hub kernels into the modules it loads, by default from 5.25 on: hf_mloss asks for its own
+    modules (the scoring hooks read their inputs), for the merged model and for each tower it loads."""
+    from transformers import PreTrainedModel
+
+    asked, original = [], PreTrainedModel.from_pretrained.__func__
+
+    def from_pretrained(cls, *args, **kwargs):
+        asked.append(kwargs.get("use_kernels"))
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(from_pretrained))
+    base, models = tiny_paths
+    result = hf_mloss.merge(base, models, "ties", progress=False)
+    assert not getattr(result.model, "use_kernels", False)
+    adapter_for(CLIPVisionModel.config_class.from_pretrained(base)).load_model(base)
+    assert asked and all(flag is False for flag in asked)

@@ -204,8 +204,11 @@ class ModelAdapter(ABC):
 
     # ----------------------------------------------------------------- loading and saving
     def load_model(self, path: str, *, dtype: torch.dtype | None = None, **kwargs: Any) -> PreTrainedModel:
-        """Load the tower class from a resolved local folder (never running code from the folder)."""
-        model = self.model_class.from_pretrained(path, dtype=dtype or "auto", trust_remote_code=False, **kwargs)
+        """Load the tower class from a resolved local folder (never running code from the folder), with transformers'
+        own modules: no Hub kernels swapped in (transformers 5.25 does by default), since the scoring hooks read
+        those modules' inputs and outputs."""
+        model = self.model_class.from_pretrained(path, dtype=dtype or "auto", trust_remote_code=False,
+                                                 use_kernels=False, **kwargs)
         return model.eval()
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -228,7 +231,7 @@ class ModelAdapter(ABC):
         from ..errors import IncompatibleCheckpointsError
 
         cls = self.output_class(output)
-        model, info = cls.from_pretrained(path, dtype=dtype or "auto", trust_remote_code=False,
+        model, info = cls.from_pretrained(path, dtype=dtype or "auto", trust_remote_code=False, use_kernels=False,
                                           output_loading_info=True, **kwargs)
         broken = [*(k for k in info.get("missing_keys", ()) if self.canonical_key(k) not in allow_missing),
                   *[k for k, *_ in info.get("mismatched_keys", ())]]

@@ -27,14 +27,15 @@ from ..loading.store import TensorStore
 def skeleton(folder: str | Path, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
     """The causal LM of ``folder`` as ``AutoModelForCausalLM.from_pretrained(folder, **kwargs)`` builds it, on the
     ``meta`` device (no weight read), and transformers' loading report (``missing_keys``, ``unexpected_keys``,
-    ``mismatched_keys``): the checkpoint's keys and shapes checked against the class by transformers itself."""
+    ``mismatched_keys``): the checkpoint's keys and shapes checked against the class by transformers itself. No Hub
+    kernels (transformers 5.25 swaps them in by default, and fails to on the meta device)."""
     from transformers import AutoModelForCausalLM
 
     from .._logging import quiet_transformers
 
     with quiet_transformers(True):
         model, info = AutoModelForCausalLM.from_pretrained(folder, device_map="meta", output_loading_info=True,
-                                                           **kwargs)
+                                                           use_kernels=False, **kwargs)
     return model.eval(), info
 
 

@@ -124,7 +124,7 @@ class SpilledWeights:
         write_config(self.skeleton, self.folder, None)
         dtype = next(self.skeleton.parameters()).dtype
         with quiet_transformers(True):
-            return type(self.skeleton).from_pretrained(self.folder, dtype=dtype).eval()
+            return type(self.skeleton).from_pretrained(self.folder, dtype=dtype, use_kernels=False).eval()
 
 
 def write_config(model: PreTrainedModel, folder: Path, base_path: str | None) -> None:
