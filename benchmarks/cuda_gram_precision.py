@@ -12,6 +12,8 @@ products became float64 on data-centre GPUs; ``hf_mloss.engine.gram.FULL_RATE_FL
 
 from __future__ import annotations
 
+import tempfile
+
 import torch
 
 import hf_mloss
@@ -21,7 +23,7 @@ from hf_mloss.engine import gram, walk
 
 def main() -> None:
     print("tf32 matmul", torch.backends.cuda.matmul.allow_tf32, "cudnn", torch.backends.cudnn.allow_tf32, flush=True)
-    base, models = make_tiny_setup("/tmp/cuda_gram_precision", q=3, seed=0)
+    base, models = make_tiny_setup(tempfile.mkdtemp(prefix="cuda_gram_precision_"), q=3, seed=0)
     base, models = str(base), [str(m) for m in models]
     pixels = torch.rand(6, 3, 32, 32, generator=torch.Generator().manual_seed(0))
 
