@@ -1173,6 +1173,13 @@ class Plan:
             return self.args.timeout
         return max(0.0, min(self.args.timeout, self.deadline - time.monotonic()))
 
+    def inputs_timeout(self) -> float:
+        """How long creating the inputs may take: what is left of ``--budget``, else no limit. Not ``--timeout``:
+        writing a 7B fixture (three 13.5 GB checkpoints) outlasts any one merge's timeout."""
+        if self.deadline is None:
+            return math.inf
+        return max(0.0, self.deadline - time.monotonic())
+
     @property
     def outs(self) -> Path:
         return self.work / "out"
@@ -1206,7 +1213,7 @@ def create_inputs(plan: Plan) -> None:
     args = plan.args
     spec = dict(name="setup", kind="setup", device=args.device, cache=str(Path(args.cache).resolve()),
                 shape=args.shape, layers=args.layers, q=args.q, num_samples=args.num_samples, seq_len=args.seq_len)
-    setup = run_child(spec, plan.work, args.timeout)
+    setup = run_child(spec, plan.work, plan.inputs_timeout())
     if "error" in setup:
         raise SystemExit(f"creating the inputs failed: {setup['error']}")
     info = setup["child"]

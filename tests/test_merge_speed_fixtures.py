@@ -74,6 +74,24 @@ def test_budget_cuts_timeouts_and_skips_runs_once_spent(tmp_path, monkeypatch) -
     assert plan.run_timeout() == 100
 
 
+def test_creating_the_inputs_is_bounded_by_the_budget_not_by_one_runs_timeout(tmp_path, monkeypatch) -> None:
+    """Writing a large fixture may outlast ``--timeout`` (one merge's limit): only ``--budget`` bounds it, and without
+    a budget nothing does."""
+    limits = []
+
+    def fake_child(spec, work, timeout, **kwargs):
+        limits.append(timeout)
+        return {"error": "stop here"}
+
+    monkeypatch.setattr(merge_speed, "run_child", fake_child)
+    for extra, expected in ((["--budget", "500"], lambda t: 498 < t <= 500), ([], lambda t: t == float("inf"))):
+        args = merge_speed.parse_args(["--shape", "tiny", "--skip-peers", "--methods", "read", "--timeout", "10",
+                                       "--cache", str(tmp_path), "--results-dir", str(tmp_path / "res"), *extra])
+        with pytest.raises(SystemExit, match="creating the inputs failed: stop here"):
+            merge_speed.create_inputs(merge_speed.make_plan(args))
+        assert expected(limits[-1]), limits[-1]
+
+
 def test_svd_floor_counts_exact_tsv_m_eigenproblems() -> None:
     """Per 2-D tensor m × n with k = ⌊min(m, n)/q⌋ > 0: q problems of size min(m, n), then the two polar factors'
     min(m, q·k) and min(q·k, n). Vectors, 4-D kernels and matrices too thin to keep a component take none."""
