@@ -119,7 +119,7 @@ def _log(msg: str) -> None:
 # ============================================================================================ child side
 def child_main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
-    result = {"setup": setup_main, "hf_mloss": hf_main, "parity": parity_main}[spec["kind"]](spec)
+    result = {"setup": setup_main, "hf_mloss": hf_main, "parity": parity_main, "floors": floors_main}[spec["kind"]](spec)
     Path(spec["result"]).write_text(json.dumps(result, indent=2))
     return 0
 
@@ -187,6 +187,50 @@ def setup_main(spec: dict) -> dict:
                                                               "mean": round(sum(lengths) / len(lengths), 1)},
                    "params": {"dense_expert": info["num_params"], "expert_mlp": mlp,
                               "moe_total": rest + gates * mlp + layers * router * info["config"]["hidden_size"]}}
+
+
+
+def floors_main(spec: dict) -> dict:
+    """What any tool that builds this MoE pays on this machine, measured here: starting an interpreter that imports
+    torch, transformers and the base's model class (a fresh process); writing the MoE's bytes into a new file beside
+    the outputs, from one buffer already in memory (no reading, no check: below any real write); and the float32
+    products the report's expert-pair M-Loss cannot skip (every expert's fused gate and up projection at every layer
+    and report position, :class:`hf_mloss.moe.routing.ExpertPairGaps`' own ``matmul``), on torch's threads."""
+    import subprocess
+
+    import torch
+
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch, transformers; from transformers import Qwen2ForCausalLM"],
+                   check=True, capture_output=True)
+    imports_s = time.perf_counter() - start
+
+    nbytes, chunk = int(spec["write_bytes"]), 64 << 20
+    buffer = torch.randint(0, 256, (chunk,), dtype=torch.uint8).numpy()
+    path = Path(spec["out"]) / "floor.bin"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        done = 0
+        while done < nbytes:
+            done += os.write(fd, memoryview(buffer)[: min(chunk, nbytes - done)])
+    finally:
+        os.close(fd)
+    write_s = time.perf_counter() - start
+    path.unlink()
+
+    experts, hidden, inter, layers, positions = (int(spec[k]) for k in
+                                                 ("experts", "hidden", "intermediate", "layers", "positions"))
+    weight = torch.randn(experts, 2 * inter, hidden, dtype=torch.float32)
+    tokens = torch.randn(positions, hidden, dtype=torch.float32)
+    torch.matmul(tokens, weight.transpose(1, 2))  # warm-up: the allocator and the kernels' first call
+    start = time.perf_counter()
+    for _ in range(layers):
+        torch.matmul(tokens, weight.transpose(1, 2))
+    gemm_s = time.perf_counter() - start
+    return {"imports_s": imports_s, "write_bytes": nbytes, "write_s": write_s, "pair_gemm_s": gemm_s,
+            "pair_gemm_flop": 2 * layers * experts * positions * hidden * 2 * inter, "threads": torch.get_num_threads()}
 
 
 class RssSampler(ms.Poller):
@@ -350,6 +394,7 @@ def run_repeat(args, setup: dict, work: Path, repeat: int) -> dict:
     for who in order:
         out = work / "out" / who
         shutil.rmtree(out, ignore_errors=True)  # never timed: neither tool deletes an earlier output in its run
+        os.sync()  # the previous run's written pages reach the disk before this run writes (else it pays for them)
         _log(f"[run {repeat + 1}] {who} ...")
         if who in HF_RUNS:
             spec = {"name": f"{who}.r{repeat}", "kind": "hf_mloss", "config": setup["config_path"],
@@ -363,9 +408,23 @@ def run_repeat(args, setup: dict, work: Path, repeat: int) -> dict:
                                                f"wall {res['wall_s']:.1f} s, CPU {res['cpu_s']:.1f} s, peak RSS "
                                                f"{res['max_rss_mb']:.0f} MB, other cores "
                                                f"{res['contention'].get('other_cores')}"))
-    return {"repeat": repeat, "order": order, "runs": runs,
+    os.sync()
+    floors = measured(run_job, floors_spec(setup, runs, work, repeat), work, args.timeout)
+    _log(f"[run {repeat + 1}] floors: " + (floors.get("error") or json.dumps(floors.get("child"))))
+    return {"repeat": repeat, "order": order, "runs": runs, "floors": floors.get("child"),
             "ratios": {who: ratios(runs.get(who, {}), runs.get("mergekit", {}), targets=RUN_TARGETS.get(who, {}))
                        for who in HF_RUNS if who in runs}}
+
+
+def floors_spec(setup: dict, runs: dict, work: Path, repeat: int) -> dict:
+    """The :func:`floors_main` job of a repeat: the MoE's bytes (bf16) and the report's shape (its positions as
+    this repeat's default run read them; every prompt token when it did not run)."""
+    cfg = setup["config"]
+    report = (runs.get("hf_mloss", {}).get("child") or {}).get("report_positions")
+    return {"name": f"floors.r{repeat}", "kind": "floors", "out": str(work / "out" / "floors"),
+            "write_bytes": setup["params"]["moe_total"] * 2, "experts": len(setup["recipe"]["experts"]),
+            "hidden": cfg["hidden_size"], "intermediate": cfg["intermediate_size"],
+            "layers": cfg["num_hidden_layers"], "positions": report[0] if report else 256}
 
 
 def ratios(hf: dict, mk: dict, *, targets: dict) -> dict:
@@ -473,6 +532,7 @@ def render_markdown(payload: dict) -> str:
                      if k in child["stages_s"] else "-" for k in names]
             lines.append(f"| {repeat + 1} | {who} | {child['before_build_s']:.1f} s | " + " | ".join(cells) +
                          f" | {child['vmhwm_mb']:.0f} |")
+    lines += floors_section(payload)
     p = payload.get("parity")
     if p:
         lines += ["", "## The two outputs", "",
@@ -487,6 +547,56 @@ def render_markdown(payload: dict) -> str:
     if payload.get("notes"):
         lines += ["", "## Notes", "", *payload["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def repeat_floors(r: dict) -> dict | None:
+    """One repeat's floors in seconds: ``build`` (imports + the faster tool's prompt pass + the write) and
+    ``default`` (``build`` + the report's pair products), beside the targets and hf_mloss's walls."""
+    f, runs = r.get("floors"), r["runs"]
+    mk, hf, alone = runs.get("mergekit", {}), runs.get("hf_mloss", {}), runs.get("hf_mloss_no_report", {})
+    if not f or mk.get("rc") != 0:
+        return None
+    passes = [x["child"]["stages_s"]["gates"] for x in (hf, alone) if x.get("rc") == 0]
+    passes += [mk["prompt_pass_s"]] if mk.get("prompt_pass_s") is not None else []
+    prompt = min(passes) if passes else 0.0
+    build = f["imports_s"] + prompt + f["write_s"]
+    return {"prompt": prompt, "build": build, "default": build + f["pair_gemm_s"], "mergekit": mk["wall_s"],
+            "hf": hf.get("wall_s") if hf.get("rc") == 0 else None,
+            "alone": alone.get("wall_s") if alone.get("rc") == 0 else None}
+
+
+def floors_section(payload: dict) -> list[str]:
+    """The floors each repeat measured (``floors_main``), the targets in seconds against them, and hf_mloss's walls
+    over the floors (the ratios a target below its floor is restated as)."""
+    rows = [(r, repeat_floors(r)) for r in payload["repeats"]]
+    rows = [(r, x) for r, x in rows if x]
+    if not rows:
+        return []
+    f0 = rows[0][0]["floors"]
+    lines = ["", "## Floors", "",
+             "Measured after each repeat, in a process of their own, after the written pages had reached the disk: "
+             "`imports`, a fresh interpreter importing torch, transformers and the base's model class; `write`, "
+             f"{f0['write_bytes'] / 1e9:.2f} GB (the MoE in bf16) written into a new file beside the outputs from "
+             "one buffer already in memory (nothing read, nothing checked); `pair products`, the float32 products "
+             "the expert-pair M-Loss cannot skip (every expert's gate and up projections at every layer and "
+             f"report position: {f0['pair_gemm_flop'] / 1e9:.0f} GFLOP) on {f0['threads']} threads. `prompt pass`: "
+             "the faster of the two tools' own (hf_mloss's `gates` stage, mergekit-moe's progress bar). The build "
+             "floor is imports + prompt pass + write, what building this MoE costs any tool here before it reads a "
+             "source; the default run's adds the pair products. Each run starts after the previous one's pages "
+             "reached the disk (`sync`).", "",
+             "| run | imports s | prompt pass s | write s | pair products s | build floor s | default floor s | "
+             "mergekit-moe s | 0.5 × mergekit-moe (build target) | 1.0 × (default target) | build alone / its "
+             "floor | default run / its floor |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r, x in rows:
+        f = r["floors"]
+        alone = f"{x['alone'] / x['build']:.3f}" if x["alone"] else "-"
+        default = f"{x['hf'] / x['default']:.3f}" if x["hf"] else "-"
+        lines.append(f"| {r['repeat'] + 1} | {f['imports_s']:.1f} | {x['prompt']:.1f} | {f['write_s']:.1f} | "
+                     f"{f['pair_gemm_s']:.1f} | {x['build']:.1f} | {x['default']:.1f} | {x['mergekit']:.1f} | "
+                     f"{0.5 * x['mergekit']:.1f}{' (below the floor)' if 0.5 * x['mergekit'] < x['build'] else ''} | "
+                     f"{x['mergekit']:.1f}{' (below the floor)' if x['mergekit'] < x['default'] else ''} | "
+                     f"{alone} | {default} |")
+    return lines
 
 
 def _changes(dirty: list[str] | bool | None) -> str:

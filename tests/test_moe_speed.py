@@ -71,3 +71,26 @@ def test_mergekits_prompt_pass_is_read_from_its_progress_bar(tmp_path) -> None:
     assert moe_speed.prompt_pass_seconds(log) == 63
     log.write_text("no bar")
     assert moe_speed.prompt_pass_seconds(log) is None
+
+
+def test_the_floors_say_which_targets_no_tool_could_meet() -> None:
+    floors = {"imports_s": 3.0, "write_s": 5.0, "write_bytes": 3_500_000_000, "pair_gemm_s": 2.5,
+              "pair_gemm_flop": 4e11, "threads": 2}
+    runs = {"hf_mloss": _run(30.0, 45.0, 900.0) | {"child": {"stages_s": {"gates": 3.6}}},
+            "hf_mloss_no_report": _run(19.0, 24.0, 700.0) | {"child": {"stages_s": {"gates": 4.0}}},
+            "mergekit": _run(14.0, 17.0, 3800.0) | {"prompt_pass_s": 3}}
+    x = moe_speed.repeat_floors({"repeat": 0, "runs": runs, "floors": floors})
+    assert x["prompt"] == 3 and x["build"] == 11.0 and x["default"] == 13.5  # the faster tool's prompt pass
+    lines = "\n".join(moe_speed.floors_section({"repeats": [{"repeat": 0, "runs": runs, "floors": floors}]}))
+    assert "| 1 | 3.0 | 3.0 | 5.0 | 2.5 | 11.0 | 13.5 | 14.0 | 7.0 (below the floor) | 14.0 | 1.727 | 2.222 |" in lines
+    assert "3.50 GB" in lines and "400 GFLOP" in lines
+    assert moe_speed.repeat_floors({"repeat": 0, "runs": runs, "floors": None}) is None
+
+
+def test_the_floors_job_measures_each_floor(tmp_path) -> None:
+    spec = {"out": str(tmp_path / "floors"), "write_bytes": (64 << 20) + 5, "experts": 2, "hidden": 8,
+            "intermediate": 16, "layers": 3, "positions": 4}
+    out = moe_speed.floors_main(spec)
+    assert out["imports_s"] > 0 and out["write_s"] > 0 and out["pair_gemm_s"] > 0
+    assert out["write_bytes"] == (64 << 20) + 5 and out["pair_gemm_flop"] == 2 * 3 * 2 * 4 * 8 * 2 * 16
+    assert not (tmp_path / "floors" / "floor.bin").exists()  # nothing is left beside the outputs
