@@ -26,7 +26,10 @@ Examples::
     python benchmarks/moe_speed.py --repeats 2                      # the record: full depth, 4 experts
     python benchmarks/moe_speed.py --layers 2 --repeats 1 --tag smoke
 
-Internal: ``python benchmarks/moe_speed.py --child SPEC.json`` runs one job (setup, hf_mloss, parity).
+After each repeat a ``floors`` job measures what any tool pays here to build this MoE (imports, the write of its
+bytes, the report's pair products), which the record sets against the targets.
+
+Internal: ``python benchmarks/moe_speed.py --child SPEC.json`` runs one job (setup, hf_mloss, parity, floors).
 """
 
 from __future__ import annotations
@@ -119,7 +122,8 @@ def _log(msg: str) -> None:
 # ============================================================================================ child side
 def child_main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
-    result = {"setup": setup_main, "hf_mloss": hf_main, "parity": parity_main, "floors": floors_main}[spec["kind"]](spec)
+    jobs = {"setup": setup_main, "hf_mloss": hf_main, "parity": parity_main, "floors": floors_main}
+    result = jobs[spec["kind"]](spec)
     Path(spec["result"]).write_text(json.dumps(result, indent=2))
     return 0
 
@@ -189,7 +193,6 @@ def setup_main(spec: dict) -> dict:
                               "moe_total": rest + gates * mlp + layers * router * info["config"]["hidden_size"]}}
 
 
-
 def floors_main(spec: dict) -> dict:
     """What any tool that builds this MoE pays on this machine, measured here: starting an interpreter that imports
     torch, transformers and the base's model class (a fresh process); writing the MoE's bytes into a new file beside
@@ -212,13 +215,15 @@ def floors_main(spec: dict) -> dict:
     start = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        done = 0
-        while done < nbytes:
-            done += os.write(fd, memoryview(buffer)[: min(chunk, nbytes - done)])
+        try:
+            done = 0
+            while done < nbytes:
+                done += os.write(fd, memoryview(buffer)[: min(chunk, nbytes - done)])
+        finally:
+            os.close(fd)
+        write_s = time.perf_counter() - start
     finally:
-        os.close(fd)
-    write_s = time.perf_counter() - start
-    path.unlink()
+        path.unlink()  # also when the write failed (a full disk): nothing is left beside the outputs
 
     experts, hidden, inter, layers, positions = (int(spec[k]) for k in
                                                  ("experts", "hidden", "intermediate", "layers", "positions"))
