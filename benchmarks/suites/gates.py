@@ -91,8 +91,16 @@ def premise_gate(results: Sequence[ReplicateResult], merges: Sequence[str], fami
     """G6 (see the module docstring): ensemble − best merge on val, per replicate, its mean and 95 % t interval;
     ``family``: the merges are one family (``"TIES family"``), named in the gate."""
     ensemble = ensemble_row(results)
-    top = max(merges, key=lambda label: val_mean(results, label))
-    per = [e - m for e, m in zip(val_means(results, ensemble), val_means(results, top))]
+    return premise_gate_of({label: val_means(results, label) for label in (ensemble, *merges)}, ensemble, merges,
+                           family)
+
+
+def premise_gate_of(per_seed: dict[str, Sequence[float]], ensemble: str, merges: Sequence[str],
+                    family: str = "") -> Gate:
+    """:func:`premise_gate` from each replicate's val means (``per_seed``: label → one value per replicate, in
+    points, as records keep them): what a record joined from runs on other seeds recomputes."""
+    top = max(merges, key=lambda label: float(np.mean(per_seed[label])))
+    per = [e - m for e, m in zip(per_seed[ensemble], per_seed[top])]
     mean = float(np.mean(per))
     low, high, _ = replicate_t(tuple(per), R.LEVEL)
     passed = mean >= PREMISE_MARGIN and low is not None and low > 0

@@ -343,8 +343,6 @@ def measure_round5(cfg, cache: Path, log, parts: Sequence[str], *, version: str 
     ``report``, every verdict of the suite protocol. ``learned``: the learned part's rows in groups, each group a
     methods-only run cached on its own, so groups measured by separate runs join one record; ``learned_own``: the
     same for that part's rows. ``own``: the own-data parts' images per task (:func:`round5_specs`)."""
-    from benchmarks.suites.gates import TIES_FAMILY, premise_gate, val_mean, val_means
-    from benchmarks.suites.protocol import TUNED_ENSEMBLE
     from benchmarks.suites.real import build_real_suite
 
     if parts[0] != "base":
@@ -368,10 +366,24 @@ def measure_round5(cfg, cache: Path, log, parts: Sequence[str], *, version: str 
     if report is not None:
         header_versions = {"code_version": ", ".join(dict.fromkeys(v for vs in versions.values() for v in vs))}
         verdicts(bench, specs, results, report, header_versions, log, design="r5")
+    autos = [s.label for s in specs if s.method == "auto"]
+    learned_labels = {s.label for part, run in runs if part in ("learned", "learned_own") for s in run}
+    lever = {"tasks": list(cfg.tasks), "q": len(cfg.tasks), "wise": cfg.wise, "design": "r5",
+             "trained_blocks": cfg.num_layers - cfg.frozen, "steps": cfg.ft_steps, "parts": list(parts),
+             "code_versions": versions}
+    return round5_row(results, merges, lever, autos=autos, learned=learned_labels)
+
+
+def round5_row(results: Sequence, merges: Sequence[str], lever: dict, *, autos: Sequence[str] = (),
+               learned: Sequence[str] = ()) -> dict:
+    """A lever's record row from its replicates: ``lever``'s keys, then every reference row and merge of ``merges``
+    on val (mean and per seed) and test (per seed and mean), what each seed chose, both G6 gates, and each ``auto``
+    row's regret against the merges that are neither ``autos`` nor ``learned`` rows."""
+    from benchmarks.suites.gates import TIES_FAMILY, premise_gate, val_mean, val_means
+    from benchmarks.suites.protocol import TUNED_ENSEMBLE
+
     family = [m for m in TIES_FAMILY if m in merges]
-    row: dict = {"tasks": list(cfg.tasks), "q": len(cfg.tasks), "wise": cfg.wise, "design": "r5",
-                 "trained_blocks": cfg.num_layers - cfg.frozen, "steps": cfg.ft_steps, "parts": list(parts),
-                 "code_versions": versions}
+    row: dict = dict(lever)
     for label in ("pretrained heads", "fine-tuned (own task)", "ensemble (probabilities)", TUNED_ENSEMBLE, *merges):
         row[label] = val_mean(results, label)
         row.setdefault("per_seed", {})[label] = val_means(results, label)
@@ -380,12 +392,12 @@ def measure_round5(cfg, cache: Path, log, parts: Sequence[str], *, version: str 
     row["chosen"] = {m: [r.methods[m]["chosen"] for r in results] for m in merges}
     row["g6_gate"] = premise_gate(results, merges).to_dict()
     row["g6_gate_ties_family"] = premise_gate(results, family, "TIES family").to_dict()
-    row["test"] = {label: 100 * float(np.mean([np.mean(list(
-        (r.reference[label] if label in r.reference else r.methods[label])["test"].values())) for r in results]))
-        for label in ("fine-tuned (own task)", "ensemble (probabilities)", TUNED_ENSEMBLE, *merges)}
-    autos = [s.label for s in specs if s.method == "auto"]
-    learned_labels = {s.label for part, run in runs if part in ("learned", "learned_own") for s in run}
-    others = [m for m in merges if m not in autos and m not in learned_labels]
+    tested = ("fine-tuned (own task)", "ensemble (probabilities)", TUNED_ENSEMBLE, *merges)
+    row["per_seed_test"] = {label: [100 * float(np.mean(list(
+        (r.reference[label] if label in r.reference else r.methods[label])["test"].values()))) for r in results]
+        for label in tested}  # kept per seed so that records measured on other seeds join (benchmarks.suites.join)
+    row["test"] = {label: float(np.mean(row["per_seed_test"][label])) for label in tested}
+    others = [m for m in merges if m not in autos and m not in learned]
     if "auto" in merges:
         row["auto_regret"] = auto_regret(results, others)
     if len(autos) > ("auto" in merges):  # auto with each task's own data: against the same merges
@@ -523,8 +535,8 @@ def write(rows: Sequence[dict], table: Path | None, command: str, seeds: Sequenc
         table.parent.mkdir(parents=True, exist_ok=True)
         table.with_suffix(".md").write_text(text)
         table.with_suffix(".json").write_text(json.dumps(
-            {"command": command, "machine": machine, "seconds": round(seconds, 1), "seeds": list(seeds),
-             "rows": rows}, indent=1, default=float) + "\n")
+            {**(extra or {}), "command": command, "machine": machine, "seconds": round(seconds, 1),
+             "seeds": list(seeds), "rows": rows}, indent=1, default=float) + "\n")
     return text
 
 
@@ -535,16 +547,18 @@ def _choice(chose: dict | None) -> str:
     return f"{chose['method']} ({parameters})" if parameters else chose["method"]
 
 
-def write_r5(rows: Sequence[dict], table: Path | None, command: str, seeds: Sequence[int], load: tuple,
-             threads: int, seconds: float) -> str:
+def write_r5(rows: Sequence[dict], table: Path | None, command: str, seeds: Sequence[int], load: tuple = (),
+             threads: int = 0, seconds: float = 0.0, *, machine: str | None = None, extra: dict | None = None) -> str:
     """Round 5's lever table (val and test of every row, G6 against every merge and against the TIES family) as
-    Markdown (returned), and to ``table``.md / .json when given."""
+    Markdown (returned), and to ``table``.md / .json when given. ``machine``: what measured it, when not this machine
+    with ``threads`` and the load averages ``load`` (a joined record names its sources'); ``extra``: more keys
+    for the JSON, first."""
     import torch
 
     from benchmarks.suites.protocol import TUNED_ENSEMBLE
 
-    machine = (f"{os.cpu_count()} CPU cores, {threads} torch threads, torch {torch.__version__}, load average "
-               f"{load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
+    machine = machine or (f"{os.cpu_count()} CPU cores, {threads} torch threads, torch {torch.__version__}, load "
+                          f"average {load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
     lines = ["# Round 5's design at each lever: every row, and G6 against the merges", "",
              (f"Command: `{command}`. {machine}. {seconds:.0f} s. Image suite (DINOv2-S at 98 px), fine-tuning "
               f"seed(s) {list(seeds)}; accuracy in %, each merge at its own setting chosen on val "
@@ -577,8 +591,8 @@ def write_r5(rows: Sequence[dict], table: Path | None, command: str, seeds: Sequ
         table.parent.mkdir(parents=True, exist_ok=True)
         table.with_suffix(".md").write_text(text)
         table.with_suffix(".json").write_text(json.dumps(
-            {"command": command, "machine": machine, "seconds": round(seconds, 1), "seeds": list(seeds),
-             "rows": rows}, indent=1, default=float) + "\n")
+            {**(extra or {}), "command": command, "machine": machine, "seconds": round(seconds, 1),
+             "seeds": list(seeds), "rows": rows}, indent=1, default=float) + "\n")
     return text
 
 
