@@ -90,6 +90,7 @@ def test_a_record_without_per_seed_test_still_joins_its_test_means(tmp_path):
     (lambda r: r["rows"][0].update(steps=1440), "'steps'"),
     (lambda r: r["rows"][0]["chosen"].pop("ties"), "different rows"),
     (lambda r: r.update(protocol="v6"), "different protocols"),
+    (lambda r: r["rows"][0].update(design="r6"), "only round 5's lever records join"),
 ])
 def test_records_that_do_not_belong_together_are_refused(tmp_path, change, message):
     first, second = record_of([0, 1], tmp_path, "first"), record_of([2], tmp_path, "second")

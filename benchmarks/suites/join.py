@@ -36,6 +36,8 @@ def join_records(records: Sequence[dict]) -> dict:
         raise ValueError(f"the records share seeds ({seeds}): a seed joins once")
     if len({r.get("protocol") for r in records}) != 1:
         raise ValueError(f"the records were made under different protocols: {[r.get('protocol') for r in records]}")
+    if designs := sorted({row.get("design", "?") for r in records for row in r["rows"]} - {"r5"}):
+        raise ValueError(f"only round 5's lever records join (design 'r5'); got rows of design {designs}")
     if len({len(r["rows"]) for r in records}) != 1:
         raise ValueError("the records hold different numbers of levers")
     rows = [join_rows([r["rows"][i] for r in records], [len(r["seeds"]) for r in records])
