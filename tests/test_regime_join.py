@@ -109,5 +109,5 @@ def test_the_command_writes_the_joined_record_naming_its_sources(tmp_path, capsy
     assert [s["record"] for s in written["joined_from"]] == ["first", "second"]
     assert written["command"] == "python -m benchmarks.suites.join second.json first.json"
     text = (tmp_path / "joined.md").read_text()
-    assert "joined from first (seeds [0, 1]: `measured first`, machine of first); second" in text
+    assert "Joined from first (seeds [0, 1]: `measured first`, machine of first); second" in text
     assert capsys.readouterr().out == text + "\n"  # the table is printed too

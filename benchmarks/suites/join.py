@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     joined = join_records(sources)
     names = {id(s): path.stem for s, path in zip(sources, args.records)}
     ordered = sorted(sources, key=lambda r: min(r["seeds"]))
-    machine = "joined from " + "; ".join(
+    machine = "Joined from " + "; ".join(
         f"{names[id(s)]} (seeds {s['seeds']}: `{s['command']}`, {s['machine']})" for s in ordered)
     command = "python -m benchmarks.suites.join " + " ".join(f"{path.stem}.json" for path in args.records)
     print(write_r5(joined["rows"], args.table, command, joined["seeds"], machine=machine,
