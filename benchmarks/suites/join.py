@@ -107,18 +107,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--table", type=Path, default=None, help="write TABLE.md / TABLE.json")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    sources = [json.loads(path.read_text()) for path in args.records]
-    joined = join_records(sources)
-    names = {id(s): path.stem for s, path in zip(sources, args.records)}
-    ordered = sorted(sources, key=lambda r: min(r["seeds"]))
+    sources = sorted(((path.stem, json.loads(path.read_text())) for path in args.records),
+                     key=lambda named: min(named[1]["seeds"]))
+    joined = join_records([record for _, record in sources])
     machine = "Joined from " + "; ".join(
-        f"{names[id(s)]} (seeds {s['seeds']}: `{s['command']}`, {s['machine']})" for s in ordered)
+        f"{name} (seeds {r['seeds']}: `{r['command']}`, {r['machine']})" for name, r in sources)
     command = "python -m benchmarks.suites.join " + " ".join(f"{path.stem}.json" for path in args.records)
+    extra = {key: joined[key] for key in ("protocol",) if key in joined}
+    extra["joined_from"] = [{"record": name, "seeds": r["seeds"], "command": r["command"], "machine": r["machine"]}
+                            for name, r in sources]
     print(write_r5(joined["rows"], args.table, command, joined["seeds"], machine=machine,
-                   seconds=time.perf_counter() - start,
-                   extra={k: v for k, v in joined.items() if k == "protocol"} | {"joined_from": [
-                       {"record": names[id(s)], "seeds": s["seeds"], "command": s["command"],
-                        "machine": s["machine"]} for s in ordered]}))
+                   seconds=time.perf_counter() - start, extra=extra))
     return 0
 
 
