@@ -207,7 +207,7 @@ R5_LEARNED_OWN = (("adamerging", "entropy"), ("adamerging", "output_gap"), ("ada
 each task's head, on that task's data), output_gap against each task's fine-tune on its data, AdaRank (TSV-M's
 components, with λ) on its published entropy."""
 R5_EXTRA_PARTS = ("mties_low", "ties_low", "ties_sparse", "ties_low_wide", "lam_high", "ties_high", "dare_sparse",
-                  "data_own", "learned_own", "sota", "auto_held_out", "auto_cart", "auto_pooled_held_out")
+                  "data_own", "learned_own", "sota", "auto_held_out", "auto_cart", "auto_pooled_held_out", "auto_free")
 """Parts measured only when named: the M-TIES family below its grid's k = 0.2 (``R5_GRIDS["m_ties_low"]``, k down to
 0.12 at e = 0.1, since the spread needs e < k; no e = 0.15 row). It carries the family's labels, so it is measured
 beside "base" in a run of its own, never with "mties". And TIES below its grid's k = 0.1 (``R5_GRIDS["ties_low"]``),
@@ -223,7 +223,10 @@ default candidates), and :data:`R5_LEARNED_OWN`; rows of their own beside the po
 samples the comparison does not read (``held_out``, the library's default since; ``data_own``'s rows compare it on
 the images it was fitted on), at 16 and 64 per task. ``auto_cart``: the same at 16 per task with CART (on its
 ``CANDIDATE_GRIDS`` grid) among the default candidates, the data-free merge that led the ``sota`` rows.
-``auto_pooled_held_out``: the ``data`` part's ``auto`` (one shared pool) with ``held_out``.
+``auto_pooled_held_out``: the ``data`` part's ``auto`` (one shared pool) with ``held_out``. ``auto_free``: ``auto``
+with each fine-tune's own images (:data:`R5_OWN` per task) and the default candidates that fit nothing on the data
+(RegMean++ left out), so that nothing is held out and every candidate is compared on all of each model's images
+(``auto_held_out`` compares on the half RegMean++ is not fitted on).
 ``sota``: the data-free state of the art beside TSV-M
 (:func:`benchmarks.suites.run.sota_specs`): WUDI and CART on TSV-M's λ grid, Singular Value Calibration over task
 arithmetic, TIES (k 0.2, global, the changed entries' budget, on the family's λ), TSV-M and Iso-CTS on their own λ
@@ -306,6 +309,13 @@ def round5_specs(part: str, trained: Sequence[int], *, learned: Sequence[tuple[s
                 for n in own]
     if part == "auto_pooled_held_out":
         return [MethodSpec("auto (held out)", "auto", {"held_out": True}, heads=True)]
+    if part == "auto_free":
+        from hf_mloss.methods import get_method
+        from hf_mloss.methods.auto import DEFAULT_CANDIDATES
+
+        free = {name: grid for name, grid in DEFAULT_CANDIDATES.items() if not get_method(name).needs_data}
+        return [MethodSpec(f"auto (own {n}/task, data-free candidates)", "auto", {"candidates": free}, heads=True,
+                           own_data=n) for n in own]
     if part == "auto_cart":
         from hf_mloss.methods.auto import CANDIDATE_GRIDS, DEFAULT_CANDIDATES
 
