@@ -447,6 +447,21 @@ def test_round5_own_data_parts_give_each_task_its_own_images_beside_the_pooled_r
     assert {s.own_data for s in round5_specs("data_own", [10, 11], own=(64,))} == {64}
 
 
+def test_round5_auto_free_part_holds_every_default_candidate_that_fits_nothing_and_holds_nothing_out():
+    """``auto_free``: ``auto`` on each task's own images with the default candidates minus those fitted on the data
+    (RegMean++), each on its default grid, so nothing is held out and every candidate sees all the images."""
+    from benchmarks.suites.regime import R5_OWN, round5_specs
+    from hf_mloss.methods.auto import DEFAULT_CANDIDATES
+
+    specs = round5_specs("auto_free", [10, 11])
+    assert [s.own_data for s in specs] == list(R5_OWN) and all(s.method == "auto" and s.heads for s in specs)
+    candidates = specs[0].params["candidates"]
+    assert "regmean_plusplus" in DEFAULT_CANDIDATES and "regmean_plusplus" not in candidates
+    assert candidates == {k: v for k, v in DEFAULT_CANDIDATES.items() if k != "regmean_plusplus"}
+    assert "held_out" not in specs[0].params
+    assert specs[0].label == "auto (own 16/task, data-free candidates)"
+
+
 @pytest.mark.parametrize("parts", ["base,mties,mties_low", "mties_low", "base,nope"])
 def test_round5_parts_are_checked_before_any_work(parts, capsys):
     from benchmarks.suites.regime import main
