@@ -34,13 +34,14 @@ def chosen(tiny_paths, image_folder):
 
 
 def test_with_a_fitted_candidate_every_candidate_is_compared_on_samples_held_out_of_its_fit(tiny_paths, image_folder):
-    """By default half the pool (up to compare_samples) is held out: the candidates are compared on it, RegMean++ is
-    fitted on the rest, and, chosen, fitted again on all of it. Without a fitted candidate nothing is held out."""
+    """Without cross-fitting, half the pool (up to compare_samples) is held out: the candidates are compared on it,
+    RegMean++ is fitted on the rest, and, chosen, fitted again on all of it. Without a fitted candidate nothing is
+    held out."""
     from examples.tiny import tiny_processor
     from hf_mloss.loading.data import load_pixel_values
     from hf_mloss.loading.model_inputs import spread_index
 
-    held = _merge(tiny_paths, "auto", data=str(image_folder), candidates=GRIDS)
+    held = _merge(tiny_paths, "auto", data=str(image_folder), candidates=GRIDS, cross_fit=False)
     assert held.config.parameters["compared"] == 6 and held.config.parameters["fitted"] == 6
     pixels, _ = load_pixel_values(str(image_folder), tiny_processor(), num_samples=12)
     compared = pixels[spread_index(12, 6, held.config.seed)]
@@ -51,6 +52,48 @@ def test_with_a_fitted_candidate_every_candidate_is_compared_on_samples_held_out
         assert [c["output"] for c in scored if c["method"] == name] == pytest.approx(theirs, rel=1e-6)
     plain = _merge(tiny_paths, "auto", data=str(image_folder), candidates={"tsv_m": {"lam": [0.5, 1.0]}})
     assert plain.config.parameters["compared"] == 12 and "fitted" not in plain.config.parameters
+
+
+def test_cross_fitted_every_candidate_is_compared_on_all_samples_and_none_on_its_own_fit(tiny_paths, image_folder,
+                                                                                        tmp_path):
+    """By default (cross_fit) the pool is cut in two halves: RegMean++ is fitted on each and compared on the other,
+    TSV-M on both, and each value pools the two halves' (sample, expert) pairs: by hand below, against selection on
+    all 12 images for TSV-M, and against RegMean++ merged on one half and compared on the other for RegMean++."""
+    from transformers import CLIPVisionModel
+
+    from examples.tiny import tiny_processor
+    from hf_mloss.loading.data import load_pixel_values
+    from hf_mloss.loading.model_inputs import spread_index
+
+    grids = {"tsv_m": {"lam": [0.5, 1.0]}, "regmean_plusplus": {"lam": [0.5, 1.5]}}
+    crossed = _merge(tiny_paths, "auto", data=str(image_folder), candidates=grids, share="all")
+    assert crossed.config.parameters["cross_fitted"] is True
+    assert crossed.config.parameters["compared"] == 12 and crossed.config.parameters["fitted"] == 6
+    scored = crossed.config.parameters["scored"]
+    selected = _merge(tiny_paths, "tsv_m", data=str(image_folder), select={"num_samples": 12, "share": "all"},
+                      grid=grids["tsv_m"])
+    assert [c["output"] for c in scored if c["method"] == "tsv_m"] == pytest.approx(
+        [c["output"] for c in selected.config.select.candidates], rel=1e-6)
+
+    base, models = tiny_paths
+    pixels, _ = load_pixel_values(str(image_folder), tiny_processor(), num_samples=12)
+    first = torch.zeros(12, dtype=torch.bool)
+    first[spread_index(12, 6, crossed.config.seed)] = True
+    experts = [CLIPVisionModel.from_pretrained(m).eval() for m in models]
+
+    def distances(fitted_on, compared_on, lam):  # Σ over (sample, expert) of ‖f_m − f_p‖² / ‖f_p‖²
+        merged = _merge(tiny_paths, "regmean_plusplus", data=pixels[fitted_on], lam=lam).model
+        with torch.no_grad():
+            mine = merged(pixel_values=pixels[compared_on]).pooler_output
+            theirs = [e(pixel_values=pixels[compared_on]).pooler_output for e in experts]
+        return sum(float(((mine - f).square().sum(-1) / f.square().sum(-1)).double().sum()) for f in theirs)
+
+    for candidate in (c for c in scored if c["method"] == "regmean_plusplus"):
+        lam = candidate["setting"]["lam"]
+        by_hand = (distances(~first, first, lam) + distances(first, ~first, lam)) / (12 * len(models))
+        assert candidate["output"] == pytest.approx(by_hand, rel=1e-4)
+    card = (crossed.save_pretrained(tmp_path / "out") / "README.md").read_text()
+    assert "on each half of the data in turn and compared on the other" in card
 
 
 def test_every_candidate_is_scored_as_selection_scores_it(tiny_paths, image_folder, chosen):

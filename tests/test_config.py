@@ -524,6 +524,8 @@ PARAMETER_VALUES = {
     "scored": st.none() | st.just([{"method": "tsv_m", "setting": {"lam": 1.0}, "output": 0.25}]),
     "compared": st.none() | st.integers(1, 64),
     "held_out": st.booleans(),
+    "cross_fit": st.booleans(),
+    "cross_fitted": st.none() | st.booleans(),
     "fitted": st.none() | st.integers(1, 64),
 }
 METHOD_VALUES = {("breadcrumbs", "rescale"): st.sampled_from(["none", "l1"]),

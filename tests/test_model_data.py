@@ -370,15 +370,16 @@ def test_auto_compares_each_candidate_with_each_model_on_its_own_data(tiny_paths
 
 
 def test_auto_holds_part_of_each_models_data_out_of_the_fit_it_compares_on(tiny_paths, own_pixels, heads):
-    """By default a candidate fitted on the data (RegMean++) is fitted on part of each model's images and every
-    candidate is compared on the other part (half of each model's, spread as selection spreads); the chosen one is
-    then fitted on all of them."""
+    """Without cross-fitting, a candidate fitted on the data (RegMean++) is fitted on part of each model's images and
+    every candidate is compared on the other part (half of each model's, spread as selection spreads); the chosen
+    one is then fitted on all of them."""
     from hf_mloss.loading.model_inputs import spread_index
     from hf_mloss.output.card import build_model_card
 
     base, models = tiny_paths
     candidates = {"tsv_m": {"lam": [0.7, 1.0]}, "regmean_plusplus": {"lam": [1.0]}}
-    result = _quiet(hf_mloss.merge, base, _own(models, own_pixels), "auto", heads=heads, candidates=candidates)
+    result = _quiet(hf_mloss.merge, base, _own(models, own_pixels), "auto", heads=heads, candidates=candidates,
+                    cross_fit=False)
     held = [spread_index(len(x), len(x) // 2, result.config.seed) for x in own_pixels]
     compared = [x[i] for x, i in zip(own_pixels, held)]
     fitted = [x[[j for j in range(len(x)) if j not in set(i.tolist())]] for x, i in zip(own_pixels, held)]
@@ -402,6 +403,36 @@ def test_auto_holds_part_of_each_models_data_out_of_the_fit_it_compares_on(tiny_
         assert torch.equal(again.model.state_dict()[key], value), key
 
 
+
+def test_auto_cross_fits_each_models_data_so_every_candidate_is_compared_on_all_of_it(tiny_paths, own_pixels, heads):
+    """By default each model's images are cut in two halves: RegMean++ is fitted on each half and compared on the
+    other, TSV-M on both, so every candidate is compared with each model on all of its images (by hand below)."""
+    from hf_mloss.loading.model_inputs import spread_index
+    from hf_mloss.output.card import build_model_card
+
+    base, models = tiny_paths
+    candidates = {"tsv_m": {"lam": [0.7, 1.0]}, "regmean_plusplus": {"lam": [1.0]}}
+    result = _quiet(hf_mloss.merge, base, _own(models, own_pixels), "auto", heads=heads, candidates=candidates)
+    params = result.config.parameters
+    assert params["compared"] == 15 and params["fitted"] == 8 and params["cross_fitted"] is True
+    first = [spread_index(len(x), len(x) // 2, result.config.seed) for x in own_pixels]
+    halves = [[x[i] for x, i in zip(own_pixels, first)],
+              [x[[j for j in range(len(x)) if j not in set(i.tolist())]] for x, i in zip(own_pixels, first)]]
+    sizes = [sum(len(x) for x in half) for half in halves]
+    assert sizes == [7, 8]
+    scored = {(c["method"], c["setting"]["lam"]): c["output"] for c in params["scored"]}
+    for lam in (0.7, 1.0):
+        alone = _quiet(hf_mloss.merge, base, _own(models, own_pixels), "tsv_m", lam=lam).model.eval()
+        assert scored["tsv_m", lam] == pytest.approx(_own_output_criterion(alone, models, own_pixels, heads),
+                                                     rel=1e-5)
+    by_hand = 0.0
+    for fit, compared, size in ((halves[1], halves[0], sizes[0]), (halves[0], halves[1], sizes[1])):
+        merged = _quiet(hf_mloss.merge, base, _own(models, fit), "regmean_plusplus", lam=1.0).model.eval()
+        by_hand += _own_output_criterion(merged, models, compared, heads) * size / sum(sizes)
+    assert scored["regmean_plusplus", 1.0] == pytest.approx(by_hand, rel=1e-5)
+    card = str(build_model_card(result))
+    assert "15 unlabeled images in all, each model's own" in card
+    assert "on each half of the data in turn and compared on the other (halves of up to 8 images)" in card
 
 
 def test_the_held_out_split_takes_at_most_half_of_each_models_data_and_the_rest_is_fitted_on():

@@ -46,7 +46,8 @@ def choose_and_merge(config: MergeConfig, inputs: RunInputs, merger: TensorMerge
 
 
 def _search(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model: Any, *, progress: bool,
-            token: Any) -> tuple[dict[str, Any], list[dict[str, Any]], int, MLossReport | None]:
+            token: Any) -> tuple[dict[str, Any], list[dict[str, Any]], tuple[int, tuple[int, bool] | None],
+                                 MLossReport | None]:
     from tqdm.auto import tqdm
 
     from ..methods import get_method
@@ -66,11 +67,17 @@ def _search(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model:
                                num_samples=params.compare_samples, share=params.share,
                                heads=list(params.heads) if params.heads else None)
     fitted = {name for name in grids if get_method(name).needs_data}
-    compare, fit = (held_out_inputs(config, inputs, params.compare_samples, "auto") if fitted and params.held_out
-                    else (inputs, inputs))
-    scorer = (_StreamedScorer(config, inputs, options, merger, progress=progress, token=token)
-              if merger.output is not None else
-              _HeldScorer(config, inputs, compare, fit, options, merger, model, progress=progress, token=token))
+    held_out = bool(fitted) and params.held_out
+    cross_fit = held_out and params.cross_fit and params.compare_samples >= 2
+    compare, fit = (held_out_inputs(config, inputs, len(inputs.model_inputs) if cross_fit else
+                                    params.compare_samples, "auto") if held_out else (inputs, inputs))
+    if merger.output is not None:
+        scorer = _StreamedScorer(config, inputs, options, merger, progress=progress, token=token)
+    elif cross_fit and compare is not inputs:
+        scorer = _CrossFitScorer(config, inputs, (compare, fit), options, merger, model, fitted=fitted,
+                                 progress=progress, token=token)
+    else:
+        scorer = _HeldScorer(config, inputs, compare, fit, options, merger, model, progress=progress, token=token)
     total = sum(len(_settings(grid)) for grid in grids.values())
     bar = tqdm(total=total, desc=f"auto ({params.criterion})", unit="candidate", disable=not progress)
     scored: list[dict[str, Any]] = []
@@ -103,8 +110,8 @@ def _search(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, model:
     else:
         warn_grid_edge(grids[name], setting, params.criterion, method=name)
     report = scorer.write(name, fixed, lam, refit=name in fitted and fit is not inputs)
-    fitted_on = len(fit.model_inputs) if fit is not inputs else None
-    return {"method": name, "parameters": setting}, scored, (len(scorer.evaluator.sample), fitted_on), report
+    fitted_on = (len(fit.model_inputs), isinstance(scorer, _CrossFitScorer)) if fit is not inputs else None
+    return {"method": name, "parameters": setting}, scored, (scorer.compared, fitted_on), report
 
 
 class _HeldScorer:
@@ -119,6 +126,11 @@ class _HeldScorer:
         self.builder = CandidateBuilder(config, fit, copy.deepcopy(inputs.adapter.tower(model)), merger.names)
         self.evaluator = CandidateEvaluator(config, compare, options, self.builder.tower, progress=progress,
                                             token=token, heads_key="heads")
+
+    @property
+    def compared(self) -> int:
+        """The samples every candidate was compared on."""
+        return len(self.evaluator.sample)
 
     def score(self, name: str, fixed: Mapping[str, Any], lams: list[Any]) -> Any:
         """``(λ, criteria)`` of every λ of one setting, its merge held by the scratch copy while it is scored."""
@@ -147,6 +159,54 @@ class _HeldScorer:
         return report
 
 
+class _CrossFitScorer(_HeldScorer):
+    """Held out both ways (``cross_fit``): the data in two halves, a candidate fitted on the data merged on each half
+    and compared on the other, every other candidate compared on both; each criterion pooled over the two halves
+    (:func:`~.selection.pooled`). So every candidate is compared on the same samples, all of those compared, and
+    none on a sample it was fitted on."""
+
+    def __init__(self, config: MergeConfig, inputs: RunInputs, halves: tuple[RunInputs, RunInputs], options: Any,
+                 merger: TensorMerger, model: Any, *, fitted: set[str], progress: bool, token: Any) -> None:
+        from dataclasses import replace
+
+        from .selection import CandidateBuilder, CandidateEvaluator
+
+        self.config, self.inputs, self.merger, self.halves, self.fitted = config, inputs, merger, halves, fitted
+        self.builder = CandidateBuilder(config, halves[1], copy.deepcopy(inputs.adapter.tower(model)), merger.names)
+        n = options.num_samples  # compare_samples in all: half of them from each half of the data
+        self.evaluators = [CandidateEvaluator(config, half, replace(options, num_samples=share), self.builder.tower,
+                                              progress=progress, token=token, heads_key="heads")
+                           for half, share in zip(halves, ((n + 1) // 2, n // 2))]
+        self.evaluator = self.evaluators[0]  # the chosen merge's M-Loss report reads its samples
+
+    @property
+    def compared(self) -> int:
+        return sum(len(evaluator.sample) for evaluator in self.evaluators)
+
+    def score(self, name: str, fixed: Mapping[str, Any], lams: list[Any]) -> Any:
+        from .selection import pooled
+
+        builder = self.builder
+        if name not in self.fitted:  # one merge, compared on both halves
+            self.tau = _direction(builder, self.config, name, fixed)
+            for lam in lams:
+                if lam is not None:
+                    builder.write(self.tau, lam)
+                yield lam, pooled([(ev.evaluate(builder.tower), dict(ev.counts)) for ev in self.evaluators])
+            return
+        taus = []
+        for fit in reversed(self.halves):  # fitted on the second half, compared on the first; then the other way
+            builder.inputs = fit
+            taus.append(_direction(builder, self.config, name, fixed))
+        self.tau = taus[0]
+        for lam in lams:
+            parts = []
+            for tau, evaluator in zip(taus, self.evaluators):
+                builder.write(tau, 1.0 if lam is None else lam)  # no λ: the merge as it is, θ₀ + τ
+                parts.append((evaluator.evaluate(builder.tower), dict(evaluator.counts)))
+            yield lam, pooled(parts)
+
+
 class _StreamedScorer:
     """The candidates merged and compared block by block (:mod:`.streamed_search`), nothing held between them."""
 
@@ -164,6 +224,10 @@ class _StreamedScorer:
 
         weights = CandidateWeights(self.forward, self.config, name, fixed, lams, self.merger.workers)
         yield from self.evaluator.candidate(weights)
+
+    @property
+    def compared(self) -> int:
+        return len(self.evaluator.sample)
 
     def hold(self, lam: float | None) -> None:
         """Nothing to keep: the chosen candidate is merged again when it is written."""
@@ -282,15 +346,16 @@ def _merge_chosen(config: MergeConfig, inputs: RunInputs, merger: TensorMerger, 
 
 
 def _recorded(config: MergeConfig, merger: TensorMerger, chosen: dict[str, Any], scored: list[dict[str, Any]],
-              compared: int | None = None, fitted: int | None = None) -> MergeConfig:
-    """The config as it ran: the choice, every candidate and the numbers of samples compared and fitted on
-    recorded (heads passed from Python named, not kept)."""
-    parameters = {k: v for k, v in config.parameters.items() if k not in ("reselect", "compared", "fitted")}
+              compared: int | None = None, fitted: tuple[int, bool] | None = None) -> MergeConfig:
+    """The config as it ran: the choice, every candidate, the numbers of samples compared and fitted on and whether
+    the fit was crossed, recorded (heads passed from Python named, not kept)."""
+    parameters = {k: v for k, v in config.parameters.items()
+                  if k not in ("reselect", "compared", "fitted", "cross_fitted")}
     parameters.update(chosen=chosen, scored=scored)
     if compared is not None:
         parameters["compared"] = compared
     if fitted is not None:
-        parameters["fitted"] = fitted
+        parameters["fitted"], parameters["cross_fitted"] = fitted[0], fitted[1]
     heads = merger.ctx.params.heads
     if heads:
         parameters["heads"] = [os.fspath(h) if isinstance(h, (str, os.PathLike)) else h if isinstance(h, dict)

@@ -124,6 +124,7 @@ class CandidateEvaluator:
         self.rule = self.adapter.output_rule(tower)
         check_output_rule(self.rule, options, self.adapter)
         self._targets: dict[int, Any] = {}
+        self.counts: dict[str, float] = {}  # what the last evaluation's criteria averaged over
         self.start = unchanged_blocks(inputs)
         self.prefix = self._shared_prefix(tower) if "mloss" in options.criteria and self.start >= 0 else None
         if OUTPUT_CRITERIA & set(options.criteria):
@@ -167,8 +168,11 @@ class CandidateEvaluator:
             return shared_walk(self, states, list(range(self.start)), model=tower, last=self.start)
 
     def evaluate(self, tower: Any) -> dict[str, float]:
-        """Every requested criterion of the candidate held by ``tower``."""
+        """Every requested criterion of the candidate held by ``tower``; what each averaged over is left in
+        :attr:`counts` (the compared pairs or positions; ``mloss``: the samples), so that evaluations on disjoint
+        samples pool exactly (:func:`pooled`)."""
         out = {}
+        self.counts = {"mloss": float(len(self.sample))}
         if "mloss" in self.options.criteria:
             out["mloss"] = self.merged_prefix_mloss(tower)
         if OUTPUT_CRITERIA & set(self.options.criteria):
@@ -400,7 +404,17 @@ class CandidateEvaluator:
                     add("disagreement", (differs, torch.ones_like(differs)))
             if self.heads is None and "entropy" in self.options.criteria:
                 add("entropy", self.rule.entropy(merged, batch))
+        self.counts.update({key: count for key, (_, count) in sums.items() if count})
         return {key: total / count for key, (total, count) in sums.items() if count}
+
+
+def pooled(parts: Sequence[tuple[Mapping[str, float], Mapping[str, float]]]) -> dict[str, float]:
+    """Criteria measured on disjoint samples, as one evaluation of all of them: each part's ``(values, counts)``
+    (:meth:`CandidateEvaluator.evaluate`, :attr:`~CandidateEvaluator.counts`), every value weighted by what it
+    averaged over (exact for the output criteria, Σ numerators / Σ denominators; ``mloss`` by samples)."""
+    keys = parts[0][0]
+    return {key: sum(values[key] * counts[key] for values, counts in parts) / sum(counts[key] for _, counts in parts)
+            for key in keys}
 
 
 def model_batches(samples: Any, batch_size: int, device: Any) -> list[dict[str, Any]]:

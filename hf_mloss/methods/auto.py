@@ -4,8 +4,10 @@ Every candidate method is merged once per setting of its other parameters (its d
 its grid is then θ₀ + λ·τ, which costs one forward pass of the selection samples and no merge. Every candidate is
 scored by one criterion (``output`` by default: the discrepancy with each expert on the samples routed to it, read
 through the family's output rule; :mod:`hf_mloss.merging.selection`) and the lowest wins. The experts' outputs are
-computed once for all candidates. A candidate fitted on the data (RegMean++, M-TIES) is fitted on samples the
-comparison does not read (``held_out``), then, chosen, on all of them. The card and the recipe record every
+computed once for all candidates. A candidate fitted on the data (RegMean++, M-TIES) is never compared on samples
+it was fitted on (``held_out``): it is fitted on each half of the data and compared on the other (``cross_fit``),
+so that it and the data-free candidates are compared on the same samples, all of them; chosen, it is fitted again on
+all of them. The card and the recipe record every
 candidate's value, the choice, and the chosen merge's per-layer M-Loss as a diagnostic (how far it is from the
 ensemble, not a predictor of its accuracy).
 
@@ -71,6 +73,11 @@ class AutoParams(MethodParams):
                            "were not fitted on: at most half of each model's data (and of the shared pool) is held "
                            "out for the comparison, they are fitted on the rest, and the chosen one is fitted "
                            "again on all of it. Off: every candidate is fitted and compared on the same samples.")
+    cross_fit: bool = param(True, "With held_out: split each model's data (and the shared pool) in two halves, fit "
+                            "the data-fitted candidates on each half in turn and compare them on the other, and "
+                            "compare every other candidate on both, so that every candidate is compared on all "
+                            "compare_samples (off: on the held-out part only, at most half). Costs one more fit per "
+                            "fitted setting.")
     heads: tuple[Any, ...] | None = param(None, "Encoders: one classification head per model (safetensors files "
                                           "holding `weight` and `bias`, or, from Python, modules/callables); the "
                                           "output criterion then compares class distributions, not features.")
@@ -84,6 +91,8 @@ class AutoParams(MethodParams):
                                  "(compare_samples, or fewer when the data holds fewer).", low=1, high=1_000_000)
     fitted: int | None = param(None, "Recorded: the samples the data-fitted candidates were fitted on, those the "
                                "comparison did not read (none: nothing was held out).", low=1, high=1_000_000)
+    cross_fitted: bool | None = param(None, "Recorded: whether they were cross-fitted (fitted on each half, compared "
+                                      "on the other).")
 
     def check(self) -> None:
         grids = candidate_grids(self.candidates, self.budget)

@@ -149,6 +149,7 @@ def auto_rows(config: MergeConfig) -> dict[str, Any] | None:
             "chosen": chosen.get("method"), "chosen_setting": ", ".join(
                 f"{k}={v}" for k, v in (chosen.get("parameters") or {}).items()), "why": chosen.get("why"),
             "heads": bool(params.heads), "tied": tied, "own": _own_data(config), "fitted": params.fitted,
+            "cross_fit": bool(params.cross_fitted),
             "refitted": bool(chosen.get("method")) and get_method(chosen["method"]).needs_data,
             "edges": [] if tied or not rows else auto_grid_edges(params)}
 
