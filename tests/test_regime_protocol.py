@@ -462,6 +462,17 @@ def test_round5_auto_free_part_holds_every_default_candidate_that_fits_nothing_a
     assert specs[0].label == "auto (own 16/task, data-free candidates)"
 
 
+def test_round5_auto_parts_hold_out_one_way_or_cross_fitted_as_their_labels_say():
+    """``auto_held_out`` keeps the one-way comparison its records measured; ``auto_cross_fit`` cross-fits."""
+    from benchmarks.suites.regime import R5_OWN, round5_specs
+
+    one_way, crossed = round5_specs("auto_held_out", [10, 11]), round5_specs("auto_cross_fit", [10, 11])
+    assert [s.params for s in one_way] == [{"held_out": True, "cross_fit": False}] * len(R5_OWN)
+    assert [s.params for s in crossed] == [{"held_out": True, "cross_fit": True}] * len(R5_OWN)
+    assert [s.label for s in crossed] == [f"auto (own {n}/task, cross-fitted)" for n in R5_OWN]
+    assert all(s.heads and s.method == "auto" for s in one_way + crossed)
+
+
 @pytest.mark.parametrize("parts", ["base,mties,mties_low", "mties_low", "base,nope"])
 def test_round5_parts_are_checked_before_any_work(parts, capsys):
     from benchmarks.suites.regime import main

@@ -207,7 +207,8 @@ R5_LEARNED_OWN = (("adamerging", "entropy"), ("adamerging", "output_gap"), ("ada
 each task's head, on that task's data), output_gap against each task's fine-tune on its data, AdaRank (TSV-M's
 components, with λ) on its published entropy."""
 R5_EXTRA_PARTS = ("mties_low", "ties_low", "ties_sparse", "ties_low_wide", "lam_high", "ties_high", "dare_sparse",
-                  "data_own", "learned_own", "sota", "auto_held_out", "auto_cart", "auto_pooled_held_out", "auto_free")
+                  "data_own", "learned_own", "sota", "auto_held_out", "auto_cart", "auto_pooled_held_out", "auto_free",
+                  "auto_cross_fit")
 """Parts measured only when named: the M-TIES family below its grid's k = 0.2 (``R5_GRIDS["m_ties_low"]``, k down to
 0.12 at e = 0.1, since the spread needs e < k; no e = 0.15 row). It carries the family's labels, so it is measured
 beside "base" in a run of its own, never with "mties". And TIES below its grid's k = 0.1 (``R5_GRIDS["ties_low"]``),
@@ -226,7 +227,9 @@ the images it was fitted on), at 16 and 64 per task. ``auto_cart``: the same at 
 ``auto_pooled_held_out``: the ``data`` part's ``auto`` (one shared pool) with ``held_out``. ``auto_free``: ``auto``
 with each fine-tune's own images (:data:`R5_OWN` per task) and the default candidates that fit nothing on the data
 (RegMean++ left out), so that nothing is held out and every candidate is compared on all of each model's images
-(``auto_held_out`` compares on the half RegMean++ is not fitted on).
+(``auto_held_out`` compares on the half RegMean++ is not fitted on). ``auto_cross_fit``: ``auto_held_out`` with
+RegMean++ cross-fitted (fitted on each half of each model's images and compared on the other, ``cross_fit``, the
+library's default since), so every default candidate is compared on all of them.
 ``sota``: the data-free state of the art beside TSV-M
 (:func:`benchmarks.suites.run.sota_specs`): WUDI and CART on TSV-M's λ grid, Singular Value Calibration over task
 arithmetic, TIES (k 0.2, global, the changed entries' budget, on the family's λ), TSV-M and Iso-CTS on their own λ
@@ -304,9 +307,12 @@ def round5_specs(part: str, trained: Sequence[int], *, learned: Sequence[tuple[s
                                  own_data=n),
                       MethodSpec(f"auto ({own_label})", "auto", {"held_out": False}, heads=True, own_data=n)]
         return specs
-    if part == "auto_held_out":
-        return [MethodSpec(f"auto (own {n}/task, held out)", "auto", {"held_out": True}, heads=True, own_data=n)
-                for n in own]
+    if part == "auto_held_out":  # one way, as recorded before cross-fitting
+        return [MethodSpec(f"auto (own {n}/task, held out)", "auto", {"held_out": True, "cross_fit": False},
+                           heads=True, own_data=n) for n in own]
+    if part == "auto_cross_fit":
+        return [MethodSpec(f"auto (own {n}/task, cross-fitted)", "auto", {"held_out": True, "cross_fit": True},
+                           heads=True, own_data=n) for n in own]
     if part == "auto_pooled_held_out":
         return [MethodSpec("auto (held out)", "auto", {"held_out": True}, heads=True)]
     if part == "auto_free":
