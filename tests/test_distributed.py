@@ -225,7 +225,7 @@ def test_torchrun_regmean_sums_the_processes_grams(tmp_path, tiny_paths, image_f
 def test_torchrun_walks_each_processs_share_of_every_models_own_data(tmp_path, tiny_paths, method, monkeypatch):
     """Each model's own images (5, 3 and 7: shares of unequal sizes); each process walks its share of every model's
     data, the positions of each model summed over the processes before its Grams are folded: the single process's
-    merge within 1e-6. ``auto``: RegMean++ fitted on what the comparison holds out, chosen, fitted on all."""
+    merge within 1e-6. ``auto``: RegMean++ cross-fitted on the two halves of the data, chosen, fitted on all."""
     import yaml
 
     from examples.tiny import make_image_folder
@@ -242,7 +242,8 @@ def test_torchrun_walks_each_processs_share_of_every_models_own_data(tmp_path, t
     out = tmp_path / "merged"
     single = _two_processes_equal_one(config, out)
     if method == "auto":
-        assert single.config.parameters["fitted"] == 3 + 2 + 4  # the rest of 5, 3, 7 once half (rounded down) is held out
+        assert single.config.parameters["fitted"] == 3 + 2 + 4  # the larger half of 5, 3, 7 (the other: 2 + 1 + 3)
+        assert single.config.parameters["cross_fitted"] is True
         assert hf_mloss.MergeConfig.from_pretrained(out).parameters["chosen"] == single.config.parameters["chosen"]
     recorded = hf_mloss.MergeConfig.from_pretrained(out)
     assert [m.data.fingerprint for m in recorded.models] == [m.data.fingerprint for m in single.config.models]

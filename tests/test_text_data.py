@@ -93,6 +93,8 @@ def test_model_inputs_len_select_split_shard_and_num_tokens():
     pixels = ModelInputs({"pixel_values": torch.zeros(3, 3, 4, 4)})
     assert pixels.num_tokens is None and pixels.modality == "image"
     assert [b["pixel_values"].shape for b in pixels.split(2)] == [torch.Size([2, 3, 4, 4]), torch.Size([1, 3, 4, 4])]
+    # a process's share of a model that holds fewer samples than processes: no batch, not one empty batch
+    assert pixels.shard(3, 4).split(2) == [] and inputs.select([]).split(2) == []
     with pytest.raises(DataError, match="same number of samples"):
         ModelInputs({"input_ids": ids, "attention_mask": mask[:3]})
     with pytest.raises(DataError, match="must match"):

@@ -115,7 +115,8 @@ class ModelInputs:
         if batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size}.")
         chunks = {name: tensor.split(batch_size) for name, tensor in self._tensors.items()}
-        batches = [dict(zip(chunks, parts)) for parts in zip(*chunks.values())]
+        batches = [dict(zip(chunks, parts)) for parts in zip(*chunks.values())
+                   if len(parts[0])]  # none for no samples (a process's empty share), not one empty batch
         return [_trim_padding(batch) for batch in batches]
 
     def to(self, device: Any = None, dtype: torch.dtype | None = None) -> ModelInputs:
