@@ -73,7 +73,7 @@ def test_cross_fitted_every_candidate_is_compared_on_all_samples_and_none_on_its
     selected = _merge(tiny_paths, "tsv_m", data=str(image_folder), select={"num_samples": 12, "share": "all"},
                       grid=grids["tsv_m"])
     assert [c["output"] for c in scored if c["method"] == "tsv_m"] == pytest.approx(
-        [c["output"] for c in selected.config.select.candidates], rel=1e-6)
+        [c["output"] for c in selected.config.select.candidates], rel=1e-5)  # other batches, same pairs
 
     base, models = tiny_paths
     pixels, _ = load_pixel_values(str(image_folder), tiny_processor(), num_samples=12)
