@@ -138,7 +138,11 @@ class _HeldScorer:
         for lam in lams:
             if lam is not None:  # θ₀ + λ·τ; a method without λ holds its own merge already
                 self.builder.write(self.tau, lam)
-            yield lam, self.evaluator.evaluate(self.builder.tower)
+            yield lam, self.evaluate()
+
+    def evaluate(self) -> dict[str, float]:
+        """The criteria of the candidate the scratch copy holds."""
+        return self.evaluator.evaluate(self.builder.tower)
 
     def hold(self, lam: float | None) -> None:
         """Keep the candidate being scored (the best so far)."""
@@ -183,18 +187,19 @@ class _CrossFitScorer(_HeldScorer):
     def compared(self) -> int:
         return sum(len(evaluator.sample) for evaluator in self.evaluators)
 
+    def evaluate(self) -> dict[str, float]:
+        """The candidate the scratch copy holds, compared on both halves."""
+        from .selection import pooled
+
+        return pooled([(ev.evaluate(self.builder.tower), dict(ev.counts)) for ev in self.evaluators])
+
     def score(self, name: str, fixed: Mapping[str, Any], lams: list[Any]) -> Any:
         from .selection import pooled
 
-        builder = self.builder
         if name not in self.fitted:  # one merge, compared on both halves
-            self.tau = _direction(builder, self.config, name, fixed)
-            for lam in lams:
-                if lam is not None:
-                    builder.write(self.tau, lam)
-                yield lam, pooled([(ev.evaluate(builder.tower), dict(ev.counts)) for ev in self.evaluators])
+            yield from super().score(name, fixed, lams)
             return
-        taus = []
+        builder, taus = self.builder, []
         for fit in reversed(self.halves):  # fitted on the second half, compared on the first; then the other way
             builder.inputs = fit
             taus.append(_direction(builder, self.config, name, fixed))
