@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+import hf_mloss
 from benchmarks.suites.gates import compute_gates, premise_gate
 from benchmarks.suites.protocol import TUNED_ENSEMBLE, ReplicateResult, changed_fraction, code_version, reference_rows
 from benchmarks.suites.report import default_pairs, ordering
@@ -471,6 +472,11 @@ def test_round5_auto_parts_hold_out_one_way_or_cross_fitted_as_their_labels_say(
     assert [s.params for s in crossed] == [{"held_out": True, "cross_fit": True}] * len(R5_OWN)
     assert [s.label for s in crossed] == [f"auto (own {n}/task, cross-fitted)" for n in R5_OWN]
     assert all(s.heads and s.method == "auto" for s in one_way + crossed)
+    disagreement = round5_specs("auto_disagreement", [10, 11], own=(16,))
+    assert [(s.label, s.params, s.own_data) for s in disagreement] == [
+        ("auto (own 16/task, cross-fitted, disagreement)",
+         {"held_out": True, "cross_fit": True, "criterion": "disagreement"}, 16)]
+    hf_mloss.methods.get_method("auto").make_params(**disagreement[0].params)  # a setting auto takes
 
 
 @pytest.mark.parametrize("parts", ["base,mties,mties_low", "mties_low", "base,nope"])

@@ -208,7 +208,7 @@ each task's head, on that task's data), output_gap against each task's fine-tune
 components, with λ) on its published entropy."""
 R5_EXTRA_PARTS = ("mties_low", "ties_low", "ties_sparse", "ties_low_wide", "lam_high", "ties_high", "dare_sparse",
                   "data_own", "learned_own", "sota", "auto_held_out", "auto_cart", "auto_pooled_held_out", "auto_free",
-                  "auto_cross_fit")
+                  "auto_cross_fit", "auto_disagreement")
 """Parts measured only when named: the M-TIES family below its grid's k = 0.2 (``R5_GRIDS["m_ties_low"]``, k down to
 0.12 at e = 0.1, since the spread needs e < k; no e = 0.15 row). It carries the family's labels, so it is measured
 beside "base" in a run of its own, never with "mties". And TIES below its grid's k = 0.1 (``R5_GRIDS["ties_low"]``),
@@ -229,7 +229,10 @@ with each fine-tune's own images (:data:`R5_OWN` per task) and the default candi
 (RegMean++ left out), so that nothing is held out and every candidate is compared on all of each model's images
 (``auto_held_out`` compares on the half RegMean++ is not fitted on). ``auto_cross_fit``: ``auto_held_out`` with
 RegMean++ cross-fitted (fitted on each half of each model's images and compared on the other, ``cross_fit``, the
-library's default since), so every default candidate is compared on all of them.
+library's default since), so every default candidate is compared on all of them. ``auto_disagreement``:
+``auto_cross_fit`` with the criterion ``disagreement`` (how often the merge's top class differs from the expert's)
+instead of ``output`` (a divergence from the expert's class distribution, which also counts a merge more confident
+than the expert it agrees with).
 ``sota``: the data-free state of the art beside TSV-M
 (:func:`benchmarks.suites.run.sota_specs`): WUDI and CART on TSV-M's λ grid, Singular Value Calibration over task
 arithmetic, TIES (k 0.2, global, the changed entries' budget, on the family's λ), TSV-M and Iso-CTS on their own λ
@@ -313,6 +316,10 @@ def round5_specs(part: str, trained: Sequence[int], *, learned: Sequence[tuple[s
     if part == "auto_cross_fit":
         return [MethodSpec(f"auto (own {n}/task, cross-fitted)", "auto", {"held_out": True, "cross_fit": True},
                            heads=True, own_data=n) for n in own]
+    if part == "auto_disagreement":
+        return [MethodSpec(f"auto (own {n}/task, cross-fitted, disagreement)", "auto",
+                           {"held_out": True, "cross_fit": True, "criterion": "disagreement"}, heads=True, own_data=n)
+                for n in own]
     if part == "auto_pooled_held_out":
         return [MethodSpec("auto (held out)", "auto", {"held_out": True}, heads=True)]
     if part == "auto_free":
@@ -551,7 +558,7 @@ def write(rows: Sequence[dict], table: Path | None, command: str, seeds: Sequenc
         table.parent.mkdir(parents=True, exist_ok=True)
         table.with_suffix(".md").write_text(text)
         table.with_suffix(".json").write_text(json.dumps(
-            {**(extra or {}), "command": command, "machine": machine, "seconds": round(seconds, 1),
+            {"command": command, "machine": machine, "seconds": round(seconds, 1),
              "seeds": list(seeds), "rows": rows}, indent=1, default=float) + "\n")
     return text
 
