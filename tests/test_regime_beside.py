@@ -41,7 +41,7 @@ def measured_beside(replicates, row):
     chosen setting, as a run of that one setting gives them) and the new part."""
     specs = beside.record_specs(row, [10, 11], (16,))
     bests = beside.best_on_val(row, beside.reference_labels(row, specs))
-    _, labels = beside.check_specs(specs, bests)
+    labels = [run[1].label for run in beside.check_specs(specs, bests)]
     checks = []
     for r, label, (best, _) in zip(replicates, labels, bests):
         check = ReplicateResult(r.seed)
@@ -115,14 +115,62 @@ def test_each_seeds_best_merge_is_checked_at_its_own_setting_with_its_fixed_para
     assert "auto (own 16/task, held out)" not in others and "tsv_m+svc" in others
     bests = beside.best_on_val(row, others)
     assert bests == [("tsv_m+svc", {"lam": 2.0}), ("iso_c", {"lam": 5.0})]
-    checks, per_seed = beside.check_specs(specs, bests)
-    assert per_seed == ["tsv_m+svc at lam=2.0", "iso_c at lam=5.0"]
-    assert [c.label for c in checks] == ["average", *per_seed]
-    assert checks[1].grid == {"lam": [2.0]} and checks[1].params == specs["tsv_m+svc"].params
-    assert checks[1].params.get("calibrate") == "svc"
+    checks = beside.check_specs(specs, bests)
+    assert [[c.label for c in run] for run in checks] == [["average", "tsv_m+svc at lam=2.0"],
+                                                          ["average", "iso_c at lam=5.0"]]
+    assert [[c.grid for c in run] for run in checks] == [[{}, {"lam": [2.0]}], [{}, {"lam": [5.0]}]]
+    assert checks[0][1].params == specs["tsv_m+svc"].params and checks[0][1].params.get("calibrate") == "svc"
 
 
 def test_a_row_of_none_of_the_records_parts_is_refused():
     row = {"parts": ["base"], "chosen": {"average": [{}], "cart": [{}]}}
     with pytest.raises(ValueError, match=r"\['cart'\] are not among its parts' specs"):
         beside.record_specs(row, [10, 11], (16,))
+
+
+def test_the_beside_run_measures_each_seeds_own_checks_and_the_part_on_every_seed(monkeypatch):
+    """``measure_beside``'s wiring: one checks run per seed (average and that seed's best, nothing else), the new
+    part on all seeds, the tolerance of one val image, and the lever rebuilt from the record."""
+    from benchmarks.suites import real, regime
+
+    replicates = {s: replicate(s) for s in (0, 1, 2)}
+    old = [copy.deepcopy(replicates[s]) for s in (0, 1, 2)]
+    for r in old:
+        del r.methods[NEW]
+    row = round5_row(old, list(OLD), LEVER, autos=[OLD[-1]])
+    record = {"seeds": [0, 1, 2], "rows": [row]}
+    built, runs = [], []
+
+    class Bench:
+        def __init__(self, cfg):
+            self.cfg = cfg
+
+        def labels(self, split):
+            return {t: [0] * 50 for t in TASKS}
+
+    def build(cfg, cache, log):
+        built.append((cfg.seeds, cfg.wise, cfg.num_layers - cfg.frozen, cfg.ft_steps, cfg.tasks))
+        return Bench(cfg)
+
+    def lever_replicates(bench, cache, specs, log, *, version=None, references=True):
+        assert references is False and version == ["v1"]
+        runs.append((bench.cfg.seeds, [s.label for s in specs]))
+        out = []
+        for seed in bench.cfg.seeds:
+            result = ReplicateResult(seed, code_version="v1")
+            for spec in specs:
+                source = spec.label.split(" at ")[0]
+                result.methods[spec.label] = copy.deepcopy(replicates[seed].methods[source])
+            out.append(result)
+        return out
+
+    monkeypatch.setattr(real, "build_real_suite", build)
+    monkeypatch.setattr(regime, "lever_replicates", lever_replicates)
+    joined = beside.measure_beside(record, "cache", print, ["auto_cross_fit"], own=(16,), version=["v1"])
+    bests = beside.best_on_val(row, ["average", "task_arithmetic", "ties", "tsv_m"])
+    at = [f"lam={setting['lam']}" if setting else "its setting" for _, setting in bests]
+    assert runs == [((s,), ["average", f"{best} at {where}"]) for s, (best, _), where in zip((0, 1, 2), bests, at)] \
+        + [((0, 1, 2), [NEW])]
+    assert built[-1] == ((0, 1, 2), 1.0, 2, 180, TASKS) and [b[0] for b in built[:3]] == [(0,), (1,), (2,)]
+    assert joined["code_versions"][beside.CHECK] == ["v1"] and joined["code_versions"]["auto_cross_fit"] == ["v1"]
+    assert [p["best_on_val"] for p in joined["auto_regrets"][NEW]["per_seed"]] == [b for b, _ in bests]

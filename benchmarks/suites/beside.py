@@ -5,7 +5,8 @@ measuring all its parts again (the reference rows and every merge's val grid: mo
 the new parts alone (methods only) and joins them to the record's rows, seed by seed. Two checks bind them to it:
 
 - every seed measures ``average`` again, and the merge best on val among the record's merges (not ``auto``, not a
-  learned row) at the setting the record chose for that seed: each must reach the record's val accuracy on that seed
+  learned row) at the setting the record chose for that seed (a run of its own per seed, so no seed measures
+  another's best): each must reach the record's val accuracy on that seed
   within one val image per task, or nothing is written (other fine-tunes, or other code, measured the record);
 - each new ``auto`` row's regret is taken against that merge's test accuracy as measured here, on the same seed.
 
@@ -59,17 +60,15 @@ def best_on_val(row: dict, others: Sequence[str]) -> list[tuple[str, dict]]:
     return out
 
 
-def check_specs(specs: dict, bests: Sequence[tuple[str, dict]]) -> tuple[list, list[str]]:
-    """The check part's specs (``average``, and each distinct best merge at its chosen setting, one setting each)
-    and, per seed, the label of its best merge's check row."""
-    checks = {"average": specs["average"]}
-    labels = []
+def check_specs(specs: dict, bests: Sequence[tuple[str, dict]]) -> list[list]:
+    """Per seed, the check part's specs: ``average`` and the seed's best merge at its chosen setting (one setting;
+    the label says which)."""
+    out = []
     for best, setting in bests:
         label = f"{best} at " + (", ".join(f"{k}={v}" for k, v in setting.items()) or "its setting")
-        checks.setdefault(label, dataclasses.replace(specs[best], label=label,
-                                                     grid={k: [v] for k, v in setting.items()}))
-        labels.append(label)
-    return list(checks.values()), labels
+        out.append([specs["average"], dataclasses.replace(specs[best], label=label,
+                                                          grid={k: [v] for k, v in setting.items()})])
+    return out
 
 
 def val_tolerance(bench) -> float:
@@ -146,13 +145,17 @@ def measure_beside(record: dict, cache: Path, log, parts: Sequence[str], *, own:
     trained = list(range(cfg.frozen, cfg.num_layers))
     specs = record_specs(row, trained, tuple(dict.fromkeys((*R5_OWN, *own))))
     bests = best_on_val(row, reference_labels(row, specs))
-    checks, check_labels = check_specs(specs, bests)
+    checks = check_specs(specs, bests)
+    measured: dict[str, list] = {CHECK: []}
+    for seed, run in zip(record["seeds"], checks):  # each seed its own checks only: a run of its own
+        bench = build_real_suite(dataclasses.replace(cfg, seeds=(seed,)), cache, log)
+        measured[CHECK] += lever_replicates(bench, Path(cache), run, log, version=version, references=False)
     bench = build_real_suite(cfg, cache, log)
-    measured, versions = {}, {}
-    for part, run in [(CHECK, checks), *((p, round5_specs(p, trained, own=own)) for p in parts)]:
-        measured[part] = lever_replicates(bench, Path(cache), run, log, version=version, references=False)
-        versions[part] = sorted({r.code_version for r in measured[part]})
-    return join_beside(row, check_labels, bests, measured, versions, val_tolerance(bench))
+    for part in parts:
+        measured[part] = lever_replicates(bench, Path(cache), round5_specs(part, trained, own=own), log,
+                                          version=version, references=False)
+    versions = {part: sorted({r.code_version for r in results}) for part, results in measured.items()}
+    return join_beside(row, [run[1].label for run in checks], bests, measured, versions, val_tolerance(bench))
 
 
 def main(argv: list[str] | None = None) -> int:
