@@ -174,3 +174,6 @@ def test_the_beside_run_measures_each_seeds_own_checks_and_the_part_on_every_see
     assert built[-1] == ((0, 1, 2), 1.0, 2, 180, TASKS) and [b[0] for b in built[:3]] == [(0,), (1,), (2,)]
     assert joined["code_versions"][beside.CHECK] == ["v1"] and joined["code_versions"]["auto_cross_fit"] == ["v1"]
     assert [p["best_on_val"] for p in joined["auto_regrets"][NEW]["per_seed"]] == [b for b, _ in bests]
+    text = beside.checks_markdown("old_record", joined)
+    assert "The rows of the parts auto_cross_fit were measured" in text and "`old_record`" in text
+    assert text.count("| average |") == 3

@@ -190,9 +190,24 @@ def main(argv: list[str] | None = None) -> int:
                              version=args.code_version.split(",") if args.code_version else None)
     extra = {key: record[key] for key in ("protocol",) if key in record}
     extra["beside"] = {"record": args.record.stem, "command": record["command"], "machine": record["machine"]}
-    print(write_r5([row], args.table, command, record["seeds"], load, args.threads, time.perf_counter() - start,
-                   extra=extra))
+    text = write_r5([row], args.table, command, record["seeds"], load, args.threads, time.perf_counter() - start,
+                    extra=extra) + checks_markdown(args.record.stem, row)
+    if args.table:
+        args.table.with_suffix(".md").write_text(text)
+    print(text)
     return 0
+
+
+def checks_markdown(record: str, row: dict) -> str:
+    """The checks that bind the new rows to ``record``, as a Markdown section."""
+    lines = ["", f"## Measured beside `{record}`", "",
+             (f"The rows of the parts {', '.join(p for p in row['parts'][row['parts'].index(CHECK) + 1:])} were "
+             f"measured on this lever's fine-tunes retrained from their seeds; the others are `{record}`'s. Each seed "
+             "measured `average` and its merge best on val again (val points, the record's and this run's):"), "",
+             "| seed | row | record | this run |", "|---|---|---|---|"]
+    lines += [f"| {c['seed']} | {c['row']} | {c['val_record']:.2f} | {c['val_now']:.2f} |"
+              for c in row["beside"]["checks"]]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
