@@ -202,7 +202,7 @@ def checks_markdown(record: str, row: dict) -> str:
     """The checks that bind the new rows to ``record``, as a Markdown section."""
     lines = ["", f"## Measured beside `{record}`", "",
              (f"The rows of the parts {', '.join(p for p in row['parts'][row['parts'].index(CHECK) + 1:])} were "
-             f"measured on this lever's fine-tunes retrained from their seeds; the others are `{record}`'s. Each seed "
+             f"measured by runs of their own on this lever's fine-tunes (the same seeds); the others are `{record}`'s. Each seed "
              "measured `average` and its merge best on val again (val points, the record's and this run's):"), "",
              "| seed | row | record | this run |", "|---|---|---|---|"]
     lines += [f"| {c['seed']} | {c['row']} | {c['val_record']:.2f} | {c['val_now']:.2f} |"
