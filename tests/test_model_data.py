@@ -351,8 +351,8 @@ def test_selection_compares_each_model_with_its_own_data(tiny_paths, own_pixels,
 def test_auto_compares_each_candidate_with_each_model_on_its_own_data(tiny_paths, own_pixels, heads):
     """Without holding out (held_out=False) every candidate is compared on all of each model's own images."""
     base, models = tiny_paths
-    result = _quiet(hf_mloss.merge, base, _own(models, own_pixels), "auto", heads=heads, held_out=False,
-                    candidates={"tsv_m": {"lam": [0.7, 1.0]}, "regmean_plusplus": {"lam": [1.0]}})
+    result = _quiet(hf_mloss.merge, base, _own(models, own_pixels), "auto", heads=heads, criterion="output",
+                    held_out=False, candidates={"tsv_m": {"lam": [0.7, 1.0]}, "regmean_plusplus": {"lam": [1.0]}})
     scored = {(c["method"], c["setting"].get("lam")): c["output"] for c in result.config.parameters["scored"]}
     chosen = result.config.parameters["chosen"]
     assert scored[(chosen["method"], chosen["parameters"]["lam"])] == min(scored.values())
@@ -369,6 +369,38 @@ def test_auto_compares_each_candidate_with_each_model_on_its_own_data(tiny_paths
         build_model_card(result))
 
 
+def _own_disagreement(candidate, models, own, heads):
+    """Selection's ``disagreement`` with each model's own data, by hand: the fraction of (image, own model) pairs
+    where head_p's top class on the merge differs from it on model p."""
+    from transformers import CLIPVisionModel
+
+    differ, count = 0, 0
+    with torch.no_grad():
+        for p, (model, x) in enumerate(zip(models, own)):
+            expert = CLIPVisionModel.from_pretrained(model).eval()(pixel_values=x).pooler_output
+            merged = candidate(pixel_values=x).pooler_output
+            differ += int((heads[p](expert).argmax(-1) != heads[p](merged).argmax(-1)).sum())
+            count += len(x)
+    return differ / count
+
+
+def test_auto_ranks_by_disagreement_with_heads_and_by_output_without(tiny_paths, own_pixels, heads):
+    """The default criterion: disagreement when heads give class outputs, output otherwise; recorded either way."""
+    base, models = tiny_paths
+    candidates = {"tsv_m": {"lam": [0.3, 1.0, 3.0]}}
+    with_heads = _quiet(hf_mloss.merge, base, _own(models, own_pixels), "auto", heads=heads, candidates=candidates)
+    assert with_heads.config.parameters["criterion"] == "disagreement"
+    scored = {c["setting"]["lam"]: c["disagreement"] for c in with_heads.config.parameters["scored"]}
+    chosen = with_heads.config.parameters["chosen"]["parameters"]["lam"]
+    assert scored[chosen] == min(scored.values()) and chosen == min(k for k, v in scored.items() if v == scored[chosen])
+    assert scored[chosen] == pytest.approx(_own_disagreement(with_heads.model.eval(), models, own_pixels, heads))
+    without = _quiet(hf_mloss.merge, base, _own(models, own_pixels), "auto", candidates=candidates)
+    assert without.config.parameters["criterion"] == "output"
+    chosen_by_output = _quiet(hf_mloss.merge, base, _own(models, own_pixels), "auto", heads=heads,
+                              candidates=candidates, criterion="output").config.parameters
+    assert chosen_by_output["criterion"] == "output" and "disagreement" not in chosen_by_output["scored"][0]
+
+
 def test_auto_holds_part_of_each_models_data_out_of_the_fit_it_compares_on(tiny_paths, own_pixels, heads):
     """Without cross-fitting, a candidate fitted on the data (RegMean++) is fitted on part of each model's images and
     every candidate is compared on the other part (half of each model's, spread as selection spreads); the chosen
@@ -378,7 +410,7 @@ def test_auto_holds_part_of_each_models_data_out_of_the_fit_it_compares_on(tiny_
 
     base, models = tiny_paths
     candidates = {"tsv_m": {"lam": [0.7, 1.0]}, "regmean_plusplus": {"lam": [1.0]}}
-    result = _quiet(hf_mloss.merge, base, _own(models, own_pixels), "auto", heads=heads, candidates=candidates,
+    result = _quiet(hf_mloss.merge, base, _own(models, own_pixels), "auto", heads=heads, criterion="output", candidates=candidates,
                     cross_fit=False)
     held = [spread_index(len(x), len(x) // 2, result.config.seed) for x in own_pixels]
     compared = [x[i] for x, i in zip(own_pixels, held)]
@@ -412,7 +444,7 @@ def test_auto_cross_fits_each_models_data_so_every_candidate_is_compared_on_all_
 
     base, models = tiny_paths
     candidates = {"tsv_m": {"lam": [0.7, 1.0]}, "regmean_plusplus": {"lam": [1.0]}}
-    result = _quiet(hf_mloss.merge, base, _own(models, own_pixels), "auto", heads=heads, candidates=candidates)
+    result = _quiet(hf_mloss.merge, base, _own(models, own_pixels), "auto", heads=heads, criterion="output", candidates=candidates)
     params = result.config.parameters
     assert params["compared"] == 15 and params["fitted"] == 8 and params["cross_fitted"] is True
     first = [spread_index(len(x), len(x) // 2, result.config.seed) for x in own_pixels]

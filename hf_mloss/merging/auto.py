@@ -356,7 +356,7 @@ def _recorded(config: MergeConfig, merger: TensorMerger, chosen: dict[str, Any],
     the fit was crossed, recorded (heads passed from Python named, not kept)."""
     parameters = {k: v for k, v in config.parameters.items()
                   if k not in ("reselect", "compared", "fitted", "cross_fitted")}
-    parameters.update(chosen=chosen, scored=scored)
+    parameters.update(criterion=merger.ctx.params.criterion, chosen=chosen, scored=scored)  # the default resolved
     if compared is not None:
         parameters["compared"] = compared
     if fitted is not None:

@@ -62,9 +62,10 @@ class AutoParams(MethodParams):
                             "hf_mloss.methods.auto.CANDIDATE_GRIDS, or its default parameters), or a mapping "
                             "name -> grid ({'tsv_m': {'lam': [0.8, 1, 1.2]}, 'ties': {'k': [0.2], 'lam': [1]}}). "
                             "Default: TSV-M, Iso-C, Iso-CTS, TIES, task arithmetic and RegMean++ on λ grids.")
-    criterion: str = param("output", "What ranks the candidates, lower is better (see hf_mloss.merging.selection): "
-                           "output (the records' best label-free criterion), disagreement, entropy, mloss.",
-                           choices=CRITERIA)
+    criterion: str | None = param(None, "What ranks the candidates, lower is better (see "
+                                  "hf_mloss.merging.selection): output, disagreement, entropy, mloss. Default: "
+                                  "disagreement with heads (closer to the val-tuned best than output in the "
+                                  "records), output without (it needs none).", choices=CRITERIA)
     compare_samples: int = param(32, "Unlabeled samples each candidate is compared on (a seeded spread over the data).",
                              low=1, high=1_000_000)
     share: str = param("auto", "Which samples compare a candidate with which expert: auto (label-free routing) or "
@@ -95,6 +96,8 @@ class AutoParams(MethodParams):
                                       "on the other).")
 
     def check(self) -> None:
+        if self.criterion is None:
+            object.__setattr__(self, "criterion", "disagreement" if self.heads else "output")
         grids = candidate_grids(self.candidates, self.budget)
         for i, head in enumerate(self.heads or ()):
             if isinstance(head, Mapping) and "in_memory" in head and self.chooses:
