@@ -544,6 +544,10 @@ def runs_table_lines(rep: dict, p: dict) -> list[str]:
                      f"{res['max_rss_mb']:.0f} | {_fmt(rel, 2) if rel is not None else ''} | {_fmt(others, 2)} |"
                      + (f" {_split(res)} |" if split else "")
                      + (f" {_fmt(res.get('child', {}).get('cuda_max_allocated_mb'), 0)} |" if cuda else ""))
+    warm = [f"{name} {res['warm_read']['s']:.1f} s" for name, res in rep["runs"].items() if "warm_read" in res]
+    if warm:  # records since the inputs are read once before each run
+        lines += ["", "Before each hf_mloss run its inputs were read once, untimed, so that it reads them from the page "
+                  "cache (a read of the files from the disk shows here as a slow one): " + ", ".join(warm) + "."]
     return lines + [""]
 
 
