@@ -3,7 +3,6 @@ brute force; the report's outputs; the CLI; Hub ids and local folders."""
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import itertools
 import json
@@ -301,7 +300,7 @@ def test_sign_conflicts_count_exactly_the_entries_the_ties_trim_keeps(four) -> N
 def test_task_vector_gram_is_accurate_on_large_tensors(monkeypatch) -> None:
     """The Gram sums of a tensor with millions of entries stay within 1e-5 of ‖τ_i‖‖τ_j‖ of a float64 reference
     (one float32 product over all of them was off by about 1e-4 here), and the trim counts are exact, whole or
-    streamed (a tall tensor's threshold sample read from the rows that hold it, a wide one's from a pass)."""
+    streamed."""
     from types import SimpleNamespace
 
     from hf_mloss.engine import compatibility as compat
@@ -316,11 +315,8 @@ def test_task_vector_gram_is_accurate_on_large_tensors(monkeypatch) -> None:
         def get(self, name: str) -> torch.Tensor:
             return self.tensors[name].clone()
 
-        def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-            return self.tensors[name][start:stop].clone()
-
     gen = torch.Generator().manual_seed(0)
-    shapes = {"big": (1024, 2048), "tall": (131072, 8), "small": (16, 8), "bias": (7,)}  # tall: sampled by rows
+    shapes = {"big": (1024, 2048), "small": (16, 8), "bias": (7,)}
     base = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
     shared = {k: torch.randn(s, generator=gen) * 1e-3 for k, s in shapes.items()}  # correlated task vectors
     tuned = [{k: base[k] + shared[k] + torch.randn(s, generator=gen) * 1e-3 * (i + 1) for k, s in shapes.items()}
@@ -343,17 +339,6 @@ def test_task_vector_gram_is_accurate_on_large_tensors(monkeypatch) -> None:
         stats = compat.task_vector_statistics(inputs)
         assert ((stats["gram"] - gram).abs() / norms.outer(norms)).max() < 1e-5
         assert torch.equal(stats["overlap"], overlap) and torch.equal(stats["conflict"], (overlap - agree) / 2)
-    single_rows = []
-    real_task_vectors = compat._task_vectors
-
-    def task_vectors(inputs, name, rows, *rest):
-        if rows.stop - rows.start == 1:
-            single_rows.append(name)
-        return real_task_vectors(inputs, name, rows, *rest)
-
-    monkeypatch.setattr(compat, "_task_vectors", task_vectors)
-    compat.task_vector_statistics(inputs)
-    assert set(single_rows) == {"tall"}  # the sample read row by row only where it touches few of the rows
 
 
 def test_baselines_streamed_in_row_pieces_equal_the_whole_tensor_ones(four, monkeypatch) -> None:
@@ -375,56 +360,6 @@ def test_baselines_streamed_in_row_pieces_equal_the_whole_tensor_ones(four, monk
     assert set(pieces) == {n for n in inputs.names if inputs.base.shapes[n]}  # every tensor with rows, in pieces
     assert torch.equal(streamed["overlap"], whole["overlap"]) and torch.equal(streamed["conflict"], whole["conflict"])
     torch.testing.assert_close(streamed["gram"], whole["gram"], rtol=1e-5, atol=1e-9)
-
-
-def test_baselines_take_the_blocks_the_walk_read_and_read_only_the_rest_from_the_files(four, pixels,
-                                                                                       monkeypatch) -> None:
-    """The own walk holds every source's copy of a block: the baselines take those tensors from the copies and
-    read only the others (embeddings, final norms) from the files, with the numbers the files give."""
-    from hf_mloss.engine import compatibility as compat
-    from hf_mloss.loading.inputs import open_inputs
-
-    base, models = four
-    read: list[str] = []
-    real_fill = compat._file_fill
-    monkeypatch.setattr(compat, "_file_fill", lambda store, name: (read.append(name), real_fill(store, name))[1])
-    report = compatibility(base, models, pixels, batch_size=3, leave_one_out=False, progress=False)
-    with open_inputs(hf_mloss.MergeConfig.from_kwargs(base, models), needs_data=False, progress=False) as inputs:
-        prefixes = [inputs.adapter.layer_prefix(i) for i in range(len(inputs.names))]
-        in_blocks = {n for n in inputs.names if n.startswith(tuple(prefixes))}
-        assert in_blocks and set(read) == set(inputs.names) - in_blocks  # each source read per tensor: q entries
-        assert len(read) == len(models) * len(set(read))
-        from_files = compat.weight_baselines(compat.task_vector_statistics(inputs), report.subsets)
-    assert report.baselines["sign_conflict"] == from_files["sign_conflict"]  # the same trim counts, exactly
-    for name in ("tv_cosine", "tv_distance", "tv_norm"):  # the same sums up to their order
-        assert report.baselines[name] == pytest.approx(from_files[name], rel=1e-12)
-    assert report.timings["baselines_s"] > 0
-
-
-def test_block_copies_that_do_not_hold_the_stored_values_are_left_to_the_files(four) -> None:
-    """A copy computed in a narrower dtype than its checkpoint (bfloat16 from float32 files) is not taken: its
-    tensors stay for :meth:`TaskVectorStatistics.finish`; float32 copies of the same block are taken."""
-    from hf_mloss.engine.compatibility import TaskVectorStatistics, _holds_stored_values, task_vector_statistics
-    from hf_mloss.loading.inputs import open_inputs
-
-    assert _holds_stored_values(torch.float32, [torch.bfloat16, torch.float32])
-    assert not _holds_stored_values(torch.bfloat16, [torch.float32, torch.float32])
-    assert not _holds_stored_values(torch.float32, [torch.float32, None])  # a dtype the files do not say
-    base, models = four
-    with open_inputs(hf_mloss.MergeConfig.from_kwargs(base, models), needs_data=False, progress=False) as inputs:
-        tuned = [inputs.adapter.layers(transformers.CLIPVisionModel.from_pretrained(m))[0] for m in models]
-        prefix = inputs.adapter.layer_prefix(0)
-        block = {prefix + key for key, _ in tuned[0].named_parameters()}
-        assert block <= set(inputs.names)
-        stats = TaskVectorStatistics(inputs, k=0.3)
-        stats.add_block(prefix, [copy.deepcopy(layer).to(torch.bfloat16) for layer in tuned])
-        assert block <= set(stats.pending)
-        stats.add_block(prefix, tuned)
-        assert not block & set(stats.pending)
-        taken = stats.finish()
-        files = task_vector_statistics(inputs, k=0.3)
-    assert torch.equal(taken["overlap"], files["overlap"]) and torch.equal(taken["conflict"], files["conflict"])
-    torch.testing.assert_close(taken["gram"], files["gram"], rtol=1e-12, atol=0.0)
 
 
 def test_model_card_embeds_the_report(four, pixels, report, tmp_path) -> None:

@@ -16,10 +16,9 @@ copies of ONE block and one kernel block of gaps (:func:`hf_mloss.engine.kernel.
 elementwise work ∝ (number of subsets) × positions × nodes per scored layer: for ViT-B/32 with q = 8 (37 subsets)
 see ``benchmarks/results/merge_speed_new_workloads_cpu.md`` (the report against one ``score(prefix="own")``).
 
-Label-free baselines beside it, streamed one tensor at a time over the task vectors τ_p = θ_p − θ₀ (a block's
-tensors taken from the q copies the walk already holds, the rest read from the files): cosine and distance between
-task vectors, their norms, and the TIES sign-conflict fraction (entries kept by both trimmed task vectors whose signs
-differ); optionally the output-level gap between each subset's average merge and the ensemble
+Label-free baselines beside it, streamed one tensor at a time over the task vectors τ_p = θ_p − θ₀: cosine and
+distance between task vectors, their norms, and the TIES sign-conflict fraction (entries kept by both trimmed task
+vectors whose signs differ); optionally the output-level gap between each subset's average merge and the ensemble
 of its members' outputs (pooled features of encoders, next-token distributions of causal LMs; one extra forward per
 scored subset).
 """
@@ -29,8 +28,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -143,15 +141,13 @@ def subset_reach(owner: torch.Tensor | None, subsets: Sequence[tuple[int, ...]],
 
 
 def subset_mloss(setup: ScoringSetup, subsets: Sequence[tuple[int, ...]], weights: torch.Tensor, *,
-                 per_node: bool = False, progress: bool = True, reach: torch.Tensor | None = None,
-                 statistics: TaskVectorStatistics | None = None) -> dict[str, Any]:
+                 per_node: bool = False, progress: bool = True, reach: torch.Tensor | None = None) -> dict[str, Any]:
     """M-Loss of every subset at every scored layer from one own-prefix walk.
 
     Returns ``{metric: [subsets, layers] tensor}`` for :data:`METRICS` (and ``"node"``: per layer a
     ``[subsets, nodes]`` tensor when ``per_node``), plus ``"layers"`` (the scored linears) and ``"positions"``.
     ``reach`` (:func:`subset_reach`): each subset scored on its members' data only; the subsets that reach the same
-    samples of a batch share one kernel pass. ``statistics``: given each walked block's source copies
-    (:meth:`TaskVectorStatistics.add_block`), so the baselines do not read those tensors from the files again.
+    samples of a batch share one kernel pass.
     """
     from tqdm.auto import tqdm
 
@@ -214,11 +210,7 @@ def subset_mloss(setup: ScoringSetup, subsets: Sequence[tuple[int, ...]], weight
 
         own_expert_walk(setup, layers, matrix, block_done, per_node=per_node)
     else:
-        copies_read = None
-        if statistics is not None:
-            def copies_read(layer: int, copies: Sequence[torch.nn.Module]) -> None:
-                statistics.add_block(setup.adapter.layer_prefix(layer), copies)
-        own_walk(setup, layers, visit, done, copies_read=copies_read)
+        own_walk(setup, layers, visit, done)
     bar.close()
     metrics = [*METRICS, "node_mloss"] if per_node else list(METRICS)
     out: dict[str, Any] = {m: torch.stack([per_layer[layer][m] for layer in layers], dim=1) for m in metrics}
@@ -259,131 +251,69 @@ GRAM_CHUNK_NUMEL = 1 << 16
 the overlap counts, float32 sums of 0/1 products, exact (below 2²⁴)."""
 
 
-Fill = Callable[[torch.Tensor, "slice | None"], Any]
-"""Writes one source's tensor (or rows ``slice`` of it, along dim 0) into the float32 buffer it is given."""
-
-
-class TaskVectorStatistics:
-    """Pairwise statistics of the task vectors τ_p = θ_p − θ₀, one tensor at a time (``[q, q]`` each), each tensor
-    read once: from the own walk's block copies where it passes them (:meth:`add_block`), from the files for the rest
-    (:meth:`finish`).
+@torch.inference_mode()
+def task_vector_statistics(inputs: RunInputs, *, k: float = 0.2) -> dict[str, torch.Tensor]:
+    """Pairwise statistics of the task vectors τ_p = θ_p − θ₀, streamed one tensor at a time (``[q, q]`` each).
 
     ``gram``: ⟨τ_i, τ_j⟩ over every float tensor. ``conflict`` / ``overlap``: among the entries that both per-tensor
     top-``k`` trims keep (TIES' trim, with the threshold of :func:`hf_mloss.methods.ops.magnitude_threshold`), those
     whose signs differ / all of them. A large tensor (:data:`STREAM_MIN_NUMEL`) is read in pieces of rows, its
     per-task thresholds found over the whole tensor first (:func:`hf_mloss.methods.ops.streamed_thresholds`), so
-    that no q whole float32 copies are held: the same thresholds and counts, the Gram sums added piece by piece.
-    A tensor taken from the copies gives the same numbers as from the files: it is taken only where the copy holds
-    the stored values exactly (:func:`_holds_stored_values`).
+    that no q whole copies are held: the same thresholds and counts, the Gram sums added piece by piece.
     """
+    from ..methods.ops import keep_count, magnitude_threshold
 
-    def __init__(self, inputs: RunInputs, *, k: float = 0.2) -> None:
-        self.inputs, self.k, q = inputs, k, len(inputs.sources)
-        self.out = {key: torch.zeros(q, q, dtype=torch.float64) for key in ("gram", "conflict", "overlap")}
-        self.sizes = {name: math.prod(inputs.base.shapes[name]) for name in inputs.names}
-        shapes = inputs.base.shapes
-        self.streamed = {n for n, numel in self.sizes.items() if numel * q >= STREAM_MIN_NUMEL and shapes[n]}
-        whole = [numel for n, numel in self.sizes.items() if n not in self.streamed]
-        pieces = [_piece_rows(shapes[n]) * self.sizes[n] // shapes[n][0] for n in self.streamed]
-        self.buffer = torch.empty(q * max(whole + pieces, default=0), device=inputs.device, dtype=torch.float32)
-        self.magnitude = torch.empty(max(whole, default=0), device=inputs.device, dtype=torch.float32)
-        self.pending = dict.fromkeys(inputs.names)  # in the files' order
-        self.seconds = 0.0
-        """Time spent in :meth:`add_block` (inside the walk)."""
-
-    @torch.inference_mode()
-    def add_block(self, prefix: str, copies: Sequence[torch.nn.Module]) -> None:
-        """Take the parameters of one block's q source copies (``prefix``: the block's key prefix)."""
-        start = time.perf_counter()
-        named = [dict(block.named_parameters()) for block in copies]
-        for key, first in named[0].items():
-            name = prefix + key
-            dtypes = [store.dtypes.get(name) for store in self.inputs.sources]
-            if name in self.pending and _holds_stored_values(first.dtype, dtypes):
-                self._add(name, [_copy_fill(params[key]) for params in named])
-        self.seconds += time.perf_counter() - start
-
-    @torch.inference_mode()
-    def finish(self) -> dict[str, torch.Tensor]:
-        """Read every tensor not taken yet from the files; the statistics of all."""
-        for name in list(self.pending):
-            self._add(name, [_file_fill(store, name) for store in self.inputs.sources])
-        return self.out
-
-    def _add(self, name: str, fills: Sequence[Fill]) -> None:
-        from ..methods.ops import keep_count, magnitude_threshold
-
-        del self.pending[name]
-        count = keep_count(self.sizes[name], self.k)  # the floor(n·k)-th largest, as the trim keeps
-        if name in self.streamed:
-            thresholds = _streamed_thresholds(self.inputs, name, self.buffer, fills, count)
-            for taus in _task_vector_pieces(self.inputs, name, self.buffer, fills):
-                _add_pair_statistics(self.out, taus, thresholds)
+    q = len(inputs.sources)
+    out = {key: torch.zeros(q, q, dtype=torch.float64) for key in ("gram", "conflict", "overlap")}
+    sizes = {name: math.prod(inputs.base.shapes[name]) for name in inputs.names}
+    streamed = {n for n, numel in sizes.items() if numel * q >= STREAM_MIN_NUMEL and inputs.base.shapes[n]}
+    whole = [numel for n, numel in sizes.items() if n not in streamed]
+    piece_sizes = [_piece_rows(inputs.base.shapes[n]) * sizes[n] // inputs.base.shapes[n][0] for n in streamed]
+    buffer = torch.empty(q * max(whole + piece_sizes, default=0), device=inputs.device, dtype=torch.float32)
+    magnitude = torch.empty(max(whole, default=0), device=inputs.device, dtype=torch.float32)
+    for name in inputs.names:
+        count = keep_count(sizes[name], k)  # the floor(n·k)-th largest, as the trim keeps
+        if name in streamed:
+            pieces = lambda name=name: _task_vector_pieces(inputs, name, buffer)
+            thresholds = _streamed_thresholds(pieces, q, count, sizes[name])
+            for taus in pieces():
+                _add_pair_statistics(out, taus, thresholds)
         else:
-            taus = _whole_task_vectors(self.inputs, name, self.buffer, self.magnitude, fills)
-            magnitude = self.magnitude
+            taus = _whole_task_vectors(inputs, name, buffer, magnitude)
             thresholds = [magnitude_threshold(torch.abs(tau, out=magnitude[: tau.numel()]), count) for tau in taus]
-            _add_pair_statistics(self.out, taus, thresholds)
+            _add_pair_statistics(out, taus, thresholds)
+    return out
 
 
-def task_vector_statistics(inputs: RunInputs, *, k: float = 0.2) -> dict[str, torch.Tensor]:
-    """:class:`TaskVectorStatistics` of every tensor, read from the files."""
-    return TaskVectorStatistics(inputs, k=k).finish()
-
-
-_EXACT_FROM = {torch.float32: (torch.bfloat16, torch.float16, torch.float32),
-               torch.float64: (torch.bfloat16, torch.float16, torch.float32, torch.float64)}
-
-
-def _holds_stored_values(dtype: torch.dtype, stored: Sequence[torch.dtype | None]) -> bool:
-    """Whether a tensor of ``dtype`` read from checkpoints stored in ``stored`` dtypes holds their values exactly
-    (the same dtype, or a wider float): a block copy computed in bfloat16 from float32 files does not."""
-    return all(d is not None and (d == dtype or d in _EXACT_FROM.get(dtype, ())) for d in stored)
-
-
-def _file_fill(store: Any, name: str) -> Fill:
-    def fill(out: torch.Tensor, rows: slice | None) -> Any:
-        if rows is None:
-            return store.read_into(name, out)
-        return out.copy_(store.get_rows(name, rows.start, rows.stop))
-    return fill
-
-
-def _copy_fill(tensor: torch.Tensor) -> Fill:
-    return lambda out, rows: out.copy_(tensor if rows is None else tensor[rows])
-
-
-def _task_vectors(inputs: RunInputs, name: str, rows: slice, buffer: torch.Tensor, fills: Sequence[Fill]
-                  ) -> torch.Tensor:
+def _task_vectors(inputs: RunInputs, name: str, rows: slice, buffer: torch.Tensor) -> torch.Tensor:
     """``[q, entries]`` float32 task vectors of rows ``rows.start:rows.stop`` of tensor ``name``, each source
     converted straight into its row of ``buffer`` (a view of it is returned: valid until the next call)."""
     base = inputs.base.get_rows(name, rows.start, rows.stop)
-    taus = buffer[: len(fills) * base.numel()].view(len(fills), *base.shape)
-    for tau, fill in zip(taus, fills):
-        fill(tau, rows)
+    taus = buffer[: len(inputs.sources) * base.numel()].view(len(inputs.sources), *base.shape)
+    for tau, store in zip(taus, inputs.sources):
+        tau.copy_(store.get_rows(name, rows.start, rows.stop))
     return taus.sub_(base.to(inputs.device, torch.float32)).reshape(len(taus), -1)
 
 
-def _whole_task_vectors(inputs: RunInputs, name: str, buffer: torch.Tensor, scratch: torch.Tensor,
-                        fills: Sequence[Fill]) -> torch.Tensor:
-    """The ``[q, entries]`` task vectors of a whole tensor, every source written into reused memory (the base into
+def _whole_task_vectors(inputs: RunInputs, name: str, buffer: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """The ``[q, entries]`` task vectors of a whole tensor, every checkpoint read into reused memory (the base into
     ``scratch``, free again when this returns): no fresh pages per tensor and source."""
     shape = inputs.base.shapes[name]
     numel = math.prod(shape)
     base = inputs.base.read_into(name, scratch[:numel].view(shape))
-    taus = buffer[: len(fills) * numel].view(len(fills), *shape)
-    for tau, fill in zip(taus, fills):
-        fill(tau, None)
+    taus = buffer[: len(inputs.sources) * numel].view(len(inputs.sources), *shape)
+    for tau, store in zip(taus, inputs.sources):
+        store.read_into(name, tau)
     return taus.sub_(base).reshape(len(taus), -1)
 
 
-def _task_vector_pieces(inputs: RunInputs, name: str, buffer: torch.Tensor, fills: Sequence[Fill]):
+def _task_vector_pieces(inputs: RunInputs, name: str, buffer: torch.Tensor):
     """The ``[q, entries]`` task vectors of tensor ``name``, piece by piece (consecutive row ranges), each in
     ``buffer`` (a piece is overwritten by the next)."""
     shape = inputs.base.shapes[name]
     step = _piece_rows(shape)
     for start in range(0, shape[0], step):
-        yield _task_vectors(inputs, name, slice(start, min(start + step, shape[0])), buffer, fills)
+        yield _task_vectors(inputs, name, slice(start, min(start + step, shape[0])), buffer)
 
 
 def _piece_rows(shape: tuple[int, ...]) -> int:
@@ -391,38 +321,18 @@ def _piece_rows(shape: tuple[int, ...]) -> int:
     return min(shape[0], max(1, STREAM_PIECE_NUMEL // max(1, math.prod(shape[1:]))))
 
 
-SAMPLED_ROWS_MAX_SHARE = 0.25
-"""The sample that brackets a streamed tensor's thresholds is read row by row, from only the rows that hold a sampled
-position, when those are at most this share of its rows (an LLM's embedding: about a tenth of its 151936 rows);
-otherwise it is taken from one pass over the pieces."""
-
-
-def _streamed_thresholds(inputs: RunInputs, name: str, buffer: torch.Tensor, fills: Sequence[Fill],
-                         count: int) -> list[float]:
-    """Per task, the ``count``-th largest |τ| over the whole tensor ``name``, read piece by piece
-    (:func:`hf_mloss.methods.ops.streamed_thresholds`)."""
+def _streamed_thresholds(pieces, q: int, count: int, numel: int) -> list[float]:
+    """Per task, the ``count``-th largest |τ| over the whole tensor, read piece by piece."""
     from ..methods.ops import sample_positions, streamed_thresholds
 
-    shape = inputs.base.shapes[name]
-    numel = math.prod(shape)
-    width = numel // shape[0]
-    pieces = lambda: _task_vector_pieces(inputs, name, buffer, fills)
-    positions, samples = sample_positions(numel), [[] for _ in fills]
-    rows, per_row = torch.unique_consecutive(positions // width, return_counts=True)
-    if len(rows) <= SAMPLED_ROWS_MAX_SHARE * shape[0]:
-        for row, at in zip(rows.tolist(), (positions % width).split(per_row.tolist())):
-            taus = _task_vectors(inputs, name, slice(row, row + 1), buffer, fills)
-            for kept, tau in zip(samples, taus):
-                kept.append(tau[at.to(tau.device)].abs().cpu())
-    else:
-        start = 0
-        for taus in pieces():
-            stop = start + taus.shape[1]
-            at = positions[(positions >= start) & (positions < stop)] - start
-            for kept, tau in zip(samples, taus):
-                kept.append(tau[at.to(tau.device)].abs().cpu())
-            start = stop
-    return streamed_thresholds(lambda: (list(taus) for taus in pieces()), [count] * len(fills), numel,
+    positions, samples, start = sample_positions(numel), [[] for _ in range(q)], 0
+    for taus in pieces():
+        stop = start + taus.shape[1]
+        at = positions[(positions >= start) & (positions < stop)] - start
+        for kept, tau in zip(samples, taus):
+            kept.append(tau[at.to(tau.device)].abs().cpu())
+        start = stop
+    return streamed_thresholds(lambda: (list(taus) for taus in pieces()), [count] * q, numel,
                                [torch.cat(kept) for kept in samples])
 
 
@@ -817,6 +727,8 @@ def run_compatibility(config: MergeConfig, *, subsets: Sequence[Sequence[int | s
         >>> report = run_compatibility(MergeConfig.from_yaml("merge.yaml"))
         ```
     """
+    import time
+
     from ..loading.inputs import open_inputs
     from ..parallel import cpu_workers
     from .score import make_setup
@@ -835,7 +747,6 @@ def run_compatibility(config: MergeConfig, *, subsets: Sequence[Sequence[int | s
                                         "two-tower model (a CLIPModel with text_data, a vision-language model) has "
                                         "none. Drop output_gap.")
         weights = inputs.alpha / inputs.alpha.sum()
-        statistics = TaskVectorStatistics(inputs) if baselines else None
         start = time.perf_counter()
         if whole:
             setup, scores, towers = _tower_subset_mloss(inputs, options, config, chosen, weights, per_node=per_node,
@@ -845,15 +756,13 @@ def run_compatibility(config: MergeConfig, *, subsets: Sequence[Sequence[int | s
             setup = make_setup(inputs, model, options, config, progress=progress)
             reach = subset_reach(inputs.sample_owner, chosen, len(names))  # a subset on its members' own data
             scores, towers = subset_mloss(setup, chosen, weights, per_node=per_node, progress=progress,
-                                          reach=reach, statistics=statistics), {}
-        in_walk = statistics.seconds if statistics is not None else 0.0  # baselines taken from the walk's blocks
-        timings = {"mloss_s": time.perf_counter() - start - in_walk}
+                                          reach=reach), {}
+        timings = {"mloss_s": time.perf_counter() - start}
         extra: dict[str, list[float]] = {}
-        if statistics is not None:
+        if baselines:
             start = time.perf_counter()
-            extra = weight_baselines(statistics.finish(), chosen)
-            timings["baselines_s"] = time.perf_counter() - start + in_walk
-            timings["baselines_in_walk_s"] = in_walk
+            extra = weight_baselines(task_vector_statistics(inputs), chosen)
+            timings["baselines_s"] = time.perf_counter() - start
         if output_gap:
             start = time.perf_counter()
             extra["output_gap"] = output_gaps(inputs, chosen, weights, inputs.model_inputs.split(config.batch_size),

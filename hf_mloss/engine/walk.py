@@ -262,12 +262,9 @@ def own_block_copies(setup: WalkSetup, blocks: Sequence[nn.Module], layer: int,
 
 @torch.inference_mode()
 def own_walk(setup: WalkSetup, scored: Sequence[int], visit: Callable[[int, UnitInputs], None],
-             done: Callable[[int], None] | None = None, *, progress: Any = None,
-             copies_read: Callable[[int, Sequence[nn.Module]], None] | None = None) -> None:
+             done: Callable[[int], None] | None = None, *, progress: Any = None) -> None:
     """Walk the blocks once with every source's own forward; ``visit(layer, inputs)`` gets each batch's q stacked
     pre-activations of a scored unit (:class:`UnitInputs`), ``done(layer)`` follows its last batch.
-    ``copies_read(layer, copies)``: called with each walked block's q filled copies (source order), so that work
-    which needs every source's weights of that block takes them here instead of reading the files again.
 
     Memory: the worker model (``setup.model``), q copies of ONE block, and q sets of hidden states.
     """
@@ -281,8 +278,6 @@ def own_walk(setup: WalkSetup, scored: Sequence[int], visit: Callable[[int, Unit
     arenas = [BlockArena() for _ in setup.sources]
     for layer in range(last + 1):
         copies = own_block_copies(setup, blocks, layer, arenas)
-        if copies_read is not None:
-            copies_read(layer, copies)
         for b in range(len(setup.batches)):
             stacked: dict[str, torch.Tensor] = {}  # gate / up: [q, ..., nodes], each source's output written in
             for p, block in enumerate(copies):
