@@ -1268,7 +1268,7 @@ def warm_inputs(plan: Plan) -> dict:
                         size += len(chunk)
     cached = next((int(line.split()[1]) / 2**20 for line in Path("/proc/meminfo").read_text().splitlines()
                    if line.startswith("Cached:")), None) if Path("/proc/meminfo").is_file() else None
-    return {"s": round(time.perf_counter() - start, 2), "gb": round(size / 1e9, 2),
+    return {"s": round(time.perf_counter() - start, 2), "bytes": size, "gb": round(size / 1e9, 2),
             "page_cache_gb": None if cached is None else round(cached, 2)}
 
 

@@ -222,3 +222,24 @@ def test_svc_floor_times_each_shapes_factorisation_and_sets_it_beside_task_arith
     workload_ratios(ratios, runs)
     assert dict(ratios)["task_arithmetic_svc_floor_vs_task_arithmetic_wall"]["value"] == pytest.approx(19.0 / 10.0)
     assert dict(ratios)["svc_added_vs_svc_floor"]["value"] == pytest.approx(27.0 / 9.0)
+
+
+def test_every_input_is_read_once_before_a_run_and_the_record_says_how_long_it_took(tmp_path) -> None:
+    """The runs read their checkpoints from the page cache only if something read them since the last run that
+    evicted them: each run is preceded by one untimed read of every file of the base and the fine-tunes."""
+    from types import SimpleNamespace
+
+    from merge_speed_report import runs_table_lines
+
+    folders = [tmp_path / name for name in ("base", "ft0", "ft1")]
+    for i, folder in enumerate(folders):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(os.urandom(1000 + i))
+        (folder / "config.json").write_text("{}")
+    warm = merge_speed.warm_inputs(SimpleNamespace(base=folders[0], models=folders[1:]))
+    assert warm["bytes"] == 1000 + 1001 + 1002 + 3 * 2 and warm["s"] >= 0
+    p = {"q": 2, "models": {"model_bytes": 1e9}, "device": "cpu", "shape": "qwen2.5-1.5b"}
+    run = {"wall_s": 10.0, "cpu_s": 15.0, "max_rss_mb": 3000.0}
+    lines = runs_table_lines({"runs": {"compatibility": {**run, "warm_read": {"s": 7.25, "gb": 15.4}}}}, p)
+    assert any("read once, untimed" in line and "compatibility 7.2 s" in line for line in lines)
+    assert not any("untimed" in line for line in runs_table_lines({"runs": {"compatibility": run}}, p))
