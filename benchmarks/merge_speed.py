@@ -1258,7 +1258,7 @@ def warm_inputs(plan: Plan) -> dict:
     """Read every file of the base and the fine-tunes once, untimed, so that the run after it reads them from the
     page cache, as the records say: a run that holds several GB (the plain forward of a 1.5B decoder: 9 GB) evicts
     part of 5 × 3 GB of checkpoints on a 24 GB machine, and the run after it read them from the disk. Returns the
-    seconds and GB of the read (slow when they were not cached) and the page cache's size after it."""
+    seconds (slow when they were not cached) and bytes of the read."""
     start, size = time.perf_counter(), 0
     for folder in [plan.base, *plan.models]:
         for file in sorted(Path(folder).iterdir()) if folder else ():
@@ -1266,10 +1266,7 @@ def warm_inputs(plan: Plan) -> dict:
                 with open(file, "rb", buffering=0) as handle:
                     while chunk := handle.read(1 << 26):
                         size += len(chunk)
-    cached = next((int(line.split()[1]) / 2**20 for line in Path("/proc/meminfo").read_text().splitlines()
-                   if line.startswith("Cached:")), None) if Path("/proc/meminfo").is_file() else None
-    return {"s": round(time.perf_counter() - start, 2), "bytes": size, "gb": round(size / 1e9, 2),
-            "page_cache_gb": None if cached is None else round(cached, 2)}
+    return {"s": round(time.perf_counter() - start, 2), "bytes": size}
 
 
 def run_hf(plan: Plan, name: str, repeat: int, reference: bool = False) -> dict:

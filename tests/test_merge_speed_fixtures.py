@@ -240,6 +240,6 @@ def test_every_input_is_read_once_before_a_run_and_the_record_says_how_long_it_t
     assert warm["bytes"] == 1000 + 1001 + 1002 + 3 * 2 and warm["s"] >= 0
     p = {"q": 2, "models": {"model_bytes": 1e9}, "device": "cpu", "shape": "qwen2.5-1.5b"}
     run = {"wall_s": 10.0, "cpu_s": 15.0, "max_rss_mb": 3000.0}
-    lines = runs_table_lines({"runs": {"compatibility": {**run, "warm_read": {"s": 7.25, "gb": 15.4}}}}, p)
+    lines = runs_table_lines({"runs": {"compatibility": {**run, "warm_read": {"s": 7.25, "bytes": 15_400_000_000}}}}, p)
     assert any("read once, untimed" in line and "compatibility 7.2 s" in line for line in lines)
     assert not any("untimed" in line for line in runs_table_lines({"runs": {"compatibility": run}}, p))
