@@ -377,6 +377,46 @@ def test_the_walk_carries_the_context_and_the_mask_to_the_kernel(prefix):
         assert_sums_close(kernel_view(padded_sums[layer]), kernel_view(alone_sums[layer]))
 
 
+def test_the_own_walk_reuses_one_buffer_per_role_for_every_batch_and_block(monkeypatch):
+    """Every batch and block of the own walk is stacked into the same gate and up buffers (grown only for a longer
+    batch), and the several-row kernel, which overwrites them in place chunk by chunk, gives sequences of different
+    lengths walked one at a time the sums of their padded batch."""
+    from hf_mloss.engine import kernel
+
+    monkeypatch.setattr(kernel, "ROWS_BLOCK_ELEMENTS", 4 * 3 * N)  # chunks of 3 positions
+    models = [GatedBlocks(seed) for seed in range(Q)]
+    mix = torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.25, 0.75], [0.2, 0.3, 0.5], [1.0, 0.0, 0.0]])
+    padded, alone = token_batches([4, 1, 6])
+
+    def run(batches):
+        setup = Setup(GatedBlocks(0), models, batches)
+        out: dict[int, GapSums] = {}
+        buffers: list[tuple[int, tuple[int, int]]] = []
+
+        def visit(layer, inputs):
+            buffers.append((layer, (inputs.gate.data_ptr(), inputs.up.data_ptr())))
+            sums = GapSums(len(mix), N)
+            gate, up = inputs.stacked(sources_first=True)
+            sums.add_preactivations(gate, mix, nn.SiLU(), up=up, mask=inputs.mask, sources_first=True)
+            if layer in out:
+                out[layer].merge(sums)
+            else:
+                out[layer] = sums
+
+        own_walk(setup, [0, 1], visit)
+        return out, buffers
+
+    padded_sums, _ = run([padded])
+    alone_sums, buffers = run(alone)
+    longest = buffers[2][1]  # the 6-token sequence grew the buffers; every later batch reuses them
+    assert buffers[1][1] == buffers[0][1]
+    assert [pointers for layer, pointers in buffers if layer == 1] == [longest] * 3
+    for layer in (0, 1):
+        assert int(alone_sums[layer].count) == 11
+        for row in range(len(mix)):
+            assert_sums_close(kernel_view(alone_sums[layer], row), kernel_view(padded_sums[layer], row))
+
+
 def test_kept_spans_are_the_runs_of_the_mask(monkeypatch):
     from hf_mloss.engine import kernel
 

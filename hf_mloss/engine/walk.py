@@ -68,7 +68,8 @@ class BatchState:
 class UnitInputs:
     """One batch at a scored unit of the own-prefix walk: the q sources' float32 pre-activations, stacked as
     ``[q, ..., nodes]`` (``up``: gated units), and the positions that count (``mask``, ``[positions]`` bool, or
-    ``None``)."""
+    ``None``). ``gate`` and ``up`` are the walk's scratch memory, written again for the next batch: a measurement
+    reads (or overwrites) them before it returns and keeps no reference."""
 
     gate: torch.Tensor
     up: torch.Tensor | None
@@ -231,6 +232,10 @@ class BlockArena:
             start += sizes[key]
         return out
 
+    def tensor(self, shape: Sequence[int], dtype: torch.dtype, device: Any) -> torch.Tensor:
+        """One tensor of ``shape`` and ``dtype`` on ``device`` in the arena's memory (what it held before is gone)."""
+        return self.views({"": torch.empty(shape, dtype=dtype, device="meta")}, device)[""]
+
 
 def _own_embeddings(setup: WalkSetup, batches: Sequence[Sequence[Any]] | None = None) -> list[list[BatchState]]:
     """Each source's states entering block 0 (its own embeddings, written into the worker model), per batch
@@ -266,7 +271,8 @@ def own_walk(setup: WalkSetup, scored: Sequence[int], visit: Callable[[int, Unit
     """Walk the blocks once with every source's own forward; ``visit(layer, inputs)`` gets each batch's q stacked
     pre-activations of a scored unit (:class:`UnitInputs`), ``done(layer)`` follows its last batch.
 
-    Memory: the worker model (``setup.model``), q copies of ONE block, and q sets of hidden states.
+    Memory: the worker model (``setup.model``), q copies of ONE block, q sets of hidden states, and one buffer per
+    stacked role (gate, up) reused by every batch and block.
     """
     adapter, scored = setup.adapter, set(scored)
     if not scored:
@@ -276,6 +282,7 @@ def own_walk(setup: WalkSetup, scored: Sequence[int], visit: Callable[[int, Unit
     blocks = adapter.layers(setup.model)
     last = max(scored)
     arenas = [BlockArena() for _ in setup.sources]
+    scratch = {"gate": BlockArena(), "up": BlockArena()}  # the stacked pre-activations, reused batch after batch
     for layer in range(last + 1):
         copies = own_block_copies(setup, blocks, layer, arenas)
         for b in range(len(setup.batches)):
@@ -293,7 +300,8 @@ def own_walk(setup: WalkSetup, scored: Sequence[int], visit: Callable[[int, Unit
                             if out is None:
                                 continue
                             if role not in stacked:
-                                stacked[role] = out.new_empty((len(copies), *out.shape), dtype=torch.float32)
+                                stacked[role] = scratch[role].tensor((len(copies), *out.shape), torch.float32,
+                                                                     out.device)
                             stacked[role][p].copy_(out)
                     if layer < last:
                         with _reusing(block, u, computed):  # the rest of the block: gate / up not computed twice
