@@ -271,10 +271,11 @@ def task_vector_statistics(inputs: RunInputs, *, k: float = 0.2) -> dict[str, to
     piece_sizes = [_piece_rows(inputs.base.shapes[n]) * sizes[n] // inputs.base.shapes[n][0] for n in streamed]
     buffer = torch.empty(q * max(whole + piece_sizes, default=0), device=inputs.device, dtype=torch.float32)
     magnitude = torch.empty(max(whole, default=0), device=inputs.device, dtype=torch.float32)
+    base_piece = torch.empty(max(piece_sizes, default=0), device=inputs.device, dtype=torch.float32)
     for name in inputs.names:
         count = keep_count(sizes[name], k)  # the floor(n·k)-th largest, as the trim keeps
         if name in streamed:
-            pieces = lambda name=name: _task_vector_pieces(inputs, name, buffer)
+            pieces = lambda name=name: _task_vector_pieces(inputs, name, buffer, base_piece)
             thresholds = _streamed_thresholds(pieces, q, count, sizes[name])
             for taus in pieces():
                 _add_pair_statistics(out, taus, thresholds)
@@ -285,14 +286,19 @@ def task_vector_statistics(inputs: RunInputs, *, k: float = 0.2) -> dict[str, to
     return out
 
 
-def _task_vectors(inputs: RunInputs, name: str, rows: slice, buffer: torch.Tensor) -> torch.Tensor:
+def _task_vectors(inputs: RunInputs, name: str, rows: slice, buffer: torch.Tensor,
+                  base_buffer: torch.Tensor) -> torch.Tensor:
     """``[q, entries]`` float32 task vectors of rows ``rows.start:rows.stop`` of tensor ``name``, each source
-    converted straight into its row of ``buffer`` (a view of it is returned: valid until the next call)."""
-    base = inputs.base.get_rows(name, rows.start, rows.stop)
-    taus = buffer[: len(inputs.sources) * base.numel()].view(len(inputs.sources), *base.shape)
+    converted straight into its row of ``buffer``, the base into ``base_buffer`` (a view of ``buffer`` is returned:
+    valid until the next call). Every checkpoint is read through the store's reused staging memory: rows read into
+    fresh tensors piece after piece made some passes over an embedding many times slower than others."""
+    width = math.prod(inputs.base.shapes[name][1:])
+    start, numel = rows.start * width, (rows.stop - rows.start) * width
+    base = inputs.base.read_flat_into(name, start, base_buffer[:numel])
+    taus = buffer[: len(inputs.sources) * numel].view(len(inputs.sources), numel)
     for tau, store in zip(taus, inputs.sources):
-        tau.copy_(store.get_rows(name, rows.start, rows.stop))
-    return taus.sub_(base.to(inputs.device, torch.float32)).reshape(len(taus), -1)
+        store.read_flat_into(name, start, tau)
+    return taus.sub_(base)
 
 
 def _whole_task_vectors(inputs: RunInputs, name: str, buffer: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
@@ -307,13 +313,13 @@ def _whole_task_vectors(inputs: RunInputs, name: str, buffer: torch.Tensor, scra
     return taus.sub_(base).reshape(len(taus), -1)
 
 
-def _task_vector_pieces(inputs: RunInputs, name: str, buffer: torch.Tensor):
+def _task_vector_pieces(inputs: RunInputs, name: str, buffer: torch.Tensor, base_buffer: torch.Tensor):
     """The ``[q, entries]`` task vectors of tensor ``name``, piece by piece (consecutive row ranges), each in
-    ``buffer`` (a piece is overwritten by the next)."""
+    ``buffer`` (a piece is overwritten by the next; ``base_buffer``: the base's piece)."""
     shape = inputs.base.shapes[name]
     step = _piece_rows(shape)
     for start in range(0, shape[0], step):
-        yield _task_vectors(inputs, name, slice(start, min(start + step, shape[0])), buffer)
+        yield _task_vectors(inputs, name, slice(start, min(start + step, shape[0])), buffer, base_buffer)
 
 
 def _piece_rows(shape: tuple[int, ...]) -> int:
