@@ -240,19 +240,45 @@ def floors_main(spec: dict) -> dict:
 
 class RssSampler(ms.Poller):
     """This process's resident memory every ``interval`` seconds (``/proc/self/statm``), with the time it was read:
-    each stage's peak, once the stages' times are known."""
+    each stage's peak, once the stages' times are known. It also reads the process's CPU time and page faults
+    (``/proc/self/stat``) at each sample: what each stage spent in user and kernel mode, and how many pages it
+    faulted in (a stage slow for fresh memory shows there)."""
 
     def __init__(self, interval: float = 0.02) -> None:
         super().__init__(interval)
         self.samples: list[tuple[float, float]] = []
+        self.counters: list[tuple[float, tuple[float, float, int, int]]] = []
+        """``(time, (user s, system s, minor faults, major faults))``, every thread of the process."""
         self._page = os.sysconf("SC_PAGE_SIZE")
+        self._tick = os.sysconf("SC_CLK_TCK")
 
     def poll(self) -> None:
+        now = time.perf_counter()
         try:
             pages = int(Path("/proc/self/statm").read_text().split()[1])
         except (OSError, ValueError, IndexError):
             return
-        self.samples.append((time.perf_counter(), pages * self._page / 2**20))
+        self.samples.append((now, pages * self._page / 2**20))
+        counters = read_counters(Path("/proc/self/stat"), self._tick)
+        if counters is not None:
+            self.counters.append((now, counters))
+
+    def usage(self, start: float, stages: dict[str, float]) -> dict[str, dict[str, float] | None]:
+        """Per stage, the CPU seconds (user, system) and page faults between the last samples before its start and
+        before its end (``None`` for a stage shorter than the sampling left unseen)."""
+        out, edge = {}, start
+
+        def last_before(t: float) -> tuple[float, float, int, int] | None:
+            seen = [c for when, c in self.counters if when <= t]
+            return seen[-1] if seen else None
+
+        for stage, seconds in stages.items():
+            first, last = last_before(edge), last_before(edge + seconds)
+            out[stage] = None if first is None or last is None or first is last else {
+                "user_s": round(last[0] - first[0], 2), "sys_s": round(last[1] - first[1], 2),
+                "minor_faults": last[2] - first[2], "major_faults": last[3] - first[3]}
+            edge += seconds
+        return out
 
     def peaks(self, start: float, stages: dict[str, float]) -> dict[str, float]:
         out, edge = {}, start
@@ -269,6 +295,16 @@ class RssSampler(ms.Poller):
                 k = int((t - start) / step)
                 out[k] = max(out.get(k, 0.0), mb)
         return [(round(k * step, 1), round(mb, 1)) for k, mb in sorted(out.items())]
+
+
+def read_counters(path: Path, tick: int) -> tuple[float, float, int, int] | None:
+    """``(user s, system s, minor faults, major faults)`` of a ``/proc/<pid>/stat`` file (fields 14, 15, 10, 12;
+    counted after the command name, which may hold spaces), or ``None`` where it cannot be read."""
+    try:
+        fields = path.read_text().rpartition(")")[2].split()
+        return int(fields[11]) / tick, int(fields[12]) / tick, int(fields[7]), int(fields[9])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def hf_main(spec: dict) -> dict:
@@ -296,6 +332,7 @@ def hf_main(spec: dict) -> dict:
     stages = dict(getattr(result, "timings", {}) or {})
     return {"argv": argv, "import_s": import_s, "before_build_s": captured["start"] - t0, "stages_s": stages,
             "stage_peak_rss_mb": sampler.peaks(captured["start"], stages),
+            "stage_usage": sampler.usage(captured["start"], stages),
             "rss_timeline_mb": sampler.timeline(captured["start"]),
             "vmhwm_mb": ms._proc_status_mb("VmHWM"), "total_in_child_s": time.perf_counter() - t0,
             "mloss": {f"{i},{j}": v for (i, j), v in (result.mloss or {}).items()},
@@ -537,6 +574,15 @@ def render_markdown(payload: dict) -> str:
                      if k in child["stages_s"] else "-" for k in names]
             lines.append(f"| {repeat + 1} | {who} | {child['before_build_s']:.1f} s | " + " | ".join(cells) +
                          f" | {child['vmhwm_mb']:.0f} |")
+        usage = [(repeat, who, child["stage_usage"]) for repeat, who, child in stages if child.get("stage_usage")]
+        if usage:
+            lines += ["", "The same stages' CPU time, user + system, and the pages they faulted in (minor faults; "
+                      "/proc/self/stat read with each memory sample, so each edge is within 20 ms):", "",
+                      "| run | tool | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+            for repeat, who, per_stage in usage:
+                cells = [f"{u['user_s']:.1f} + {u['sys_s']:.1f} s, {u['minor_faults'] / 1e3:.0f} k faults"
+                         if (u := per_stage.get(k)) else "-" for k in names]
+                lines.append(f"| {repeat + 1} | {who} | " + " | ".join(cells) + " |")
     lines += floors_section(payload)
     p = payload.get("parity")
     if p:

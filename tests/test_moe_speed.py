@@ -17,6 +17,16 @@ def _run(wall: float, cpu: float, rss: float, order: int = 0) -> dict:
             "contention": {"loadavg_before": [4.0, 4.0, 4.0], "loadavg_after": [4.2, 4.0, 4.0], "other_cores": 1.0}}
 
 
+SETUP = {"experts": 4, "positive": 8, "negative": 2, "prompts": 44, "config_shape": {
+    "hidden_size": 896, "num_hidden_layers": 24, "intermediate_size": 4864, "num_attention_heads": 14,
+    "num_key_value_heads": 2, "vocab_size": 151936}, "params": {
+    "dense_expert": 494_032_768, "expert_mlp": 313_786_368, "moe_total": 1_749_000_000},
+    "tokenizer": {"class": "Qwen2Tokenizer", "vocab": 640, "bos": None, "eos": "<|endoftext|>"},
+    "prompt_tokens": {"min": 8, "max": 31, "mean": 20.7},
+    "recipe": {"shared_experts": [{"positive_prompts": ["a", "b"]}]}}
+"""A record's setup: the 0.5B shape, 4 experts and the prompts' sizes."""
+
+
 def test_ratios_are_judged_against_each_runs_targets() -> None:
     hf, mk = _run(40.0, 38.0, 1500.0), _run(100.0, 90.0, 3800.0)
     judged = moe_speed.ratios(hf, mk, targets=moe_speed.RUN_TARGETS["hf_mloss"])
@@ -48,15 +58,8 @@ def test_the_record_states_the_targets_the_contention_and_the_stages() -> None:
             "mergekit": _run(50.0, 50.0, 3800.0, 1)}
     repeat = {"repeat": 0, "order": ["hf_mloss", "mergekit"], "runs": runs,
               "ratios": {"hf_mloss": moe_speed.ratios(runs["hf_mloss"], runs["mergekit"], targets=moe_speed.TARGETS)}}
-    setup = {"experts": 4, "positive": 8, "negative": 2, "prompts": 44, "config_shape": {
-        "hidden_size": 896, "num_hidden_layers": 24, "intermediate_size": 4864, "num_attention_heads": 14,
-        "num_key_value_heads": 2, "vocab_size": 151936}, "params": {
-        "dense_expert": 494_032_768, "expert_mlp": 313_786_368, "moe_total": 1_749_000_000},
-        "tokenizer": {"class": "Qwen2Tokenizer", "vocab": 640, "bos": None, "eos": "<|endoftext|>"},
-        "prompt_tokens": {"min": 8, "max": 31, "mean": 20.7},
-        "recipe": {"shared_experts": [{"positive_prompts": ["a", "b"]}]}}
     payload = {"tag": "t", "generated": "now", "command": "python benchmarks/moe_speed.py", "machine": {},
-               "setup": setup, "repeats": [repeat], "met": moe_speed.met_counts([repeat]), "parity": None}
+               "setup": SETUP, "repeats": [repeat], "met": moe_speed.met_counts([repeat]), "parity": None}
     text = moe_speed.render_markdown(payload)
     assert "| wall time | ≤ 1.0 | 1.800 | 0 of 1 |" in text
     assert "| peak RSS | ≤ 0.5 | 0.421 | 1 of 1 |" in text
@@ -94,3 +97,39 @@ def test_the_floors_job_measures_each_floor(tmp_path) -> None:
     assert out["imports_s"] > 0 and out["write_s"] > 0 and out["pair_gemm_s"] > 0
     assert out["write_bytes"] == (64 << 20) + 5 and out["pair_gemm_flop"] == 2 * 3 * 2 * 4 * 8 * 2 * 16
     assert not (tmp_path / "floors" / "floor.bin").exists()  # nothing is left beside the outputs
+
+
+def test_each_stage_gets_its_cpu_time_and_page_faults(tmp_path) -> None:
+    """/proc/<pid>/stat's fields are read after the command name (which may hold spaces and parentheses), and each
+    stage gets the difference of the counters read last before its start and before its end."""
+    import os
+
+    stat = tmp_path / "stat"
+    fields = ["S", "1", "1", "1", "0", "-1", "4194560", "1500", "0", "7", "0", "250", "50"] + ["0"] * 30
+    stat.write_text("4242 (hf mloss (moe)) " + " ".join(fields))
+    assert moe_speed.read_counters(stat, 100) == (2.5, 0.5, 1500, 7)
+    assert moe_speed.read_counters(tmp_path / "missing", 100) is None
+    user, _, faults, _ = moe_speed.read_counters(Path("/proc/self/stat"), os.sysconf("SC_CLK_TCK"))
+    assert abs(user - os.times().user) < 0.1 and faults > 0  # this very process
+
+    sampler = moe_speed.RssSampler()
+    sampler.counters = [(10.0, (1.0, 0.2, 100, 0)), (10.5, (1.4, 0.3, 900, 1)), (12.0, (3.0, 0.8, 5100, 1)),
+                        (12.01, (3.0, 0.8, 5100, 1))]
+    usage = sampler.usage(10.2, {"gates": 0.5, "write": 1.9, "routing": 0.001})
+    assert usage["gates"] == {"user_s": 0.4, "sys_s": 0.1, "minor_faults": 800, "major_faults": 1}
+    assert usage["write"] == {"user_s": 1.6, "sys_s": 0.5, "minor_faults": 4200, "major_faults": 0}
+    assert usage["routing"] is None  # no sample inside it
+
+
+def test_the_record_gives_each_stages_cpu_time_and_faults() -> None:
+    child = {"before_build_s": 4.5, "stages_s": {"gates": 14.0, "write": 9.0}, "vmhwm_mb": 1600.0,
+             "stage_peak_rss_mb": {"gates": 500.0, "write": 900.0},
+             "stage_usage": {"gates": {"user_s": 20.0, "sys_s": 1.5, "minor_faults": 120_000, "major_faults": 0},
+                             "write": None}}
+    runs = {"hf_mloss": _run(90.0, 85.0, 1600.0) | {"child": child}, "mergekit": _run(50.0, 50.0, 3800.0, 1)}
+    repeat = {"repeat": 0, "order": ["hf_mloss", "mergekit"], "runs": runs,
+              "ratios": {"hf_mloss": moe_speed.ratios(runs["hf_mloss"], runs["mergekit"], targets=moe_speed.TARGETS)}}
+    lines = moe_speed.render_markdown({"tag": "t", "generated": "now", "command": "c", "machine": {},
+                                       "setup": SETUP, "repeats": [repeat], "met": moe_speed.met_counts([repeat]),
+                                       "parity": None})
+    assert "| 1 | hf_mloss | 20.0 + 1.5 s, 120 k faults | - |" in lines
