@@ -175,3 +175,29 @@ def test_pair_gaps_of_no_token_are_not_a_value():
     assert gaps.values() is None
     gaps.add(1, experts, torch.randn(5, 4))
     assert set(gaps.values()) == {(0, 1), (0, 2), (1, 2)} and min(gaps.values().values()) > 0
+
+
+def test_pair_gaps_reuse_their_buffers_and_give_the_sums_of_fresh_ones(monkeypatch):
+    """The pair gaps write their products and gate / up halves into buffers kept from layer to layer (and chunk to
+    chunk); the sums are those of the kernel given fresh copies, bit for bit."""
+    from types import SimpleNamespace
+
+    from hf_mloss.engine.kernel import GapSums
+    from hf_mloss.moe import routing
+
+    monkeypatch.setattr(routing, "POSITION_CHUNK", 16)  # two chunks in the first layer, one in the second
+    generator = torch.Generator().manual_seed(3)
+    experts = SimpleNamespace(gate_up_proj=torch.randn(3, 12, 5, generator=generator), act_fn=torch.nn.SiLU())
+    gaps = routing.ExpertPairGaps(3)
+    pointers = []
+    for layer, tokens in ((0, 23), (1, 9)):
+        hidden = torch.randn(tokens, 5, generator=generator)
+        gaps.add(layer, experts, hidden)
+        pointers.append(gaps._scratch["pre"].buffer.data_ptr())
+        want = GapSums(3, 6, per_node=False)
+        for part in hidden.split(16):
+            pre = torch.matmul(part, experts.gate_up_proj.transpose(1, 2))
+            want.add_preactivations(pre[..., :6].clone(), gaps.matrix, experts.act_fn, up=pre[..., 6:].clone(),
+                                    sources_first=True)
+        assert torch.equal(gaps.per_layer[layer].layer, want.layer)
+    assert pointers[0] == pointers[1]

@@ -120,8 +120,11 @@ class LayeredModel:
         return out
 
     # ------------------------------------------------------------------------------------------ the layers
-    def layers(self, *, progress: bool = False, desc: str = "Layers") -> Iterator[tuple[int, torch.nn.Module]]:
-        """``(i, layer)``, each layer filled from the store on entry and emptied (back on ``meta``) after."""
+    def layers(self, *, progress: bool = False, desc: str = "Layers",
+               release: bool = True) -> Iterator[tuple[int, torch.nn.Module]]:
+        """``(i, layer)``, each layer filled from the store on entry and emptied (back on ``meta``) after;
+        ``release``: the freed memory goes back to the system after each layer (else the caller releases it once,
+        and the next layer reuses the same pages)."""
         from tqdm.auto import tqdm
 
         for i in tqdm(range(self.num_layers), desc=desc, unit="layer", disable=not progress):
@@ -131,7 +134,8 @@ class LayeredModel:
                 yield i, layer
             finally:
                 layer.to("meta")
-                release_memory(collect=False)  # else the freed layers' pages stay in the heap, layer after layer
+                if release:
+                    release_memory(collect=False)  # else the freed layers' pages stay in the heap, layer after layer
 
     def forward(self, i: int, layer: torch.nn.Module, batch: Batch) -> None:
         """Run ``layer`` (number ``i``) on ``batch``: its hidden state becomes the layer's output. A hook that

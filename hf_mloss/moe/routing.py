@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from ..engine.walk import BlockArena
+
 POSITION_CHUNK = 256
 """Tokens whose pre-activations the M-Loss forms at once (``[experts, tokens, 2 · intermediate]`` float32)."""
 
@@ -165,21 +167,31 @@ class ExpertPairGaps:
         self.pairs = list(itertools.combinations(range(num_experts), 2))
         self.matrix = subset_matrix(self.pairs, torch.ones(num_experts))
         self.per_layer: dict[int, Any] = {}  # layer -> its GapSums
+        self._scratch = {role: BlockArena() for role in ("pre", "gate", "up")}  # reused by every layer
 
     def add(self, layer: int, experts: Any, hidden: torch.Tensor) -> None:
         """Add the gaps of ``hidden`` (``[tokens, hidden size]``, the router's input at layer ``layer``) through
-        ``experts`` (the layer's experts module: ``gate_up_proj`` ``[experts, 2·intermediate, hidden size]``)."""
+        ``experts`` (the layer's experts module: ``gate_up_proj`` ``[experts, 2·intermediate, hidden size]``).
+
+        The products and the gate and up halves the kernel reads (and overwrites) are written into buffers kept
+        from layer to layer: made afresh, they were most of the pages the routing pass faulted in."""
         from ..engine.kernel import GapSums
 
         weight = experts.gate_up_proj
-        nodes = weight.shape[1] // 2
+        num_experts, nodes = weight.shape[0], weight.shape[1] // 2
         sums = self.per_layer.get(layer)
         if sums is None:
             sums = self.per_layer[layer] = GapSums(len(self.pairs), nodes, per_node=False, device=hidden.device)
         matrix = self.matrix.to(hidden.device)
         for part in hidden.split(POSITION_CHUNK) if hidden.shape[0] else ():
-            pre = torch.matmul(part.to(weight.dtype), weight.transpose(1, 2)).float()  # [experts, tokens, 2·nodes]
-            gate, up = pre[..., :nodes], pre[..., nodes:]
+            shape = (num_experts, part.shape[0], nodes)
+            if weight.dtype == torch.float32:
+                pre = self._scratch["pre"].tensor((*shape[:2], 2 * nodes), torch.float32, hidden.device)
+                torch.matmul(part.float(), weight.transpose(1, 2), out=pre)  # [experts, tokens, 2·nodes]
+            else:
+                pre = torch.matmul(part.to(weight.dtype), weight.transpose(1, 2)).float()
+            gate = self._scratch["gate"].tensor(shape, torch.float32, hidden.device).copy_(pre[..., :nodes])
+            up = self._scratch["up"].tensor(shape, torch.float32, hidden.device).copy_(pre[..., nodes:])
             sums.add_preactivations(gate, matrix, experts.act_fn, up=up, sources_first=True)
 
     def values(self) -> dict[tuple[int, int], float] | None:
@@ -211,7 +223,8 @@ def route_prompts(layered: Any, tokenizer: Any, prompts: Sequence[str], owners: 
     selected = torch.zeros(layered.num_layers, len(labels), dtype=torch.long)
     skip_bos = tokenizer.bos_token is not None
     last = layered.num_layers - 1
-    for i, layer in layered.layers(progress=progress, desc="Routing the prompts through the MoE"):
+    # memory goes back to the system once, after the pass: the pair gaps' and the forward's buffers are reused
+    for i, layer in layered.layers(progress=progress, desc="Routing the prompts through the MoE", release=False):
         router = _router_weight(layer)
         captured: list[torch.Tensor] = []
 
