@@ -711,12 +711,14 @@ def print_table(payload: dict) -> None:
 
 
 def portable(value, roots: dict[str, str]):
+    """``value`` with every folder of ``roots`` replaced by its name, the longest folder first (a folder inside
+    another keeps its own name)."""
     if isinstance(value, dict):
         return {k: portable(v, roots) for k, v in value.items()}
     if isinstance(value, list):
         return [portable(v, roots) for v in value]
     if isinstance(value, str):
-        for root, name in roots.items():
+        for root, name in sorted(roots.items(), key=lambda item: -len(item[0])):
             value = value.replace(root, name)
     return value
 
@@ -761,9 +763,11 @@ def main_run(args) -> int:
                "setup": setup_record, "hf_args": args.hf_args, "targets": TARGETS, "repeats": repeats,
                "parity": parity, "rss_guard_killed": guard.killed, "parent_vmhwm_mb": parent_rss,
                "met": met_counts(repeats), "notes": args.note}
-    roots = {str(cache): "CACHE", str(REPO): "REPO", str(Path.home()): "HOME"}
-    payload = portable(payload, roots)
     results = Path(args.results_dir).resolve()
+    roots = {str(cache): "CACHE", str(REPO): "REPO", str(Path.home()): "HOME"}
+    if not results.is_relative_to(REPO):
+        roots[str(results)] = "out"  # a results folder outside the tree is named by its role, as merge_speed does
+    payload = portable(payload, roots)
     results.mkdir(parents=True, exist_ok=True)
     (results / f"moe_speed_{tag}.json").write_text(json.dumps(payload, indent=1) + "\n")
     (results / f"moe_speed_{tag}.md").write_text(render_markdown(payload))

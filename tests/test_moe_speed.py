@@ -133,3 +133,12 @@ def test_the_record_gives_each_stages_cpu_time_and_faults() -> None:
                                        "setup": SETUP, "repeats": [repeat], "met": moe_speed.met_counts([repeat]),
                                        "parity": None})
     assert "| 1 | hf_mloss | 20.0 + 1.5 s, 120 k faults | - |" in lines
+
+
+def test_a_record_names_its_folders_by_their_roles() -> None:
+    """Folders inside one another each get their own name, the longest first, in every string of the record."""
+    roots = {"/home/u": "HOME", "/home/u/cache": "CACHE", "/home/u/results": "out"}
+    record = {"command": "moe_speed.py --cache /home/u/cache --results-dir /home/u/results",
+              "logs": ["/home/u/cache/runs/a.log", "/home/u/other"]}
+    assert moe_speed.portable(record, roots) == {"command": "moe_speed.py --cache CACHE --results-dir out",
+                                                 "logs": ["CACHE/runs/a.log", "HOME/other"]}
