@@ -319,8 +319,9 @@ class GapSums:
         on it, then f runs in place on the chunk of H itself (f(s·H) computed once for all rows) and one more GEMM
         with β = 1 subtracts A·f(s·H). Node sums: only Σ|g| / Σg² (``node[0]``).
 
-        Nothing of the size of ``h`` is allocated: f(s·H) overwrites each chunk once its A·H is taken, and the
-        chunks' products go into two buffers of :data:`ROWS_BLOCK_ELEMENTS`. A fresh copy of ``h`` per batch (the
+        Nothing of the size of ``h`` is allocated here (beyond making a strided ``h`` contiguous): f(s·H) overwrites
+        each chunk once its A·H is taken, and the chunks' products go into two buffers of
+        :data:`ROWS_BLOCK_ELEMENTS`. A fresh copy of ``h`` per batch (the
         earlier layout) stalled for seconds in the kernel's page faults while the page cache filled the memory."""
         q, n = h.shape[0], h.shape[2]
         h = h.contiguous()  # [q, positions, nodes]

@@ -185,11 +185,9 @@ class ExpertPairGaps:
         matrix = self.matrix.to(hidden.device)
         for part in hidden.split(POSITION_CHUNK) if hidden.shape[0] else ():
             shape = (num_experts, part.shape[0], nodes)
-            if weight.dtype == torch.float32:
-                pre = self._scratch["pre"].tensor((*shape[:2], 2 * nodes), torch.float32, hidden.device)
-                torch.matmul(part.float(), weight.transpose(1, 2), out=pre)  # [experts, tokens, 2·nodes]
-            else:
-                pre = torch.matmul(part.to(weight.dtype), weight.transpose(1, 2)).float()
+            pre = self._scratch["pre"].tensor((*shape[:2], 2 * nodes), weight.dtype, hidden.device)
+            torch.matmul(part.to(weight.dtype), weight.transpose(1, 2), out=pre)  # [experts, tokens, 2·nodes]
+            # the halves in float32, where the kernel reads and overwrites them
             gate = self._scratch["gate"].tensor(shape, torch.float32, hidden.device).copy_(pre[..., :nodes])
             up = self._scratch["up"].tensor(shape, torch.float32, hidden.device).copy_(pre[..., nodes:])
             sums.add_preactivations(gate, matrix, experts.act_fn, up=up, sources_first=True)
