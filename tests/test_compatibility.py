@@ -362,6 +362,39 @@ def test_baselines_streamed_in_row_pieces_equal_the_whole_tensor_ones(four, monk
     torch.testing.assert_close(streamed["gram"], whole["gram"], rtol=1e-5, atol=1e-9)
 
 
+def test_baselines_on_two_workers_equal_the_serial_ones(four, monkeypatch) -> None:
+    """The whole tensors' statistics computed on the run's two worker threads (as ``compatibility`` runs them on two
+    idle cores): the same trim counts, the same Gram sums up to the last float32 bits of a product, every tensor
+    counted once and each thread reading into memory of its own."""
+    import threading
+
+    from hf_mloss.engine import compatibility as compat
+    from hf_mloss.loading.inputs import open_inputs
+    from hf_mloss.parallel import cpu_workers
+
+    base, models = four
+    config = hf_mloss.MergeConfig.from_kwargs(base, models)
+    with open_inputs(config, needs_data=False, progress=False) as inputs:
+        serial = compat.task_vector_statistics(inputs, k=0.3)
+        seen: list[tuple[str, str, int]] = []
+        real = compat._whole_task_vectors
+        monkeypatch.setattr(compat, "_whole_task_vectors", lambda inputs, name, buffer, scratch: (
+            seen.append((name, threading.current_thread().name, buffer.data_ptr())),
+            real(inputs, name, buffer, scratch))[1])
+        with cpu_workers("cpu", threads=2) as workers:
+            assert workers.parallel
+            parallel = compat.task_vector_statistics(inputs, k=0.3)
+    assert sorted(name for name, _, _ in seen) == sorted(inputs.names)
+    threads = {thread for _, thread, _ in seen}
+    assert threads and all(t.startswith("hf_mloss") for t in threads)  # the pool's threads, not the caller
+    memory = {}
+    for _, thread, pointer in seen:
+        assert memory.setdefault(thread, pointer) == pointer  # one buffer per thread, reused tensor after tensor
+    assert len(set(memory.values())) == len(memory)
+    assert torch.equal(parallel["overlap"], serial["overlap"]) and torch.equal(parallel["conflict"], serial["conflict"])
+    torch.testing.assert_close(parallel["gram"], serial["gram"], rtol=1e-6, atol=1e-12)
+
+
 def test_model_card_embeds_the_report(four, pixels, report, tmp_path) -> None:
     base, models = four
     result = hf_mloss.merge(base, models, "ties", progress=False)

@@ -260,30 +260,60 @@ def task_vector_statistics(inputs: RunInputs, *, k: float = 0.2) -> dict[str, to
     whose signs differ / all of them. A large tensor (:data:`STREAM_MIN_NUMEL`) is read in pieces of rows, its
     per-task thresholds found over the whole tensor first (:func:`hf_mloss.methods.ops.streamed_thresholds`), so
     that no q whole copies are held: the same thresholds and counts, the Gram sums added piece by piece.
+
+    The other tensors go to the run's workers (:func:`hf_mloss.parallel.active`), one tensor each at a time in
+    memory of its own: their selections and small products run on one thread each, so two workers keep two cores
+    busy where one tensor at a time left one idle. Every tensor's sums are added in the names' order, whichever
+    worker computed them.
     """
-    from ..methods.ops import keep_count, magnitude_threshold
+    from .. import parallel
+    from ..methods.ops import keep_count
 
     q = len(inputs.sources)
     out = {key: torch.zeros(q, q, dtype=torch.float64) for key in ("gram", "conflict", "overlap")}
     sizes = {name: math.prod(inputs.base.shapes[name]) for name in inputs.names}
     streamed = {n for n, numel in sizes.items() if numel * q >= STREAM_MIN_NUMEL and inputs.base.shapes[n]}
-    whole = [numel for n, numel in sizes.items() if n not in streamed]
+    whole = [n for n in inputs.names if n not in streamed]
+    sums = dict(zip(whole, parallel.active().map(_WholeStatistics(inputs, [sizes[n] for n in whole], k), whole)))
     piece_sizes = [_piece_rows(inputs.base.shapes[n]) * sizes[n] // inputs.base.shapes[n][0] for n in streamed]
-    buffer = torch.empty(q * max(whole + piece_sizes, default=0), device=inputs.device, dtype=torch.float32)
-    magnitude = torch.empty(max(whole, default=0), device=inputs.device, dtype=torch.float32)
+    buffer = torch.empty(q * max(piece_sizes, default=0), device=inputs.device, dtype=torch.float32)
     base_piece = torch.empty(max(piece_sizes, default=0), device=inputs.device, dtype=torch.float32)
+    masks = _mask_buffers(q, max(piece_sizes, default=0), inputs.device)
     for name in inputs.names:
-        count = keep_count(sizes[name], k)  # the floor(n·k)-th largest, as the trim keeps
-        if name in streamed:
-            pieces = lambda name=name: _task_vector_pieces(inputs, name, buffer, base_piece)
-            thresholds = _streamed_thresholds(pieces, q, count, sizes[name])
-            for taus in pieces():
-                _add_pair_statistics(out, taus, thresholds)
-        else:
-            taus = _whole_task_vectors(inputs, name, buffer, magnitude)
-            thresholds = [magnitude_threshold(torch.abs(tau, out=magnitude[: tau.numel()]), count) for tau in taus]
-            _add_pair_statistics(out, taus, thresholds)
+        if name not in streamed:
+            _add_sums(out, sums.pop(name))
+            continue
+        pieces = lambda name=name: _task_vector_pieces(inputs, name, buffer, base_piece)
+        thresholds = _streamed_thresholds(pieces, q, keep_count(sizes[name], k), sizes[name])
+        for taus in pieces():
+            _add_sums(out, _pair_sums(taus, thresholds, masks))
     return out
+
+
+class _WholeStatistics:
+    """One whole tensor's pair sums (:func:`_pair_sums`), read into memory reused by each thread that calls it."""
+
+    def __init__(self, inputs: RunInputs, sizes: Sequence[int], k: float) -> None:
+        import threading
+
+        self.inputs, self.k, self.largest = inputs, k, max(sizes, default=0)
+        self.local = threading.local()
+
+    def __call__(self, name: str) -> torch.Tensor:
+        from ..methods.ops import keep_count, magnitude_threshold
+
+        inputs = self.inputs
+        memory = getattr(self.local, "memory", None)
+        if memory is None:  # this thread's task vectors and magnitudes, reused from tensor to tensor
+            memory = self.local.memory = (
+                torch.empty(len(inputs.sources) * self.largest, device=inputs.device, dtype=torch.float32),
+                torch.empty(self.largest, device=inputs.device, dtype=torch.float32),
+                _mask_buffers(len(inputs.sources), self.largest, inputs.device))
+        buffer, magnitude, masks = memory
+        taus = _whole_task_vectors(inputs, name, buffer, magnitude)
+        count = keep_count(taus.shape[1], self.k)  # the floor(n·k)-th largest, as the trim keeps
+        thresholds = [magnitude_threshold(torch.abs(tau, out=magnitude[: tau.numel()]), count) for tau in taus]
+        return _pair_sums(taus, thresholds, masks)
 
 
 def _task_vectors(inputs: RunInputs, name: str, rows: slice, buffer: torch.Tensor,
@@ -342,17 +372,29 @@ def _streamed_thresholds(pieces, q: int, count: int, numel: int) -> list[float]:
                                [torch.cat(kept) for kept in samples])
 
 
-def _add_pair_statistics(out: dict[str, torch.Tensor], taus: torch.Tensor, thresholds: list[float]) -> None:
-    """Add one piece's ⟨τ_i, τ_j⟩ and the trim overlap / sign conflict counts (``thresholds``: one per task). An
-    entry is kept where its magnitude reaches its task's threshold and is not zero (a zero has no sign)."""
+def _mask_chunk(q: int) -> int:
+    """Entries per task of one chunk of :func:`_pair_sums` (:data:`PAIR_CHUNK_BYTES` of the q task vectors)."""
+    return max(GRAM_CHUNK_NUMEL, PAIR_CHUNK_BYTES // (4 * q)) // GRAM_CHUNK_NUMEL * GRAM_CHUNK_NUMEL
+
+
+def _mask_buffers(q: int, numel: int, device: Any) -> torch.Tensor:
+    """The two ``[q, chunk]`` float32 buffers :func:`_pair_sums` makes its masks in, for pieces of ``numel``
+    entries per task: one allocation for a whole pass (32 MB at the chunk's size is above the allocator's limit
+    for reusing freed memory, so a buffer made per tensor mapped fresh pages for each)."""
+    return torch.empty(2, q, min(_mask_chunk(q), max(numel, 1)), dtype=torch.float32, device=device)
+
+
+def _pair_sums(taus: torch.Tensor, thresholds: list[float], buffers: torch.Tensor) -> torch.Tensor:
+    """One piece's ``[3, q, q]`` float64 sums: ⟨τ_i, τ_j⟩, the trim overlap count and ⟨s_i, s_j⟩ of the kept signs
+    (``thresholds``: one per task; ``buffers``: :func:`_mask_buffers`). An entry is kept where its magnitude reaches
+    its task's threshold and is not zero (a zero has no sign)."""
     q, device = taus.shape[0], taus.device
     least = torch.finfo(torch.float32).smallest_normal * 2.0**-23  # the least positive float32
     threshold = torch.tensor(thresholds, dtype=torch.float32, device=device).clamp_min(least)[:, None]
     sums = torch.zeros(3, q, q, dtype=torch.float64, device=device)  # gram, overlap, ⟨signs⟩
-    chunk = max(GRAM_CHUNK_NUMEL, PAIR_CHUNK_BYTES // (4 * q)) // GRAM_CHUNK_NUMEL * GRAM_CHUNK_NUMEL
+    chunk = buffers.shape[2]
     # the masks as float 1/0 made in place in two reused buffers: a comparison with a bool result and its conversion
     # to float took 6x as long (1.5 against 0.23 ms per [4, 2^18] on 2 threads) and mapped fresh pages per chunk
-    buffers = torch.empty(2, q, min(chunk, taus.shape[1]), dtype=taus.dtype, device=device)
     for part in taus.split(chunk, dim=1):
         kept, signed = (buffer[:, : part.shape[1]] for buffer in buffers)
         torch.abs(part, out=kept).ge_(threshold)
@@ -360,10 +402,15 @@ def _add_pair_statistics(out: dict[str, torch.Tensor], taus: torch.Tensor, thres
         for i, matrix in enumerate((part, kept, signed)):
             for piece in matrix.split(GRAM_CHUNK_NUMEL, dim=1):
                 sums[i] += (piece @ piece.T).double()
-    gram, overlap, agreement = sums.cpu()
+    return sums.cpu()
+
+
+def _add_sums(out: dict[str, torch.Tensor], sums: torch.Tensor) -> None:
+    """Add one piece's :func:`_pair_sums` to the statistics (agree − conflict = ⟨s_i, s_j⟩)."""
+    gram, overlap, agreement = sums
     out["gram"] += gram
     out["overlap"] += overlap
-    out["conflict"] += (overlap - agreement) / 2  # agree − conflict = ⟨s_i, s_j⟩
+    out["conflict"] += (overlap - agreement) / 2
 
 
 def weight_baselines(stats: dict[str, torch.Tensor], subsets: Sequence[tuple[int, ...]]) -> dict[str, list[float]]:
