@@ -12,8 +12,12 @@ So :func:`cpu_workers` first measures the idle cores (``/proc/stat`` over 50 ms,
 threads, at most ``torch.get_num_threads()``: with one, everything runs on the calling thread; with more, pieces go to
 worker threads that each run torch ops on one intra-op thread (no barriers inside ops). ``HF_MLOSS_THREADS=N`` fixes
 the number (ASCII digits only, at most 1000000, clamped to the cores this process may use: more threads than cores
-only add contention). Results do not depend on it: each piece is computed by the same kernels whichever thread runs it, and
-callers combine pieces in a fixed order.
+only add contention). The pieces and the order in which callers combine them do not depend on the number. The bits of
+some products do: an op on the calling thread runs on the run's thread count, and MKL may split a matrix product by its
+inner dimension when it has more than one thread (a float64 [96, 200] × [200, 96] product, the Woodbury system of a
+RegMean solve, differs in the last bit between 1 and 2 threads), which a solve then amplifies. So two runs of a
+data-guided merge on a shared machine can differ in the last bits when the idle cores differ; with ``HF_MLOSS_THREADS``
+set, a run re-runs bit for bit on the same machine.
 """
 
 from __future__ import annotations

@@ -23,6 +23,15 @@ def _isolated_hf_home(tmp_path_factory, monkeypatch):
     monkeypatch.delenv("HF_TOKEN", raising=False)
 
 
+@pytest.fixture(autouse=True)
+def _threads_fixed_per_run(monkeypatch):
+    """Each run on one thread unless a test asks for more (``HF_MLOSS_THREADS``). By default a run takes the cores
+    other processes leave idle, and a matrix product split over 2 threads can differ in the last bit from one on 1
+    (MKL splits a float64 [96, 200] x [200, 96] product by its inner dimension), so two runs compared bit for bit
+    could differ with the load of the test workers beside them. Tests of that default unset the variable."""
+    monkeypatch.setenv("HF_MLOSS_THREADS", "1")
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> tuple[Path, list[Path]]:
     """A tiny base and 3 fine-tunes (hidden 32, 2 blocks, 32px images) saved with save_pretrained."""
