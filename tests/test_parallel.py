@@ -104,3 +104,24 @@ def test_idle_cores_do_not_count_this_processs_own_threads(monkeypatch):
     monkeypatch.setattr(parallel.time, "sleep", lambda seconds: None)
     monkeypatch.setattr(parallel.os, "sysconf", lambda name: 100)
     assert parallel.idle_cores() == pytest.approx(0.5 + 0.3)  # the idle half core, and the 0.3 this process used
+
+
+def test_a_data_guided_merge_re_runs_bit_for_bit_at_a_fixed_thread_count(monkeypatch, tmp_path):
+    """RegMean++ on a decoder whose MLP is 200 wide: two runs with ``HF_MLOSS_THREADS=2`` (pieces on 2 workers, the
+    calling thread's products on 2 threads) write the same bits whatever the load beside them. Across thread counts
+    they need not: MKL may split such a product by its inner dimension on 2 threads (see ``hf_mloss.parallel``)."""
+    from examples.tiny import save_with_finetunes, tiny_decoder
+
+    torch.manual_seed(0)
+    base, models = save_with_finetunes(tiny_decoder("qwen2", tie=True, vocab_size=300, hidden_size=96,
+                                                    intermediate_size=200, num_attention_heads=4,
+                                                    num_key_value_heads=2), tmp_path / "decoder", q=2)
+    ids = torch.randint(0, 300, (4, 12), generator=torch.Generator().manual_seed(3))
+    data = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+    def merged():
+        return hf_mloss.merge(str(base), [str(m) for m in models], "regmean_plusplus", data=data,
+                              progress=False).model.state_dict()
+
+    first, second = (_run(monkeypatch, 2, merged) for _ in range(2))
+    assert [name for name in first if not torch.equal(first[name], second[name])] == []
