@@ -17,7 +17,8 @@ some products do: an op on the calling thread runs on the run's thread count, an
 inner dimension when it has more than one thread (a float64 [96, 200] × [200, 96] product, the Woodbury system of a
 RegMean solve, differs in the last bit between 1 and 2 threads), which a solve then amplifies. So two runs of a
 data-guided merge on a shared machine can differ in the last bits when the idle cores differ; with ``HF_MLOSS_THREADS``
-set, a run re-runs bit for bit on the same machine.
+set, a run re-runs bit for bit on the same machine. A merge's recipe records its count (``threads``), and a re-run of
+the recipe uses as many unless ``HF_MLOSS_THREADS`` says otherwise (:func:`replay_threads`).
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ _local = threading.local()
 class Workers:
     """Maps independent pieces of work over worker threads; with ``size == 1``, in the calling thread."""
 
-    def __init__(self, size: int = 1) -> None:
+    def __init__(self, size: int = 1, threads: int | None = None) -> None:
         self.size = max(1, size)
+        self.threads = threads
+        """The CPU threads of the run (a recipe records them); ``None`` on an accelerator or outside a run."""
         self._executor: ThreadPoolExecutor | None = None
 
     @property
@@ -199,6 +202,14 @@ def env_threads() -> int | None:
     return min(int(digits), machine_cores())
 
 
+def replay_threads(recorded: int | None, device: torch.device | str) -> int | None:
+    """The threads for a re-run of a recipe that recorded ``recorded``: that many, clamped to :func:`machine_cores`,
+    on a CPU when ``HF_MLOSS_THREADS`` is unset; ``None`` (the usual rule, :func:`run_threads`) otherwise."""
+    if recorded is None or torch.device(device).type != "cpu" or env_threads() is not None:
+        return None
+    return min(recorded, machine_cores())
+
+
 @contextlib.contextmanager
 def cpu_workers(device: torch.device | str, threads: int | None = None) -> Iterator[Workers]:
     """The :class:`Workers` of one run (the :func:`active` pool meanwhile) with :func:`run_threads` threads;
@@ -206,7 +217,7 @@ def cpu_workers(device: torch.device | str, threads: int | None = None) -> Itera
     threads = run_threads(device) if threads is None else max(1, threads)
     previous = torch.get_num_threads()
     accelerator = torch.device(device).type != "cpu"
-    workers = Workers(1 if accelerator else min(MAX_WORKERS, threads))
+    workers = Workers(1, None) if accelerator else Workers(min(MAX_WORKERS, threads), threads)
     if not accelerator:
         torch.set_num_threads(threads)
     workers.start()

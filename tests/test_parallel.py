@@ -125,3 +125,40 @@ def test_a_data_guided_merge_re_runs_bit_for_bit_at_a_fixed_thread_count(monkeyp
 
     first, second = (_run(monkeypatch, 2, merged) for _ in range(2))
     assert [name for name in first if not torch.equal(first[name], second[name])] == []
+
+
+def test_a_recipe_records_its_thread_count_and_re_runs_on_it(monkeypatch, tmp_path, tiny_paths, image_folder):
+    """The recipe of a CPU merge records the threads it ran on; ``hf_mloss.run`` of it uses as many when
+    ``HF_MLOSS_THREADS`` is unset, whatever the idle cores say (so the bits are the recorded run's), clamped to the
+    cores; ``HF_MLOSS_THREADS`` wins over the record; a recorded value out of range is refused before any work."""
+    base, models = tiny_paths
+    monkeypatch.setattr(parallel, "machine_cores", lambda: 3)
+    monkeypatch.setenv("HF_MLOSS_THREADS", "2")
+    first = hf_mloss.merge(base, models, "regmean_plusplus", data=str(image_folder), num_samples=8, batch_size=3,
+                           progress=False)
+    assert first.config.threads == 2
+    first.save_pretrained(tmp_path / "merged")
+    assert "threads: 2\n" in (tmp_path / "merged" / "hf_mloss_config.yaml").read_text()
+    card = (tmp_path / "merged" / "README.md").read_text()
+    assert "It ran on 2 CPU threads, and a re-run uses as many unless\n`HF_MLOSS_THREADS` is set" in card
+
+    monkeypatch.delenv("HF_MLOSS_THREADS")
+    monkeypatch.setattr(parallel, "idle_cores", lambda interval=0.05: 1.0)  # the usual rule would take 1
+    assert parallel.run_threads("cpu") == 1
+    again = hf_mloss.run(tmp_path / "merged", progress=False)
+    assert again.config.threads == 2
+    expected = first.model.state_dict()
+    assert [n for n, t in again.model.state_dict().items() if not torch.equal(t, expected[n])] == []
+
+    monkeypatch.setattr(parallel, "machine_cores", lambda: 1)  # fewer cores than recorded: clamped
+    assert hf_mloss.run(tmp_path / "merged", progress=False).config.threads == 1
+    monkeypatch.setattr(parallel, "machine_cores", lambda: 3)
+    monkeypatch.setenv("HF_MLOSS_THREADS", "3")  # the variable wins over the record
+    assert hf_mloss.run(tmp_path / "merged", progress=False).config.threads == 3
+
+    recipe = hf_mloss.MergeConfig.from_pretrained(tmp_path / "merged").to_dict(tmp_path / "merged")
+    for wrong in (0, -2, "two", 2.5, 10**7):
+        with pytest.raises(hf_mloss.ConfigError, match="threads"):
+            hf_mloss.MergeConfig.from_dict({**recipe, "threads": wrong}, base_dir=tmp_path / "merged")
+    with pytest.raises(InvalidParameterError, match=r"\['threads'\]: a run records these"):
+        hf_mloss.merge(base, models, "ties", threads=2, progress=False)

@@ -27,7 +27,7 @@ from ..errors import CorruptCheckpointError, InvalidParameterError
 from ..loading.inputs import RunInputs, as_dtype, open_inputs
 from ..methods import MergeContext, MergeMethod
 from ..methods.svc import describe_calibration
-from ..parallel import cpu_workers
+from ..parallel import active, cpu_workers, replay_threads
 from ..output.result import MergeResult
 from ..spec.schedule import TensorParameters, split_parameters
 from .layerwise import data_free_rule, merge_by_method
@@ -66,7 +66,7 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
     with open_inputs(config, device=device, token=token, needs_data=needs_data, progress=progress,
                      whole_model=config.output in ("auto", "adapter") and not scored_part_only,
                      record=not scored_part_only) as inputs, \
-            cpu_workers(inputs.device) as workers:
+            cpu_workers(inputs.device, replay_threads(config.threads, inputs.device)) as workers:
         from ..output.adapter import build_adapter_output, plan_adapter_output
 
         adapter_plan = plan_adapter_output(config, inputs)  # output="adapter": refused here, before any work
@@ -369,4 +369,5 @@ def recorded_config(config: MergeConfig, inputs: RunInputs) -> MergeConfig:
     for (p, key), values in inputs.data_records.items():  # a model's own data: its Hub commit, its fingerprint
         setattr(record.models[p], key, dataclasses.replace(getattr(record.models[p], key), **values))
     record.hf_mloss_version = __version__
+    record.threads = active().threads  # some products' last bits depend on it: a re-run uses as many
     return record

@@ -319,6 +319,7 @@ def build_model_card(result: CardSource, *, heatmap: str | None = None) -> Model
         seed=result.config.seed,
         seeded=uses_seed(result.config),
         rerun_blocker=rerun_blocker(result.config, unit),
+        threads=getattr(result.config, "threads", None),
         device=getattr(result, "device", ""),
         dtype=lora.dtype if lora is not None and lora.dtype else
         str(next(described(result).parameters()).dtype).replace("torch.", ""),

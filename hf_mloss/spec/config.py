@@ -67,7 +67,7 @@ IN_MEMORY = "in_memory"
 """Key that marks, in a written config, a model or data that was passed as a Python object (it cannot re-run)."""
 MODEL_INPUT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "pixel_values"})
 """Keys of a tokenizer's or image processor's output: data holding them is model inputs, not a data spec."""
-RECORDED_FIELDS = frozenset({"resolved_parameters", "hf_mloss_version"})
+RECORDED_FIELDS = frozenset({"resolved_parameters", "hf_mloss_version", "threads"})
 """Config fields a run writes into its recipe (read back from a file), never given as options."""
 
 
@@ -307,6 +307,9 @@ class MergeConfig:
                                   "section; embedding and LM-head rows are aligned to it (hf_mloss.loading.vocab). "
                                   "Default: the base's, which every model must share.")
     hf_mloss_version: str | None = param(None, "Version that wrote the config.")
+    threads: int | None = param(None, "Recorded by a CPU run: the threads it computed on. A re-run of the recipe "
+                                "uses as many (at most the cores it may use) unless HF_MLOSS_THREADS is set: some "
+                                "products' last bits depend on the thread count.", low=1, high=1_000_000)
     resolved_parameters: dict[str, Any] | None = param(None, "Recorded by a run whose parameters vary over the model: "
                                                         "each tensor's values (not read back).")
 
@@ -888,6 +891,8 @@ class MergeConfig:
             out["slices"] = _plain(self.slices)
         if self.tokenizer_source is not None:
             out["tokenizer_source"] = _plain(self.tokenizer_source)
+        if self.threads is not None:
+            out["threads"] = self.threads
         if self.resolved_parameters:
             out["resolved_parameters"] = self.resolved_parameters
         return out
