@@ -448,6 +448,22 @@ def test_round5_own_data_parts_give_each_task_its_own_images_beside_the_pooled_r
     assert {s.own_data for s in round5_specs("data_own", [10, 11], own=(64,))} == {64}
 
 
+def test_round5_learned_own_long_trains_the_same_rows_for_longer_under_labels_of_their_own():
+    """``learned_own_long``: ``learned_own``'s rows at :data:`R5_LONG_STEPS` Adam steps, labelled with them, so both
+    parts join one record and the 100-step rows (and their cache keys) stay as they are."""
+    from benchmarks.suites.regime import R5_LONG_STEPS, round5_specs
+
+    short = round5_specs("learned_own", [10, 11], learned_own=[("adamerging", "entropy")], own=(16,))
+    long = round5_specs("learned_own_long", [10, 11], learned_own=[("adamerging", "entropy")], own=(16,))
+    assert R5_LONG_STEPS == 500 and [s.label for s in long] == ["adamerging (entropy, own 16/task, 500 steps)"]
+    assert long[0].params == {**short[0].params, "steps": 500} and long[0].own_data == 16
+    assert long[0].described() != short[0].described()
+    smoke = round5_specs("learned_own_long", [10, 11], own=(16,), smoke=True)
+    assert {s.params["steps"] for s in smoke} == {4} and all(s.label.endswith(", 4 steps)") for s in smoke)
+    both = {s.label for part in ("learned_own", "learned_own_long") for s in round5_specs(part, [10, 11], smoke=True)}
+    assert len(both) == 2 * len(round5_specs("learned_own", [10, 11], smoke=True))  # no label measured twice
+
+
 def test_round5_auto_free_part_holds_every_default_candidate_that_fits_nothing_and_holds_nothing_out():
     """``auto_free``: ``auto`` on each task's own images with the default candidates minus those fitted on the data
     (RegMean++), each on its default grid, so nothing is held out and every candidate sees all the images."""

@@ -206,8 +206,10 @@ R5_LEARNED_OWN = (("adamerging", "entropy"), ("adamerging", "output_gap"), ("ada
 """The learned rows with each task's own data (``learned_own``): AdaMerging's published objective (entropy through
 each task's head, on that task's data), output_gap against each task's fine-tune on its data, AdaRank (TSV-M's
 components, with λ) on its published entropy."""
+R5_LONG_STEPS = 500
+"""Adam steps of ``learned_own_long``: five times the learned rows' 100 (fusion-bench's AdaMerging runs 1000)."""
 R5_EXTRA_PARTS = ("mties_low", "ties_low", "ties_sparse", "ties_low_wide", "lam_high", "ties_high", "dare_sparse",
-                  "data_own", "learned_own", "sota", "auto_held_out", "auto_cart", "auto_pooled_held_out", "auto_free",
+                  "data_own", "learned_own", "learned_own_long", "sota", "auto_held_out", "auto_cart", "auto_pooled_held_out", "auto_free",
                   "auto_cross_fit", "auto_disagreement")
 """Parts measured only when named: the M-TIES family below its grid's k = 0.2 (``R5_GRIDS["m_ties_low"]``, k down to
 0.12 at e = 0.1, since the spread needs e < k; no e = 0.15 row). It carries the family's labels, so it is measured
@@ -220,6 +222,8 @@ alone, where only TIES chose its grid's top λ. ``data_own`` and ``learned_own``
 merges with each fine-tune given its own task's unlabeled images (:data:`R5_OWN` per task) instead of the shared
 pool: RegMean and RegMean++ (λ = 1, and λ on :data:`R5_GRIDS`'s ``regmean`` grid), ``auto`` (RegMean++ among its
 default candidates), and :data:`R5_LEARNED_OWN`; rows of their own beside the pooled ones, cached apart.
+``learned_own_long``: ``learned_own``'s rows trained for :data:`R5_LONG_STEPS` Adam steps instead of 100 (at lr
+1e-3 from AdaMerging's 0.3, 100 steps move no coefficient by much more than 0.1), labelled with their steps.
 ``auto_held_out``: ``auto`` with each fine-tune's own images as ``data_own`` measures it, but RegMean++ fitted on
 samples the comparison does not read (``held_out``, the library's default since; ``data_own``'s rows compare it on
 the images it was fitted on), at 16 and 64 per task. ``auto_cart``: the same at 16 per task with CART (on its
@@ -335,9 +339,11 @@ def round5_specs(part: str, trained: Sequence[int], *, learned: Sequence[tuple[s
         candidates = {**DEFAULT_CANDIDATES, "cart": CANDIDATE_GRIDS["cart"]}
         return [MethodSpec(f"auto (own {own[0]}/task, held out, with cart)", "auto",
                            {"held_out": True, "candidates": candidates}, heads=True, own_data=own[0])]
-    if part == "learned_own":
-        return [dataclasses.replace(spec, label=spec.label.replace(")", f", own {n}/task)"), own_data=n)
-                for n in own for spec in _learned_specs(learned_own, steps)]
+    if part in ("learned_own", "learned_own_long"):
+        trained_for = steps if part == "learned_own" else 2 * steps if smoke else R5_LONG_STEPS
+        suffix = "" if part == "learned_own" else f", {trained_for} steps"
+        return [dataclasses.replace(spec, label=spec.label.replace(")", f", own {n}/task{suffix})"), own_data=n)
+                for n in own for spec in _learned_specs(learned_own, trained_for)]
     raise ValueError(f"unknown part {part!r}: one of {(*R5_PARTS, *R5_EXTRA_PARTS)}")
 
 
@@ -371,7 +377,7 @@ def measure_round5(cfg, cache: Path, log, parts: Sequence[str], *, version: str 
     if parts[0] != "base":
         raise ValueError(f"the first part carries the reference rows: 'base', got {parts[0]!r}")
     trained = list(range(cfg.frozen, cfg.num_layers))
-    groups = {"learned": learned, "learned_own": learned_own}  # parts measured in groups, each its own run
+    groups = {"learned": learned, "learned_own": learned_own, "learned_own_long": learned_own}  # each group: a run
     runs = [(part, round5_specs(part, trained, **({part: group} if part in groups else {}), own=own, smoke=smoke))
             for part in parts for group in groups.get(part, [()])]
     specs = [s for _, run in runs for s in run]
@@ -390,7 +396,7 @@ def measure_round5(cfg, cache: Path, log, parts: Sequence[str], *, version: str 
         header_versions = {"code_version": ", ".join(dict.fromkeys(v for vs in versions.values() for v in vs))}
         verdicts(bench, specs, results, report, header_versions, log, design="r5")
     autos = [s.label for s in specs if s.method == "auto"]
-    learned_labels = {s.label for part, run in runs if part in ("learned", "learned_own") for s in run}
+    learned_labels = {s.label for part, run in runs if part in groups for s in run}
     lever = {"tasks": list(cfg.tasks), "q": len(cfg.tasks), "wise": cfg.wise, "design": "r5",
              "trained_blocks": cfg.num_layers - cfg.frozen, "steps": cfg.ft_steps, "parts": list(parts),
              "code_versions": versions}
