@@ -86,9 +86,11 @@ def test_round5_own_data_parts_run_end_to_end_on_the_smoke_build(tmp_path):
     from benchmarks.suites.training import Log
 
     cfg = real_config("real-smoke", 1)
-    row = measure_round5(cfg, tmp_path, Log(False, "test"), ["base", "data_own", "learned_own"], smoke=True)
+    row = measure_round5(cfg, tmp_path, Log(False, "test"), ["base", "data_own", "learned_own", "learned_own_long"],
+                         smoke=True, learned_own=[[("adamerging", "output_gap")], [("adarank_tsv+lam", "entropy")]])
     for label in ("regmean_plusplus (own 16/task, λ on val)", "auto (own 64/task)",
-                  "adamerging (output_gap, own 64/task)", "adarank_tsv+lam (entropy, own 16/task)"):
+                  "adamerging (output_gap, own 64/task)", "adarank_tsv+lam (entropy, own 16/task)",
+                  "adamerging (output_gap, own 16/task, 4 steps)", "adarank_tsv+lam (entropy, own 64/task, 4 steps)"):
         assert 0 <= row["test"][label] <= 100, label
     assert set(row["auto_regrets"]) == {"auto (own 16/task)", "auto (own 64/task)"}
     text = write_r5([row], None, "cmd", [0], (0.0, 0.0, 0.0), 1, 1.0)

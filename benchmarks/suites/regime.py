@@ -378,7 +378,8 @@ def measure_round5(cfg, cache: Path, log, parts: Sequence[str], *, version: str 
         raise ValueError(f"the first part carries the reference rows: 'base', got {parts[0]!r}")
     trained = list(range(cfg.frozen, cfg.num_layers))
     groups = {"learned": learned, "learned_own": learned_own, "learned_own_long": learned_own}  # each group: a run
-    runs = [(part, round5_specs(part, trained, **({part: group} if part in groups else {}), own=own, smoke=smoke))
+    runs = [(part, round5_specs(part, trained, **({part.removesuffix("_long"): group} if part in groups else {}),
+                                own=own, smoke=smoke))
             for part in parts for group in groups.get(part, [()])]
     specs = [s for _, run in runs for s in run]
     if repeated := sorted(label for label, n in Counter(s.label for s in specs).items() if n > 1):
