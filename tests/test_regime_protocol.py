@@ -114,18 +114,29 @@ def test_each_pair_is_tested_once_in_the_ordering_direction():
     assert ordering(labels)[3] == TUNED_ENSEMBLE
 
 
-def test_code_version_changes_with_the_code(tmp_path, monkeypatch):
+def test_code_version_changes_with_the_code_but_not_within_a_run(tmp_path, monkeypatch):
+    """The hash follows every file of the tree; a process keeps the one it started with, so an edit during a long
+    run does not file the rest of that run's results under code it never loaded."""
     import benchmarks.suites.protocol as P
 
-    first = code_version()
-    assert len(first) == 10 and code_version() == first
     fake = tmp_path / "suites"
     fake.mkdir()
     (fake / "protocol.py").write_text("x = 1\n")
-    monkeypatch.setattr(P, "__file__", str(fake / "protocol.py"))
-    changed = code_version()
+    first = P.tree_version([fake])
+    assert len(first) == 10 and P.tree_version([fake]) == first
     (fake / "protocol.py").write_text("x = 2\n")
-    assert code_version() not in (changed, first)
+    assert P.tree_version([fake]) != first
+    (fake / "other.py").write_text("")
+    assert len({first, P.tree_version([fake]), P.tree_version([fake.parent])}) == 3
+
+    started = code_version()
+    monkeypatch.setattr(P, "__file__", str(fake / "protocol.py"))  # as if the suites were edited
+    assert code_version() == started
+    P.code_version.cache_clear()  # a new process reads the edited tree
+    try:
+        assert code_version() not in (started, first)
+    finally:
+        P.code_version.cache_clear()
 
 
 def test_lever_map_grids_cover_the_same_multiples_of_the_trained_task_vector():

@@ -213,6 +213,15 @@ def pin_kernels() -> None:
         os.environ.setdefault(name, value)
 
 
-if __name__ == "__main__":
+def start() -> None:
+    """What a suite's entry point does first: pin the kernels (:func:`pin_kernels`), then the code version its cache
+    keys name (:func:`benchmarks.suites.protocol.code_version`), before it trains or imports anything else."""
     pin_kernels()
+    from benchmarks.suites.protocol import code_version
+
+    code_version()
+
+
+if __name__ == "__main__":
+    start()
     raise SystemExit(main())

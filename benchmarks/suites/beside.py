@@ -211,7 +211,7 @@ def checks_markdown(record: str, row: dict) -> str:
 
 
 if __name__ == "__main__":
-    from benchmarks.suites.__main__ import pin_kernels
+    from benchmarks.suites.__main__ import start
 
-    pin_kernels()
+    start()
     raise SystemExit(main())

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.suites.__main__ import QUICK_TASKS, default_cache, pin_kernels, record_args
+from benchmarks.suites.__main__ import QUICK_TASKS, default_cache, record_args, start
 
 OBJECTIVES = ("entropy", "output_gap", "disagreement", "mloss")
 TUNED = ("task_arithmetic", "ties", "tsv_m", "iso_c", "iso_cts")
@@ -294,5 +294,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    pin_kernels()
+    start()
     raise SystemExit(main())

@@ -24,6 +24,7 @@ same unlabeled images in every setting, drawn per replicate.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import time
@@ -313,7 +314,7 @@ def cached_replicate(described: Any, folder: Path, seed: int, run: Callable[...,
     import os
     import pickle
 
-    current = code_version()  # the code this process loaded (a tree edited during a long run changes nothing)
+    current = code_version()  # the tree as this process started (see code_version)
 
     def location(measured_by: str) -> Path:
         key = json.dumps([described, measured_by], sort_keys=True, default=str)
@@ -341,11 +342,19 @@ def cached_replicate(described: Any, folder: Path, seed: int, run: Callable[...,
     return result
 
 
+@functools.cache
 def code_version() -> str:
     """A short hash of the code a replicate's numbers depend on (the ``hf_mloss`` package and these suites), for
-    cache keys: a cached result is reused only by the code that measured it."""
+    cache keys: a cached result is reused only by the code that measured it. Hashed once per process, at the first
+    call (a suite's entry point makes it as it starts, :func:`benchmarks.suites.__main__.start`), so a tree edited
+    while a long run goes on does not relabel the rest of the code that run loaded."""
+    return tree_version((Path(hf_mloss.__file__).parent, Path(__file__).parent))
+
+
+def tree_version(roots: Sequence[Path]) -> str:
+    """A short hash of every ``.py`` file under ``roots``, their paths (relative to each root's parent) included."""
     digest = hashlib.sha1()
-    for root in (Path(hf_mloss.__file__).parent, Path(__file__).parent):
+    for root in roots:
         for path in sorted(root.rglob("*.py")):
             digest.update(f"{path.relative_to(root.parent)}\0".encode())
             digest.update(path.read_bytes())

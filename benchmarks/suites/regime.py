@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.suites.__main__ import QUICK_TASKS, default_cache, pin_kernels, record_args
+from benchmarks.suites.__main__ import QUICK_TASKS, default_cache, record_args, start
 
 MERGES = ("average", "task_arithmetic", "ties")
 SVD_MERGES = ("tsv_m", "iso_c", "iso_cts")
@@ -732,5 +732,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    pin_kernels()
+    start()
     raise SystemExit(main())
