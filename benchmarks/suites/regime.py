@@ -209,8 +209,8 @@ components, with λ) on its published entropy."""
 R5_LONG_STEPS = 500
 """Adam steps of ``learned_own_long``: five times the learned rows' 100 (fusion-bench's AdaMerging runs 1000)."""
 R5_EXTRA_PARTS = ("mties_low", "ties_low", "ties_sparse", "ties_low_wide", "lam_high", "ties_high", "dare_sparse",
-                  "data_own", "learned_own", "learned_own_long", "sota", "auto_held_out", "auto_cart", "auto_pooled_held_out", "auto_free",
-                  "auto_cross_fit", "auto_disagreement")
+                  "data_own", "learned_own", "learned_own_long", "sota", "auto_held_out", "auto_cart",
+                  "auto_pooled_held_out", "auto_free", "auto_cross_fit", "auto_disagreement")
 """Parts measured only when named: the M-TIES family below its grid's k = 0.2 (``R5_GRIDS["m_ties_low"]``, k down to
 0.12 at e = 0.1, since the spread needs e < k; no e = 0.15 row). It carries the family's labels, so it is measured
 beside "base" in a run of its own, never with "mties". And TIES below its grid's k = 0.1 (``R5_GRIDS["ties_low"]``),
