@@ -124,6 +124,15 @@ def test_bad_own_data_is_refused_before_anything_is_loaded(tiny_paths, own_pixel
     with pytest.raises(InvalidParameterError, match=r"models\[0\] \(ft0\): num_samples is the number of samples"):
         hf_mloss.merge(base, [{"model": models[0], "num_samples": 4}, *models[1:]], "m_ties", data=own_pixels[0],
                        progress=False)
+    with pytest.raises(InvalidParameterError, match=r"models\[1\] \(ft1\): num_samples is given twice, 2 in the entry "
+                                                    r"and 3 in its `data`: give it once"):
+        hf_mloss.merge(base, [{"model": models[0], "data": own_pixels[0]},
+                              {"model": models[1], "data": {"objects": own_pixels[1], "num_samples": 3},
+                               "num_samples": 2}, {"model": models[2], "data": own_pixels[2]}], "regmean",
+                       progress=False)
+    for bad in (0, "8"):  # the run's own num_samples: said as the run's, not as the first model's data
+        with pytest.raises(DataError, match=r"^num_samples must be an integer"):
+            hf_mloss.merge(base, _own(models, own_pixels), "regmean", num_samples=bad, progress=False)
     with pytest.raises(InvalidParameterError, match="Unknown key in models\\[0\\] 'dataset'"):
         hf_mloss.merge(base, [{"model": models[0], "dataset": own_pixels[0]}, *models[1:]], "regmean",
                        progress=False)
@@ -157,9 +166,12 @@ def _pixels_with(value, where=(1, 0, 0, 0)):
     (torch.tensor([[101, 2023, 102]]), r"integer tensor of shape \(1, 3\), which reads as token ids"),
     ({"input_ids": [[1, 2, 3]], "attention_mask": [[1, 1, 1]]}, "values are not all torch tensors: pass a "
                                                                  "tokenizer's .* return_tensors='pt'"),
+    (["a cat", torch.zeros(3, 32, 32)], r"data\[0\] \('a cat'\) is not a file, and data\[1\] is a pixel tensor"),
+    ([torch.zeros(3, 32, 32), "/no/such/image.png"], r"data\[1\] \('/no/such/image.png'\) is not a file"),
 ], ids=["int", "bytes", "bool", "numpy", "generator", "list-of-ints", "list-of-dicts", "3-d", "uint8", "bool-tensor",
         "nan", "inf", "huge", "unknown-key", "seed", "blank", "list-of-uint8", "list-with-nan", "objects-with-inf",
-        "empty-objects", "blank-id", "token-ids-alone", "token-lists"])
+        "empty-objects", "blank-id", "token-ids-alone", "token-lists", "texts-among-images",
+        "missing-path-among-images"])
 def test_data_no_loader_reads_is_refused_when_the_run_is_configured(tiny_paths, own_pixels, monkeypatch, data,
                                                                     match):
     """Each refused in MergeConfig, naming the model: before any checkpoint is opened or any data read."""
@@ -209,6 +221,44 @@ def test_a_data_free_merge_says_it_does_not_read_the_models_data(tiny_paths, own
     base, models = tiny_paths
     with pytest.warns(UserWarning, match=r"models\[0\] \(ft0\) has data of its own, and TIES-Merging merges without data"):
         hf_mloss.merge(base, _own(models, own_pixels), "ties", progress=False)
+    with pytest.warns(UserWarning, match="`data` is given, and Task arithmetic merges without data: it is not read"):
+        hf_mloss.merge(base, models, "task_arithmetic", data=own_pixels[0], progress=False)
+
+
+def test_a_short_own_data_warning_names_its_model(tiny_paths, tmp_path):
+    base, models = tiny_paths
+    folders = [make_image_folder(tmp_path / f"data{i}", n=3 + i, seed=i) for i in range(3)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hf_mloss.merge(base, _own(models, [str(f) for f in folders]), "regmean", num_samples=5, progress=False)
+    short = [str(w.message) for w in caught if "Asked for" in str(w.message)]  # 3 and 4 images; the third has 5
+    assert len(short) == 2 and short[0].startswith("models[0] (ft0).data: Asked for 5 scoring images;"), short
+    assert short[1].startswith("models[1] (ft1).data: Asked for 5 scoring images;"), short
+
+
+def test_a_stream_without_declared_features_is_typed_from_its_first_row(tiny_paths, own_pixels):
+    """``IterableDataset.from_generator`` declares no features: its image column is found (or named) from the first
+    row, and its PIL images decoded as a declared dataset's are."""
+    import datasets
+    from PIL import Image
+
+    base, models = tiny_paths
+    images = [Image.new("RGB", (40, 40), (40 * i, 20, 200 - 20 * i)) for i in range(5)]
+
+    def rows():
+        yield from ({"image": image, "label": i} for i, image in enumerate(images))
+
+    stream = datasets.IterableDataset.from_generator(rows)
+    found = _quiet(hf_mloss.merge, base, _own(models, [stream, own_pixels[1], own_pixels[2]]), "regmean")
+    named = _quiet(hf_mloss.merge, base, _own(models, [{"objects": stream, "image_column": "image"}, own_pixels[1],
+                                                       own_pixels[2]]), "regmean")
+    listed = _quiet(hf_mloss.merge, base, _own(models, [images, own_pixels[1], own_pixels[2]]), "regmean")
+    for name, tensor in listed.model.state_dict().items():
+        assert torch.equal(found.model.state_dict()[name], tensor), name
+        assert torch.equal(named.model.state_dict()[name], tensor), name
+    with pytest.raises(DataError, match="Image column 'img' not found; available columns: \\['image', 'label'\\]"):
+        _quiet(hf_mloss.merge, base, _own(models, [{"objects": stream, "image_column": "img"}, own_pixels[1],
+                                                   own_pixels[2]]), "regmean")
 
 
 # -------------------------------------------------------------------------------------------- the recipe
@@ -270,6 +320,20 @@ def test_score_reads_the_union_of_the_models_data(tiny_paths, own_pixels):
     assert own.num_samples == pooled.num_samples == sum(len(x) for x in own_pixels)
     for name, value in pooled.node.items():
         assert torch.equal(own.node[name], value), name
+
+
+def test_compatibility_refuses_two_models_without_data_before_loading(tiny_paths, own_pixels, monkeypatch):
+    """Each subset reads its members' own data: two models without any (and no shared pool) would make a pair with
+    no sample, reported as a perfect 0."""
+    base, models = tiny_paths
+
+    def never(*args, **kwargs):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr("hf_mloss.loading.inputs.CheckpointStore", never)
+    with pytest.raises(DataError, match=r"models\[1\] \(ft1\), models\[2\] \(ft2\) have none: a pair of them would "
+                                        r"have no sample"):
+        hf_mloss.compatibility(base, [{"model": models[0], "data": own_pixels[0]}, *models[1:]], progress=False)
 
 
 def test_a_compatibility_pair_is_scored_on_its_two_models_data(tiny_paths, own_pixels):

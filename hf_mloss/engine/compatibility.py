@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..spec.config import MergeConfig
-from ..errors import InvalidParameterError
+from ..errors import DataError, InvalidParameterError
 from ..spec.options import ScoringOptions
 from ..output.report import describe_data
 
@@ -891,5 +891,14 @@ def _check_config(config: MergeConfig, options: ScoringOptions) -> None:
                                     "`score:` section (a shared base/merged prefix would differ per subset).")
     if len(config.models) < 2:
         raise InvalidParameterError("A compatibility report needs at least 2 models.")
+    for key in ("data", "text_data"):  # each subset reads its members' own data: two models without any share none
+        if getattr(config, key) is not None or all(getattr(m, key) is None for m in config.models):
+            continue
+        missing = [f"models[{i}] ({m.label})" for i, m in enumerate(config.models) if getattr(m, key) is None]
+        if len(missing) >= 2:
+            raise DataError(f"A compatibility report scores each pair on its members' own {key}, and "
+                            f"{', '.join(missing[:3])}{f' and {len(missing) - 3} more' if len(missing) > 3 else ''} "
+                            f"have none: a pair of them would have no sample to score. Give each of them its own "
+                            f"{key}, or a shared `{key}=` for those without.")
 
 

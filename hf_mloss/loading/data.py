@@ -207,6 +207,23 @@ def check_data_objects(data: Any) -> None:
                 continue
             raise DataError(f"data[{i}] is of type {type(item).__name__} ({str(item)[:40]}): a list of scoring data "
                             "holds texts (strings), PIL images, image paths or [3, H, W] pixel tensors.")
+        _refuse_mixed_list(data)
+
+
+def _refuse_mixed_list(data: list[Any] | tuple[Any, ...]) -> None:
+    """A list holding images (PIL images, pixel tensors, image cells) and strings that name no image file: the strings
+    would be dropped as undecodable images, so they are refused, naming the first (texts go in a list of their own,
+    for a text family)."""
+    image = next((i for i, item in enumerate(data) if not isinstance(item, (str, os.PathLike))), None)
+    if image is None:
+        return
+    for i, item in enumerate(data):
+        if isinstance(item, (str, os.PathLike)) and not _is_file(os.fspath(item)):
+            what = ("a PIL image" if isinstance(data[image], Image.Image) else
+                    "a pixel tensor" if isinstance(data[image], torch.Tensor) else "an image cell")
+            raise DataError(f"data[{i}] ({str(item)[:60]!r}) is not a file, and data[{image}] is {what}: a list of "
+                            "images holds PIL images, paths of image files "
+                            "or [3, H, W] pixel tensors (texts go in a list of their own, for a text model).")
 
 
 def checked_objects(data: Any) -> Any:
@@ -406,22 +423,25 @@ def _is_small(ds, split: str | None, sampler: _Sampler) -> bool:
 def _from_dataset(ds, info: DataInfo, sampler: _Sampler, image_column, *, whole: bool, family: str | None = None):
     import datasets
 
-    column = image_column or _find_image_column(ds, family)
-    if column not in (ds.column_names or [column]):
-        raise DataError(f"Image column {column!r} not found; available columns: {ds.column_names}.")
+    features = _features(ds)
+    if not features:
+        raise DataError(f"{info.id or info.source!r} holds no rows: give a dataset with images.")
+    column = image_column or _find_image_column(features, family)
+    if column not in features:
+        raise DataError(f"Image column {column!r} not found; available columns: {list(features)}.")
     info.image_column = column
-    feature = (ds.features or {}).get(column)
+    feature = features[column]
     if feature is not None and not _can_hold_images(feature):
         raise DataError(f"Column {column!r} of {info.id or info.source!r} holds {_feature_name(feature)} values, not "
-                        f"images; pass image_column=... naming the column with images (columns: {ds.column_names}).")
+                        f"images; pass image_column=... naming the column with images (columns: {list(features)}).")
     label = _find_label_column(ds, column)
     if label is not None:
         info.label_column = label
         feature = (ds.features or {}).get(label)
         info.num_labels = feature.num_classes if isinstance(feature, datasets.ClassLabel) else None
-    if ds.column_names:
+    if ds.features:  # a stream with no declared features yields its values as made (decoded below all the same)
         ds = ds.select_columns([c for c in (column, label) if c is not None])  # read nothing else
-    ds = ds.cast_column(column, datasets.Image(decode=False))  # decode ourselves: a bad file is skipped, not fatal
+        ds = ds.cast_column(column, datasets.Image(decode=False))  # decode ourselves: a bad file is skipped
     rows = _sampled_rows(ds, info, sampler, whole=whole)
     return _arrow_errors_named(((row[column], row.get(label) if label else None) for row in rows), column,
                                info), info
@@ -502,10 +522,9 @@ def _find_label_column(ds, image_column: str) -> str | None:
     return next((name for name in LABEL_COLUMNS if name in features and name != image_column), None)
 
 
-def _find_image_column(ds, family: str | None = None) -> str:
+def _find_image_column(features: dict[str, Any], family: str | None = None) -> str:
     import datasets
 
-    features = ds.features or {}
     for name, feature in features.items():
         if isinstance(feature, datasets.Image):
             return name
@@ -918,13 +937,24 @@ def _texts_from_dataset(ds, info: DataInfo, sampler: _Sampler, text_column: str 
 
 
 def _features(ds) -> dict[str, Any]:
-    """Column -> feature; a stream whose features are unknown until read (CSV) is typed from its first row."""
+    """Column -> feature; a stream whose features are unknown until read (CSV, ``from_generator``) is typed from its
+    first row: strings as text (or image paths), PIL images and ``{bytes, path}`` cells as images, the rest unknown."""
     import datasets
 
     if ds.features:
         return dict(ds.features)
     first = next(iter(ds.take(1) if isinstance(ds, datasets.IterableDataset) else ds), None) or {}
-    return {name: datasets.Value("string") if isinstance(value, str) else None for name, value in first.items()}
+    return {name: _cell_feature(value) for name, value in first.items()}
+
+
+def _cell_feature(value: Any) -> Any:
+    import datasets
+
+    if isinstance(value, str):
+        return datasets.Value("string")
+    if isinstance(value, Image.Image) or isinstance(value, dict) and bool({"bytes", "path"} & set(value)):
+        return datasets.Image()
+    return None
 
 
 def _string_columns(features: Any) -> list[str]:

@@ -873,14 +873,30 @@ def _read_own(config: MergeConfig, key: str, read, inputs: RunInputs, token: Any
             continue
         where = f"models[{p}] ({model.label}).{key}"
         try:
-            spec, record = _own_source(spec, where, token)
-            out[p] = read(spec, where)
+            with _warnings_naming(where):
+                spec, record = _own_source(spec, where, token)
+                out[p] = read(spec, where)
         except DataError as err:
             message = str(err)
             raise DataError(message if message.startswith(where) else f"{where}: {message}") from None
         if record:
             inputs.data_records[(p, key)] = record
     return out
+
+
+@contextlib.contextmanager
+def _warnings_naming(where: str) -> Iterator[None]:
+    """Re-issue the user warnings raised inside (a short sample, unreadable files) with ``where`` in front, so that
+    with several models' own data the warning says whose data it is."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        yield
+    for warning in caught:
+        message = str(warning.message)
+        if issubclass(warning.category, UserWarning) and not message.startswith(where):
+            message = f"{where}: {message}"
+        warnings.warn(message, warning.category, stacklevel=4)
 
 
 def _own_source(spec: Any, where: str, token: Any = None) -> tuple[Any, dict[str, str]]:

@@ -724,6 +724,9 @@ class MergeConfig:
                                              for m in models)
         if texts:  # the text options (text_column, max_length) describe the text, not the images
             data_options = {k: v for k, v in data_options.items() if k not in TEXT_ONLY_OPTIONS}
+        for run_options in (data_options, text_options):  # checked as the run's, not blamed on a model's own data
+            if run_options:
+                DataSpec(id="options", **run_options)
         specs = [_as_model_spec(m, "base" if i == 0 else f"models[{i - 1}]", data_options, text_options)
                  for i, m in enumerate([base, *models])]
         _spread(specs, "revision", revision, per_model_hint="base first; None for folders and loaded models")
@@ -1058,12 +1061,17 @@ samples of the model's own data are read; default: the run's ``num_samples``).""
 
 def _own_data(entry: dict[str, Any], data_options: dict[str, Any], text_options: dict[str, Any], parse) -> None:
     """Parse a ``models`` entry's own ``data`` / ``text_data`` in place with ``parse(key, value, options)``; the
-    entry's ``num_samples`` wins over the run's (and over a data mapping's own)."""
+    entry's ``num_samples`` wins over the run's (a data mapping's own, if it differs, is refused)."""
     count = entry.pop("num_samples", None)
     if count is not None and entry.get("data") is None and entry.get("text_data") is None:
         raise InvalidParameterError("num_samples is the number of samples of the model's own data, and this entry "
                                     "has no `data` (or `text_data`): give the model's data, or set num_samples for "
                                     "the shared `data`.")
+    for key in ("data", "text_data"):
+        inner = entry.get(key).get("num_samples") if isinstance(entry.get(key), Mapping) else None
+        if count is not None and inner is not None and inner != count:
+            raise InvalidParameterError(f"num_samples is given twice, {count!r} in the entry and {inner!r} in its "
+                                        f"`{key}`: give it once.")
     for key, options in (("data", data_options), ("text_data", text_options)):
         if entry.get(key) is None or isinstance(entry[key], DataSpec) and count is None:
             continue
