@@ -102,8 +102,9 @@ def test_models_without_data_are_named_where_the_method_reads_each_models_own(ti
     assert covered.data_info.num_samples == len(own_pixels[0])
 
 
-def test_bad_own_data_is_refused_before_anything_is_loaded(tiny_paths, own_pixels, monkeypatch):
+def test_bad_own_data_is_refused_before_anything_is_loaded(tiny_paths, own_pixels, monkeypatch, tmp_path):
     base, models = tiny_paths
+    (tmp_path / "empty" / "train").mkdir(parents=True)
 
     def never(*args, **kwargs):
         raise AssertionError("data was read")
@@ -111,6 +112,9 @@ def test_bad_own_data_is_refused_before_anything_is_loaded(tiny_paths, own_pixel
     monkeypatch.setattr("hf_mloss.loading.data.load_model_inputs", never)
     with pytest.raises(DataError, match=r"models\[1\] \(ft1\): data is empty"):
         hf_mloss.merge(base, _own(models, [own_pixels[0], [], own_pixels[2]]), "regmean", progress=False)
+    with pytest.raises(DataError, match=r"models\[1\] \(ft1\): data.path '.*empty' is a folder with no file in it"):
+        hf_mloss.merge(base, _own(models, [own_pixels[0], str(tmp_path / "empty"), own_pixels[2]]), "regmean",
+                       progress=False)
     with pytest.raises(DataError, match=r"models\[2\] \(ft2\)\.data holds texts, but this clip_vision .* reads "
                                         "images"):
         hf_mloss.merge(base, _own(models, [own_pixels[0], own_pixels[1], ["a cat", "a dog"]]), "regmean",
@@ -223,6 +227,16 @@ def test_a_data_free_merge_says_it_does_not_read_the_models_data(tiny_paths, own
         hf_mloss.merge(base, _own(models, own_pixels), "ties", progress=False)
     with pytest.warns(UserWarning, match="`data` is given, and Task arithmetic merges without data: it is not read"):
         hf_mloss.merge(base, models, "task_arithmetic", data=own_pixels[0], progress=False)
+
+
+def test_a_model_given_twice_or_the_base_among_the_models_is_said(tiny_paths):
+    base, models = tiny_paths
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hf_mloss.merge(base, [models[0], models[1], models[0] + "/", base], "task_arithmetic", progress=False)
+    said = [str(w.message) for w in caught]
+    assert "models[2] (ft0) is models[0] again: it counts twice in the merge" in " ".join(said), said
+    assert "models[3] (base) is the base itself: its task vector is zero" in " ".join(said), said
 
 
 def test_a_short_own_data_warning_names_its_model(tiny_paths, tmp_path):

@@ -328,6 +328,7 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
     resolved = [_resolve(config.base, token)]
     resolved += [_resolve(spec, token, base=resolved[0]) for spec in config.models]
     adapter = _adapter_of(resolved[0])
+    _warn_repeated_models(resolved, config)
     for (ref, _, model_config), spec in zip(resolved[1:], config.models):
         other = _adapter_of((ref, None, model_config))
         if other.name != adapter.name:
@@ -882,6 +883,28 @@ def _read_own(config: MergeConfig, key: str, read, inputs: RunInputs, token: Any
         if record:
             inputs.data_records[(p, key)] = record
     return out
+
+
+def _warn_repeated_models(resolved: list[tuple[ModelRef, Any, Any]], config: MergeConfig) -> None:
+    """Warn when a fine-tune is the base itself (its task vector is zero) or given twice (it counts twice): both are
+    allowed, and more often a slip than meant. The same folder (or Hub snapshot), or the same loaded object."""
+    import warnings
+
+    def identity(ref: ModelRef, loaded: Any) -> Any:
+        return id(loaded) if loaded is not None else os.path.realpath(ref.path) if ref.path else None
+
+    seen: dict[Any, int] = {}
+    base = identity(*resolved[0][:2])
+    for i, (ref, loaded, _) in enumerate(resolved[1:]):
+        key = identity(ref, loaded)
+        label = f"models[{i}] ({config.models[i].label})"
+        if key is not None and key == base:
+            warnings.warn(f"{label} is the base itself: its task vector is zero, and it pulls the merge towards the "
+                          "base.", UserWarning, stacklevel=4)
+        elif key is not None and key in seen:
+            warnings.warn(f"{label} is models[{seen[key]}] again: it counts twice in the merge (a `weight` gives one "
+                          "model more say).", UserWarning, stacklevel=4)
+        seen.setdefault(key, i)
 
 
 @contextlib.contextmanager

@@ -199,6 +199,9 @@ class DataSpec:
             raise DataError(f"data.path {self.path!r} {kind}: pass a folder of images (imagefolder layout "
                             "`train/<label>/*.png` or a flat folder), or text for a text model (a list of strings; a "
                             ".txt file, one sample per line; a .jsonl/.csv/.parquet file; a folder of .txt files).")
+        if self.path is not None and expand(self.path).is_dir() and not _holds_a_file(expand(self.path)):
+            raise DataError(f"data.path {self.path!r} is a folder with no file in it: pass a folder of images "
+                            "(imagefolder layout or flat) or of text files.")
 
     @classmethod
     def parse(cls, data: Any, **options: Any) -> DataSpec:
@@ -1437,6 +1440,11 @@ def _is_data_path(path: Path) -> bool:
     from ..loading.data import DATA_FILE_SUFFIXES
 
     return path.is_dir() or (path.is_file() and path.suffix.lower() in DATA_FILE_SUFFIXES)
+
+
+def _holds_a_file(folder: Path) -> bool:
+    """Whether ``folder`` or a folder below it holds a file (the walk stops at the first)."""
+    return any(files for _, _, files in os.walk(folder))
 
 
 def _is_loaded_model(value: Any) -> bool:
