@@ -63,7 +63,8 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
         warnings.warn(f"{own} has data of its own, and {method.pretty_name} merges without data: it is not read. "
                       "Data-guided merges read it (regmean, regmean_plusplus, adamerging, adarank_*, auto, m_ties, "
                       "select='unlabeled').", UserWarning, stacklevel=3)
-    elif config.data is not None and not needs_data and not scored_part_only and config.score is None:
+    elif config.data is not None and not needs_data and not scored_part_only and config.score is None \
+            and not getattr(method, "chooses_method", False) and not config.replays_recorded():  # a recipe re-run
         warnings.warn(f"`data` is given, and {method.pretty_name} merges without data: it is not read. Data-guided "
                       "merges read it (m_ties, regmean, regmean_plusplus, adamerging, adarank_*, auto, "
                       "select='unlabeled'); score() measures a merge's M-Loss on it.", UserWarning, stacklevel=3)
