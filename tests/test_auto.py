@@ -137,8 +137,12 @@ def test_the_card_states_the_samples_actually_compared(tiny_paths, image_folder,
         assert result.config.parameters["compared"] == used
         card = (result.save_pretrained(tmp_path / str(used)) / "README.md").read_text()
         assert f"on {used} unlabeled images" in card and "on 32 unlabeled" not in card
-        again = hf_mloss.run(str(tmp_path / str(used)), progress=False)  # the recorded choice keeps its count
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            again = hf_mloss.run(str(tmp_path / str(used)), progress=False)  # the recorded choice keeps its count
         assert again.config.parameters["compared"] == used
+        said = [str(w.message) for w in caught]  # the recipe's data is there on purpose: no "not read" warning
+        assert not any("merges without data" in message for message in said), said
 
 
 def test_regmean_plusplus_on_its_lam_grid_is_the_method_at_that_lam(tiny_paths, image_folder):

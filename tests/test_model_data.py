@@ -8,6 +8,7 @@ pairs on their members' data here.
 
 from __future__ import annotations
 
+import io
 import sys
 import warnings
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from PIL import Image
 
 import hf_mloss
 from examples.tiny import make_image_folder
@@ -170,8 +172,9 @@ def _pixels_with(value, where=(1, 0, 0, 0)):
     (torch.tensor([[101, 2023, 102]]), r"integer tensor of shape \(1, 3\), which reads as token ids"),
     ({"input_ids": [[1, 2, 3]], "attention_mask": [[1, 1, 1]]}, "values are not all torch tensors: pass a "
                                                                  "tokenizer's .* return_tensors='pt'"),
-    (["a cat", torch.zeros(3, 32, 32)], r"data\[0\] \('a cat'\) is not a file, and data\[1\] is a pixel tensor"),
-    ([torch.zeros(3, 32, 32), "/no/such/image.png"], r"data\[1\] \('/no/such/image.png'\) is not a file"),
+    (["a cat", Image.new("RGB", (40, 40))], r"data\[0\] \('a cat'\) is not a file, and data\[1\] is a PIL image"),
+    ([Image.new("RGB", (40, 40)), "/no/such/image.png"], r"data\[1\] \('/no/such/image.png'\) is not a file, and "
+                                                         r"data\[0\] is a PIL image"),
 ], ids=["int", "bytes", "bool", "numpy", "generator", "list-of-ints", "list-of-dicts", "3-d", "uint8", "bool-tensor",
         "nan", "inf", "huge", "unknown-key", "seed", "blank", "list-of-uint8", "list-with-nan", "objects-with-inf",
         "empty-objects", "blank-id", "token-ids-alone", "token-lists", "texts-among-images",
@@ -246,8 +249,9 @@ def test_a_short_own_data_warning_names_its_model(tiny_paths, tmp_path):
         warnings.simplefilter("always")
         hf_mloss.merge(base, _own(models, [str(f) for f in folders]), "regmean", num_samples=5, progress=False)
     short = [str(w.message) for w in caught if "Asked for" in str(w.message)]  # 3 and 4 images; the third has 5
-    assert len(short) == 2 and short[0].startswith("models[0] (ft0).data: Asked for 5 scoring images;"), short
-    assert short[1].startswith("models[1] (ft1).data: Asked for 5 scoring images;"), short
+    assert short == ["Asked for 5 scoring images; models[0] (ft0).data ('data0') has only 3 usable ones, so 3 are "
+                     "used.", "Asked for 5 scoring images; models[1] (ft1).data ('data1') has only 4 usable ones, so 4 "
+                     "are used."], short
 
 
 def test_a_stream_without_declared_features_is_typed_from_its_first_row(tiny_paths, own_pixels):
@@ -267,9 +271,19 @@ def test_a_stream_without_declared_features_is_typed_from_its_first_row(tiny_pat
     named = _quiet(hf_mloss.merge, base, _own(models, [{"objects": stream, "image_column": "image"}, own_pixels[1],
                                                        own_pixels[2]]), "regmean")
     listed = _quiet(hf_mloss.merge, base, _own(models, [images, own_pixels[1], own_pixels[2]]), "regmean")
+
+    def encoded():  # PNG bytes beside a cell-like mapping that is not an image: the image column is still found
+        for image in images:
+            buffer = io.BytesIO()
+            image.save(buffer, format="PNG")
+            yield {"meta": {"path": "notes.json", "size": 3}, "image": buffer.getvalue()}
+
+    as_bytes = _quiet(hf_mloss.merge, base, _own(models, [datasets.IterableDataset.from_generator(encoded),
+                                                          own_pixels[1], own_pixels[2]]), "regmean")
     for name, tensor in listed.model.state_dict().items():
         assert torch.equal(found.model.state_dict()[name], tensor), name
         assert torch.equal(named.model.state_dict()[name], tensor), name
+        assert torch.equal(as_bytes.model.state_dict()[name], tensor), name
     with pytest.raises(DataError, match="Image column 'img' not found; available columns: \\['image', 'label'\\]"):
         _quiet(hf_mloss.merge, base, _own(models, [{"objects": stream, "image_column": "img"}, own_pixels[1],
                                                    own_pixels[2]]), "regmean")

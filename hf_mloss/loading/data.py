@@ -104,6 +104,12 @@ class DataInfo:
 _SAMPLE_FIELDS = ("sampling", "label_column", "labels_covered", "num_labels", "num_tokens", "truncated", "padding")
 
 
+def _named(info: DataInfo, name: str | None) -> str:
+    """The data as a warning names it: its id or source, behind ``name`` (whose data it is) when given."""
+    source = repr(info.id or info.source)
+    return f"{name} ({source})" if name else source
+
+
 def load_pixel_values(
     data: Any,
     processor: Any,
@@ -119,6 +125,7 @@ def load_pixel_values(
     whole_split_max_bytes: int = WHOLE_SPLIT_MAX_BYTES,
     progress: bool = False,
     family: str | None = None,
+    name: str | None = None,
 ) -> tuple[torch.Tensor, DataInfo]:
     """Read up to ``num_samples`` images from ``data`` and preprocess them with ``processor``.
 
@@ -138,6 +145,7 @@ def load_pixel_values(
             those whose size the dataset card does not give, are shuffled across row groups.
         progress: show a "Reading images" bar (streamed and decoded images can take a while).
         family: the model family the images are for, named in the error when ``data`` holds text instead.
+        name: what a warning calls the data (a model's own: its entry, ``models[1] (ft-b).data``).
     """
     _refuse_text_for_images(data, family)
     if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 1:
@@ -156,7 +164,7 @@ def load_pixel_values(
         if len(pixels) < num_samples:  # said, not silent: the report and card show the count actually used
             import warnings
 
-            warnings.warn(f"Asked for {num_samples} scoring images; {info.id or info.source!r} has only "
+            warnings.warn(f"Asked for {num_samples} scoring images; {_named(info, name)} has only "
                           f"{len(pixels)} usable ones, so {len(pixels)} are used.", UserWarning,
                           stacklevel=2)
     if len(pixels) < min_samples:
@@ -546,6 +554,10 @@ def _decode(item: Any) -> Image.Image:
         image = item
     elif isinstance(item, (str, os.PathLike)):
         image = Image.open(item)
+    elif isinstance(item, (bytes, bytearray)):  # an encoded file, as a binary column holds it
+        import io
+
+        image = Image.open(io.BytesIO(item))
     elif isinstance(item, dict) and (item.get("bytes") or item.get("path")):
         import io
 
@@ -614,12 +626,14 @@ def load_model_inputs(
     buffer_size: int = 1000,
     whole_split_max_bytes: int = WHOLE_SPLIT_MAX_BYTES,
     progress: bool = False,
+    name: str | None = None,
 ) -> tuple[ModelInputs, DataInfo]:
     """Read up to ``num_samples`` samples of ``data`` as the model's inputs, for a family of this ``modality``.
 
     ``"image"``: ``{"pixel_values": [N, 3, H, W]}`` through ``processor`` (see :func:`load_pixel_values`).
     ``"text"``: ``{"input_ids": [N, T], "attention_mask": [N, T]}`` through ``tokenizer`` (see
-    :func:`load_token_ids`). ``family`` names the model family in the error when the data holds the other modality.
+    :func:`load_token_ids`). ``family`` names the model family in the error when the data holds the other modality;
+    ``name``, in a warning, whose data it is.
     """
     if modality not in MODALITIES:
         raise ValueError(f"modality must be one of {MODALITIES}, got {modality!r}.")
@@ -627,7 +641,8 @@ def load_model_inputs(
         return load_token_ids(data, tokenizer, num_samples=num_samples, seed=seed, split=split,
                               text_column=text_column, max_length=max_length, revision=revision,
                               min_samples=min_samples, batch_size=batch_size, buffer_size=buffer_size,
-                              whole_split_max_bytes=whole_split_max_bytes, progress=progress, family=family)
+                              whole_split_max_bytes=whole_split_max_bytes, progress=progress, family=family,
+                              name=name)
     _refuse_text_for_images(data, family)
     given = as_model_inputs(data)
     if given is not None:
@@ -635,7 +650,8 @@ def load_model_inputs(
     pixels, info = load_pixel_values(data, processor, num_samples=num_samples, seed=seed, split=split,
                                      image_column=image_column, revision=revision, min_samples=min_samples,
                                      batch_size=batch_size, buffer_size=buffer_size,
-                                     whole_split_max_bytes=whole_split_max_bytes, progress=progress, family=family)
+                                     whole_split_max_bytes=whole_split_max_bytes, progress=progress, family=family,
+                                     name=name)
     return ModelInputs({"pixel_values": pixels}), info
 
 
@@ -713,6 +729,7 @@ def load_token_ids(
     whole_split_max_bytes: int = WHOLE_SPLIT_MAX_BYTES,
     progress: bool = False,
     family: str | None = None,
+    name: str | None = None,
 ) -> tuple[ModelInputs, DataInfo]:
     """Read up to ``num_samples`` texts from ``data`` and tokenise them with ``tokenizer`` (the base's).
 
@@ -723,7 +740,7 @@ def load_token_ids(
             Hub dataset id (streamed); or already tokenised inputs (a mapping with ``input_ids`` and
             ``attention_mask``, e.g. a tokenizer's output with ``return_tensors="pt"``).
         tokenizer: the base model's tokenizer.
-        num_samples, seed, split, revision, min_samples, buffer_size, whole_split_max_bytes: as in
+        num_samples, seed, split, revision, min_samples, buffer_size, whole_split_max_bytes, name: as in
             :func:`load_pixel_values`.
         text_column: the column with the text; found automatically when omitted (the one string column, else
             the one named ``text``).
@@ -758,7 +775,7 @@ def load_token_ids(
         if 0 < len(inputs) < num_samples:
             import warnings
 
-            warnings.warn(f"Asked for {num_samples} scoring texts; {info.id or info.source!r} has only {len(inputs)} "
+            warnings.warn(f"Asked for {num_samples} scoring texts; {_named(info, name)} has only {len(inputs)} "
                           f"usable ones, so {len(inputs)} are used.", UserWarning, stacklevel=2)
     if len(inputs) < min_samples:
         raise DataError(
@@ -952,9 +969,17 @@ def _cell_feature(value: Any) -> Any:
 
     if isinstance(value, str):
         return datasets.Value("string")
-    if isinstance(value, Image.Image) or isinstance(value, dict) and bool({"bytes", "path"} & set(value)):
+    if isinstance(value, (bytes, bytearray)):
+        return datasets.Value("binary")
+    if isinstance(value, Image.Image) or _is_image_cell(value):
         return datasets.Image()
     return None
+
+
+def _is_image_cell(value: Any) -> bool:
+    """A ``datasets`` image cell as a stream yields it undecoded: ``{"bytes": ..., "path": ...}`` and nothing else."""
+    return (isinstance(value, dict) and bool(value) and set(value) <= {"bytes", "path"}
+            and bool(value.get("bytes") or value.get("path")))
 
 
 def _string_columns(features: Any) -> list[str]:

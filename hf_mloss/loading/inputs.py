@@ -328,7 +328,8 @@ def open_inputs(config: MergeConfig, *, device: Any = None, token: str | bool | 
     resolved = [_resolve(config.base, token)]
     resolved += [_resolve(spec, token, base=resolved[0]) for spec in config.models]
     adapter = _adapter_of(resolved[0])
-    _warn_repeated_models(resolved, config)
+    if not scoring:
+        _warn_repeated_models(resolved, config)
     for (ref, _, model_config), spec in zip(resolved[1:], config.models):
         other = _adapter_of((ref, None, model_config))
         if other.name != adapter.name:
@@ -874,9 +875,8 @@ def _read_own(config: MergeConfig, key: str, read, inputs: RunInputs, token: Any
             continue
         where = f"models[{p}] ({model.label}).{key}"
         try:
-            with _warnings_naming(where):
-                spec, record = _own_source(spec, where, token)
-                out[p] = read(spec, where)
+            spec, record = _own_source(spec, where, token)
+            out[p] = read(spec, where)
         except DataError as err:
             message = str(err)
             raise DataError(message if message.startswith(where) else f"{where}: {message}") from None
@@ -886,40 +886,30 @@ def _read_own(config: MergeConfig, key: str, read, inputs: RunInputs, token: Any
 
 
 def _warn_repeated_models(resolved: list[tuple[ModelRef, Any, Any]], config: MergeConfig) -> None:
-    """Warn when a fine-tune is the base itself (its task vector is zero) or given twice (it counts twice): both are
-    allowed, and more often a slip than meant. The same folder (or Hub snapshot), or the same loaded object."""
+    """Warn, for a merge, when a fine-tune is given twice (it counts twice) or, for a merge of task vectors, is the
+    base itself (its task vector is zero): both are allowed, and more often a slip than meant. The same folder (or
+    Hub snapshot), or the same loaded object. (A merge of the models themselves, such as an average or mergekit's
+    `linear` without a base, may take the base among its inputs on purpose.)"""
     import warnings
 
     def identity(ref: ModelRef, loaded: Any) -> Any:
         return id(loaded) if loaded is not None else os.path.realpath(ref.path) if ref.path else None
 
+    method = config.merge_method()
+    if method.name == "passthrough":  # layer ranges stacked as the slices say, the base's and one model's again
+        return
     seen: dict[Any, int] = {}
     base = identity(*resolved[0][:2])
     for i, (ref, loaded, _) in enumerate(resolved[1:]):
         key = identity(ref, loaded)
         label = f"models[{i}] ({config.models[i].label})"
-        if key is not None and key == base:
+        if key is not None and key == base and method.zero_delta_is_base:
             warnings.warn(f"{label} is the base itself: its task vector is zero, and it pulls the merge towards the "
-                          "base.", UserWarning, stacklevel=4)
+                          f"base ({method.pretty_name} merges task vectors).", UserWarning, stacklevel=4)
         elif key is not None and key in seen:
             warnings.warn(f"{label} is models[{seen[key]}] again: it counts twice in the merge (a `weight` gives one "
                           "model more say).", UserWarning, stacklevel=4)
         seen.setdefault(key, i)
-
-
-@contextlib.contextmanager
-def _warnings_naming(where: str) -> Iterator[None]:
-    """Re-issue the user warnings raised inside (a short sample, unreadable files) with ``where`` in front, so that
-    with several models' own data the warning says whose data it is."""
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught:
-        yield
-    for warning in caught:
-        message = str(warning.message)
-        if issubclass(warning.category, UserWarning) and not message.startswith(where):
-            message = f"{where}: {message}"
-        warnings.warn(message, warning.category, stacklevel=4)
 
 
 def _own_source(spec: Any, where: str, token: Any = None) -> tuple[Any, dict[str, str]]:
@@ -971,7 +961,8 @@ def _read_data(inputs: RunInputs, config: MergeConfig, data: Any, base_ref: Mode
     family = f"{inputs.adapter.name} ({getattr(inputs.adapter.full_config, 'model_type', None)!r})"
     if modality == "text":
         model_inputs, info = load_text(inputs.adapter, data, config, inputs, base_ref, token, family=family,
-                                       progress=progress, where=f"{where}.max_length")
+                                       progress=progress, where=f"{where}.max_length",
+                                       name=None if where == "data" else where)
     else:
         needs_processor = not isinstance(data.objects, torch.Tensor) and as_model_inputs(data.objects) is None
         processor = resolve_processor(config, inputs, base_ref, token) if needs_processor else None
@@ -979,7 +970,7 @@ def _read_data(inputs: RunInputs, config: MergeConfig, data: Any, base_ref: Mode
             model_inputs, info = load_model_inputs(
                 data.source, modality="image", processor=processor, family=family, num_samples=data.num_samples,
                 seed=config.seed, split=data.split, image_column=data.image_column, revision=data.revision,
-                progress=progress)
+                progress=progress, name=None if where == "data" else where)
         except DataError as err:
             from .classes import whole_model_towers
 
@@ -1000,9 +991,10 @@ def _read_data(inputs: RunInputs, config: MergeConfig, data: Any, base_ref: Mode
 
 
 def load_text(adapter: ModelAdapter, data: Any, config: MergeConfig, inputs: RunInputs, base_ref: ModelRef, token,
-              *, family: str, progress: bool = False, where: str | None = None) -> tuple[ModelInputs, DataInfo]:
+              *, family: str, progress: bool = False, where: str | None = None, name: str | None = None
+              ) -> tuple[ModelInputs, DataInfo]:
     """Texts of ``data`` (a :class:`~hf_mloss.spec.config.DataSpec`) tokenised for ``adapter``'s model (the base's
-    tokenizer), checked against its vocabulary and positions."""
+    tokenizer), checked against its vocabulary and positions; ``name``: whose data it is, for a warning."""
     from .data import DEFAULT_MAX_LENGTH, load_model_inputs
     from .model_inputs import as_model_inputs
 
@@ -1013,7 +1005,7 @@ def load_text(adapter: ModelAdapter, data: Any, config: MergeConfig, inputs: Run
     model_inputs, info = load_model_inputs(
         data.source, modality="text", tokenizer=tokenizer, family=family, num_samples=data.num_samples,
         seed=config.seed, split=data.split, text_column=data.text_column,
-        max_length=max_length or DEFAULT_MAX_LENGTH, revision=data.revision, progress=progress)
+        max_length=max_length or DEFAULT_MAX_LENGTH, revision=data.revision, progress=progress, name=name)
     check_token_ids(adapter, model_inputs["input_ids"])
     return model_inputs, info
 
@@ -1028,7 +1020,7 @@ def _load_tower_text(inputs: RunInputs, config: MergeConfig, base_ref: ModelRef,
         def read(spec: Any, where: str = "text_data", view: Any = view, family: str = family
                  ) -> tuple[ModelInputs, DataInfo]:
             samples, info = load_text(view, spec, config, inputs, base_ref, token, family=family, progress=progress,
-                                      where=f"{where}.max_length")
+                                      where=f"{where}.max_length", name=None if where == "text_data" else where)
             check = getattr(inputs.adapter, "check_text_tokens", None)  # a vision-language model: no image tokens
             if check is not None:
                 check(samples["input_ids"][samples["attention_mask"].bool()] if "attention_mask" in samples

@@ -62,12 +62,12 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
     if own is not None and not needs_data and not scored_part_only:
         warnings.warn(f"{own} has data of its own, and {method.pretty_name} merges without data: it is not read. "
                       "Data-guided merges read it (regmean, regmean_plusplus, adamerging, adarank_*, auto, m_ties, "
-                      "select='unlabeled').", UserWarning, stacklevel=3)
+                      "m_dare, select='unlabeled').", UserWarning, stacklevel=3)
     elif config.data is not None and not needs_data and not scored_part_only and config.score is None \
-            and not getattr(method, "chooses_method", False) and not config.replays_recorded():  # a recipe re-run
+            and not getattr(method, "chooses_method", False):  # auto re-running its recorded choice: data on purpose
         warnings.warn(f"`data` is given, and {method.pretty_name} merges without data: it is not read. Data-guided "
-                      "merges read it (m_ties, regmean, regmean_plusplus, adamerging, adarank_*, auto, "
-                      "select='unlabeled'); score() measures a merge's M-Loss on it.", UserWarning, stacklevel=3)
+                      "merges read it (m_ties, m_dare, regmean, regmean_plusplus, adamerging, adarank_*, auto, "
+                      "select='unlabeled').", UserWarning, stacklevel=3)
     with open_inputs(config, device=device, token=token, needs_data=needs_data, progress=progress,
                      whole_model=config.output in ("auto", "adapter") and not scored_part_only,
                      record=not scored_part_only) as inputs, \
