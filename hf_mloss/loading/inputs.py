@@ -959,10 +959,10 @@ def _read_data(inputs: RunInputs, config: MergeConfig, data: Any, base_ref: Mode
 
     modality = getattr(inputs.adapter, "modality", "image")
     family = f"{inputs.adapter.name} ({getattr(inputs.adapter.full_config, 'model_type', None)!r})"
+    name = None if where == "data" else where  # a model's own data is named in a warning; the shared pool is not
     if modality == "text":
         model_inputs, info = load_text(inputs.adapter, data, config, inputs, base_ref, token, family=family,
-                                       progress=progress, where=f"{where}.max_length",
-                                       name=None if where == "data" else where)
+                                       progress=progress, where=f"{where}.max_length", name=name)
     else:
         needs_processor = not isinstance(data.objects, torch.Tensor) and as_model_inputs(data.objects) is None
         processor = resolve_processor(config, inputs, base_ref, token) if needs_processor else None
@@ -970,7 +970,7 @@ def _read_data(inputs: RunInputs, config: MergeConfig, data: Any, base_ref: Mode
             model_inputs, info = load_model_inputs(
                 data.source, modality="image", processor=processor, family=family, num_samples=data.num_samples,
                 seed=config.seed, split=data.split, image_column=data.image_column, revision=data.revision,
-                progress=progress, name=None if where == "data" else where)
+                progress=progress, name=name)
         except DataError as err:
             from .classes import whole_model_towers
 

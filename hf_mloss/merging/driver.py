@@ -41,6 +41,11 @@ if TYPE_CHECKING:
     from ..output.report import MLossReport
 
 
+READ_BY = ("Data-guided merges read it (regmean, regmean_plusplus, adamerging, adarank_*, auto, m_ties, m_dare, "
+           "select='unlabeled').")
+"""What a data-free merge's warning about unread data names as the merges that would read it."""
+
+
 def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | None = None, progress: bool = True,
               select_and_merge: Callable[..., tuple[MergeConfig, MLossReport]] | None = None,
               choose_method: Callable[..., tuple[MergeConfig, MLossReport | None]] | None = None,
@@ -61,13 +66,11 @@ def run_merge(config: MergeConfig, *, device: Any = None, token: str | bool | No
                 or m.text_data is not None), None)
     if own is not None and not needs_data and not scored_part_only:
         warnings.warn(f"{own} has data of its own, and {method.pretty_name} merges without data: it is not read. "
-                      "Data-guided merges read it (regmean, regmean_plusplus, adamerging, adarank_*, auto, m_ties, "
-                      "m_dare, select='unlabeled').", UserWarning, stacklevel=3)
+                      f"{READ_BY}", UserWarning, stacklevel=3)
     elif config.data is not None and not needs_data and not scored_part_only and config.score is None \
             and not getattr(method, "chooses_method", False):  # auto re-running its recorded choice: data on purpose
-        warnings.warn(f"`data` is given, and {method.pretty_name} merges without data: it is not read. Data-guided "
-                      "merges read it (m_ties, m_dare, regmean, regmean_plusplus, adamerging, adarank_*, auto, "
-                      "select='unlabeled').", UserWarning, stacklevel=3)
+        warnings.warn(f"`data` is given, and {method.pretty_name} merges without data: it is not read. {READ_BY}",
+                      UserWarning, stacklevel=3)
     with open_inputs(config, device=device, token=token, needs_data=needs_data, progress=progress,
                      whole_model=config.output in ("auto", "adapter") and not scored_part_only,
                      record=not scored_part_only) as inputs, \
