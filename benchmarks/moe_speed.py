@@ -196,9 +196,13 @@ def setup_main(spec: dict) -> dict:
 def floors_main(spec: dict) -> dict:
     """What any tool that builds this MoE pays on this machine, measured here: starting an interpreter that imports
     torch, transformers and the base's model class (a fresh process); writing the MoE's bytes into a new file beside
-    the outputs, from one buffer already in memory (no reading, no check: below any real write); and the float32
-    products the report's expert-pair M-Loss cannot skip (every expert's fused gate and up projection at every layer
-    and report position, :class:`hf_mloss.moe.routing.ExpertPairGaps`' own ``matmul``), on torch's threads."""
+    the outputs, from one buffer already in memory (no reading, no check: below any real write), through the page
+    cache and, where the file system allows it, with ``O_DIRECT`` (around it: on some virtual machines the page
+    cache's fresh pages cost several times the copy); the float32 products the report's expert-pair M-Loss cannot
+    skip (every expert's fused gate and up projection at every layer and report position,
+    :class:`hf_mloss.moe.routing.ExpertPairGaps`' own ``matmul``); and the float32 products of the report's forward of
+    the MoE at its report positions (attention projections, the ``experts_per_token`` routed experts and the shared
+    expert, as single products of the same sizes: below transformers' per-expert ones), on torch's threads."""
     import subprocess
 
     import torch
@@ -224,6 +228,7 @@ def floors_main(spec: dict) -> dict:
         write_s = time.perf_counter() - start
     finally:
         path.unlink()  # also when the write failed (a full disk): nothing is left beside the outputs
+    write_direct_s = _direct_write_seconds(path, nbytes, chunk)
 
     experts, hidden, inter, layers, positions = (int(spec[k]) for k in
                                                  ("experts", "hidden", "intermediate", "layers", "positions"))
@@ -234,8 +239,69 @@ def floors_main(spec: dict) -> dict:
     for _ in range(layers):
         torch.matmul(tokens, weight.transpose(1, 2))
     gemm_s = time.perf_counter() - start
-    return {"imports_s": imports_s, "write_bytes": nbytes, "write_s": write_s, "pair_gemm_s": gemm_s,
-            "pair_gemm_flop": 2 * layers * experts * positions * hidden * 2 * inter, "threads": torch.get_num_threads()}
+    forward_s, forward_flop = _forward_products(spec, torch)
+    return {"imports_s": imports_s, "write_bytes": nbytes, "write_s": write_s, "write_direct_s": write_direct_s,
+            "pair_gemm_s": gemm_s, "pair_gemm_flop": 2 * layers * experts * positions * hidden * 2 * inter,
+            "forward_gemm_s": forward_s, "forward_gemm_flop": forward_flop, "threads": torch.get_num_threads()}
+
+
+def _direct_write_seconds(path: Path, nbytes: int, chunk: int) -> float | None:
+    """The same bytes (rounded down to whole 4 KiB blocks) written with ``O_DIRECT`` from one page-aligned buffer;
+    ``None`` where the platform or the file system refuses it."""
+    import mmap
+
+    if not hasattr(os, "O_DIRECT"):
+        return None
+    buffer = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
+    buffer.write(os.urandom(1 << 20) * (chunk >> 20))
+    nbytes -= nbytes % 4096
+    os.sync()
+    start = time.perf_counter()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    except OSError:
+        return None
+    try:
+        done = 0
+        while done < nbytes:
+            done += os.write(fd, memoryview(buffer)[: min(chunk, nbytes - done)])
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+        path.unlink()
+    return time.perf_counter() - start
+
+
+def _forward_products(spec: dict, torch) -> tuple[float | None, int | None]:
+    """Seconds and FLOP of the report forward's float32 products (:func:`floors_main`): every layer's attention
+    projections at every report position, and before the last layer's router (where the pass stops) each position
+    through ``top_k`` routed experts and the shared expert (gate, up and down)."""
+    if "top_k" not in spec:
+        return None, None
+    hidden, inter, layers, positions, top_k = (int(spec[k]) for k in
+                                               ("hidden", "intermediate", "layers", "positions", "top_k"))
+    kv = int(spec["kv_heads"]) * int(spec["head_dim"])
+    x = torch.randn(positions, hidden)
+    routed, shared = torch.randn(positions * top_k, hidden), torch.randn(positions, hidden)
+    mids = torch.randn(positions * top_k, inter), torch.randn(positions, inter)
+    qkv, out = torch.randn(hidden + 2 * kv, hidden), torch.randn(hidden, hidden)
+    gate_up, down = torch.randn(2 * inter, hidden), torch.randn(hidden, inter)
+    linear = torch.nn.functional.linear
+
+    def one_layer(experts: bool) -> None:
+        linear(x, qkv), linear(x, out)
+        if experts:
+            linear(routed, gate_up), linear(mids[0], down), linear(shared, gate_up), linear(mids[1], down)
+
+    one_layer(True)  # warm-up
+    start = time.perf_counter()
+    for layer in range(layers):
+        one_layer(layer < layers - 1)
+    seconds = time.perf_counter() - start
+    flop = 2 * positions * hidden * (2 * hidden + 2 * kv) * layers
+    flop += 2 * (layers - 1) * (top_k + 1) * positions * 3 * hidden * inter
+    return seconds, flop
 
 
 class RssSampler(ms.Poller):
@@ -466,7 +532,9 @@ def floors_spec(setup: dict, runs: dict, work: Path, repeat: int) -> dict:
     return {"name": f"floors.r{repeat}", "kind": "floors", "out": str(work / "out" / "floors"),
             "write_bytes": setup["params"]["moe_total"] * 2, "experts": len(setup["recipe"]["experts"]),
             "hidden": cfg["hidden_size"], "intermediate": cfg["intermediate_size"],
-            "layers": cfg["num_hidden_layers"], "positions": report[0] if report else 256}
+            "layers": cfg["num_hidden_layers"], "positions": report[0] if report else 256,
+            "top_k": setup["recipe"]["experts_per_token"], "kv_heads": cfg["num_key_value_heads"],
+            "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]}
 
 
 def ratios(hf: dict, mk: dict, *, targets: dict) -> dict:
@@ -601,8 +669,9 @@ def render_markdown(payload: dict) -> str:
 
 
 def repeat_floors(r: dict) -> dict | None:
-    """One repeat's floors in seconds: ``build`` (imports + the faster tool's prompt pass + the write) and
-    ``default`` (``build`` + the report's pair products), beside the targets and hf_mloss's walls."""
+    """One repeat's floors in seconds: ``build`` (imports + the faster tool's prompt pass + the faster write) and
+    ``default`` (``build`` + the report's pair products and, where measured, its forward's products), beside the
+    targets and hf_mloss's walls."""
     f, runs = r.get("floors"), r["runs"]
     mk, hf, alone = runs.get("mergekit", {}), runs.get("hf_mloss", {}), runs.get("hf_mloss_no_report", {})
     if not f or mk.get("rc") != 0:
@@ -610,8 +679,10 @@ def repeat_floors(r: dict) -> dict | None:
     passes = [x["child"]["stages_s"]["gates"] for x in (hf, alone) if x.get("rc") == 0]
     passes += [mk["prompt_pass_s"]] if mk.get("prompt_pass_s") is not None else []
     prompt = min(passes) if passes else 0.0
-    build = f["imports_s"] + prompt + f["write_s"]
-    return {"prompt": prompt, "build": build, "default": build + f["pair_gemm_s"], "mergekit": mk["wall_s"],
+    write = min(x for x in (f["write_s"], f.get("write_direct_s")) if x is not None)
+    build = f["imports_s"] + prompt + write
+    default = build + f["pair_gemm_s"] + (f.get("forward_gemm_s") or 0.0)
+    return {"prompt": prompt, "write": write, "build": build, "default": default, "mergekit": mk["wall_s"],
             "hf": hf.get("wall_s") if hf.get("rc") == 0 else None,
             "alone": alone.get("wall_s") if alone.get("rc") == 0 else None}
 
@@ -628,22 +699,35 @@ def floors_section(payload: dict) -> list[str]:
              "Measured after each repeat, in a process of their own, after the written pages had reached the disk: "
              "`imports`, a fresh interpreter importing torch, transformers and the base's model class; `write`, "
              f"{f0['write_bytes'] / 1e9:.2f} GB (the MoE in bf16) written into a new file beside the outputs from "
-             "one buffer already in memory (nothing read, nothing checked); `pair products`, the float32 products "
+             "one buffer already in memory (nothing read, nothing checked)" + (
+                 ", through the page cache and with `O_DIRECT` (`write direct`; the faster counts)"
+                 if "write_direct_s" in f0 else "") + "; `pair products`, the float32 products "
              "the expert-pair M-Loss cannot skip (every expert's gate and up projections at every layer and "
-             f"report position: {f0['pair_gemm_flop'] / 1e9:.0f} GFLOP) on {f0['threads']} threads. `prompt pass`: "
+             f"report position: {f0['pair_gemm_flop'] / 1e9:.0f} GFLOP)" + (
+                 "; `forward products`, the float32 products of the report's forward of the MoE at the same "
+                 "positions (attention projections, then the routed and shared experts up to the last router: "
+                 f"{f0['forward_gemm_flop'] / 1e9:.0f} GFLOP)" if f0.get("forward_gemm_flop") else "")
+             + f", on {f0['threads']} threads. `prompt pass`: "
              "the faster of the two tools' own (hf_mloss's `gates` stage, mergekit-moe's progress bar). The build "
              "floor is imports + prompt pass + write, what building this MoE costs any tool here before it reads a "
-             "source; the default run's adds the pair products. Each run starts after the previous one's pages "
+             "source; the default run's adds the report's products. Each run starts after the previous one's pages "
              "reached the disk (`sync`).", "",
-             "| run | imports s | prompt pass s | write s | pair products s | build floor s | default floor s | "
-             "mergekit-moe s | 0.5 × mergekit-moe (build target) | 1.0 × (default target) | build alone / its "
-             "floor | default run / its floor |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| run | imports s | prompt pass s | write s | write direct s | pair products s | forward products s "
+             "| build floor s | default floor s | mergekit-moe s | 0.5 × mergekit-moe (build target) | 1.0 × "
+             "(default target) | build alone / its floor | default run / its floor |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def seconds(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}"
+
     for r, x in rows:
         f = r["floors"]
         alone = f"{x['alone'] / x['build']:.3f}" if x["alone"] else "-"
         default = f"{x['hf'] / x['default']:.3f}" if x["hf"] else "-"
         lines.append(f"| {r['repeat'] + 1} | {f['imports_s']:.1f} | {x['prompt']:.1f} | {f['write_s']:.1f} | "
-                     f"{f['pair_gemm_s']:.1f} | {x['build']:.1f} | {x['default']:.1f} | {x['mergekit']:.1f} | "
+                     f"{seconds(f.get('write_direct_s'))} | {f['pair_gemm_s']:.1f} | "
+                     f"{seconds(f.get('forward_gemm_s'))} | {x['build']:.1f} | {x['default']:.1f} | "
+                     f"{x['mergekit']:.1f} | "
                      f"{0.5 * x['mergekit']:.1f}{' (below the floor)' if 0.5 * x['mergekit'] < x['build'] else ''} | "
                      f"{x['mergekit']:.1f}{' (below the floor)' if x['mergekit'] < x['default'] else ''} | "
                      f"{alone} | {default} |")
