@@ -5,17 +5,18 @@ more than the tensors of one layer, whatever the shard size. The
 files are byte for byte what ``safetensors.torch.save_file`` writes for the same tensors (data sorted by dtype, then
 name; the header padded to 8 bytes), and the file names and the index are transformers' own.
 
-Where the platform and the file system allow it (Linux), the bytes go to the disk with ``O_DIRECT``
-(:class:`DirectFile`), not through the page cache: a model written once is not read again by the writer, and
-filling the page cache with it costs fresh memory that can take several times the copy itself (on the 2-core
-virtual machine of ``benchmarks/results/moe_speed_scale_r24_notes.md``, 0.7 to 17 s for 3.5 GB, against 1.3 to
-1.7 s written directly), and evicts the checkpoints a merge is still reading.
+Where the platform and the file system allow it (Linux), the bytes go to the disk with ``O_DIRECT``, not through the
+page cache (:class:`DirectFile`): a model written once is not read again by its writer, and filling the page cache
+with it costs fresh memory, which some virtual machines back only on first touch at several times the cost of the
+copy (``benchmarks/results/moe_speed_scale_r24_notes.md``), and evicts the checkpoints a merge is still reading.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import mmap
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -83,7 +84,7 @@ class DirectFile:
         if not self.direct:
             self.fd = os.open(path, flags, 0o644)
         self.partial: dict[int, tuple[bytearray, int]] = {}  # block → its bytes so far, and how many are in
-        self.stage: memoryview | None = None
+        self.stage: memoryview | None = None  # made at the first direct write, page-aligned (an anonymous map)
 
     def write(self, view: memoryview, offset: int) -> None:
         """Write the bytes ``view`` at ``offset``."""
@@ -104,12 +105,13 @@ class DirectFile:
     def close(self) -> None:
         """Write the blocks still partial (the last one, past the end of the data), cut the file to ``size``."""
         try:
-            for block in sorted(self.partial):
-                data, _ = self.partial.pop(block)
-                self._direct(memoryview(data), block * BLOCK)
+            while self.partial:  # (a refused write empties it: the rest goes through the page cache)
+                block = min(self.partial)
+                self._direct(memoryview(self.partial.pop(block)[0]), block * BLOCK)
             os.ftruncate(self.fd, self.size)
         finally:
             os.close(self.fd)
+            self.stage = None
 
     def _edges(self, view: memoryview, offset: int) -> None:
         """Add bytes that cover no whole block to their blocks; a block whose bytes are all in is written."""
@@ -133,16 +135,12 @@ class DirectFile:
             _pwrite(self.fd, view, offset)
             return
         if self.stage is None:
-            import mmap
-
-            self.stage = memoryview(mmap.mmap(-1, STAGE_BYTES))  # anonymous: page-aligned
+            self.stage = memoryview(mmap.mmap(-1, STAGE_BYTES))
         n = len(view)
         self.stage[:n] = view
         try:
             _pwrite(self.fd, self.stage[:n], offset)
         except OSError as err:
-            import errno
-
             if err.errno != errno.EINVAL:
                 raise
             os.close(self.fd)  # the alignment is refused: the rest through the page cache, same bytes
@@ -188,12 +186,6 @@ class _Shard:
         if self.file is not None:
             self.file.close()
             self.file = None
-
-
-def _pwrite(fd: int, view: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:done + (1 << 30)], offset + done)
 
 
 class ShardWriter:
@@ -267,3 +259,9 @@ class ShardWriter:
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
         (self.folder / INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
         return [*names, INDEX]
+
+
+def _pwrite(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:done + (1 << 30)], offset + done)
