@@ -106,7 +106,8 @@ def build_moe(config: MoEConfig | Mapping[str, Any] | str | os.PathLike[str], ou
         lap("gates")
         tokens, positions = _report_cut(config, inputs, report_positions) if report else (None, None)
         with atomic_folder(target, overwrite=overwrite) as tmp:
-            _write_model(tmp, config, inputs, gates, generator, progress, max_shard_size)
+            # the routing report reads the weights back at once: through the page cache then, else O_DIRECT
+            _write_model(tmp, config, inputs, gates, generator, progress, max_shard_size, direct=not report)
             lap("write")
             model = _check_loads(tmp, inputs)
             routing, pairs, note = (_routing(tmp, model, config, inputs, run_device, progress, tokens, mloss)
@@ -180,8 +181,9 @@ def _warn_degenerate(gates: torch.Tensor) -> list[int]:
 
 # ------------------------------------------------------------------------------------------------------ weights
 def _write_model(folder: Path, config: MoEConfig, inputs: MoEInputs, gates: torch.Tensor,
-                 generator: torch.Generator, progress: bool, max_shard_size: int | str) -> None:
-    """config.json (+ the keys transformers 4.x reads), generation config, weights, tokenizer."""
+                 generator: torch.Generator, progress: bool, max_shard_size: int | str, *, direct: bool) -> None:
+    """config.json (+ the keys transformers 4.x reads), generation config, weights (``direct``: with ``O_DIRECT``
+    where allowed, :class:`~hf_mloss.output.shards.DirectFile`), tokenizer."""
     from tqdm.auto import tqdm
 
     from .architectures import legacy_keys
@@ -196,7 +198,8 @@ def _write_model(folder: Path, config: MoEConfig, inputs: MoEInputs, gates: torc
     _copy_generation_config(inputs, folder)
 
     planned = _planned_tensors(config, inputs, gates, generator)
-    writer = ShardWriter(folder, [(name, shape, dtype) for name, shape, dtype, _ in planned], max_shard_size)
+    writer = ShardWriter(folder, [(name, shape, dtype) for name, shape, dtype, _ in planned], max_shard_size,
+                         direct=direct)
     for name, _, _, produce in tqdm(planned, desc="Writing the MoE", unit="tensor", disable=not progress):
         writer.add(name, produce())  # straight to its place in the file: one tensor in memory at a time
     writer.finish()
