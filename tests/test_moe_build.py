@@ -774,27 +774,52 @@ def _whole_moe_routing(path, report, *, batch_size: int, threads: int | None = N
     return weights, selected, near_ties
 
 
-def test_the_written_folder_is_checked_by_transformers_own_loading_report(built, tmp_path):
-    """The check before the folder is renamed into place is ``from_pretrained``'s own report (on the meta device:
-    nothing is read), so a tensor missing from the shards is named."""
+@pytest.mark.parametrize("check", ["checked_skeleton", "skeleton"])
+def test_the_written_folder_is_checked_by_transformers_own_loading_report(built, tmp_path, check):
+    """The check before the folder is renamed into place is ``from_pretrained``'s own report on the meta device,
+    given the files' headers as meta tensors (``checked_skeleton``: no weight is read, where ``from_pretrained`` of
+    the folder reads every expert to fuse them), and it reports what the folder's own report does: a tensor missing
+    from the shards, a shape changed, a tensor the class does not have."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    from hf_mloss.moe.layered import skeleton
+    from hf_mloss.moe import layered
 
     _, result = built
-    _, info = skeleton(result.path)
+    read = getattr(layered, check)
+    _, info = read(result.path)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
-    for key in ("model.layers.1.block_sparse_moe.gate.weight", "model.layers.1.block_sparse_moe.experts.2.w3.weight"):
-        broken = tmp_path / key
+    if check == "checked_skeleton":  # no weight is read: a file cut after its header checks the same
+        headers = tmp_path / "headers-only"
+        shutil.copytree(result.path, headers)
+        weights = headers / "model.safetensors"
+        with open(weights, "r+b") as handle:
+            handle.truncate(8 + int.from_bytes(handle.read(8), "little"))
+        _, info = read(headers)
+        assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+        with pytest.raises(Exception):  # noqa: B017  (whatever safetensors raises on a cut file)
+            layered.skeleton(headers)
+    edits = {"model.layers.1.block_sparse_moe.gate.weight": None,
+             "model.layers.1.block_sparse_moe.experts.2.w3.weight": None,
+             "model.layers.0.self_attn.q_proj.weight": "narrower", "model.layers.0.extra.weight": "added"}
+    for key, edit in edits.items():
+        broken = tmp_path / f"{check}-{key}"
         shutil.copytree(result.path, broken)
         tensors = load_file(str(broken / "model.safetensors"))
-        del tensors[key]
+        if edit is None:
+            del tensors[key]
+        elif edit == "narrower":
+            tensors[key] = tensors[key][:-1].clone()
+        else:
+            tensors[key] = torch.zeros(2)
         save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
-        if "gate" in key:
-            _, info = skeleton(broken)
+        if "experts" in key or edit == "narrower":  # transformers refuses the conversion or the shape
+            with pytest.raises(RuntimeError, match="conversion" if edit is None else "mismatched"):
+                read(broken)
+            continue
+        _, info = read(broken)
+        if edit is None:
             assert "model.layers.1.mlp.gate.weight" in info["missing_keys"]
-        else:  # an expert missing from a fused set: transformers refuses the conversion
-            with pytest.raises(RuntimeError, match="conversion"):
-                skeleton(broken)
+        else:
+            assert key in info["unexpected_keys"]

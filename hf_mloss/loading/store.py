@@ -384,12 +384,24 @@ def _beyond_config(adapter: ModelAdapter, key: str) -> bool:
     return first != key and adapter.canonical_key(first) is not None
 
 
-def safetensors_offsets(file: Path) -> dict[str, int]:
-    """Absolute byte offset of every tensor's data in a safetensors file (from its JSON header)."""
+def safetensors_header(file: Path) -> tuple[int, dict[str, Any]]:
+    """The size of a safetensors file's JSON header and its tensors' entries (dtype, shape, data offsets)."""
     with open(file, "rb") as handle:
         size = int.from_bytes(handle.read(8), "little")
         header = json.loads(handle.read(size))
-    return {key: 8 + size + info["data_offsets"][0] for key, info in header.items() if key != "__metadata__"}
+    header.pop("__metadata__", None)
+    return size, header
+
+
+def safetensors_offsets(file: Path) -> dict[str, int]:
+    """Absolute byte offset of every tensor's data in a safetensors file (from its JSON header)."""
+    size, header = safetensors_header(file)
+    return {key: 8 + size + info["data_offsets"][0] for key, info in header.items()}
+
+
+def meta_tensor(info: Mapping[str, Any]) -> torch.Tensor:
+    """A ``meta`` tensor of a safetensors header entry's shape and dtype."""
+    return torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]], device="meta")
 
 
 def load_pickle_state(file: Path, model_name: str) -> Mapping[str, torch.Tensor]:

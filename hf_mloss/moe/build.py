@@ -302,11 +302,11 @@ def _copy_generation_config(inputs: MoEInputs, folder: Path) -> None:
 # ------------------------------------------------------------------------------------------------------ reports
 def _check_loads(folder: Path, inputs: MoEInputs) -> Any:
     """Check that the written folder loads with plain ``from_pretrained`` (transformers' own loading report on the
-    ``meta`` device: nothing missing, unexpected or mismatched); returns that skeleton, in float32 (the routing
-    report's dtype, :mod:`hf_mloss.moe.routing`)."""
-    from .layered import skeleton
+    ``meta`` device, from the files' headers: nothing missing, unexpected or mismatched); returns that skeleton, in
+    float32 (the routing report's dtype, :mod:`hf_mloss.moe.routing`)."""
+    from .layered import checked_skeleton
 
-    model, info = skeleton(folder, dtype=torch.float32)
+    model, info = checked_skeleton(folder, dtype=torch.float32)
     problems = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     if problems:  # a bug of this module, never the user's: say what transformers reported
         raise RuntimeError(f"The written {inputs.architecture.pretty} does not load cleanly: {problems}")

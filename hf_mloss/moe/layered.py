@@ -39,6 +39,41 @@ def skeleton(folder: str | Path, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
     return model.eval(), info
 
 
+def checked_skeleton(folder: str | Path, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+    """:func:`skeleton` without reading a weight: ``from_pretrained`` of the folder's config, given as its state dict
+    the folder's tensors on the ``meta`` device, named and shaped as the weight files' headers (through the index of
+    a sharded folder) say. transformers' loading report is then computed on the keys and shapes alone; given the
+    folder itself, it reads every expert of an MoE to fuse them (3 GB for four 0.5B experts), on the meta device too.
+    """
+    import json
+
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from .._logging import quiet_transformers
+    from ..loading.store import meta_tensor, safetensors_header
+    from ..output.shards import INDEX, SINGLE
+
+    folder = Path(folder)
+    index = folder / INDEX
+    where = json.loads(index.read_text(encoding="utf-8"))["weight_map"] if index.is_file() else None
+    files = sorted(set(where.values())) if where is not None else [SINGLE]
+    state = {}
+    for name in files:
+        for key, info in safetensors_header(folder / name)[1].items():
+            if where is None or where.get(key) == name:
+                state[key] = meta_tensor(info)
+    config = AutoConfig.from_pretrained(folder)
+    with quiet_transformers(True):
+        model, info = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(
+            None, config=config, state_dict=state, device_map="meta", output_loading_info=True, use_kernels=False,
+            **kwargs)
+    missing = sorted(set(where) - set(state)) if where is not None else []
+    if missing:  # the index names tensors its shards do not hold
+        info["missing_keys"] = sorted({*info["missing_keys"], *missing})
+    return model.eval(), info
+
+
 @dataclass
 class Batch:
     """One batch in flight: ``hidden``, the input of the next layer to run, and what the decoder's forward passes
