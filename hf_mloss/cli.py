@@ -451,11 +451,14 @@ def _read_config(args: argparse.Namespace) -> Any:
 
 
 def _check_environment() -> None:
-    """The variables a run reads (``HF_MLOSS_THREADS``, the launch variables), checked before any work."""
+    """The variables a run reads (``HF_MLOSS_THREADS``, ``HF_MLOSS_DIRECT_WRITES``, the launch variables), checked
+    before any work."""
     from .distributed import check_launch_environment
+    from .output.shards import direct_writes
     from .parallel import env_threads
 
     env_threads()
+    direct_writes()
     check_launch_environment()
 
 

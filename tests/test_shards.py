@@ -122,3 +122,34 @@ def _flags(fd: int) -> int:
     import fcntl
 
     return fcntl.fcntl(fd, fcntl.F_GETFL)
+
+
+def test_direct_writes_can_be_turned_off_and_a_bad_value_is_named_before_any_work(tmp_path, monkeypatch, capsys,
+                                                                                   tiny_paths):
+    """``HF_MLOSS_DIRECT_WRITES=0`` writes through the page cache (the same bytes); a value other than 0 and 1 is
+    refused by the CLI before any model is read, naming the variable, and nothing is written."""
+    import yaml
+
+    from hf_mloss.cli import main
+    from hf_mloss.errors import InvalidParameterError
+    from hf_mloss.output.shards import DIRECT_ENV, direct_writes
+
+    monkeypatch.setenv(DIRECT_ENV, "0")
+    assert not direct_writes()
+    opened = DirectFile(tmp_path / "plain.bin", 10)
+    assert not opened.direct
+    opened.write(memoryview(b"0123456789"), 0)
+    opened.close()
+    assert (tmp_path / "plain.bin").read_bytes() == b"0123456789"
+    monkeypatch.setenv(DIRECT_ENV, "1")
+    assert direct_writes()
+    monkeypatch.setenv(DIRECT_ENV, "yes")
+    with pytest.raises(InvalidParameterError, match="HF_MLOSS_DIRECT_WRITES='yes' must be 0"):
+        direct_writes()
+    base, models = tiny_paths
+    recipe = tmp_path / "merge.yml"
+    recipe.write_text(yaml.safe_dump({"base": base, "models": models, "method": "task_arithmetic"}))
+    assert main(["merge", str(recipe), str(tmp_path / "out"), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hf-mloss: error:") and "HF_MLOSS_DIRECT_WRITES" in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()

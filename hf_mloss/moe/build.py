@@ -67,9 +67,11 @@ def build_moe(config: MoEConfig | Mapping[str, Any] | str | os.PathLike[str], ou
     """
     from ..distributed import describe_device
     from ..loading.inputs import resolve_device
+    from ..output.shards import direct_writes
     from ..saving import atomic_folder, check_output_dir
     from .writer import parse_size
 
+    direct_writes()  # HF_MLOSS_DIRECT_WRITES, checked before any work
     if not isinstance(out_dir, (str, os.PathLike)):
         raise InvalidParameterError(f"out_dir must be a folder path, got {type(out_dir).__name__}.")
     parse_size(max_shard_size)

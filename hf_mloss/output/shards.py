@@ -57,6 +57,28 @@ def parse_size(size: int | str) -> int:
                                 f"'500MB', got {size!r:.60}.")
 
 
+DIRECT_ENV = "HF_MLOSS_DIRECT_WRITES"
+"""``0`` writes every file through the page cache (a slow disk, where ``O_DIRECT`` waits for each block while the
+page cache would return at once); ``1`` or unset: ``O_DIRECT`` where it is allowed."""
+
+
+def direct_writes() -> bool:
+    """Whether :data:`DIRECT_ENV` allows ``O_DIRECT`` writes (``1`` or unset).
+
+    Raises:
+        InvalidParameterError: a value other than ``0`` and ``1``.
+    """
+    raw = os.environ.get(DIRECT_ENV)
+    if raw is None or not raw.strip():
+        return True
+    if raw.strip() not in ("0", "1"):
+        from ..errors import InvalidParameterError
+
+        raise InvalidParameterError(f"{DIRECT_ENV}={raw[:20]!r} must be 0 (write through the page cache) or 1 "
+                                    "(with O_DIRECT where the file system allows it, the default).")
+    return raw.strip() == "1"
+
+
 BLOCK = 4096
 """The unit of a direct write: offsets, lengths and the staging buffer's address are multiples of it."""
 STAGE_BYTES = 1 << 24
@@ -68,13 +90,14 @@ class DirectFile:
 
     The whole blocks of a piece are copied into one page-aligned staging buffer and written straight to the disk;
     the partial blocks at its edges are assembled in memory and written once complete (every byte is written once,
-    so a block is complete when its bytes are all in). Where ``O_DIRECT`` is missing (not Linux) or refused (tmpfs,
-    some network file systems), the file is written through the page cache instead, with the same bytes.
+    so a block is complete when its bytes are all in). Where ``O_DIRECT`` is missing (not Linux), refused (tmpfs,
+    some network file systems) or turned off (:data:`DIRECT_ENV`), the file is written through the page cache
+    instead, with the same bytes.
     """
 
     def __init__(self, path: Path, size: int, *, direct: bool = True) -> None:
         self.path, self.size = path, size
-        self.direct = direct and hasattr(os, "O_DIRECT")
+        self.direct = direct and hasattr(os, "O_DIRECT") and direct_writes()
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         if self.direct:
             try:

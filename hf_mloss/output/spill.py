@@ -68,6 +68,9 @@ class SpilledWeights:
 
     def __init__(self, skeleton: PreTrainedModel, entries: Sequence[tuple[str, Sequence[int], torch.dtype]], *,
                  max_shard_size: int | str = "5GB") -> None:
+        from .shards import direct_writes
+
+        direct_writes()  # a bad HF_MLOSS_DIRECT_WRITES is named before the walk writes a block
         where = os.environ.get(SPILL_DIR_ENV) or tempfile.gettempdir()
         remove_stale_spills(Path(where))
         self.folder = Path(tempfile.mkdtemp(prefix=f"{SPILL_PREFIX}{os.getpid()}-", dir=where))
