@@ -85,17 +85,30 @@ def test_the_floors_say_which_targets_no_tool_could_meet() -> None:
     x = moe_speed.repeat_floors({"repeat": 0, "runs": runs, "floors": floors})
     assert x["prompt"] == 3 and x["build"] == 11.0 and x["default"] == 13.5  # the faster tool's prompt pass
     lines = "\n".join(moe_speed.floors_section({"repeats": [{"repeat": 0, "runs": runs, "floors": floors}]}))
-    assert "| 1 | 3.0 | 3.0 | 5.0 | 2.5 | 11.0 | 13.5 | 14.0 | 7.0 (below the floor) | 14.0 | 1.727 | 2.222 |" in lines
+    assert "| 1 | 3.0 | 3.0 | 5.0 | - | 2.5 | - | 11.0 | 13.5 | 14.0 | 7.0 (below the floor) | 14.0 | 1.727 | 2.222 |" \
+        in lines  # a record made before the direct write and the report's forward were measured
     assert "3.50 GB" in lines and "400 GFLOP" in lines
     assert moe_speed.repeat_floors({"repeat": 0, "runs": runs, "floors": None}) is None
+    # the faster of the two writes counts, and the default floor adds the report's forward
+    floors |= {"write_direct_s": 1.5, "forward_gemm_s": 2.0, "forward_gemm_flop": 5e11}
+    x = moe_speed.repeat_floors({"repeat": 0, "runs": runs, "floors": floors})
+    assert x["write"] == 1.5 and x["build"] == 7.5 and x["default"] == 12.0
+    lines = "\n".join(moe_speed.floors_section({"repeats": [{"repeat": 0, "runs": runs, "floors": floors}]}))
+    assert "| 1 | 3.0 | 3.0 | 5.0 | 1.5 | 2.5 | 2.0 | 7.5 | 12.0 | 14.0 | 7.0 (below the floor) | 14.0 | 2.533 | 2.500 |" \
+        in lines
+    assert "500 GFLOP" in lines and "`O_DIRECT`" in lines
 
 
 def test_the_floors_job_measures_each_floor(tmp_path) -> None:
     spec = {"out": str(tmp_path / "floors"), "write_bytes": (64 << 20) + 5, "experts": 2, "hidden": 8,
-            "intermediate": 16, "layers": 3, "positions": 4}
+            "intermediate": 16, "layers": 3, "positions": 4, "top_k": 2, "kv_heads": 1, "head_dim": 4}
     out = moe_speed.floors_main(spec)
-    assert out["imports_s"] > 0 and out["write_s"] > 0 and out["pair_gemm_s"] > 0
+    assert out["imports_s"] > 0 and out["write_s"] > 0 and out["pair_gemm_s"] > 0 and out["forward_gemm_s"] > 0
+    assert out["write_direct_s"] is None or out["write_direct_s"] > 0  # None where O_DIRECT is refused
     assert out["write_bytes"] == (64 << 20) + 5 and out["pair_gemm_flop"] == 2 * 3 * 2 * 4 * 8 * 2 * 16
+    # attention projections at every layer (q and o: 8 x 8; k and v: 8 x 4), experts (2 routed + 1 shared) before
+    # the last layer's router
+    assert out["forward_gemm_flop"] == 2 * 4 * 8 * (2 * 8 + 2 * 4) * 3 + 2 * 2 * (2 + 1) * 4 * 3 * 8 * 16
     assert not (tmp_path / "floors" / "floor.bin").exists()  # nothing is left beside the outputs
 
 
