@@ -680,6 +680,37 @@ def test_layer_by_layer_routing_equals_the_whole_moe(llama, qwen_families, famil
     assert torch.equal(one_batch.routing.weights, report.weights)
 
 
+@pytest.mark.filterwarnings("ignore:The router rows")
+def test_the_report_makes_the_weights_again_instead_of_reading_the_folder_back(qwen_families, tmp_path, monkeypatch):
+    """Without ``noise_scale`` the routing pass makes each written tensor again from the sources
+    (:class:`~hf_mloss.loading.store.ProducedStore`): it reads no byte of the folder's weights, and its report (the
+    routing and each pair's M-Loss) is bit for bit that of a pass reading them."""
+    from hf_mloss.loading import store as stores
+
+    monkeypatch.setenv("HF_MLOSS_THREADS", "1")
+    base, models = qwen_families["qwen2"]
+    config = _config(base, models, shared_experts=[{"source_model": models[0], "positive_prompts": ["w30 w31"]}])
+    read_from = []
+    real = stores.CheckpointStore._pread_at
+
+    def reading(self, file, key, skip, rows, name):
+        read_from.append(str(file))
+        return real(self, file, key, skip, rows, name)
+
+    monkeypatch.setattr(stores.CheckpointStore, "_pread_at", reading)
+    (tmp_path / "remade").mkdir()
+    (tmp_path / "read").mkdir()  # each build's temporary folder is made beside its target: in these two folders
+    remade = build_moe(config, tmp_path / "remade" / "moe", progress=False, max_shard_size=40_000)
+    assert read_from and not [f for f in read_from if "/remade/" in f]  # the sources only
+    monkeypatch.setattr(stores, "ProducedStore", lambda ref, adapter, producers: stores.CheckpointStore(ref, adapter))
+    read_from.clear()
+    read = build_moe(config, tmp_path / "read" / "moe", progress=False, max_shard_size=40_000)
+    assert [f for f in read_from if "/read/" in f]  # this pass read the written shards
+    assert torch.equal(remade.routing.weights, read.routing.weights)
+    assert torch.equal(remade.routing.selected, read.routing.selected)
+    assert remade.mloss == read.mloss and remade.mloss
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_each_expert_pairs_mloss_is_the_gap_on_the_moes_expert_inputs(qwen_families, family, tmp_path):
     """Qwen2-MoE (with its shared expert) and Qwen3-MoE: each pair's M-Loss is the gated node gap of the two experts'

@@ -339,6 +339,31 @@ class CheckpointStore(TensorStore):
         return f"CheckpointStore({self.ref.name!r}, tensors={len(self.shapes)})"
 
 
+class ProducedStore(CheckpointStore):
+    """A checkpoint folder's store (its files' index, names and fused tensors) whose bytes come from ``producers``
+    (checkpoint key → a callable that makes the tensor as it was written) instead of its files; keys without one are
+    read. An MoE build routes its prompts through the folder it has just written this way: each tensor made again
+    from the sources, still in the page cache, instead of the folder read back (:func:`hf_mloss.moe.build.build_moe`).
+    The tensor made last is kept for the reads that follow it (an embedding's rows, a tensor's staged pieces); a
+    producer may reuse the memory of the one before."""
+
+    def __init__(self, ref: ModelRef, adapter: ModelAdapter, producers: Mapping[str, Any]) -> None:
+        super().__init__(ref, adapter)
+        self._producers = producers
+        self._last: tuple[str, torch.Tensor] | None = None
+
+    def _pread_at(self, file: Path, key: str, skip: int, rows: torch.Tensor, name: str) -> None:
+        produce = self._producers.get(key)
+        if produce is None:
+            super()._pread_at(file, key, skip, rows, name)
+            return
+        if self._last is None or self._last[0] != key:
+            self._last = None
+            self._last = (key, produce().contiguous())
+        data = self._last[1].reshape(-1).view(torch.uint8)
+        rows.view(torch.uint8).reshape(-1).copy_(data[skip:skip + rows.nbytes])
+
+
 class ModuleStore(TensorStore):
     """The store interface over a model already in memory (a user-passed ``PreTrainedModel``)."""
 

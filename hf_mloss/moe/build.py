@@ -108,11 +108,16 @@ def build_moe(config: MoEConfig | Mapping[str, Any] | str | os.PathLike[str], ou
         lap("gates")
         tokens, positions = _report_cut(config, inputs, report_positions) if report else (None, None)
         with atomic_folder(target, overwrite=overwrite) as tmp:
-            # the routing report reads the weights back at once: through the page cache then, else O_DIRECT
-            _write_model(tmp, config, inputs, gates, generator, progress, max_shard_size, direct=not report)
+            # the report makes each tensor again from its sources (still in the page cache) instead of reading the
+            # folder back, except after noise_scale draws: then it reads the folder, and the weights go through the
+            # page cache; else with O_DIRECT where allowed
+            noise = any(e.noise_scale is not None for e in (*config.experts, *config.shared_experts))
+            producers = _write_model(tmp, config, inputs, gates, generator, progress, max_shard_size,
+                                     direct=not (report and noise))
             lap("write")
             model = _check_loads(tmp, inputs)
-            routing, pairs, note = (_routing(tmp, model, config, inputs, run_device, progress, tokens, mloss)
+            routing, pairs, note = (_routing(tmp, model, config, inputs, run_device, progress, tokens, mloss,
+                                             producers=None if noise else producers)
                                     if report else (None, None, "not asked for (the build alone, without a report)"))
             lap("routing")
             result = MoEResult(path=target, architecture=inputs.architecture.pretty,
@@ -183,9 +188,11 @@ def _warn_degenerate(gates: torch.Tensor) -> list[int]:
 
 # ------------------------------------------------------------------------------------------------------ weights
 def _write_model(folder: Path, config: MoEConfig, inputs: MoEInputs, gates: torch.Tensor,
-                 generator: torch.Generator, progress: bool, max_shard_size: int | str, *, direct: bool) -> None:
+                 generator: torch.Generator, progress: bool, max_shard_size: int | str, *, direct: bool
+                 ) -> dict[str, Any]:
     """config.json (+ the keys transformers 4.x reads), generation config, weights (``direct``: with ``O_DIRECT``
-    where allowed, :class:`~hf_mloss.output.shards.DirectFile`), tokenizer."""
+    where allowed, :class:`~hf_mloss.output.shards.DirectFile`), tokenizer. Returns each written tensor's producer
+    (:func:`_planned_tensors`), by its name in the files."""
     from tqdm.auto import tqdm
 
     from .architectures import legacy_keys
@@ -206,6 +213,7 @@ def _write_model(folder: Path, config: MoEConfig, inputs: MoEInputs, gates: torc
         writer.add(name, produce())  # straight to its place in the file: one tensor in memory at a time
     writer.finish()
     load_tokenizer(inputs.base).save_pretrained(folder)
+    return {name: produce for name, _, _, produce in planned}
 
 
 def _planned_tensors(config: MoEConfig, inputs: MoEInputs, gates: torch.Tensor, generator: torch.Generator
@@ -340,14 +348,14 @@ def _report_cut(config: MoEConfig, inputs: MoEInputs, budget: int | None
 
 
 def _routing(folder: Path, model: Any, config: MoEConfig, inputs: MoEInputs, device: Any, progress: bool,
-             tokens: int | None, mloss: bool
+             tokens: int | None, mloss: bool, *, producers: dict[str, Any] | None = None
              ) -> tuple[RoutingReport | None, dict[tuple[int, int], float] | None, str | None]:
     """Route the experts' prompts (their first ``tokens`` tokens) through the written model, one layer in memory at
     a time, and with ``mloss`` measure each expert pair's M-Loss in the same pass: the report, the pairs' values
     and, where they are not measured, why."""
     from ..adapters import adapter_for
     from ..loading.hub import resolve_model
-    from ..loading.store import CheckpointStore
+    from ..loading.store import CheckpointStore, ProducedStore
     from ..parallel import cpu_workers
     from .gates import prompt_tokenizer
     from .layered import LayeredModel
@@ -356,7 +364,8 @@ def _routing(folder: Path, model: Any, config: MoEConfig, inputs: MoEInputs, dev
     prompts = _report_prompts(config)
     if not prompts:
         return None, None, "the config has no prompts to measure it on (gate_mode random without prompts)"
-    store = CheckpointStore(resolve_model(str(folder)), adapter_for(model.config))
+    ref, adapter = resolve_model(str(folder)), adapter_for(model.config)
+    store = CheckpointStore(ref, adapter) if producers is None else ProducedStore(ref, adapter, producers)
     gaps = ExpertPairGaps(len(config.experts)) if mloss else None
     try:
         tokenizer = prompt_tokenizer(load_tokenizer(inputs.base))
