@@ -698,6 +698,9 @@ def test_the_report_makes_the_weights_again_instead_of_reading_the_folder_back(q
         return real(self, file, key, skip, rows, name)
 
     monkeypatch.setattr(stores.CheckpointStore, "_pread_at", reading)
+    real_key = stores.CheckpointStore._read_key  # whole tensors through safetensors (a fused set without placement)
+    monkeypatch.setattr(stores.CheckpointStore, "_read_key",
+                        lambda self, file, key, name: read_from.append(str(file)) or real_key(self, file, key, name))
     (tmp_path / "remade").mkdir()
     (tmp_path / "read").mkdir()  # each build's temporary folder is made beside its target: in these two folders
     remade = build_moe(config, tmp_path / "remade" / "moe", progress=False, max_shard_size=40_000)
