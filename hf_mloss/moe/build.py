@@ -2,8 +2,9 @@
 builds it, written as a Hub-ready folder (weights, config, tokenizer, model card, recipe, routing report).
 
 Every check runs before anything is computed; the folder is written beside its target and renamed into place, so it
-appears complete or not at all. Before that rename the folder is loaded back with plain ``from_pretrained`` (nothing
-may be missing) and the experts' prompts are routed through it (:mod:`hf_mloss.moe.routing`).
+appears complete or not at all. Before that rename the folder is checked by ``from_pretrained``'s own loading report
+(nothing may be missing) and the experts' prompts are routed through it (:mod:`hf_mloss.moe.routing`), its tensors made
+again from the sources as they were written (:class:`~hf_mloss.loading.store.ProducedStore`) rather than read back.
 """
 
 from __future__ import annotations
