@@ -176,8 +176,8 @@ class DirectFile:
 class _Shard:
     """One file: its tensors' offsets (after the header) and the header, written when the file is opened."""
 
-    def __init__(self, path: Path, entries: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
-        self.path, self.names = path, [name for name, _, _ in entries]
+    def __init__(self, path: Path, entries: list[tuple[str, tuple[int, ...], torch.dtype]], direct: bool) -> None:
+        self.path, self.names, self.direct = path, [name for name, _, _ in entries], direct
         ordered = sorted(entries, key=lambda e: (-_RANK[_CODES[e[2]]], e[0]))
         header: dict[str, object] = {"__metadata__": {"format": "pt"}}
         self.offsets, offset = {}, 0
@@ -192,20 +192,20 @@ class _Shard:
         self.file: DirectFile | None = None
         self.pending = set(self.names)
 
-    def open(self, direct: bool) -> None:
+    def open(self) -> None:
         if self.file is None:
-            self.file = DirectFile(self.path, self.size, direct=direct)
+            self.file = DirectFile(self.path, self.size, direct=self.direct)
             self.file.write(memoryview(self.head), 0)
 
-    def write(self, name: str, tensor: torch.Tensor, direct: bool) -> None:
-        self.open(direct)
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        self.open()
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
         self.file.write(memoryview(data).cast("B"), len(self.head) + self.offsets[name])
         self.pending.discard(name)
 
-    def close(self, direct: bool) -> None:
+    def close(self) -> None:
         if not self.names:
-            self.open(direct)  # no tensor: the header alone, as save_file writes it
+            self.open()  # no tensor: the header alone, as save_file writes it
         if self.file is not None:
             self.file.close()
             self.file = None
@@ -227,7 +227,6 @@ class ShardWriter:
                  max_shard_size: int | str = "5GB", *, direct: bool = True) -> None:
         self.folder = Path(folder)
         self.limit = parse_size(max_shard_size)
-        self.direct = direct
         planned = [(name, tuple(int(n) for n in shape), dtype) for name, shape, dtype in entries]
         if len({name for name, _, _ in planned}) != len(planned):
             raise ValueError("a tensor is planned twice")
@@ -241,7 +240,7 @@ class ShardWriter:
             groups[-1].append(entry)
             size += nbytes
         groups = groups or [[]]  # no tensor at all: one file with an empty header, as save_file writes it
-        self.shards = [_Shard(self.folder / f".shard-{i}.safetensors", group) for i, group in enumerate(groups)]
+        self.shards = [_Shard(self.folder / f".shard-{i}.safetensors", group, direct) for i, group in enumerate(groups)]
         self.plan = planned
         self.position = 0
         self.total_bytes = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in planned)
@@ -257,15 +256,15 @@ class ShardWriter:
         self.position += 1
         for shard in self.shards:
             if name in shard.pending:
-                shard.write(name, tensor, self.direct)
+                shard.write(name, tensor)
                 if not shard.pending:
-                    shard.close(self.direct)
+                    shard.close()
                 return
 
     def finish(self) -> list[str]:
         """Name the files as transformers does (and write the index); returns the file names."""
         for shard in self.shards:
-            shard.close(self.direct)
+            shard.close()
         if self.position != len(self.plan):
             missing = [name for name, _, _ in self.plan[self.position:]]
             raise ValueError(f"{len(missing)} planned tensor(s) never added, e.g. {missing[0]!r}")
